@@ -1,0 +1,68 @@
+"""The ``kvstage`` command line: ``kvstage --version``, ``kvstage info``.
+
+Sub-commands register themselves in :func:`build_parser`; each has a ``run_<name>`` function
+that takes the parsed arguments and returns the process exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import sys
+from typing import Sequence
+
+import kvstage
+
+
+def _version_of(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def collect_info() -> dict[str, object]:
+    """What ``kvstage info`` prints, as a dict (versions, CUDA, copy backend, NVTX)."""
+    import torch
+
+    from kvstage.kernels.backend import describe_backend
+    from kvstage.nvtx_ranges import NVTX_AVAILABLE
+
+    cuda = torch.cuda.is_available()
+    return {
+        "kvstage": kvstage.__version__,
+        "torch": torch.__version__,
+        "triton": _version_of("triton"),
+        "cuda": torch.cuda.get_device_name(0) if cuda else "not available",
+        "copy backend": describe_backend(on_cuda=cuda),
+        "nvtx": "available (domain 'kvstage')" if NVTX_AVAILABLE else "not installed (ranges are no-ops)",
+    }
+
+
+def run_info(args: argparse.Namespace) -> int:
+    """Print :func:`collect_info` as aligned ``key: value`` lines."""
+    info = collect_info()
+    width = max(len(key) for key in info)
+    for key, value in info.items():
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every sub-command."""
+    parser = argparse.ArgumentParser(prog="kvstage", description=kvstage.__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvstage {kvstage.__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    info = commands.add_parser("info", help="versions, CUDA, the copy backend that will run, NVTX")
+    info.set_defaults(handler=run_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvstage`` script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "handler", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return args.handler(args)

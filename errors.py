@@ -1,0 +1,52 @@
+"""The exception types kvstage raises.
+
+Every error kvstage raises derives from :class:`KvstageError`, so an engine can catch all
+of them in one place; each also derives from the built-in exception whose meaning fits
+(``ValueError`` for a bad value, ``TypeError`` for a wrong type, ``RuntimeError`` for a
+failure at run time), so code that already catches those keeps working.
+
+Messages name the argument and the rule it broke, for example
+``slot_indices: dtype must be int32 or int64, got torch.float32``.
+"""
+
+from __future__ import annotations
+
+
+class KvstageError(Exception):
+    """Base class of every exception kvstage raises."""
+
+
+class InvalidArgumentError(KvstageError, ValueError):
+    """An argument has the right type but a value that breaks a rule (shape, range, count)."""
+
+
+class ArgumentTypeError(KvstageError, TypeError):
+    """An argument has the wrong type or dtype (e.g. float token ids, a float index tensor)."""
+
+
+class DeviceMismatchError(InvalidArgumentError):
+    """Tensors that must share a device (or must be pinned host memory) do not."""
+
+
+class BackendUnavailableError(KvstageError, RuntimeError):
+    """The requested copy backend or optional dependency cannot run on this machine."""
+
+
+class StorageError(KvstageError, RuntimeError):
+    """A storage backend could not be set up or failed as a whole (not a per-key miss)."""
+
+
+def require(condition: bool, argument: str, rule: str, error: type[KvstageError] = InvalidArgumentError) -> None:
+    """Raise ``error("<argument>: <rule>")`` when ``condition`` is false.
+
+    Args:
+        condition: the rule holds when true.
+        argument: the name of the argument that is checked, as the caller spells it.
+        rule: what must hold, with the offending value where it helps.
+        error: the exception class to raise (a :class:`KvstageError` subclass).
+
+    Raises:
+        error: when ``condition`` is false.
+    """
+    if not condition:
+        raise error(f"{argument}: {rule}")

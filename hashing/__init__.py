@@ -1,0 +1,1 @@
+"""Namespace-seeded page hash chains (storage keys) for paged KV."""

@@ -1,0 +1,1 @@
+"""The per-request offload manager, host page pool, copy streams and storage backends."""
