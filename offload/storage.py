@@ -1,0 +1,271 @@
+"""The storage interface that offloaded KV pages are backed up to, and its shared parts.
+
+A backend stores whole pages (the page-first bytes of one page across every layer and KV part)
+under string keys. Callers pass the page hash (hex) as the key; the backend prefixes it with the
+:class:`LayoutFingerprint` of the KV layout, so pages of one model, dtype, layout, page size or
+tensor-parallel rank are never read as another's.
+
+Backends: ``MemoryStore`` (default), ``FileStore`` (one file a page), ``MooncakeStore``
+(the Mooncake distributed store, optional). :func:`open_storage` builds one from a URL.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from kvstage.errors import InvalidArgumentError
+
+
+class PutStatus(enum.Enum):
+    """The outcome of storing one page."""
+
+    STORED = "stored"  # written now, readable from now on
+    DEDUPLICATED = "deduplicated"  # the key was already there; nothing written
+    FAILED = "failed"  # not written; the key is not visible
+
+
+@dataclass(frozen=True)
+class LayoutFingerprint:
+    """What must match for a stored page's bytes to be read back as KV of the same layout.
+
+    Attributes:
+        model_id: the model's name or path, e.g. ``"meta-llama/Llama-3.1-8B"``.
+        dtype: the KV dtype's name as torch spells it, e.g. ``"bfloat16"``.
+        num_layers: layers in one page.
+        kv_parts: 2 for MHA (K and V), 1 for MLA (one latent).
+        head_num: KV heads per part (1 for MLA).
+        head_dim: elements per head (kv_dim for MLA, e.g. 576).
+        page_size: tokens per page.
+        tp_rank: this worker's tensor-parallel rank.
+        tp_size: the tensor-parallel world size.
+    """
+
+    model_id: str
+    dtype: str
+    num_layers: int
+    kv_parts: int
+    head_num: int
+    head_dim: int
+    page_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "kv_parts", "head_num", "head_dim", "page_size", "tp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name}: must be a positive int, got {value!r}")
+        if self.kv_parts not in (1, 2):
+            raise InvalidArgumentError(f"kv_parts: must be 1 (MLA) or 2 (MHA), got {self.kv_parts}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidArgumentError(f"tp_rank: must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+        if not self.model_id:
+            raise InvalidArgumentError("model_id: must be a non-empty string")
+        try:
+            getattr(torch, self.dtype).itemsize
+        except AttributeError:
+            raise InvalidArgumentError(f"dtype: not a torch dtype name: {self.dtype!r}") from None
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of :attr:`dtype`."""
+        return getattr(torch, self.dtype).itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: layers x KV parts x page_size x heads x head_dim x itemsize."""
+        return self.num_layers * self.kv_parts * self.page_size * self.head_num * self.head_dim * self.itemsize
+
+    def prefix(self) -> str:
+        """The key prefix, e.g. ``"llama3-8b@bfloat16@L32xKV2xH8xD128@P64@tp0of1@"``.
+
+        Characters outside ``[A-Za-z0-9._-]`` in the model id become ``_`` so the prefix is
+        safe as a file name and as a Mooncake key.
+        """
+        model = "".join(c if c.isalnum() or c in "._-" else "_" for c in self.model_id)
+        return (
+            f"{model}@{self.dtype}@L{self.num_layers}xKV{self.kv_parts}xH{self.head_num}xD{self.head_dim}"
+            f"@P{self.page_size}@tp{self.tp_rank}of{self.tp_size}@"
+        )
+
+
+@dataclass
+class StorageStats:
+    """Counters a backend keeps; seconds are wall-clock time spent inside put/get."""
+
+    pages_stored: int = 0
+    pages_deduplicated: int = 0
+    pages_failed: int = 0
+    bytes_put: int = 0
+    put_seconds: float = 0.0
+    pages_read: int = 0
+    pages_missed: int = 0
+    bytes_got: int = 0
+    get_seconds: float = 0.0
+    pages_evicted: int = 0
+
+    def put_gbps(self) -> float:
+        """Stored bytes per second of put time, in GB/s (1e9 bytes)."""
+        return self.bytes_put / self.put_seconds / 1e9 if self.put_seconds > 0 else 0.0
+
+    def get_gbps(self) -> float:
+        """Read bytes per second of get time, in GB/s (1e9 bytes)."""
+        return self.bytes_got / self.get_seconds / 1e9 if self.get_seconds > 0 else 0.0
+
+
+class StorageBackend(abc.ABC):
+    """A key-value store of whole KV pages.
+
+    Subclasses implement :meth:`_exists`, :meth:`_put` and :meth:`_get` on full keys (prefix
+    included); this class checks arguments, adds the prefix, counts and times.
+
+    Args:
+        fingerprint: the KV layout; its :meth:`LayoutFingerprint.prefix` starts every key and
+            its :attr:`LayoutFingerprint.page_bytes` is the size every page must have.
+    """
+
+    def __init__(self, fingerprint: LayoutFingerprint) -> None:
+        self.fingerprint = fingerprint
+        self.prefix = fingerprint.prefix()
+        self.page_bytes = fingerprint.page_bytes
+        self.stats = StorageStats()
+
+    # -- the public interface -------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each page key (hex page hash, no prefix) is stored, in order."""
+        return self._exists([self.prefix + key for key in _checked_keys(keys)])
+
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[PutStatus]:
+        """Store ``pages[i]`` under ``keys[i]``; a key already stored is left as it is.
+
+        Args:
+            keys: page hashes (hex), no prefix; no key twice in one call.
+            pages: CPU tensors, each contiguous with exactly ``page_bytes`` bytes (any dtype;
+                the bytes are stored). Typically views of host pool pages.
+
+        Returns:
+            One :class:`PutStatus` per key. A ``FAILED`` key is not visible afterwards.
+
+        Raises:
+            InvalidArgumentError: lengths differ, a key repeats, or a page is not a contiguous
+                CPU tensor of ``page_bytes`` bytes. Nothing is written then.
+        """
+        keys = _checked_keys(keys)
+        self._check_pages("pages", keys, pages)
+        if len(set(keys)) != len(keys):
+            raise InvalidArgumentError("keys: a key appears twice in one put")
+        started = time.perf_counter()
+        statuses = self._put([self.prefix + key for key in keys], list(pages))
+        self.stats.put_seconds += time.perf_counter() - started
+        for status in statuses:
+            if status is PutStatus.STORED:
+                self.stats.pages_stored += 1
+                self.stats.bytes_put += self.page_bytes
+            elif status is PutStatus.DEDUPLICATED:
+                self.stats.pages_deduplicated += 1
+            else:
+                self.stats.pages_failed += 1
+        return statuses
+
+    def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
+        """Copy the page stored under ``keys[i]`` into ``into[i]``.
+
+        Args:
+            keys: page hashes (hex), no prefix.
+            into: CPU tensors, each contiguous with exactly ``page_bytes`` bytes.
+
+        Returns:
+            One bool per key: True when the page was found intact and copied; on False,
+            ``into[i]`` holds no bytes of a wrong page (it may be untouched).
+
+        Raises:
+            InvalidArgumentError: lengths differ or a target is not a contiguous CPU tensor
+                of ``page_bytes`` bytes.
+        """
+        keys = _checked_keys(keys)
+        self._check_pages("into", keys, into)
+        started = time.perf_counter()
+        hits = self._get([self.prefix + key for key in keys], list(into))
+        self.stats.get_seconds += time.perf_counter() - started
+        found = sum(hits)
+        self.stats.pages_read += found
+        self.stats.pages_missed += len(hits) - found
+        self.stats.bytes_got += found * self.page_bytes
+        return hits
+
+    def register_host_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Tell a zero-copy backend which host memory pages will come from (default: no-op)."""
+
+    def close(self) -> None:
+        """Release what the backend holds (default: no-op). Idempotent."""
+
+    def __enter__(self) -> "StorageBackend":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- what a backend implements, on full keys --------------------------------------------
+
+    @abc.abstractmethod
+    def _exists(self, full_keys: list[str]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    def _put(self, full_keys: list[str], pages: list[torch.Tensor]) -> list[PutStatus]: ...
+
+    @abc.abstractmethod
+    def _get(self, full_keys: list[str], into: list[torch.Tensor]) -> list[bool]: ...
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _check_pages(self, argument: str, keys: list[str], pages: Sequence[torch.Tensor]) -> None:
+        if len(pages) != len(keys):
+            raise InvalidArgumentError(f"{argument}: {len(pages)} pages for {len(keys)} keys")
+        for index, page in enumerate(pages):
+            if not isinstance(page, torch.Tensor) or page.device.type != "cpu" or not page.is_contiguous():
+                raise InvalidArgumentError(f"{argument}[{index}]: must be a contiguous CPU tensor")
+            size = page.numel() * page.element_size()
+            if size != self.page_bytes:
+                raise InvalidArgumentError(f"{argument}[{index}]: {size} bytes, the layout's page has {self.page_bytes}")
+
+
+def page_as_bytes(page: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor."""
+    return memoryview(page.view(torch.uint8).numpy()).cast("B")
+
+
+def _checked_keys(keys: Sequence[str]) -> list[str]:
+    keys = list(keys)
+    for index, key in enumerate(keys):
+        if not isinstance(key, str) or not key:
+            raise InvalidArgumentError(f"keys[{index}]: must be a non-empty str, got {key!r}")
+    return keys
+
+
+# URL scheme -> factory(rest_of_url, fingerprint) -> StorageBackend; backends register here.
+STORAGE_SCHEMES: dict[str, Callable[[str, LayoutFingerprint], StorageBackend]] = {}
+
+
+def open_storage(url: str, fingerprint: LayoutFingerprint) -> StorageBackend:
+    """Build a storage backend from a URL.
+
+    Forms: ``memory`` or ``memory:CAPACITY_BYTES``; ``file:DIR``; ``mooncake://...`` (when
+    the ``mooncake`` extra is installed).
+
+    Raises:
+        InvalidArgumentError: the URL's scheme is unknown (the message lists the known ones).
+    """
+    scheme, _, rest = url.partition(":")
+    if url.startswith("mooncake://"):
+        scheme, rest = "mooncake", url
+    factory = STORAGE_SCHEMES.get(scheme)
+    if factory is None:
+        raise InvalidArgumentError(f"storage: unknown scheme {scheme!r} in {url!r}; known: {sorted(STORAGE_SCHEMES)}")
+    return factory(rest, fingerprint)
