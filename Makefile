@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml tools/setup-venv.sh
 	touch $@
 
 run: $(VENV)/.installed
-	$(PYTHON) -m kvstage info
+	$(PYTHON) -m kvstage replay
 
 test: $(VENV)/.installed
 	$(PYTHON) -m pytest

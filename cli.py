@@ -1,4 +1,4 @@
-"""The ``kvstage`` command line: ``kvstage --version``, ``kvstage info``.
+"""The ``kvstage`` command line: ``kvstage --version``, ``kvstage info``, ``kvstage replay``.
 
 Sub-commands register themselves in :func:`build_parser`; each has a ``run_<name>`` function
 that takes the parsed arguments and returns the process exit code.
@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     info = commands.add_parser("info", help="versions, CUDA, the copy backend that will run, NVTX")
     info.set_defaults(handler=run_info)
+    from kvstage.replay.command import add_parser as add_replay_parser
+
+    add_replay_parser(commands)
     return parser
 
 

@@ -1,0 +1,16 @@
+"""``kvstage replay``: run a Mooncake-format request trace through the whole toolkit.
+
+Modules, one job each:
+    trace: read and validate JSONL trace lines; the built-in seeded synthetic trace.
+    tokens: token ids of a request (a function of its block ids and index).
+    models: KV layout presets (the small CPU default, ``llama3-8b``, ``deepseek-v3``).
+    kv_content: the deterministic KV bytes of a page, a function of (page key, position).
+    engine: the replay loop (prefill, decode, offload, release).
+    verify: read stored pages back and compare their bytes.
+    report: progress bar, summary table and JSON.
+    command: the ``kvstage replay`` options and their checks.
+"""
+
+from kvstage.replay.trace import TraceRequest, TraceError, load_trace, synthetic_trace
+
+__all__ = ["TraceError", "TraceRequest", "load_trace", "synthetic_trace"]

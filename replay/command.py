@@ -1,0 +1,174 @@
+"""``kvstage replay``: its options, their checks, and the run from options to report.
+
+Exit codes: 0 when the replay verified clean (0 mismatches, 0 lost pages); 1 when it ran but
+verification found mismatched or lost pages, or storage failed at run time; 2 for a bad option
+or a malformed trace line (the message names the option, or the trace line number and field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+from kvstage.errors import BackendUnavailableError, InvalidArgumentError, KvstageError
+from kvstage.replay.models import DEFAULT_MODEL, DTYPES, PRESETS, resolve_model
+from kvstage.replay.trace import TraceError, TraceRequest, load_trace, synthetic_trace
+
+DEFAULT_SYNTHETIC_REQUESTS = 48
+HASH_SCHEMES = ("sglang-v1", "xxh3-128")  # as kvstage.hashing.SCHEMES; listed here so --help needs no import
+BACKENDS = ("auto", "triton", "torch")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``replay`` on the ``kvstage`` sub-command parsers."""
+    p = commands.add_parser(
+        "replay",
+        help="replay a Mooncake-format request trace through kvstage (default: a built-in synthetic trace)",
+        description=(
+            "Replay a Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids of "
+            "512-token blocks) as a prefill-and-decode engine would: prefill stores the prompt's pages, "
+            "decode offloads every stride through the offload manager, and every stored page is read "
+            "back and checked at the end. Without TRACE, a built-in seeded synthetic trace."
+        ),
+    )
+    p.add_argument("trace", nargs="?", metavar="TRACE", help="JSONL trace file (default: built-in synthetic trace)")
+    p.add_argument("--requests", type=int, metavar="N", help="replay the first N requests (synthetic: make N; default 48)")
+    p.add_argument("--page-size", type=int, default=64, metavar="TOKENS", help="tokens per page (default 64)")
+    p.add_argument("--stride", type=int, metavar="TOKENS", help="decode offload stride, a multiple of the page size (default: one page)")
+    p.add_argument("--max-running", type=int, default=32, metavar="N", help="requests decoding at once (default 32)")
+    p.add_argument("--model", choices=tuple(PRESETS), help=f"KV layout preset (default {DEFAULT_MODEL})")
+    p.add_argument("--layers", type=int, help="layers (overrides the preset)")
+    p.add_argument("--heads", type=int, help="KV heads (overrides the preset)")
+    p.add_argument("--head-dim", type=int, help="head_dim, or kv_dim for MLA (overrides the preset)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), help="KV dtype (overrides the preset)")
+    p.add_argument("--storage", default="memory", metavar="URL", help="memory | memory:BYTES | file:DIR | mooncake://... (default memory, sized so nothing is evicted)")
+    p.add_argument("--hash", choices=HASH_SCHEMES, default="sglang-v1", help="page key scheme (default sglang-v1)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help="copy backend of the gathers (default auto)")
+    p.add_argument("--seed", type=int, default=0, help="seeds tokens, KV content, tenants, synthetic trace (default 0)")
+    p.add_argument("--tenants", type=int, default=0, metavar="N", help="give requests one of N cache_salt values (default 0: none)")
+    p.add_argument("--lora-share", type=float, default=0.0, metavar="F", help="fraction of requests with a LoRA extra_key (default 0)")
+    p.add_argument("--verify-sample", type=int, metavar="N", help="verify N random stored pages (default: all)")
+    p.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="device of the KV pool (default: cuda when available)")
+    p.add_argument("--pool-tokens", type=int, metavar="N", help="device KV pool slots (default: sized for the largest running requests)")
+    p.add_argument("--host-pages", type=int, metavar="N", help="host pool pages (default: a prefill chunk + 4 strides per running request)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=run)
+    return p
+
+
+def _positive(option: str, value: int | None, minimum: int = 1) -> None:
+    if value is not None and value < minimum:
+        raise InvalidArgumentError(f"{option}: must be >= {minimum}, got {value}")
+
+
+def config_from_args(args: argparse.Namespace):
+    """Check the options and build the :class:`ReplayConfig`, the requests and the trace's name.
+
+    Raises:
+        InvalidArgumentError: an option breaks a rule (the message starts with the option).
+        TraceError: a malformed trace line (the message names the line number and field).
+    """
+    from kvstage.replay.engine import ReplayConfig
+
+    _positive("--requests", args.requests)
+    _positive("--page-size", args.page_size)
+    _positive("--max-running", args.max_running)
+    _positive("--seed", args.seed, 0)
+    _positive("--tenants", args.tenants, 0)
+    _positive("--verify-sample", args.verify_sample, 0)
+    _positive("--pool-tokens", args.pool_tokens)
+    _positive("--host-pages", args.host_pages)
+    if args.stride is not None and (args.stride < 1 or args.stride % args.page_size):
+        raise InvalidArgumentError(f"--stride: must be a positive multiple of --page-size {args.page_size}, got {args.stride}")
+    if not 0.0 <= args.lora_share <= 1.0:
+        raise InvalidArgumentError(f"--lora-share: must be in [0, 1], got {args.lora_share}")
+    storage = args.storage
+    if not (storage == "memory" or storage.startswith(("memory:", "file:", "mooncake://"))):
+        raise InvalidArgumentError(f"--storage: must be memory, memory:BYTES, file:DIR or mooncake://..., got {storage!r}")
+    if storage.startswith("file:") and not storage[len("file:"):]:
+        raise InvalidArgumentError("--storage: file: needs a folder, e.g. file:/tmp/kvstage-pages")
+    model = resolve_model(args.model, layers=args.layers, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype)
+    if args.trace is None:
+        requests = synthetic_trace(args.requests or DEFAULT_SYNTHETIC_REQUESTS, seed=args.seed)
+        trace_name = "built-in synthetic"
+    else:
+        requests = load_trace(args.trace, args.requests)
+        trace_name = args.trace
+    config = ReplayConfig(
+        model=model, page_size=args.page_size, stride=args.stride, max_running=args.max_running, storage=storage,
+        hash_scheme=args.hash, backend=args.backend, seed=args.seed, tenants=args.tenants, lora_share=args.lora_share,
+        device=args.device, pool_tokens=args.pool_tokens, host_pages=args.host_pages,
+    )
+    return config, requests, trace_name
+
+
+def replay(
+    config,
+    requests: Sequence[TraceRequest],
+    *,
+    trace_name: str = "built-in synthetic",
+    verify_sample: int | None = None,
+    on_progress: Callable[[Any], None] | None = None,
+    started: float | None = None,
+    keep_engine: bool = False,
+):
+    """Run a replay and verify it; returns ``(report, engine)`` (engine closed unless ``keep_engine``).
+
+    The report is :func:`kvstage.replay.report.build_report`'s dict.
+    """
+    from kvstage.replay.engine import ReplayEngine
+    from kvstage.replay.report import build_report
+    from kvstage.replay.verify import verify_pages
+
+    started = time.perf_counter() if started is None else started
+    engine = ReplayEngine(config, requests, on_progress=on_progress)
+    try:
+        engine.run()
+        metrics = engine.manager.metrics
+        result = verify_pages(
+            engine.storage, engine.content, list(engine.expected_keys), sample=verify_sample, seed=config.seed,
+            failed_keys=engine.stats.storage_failure_keys,
+            unexplained_allowance=metrics.pages_dropped + engine.storage.stats.pages_evicted,
+        )
+        report = build_report(engine, result, trace_name=trace_name, elapsed_s=time.perf_counter() - started)
+    finally:
+        if not keep_engine:
+            engine.close()
+    return report, engine
+
+
+def run(args: argparse.Namespace) -> int:
+    """``kvstage replay``: returns the exit code (see the module docstring)."""
+    from kvstage.replay.report import ProgressDisplay, print_summary, write_json
+
+    started = time.perf_counter()
+    try:
+        config, requests, trace_name = config_from_args(args)
+    except (InvalidArgumentError, BackendUnavailableError) as exc:
+        print(f"kvstage replay: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with ProgressDisplay(len(requests), enabled=not args.no_progress) as progress:
+            report, _ = replay(
+                config, requests, trace_name=trace_name, verify_sample=args.verify_sample,
+                on_progress=progress.update, started=started,
+            )
+    except (InvalidArgumentError, BackendUnavailableError) as exc:
+        print(f"kvstage replay: error: {exc}", file=sys.stderr)
+        return 2
+    except KvstageError as exc:
+        print(f"kvstage replay: failed: {exc}", file=sys.stderr)
+        return 1
+    print_summary(report)
+    if args.json:
+        write_json(report, args.json)
+    clean = report["verify_mismatches"] == 0 and report["lost_pages"] == 0
+    if not clean:
+        print(
+            f"kvstage replay: verify found {report['verify_mismatches']} mismatched and {report['lost_pages']} lost pages",
+            file=sys.stderr,
+        )
+    return 0 if clean else 1

@@ -1,0 +1,499 @@
+"""The replay loop: a small prefill-and-decode engine around kvstage's manager, kernels, hashing
+and storage.
+
+What one replay does, per request of the trace (in timestamp order, as fast as it can: arrival
+times order the requests but are not waited for):
+
+1. *Admission*: when fewer than ``max_running`` requests run and the device KV pool has free
+   pages for the whole request (prompt + output), it is admitted.
+2. *Prefill*: the KV of every prompt token is written into the request's device slots (content:
+   :mod:`kvstage.replay.kv_content`, a function of the page key and position). The prompt's
+   whole pages are stored under their prefill keys: keys the storage already has are skipped
+   (``exists``), the rest are gathered D2H by :func:`kvstage.kernels.gather` into host pool
+   pages and ``put``. The first output token is sampled.
+3. *Decode*: each step, every running request writes the KV of its last token and samples the
+   next; ``OffloadManager.offload(req)`` is called for each (it copies every whole stride), then
+   ``poll()`` once. A request that has all its output tokens is handed to
+   ``OffloadManager.finish`` (which offloads its remaining whole pages) and leaves the batch;
+   its device pages are freed when the manager calls ``release``.
+
+Every page key a request will ever have (prompt and decode, full pages only) is computed at
+admission with the same hasher the manager uses, and is what the KV content is made from; the
+verify step (:mod:`kvstage.replay.verify`) reads these keys back, so a key computed differently
+by the manager shows up as a lost page.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from kvstage.errors import InvalidArgumentError
+from kvstage.replay.kv_content import KVContent
+from kvstage.replay.models import ModelShape
+from kvstage.replay.tokens import TokenSource
+from kvstage.replay.trace import TraceRequest
+
+DEFAULT_CPU_POOL_BYTES = 4 << 30  # device KV pool bound when it lives on CPU
+DEFAULT_GPU_POOL_FRACTION = 0.5  # of free GPU memory
+PREFILL_CHUNK_PAGES = 256  # prompt pages gathered and put per storage call
+
+
+@dataclass
+class ReplayConfig:
+    """What to replay and how (the ``kvstage replay`` options, checked by the command line).
+
+    Attributes:
+        model: the KV layout.
+        page_size: tokens per page (device pages, host pages and stored pages).
+        stride: decode offload stride in tokens (a multiple of page_size); None: one page.
+        max_running: requests decoding at once.
+        storage: storage URL: ``memory`` (sized so nothing is evicted), ``memory:BYTES``,
+            ``file:DIR``, ``mooncake://...``.
+        hash_scheme: ``sglang-v1`` or ``xxh3-128``.
+        backend: copy backend of the gathers: ``auto``, ``triton``, ``torch``.
+        seed: seeds tokens, KV content, tenants and the verify sample.
+        tenants: 0: no ``cache_salt``; N >= 1: each request gets one of N salts.
+        lora_share: fraction of requests with an ``extra_key`` (a LoRA adapter name).
+        device: where the device KV pool lives; None: CUDA when available, else CPU.
+        pool_tokens: device KV pool slots; None: enough for the ``max_running`` largest
+            requests, bounded (4 GiB on CPU, half the free memory on CUDA) but never below the
+            largest request.
+        host_pages: host pool pages; None: one prefill chunk plus four strides per running request.
+    """
+
+    model: ModelShape
+    page_size: int = 64
+    stride: int | None = None
+    max_running: int = 32
+    storage: str = "memory"
+    hash_scheme: str = "sglang-v1"
+    backend: str = "auto"
+    seed: int = 0
+    tenants: int = 0
+    lora_share: float = 0.0
+    device: str | None = None
+    pool_tokens: int | None = None
+    host_pages: int | None = None
+
+
+class ReplayRequest:
+    """A trace request as the engine and the offload manager see it (the ``OffloadRequest`` protocol).
+
+    Attributes:
+        rid: ``"r<index>"``.
+        origin_input_ids: prompt token ids (list of int).
+        output_ids: sampled token ids so far; the last has no KV yet.
+        extra_key, cache_salt: the request's namespace (None when unset).
+        trace: the trace line it came from.
+        page_keys: the keys of every full page the request will have KV for (prompt then decode).
+        device_pages: the device pool pages it holds; ``slots``: its slot of each token position.
+    """
+
+    def __init__(self, trace: TraceRequest, prompt: np.ndarray, output: np.ndarray, extra_key: str | None, cache_salt: str | None) -> None:
+        self.trace = trace
+        self.rid = f"r{trace.index}"
+        self.origin_input_ids: list[int] = prompt.tolist()
+        self.output_ids: list[int] = []
+        self.extra_key = extra_key
+        self.cache_salt = cache_salt
+        self._target_output: list[int] = output.tolist()
+        self.page_keys: list[str] = []
+        self.masks: torch.Tensor | None = None  # per page: its KV content mask (kv_content)
+        self.mask_values: list[int] = []
+        self.device_pages: list[int] = []
+        self.slots: torch.Tensor | None = None
+        self.finish_called = False
+        self.released = False
+
+    def finished(self) -> bool:
+        """True once every output token of the trace line is sampled."""
+        return len(self.output_ids) >= len(self._target_output)
+
+    def sample_next(self) -> None:
+        """Append the next output token."""
+        self.output_ids.append(self._target_output[len(self.output_ids)])
+
+    @property
+    def kv_len(self) -> int:
+        """Token positions whose KV is in the device pool (the last sampled token has none)."""
+        return len(self.origin_input_ids) + max(len(self.output_ids) - 1, 0)
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        """Every token that will have KV: the prompt and all but the last output token."""
+        return self.origin_input_ids + self._target_output[:-1]
+
+    @property
+    def namespace(self) -> tuple[str | None, str | None]:
+        """(extra_key, cache_salt)."""
+        return (self.extra_key, self.cache_salt)
+
+
+@dataclass
+class ReplayStats:
+    """Raw counters of one replay (the report derives rates from them)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    prefill_pages_total: int = 0
+    prefill_pages_stored: int = 0
+    prefill_pages_deduplicated: int = 0
+    prefill_pages_failed: int = 0
+    prefill_bytes_d2h: int = 0
+    prefill_d2h_seconds: float = 0.0
+    hashed_tokens: int = 0
+    hash_seconds: float = 0.0
+    decode_steps: int = 0
+    run_seconds: float = 0.0
+    storage_failure_keys: list[str] = field(default_factory=list)
+
+
+class DevicePagePool:
+    """Free-list allocator of the device KV pool's pages (page p holds slots ``[p*ps, (p+1)*ps)``)."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.capacity = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def free_pages(self) -> int:
+        """Pages not held by a request."""
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` pages, or None (nothing changed) when fewer are free."""
+        if n > len(self._free):
+            return None
+        pages = self._free[-n:][::-1] if n else []
+        del self._free[len(self._free) - n :]
+        return pages
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Give pages back."""
+        self._free.extend(reversed(pages))
+
+
+def pick_device(requested: str | None) -> torch.device:
+    """The device KV pool's device: ``requested``, else CUDA when available, else CPU."""
+    if requested is not None:
+        device = torch.device(requested)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidArgumentError("--device: cuda was asked for but CUDA is not available")
+        return device
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class ReplayEngine:
+    """Runs a trace through the offload manager; see the module docstring for the flow.
+
+    Args:
+        config: the replay's settings.
+        requests: the trace (any order; replayed in timestamp order, ties in trace order).
+        on_progress: ``on_progress(engine)`` called about every 0.1 s while running.
+
+    Raises:
+        InvalidArgumentError: the pool is too small for a request, or an option is out of range.
+        BackendUnavailableError: the copy backend cannot run here.
+    """
+
+    def __init__(self, config: ReplayConfig, requests: Sequence[TraceRequest], on_progress: Callable[["ReplayEngine"], None] | None = None) -> None:
+        from kvstage.hashing import PageHasher
+        from kvstage.kernels import KVPool
+        from kvstage.kernels.backend import resolve_backend
+        from kvstage.offload import HostPool, LayoutFingerprint, OffloadManager, open_storage
+
+        self.config = config
+        self.model = model = config.model
+        ps = self.page_size = config.page_size
+        self.stride = config.stride or ps
+        self.device = pick_device(config.device)
+        self.on_cuda = self.device.type == "cuda"
+        self.backend_used = resolve_backend(config.backend, on_cuda=self.on_cuda)
+        self.trace = sorted(requests, key=lambda r: (r.timestamp, r.index))
+        self.on_progress = on_progress
+        self.tokens = TokenSource(config.seed)
+        self.content = KVContent(model, ps, config.seed, self.device)
+        self.stats = ReplayStats()
+
+        # Device KV pool.
+        needs = sorted((_pages(r.input_length + r.output_length, ps) for r in self.trace), reverse=True)
+        if config.pool_tokens is not None:
+            pool_pages = _pages(config.pool_tokens, ps)
+            if pool_pages < needs[0]:
+                raise InvalidArgumentError(
+                    f"--pool-tokens: {config.pool_tokens} tokens cannot hold the largest request "
+                    f"({needs[0] * ps} tokens with page size {ps})"
+                )
+        else:
+            if self.on_cuda:
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * DEFAULT_GPU_POOL_FRACTION)
+            else:
+                budget = DEFAULT_CPU_POOL_BYTES
+            pool_pages = max(needs[0], min(sum(needs[: config.max_running]), budget // model.page_bytes(ps)))
+        self.device_pages = DevicePagePool(pool_pages)
+        num_slots = pool_pages * ps
+        shape = (num_slots, model.head_num, model.head_dim)
+        if model.kv_parts == 2:
+            k = [torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)]
+            v = [torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)]
+            self.kv_pool = KVPool.mha(k, v)
+        else:
+            self.kv_pool = KVPool.mla([torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)])
+        word, width = self.content.word, self.content.words_per_row
+        # Word views of each layer and part: the engine writes KV as machine words.
+        self._words = [
+            [self.kv_pool.layer(part, layer).view(num_slots, -1).view(word).view(num_slots, width) for layer in range(model.num_layers)]
+            for part in range(model.kv_parts)
+        ]
+
+        # Host pool, storage, hasher, manager.
+        stride_pages = self.stride // ps
+        host_pages = config.host_pages or (PREFILL_CHUNK_PAGES + 4 * config.max_running * stride_pages)
+        self.host_pool = HostPool.like(self.kv_pool, num_pages=host_pages, page_size=ps)
+        self.prefill_chunk = max(1, min(PREFILL_CHUNK_PAGES, host_pages // 2))
+        self.fingerprint = LayoutFingerprint(
+            model_id=model.name, dtype=model.dtype_name, num_layers=model.num_layers, kv_parts=model.kv_parts,
+            head_num=model.head_num, head_dim=model.head_dim, page_size=ps,
+        )
+        self.expected_pages_bound = sum(
+            (r.input_length + r.output_length - 1) // ps for r in self.trace
+        )  # every full page any request will have: a store this large never evicts
+        self.storage_url = self._storage_url(config.storage)
+        self.storage = open_storage(self.storage_url, self.fingerprint)
+        self.hasher = PageHasher(config.hash_scheme, ps)
+        self.manager = OffloadManager(
+            self.kv_pool, self.host_pool, self.storage, self.hasher, lambda req: req.slots,
+            offload_stride=self.stride, release=self._release, on_storage_failure=self._storage_failed,
+            backend=config.backend,
+        )
+        self._gather = None
+
+        # Namespaces.
+        rng = np.random.default_rng([config.seed, 0x7E4A])
+        self._namespaces = []
+        for _ in self.trace:
+            salt = f"tenant-{int(rng.integers(config.tenants))}" if config.tenants > 0 else None
+            extra = "lora-adapter-0" if rng.random() < config.lora_share else None
+            self._namespaces.append((extra, salt))
+
+        # What verify reads back: every full page key, with the namespaces that produced it.
+        self.expected_keys: dict[str, set[tuple[str | None, str | None]]] = {}
+        self.requests_done = 0
+        self.started = 0.0
+
+    # -- setup helpers ------------------------------------------------------------------------
+
+    def _storage_url(self, url: str) -> str:
+        if url != "memory":
+            return url
+        need = self.expected_pages_bound * self.model.page_bytes(self.page_size)
+        return f"memory:{max(need, self.model.page_bytes(self.page_size))}"
+
+    def _release(self, req: ReplayRequest) -> None:
+        self.device_pages.free(req.device_pages)
+        req.device_pages = []
+        req.slots = None
+        req.released = True
+
+    def _storage_failed(self, req: ReplayRequest, keys: list[str], error: BaseException | None) -> None:
+        self.stats.storage_failure_keys.extend(keys)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> ReplayStats:
+        """Replay every request; returns the counters (the manager's are in ``self.manager.metrics``)."""
+        self.started = time.perf_counter()
+        pending = deque(enumerate(self.trace))
+        running: list[ReplayRequest] = []
+        finishing: list[ReplayRequest] = []  # finished, waiting for host pages to offload their tail
+        last_progress = 0.0
+        while pending or running or finishing or self.manager.metrics.requests_live:
+            admitted = self._admit(pending, running)
+            if running:
+                self._decode_step(running)
+                for req in running:
+                    if not req.finished():
+                        self.manager.offload(req)
+                done = [req for req in running if req.finished()]
+                if done:
+                    running = [req for req in running if not req.finished()]
+                    finishing.extend(done)
+            self.manager.poll()
+            finishing = [req for req in finishing if not self._try_finish(req)]
+            if not running and not admitted:
+                # Nothing to compute: wait for copies in flight (they free host and device pages).
+                self.manager.drain()
+                if finishing and not pending and self.manager.metrics.copies_in_flight == 0:
+                    for req in finishing:  # the host pool is idle and still too small: finish anyway
+                        self._try_finish(req, force=True)
+                    finishing = []
+            if self.on_progress is not None and time.perf_counter() - last_progress > 0.1:
+                last_progress = time.perf_counter()
+                self.on_progress(self)
+        self.manager.drain()
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)
+        self.stats.run_seconds = time.perf_counter() - self.started
+        if self.on_progress is not None:
+            self.on_progress(self)
+        return self.stats
+
+    def _admit(self, pending: deque, running: list[ReplayRequest]) -> int:
+        admitted = 0
+        while pending and len(running) < self.config.max_running:
+            order, trace = pending[0]
+            need = _pages(trace.input_length + trace.output_length, self.page_size)
+            pages = self.device_pages.alloc(need)
+            if pages is None:
+                break  # head-of-line: wait for released pages
+            pending.popleft()
+            req = self._make_request(order, trace)
+            req.device_pages = pages
+            page_ids = torch.tensor(pages, dtype=torch.int64)
+            req.slots = (page_ids.view(-1, 1) * self.page_size + torch.arange(self.page_size)).view(-1).to(self.device)
+            self._prefill(req)
+            running.append(req)
+            admitted += 1
+        return admitted
+
+    def _make_request(self, order: int, trace: TraceRequest) -> ReplayRequest:
+        extra, salt = self._namespaces[order]
+        req = ReplayRequest(trace, self.tokens.prompt(trace), self.tokens.output(trace), extra, salt)
+        ps = self.page_size
+        tokens = req.kv_tokens
+        full = len(tokens) // ps * ps
+        started = time.perf_counter()
+        keys = self.hasher.prefill_keys(tokens[:full], extra_key=extra, cache_salt=salt) if full else []
+        self.stats.hash_seconds += time.perf_counter() - started
+        self.stats.hashed_tokens += full
+        req.page_keys = list(keys)
+        namespace = req.namespace
+        for key in keys:
+            self.expected_keys.setdefault(key, set()).add(namespace)
+        # The partial last page has no key; its content only needs to be deterministic.
+        mask_keys = req.page_keys + [f"partial:{req.rid}"] * (_pages(len(tokens) + 1, ps) - len(keys))
+        req.mask_values = [self.content.mask(key) for key in mask_keys]
+        req.masks = torch.tensor(req.mask_values, dtype=self.content.word).to(self.device)
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(req.origin_input_ids)
+        self.stats.output_tokens += len(req._target_output)
+        return req
+
+    def _write_kv(self, slots: torch.Tensor, masks: torch.Tensor, offsets: torch.Tensor | None) -> None:
+        """Write KV words: whole pages (``offsets`` None: masks per page, slots per token) or single tokens."""
+        for part, layers in enumerate(self._words):
+            for layer, words in enumerate(layers):
+                if offsets is None:
+                    rows = self.content.page_words_for_layer(masks, layer, part)[: slots.shape[0]]
+                else:
+                    rows = self.content.token_rows(masks, offsets, layer, part)
+                words.index_copy_(0, slots, rows)
+
+    def _prefill(self, req: ReplayRequest) -> None:
+        """Write the prompt's KV, store its whole pages under their prefill keys, sample token 0."""
+        from kvstage.kernels import gather
+
+        ps = self.page_size
+        n_prompt = len(req.origin_input_ids)
+        n_pages = _pages(n_prompt, ps)
+        self._write_kv(req.slots[:n_prompt], req.masks[:n_pages], None)
+        full = n_prompt // ps
+        keys = req.page_keys[:full]
+        self.stats.prefill_pages_total += full
+        if keys:
+            present = self.storage.exists(keys)
+            todo = [i for i, hit in enumerate(present) if not hit]
+            self.stats.prefill_pages_deduplicated += full - len(todo)
+            for start in range(0, len(todo), self.prefill_chunk):
+                chunk = todo[start : start + self.prefill_chunk]
+                host_ids = self._alloc_host(len(chunk))
+                try:
+                    began = time.perf_counter()
+                    page_index = torch.tensor(chunk, dtype=torch.int64, device=self.device)
+                    for chunk_no, positions, local_ids in self.host_pool.locate(host_ids):
+                        pages = page_index[positions] if len(positions) != len(chunk) else page_index
+                        slots = (pages.view(-1, 1) * ps + torch.arange(ps, device=self.device)).view(-1)
+                        gather(
+                            self.kv_pool, self.host_pool.chunks[chunk_no], req.slots[slots],
+                            torch.tensor(local_ids, dtype=torch.int64, device=self.device),
+                            page_size=ps, layout="page_first", backend=self.config.backend,
+                        )
+                    if self.on_cuda:
+                        torch.cuda.current_stream(self.device).synchronize()
+                    self.stats.prefill_d2h_seconds += time.perf_counter() - began
+                    self.stats.prefill_bytes_d2h += len(chunk) * self.host_pool.page_bytes
+                    statuses = self.storage.put([keys[i] for i in chunk], [self.host_pool.page(h) for h in host_ids])
+                finally:
+                    self.host_pool.free(host_ids)
+                for index, status in zip(chunk, statuses):
+                    if status.value == "stored":
+                        self.stats.prefill_pages_stored += 1
+                    elif status.value == "deduplicated":
+                        self.stats.prefill_pages_deduplicated += 1
+                    else:
+                        self.stats.prefill_pages_failed += 1
+                        self.stats.storage_failure_keys.append(keys[index])
+        req.sample_next()
+
+    def _alloc_host(self, n: int) -> list[int]:
+        """``n`` host pages, waiting for the manager's copies in flight when the pool is full."""
+        ids = self.host_pool.alloc(n)
+        while ids is None:
+            if self.manager.metrics.copies_in_flight == 0:
+                raise InvalidArgumentError(
+                    f"--host-pages: the host pool ({self.host_pool.capacity} pages) cannot hold a prefill chunk of {n} pages"
+                )
+            self.manager.drain()
+            ids = self.host_pool.alloc(n)
+        return ids
+
+    def _decode_step(self, running: list[ReplayRequest]) -> None:
+        """One token for every running request: write the KV of its last token, sample the next."""
+        ps = self.page_size
+        active = [req for req in running if not req.finished()]
+        if not active:
+            return
+        positions = [req.kv_len for req in active]  # the last sampled token's position
+        # Index lists are built on the host from Python ints: one small H2D copy each, not one per request.
+        slots = torch.tensor(
+            [req.device_pages[p // ps] * ps + p % ps for req, p in zip(active, positions)], dtype=torch.int64
+        ).to(self.device)
+        masks = torch.tensor([req.mask_values[p // ps] for req, p in zip(active, positions)], dtype=self.content.word)
+        masks = masks.to(self.device)
+        offsets = torch.tensor([p % ps for p in positions], dtype=torch.int64).to(self.device)
+        self._write_kv(slots, masks, offsets)
+        for req in active:
+            req.sample_next()
+        self.stats.decode_steps += 1
+
+    def _try_finish(self, req: ReplayRequest, force: bool = False) -> bool:
+        """Hand a finished request to ``manager.finish`` once the host pool can take its tail."""
+        offloaded = self.manager.offloaded_len(req)
+        if offloaded is None:
+            offloaded = len(req.origin_input_ids) // self.page_size * self.page_size
+        remaining = req.kv_len // self.page_size - offloaded // self.page_size
+        if not force and remaining > self.host_pool.free_pages and remaining <= self.host_pool.capacity:
+            return False
+        self.manager.finish(req)
+        req.finish_called = True
+        self.requests_done += 1
+        return True
+
+    def close(self) -> None:
+        """Stop the copy stream and close the storage."""
+        stream = getattr(self.manager, "copy_stream", None)
+        if stream is not None and hasattr(stream, "close"):
+            stream.close()
+        self.storage.close()

@@ -1,0 +1,107 @@
+"""The KV bytes the replay writes: a deterministic function of (page key, position in page).
+
+No model runs, so the replay makes up KV content, under one rule: the bytes of token ``t`` of a
+page (every layer and part) depend only on the page's key and ``t``. Any page read back from
+storage can then be checked against what it must hold, and two pages under one key (a prefix
+shared by two requests) hold the same bytes, as real KV would.
+
+Scheme (cheap: one XOR per machine word): a seeded random *base page* of words
+``[num_layers, kv_parts, page_size, W]`` (W words a token row of one layer and part) gives the
+position dependence, and a 64-bit *mask* derived from the key (``xxh3_64(key)`` with the seed)
+gives the key dependence::
+
+    content(key)[l, k, t, w] = base[l, k, t, w] XOR mask(key)   (mask truncated to the word)
+
+A page under a different key differs in every word; a token at a wrong position differs from
+the base of its position. The word is the widest of int64/int32/int16/uint8 that divides a
+token row's bytes, so the KV dtype itself is never interpreted (bf16 NaN patterns are fine: the
+copies move bytes).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from kvstage.replay.models import ModelShape
+
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def word_dtype(row_bytes: int) -> torch.dtype:
+    """The widest integer dtype whose size divides ``row_bytes``."""
+    for size, dtype in _WORDS:
+        if row_bytes % size == 0:
+            return dtype
+    raise AssertionError("unreachable: 1 divides every size")
+
+
+class KVContent:
+    """Makes the expected KV words of pages and tokens.
+
+    Args:
+        model: the KV layout.
+        page_size: tokens per page.
+        seed: seeds the base page (a ``torch.Generator`` on CPU) and the key masks.
+        device: where :meth:`page_words_for_layer` and :meth:`token_rows` build tensors
+            (the KV pool's device).
+
+    Attributes:
+        word: the integer dtype words are made of; ``words_per_row`` of them a token row
+            (one layer and part: ``head_num * head_dim`` elements).
+    """
+
+    def __init__(self, model: ModelShape, page_size: int, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.model = model
+        self.page_size = page_size
+        self.seed = int(seed)
+        row_bytes = model.head_num * model.head_dim * model.dtype.itemsize
+        self.word = word_dtype(row_bytes)
+        self.word_bytes = torch.empty((), dtype=self.word).element_size()
+        self.words_per_row = row_bytes // self.word_bytes
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 17)
+        shape = (model.num_layers, model.kv_parts, page_size, self.words_per_row)
+        raw = torch.randint(0, 256, (int(np.prod(shape)) * self.word_bytes,), dtype=torch.uint8, generator=generator)
+        self.base_cpu = raw.view(self.word).view(shape)
+        self.device = torch.device(device)
+        self.base = self.base_cpu.to(self.device)
+        self.page_bytes = model.page_bytes(page_size)
+
+    # -- masks ------------------------------------------------------------------------------
+
+    def mask(self, key: str) -> int:
+        """The key's mask as a signed 64-bit int (truncated to the word when applied)."""
+        value = xxhash.xxh3_64_intdigest(key.encode(), seed=self.seed)
+        value = value - (1 << 64) if value >= 1 << 63 else value
+        if self.word_bytes < 8:  # keep it in the word's range so the XOR is exact
+            bits = 8 * self.word_bytes
+            value &= (1 << bits) - 1
+            if self.word is not torch.uint8 and value >= 1 << (bits - 1):
+                value -= 1 << bits
+        return value
+
+    def masks(self, keys: Sequence[str], device: torch.device | str | None = None) -> torch.Tensor:
+        """Masks of ``keys`` as a 1-D tensor of the word dtype on ``device`` (default: :attr:`device`)."""
+        values = [self.mask(key) for key in keys]
+        return torch.tensor(values, dtype=self.word).to(self.device if device is None else device)
+
+    # -- content ----------------------------------------------------------------------------
+
+    def page_words_for_layer(self, masks: torch.Tensor, layer: int, part: int) -> torch.Tensor:
+        """Words of one layer and part of pages with these masks: ``[P * page_size, W]``."""
+        base = self.base[layer, part]  # [page_size, W]
+        return (base.unsqueeze(0) ^ masks.view(-1, 1, 1)).reshape(-1, self.words_per_row)
+
+    def token_rows(self, masks: torch.Tensor, offsets: torch.Tensor, layer: int, part: int) -> torch.Tensor:
+        """Words of single tokens: token i at position ``offsets[i]`` of a page with ``masks[i]``: ``[R, W]``."""
+        return self.base[layer, part].index_select(0, offsets) ^ masks.view(-1, 1)
+
+    def expected_pages(self, keys: Sequence[str]) -> torch.Tensor:
+        """The bytes every page under ``keys`` must hold, page-first (the host page layout
+        ``[num_layers, kv_parts, page_size, head_num, head_dim]``): uint8 ``[P, page_bytes]`` on CPU."""
+        masks = self.masks(keys, device="cpu")
+        words = self.base_cpu.unsqueeze(0) ^ masks.view(-1, 1, 1, 1, 1)
+        return words.reshape(len(keys), -1).view(torch.uint8)

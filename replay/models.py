@@ -1,0 +1,110 @@
+"""KV layouts to replay with: presets and explicit shapes.
+
+Only the KV cache's shape matters to kvstage (no weights are run), so a "model" here is its
+KV layout: layers, KV parts (2 for MHA/GQA: K and V; 1 for MLA: one latent), KV heads,
+head_dim and dtype. Per-token KV bytes = layers x parts x heads x head_dim x itemsize.
+
+Presets (shapes from the models' published configs):
+
+    small        2 layers, MHA, 2 KV heads, head_dim 64, float16   (1 KiB a token; the CPU default)
+    llama3-8b    32 layers, GQA, 8 KV heads, head_dim 128, bfloat16 (128 KiB a token)
+    deepseek-v3  61 layers, MLA, kv_dim 576 (512 latent + 64 rope), bfloat16 (70272 B a token)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstage.errors import InvalidArgumentError
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The KV layout of a model.
+
+    Attributes:
+        name: preset name or ``"custom"``.
+        num_layers: transformer layers.
+        kv_parts: 2 (MHA: K and V) or 1 (MLA: one latent).
+        head_num: KV heads per part (1 for MLA).
+        head_dim: elements per head (kv_dim for MLA).
+        dtype: KV dtype.
+    """
+
+    name: str
+    num_layers: int
+    kv_parts: int
+    head_num: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype as torch spells it, e.g. ``"bfloat16"``."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def token_bytes(self) -> int:
+        """KV bytes of one token over every layer and part."""
+        return self.num_layers * self.kv_parts * self.head_num * self.head_dim * self.dtype.itemsize
+
+    def page_bytes(self, page_size: int) -> int:
+        """KV bytes of one page of ``page_size`` tokens."""
+        return self.token_bytes * page_size
+
+    def describe(self) -> str:
+        """One line, e.g. ``llama3-8b (32 layers, MHA 8x128, bfloat16, 128.0 KiB/token)``."""
+        kind = f"MLA kv_dim {self.head_dim}" if self.kv_parts == 1 else f"MHA {self.head_num}x{self.head_dim}"
+        return f"{self.name} ({self.num_layers} layers, {kind}, {self.dtype_name}, {self.token_bytes / 1024:.1f} KiB/token)"
+
+
+PRESETS = {
+    "small": ModelShape("small", 2, 2, 2, 64, torch.float16),
+    "llama3-8b": ModelShape("llama3-8b", 32, 2, 8, 128, torch.bfloat16),
+    "deepseek-v3": ModelShape("deepseek-v3", 61, 1, 1, 576, torch.bfloat16),
+}
+DEFAULT_MODEL = "small"
+
+
+def resolve_model(
+    preset: str | None = None,
+    *,
+    layers: int | None = None,
+    heads: int | None = None,
+    head_dim: int | None = None,
+    dtype: str | None = None,
+    mla: bool = False,
+) -> ModelShape:
+    """A :class:`ModelShape` from a preset, with any explicit field overriding it.
+
+    Without a preset, the explicit fields override the ``small`` preset and the name is
+    ``"custom"``. ``mla=True`` makes one KV part and one head (``head_dim`` is kv_dim).
+
+    Raises:
+        InvalidArgumentError: unknown preset or dtype (the message names ``--model`` or
+            ``--dtype``), or a size that is not a positive int (names ``--layers`` etc.).
+    """
+    if preset is not None and preset not in PRESETS:
+        raise InvalidArgumentError(f"--model: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    base = PRESETS[preset or DEFAULT_MODEL]
+    for option, value in (("--layers", layers), ("--heads", heads), ("--head-dim", head_dim)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise InvalidArgumentError(f"{option}: must be a positive int, got {value!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise InvalidArgumentError(f"--dtype: unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    overridden = any(v is not None for v in (layers, heads, head_dim, dtype)) or mla
+    kv_parts = 1 if mla else base.kv_parts
+    if mla and heads not in (None, 1):
+        raise InvalidArgumentError(f"--heads: MLA has one latent head, got {heads}")
+    return ModelShape(
+        name=base.name if not overridden else (f"{preset}+custom" if preset else "custom"),
+        num_layers=layers or base.num_layers,
+        kv_parts=kv_parts,
+        head_num=1 if kv_parts == 1 else (heads or base.head_num),
+        head_dim=head_dim or base.head_dim,
+        dtype=DTYPES[dtype] if dtype else base.dtype,
+    )
