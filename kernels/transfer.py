@@ -1,0 +1,197 @@
+"""The public gather (D2H) and scatter (H2D): validate, pick the backend and mode, launch.
+
+``backend``: ``"auto"`` (native Triton on CUDA, the Triton interpreter on CPU under
+``TRITON_INTERPRET=1``, else the torch reference), ``"triton"`` or ``"torch"``; see
+:mod:`kvstage.kernels.backend`.
+
+``mode``:
+
+* ``"kernel"``: the Triton kernel reads the pool and writes pinned host memory directly
+  (zero-copy over PCIe), one launch for every layer.
+* ``"staged"``: the kernel gathers into a compact device buffer, then one
+  ``cudaMemcpyAsync`` per run of consecutive host pages moves it on the copy engine (scatter:
+  the reverse). Costs a device buffer of the batch's bytes; leaves the SMs to the forward
+  pass during the PCIe part. On CPU it runs the same two steps (the buffer is a CPU tensor),
+  which only serves to test it.
+
+Every call runs on the current stream (wrap it in :mod:`kvstage.kernels.streams` to run
+it on a side stream after the producer's event).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from kvstage.errors import require
+from kvstage.kernels.backend import resolve_backend
+from kvstage.kernels.layout import Transfer, check_transfer, staging_shape
+from kvstage.kernels.pool import KVPool
+from kvstage.kernels.reference import run_gather_torch, run_scatter_torch
+from kvstage.nvtx_ranges import nvtx_range
+
+__all__ = ["MODES", "gather", "scatter"]
+
+MODES = ("kernel", "staged")
+
+
+def _check_mode(mode: object) -> None:
+    require(mode in MODES, "mode", f"must be one of {MODES}, got {mode!r}")
+
+
+def _execute(plan: Transfer, *, gather: bool, backend: str, max_programs: int | None) -> None:
+    """Run one validated copy on ``backend`` (``"triton"`` or ``"torch"``)."""
+    if backend == "torch":
+        (run_gather_torch if gather else run_scatter_torch)(plan)
+    else:
+        from kvstage.kernels import triton_copy  # imported late: importing triton is slow and optional
+
+        triton_copy.launch(plan, gather=gather, max_programs=max_programs)
+
+
+def _page_runs(page_ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(first batch page, first host page, length)`` of each run of consecutive host page ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, host in enumerate(page_ids):
+        if runs and runs[-1][1] + runs[-1][2] == host:
+            first, start, length = runs[-1]
+            runs[-1] = (first, start, length + 1)
+        else:
+            runs.append((i, host, 1))
+    return runs
+
+
+def _copy_runs(plan: Transfer, compact: torch.Tensor, *, to_staging: bool) -> None:
+    """Move whole pages between ``compact`` (batch page ``i`` at page ``i``) and ``plan.staging``.
+
+    One ``copy_`` per run of consecutive host pages (page_first; per (part, layer) and run for
+    layer_first, whose pages are not contiguous across layers), ``non_blocking`` so that a
+    pinned-host <-> device copy is one ``cudaMemcpyAsync`` on the current stream.
+    """
+    ps = plan.page_size
+    for first, start, length in _page_runs(plan.pages.tolist()):
+        if plan.layout == "page_first":
+            pairs = [(plan.staging[start : start + length], compact[first : first + length])]
+        else:
+            pool = plan.pool
+            pairs = [
+                (plan.staging[p, layer, start * ps : (start + length) * ps], compact[p, layer, first * ps : (first + length) * ps])
+                for p in range(pool.kv_parts)
+                for layer in plan.layers
+            ]
+        for host, device in pairs:
+            if to_staging:
+                host.copy_(device, non_blocking=True)
+            else:
+                device.copy_(host, non_blocking=True)
+
+
+def _staged(plan: Transfer, *, gather: bool, backend: str, max_programs: int | None) -> None:
+    """``mode="staged"``: kernel <-> compact buffer on the pool's device, ``copy_`` <-> staging.
+
+    Reads ``host_page_ids`` on the host to find runs (a device sync if they live on the GPU).
+    """
+    pool = plan.pool
+    compact = torch.empty(staging_shape(pool, plan.n_pages, plan.page_size, plan.layout), dtype=pool.dtype, device=pool.device)
+    ordinal = torch.arange(plan.n_pages, dtype=torch.int64, device=pool.device)
+    host_pages = plan.pages_on_host if plan.pages_on_host is not None else plan.pages.cpu()
+    inner = replace(plan, staging=compact, pages=ordinal, num_host_pages=plan.n_pages)
+    outer = replace(plan, pages=host_pages)
+    if gather:
+        _execute(inner, gather=True, backend=backend, max_programs=max_programs)
+        _copy_runs(outer, compact, to_staging=True)
+    else:
+        _copy_runs(outer, compact, to_staging=False)
+        _execute(inner, gather=False, backend=backend, max_programs=max_programs)
+
+
+def _run(plan: Transfer, *, gather: bool, backend: str, mode: str, max_programs: int | None) -> None:
+    if mode == "staged":
+        _staged(plan, gather=gather, backend=backend, max_programs=max_programs)
+    else:
+        _execute(plan, gather=gather, backend=backend, max_programs=max_programs)
+
+
+def gather(
+    pool: KVPool,
+    staging: torch.Tensor,
+    slot_indices: torch.Tensor,
+    host_page_ids: torch.Tensor,
+    *,
+    page_size: int,
+    layout: str = "page_first",
+    backend: str = "auto",
+    mode: str = "kernel",
+    check_bounds: bool | None = None,
+    max_programs: int | None = None,
+) -> None:
+    """Device to host: copy ``n_pages`` pages of every layer from ``pool`` into ``staging``, one launch.
+
+    Token ``j`` of page ``i`` (device slot ``slot_indices[i * page_size + j]``) of every
+    (part, layer) lands at host page ``host_page_ids[i]``, token ``j``.
+
+    Args:
+        pool: the device pool (:class:`KVPool`).
+        staging: contiguous ``staging_shape(pool, num_host_pages, page_size, layout)`` of
+            ``pool.dtype``: pinned host memory for a CUDA pool, or a tensor on the pool's device.
+        slot_indices: int32/int64 ``[n_pages * page_size]`` device slots (a ``req_to_token``
+            slice; the slots of a page need not be contiguous).
+        host_page_ids: int32/int64 ``[n_pages]`` distinct host pages.
+        page_size: tokens per page.
+        layout: ``"page_first"`` or ``"layer_first"``.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        mode: ``"kernel"`` or ``"staged"`` (see the module doc).
+        check_bounds: check slots (and device-resident host page ids) against their ranges;
+            default on for CPU pools, off for CUDA pools (it costs a device sync).
+        max_programs: cap on the Triton grid (programs loop over the work); ``None`` = the
+            launch heuristic's default, small so the forward pass keeps its SMs.
+
+    An empty batch (no pages) is validated and launches nothing.
+
+    Raises:
+        ArgumentTypeError, DeviceMismatchError, InvalidArgumentError: from validation,
+            before anything is written (see :func:`kvstage.kernels.layout.check_transfer`).
+        BackendUnavailableError: ``backend="triton"`` where Triton cannot run.
+    """
+    plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, check_bounds=check_bounds)
+    _check_mode(mode)
+    chosen = resolve_backend(backend, pool.device.type == "cuda")
+    if plan.n_pages == 0:
+        return
+    with nvtx_range("gather"):
+        _run(plan, gather=True, backend=chosen, mode=mode, max_programs=max_programs)
+
+
+def scatter(
+    staging: torch.Tensor,
+    pool: KVPool,
+    slot_indices: torch.Tensor,
+    host_page_ids: torch.Tensor,
+    *,
+    page_size: int,
+    layout: str = "page_first",
+    layer: int | None = None,
+    backend: str = "auto",
+    mode: str = "kernel",
+    check_bounds: bool | None = None,
+    max_programs: int | None = None,
+) -> None:
+    """Host to device: the inverse of :func:`gather`, for every layer or one ``layer``.
+
+    Args:
+        layer: ``None`` moves every layer in one launch; an int moves that layer (both parts),
+            so that loading can overlap the forward pass layer by layer.
+        Others: as :func:`gather`. A slot repeated in ``slot_indices`` receives one of its
+        rows (which one is unspecified).
+
+    Raises:
+        As :func:`gather`; also InvalidArgumentError for ``layer`` out of range.
+    """
+    plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, layer=layer, check_bounds=check_bounds)
+    _check_mode(mode)
+    chosen = resolve_backend(backend, pool.device.type == "cuda")
+    if plan.n_pages == 0:
+        return
+    with nvtx_range("scatter"):
+        _run(plan, gather=False, backend=chosen, mode=mode, max_programs=max_programs)
