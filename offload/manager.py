@@ -41,7 +41,7 @@ Not thread-safe: call offload/poll/finish/abort from one thread (the scheduler's
 from __future__ import annotations
 
 import logging
-import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
@@ -238,6 +238,9 @@ class OffloadManager:
         self._release_callback = release
         self._failure_callback = on_storage_failure
         self._states: dict[int, _RequestState] = {}
+        # Released request objects, held weakly (gone when the engine drops them): a late
+        # finish/abort/offload of one is ignored instead of releasing it a second time.
+        self._ended: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._in_flight: deque[_Segment] = deque()
         self._in_order = bool(getattr(self.copy_stream, "in_order", False))
         storage.register_host_buffers(host_pool.buffers)
@@ -265,9 +268,10 @@ class OffloadManager:
         A request whose ``finished()`` is true is handed to :meth:`finish` instead.
 
         Returns:
-            True when a copy was launched now. False when there is no whole stride yet, the
-            request has ended (finish/abort called), or the host pool is full; in each of
-            these cases nothing changed.
+            True when a copy was launched now (for a finished request: what :meth:`finish`
+            returns). False when there is no whole stride yet, the request has ended
+            (finish/abort called, or released), or the host pool is full; in each of these
+            cases nothing changed.
 
         Raises:
             InvalidArgumentError: ``slot_indices_of(req)`` is too short for the tokens to copy.
@@ -276,11 +280,13 @@ class OffloadManager:
         with nvtx_range("offload"):
             if req.finished():
                 state = self._states.get(id(req))
-                if state is not None and state.ending:
+                if state.ending if state is not None else self._has_ended(req):
                     return False
                 return self._finish(req)
             state = self._states.get(id(req))
             if state is None:
+                if self._has_ended(req):
+                    return False
                 state = self._track(req)
             elif state.ending:
                 return False
@@ -312,8 +318,8 @@ class OffloadManager:
         """``req`` has ended normally: offload its remaining whole pages, then release it.
 
         ``release(req)`` is called once no copy of it is in flight: within this call when none
-        is, else in the :meth:`poll` that handles its last copy. A second call (before release)
-        does nothing.
+        is, else in the :meth:`poll` that handles its last copy. A second call does nothing
+        (also after release, while the engine still holds the object).
 
         Returns:
             True when every remaining whole page was launched (or there was none); False when
@@ -325,10 +331,13 @@ class OffloadManager:
     def abort(self, req: Any) -> None:
         """``req`` was aborted: offload nothing more; copies in flight complete and their host
         pages are freed without storage writes; ``release(req)`` is called once when none is in
-        flight (within this call when none is). Also after :meth:`finish`, before release.
+        flight (within this call when none is). Also after :meth:`finish`, before release;
+        after release it does nothing.
         """
         state = self._states.get(id(req))
         if state is None:
+            if self._has_ended(req):
+                return
             state = _RequestState(req, 0, None)
             self._states[id(req)] = state
         state.ending = True
@@ -403,6 +412,8 @@ class OffloadManager:
     def _finish(self, req: Any) -> bool:
         state = self._states.get(id(req))
         if state is None:
+            if self._has_ended(req):
+                return True
             state = self._track(req)
         elif state.ending:
             return True
@@ -566,8 +577,18 @@ class OffloadManager:
             self._callback_errors += 1
             logger.exception("offload: on_storage_failure callback raised for rid=%r", req.rid)
 
+    def _has_ended(self, req: Any) -> bool:
+        if self._ended.get(id(req)) is req:
+            logger.debug("offload: rid=%r was released already; call ignored", req.rid)
+            return True
+        return False
+
     def _release(self, state: _RequestState) -> None:
         del self._states[id(state.req)]
+        try:
+            self._ended[id(state.req)] = state.req
+        except TypeError:  # a class without weakref support: not remembered
+            pass
         self._releases += 1
         if self._release_callback is None:
             return
