@@ -18,7 +18,7 @@ import torch
 
 from kvstage.replay.kv_content import KVContent
 
-VERIFY_BATCH_PAGES = 256
+VERIFY_BATCH_BYTES = 256 << 20  # pages read back and compared per batch (bounds host memory)
 
 
 @dataclass
@@ -79,10 +79,11 @@ def verify_pages(
     failed = set(failed_keys)
     result = VerifyResult(sampled=sampled)
     page_bytes = content.page_bytes
-    buffer = torch.empty((min(VERIFY_BATCH_PAGES, max(len(keys), 1)), page_bytes), dtype=torch.uint8)
+    batch_pages = max(1, min(256, VERIFY_BATCH_BYTES // page_bytes))
+    buffer = torch.empty((min(batch_pages, max(len(keys), 1)), page_bytes), dtype=torch.uint8)
     missing_failed = 0
-    for start in range(0, len(keys), VERIFY_BATCH_PAGES):
-        batch = keys[start : start + VERIFY_BATCH_PAGES]
+    for start in range(0, len(keys), batch_pages):
+        batch = keys[start : start + batch_pages]
         into = [buffer[i] for i in range(len(batch))]
         hits = storage.get(batch, into)
         expected = content.expected_pages(batch)
