@@ -83,13 +83,9 @@ setup() {
     mkdir -p "$site" "$tmp/path"
     ln -s "$repo" "$tmp/path/kvstage"
     export PYTHONPATH="$tmp/path:$site${PYTHONPATH:+:$PYTHONPATH}"
+    # One interpreter finds every missing module (import name = pip name for all of these).
     local missing=()
-    local module package
-    for pair in torch:torch triton:triton numpy:numpy xxhash:xxhash rich:rich pytest:pytest hypothesis:hypothesis matplotlib:matplotlib; do
-        module=${pair%%:*}
-        package=${pair#*:}
-        "$PY" -c "import $module" 2>/dev/null || missing+=("$package")
-    done
+    read -r -a missing < <("$PY" -c 'import importlib.util as u; print(" ".join(n for n in ["torch", "triton", "numpy", "xxhash", "rich", "pytest", "hypothesis", "matplotlib"] if u.find_spec(n) is None))')
     if [ ${#missing[@]} -gt 0 ]; then
         local wheels=${WHEELS:-$repo/.whl}
         echo "setup: installing ${missing[*]} into $site"
@@ -99,11 +95,14 @@ setup() {
             "$PY" -m pip install -q --target "$site" "${missing[@]}" || return 1
         fi
     fi
-    "$PY" -c "import nvtx" 2>/dev/null || echo "setup: nvtx not installed (NVTX ranges are no-ops)"
-    "$PY" - <<'EOF' || return 1
+    CUDA_FLAG="$tmp/cuda" "$PY" - <<'EOF' || return 1
+import importlib.util, os
+if importlib.util.find_spec("nvtx") is None:
+    print("setup: nvtx not installed (NVTX ranges are no-ops)")
 import torch, kvstage, kvstage.kernels, kvstage.offload, kvstage.hashing, kvstage.replay
 print(f"setup: kvstage {kvstage.__version__} from {kvstage.__file__}")
 print(f"setup: torch {torch.__version__}, CUDA: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}")
+open(os.environ["CUDA_FLAG"], "w").write("1" if torch.cuda.is_available() else "0")
 EOF
 }
 t0=$SECONDS
@@ -113,7 +112,7 @@ if setup; then summary+=("setup: PASS ($((SECONDS - t0))s)"); else
     return 1
 fi
 
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+if [ "$(cat "$tmp/cuda" 2>/dev/null)" != 1 ]; then
     echo "no CUDA device visible to torch"
     if [ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ]; then
         printf '%s\n' "== summary" "${summary[@]}" "cuda: NONE (set GPU_CHECK_ALLOW_CPU=1 to run the steps on CPU)"

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from kvstage.errors import InvalidArgumentError
+from kvstage.offload.storage import PutStatus
 from kvstage.replay.kv_content import KVContent
 from kvstage.replay.models import ModelShape
 from kvstage.replay.tokens import TokenSource
@@ -403,8 +404,6 @@ class ReplayEngine:
 
     def _prefill(self, req: ReplayRequest) -> None:
         """Write the prompt's KV, store its whole pages under their prefill keys, sample token 0."""
-        from kvstage.kernels import gather
-
         ps = self.page_size
         n_prompt = len(req.origin_input_ids)
         n_pages = _pages(n_prompt, ps)
@@ -420,32 +419,48 @@ class ReplayEngine:
                 chunk = todo[start : start + self.prefill_chunk]
                 host_ids = self._alloc_host(len(chunk))
                 try:
-                    began = time.perf_counter()
-                    page_index = torch.tensor(chunk, dtype=torch.int64, device=self.device)
-                    for chunk_no, positions, local_ids in self.host_pool.locate(host_ids):
-                        pages = page_index[positions] if len(positions) != len(chunk) else page_index
-                        slots = (pages.view(-1, 1) * ps + torch.arange(ps, device=self.device)).view(-1)
-                        gather(
-                            self.kv_pool, self.host_pool.chunks[chunk_no], req.slots[slots],
-                            torch.tensor(local_ids, dtype=torch.int64, device=self.device),
-                            page_size=ps, layout="page_first", backend=self.config.backend,
-                        )
-                    if self.on_cuda:
-                        torch.cuda.current_stream(self.device).synchronize()
-                    self.stats.prefill_d2h_seconds += time.perf_counter() - began
-                    self.stats.prefill_bytes_d2h += len(chunk) * self.host_pool.page_bytes
+                    self._copy_prefill_pages(req, chunk, host_ids)
                     statuses = self.storage.put([keys[i] for i in chunk], [self.host_pool.page(h) for h in host_ids])
                 finally:
                     self.host_pool.free(host_ids)
                 for index, status in zip(chunk, statuses):
-                    if status.value == "stored":
+                    if status is PutStatus.STORED:
                         self.stats.prefill_pages_stored += 1
-                    elif status.value == "deduplicated":
+                    elif status is PutStatus.DEDUPLICATED:
                         self.stats.prefill_pages_deduplicated += 1
                     else:
                         self.stats.prefill_pages_failed += 1
                         self.stats.storage_failure_keys.append(keys[index])
         req.sample_next()
+
+    def _copy_prefill_pages(self, req: ReplayRequest, pages: list[int], host_ids: list[int]) -> None:
+        """Gather the request's prompt ``pages`` (page numbers within the request) into host pages.
+
+        The copy runs on the manager's copy stream, like the decode copies: on CUDA after the
+        prefill's KV writes on the compute stream; on CPU on the same worker thread, so two
+        gathers never run at once (the Triton interpreter is not thread-safe). Blocks until done.
+        """
+        from kvstage.kernels import gather
+
+        ps, device, backend = self.page_size, self.device, self.config.backend
+        page_index = torch.tensor(pages, dtype=torch.int64, device=device)
+        launches = []
+        for chunk_no, positions, local_ids in self.host_pool.locate(host_ids):
+            chosen = page_index[torch.tensor(positions, device=device)] if len(positions) != len(pages) else page_index
+            slots = req.slots[(chosen.view(-1, 1) * ps + torch.arange(ps, device=device)).view(-1)]
+            launches.append((self.host_pool.chunks[chunk_no], slots, torch.tensor(local_ids, dtype=torch.int64, device=device)))
+        kv_pool = self.kv_pool
+
+        def copy() -> None:
+            for staging, slots, local in launches:
+                gather(kv_pool, staging, slots, local, page_size=ps, layout="page_first", backend=backend)
+
+        event = self.manager.copy_stream.submit(copy, keep=launches)
+        event.synchronize()
+        if getattr(event, "error", None) is not None:
+            raise event.error
+        self.stats.prefill_d2h_seconds += event.seconds or 0.0
+        self.stats.prefill_bytes_d2h += len(pages) * self.host_pool.page_bytes
 
     def _alloc_host(self, n: int) -> list[int]:
         """``n`` host pages, waiting for the manager's copies in flight when the pool is full."""
