@@ -48,9 +48,9 @@ def _first_bad_element(seq, argument: str) -> Exception:
     raise AssertionError("no bad element found")  # the caller saw one; unreachable
 
 
-def _sequence_bytes(seq, argument: str) -> bytes:
+def _sequence_buffer(seq, argument: str) -> memoryview:
     if len(seq) == 0:
-        return b""
+        return memoryview(b"")
     try:
         # One C-level pass: rejects floats (TypeError) and ids outside 0..2**32-1 (OverflowError).
         packed = array.array(_U32_CODE, seq)
@@ -64,15 +64,15 @@ def _sequence_bytes(seq, argument: str) -> bytes:
             raise _first_bad_element(seq, argument)
     if not _LITTLE_ENDIAN:
         packed.byteswap()
-    return packed.tobytes()
+    return memoryview(packed).cast("B")
 
 
-def _numpy_bytes(values: np.ndarray, argument: str) -> bytes:
+def _numpy_buffer(values: np.ndarray, argument: str) -> memoryview:
     if values.ndim != 1:
         raise InvalidArgumentError(f"{argument}: must be 1-D, got shape {tuple(values.shape)}")
     kind = values.dtype.kind
     if kind == "O":
-        return _sequence_bytes(values.tolist(), argument)
+        return _sequence_buffer(values.tolist(), argument)
     if kind == "b":
         raise ArgumentTypeError(f"{argument}: token ids must be integers, got dtype bool")
     if kind not in "iu":
@@ -84,10 +84,12 @@ def _numpy_bytes(values: np.ndarray, argument: str) -> bytes:
             bad = values >= _LIMIT if kind == "u" else (values < 0) | (values >= _LIMIT)
             position = int(np.argmax(bad))
             raise InvalidArgumentError(f"{argument}: {_RULE}; {argument}[{position}] = {int(values[position])}")
-    return values.astype("<u4", copy=False).tobytes()
+    # A view of the converted array, not tobytes(): a second 4-byte-per-token copy costs as
+    # much as the conversion itself (fresh pages from the allocator).
+    return memoryview(np.ascontiguousarray(values.astype("<u4", copy=False))).cast("B")
 
 
-def _torch_bytes(tensor, argument: str) -> bytes:
+def _torch_buffer(tensor, argument: str) -> memoryview:
     import torch
 
     if tensor.dtype == torch.bool:
@@ -97,7 +99,7 @@ def _torch_bytes(tensor, argument: str) -> bytes:
     if tensor.dim() != 1:
         raise InvalidArgumentError(f"{argument}: must be 1-D, got shape {tuple(tensor.shape)}")
     # One device-to-host copy of the whole tensor (a no-op on CPU); the checks run on the host.
-    return _numpy_bytes(tensor.detach().cpu().numpy(), argument)
+    return _numpy_buffer(tensor.detach().cpu().numpy(), argument)
 
 
 def _is_torch_tensor(value: object) -> bool:
@@ -105,8 +107,11 @@ def _is_torch_tensor(value: object) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def token_bytes(tokens, argument: str = "tokens") -> bytes:
-    """The token ids as one ``bytes``: ``4 * len(tokens)`` bytes, each id as u32 little-endian.
+def token_buffer(tokens, argument: str = "tokens") -> memoryview:
+    """The token ids as a read-only byte view: ``4 * len(tokens)`` bytes, each id as u32 little-endian.
+
+    What the chains hash; :func:`token_bytes` is the same as ``bytes``. The view may share
+    memory with ``tokens`` when it already is a contiguous little-endian uint32 array.
 
     Args:
         tokens: list/tuple/range of ints, 1-D numpy integer array, or 1-D torch integer tensor
@@ -114,7 +119,7 @@ def token_bytes(tokens, argument: str = "tokens") -> bytes:
         argument: the name used in error messages.
 
     Returns:
-        ``bytes`` of length ``4 * number of tokens``.
+        A ``memoryview`` (format ``"B"``) of ``4 * number of tokens`` bytes.
 
     Raises:
         ArgumentTypeError: a float, bool or other non-integer id (or float/bool dtype), or an
@@ -123,13 +128,20 @@ def token_bytes(tokens, argument: str = "tokens") -> bytes:
             bad position and its value), or an array that is not 1-D.
     """
     if isinstance(tokens, (list, tuple, range)):
-        return _sequence_bytes(tokens, argument)
+        return _sequence_buffer(tokens, argument)
     if isinstance(tokens, np.ndarray):
-        return _numpy_bytes(tokens, argument)
+        return _numpy_buffer(tokens, argument)
     if _is_torch_tensor(tokens):
-        return _torch_bytes(tokens, argument)
+        return _torch_buffer(tokens, argument)
     raise ArgumentTypeError(
         f"{argument}: must be a list/tuple/range of ints, a numpy integer array or a torch integer tensor, "
         f"got {type(tokens).__module__}.{type(tokens).__qualname__}"
     )
 
+
+def token_bytes(tokens, argument: str = "tokens") -> bytes:
+    """:func:`token_buffer` as ``bytes`` (a copy): ``4 * len(tokens)`` bytes, u32 little-endian.
+
+    Raises: as :func:`token_buffer`.
+    """
+    return token_buffer(tokens, argument).tobytes()
