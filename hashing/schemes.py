@@ -16,9 +16,8 @@ little-endian integers.
     XXH3-128 (``xxhash.xxh3_128``, seed 0), 16-byte digest, 32-character keys; the raw digest
     is xxhash's canonical (big-endian) form, i.e. ``xxh3_128(data).digest()``, and the key its
     hex. About 3x faster than ``sglang-v1`` at page 64 and far faster per byte (see
-    ``bench/bench_hashing.py``), but NOT a
-    cryptographic hash: anyone who can choose token ids can force two different prefixes onto
-    one key. Use it where all requests are trusted (one tenant, or isolation not relying on
+    ``bench/bench_hashing.py``), but NOT a cryptographic hash: anyone who can choose token
+    ids can force two different prefixes onto one key. Use it where all requests are trusted (one tenant, or isolation not relying on
     keys); multi-tenant deployments that rely on ``cache_salt`` for isolation should keep
     ``sglang-v1``. Its keys never match sglang's, so both sides must be configured with it.
 """
