@@ -73,6 +73,7 @@ class KVPool:
         require(self.num_slots >= 1 and self.head_num >= 1 and self.head_dim >= 1, argument, f"every dimension must be >= 1, got shape {tuple(first.shape)}")
         self.dtype: torch.dtype = first.dtype
         self.device: torch.device = first.device
+        self._itemsize = first.element_size()
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -130,7 +131,7 @@ class KVPool:
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return self.buffers[0][0].element_size()
+        return self._itemsize
 
     @property
     def row_bytes(self) -> int:

@@ -176,3 +176,16 @@ def test_errors_are_kvstage_errors_and_builtin_kinds():
         token_bytes([1.5])
     with pytest.raises(KvstageError):
         page_keys([True], 1)
+
+
+def test_bad_id_past_the_first_conversion_chunk_is_found():
+    values = np.arange(300_000, dtype=np.int64)
+    values[200_001] = -5
+    values[250_000] = 2**33
+    with pytest.raises(InvalidArgumentError, match=r"tokens\[200001\] = -5"):
+        token_bytes(values)
+    values[200_001] = 0
+    with pytest.raises(InvalidArgumentError, match=r"tokens\[250000\] = 8589934592"):
+        token_bytes(values)
+    values[250_000] = 0
+    assert token_bytes(values)[-8:] == struct.pack("<2I", 299_998, 299_999)

@@ -426,3 +426,28 @@ def test_triton_backend_copies_the_same_pages(device):
     rig.manager.finish(req)
     rig.manager.drain()
     assert rig.check_stored_pages(req) == (3, 3)
+
+
+def test_decode_keys_match_the_reference_vectors(shared_dir):
+    """The shared sglang-v1 vectors: a prompt with a partial last page, then decode; the keys the
+    manager stores are the vectors' page hashes (the prompt's first page was prefill's)."""
+    import json
+
+    cases = json.loads((shared_dir / "reference" / "sglang_v1_vectors.json").read_text())
+    checked = 0
+    for case in cases:
+        tokens, page_size = case["tokens"], case["page_size"]
+        hashes = case["page_hashes"]
+        if len(hashes) < 3 or page_size > 8:
+            continue
+        rig = make_rig(page_size=page_size)
+        prompt = page_size + 1  # one full page and a partial one
+        req = rig.new_request("v", tokens[:prompt], len(tokens), extra_key=case["extra_key"], cache_salt=case["cache_salt"])
+        decode_steps(rig, req, tokens[prompt:] + [0], poll=False)  # the trailing 0 has no KV yet
+        rig.manager.finish(req)
+        rig.copy_stream.complete_all()
+        rig.manager.poll()
+        full = len(tokens) // page_size
+        assert rig.storage.exists(hashes[:full]) == [False] + [True] * (full - 1), case["name"]
+        checked += 1
+    assert checked >= 4
