@@ -5,7 +5,10 @@
 #   1. setup    python packages (installed only where missing) and kvstage made importable
 #   2. gpu      pytest -m gpu                      (tests marked gpu)
 #   3. kernels  pytest tests/kernels -m "not gpu"  (the kernel tests, cuda and cpu parameters)
-#   4. bench    python -m bench --only kernels --only replay   (JSON, markdown, PNG plots)
+#   4. kernel-bench  python bench/gpu_kernels_check.py (kernel correctness on CUDA with pinned
+#                staging, bench_kernels, a grid-cap sweep; JSON and PNG in kernels/)
+#      bench    python -m bench --only replay      (JSON, markdown, PNG; with --only kernels
+#                too when gpu_kernels_check.py is absent)
 #   5. cuda     pytest -k cuda -m "not gpu" --ignore=tests/kernels   (the other parts' tests on
 #                                                   cuda: offload manager and streams, replay)
 #   6. replay   kvstage replay --model llama3-8b   (the built-in trace, 128 KiB of KV a token)
@@ -13,8 +16,10 @@
 # under 10 s left is skipped and reported.
 #
 # Results go to OUTDIR (default: $OUT when set, else bench/results/gpu): gpu_check.log (all
-# output, with nvidia-smi and a summary), replay-llama3-8b.json, bench/results.json,
-# bench/results.md, bench/kernels.png, bench/replay.png: 6 files, at most one folder down.
+# output, with nvidia-smi and a summary), replay-llama3-8b.json, kernels/gpu_check.json,
+# kernels/bench_kernels_gpu.json, kernels/bench_kernels_gpu.png, bench/results.json,
+# bench/results.md, bench/replay.png: 8 files, at most one folder down (what the device
+# tool brings back: at most 8 files, two folders deep).
 #
 # Assumptions (a bare machine):
 #   - bash, coreutils `timeout`, python3 >= 3.10 with pip, and an NVIDIA driver (nvidia-smi).
@@ -125,9 +130,14 @@ cd "$repo" || return 1
 # -- 2-5. ----------------------------------------------------------------------------------------
 step gpu 90 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs
 step kernels 150 "$PY" -m pytest tests/kernels -m "not gpu" -q -p no:cacheprovider -rs
-local benches=()
-for name in kernels replay; do [ -f "bench/bench_$name.py" ] && benches+=(--only "$name"); done
-step bench 150 "$PY" -m bench "${benches[@]}" --out "$out/bench"
+local benches=(--only replay)
+if [ -f bench/gpu_kernels_check.py ]; then
+    # The kernels' own GPU check: correctness on CUDA, bench_kernels, a grid-cap sweep.
+    step kernel-bench 180 "$PY" bench/gpu_kernels_check.py --out "$out/kernels"
+else
+    benches+=(--only kernels)
+fi
+step bench 90 "$PY" -m bench "${benches[@]}" --out "$out/bench"
 step cuda 120 "$PY" -m pytest -k cuda -m "not gpu" --ignore=tests/kernels -q -p no:cacheprovider -rs
 step replay 90 "$PY" -m kvstage replay --model llama3-8b --no-progress --json "$out/replay-llama3-8b.json"
 
