@@ -246,12 +246,13 @@ class ReplayEngine:
         self.device_pages = DevicePagePool(pool_pages)
         num_slots = pool_pages * ps
         shape = (num_slots, model.head_num, model.head_dim)
+        # Uninitialized: a slot is always written (prefill or decode) before a gather reads it.
         if model.kv_parts == 2:
-            k = [torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)]
-            v = [torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)]
+            k = [torch.empty(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)]
+            v = [torch.empty(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)]
             self.kv_pool = KVPool.mha(k, v)
         else:
-            self.kv_pool = KVPool.mla([torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)])
+            self.kv_pool = KVPool.mla([torch.empty(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)])
         word, width = self.content.word, self.content.words_per_row
         # Word views of each layer and part: the engine writes KV as machine words.
         self._words = [
@@ -480,14 +481,18 @@ class ReplayEngine:
         active = [req for req in running if not req.finished()]
         if not active:
             return
-        positions = [req.kv_len for req in active]  # the last sampled token's position
-        # Index lists are built on the host from Python ints: one small H2D copy each, not one per request.
-        slots = torch.tensor(
-            [req.device_pages[p // ps] * ps + p % ps for req, p in zip(active, positions)], dtype=torch.int64
-        ).to(self.device)
-        masks = torch.tensor([req.mask_values[p // ps] for req, p in zip(active, positions)], dtype=self.content.word)
-        masks = masks.to(self.device)
-        offsets = torch.tensor([p % ps for p in positions], dtype=torch.int64).to(self.device)
+        # One host array of (slot, mask, offset) per token, one H2D copy: per-request tensors
+        # would cost a launch each.
+        rows = np.empty((3, len(active)), dtype=np.int64)
+        for i, req in enumerate(active):
+            position = req.kv_len  # the last sampled token's position
+            page, offset = divmod(position, ps)
+            rows[0, i] = req.device_pages[page] * ps + offset
+            rows[1, i] = req.mask_values[page]
+            rows[2, i] = offset
+        host = torch.from_numpy(rows).to(self.device)
+        slots, offsets = host[0], host[2]
+        masks = host[1].to(self.content.word)  # masks fit the word: the cast keeps their bits
         self._write_kv(slots, masks, offsets)
         for req in active:
             req.sample_next()

@@ -86,8 +86,9 @@ def verify_pages(
         batch = keys[start : start + batch_pages]
         into = [buffer[i] for i in range(len(batch))]
         hits = storage.get(batch, into)
-        expected = content.expected_pages(batch)
-        same = (buffer[: len(batch)] == expected).all(dim=1).tolist()
+        expected = content.expected_pages(batch).view(content.word)
+        # Compare machine words, not bytes: 2-8x fewer elements for the same answer.
+        same = (buffer[: len(batch)].view(content.word) == expected).all(dim=1).tolist()
         for key, hit, equal in zip(batch, hits, same):
             result.pages_checked += 1
             if not hit:
