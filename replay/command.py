@@ -170,8 +170,8 @@ def run(args: argparse.Namespace) -> int:
     except (InvalidArgumentError, BackendUnavailableError) as exc:
         print(f"kvstage replay: error: {exc}", file=sys.stderr)
         return 2
-    set_cpu_threads(args.threads, config.device)
     try:
+        set_cpu_threads(args.threads, config.device)
         with ProgressDisplay(len(requests), enabled=not args.no_progress) as progress:
             report, _ = replay(
                 config, requests, trace_name=trace_name, verify_sample=args.verify_sample,

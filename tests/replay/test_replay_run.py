@@ -212,3 +212,9 @@ def test_conversation_slice_stores_each_distinct_block_page_once(shared_dir, tmp
     assert report["prefill_pages_unique_stored"] == len(pairs)
     assert report["storage_pages_evicted"] == 0
     assert report["verify_mismatches"] == 0 and report["lost_pages"] == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_asking_for_cuda_without_it_exits_2(capsys):
+    assert main(["replay", "--no-progress", "--device", "cuda", "--requests", "2"]) == 2
+    assert "--device: cuda was asked for" in capsys.readouterr().err
