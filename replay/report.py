@@ -66,6 +66,8 @@ def build_report(engine, verify, *, trace_name: str, elapsed_s: float) -> dict[s
         "storage_put_gbps": storage_stats.put_gbps(),
         "storage_get_gbps": storage_stats.get_gbps(),
         "storage_pages_evicted": storage_stats.pages_evicted,
+        # What a store must hold to keep every page of this trace (sizing a store).
+        "stored_bytes": (stats.prefill_pages_stored + metrics.pages_stored) * page_bytes,
         "storage_failures": stats.prefill_pages_failed + metrics.pages_failed,
         "host_pool_high_water_pages": engine.host_pool.high_water,
         "host_pool_high_water_bytes": engine.host_pool.high_water * page_bytes,
@@ -160,6 +162,7 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("bytes moved D2H", f"{_human_bytes(r['bytes_d2h'])} at {r['d2h_gbps']:.2f} GB/s"),
         ("hashing", f"{r['hashing_tokens_per_s'] / 1e6:.2f} M tokens/s"),
         ("storage put / get", f"{r['storage_put_gbps']:.2f} / {r['storage_get_gbps']:.2f} GB/s"),
+        ("stored by this run", f"{_human_bytes(r['stored_bytes'])}"),
         ("host pool high-water", f"{r['host_pool_high_water_pages']:,} of {r['host_pool_capacity_pages']:,} pages ({_human_bytes(r['host_pool_high_water_bytes'])})"),
         ("storage failures", f"{r['storage_failures']:,}"),
         ("verify: pages checked", f"{r['verify_pages_checked']:,}{' (sample)' if r['verify_sampled'] else ''}"),

@@ -218,3 +218,10 @@ def test_conversation_slice_stores_each_distinct_block_page_once(shared_dir, tmp
 def test_asking_for_cuda_without_it_exits_2(capsys):
     assert main(["replay", "--no-progress", "--device", "cuda", "--requests", "2"]) == 2
     assert "--device: cuda was asked for" in capsys.readouterr().err
+
+
+def test_report_sizes_the_store():
+    report, engine = run_in_process(tiny_trace(4))
+    engine.close()
+    stored = report["prefill_pages_unique_stored"] + report["decode_pages_stored"]
+    assert report["stored_bytes"] == stored * TINY.page_bytes(16) == len(engine.expected_keys) * TINY.page_bytes(16)
