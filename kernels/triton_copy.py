@@ -207,3 +207,29 @@ def launch(plan: Transfer, *, gather: bool, max_programs: int | None = None) -> 
         num_warps=config.num_warps,
     )
     return config
+
+
+def compile_ptx(*, gather: bool = True, block_t: int = 8, block_w: int = 256, align: int = 2, num_warps: int = 8, arch: int = 90) -> str:
+    """Compile the kernel for ``sm_<arch>`` without a GPU (Triton ships ptxas) and return its PTX.
+
+    Arguments are specialized as a native launch would specialize them for a 16-byte aligned
+    pool and staging buffer with int64 words (pointers and sizes divisible by 16), so the
+    PTX shows whether the copies use 16-byte vector accesses (``.v2.b64``). Needs
+    ``TRITON_INTERPRET`` unset when this module was imported.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {
+        "pool_base": "*i64", "layer_offsets": "*i64", "staging": "*i64", "slots": "*i64", "pages": "*i64",
+        "n_tokens": "i32", "row_words": "i32", "page_size": "i32", "num_layers": "i32", "layer_start": "i32",
+        "layer_stop": "i32", "kv_parts": "i32", "staging_page_stride": "i64", "staging_part_stride": "i64",
+        "staging_layer_stride": "i64", "GATHER": "constexpr", "BLOCK_T": "constexpr", "BLOCK_W": "constexpr", "ALIGN": "constexpr",
+    }
+    divisible = [i for i, name in enumerate(signature) if name in {"pool_base", "layer_offsets", "staging", "slots", "pages", "row_words", "staging_page_stride", "staging_part_stride", "staging_layer_stride"}]
+    source = ASTSource(
+        fn=_kv_rows_copy_kernel, signature=signature,
+        constexprs={"GATHER": gather, "BLOCK_T": block_t, "BLOCK_W": block_w, "ALIGN": align},
+        attrs={(i,): [["tt.divisibility", 16]] for i in divisible},
+    )
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}).asm["ptx"]
