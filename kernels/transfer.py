@@ -36,8 +36,12 @@ __all__ = ["MODES", "gather", "scatter"]
 MODES = ("kernel", "staged")
 
 
-def _check_mode(mode: object) -> None:
+def _check_mode(mode: object, max_programs: object) -> None:
     require(mode in MODES, "mode", f"must be one of {MODES}, got {mode!r}")
+    require(
+        max_programs is None or (isinstance(max_programs, int) and not isinstance(max_programs, bool) and max_programs >= 1),
+        "max_programs", f"must be None or an int >= 1, got {max_programs!r}",
+    )
 
 
 def _execute(plan: Transfer, *, gather: bool, backend: str, max_programs: int | None) -> None:
@@ -151,11 +155,12 @@ def gather(
 
     Raises:
         ArgumentTypeError, DeviceMismatchError, InvalidArgumentError: from validation,
-            before anything is written (see :func:`kvstage.kernels.layout.check_transfer`).
+            before anything is written (see :func:`kvstage.kernels.layout.check_transfer`);
+            InvalidArgumentError also for a bad ``mode``, ``backend`` or ``max_programs``.
         BackendUnavailableError: ``backend="triton"`` where Triton cannot run.
     """
     plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, check_bounds=check_bounds)
-    _check_mode(mode)
+    _check_mode(mode, max_programs)
     chosen = resolve_backend(backend, pool.device.type == "cuda")
     if plan.n_pages == 0:
         return
@@ -189,7 +194,7 @@ def scatter(
         As :func:`gather`; also InvalidArgumentError for ``layer`` out of range.
     """
     plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, layer=layer, check_bounds=check_bounds)
-    _check_mode(mode)
+    _check_mode(mode, max_programs)
     chosen = resolve_backend(backend, pool.device.type == "cuda")
     if plan.n_pages == 0:
         return

@@ -80,6 +80,8 @@ def _bad(case, what):
         kw["mode"] = "zero_copy"
     elif what == "backend":
         kw["backend"] = "cuda"
+    elif what == "max-programs":
+        kw["max_programs"] = 0
     else:
         raise AssertionError(what)
     return kw
@@ -111,6 +113,7 @@ CASES = [
     ("pool", ArgumentTypeError, "pool"),
     ("mode", InvalidArgumentError, "mode"),
     ("backend", InvalidArgumentError, "backend"),
+    ("max-programs", InvalidArgumentError, "max_programs"),
 ]
 
 
