@@ -451,3 +451,31 @@ def test_decode_keys_match_the_reference_vectors(shared_dir):
         assert rig.storage.exists(hashes[:full]) == [False] + [True] * (full - 1), case["name"]
         checked += 1
     assert checked >= 4
+
+
+def test_later_segment_completing_first_gets_keys_continuing_the_earlier_ones():
+    rig = make_rig(page_size=2)
+    req = rig.new_request("r", [1, 2, 3], 20, cache_salt="s")
+    decode_steps(rig, req, [4, 5, 6, 7, 8], poll=False)  # kv 7: segments for pages 1, 2
+    assert len(rig.copy_stream.pending) == 2
+    rig.copy_stream.complete(1)  # page 2's copy first: its prior is page 1's key
+    rig.manager.poll()
+    chain = rig.chain(req)
+    assert rig.storage.exists(chain) == [False, False, True]
+    rig.copy_stream.complete(0)
+    rig.manager.poll()
+    assert rig.storage.exists(chain) == [False, True, True] and rig.check_stored_pages(req) == (2, 2)
+
+
+def test_a_token_the_hash_scheme_rejects_fails_its_pages_without_stopping_poll():
+    reports = []
+    rig = make_rig(page_size=2, on_storage_failure=lambda *args: reports.append(args))
+    bad = rig.new_request("bad", [1, 2], 10)
+    good = rig.new_request("good", [1, 2], 10)
+    decode_steps(rig, bad, [3, -5, 4], poll=False)  # -5 is no u32 token id
+    decode_steps(rig, good, [3, 4, 5], poll=False)
+    rig.copy_stream.complete_all()
+    assert rig.manager.poll() == 2
+    assert len(reports) == 1 and reports[0][0] is bad and reports[0][1] == []
+    metrics = rig.manager.metrics
+    assert (metrics.pages_failed, metrics.pages_stored, metrics.host_pages_used) == (1, 1, 0)
