@@ -238,6 +238,7 @@ class OffloadManager:
         self.page_size = page_size
         self.offload_stride = stride
         self.backend = backend
+        self._owns_copy_stream = copy_stream is None
         self.copy_stream = copy_stream if copy_stream is not None else CopyStream(self.device)
         self._gather = gather
         self._release_callback = release
@@ -281,7 +282,9 @@ class OffloadManager:
 
         Raises:
             InvalidArgumentError: ``slot_indices_of(req)`` is too short for the tokens to copy.
-            Whatever the hasher or the gather raise at launch; nothing changed then.
+            Whatever ``slot_indices_of`` or (on CUDA, where the gather launches here) the gather
+            raise; nothing changed then. On CPU the gather runs on the worker thread: its error
+            fails the copy (counted and reported in :meth:`poll`).
         """
         with nvtx_range("offload"):
             if req.finished():
@@ -356,6 +359,13 @@ class OffloadManager:
         for segment in list(self._in_flight):
             segment.event.synchronize()
         self.poll()
+
+    def close(self) -> None:
+        """:meth:`drain`, then stop the copy stream if the manager made it. Requests still
+        tracked stay tracked (finish or abort them first to release them)."""
+        self.drain()
+        if self._owns_copy_stream:
+            self.copy_stream.close()
 
     # -- what the engine may inspect ----------------------------------------------------------
 
