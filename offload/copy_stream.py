@@ -253,6 +253,8 @@ class ManualCopyStream:
         elif self.run_copies:
             try:
                 event.copy()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()  # a kernel the copy launched is done when complete() returns
             except BaseException as raised:
                 event.error = raised
         event.seconds = time.perf_counter() - started

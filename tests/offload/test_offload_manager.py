@@ -417,7 +417,7 @@ def test_mismatched_parts_are_rejected():
 def test_triton_backend_copies_the_same_pages(device):
     """One run through backend="auto" (Triton; the interpreter on CPU), multi-chunk host pool."""
     rig = make_rig(page_size=2, host_pages=6, chunk_pages=2, device=device, backend="auto",
-                   slot_generator=torch.Generator().manual_seed(3))
+                   copy_stream=CopyStream(device), slot_generator=torch.Generator().manual_seed(3))
     req = rig.new_request("r", [1, 2, 3], 12, cache_salt="t")
     for token in range(10, 17):
         rig.decode(req, token)
@@ -425,7 +425,8 @@ def test_triton_backend_copies_the_same_pages(device):
     assert len(rig.host_pool.locate(rig.manager._in_flight[0].host_ids)) == 2
     rig.manager.finish(req)
     rig.manager.drain()
-    assert rig.check_stored_pages(req) == (3, 3)
+    assert rig.check_stored_pages(req) == (3, 3) and rig.released == [req]
+    rig.copy_stream.close()
 
 
 def test_decode_keys_match_the_reference_vectors(shared_dir):
