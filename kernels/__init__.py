@@ -6,6 +6,8 @@ Public API:
     gather / scatter: D2H / H2D of every layer (scatter: or one layer) in one launch.
     gather_reference / scatter_reference: the torch reference (``index_select``/``index_copy_``).
     resolve_backend, describe_backend, BACKEND_CHOICES: which backend ``"auto"`` runs.
+    streams (module): launch_after / gather_async / scatter_async / CopyHandle for side streams.
+    triton_copy (module, imports triton): the kernel, its launch heuristic and autotune hook.
 """
 
 from kvstage.kernels.backend import BACKEND_CHOICES, describe_backend, resolve_backend
@@ -13,17 +15,23 @@ from kvstage.kernels.layout import LAYOUTS, staging_shape
 from kvstage.kernels.pool import KVPool
 from kvstage.kernels.reference import gather_reference, scatter_reference
 from kvstage.kernels.transfer import MODES, gather, scatter
+from kvstage.kernels.streams import CopyHandle, gather_async, launch_after, scatter_async, side_stream
 
 __all__ = [
     "BACKEND_CHOICES",
+    "CopyHandle",
     "KVPool",
     "LAYOUTS",
     "MODES",
     "describe_backend",
     "gather",
+    "gather_async",
     "gather_reference",
+    "launch_after",
     "resolve_backend",
     "scatter",
+    "scatter_async",
     "scatter_reference",
+    "side_stream",
     "staging_shape",
 ]

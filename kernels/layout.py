@@ -77,6 +77,7 @@ class Transfer:
         layout: ``"page_first"`` or ``"layer_first"``.
         layers: the layers moved, ``range(num_layers)`` or one layer.
         num_host_pages: pages the staging buffer holds.
+        pages_on_host: ``host_page_ids`` as given when it was a CPU tensor (read without a sync), else None.
     """
 
     pool: KVPool
@@ -87,6 +88,7 @@ class Transfer:
     layout: str
     layers: range
     num_host_pages: int
+    pages_on_host: torch.Tensor | None = None
 
     @property
     def n_pages(self) -> int:
@@ -205,8 +207,9 @@ def check_transfer(
     if n_pages and check_bounds:
         low, high = int(slots.min()), int(slots.max())
         require(0 <= low and high < pool.num_slots, "slot_indices", f"must be in [0, {pool.num_slots}) (the pool's slots), got min {low} max {high}")
+    pages_on_host = pages if pages.device.type == "cpu" else None
     if slots.device != pool.device:
         slots = slots.to(pool.device, non_blocking=True)
     if pages.device != pool.device:
         pages = pages.to(pool.device, non_blocking=True)
-    return Transfer(pool, staging, slots, pages, page_size, layout, layers, num_host_pages)
+    return Transfer(pool, staging, slots, pages, page_size, layout, layers, num_host_pages, pages_on_host)

@@ -24,7 +24,8 @@ class KVPool:
     """The device KV pool: ``kv_parts x num_layers`` buffers ``[num_slots, head_num, head_dim]``.
 
     Build one with :meth:`mha`, :meth:`mla` or :meth:`from_stacked`; the pool keeps
-    references to (never copies of) the engine's tensors.
+    references to (never copies of) the engine's tensors. Build a new pool if the engine
+    reallocates its buffers: the Triton launcher caches their addresses per pool.
 
     Every buffer must have the same shape, dtype and device, and be contiguous (a slot's
     row of ``head_num * head_dim`` elements is one run of bytes, and slot ``s`` starts
@@ -73,6 +74,7 @@ class KVPool:
         require(self.num_slots >= 1 and self.head_num >= 1 and self.head_dim >= 1, argument, f"every dimension must be >= 1, got shape {tuple(first.shape)}")
         self.dtype: torch.dtype = first.dtype
         self.device: torch.device = first.device
+        self._itemsize = first.element_size()
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -130,7 +132,7 @@ class KVPool:
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return self.buffers[0][0].element_size()
+        return self._itemsize
 
     @property
     def row_bytes(self) -> int:

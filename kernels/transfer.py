@@ -4,14 +4,15 @@
 ``TRITON_INTERPRET=1``, else the torch reference), ``"triton"`` or ``"torch"``; see
 :mod:`kvstage.kernels.backend`.
 
-``mode`` (CUDA pool with pinned host staging only; elsewhere both modes are the same copy):
+``mode``:
 
 * ``"kernel"``: the Triton kernel reads the pool and writes pinned host memory directly
   (zero-copy over PCIe), one launch for every layer.
 * ``"staged"``: the kernel gathers into a compact device buffer, then one
   ``cudaMemcpyAsync`` per run of consecutive host pages moves it on the copy engine (scatter:
   the reverse). Costs a device buffer of the batch's bytes; leaves the SMs to the forward
-  pass during the PCIe part.
+  pass during the PCIe part. On CPU it runs the same two steps (the buffer is a CPU tensor),
+  which only serves to test it.
 
 Every call runs on the current stream (wrap it in :mod:`kvstage.kernels.streams` to run
 it on a side stream after the producer's event).
@@ -19,11 +20,13 @@ it on a side stream after the producer's event).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvstage.errors import require
 from kvstage.kernels.backend import resolve_backend
-from kvstage.kernels.layout import Transfer, check_transfer
+from kvstage.kernels.layout import Transfer, check_transfer, staging_shape
 from kvstage.kernels.pool import KVPool
 from kvstage.kernels.reference import run_gather_torch, run_scatter_torch
 from kvstage.nvtx_ranges import nvtx_range
@@ -33,17 +36,85 @@ __all__ = ["MODES", "gather", "scatter"]
 MODES = ("kernel", "staged")
 
 
-def _check_mode(mode: object) -> None:
+def _check_mode(mode: object, max_programs: object) -> None:
     require(mode in MODES, "mode", f"must be one of {MODES}, got {mode!r}")
+    require(
+        max_programs is None or (isinstance(max_programs, int) and not isinstance(max_programs, bool) and max_programs >= 1),
+        "max_programs", f"must be None or an int >= 1, got {max_programs!r}",
+    )
 
 
-def _run_gather_triton(plan: Transfer, max_programs: int | None) -> None:
-    # Skeleton: the Triton kernel lands in the next commit; until then the reference runs.
-    run_gather_torch(plan)
+def _execute(plan: Transfer, *, gather: bool, backend: str, max_programs: int | None) -> None:
+    """Run one validated copy on ``backend`` (``"triton"`` or ``"torch"``)."""
+    if backend == "torch":
+        (run_gather_torch if gather else run_scatter_torch)(plan)
+    else:
+        from kvstage.kernels import triton_copy  # imported late: importing triton is slow and optional
+
+        triton_copy.launch(plan, gather=gather, max_programs=max_programs)
 
 
-def _run_scatter_triton(plan: Transfer, max_programs: int | None) -> None:
-    run_scatter_torch(plan)
+def _page_runs(page_ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(first batch page, first host page, length)`` of each run of consecutive host page ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, host in enumerate(page_ids):
+        if runs and runs[-1][1] + runs[-1][2] == host:
+            first, start, length = runs[-1]
+            runs[-1] = (first, start, length + 1)
+        else:
+            runs.append((i, host, 1))
+    return runs
+
+
+def _copy_runs(plan: Transfer, compact: torch.Tensor, *, to_staging: bool) -> None:
+    """Move whole pages between ``compact`` (batch page ``i`` at page ``i``) and ``plan.staging``.
+
+    One ``copy_`` per run of consecutive host pages (page_first; per (part, layer) and run for
+    layer_first, whose pages are not contiguous across layers), ``non_blocking`` so that a
+    pinned-host <-> device copy is one ``cudaMemcpyAsync`` on the current stream.
+    """
+    ps = plan.page_size
+    for first, start, length in _page_runs(plan.pages.tolist()):
+        if plan.layout == "page_first":
+            pairs = [(plan.staging[start : start + length], compact[first : first + length])]
+        else:
+            pool = plan.pool
+            pairs = [
+                (plan.staging[p, layer, start * ps : (start + length) * ps], compact[p, layer, first * ps : (first + length) * ps])
+                for p in range(pool.kv_parts)
+                for layer in plan.layers
+            ]
+        for host, device in pairs:
+            if to_staging:
+                host.copy_(device, non_blocking=True)
+            else:
+                device.copy_(host, non_blocking=True)
+
+
+def _staged(plan: Transfer, *, gather: bool, backend: str, max_programs: int | None) -> None:
+    """``mode="staged"``: kernel <-> compact buffer on the pool's device, ``copy_`` <-> staging.
+
+    Reads ``host_page_ids`` on the host to find runs (a device sync if they live on the GPU).
+    """
+    pool = plan.pool
+    compact = torch.empty(staging_shape(pool, plan.n_pages, plan.page_size, plan.layout), dtype=pool.dtype, device=pool.device)
+    ordinal = torch.arange(plan.n_pages, dtype=torch.int64, device=pool.device)
+    host_pages = plan.pages_on_host if plan.pages_on_host is not None else plan.pages.cpu()
+    inner = replace(plan, staging=compact, pages=ordinal, num_host_pages=plan.n_pages)
+    outer = replace(plan, pages=host_pages)
+    if gather:
+        _execute(inner, gather=True, backend=backend, max_programs=max_programs)
+        _copy_runs(outer, compact, to_staging=True)
+    else:
+        _copy_runs(outer, compact, to_staging=False)
+        _execute(inner, gather=False, backend=backend, max_programs=max_programs)
+
+
+def _run(plan: Transfer, *, gather: bool, backend: str, mode: str, max_programs: int | None) -> None:
+    if mode == "staged":
+        _staged(plan, gather=gather, backend=backend, max_programs=max_programs)
+    else:
+        _execute(plan, gather=gather, backend=backend, max_programs=max_programs)
 
 
 def gather(
@@ -84,19 +155,17 @@ def gather(
 
     Raises:
         ArgumentTypeError, DeviceMismatchError, InvalidArgumentError: from validation,
-            before anything is written (see :func:`kvstage.kernels.layout.check_transfer`).
+            before anything is written (see :func:`kvstage.kernels.layout.check_transfer`);
+            InvalidArgumentError also for a bad ``mode``, ``backend`` or ``max_programs``.
         BackendUnavailableError: ``backend="triton"`` where Triton cannot run.
     """
     plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, check_bounds=check_bounds)
-    _check_mode(mode)
+    _check_mode(mode, max_programs)
     chosen = resolve_backend(backend, pool.device.type == "cuda")
     if plan.n_pages == 0:
         return
     with nvtx_range("gather"):
-        if chosen == "torch":
-            run_gather_torch(plan)
-        else:
-            _run_gather_triton(plan, max_programs)
+        _run(plan, gather=True, backend=chosen, mode=mode, max_programs=max_programs)
 
 
 def scatter(
@@ -125,12 +194,9 @@ def scatter(
         As :func:`gather`; also InvalidArgumentError for ``layer`` out of range.
     """
     plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, layer=layer, check_bounds=check_bounds)
-    _check_mode(mode)
+    _check_mode(mode, max_programs)
     chosen = resolve_backend(backend, pool.device.type == "cuda")
     if plan.n_pages == 0:
         return
     with nvtx_range("scatter"):
-        if chosen == "torch":
-            run_scatter_torch(plan)
-        else:
-            _run_scatter_triton(plan, max_programs)
+        _run(plan, gather=False, backend=chosen, mode=mode, max_programs=max_programs)

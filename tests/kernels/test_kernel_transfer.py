@@ -131,3 +131,38 @@ def test_empty_batch_writes_nothing(device, backend):
     scatter(staging, pool, empty, empty, page_size=16, backend=backend)
     assert (as_bytes(staging) == 0xA5).all()
     assert all(torch.equal(a, b) for a, b in zip(before, pool_bytes(pool)))
+
+
+def expected_pool_after_scatter(pool_before, staging, slots, pages, page_size, layout):
+    """Each buffer's bytes after a scatter, by plain Python loops."""
+    out = [t.detach().cpu().clone().view(torch.uint8) for t in pool_before.tensors()]
+    host = staging.detach().cpu().view(torch.uint8)
+    s, h = slots.cpu().tolist(), pages.cpu().tolist()
+    for i, host_page in enumerate(h):
+        for j in range(page_size):
+            for p in range(pool_before.kv_parts):
+                for layer in range(pool_before.num_layers):
+                    row = host[host_page, layer, p, j] if layout == "page_first" else host[p, layer, host_page * page_size + j]
+                    out[p * pool_before.num_layers + layer][s[i * page_size + j]] = row
+    return out
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("host", ["run", "shuffled-run", "scattered"])
+@pytest.mark.parametrize("device_slots", ["aligned-pages", "random-slots"])
+@pytest.mark.parametrize("page_size, dim", [(3, 8), (16, 1024)], ids=["p3-small-rows", "p16-32KiB-pages"])
+def test_reference_paths_equal_python_loops(device, layout, host, device_slots, page_size, dim):
+    """Every route of the reference (host run or not, device pages aligned or not, direct out or not)."""
+    pool = make_pool(parts=2, layers=2, slots=8 * page_size, heads=1, dim=dim, dtype=torch.bfloat16, device=device)
+    n, n_host = 3, 6
+    slots, _ = make_indices(pool, n, page_size, n_host, aligned=device_slots == "aligned-pages")
+    pages = {"run": [2, 3, 4], "shuffled-run": [4, 2, 3], "scattered": [5, 0, 3]}[host]
+    pages = torch.tensor(pages, device=device)
+    staging = make_staging(pool, n_host, page_size, layout)
+    want = expected_staging(pool, staging, slots, pages, page_size, layout)
+    gather_reference(pool, staging, slots, pages, page_size=page_size, layout=layout)
+    assert torch.equal(as_bytes(staging), want.view(-1))
+    random_bytes_(staging, torch.Generator().manual_seed(9))
+    want_pool = expected_pool_after_scatter(pool, staging, slots, pages, page_size, layout)
+    scatter_reference(staging, pool, slots, pages, page_size=page_size, layout=layout)
+    assert all(torch.equal(as_bytes(t), w.view(-1)) for t, w in zip(pool.tensors(), want_pool))

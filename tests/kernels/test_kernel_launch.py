@@ -1,0 +1,162 @@
+"""The Triton launcher: word size, grid cap and grid-stride loop, staged mode, NVTX, the streams helper."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from kernel_helpers import make_indices, make_pool, make_staging, pool_bytes, random_bytes_, same_bytes
+from kvstage import nvtx_ranges
+from kvstage.kernels import gather, gather_async, gather_reference, launch_after, scatter, scatter_async, scatter_reference
+from kvstage.kernels import triton_copy
+from kvstage.kernels.reference import word_bytes_for
+from kvstage.kernels.transfer import _page_runs
+
+
+def test_word_is_the_widest_dividing_row_and_addresses():
+    base = torch.empty(64, dtype=torch.uint8)  # torch's allocator aligns to at least 64 bytes
+    assert word_bytes_for(144, [base]) == 8
+    assert word_bytes_for(36, [base]) == 4
+    assert word_bytes_for(18, [base]) == 2
+    assert word_bytes_for(9, [base]) == 1
+    assert word_bytes_for(144, [base, base[4:]]) == 4  # a buffer starting 4 bytes in
+    assert word_bytes_for(144, [base[1:]]) == 1
+
+
+@pytest.mark.parametrize("on_cuda, expected_cap", [(True, triton_copy.DEFAULT_MAX_PROGRAMS), (False, triton_copy.INTERPRETER_MAX_PROGRAMS)], ids=["cuda", "interpreter"])
+def test_grid_is_capped_by_default(on_cuda, expected_cap, monkeypatch):
+    monkeypatch.delenv("KVSTAGE_MAX_PROGRAMS", raising=False)
+    config = triton_copy.choose_config(256, 8, 1 << 20, on_cuda=on_cuda, max_programs=None)
+    assert config.num_programs == expected_cap
+    assert config.block_w == 256  # a Llama-3-8B row (8 heads x 128 x bf16 = 2 KiB) in one tile row
+    monkeypatch.setenv("KVSTAGE_MAX_PROGRAMS", "3")
+    assert triton_copy.choose_config(256, 8, 1 << 20, on_cuda=on_cuda, max_programs=None).num_programs == 3
+    assert triton_copy.choose_config(256, 8, 1 << 20, on_cuda=on_cuda, max_programs=7).num_programs == 7
+    assert triton_copy.choose_config(256, 8, 1, on_cuda=on_cuda, max_programs=7).num_programs == 1  # never more than tiles
+
+
+@pytest.fixture
+def tiny_tiles():
+    """Force 2-token x 8-word tiles: many tiles, several column tiles per row, a short grid."""
+
+    def hook(row_words, word_bytes, n_tokens, *, on_cuda, max_programs):
+        return triton_copy.LaunchConfig(block_t=2, block_w=8, num_warps=1, num_programs=max_programs or 3)
+
+    triton_copy.set_config_hook(hook)
+    yield
+    triton_copy.set_config_hook(None)
+
+
+@pytest.mark.parametrize("programs", [1, 3], ids=["1-program", "3-programs"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_grid_stride_loop_covers_every_tile(device, tiny_tiles, programs, layout):
+    pool = make_pool(parts=2, layers=2, slots=24, heads=1, dim=36, dtype=torch.float16, device=device, storage="scattered")
+    staging = make_staging(pool, 6, 3, layout)
+    slots, pages = make_indices(pool, 5, 3, 6)  # 15 tokens = 8 token tiles; 74-byte gaps -> 2-byte words, 36 a row = 5 column tiles
+    want = staging.clone()
+    gather_reference(pool, want, slots, pages, page_size=3, layout=layout)
+    gather(pool, staging, slots, pages, page_size=3, layout=layout, backend="triton", max_programs=programs)
+    assert same_bytes(staging, want)
+    random_bytes_(staging, torch.Generator().manual_seed(5))
+    ref = make_pool(parts=2, layers=2, slots=24, heads=1, dim=36, dtype=torch.float16, device=device, storage="scattered")
+    scatter_reference(staging, ref, slots, pages, page_size=3, layout=layout)
+    scatter(staging, pool, slots, pages, page_size=3, layout=layout, backend="triton", max_programs=programs)
+    assert all(same_bytes(a, b) for a, b in zip(pool.tensors(), ref.tensors()))
+
+
+def test_page_runs_group_consecutive_host_pages():
+    assert _page_runs([5, 6, 7, 1, 2, 9]) == [(0, 5, 3), (3, 1, 2), (5, 9, 1)]
+    assert _page_runs([3]) == [(0, 3, 1)]
+    assert _page_runs([4, 3]) == [(0, 4, 1), (1, 3, 1)]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_staged_mode_equals_kernel_mode(device, layout, backend):
+    pool = make_pool(parts=2, layers=3, slots=40, heads=5, dim=72, dtype=torch.bfloat16, device=device)
+    pinned = device.type == "cuda"
+    staging = make_staging(pool, 10, 3, layout, pinned=pinned)
+    slots, _ = make_indices(pool, 6, 3, 10)
+    pages = torch.tensor([5, 6, 7, 1, 2, 9])  # three runs; on CPU, as an engine's host pool would hand them over
+    kernel_staging = staging.clone()
+    gather(pool, kernel_staging, slots, pages, page_size=3, layout=layout, backend=backend)
+    gather(pool, staging, slots, pages, page_size=3, layout=layout, backend=backend, mode="staged")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    assert same_bytes(staging, kernel_staging)
+    original = pool_bytes(pool)
+    for t in pool.tensors():
+        t.view(torch.uint8)[slots.long()] = 0xA5
+    scatter(staging, pool, slots, pages, page_size=3, layout=layout, backend=backend, mode="staged", layer=None)
+    assert all(torch.equal(a, b) for a, b in zip(original, pool_bytes(pool)))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_every_launch_runs_inside_its_nvtx_range(device, backend, monkeypatch):
+    seen = []
+    real_launch = triton_copy.launch
+
+    def spy(plan, *, gather, max_programs=None):
+        seen.append(nvtx_ranges.open_ranges())
+        return real_launch(plan, gather=gather, max_programs=max_programs)
+
+    monkeypatch.setattr(triton_copy, "launch", spy)
+    from kvstage.kernels import reference
+
+    real_torch = reference.run_gather_torch
+    monkeypatch.setattr("kvstage.kernels.transfer.run_gather_torch", lambda plan: (seen.append(nvtx_ranges.open_ranges()), real_torch(plan)))
+    pool = make_pool(parts=1, layers=2, slots=8, heads=1, dim=16, dtype=torch.float16, device=device)
+    staging = make_staging(pool, 2, 2, "page_first")
+    slots, pages = make_indices(pool, 2, 2, 2)
+    gather(pool, staging, slots, pages, page_size=2, backend=backend)
+    scatter(staging, pool, slots, pages, page_size=2, backend=backend)
+    if backend == "triton":
+        assert seen == [("gather",), ("scatter",)]
+    else:
+        assert seen == [("gather",)]  # the reference opens its own inner range
+    assert nvtx_ranges.open_ranges() == ()
+
+
+def test_streams_helper_copies_and_completes(device):
+    pool = make_pool(parts=2, layers=2, slots=16, heads=1, dim=16, dtype=torch.float16, device=device)
+    staging = make_staging(pool, 3, 2, "page_first", pinned=True)
+    slots, pages = make_indices(pool, 2, 2, 3)
+    want = make_staging(pool, 3, 2, "page_first")
+    gather_reference(pool, want, slots, pages, page_size=2)
+    stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+    handle = gather_async(pool, staging, slots, pages, stream=stream, page_size=2)
+    handle.synchronize()
+    assert handle.query()
+    assert same_bytes(staging, want)
+    original = pool_bytes(pool)
+    for t in pool.tensors():
+        t.view(torch.uint8)[slots.long()] = 0
+    handle = scatter_async(staging, pool, slots, pages, stream=stream, page_size=2)
+    handle.wait()  # the consumer's stream waits; on CPU it already ran
+    if device.type == "cuda":
+        torch.cuda.current_stream().synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(original, pool_bytes(pool)))
+
+
+def test_launch_after_runs_inline_without_a_stream():
+    calls = []
+    handle = launch_after(functools.partial(calls.append, 1), stream=None, keep_alive=[torch.zeros(1)])
+    assert calls == [1] and handle.query() and handle.event is None
+
+
+@pytest.mark.gpu
+def test_side_stream_copy_waits_for_the_producer():
+    """The producer writes the pool after a long kernel; the gather on the side stream must see the write."""
+    device = torch.device("cuda")
+    pool = make_pool(parts=2, layers=2, slots=64, heads=8, dim=128, dtype=torch.bfloat16, device=device)
+    staging = make_staging(pool, 4, 16, "page_first", pinned=True)
+    slots, pages = make_indices(pool, 4, 16, 4)
+    side = torch.cuda.Stream()
+    torch.cuda._sleep(50_000_000)  # keep the producer busy for tens of ms
+    for t in pool.tensors():
+        t.fill_(1.5)
+    handle = gather_async(pool, staging, slots, pages, stream=side, page_size=16)
+    handle.synchronize()
+    assert (staging.float() == 1.5).all()
