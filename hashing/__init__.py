@@ -12,7 +12,7 @@ seed), ``chain`` (keys, the decode form, :class:`PageHasher`).
 from kvstage.hashing.chain import PageHasher, compute_prefix_hash, full_pages, page_keys, prefill_page_keys
 from kvstage.hashing.namespace import namespace_seed
 from kvstage.hashing.schemes import DEFAULT_SCHEME, SCHEMES, HashScheme, get_scheme
-from kvstage.hashing.tokens import token_bytes
+from kvstage.hashing.tokens import token_buffer, token_bytes
 
 __all__ = [
     "DEFAULT_SCHEME",
@@ -25,5 +25,6 @@ __all__ = [
     "namespace_seed",
     "page_keys",
     "prefill_page_keys",
+    "token_buffer",
     "token_bytes",
 ]

@@ -5,9 +5,9 @@ tensor on any device (a CUDA tensor is copied to the host in one transfer, never
 element). Every id must satisfy ``0 <= id < 2**32``: an id outside that range cannot be encoded
 and is an error, never a wrap (sglang-storage-keys.md, "Page hash").
 
-The conversion is vectorised: one ``array('I', ...)`` (lists) or one ``astype('<u4')`` (arrays)
-for the whole input, then one ``tobytes``; Python touches single elements only to name the first
-bad one in an error message.
+The conversion is vectorised: one ``array('I', ...)`` (lists) or numpy's ``astype('<u4')``
+(arrays) for the whole input, into one buffer; Python touches single elements only to name the
+first bad one in an error message.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 
 TOKEN_BYTES = 4  # bytes per token id in the hashed stream
 _LIMIT = 1 << 32
+_CHUNK = 1 << 17  # elements checked and converted at a time (1 MiB of int64: stays in L2)
 _RULE = "every token id must satisfy 0 <= id < 2**32"
 
 # array('I') is C unsigned int: 4 bytes on every platform kvstage runs on; 'L' as a fallback.
@@ -48,9 +49,9 @@ def _first_bad_element(seq, argument: str) -> Exception:
     raise AssertionError("no bad element found")  # the caller saw one; unreachable
 
 
-def _sequence_bytes(seq, argument: str) -> bytes:
+def _sequence_buffer(seq, argument: str) -> memoryview:
     if len(seq) == 0:
-        return b""
+        return memoryview(b"")  # bytes: already read-only
     try:
         # One C-level pass: rejects floats (TypeError) and ids outside 0..2**32-1 (OverflowError).
         packed = array.array(_U32_CODE, seq)
@@ -58,36 +59,43 @@ def _sequence_bytes(seq, argument: str) -> bytes:
         raise _first_bad_element(seq, argument) from None
     # array() takes bools as 0/1, so only elements that became 0 or 1 can be bools: find those
     # few with numpy and look at their types, instead of a type check per element.
-    values = np.frombuffer(packed, dtype=np.uint32)
-    for position in np.flatnonzero(values <= 1).tolist():
-        if isinstance(seq[position], bool):
-            raise _first_bad_element(seq, argument)
+    candidates = np.flatnonzero(np.frombuffer(packed, dtype=np.uint32) <= 1).tolist()
+    if candidates and bool in map(type, map(seq.__getitem__, candidates)):
+        raise _first_bad_element(seq, argument)
     if not _LITTLE_ENDIAN:
         packed.byteswap()
-    return packed.tobytes()
+    return memoryview(packed).cast("B").toreadonly()
 
 
-def _numpy_bytes(values: np.ndarray, argument: str) -> bytes:
+def _numpy_buffer(values: np.ndarray, argument: str) -> memoryview:
     if values.ndim != 1:
         raise InvalidArgumentError(f"{argument}: must be 1-D, got shape {tuple(values.shape)}")
     kind = values.dtype.kind
     if kind == "O":
-        return _sequence_bytes(values.tolist(), argument)
+        return _sequence_buffer(values.tolist(), argument)
     if kind == "b":
         raise ArgumentTypeError(f"{argument}: token ids must be integers, got dtype bool")
     if kind not in "iu":
         raise ArgumentTypeError(f"{argument}: token ids must be integers, got dtype {values.dtype}")
-    if values.size:
-        too_low = kind == "i" and values.min() < 0
-        too_high = values.dtype.itemsize > 4 and values.max() >= _LIMIT
-        if too_low or too_high:
-            bad = values >= _LIMIT if kind == "u" else (values < 0) | (values >= _LIMIT)
-            position = int(np.argmax(bad))
+    signed = kind == "i"
+    if not signed and values.dtype.itemsize <= 4:
+        # uint8/16/32 always fit: no check. A view of the converted array, not tobytes(): a
+        # second copy would cost as much as the conversion (fresh pages from the allocator).
+        return memoryview(np.ascontiguousarray(values.astype("<u4", copy=False))).cast("B").toreadonly()
+    out = np.empty(values.shape[0], dtype="<u4")
+    # Check and convert a chunk at a time, so the range check reads each chunk from cache
+    # right before the conversion does (one pass over memory instead of three).
+    for start in range(0, values.shape[0], _CHUNK):
+        part = values[start : start + _CHUNK]
+        if (signed and part.min() < 0) or (values.dtype.itemsize > 4 and part.max() >= _LIMIT):
+            bad = (part < 0) | (part >= _LIMIT) if signed else part >= _LIMIT
+            position = start + int(np.argmax(bad))
             raise InvalidArgumentError(f"{argument}: {_RULE}; {argument}[{position}] = {int(values[position])}")
-    return values.astype("<u4", copy=False).tobytes()
+        np.copyto(out[start : start + _CHUNK], part, casting="unsafe")
+    return memoryview(out).cast("B").toreadonly()
 
 
-def _torch_bytes(tensor, argument: str) -> bytes:
+def _torch_buffer(tensor, argument: str) -> memoryview:
     import torch
 
     if tensor.dtype == torch.bool:
@@ -97,7 +105,7 @@ def _torch_bytes(tensor, argument: str) -> bytes:
     if tensor.dim() != 1:
         raise InvalidArgumentError(f"{argument}: must be 1-D, got shape {tuple(tensor.shape)}")
     # One device-to-host copy of the whole tensor (a no-op on CPU); the checks run on the host.
-    return _numpy_bytes(tensor.detach().cpu().numpy(), argument)
+    return _numpy_buffer(tensor.detach().cpu().numpy(), argument)
 
 
 def _is_torch_tensor(value: object) -> bool:
@@ -105,8 +113,11 @@ def _is_torch_tensor(value: object) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def token_bytes(tokens, argument: str = "tokens") -> bytes:
-    """The token ids as one ``bytes``: ``4 * len(tokens)`` bytes, each id as u32 little-endian.
+def token_buffer(tokens, argument: str = "tokens") -> memoryview:
+    """The token ids as a read-only byte view: ``4 * len(tokens)`` bytes, each id as u32 little-endian.
+
+    What the chains hash; :func:`token_bytes` is the same as ``bytes``. The view may share
+    memory with ``tokens`` when it already is a contiguous little-endian uint32 array.
 
     Args:
         tokens: list/tuple/range of ints, 1-D numpy integer array, or 1-D torch integer tensor
@@ -114,7 +125,7 @@ def token_bytes(tokens, argument: str = "tokens") -> bytes:
         argument: the name used in error messages.
 
     Returns:
-        ``bytes`` of length ``4 * number of tokens``.
+        A ``memoryview`` (format ``"B"``) of ``4 * number of tokens`` bytes.
 
     Raises:
         ArgumentTypeError: a float, bool or other non-integer id (or float/bool dtype), or an
@@ -123,13 +134,20 @@ def token_bytes(tokens, argument: str = "tokens") -> bytes:
             bad position and its value), or an array that is not 1-D.
     """
     if isinstance(tokens, (list, tuple, range)):
-        return _sequence_bytes(tokens, argument)
+        return _sequence_buffer(tokens, argument)
     if isinstance(tokens, np.ndarray):
-        return _numpy_bytes(tokens, argument)
+        return _numpy_buffer(tokens, argument)
     if _is_torch_tensor(tokens):
-        return _torch_bytes(tokens, argument)
+        return _torch_buffer(tokens, argument)
     raise ArgumentTypeError(
         f"{argument}: must be a list/tuple/range of ints, a numpy integer array or a torch integer tensor, "
         f"got {type(tokens).__module__}.{type(tokens).__qualname__}"
     )
 
+
+def token_bytes(tokens, argument: str = "tokens") -> bytes:
+    """:func:`token_buffer` as ``bytes`` (a copy): ``4 * len(tokens)`` bytes, u32 little-endian.
+
+    Raises: as :func:`token_buffer`.
+    """
+    return token_buffer(tokens, argument).tobytes()

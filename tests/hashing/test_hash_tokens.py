@@ -1,0 +1,205 @@
+"""Token ids -> u32 little-endian bytes: every accepted container, the range rule, the type rule."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, KvstageError
+from kvstage.hashing import page_keys, token_bytes
+
+IDS = [0, 1, 2, 255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1]
+EXPECTED = struct.pack(f"<{len(IDS)}I", *IDS)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: IDS, id="list"),
+        pytest.param(lambda: tuple(IDS), id="tuple"),
+        pytest.param(lambda: np.array(IDS, dtype=np.int64), id="numpy-int64"),
+        pytest.param(lambda: np.array(IDS, dtype=np.uint64), id="numpy-uint64"),
+        pytest.param(lambda: np.array(IDS, dtype=np.uint32), id="numpy-uint32"),
+        pytest.param(lambda: np.array(IDS, dtype=">u4"), id="numpy-big-endian-uint32"),
+        pytest.param(lambda: np.repeat(np.array(IDS, dtype=np.int64), 2)[::2], id="numpy-strided"),
+        pytest.param(lambda: np.array(IDS, dtype=object), id="numpy-object"),
+        pytest.param(lambda: [np.int64(t) for t in IDS], id="list-of-numpy-ints"),
+    ],
+)
+def test_containers_give_the_same_little_endian_bytes(make):
+    assert token_bytes(make()) == EXPECTED
+
+
+def test_small_integer_dtypes():
+    small = [0, 1, 100, 127]
+    for dtype in (np.int8, np.int16, np.int32, np.uint8, np.uint16):
+        assert token_bytes(np.array(small, dtype=dtype)) == struct.pack("<4I", *small)
+    assert token_bytes(range(3, 7)) == struct.pack("<4I", 3, 4, 5, 6)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.uint8])
+def test_torch_tensors_on_every_device(device, dtype):
+    ids = [0, 1, 100, 127]
+    tensor = torch.tensor(ids, dtype=dtype, device=device)
+    assert token_bytes(tensor) == struct.pack("<4I", *ids)
+
+
+def test_strided_torch_tensor(device):
+    tensor = torch.arange(20, dtype=torch.int64, device=device)[::3]
+    assert token_bytes(tensor) == struct.pack("<7I", *range(0, 20, 3))
+
+
+def test_token_buffer_is_a_read_only_byte_view():
+    from kvstage.hashing import token_buffer
+
+    for tokens in ([1, 2], np.array([1, 2], dtype=np.uint32), np.array([1, 2])):
+        view = token_buffer(tokens)
+        assert view.readonly and view.format == "B" and view.tobytes() == struct.pack("<2I", 1, 2)
+
+
+def test_torch_int64_full_range(device):
+    tensor = torch.tensor(IDS, dtype=torch.int64, device=device)
+    assert token_bytes(tensor) == EXPECTED
+
+
+def test_torch_tensor_is_converted_in_one_transfer_not_per_element(device, monkeypatch):
+    """No .item(), .tolist() or iteration over the tensor: the whole tensor moves at once."""
+    tensor = torch.arange(64, dtype=torch.int64, device=device)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("per-element access to a token tensor")
+
+    for name in ("item", "tolist", "__iter__", "__getitem__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    assert token_bytes(tensor) == struct.pack("<64I", *range(64))
+
+
+def test_empty_inputs_give_no_bytes_and_no_keys(device):
+    for empty in ([], (), range(0), np.array([], dtype=np.int64), torch.empty(0, dtype=torch.int64, device=device)):
+        assert token_bytes(empty) == b""
+        assert page_keys(empty, 4) == []
+
+
+@pytest.mark.parametrize(
+    "tokens, position, value",
+    [
+        ([5, -1, 2**32], 1, -1),
+        ([5, 6, 2**32], 2, 2**32),
+        ([2**70, -1], 0, 2**70),
+        ([3, 3, 3, -(2**70)], 3, -(2**70)),
+    ],
+)
+def test_out_of_range_ids_name_the_first_bad_position_and_value(tokens, position, value):
+    for container in (tokens, tuple(tokens)):
+        with pytest.raises(InvalidArgumentError) as info:
+            token_bytes(container)
+        assert f"tokens[{position}] = {value}" in str(info.value)
+        assert "0 <= id < 2**32" in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.int8])
+def test_negative_ids_in_numpy_arrays(dtype):
+    with pytest.raises(InvalidArgumentError, match=r"tokens\[2\] = -3"):
+        token_bytes(np.array([4, 5, -3, -1], dtype=dtype))
+
+
+def test_too_large_ids_in_numpy_arrays():
+    with pytest.raises(InvalidArgumentError, match=r"tokens\[1\] = 4294967296"):
+        token_bytes(np.array([4, 2**32, 2**40], dtype=np.uint64))
+    with pytest.raises(InvalidArgumentError, match=r"tokens\[0\] = -7"):
+        token_bytes(np.array([-7, 2**32], dtype=np.int64))
+
+
+def test_out_of_range_ids_in_torch_tensors(device):
+    with pytest.raises(InvalidArgumentError, match=r"tokens\[3\] = 4294967296"):
+        token_bytes(torch.tensor([1, 2, 3, 2**32], dtype=torch.int64, device=device))
+    with pytest.raises(InvalidArgumentError, match=r"tokens\[0\] = -1"):
+        token_bytes(torch.tensor([-1, 2], dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize(
+    "tokens, position",
+    [
+        ([1, 2.0, 3], 1),
+        ([1, 2, 3.5], 2),
+        ([1, np.float32(2)], 1),
+        (["1", 2], 0),
+        ([1, None], 1),
+    ],
+)
+def test_non_integer_ids_in_lists_are_type_errors(tokens, position):
+    with pytest.raises(ArgumentTypeError, match=rf"tokens\[{position}\] = "):
+        token_bytes(tokens)
+
+
+@pytest.mark.parametrize(
+    "tokens, position",
+    [
+        ([True, False], 0),
+        ([7, 8, True], 2),
+        ([0, 1, 2, False, 1], 3),
+        ([1, np.True_], 1),
+        ([2] * 50 + [1, 0] * 1000 + [True], 2050),
+        ([True, -1], 0),
+    ],
+)
+def test_bools_in_lists_are_type_errors(tokens, position):
+    with pytest.raises(ArgumentTypeError, match=rf"not bools; tokens\[{position}\] = "):
+        token_bytes(tokens)
+
+
+def test_first_bad_element_wins_whatever_its_kind():
+    with pytest.raises(InvalidArgumentError, match=r"tokens\[0\] = -1"):
+        token_bytes([-1, True])
+
+
+def test_float_and_bool_arrays_are_type_errors(device):
+    for bad in (
+        np.array([1.0, 2.0]),
+        np.array([True, False]),
+        np.array([1 + 0j]),
+        np.array([]),  # an empty float array is still a float array
+        torch.tensor([1.0, 2.0], device=device),
+        torch.tensor([True, False], device=device),
+        torch.tensor([1.0], dtype=torch.bfloat16, device=device),
+    ):
+        with pytest.raises(ArgumentTypeError, match="tokens: token ids must be integers, got dtype"):
+            token_bytes(bad)
+
+
+def test_unsupported_containers_are_type_errors():
+    for bad in ("abc", b"\x01\x02", {1: 2}, (t for t in [1, 2]), 5, None):
+        with pytest.raises(ArgumentTypeError, match="tokens: must be a list/tuple/range of ints"):
+            token_bytes(bad)
+
+
+def test_arrays_must_be_one_dimensional(device):
+    with pytest.raises(InvalidArgumentError, match=r"tokens: must be 1-D, got shape \(2, 2\)"):
+        token_bytes(np.zeros((2, 2), dtype=np.int64))
+    with pytest.raises(InvalidArgumentError, match=r"tokens: must be 1-D, got shape \(\)"):
+        token_bytes(torch.tensor(3, device=device))
+
+
+def test_errors_are_kvstage_errors_and_builtin_kinds():
+    with pytest.raises(ValueError):
+        token_bytes([-1])
+    with pytest.raises(TypeError):
+        token_bytes([1.5])
+    with pytest.raises(KvstageError):
+        page_keys([True], 1)
+
+
+def test_bad_id_past_the_first_conversion_chunk_is_found():
+    values = np.arange(300_000, dtype=np.int64)
+    values[200_001] = -5
+    values[250_000] = 2**33
+    with pytest.raises(InvalidArgumentError, match=r"tokens\[200001\] = -5"):
+        token_bytes(values)
+    values[200_001] = 0
+    with pytest.raises(InvalidArgumentError, match=r"tokens\[250000\] = 8589934592"):
+        token_bytes(values)
+    values[250_000] = 0
+    assert token_bytes(values)[-8:] == struct.pack("<2I", 299_998, 299_999)
