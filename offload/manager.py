@@ -35,6 +35,13 @@ Decisions worth knowing:
 - ``poll`` never blocks and costs O(copies finished), not O(live requests): in-flight copies
   sit in a queue in submission order; on an in-order copy stream ``poll`` stops at the first
   unfinished copy, on any other it checks each in-flight copy.
+- Host pool full: ``offload`` returns False and changes nothing (the same stride is tried at
+  the next call); ``finish`` drops the pages that do not fit (``pages_dropped``) and still
+  releases. A request whose ``finished()`` is true is finished by ``offload``.
+- After release the manager forgets the request but remembers the object weakly: a late
+  ``finish``/``abort``/``offload`` of it is ignored, so release stays exactly once.
+- NVTX ranges (domain ``kvstage``): ``offload``, ``offload.finish``, ``poll``, ``backup``
+  (the storage write of one segment, inside ``poll``).
 
 Not thread-safe: call offload/poll/finish/abort from one thread (the scheduler's).
 """
