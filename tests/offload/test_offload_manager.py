@@ -480,3 +480,16 @@ def test_a_token_the_hash_scheme_rejects_fails_its_pages_without_stopping_poll()
     assert len(reports) == 1 and reports[0][0] is bad and reports[0][1] == []
     metrics = rig.manager.metrics
     assert (metrics.pages_failed, metrics.pages_stored, metrics.host_pages_used) == (1, 1, 0)
+
+
+def test_manager_backs_up_to_a_file_store(tmp_path):
+    from kvstage.offload import FileStore
+
+    store = FileStore(LayoutFingerprint("rig", "int32", 2, 2, 1, 4, 2), tmp_path)
+    rig = make_rig(page_size=2, storage=store)
+    req = rig.new_request("r", [1, 2, 3], 10, extra_key="lora")
+    decode_steps(rig, req, [4, 5, 6, 7, 8, 9], poll=False)
+    rig.manager.finish(req)
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    assert rig.check_stored_pages(req) == (3, 3) and len(list(tmp_path.iterdir())) == 3
