@@ -326,8 +326,14 @@ class OffloadManager:
                 for segment in in_flight:
                     (done if segment.event.query() else waiting).append(segment)
                 self._in_flight = waiting
-            for segment in done:
-                self._complete(segment)
+            for index, segment in enumerate(done):
+                try:
+                    self._complete(segment)
+                except BaseException:
+                    # Not expected (callbacks and storage errors are caught): keep the copies not
+                    # handled yet for the next poll rather than losing their host pages.
+                    self._in_flight.extendleft(reversed(done[index + 1 :]))
+                    raise
             return len(done)
 
     def finish(self, req: Any) -> bool:

@@ -493,3 +493,25 @@ def test_manager_backs_up_to_a_file_store(tmp_path):
     rig.copy_stream.complete_all()
     rig.manager.poll()
     assert rig.check_stored_pages(req) == (3, 3) and len(list(tmp_path.iterdir())) == 3
+
+
+def test_an_interrupted_poll_keeps_the_copies_it_did_not_handle():
+    rig = make_rig(page_size=2)
+    req = rig.new_request("r", [1, 2], 10)
+    decode_steps(rig, req, [3, 4, 5, 6, 7], poll=False)  # two copies
+    rig.copy_stream.complete_all()
+    original_exists = rig.storage.exists
+    calls = []
+
+    def exists(keys):
+        calls.append(keys)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # not an Exception: the manager lets it through
+        return original_exists(keys)
+
+    rig.storage.exists = exists
+    with pytest.raises(KeyboardInterrupt):
+        rig.manager.poll()
+    assert rig.manager.metrics.copies_in_flight == 1 and rig.host_pool.used == 1
+    assert rig.manager.poll() == 1
+    assert rig.host_pool.used == 0 and rig.manager.metrics.pages_stored == 1
