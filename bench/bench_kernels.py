@@ -45,7 +45,7 @@ CASES = {
 PAGE_SIZES = (1, 16, 64)
 DTYPE = torch.bfloat16
 # the per-page loop issues n_pages * layers * parts copies; above this many it times a prefix of the batch
-LOOP_MAX_COPIES = {"cpu": 1 << 16, "cuda": 1 << 15}
+LOOP_MAX_COPIES = {"cpu": 1 << 14, "cuda": 1 << 15}
 CPU_NOTE = "CPU: only torch paths are timed; the Triton interpreter's timings mean nothing."
 
 
@@ -108,7 +108,7 @@ def time_medians(fns: dict[str, Callable[[], None]], device: torch.device, *, qu
     for fn in fns.values():
         fn()  # warm up: page faults, allocator
     times: dict[str, list[float]] = {name: [] for name in fns}
-    budget = 0.3 if quick else 4.0
+    budget = 0.3 if quick else 1.5
     rounds, begin = 0, time.perf_counter()
     while rounds < 3 or (rounds < 15 and time.perf_counter() - begin < budget):
         for name, fn in fns.items():
@@ -228,26 +228,23 @@ def run(
 
 
 def summarize(results: list[dict], device: torch.device) -> dict:
-    """The targets of issue 4, as ``{name: {"value": ..., "target": ..., "ok": bool}}``."""
+    """The targets of issue 4 per op and page size, as ``{name: {"value", "target", "ok"}}``.
+
+    GPU: the Triton kernel at >= 90% of the pinned memcpy, and >= 3x the per-page loop at
+    page size 16. CPU: the torch path at >= 70% of ``copy_``.
+    """
     summary: dict[str, dict] = {}
-
-    def worst(method: str, key: str, **where) -> float | None:
-        values = [r[key] for r in results if r["method"] == method and all(r[k] == v for k, v in where.items())]
-        return min(values) if values else None
-
+    method, key, target = ("triton", "of_ceiling", 0.9) if device.type == "cuda" else ("torch", "of_ceiling", 0.7)
+    ceiling = "pinned memcpy" if device.type == "cuda" else "copy_"
+    for r in results:
+        if r["method"] == method:
+            name = f"{method} {r['op']} / {ceiling}, {r['case']} page {r['page_size']}"
+            summary[name] = dict(value=r[key], target=target, ok=r[key] >= target)
     if device.type == "cuda":
-        for op in ("gather", "scatter"):
-            value = worst("triton", "of_ceiling", op=op)
-            if value is not None:
-                summary[f"triton {op} / pinned memcpy (worst case)"] = dict(value=value, target=0.9, ok=value >= 0.9)
-            value = worst("triton", "of_loop", op=op, page_size=16)
-            if value is not None:
-                summary[f"triton {op} / per-page loop at page 16 (worst case)"] = dict(value=value, target=3.0, ok=value >= 3.0)
-    else:
-        for op in ("gather", "scatter"):
-            value = worst("torch", "of_ceiling", op=op)
-            if value is not None:
-                summary[f"torch {op} / copy_ (worst case)"] = dict(value=value, target=0.7, ok=value >= 0.7)
+        for r in results:
+            if r["method"] == "triton" and r["page_size"] == 16:
+                name = f"triton {r['op']} / per-page loop, {r['case']} page 16"
+                summary[name] = dict(value=r["of_loop"], target=3.0, ok=r["of_loop"] >= 3.0)
     return summary
 
 

@@ -5,9 +5,9 @@ tensor on any device (a CUDA tensor is copied to the host in one transfer, never
 element). Every id must satisfy ``0 <= id < 2**32``: an id outside that range cannot be encoded
 and is an error, never a wrap (sglang-storage-keys.md, "Page hash").
 
-The conversion is vectorised: one ``array('I', ...)`` (lists) or one ``astype('<u4')`` (arrays)
-for the whole input, then one ``tobytes``; Python touches single elements only to name the first
-bad one in an error message.
+The conversion is vectorised: one ``array('I', ...)`` (lists) or numpy's ``astype('<u4')``
+(arrays) for the whole input, into one buffer; Python touches single elements only to name the
+first bad one in an error message.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _first_bad_element(seq, argument: str) -> Exception:
 
 def _sequence_buffer(seq, argument: str) -> memoryview:
     if len(seq) == 0:
-        return memoryview(b"")
+        return memoryview(b"")  # bytes: already read-only
     try:
         # One C-level pass: rejects floats (TypeError) and ids outside 0..2**32-1 (OverflowError).
         packed = array.array(_U32_CODE, seq)
@@ -59,13 +59,12 @@ def _sequence_buffer(seq, argument: str) -> memoryview:
         raise _first_bad_element(seq, argument) from None
     # array() takes bools as 0/1, so only elements that became 0 or 1 can be bools: find those
     # few with numpy and look at their types, instead of a type check per element.
-    values = np.frombuffer(packed, dtype=np.uint32)
-    for position in np.flatnonzero(values <= 1).tolist():
-        if isinstance(seq[position], bool):
-            raise _first_bad_element(seq, argument)
+    candidates = np.flatnonzero(np.frombuffer(packed, dtype=np.uint32) <= 1).tolist()
+    if candidates and bool in map(type, map(seq.__getitem__, candidates)):
+        raise _first_bad_element(seq, argument)
     if not _LITTLE_ENDIAN:
         packed.byteswap()
-    return memoryview(packed).cast("B")
+    return memoryview(packed).cast("B").toreadonly()
 
 
 def _numpy_buffer(values: np.ndarray, argument: str) -> memoryview:
@@ -82,7 +81,7 @@ def _numpy_buffer(values: np.ndarray, argument: str) -> memoryview:
     if not signed and values.dtype.itemsize <= 4:
         # uint8/16/32 always fit: no check. A view of the converted array, not tobytes(): a
         # second copy would cost as much as the conversion (fresh pages from the allocator).
-        return memoryview(np.ascontiguousarray(values.astype("<u4", copy=False))).cast("B")
+        return memoryview(np.ascontiguousarray(values.astype("<u4", copy=False))).cast("B").toreadonly()
     out = np.empty(values.shape[0], dtype="<u4")
     # Check and convert a chunk at a time, so the range check reads each chunk from cache
     # right before the conversion does (one pass over memory instead of three).
@@ -93,7 +92,7 @@ def _numpy_buffer(values: np.ndarray, argument: str) -> memoryview:
             position = start + int(np.argmax(bad))
             raise InvalidArgumentError(f"{argument}: {_RULE}; {argument}[{position}] = {int(values[position])}")
         np.copyto(out[start : start + _CHUNK], part, casting="unsafe")
-    return memoryview(out).cast("B")
+    return memoryview(out).cast("B").toreadonly()
 
 
 def _torch_buffer(tensor, argument: str) -> memoryview:

@@ -6,8 +6,14 @@ Public API:
     gather / scatter: D2H / H2D of every layer (scatter: or one layer) in one launch.
     gather_reference / scatter_reference: the torch reference (``index_select``/``index_copy_``).
     resolve_backend, describe_backend, BACKEND_CHOICES: which backend ``"auto"`` runs.
-    streams (module): launch_after / gather_async / scatter_async / CopyHandle for side streams.
-    triton_copy (module, imports triton): the kernel, its launch heuristic and autotune hook.
+    launch_after, gather_async, scatter_async, CopyHandle, side_stream: run a copy on a side
+        stream after the producer's queued work (:mod:`kvstage.kernels.streams`).
+    MODES, LAYOUTS: the accepted ``mode`` and ``layout`` values.
+
+Modules: ``pool`` (KVPool), ``layout`` (staging layouts, validation, staged-mode helpers),
+``reference`` (torch path), ``triton_copy`` (the kernel, its launch heuristic
+``choose_config``, the autotune hook ``set_config_hook``, ``compile_ptx``; imports triton, so
+it is imported only when a Triton launch happens), ``transfer`` (gather/scatter), ``streams``.
 """
 
 from kvstage.kernels.backend import BACKEND_CHOICES, describe_backend, resolve_backend

@@ -14,14 +14,14 @@ description that the torch reference and the Triton launcher both execute.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvstage.errors import ArgumentTypeError, DeviceMismatchError, require
 from kvstage.kernels.pool import KVPool
 
-__all__ = ["LAYOUTS", "Transfer", "check_transfer", "staging_shape"]
+__all__ = ["LAYOUTS", "Transfer", "check_transfer", "copy_runs", "page_runs", "split_staged", "staging_shape"]
 
 LAYOUTS = ("page_first", "layer_first")
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -213,3 +213,63 @@ def check_transfer(
     if pages.device != pool.device:
         pages = pages.to(pool.device, non_blocking=True)
     return Transfer(pool, staging, slots, pages, page_size, layout, layers, num_host_pages, pages_on_host)
+
+
+def page_runs(page_ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(first batch page, first host page, length)`` of each run of consecutive host page ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, host in enumerate(page_ids):
+        if runs and runs[-1][1] + runs[-1][2] == host:
+            first, start, length = runs[-1]
+            runs[-1] = (first, start, length + 1)
+        else:
+            runs.append((i, host, 1))
+    return runs
+
+
+def copy_runs(plan: Transfer, compact: torch.Tensor, *, to_staging: bool) -> None:
+    """Move whole pages between ``compact`` (batch page ``i`` at page ``i``) and ``plan.staging``.
+
+    One ``copy_`` per run of consecutive host pages (page_first; per (part, layer) and run for
+    layer_first, whose pages are not contiguous across layers), ``non_blocking`` so that a
+    pinned-host <-> device copy is one ``cudaMemcpyAsync`` on the current stream. Only the
+    layers of ``plan.layers`` move: for one layer of a page_first buffer that is a strided
+    copy, which torch stages through a contiguous host copy (correct, not fast: a per-layer
+    scatter should use ``mode="kernel"``).
+    """
+    ps = plan.page_size
+    all_layers = len(plan.layers) == plan.pool.num_layers
+    for first, start, length in page_runs(plan.pages.tolist()):
+        if plan.layout == "page_first" and all_layers:
+            pairs = [(plan.staging[start : start + length], compact[first : first + length])]
+        elif plan.layout == "page_first":
+            pairs = [(plan.staging[start : start + length, layer], compact[first : first + length, layer]) for layer in plan.layers]
+        else:
+            pool = plan.pool
+            pairs = [
+                (plan.staging[p, layer, start * ps : (start + length) * ps], compact[p, layer, first * ps : (first + length) * ps])
+                for p in range(pool.kv_parts)
+                for layer in plan.layers
+            ]
+        for host, device in pairs:
+            if to_staging:
+                host.copy_(device, non_blocking=True)
+            else:
+                device.copy_(host, non_blocking=True)
+
+
+def split_staged(plan: Transfer) -> tuple[Transfer, Transfer]:
+    """Split a transfer in two for ``mode="staged"``: ``(inner, outer)``.
+
+    ``inner`` moves the batch between the pool and a new compact buffer on the pool's device
+    (``inner.staging``; batch page ``i`` at page ``i``); ``outer`` carries the host page ids on
+    the host for :func:`copy_runs` between that buffer and the real staging buffer. Reads the
+    host page ids on the host (a device sync if they live on the GPU).
+    """
+    pool = plan.pool
+    compact = torch.empty(staging_shape(pool, plan.n_pages, plan.page_size, plan.layout), dtype=pool.dtype, device=pool.device)
+    ordinal = torch.arange(plan.n_pages, dtype=torch.int64, device=pool.device)
+    host_pages = plan.pages_on_host if plan.pages_on_host is not None else plan.pages.cpu()
+    inner = replace(plan, staging=compact, pages=ordinal, num_host_pages=plan.n_pages, pages_on_host=None)
+    outer = replace(plan, pages=host_pages)
+    return inner, outer

@@ -24,7 +24,8 @@ class KVPool:
     """The device KV pool: ``kv_parts x num_layers`` buffers ``[num_slots, head_num, head_dim]``.
 
     Build one with :meth:`mha`, :meth:`mla` or :meth:`from_stacked`; the pool keeps
-    references to (never copies of) the engine's tensors.
+    references to (never copies of) the engine's tensors. Build a new pool if the engine
+    reallocates its buffers: the Triton launcher caches their addresses per pool.
 
     Every buffer must have the same shape, dtype and device, and be contiguous (a slot's
     row of ``head_num * head_dim`` elements is one run of bytes, and slot ``s`` starts

@@ -12,6 +12,9 @@ usual case for a fresh host allocation) the host side is a plain slice, so gathe
 ``index_select`` (whole pages when the slots come as aligned page runs) and scatter one
 ``index_copy_``; otherwise each plane costs an ``index_select`` plus an ``index_copy_``.
 ``index_copy_`` costs per element, hence the 16-byte words.
+
+With pinned host staging for a CUDA pool (torch ops need one device) it runs staged: the
+batch goes through a compact device buffer and one ``copy_`` per run of host pages.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstage.kernels.layout import Transfer, check_transfer
+from kvstage.kernels.layout import Transfer, check_transfer, copy_runs, split_staged
 from kvstage.kernels.pool import KVPool
 from kvstage.nvtx_ranges import nvtx_range
 
@@ -99,6 +102,11 @@ def run_gather_torch(plan: Transfer) -> None:
     """Execute a validated gather with ``index_select`` (and ``copy_`` / ``index_copy_`` into staging)."""
     if plan.n_pages == 0:
         return
+    if plan.staging.device != plan.pool.device:  # host staging for a CUDA pool: torch ops need one device
+        inner, outer = split_staged(plan)
+        run_gather_torch(inner)
+        copy_runs(outer, inner.staging, to_staging=True)
+        return
     pool, ps, n = plan.pool, plan.page_size, plan.n_pages
     word = word_bytes_for(pool.row_bytes, pool.tensors() + [plan.staging], GATHER_MAX_WORD)
     route = _route(plan)
@@ -122,6 +130,11 @@ def run_gather_torch(plan: Transfer) -> None:
 def run_scatter_torch(plan: Transfer) -> None:
     """Execute a validated scatter with ``index_copy_`` (and ``index_select`` from staging when needed)."""
     if plan.n_pages == 0:
+        return
+    if plan.staging.device != plan.pool.device:
+        inner, outer = split_staged(plan)
+        copy_runs(outer, inner.staging, to_staging=False)
+        run_scatter_torch(inner)
         return
     pool, ps, n = plan.pool, plan.page_size, plan.n_pages
     word = word_bytes_for(pool.row_bytes, pool.tensors() + [plan.staging], SCATTER_MAX_WORD)

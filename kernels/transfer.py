@@ -20,13 +20,11 @@ it on a side stream after the producer's event).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from kvstage.errors import require
 from kvstage.kernels.backend import resolve_backend
-from kvstage.kernels.layout import Transfer, check_transfer, staging_shape
+from kvstage.kernels.layout import Transfer, check_transfer, copy_runs, split_staged
 from kvstage.kernels.pool import KVPool
 from kvstage.kernels.reference import run_gather_torch, run_scatter_torch
 from kvstage.nvtx_ranges import nvtx_range
@@ -36,8 +34,12 @@ __all__ = ["MODES", "gather", "scatter"]
 MODES = ("kernel", "staged")
 
 
-def _check_mode(mode: object) -> None:
+def _check_mode(mode: object, max_programs: object) -> None:
     require(mode in MODES, "mode", f"must be one of {MODES}, got {mode!r}")
+    require(
+        max_programs is None or (isinstance(max_programs, int) and not isinstance(max_programs, bool) and max_programs >= 1),
+        "max_programs", f"must be None or an int >= 1, got {max_programs!r}",
+    )
 
 
 def _execute(plan: Transfer, *, gather: bool, backend: str, max_programs: int | None) -> None:
@@ -50,59 +52,17 @@ def _execute(plan: Transfer, *, gather: bool, backend: str, max_programs: int | 
         triton_copy.launch(plan, gather=gather, max_programs=max_programs)
 
 
-def _page_runs(page_ids: list[int]) -> list[tuple[int, int, int]]:
-    """``(first batch page, first host page, length)`` of each run of consecutive host page ids."""
-    runs: list[tuple[int, int, int]] = []
-    for i, host in enumerate(page_ids):
-        if runs and runs[-1][1] + runs[-1][2] == host:
-            first, start, length = runs[-1]
-            runs[-1] = (first, start, length + 1)
-        else:
-            runs.append((i, host, 1))
-    return runs
-
-
-def _copy_runs(plan: Transfer, compact: torch.Tensor, *, to_staging: bool) -> None:
-    """Move whole pages between ``compact`` (batch page ``i`` at page ``i``) and ``plan.staging``.
-
-    One ``copy_`` per run of consecutive host pages (page_first; per (part, layer) and run for
-    layer_first, whose pages are not contiguous across layers), ``non_blocking`` so that a
-    pinned-host <-> device copy is one ``cudaMemcpyAsync`` on the current stream.
-    """
-    ps = plan.page_size
-    for first, start, length in _page_runs(plan.pages.tolist()):
-        if plan.layout == "page_first":
-            pairs = [(plan.staging[start : start + length], compact[first : first + length])]
-        else:
-            pool = plan.pool
-            pairs = [
-                (plan.staging[p, layer, start * ps : (start + length) * ps], compact[p, layer, first * ps : (first + length) * ps])
-                for p in range(pool.kv_parts)
-                for layer in plan.layers
-            ]
-        for host, device in pairs:
-            if to_staging:
-                host.copy_(device, non_blocking=True)
-            else:
-                device.copy_(host, non_blocking=True)
-
-
 def _staged(plan: Transfer, *, gather: bool, backend: str, max_programs: int | None) -> None:
     """``mode="staged"``: kernel <-> compact buffer on the pool's device, ``copy_`` <-> staging.
 
     Reads ``host_page_ids`` on the host to find runs (a device sync if they live on the GPU).
     """
-    pool = plan.pool
-    compact = torch.empty(staging_shape(pool, plan.n_pages, plan.page_size, plan.layout), dtype=pool.dtype, device=pool.device)
-    ordinal = torch.arange(plan.n_pages, dtype=torch.int64, device=pool.device)
-    host_pages = plan.pages_on_host if plan.pages_on_host is not None else plan.pages.cpu()
-    inner = replace(plan, staging=compact, pages=ordinal, num_host_pages=plan.n_pages)
-    outer = replace(plan, pages=host_pages)
+    inner, outer = split_staged(plan)
     if gather:
         _execute(inner, gather=True, backend=backend, max_programs=max_programs)
-        _copy_runs(outer, compact, to_staging=True)
+        copy_runs(outer, inner.staging, to_staging=True)
     else:
-        _copy_runs(outer, compact, to_staging=False)
+        copy_runs(outer, inner.staging, to_staging=False)
         _execute(inner, gather=False, backend=backend, max_programs=max_programs)
 
 
@@ -151,11 +111,12 @@ def gather(
 
     Raises:
         ArgumentTypeError, DeviceMismatchError, InvalidArgumentError: from validation,
-            before anything is written (see :func:`kvstage.kernels.layout.check_transfer`).
+            before anything is written (see :func:`kvstage.kernels.layout.check_transfer`);
+            InvalidArgumentError also for a bad ``mode``, ``backend`` or ``max_programs``.
         BackendUnavailableError: ``backend="triton"`` where Triton cannot run.
     """
     plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, check_bounds=check_bounds)
-    _check_mode(mode)
+    _check_mode(mode, max_programs)
     chosen = resolve_backend(backend, pool.device.type == "cuda")
     if plan.n_pages == 0:
         return
@@ -189,7 +150,7 @@ def scatter(
         As :func:`gather`; also InvalidArgumentError for ``layer`` out of range.
     """
     plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, layer=layer, check_bounds=check_bounds)
-    _check_mode(mode)
+    _check_mode(mode, max_programs)
     chosen = resolve_backend(backend, pool.device.type == "cuda")
     if plan.n_pages == 0:
         return

@@ -143,23 +143,39 @@ def _align_words(word: int, row_words: int, offsets: list[int]) -> int:
     return align
 
 
-def _layer_offsets(pool_words: list[torch.Tensor], word: int) -> list[int]:
-    base = pool_words[0].data_ptr()
-    return [(t.data_ptr() - base) // word for t in pool_words]
+@dataclass(frozen=True)
+class _PoolWords:
+    """What a launch needs from the pool at one word size; built once per (pool, word)."""
+
+    base: torch.Tensor  # the first buffer as [num_slots, row_words] words
+    table: torch.Tensor  # int64 [kv_parts * num_layers] word offsets from base, on the pool's device
+    align: int  # power of two (words) dividing the row and every offset, up to 16 bytes
 
 
-_table_cache: dict[tuple, torch.Tensor] = {}
+def _pool_max_word(pool) -> int:
+    cached = getattr(pool, "_triton_max_word", None)
+    if cached is None:
+        cached = word_bytes_for(pool.row_bytes, pool.tensors())
+        pool._triton_max_word = cached
+    return cached
 
 
-def _offset_table(offsets: list[int], device: torch.device) -> torch.Tensor:
-    # The table is tiny but building it costs an H2D copy; pools are long-lived, so keep one per layout.
-    key = (device, tuple(offsets))
-    table = _table_cache.get(key)
-    if table is None:
-        if len(_table_cache) > 64:
-            _table_cache.clear()
-        table = _table_cache[key] = torch.tensor(offsets, dtype=torch.int64, device=device)
-    return table
+def _pool_words(pool, word: int) -> _PoolWords:
+    # Per-call work is Python, and a scatter per layer runs once per layer of every forward
+    # pass: build the views and the offset table (an H2D copy) once per pool and word size.
+    cache = pool.__dict__.setdefault("_triton_words", {})
+    entry = cache.get(word)
+    if entry is None:
+        tensors = pool.tensors()
+        base_ptr = tensors[0].data_ptr()
+        offsets = [(t.data_ptr() - base_ptr) // word for t in tensors]  # may be negative
+        row_words = pool.row_bytes // word
+        entry = cache[word] = _PoolWords(
+            as_rows(tensors[0], pool.row_bytes, word),
+            torch.tensor(offsets, dtype=torch.int64, device=pool.device),
+            _align_words(word, row_words, offsets),
+        )
+    return entry
 
 
 def launch(plan: Transfer, *, gather: bool, max_programs: int | None = None) -> LaunchConfig | None:
@@ -170,12 +186,10 @@ def launch(plan: Transfer, *, gather: bool, max_programs: int | None = None) -> 
     if plan.n_pages == 0:
         return None
     pool = plan.pool
-    word = word_bytes_for(pool.row_bytes, pool.tensors() + [plan.staging])
+    word = word_bytes_for(pool.row_bytes, [plan.staging], _pool_max_word(pool))
     row_words = pool.row_bytes // word
-    pool_words = [as_rows(t, pool.row_bytes, word) for t in pool.tensors()]
+    words = _pool_words(pool, word)
     staging_words = as_rows(plan.staging, pool.row_bytes, word)
-    offsets = _layer_offsets(pool_words, word)
-    align = _align_words(word, row_words, offsets)
     on_cuda = pool.device.type == "cuda"
     config = (_config_hook or choose_config)(row_words, word, plan.n_tokens, on_cuda=on_cuda, max_programs=max_programs)
     ps, layers, parts = plan.page_size, pool.num_layers, pool.kv_parts
@@ -185,8 +199,8 @@ def launch(plan: Transfer, *, gather: bool, max_programs: int | None = None) -> 
         tokens = plan.num_host_pages * ps
         page_stride, part_stride, layer_stride = ps * row_words, layers * tokens * row_words, tokens * row_words
     _kv_rows_copy_kernel[(config.num_programs,)](
-        pool_words[0],
-        _offset_table(offsets, pool.device),
+        words.base,
+        words.table,
         staging_words,
         plan.slots,
         plan.pages,
@@ -203,7 +217,33 @@ def launch(plan: Transfer, *, gather: bool, max_programs: int | None = None) -> 
         GATHER=gather,
         BLOCK_T=config.block_t,
         BLOCK_W=config.block_w,
-        ALIGN=align,
+        ALIGN=words.align,
         num_warps=config.num_warps,
     )
     return config
+
+
+def compile_ptx(*, gather: bool = True, block_t: int = 8, block_w: int = 256, align: int = 2, num_warps: int = 8, arch: int = 90) -> str:
+    """Compile the kernel for ``sm_<arch>`` without a GPU (Triton ships ptxas) and return its PTX.
+
+    Arguments are specialized as a native launch would specialize them for a 16-byte aligned
+    pool and staging buffer with int64 words (pointers and sizes divisible by 16), so the
+    PTX shows whether the copies use 16-byte vector accesses (``.v2.b64``). Needs
+    ``TRITON_INTERPRET`` unset when this module was imported.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {
+        "pool_base": "*i64", "layer_offsets": "*i64", "staging": "*i64", "slots": "*i64", "pages": "*i64",
+        "n_tokens": "i32", "row_words": "i32", "page_size": "i32", "num_layers": "i32", "layer_start": "i32",
+        "layer_stop": "i32", "kv_parts": "i32", "staging_page_stride": "i64", "staging_part_stride": "i64",
+        "staging_layer_stride": "i64", "GATHER": "constexpr", "BLOCK_T": "constexpr", "BLOCK_W": "constexpr", "ALIGN": "constexpr",
+    }
+    divisible = [i for i, name in enumerate(signature) if name in {"pool_base", "layer_offsets", "staging", "slots", "pages", "row_words", "staging_page_stride", "staging_part_stride", "staging_layer_stride"}]
+    source = ASTSource(
+        fn=_kv_rows_copy_kernel, signature=signature,
+        constexprs={"GATHER": gather, "BLOCK_T": block_t, "BLOCK_W": block_w, "ALIGN": align},
+        attrs={(i,): [["tt.divisibility", 16]] for i in divisible},
+    )
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}).asm["ptx"]

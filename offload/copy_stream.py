@@ -207,16 +207,17 @@ class ManualCopyStream:
     Args:
         run_copies: False: completing a copy does not run it (a no-op copy, for measuring
             the manager's own CPU time).
+        in_order: what the stream tells its poller. False (default): events may complete in
+            any order, so a poller checks each. True: the caller promises to complete them
+            oldest first (as a real stream does), so a poller may stop at the first unfinished.
 
     Attributes:
         pending: the events not completed yet, in submission order.
-        in_order: False: events complete in whatever order the test chooses.
     """
 
-    in_order = False
-
-    def __init__(self, run_copies: bool = True) -> None:
+    def __init__(self, run_copies: bool = True, in_order: bool = False) -> None:
         self.run_copies = run_copies
+        self.in_order = in_order
         self.pending: list[_ManualEvent] = []
         self.submitted = 0
 
@@ -252,6 +253,8 @@ class ManualCopyStream:
         elif self.run_copies:
             try:
                 event.copy()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()  # a kernel the copy launched is done when complete() returns
             except BaseException as raised:
                 event.error = raised
         event.seconds = time.perf_counter() - started

@@ -155,7 +155,8 @@ class HostPool:
         Raises:
             InvalidArgumentError: ``n`` is not a non-negative int.
         """
-        require(isinstance(n, int) and n >= 0, "n", f"must be a non-negative int, got {n!r}")
+        if not isinstance(n, int) or n < 0:  # not require(): its message would be built every call
+            raise InvalidArgumentError(f"n: must be a non-negative int, got {n!r}")
         free = self._free
         if n > len(free):
             return None
@@ -207,7 +208,8 @@ class HostPool:
         Raises:
             InvalidArgumentError: ``page`` is not an id in ``[0, capacity)``.
         """
-        require(isinstance(page, int) and 0 <= page < self._capacity, "page", f"must be in [0, {self._capacity}), got {page!r}")
+        if not isinstance(page, int) or not 0 <= page < self._capacity:
+            raise InvalidArgumentError(f"page: must be in [0, {self._capacity}), got {page!r}")
         return self.chunks[page // self.chunk_pages][page % self.chunk_pages]
 
     def locate(self, ids: Sequence[int]) -> list[tuple[int, list[int], list[int]]]:

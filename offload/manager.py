@@ -21,11 +21,12 @@ Decisions worth knowing:
   ``__eq__``/``__hash__``: two requests with one rid (a retry) are two lifecycles.
 - The prompt's page-aligned prefix was stored by prefill. Its last page key (or the namespace
   seed when the prompt is shorter than a page) is the prior of the request's chain, computed
-  once on first sight of the request.
-- Page keys are computed at ``offload`` time, from the tokens, continuing the chain: a key
-  depends only on tokens, so a segment's keys are fixed when it launches and segments that
-  complete out of order need no reordering in ``poll``. Costs one hash per page in
-  ``offload`` (cheap next to the copy it launches).
+  once per request (when its first segment's keys are needed).
+- Page keys are computed in ``poll``, not in ``offload`` (which stays cheap: it copies the
+  segment's token ids and launches). A key depends only on tokens, so when a segment completes
+  before the one launched before it, ``poll`` computes the earlier segments' keys first, from
+  their token ids (each segment links to its predecessor until its keys are known): the chain is
+  always hashed in order and no completion waits for another.
 - ``finish`` offloads every remaining *whole page*, not only whole strides: the stride batches
   copies during decode; at the end nothing is gained by leaving full pages behind.
 - Every page launched ends in exactly one of: stored, deduplicated, failed (the copy or the
@@ -34,6 +35,13 @@ Decisions worth knowing:
 - ``poll`` never blocks and costs O(copies finished), not O(live requests): in-flight copies
   sit in a queue in submission order; on an in-order copy stream ``poll`` stops at the first
   unfinished copy, on any other it checks each in-flight copy.
+- Host pool full: ``offload`` returns False and changes nothing (the same stride is tried at
+  the next call); ``finish`` drops the pages that do not fit (``pages_dropped``) and still
+  releases. A request whose ``finished()`` is true is finished by ``offload``.
+- After release the manager forgets the request but remembers the object weakly: a late
+  ``finish``/``abort``/``offload`` of it is ignored, so release stays exactly once.
+- NVTX ranges (domain ``kvstage``): ``offload``, ``offload.finish``, ``poll``, ``backup``
+  (the storage write of one segment, inside ``poll``).
 
 Not thread-safe: call offload/poll/finish/abort from one thread (the scheduler's).
 """
@@ -128,24 +136,28 @@ class OffloadMetrics:
 
 
 class _RequestState:
-    __slots__ = ("req", "offloaded_len", "prior_key", "in_flight", "ending", "aborted")
+    __slots__ = ("req", "offloaded_len", "last_segment", "in_flight", "ending", "aborted")
 
-    def __init__(self, req: Any, offloaded_len: int, prior_key: str | None) -> None:
+    def __init__(self, req: Any, offloaded_len: int) -> None:
         self.req = req  # held: keeps id(req) from being reused while tracked
         self.offloaded_len = offloaded_len  # tokens [0, offloaded_len) are stored or launched
-        self.prior_key = prior_key  # key of the page before offloaded_len (or the seed)
+        self.last_segment: _Segment | None = None  # the latest launched (the chain continues it)
         self.in_flight = 0
         self.ending = False  # finish() or abort() was called
         self.aborted = False
 
 
 class _Segment:
-    __slots__ = ("state", "host_ids", "keys", "event")
+    """One launched copy: whole pages of one request, their host pages, tokens and keys."""
 
-    def __init__(self, state: _RequestState, host_ids: list[int], keys: list[str], event: Any) -> None:
+    __slots__ = ("state", "host_ids", "tokens", "prev", "keys", "event")
+
+    def __init__(self, state: _RequestState, host_ids: list[int], tokens: list[int], prev: "_Segment | None", event: Any) -> None:
         self.state = state
         self.host_ids = host_ids
-        self.keys = keys
+        self.tokens = tokens  # token ids of the pages; dropped once keys are computed
+        self.prev = prev  # the request's previous segment (None: the first, after the prompt)
+        self.keys: list[str] | None = None
         self.event = event
 
 
@@ -169,7 +181,7 @@ class OffloadManager:
             when none of its copies is in flight: the engine may free its device slots then.
         on_storage_failure: ``on_storage_failure(req, failed_keys, error)``: a copy or storage
             write failed for these page keys (error: the exception, or None when the backend
-            answered FAILED).
+            answered FAILED; keys are empty when the hasher itself raised).
         backend: the gather's backend (``"auto"``, ``"triton"``, ``"torch"``).
         copy_stream: where copies run (default: :class:`CopyStream` on ``kv_pool.device``);
             anything with ``submit(copy, keep=...) -> event`` and ``in_order``.
@@ -233,6 +245,7 @@ class OffloadManager:
         self.page_size = page_size
         self.offload_stride = stride
         self.backend = backend
+        self._owns_copy_stream = copy_stream is None
         self.copy_stream = copy_stream if copy_stream is not None else CopyStream(self.device)
         self._gather = gather
         self._release_callback = release
@@ -243,6 +256,7 @@ class OffloadManager:
         self._ended: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._in_flight: deque[_Segment] = deque()
         self._in_order = bool(getattr(self.copy_stream, "in_order", False))
+        self._page_range = torch.arange(host_pool.chunk_pages, dtype=torch.int64)
         storage.register_host_buffers(host_pool.buffers)
         # Counters (see OffloadMetrics).
         self._pages_in_flight = 0
@@ -275,7 +289,9 @@ class OffloadManager:
 
         Raises:
             InvalidArgumentError: ``slot_indices_of(req)`` is too short for the tokens to copy.
-            Whatever the hasher or the gather raise at launch; nothing changed then.
+            Whatever ``slot_indices_of`` or (on CUDA, where the gather launches here) the gather
+            raise; nothing changed then. On CPU the gather runs on the worker thread: its error
+            fails the copy (counted and reported in :meth:`poll`).
         """
         with nvtx_range("offload"):
             if req.finished():
@@ -310,8 +326,14 @@ class OffloadManager:
                 for segment in in_flight:
                     (done if segment.event.query() else waiting).append(segment)
                 self._in_flight = waiting
-            for segment in done:
-                self._complete(segment)
+            for index, segment in enumerate(done):
+                try:
+                    self._complete(segment)
+                except BaseException:
+                    # Not expected (callbacks and storage errors are caught): keep the copies not
+                    # handled yet for the next poll rather than losing their host pages.
+                    self._in_flight.extendleft(reversed(done[index + 1 :]))
+                    raise
             return len(done)
 
     def finish(self, req: Any) -> bool:
@@ -338,7 +360,7 @@ class OffloadManager:
         if state is None:
             if self._has_ended(req):
                 return
-            state = _RequestState(req, 0, None)
+            state = _RequestState(req, 0)
             self._states[id(req)] = state
         state.ending = True
         state.aborted = True
@@ -350,6 +372,13 @@ class OffloadManager:
         for segment in list(self._in_flight):
             segment.event.synchronize()
         self.poll()
+
+    def close(self) -> None:
+        """:meth:`drain`, then stop the copy stream if the manager made it. Requests still
+        tracked stay tracked (finish or abort them first to release them)."""
+        self.drain()
+        if self._owns_copy_stream:
+            self.copy_stream.close()
 
     # -- what the engine may inspect ----------------------------------------------------------
 
@@ -398,16 +427,36 @@ class OffloadManager:
 
     def _track(self, req: Any) -> _RequestState:
         """New state: the prompt's page-aligned prefix counts as offloaded (prefill stored it)."""
-        page_size = self.page_size
-        prompt = req.origin_input_ids
-        aligned = len(prompt) // page_size * page_size
-        if aligned:
-            prior = self.hasher.prefill_keys(prompt[:aligned], extra_key=req.extra_key, cache_salt=req.cache_salt)[-1]
-        else:
-            prior = self.hasher.seed(req.extra_key, req.cache_salt)
-        state = _RequestState(req, aligned, prior)
+        aligned = len(req.origin_input_ids) // self.page_size * self.page_size
+        state = _RequestState(req, aligned)
         self._states[id(req)] = state
         return state
+
+    def _prompt_prior(self, req: Any) -> str | None:
+        """The prior of the first decode page: the last key of the prompt's whole pages, or the
+        namespace seed when the prompt is shorter than a page (None: no namespace)."""
+        prompt = req.origin_input_ids
+        aligned = len(prompt) // self.page_size * self.page_size
+        if aligned:
+            return self.hasher.prefill_keys(prompt[:aligned], extra_key=req.extra_key, cache_salt=req.cache_salt)[-1]
+        return self.hasher.seed(req.extra_key, req.cache_salt)
+
+    def _keys_of(self, segment: _Segment) -> list[str]:
+        """The segment's page keys, computing its unkeyed predecessors' first (oldest first)."""
+        if segment.keys is not None:
+            return segment.keys
+        unkeyed = []
+        link: _Segment | None = segment
+        while link is not None and link.keys is None:
+            unkeyed.append(link)
+            link = link.prev
+        for link in reversed(unkeyed):
+            prior = link.prev.keys[-1] if link.prev is not None else self._prompt_prior(link.state.req)
+            link.keys = self.hasher.continue_keys(link.tokens, prior)
+        for link in unkeyed:  # keys known: the links and token ids are no longer needed
+            link.prev = None
+            link.tokens = None
+        return segment.keys
 
     def _finish(self, req: Any) -> bool:
         state = self._states.get(id(req))
@@ -457,7 +506,7 @@ class OffloadManager:
             return _FULL
         try:
             end = start + n_tokens
-            keys = self.hasher.continue_keys(self._tokens(req, start, end), state.prior_key)
+            tokens = self._tokens(req, start, end)
             slots = self.slot_indices_of(req)
             if slots.shape[0] < end:
                 raise InvalidArgumentError(
@@ -468,10 +517,11 @@ class OffloadManager:
         except BaseException:
             self.host_pool.free(host_ids)
             raise
+        segment = _Segment(state, host_ids, tokens, state.last_segment, event)
         state.offloaded_len = end
-        state.prior_key = keys[-1]
+        state.last_segment = segment
         state.in_flight += 1
-        self._in_flight.append(_Segment(state, host_ids, keys, event))
+        self._in_flight.append(segment)
         self._pages_in_flight += n_pages
         self._pages_launched += n_pages
         return _LAUNCHED
@@ -481,13 +531,20 @@ class OffloadManager:
         pool = self.host_pool
         groups = pool.locate(host_ids)
         launches = []
+        page_range = self._page_range
         for chunk, positions, local_ids in groups:
             if len(groups) == 1:
                 chunk_slots = slots
             else:
                 pages = torch.tensor(positions, dtype=torch.int64, device=slots.device)
                 chunk_slots = slots.view(-1, self.page_size).index_select(0, pages).reshape(-1)
-            page_ids = torch.tensor(local_ids, dtype=torch.int64, device=slots.device)
+            # Host page ids stay on CPU (the kernels take them there, no device sync); a run of
+            # consecutive ids (the usual case) is a view of one arange, not a new tensor.
+            first, n = local_ids[0], len(local_ids)
+            if n == 1 or local_ids == list(range(first, first + n)):
+                page_ids = page_range[first : first + n]
+            else:
+                page_ids = torch.tensor(local_ids, dtype=torch.int64)
             launches.append((pool.chunks[chunk], chunk_slots, page_ids))
         kv_pool, gather, page_size, backend = self.kv_pool, self._gather, self.page_size, self.backend
 
@@ -507,27 +564,35 @@ class OffloadManager:
             if event.error is not None:
                 self._copy_failures += 1
                 self._pages_failed += n_pages
-                logger.error(
-                    "offload: D2H copy of %d pages of rid=%r failed: %r", n_pages, state.req.rid, event.error
-                )
-                self._report_failure(state.req, list(segment.keys), event.error)
+                logger.error("offload: D2H copy of %d pages of rid=%r failed: %r", n_pages, state.req.rid, event.error)
+                try:
+                    keys = list(self._keys_of(segment))
+                except Exception:
+                    keys = []
+                self._report_failure(state.req, keys, event.error)
             else:
                 self._pages_offloaded += n_pages
                 self._copy_seconds += event.seconds or 0.0
                 if state.aborted:
                     self._pages_discarded += n_pages
-                else:
-                    self._backup(state.req, segment)
+                    return
+                try:
+                    keys = self._keys_of(segment)
+                except Exception as error:  # e.g. a token id the hash scheme cannot encode
+                    self._pages_failed += n_pages
+                    logger.error("offload: page keys of %d pages of rid=%r failed: %r", n_pages, state.req.rid, error)
+                    self._report_failure(state.req, [], error)
+                    return
+                self._backup(state.req, segment, keys)
         finally:
             self.host_pool.free(segment.host_ids)
             segment.event = None  # drops the index tensors the copy kept alive
             if state.ending and state.in_flight == 0:
                 self._release(state)
 
-    def _backup(self, req: Any, segment: _Segment) -> None:
+    def _backup(self, req: Any, segment: _Segment, keys: list[str]) -> None:
         """Write a completed segment's pages to storage, skipping keys it has; count each page."""
         with nvtx_range("backup"):
-            keys = segment.keys
             stored = deduplicated = 0
             failed: list[str] = []
             error: BaseException | None = None

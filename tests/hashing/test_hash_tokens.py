@@ -47,6 +47,19 @@ def test_torch_tensors_on_every_device(device, dtype):
     assert token_bytes(tensor) == struct.pack("<4I", *ids)
 
 
+def test_strided_torch_tensor(device):
+    tensor = torch.arange(20, dtype=torch.int64, device=device)[::3]
+    assert token_bytes(tensor) == struct.pack("<7I", *range(0, 20, 3))
+
+
+def test_token_buffer_is_a_read_only_byte_view():
+    from kvstage.hashing import token_buffer
+
+    for tokens in ([1, 2], np.array([1, 2], dtype=np.uint32), np.array([1, 2])):
+        view = token_buffer(tokens)
+        assert view.readonly and view.format == "B" and view.tobytes() == struct.pack("<2I", 1, 2)
+
+
 def test_torch_int64_full_range(device):
     tensor = torch.tensor(IDS, dtype=torch.int64, device=device)
     assert token_bytes(tensor) == EXPECTED
@@ -129,6 +142,7 @@ def test_non_integer_ids_in_lists_are_type_errors(tokens, position):
         ([7, 8, True], 2),
         ([0, 1, 2, False, 1], 3),
         ([1, np.True_], 1),
+        ([2] * 50 + [1, 0] * 1000 + [True], 2050),
         ([True, -1], 0),
     ],
 )

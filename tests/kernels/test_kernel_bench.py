@@ -26,7 +26,8 @@ def test_bench_reports_every_method_beside_the_ceiling(tmp_path):
     assert all(r["gbps"] > 0 and r["seconds"] > 0 for r in report["results"])
     assert all(r["of_ceiling"] == pytest.approx(1.0) for r in report["results"] if r["method"] == "ceiling")
     assert report["note"] == bench.CPU_NOTE and lines[-1] == bench.CPU_NOTE
-    assert set(report["summary"]) == {"torch gather / copy_ (worst case)", "torch scatter / copy_ (worst case)"}
+    assert set(report["summary"]) == {f"torch {op} / copy_, deepseek-v3-mla page {p}" for op in ("gather", "scatter") for p in (1, 16)}
+    assert all(item["target"] == 0.7 for item in report["summary"].values())
     json.dumps(report)
     bench.plot(report, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -12,7 +12,7 @@ from kvstage import nvtx_ranges
 from kvstage.kernels import gather, gather_async, gather_reference, launch_after, scatter, scatter_async, scatter_reference
 from kvstage.kernels import triton_copy
 from kvstage.kernels.reference import word_bytes_for
-from kvstage.kernels.transfer import _page_runs
+from kvstage.kernels.layout import page_runs
 
 
 def test_word_is_the_widest_dividing_row_and_addresses():
@@ -67,9 +67,9 @@ def test_grid_stride_loop_covers_every_tile(device, tiny_tiles, programs, layout
 
 
 def test_page_runs_group_consecutive_host_pages():
-    assert _page_runs([5, 6, 7, 1, 2, 9]) == [(0, 5, 3), (3, 1, 2), (5, 9, 1)]
-    assert _page_runs([3]) == [(0, 3, 1)]
-    assert _page_runs([4, 3]) == [(0, 4, 1), (1, 3, 1)]
+    assert page_runs([5, 6, 7, 1, 2, 9]) == [(0, 5, 3), (3, 1, 2), (5, 9, 1)]
+    assert page_runs([3]) == [(0, 3, 1)]
+    assert page_runs([4, 3]) == [(0, 4, 1), (1, 3, 1)]
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -80,7 +80,7 @@ def test_staged_mode_equals_kernel_mode(device, layout, backend):
     staging = make_staging(pool, 10, 3, layout, pinned=pinned)
     slots, _ = make_indices(pool, 6, 3, 10)
     pages = torch.tensor([5, 6, 7, 1, 2, 9])  # three runs; on CPU, as an engine's host pool would hand them over
-    kernel_staging = staging.clone()
+    kernel_staging = make_staging(pool, 10, 3, layout, pinned=pinned)  # (a clone would not be pinned)
     gather(pool, kernel_staging, slots, pages, page_size=3, layout=layout, backend=backend)
     gather(pool, staging, slots, pages, page_size=3, layout=layout, backend=backend, mode="staged")
     if device.type == "cuda":
@@ -91,6 +91,21 @@ def test_staged_mode_equals_kernel_mode(device, layout, backend):
         t.view(torch.uint8)[slots.long()] = 0xA5
     scatter(staging, pool, slots, pages, page_size=3, layout=layout, backend=backend, mode="staged", layer=None)
     assert all(torch.equal(a, b) for a, b in zip(original, pool_bytes(pool)))
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_staged_scatter_of_one_layer_moves_only_that_layer(device, layout):
+    pool = make_pool(parts=2, layers=3, slots=24, heads=1, dim=16, dtype=torch.float16, device=device)
+    staging = make_staging(pool, 5, 2, layout, pinned=device.type == "cuda")
+    random_bytes_(staging, torch.Generator().manual_seed(4))
+    slots, _ = make_indices(pool, 3, 2, 5)
+    pages = torch.tensor([4, 0, 1])
+    want = make_pool(parts=2, layers=3, slots=24, heads=1, dim=16, dtype=torch.float16, device=device)
+    scatter_reference(staging, want, slots, pages, page_size=2, layout=layout, layer=1)
+    scatter(staging, pool, slots, pages, page_size=2, layout=layout, layer=1, mode="staged", backend="triton")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    assert all(same_bytes(a, b) for a, b in zip(pool.tensors(), want.tensors()))
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

@@ -55,12 +55,15 @@ def _bad(case, what):
         kw["slot_indices"] = slots[:-1]
     elif what == "page-dtype":
         kw["host_page_ids"] = pages.to(torch.int16)
-    elif what == "page-out-of-range":
-        kw["host_page_ids"] = torch.tensor([0, 4], device=dev)
+    elif what == "page-out-of-range":  # host page ids on CPU are always checked (no sync needed)
+        kw["host_page_ids"] = torch.tensor([0, 4])
     elif what == "page-negative":
-        kw["host_page_ids"] = torch.tensor([-1, 2], device=dev)
+        kw["host_page_ids"] = torch.tensor([-1, 2])
     elif what == "page-repeated":
-        kw["host_page_ids"] = torch.tensor([1, 1], device=dev)
+        kw["host_page_ids"] = torch.tensor([1, 1])
+    elif what == "device-page-repeated":  # on the pool's device: checked with check_bounds
+        kw["host_page_ids"] = torch.tensor([3, 3], device=dev)
+        kw["check_bounds"] = True
     elif what == "slot-out-of-range":
         kw["slot_indices"] = torch.tensor([0, 1, 2, 3, 4, 16], device=dev)
         kw["check_bounds"] = True
@@ -77,6 +80,8 @@ def _bad(case, what):
         kw["mode"] = "zero_copy"
     elif what == "backend":
         kw["backend"] = "cuda"
+    elif what == "max-programs":
+        kw["max_programs"] = 0
     else:
         raise AssertionError(what)
     return kw
@@ -100,6 +105,7 @@ CASES = [
     ("page-out-of-range", InvalidArgumentError, "host_page_ids"),
     ("page-negative", InvalidArgumentError, "host_page_ids"),
     ("page-repeated", InvalidArgumentError, "host_page_ids"),
+    ("device-page-repeated", InvalidArgumentError, "host_page_ids"),
     ("slot-out-of-range", InvalidArgumentError, "slot_indices"),
     ("slot-negative", InvalidArgumentError, "slot_indices"),
     ("page-size", InvalidArgumentError, "page_size"),
@@ -107,6 +113,7 @@ CASES = [
     ("pool", ArgumentTypeError, "pool"),
     ("mode", InvalidArgumentError, "mode"),
     ("backend", InvalidArgumentError, "backend"),
+    ("max-programs", InvalidArgumentError, "max_programs"),
 ]
 
 

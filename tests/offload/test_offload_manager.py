@@ -417,7 +417,7 @@ def test_mismatched_parts_are_rejected():
 def test_triton_backend_copies_the_same_pages(device):
     """One run through backend="auto" (Triton; the interpreter on CPU), multi-chunk host pool."""
     rig = make_rig(page_size=2, host_pages=6, chunk_pages=2, device=device, backend="auto",
-                   slot_generator=torch.Generator().manual_seed(3))
+                   copy_stream=CopyStream(device), slot_generator=torch.Generator().manual_seed(3))
     req = rig.new_request("r", [1, 2, 3], 12, cache_salt="t")
     for token in range(10, 17):
         rig.decode(req, token)
@@ -425,7 +425,8 @@ def test_triton_backend_copies_the_same_pages(device):
     assert len(rig.host_pool.locate(rig.manager._in_flight[0].host_ids)) == 2
     rig.manager.finish(req)
     rig.manager.drain()
-    assert rig.check_stored_pages(req) == (3, 3)
+    assert rig.check_stored_pages(req) == (3, 3) and rig.released == [req]
+    rig.copy_stream.close()
 
 
 def test_decode_keys_match_the_reference_vectors(shared_dir):
@@ -451,3 +452,66 @@ def test_decode_keys_match_the_reference_vectors(shared_dir):
         assert rig.storage.exists(hashes[:full]) == [False] + [True] * (full - 1), case["name"]
         checked += 1
     assert checked >= 4
+
+
+def test_later_segment_completing_first_gets_keys_continuing_the_earlier_ones():
+    rig = make_rig(page_size=2)
+    req = rig.new_request("r", [1, 2, 3], 20, cache_salt="s")
+    decode_steps(rig, req, [4, 5, 6, 7, 8], poll=False)  # kv 7: segments for pages 1, 2
+    assert len(rig.copy_stream.pending) == 2
+    rig.copy_stream.complete(1)  # page 2's copy first: its prior is page 1's key
+    rig.manager.poll()
+    chain = rig.chain(req)
+    assert rig.storage.exists(chain) == [False, False, True]
+    rig.copy_stream.complete(0)
+    rig.manager.poll()
+    assert rig.storage.exists(chain) == [False, True, True] and rig.check_stored_pages(req) == (2, 2)
+
+
+def test_a_token_the_hash_scheme_rejects_fails_its_pages_without_stopping_poll():
+    reports = []
+    rig = make_rig(page_size=2, on_storage_failure=lambda *args: reports.append(args))
+    bad = rig.new_request("bad", [1, 2], 10)
+    good = rig.new_request("good", [1, 2], 10)
+    decode_steps(rig, bad, [3, -5, 4], poll=False)  # -5 is no u32 token id
+    decode_steps(rig, good, [3, 4, 5], poll=False)
+    rig.copy_stream.complete_all()
+    assert rig.manager.poll() == 2
+    assert len(reports) == 1 and reports[0][0] is bad and reports[0][1] == []
+    metrics = rig.manager.metrics
+    assert (metrics.pages_failed, metrics.pages_stored, metrics.host_pages_used) == (1, 1, 0)
+
+
+def test_manager_backs_up_to_a_file_store(tmp_path):
+    from kvstage.offload import FileStore
+
+    store = FileStore(LayoutFingerprint("rig", "int32", 2, 2, 1, 4, 2), tmp_path)
+    rig = make_rig(page_size=2, storage=store)
+    req = rig.new_request("r", [1, 2, 3], 10, extra_key="lora")
+    decode_steps(rig, req, [4, 5, 6, 7, 8, 9], poll=False)
+    rig.manager.finish(req)
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    assert rig.check_stored_pages(req) == (3, 3) and len(list(tmp_path.iterdir())) == 3
+
+
+def test_an_interrupted_poll_keeps_the_copies_it_did_not_handle():
+    rig = make_rig(page_size=2)
+    req = rig.new_request("r", [1, 2], 10)
+    decode_steps(rig, req, [3, 4, 5, 6, 7], poll=False)  # two copies
+    rig.copy_stream.complete_all()
+    original_exists = rig.storage.exists
+    calls = []
+
+    def exists(keys):
+        calls.append(keys)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # not an Exception: the manager lets it through
+        return original_exists(keys)
+
+    rig.storage.exists = exists
+    with pytest.raises(KeyboardInterrupt):
+        rig.manager.poll()
+    assert rig.manager.metrics.copies_in_flight == 1 and rig.host_pool.used == 1
+    assert rig.manager.poll() == 1
+    assert rig.host_pool.used == 0 and rig.manager.metrics.pages_stored == 1
