@@ -167,7 +167,9 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("storage failures", f"{r['storage_failures']:,}"),
         ("verify: pages checked", f"{r['verify_pages_checked']:,}{' (sample)' if r['verify_sampled'] else ''}"),
         ("verify: mismatches", f"{r['verify_mismatches']:,}"),
-        ("verify: lost pages", f"{r['lost_pages']:,}"),
+        ("verify: lost pages", f"{r['lost_pages']:,}" + (
+            f" ({r['verify_missing_explained']:,} more missing, explained by failures, drops or evictions)"
+            if r["verify_missing_explained"] else "")),
         ("elapsed", f"{r['elapsed_s']:.1f} s (run {r['run_s']:.1f} s, verify {r['verify_s']:.1f} s)"),
     ]
 

@@ -225,3 +225,15 @@ def test_report_sizes_the_store():
     engine.close()
     stored = report["prefill_pages_unique_stored"] + report["decode_pages_stored"]
     assert report["stored_bytes"] == stored * TINY.page_bytes(16) == len(engine.expected_keys) * TINY.page_bytes(16)
+
+
+def test_a_store_too_small_evicts_and_verify_explains_the_missing_pages():
+    requests = tiny_trace()
+    page_bytes = TINY.page_bytes(16)
+    report, engine = run_in_process(requests, storage=f"memory:{40 * page_bytes}")
+    engine.close()
+    missing = report["verify_missing_explained"]
+    # An evicted prefill page can be stored again by a later request, so evictions >= missing.
+    assert report["storage_pages_evicted"] >= missing > 0
+    assert report["lost_pages"] == 0 and report["verify_mismatches"] == 0
+    assert report["verify_pages_checked"] - missing == 40  # the store is full of intact pages
