@@ -7,7 +7,9 @@ traceback) without stopping the others. What the writer reads from a report, whe
 * ``report["results"]``: a list of flat dicts, one measurement each -> a markdown table and,
   unless the module draws its own, a bar chart of its rate column (``gbps``,
   ``tokens_per_s``, ... see :data:`RATE_KEYS`) per configuration, one bar per ``method``;
-* ``report["summary"]``: ``{name: {"value", "target", "ok"}}`` -> the targets table;
+  without a rate column, a line plot of the numeric columns against the first int column;
+* ``report["summary"]``: ``{name: {"value", "target", "ok"}}`` -> the targets table (or
+  ``report["targets"]`` with ``report["meets_targets"]``: ``{name: bool}``);
 * ``module.plot(report, path)``: the module draws its own PNG.
 
 Output folder (default ``bench/results/``, git-ignored)::
@@ -146,11 +148,20 @@ def to_markdown(meta: dict, outcomes: dict[str, dict]) -> str:
         if report is None:
             lines.append(f"| {name} | (failed: {_cell(outcome['error'])}) | | | no |")
             continue
-        for figure, item in (report.get("summary") or {}).items() if isinstance(report, dict) else []:
+        if not isinstance(report, dict):
+            continue
+        for figure, item in (report.get("summary") or {}).items():
             if isinstance(item, dict):
                 lines.append(
                     f"| {name} | {_cell(figure)} | {_cell(item.get('value'))} | {_cell(item.get('target'))} | {_cell(item.get('ok'))} |"
                 )
+        # Another shape some benchmarks use: {"targets": {name: target}, "meets_targets": {name: bool}}.
+        targets, met = report.get("targets"), report.get("meets_targets")
+        if not report.get("summary") and isinstance(met, dict):
+            targets = targets if isinstance(targets, dict) else {}
+            for figure, ok in met.items():
+                target = targets.get(figure, next((v for k, v in targets.items() if k.startswith(figure)), ""))
+                lines.append(f"| {name} | {_cell(figure)} | | {_cell(target)} | {_cell(ok)} |")
     for name, outcome in outcomes.items():
         lines += ["", f"## {name} ({outcome['seconds']:.1f} s)", ""]
         report = outcome.get("report")
@@ -185,12 +196,13 @@ def generic_plot(name: str, report: dict, path: Path) -> bool:
     if not isinstance(rows, list) or not rows or not all(isinstance(row, dict) for row in rows):
         return False
     metric = _rate_key(rows)
-    if metric is None:
-        return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    if metric is None:
+        return _line_plot(name, rows, path, plt)
 
     series_key = "method" if all("method" in row for row in rows) else None
     config_keys = [
@@ -223,6 +235,32 @@ def generic_plot(name: str, report: dict, path: Path) -> bool:
     ax.set_title(f"bench_{name}: {metric}")
     if series_key:
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _line_plot(name: str, rows: list[dict], path: Path, plt) -> bool:
+    """No rate column: every numeric column against the first int column (e.g. live requests)."""
+
+    def numeric(key: str) -> bool:
+        return all(isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool) for row in rows)
+
+    keys = [key for key in rows[0] if numeric(key)]
+    x_key = next((key for key in keys if all(isinstance(row[key], int) for row in rows)), None)
+    columns = [key for key in keys if key != x_key]
+    if x_key is None or not columns or len(rows) < 2:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [row[x_key] for row in rows]
+    for key in columns:
+        ax.plot(xs, [row[key] for row in rows], marker="o", label=key)
+    ax.set_xlabel(x_key)
+    if all(row[key] > 0 for row in rows for key in columns):
+        ax.set_yscale("log")
+    ax.set_title(f"bench_{name}")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -83,3 +83,17 @@ def test_gpu_check_without_cuda_exits_3_and_logs(tmp_path):
     assert result.returncode == 3, result.stdout + result.stderr
     log = (tmp_path / "gpu_check.log").read_text()
     assert "setup: PASS" in log and "cuda: NONE" in log
+
+
+def test_results_without_a_rate_column_get_a_line_plot_and_bool_targets(tmp_path):
+    run_all = load_run_all()
+    report = {
+        "results": [{"live": n, "launch_us": 20.0 + n / 100, "poll_us": 3.0} for n in (64, 256, 1024)],
+        "targets": {"launch_us": 50.0},
+        "meets_targets": {"launch_us": True},
+    }
+    assert run_all.generic_plot("fake", report, tmp_path / "fake.png")
+    assert (tmp_path / "fake.png").read_bytes()[:4] == b"\x89PNG"
+    markdown = run_all.to_markdown({}, {"fake": {"report": report, "seconds": 1.0}})
+    assert "| fake | launch_us | | 50 | yes |" in markdown
+    assert "| 1024 | 30.24 | 3 |" in markdown
