@@ -1,0 +1,34 @@
+"""``kvstage replay --storage mooncake://...`` against a real Mooncake master (skips without Mooncake)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstage.replay.command import replay
+from kvstage.replay.engine import ReplayConfig
+from kvstage.replay.models import resolve_model
+from kvstage.replay.trace import TraceRequest
+
+
+def test_replay_through_a_real_mooncake_store(tmp_path):
+    master_module = pytest.importorskip("kvstage.offload.mooncake_master", reason="the Mooncake store has not landed here")
+    store_module = pytest.importorskip("kvstage.offload.mooncake_store")
+    if not store_module.mooncake_available() or master_module.master_binary() is None:
+        pytest.skip(f"the Mooncake store is not usable here; {store_module.INSTALL_HINT}")
+    requests = [
+        TraceRequest(0, 0.0, 700, 20, (0, 1)),
+        TraceRequest(1, 1.0, 900, 9, (0, 1)),
+        TraceRequest(2, 2.0, 520, 40, (0, 2)),
+    ]
+    model = resolve_model(None, layers=1, heads=1, head_dim=8, dtype="float16")
+    master = master_module.LocalMooncakeMaster(tmp_path / "master.log").start()
+    try:
+        config = ReplayConfig(model=model, page_size=16, max_running=2, backend="torch",
+                              storage=master.url(segment="64MB", buffer="16MB"))
+        report, _ = replay(config, requests)
+    finally:
+        master.stop()
+    assert report["storage"].startswith("mooncake://")
+    assert report["prefill_pages_deduplicated"] == 43 + 32  # request 1 repeats request 0; request 2 its block 0
+    assert report["verify_pages_checked"] == report["prefill_pages_unique_stored"] + report["decode_pages_stored"] > 0
+    assert report["verify_mismatches"] == 0 and report["lost_pages"] == 0 and report["storage_failures"] == 0
