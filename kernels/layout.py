@@ -232,12 +232,18 @@ def copy_runs(plan: Transfer, compact: torch.Tensor, *, to_staging: bool) -> Non
 
     One ``copy_`` per run of consecutive host pages (page_first; per (part, layer) and run for
     layer_first, whose pages are not contiguous across layers), ``non_blocking`` so that a
-    pinned-host <-> device copy is one ``cudaMemcpyAsync`` on the current stream.
+    pinned-host <-> device copy is one ``cudaMemcpyAsync`` on the current stream. Only the
+    layers of ``plan.layers`` move: for one layer of a page_first buffer that is a strided
+    copy, which torch stages through a contiguous host copy (correct, not fast: a per-layer
+    scatter should use ``mode="kernel"``).
     """
     ps = plan.page_size
+    all_layers = len(plan.layers) == plan.pool.num_layers
     for first, start, length in page_runs(plan.pages.tolist()):
-        if plan.layout == "page_first":
+        if plan.layout == "page_first" and all_layers:
             pairs = [(plan.staging[start : start + length], compact[first : first + length])]
+        elif plan.layout == "page_first":
+            pairs = [(plan.staging[start : start + length, layer], compact[first : first + length, layer]) for layer in plan.layers]
         else:
             pool = plan.pool
             pairs = [

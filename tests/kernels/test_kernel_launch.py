@@ -93,6 +93,21 @@ def test_staged_mode_equals_kernel_mode(device, layout, backend):
     assert all(torch.equal(a, b) for a, b in zip(original, pool_bytes(pool)))
 
 
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_staged_scatter_of_one_layer_moves_only_that_layer(device, layout):
+    pool = make_pool(parts=2, layers=3, slots=24, heads=1, dim=16, dtype=torch.float16, device=device)
+    staging = make_staging(pool, 5, 2, layout, pinned=device.type == "cuda")
+    random_bytes_(staging, torch.Generator().manual_seed(4))
+    slots, _ = make_indices(pool, 3, 2, 5)
+    pages = torch.tensor([4, 0, 1])
+    want = make_pool(parts=2, layers=3, slots=24, heads=1, dim=16, dtype=torch.float16, device=device)
+    scatter_reference(staging, want, slots, pages, page_size=2, layout=layout, layer=1)
+    scatter(staging, pool, slots, pages, page_size=2, layout=layout, layer=1, mode="staged", backend="triton")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    assert all(same_bytes(a, b) for a, b in zip(pool.tensors(), want.tensors()))
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_every_launch_runs_inside_its_nvtx_range(device, backend, monkeypatch):
     seen = []
