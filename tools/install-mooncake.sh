@@ -5,7 +5,7 @@
 # `mooncake_master` binary. Idempotent: installs only what is missing.
 set -euo pipefail
 venv=${1:-.venv}
-spec=${MOONCAKE_SPEC:-mooncake-transfer-engine-non-cuda>=0.3.7}
+spec=${MOONCAKE_SPEC:-mooncake-transfer-engine-non-cuda>=0.3.13}
 
 # The shared libraries mooncake/store.so and mooncake/mooncake_master need at load time.
 packages=(libibverbs1 librdmacm1 libnuma1)
