@@ -425,12 +425,18 @@ class MooncakeStore(StorageBackend):
         index = bisect.bisect_right(self._registered, start, key=lambda entry: entry[0]) - 1
         return index >= 0 and start + size <= self._registered[index][1]
 
-    def _bounce_buffer(self, store: Any) -> torch.Tensor:
+    def _bounce_slots(self, store: Any) -> torch.Tensor | None:
+        """The registered bounce buffer as ``[bounce pages, page_bytes]`` uint8; None when
+        Mooncake refuses to register it (the pages that needed it then fail, logged)."""
         if self._bounce is None:
             bounce = torch.empty(self._bounce_pages * self.page_bytes, dtype=torch.uint8)
-            self._register(store, bounce, bounce.data_ptr(), bounce.data_ptr() + bounce.numel())
+            try:
+                self._register(store, bounce, bounce.data_ptr(), bounce.data_ptr() + bounce.numel())
+            except StorageError as error:
+                logger.warning("%s; pages outside registered buffers fail", error)
+                return None
             self._bounce = bounce
-        return self._bounce
+        return self._bounce.view(self._bounce_pages, self.page_bytes)
 
     def _require_open(self) -> Any:
         if self._store is None:
@@ -471,8 +477,10 @@ class MooncakeStore(StorageBackend):
                 )
                 failures += self._apply_put_codes(direct, codes, statuses)
             for chunk in _chunks(bounced, self._bounce_pages):
-                bounce = self._bounce_buffer(store)
-                slots = bounce.view(self._bounce_pages, self.page_bytes)
+                slots = self._bounce_slots(store)
+                if slots is None:
+                    failures += [-1] * len(chunk)  # statuses stay FAILED
+                    continue
                 for slot, index in enumerate(chunk):
                     slots[slot].copy_(pages[index].reshape(-1).view(torch.uint8))
                 codes = self._call(
@@ -501,7 +509,10 @@ class MooncakeStore(StorageBackend):
                 for index, code in zip(direct, codes):
                     hits[index] = self._get_ok(code, into[index], failures)
             for chunk in _chunks(bounced, self._bounce_pages):
-                slots = self._bounce_buffer(store).view(self._bounce_pages, self.page_bytes)
+                slots = self._bounce_slots(store)
+                if slots is None:
+                    failures += [-1] * len(chunk)  # misses
+                    continue
                 codes = self._call(
                     "batch_get_into", len(chunk), store.batch_get_into,
                     [full_keys[i] for i in chunk], [slots[s].data_ptr() for s in range(len(chunk))], [self.page_bytes] * len(chunk),

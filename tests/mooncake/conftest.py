@@ -162,6 +162,12 @@ def fingerprint() -> LayoutFingerprint:
     return FINGERPRINT
 
 
+@pytest.fixture(scope="session")
+def mooncake_installed() -> Path:
+    """The ``mooncake_master`` binary; skips (naming what to install) where Mooncake is missing."""
+    return require_mooncake()
+
+
 @pytest.fixture(scope="module")
 def mooncake_master(tmp_path_factory: pytest.TempPathFactory):
     """A master shared by the tests of one module; stopped afterwards."""
