@@ -1,0 +1,212 @@
+"""Host staging layouts and the checks every gather/scatter runs before it touches memory.
+
+Two staging layouts (the names sglang's transfer kernels use):
+
+* ``page_first``: ``[num_host_pages, num_layers, kv_parts, page_size, head_num, head_dim]``:
+  one host page of every layer and part is one contiguous block (one storage object per page).
+* ``layer_first``: ``[kv_parts, num_layers, num_host_pages * page_size, head_num, head_dim]``:
+  host page ``h`` is token rows ``h * page_size ... h * page_size + page_size - 1`` of every
+  ``[part, layer]`` plane, like the device pool itself.
+
+:func:`check_transfer` validates one call and returns a :class:`Transfer`, the normalized
+description that the torch reference and the Triton launcher both execute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstage.errors import ArgumentTypeError, DeviceMismatchError, require
+from kvstage.kernels.pool import KVPool
+
+__all__ = ["LAYOUTS", "Transfer", "check_transfer", "staging_shape"]
+
+LAYOUTS = ("page_first", "layer_first")
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_page_size(page_size: object) -> None:
+    require(
+        isinstance(page_size, int) and not isinstance(page_size, bool) and page_size >= 1,
+        "page_size", f"must be a positive int, got {page_size!r}",
+    )
+
+
+def _check_layout(layout: object) -> None:
+    require(layout in LAYOUTS, "layout", f"must be one of {LAYOUTS}, got {layout!r}")
+
+
+def staging_shape(pool: KVPool, num_host_pages: int, page_size: int, layout: str = "page_first") -> tuple[int, ...]:
+    """The shape of a host staging buffer holding ``num_host_pages`` pages of ``pool``.
+
+    Args:
+        pool: the device pool whose pages the buffer holds.
+        num_host_pages: pages in the buffer (>= 0).
+        page_size: tokens per page (>= 1).
+        layout: ``"page_first"`` -> ``(num_host_pages, num_layers, kv_parts, page_size, head_num, head_dim)``;
+            ``"layer_first"`` -> ``(kv_parts, num_layers, num_host_pages * page_size, head_num, head_dim)``.
+
+    Raises:
+        ArgumentTypeError: ``pool`` is not a :class:`KVPool`.
+        InvalidArgumentError: a negative page count, a page size < 1, an unknown layout.
+    """
+    require(isinstance(pool, KVPool), "pool", f"must be a KVPool, got {type(pool).__name__}", ArgumentTypeError)
+    require(
+        isinstance(num_host_pages, int) and not isinstance(num_host_pages, bool) and num_host_pages >= 0,
+        "num_host_pages", f"must be an int >= 0, got {num_host_pages!r}",
+    )
+    _check_page_size(page_size)
+    _check_layout(layout)
+    if layout == "page_first":
+        return (num_host_pages, pool.num_layers, pool.kv_parts, page_size, pool.head_num, pool.head_dim)
+    return (pool.kv_parts, pool.num_layers, num_host_pages * page_size, pool.head_num, pool.head_dim)
+
+
+@dataclass
+class Transfer:
+    """One validated gather or scatter, ready to execute.
+
+    Attributes:
+        pool: the device pool.
+        staging: the staging buffer (contiguous; pinned host, or on the pool's device).
+        slots: ``[n_pages * page_size]`` int32/int64 device slot per token, on the pool's device.
+        pages: ``[n_pages]`` int32/int64 host page ids, on the pool's device.
+        page_size: tokens per page.
+        layout: ``"page_first"`` or ``"layer_first"``.
+        layers: the layers moved, ``range(num_layers)`` or one layer.
+        num_host_pages: pages the staging buffer holds.
+    """
+
+    pool: KVPool
+    staging: torch.Tensor
+    slots: torch.Tensor
+    pages: torch.Tensor
+    page_size: int
+    layout: str
+    layers: range
+    num_host_pages: int
+
+    @property
+    def n_pages(self) -> int:
+        """Pages moved by this call."""
+        return self.pages.numel()
+
+    @property
+    def n_tokens(self) -> int:
+        """Token rows moved per (part, layer): ``n_pages * page_size``."""
+        return self.slots.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes moved: ``n_tokens * kv_parts * len(layers) * row_bytes``."""
+        return self.n_tokens * self.pool.kv_parts * len(self.layers) * self.pool.row_bytes
+
+
+def _check_index(name: str, t: object, pool: KVPool) -> torch.Tensor:
+    require(isinstance(t, torch.Tensor), name, f"must be a torch.Tensor, got {type(t).__name__}", ArgumentTypeError)
+    assert isinstance(t, torch.Tensor)
+    require(t.dtype in INDEX_DTYPES, name, f"dtype must be int32 or int64, got {t.dtype}", ArgumentTypeError)
+    require(t.dim() == 1, name, f"must be 1-D, got shape {tuple(t.shape)}")
+    require(
+        t.device == pool.device or t.device.type == "cpu", name,
+        f"must be on the pool's device ({pool.device}) or on CPU, got {t.device}", DeviceMismatchError,
+    )
+    return t
+
+
+def _check_staging(staging: object, pool: KVPool, page_size: int, layout: str) -> int:
+    """Check the staging buffer against the pool; return how many host pages it holds."""
+    require(isinstance(staging, torch.Tensor), "staging", f"must be a torch.Tensor, got {type(staging).__name__}", ArgumentTypeError)
+    assert isinstance(staging, torch.Tensor)
+    require(staging.dtype == pool.dtype, "staging", f"dtype must be the pool's {pool.dtype}, got {staging.dtype}", ArgumentTypeError)
+    if pool.device.type == "cuda" and staging.device.type == "cpu":
+        # The kernel reads/writes host memory over PCIe through its device address: only
+        # page-locked memory has one; pageable memory would fault.
+        require(staging.is_pinned(), "staging", "host staging for a CUDA pool must be pinned (torch.empty(..., pin_memory=True))", DeviceMismatchError)
+    else:
+        require(
+            staging.device == pool.device, "staging",
+            f"must be pinned host memory or on the pool's device ({pool.device}), got {staging.device}", DeviceMismatchError,
+        )
+    if layout == "page_first":
+        names = ("num_host_pages", "num_layers", "kv_parts", "page_size", "head_num", "head_dim")
+        want = (None, pool.num_layers, pool.kv_parts, page_size, pool.head_num, pool.head_dim)
+    else:
+        names = ("kv_parts", "num_layers", "num_host_tokens", "head_num", "head_dim")
+        want = (pool.kv_parts, pool.num_layers, None, pool.head_num, pool.head_dim)
+    require(staging.dim() == len(names), "staging", f"{layout} staging must be [{', '.join(names)}], got shape {tuple(staging.shape)}")
+    for dim, (name, expected) in enumerate(zip(names, want)):
+        if expected is not None:
+            require(staging.shape[dim] == expected, "staging", f"dim {dim} ({name}) must be {expected}, got {staging.shape[dim]} (shape {tuple(staging.shape)})")
+    require(staging.is_contiguous(), "staging", "must be contiguous")
+    if layout == "page_first":
+        return int(staging.shape[0])
+    tokens = int(staging.shape[2])
+    require(tokens % page_size == 0, "staging", f"dim 2 (num_host_tokens) must be a multiple of page_size {page_size}, got {tokens}")
+    return tokens // page_size
+
+
+def check_transfer(
+    pool: KVPool,
+    staging: torch.Tensor,
+    slot_indices: torch.Tensor,
+    host_page_ids: torch.Tensor,
+    *,
+    page_size: int,
+    layout: str = "page_first",
+    layer: int | None = None,
+    check_bounds: bool | None = None,
+) -> Transfer:
+    """Validate a gather/scatter before anything is written; return the normalized :class:`Transfer`.
+
+    Index tensors on CPU for a CUDA pool are copied to the device (``non_blocking``).
+
+    Args:
+        check_bounds: check every device slot against ``[0, num_slots)`` (and host page ids
+            that live on the device). ``None`` = on for a CPU pool, off for a CUDA pool, where
+            it reads the indices back to the host (a device sync). Host page ids that live on
+            CPU are always checked (no sync needed).
+
+    Raises:
+        ArgumentTypeError: ``pool`` not a :class:`KVPool`; staging dtype differs from the pool's;
+            an index tensor that is not a tensor or not int32/int64.
+        DeviceMismatchError: staging neither on the pool's device nor (CUDA pool) pinned host
+            memory; an index tensor on a third device.
+        InvalidArgumentError: bad ``page_size``/``layout``/``layer``; staging shape does not
+            match the pool (layers, parts, page size, heads, head_dim) or is not contiguous;
+            ``slot_indices`` does not hold ``len(host_page_ids) * page_size`` indices; a host
+            page id out of range or repeated; (``check_bounds``) a slot out of range.
+    """
+    require(isinstance(pool, KVPool), "pool", f"must be a KVPool, got {type(pool).__name__}", ArgumentTypeError)
+    _check_page_size(page_size)
+    _check_layout(layout)
+    num_host_pages = _check_staging(staging, pool, page_size, layout)
+    slots = _check_index("slot_indices", slot_indices, pool)
+    pages = _check_index("host_page_ids", host_page_ids, pool)
+    n_pages = pages.numel()
+    require(
+        slots.numel() == n_pages * page_size, "slot_indices",
+        f"must hold len(host_page_ids) * page_size = {n_pages} * {page_size} = {n_pages * page_size} indices, got {slots.numel()}",
+    )
+    if layer is None:
+        layers = range(pool.num_layers)
+    else:
+        require(isinstance(layer, int) and not isinstance(layer, bool), "layer", f"must be None or an int, got {layer!r}", ArgumentTypeError)
+        require(0 <= layer < pool.num_layers, "layer", f"must be in [0, {pool.num_layers}), got {layer}")
+        layers = range(layer, layer + 1)
+    if check_bounds is None:
+        check_bounds = pool.device.type == "cpu"
+    if n_pages and (check_bounds or pages.device.type == "cpu"):
+        low, high = int(pages.min()), int(pages.max())
+        require(0 <= low and high < num_host_pages, "host_page_ids", f"must be in [0, {num_host_pages}) (the staging buffer's pages), got min {low} max {high}")
+        require(torch.unique(pages).numel() == n_pages, "host_page_ids", "must not repeat a page id within one call")
+    if n_pages and check_bounds:
+        low, high = int(slots.min()), int(slots.max())
+        require(0 <= low and high < pool.num_slots, "slot_indices", f"must be in [0, {pool.num_slots}) (the pool's slots), got min {low} max {high}")
+    if slots.device != pool.device:
+        slots = slots.to(pool.device, non_blocking=True)
+    if pages.device != pool.device:
+        pages = pages.to(pool.device, non_blocking=True)
+    return Transfer(pool, staging, slots, pages, page_size, layout, layers, num_host_pages)

@@ -1,0 +1,168 @@
+"""A view of an inference engine's device KV pool: per-(part, layer) buffers of token rows.
+
+The pool is what sglang keeps per layer: MHA has a K buffer and a V buffer of shape
+``[num_slots, head_num, head_dim]`` per layer (``kv_parts = 2``); MLA has one latent buffer
+``[num_slots, 1, kv_dim]`` per layer (``kv_parts = 1``). A *slot* is one token's row in every
+buffer; the engine's ``req_to_token`` table maps a request's token positions to slots.
+
+The per-layer buffers need not be adjacent in memory: the kernels reach each one through a
+table of per-(part, layer) byte offsets (see :mod:`kvstage.kernels.transfer`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvstage.errors import ArgumentTypeError, DeviceMismatchError, require
+
+__all__ = ["KVPool"]
+
+
+class KVPool:
+    """The device KV pool: ``kv_parts x num_layers`` buffers ``[num_slots, head_num, head_dim]``.
+
+    Build one with :meth:`mha`, :meth:`mla` or :meth:`from_stacked`; the pool keeps
+    references to (never copies of) the engine's tensors.
+
+    Every buffer must have the same shape, dtype and device, and be contiguous (a slot's
+    row of ``head_num * head_dim`` elements is one run of bytes, and slot ``s`` starts
+    ``s * row_bytes`` after the buffer's start).
+
+    Attributes:
+        kv_parts: 2 for MHA (K, V), 1 for MLA (the latent).
+        num_layers: number of layers.
+        num_slots: token slots per buffer.
+        head_num: KV heads per slot (1 for MLA).
+        head_dim: elements per head (``kv_dim`` for MLA, e.g. 576).
+        dtype: the element dtype (any: fp16, bf16, fp32, fp8, int8, ...; the copies move bytes).
+        device: where the buffers live.
+        buffers: ``buffers[part][layer]`` is the tensor of that part and layer.
+    """
+
+    def __init__(self, buffers: Sequence[Sequence[torch.Tensor]], *, argument: str = "buffers") -> None:
+        """Wrap ``buffers[part][layer]`` tensors; prefer :meth:`mha`, :meth:`mla`, :meth:`from_stacked`.
+
+        Raises:
+            ArgumentTypeError: an entry is not a tensor, or dtypes differ.
+            InvalidArgumentError: no parts or layers, a buffer is not 3-D, shapes differ, a
+                part has a different layer count, or a buffer is not contiguous.
+            DeviceMismatchError: buffers on different devices.
+        """
+        parts = [list(part) for part in buffers]
+        require(len(parts) in (1, 2), argument, f"must hold 1 (MLA) or 2 (MHA) parts, got {len(parts)}")
+        num_layers = len(parts[0])
+        require(num_layers >= 1, argument, "must hold at least one layer")
+        first = parts[0][0]
+        require(isinstance(first, torch.Tensor), f"{argument}[0][0]", f"must be a torch.Tensor, got {type(first).__name__}", ArgumentTypeError)
+        require(first.dim() == 3, f"{argument}[0][0]", f"must be [num_slots, head_num, head_dim], got shape {tuple(first.shape)}")
+        for p, part in enumerate(parts):
+            require(len(part) == num_layers, f"{argument}[{p}]", f"must hold {num_layers} layers like part 0, got {len(part)}")
+            for layer, t in enumerate(part):
+                name = f"{argument}[{p}][{layer}]"
+                require(isinstance(t, torch.Tensor), name, f"must be a torch.Tensor, got {type(t).__name__}", ArgumentTypeError)
+                require(t.dtype == first.dtype, name, f"dtype must be {first.dtype} like the others, got {t.dtype}", ArgumentTypeError)
+                require(t.device == first.device, name, f"device must be {first.device} like the others, got {t.device}", DeviceMismatchError)
+                require(tuple(t.shape) == tuple(first.shape), name, f"shape must be {tuple(first.shape)} like the others, got {tuple(t.shape)}")
+                require(t.is_contiguous(), name, "must be contiguous (each slot one run of bytes)")
+        self.buffers: list[list[torch.Tensor]] = parts
+        self.kv_parts = len(parts)
+        self.num_layers = num_layers
+        self.num_slots, self.head_num, self.head_dim = (int(d) for d in first.shape)
+        require(self.num_slots >= 1 and self.head_num >= 1 and self.head_dim >= 1, argument, f"every dimension must be >= 1, got shape {tuple(first.shape)}")
+        self.dtype: torch.dtype = first.dtype
+        self.device: torch.device = first.device
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def mha(cls, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor]) -> "KVPool":
+        """An MHA pool from per-layer K and V buffers, each ``[num_slots, head_num, head_dim]``.
+
+        Raises:
+            InvalidArgumentError: the lists differ in length or are empty; shapes differ;
+                a buffer is not contiguous.
+            ArgumentTypeError / DeviceMismatchError: as :class:`KVPool`.
+        """
+        k_list, v_list = list(k_buffers), list(v_buffers)
+        require(len(k_list) >= 1, "k_buffers", "must hold at least one layer")
+        require(len(v_list) == len(k_list), "v_buffers", f"must hold {len(k_list)} layers like k_buffers, got {len(v_list)}")
+        return cls([k_list, v_list], argument="k_buffers/v_buffers")
+
+    @classmethod
+    def mla(cls, latent_buffers: Sequence[torch.Tensor]) -> "KVPool":
+        """An MLA pool from per-layer latent buffers, each ``[num_slots, 1, kv_dim]``.
+
+        Raises:
+            InvalidArgumentError: empty list, or a buffer's head dimension is not 1.
+            ArgumentTypeError / DeviceMismatchError: as :class:`KVPool`.
+        """
+        latent = list(latent_buffers)
+        require(len(latent) >= 1, "latent_buffers", "must hold at least one layer")
+        for layer, t in enumerate(latent):
+            if isinstance(t, torch.Tensor):
+                require(t.dim() == 3 and t.shape[1] == 1, f"latent_buffers[{layer}]", f"must be [num_slots, 1, kv_dim], got shape {tuple(t.shape)}")
+        return cls([latent], argument="latent_buffers")
+
+    @classmethod
+    def from_stacked(cls, t: torch.Tensor) -> "KVPool":
+        """A pool from one tensor ``[kv_parts, num_layers, num_slots, head_num, head_dim]``.
+
+        ``kv_parts`` is 2 (MHA) or 1 (MLA). The pool's buffers are views of ``t``.
+
+        Raises:
+            ArgumentTypeError: ``t`` is not a tensor.
+            InvalidArgumentError: ``t`` is not 5-D, ``kv_parts`` is not 1 or 2, or ``t`` is
+                not contiguous.
+        """
+        require(isinstance(t, torch.Tensor), "t", f"must be a torch.Tensor, got {type(t).__name__}", ArgumentTypeError)
+        require(t.dim() == 5, "t", f"must be [kv_parts, num_layers, num_slots, head_num, head_dim], got shape {tuple(t.shape)}")
+        require(t.shape[0] in (1, 2), "t", f"dim 0 (kv_parts) must be 1 or 2, got {t.shape[0]}")
+        require(t.is_contiguous(), "t", "must be contiguous")
+        return cls([list(t[p].unbind(0)) for p in range(t.shape[0])], argument="t")
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def is_mla(self) -> bool:
+        """True for a one-part (latent) pool."""
+        return self.kv_parts == 1
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return self.buffers[0][0].element_size()
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one slot in one buffer: ``head_num * head_dim * itemsize``."""
+        return self.head_num * self.head_dim * self.itemsize
+
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes of one page of every layer and part: ``kv_parts * num_layers * page_size * row_bytes``.
+
+        Raises:
+            InvalidArgumentError: ``page_size`` is not a positive int.
+        """
+        require(isinstance(page_size, int) and not isinstance(page_size, bool) and page_size >= 1, "page_size", f"must be a positive int, got {page_size!r}")
+        return self.kv_parts * self.num_layers * page_size * self.row_bytes
+
+    def layer(self, part: int, layer: int) -> torch.Tensor:
+        """The buffer ``[num_slots, head_num, head_dim]`` of ``part`` (0 = K or latent, 1 = V) and ``layer``.
+
+        Raises:
+            InvalidArgumentError: ``part`` or ``layer`` out of range.
+        """
+        require(0 <= part < self.kv_parts, "part", f"must be in [0, {self.kv_parts}), got {part}")
+        require(0 <= layer < self.num_layers, "layer", f"must be in [0, {self.num_layers}), got {layer}")
+        return self.buffers[part][layer]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer, part-major: ``[part 0 layer 0, part 0 layer 1, ..., part 1 layer 0, ...]``."""
+        return [t for part in self.buffers for t in part]
+
+    def __repr__(self) -> str:
+        kind = "MLA" if self.is_mla else "MHA"
+        return (
+            f"KVPool({kind}, num_layers={self.num_layers}, num_slots={self.num_slots}, head_num={self.head_num}, "
+            f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})"
+        )

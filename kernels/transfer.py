@@ -1,0 +1,136 @@
+"""The public gather (D2H) and scatter (H2D): validate, pick the backend and mode, launch.
+
+``backend``: ``"auto"`` (native Triton on CUDA, the Triton interpreter on CPU under
+``TRITON_INTERPRET=1``, else the torch reference), ``"triton"`` or ``"torch"``; see
+:mod:`kvstage.kernels.backend`.
+
+``mode`` (CUDA pool with pinned host staging only; elsewhere both modes are the same copy):
+
+* ``"kernel"``: the Triton kernel reads the pool and writes pinned host memory directly
+  (zero-copy over PCIe), one launch for every layer.
+* ``"staged"``: the kernel gathers into a compact device buffer, then one
+  ``cudaMemcpyAsync`` per run of consecutive host pages moves it on the copy engine (scatter:
+  the reverse). Costs a device buffer of the batch's bytes; leaves the SMs to the forward
+  pass during the PCIe part.
+
+Every call runs on the current stream (wrap it in :mod:`kvstage.kernels.streams` to run
+it on a side stream after the producer's event).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstage.errors import require
+from kvstage.kernels.backend import resolve_backend
+from kvstage.kernels.layout import Transfer, check_transfer
+from kvstage.kernels.pool import KVPool
+from kvstage.kernels.reference import run_gather_torch, run_scatter_torch
+from kvstage.nvtx_ranges import nvtx_range
+
+__all__ = ["MODES", "gather", "scatter"]
+
+MODES = ("kernel", "staged")
+
+
+def _check_mode(mode: object) -> None:
+    require(mode in MODES, "mode", f"must be one of {MODES}, got {mode!r}")
+
+
+def _run_gather_triton(plan: Transfer, max_programs: int | None) -> None:
+    # Skeleton: the Triton kernel lands in the next commit; until then the reference runs.
+    run_gather_torch(plan)
+
+
+def _run_scatter_triton(plan: Transfer, max_programs: int | None) -> None:
+    run_scatter_torch(plan)
+
+
+def gather(
+    pool: KVPool,
+    staging: torch.Tensor,
+    slot_indices: torch.Tensor,
+    host_page_ids: torch.Tensor,
+    *,
+    page_size: int,
+    layout: str = "page_first",
+    backend: str = "auto",
+    mode: str = "kernel",
+    check_bounds: bool | None = None,
+    max_programs: int | None = None,
+) -> None:
+    """Device to host: copy ``n_pages`` pages of every layer from ``pool`` into ``staging``, one launch.
+
+    Token ``j`` of page ``i`` (device slot ``slot_indices[i * page_size + j]``) of every
+    (part, layer) lands at host page ``host_page_ids[i]``, token ``j``.
+
+    Args:
+        pool: the device pool (:class:`KVPool`).
+        staging: contiguous ``staging_shape(pool, num_host_pages, page_size, layout)`` of
+            ``pool.dtype``: pinned host memory for a CUDA pool, or a tensor on the pool's device.
+        slot_indices: int32/int64 ``[n_pages * page_size]`` device slots (a ``req_to_token``
+            slice; the slots of a page need not be contiguous).
+        host_page_ids: int32/int64 ``[n_pages]`` distinct host pages.
+        page_size: tokens per page.
+        layout: ``"page_first"`` or ``"layer_first"``.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        mode: ``"kernel"`` or ``"staged"`` (see the module doc).
+        check_bounds: check slots (and device-resident host page ids) against their ranges;
+            default on for CPU pools, off for CUDA pools (it costs a device sync).
+        max_programs: cap on the Triton grid (programs loop over the work); ``None`` = the
+            launch heuristic's default, small so the forward pass keeps its SMs.
+
+    An empty batch (no pages) is validated and launches nothing.
+
+    Raises:
+        ArgumentTypeError, DeviceMismatchError, InvalidArgumentError: from validation,
+            before anything is written (see :func:`kvstage.kernels.layout.check_transfer`).
+        BackendUnavailableError: ``backend="triton"`` where Triton cannot run.
+    """
+    plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, check_bounds=check_bounds)
+    _check_mode(mode)
+    chosen = resolve_backend(backend, pool.device.type == "cuda")
+    if plan.n_pages == 0:
+        return
+    with nvtx_range("gather"):
+        if chosen == "torch":
+            run_gather_torch(plan)
+        else:
+            _run_gather_triton(plan, max_programs)
+
+
+def scatter(
+    staging: torch.Tensor,
+    pool: KVPool,
+    slot_indices: torch.Tensor,
+    host_page_ids: torch.Tensor,
+    *,
+    page_size: int,
+    layout: str = "page_first",
+    layer: int | None = None,
+    backend: str = "auto",
+    mode: str = "kernel",
+    check_bounds: bool | None = None,
+    max_programs: int | None = None,
+) -> None:
+    """Host to device: the inverse of :func:`gather`, for every layer or one ``layer``.
+
+    Args:
+        layer: ``None`` moves every layer in one launch; an int moves that layer (both parts),
+            so that loading can overlap the forward pass layer by layer.
+        Others: as :func:`gather`. A slot repeated in ``slot_indices`` receives one of its
+        rows (which one is unspecified).
+
+    Raises:
+        As :func:`gather`; also InvalidArgumentError for ``layer`` out of range.
+    """
+    plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, layer=layer, check_bounds=check_bounds)
+    _check_mode(mode)
+    chosen = resolve_backend(backend, pool.device.type == "cuda")
+    if plan.n_pages == 0:
+        return
+    with nvtx_range("scatter"):
+        if chosen == "torch":
+            run_scatter_torch(plan)
+        else:
+            _run_scatter_triton(plan, max_programs)

@@ -1,0 +1,599 @@
+"""``OffloadManager``: backs up a decoding request's KV pages to storage, stride by stride.
+
+The engine calls :meth:`OffloadManager.offload` for each running request every decode step,
+:meth:`OffloadManager.poll` once a step, and :meth:`OffloadManager.finish` or
+:meth:`OffloadManager.abort` when a request ends. The manager:
+
+1. finds the tokens whose KV exists and is not offloaded yet (``origin_input_ids +
+   output_ids[:-1]``; the last sampled token has no KV yet), in whole strides starting right
+   after the last offloaded token, so pages stay aligned to absolute positions;
+2. allocates host pages, launches one gather per host-pool chunk on the copy stream and keeps
+   the completion event, counted as in flight for that request object;
+3. in ``poll``, for each finished copy (in any order): writes the pages to storage under their
+   page keys, skipping keys already there, and frees the host pages;
+4. calls ``release(req)`` exactly once, when the request has ended and no copy of its device
+   slots is in flight; only then may the engine free the request's device slots.
+
+Decisions worth knowing:
+
+- State is keyed by the request *object* (``id(req)``, with the object held by the state so the
+  id cannot be reused while tracked), never by ``rid`` and never through the request class's
+  ``__eq__``/``__hash__``: two requests with one rid (a retry) are two lifecycles.
+- The prompt's page-aligned prefix was stored by prefill. Its last page key (or the namespace
+  seed when the prompt is shorter than a page) is the prior of the request's chain, computed
+  once on first sight of the request.
+- Page keys are computed at ``offload`` time, from the tokens, continuing the chain: a key
+  depends only on tokens, so a segment's keys are fixed when it launches and segments that
+  complete out of order need no reordering in ``poll``. Costs one hash per page in
+  ``offload`` (cheap next to the copy it launches).
+- ``finish`` offloads every remaining *whole page*, not only whole strides: the stride batches
+  copies during decode; at the end nothing is gained by leaving full pages behind.
+- Every page launched ends in exactly one of: stored, deduplicated, failed (the copy or the
+  storage write failed; counted, logged, ``on_storage_failure`` called), discarded (its
+  request was aborted: freed without a storage write).
+- ``poll`` never blocks and costs O(copies finished), not O(live requests): in-flight copies
+  sit in a queue in submission order; on an in-order copy stream ``poll`` stops at the first
+  unfinished copy, on any other it checks each in-flight copy.
+
+Not thread-safe: call offload/poll/finish/abort from one thread (the scheduler's).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from kvstage.errors import InvalidArgumentError, require
+from kvstage.nvtx_ranges import nvtx_range
+from kvstage.offload.host_pool import HostPool
+from kvstage.offload.storage import PutStatus, StorageBackend
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class OffloadRequest(Protocol):
+    """What the manager reads from an engine's request object (adapt yours to it).
+
+    Attributes:
+        rid: the request id (only for log lines; never a key).
+        origin_input_ids: the prompt's token ids (list or 1-D int sequence).
+        output_ids: the sampled token ids so far; the last one has no KV yet.
+        extra_key: namespace part (LoRA adapter and similar), or None.
+        cache_salt: namespace part (per-tenant secret), or None.
+    """
+
+    rid: Any
+    origin_input_ids: Sequence[int]
+    output_ids: Sequence[int]
+    extra_key: str | None
+    cache_salt: str | None
+
+    def finished(self) -> bool:
+        """True once the request will produce no more tokens."""
+        ...
+
+
+# slot_indices_of(req) -> 1-D int32/int64 tensor on the KV pool's device whose entry i is the
+# device slot holding token i's KV (e.g. sglang's req_to_token[req.req_pool_idx]); at least as
+# long as the tokens with KV.
+SlotIndicesOf = Callable[[Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class OffloadMetrics:
+    """A snapshot of the manager's counters (pages are host pages of ``page_size`` tokens).
+
+    Every launched page is in flight or has ended exactly once::
+
+        pages_launched == pages_in_flight + pages_stored + pages_deduplicated
+                          + pages_failed + pages_discarded
+    """
+
+    requests_live: int  # request objects tracked (not released yet)
+    copies_in_flight: int  # D2H copies launched and not handled by poll yet
+    pages_in_flight: int
+    pages_launched: int
+    pages_offloaded: int  # pages whose D2H copy completed without error
+    bytes_offloaded: int
+    copy_seconds: float  # summed durations of those copies (GPU time on CUDA)
+    pages_stored: int  # written to storage now
+    pages_deduplicated: int  # storage had the key already
+    pages_failed: int  # copy or storage write failed; reported
+    pages_discarded: int  # the request was aborted; freed without a storage write
+    pages_dropped: int  # finish() could not get host pages; never launched
+    storage_failures: int  # storage writes (segments) with at least one failed page
+    copy_failures: int  # copies that raised
+    offloads_rejected: int  # offload() returned False because the host pool was full
+    releases: int
+    callback_errors: int  # release/on_storage_failure callbacks that raised (logged)
+    host_pages_used: int
+    host_pages_high_water: int
+    host_pages_capacity: int
+
+    @property
+    def d2h_gbps(self) -> float:
+        """D2H throughput over copy time, in GB/s (1e9 bytes)."""
+        return self.bytes_offloaded / self.copy_seconds / 1e9 if self.copy_seconds > 0 else 0.0
+
+    @property
+    def dedup_hits(self) -> int:
+        """Pages not written because storage had them (same as ``pages_deduplicated``)."""
+        return self.pages_deduplicated
+
+
+class _RequestState:
+    __slots__ = ("req", "offloaded_len", "prior_key", "in_flight", "ending", "aborted")
+
+    def __init__(self, req: Any, offloaded_len: int, prior_key: str | None) -> None:
+        self.req = req  # held: keeps id(req) from being reused while tracked
+        self.offloaded_len = offloaded_len  # tokens [0, offloaded_len) are stored or launched
+        self.prior_key = prior_key  # key of the page before offloaded_len (or the seed)
+        self.in_flight = 0
+        self.ending = False  # finish() or abort() was called
+        self.aborted = False
+
+
+class _Segment:
+    __slots__ = ("state", "host_ids", "keys", "event")
+
+    def __init__(self, state: _RequestState, host_ids: list[int], keys: list[str], event: Any) -> None:
+        self.state = state
+        self.host_ids = host_ids
+        self.keys = keys
+        self.event = event
+
+
+_NOTHING, _LAUNCHED, _FULL = 0, 1, 2
+
+
+class OffloadManager:
+    """Offloads decoding requests' KV pages through a host pool to a storage backend.
+
+    Args:
+        kv_pool: the device KV pool (:class:`kvstage.kernels.KVPool`).
+        host_pool: staging pages matching ``kv_pool``'s layout and dtype.
+        storage: where pages are backed up; its layout's page bytes must equal the host page's.
+        hasher: computes page keys (:class:`kvstage.hashing.PageHasher`); its page_size must
+            equal the host pool's.
+        slot_indices_of: ``slot_indices_of(req)`` -> the request's device slots (see
+            :data:`SlotIndicesOf`).
+        offload_stride: tokens per offload unit during decode, a positive multiple of the page
+            size (default: one page).
+        release: ``release(req)``, called exactly once per request after ``finish``/``abort``
+            when none of its copies is in flight: the engine may free its device slots then.
+        on_storage_failure: ``on_storage_failure(req, failed_keys, error)``: a copy or storage
+            write failed for these page keys (error: the exception, or None when the backend
+            answered FAILED).
+        backend: the gather's backend (``"auto"``, ``"triton"``, ``"torch"``).
+        copy_stream: where copies run (default: :class:`CopyStream` on ``kv_pool.device``);
+            anything with ``submit(copy, keep=...) -> event`` and ``in_order``.
+
+    Raises:
+        InvalidArgumentError: the stride, page sizes or layouts do not match, or a callback
+            is not callable.
+    """
+
+    def __init__(
+        self,
+        kv_pool: Any,
+        host_pool: HostPool,
+        storage: StorageBackend,
+        hasher: Any,
+        slot_indices_of: SlotIndicesOf,
+        *,
+        offload_stride: int | None = None,
+        release: Callable[[Any], None] | None = None,
+        on_storage_failure: Callable[[Any, list[str], BaseException | None], None] | None = None,
+        backend: str = "auto",
+        copy_stream: Any = None,
+    ) -> None:
+        from kvstage.kernels import gather
+        from kvstage.kernels.backend import resolve_backend
+        from kvstage.offload.copy_stream import CopyStream
+
+        page_size = host_pool.page_size
+        require(
+            hasher.page_size == page_size,
+            "hasher",
+            f"page_size {hasher.page_size} must equal the host pool's page_size {page_size}",
+        )
+        stride = page_size if offload_stride is None else offload_stride
+        require(
+            isinstance(stride, int) and stride > 0 and stride % page_size == 0,
+            "offload_stride",
+            f"must be a positive multiple of page_size {page_size}, got {offload_stride!r}",
+        )
+        for name in ("num_layers", "kv_parts", "head_num", "head_dim", "dtype"):
+            mine, theirs = getattr(host_pool, name), getattr(kv_pool, name)
+            require(mine == theirs, "host_pool", f"{name} {mine} must equal the KV pool's {theirs}")
+        storage_page_bytes = getattr(storage, "page_bytes", host_pool.page_bytes)
+        require(
+            storage_page_bytes == host_pool.page_bytes,
+            "storage",
+            f"its layout's page has {storage_page_bytes} bytes, the host pool's page has {host_pool.page_bytes}",
+        )
+        require(callable(slot_indices_of), "slot_indices_of", "must be callable")
+        require(release is None or callable(release), "release", "must be callable or None")
+        require(
+            on_storage_failure is None or callable(on_storage_failure), "on_storage_failure", "must be callable or None"
+        )
+        self.device = torch.device(kv_pool.device)
+        resolve_backend(backend, on_cuda=self.device.type == "cuda")  # validates now, not mid-step
+        self.kv_pool = kv_pool
+        self.host_pool = host_pool
+        self.storage = storage
+        self.hasher = hasher
+        self.slot_indices_of = slot_indices_of
+        self.page_size = page_size
+        self.offload_stride = stride
+        self.backend = backend
+        self.copy_stream = copy_stream if copy_stream is not None else CopyStream(self.device)
+        self._gather = gather
+        self._release_callback = release
+        self._failure_callback = on_storage_failure
+        self._states: dict[int, _RequestState] = {}
+        # Released request objects, held weakly (gone when the engine drops them): a late
+        # finish/abort/offload of one is ignored instead of releasing it a second time.
+        self._ended: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._in_flight: deque[_Segment] = deque()
+        self._in_order = bool(getattr(self.copy_stream, "in_order", False))
+        storage.register_host_buffers(host_pool.buffers)
+        # Counters (see OffloadMetrics).
+        self._pages_in_flight = 0
+        self._pages_launched = 0
+        self._pages_offloaded = 0
+        self._copy_seconds = 0.0
+        self._pages_stored = 0
+        self._pages_deduplicated = 0
+        self._pages_failed = 0
+        self._pages_discarded = 0
+        self._pages_dropped = 0
+        self._storage_failures = 0
+        self._copy_failures = 0
+        self._offloads_rejected = 0
+        self._releases = 0
+        self._callback_errors = 0
+
+    # -- the engine's calls -----------------------------------------------------------------
+
+    def offload(self, req: Any) -> bool:
+        """Launch the D2H copy of ``req``'s new whole strides, if any.
+
+        A request whose ``finished()`` is true is handed to :meth:`finish` instead.
+
+        Returns:
+            True when a copy was launched now (for a finished request: what :meth:`finish`
+            returns). False when there is no whole stride yet, the request has ended
+            (finish/abort called, or released), or the host pool is full; in each of these
+            cases nothing changed.
+
+        Raises:
+            InvalidArgumentError: ``slot_indices_of(req)`` is too short for the tokens to copy.
+            Whatever the hasher or the gather raise at launch; nothing changed then.
+        """
+        with nvtx_range("offload"):
+            if req.finished():
+                state = self._states.get(id(req))
+                if state.ending if state is not None else self._has_ended(req):
+                    return False
+                return self._finish(req)
+            state = self._states.get(id(req))
+            if state is None:
+                if self._has_ended(req):
+                    return False
+                state = self._track(req)
+            elif state.ending:
+                return False
+            return self._launch(state, self.offload_stride) == _LAUNCHED
+
+    def poll(self) -> int:
+        """Handle every copy that has completed: back its pages up, free them, release requests.
+
+        Never blocks. Returns the number of copies handled.
+        """
+        if not self._in_flight:
+            return 0
+        with nvtx_range("poll"):
+            done: list[_Segment] = []
+            in_flight = self._in_flight
+            if self._in_order:
+                while in_flight and in_flight[0].event.query():
+                    done.append(in_flight.popleft())
+            else:
+                waiting: deque[_Segment] = deque()
+                for segment in in_flight:
+                    (done if segment.event.query() else waiting).append(segment)
+                self._in_flight = waiting
+            for segment in done:
+                self._complete(segment)
+            return len(done)
+
+    def finish(self, req: Any) -> bool:
+        """``req`` has ended normally: offload its remaining whole pages, then release it.
+
+        ``release(req)`` is called once no copy of it is in flight: within this call when none
+        is, else in the :meth:`poll` that handles its last copy. A second call does nothing
+        (also after release, while the engine still holds the object).
+
+        Returns:
+            True when every remaining whole page was launched (or there was none); False when
+            the host pool could not take them: those pages are dropped (``pages_dropped``).
+        """
+        with nvtx_range("offload.finish"):
+            return self._finish(req)
+
+    def abort(self, req: Any) -> None:
+        """``req`` was aborted: offload nothing more; copies in flight complete and their host
+        pages are freed without storage writes; ``release(req)`` is called once when none is in
+        flight (within this call when none is). Also after :meth:`finish`, before release;
+        after release it does nothing.
+        """
+        state = self._states.get(id(req))
+        if state is None:
+            if self._has_ended(req):
+                return
+            state = _RequestState(req, 0, None)
+            self._states[id(req)] = state
+        state.ending = True
+        state.aborted = True
+        if state.in_flight == 0:
+            self._release(state)
+
+    def drain(self) -> None:
+        """Block until every copy in flight has completed, then :meth:`poll` (for shutdown and tests)."""
+        for segment in list(self._in_flight):
+            segment.event.synchronize()
+        self.poll()
+
+    # -- what the engine may inspect ----------------------------------------------------------
+
+    def is_tracked(self, req: Any) -> bool:
+        """Whether the manager holds state for this request object (not released yet)."""
+        return id(req) in self._states
+
+    def in_flight(self, req: Any) -> int:
+        """Copies of this request object in flight (0 when untracked)."""
+        state = self._states.get(id(req))
+        return 0 if state is None else state.in_flight
+
+    def offloaded_len(self, req: Any) -> int | None:
+        """Tokens of this request stored by prefill or launched so far (None when untracked)."""
+        state = self._states.get(id(req))
+        return None if state is None else state.offloaded_len
+
+    @property
+    def metrics(self) -> OffloadMetrics:
+        """A snapshot of the counters."""
+        pool = self.host_pool
+        return OffloadMetrics(
+            requests_live=len(self._states),
+            copies_in_flight=len(self._in_flight),
+            pages_in_flight=self._pages_in_flight,
+            pages_launched=self._pages_launched,
+            pages_offloaded=self._pages_offloaded,
+            bytes_offloaded=self._pages_offloaded * pool.page_bytes,
+            copy_seconds=self._copy_seconds,
+            pages_stored=self._pages_stored,
+            pages_deduplicated=self._pages_deduplicated,
+            pages_failed=self._pages_failed,
+            pages_discarded=self._pages_discarded,
+            pages_dropped=self._pages_dropped,
+            storage_failures=self._storage_failures,
+            copy_failures=self._copy_failures,
+            offloads_rejected=self._offloads_rejected,
+            releases=self._releases,
+            callback_errors=self._callback_errors,
+            host_pages_used=pool.used,
+            host_pages_high_water=pool.high_water,
+            host_pages_capacity=pool.capacity,
+        )
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _track(self, req: Any) -> _RequestState:
+        """New state: the prompt's page-aligned prefix counts as offloaded (prefill stored it)."""
+        page_size = self.page_size
+        prompt = req.origin_input_ids
+        aligned = len(prompt) // page_size * page_size
+        if aligned:
+            prior = self.hasher.prefill_keys(prompt[:aligned], extra_key=req.extra_key, cache_salt=req.cache_salt)[-1]
+        else:
+            prior = self.hasher.seed(req.extra_key, req.cache_salt)
+        state = _RequestState(req, aligned, prior)
+        self._states[id(req)] = state
+        return state
+
+    def _finish(self, req: Any) -> bool:
+        state = self._states.get(id(req))
+        if state is None:
+            if self._has_ended(req):
+                return True
+            state = self._track(req)
+        elif state.ending:
+            return True
+        outcome = self._launch(state, self.page_size)
+        state.ending = True
+        if outcome == _FULL:
+            dropped = (self._kv_len(req) - state.offloaded_len) // self.page_size
+            self._pages_dropped += dropped
+            logger.warning("offload: host pool full at finish of rid=%r: %d pages not offloaded", req.rid, dropped)
+        if state.in_flight == 0:
+            self._release(state)
+        return outcome != _FULL
+
+    @staticmethod
+    def _kv_len(req: Any) -> int:
+        # The last sampled token has no KV yet.
+        return len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+
+    @staticmethod
+    def _tokens(req: Any, start: int, end: int) -> list[int]:
+        prompt, output = req.origin_input_ids, req.output_ids
+        n_prompt = len(prompt)
+        if end <= n_prompt:
+            return list(prompt[start:end])
+        if start >= n_prompt:
+            return list(output[start - n_prompt : end - n_prompt])
+        return list(prompt[start:]) + list(output[: end - n_prompt])
+
+    def _launch(self, state: _RequestState, unit: int) -> int:
+        """Launch the copy of the whole ``unit``s after ``state.offloaded_len``; all or nothing."""
+        req = state.req
+        start = state.offloaded_len
+        n_tokens = (self._kv_len(req) - start) // unit * unit
+        if n_tokens <= 0:
+            return _NOTHING
+        page_size = self.page_size
+        n_pages = n_tokens // page_size
+        host_ids = self.host_pool.alloc(n_pages)
+        if host_ids is None:
+            self._offloads_rejected += 1
+            return _FULL
+        try:
+            end = start + n_tokens
+            keys = self.hasher.continue_keys(self._tokens(req, start, end), state.prior_key)
+            slots = self.slot_indices_of(req)
+            if slots.shape[0] < end:
+                raise InvalidArgumentError(
+                    f"slot_indices_of: {slots.shape[0]} slots for request rid={req.rid!r}, its first {end} tokens have KV"
+                )
+            copy, keep = self._gather_copy(slots[start:end], host_ids)
+            event = self.copy_stream.submit(copy, keep=keep)
+        except BaseException:
+            self.host_pool.free(host_ids)
+            raise
+        state.offloaded_len = end
+        state.prior_key = keys[-1]
+        state.in_flight += 1
+        self._in_flight.append(_Segment(state, host_ids, keys, event))
+        self._pages_in_flight += n_pages
+        self._pages_launched += n_pages
+        return _LAUNCHED
+
+    def _gather_copy(self, slots: torch.Tensor, host_ids: list[int]):
+        """The copy (one gather per host-pool chunk touched) and the tensors it must keep alive."""
+        pool = self.host_pool
+        groups = pool.locate(host_ids)
+        launches = []
+        for chunk, positions, local_ids in groups:
+            if len(groups) == 1:
+                chunk_slots = slots
+            else:
+                pages = torch.tensor(positions, dtype=torch.int64, device=slots.device)
+                chunk_slots = slots.view(-1, self.page_size).index_select(0, pages).reshape(-1)
+            page_ids = torch.tensor(local_ids, dtype=torch.int64, device=slots.device)
+            launches.append((pool.chunks[chunk], chunk_slots, page_ids))
+        kv_pool, gather, page_size, backend = self.kv_pool, self._gather, self.page_size, self.backend
+
+        def copy() -> None:
+            for staging, chunk_slots, page_ids in launches:
+                gather(kv_pool, staging, chunk_slots, page_ids, page_size=page_size, layout="page_first", backend=backend)
+
+        return copy, launches
+
+    def _complete(self, segment: _Segment) -> None:
+        state = segment.state
+        event = segment.event
+        n_pages = len(segment.host_ids)
+        state.in_flight -= 1
+        self._pages_in_flight -= n_pages
+        try:
+            if event.error is not None:
+                self._copy_failures += 1
+                self._pages_failed += n_pages
+                logger.error(
+                    "offload: D2H copy of %d pages of rid=%r failed: %r", n_pages, state.req.rid, event.error
+                )
+                self._report_failure(state.req, list(segment.keys), event.error)
+            else:
+                self._pages_offloaded += n_pages
+                self._copy_seconds += event.seconds or 0.0
+                if state.aborted:
+                    self._pages_discarded += n_pages
+                else:
+                    self._backup(state.req, segment)
+        finally:
+            self.host_pool.free(segment.host_ids)
+            segment.event = None  # drops the index tensors the copy kept alive
+            if state.ending and state.in_flight == 0:
+                self._release(state)
+
+    def _backup(self, req: Any, segment: _Segment) -> None:
+        """Write a completed segment's pages to storage, skipping keys it has; count each page."""
+        with nvtx_range("backup"):
+            keys = segment.keys
+            stored = deduplicated = 0
+            failed: list[str] = []
+            error: BaseException | None = None
+            todo: list[int] = []
+            try:
+                seen: set[str] = set()
+                for index, present in enumerate(self.storage.exists(keys)):
+                    key = keys[index]
+                    if present or key in seen:
+                        deduplicated += 1
+                    else:
+                        seen.add(key)
+                        todo.append(index)
+                if todo:
+                    page = self.host_pool.page
+                    host_ids = segment.host_ids
+                    statuses = self.storage.put([keys[i] for i in todo], [page(host_ids[i]) for i in todo])
+                    for index, status in zip(todo, statuses):
+                        if status is PutStatus.STORED:
+                            stored += 1
+                        elif status is PutStatus.DEDUPLICATED:
+                            deduplicated += 1
+                        else:
+                            failed.append(keys[index])
+            except Exception as raised:  # the backend failed as a whole: no page counts as written
+                error = raised
+                stored = 0
+                deduplicated = len(keys) - len(todo) if todo else 0
+                failed = [keys[i] for i in todo] if todo else list(keys)
+            self._pages_stored += stored
+            self._pages_deduplicated += deduplicated
+            if failed:
+                self._pages_failed += len(failed)
+                self._storage_failures += 1
+                logger.warning(
+                    "offload: storage write failed for %d of %d pages of rid=%r%s",
+                    len(failed), len(keys), req.rid, f": {error!r}" if error is not None else "",
+                )
+                self._report_failure(req, failed, error)
+
+    def _report_failure(self, req: Any, keys: list[str], error: BaseException | None) -> None:
+        if self._failure_callback is None:
+            return
+        try:
+            self._failure_callback(req, keys, error)
+        except Exception:
+            self._callback_errors += 1
+            logger.exception("offload: on_storage_failure callback raised for rid=%r", req.rid)
+
+    def _has_ended(self, req: Any) -> bool:
+        if self._ended.get(id(req)) is req:
+            logger.debug("offload: rid=%r was released already; call ignored", req.rid)
+            return True
+        return False
+
+    def _release(self, state: _RequestState) -> None:
+        del self._states[id(state.req)]
+        try:
+            self._ended[id(state.req)] = state.req
+        except TypeError:  # a class without weakref support: not remembered
+            pass
+        self._releases += 1
+        if self._release_callback is None:
+            return
+        try:
+            self._release_callback(state.req)
+        except Exception:
+            self._callback_errors += 1
+            logger.exception("offload: release callback raised for rid=%r", state.req.rid)

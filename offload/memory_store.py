@@ -1,0 +1,123 @@
+"""``MemoryStore``: the default storage backend, pages kept in this process's memory, LRU-bounded.
+
+Each stored page is a private copy (a ``uint8`` CPU tensor), so the host pool page it came from
+can be freed and reused right after ``put`` returns. When a new page would exceed the capacity,
+the least recently used pages are evicted first; ``get`` and a deduplicated ``put`` count as a
+use, ``exists`` does not (it is a probe, and the manager probes before every write).
+
+URL form for :func:`open_storage`: ``memory`` (capacity :data:`DEFAULT_CAPACITY_BYTES`) or
+``memory:CAPACITY_BYTES``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from kvstage.errors import InvalidArgumentError
+from kvstage.offload.storage import STORAGE_SCHEMES, LayoutFingerprint, PutStatus, StorageBackend
+
+DEFAULT_CAPACITY_BYTES = 1 << 30  # 1 GiB
+
+
+def _bytes_of(page: torch.Tensor) -> torch.Tensor:
+    return page.reshape(-1).view(torch.uint8)
+
+
+class MemoryStore(StorageBackend):
+    """Pages in host memory, at most ``capacity_pages`` of them, least recently used evicted.
+
+    Args:
+        fingerprint: the KV layout (key prefix and page size in bytes).
+        capacity_bytes: bound in bytes; the store holds ``capacity_bytes // page_bytes`` pages.
+        capacity_pages: bound in pages (give one of the two; neither: 1 GiB of pages).
+
+    Raises:
+        InvalidArgumentError: both bounds given, or a bound is negative.
+
+    Thread-safe (one lock around every call).
+    """
+
+    def __init__(
+        self, fingerprint: LayoutFingerprint, *, capacity_bytes: int | None = None, capacity_pages: int | None = None
+    ) -> None:
+        super().__init__(fingerprint)
+        if capacity_bytes is not None and capacity_pages is not None:
+            raise InvalidArgumentError("capacity_pages: give capacity_bytes or capacity_pages, not both")
+        if capacity_pages is None:
+            capacity_bytes = DEFAULT_CAPACITY_BYTES if capacity_bytes is None else capacity_bytes
+            if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+                raise InvalidArgumentError(f"capacity_bytes: must be a non-negative int, got {capacity_bytes!r}")
+            capacity_pages = capacity_bytes // self.page_bytes
+        elif not isinstance(capacity_pages, int) or capacity_pages < 0:
+            raise InvalidArgumentError(f"capacity_pages: must be a non-negative int, got {capacity_pages!r}")
+        self.capacity_pages = capacity_pages
+        self._pages: OrderedDict[str, torch.Tensor] = OrderedDict()  # oldest use first
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """Pages stored now."""
+        return len(self._pages)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the pages stored now."""
+        return len(self._pages) * self.page_bytes
+
+    def _exists(self, full_keys: list[str]) -> list[bool]:
+        with self._lock:
+            pages = self._pages
+            return [key in pages for key in full_keys]
+
+    def _put(self, full_keys: list[str], pages: list[torch.Tensor]) -> list[PutStatus]:
+        statuses = []
+        with self._lock:
+            stored = self._pages
+            for key, page in zip(full_keys, pages):
+                if key in stored:
+                    stored.move_to_end(key)
+                    statuses.append(PutStatus.DEDUPLICATED)
+                    continue
+                if self.capacity_pages == 0:
+                    statuses.append(PutStatus.FAILED)
+                    continue
+                while len(stored) >= self.capacity_pages:
+                    stored.popitem(last=False)
+                    self.stats.pages_evicted += 1
+                stored[key] = _bytes_of(page).clone()
+                statuses.append(PutStatus.STORED)
+        return statuses
+
+    def _get(self, full_keys: list[str], into: list[torch.Tensor]) -> list[bool]:
+        hits = []
+        with self._lock:
+            stored = self._pages
+            for key, target in zip(full_keys, into):
+                page = stored.get(key)
+                if page is None:
+                    hits.append(False)
+                    continue
+                stored.move_to_end(key)
+                _bytes_of(target).copy_(page)
+                hits.append(True)
+        return hits
+
+    def close(self) -> None:
+        """Drop every page. Idempotent."""
+        with self._lock:
+            self._pages.clear()
+
+
+def _open_memory(rest: str, fingerprint: LayoutFingerprint) -> MemoryStore:
+    if not rest:
+        return MemoryStore(fingerprint)
+    try:
+        capacity = int(rest)
+    except ValueError:
+        raise InvalidArgumentError(f"storage: 'memory:{rest}': the capacity must be an int number of bytes") from None
+    return MemoryStore(fingerprint, capacity_bytes=capacity)
+
+
+STORAGE_SCHEMES["memory"] = _open_memory

@@ -1,0 +1,119 @@
+"""Builders shared by tests/kernels: random pools, poisoned staging, byte-exact comparison."""
+
+from __future__ import annotations
+
+import torch
+
+from kvstage.kernels import KVPool, staging_shape
+
+POISON = 0xA5  # as a byte of fp16/bf16/fp32 it reads as a NaN-free odd value; as fp8 e4m3 0xA5 is -0.0703125
+
+
+def random_bytes_(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fill ``t`` with random bytes (any dtype; floats may hold NaN/inf patterns: compare bytes)."""
+    raw = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=generator)
+    t.view(-1).view(torch.uint8).copy_(raw.to(t.device))
+    return t
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill every byte of ``t`` with :data:`POISON`."""
+    t.view(-1).view(torch.uint8).fill_(POISON) if t.numel() else None
+    return t
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a flat uint8 tensor on CPU."""
+    return t.detach().contiguous().view(-1).view(torch.uint8).cpu()
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(as_bytes(a), as_bytes(b))
+
+
+def make_pool(
+    *,
+    parts: int,
+    layers: int,
+    slots: int,
+    heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    storage: str = "lists",
+    seed: int = 0,
+) -> KVPool:
+    """A pool of random bytes.
+
+    storage: ``"lists"`` = one allocation per buffer; ``"stacked"`` = one 5-D tensor;
+    ``"scattered"`` = buffers carved out of one allocation in reverse order with gaps of odd
+    sizes between them (not adjacent, descending addresses, so table offsets go negative).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    shape = (slots, heads, dim)
+    if storage == "stacked":
+        t = random_bytes_(torch.empty((parts, layers, *shape), dtype=dtype, device=device), gen)
+        return KVPool.from_stacked(t)
+    if storage == "lists":
+        buffers = [[random_bytes_(torch.empty(shape, dtype=dtype, device=device), gen) for _ in range(layers)] for _ in range(parts)]
+    elif storage == "scattered":
+        numel = slots * heads * dim
+        gap = 37  # elements: keeps every buffer's start aligned to its element but not to 16 bytes
+        arena = torch.empty(parts * layers * (numel + gap) + gap, dtype=dtype, device=device)
+        random_bytes_(arena, gen)
+        buffers = [[None] * layers for _ in range(parts)]
+        k = 0
+        for p in range(parts):
+            for layer in range(layers):
+                start = gap + (parts * layers - 1 - k) * (numel + gap)
+                buffers[p][layer] = arena[start : start + numel].view(shape)
+                k += 1
+    else:
+        raise ValueError(storage)
+    if parts == 1:
+        return KVPool.mla(buffers[0])
+    return KVPool.mha(buffers[0], buffers[1])
+
+
+def pool_bytes(pool: KVPool) -> list[torch.Tensor]:
+    return [as_bytes(t).clone() for t in pool.tensors()]
+
+
+def make_staging(pool: KVPool, num_host_pages: int, page_size: int, layout: str, *, pinned: bool = False) -> torch.Tensor:
+    shape = staging_shape(pool, num_host_pages, page_size, layout)
+    if pool.device.type == "cuda" and pinned:
+        t = torch.empty(shape, dtype=pool.dtype, pin_memory=True)
+    else:
+        t = torch.empty(shape, dtype=pool.dtype, device=pool.device)
+    return poison_(t)
+
+
+def make_indices(
+    pool: KVPool, n_pages: int, page_size: int, num_host_pages: int, *, seed: int = 0, index_dtype=torch.int64, aligned: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct random slots (token order within a page) and distinct random host page ids."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    if aligned:
+        pool_pages = pool.num_slots // page_size
+        starts = torch.randperm(pool_pages, generator=gen)[:n_pages] * page_size
+        slots = (starts[:, None] + torch.arange(page_size)).reshape(-1)
+    else:
+        slots = torch.randperm(pool.num_slots, generator=gen)[: n_pages * page_size]
+    pages = torch.randperm(num_host_pages, generator=gen)[:n_pages]
+    return slots.to(index_dtype).to(pool.device), pages.to(index_dtype).to(pool.device)
+
+
+def expected_staging(pool: KVPool, staging: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, page_size: int, layout: str) -> torch.Tensor:
+    """What ``staging`` holds after a gather, by plain Python loops (the oracle's oracle)."""
+    out = staging.detach().cpu().clone().view(torch.uint8)  # bytes: fp8 indexing needs no kernels
+    s, h = slots.cpu().tolist(), pages.cpu().tolist()
+    for i, host_page in enumerate(h):
+        for j in range(page_size):
+            for p in range(pool.kv_parts):
+                for layer in range(pool.num_layers):
+                    row = pool.buffers[p][layer][s[i * page_size + j]].cpu().view(torch.uint8)
+                    if layout == "page_first":
+                        out[host_page, layer, p, j] = row
+                    else:
+                        out[p, layer, host_page * page_size + j] = row
+    return out

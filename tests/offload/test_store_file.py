@@ -1,0 +1,134 @@
+"""FileStore: one checksummed file a page; torn, killed and corrupted writes read as misses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvstage.errors import InvalidArgumentError
+from kvstage.offload import FileStore, LayoutFingerprint, PutStatus, open_storage
+from kvstage.offload.file_store import TMP_SUFFIX
+
+FP = LayoutFingerprint("tiny/model", "float32", num_layers=2, kv_parts=2, head_num=1, head_dim=4, page_size=2)
+KEY_A = "a" * 64
+KEY_B = "b" * 64
+
+
+def page(value: float) -> torch.Tensor:
+    return torch.arange(32, dtype=torch.float32).add_(value).reshape(2, 2, 2, 1, 4)
+
+
+def read(store: FileStore, key: str) -> torch.Tensor | None:
+    into = torch.full((32,), -7.0)
+    return into if store.get([key], [into]) == [True] else None
+
+
+def test_roundtrip_and_dedup_and_reopen(tmp_path):
+    store = FileStore(FP, tmp_path)
+    assert store.put([KEY_A, KEY_B], [page(1), page(2)]) == [PutStatus.STORED, PutStatus.STORED]
+    assert store.put([KEY_A], [page(9)]) == [PutStatus.DEDUPLICATED]
+    assert torch.equal(read(store, KEY_A), page(1).reshape(-1))
+    names = sorted(os.listdir(tmp_path))
+    assert names == sorted([store.file_name(KEY_A), store.file_name(KEY_B)])
+    assert names[0].startswith("tiny_model@float32@L2xKV2xH1xD4@P2@tp0of1@")
+    reopened = FileStore(FP, tmp_path)
+    assert reopened.used_bytes == store.used_bytes > 2 * 128
+    assert torch.equal(read(reopened, KEY_B), page(2).reshape(-1))
+
+
+def test_another_layout_never_reads_the_page(tmp_path):
+    FileStore(FP, tmp_path).put([KEY_A], [page(1)])
+    other = LayoutFingerprint("tiny/model", "int32", num_layers=2, kv_parts=2, head_num=1, head_dim=4, page_size=2)
+    store = FileStore(other, tmp_path)
+    assert store.exists([KEY_A]) == [False]
+    into = torch.zeros(32, dtype=torch.int32)
+    assert store.get([KEY_A], [into]) == [False]
+
+
+def test_flipped_byte_reads_as_a_miss_and_the_page_can_be_written_again(tmp_path):
+    store = FileStore(FP, tmp_path)
+    store.put([KEY_A], [page(1)])
+    path = store.path_of(KEY_A)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10  # one bit of the payload
+    path.write_bytes(bytes(data))
+    assert read(store, KEY_A) is None
+    assert store.exists([KEY_A]) == [False]  # the corrupt file was removed
+    assert store.put([KEY_A], [page(1)]) == [PutStatus.STORED]
+    assert torch.equal(read(store, KEY_A), page(1).reshape(-1))
+
+
+@pytest.mark.parametrize("keep", [0, 10, 40, 100], ids=lambda n: f"first-{n}-bytes")
+def test_torn_file_reads_as_a_miss(tmp_path, keep):
+    store = FileStore(FP, tmp_path)
+    store.put([KEY_A], [page(1)])
+    path = store.path_of(KEY_A)
+    path.write_bytes(path.read_bytes()[:keep])  # a writer without rename, killed mid-write
+    into = torch.full((32,), -7.0)
+    assert store.get([KEY_A], [into]) == [False]
+    assert torch.all(into == -7.0)
+
+
+def test_file_of_another_key_under_this_name_reads_as_a_miss(tmp_path):
+    store = FileStore(FP, tmp_path)
+    store.put([KEY_B], [page(2)])
+    store.path_of(KEY_B).rename(store.path_of(KEY_A))
+    assert read(store, KEY_A) is None
+
+
+def test_writer_killed_between_write_and_rename_leaves_nothing_visible(tmp_path):
+    # A real process dies (os._exit) after writing the temporary file, before os.replace.
+    code = textwrap.dedent(
+        f"""
+        import os, torch
+        from kvstage.offload import FileStore, LayoutFingerprint
+        fp = LayoutFingerprint("tiny/model", "float32", num_layers=2, kv_parts=2, head_num=1, head_dim=4, page_size=2)
+        store = FileStore(fp, {str(tmp_path)!r})
+        os.replace = lambda *a: os._exit(9)
+        store.put([{KEY_A!r}], [torch.ones(32)])
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 9, result.stderr
+    leftovers = os.listdir(tmp_path)
+    assert len(leftovers) == 1 and leftovers[0].endswith(TMP_SUFFIX)
+    store = FileStore(FP, tmp_path)  # opening sweeps the dead writer's temporary file
+    assert os.listdir(tmp_path) == []
+    assert store.exists([KEY_A]) == [False] and read(store, KEY_A) is None
+
+
+def test_capacity_evicts_the_least_recently_used_file(tmp_path):
+    probe = FileStore(FP, tmp_path / "probe")
+    probe.put([KEY_A], [page(0)])
+    size = probe.used_bytes
+    store = FileStore(FP, tmp_path / "store", capacity_bytes=2 * size)
+    keys = ["1" * 64, "2" * 64, "3" * 64]
+    store.put(keys[:2], [page(1), page(2)])
+    assert read(store, keys[0]) is not None  # keys[0] is now the most recent
+    assert store.put([keys[2]], [page(3)]) == [PutStatus.STORED]
+    assert store.exists(keys) == [True, False, True]
+    assert store.used_bytes == 2 * size and store.stats.pages_evicted == 1
+    tiny = FileStore(FP, tmp_path / "tiny", capacity_bytes=size - 1)
+    assert tiny.put([KEY_A], [page(1)]) == [PutStatus.FAILED] and tiny.exists([KEY_A]) == [False]
+
+
+def test_long_model_id_gets_hashed_file_names(tmp_path):
+    fp = LayoutFingerprint("m" * 300, "float32", num_layers=2, kv_parts=2, head_num=1, head_dim=4, page_size=2)
+    store = FileStore(fp, tmp_path)
+    assert store.put([KEY_A], [page(1)]) == [PutStatus.STORED]
+    assert len(store.file_name(KEY_A)) < 100
+    assert torch.equal(read(store, KEY_A), page(1).reshape(-1))
+
+
+def test_open_storage_file_url(tmp_path):
+    store = open_storage(f"file:{tmp_path}?capacity_bytes=4096", FP)
+    assert isinstance(store, FileStore) and store.capacity_bytes == 4096
+    with pytest.raises(InvalidArgumentError, match="unknown option 'size'"):
+        open_storage(f"file:{tmp_path}?size=1", FP)
+    with pytest.raises(InvalidArgumentError, match="needs a directory"):
+        open_storage("file:", FP)

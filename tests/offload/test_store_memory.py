@@ -1,0 +1,82 @@
+"""MemoryStore: exact bytes back, dedup, LRU eviction within a bounded capacity, URL form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstage.errors import InvalidArgumentError
+from kvstage.offload import LayoutFingerprint, MemoryStore, PutStatus, open_storage
+
+FP = LayoutFingerprint("tiny", "float32", num_layers=2, kv_parts=2, head_num=1, head_dim=4, page_size=2)  # 128 bytes
+
+
+def page(value: float) -> torch.Tensor:
+    return torch.arange(32, dtype=torch.float32).add_(value).reshape(2, 2, 2, 1, 4)
+
+
+def test_put_copies_the_bytes_in_and_get_returns_them():
+    store = MemoryStore(FP, capacity_pages=4)
+    source = page(1.0)
+    assert store.put(["a", "b"], [source, page(2.0)]) == [PutStatus.STORED, PutStatus.STORED]
+    source.fill_(-1)  # the host page is reused after put: the store kept its own copy
+    into = [torch.zeros(2, 2, 2, 1, 4), torch.zeros(32)]
+    assert store.get(["a", "b"], into) == [True, True]
+    assert torch.equal(into[0], page(1.0)) and torch.equal(into[1], page(2.0).reshape(-1))
+    assert store.exists(["a", "c"]) == [True, False]
+    assert store.stats.pages_stored == 2 and store.stats.bytes_put == 256 and store.stats.pages_read == 2
+
+
+def test_existing_key_is_deduplicated_and_keeps_its_bytes():
+    store = MemoryStore(FP, capacity_pages=4)
+    store.put(["a"], [page(1.0)])
+    assert store.put(["a"], [page(5.0)]) == [PutStatus.DEDUPLICATED]
+    into = torch.zeros(32)
+    assert store.get(["a"], [into]) == [True]
+    assert torch.equal(into, page(1.0).reshape(-1))
+    assert store.stats.pages_deduplicated == 1
+
+
+def test_miss_leaves_the_target_untouched():
+    store = MemoryStore(FP, capacity_pages=1)
+    into = torch.full((32,), 3.0)
+    assert store.get(["nope"], [into]) == [False]
+    assert torch.all(into == 3.0) and store.stats.pages_missed == 1
+
+
+def test_least_recently_used_page_is_evicted_first():
+    store = MemoryStore(FP, capacity_bytes=3 * 128 + 100)  # 3 pages
+    assert store.capacity_pages == 3
+    store.put(["a", "b", "c"], [page(1), page(2), page(3)])
+    store.get(["a"], [torch.zeros(32)])  # a is now the most recent
+    store.exists(["b"])  # a probe is not a use
+    assert store.put(["d"], [page(4)]) == [PutStatus.STORED]
+    assert store.exists(["a", "b", "c", "d"]) == [True, False, True, True]
+    assert len(store) == 3 and store.used_bytes == 384 and store.stats.pages_evicted == 1
+
+
+def test_zero_capacity_fails_every_put_and_keeps_no_key():
+    store = MemoryStore(FP, capacity_pages=0)
+    assert store.put(["a"], [page(1)]) == [PutStatus.FAILED]
+    assert store.exists(["a"]) == [False] and store.stats.pages_failed == 1
+
+
+def test_page_of_the_wrong_size_is_rejected_before_anything_is_written():
+    store = MemoryStore(FP, capacity_pages=2)
+    with pytest.raises(InvalidArgumentError, match=r"^pages\[1\]: 64 bytes"):
+        store.put(["a", "b"], [page(1), torch.zeros(16)])
+    assert len(store) == 0
+
+
+def test_open_storage_memory_url():
+    assert open_storage("memory", FP).capacity_pages == (1 << 30) // 128
+    assert open_storage("memory:1280", FP).capacity_pages == 10
+    with pytest.raises(InvalidArgumentError, match="capacity must be an int"):
+        open_storage("memory:lots", FP)
+
+
+def test_bounds_are_checked():
+    with pytest.raises(InvalidArgumentError, match="^capacity_pages: give capacity_bytes or capacity_pages"):
+        MemoryStore(FP, capacity_bytes=10, capacity_pages=1)
+    with pytest.raises(InvalidArgumentError, match="^capacity_bytes: must be a non-negative int"):
+        MemoryStore(FP, capacity_bytes=-1)
