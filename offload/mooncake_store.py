@@ -33,6 +33,7 @@ import os
 import re
 import socket
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence
@@ -106,6 +107,9 @@ MOONCAKE_ERROR_CODES: dict[int, tuple[str, str]] = {
 
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
+RPC_FAIL = -900
+RPC_TIMEOUT = -901
+_MASTER_DOWN_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
 
 PROTOCOLS = ("tcp", "rdma")
 
@@ -325,7 +329,10 @@ class MooncakeStore(StorageBackend):
 
     Calls into Mooncake are serialised by one lock (the bounce buffer is shared and ``close``
     must not race a transfer). Every Mooncake call is bounded: an absent master answers
-    RPC_FAIL at once; a hung one answers RPC_TIMEOUT after ``rpc_timeout_ms`` (30 s by default).
+    RPC_FAIL at once (later calls would each wait about 4 s on Mooncake's reconnect, so after
+    a call that reached no master, operations first check the master's port and fail at once
+    while it refuses connections: see ``calls_skipped``); a hung master answers RPC_TIMEOUT
+    after ``rpc_timeout_ms`` (30 s by default).
     """
 
     def __init__(self, fingerprint: LayoutFingerprint, config: str | Mapping[str, Any] | MooncakeConfig) -> None:
@@ -343,9 +350,17 @@ class MooncakeStore(StorageBackend):
         self._bounce: torch.Tensor | None = None
         self._bounce_pages = max(1, config.bounce_bytes // self.page_bytes)
         self.pages_bounced = 0  # pages copied through the bounce buffer (not zero-copy)
+        self.calls_skipped = 0  # operations failed without calling Mooncake: the master was down
+        # Set when every key of a call failed with RPC_FAIL/RPC_TIMEOUT: the master is suspect.
+        # While set, each operation first checks that the master's port accepts a connection
+        # and fails at once when it does not, instead of waiting on Mooncake's reconnect
+        # (about 4 s a call). Cleared by the first call that reaches the master.
+        self._master_suspect = False
+        self._last_skip_log = 0.0
 
         store_class = _import_mooncake_store()
         host, port = _split_host_port(config.master_server_address, "master_server_address")
+        self._master_host_port = (host, port)
         local_address = _probe(host, port, config.connect_timeout_s, "mooncake_master")
         if config.metadata_server.startswith(("http://", "https://")):
             meta = urlsplit(config.metadata_server)
@@ -449,7 +464,11 @@ class MooncakeStore(StorageBackend):
         if not full_keys:
             return []
         with self._lock:
-            codes = self._call("batch_is_exist", len(full_keys), self._require_open().batch_is_exist, full_keys)
+            store = self._require_open()
+            if not self._master_reachable("exists", len(full_keys)):
+                return [False] * len(full_keys)
+            codes = self._call("batch_is_exist", len(full_keys), store.batch_is_exist, full_keys)
+            self._note_master(codes)
         self._log_failures("exists", full_keys, [c for c in codes if c < 0])
         return [code == 1 for code in codes]
 
@@ -460,13 +479,18 @@ class MooncakeStore(StorageBackend):
         failures: list[int] = []
         with self._lock:
             store = self._require_open()
+            if not self._master_reachable("put", len(full_keys)):
+                return statuses
             exist = self._call("batch_is_exist", len(full_keys), store.batch_is_exist, full_keys)
+            if self._note_master(exist):
+                self._log_failures("put", full_keys, exist)
+                return statuses  # the master did not answer: a put would not either
             todo: list[int] = []
             for index, code in enumerate(exist):
                 if code == 1:
                     statuses[index] = PutStatus.DEDUPLICATED
                 else:
-                    # 0: absent. Negative: unknown; try the put, which fails as well if the master is gone.
+                    # 0: absent. Another negative code: unknown; try the put.
                     todo.append(index)
             direct = [i for i in todo if self._inside_registered(pages[i].data_ptr(), self.page_bytes)]
             bounced = [i for i in todo if not self._inside_registered(pages[i].data_ptr(), self.page_bytes)]
@@ -475,6 +499,7 @@ class MooncakeStore(StorageBackend):
                     "batch_put_from", len(direct), store.batch_put_from,
                     [full_keys[i] for i in direct], [pages[i].data_ptr() for i in direct], [self.page_bytes] * len(direct),
                 )
+                self._note_master(codes)
                 failures += self._apply_put_codes(direct, codes, statuses)
             for chunk in _chunks(bounced, self._bounce_pages):
                 slots = self._bounce_slots(store)
@@ -487,6 +512,7 @@ class MooncakeStore(StorageBackend):
                     "batch_put_from", len(chunk), store.batch_put_from,
                     [full_keys[i] for i in chunk], [slots[s].data_ptr() for s in range(len(chunk))], [self.page_bytes] * len(chunk),
                 )
+                self._note_master(codes)
                 failures += self._apply_put_codes(chunk, codes, statuses)
                 self.pages_bounced += len(chunk)
         self._log_failures("put", full_keys, failures)
@@ -499,6 +525,8 @@ class MooncakeStore(StorageBackend):
         failures: list[int] = []
         with self._lock:
             store = self._require_open()
+            if not self._master_reachable("get", len(full_keys)):
+                return hits
             direct = [i for i in range(len(full_keys)) if self._inside_registered(into[i].data_ptr(), self.page_bytes)]
             bounced = [i for i in range(len(full_keys)) if not self._inside_registered(into[i].data_ptr(), self.page_bytes)]
             if direct:
@@ -506,6 +534,7 @@ class MooncakeStore(StorageBackend):
                     "batch_get_into", len(direct), store.batch_get_into,
                     [full_keys[i] for i in direct], [into[i].data_ptr() for i in direct], [self.page_bytes] * len(direct),
                 )
+                self._note_master(codes)
                 for index, code in zip(direct, codes):
                     hits[index] = self._get_ok(code, into[index], failures)
             for chunk in _chunks(bounced, self._bounce_pages):
@@ -517,6 +546,7 @@ class MooncakeStore(StorageBackend):
                     "batch_get_into", len(chunk), store.batch_get_into,
                     [full_keys[i] for i in chunk], [slots[s].data_ptr() for s in range(len(chunk))], [self.page_bytes] * len(chunk),
                 )
+                self._note_master(codes)
                 for slot, (index, code) in enumerate(zip(chunk, codes)):
                     if self._get_ok(code, None, failures):
                         into[index].reshape(-1).view(torch.uint8).copy_(slots[slot])
@@ -558,6 +588,34 @@ class MooncakeStore(StorageBackend):
             logger.warning("mooncake: %s answered %d codes for %d keys", name, len(codes), count)
             return [-1] * count
         return codes
+
+    def _note_master(self, codes: list[int]) -> bool:
+        """Track whether the master answers; True when every code says it did not."""
+        down = bool(codes) and all(code in _MASTER_DOWN_CODES for code in codes)
+        if down:
+            self._master_suspect = True
+        elif any(code not in _MASTER_DOWN_CODES for code in codes):
+            self._master_suspect = False
+        return down
+
+    def _master_reachable(self, operation: str, count: int) -> bool:
+        """False (and the operation fails without calling Mooncake) when the master is suspect
+        and its port refuses a connection."""
+        if not self._master_suspect:
+            return True
+        try:
+            socket.create_connection(self._master_host_port, timeout=min(self.config.connect_timeout_s, 0.5)).close()
+            return True
+        except OSError as error:
+            self.calls_skipped += 1
+            now = time.monotonic()
+            if now - self._last_skip_log > 5.0:  # one line per 5 s, not one per call
+                self._last_skip_log = now
+                logger.warning(
+                    "mooncake: master %s:%d unreachable (%s); %s of %d pages fails without calling Mooncake",
+                    *self._master_host_port, error.__class__.__name__, operation, count,
+                )
+            return False
 
     def _apply_put_codes(self, indices: list[int], codes: list[int], statuses: list[PutStatus]) -> list[int]:
         failures = []
