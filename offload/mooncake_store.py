@@ -63,7 +63,7 @@ MOONCAKE_ERROR_CODES: dict[int, tuple[str, str]] = {
     -300: ("INVALID_VERSION", "invalid version"),
     -400: ("INVALID_KEY", "invalid key"),
     -500: ("WRITE_FAIL", "write failed"),
-    -600: ("INVALID_PARAMS", "invalid parameters (e.g. a buffer too small for the object)"),
+    -600: ("INVALID_PARAMS", "invalid parameters"),
     -601: ("ILLEGAL_CLIENT", "illegal client for this operation"),
     -700: ("INVALID_WRITE", "invalid write"),
     -701: ("INVALID_READ", "invalid read"),
@@ -387,7 +387,9 @@ class MooncakeStore(StorageBackend):
             # A store whose setup failed must not be used or closed (it crashes the process).
             raise StorageError(
                 f"mooncake: setup failed with {describe_code(rc)} (master {config.master_server_address}, "
-                f"metadata {config.metadata_server}, protocol {config.protocol}, local_hostname {self.local_hostname})"
+                f"metadata {config.metadata_server}, protocol {config.protocol}, local_hostname {self.local_hostname}, "
+                f"global_segment_size {config.global_segment_size}, local_buffer_size {config.local_buffer_size}); "
+                "Mooncake's log above says why"
             )
         self._store = store
         logger.info(

@@ -12,7 +12,7 @@ import torch
 
 from kvstage.errors import StorageError
 from kvstage.offload.mooncake_store import MooncakeStore
-from kvstage.offload.storage import PutStatus
+from kvstage.offload.storage import LayoutFingerprint, PutStatus
 
 
 def bounded(seconds: float, function, *args):
@@ -120,3 +120,36 @@ def test_hung_master_times_out_and_failed_pages_never_appear(private_master, fin
         assert store.put(failed_keys, list(chunk[3:])) == [PutStatus.STORED] * 3
     finally:
         bounded(60, store.close)
+
+
+def test_a_full_store_fails_the_pages_it_cannot_hold(mooncake_master):
+    # 512 KiB pages in a 16 MiB segment (Mooncake refuses much smaller ones): at most 32 fit;
+    # puts beyond that answer NO_AVAILABLE_HANDLE (the master evicts only later, and not
+    # objects still under their lease).
+    big = LayoutFingerprint("big-pages", "bfloat16", num_layers=4, kv_parts=2, head_num=8, head_dim=64, page_size=64)
+    assert big.page_bytes == 512 << 10
+    store = MooncakeStore(big, mooncake_master.url(segment="16MB"))
+    try:
+        chunk = pages(40, big, seed=13)
+        store.register_host_buffers([chunk])
+        names = keys(40)
+        statuses = store.put(names, list(chunk))
+        stored = [status is PutStatus.STORED for status in statuses]
+        assert set(statuses) == {PutStatus.STORED, PutStatus.FAILED}
+        assert 0 < sum(stored) <= 32
+        # Exactly the pages reported stored are there, byte for byte; the failed ones are not.
+        assert store.exists(names) == stored
+        back = torch.zeros_like(chunk)
+        store.register_host_buffers([back])
+        assert store.get(names, list(back)) == stored
+        for index in range(40):
+            if stored[index]:
+                assert torch.equal(back[index], chunk[index])
+    finally:
+        store.close()
+
+
+def test_a_setup_mooncake_refuses_is_a_storage_error(mooncake_master, fingerprint):
+    # Mooncake refuses a 1 MiB segment (INVALID_PARAMS); the error names the sizes to check.
+    with pytest.raises(StorageError, match=r"setup failed with -600 INVALID_PARAMS .*global_segment_size 1048576"):
+        bounded(30, MooncakeStore, fingerprint, mooncake_master.url(segment="1MB"))
