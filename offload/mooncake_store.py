@@ -384,7 +384,7 @@ class MooncakeStore(StorageBackend):
             config.master_server_address,
         )
         if rc != 0:
-            # A store whose setup failed must not be used or closed (it crashes the process).
+            # Not kept: calls on a store whose setup failed crashed the process (0.3.13).
             raise StorageError(
                 f"mooncake: setup failed with {describe_code(rc)} (master {config.master_server_address}, "
                 f"metadata {config.metadata_server}, protocol {config.protocol}, local_hostname {self.local_hostname}, "
@@ -411,8 +411,9 @@ class MooncakeStore(StorageBackend):
 
         Raises:
             InvalidArgumentError: a buffer is not a contiguous CPU tensor, or overlaps a
-                registered buffer without lying inside it. Nothing is registered then.
-            StorageError: the store is closed, or Mooncake refused a registration.
+                registered (or given) buffer without lying inside it. Nothing is registered then.
+            StorageError: the store is closed, or Mooncake refused a registration (the
+                buffers registered before it stay registered).
         """
         buffers = list(buffers)
         for index, buffer in enumerate(buffers):
@@ -420,16 +421,27 @@ class MooncakeStore(StorageBackend):
                 raise InvalidArgumentError(f"buffers[{index}]: must be a contiguous CPU tensor")
         with self._lock:
             store = self._require_open()
-            for index, buffer in enumerate(buffers):
-                start = buffer.data_ptr()
-                end = start + buffer.numel() * buffer.element_size()
+            # Check every buffer before registering any; the largest first, so a view inside
+            # another buffer of the same call is skipped rather than refused.
+            ranges = sorted(
+                ((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size(), i, b) for i, b in enumerate(buffers)),
+                key=lambda entry: entry[0] - entry[1],
+            )
+            accepted: list[tuple[int, int, int, torch.Tensor]] = []
+            for start, end, index, buffer in ranges:
                 if end == start or self._inside_registered(start, end - start):
                     continue
-                for other_start, other_end, _ in self._registered:
+                if any(other[0] <= start and end <= other[1] for other in accepted):
+                    continue
+                known = [(s, e) for s, e, _ in self._registered] + [(s, e) for s, e, _, _ in accepted]
+                for other_start, other_end in known:
                     if start < other_end and other_start < end:
                         raise InvalidArgumentError(
-                            f"buffers[{index}]: [{start:#x}, {end:#x}) overlaps the registered [{other_start:#x}, {other_end:#x})"
+                            f"buffers[{index}]: [{start:#x}, {end:#x}) overlaps [{other_start:#x}, {other_end:#x}), "
+                            "registered or given, without lying inside it"
                         )
+                accepted.append((start, end, index, buffer))
+            for start, end, _, buffer in accepted:
                 self._register(store, buffer, start, end)
 
     def _register(self, store: Any, buffer: torch.Tensor, start: int, end: int) -> None:

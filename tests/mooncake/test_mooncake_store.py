@@ -137,3 +137,15 @@ def test_close_unregisters_and_is_idempotent(mooncake_master, fingerprint):
         opened.put(new_keys(1), [chunk[1]])
     with pytest.raises(StorageError, match="closed"):
         opened.register_host_buffers([chunk])
+
+
+def test_overlapping_buffers_are_refused_before_any_is_registered(store, fingerprint):
+    chunk = random_pages(4, fingerprint, seed=10).view(-1)
+    half = chunk.numel() // 2
+    registered_before = len(store._registered)
+    overlapping = chunk[half // 2 : half + half // 2]  # straddles the first half's end
+    with pytest.raises(InvalidArgumentError, match=r"buffers\[1\]: .* overlaps"):
+        store.register_host_buffers([chunk[:half], overlapping])
+    assert len(store._registered) == registered_before
+    store.register_host_buffers([chunk[:half], chunk, chunk[half:]])  # the views lie inside chunk
+    assert len(store._registered) == registered_before + 1
