@@ -1,7 +1,8 @@
 """The per-request offload manager, host page pool, copy streams and storage backends.
 
-Importing this package registers the built-in storage schemes ``memory`` and ``file`` in
-:data:`kvstage.offload.storage.STORAGE_SCHEMES` (see :func:`open_storage`).
+Importing this package registers the built-in storage schemes ``memory``, ``file`` and
+``mooncake`` in :data:`kvstage.offload.storage.STORAGE_SCHEMES` (see :func:`open_storage`);
+``mooncake`` imports the optional Mooncake package only when a store is built.
 """
 
 from kvstage.offload.copy_stream import CopyStream, ManualCopyStream
@@ -9,6 +10,7 @@ from kvstage.offload.file_store import FileStore
 from kvstage.offload.host_pool import HostPool
 from kvstage.offload.manager import OffloadManager, OffloadMetrics, OffloadRequest
 from kvstage.offload.memory_store import MemoryStore
+from kvstage.offload.mooncake_store import MooncakeConfig, MooncakeStore
 from kvstage.offload.storage import (
     STORAGE_SCHEMES,
     LayoutFingerprint,
@@ -26,6 +28,8 @@ __all__ = [
     "LayoutFingerprint",
     "ManualCopyStream",
     "MemoryStore",
+    "MooncakeConfig",
+    "MooncakeStore",
     "OffloadManager",
     "OffloadMetrics",
     "OffloadRequest",

@@ -1,0 +1,223 @@
+"""Benchmark: put and get GB/s of 64-token KV pages through MooncakeStore beside MemoryStore.
+
+Pages have Llama-3-8B's KV shape in bf16: 32 layers x K,V x 64 tokens x 8 KV heads x 128 x
+2 bytes = 8 MiB a page (``--quick``: 8 layers, 2 MiB). A batch of pages (16; quick: 8) sits in
+one host-pool-like chunk tensor; every round stores the batch under fresh keys with one ``put``
+and reads it back into another chunk with one ``get``, for each method:
+
+* ``memory``: :class:`kvstage.offload.MemoryStore` (a private copy of every page in this
+  process; get copies it out).
+* ``mooncake``: :class:`kvstage.offload.MooncakeStore` over TCP to a ``mooncake_master`` this
+  script starts on loopback (HTTP metadata); both chunks registered, so pages move with
+  ``batch_put_from`` / ``batch_get_into`` straight from/into them (zero-copy on kvstage's side;
+  over TCP to this process's own segment Mooncake itself does a memcpy). ``put`` includes the
+  ``batch_is_exist`` round trip that finds duplicates.
+* ``mooncake-bounce``: the same store, pages and targets NOT registered: every page is copied
+  through kvstage's registered bounce buffer (what an engine that does not register its host
+  pool pays).
+* ``memcpy``: one ``copy_`` of the batch from chunk to chunk: the host-memory ceiling.
+
+Timing: wall clock (``time.perf_counter``; Mooncake works on its own threads), one warm-up round
+not counted, then the median over rounds; methods interleaved within each round. Every get is
+checked against the pages put (outside the timing).
+
+Run: ``python bench/bench_storage.py [--quick] [--rounds N] [--pages N] [--layers N] [--json PATH]``;
+``run(quick) -> dict`` is the entry point for other scripts. Without Mooncake installed the
+Mooncake methods are skipped (reported, with what to install).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's client logs every setup step at INFO
+
+import torch
+
+from kvstage.offload.memory_store import MemoryStore
+from kvstage.offload.mooncake_store import INSTALL_HINT, MooncakeStore, mooncake_available
+from kvstage.offload.storage import LayoutFingerprint, StorageBackend
+
+METHODS = ("memory", "mooncake", "mooncake-bounce", "memcpy")
+
+
+def llama3_8b_fingerprint(num_layers: int = 32) -> LayoutFingerprint:
+    """Llama-3-8B's KV layout in bf16 with 64-token pages (8 KV heads of 128), ``num_layers`` layers."""
+    return LayoutFingerprint("meta-llama/Meta-Llama-3-8B", "bfloat16", num_layers=num_layers, kv_parts=2,
+                             head_num=8, head_dim=128, page_size=64)
+
+
+def _round_trip(store: StorageBackend, pages: torch.Tensor, into: torch.Tensor) -> tuple[float, float]:
+    """put then get one batch under fresh keys; (put seconds, get seconds). Checks the bytes."""
+    keys = [uuid.uuid4().hex for _ in range(pages.shape[0])]
+    started = time.perf_counter()
+    statuses = store.put(keys, list(pages))
+    put_seconds = time.perf_counter() - started
+    if any(status.value != "stored" for status in statuses):
+        raise RuntimeError(f"{type(store).__name__}: put answered {[s.value for s in statuses]}")
+    into.zero_()
+    started = time.perf_counter()
+    hits = store.get(keys, list(into))
+    get_seconds = time.perf_counter() - started
+    if not all(hits) or not torch.equal(into, pages):
+        raise RuntimeError(f"{type(store).__name__}: get did not return the pages put ({sum(hits)} hits)")
+    return put_seconds, get_seconds
+
+
+def run(
+    quick: bool = False,
+    *,
+    rounds: int | None = None,
+    n_pages: int | None = None,
+    num_layers: int | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Time put and get of every method; return the results as a JSON-able dict.
+
+    Args:
+        quick: 8 layers (2 MiB pages), 8 pages a batch, 3 rounds instead of 32 layers (8 MiB),
+            16 pages, 5 rounds.
+        rounds, n_pages, num_layers: override those.
+        log: where progress lines go.
+
+    Returns:
+        ``{"machine", "python", "torch", "quick", "rounds", "pages_per_batch", "page_bytes",
+        "layout", "results": [{method, op, page_bytes, pages, seconds, gbps}],
+        "skipped": {method: reason}, "ratios": {name: x}}``.
+    """
+    rounds = rounds or (3 if quick else 5)
+    n_pages = n_pages or (8 if quick else 16)
+    fingerprint = llama3_8b_fingerprint(num_layers or (8 if quick else 32))
+    page_bytes = fingerprint.page_bytes
+    batch_bytes = n_pages * page_bytes
+    log(f"storage bench: {n_pages} pages of {page_bytes / 2**20:.1f} MiB a batch, {rounds} rounds (+1 warm-up)")
+
+    generator = torch.Generator().manual_seed(0)
+    # Host-pool-like chunks: [pages, page elements] bf16, each row one contiguous page.
+    pages = torch.randn(n_pages, page_bytes // 2, generator=generator).to(torch.bfloat16)
+    into = torch.empty_like(pages)
+    loose_pages = [p.clone() for p in pages]  # separate allocations, never registered
+    loose_pages_t = torch.stack(loose_pages)  # for the byte check only
+
+    skipped: dict[str, str] = {}
+    stores: dict[str, StorageBackend] = {}
+    master = None
+    workdir = tempfile.TemporaryDirectory(prefix="kvstage-bench-storage-")
+    stores["memory"] = MemoryStore(fingerprint, capacity_bytes=(rounds + 1) * batch_bytes)
+    if mooncake_available():
+        from kvstage.offload.mooncake_master import LocalMooncakeMaster
+
+        try:
+            master = LocalMooncakeMaster(Path(workdir.name) / "master.log").start()
+            # The segment holds every batch of both Mooncake methods, with room to spare
+            # (the master evicts above 90% full).
+            segment = 2 * (rounds + 1) * batch_bytes * 5 // 4 + (64 << 20)
+            store = MooncakeStore(fingerprint, master.url(segment=segment, buffer="64MB", bounce=batch_bytes))
+            store.register_host_buffers([pages, into])
+            stores["mooncake"] = store
+            stores["mooncake-bounce"] = store
+        except Exception as error:  # reported, the other methods still run
+            skipped["mooncake"] = skipped["mooncake-bounce"] = f"{error.__class__.__name__}: {error}"
+    else:
+        skipped["mooncake"] = skipped["mooncake-bounce"] = f"Mooncake is not installed; {INSTALL_HINT}"
+    for method, reason in skipped.items():
+        log(f"  {method}: skipped ({reason})")
+
+    times: dict[tuple[str, str], list[float]] = {(m, op): [] for m in METHODS for op in ("put", "get")}
+    try:
+        for round_index in range(rounds + 1):
+            for method in METHODS:
+                if method in skipped:
+                    continue
+                if method == "memcpy":
+                    started = time.perf_counter()
+                    into.copy_(pages)
+                    seconds = time.perf_counter() - started
+                    put_seconds = get_seconds = seconds
+                elif method == "mooncake-bounce":
+                    loose_into = [torch.empty_like(p) for p in loose_pages]
+                    keys = [uuid.uuid4().hex for _ in loose_pages]
+                    store = stores[method]
+                    started = time.perf_counter()
+                    statuses = store.put(keys, loose_pages)
+                    put_seconds = time.perf_counter() - started
+                    started = time.perf_counter()
+                    hits = store.get(keys, loose_into)
+                    get_seconds = time.perf_counter() - started
+                    if any(s.value != "stored" for s in statuses) or not all(hits) or not torch.equal(torch.stack(loose_into), loose_pages_t):
+                        raise RuntimeError("mooncake-bounce: the round trip lost pages")
+                else:
+                    put_seconds, get_seconds = _round_trip(stores[method], pages, into)
+                if round_index > 0:  # round 0 warms up (page faults, connections)
+                    times[(method, "put")].append(put_seconds)
+                    times[(method, "get")].append(get_seconds)
+    finally:
+        closed = set()
+        for store in stores.values():
+            if id(store) not in closed:
+                closed.add(id(store))
+                store.close()
+        if master is not None:
+            master.stop()
+        workdir.cleanup()
+
+    results = []
+    for (method, op), samples in times.items():
+        if not samples:
+            continue
+        seconds = statistics.median(samples)
+        results.append({"method": method, "op": op, "page_bytes": page_bytes, "pages": n_pages,
+                        "seconds": seconds, "gbps": batch_bytes / seconds / 1e9})
+        log(f"  {method:16s} {op}: {batch_bytes / seconds / 1e9:7.2f} GB/s  ({seconds * 1e3:8.2f} ms a batch)")
+    gbps = {(r["method"], r["op"]): r["gbps"] for r in results}
+    ratios = {}
+    for op in ("put", "get"):
+        if ("mooncake", op) in gbps:
+            ratios[f"mooncake_{op}_vs_memory"] = gbps[("mooncake", op)] / gbps[("memory", op)]
+            ratios[f"mooncake_{op}_vs_bounce"] = gbps[("mooncake", op)] / gbps[("mooncake-bounce", op)]
+    return {
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "quick": quick,
+        "rounds": rounds,
+        "pages_per_batch": n_pages,
+        "page_bytes": page_bytes,
+        "layout": fingerprint.prefix(),
+        "protocol": "tcp, loopback, one client (this process holds the segment)",
+        "results": results,
+        "skipped": skipped,
+        "ratios": ratios,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 MiB pages, 8 a batch, 3 rounds")
+    parser.add_argument("--rounds", type=int, help="rounds to take the median over")
+    parser.add_argument("--pages", type=int, help="pages a batch")
+    parser.add_argument("--layers", type=int, help="layers a page (32: 8 MiB pages)")
+    parser.add_argument("--json", type=Path, help="write the report here")
+    args = parser.parse_args(argv)
+    report = run(args.quick, rounds=args.rounds, n_pages=args.pages, num_layers=args.layers)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Run a ``mooncake_master`` on loopback: for tests, benchmarks and single-machine use.
+
+The master binary ships in the Mooncake wheel (``mooncake/mooncake_master``). It is started with
+its HTTP metadata server (``-enable_http_metadata_server=true``) so clients need no etcd, and
+binds every service to 127.0.0.1 on ports the kernel reports free. Flags used (from
+``mooncake_master --help``): ``-port`` (the RPC port; newer releases also call it
+``-rpc_port``), ``-rpc_address``, ``-enable_http_metadata_server``,
+``-http_metadata_server_host``, ``-http_metadata_server_port``, ``-metrics_host``,
+``-metrics_port``, ``-enable_metric_reporting``, ``-rpc_thread_num``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from kvstage.errors import BackendUnavailableError
+from kvstage.offload.mooncake_store import INSTALL_HINT
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the kernel's pick for port 0 on 127.0.0.1)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def master_binary() -> Path | None:
+    """Path of the executable ``mooncake_master`` inside the installed ``mooncake`` package, or None.
+
+    Found without importing ``mooncake`` (so without loading its native libraries).
+    """
+    try:
+        spec = importlib.util.find_spec("mooncake")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / "mooncake_master"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+class LocalMooncakeMaster:
+    """A ``mooncake_master`` process on 127.0.0.1 with its HTTP metadata server, every port
+    picked free: for tests, benchmarks and single-machine use. A context manager (start/stop).
+
+    Args:
+        log_path: where the master's stdout and stderr go (appended).
+        binary: the ``mooncake_master`` executable (default: :func:`master_binary`).
+
+    Attributes:
+        rpc_port, http_port, metrics_port: the master's RPC port, its metadata server's port
+            and its admin/metrics port.
+        address: ``127.0.0.1:<rpc_port>``; metadata: ``http://127.0.0.1:<http_port>/metadata``.
+
+    Raises:
+        BackendUnavailableError: no ``mooncake_master`` is installed (names the install command).
+    """
+
+    def __init__(self, log_path: Path | str, binary: Path | str | None = None) -> None:
+        found = master_binary() if binary is None else Path(binary)
+        if found is None:
+            raise BackendUnavailableError(f"mooncake: no mooncake_master in the installed mooncake package; {INSTALL_HINT}")
+        self.binary = found
+        self.log_path = Path(log_path)
+        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.address = f"127.0.0.1:{self.rpc_port}"
+        self.metadata = f"http://127.0.0.1:{self.http_port}/metadata"
+        self.process: subprocess.Popen | None = None
+
+    def url(self, **query: object) -> str:
+        """A ``mooncake://`` URL for this master: HTTP metadata, tcp, a 64 MB segment and a 16 MB
+        local buffer unless ``query`` overrides them (any :func:`parse_mooncake_url` name)."""
+        values = {"metadata": self.metadata, "protocol": "tcp", "segment": "64MB", "buffer": "16MB"}
+        values.update({key: str(value) for key, value in query.items()})
+        return f"mooncake://{self.address}?" + "&".join(f"{key}={value}" for key, value in values.items())
+
+    def start(self, timeout: float = 15.0) -> "LocalMooncakeMaster":
+        """Start the master and wait until its RPC and HTTP ports accept connections.
+
+        Raises:
+            RuntimeError: it exited or did not listen within ``timeout`` seconds (with its log).
+        """
+        args = [
+            str(self.binary),
+            f"-port={self.rpc_port}",  # -port: the name every release knows (newer ones also take -rpc_port)
+            "-rpc_address=127.0.0.1",
+            "-enable_http_metadata_server=true",
+            "-http_metadata_server_host=127.0.0.1",
+            f"-http_metadata_server_port={self.http_port}",
+            "-metrics_host=127.0.0.1",
+            f"-metrics_port={self.metrics_port}",
+            "-enable_metric_reporting=false",
+            "-rpc_thread_num=2",
+        ]
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        deadline = time.monotonic() + timeout
+        for port in (self.rpc_port, self.http_port):
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"mooncake_master exited with {self.process.returncode}; log: {self.log_tail()}")
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        self.stop()
+                        raise RuntimeError(f"mooncake_master did not listen on {port} within {timeout} s; log: {self.log_tail()}")
+                    time.sleep(0.05)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the master (a crash: no goodbye to clients) and reap it."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+    def pause(self) -> None:
+        """SIGSTOP: the master keeps its sockets open but answers nothing (a hung master)."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s; idempotent."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGCONT)  # a paused master cannot act on SIGTERM
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def __enter__(self) -> "LocalMooncakeMaster":
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of the master's log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"

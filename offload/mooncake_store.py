@@ -1,0 +1,673 @@
+"""A storage backend on the Mooncake distributed store (``mooncake.store.MooncakeDistributedStore``).
+
+Pages go to a Mooncake cluster: one ``mooncake_master`` (object placement and metadata) and the
+memory segments that clients contribute. This process is a client that also contributes
+``global_segment_size`` bytes of its own memory to the pool, as in Mooncake's "embedded" mode.
+
+Zero-copy: :meth:`MooncakeStore.register_host_buffers` registers the host pool's chunk tensors
+with Mooncake once (``register_buffer``); a page that lies inside a registered buffer is moved with
+``batch_put_from`` / ``batch_get_into`` straight from / into its memory. A page outside every
+registered buffer is copied through a registered bounce buffer (``bounce_bytes``, allocated on
+first use), so RDMA never sees unregistered memory.
+
+Statuses: keys that exist (``batch_is_exist`` returns 1) are not written and count as
+``DEDUPLICATED``; ``batch_put_from`` returns 0 for a page that is stored; any negative code makes
+that page ``FAILED`` and is logged with its name and meaning (the table is Mooncake's
+``ErrorCode`` enum in ``mooncake-store/include/types.h``, plus ``-901`` RPC_TIMEOUT observed from
+the 0.3.13 client). A get is a hit only when it returned exactly ``page_bytes``.
+
+Configuration, from a URL (see :func:`parse_mooncake_url`) or a dict, uses the field names of
+Mooncake's docs and its JSON config: ``master_server_address``, ``metadata_server``,
+``local_hostname``, ``protocol``, ``device_name``, ``global_segment_size``, ``local_buffer_size``.
+
+The ``mooncake`` package is imported lazily, when a store is built, so kvstage imports without it.
+Install: ``bash tools/install-mooncake.sh .venv`` (Debian's libibverbs1, librdmacm1, libnuma1 and
+``pip install mooncake-transfer-engine-non-cuda``; on CUDA machines ``mooncake-transfer-engine``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Sequence
+from urllib.parse import parse_qsl, urlsplit
+
+import torch
+
+from kvstage.errors import BackendUnavailableError, InvalidArgumentError, StorageError
+from kvstage.offload.storage import STORAGE_SCHEMES, LayoutFingerprint, PutStatus, StorageBackend
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "install it with `bash tools/install-mooncake.sh .venv` (Debian packages libibverbs1 librdmacm1 "
+    "libnuma1, then `pip install mooncake-transfer-engine-non-cuda`, or `kvstage[mooncake]`)"
+)
+
+# Mooncake's ErrorCode (mooncake-store/include/types.h): code -> (name, meaning).
+MOONCAKE_ERROR_CODES: dict[int, tuple[str, str]] = {
+    -1: ("INTERNAL_ERROR", "internal error"),
+    -10: ("BUFFER_OVERFLOW", "insufficient buffer space"),
+    -100: ("SHARD_INDEX_OUT_OF_RANGE", "shard index out of bounds"),
+    -101: ("SEGMENT_NOT_FOUND", "no available segment"),
+    -102: ("SEGMENT_ALREADY_EXISTS", "segment already exists"),
+    -103: ("CLIENT_NOT_FOUND", "client not found"),
+    -200: ("NO_AVAILABLE_HANDLE", "no space left in the store's segments"),
+    -300: ("INVALID_VERSION", "invalid version"),
+    -400: ("INVALID_KEY", "invalid key"),
+    -500: ("WRITE_FAIL", "write failed"),
+    -600: ("INVALID_PARAMS", "invalid parameters"),
+    -601: ("ILLEGAL_CLIENT", "illegal client for this operation"),
+    -700: ("INVALID_WRITE", "invalid write"),
+    -701: ("INVALID_READ", "invalid read"),
+    -702: ("INVALID_REPLICA", "invalid replica"),
+    -703: ("REPLICA_IS_NOT_READY", "replica not ready (a put still in progress)"),
+    -704: ("OBJECT_NOT_FOUND", "object not found"),
+    -705: ("OBJECT_ALREADY_EXISTS", "object already exists"),
+    -706: ("OBJECT_HAS_LEASE", "object has a lease"),
+    -707: ("LEASE_EXPIRED", "lease expired before the transfer completed"),
+    -708: ("OBJECT_HAS_REPLICATION_TASK", "object has a replication task"),
+    -709: ("OBJECT_NO_REPLICATION_TASK", "object has no replication task"),
+    -710: ("REPLICA_NOT_FOUND", "replica not found"),
+    -711: ("REPLICA_ALREADY_EXISTS", "replica already exists"),
+    -712: ("REPLICA_IS_GONE", "replica is gone"),
+    -713: ("REPLICA_NOT_IN_LOCAL_MEMORY", "replica not in this node's memory"),
+    -800: ("TRANSFER_FAIL", "transfer failed"),
+    -900: ("RPC_FAIL", "RPC to the master failed (master down or unreachable?)"),
+    -901: ("RPC_TIMEOUT", "RPC to the master timed out (master hung or overloaded?)"),
+    -1000: ("ETCD_OPERATION_ERROR", "etcd operation failed"),
+    -1001: ("ETCD_KEY_NOT_EXIST", "key not found in etcd"),
+    -1002: ("ETCD_TRANSACTION_FAIL", "etcd transaction failed"),
+    -1003: ("ETCD_CTX_CANCELLED", "etcd context cancelled"),
+    -1010: ("UNAVAILABLE_IN_CURRENT_STATUS", "unavailable in the master's current status"),
+    -1011: ("UNAVAILABLE_IN_CURRENT_MODE", "unavailable in the master's current mode"),
+    -1100: ("FILE_NOT_FOUND", "file not found"),
+    -1101: ("FILE_OPEN_FAIL", "file open failed"),
+    -1102: ("FILE_READ_FAIL", "file read failed"),
+    -1103: ("FILE_WRITE_FAIL", "file write failed"),
+    -1104: ("FILE_INVALID_BUFFER", "invalid file buffer"),
+    -1105: ("FILE_LOCK_FAIL", "file lock failed"),
+    -1106: ("FILE_INVALID_HANDLE", "invalid file handle"),
+    -1200: ("BUCKET_NOT_FOUND", "bucket not found"),
+    -1201: ("BUCKET_ALREADY_EXISTS", "bucket already exists"),
+    -1202: ("KEYS_EXCEED_BUCKET_LIMIT", "keys exceed the bucket limit"),
+    -1203: ("KEYS_ULTRA_LIMIT", "keys over the limit"),
+    -1300: ("UNABLE_OFFLOAD", "offload not enabled"),
+    -1301: ("UNABLE_OFFLOADING", "unable to offload"),
+    -1400: ("TASK_NOT_FOUND", "task not found"),
+    -1401: ("TASK_PENDING_LIMIT_EXCEEDED", "too many pending tasks"),
+}
+
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+RPC_FAIL = -900
+RPC_TIMEOUT = -901
+_MASTER_DOWN_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
+
+PROTOCOLS = ("tcp", "rdma")
+
+# Short URL query names -> config field names (the long names are accepted too).
+_URL_ALIASES = {
+    "metadata": "metadata_server",
+    "segment": "global_segment_size",
+    "buffer": "local_buffer_size",
+    "device": "device_name",
+    "bounce": "bounce_bytes",
+}
+# Names other Mooncake APIs use for the same fields.
+_DICT_ALIASES = {"master_server_addr": "master_server_address", "rdma_devices": "device_name"}
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def describe_code(code: int) -> str:
+    """``"-900 RPC_FAIL (RPC to the master failed ...)"`` for a Mooncake return code."""
+    name, meaning = MOONCAKE_ERROR_CODES.get(code, ("UNKNOWN", "an error code kvstage does not know"))
+    return f"{code} {name} ({meaning})"
+
+
+def parse_size(value: int | str, argument: str) -> int:
+    """Bytes from an int or a string such as ``"512MB"``, ``"1 GiB"``, ``"4096"``.
+
+    Units are binary whatever their spelling: K/KB/KiB = 2**10, M = 2**20, G = 2**30, T = 2**40.
+
+    Raises:
+        InvalidArgumentError: not a positive size.
+    """
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{argument}: must be a size in bytes, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+)\s*([kmgtKMGT]?)(?:i?[bB])?\s*", value)
+        if match is None:
+            raise InvalidArgumentError(f"{argument}: not a size (e.g. 1073741824, '512MB', '1GiB'): {value!r}")
+        size = int(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    else:
+        raise InvalidArgumentError(f"{argument}: must be an int or a size string, got {type(value).__name__}")
+    if size < 1:
+        raise InvalidArgumentError(f"{argument}: must be positive, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """Where the Mooncake cluster is and what this client brings to it.
+
+    Attributes:
+        master_server_address: ``host:port`` of ``mooncake_master``'s RPC service.
+        metadata_server: the transfer-engine metadata service: ``http://host:port/metadata``
+            (the master's ``-enable_http_metadata_server``), ``etcd://...``, or
+            ``"P2PHANDSHAKE"`` (no metadata service; the default).
+        local_hostname: the address other Mooncake nodes reach this one at. Default: the local
+            address of the route to the master (loopback for a local master).
+        protocol: ``"tcp"`` or ``"rdma"``.
+        device_name: RDMA devices, comma-separated (e.g. ``"mlx5_0,mlx5_1"``); ``""`` lets
+            Mooncake discover them.
+        global_segment_size: bytes of this process's memory given to the distributed pool;
+            with one client this is the whole store's capacity.
+        local_buffer_size: bytes of Mooncake's own registered transfer buffer in this process.
+        bounce_bytes: size of kvstage's bounce buffer for pages outside registered memory
+            (rounded down to whole pages, at least one).
+        connect_timeout_s: seconds to wait for a TCP connection to the master (and an HTTP
+            metadata server) before setup, so an absent master fails fast.
+        rpc_timeout_ms: when set, exported as ``MC_RPC_TIMEOUT_MS`` before setup: how long one
+            RPC to the master may take (Mooncake's default is 30 s). Process-wide.
+        setup_retries: when set, exported as ``MC_STORE_CLIENT_SETUP_RETRIES`` (Mooncake's
+            default 20, about 4.5 s each when the master does not answer). Process-wide.
+    """
+
+    master_server_address: str
+    metadata_server: str = "P2PHANDSHAKE"
+    local_hostname: str | None = None
+    protocol: str = "tcp"
+    device_name: str = ""
+    global_segment_size: int = 1 << 30
+    local_buffer_size: int = 64 << 20
+    bounce_bytes: int = 64 << 20
+    connect_timeout_s: float = 2.0
+    rpc_timeout_ms: int | None = None
+    setup_retries: int | None = None
+
+    def __post_init__(self) -> None:
+        host, port = _split_host_port(self.master_server_address, "master_server_address")
+        object.__setattr__(self, "master_server_address", f"{host}:{port}")
+        if not isinstance(self.metadata_server, str) or not self.metadata_server:
+            raise InvalidArgumentError("metadata_server: must be a non-empty string (e.g. 'P2PHANDSHAKE')")
+        if self.protocol not in PROTOCOLS:
+            raise InvalidArgumentError(f"protocol: must be one of {PROTOCOLS}, got {self.protocol!r}")
+        for name in ("global_segment_size", "local_buffer_size", "bounce_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name), name))
+        timeout = float(self.connect_timeout_s)
+        if not timeout > 0:
+            raise InvalidArgumentError(f"connect_timeout_s: must be positive, got {self.connect_timeout_s!r}")
+        object.__setattr__(self, "connect_timeout_s", timeout)
+        for name in ("rpc_timeout_ms", "setup_retries"):
+            value = getattr(self, name)
+            if value is not None:
+                value = int(value)
+                if value < 1:
+                    raise InvalidArgumentError(f"{name}: must be a positive int, got {value}")
+                object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "MooncakeConfig":
+        """Build from a dict with the field names above (Mooncake's ``master_server_addr`` and
+        ``rdma_devices`` are accepted as aliases).
+
+        Raises:
+            InvalidArgumentError: an unknown key, a missing ``master_server_address`` or a bad value.
+        """
+        known = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            name = _DICT_ALIASES.get(key, key)
+            if name not in known:
+                raise InvalidArgumentError(f"mooncake config: unknown key {key!r}; known: {sorted(known)}")
+            kwargs[name] = value
+        if "master_server_address" not in kwargs:
+            raise InvalidArgumentError("master_server_address: required (host:port of mooncake_master)")
+        if kwargs.get("local_hostname") == "":
+            kwargs["local_hostname"] = None
+        return cls(**kwargs)
+
+
+def parse_mooncake_url(url: str) -> MooncakeConfig:
+    """Parse ``mooncake://MASTER_HOST:PORT?metadata=...&protocol=tcp&segment=1GB&buffer=64MB``.
+
+    Query names: the :class:`MooncakeConfig` field names, or the short ``metadata``,
+    ``segment``, ``buffer``, ``device``, ``bounce``. Values are percent-decoded, so a metadata
+    URL may be given plainly (``metadata=http://127.0.0.1:8080/metadata``) or encoded.
+
+    Raises:
+        InvalidArgumentError: not a ``mooncake://`` URL, no master address, a repeated or
+            unknown query name, or a bad value.
+    """
+    if not isinstance(url, str) or not url.startswith("mooncake://"):
+        raise InvalidArgumentError(f"url: must start with 'mooncake://', got {url!r}")
+    parts = urlsplit(url)
+    if not parts.netloc:
+        raise InvalidArgumentError(f"url: no master address in {url!r}; expected mooncake://HOST:PORT?...")
+    values: dict[str, Any] = {"master_server_address": parts.netloc}
+    for key, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
+        name = _URL_ALIASES.get(key, key)
+        if name in values:
+            raise InvalidArgumentError(f"url: {key!r} given twice in {url!r}")
+        values[name] = value
+    return MooncakeConfig.from_mapping(values)
+
+
+def _split_host_port(address: str, argument: str) -> tuple[str, int]:
+    if not isinstance(address, str) or ":" not in address:
+        raise InvalidArgumentError(f"{argument}: must be 'host:port', got {address!r}")
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise InvalidArgumentError(f"{argument}: must be 'host:port' with a port in 1..65535, got {address!r}")
+    return host, int(port_text)
+
+
+def _import_mooncake_store() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as error:
+        text = str(error)
+        if ".so" in text:  # the wheel is there but a Debian library is not
+            raise BackendUnavailableError(
+                f"mooncake: the Mooncake wheel is installed but cannot load ({text}); {INSTALL_HINT}"
+            ) from error
+        raise BackendUnavailableError(f"mooncake: the optional Mooncake store is not installed; {INSTALL_HINT}") from error
+    return MooncakeDistributedStore
+
+
+def mooncake_available() -> bool:
+    """Whether ``mooncake.store`` imports here (the wheel and its Debian libraries are present)."""
+    try:
+        _import_mooncake_store()
+    except BackendUnavailableError:
+        return False
+    return True
+
+
+def _probe(host: str, port: int, timeout: float, what: str) -> str:
+    """Connect to host:port and return the local address of the connection.
+
+    Raises:
+        StorageError: nothing answers within ``timeout`` seconds.
+    """
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as connection:
+            return connection.getsockname()[0]
+    except OSError as error:
+        raise StorageError(
+            f"mooncake: {what} at {host}:{port} is unreachable ({error.__class__.__name__}: {error}); "
+            f"start mooncake_master (e.g. `mooncake_master -port={port} -enable_http_metadata_server=true`) "
+            "or fix the address"
+        ) from None
+
+
+class MooncakeStore(StorageBackend):
+    """Pages in the Mooncake distributed store.
+
+    Args:
+        fingerprint: the KV layout (key prefix and page size).
+        config: a ``mooncake://`` URL (:func:`parse_mooncake_url`), a dict with
+            :class:`MooncakeConfig`'s field names, or a :class:`MooncakeConfig`.
+
+    Raises:
+        BackendUnavailableError: ``mooncake`` is not installed or its libraries are missing.
+        InvalidArgumentError: a bad config value.
+        StorageError: the master (or the HTTP metadata server) does not answer, or Mooncake's
+            ``setup`` fails; the message says which and what to do.
+
+    Calls into Mooncake are serialised by one lock (the bounce buffer is shared and ``close``
+    must not race a transfer). Every Mooncake call is bounded: an absent master answers
+    RPC_FAIL at once (later calls would each wait about 4 s on Mooncake's reconnect, so after
+    a call that reached no master, operations first check the master's port and fail at once
+    while it refuses connections: see ``calls_skipped``); a hung master answers RPC_TIMEOUT
+    after ``rpc_timeout_ms`` (30 s by default).
+    """
+
+    def __init__(self, fingerprint: LayoutFingerprint, config: str | Mapping[str, Any] | MooncakeConfig) -> None:
+        super().__init__(fingerprint)
+        if isinstance(config, str):
+            config = parse_mooncake_url(config)
+        elif isinstance(config, Mapping):
+            config = MooncakeConfig.from_mapping(config)
+        elif not isinstance(config, MooncakeConfig):
+            raise InvalidArgumentError(f"config: must be a mooncake:// URL, a dict or a MooncakeConfig, got {type(config).__name__}")
+        self.config = config
+        self._lock = threading.Lock()
+        self._store: Any = None
+        self._registered: list[tuple[int, int, torch.Tensor]] = []  # (start, end, tensor), sorted by start
+        self._bounce: torch.Tensor | None = None
+        self._bounce_pages = max(1, config.bounce_bytes // self.page_bytes)
+        self.pages_bounced = 0  # pages copied through the bounce buffer (not zero-copy)
+        self.calls_skipped = 0  # operations failed without calling Mooncake: the master was down
+        # Set when every key of a call failed with RPC_FAIL/RPC_TIMEOUT: the master is suspect.
+        # While set, each operation first checks that the master's port accepts a connection
+        # and fails at once when it does not, instead of waiting on Mooncake's reconnect
+        # (about 4 s a call). Cleared by the first call that reaches the master.
+        self._master_suspect = False
+        self._last_skip_log = 0.0
+
+        store_class = _import_mooncake_store()
+        host, port = _split_host_port(config.master_server_address, "master_server_address")
+        self._master_host_port = (host, port)
+        local_address = _probe(host, port, config.connect_timeout_s, "mooncake_master")
+        if config.metadata_server.startswith(("http://", "https://")):
+            meta = urlsplit(config.metadata_server)
+            default_port = 443 if meta.scheme == "https" else 80
+            _probe(meta.hostname or "", meta.port or default_port, config.connect_timeout_s, "the HTTP metadata server")
+        self.local_hostname = config.local_hostname or local_address
+        if config.rpc_timeout_ms is not None:
+            os.environ["MC_RPC_TIMEOUT_MS"] = str(config.rpc_timeout_ms)
+        if config.setup_retries is not None:
+            os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] = str(config.setup_retries)
+
+        store = store_class()
+        # The positional form of setup is the one every release since 0.3 has.
+        rc = store.setup(
+            self.local_hostname,
+            config.metadata_server,
+            config.global_segment_size,
+            config.local_buffer_size,
+            config.protocol,
+            config.device_name,
+            config.master_server_address,
+        )
+        if rc != 0:
+            # Not kept: calls on a store whose setup failed crashed the process (0.3.13).
+            raise StorageError(
+                f"mooncake: setup failed with {describe_code(rc)} (master {config.master_server_address}, "
+                f"metadata {config.metadata_server}, protocol {config.protocol}, local_hostname {self.local_hostname}, "
+                f"global_segment_size {config.global_segment_size}, local_buffer_size {config.local_buffer_size}); "
+                "Mooncake's log above says why"
+            )
+        self._store = store
+        logger.info(
+            "mooncake: connected to master %s (metadata %s, %s, segment %d B, local buffer %d B)",
+            config.master_server_address, config.metadata_server, config.protocol,
+            config.global_segment_size, config.local_buffer_size,
+        )
+
+    # -- registration ----------------------------------------------------------------------
+
+    def register_host_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Register host memory (the host pool's chunk tensors) with Mooncake, once each.
+
+        A buffer already registered, or lying inside one, is skipped. Pages inside a
+        registered buffer then move without a copy.
+
+        Args:
+            buffers: contiguous CPU tensors (pinned or not), any dtype.
+
+        Raises:
+            InvalidArgumentError: a buffer is not a contiguous CPU tensor, or overlaps a
+                registered (or given) buffer without lying inside it. Nothing is registered then.
+            StorageError: the store is closed, or Mooncake refused a registration (the
+                buffers registered before it stay registered).
+        """
+        buffers = list(buffers)
+        for index, buffer in enumerate(buffers):
+            if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu" or not buffer.is_contiguous():
+                raise InvalidArgumentError(f"buffers[{index}]: must be a contiguous CPU tensor")
+        with self._lock:
+            store = self._require_open()
+            # Check every buffer before registering any; the largest first, so a view inside
+            # another buffer of the same call is skipped rather than refused.
+            ranges = sorted(
+                ((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size(), i, b) for i, b in enumerate(buffers)),
+                key=lambda entry: entry[0] - entry[1],
+            )
+            accepted: list[tuple[int, int, int, torch.Tensor]] = []
+            for start, end, index, buffer in ranges:
+                if end == start or self._inside_registered(start, end - start):
+                    continue
+                if any(other[0] <= start and end <= other[1] for other in accepted):
+                    continue
+                known = [(s, e) for s, e, _ in self._registered] + [(s, e) for s, e, _, _ in accepted]
+                for other_start, other_end in known:
+                    if start < other_end and other_start < end:
+                        raise InvalidArgumentError(
+                            f"buffers[{index}]: [{start:#x}, {end:#x}) overlaps [{other_start:#x}, {other_end:#x}), "
+                            "registered or given, without lying inside it"
+                        )
+                accepted.append((start, end, index, buffer))
+            for start, end, _, buffer in accepted:
+                self._register(store, buffer, start, end)
+
+    def _register(self, store: Any, buffer: torch.Tensor, start: int, end: int) -> None:
+        rc = store.register_buffer(start, end - start)
+        if rc != 0:
+            raise StorageError(f"mooncake: register_buffer of {end - start} bytes at {start:#x} failed with {describe_code(rc)}")
+        bisect.insort(self._registered, (start, end, buffer), key=lambda entry: entry[0])
+
+    def _inside_registered(self, start: int, size: int) -> bool:
+        index = bisect.bisect_right(self._registered, start, key=lambda entry: entry[0]) - 1
+        return index >= 0 and start + size <= self._registered[index][1]
+
+    def _bounce_slots(self, store: Any) -> torch.Tensor | None:
+        """The registered bounce buffer as ``[bounce pages, page_bytes]`` uint8; None when
+        Mooncake refuses to register it (the pages that needed it then fail, logged)."""
+        if self._bounce is None:
+            bounce = torch.empty(self._bounce_pages * self.page_bytes, dtype=torch.uint8)
+            try:
+                self._register(store, bounce, bounce.data_ptr(), bounce.data_ptr() + bounce.numel())
+            except StorageError as error:
+                logger.warning("%s; pages outside registered buffers fail", error)
+                return None
+            self._bounce = bounce
+        return self._bounce.view(self._bounce_pages, self.page_bytes)
+
+    def _require_open(self) -> Any:
+        if self._store is None:
+            raise StorageError("mooncake: the store is closed")
+        return self._store
+
+    # -- the storage interface ---------------------------------------------------------------
+
+    def _exists(self, full_keys: list[str]) -> list[bool]:
+        if not full_keys:
+            return []
+        with self._lock:
+            store = self._require_open()
+            if not self._master_reachable("exists", len(full_keys)):
+                return [False] * len(full_keys)
+            codes = self._call("batch_is_exist", len(full_keys), store.batch_is_exist, full_keys)
+            self._note_master(codes)
+        self._log_failures("exists", full_keys, [c for c in codes if c < 0])
+        return [code == 1 for code in codes]
+
+    def _put(self, full_keys: list[str], pages: list[torch.Tensor]) -> list[PutStatus]:
+        statuses = [PutStatus.FAILED] * len(full_keys)
+        if not full_keys:
+            return statuses
+        failures: list[int] = []
+        with self._lock:
+            store = self._require_open()
+            if not self._master_reachable("put", len(full_keys)):
+                return statuses
+            exist = self._call("batch_is_exist", len(full_keys), store.batch_is_exist, full_keys)
+            if self._note_master(exist):
+                self._log_failures("put", full_keys, exist)
+                return statuses  # the master did not answer: a put would not either
+            todo: list[int] = []
+            for index, code in enumerate(exist):
+                if code == 1:
+                    statuses[index] = PutStatus.DEDUPLICATED
+                else:
+                    # 0: absent. Another negative code: unknown; try the put.
+                    todo.append(index)
+            direct = [i for i in todo if self._inside_registered(pages[i].data_ptr(), self.page_bytes)]
+            bounced = [i for i in todo if not self._inside_registered(pages[i].data_ptr(), self.page_bytes)]
+            if direct:
+                codes = self._call(
+                    "batch_put_from", len(direct), store.batch_put_from,
+                    [full_keys[i] for i in direct], [pages[i].data_ptr() for i in direct], [self.page_bytes] * len(direct),
+                )
+                self._note_master(codes)
+                failures += self._apply_put_codes(direct, codes, statuses)
+            for chunk in _chunks(bounced, self._bounce_pages):
+                slots = self._bounce_slots(store)
+                if slots is None:
+                    failures += [-1] * len(chunk)  # statuses stay FAILED
+                    continue
+                for slot, index in enumerate(chunk):
+                    slots[slot].copy_(pages[index].reshape(-1).view(torch.uint8))
+                codes = self._call(
+                    "batch_put_from", len(chunk), store.batch_put_from,
+                    [full_keys[i] for i in chunk], [slots[s].data_ptr() for s in range(len(chunk))], [self.page_bytes] * len(chunk),
+                )
+                self._note_master(codes)
+                failures += self._apply_put_codes(chunk, codes, statuses)
+                self.pages_bounced += len(chunk)
+        self._log_failures("put", full_keys, failures)
+        return statuses
+
+    def _get(self, full_keys: list[str], into: list[torch.Tensor]) -> list[bool]:
+        hits = [False] * len(full_keys)
+        if not full_keys:
+            return hits
+        failures: list[int] = []
+        with self._lock:
+            store = self._require_open()
+            if not self._master_reachable("get", len(full_keys)):
+                return hits
+            direct = [i for i in range(len(full_keys)) if self._inside_registered(into[i].data_ptr(), self.page_bytes)]
+            bounced = [i for i in range(len(full_keys)) if not self._inside_registered(into[i].data_ptr(), self.page_bytes)]
+            if direct:
+                codes = self._call(
+                    "batch_get_into", len(direct), store.batch_get_into,
+                    [full_keys[i] for i in direct], [into[i].data_ptr() for i in direct], [self.page_bytes] * len(direct),
+                )
+                self._note_master(codes)
+                for index, code in zip(direct, codes):
+                    hits[index] = self._get_ok(code, into[index], failures)
+            for chunk in _chunks(bounced, self._bounce_pages):
+                slots = self._bounce_slots(store)
+                if slots is None:
+                    failures += [-1] * len(chunk)  # misses
+                    continue
+                codes = self._call(
+                    "batch_get_into", len(chunk), store.batch_get_into,
+                    [full_keys[i] for i in chunk], [slots[s].data_ptr() for s in range(len(chunk))], [self.page_bytes] * len(chunk),
+                )
+                self._note_master(codes)
+                for slot, (index, code) in enumerate(zip(chunk, codes)):
+                    if self._get_ok(code, None, failures):
+                        into[index].reshape(-1).view(torch.uint8).copy_(slots[slot])
+                        hits[index] = True
+                self.pages_bounced += len(chunk)
+        self._log_failures("get", full_keys, failures)
+        return hits
+
+    def close(self) -> None:
+        """Unregister every buffer this store registered and close the Mooncake client.
+
+        Idempotent. With the master gone this still returns (Mooncake gives up after its RPC
+        timeouts, a few seconds); failures are logged, not raised.
+        """
+        with self._lock:
+            store, self._store = self._store, None
+            if store is None:
+                return
+            for start, end, _ in self._registered:
+                rc = store.unregister_buffer(start)
+                if rc != 0:
+                    logger.warning("mooncake: unregister_buffer at %#x failed with %s", start, describe_code(rc))
+            self._registered.clear()
+            self._bounce = None
+            rc = store.close()
+            if rc != 0:
+                logger.warning("mooncake: close failed with %s", describe_code(rc))
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _call(self, name: str, count: int, function: Any, *args: Any) -> list[int]:
+        """Run a batch call; an exception or a malformed answer becomes INTERNAL_ERROR for every key."""
+        try:
+            codes = list(function(*args))
+        except Exception as error:  # the binding raises on bad arguments or a broken client
+            logger.warning("mooncake: %s raised %s: %s", name, error.__class__.__name__, error)
+            return [-1] * count
+        if len(codes) != count or not all(isinstance(code, int) for code in codes):
+            logger.warning("mooncake: %s answered %d codes for %d keys", name, len(codes), count)
+            return [-1] * count
+        return codes
+
+    def _note_master(self, codes: list[int]) -> bool:
+        """Track whether the master answers; True when every code says it did not."""
+        down = bool(codes) and all(code in _MASTER_DOWN_CODES for code in codes)
+        if down:
+            self._master_suspect = True
+        elif any(code not in _MASTER_DOWN_CODES for code in codes):
+            self._master_suspect = False
+        return down
+
+    def _master_reachable(self, operation: str, count: int) -> bool:
+        """False (and the operation fails without calling Mooncake) when the master is suspect
+        and its port refuses a connection."""
+        if not self._master_suspect:
+            return True
+        try:
+            socket.create_connection(self._master_host_port, timeout=min(self.config.connect_timeout_s, 0.5)).close()
+            return True
+        except OSError as error:
+            self.calls_skipped += 1
+            now = time.monotonic()
+            if now - self._last_skip_log > 5.0:  # one line per 5 s, not one per call
+                self._last_skip_log = now
+                logger.warning(
+                    "mooncake: master %s:%d unreachable (%s); %s of %d pages fails without calling Mooncake",
+                    *self._master_host_port, error.__class__.__name__, operation, count,
+                )
+            return False
+
+    def _apply_put_codes(self, indices: list[int], codes: list[int], statuses: list[PutStatus]) -> list[int]:
+        failures = []
+        for index, code in zip(indices, codes):
+            if code == 0:
+                statuses[index] = PutStatus.STORED
+            elif code == OBJECT_ALREADY_EXISTS:  # another writer stored it between exist and put
+                statuses[index] = PutStatus.DEDUPLICATED
+            else:
+                statuses[index] = PutStatus.FAILED
+                failures.append(code)
+        return failures
+
+    def _get_ok(self, code: int, target: torch.Tensor | None, failures: list[int]) -> bool:
+        if code == self.page_bytes:
+            return True
+        if code >= 0:
+            # An object of another size: never a page of this layout. Its bytes may be in target.
+            if target is not None:
+                target.reshape(-1).view(torch.uint8).zero_()
+            logger.warning("mooncake: get read %d bytes, a page has %d; counted as a miss", code, self.page_bytes)
+        elif code != OBJECT_NOT_FOUND:
+            failures.append(code)
+        return False
+
+    def _log_failures(self, operation: str, full_keys: list[str], codes: list[int]) -> None:
+        if not codes:
+            return
+        summary = ", ".join(f"{describe_code(code)} x{count}" for code, count in Counter(codes).most_common())
+        logger.warning("mooncake: %s failed for %d of %d pages: %s", operation, len(codes), len(full_keys), summary)
+
+
+def _chunks(items: list[int], size: int) -> list[list[int]]:
+    return [items[start : start + size] for start in range(0, len(items), size)]
+
+
+def _open_mooncake(url: str, fingerprint: LayoutFingerprint) -> MooncakeStore:
+    return MooncakeStore(fingerprint, url)
+
+
+STORAGE_SCHEMES["mooncake"] = _open_mooncake

@@ -1,0 +1,112 @@
+"""MooncakeStore's configuration and its import guard: no Mooncake cluster needed."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from kvstage.errors import BackendUnavailableError, InvalidArgumentError
+from kvstage.offload import mooncake_store
+from kvstage.offload.mooncake_store import MooncakeConfig, MooncakeStore, describe_code, parse_mooncake_url, parse_size
+from kvstage.offload.storage import STORAGE_SCHEMES, open_storage
+
+
+def test_url_with_every_field():
+    config = parse_mooncake_url(
+        "mooncake://10.0.0.5:50051?metadata=http://10.0.0.5:8080/metadata&protocol=rdma&segment=4GB"
+        "&buffer=512MiB&local_hostname=10.0.0.7&device=mlx5_0,mlx5_1&bounce=16MB&rpc_timeout_ms=2000"
+        "&setup_retries=3&connect_timeout_s=0.5"
+    )
+    assert config == MooncakeConfig(
+        master_server_address="10.0.0.5:50051",
+        metadata_server="http://10.0.0.5:8080/metadata",
+        local_hostname="10.0.0.7",
+        protocol="rdma",
+        device_name="mlx5_0,mlx5_1",
+        global_segment_size=4 << 30,
+        local_buffer_size=512 << 20,
+        bounce_bytes=16 << 20,
+        connect_timeout_s=0.5,
+        rpc_timeout_ms=2000,
+        setup_retries=3,
+    )
+
+
+def test_url_defaults_and_percent_encoded_metadata():
+    config = parse_mooncake_url("mooncake://master:7000?metadata=http%3A%2F%2Fmeta%3A8080%2Fmetadata")
+    assert config.master_server_address == "master:7000"
+    assert config.metadata_server == "http://meta:8080/metadata"
+    assert (config.protocol, config.device_name, config.local_hostname) == ("tcp", "", None)
+    assert config.global_segment_size == 1 << 30 and config.local_buffer_size == 64 << 20
+    assert parse_mooncake_url("mooncake://master:7000").metadata_server == "P2PHANDSHAKE"
+
+
+def test_dict_takes_mooncake_field_names_and_aliases():
+    config = MooncakeConfig.from_mapping(
+        {
+            "local_hostname": "node1",
+            "metadata_server": "P2PHANDSHAKE",
+            "global_segment_size": "1GB",
+            "local_buffer_size": 16 << 20,
+            "protocol": "tcp",
+            "rdma_devices": "",
+            "master_server_addr": "node0:50051",
+        }
+    )
+    assert config.master_server_address == "node0:50051"
+    assert config.global_segment_size == 1 << 30 and config.local_buffer_size == 16 << 20
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("memory:", "must start with 'mooncake://'"),
+        ("mooncake://?metadata=P2PHANDSHAKE", "no master address"),
+        ("mooncake://host", "master_server_address: must be 'host:port'"),
+        ("mooncake://host:70000", "port in 1..65535"),
+        ("mooncake://host:1?protocol=udp", "protocol: must be one of ('tcp', 'rdma')"),
+        ("mooncake://host:1?segment=lots", "global_segment_size: not a size"),
+        ("mooncake://host:1?buffer=0", "local_buffer_size: must be positive"),
+        ("mooncake://host:1?colour=blue", "unknown key 'colour'"),
+        ("mooncake://host:1?segment=1GB&global_segment_size=2GB", "given twice"),
+        ("mooncake://host:1?rpc_timeout_ms=0", "rpc_timeout_ms: must be a positive int"),
+    ],
+)
+def test_bad_urls_name_the_field(url, message):
+    with pytest.raises(InvalidArgumentError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        parse_mooncake_url(url)
+
+
+def test_dict_without_master_is_refused():
+    with pytest.raises(InvalidArgumentError, match="master_server_address: required"):
+        MooncakeConfig.from_mapping({"metadata_server": "P2PHANDSHAKE"})
+
+
+def test_sizes_are_binary():
+    assert [parse_size(v, "x") for v in (4096, "4096", "2k", "3MB", "1GiB", "1 TB")] == [
+        4096, 4096, 2048, 3 << 20, 1 << 30, 1 << 40,
+    ]
+    with pytest.raises(InvalidArgumentError, match="x: must be a size"):
+        parse_size(True, "x")
+
+
+def test_codes_have_names_and_meanings():
+    assert describe_code(-900).startswith("-900 RPC_FAIL (")
+    assert describe_code(-704) == "-704 OBJECT_NOT_FOUND (object not found)"
+    assert describe_code(-4242) == "-4242 UNKNOWN (an error code kvstage does not know)"
+
+
+def test_scheme_is_registered():
+    assert STORAGE_SCHEMES["mooncake"] is mooncake_store._open_mooncake
+
+
+def test_missing_mooncake_names_the_install_command(monkeypatch, fingerprint):
+    # None in sys.modules makes `from mooncake.store import ...` raise ImportError, as when absent.
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    with pytest.raises(BackendUnavailableError, match="tools/install-mooncake.sh") as caught:
+        MooncakeStore(fingerprint, "mooncake://127.0.0.1:1")
+    assert "mooncake-transfer-engine-non-cuda" in str(caught.value)
+    with pytest.raises(BackendUnavailableError, match="not installed"):
+        open_storage("mooncake://127.0.0.1:1", fingerprint)
+    assert mooncake_store.mooncake_available() is False
