@@ -112,6 +112,11 @@ class ReplayRequest:
         self.finish_called = False
         self.released = False
 
+    @property
+    def output_length(self) -> int:
+        """Output tokens the request will produce (its trace line's ``output_length``)."""
+        return len(self._target_output)
+
     def finished(self) -> bool:
         """True once every output token of the trace line is sampled."""
         return len(self.output_ids) >= len(self._target_output)
@@ -280,7 +285,6 @@ class ReplayEngine:
             offload_stride=self.stride, release=self._release, on_storage_failure=self._storage_failed,
             backend=config.backend,
         )
-        self._gather = None
 
         # Namespaces.
         rng = np.random.default_rng([config.seed, 0x7E4A])
@@ -385,12 +389,12 @@ class ReplayEngine:
         for key in keys:
             self.expected_keys.setdefault(key, set()).add(namespace)
         # The partial last page has no key; its content only needs to be deterministic.
-        mask_keys = req.page_keys + [f"partial:{req.rid}"] * (_pages(len(tokens) + 1, ps) - len(keys))
+        mask_keys = req.page_keys + [f"partial:{req.rid}"] * (_pages(len(tokens), ps) - len(keys))
         req.mask_values = [self.content.mask(key) for key in mask_keys]
         req.masks = torch.tensor(req.mask_values, dtype=self.content.word).to(self.device)
         self.stats.requests += 1
         self.stats.prompt_tokens += len(req.origin_input_ids)
-        self.stats.output_tokens += len(req._target_output)
+        self.stats.output_tokens += req.output_length
         return req
 
     def _write_kv(self, slots: torch.Tensor, masks: torch.Tensor, offsets: torch.Tensor | None) -> None:
