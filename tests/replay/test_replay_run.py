@@ -237,3 +237,16 @@ def test_a_store_too_small_evicts_and_verify_explains_the_missing_pages():
     assert report["storage_pages_evicted"] >= missing > 0
     assert report["lost_pages"] == 0 and report["verify_mismatches"] == 0
     assert report["verify_pages_checked"] - missing == 40  # the store is full of intact pages
+
+
+def test_xxh3_keys_replay_clean_and_differ_from_sglang_keys():
+    requests = tiny_trace(3)
+    sha, engine = run_in_process(requests)
+    engine.close()
+    sha_keys = set(engine.expected_keys)
+    xxh, engine = run_in_process(requests, hash_scheme="xxh3-128")
+    engine.close()
+    assert {len(key) for key in sha_keys} == {64} and {len(key) for key in engine.expected_keys} == {32}
+    assert xxh["verify_mismatches"] == 0 and xxh["lost_pages"] == 0
+    assert xxh["prefill_pages_unique_stored"] == sha["prefill_pages_unique_stored"]
+    assert xxh["hash_scheme"] == "xxh3-128"
