@@ -250,3 +250,11 @@ def test_xxh3_keys_replay_clean_and_differ_from_sglang_keys():
     assert xxh["verify_mismatches"] == 0 and xxh["lost_pages"] == 0
     assert xxh["prefill_pages_unique_stored"] == sha["prefill_pages_unique_stored"]
     assert xxh["hash_scheme"] == "xxh3-128"
+
+
+def test_progress_bar_and_summary_print(capsys, tmp_path):
+    assert main(["replay", "--requests", "3", "--backend", "torch", "--json", str(tmp_path / "r.json")]) == 0
+    captured = capsys.readouterr()
+    assert "3/3" in captured.err and "GB/s D2H" in captured.err
+    assert "verify: lost pages" in captured.out and "unique stored" in captured.out
+    assert json.loads((tmp_path / "r.json").read_text())["requests"] == 3
