@@ -183,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
     except KvstageError as exc:
         print(f"kvstage replay: failed: {exc}", file=sys.stderr)
         return 1
+    for note in report.get("notes", []):
+        print(f"kvstage replay: note: {note}", file=sys.stderr)
     print_summary(report)
     if args.json:
         write_json(report, args.json)

@@ -43,6 +43,19 @@ from kvstage.replay.trace import TraceRequest
 DEFAULT_CPU_POOL_BYTES = 4 << 30  # device KV pool bound when it lives on CPU
 DEFAULT_GPU_POOL_FRACTION = 0.5  # of free GPU memory
 PREFILL_CHUNK_PAGES = 256  # prompt pages gathered and put per storage call
+MEMORY_STORE_SHARE = 0.6  # of the host memory available: the most a default memory store takes
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 @dataclass
@@ -274,6 +287,7 @@ class ReplayEngine:
             model_id=model.name, dtype=model.dtype_name, num_layers=model.num_layers, kv_parts=model.kv_parts,
             head_num=model.head_num, head_dim=model.head_dim, page_size=ps,
         )
+        self.notes: list[str] = []  # things the command line should tell the user
         self.expected_pages_bound = sum(
             (r.input_length + r.output_length - 1) // ps for r in self.trace
         )  # every full page any request will have: a store this large never evicts
@@ -302,10 +316,23 @@ class ReplayEngine:
     # -- setup helpers ------------------------------------------------------------------------
 
     def _storage_url(self, url: str) -> str:
+        """``memory`` becomes ``memory:BYTES``: the trace's every full page, but at most
+        :data:`MEMORY_STORE_SHARE` of the host memory available now (then pages may be evicted,
+        and :attr:`notes` says so)."""
         if url != "memory":
             return url
-        need = self.expected_pages_bound * self.model.page_bytes(self.page_size)
-        return f"memory:{max(need, self.model.page_bytes(self.page_size))}"
+        page_bytes = self.model.page_bytes(self.page_size)
+        need = max(self.expected_pages_bound, 1) * page_bytes
+        available = _available_host_bytes()
+        if available is not None and need > available * MEMORY_STORE_SHARE:
+            capped = max(page_bytes, int(available * MEMORY_STORE_SHARE) // page_bytes * page_bytes)
+            self.notes.append(
+                f"storage: the trace may store {need / 2**30:.1f} GiB, more than {MEMORY_STORE_SHARE:.0%} of the "
+                f"{available / 2**30:.1f} GiB of host memory available; the memory store is capped at "
+                f"{capped / 2**30:.1f} GiB and may evict pages (use file:DIR to keep them all)"
+            )
+            need = capped
+        return f"memory:{need}"
 
     def _release(self, req: ReplayRequest) -> None:
         self.device_pages.free(req.device_pages)

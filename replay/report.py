@@ -82,6 +82,7 @@ def build_report(engine, verify, *, trace_name: str, elapsed_s: float) -> dict[s
         "run_s": stats.run_seconds,
         "verify_s": verify.seconds,
         "elapsed_s": elapsed_s,
+        "notes": list(engine.notes),
     }
 
 

@@ -258,3 +258,15 @@ def test_progress_bar_and_summary_print(capsys, tmp_path):
     assert "3/3" in captured.err and "GB/s D2H" in captured.err
     assert "verify: lost pages" in captured.out and "unique stored" in captured.out
     assert json.loads((tmp_path / "r.json").read_text())["requests"] == 3
+
+
+def test_the_default_memory_store_is_capped_by_available_host_memory(monkeypatch):
+    import kvstage.replay.engine as engine_module
+
+    page_bytes = TINY.page_bytes(16)
+    monkeypatch.setattr(engine_module, "_available_host_bytes", lambda: 50 * page_bytes)
+    report, engine = run_in_process(tiny_trace())
+    engine.close()
+    assert report["storage"] == f"memory:{30 * page_bytes}"  # 60% of 50 pages
+    assert report["notes"] and "capped" in report["notes"][0]
+    assert report["lost_pages"] == 0 and report["storage_pages_evicted"] > 0
