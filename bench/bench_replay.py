@@ -36,7 +36,7 @@ TARGET_SECONDS = {"default": 60.0, "conversation-200": 300.0}
 FIGURES = (
     "prefill_pages_total", "prefill_pages_unique_stored", "decode_pages_offloaded", "bytes_d2h", "d2h_gbps",
     "hashing_tokens_per_s", "storage_put_gbps", "storage_get_gbps", "host_pool_high_water_pages",
-    "verify_mismatches", "lost_pages", "copy_backend",
+    "verify_mismatches", "lost_pages", "round_trip_mismatches", "h2d_gbps", "copy_backend",
 )
 
 
@@ -67,7 +67,7 @@ def run(quick: bool = False, *, log: Callable[[str], None] = print) -> dict:
             row.update({key: report[key] for key in FIGURES})
             results.append(row)
             target = TARGET_SECONDS[name]
-            clean = report["verify_mismatches"] == 0 and report["lost_pages"] == 0
+            clean = report["verify_mismatches"] == 0 and report["lost_pages"] == 0 and report["round_trip_mismatches"] == 0
             summary[f"{name}: seconds ({'cpu' if on_cpu else 'cuda'})"] = dict(value=seconds, target=target, ok=seconds < target and clean)
             log(f"{name:17s} {report['requests']} requests in {seconds:6.1f} s, D2H {report['d2h_gbps']:.2f} GB/s, "
                 f"{report['prefill_pages_unique_stored']} unique prefill pages, {report['lost_pages']} lost, {report['verify_mismatches']} mismatched")

@@ -123,7 +123,7 @@ def replay(
     """
     from kvstage.replay.engine import ReplayEngine
     from kvstage.replay.report import build_report
-    from kvstage.replay.verify import verify_pages
+    from kvstage.replay.verify import round_trip_pages, verify_pages
 
     started = time.perf_counter() if started is None else started
     engine = ReplayEngine(config, requests, on_progress=on_progress)
@@ -135,7 +135,11 @@ def replay(
             failed_keys=engine.stats.storage_failure_keys,
             unexplained_allowance=metrics.pages_dropped + engine.storage.stats.pages_evicted,
         )
-        report = build_report(engine, result, trace_name=trace_name, elapsed_s=time.perf_counter() - started)
+        back = round_trip_pages(
+            engine.storage, engine.content, engine.kv_pool, list(engine.expected_keys),
+            page_size=engine.page_size, backend=config.backend,
+        )
+        report = build_report(engine, result, trace_name=trace_name, elapsed_s=time.perf_counter() - started, round_trip=back)
     finally:
         if not keep_engine:
             engine.close()
@@ -188,10 +192,11 @@ def run(args: argparse.Namespace) -> int:
     print_summary(report)
     if args.json:
         write_json(report, args.json)
-    clean = report["verify_mismatches"] == 0 and report["lost_pages"] == 0
+    clean = report["verify_mismatches"] == 0 and report["lost_pages"] == 0 and report["round_trip_mismatches"] == 0
     if not clean:
         print(
-            f"kvstage replay: verify found {report['verify_mismatches']} mismatched and {report['lost_pages']} lost pages",
+            f"kvstage replay: verify found {report['verify_mismatches']} mismatched and {report['lost_pages']} lost pages, "
+            f"{report['round_trip_mismatches']} mismatched after loading back into the device pool",
             file=sys.stderr,
         )
     return 0 if clean else 1

@@ -18,13 +18,14 @@ def _rate(amount: float, seconds: float) -> float:
     return amount / seconds if seconds > 0 else 0.0
 
 
-def build_report(engine, verify, *, trace_name: str, elapsed_s: float) -> dict[str, Any]:
+def build_report(engine, verify, *, trace_name: str, elapsed_s: float, round_trip=None) -> dict[str, Any]:
     """Every figure of one replay as a flat JSON-able dict (see the README for the fields).
 
     Args:
         engine: the :class:`kvstage.replay.engine.ReplayEngine` after ``run()``.
         verify: the :class:`kvstage.replay.verify.VerifyResult`.
         trace_name: the trace file's name or ``"built-in synthetic"``.
+        round_trip: the :class:`kvstage.replay.verify.RoundTripResult` (None: not run).
         elapsed_s: wall-clock seconds of the whole command (setup, run, verify).
     """
     stats, config, model = engine.stats, engine.config, engine.model
@@ -79,6 +80,9 @@ def build_report(engine, verify, *, trace_name: str, elapsed_s: float) -> dict[s
         "verify_mismatches": verify.mismatches,
         "verify_missing_explained": verify.explained,
         "lost_pages": verify.lost,
+        "round_trip_pages": round_trip.pages if round_trip else 0,
+        "round_trip_mismatches": round_trip.mismatches if round_trip else 0,
+        "h2d_gbps": round_trip.h2d_gbps if round_trip else 0.0,
         "run_s": stats.run_seconds,
         "verify_s": verify.seconds,
         "elapsed_s": elapsed_s,
@@ -171,6 +175,7 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("verify: lost pages", f"{r['lost_pages']:,}" + (
             f" ({r['verify_missing_explained']:,} more missing, explained by failures, drops or evictions)"
             if r["verify_missing_explained"] else "")),
+        ("load back H2D", f"{r['round_trip_pages']:,} pages at {r['h2d_gbps']:.2f} GB/s, {r['round_trip_mismatches']:,} mismatched"),
         ("elapsed", f"{r['elapsed_s']:.1f} s (run {r['run_s']:.1f} s, verify {r['verify_s']:.1f} s)"),
     ]
 

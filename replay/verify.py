@@ -102,3 +102,79 @@ def verify_pages(
     result.lost = result.missing - result.explained
     result.seconds = time.perf_counter() - started
     return result
+
+
+@dataclass
+class RoundTripResult:
+    """The outcome of :func:`round_trip_pages`: stored pages loaded back into the device KV pool.
+
+    Attributes:
+        pages: pages read from storage and scattered H2D.
+        mismatches: pages whose device KV differs from the expected content afterwards.
+        bytes_h2d: bytes scattered.
+        h2d_seconds: time of the scatters (GPU: synchronized wall-clock).
+    """
+
+    pages: int = 0
+    mismatches: int = 0
+    bytes_h2d: int = 0
+    h2d_seconds: float = 0.0
+
+    @property
+    def h2d_gbps(self) -> float:
+        """H2D GB/s (1e9 bytes) over the scatters' time."""
+        return self.bytes_h2d / self.h2d_seconds / 1e9 if self.h2d_seconds > 0 else 0.0
+
+
+def round_trip_pages(storage, content: KVContent, kv_pool, keys: Sequence[str], *, page_size: int, backend: str = "auto", max_pages: int = 256) -> RoundTripResult:
+    """The way back: read up to ``max_pages`` stored pages into host staging, scatter them into
+    the device KV pool (:func:`kvstage.kernels.scatter`, H2D, every layer) and compare the
+    pool's words with the expected content, layer by layer on the device.
+
+    Uses the pool's first slots: call it when no request holds the pool (after the replay).
+    Pages the storage does not return are skipped (:func:`verify_pages` counts them).
+
+    Args:
+        storage: the replay's storage backend.
+        content: the expected KV (its device is the pool's).
+        kv_pool: the :class:`kvstage.kernels.KVPool` the replay ran with.
+        keys: page keys to choose from (the first ``max_pages``).
+        page_size: tokens per page.
+        backend: the scatter's backend.
+        max_pages: at most this many pages (bounded also by the pool's and 256 MiB of staging).
+    """
+    from kvstage.kernels import scatter, staging_shape
+
+    device = kv_pool.device
+    on_cuda = torch.device(device).type == "cuda"
+    budget = max(1, VERIFY_BATCH_BYTES // content.page_bytes)
+    n = min(len(keys), max_pages, kv_pool.num_slots // page_size, budget)
+    result = RoundTripResult()
+    if n == 0:
+        return result
+    staging = torch.empty(staging_shape(kv_pool, n, page_size), dtype=kv_pool.dtype, pin_memory=on_cuda)
+    hits = storage.get(list(keys[:n]), [staging[i] for i in range(n)])
+    chosen = [i for i, hit in enumerate(hits) if hit]
+    if not chosen:
+        return result
+    host_ids = torch.tensor(chosen, dtype=torch.int64, device=device)
+    slots = torch.arange(len(chosen) * page_size, dtype=torch.int64, device=device)
+    if on_cuda:
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    scatter(staging, kv_pool, slots, host_ids, page_size=page_size, layout="page_first", backend=backend)
+    if on_cuda:
+        torch.cuda.synchronize(device)
+    result.h2d_seconds = time.perf_counter() - started
+    result.pages = len(chosen)
+    result.bytes_h2d = len(chosen) * content.page_bytes
+    masks = content.masks([keys[i] for i in chosen])
+    wrong = torch.zeros(len(chosen), dtype=torch.bool, device=device)
+    rows = len(chosen) * page_size
+    for layer in range(kv_pool.num_layers):
+        for part in range(kv_pool.kv_parts):
+            words = kv_pool.layer(part, layer).view(kv_pool.num_slots, -1).view(content.word)[:rows]
+            expected = content.page_words_for_layer(masks, layer, part)
+            wrong |= (words != expected).view(len(chosen), -1).any(dim=1)
+    result.mismatches = int(wrong.sum())
+    return result

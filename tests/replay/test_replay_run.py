@@ -189,6 +189,7 @@ def test_the_default_run_works(tmp_path):
     assert report["prefill_pages_deduplicated"] > 0
     assert report["copy_backend"] == ("triton" if torch.cuda.is_available() else "torch")
     assert "verify: lost pages" in result.stdout
+    assert report["round_trip_pages"] == 256 and report["round_trip_mismatches"] == 0
     assert report["elapsed_s"] < 60
 
 
@@ -212,6 +213,8 @@ def test_conversation_slice_stores_each_distinct_block_page_once(shared_dir, tmp
     assert report["prefill_pages_unique_stored"] == len(pairs)
     assert report["storage_pages_evicted"] == 0
     assert report["verify_mismatches"] == 0 and report["lost_pages"] == 0
+    assert report["verify_pages_checked"] == len(pairs) + report["decode_pages_stored"]
+    assert report["round_trip_mismatches"] == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -270,3 +273,18 @@ def test_the_default_memory_store_is_capped_by_available_host_memory(monkeypatch
     assert report["storage"] == f"memory:{30 * page_bytes}"  # 60% of 50 pages
     assert report["notes"] and "capped" in report["notes"][0]
     assert report["lost_pages"] == 0 and report["storage_pages_evicted"] > 0
+
+
+def test_loading_pages_back_into_the_device_pool_checks_them_there(device):
+    from kvstage.replay.verify import round_trip_pages
+
+    report, engine = run_in_process(tiny_trace(), device=device.type)
+    keys = list(engine.expected_keys)
+    assert report["round_trip_pages"] == min(len(keys), 256) and report["round_trip_mismatches"] == 0
+    assert report["h2d_gbps"] > 0
+    good = round_trip_pages(engine.storage, engine.content, engine.kv_pool, keys[::-1], page_size=16, backend="torch", max_pages=7)
+    wrong_content = KVContent(TINY, 16, seed=99, device=device)
+    bad = round_trip_pages(engine.storage, wrong_content, engine.kv_pool, keys, page_size=16, backend="torch", max_pages=7)
+    engine.close()
+    assert (good.pages, good.mismatches, good.bytes_h2d) == (7, 0, 7 * TINY.page_bytes(16))
+    assert (bad.pages, bad.mismatches) == (7, 7)
