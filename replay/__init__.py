@@ -6,7 +6,7 @@ Modules, one job each:
     models: KV layout presets (the small CPU default, ``llama3-8b``, ``deepseek-v3``).
     kv_content: the deterministic KV bytes of a page, a function of (page key, position).
     engine: the replay loop (prefill, decode, offload, release).
-    verify: read stored pages back and compare their bytes.
+    verify: read stored pages back and compare their bytes; load some back into the device pool.
     report: progress bar, summary table and JSON.
     command: the ``kvstage replay`` options and their checks.
 """

@@ -1,7 +1,8 @@
 """``kvstage replay``: its options, their checks, and the run from options to report.
 
-Exit codes: 0 when the replay verified clean (0 mismatches, 0 lost pages); 1 when it ran but
-verification found mismatched or lost pages, or storage failed at run time; 2 for a bad option
+Exit codes: 0 when the replay verified clean (0 mismatches, 0 lost pages, 0 mismatches after
+loading pages back into the device pool); 1 when it ran but verification found mismatched or
+lost pages, or storage failed at run time; 2 for a bad option
 or a malformed trace line (the message names the option, or the trace line number and field).
 """
 

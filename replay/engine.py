@@ -17,6 +17,10 @@ times order the requests but are not waited for):
    ``OffloadManager.finish`` (which offloads its remaining whole pages) and leaves the batch;
    its device pages are freed when the manager calls ``release``.
 
+After the run (:func:`kvstage.replay.command.replay`), every stored page is read back and
+compared (:func:`kvstage.replay.verify.verify_pages`), and up to 256 of them are loaded back
+into the device pool by :func:`kvstage.kernels.scatter` and compared there (the way back).
+
 Every page key a request will ever have (prompt and decode, full pages only) is computed at
 admission with the same hasher the manager uses, and is what the KV content is made from; the
 verify step (:mod:`kvstage.replay.verify`) reads these keys back, so a key computed differently
