@@ -1,0 +1,19 @@
+"""The README's engine example runs as written and prints what it claims."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from support import REPO_ROOT
+
+
+def test_engine_example_runs(tmp_path):
+    readme = (REPO_ROOT / "README.md").read_text()
+    (example,) = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    script = tmp_path / "example.py"
+    script.write_text(example)
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "2 pages stored"
