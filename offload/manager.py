@@ -230,6 +230,18 @@ class OffloadManager:
             "storage",
             f"its layout's page has {storage_page_bytes} bytes, the host pool's page has {host_pool.page_bytes}",
         )
+        fingerprint = getattr(storage, "fingerprint", None)
+        if fingerprint is not None:
+            # Equal page bytes are not enough: the keys carry the storage's layout prefix, so a
+            # page of another dtype or shape would later be read back as that layout.
+            require(
+                getattr(torch, fingerprint.dtype, None) == host_pool.dtype,
+                "storage",
+                f"its layout's dtype {fingerprint.dtype} must be the host pool's {host_pool.dtype}",
+            )
+            for name in ("num_layers", "kv_parts", "head_num", "head_dim", "page_size"):
+                mine, theirs = getattr(host_pool, name), getattr(fingerprint, name)
+                require(theirs == mine, "storage", f"its layout's {name} {theirs} must equal the host pool's {mine}")
         require(callable(slot_indices_of), "slot_indices_of", "must be callable")
         require(release is None or callable(release), "release", "must be callable or None")
         require(
