@@ -56,7 +56,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from kvstage.errors import InvalidArgumentError, require
+from kvstage.errors import InvalidArgumentError, StorageError, require
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.host_pool import HostPool
 from kvstage.offload.storage import PutStatus, StorageBackend
@@ -133,6 +133,15 @@ class OffloadMetrics:
     def dedup_hits(self) -> int:
         """Pages not written because storage had them (same as ``pages_deduplicated``)."""
         return self.pages_deduplicated
+
+
+def _answer_of(answer: Any, expected: int, call: str) -> list:
+    """A backend's per-key answer as a list, or StorageError when it does not answer every key
+    (zip would silently drop the pages it left out of the accounting)."""
+    answer = list(answer)
+    if len(answer) != expected:
+        raise StorageError(f"storage: {call}() answered {len(answer)} keys of {expected}")
+    return answer
 
 
 class _RequestState:
@@ -611,7 +620,8 @@ class OffloadManager:
             todo: list[int] = []
             try:
                 seen: set[str] = set()
-                for index, present in enumerate(self.storage.exists(keys)):
+                answer = _answer_of(self.storage.exists(keys), len(keys), "exists")
+                for index, present in enumerate(answer):
                     key = keys[index]
                     if present or key in seen:
                         deduplicated += 1
@@ -622,6 +632,7 @@ class OffloadManager:
                     page = self.host_pool.page
                     host_ids = segment.host_ids
                     statuses = self.storage.put([keys[i] for i in todo], [page(host_ids[i]) for i in todo])
+                    statuses = _answer_of(statuses, len(todo), "put")
                     for index, status in zip(todo, statuses):
                         if status is PutStatus.STORED:
                             stored += 1

@@ -39,3 +39,43 @@ def test_a_storage_with_the_pools_layout_is_accepted_under_a_dtype_alias():
     host_pool = HostPool.like(kv_pool, num_pages=4, page_size=4)
     storage = MemoryStore(LayoutFingerprint("m", "half", 2, 2, 1, 4, 4))
     OffloadManager(kv_pool, host_pool, storage, PageHasher(page_size=4), lambda req: None).close()
+
+
+class _ShortAnswers(MemoryStore):
+    """A backend that breaks the interface: ``exists`` or ``put`` answers fewer keys than asked."""
+
+    def __init__(self, fingerprint, short: str) -> None:
+        super().__init__(fingerprint, capacity_pages=1000)
+        self.short = short
+
+    def _exists(self, full_keys):
+        answer = super()._exists(full_keys)
+        return answer[:-1] if self.short == "exists" else answer
+
+    def _put(self, full_keys, pages):
+        answer = super()._put(full_keys, pages)
+        return answer[:-1] if self.short == "put" else answer
+
+
+@pytest.mark.parametrize("short", ["exists", "put"])
+def test_a_backend_answering_too_few_keys_fails_the_pages_instead_of_losing_them(short):
+    from kvstage.offload.testing import make_rig
+
+    fingerprint = LayoutFingerprint("rig", "int32", 2, 2, 1, 4, 4)
+    failures = []
+    rig = make_rig(page_size=4, offload_stride=8, storage=_ShortAnswers(fingerprint, short),
+                   on_storage_failure=lambda req, keys, error: failures.append((keys, error)))
+    req = rig.new_request("r", range(4), 16)
+    for token in range(100, 110):  # 4 + 9 tokens with KV: one stride of 2 pages after the prompt
+        rig.decode(req, token)
+    assert rig.manager.offload(req)
+    assert rig.manager.finish(req)
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    m = rig.manager.metrics
+    assert m.pages_launched == 2
+    # Every launched page ends exactly once; an answer the manager cannot trust is a failure.
+    assert m.pages_stored + m.pages_deduplicated + m.pages_failed + m.pages_discarded == 2
+    assert m.pages_failed == 2 and m.storage_failures == 1 and len(failures) == 1
+    assert len(failures[0][0]) == 2 and failures[0][1] is not None
+    assert rig.released == [req] and m.host_pages_used == 0
