@@ -123,16 +123,26 @@ class FileStore(StorageBackend):
             return hashlib.sha256(full_key.encode()).hexdigest() + SUFFIX
         return full_key + SUFFIX
 
+    def _present(self, full_key: str, path: Path) -> bool:
+        """Whether ``path`` holds a file of the size a page of ``full_key`` has (a cheap stat:
+        a torn or truncated file, e.g. after a power loss without fsync, is not a page; the
+        checksum still guards the bytes on read)."""
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            return False
+        return size == _HEADER.size + len(full_key.encode()) + self.page_bytes
+
     def _exists(self, full_keys: list[str]) -> list[bool]:
         directory = self.directory
-        return [os.path.isfile(directory / self._name(key)) for key in full_keys]
+        return [self._present(key, directory / self._name(key)) for key in full_keys]
 
     def _put(self, full_keys: list[str], pages: list[torch.Tensor]) -> list[PutStatus]:
         statuses = []
         for full_key, page in zip(full_keys, pages):
             name = self._name(full_key)
             path = self.directory / name
-            if os.path.isfile(path):
+            if self._present(full_key, path):
                 with self._lock:
                     if name in self._index:
                         self._index.move_to_end(name)

@@ -79,3 +79,25 @@ def test_a_backend_answering_too_few_keys_fails_the_pages_instead_of_losing_them
     assert m.pages_failed == 2 and m.storage_failures == 1 and len(failures) == 1
     assert len(failures[0][0]) == 2 and failures[0][1] is not None
     assert rig.released == [req] and m.host_pages_used == 0
+
+
+@pytest.mark.parametrize("keep", [0, 40, 200], ids=lambda n: f"first-{n}-bytes")
+def test_a_torn_file_store_page_is_not_reported_present_and_is_written_again(tmp_path, keep):
+    # A power loss without fsync can leave a page's name with a short file. If exists() and
+    # put() took the name for the page, the manager would deduplicate it forever: lost.
+    from kvstage.offload import FileStore, PutStatus
+
+    fingerprint = LayoutFingerprint("tiny/model", "float32", 2, 2, 1, 4, 2)
+    key = "c" * 64
+    page = torch.arange(32, dtype=torch.float32)
+    store = FileStore(fingerprint, tmp_path)
+    assert store.put([key], [page]) == [PutStatus.STORED]
+    size = store.used_bytes
+    path = store.path_of(key)
+    path.write_bytes(path.read_bytes()[:keep])
+    reopened = FileStore(fingerprint, tmp_path)
+    assert reopened.exists([key]) == [False]
+    assert reopened.put([key], [page]) == [PutStatus.STORED]
+    into = torch.zeros(32)
+    assert reopened.get([key], [into]) == [True] and torch.equal(into, page)
+    assert reopened.used_bytes == size == path.stat().st_size
