@@ -101,3 +101,28 @@ def test_a_torn_file_store_page_is_not_reported_present_and_is_written_again(tmp
     into = torch.zeros(32)
     assert reopened.get([key], [into]) == [True] and torch.equal(into, page)
     assert reopened.used_bytes == size == path.stat().st_size
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_a_put_larger_than_the_capacity_never_reports_stored_a_page_it_evicted(tmp_path, kind):
+    # STORED means "readable from now on": a page evicted by a later page of the same put must
+    # not be reported STORED (the manager would count a page stored that storage does not hold).
+    from kvstage.offload import FileStore, PutStatus
+
+    fingerprint = LayoutFingerprint("tiny/model", "float32", 2, 2, 1, 4, 2)  # 128-byte pages
+    keys = [c * 64 for c in "abc"]
+    pages = [torch.full((32,), float(i)) for i in range(3)]
+    if kind == "memory":
+        store = MemoryStore(fingerprint, capacity_pages=2)
+    else:
+        probe = FileStore(fingerprint, tmp_path / "probe")
+        probe.put(keys[:1], pages[:1])
+        store = FileStore(fingerprint, tmp_path / "store", capacity_bytes=2 * probe.used_bytes)
+    statuses = store.put(keys, pages)
+    present = store.exists(keys)
+    for key, status, here in zip(keys, statuses, present):
+        assert (status is PutStatus.STORED) == here, (key[0], status, here)
+    assert statuses[:2] == [PutStatus.STORED, PutStatus.STORED] and statuses[2] is PutStatus.FAILED
+    # An older page is still evicted for a new one in a later call (LRU as before).
+    assert store.put([keys[2]], [pages[2]]) == [PutStatus.STORED]
+    assert store.exists(keys) == [False, True, True]
