@@ -104,6 +104,7 @@ class FileStore(StorageBackend):
         for _, name, size in sorted(entries):
             self._index[name] = size
             self._used += size
+        self._make_room(0)  # reopened with a smaller capacity: within it from the start
 
     @property
     def used_bytes(self) -> int:

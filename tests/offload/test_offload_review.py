@@ -126,3 +126,21 @@ def test_a_put_larger_than_the_capacity_never_reports_stored_a_page_it_evicted(t
     # An older page is still evicted for a new one in a later call (LRU as before).
     assert store.put([keys[2]], [pages[2]]) == [PutStatus.STORED]
     assert store.exists(keys) == [False, True, True]
+
+
+def test_a_file_store_reopened_with_a_smaller_capacity_is_within_it_at_once(tmp_path):
+    import os
+
+    from kvstage.offload import FileStore
+
+    fingerprint = LayoutFingerprint("tiny/model", "float32", 2, 2, 1, 4, 2)
+    keys = [c * 64 for c in "abc"]
+    store = FileStore(fingerprint, tmp_path)
+    for age, key in enumerate(keys):
+        store.put([key], [torch.full((32,), float(age))])
+        os.utime(store.path_of(key), ns=(10**18 + age * 10**9,) * 2)  # a is the oldest
+    one = store.used_bytes // 3
+    reopened = FileStore(fingerprint, tmp_path, capacity_bytes=2 * one)
+    assert reopened.used_bytes == 2 * one <= reopened.capacity_bytes
+    assert reopened.exists(keys) == [False, True, True]
+    assert sorted(os.listdir(tmp_path)) == sorted(reopened.file_name(key) for key in keys[1:])
