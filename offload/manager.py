@@ -672,6 +672,8 @@ class OffloadManager:
         return False
 
     def _release(self, state: _RequestState) -> None:
+        if self._states.get(id(state.req)) is not state:
+            return  # released already, e.g. by a callback that called abort/finish mid-poll
         del self._states[id(state.req)]
         try:
             self._ended[id(state.req)] = state.req

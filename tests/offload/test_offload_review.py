@@ -144,3 +144,31 @@ def test_a_file_store_reopened_with_a_smaller_capacity_is_within_it_at_once(tmp_
     assert reopened.used_bytes == 2 * one <= reopened.capacity_bytes
     assert reopened.exists(keys) == [False, True, True]
     assert sorted(os.listdir(tmp_path)) == sorted(reopened.file_name(key) for key in keys[1:])
+
+
+@pytest.mark.parametrize("action", ["abort", "finish"])
+def test_a_failure_callback_that_ends_the_request_releases_it_once_and_poll_does_not_raise(action):
+    # An engine may react to a failed backup by aborting (or finishing) the request from inside
+    # on_storage_failure; the copy being handled is no longer in flight, so that call releases.
+    from kvstage.offload.testing import FlakyStore, make_rig
+
+    fingerprint = LayoutFingerprint("rig", "int32", 2, 2, 1, 4, 4)
+    rigs = []
+
+    def on_failure(req, keys, error):
+        getattr(rigs[0].manager, action)(req)
+
+    rig = make_rig(page_size=4, storage=FlakyStore(fingerprint, fail=lambda key: True), on_storage_failure=on_failure)
+    rigs.append(rig)
+    req = rig.new_request("r", range(4), 16)
+    other = rig.new_request("o", range(4), 16)
+    for token in range(100, 106):
+        rig.decode(req, token)
+        rig.decode(other, token)
+    assert rig.manager.offload(req) and rig.manager.offload(other)
+    rig.copy_stream.complete_all()
+    assert rig.manager.poll() == 2  # no KeyError; the other request's copy is handled too
+    m = rig.manager.metrics
+    assert rig.released == [req, other]  # each once, by the callback's own call
+    assert m.releases == 2 and m.requests_live == 0 and m.host_pages_used == 0 and m.copies_in_flight == 0
+    assert m.pages_failed == m.pages_launched == 2
