@@ -367,6 +367,11 @@ class OffloadManager:
         Returns:
             True when every remaining whole page was launched (or there was none); False when
             the host pool could not take them: those pages are dropped (``pages_dropped``).
+
+        Raises:
+            As :meth:`offload` (``slot_indices_of`` too short or raising; on CUDA the gather's
+            launch errors); nothing changed then and the request is not released: call
+            :meth:`abort` to release it.
         """
         with nvtx_range("offload.finish"):
             return self._finish(req)
