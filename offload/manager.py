@@ -56,7 +56,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from kvstage.errors import InvalidArgumentError, StorageError, require
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, StorageError, require
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.host_pool import HostPool
 from kvstage.offload.storage import PutStatus, StorageBackend
@@ -309,6 +309,7 @@ class OffloadManager:
             cases nothing changed.
 
         Raises:
+            ArgumentTypeError: ``slot_indices_of(req)`` is not a 1-D int32/int64 tensor.
             InvalidArgumentError: ``slot_indices_of(req)`` is too short for the tokens to copy.
             Whatever ``slot_indices_of`` or (on CUDA, where the gather launches here) the gather
             raise; nothing changed then. On CPU the gather runs on the worker thread: its error
@@ -534,6 +535,13 @@ class OffloadManager:
             end = start + n_tokens
             tokens = self._tokens(req, start, end)
             slots = self.slot_indices_of(req)
+            if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+                # Checked here: on CPU the gather runs on the copy thread, where a bad tensor
+                # would only surface later as a failed copy.
+                described = f"{slots.dtype} tensor of shape {tuple(slots.shape)}" if isinstance(slots, torch.Tensor) else type(slots).__name__
+                raise ArgumentTypeError(
+                    f"slot_indices_of: must return a 1-D int32/int64 tensor for rid={req.rid!r}, got {described}"
+                )
             if slots.shape[0] < end:
                 raise InvalidArgumentError(
                     f"slot_indices_of: {slots.shape[0]} slots for request rid={req.rid!r}, its first {end} tokens have KV"

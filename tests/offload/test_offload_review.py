@@ -172,3 +172,24 @@ def test_a_failure_callback_that_ends_the_request_releases_it_once_and_poll_does
     assert rig.released == [req, other]  # each once, by the callback's own call
     assert m.releases == 2 and m.requests_live == 0 and m.host_pages_used == 0 and m.copies_in_flight == 0
     assert m.pages_failed == m.pages_launched == 2
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [list(range(32)), torch.arange(32, dtype=torch.float32), torch.arange(32).view(4, 8)],
+    ids=["list", "float-tensor", "2-d"],
+)
+def test_bad_slot_indices_are_an_error_of_offload_itself(slots):
+    # On CPU the gather runs on the copy thread: without a check here a wrong slot tensor would
+    # only show up later as a failed copy (and a list as an AttributeError).
+    from kvstage.errors import ArgumentTypeError
+    from kvstage.offload.testing import make_rig
+
+    rig = make_rig(page_size=4)
+    req = rig.new_request("r", range(4), 8)
+    for token in range(100, 106):
+        rig.decode(req, token)
+    rig.manager.slot_indices_of = lambda r: slots
+    with pytest.raises(ArgumentTypeError, match=r"^slot_indices_of: "):
+        rig.manager.offload(req)
+    assert rig.host_pool.used == 0 and rig.manager.offloaded_len(req) == 4 and not rig.copy_stream.pending
