@@ -83,6 +83,13 @@ class _Route:
     device_pages: torch.Tensor | None
 
 
+def _whole_pages(device_rows: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``device_rows [num_slots, w]`` as ``[num_slots // page_size, page_size * w]`` (the tail
+    slots after the last whole page, which no aligned page run can reach, are left out)."""
+    whole = device_rows.shape[0] // page_size * page_size
+    return device_rows[:whole].view(-1, page_size * device_rows.shape[1])
+
+
 def _route(plan: Transfer) -> _Route:
     ps, n = plan.page_size, plan.n_pages
     host = plan.pages_on_host if plan.pages_on_host is not None else plan.pages.cpu()  # CUDA: a sync (test path)
@@ -120,7 +127,7 @@ def run_gather_torch(plan: Transfer) -> None:
                 continue
             target = host_plane[route.run_start : route.run_start + n]  # [n, ps, w], host order
             if route.device_pages is not None:  # one pass: whole pages straight into the staging slice
-                torch.index_select(device_rows.view(-1, ps * w), 0, route.device_pages[route.order], out=target.view(n, ps * w))
+                torch.index_select(_whole_pages(device_rows, ps), 0, route.device_pages[route.order], out=target.view(n, ps * w))
             elif ps == 1:  # one pass: rows straight into the staging slice
                 torch.index_select(device_rows, 0, slots[route.order], out=target.view(n, w))
             else:  # scattered rows of multi-token pages: select, then one strided copy
@@ -149,7 +156,7 @@ def run_scatter_torch(plan: Transfer) -> None:
                 continue
             source = host_plane[route.run_start : route.run_start + n]  # [n, ps, w], host order
             if route.device_pages is not None:
-                device_rows.view(-1, ps * w).index_copy_(0, route.device_pages[route.order], source.reshape(n, ps * w))
+                _whole_pages(device_rows, ps).index_copy_(0, route.device_pages[route.order], source.reshape(n, ps * w))
             else:
                 device_rows.index_copy_(0, slots.view(n, ps)[route.order].reshape(-1), source.reshape(n * ps, w))
 

@@ -18,7 +18,8 @@ a miss and is removed, never as wrong bytes. The key inside the file guards agai
 sharing a file name (long keys are named by their SHA-256).
 
 Capacity: bounded in bytes; the least recently used pages of this process's index (seeded at
-open from the directory, oldest modification time first) are deleted to make room. One process
+open from the directory, oldest modification time first) are deleted to make room, never a page
+of the same put (a page that fits only that way is ``FAILED``). One process
 should write a directory; others may read it.
 
 URL form for :func:`open_storage`: ``file:DIR`` or ``file:DIR?capacity_bytes=N``.
@@ -103,6 +104,7 @@ class FileStore(StorageBackend):
         for _, name, size in sorted(entries):
             self._index[name] = size
             self._used += size
+        self._make_room(0)  # reopened with a smaller capacity: within it from the start
 
     @property
     def used_bytes(self) -> int:
@@ -123,32 +125,45 @@ class FileStore(StorageBackend):
             return hashlib.sha256(full_key.encode()).hexdigest() + SUFFIX
         return full_key + SUFFIX
 
+    def _present(self, full_key: str, path: Path) -> bool:
+        """Whether ``path`` holds a file of the size a page of ``full_key`` has (a cheap stat:
+        a torn or truncated file, e.g. after a power loss without fsync, is not a page; the
+        checksum still guards the bytes on read)."""
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            return False
+        return size == _HEADER.size + len(full_key.encode()) + self.page_bytes
+
     def _exists(self, full_keys: list[str]) -> list[bool]:
         directory = self.directory
-        return [os.path.isfile(directory / self._name(key)) for key in full_keys]
+        return [self._present(key, directory / self._name(key)) for key in full_keys]
 
     def _put(self, full_keys: list[str], pages: list[torch.Tensor]) -> list[PutStatus]:
         statuses = []
+        this_call: set[str] = set()  # never evicted to make room for a page of the same call
         for full_key, page in zip(full_keys, pages):
             name = self._name(full_key)
             path = self.directory / name
-            if os.path.isfile(path):
+            this_call.add(name)
+            if self._present(full_key, path):
                 with self._lock:
                     if name in self._index:
                         self._index.move_to_end(name)
                 statuses.append(PutStatus.DEDUPLICATED)
                 continue
-            statuses.append(self._write(full_key, name, path, page))
+            statuses.append(self._write(full_key, name, path, page, this_call))
         return statuses
 
-    def _write(self, full_key: str, name: str, path: Path, page: torch.Tensor) -> PutStatus:
+    def _write(self, full_key: str, name: str, path: Path, page: torch.Tensor, keep: set[str] = frozenset()) -> PutStatus:
         key = full_key.encode()
         payload = page_as_bytes(page)
         header = _HEADER.pack(MAGIC, len(key), len(payload), _checksum(key, payload))
         size = len(header) + len(key) + len(payload)
         if size > self.capacity_bytes:
             return PutStatus.FAILED
-        self._make_room(size)
+        if not self._make_room(size, keep):
+            return PutStatus.FAILED
         tmp = self.directory / f".{name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
         try:
             with open(tmp, "wb") as handle:
@@ -168,11 +183,15 @@ class FileStore(StorageBackend):
             self._used += size - old
         return PutStatus.STORED
 
-    def _make_room(self, size: int) -> None:
+    def _make_room(self, size: int, keep: set[str] = frozenset()) -> bool:
+        """Evict least recently used pages until ``size`` more bytes fit; False (nothing more
+        evicted) when that would evict a page named in ``keep`` (pages of the current put)."""
         while True:
             with self._lock:
                 if self._used + size <= self.capacity_bytes or not self._index:
-                    return
+                    return True
+                if next(iter(self._index)) in keep:
+                    return False
                 name, old = self._index.popitem(last=False)
                 self._used -= old
             _unlink(self.directory / name)

@@ -24,6 +24,10 @@ from kvstage.errors import ArgumentTypeError, InvalidArgumentError, require
 DEFAULT_CHUNK_BYTES = 1 << 30  # 1 GiB: pins reliably, and few enough chunks for a big pool
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class HostPool:
     """Host memory for ``num_pages`` KV pages, page-first, in chunks.
 
@@ -40,7 +44,8 @@ class HostPool:
             :data:`DEFAULT_CHUNK_BYTES` (at least 1, at most ``num_pages``).
 
     Raises:
-        InvalidArgumentError: a size is not a positive int, or kv_parts is not 1 or 2.
+        InvalidArgumentError: a size is not a positive int (bools are not sizes), kv_parts is
+            not 1 or 2, or ``pin`` is true and the memory cannot be pinned (no accelerator).
         ArgumentTypeError: dtype is not a torch.dtype.
 
     Not thread-safe: one thread (the engine's scheduler) allocates and frees.
@@ -66,8 +71,8 @@ class HostPool:
             ("num_pages", num_pages),
             ("page_size", page_size),
         ):
-            require(isinstance(value, int) and value >= 1, name, f"must be a positive int, got {value!r}")
-        require(kv_parts in (1, 2), "kv_parts", f"must be 1 (MLA) or 2 (MHA), got {kv_parts!r}")
+            require(_is_int(value) and value >= 1, name, f"must be a positive int, got {value!r}")
+        require(_is_int(kv_parts) and kv_parts in (1, 2), "kv_parts", f"must be 1 (MLA) or 2 (MHA), got {kv_parts!r}")
         require(isinstance(dtype, torch.dtype), "dtype", f"must be a torch.dtype, got {dtype!r}", ArgumentTypeError)
         self.num_layers = num_layers
         self.kv_parts = kv_parts
@@ -80,7 +85,7 @@ class HostPool:
         if chunk_pages is None:
             chunk_pages = max(1, min(num_pages, DEFAULT_CHUNK_BYTES // self.page_bytes))
         require(
-            isinstance(chunk_pages, int) and chunk_pages >= 1, "chunk_pages", f"must be a positive int, got {chunk_pages!r}"
+            _is_int(chunk_pages) and chunk_pages >= 1, "chunk_pages", f"must be a positive int, got {chunk_pages!r}"
         )
         chunk_pages = min(chunk_pages, num_pages)
         self.pinned = torch.cuda.is_available() if pin is None else bool(pin)
@@ -88,7 +93,15 @@ class HostPool:
         self.chunks: list[torch.Tensor] = []
         for start in range(0, num_pages, chunk_pages):
             pages = min(chunk_pages, num_pages - start)
-            self.chunks.append(torch.empty((pages, *self.page_shape), dtype=dtype, pin_memory=self.pinned))
+            try:
+                self.chunks.append(torch.empty((pages, *self.page_shape), dtype=dtype, pin_memory=self.pinned))
+            except RuntimeError as error:
+                if not self.pinned:
+                    raise
+                raise InvalidArgumentError(
+                    f"pin: could not pin {pages * self.page_bytes} bytes of host memory ({error}); "
+                    "pass pin=False where there is no accelerator, or a smaller chunk_pages"
+                ) from error
         self._capacity = num_pages
         # Free ids as a stack whose top is the lowest id, so fresh allocations are ascending and
         # usually fall in one chunk (one gather launch per segment).
@@ -155,7 +168,7 @@ class HostPool:
         Raises:
             InvalidArgumentError: ``n`` is not a non-negative int.
         """
-        if not isinstance(n, int) or n < 0:  # not require(): its message would be built every call
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:  # not require(): its message would be built every call
             raise InvalidArgumentError(f"n: must be a non-negative int, got {n!r}")
         free = self._free
         if n > len(free):

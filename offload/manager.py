@@ -56,7 +56,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from kvstage.errors import InvalidArgumentError, require
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, StorageError, require
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.host_pool import HostPool
 from kvstage.offload.storage import PutStatus, StorageBackend
@@ -133,6 +133,15 @@ class OffloadMetrics:
     def dedup_hits(self) -> int:
         """Pages not written because storage had them (same as ``pages_deduplicated``)."""
         return self.pages_deduplicated
+
+
+def _answer_of(answer: Any, expected: int, call: str) -> list:
+    """A backend's per-key answer as a list, or StorageError when it does not answer every key
+    (zip would silently drop the pages it left out of the accounting)."""
+    answer = list(answer)
+    if len(answer) != expected:
+        raise StorageError(f"storage: {call}() answered {len(answer)} keys of {expected}")
+    return answer
 
 
 class _RequestState:
@@ -230,6 +239,18 @@ class OffloadManager:
             "storage",
             f"its layout's page has {storage_page_bytes} bytes, the host pool's page has {host_pool.page_bytes}",
         )
+        fingerprint = getattr(storage, "fingerprint", None)
+        if fingerprint is not None:
+            # Equal page bytes are not enough: the keys carry the storage's layout prefix, so a
+            # page of another dtype or shape would later be read back as that layout.
+            require(
+                getattr(torch, fingerprint.dtype, None) == host_pool.dtype,
+                "storage",
+                f"its layout's dtype {fingerprint.dtype} must be the host pool's {host_pool.dtype}",
+            )
+            for name in ("num_layers", "kv_parts", "head_num", "head_dim", "page_size"):
+                mine, theirs = getattr(host_pool, name), getattr(fingerprint, name)
+                require(theirs == mine, "storage", f"its layout's {name} {theirs} must equal the host pool's {mine}")
         require(callable(slot_indices_of), "slot_indices_of", "must be callable")
         require(release is None or callable(release), "release", "must be callable or None")
         require(
@@ -288,6 +309,7 @@ class OffloadManager:
             cases nothing changed.
 
         Raises:
+            ArgumentTypeError: ``slot_indices_of(req)`` is not a 1-D int32/int64 tensor.
             InvalidArgumentError: ``slot_indices_of(req)`` is too short for the tokens to copy.
             Whatever ``slot_indices_of`` or (on CUDA, where the gather launches here) the gather
             raise; nothing changed then. On CPU the gather runs on the worker thread: its error
@@ -346,6 +368,11 @@ class OffloadManager:
         Returns:
             True when every remaining whole page was launched (or there was none); False when
             the host pool could not take them: those pages are dropped (``pages_dropped``).
+
+        Raises:
+            As :meth:`offload` (``slot_indices_of`` too short or raising; on CUDA the gather's
+            launch errors); nothing changed then and the request is not released: call
+            :meth:`abort` to release it.
         """
         with nvtx_range("offload.finish"):
             return self._finish(req)
@@ -508,6 +535,13 @@ class OffloadManager:
             end = start + n_tokens
             tokens = self._tokens(req, start, end)
             slots = self.slot_indices_of(req)
+            if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+                # Checked here: on CPU the gather runs on the copy thread, where a bad tensor
+                # would only surface later as a failed copy.
+                described = f"{slots.dtype} tensor of shape {tuple(slots.shape)}" if isinstance(slots, torch.Tensor) else type(slots).__name__
+                raise ArgumentTypeError(
+                    f"slot_indices_of: must return a 1-D int32/int64 tensor for rid={req.rid!r}, got {described}"
+                )
             if slots.shape[0] < end:
                 raise InvalidArgumentError(
                     f"slot_indices_of: {slots.shape[0]} slots for request rid={req.rid!r}, its first {end} tokens have KV"
@@ -599,7 +633,8 @@ class OffloadManager:
             todo: list[int] = []
             try:
                 seen: set[str] = set()
-                for index, present in enumerate(self.storage.exists(keys)):
+                answer = _answer_of(self.storage.exists(keys), len(keys), "exists")
+                for index, present in enumerate(answer):
                     key = keys[index]
                     if present or key in seen:
                         deduplicated += 1
@@ -610,6 +645,7 @@ class OffloadManager:
                     page = self.host_pool.page
                     host_ids = segment.host_ids
                     statuses = self.storage.put([keys[i] for i in todo], [page(host_ids[i]) for i in todo])
+                    statuses = _answer_of(statuses, len(todo), "put")
                     for index, status in zip(todo, statuses):
                         if status is PutStatus.STORED:
                             stored += 1
@@ -649,6 +685,8 @@ class OffloadManager:
         return False
 
     def _release(self, state: _RequestState) -> None:
+        if self._states.get(id(state.req)) is not state:
+            return  # released already, e.g. by a callback that called abort/finish mid-poll
         del self._states[id(state.req)]
         try:
             self._ended[id(state.req)] = state.req

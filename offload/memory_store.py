@@ -3,7 +3,8 @@
 Each stored page is a private copy (a ``uint8`` CPU tensor), so the host pool page it came from
 can be freed and reused right after ``put`` returns. When a new page would exceed the capacity,
 the least recently used pages are evicted first; ``get`` and a deduplicated ``put`` count as a
-use, ``exists`` does not (it is a probe, and the manager probes before every write).
+use, ``exists`` does not (it is a probe, and the manager probes before every write). A put never
+evicts a page of the same call: a page that fits only that way is ``FAILED``.
 
 URL form for :func:`open_storage`: ``memory`` (capacity :data:`DEFAULT_CAPACITY_BYTES`) or
 ``memory:CAPACITY_BYTES``.
@@ -73,14 +74,18 @@ class MemoryStore(StorageBackend):
 
     def _put(self, full_keys: list[str], pages: list[torch.Tensor]) -> list[PutStatus]:
         statuses = []
+        used_now = 0  # this call's pages, the most recent in the LRU order
         with self._lock:
             stored = self._pages
             for key, page in zip(full_keys, pages):
                 if key in stored:
                     stored.move_to_end(key)
                     statuses.append(PutStatus.DEDUPLICATED)
+                    used_now += 1
                     continue
-                if self.capacity_pages == 0:
+                if used_now >= self.capacity_pages:
+                    # Room only by evicting a page of this very call, which was just reported
+                    # stored (or present): this page fails instead.
                     statuses.append(PutStatus.FAILED)
                     continue
                 while len(stored) >= self.capacity_pages:
@@ -88,6 +93,7 @@ class MemoryStore(StorageBackend):
                     self.stats.pages_evicted += 1
                 stored[key] = _bytes_of(page).clone()
                 statuses.append(PutStatus.STORED)
+                used_now += 1
         return statuses
 
     def _get(self, full_keys: list[str], into: list[torch.Tensor]) -> list[bool]:
