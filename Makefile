@@ -23,5 +23,8 @@ $(VENV)/.mooncake: $(VENV)/.installed tools/install-mooncake.sh
 test: $(VENV)/.installed $(VENV)/.mooncake
 	$(PYTHON) -m pytest
 
+bench: $(VENV)/.installed
+	$(PYTHON) -m bench
+
 clean:
 	rm -rf $(VENV) build *.egg-info
