@@ -35,8 +35,9 @@ Decisions worth knowing:
 - ``poll`` never blocks and costs O(copies finished), not O(live requests): in-flight copies
   sit in a queue in submission order; on an in-order copy stream ``poll`` stops at the first
   unfinished copy, on any other it checks each in-flight copy.
-- Host pool full: ``offload`` returns False and changes nothing (the same stride is tried at
-  the next call); ``finish`` drops the pages that do not fit (``pages_dropped``) and still
+- Host pool short: ``offload`` launches the whole strides that fit, oldest first (the rest
+  follow at later calls, as pages are freed); when not one fits it returns False and changes
+  nothing. ``finish`` launches the pages that fit, drops the rest (``pages_dropped``) and still
   releases. A request whose ``finished()`` is true is finished by ``offload``.
 - After release the manager forgets the request but remembers the object weakly: a late
   ``finish``/``abort``/``offload`` of it is ignored, so release stays exactly once.
@@ -170,7 +171,7 @@ class _Segment:
         self.event = event
 
 
-_NOTHING, _LAUNCHED, _FULL = 0, 1, 2
+_NOTHING, _LAUNCHED, _PARTIAL, _FULL = 0, 1, 2, 3
 
 
 class OffloadManager:
@@ -303,10 +304,11 @@ class OffloadManager:
         A request whose ``finished()`` is true is handed to :meth:`finish` instead.
 
         Returns:
-            True when a copy was launched now (for a finished request: what :meth:`finish`
-            returns). False when there is no whole stride yet, the request has ended
-            (finish/abort called, or released), or the host pool is full; in each of these
-            cases nothing changed.
+            True when a copy was launched now: of every new whole stride, or of as many as
+            the host pool's free pages hold (oldest first; the rest at later calls). For a
+            finished request: what :meth:`finish` returns. False when there is no whole stride
+            yet, the request has ended (finish/abort called, or released), or not one stride
+            fits in the host pool; in each of these cases nothing changed.
 
         Raises:
             ArgumentTypeError: ``slot_indices_of(req)`` is not a 1-D int32/int64 tensor.
@@ -328,7 +330,7 @@ class OffloadManager:
                 state = self._track(req)
             elif state.ending:
                 return False
-            return self._launch(state, self.offload_stride) == _LAUNCHED
+            return self._launch(state, self.offload_stride) in (_LAUNCHED, _PARTIAL)
 
     def poll(self) -> int:
         """Handle every copy that has completed: back its pages up, free them, release requests.
@@ -367,7 +369,8 @@ class OffloadManager:
 
         Returns:
             True when every remaining whole page was launched (or there was none); False when
-            the host pool could not take them: those pages are dropped (``pages_dropped``).
+            the host pool could not take them all: it launches those that fit and drops the
+            rest (``pages_dropped``).
 
         Raises:
             As :meth:`offload` (``slot_indices_of`` too short or raising; on CUDA the gather's
@@ -495,13 +498,13 @@ class OffloadManager:
             return True
         outcome = self._launch(state, self.page_size)
         state.ending = True
-        if outcome == _FULL:
+        if outcome in (_FULL, _PARTIAL):
             dropped = (self._kv_len(req) - state.offloaded_len) // self.page_size
             self._pages_dropped += dropped
             logger.warning("offload: host pool full at finish of rid=%r: %d pages not offloaded", req.rid, dropped)
         if state.in_flight == 0:
             self._release(state)
-        return outcome != _FULL
+        return outcome in (_NOTHING, _LAUNCHED)
 
     @staticmethod
     def _kv_len(req: Any) -> int:
@@ -519,18 +522,26 @@ class OffloadManager:
         return list(prompt[start:]) + list(output[: end - n_prompt])
 
     def _launch(self, state: _RequestState, unit: int) -> int:
-        """Launch the copy of the whole ``unit``s after ``state.offloaded_len``; all or nothing."""
+        """Launch the copy of the whole ``unit``s after ``state.offloaded_len`` that fit in the
+        host pool, oldest first; returns _NOTHING, _LAUNCHED (all), _PARTIAL or _FULL (none fit).
+        """
         req = state.req
         start = state.offloaded_len
-        n_tokens = (self._kv_len(req) - start) // unit * unit
-        if n_tokens <= 0:
-            return _NOTHING
         page_size = self.page_size
-        n_pages = n_tokens // page_size
-        host_ids = self.host_pool.alloc(n_pages)
-        if host_ids is None:
+        units = (self._kv_len(req) - start) // unit
+        if units <= 0:
+            return _NOTHING
+        pages_per_unit = unit // page_size
+        # A backlog larger than the free pages goes in the units that fit, so that it still
+        # progresses as pages are freed rather than waiting for room for all of it at once.
+        fitting = min(units, self.host_pool.free_pages // pages_per_unit)
+        if fitting == 0:
             self._offloads_rejected += 1
             return _FULL
+        n_tokens = fitting * unit
+        n_pages = n_tokens // page_size
+        host_ids = self.host_pool.alloc(n_pages)
+        assert host_ids is not None  # fitting was computed from free_pages
         try:
             end = start + n_tokens
             tokens = self._tokens(req, start, end)
@@ -558,7 +569,7 @@ class OffloadManager:
         self._in_flight.append(segment)
         self._pages_in_flight += n_pages
         self._pages_launched += n_pages
-        return _LAUNCHED
+        return _LAUNCHED if fitting == units else _PARTIAL
 
     def _gather_copy(self, slots: torch.Tensor, host_ids: list[int]):
         """The copy (one gather per host-pool chunk touched) and the tensors it must keep alive."""

@@ -193,3 +193,43 @@ def test_bad_slot_indices_are_an_error_of_offload_itself(slots):
     with pytest.raises(ArgumentTypeError, match=r"^slot_indices_of: "):
         rig.manager.offload(req)
     assert rig.host_pool.used == 0 and rig.manager.offloaded_len(req) == 4 and not rig.copy_stream.pending
+
+
+def test_a_backlog_larger_than_the_free_host_pages_is_offloaded_in_the_strides_that_fit():
+    # Before: offload() was all or nothing over the whole backlog, so a request whose backlog
+    # outgrew the free host pages never progressed and finish() dropped all of it.
+    from kvstage.offload.testing import make_rig
+
+    rig = make_rig(page_size=4, offload_stride=4, host_pages=2)
+    req = rig.new_request("r", range(4), 32)
+    for token in range(100, 118):  # 4 + 17 tokens with KV: 4 whole pages after the prompt
+        rig.decode(req, token)
+    assert rig.manager.offload(req)  # 2 of the 4 pages fit
+    assert rig.manager.metrics.pages_launched == 2 and rig.host_pool.free_pages == 0
+    assert not rig.manager.offload(req)  # full: nothing changes
+    assert rig.manager.metrics.pages_launched == 2
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    assert rig.manager.offload(req)  # the other 2 fit now
+    req.done = True
+    assert rig.manager.finish(req)
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    m = rig.manager.metrics
+    assert (m.pages_launched, m.pages_stored, m.pages_dropped, m.releases) == (4, 4, 0, 1)
+    assert rig.host_pool.used == 0
+
+
+def test_finish_launches_what_fits_and_drops_only_the_rest():
+    from kvstage.offload.testing import make_rig
+
+    rig = make_rig(page_size=4, offload_stride=4, host_pages=3)
+    req = rig.new_request("r", range(4), 32)
+    for token in range(100, 122):  # 4 + 21 tokens with KV: 5 whole pages after the prompt
+        rig.decode(req, token)
+    req.done = True
+    assert not rig.manager.finish(req)  # not everything fitted
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    m = rig.manager.metrics
+    assert (m.pages_launched, m.pages_stored, m.pages_dropped, m.releases) == (3, 3, 2, 1)
