@@ -2,8 +2,9 @@
 
 Each stored page is a private copy (a ``uint8`` CPU tensor), so the host pool page it came from
 can be freed and reused right after ``put`` returns. When a new page would exceed the capacity,
-the least recently used pages are evicted first; ``get`` and a deduplicated ``put`` count as a
-use, ``exists`` does not (it is a probe, and the manager probes before every write). A put never
+the least recently used pages are evicted first; ``get``, a deduplicated ``put`` and an
+``exists`` that finds the key count as a use (the manager deduplicates shared pages through
+``exists``, and those are the pages most worth keeping). A put never
 evicts a page of the same call: a page that fits only that way is ``FAILED``.
 
 URL form for :func:`open_storage`: ``memory`` (capacity :data:`DEFAULT_CAPACITY_BYTES`) or
@@ -68,9 +69,17 @@ class MemoryStore(StorageBackend):
         return len(self._pages) * self.page_bytes
 
     def _exists(self, full_keys: list[str]) -> list[bool]:
+        # A key found counts as a use: the manager deduplicates shared pages through exists(),
+        # and those are the pages most worth keeping.
+        found = []
         with self._lock:
             pages = self._pages
-            return [key in pages for key in full_keys]
+            for key in full_keys:
+                hit = key in pages
+                if hit:
+                    pages.move_to_end(key)
+                found.append(hit)
+        return found
 
     def _put(self, full_keys: list[str], pages: list[torch.Tensor]) -> list[PutStatus]:
         statuses = []

@@ -49,7 +49,7 @@ def test_least_recently_used_page_is_evicted_first():
     assert store.capacity_pages == 3
     store.put(["a", "b", "c"], [page(1), page(2), page(3)])
     store.get(["a"], [torch.zeros(32)])  # a is now the most recent
-    store.exists(["b"])  # a probe is not a use
+    store.exists(["c"])  # found by the manager's dedup probe: a use too
     assert store.put(["d"], [page(4)]) == [PutStatus.STORED]
     assert store.exists(["a", "b", "c", "d"]) == [True, False, True, True]
     assert len(store) == 3 and store.used_bytes == 384 and store.stats.pages_evicted == 1
@@ -80,3 +80,15 @@ def test_bounds_are_checked():
         MemoryStore(FP, capacity_bytes=10, capacity_pages=1)
     with pytest.raises(InvalidArgumentError, match="^capacity_bytes: must be a non-negative int"):
         MemoryStore(FP, capacity_bytes=-1)
+
+
+def test_a_key_found_by_exists_counts_as_recently_used():
+    # The manager deduplicates through exists(): a shared page it finds is in use, so it must
+    # not be the next evicted (before, exists() left the LRU order alone: FIFO for shared pages).
+    fingerprint = LayoutFingerprint("m", "uint8", 1, 1, 1, 4, 1)
+    store = MemoryStore(fingerprint, capacity_pages=2)
+    page = torch.zeros(4, dtype=torch.uint8)
+    store.put(["a", "b"], [page, page])
+    assert store.exists(["a", "zz"]) == [True, False]
+    store.put(["c"], [page])  # evicts the least recently used: b, not a
+    assert store.exists(["a", "b", "c"]) == [True, False, True]
