@@ -75,6 +75,11 @@ class OffloadRequest(Protocol):
         output_ids: the sampled token ids so far; the last one has no KV yet.
         extra_key: namespace part (LoRA adapter and similar), or None.
         cache_salt: namespace part (per-tenant secret), or None.
+
+    The class should support weak references (plain classes do; a ``__slots__`` class needs
+    ``"__weakref__"`` in its slots): the manager remembers released requests weakly, so that a
+    late ``finish``/``abort``/``offload`` of one is ignored. Without that, such a late call
+    starts a new lifecycle for the object.
     """
 
     rid: Any
@@ -220,6 +225,13 @@ class OffloadManager:
         from kvstage.offload.copy_stream import CopyStream
 
         page_size = host_pool.page_size
+        require(
+            all(callable(getattr(hasher, name, None)) for name in ("continue_keys", "prefill_keys", "seed"))
+            and hasattr(hasher, "page_size"),
+            "hasher",
+            f"must be a kvstage.hashing.PageHasher (page_size, seed, prefill_keys, continue_keys), got {type(hasher).__name__}",
+            ArgumentTypeError,
+        )
         require(
             hasher.page_size == page_size,
             "hasher",

@@ -233,3 +233,12 @@ def test_finish_launches_what_fits_and_drops_only_the_rest():
     rig.manager.poll()
     m = rig.manager.metrics
     assert (m.pages_launched, m.pages_stored, m.pages_dropped, m.releases) == (3, 3, 2, 1)
+
+
+def test_a_missing_hasher_is_named():
+    from kvstage.errors import ArgumentTypeError
+
+    kv_pool, host_pool = _pool_and_host()
+    storage = MemoryStore(LayoutFingerprint("m", "int32", 2, 2, 1, 4, 4))
+    with pytest.raises(ArgumentTypeError, match=r"^hasher: must be a kvstage.hashing.PageHasher .* got NoneType"):
+        OffloadManager(kv_pool, host_pool, storage, None, lambda req: None)
