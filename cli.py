@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import sys
 from typing import Sequence
 
@@ -36,7 +37,19 @@ def collect_info() -> dict[str, object]:
         "cuda": torch.cuda.get_device_name(0) if cuda else "not available",
         "copy backend": describe_backend(on_cuda=cuda),
         "nvtx": "available (domain 'kvstage')" if NVTX_AVAILABLE else "not installed (ranges are no-ops)",
+        "mooncake": _mooncake_status(),
     }
+
+
+def _mooncake_status() -> str:
+    from kvstage.offload.mooncake_master import master_binary
+
+    if importlib.util.find_spec("mooncake") is None:
+        return "not installed (pip install 'kvstage[mooncake]'; see tools/install-mooncake.sh)"
+    master = master_binary()
+    versions = [f"{name} {_version_of(name)}" for name in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")]
+    found = [v for v in versions if not v.endswith("not installed")]
+    return f"installed ({', '.join(found) or 'unknown distribution'}; master: {master or 'not found'})"
 
 
 def run_info(args: argparse.Namespace) -> int:

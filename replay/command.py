@@ -193,11 +193,17 @@ def run(args: argparse.Namespace) -> int:
     print_summary(report)
     if args.json:
         write_json(report, args.json)
-    clean = report["verify_mismatches"] == 0 and report["lost_pages"] == 0 and report["round_trip_mismatches"] == 0
-    if not clean:
+    verified = report["verify_mismatches"] == 0 and report["lost_pages"] == 0 and report["round_trip_mismatches"] == 0
+    if not verified:
         print(
             f"kvstage replay: verify found {report['verify_mismatches']} mismatched and {report['lost_pages']} lost pages, "
             f"{report['round_trip_mismatches']} mismatched after loading back into the device pool",
             file=sys.stderr,
         )
-    return 0 if clean else 1
+    if report["storage_failures"]:
+        print(
+            f"kvstage replay: {report['storage_failures']:,} pages failed their storage write "
+            "(is the store smaller than one batch of pages?)",
+            file=sys.stderr,
+        )
+    return 0 if verified and not report["storage_failures"] else 1

@@ -107,14 +107,18 @@ def iter_trace(path: str | Path, limit: int | None = None) -> Iterator[TraceRequ
     """
     path = Path(path)
     try:
-        handle = path.open("r", encoding="utf-8")
+        handle = path.open("rb")
     except OSError as exc:
         raise TraceError(f"TRACE: cannot open {str(path)!r}: {exc.strerror}") from None
     with handle:
         index = 0
-        for number, text in enumerate(handle, start=1):
+        for number, raw in enumerate(handle, start=1):
             if limit is not None and index >= limit:
                 return
+            try:  # decoded line by line, so that a bad byte is reported with its line number
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceError(f"{path.name} line {number}: not UTF-8 text (byte {exc.start})") from None
             if not text.strip():
                 continue
             yield parse_line(text, index, number, source=path.name)

@@ -43,6 +43,10 @@ def test_info_names_versions_and_backend(tmp_path):
     expected_backend = "native Triton" if torch.cuda.is_available() else "torch reference"
     assert result.stdout.count(expected_backend) == 1
     assert "nvtx" in lines
+    import importlib.util
+
+    mooncake_installed = importlib.util.find_spec("mooncake") is not None
+    assert lines["mooncake"].startswith("installed" if mooncake_installed else "not installed")
 
 
 def test_no_command_prints_help_and_fails(tmp_path):

@@ -288,3 +288,10 @@ def test_loading_pages_back_into_the_device_pool_checks_them_there(device):
     engine.close()
     assert (good.pages, good.mismatches, good.bytes_h2d) == (7, 0, 7 * TINY.page_bytes(16))
     assert (bad.pages, bad.mismatches) == (7, 7)
+
+
+def test_storage_write_failures_make_the_exit_code_1(capsys):
+    # A store smaller than one put (here: smaller than one page) fails writes: the run must not
+    # report itself clean even though every missing page is explained by those failures.
+    assert main(["replay", "--requests", "3", "--backend", "torch", "--no-progress", "--storage", "memory:10"]) == 1
+    assert "storage write" in capsys.readouterr().err

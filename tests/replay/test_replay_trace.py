@@ -106,3 +106,11 @@ def test_synthetic_trace_is_seeded_and_follows_the_format():
 def test_synthetic_trace_rejects_a_bad_count():
     with pytest.raises(InvalidArgumentError, match="num_requests"):
         synthetic_trace(0)
+
+
+def test_a_line_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "t.jsonl"
+    good = b'{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0]}\n'
+    path.write_bytes(good + b'{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0]}\xff\n')
+    with pytest.raises(TraceError, match=r"t\.jsonl line 2: .*UTF-8"):
+        load_trace(path)
