@@ -22,6 +22,7 @@
 #include <openssl/opensslv.h>
 #include <openssl/sha.h>
 
+#include <stdint.h>
 #include <string.h>
 
 #if defined(OPENSSL_NO_DEPRECATED_3_0) && !defined(KVSTAGE_CHAIN_EVP)
@@ -86,22 +87,43 @@ chain_loop(const unsigned char *data, Py_ssize_t page_bytes, Py_ssize_t n_pages,
 static int
 get_bytes_view(PyObject *obj, Py_buffer *view, const char *argument)
 {
+    if (!PyObject_CheckBuffer(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: must be a bytes-like object, got %.200s", argument, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
     if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) == 0)
         return 0;
-    if (PyErr_ExceptionMatches(PyExc_BufferError)) {
-        /* A buffer, but not one contiguous block (e.g. a strided memoryview). */
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: must be a C-contiguous bytes-like object, got a non-contiguous %.200s",
-                     argument, Py_TYPE(obj)->tp_name);
-    }
-    else if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: must be a bytes-like object, got %.200s", argument, Py_TYPE(obj)->tp_name);
+    /* A buffer, but not one contiguous block (a strided memoryview raises BufferError, a
+     * strided numpy array ValueError). */
+    if (PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_ValueError)) {
+#if PY_VERSION_HEX >= 0x030C0000
+        PyObject *value = PyErr_GetRaisedException();
+#else
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyErr_NormalizeException(&type, &value, &traceback);
+        Py_XDECREF(type);
+        Py_XDECREF(traceback);
+#endif
+        PyErr_Format(PyExc_TypeError, "%s: must be a C-contiguous bytes-like object, got a %.200s that is not (%S)",
+                     argument, Py_TYPE(obj)->tp_name, value ? value : Py_None);
+        Py_XDECREF(value);
     }
     return -1;
 }
 
-static const char HEXDIGITS[] = "0123456789abcdef";
+/* The two lowercase hex digits of every byte value, as they lie in memory. */
+static uint16_t HEX_PAIRS[256];
+
+static void
+init_hex_pairs(void)
+{
+    static const char digits[] = "0123456789abcdef";
+    for (int b = 0; b < 256; b++) {
+        unsigned char pair[2] = {(unsigned char)digits[b >> 4], (unsigned char)digits[b & 15]};
+        memcpy(&HEX_PAIRS[b], pair, 2);
+    }
+}
 
 /* The list of lowercase hex keys (64-character str) of n digests. */
 static PyObject *
@@ -118,10 +140,8 @@ hex_keys(const unsigned char *digests, Py_ssize_t n)
         }
         Py_UCS1 *chars = PyUnicode_1BYTE_DATA(key);
         const unsigned char *digest = digests + i * DIGEST;
-        for (int j = 0; j < DIGEST; j++) {
-            chars[2 * j] = HEXDIGITS[digest[j] >> 4];
-            chars[2 * j + 1] = HEXDIGITS[digest[j] & 15];
-        }
+        for (int j = 0; j < DIGEST; j++)
+            memcpy(chars + 2 * j, &HEX_PAIRS[digest[j]], 2);
         PyList_SET_ITEM(keys, i, key);
     }
     return keys;
@@ -229,6 +249,7 @@ static PyMethodDef chain_methods[] = {
 static int
 chain_exec(PyObject *module)
 {
+    init_hex_pairs();
 #ifdef KVSTAGE_CHAIN_EVP
     if (sha256_md == NULL) {
 #if OPENSSL_VERSION_NUMBER >= 0x30000000L
