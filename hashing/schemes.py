@@ -15,8 +15,10 @@ little-endian integers.
 ``xxh3-128``
     XXH3-128 (``xxhash.xxh3_128``, seed 0), 16-byte digest, 32-character keys; the raw digest
     is xxhash's canonical (big-endian) form, i.e. ``xxh3_128(data).digest()``, and the key its
-    hex. About 3x faster than ``sglang-v1`` at page 64 and far faster per byte (see
-    ``bench/bench_hashing.py``), but NOT a cryptographic hash: anyone who can choose token
+    hex. Far faster per byte than SHA-256, and about 3x faster than ``sglang-v1``'s pure-Python
+    chain at page 64; but its chain is a Python loop, so against the compiled ``sglang-v1``
+    chain (below) it is about as fast at page 64 (see ``bench/bench_hashing.py``). NOT a
+    cryptographic hash: anyone who can choose token
     ids can force two different prefixes onto one key. Use it where all requests are trusted (one tenant, or isolation not relying on
     keys); multi-tenant deployments that rely on ``cache_salt`` for isolation should keep
     ``sglang-v1``. Its keys never match sglang's, so both sides must be configured with it.
