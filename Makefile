@@ -6,7 +6,8 @@ EXTRAS ?= test,bench
 
 .PHONY: run test bench clean
 
-$(VENV)/.installed: pyproject.toml tools/setup-venv.sh
+# hashing/_chain.c: `pip install -e` compiles it in place, so an edit needs a reinstall.
+$(VENV)/.installed: pyproject.toml tools/setup-venv.sh hashing/_chain.c
 	bash tools/setup-venv.sh $(VENV) $(EXTRAS)
 	touch $@
 
@@ -27,4 +28,4 @@ bench: $(VENV)/.installed
 	$(PYTHON) -m bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info hashing/_chain*.so

@@ -23,9 +23,10 @@ def _version_of(distribution: str) -> str:
 
 
 def collect_info() -> dict[str, object]:
-    """What ``kvstage info`` prints, as a dict (versions, CUDA, copy backend, NVTX)."""
+    """What ``kvstage info`` prints, as a dict (versions, CUDA, copy backend, NVTX, hashing)."""
     import torch
 
+    from kvstage.hashing.schemes import describe_chains
     from kvstage.kernels.backend import describe_backend
     from kvstage.nvtx_ranges import NVTX_AVAILABLE
 
@@ -37,6 +38,7 @@ def collect_info() -> dict[str, object]:
         "cuda": torch.cuda.get_device_name(0) if cuda else "not available",
         "copy backend": describe_backend(on_cuda=cuda),
         "nvtx": "available (domain 'kvstage')" if NVTX_AVAILABLE else "not installed (ranges are no-ops)",
+        "hashing": describe_chains(),
         "mooncake": _mooncake_status(),
     }
 
@@ -66,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstage", description=kvstage.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvstage {kvstage.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    info = commands.add_parser("info", help="versions, CUDA, the copy backend that will run, NVTX")
+    info = commands.add_parser("info", help="versions, CUDA, the copy backend that will run, NVTX, the hash chain that will run")
     info.set_defaults(handler=run_info)
     from kvstage.replay.command import add_parser as add_replay_parser
 

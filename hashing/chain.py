@@ -55,7 +55,7 @@ def _prior_bytes(prior_hash: str | None, hash_scheme: HashScheme) -> bytes:
 
 
 def _keys(data: memoryview, page_size: int, prior: bytes, hash_scheme: HashScheme) -> list[str]:
-    return list(map(bytes.hex, hash_scheme.chain(data, page_size * TOKEN_BYTES, prior)))
+    return hash_scheme.keys(data, page_size * TOKEN_BYTES, prior)
 
 
 def full_pages(num_tokens: int, page_size: int) -> tuple[int, int]:
