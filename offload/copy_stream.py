@@ -44,9 +44,11 @@ class _ThreadEvent:
         self.keep = keep
 
     def query(self) -> bool:
+        """True once the copy has run (successfully or not: see ``error``); never blocks."""
         return self._done.is_set()
 
     def synchronize(self) -> None:
+        """Block until the copy has run."""
         self._done.wait()
 
 
@@ -63,13 +65,16 @@ class _CudaEvent:
         self.keep = keep
 
     def query(self) -> bool:
+        """True once the copy has completed on the side stream; never blocks."""
         return self.end.query()
 
     def synchronize(self) -> None:
+        """Block the host until the copy has completed."""
         self.end.synchronize()
 
     @property
     def seconds(self) -> float | None:
+        """GPU time of the copy in seconds (CUDA timing events), or None until it completes."""
         if self._seconds is None and self.end.query():
             self._seconds = self.start.elapsed_time(self.end) / 1e3
         return self._seconds
@@ -194,9 +199,11 @@ class _ManualEvent:
         self.keep = keep
 
     def query(self) -> bool:
+        """True once the test has completed this copy; never blocks."""
         return self.done
 
     def synchronize(self) -> None:
+        """Complete this copy now (runs it when the stream runs copies)."""
         if not self.done:
             self.stream.complete(self)
 

@@ -193,6 +193,7 @@ class Rig:
 
     @property
     def page_size(self) -> int:
+        """Tokens per page (the host pool's)."""
         return self.host_pool.page_size
 
     def _release(self, req: Any) -> None:
