@@ -107,17 +107,27 @@ def test_hung_master_times_out_and_failed_pages_never_appear(private_master, fin
             statuses, elapsed = bounded(30, store.put, failed_keys, list(chunk[3:]))
         finally:
             private_master.resume()
-        assert statuses == [PutStatus.FAILED] * 3
+        # Usually every page fails (RPC_TIMEOUT); once in several CI runs Mooncake completed the
+        # put despite the SIGSTOP. Either is allowed; what must hold is that the call returns
+        # in bounded time and that its statuses are the truth (checked below).
+        assert set(statuses) <= {PutStatus.FAILED, PutStatus.STORED}
         assert elapsed < 10  # two RPC timeouts of 1 s (exist, then put) and some slack
 
-        # The master is back: what failed is not there, what was stored still is.
+        # The master is back: what failed is not there, what was stored still is, intact.
         time.sleep(0.5)
-        assert store.exists(failed_keys) == [False] * 3
+        reported_stored = [status is PutStatus.STORED for status in statuses]
+        assert store.exists(failed_keys) == reported_stored
         back = torch.zeros_like(chunk[:3])
         assert store.get(stored_keys, list(back)) == [True] * 3
         assert torch.equal(back, chunk[:3])
+        written = [i for i, stored in enumerate(reported_stored) if stored]
+        if written:
+            again = torch.zeros_like(chunk[3:])
+            assert store.get([failed_keys[i] for i in written], [again[i] for i in written]) == [True] * len(written)
+            assert torch.equal(again[written], chunk[3:][written])
         # And the pages that failed can be written now.
-        assert store.put(failed_keys, list(chunk[3:])) == [PutStatus.STORED] * 3
+        expected = [PutStatus.DEDUPLICATED if stored else PutStatus.STORED for stored in reported_stored]
+        assert store.put(failed_keys, list(chunk[3:])) == expected
     finally:
         bounded(60, store.close)
 
