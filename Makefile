@@ -6,8 +6,8 @@ EXTRAS ?= test,bench
 
 .PHONY: run test bench clean
 
-# hashing/_chain.c: `pip install -e` compiles it in place, so an edit needs a reinstall.
-$(VENV)/.installed: pyproject.toml tools/setup-venv.sh hashing/_chain.c
+# hashing/_page_chain.c: `pip install -e` compiles it in place, so an edit needs a reinstall.
+$(VENV)/.installed: pyproject.toml tools/setup-venv.sh tools/apt-install.sh hashing/_page_chain.c
 	bash tools/setup-venv.sh $(VENV) $(EXTRAS)
 	touch $@
 
@@ -17,7 +17,7 @@ run: $(VENV)/.installed
 # The Mooncake store (optional extra) so its tests run against a real master; where it cannot
 # be installed (no root for apt, no wheel for this platform) its tests skip with the reason,
 # except under CI, where they must run.
-$(VENV)/.mooncake: $(VENV)/.installed tools/install-mooncake.sh
+$(VENV)/.mooncake: $(VENV)/.installed tools/install-mooncake.sh tools/apt-install.sh
 	bash tools/install-mooncake.sh $(VENV) || { [ -z "$$CI" ] || exit 1; echo "make: Mooncake not installed; its tests will skip"; }
 	touch $@
 
@@ -28,4 +28,4 @@ bench: $(VENV)/.installed
 	$(PYTHON) -m bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info hashing/_chain*.so
+	rm -rf $(VENV) build *.egg-info hashing/_*_chain*.so

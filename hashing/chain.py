@@ -24,7 +24,7 @@ from __future__ import annotations
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.hashing.namespace import namespace_seed_bytes
 from kvstage.hashing.schemes import DEFAULT_SCHEME, HashScheme, get_scheme
-from kvstage.hashing.tokens import TOKEN_BYTES, token_buffer
+from kvstage.hashing.tokens import TOKEN_BYTES, compiled_source, out_of_range_error, token_buffer
 
 _MISSING = object()
 
@@ -54,8 +54,20 @@ def _prior_bytes(prior_hash: str | None, hash_scheme: HashScheme) -> bytes:
         raise InvalidArgumentError(f"prior_hash: must be hexadecimal, got {prior_hash!r}") from None
 
 
-def _keys(data: memoryview, page_size: int, prior: bytes, hash_scheme: HashScheme) -> list[str]:
-    return hash_scheme.keys(data, page_size * TOKEN_BYTES, prior)
+def _keys(tokens, page_size: int, prior: bytes, hash_scheme: HashScheme) -> list[str]:
+    """The full-page keys of ``tokens`` from ``prior``: the compiled chain where it reads them."""
+    compiled = hash_scheme.compiled
+    if compiled is not None:
+        source = compiled_source(tokens)
+        if source is not None:
+            try:
+                keys = compiled.page_chain(source, page_size, prior, True)
+            except compiled.TokenOutOfRange as exc:
+                position, value = exc.args
+                raise out_of_range_error("tokens", position, value) from None
+            if keys is not NotImplemented:
+                return keys
+    return hash_scheme.keys(token_buffer(tokens), page_size * TOKEN_BYTES, prior)
 
 
 def full_pages(num_tokens: int, page_size: int) -> tuple[int, int]:
@@ -101,7 +113,7 @@ def page_keys(tokens, page_size: int, *, prior_hash: str | None = None, scheme: 
     hash_scheme = get_scheme(scheme)
     _check_page_size(page_size)
     prior = _prior_bytes(prior_hash, hash_scheme)
-    return _keys(token_buffer(tokens), page_size, prior, hash_scheme)
+    return _keys(tokens, page_size, prior, hash_scheme)
 
 
 def prefill_page_keys(
@@ -122,7 +134,7 @@ def prefill_page_keys(
     hash_scheme = get_scheme(scheme)
     _check_page_size(page_size)
     seed = namespace_seed_bytes(extra_key, cache_salt, hash_scheme)
-    return _keys(token_buffer(tokens), page_size, seed, hash_scheme)
+    return _keys(tokens, page_size, seed, hash_scheme)
 
 
 def _request_namespace(req) -> tuple[str | None, str | None]:
@@ -171,7 +183,7 @@ def compute_prefix_hash(
         prior = namespace_seed_bytes(extra_key, cache_salt, hash_scheme)
     else:
         prior = _prior_bytes(prior_hash, hash_scheme)
-    return _keys(token_buffer(tokens), page_size, prior, hash_scheme)
+    return _keys(tokens, page_size, prior, hash_scheme)
 
 
 class PageHasher:
@@ -213,12 +225,12 @@ class PageHasher:
     def prefill_keys(self, tokens, extra_key: str | None = None, cache_salt: str | None = None) -> list[str]:
         """:func:`prefill_page_keys` with this hasher's scheme and page size."""
         seed = namespace_seed_bytes(extra_key, cache_salt, self._scheme)
-        return _keys(token_buffer(tokens), self._page_size, seed, self._scheme)
+        return _keys(tokens, self._page_size, seed, self._scheme)
 
     def continue_keys(self, tokens, prior_hash: str | None) -> list[str]:
         """:func:`page_keys` from ``prior_hash`` (None or ``""``: no prior, not even a seed)."""
         prior = _prior_bytes(prior_hash, self._scheme)
-        return _keys(token_buffer(tokens), self._page_size, prior, self._scheme)
+        return _keys(tokens, self._page_size, prior, self._scheme)
 
     def compute_prefix_hash(self, req, tokens, prior_hash: str | None = "") -> list[str]:
         """:func:`compute_prefix_hash` with this hasher's scheme and page size."""

@@ -15,27 +15,31 @@ little-endian integers.
 ``xxh3-128``
     XXH3-128 (``xxhash.xxh3_128``, seed 0), 16-byte digest, 32-character keys; the raw digest
     is xxhash's canonical (big-endian) form, i.e. ``xxh3_128(data).digest()``, and the key its
-    hex. Far faster per byte than SHA-256, and about 3x faster than ``sglang-v1``'s pure-Python
-    chain at page 64; but its chain is a Python loop, so against the compiled ``sglang-v1``
-    chain (below) it is about as fast at page 64 (see ``bench/bench_hashing.py``). NOT a
-    cryptographic hash: anyone who can choose token
-    ids can force two different prefixes onto one key. Use it where all requests are trusted (one tenant, or isolation not relying on
-    keys); multi-tenant deployments that rely on ``cache_salt`` for isolation should keep
-    ``sglang-v1``. Its keys never match sglang's, so both sides must be configured with it.
+    hex. Several times faster than ``sglang-v1`` (about 3x at page 64 with both chains
+    compiled; see ``bench/bench_hashing.py``). NOT a cryptographic hash: anyone who can choose
+    token ids can force two different prefixes onto one key. Use it where all requests are
+    trusted (one tenant, or isolation not relying on keys); multi-tenant deployments that rely
+    on ``cache_salt`` for isolation should keep ``sglang-v1``. Its keys never match sglang's, so
+    both sides must be configured with it.
 
-Compiled chain: ``sglang-v1``'s per-page loop runs in C (``kvstage.hashing._chain``, on
-OpenSSL's libcrypto, GIL released) when that optional extension was built at install time; else
-in Python, where a hashlib object per page costs several times the hashing itself. Both give the
-same digests. ``KVSTAGE_PURE_PYTHON_HASH=1`` (any value but empty or ``0``), read at import,
-forces the Python loop. :attr:`HashScheme.implementation` (and ``kvstage info``) says which runs.
+Compiled chains: each scheme's chain runs in C, from token ids to keys in one call
+(``kvstage.hashing._sha256_chain`` on OpenSSL's libcrypto, ``kvstage.hashing._xxh3_chain`` on
+the xxHash header; one source, ``hashing/_page_chain.c``), when that optional extension was
+built at install time; else in Python (:attr:`HashScheme.chain`), where a hash call per page
+costs several times the hashing itself. Both give the same keys. ``KVSTAGE_PURE_PYTHON_HASH=1``
+(any value but empty or ``0``), read at import, forces Python for both.
+:attr:`HashScheme.implementation` (and ``kvstage info``) says which runs.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import struct
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
+from types import ModuleType
 from typing import Callable
 
 import xxhash
@@ -89,15 +93,6 @@ def _sha256_digest(data) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def _hex_keys(chain: Callable) -> Callable:
-    """``keys(data, page_bytes, prior) -> list[str]``: the hex of every digest of ``chain``."""
-
-    def keys(data, page_bytes: int, prior: bytes) -> list[str]:
-        return list(map(bytes.hex, chain(data, page_bytes, prior)))
-
-    return keys
-
-
 PURE_PYTHON_ENV = "KVSTAGE_PURE_PYTHON_HASH"
 
 
@@ -105,30 +100,17 @@ def _pure_python_forced() -> bool:
     return os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0")
 
 
-def _load_compiled_sha256_chain() -> tuple[Callable | None, str]:
-    """``(kvstage.hashing._chain.sha256_chain or None, why it is not used)``."""
+def _load_compiled(module_name: str) -> tuple[ModuleType | None, str]:
+    """``(kvstage.hashing.<module_name> or None, why it is not used)``."""
     if _pure_python_forced():
         return None, f"{PURE_PYTHON_ENV} is set"
+    if sys.byteorder != "little":  # the C chains write u32 little-endian with native stores
+        return None, "the compiled chains run on little-endian hosts only"
     try:
-        from kvstage.hashing._chain import sha256_chain
-    except ImportError as exc:  # the optional extension was not built (no compiler or OpenSSL headers)
-        return None, f"kvstage.hashing._chain not built: {exc}"
-    return sha256_chain, ""
-
-
-def _compiled_chains(sha256_chain: Callable) -> tuple[Callable, Callable]:
-    """``(chain, keys)`` over the C loop ``sha256_chain(data, page_bytes, prior, hex)``."""
-
-    def chain(data, page_bytes: int, prior: bytes) -> list[bytes]:
-        digests = sha256_chain(data, page_bytes, prior)
-        return [digests[i : i + 32] for i in range(0, len(digests), 32)]
-
-    def keys(data, page_bytes: int, prior: bytes) -> list[str]:
-        # The C function writes the hex strings itself: ~0.1 us a page, where bytes.hex per
-        # page, or one .hex() then slicing, costs ~0.2-0.3 us a page in Python.
-        return sha256_chain(data, page_bytes, prior, True)
-
-    return chain, keys
+        module = importlib.import_module(f"kvstage.hashing.{module_name}")
+    except ImportError as exc:  # the optional extension was not built (no compiler or headers)
+        return None, f"kvstage.hashing.{module_name} not built: {exc}"
+    return module, ""
 
 
 @dataclass(frozen=True)
@@ -139,14 +121,15 @@ class HashScheme:
         name: the name it is chosen by (one of :data:`SCHEMES`).
         digest_size: bytes in a raw digest (keys are twice as many hex characters).
         digest: ``digest(data) -> bytes``, the raw digest of a bytes-like object in one call.
-        chain: ``chain(data, page_bytes, prior) -> list[bytes]``: the raw digests of the full
-            pages of ``data`` (``page_bytes`` bytes each; a partial tail is ignored), page i
-            hashed as ``digest(prior_i + page_i)`` with ``prior_0 = prior`` (``b""``: none) and
-            ``prior_i`` the digest of page i-1.
+        chain: ``chain(data, page_bytes, prior) -> list[bytes]``, in Python: the raw digests of
+            the full pages of ``data`` (``page_bytes`` bytes each; a partial tail is ignored),
+            page i hashed as ``digest(prior_i + page_i)`` with ``prior_0 = prior`` (``b""``:
+            none) and ``prior_i`` the digest of page i-1.
         cryptographic: whether collisions cannot be forced (so ``cache_salt`` isolates tenants).
-        keys: ``keys(data, page_bytes, prior) -> list[str]``: the lowercase hex of ``chain``'s
-            digests (default: ``bytes.hex`` of each; a compiled chain writes them itself).
-        accelerated: whether ``chain`` and ``keys`` run in compiled code (see the module doc).
+        compiled: the scheme's C extension module (``page_chain(tokens, page_size, prior, hex)``
+            there, from token ids to keys; see ``hashing/_page_chain.c``), or None: then the
+            Python ``chain`` runs.
+        why_pure_python: why ``compiled`` is None (empty when it is not).
     """
 
     name: str
@@ -154,12 +137,8 @@ class HashScheme:
     digest: Callable[[object], bytes]
     chain: Callable[[bytes, int, bytes], list]
     cryptographic: bool
-    keys: Callable[[bytes, int, bytes], list] | None = None
-    accelerated: bool = False
-
-    def __post_init__(self) -> None:
-        if self.keys is None:
-            object.__setattr__(self, "keys", _hex_keys(self.chain))
+    compiled: ModuleType | None = None
+    why_pure_python: str = ""
 
     @property
     def key_length(self) -> int:
@@ -168,45 +147,48 @@ class HashScheme:
 
     @property
     def implementation(self) -> str:
-        """How the chain runs: ``"compiled (OpenSSL)"`` or ``"pure Python"``."""
-        return "compiled (OpenSSL)" if self.accelerated else "pure Python"
+        """How the chain runs: ``"compiled (<library and version>)"`` or ``"pure Python"``."""
+        return f"compiled ({self.compiled.LIBRARY})" if self.compiled is not None else "pure Python"
+
+    def keys(self, data, page_bytes: int, prior: bytes) -> list[str]:
+        """The lowercase hex of :attr:`chain`'s digests (the Python chain, whatever is compiled)."""
+        return list(map(bytes.hex, self.chain(data, page_bytes, prior)))
+
+    def pure_python(self) -> HashScheme:
+        """This scheme with its Python chain only (``compiled`` None): the reference, and what
+        runs without the extension."""
+        return replace(self, compiled=None, why_pure_python="pure Python requested")
 
 
-_compiled_sha256_chain, _why_pure_python = _load_compiled_sha256_chain()
-if _compiled_sha256_chain is not None:
-    _sglang_chain, _sglang_keys = _compiled_chains(_compiled_sha256_chain)
-else:
-    _sglang_chain, _sglang_keys = _chain_hash_objects(hashlib.sha256), None
+_sha256_module, _sha256_why = _load_compiled("_sha256_chain")
+_xxh3_module, _xxh3_why = _load_compiled("_xxh3_chain")
 
 _REGISTRY = {
     "sglang-v1": HashScheme(
-        "sglang-v1",
-        32,
-        _sha256_digest,
-        _sglang_chain,
-        cryptographic=True,
-        keys=_sglang_keys,
-        accelerated=_compiled_sha256_chain is not None,
+        "sglang-v1", 32, _sha256_digest, _chain_hash_objects(hashlib.sha256), cryptographic=True,
+        compiled=_sha256_module, why_pure_python=_sha256_why,
     ),
     # xxh3_128_digest(data) is the one-call form of xxhash.xxh3_128(data).digest() (seed 0);
     # it skips a Python hash object per page, which is most of the cost at this speed.
     "xxh3-128": HashScheme(
-        "xxh3-128", 16, xxhash.xxh3_128_digest, _chain_digest_function(xxhash.xxh3_128_digest), cryptographic=False
+        "xxh3-128", 16, xxhash.xxh3_128_digest, _chain_digest_function(xxhash.xxh3_128_digest), cryptographic=False,
+        compiled=_xxh3_module, why_pure_python=_xxh3_why,
     ),
 }
 assert tuple(_REGISTRY) == SCHEMES
 
 
 def describe_chains() -> str:
-    """One line saying how ``sglang-v1``'s chain runs here (for ``kvstage info``).
+    """How each scheme's chain runs here, one line (for ``kvstage info``).
 
-    ``"sglang-v1 chain: compiled (OpenSSL)"``, or ``"sglang-v1 chain: pure Python (<why>)"``
-    where the extension was not built or ``KVSTAGE_PURE_PYTHON_HASH`` forced the Python loop.
+    For example ``"sglang-v1 compiled (OpenSSL 3.0.19 ...); xxh3-128 compiled (xxHash 0.8.1)"``;
+    a pure-Python chain says why (``pure Python (KVSTAGE_PURE_PYTHON_HASH is set)``).
     """
-    scheme = _REGISTRY["sglang-v1"]
-    if scheme.accelerated:
-        return f"sglang-v1 chain: {scheme.implementation}"
-    return f"sglang-v1 chain: {scheme.implementation} ({_why_pure_python})"
+    parts = []
+    for scheme in _REGISTRY.values():
+        why = f" ({scheme.why_pure_python})" if scheme.compiled is None else ""
+        parts.append(f"{scheme.name} {scheme.implementation}{why}")
+    return "; ".join(parts)
 
 
 def get_scheme(scheme: str | HashScheme = DEFAULT_SCHEME) -> HashScheme:

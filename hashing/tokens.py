@@ -5,9 +5,12 @@ tensor on any device (a CUDA tensor is copied to the host in one transfer, never
 element). Every id must satisfy ``0 <= id < 2**32``: an id outside that range cannot be encoded
 and is an error, never a wrap (sglang-storage-keys.md, "Page hash").
 
-The conversion is vectorised: one ``array('I', ...)`` (lists) or numpy's ``astype('<u4')``
-(arrays) for the whole input, into one buffer; Python touches single elements only to name the
-first bad one in an error message.
+Two paths give the same bytes and the same errors. Where a scheme's chain is compiled, it reads
+the ids itself (:func:`compiled_source` hands it the list, tuple or numpy array as it is) and
+converts them page by page while hashing. Otherwise (and for whatever the compiled chain
+declines: ranges, int subclasses, numpy scalars in a list) :func:`token_buffer` converts the
+whole input at once, with one ``array('I', ...)`` (lists) or numpy's ``astype('<u4')``
+(arrays). Python touches single elements only to name the first bad one in an error message.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ def _describe(value: object) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
+def out_of_range_error(argument: str, position: int, value: int) -> InvalidArgumentError:
+    """The error for token ``position`` holding ``value``, outside ``0 <= id < 2**32``."""
+    return InvalidArgumentError(f"{argument}: {_RULE}; {argument}[{position}] = {value}")
+
+
 def _first_bad_element(seq, argument: str) -> Exception:
     """Scan ``seq`` in order and build the error for its first bad element (error path only)."""
     for position, value in enumerate(seq):
@@ -45,7 +53,7 @@ def _first_bad_element(seq, argument: str) -> Exception:
         except TypeError:
             return ArgumentTypeError(f"{argument}: token ids must be integers; {argument}[{position}] = {_describe(value)}")
         if not 0 <= as_int < _LIMIT:
-            return InvalidArgumentError(f"{argument}: {_RULE}; {argument}[{position}] = {as_int}")
+            return out_of_range_error(argument, position, as_int)
     raise AssertionError("no bad element found")  # the caller saw one; unreachable
 
 
@@ -90,12 +98,13 @@ def _numpy_buffer(values: np.ndarray, argument: str) -> memoryview:
         if (signed and part.min() < 0) or (values.dtype.itemsize > 4 and part.max() >= _LIMIT):
             bad = (part < 0) | (part >= _LIMIT) if signed else part >= _LIMIT
             position = start + int(np.argmax(bad))
-            raise InvalidArgumentError(f"{argument}: {_RULE}; {argument}[{position}] = {int(values[position])}")
+            raise out_of_range_error(argument, position, int(values[position]))
         np.copyto(out[start : start + _CHUNK], part, casting="unsafe")
     return memoryview(out).cast("B").toreadonly()
 
 
-def _torch_buffer(tensor, argument: str) -> memoryview:
+def _host_array(tensor, argument: str) -> np.ndarray:
+    """A 1-D integer torch tensor as a numpy array on the host (one transfer from a GPU)."""
     import torch
 
     if tensor.dtype == torch.bool:
@@ -105,7 +114,7 @@ def _torch_buffer(tensor, argument: str) -> memoryview:
     if tensor.dim() != 1:
         raise InvalidArgumentError(f"{argument}: must be 1-D, got shape {tuple(tensor.shape)}")
     # One device-to-host copy of the whole tensor (a no-op on CPU); the checks run on the host.
-    return _numpy_buffer(tensor.detach().cpu().numpy(), argument)
+    return tensor.detach().cpu().numpy()
 
 
 def _is_torch_tensor(value: object) -> bool:
@@ -138,11 +147,39 @@ def token_buffer(tokens, argument: str = "tokens") -> memoryview:
     if isinstance(tokens, np.ndarray):
         return _numpy_buffer(tokens, argument)
     if _is_torch_tensor(tokens):
-        return _torch_buffer(tokens, argument)
+        return _numpy_buffer(_host_array(tokens, argument), argument)
     raise ArgumentTypeError(
         f"{argument}: must be a list/tuple/range of ints, a numpy integer array or a torch integer tensor, "
         f"got {type(tokens).__module__}.{type(tokens).__qualname__}"
     )
+
+
+def compiled_source(tokens, argument: str = "tokens"):
+    """``tokens`` as a compiled chain reads them, or None where only :func:`token_buffer` can.
+
+    A list or tuple passes as it is (the chain declines it if an element is not an exact int);
+    a numpy integer array or a torch integer tensor (moved to the host in one transfer) becomes
+    a 1-D C-contiguous numpy array in native byte order. Cheap checks only, nothing per element:
+    the chain checks every id's range.
+
+    Raises:
+        ArgumentTypeError / InvalidArgumentError: a torch tensor of a non-integer dtype or not
+            1-D (as :func:`token_buffer`). Other bad inputs return None, and
+            :func:`token_buffer` then raises.
+    """
+    if type(tokens) is list or type(tokens) is tuple:
+        return tokens
+    if isinstance(tokens, np.ndarray):
+        values = tokens
+    elif _is_torch_tensor(tokens):
+        values = _host_array(tokens, argument)
+    else:
+        return None
+    if values.ndim != 1 or values.dtype.kind not in "iu":
+        return None
+    if not values.dtype.isnative:
+        values = values.astype(values.dtype.newbyteorder("="))
+    return np.ascontiguousarray(values)
 
 
 def token_bytes(tokens, argument: str = "tokens") -> bytes:

@@ -8,22 +8,7 @@ venv=${1:-.venv}
 spec=${MOONCAKE_SPEC:-mooncake-transfer-engine-non-cuda>=0.3.13}
 
 # The shared libraries mooncake/store.so and mooncake/mooncake_master need at load time.
-packages=(libibverbs1 librdmacm1 libnuma1)
-missing=()
-for package in "${packages[@]}"; do
-    dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    sudo=""
-    [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    export DEBIAN_FRONTEND=noninteractive
-    # A fresh container has empty package lists: update only when apt cannot find a package.
-    if ! apt-cache show "${missing[@]}" >/dev/null 2>&1; then
-        $sudo apt-get update -q
-    fi
-    echo "install-mooncake: apt-get install ${missing[*]}"
-    $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
-fi
+bash "$(dirname "$0")/apt-install.sh" libibverbs1 librdmacm1 libnuma1
 
 if "$venv/bin/python" -c 'import mooncake.store' 2>/dev/null; then
     echo "install-mooncake: mooncake.store already importable in $venv"

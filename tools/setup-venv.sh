@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Make the virtual environment $1 (default .venv) with kvstage installed editable and the
-# extras $2 (default "test,bench"). Reuses a torch that python3 already has; on a machine
-# without CUDA installs the CPU build of torch, never a multi-gigabyte CUDA build.
+# extras $2 (default "test,bench"), its optional C page chains compiled. Reuses a torch that
+# python3 already has; on a machine without CUDA installs the CPU build of torch, never a
+# multi-gigabyte CUDA build.
 set -euo pipefail
 venv=${1:-.venv}
 extras=${2:-test,bench}
@@ -27,5 +28,12 @@ else
             "$venv/bin/pip" install "torch>=2.4" --index-url https://download.pytorch.org/whl/cpu
         fi
     fi
+fi
+# Headers for the optional C page chains (hashing/_page_chain.c): OpenSSL and xxHash. Without
+# them the install still succeeds and the pure-Python chains run; under CI that is an error,
+# so the compiled chains are always what CI tests.
+if ! bash "$(dirname "$0")/apt-install.sh" gcc libssl-dev libxxhash-dev; then
+    [ -z "${CI:-}" ] || { echo "setup: could not install the C headers for the page chains" >&2; exit 1; }
+    echo "setup: C headers not installed; the pure-Python page chains will run where they are missing"
 fi
 "$venv/bin/pip" install -e ".[$extras]"

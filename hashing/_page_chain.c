@@ -1,0 +1,488 @@
+/* A page hash chain, from token ids to keys, in one C call.
+ *
+ * One source, built as two optional extensions (pyproject.toml, ext-modules):
+ *   -DCHAIN_SHA256 -> kvstage.hashing._sha256_chain, scheme sglang-v1, on OpenSSL's libcrypto;
+ *   -DCHAIN_XXH3   -> kvstage.hashing._xxh3_chain, scheme xxh3-128, on the xxHash header
+ *                     (XXH_INLINE_ALL: Debian's libxxhash-dev at build time, nothing at run time).
+ *
+ * page_chain(tokens, page_size, prior, hex) does what kvstage.hashing.chain does in Python, in
+ * one pass: each full page's token ids are checked (0 <= id < 2**32) and written as u32
+ * little-endian right after the prior digest, and H(prior_i + page_i) is taken; prior_0 is the
+ * given prior (none, or one raw digest), prior_i the digest of page i-1. Fusing the conversion
+ * into the page loop reads each token once, from cache, instead of writing and re-reading a
+ * whole u32 copy of the input. The tokens of a partial last page are checked, not hashed.
+ *
+ * With a buffer of integers (a numpy array) the loop runs with the GIL released, as hashlib
+ * does for large inputs. A list or tuple of ints is read once, with the GIL held, into a u32
+ * array that the loop then hashes with the GIL released.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(CHAIN_SHA256)
+/* Keep OpenSSL's deprecated low-level SHA-256 declarations, without their warnings. */
+#define OPENSSL_SUPPRESS_DEPRECATED
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/sha.h>
+#define DIGEST 32
+#define MODULE_NAME "kvstage.hashing._sha256_chain"
+#define INIT_FUNCTION PyInit__sha256_chain
+#if defined(OPENSSL_NO_DEPRECATED_3_0) && !defined(CHAIN_SHA256_EVP)
+#define CHAIN_SHA256_EVP 1
+#endif
+#elif defined(CHAIN_XXH3)
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+#define DIGEST 16
+#define MODULE_NAME "kvstage.hashing._xxh3_chain"
+#define INIT_FUNCTION PyInit__xxh3_chain
+#else
+#error "build with -DCHAIN_SHA256 or -DCHAIN_XXH3"
+#endif
+
+#if PY_BIG_ENDIAN
+#error "the compiled page chains write u32 little-endian with native stores: little-endian hosts only"
+#endif
+
+#define TOKEN_BYTES 4
+/* Below this many input bytes the GIL stays held: releasing and re-taking it costs more than
+ * the hashing (the threshold hashlib uses). */
+#define GIL_RELEASE_MIN_BYTES 2048
+
+/* ---- the hash ---------------------------------------------------------------------------- */
+
+#if defined(CHAIN_SHA256) && defined(CHAIN_SHA256_EVP)
+static EVP_MD *sha256_md = NULL; /* fetched once at import, kept for the life of the process */
+#endif
+
+/* digest = H(message). Returns 0, or -1 if the library failed. */
+static inline int
+hash_message(const unsigned char *message, size_t length, unsigned char *digest)
+{
+#if defined(CHAIN_SHA256) && defined(CHAIN_SHA256_EVP)
+    return EVP_Digest(message, length, digest, NULL, sha256_md, NULL) ? 0 : -1;
+#elif defined(CHAIN_SHA256)
+    /* The low-level API: measured ~70 ns a page cheaper than EVP's provider dispatch. */
+    SHA256_CTX context;
+    if (!SHA256_Init(&context) || !SHA256_Update(&context, message, length) || !SHA256_Final(digest, &context))
+        return -1;
+    return 0;
+#else
+    /* The digest is xxHash's canonical (big-endian) form, as xxhash.xxh3_128(...).digest(). */
+    XXH128_canonical_t canonical;
+    XXH128_canonicalFromHash(&canonical, XXH3_128bits(message, length));
+    memcpy(digest, canonical.digest, DIGEST);
+    return 0;
+#endif
+}
+
+/* ---- token ids --------------------------------------------------------------------------- */
+
+/* Contiguous token ids of one native integer type. */
+typedef struct {
+    const char *data;
+    Py_ssize_t count;
+    int itemsize; /* 1, 2, 4 or 8 */
+    int is_signed;
+} token_array;
+
+/* Token i of src as a Python int (for the error naming it). */
+static PyObject *
+token_value(const token_array *src, Py_ssize_t i)
+{
+    const char *at = src->data + i * src->itemsize;
+    if (src->is_signed) {
+        int64_t v;
+        switch (src->itemsize) {
+        case 1: { int8_t x; memcpy(&x, at, 1); v = x; break; }
+        case 2: { int16_t x; memcpy(&x, at, 2); v = x; break; }
+        case 4: { int32_t x; memcpy(&x, at, 4); v = x; break; }
+        default: memcpy(&v, at, 8); break;
+        }
+        return PyLong_FromLongLong(v);
+    }
+    uint64_t v;
+    switch (src->itemsize) {
+    case 1: { uint8_t x; memcpy(&x, at, 1); v = x; break; }
+    case 2: { uint16_t x; memcpy(&x, at, 2); v = x; break; }
+    case 4: { uint32_t x; memcpy(&x, at, 4); v = x; break; }
+    default: memcpy(&v, at, 8); break;
+    }
+    return PyLong_FromUnsignedLongLong(v);
+}
+
+/* Convert one run of n tokens of TYPE to u32 at out. OUT_OF_RANGE(v) is nonzero for a value
+ * outside 0..2**32-1; the bits are OR-ed over the run and looked at once, so the loop has no
+ * branch and vectorises. On a bad run, the scalar scan finds its first bad token. */
+#define CONVERT_RUN(TYPE, OUT_OF_RANGE)                                \
+    do {                                                               \
+        const char *in = src->data + start * (Py_ssize_t)sizeof(TYPE); \
+        uint64_t bad = 0;                                              \
+        for (Py_ssize_t j = 0; j < n; j++) {                           \
+            TYPE v;                                                    \
+            memcpy(&v, in + j * (Py_ssize_t)sizeof(TYPE), sizeof v);   \
+            bad |= (uint64_t)(OUT_OF_RANGE);                           \
+            out[j] = (uint32_t)v;                                      \
+        }                                                              \
+        if (!bad)                                                      \
+            return -1;                                                 \
+        for (Py_ssize_t j = 0; j < n; j++) {                           \
+            TYPE v;                                                    \
+            memcpy(&v, in + j * (Py_ssize_t)sizeof(TYPE), sizeof v);   \
+            if (OUT_OF_RANGE)                                          \
+                return j;                                              \
+        }                                                              \
+        return -1;                                                     \
+    } while (0)
+
+/* Tokens [start, start + n) of src as u32 at out. Returns -1 when all are in range, else the
+ * offset (from start) of the first that is not; out is then partly written. */
+static Py_ssize_t
+convert_tokens(const token_array *src, Py_ssize_t start, Py_ssize_t n, uint32_t *out)
+{
+    if (src->is_signed) {
+        switch (src->itemsize) {
+        case 1: CONVERT_RUN(int8_t, (uint8_t)v >> 7);
+        case 2: CONVERT_RUN(int16_t, (uint16_t)v >> 15);
+        case 4: CONVERT_RUN(int32_t, (uint32_t)v >> 31);
+        default: CONVERT_RUN(int64_t, (uint64_t)v >> 32);
+        }
+    }
+    switch (src->itemsize) {
+    case 1: CONVERT_RUN(uint8_t, 0);
+    case 2: CONVERT_RUN(uint16_t, 0);
+    case 4:
+        memcpy(out, src->data + start * 4, (size_t)n * 4);
+        return -1;
+    default: CONVERT_RUN(uint64_t, v >> 32);
+    }
+}
+
+/* ---- the chain --------------------------------------------------------------------------- */
+
+/* Hash every full page of src into digests (DIGEST bytes each). block has room for DIGEST bytes
+ * then min(page_size, count) u32 tokens. Touches no Python object (runs without the GIL).
+ * Returns -1 on success, the position of the first token out of range, or -2 if the hash
+ * library failed. */
+static Py_ssize_t
+chain_pages(const token_array *src, Py_ssize_t page_size, const unsigned char *prior, size_t prior_length,
+            unsigned char *block, unsigned char *digests)
+{
+    uint32_t *page = (uint32_t *)(block + DIGEST);
+    size_t page_bytes = (size_t)page_size * TOKEN_BYTES;
+    Py_ssize_t n_pages = src->count / page_size;
+    /* The message H reads is prior + page, contiguous: the prior sits right before the page. */
+    memcpy(block + DIGEST - prior_length, prior, prior_length);
+    for (Py_ssize_t i = 0; i < n_pages; i++) {
+        Py_ssize_t bad = convert_tokens(src, i * page_size, page_size, page);
+        if (bad >= 0)
+            return i * page_size + bad;
+        unsigned char *digest = digests + i * DIGEST;
+        if (hash_message(block + DIGEST - prior_length, prior_length + page_bytes, digest) < 0)
+            return -2;
+        memcpy(block, digest, DIGEST);
+        prior_length = DIGEST;
+    }
+    Py_ssize_t tail_start = n_pages * page_size;
+    Py_ssize_t bad = convert_tokens(src, tail_start, src->count - tail_start, page);
+    return bad >= 0 ? tail_start + bad : -1;
+}
+
+/* ---- Python objects ---------------------------------------------------------------------- */
+
+static PyObject *TokenOutOfRange = NULL; /* the module's exception class (a ValueError) */
+
+static void
+raise_out_of_range(Py_ssize_t position, PyObject *value)
+{
+    if (value == NULL)
+        return;
+    PyObject *args = Py_BuildValue("(nO)", position, value);
+    if (args != NULL)
+        PyErr_SetObject(TokenOutOfRange, args);
+    Py_XDECREF(args);
+    Py_DECREF(value);
+}
+
+/* A list or tuple of exact ints as a fresh u32 array (*out, PyMem_RawFree it). Returns 1 on
+ * success, 0 when some item is not an exact int (the caller answers NotImplemented and Python
+ * takes over: int subclasses such as bool, floats, numpy scalars), -1 with an exception set. */
+static int
+read_int_sequence(PyObject *sequence, uint32_t **out)
+{
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(sequence);
+    PyObject **items = PySequence_Fast_ITEMS(sequence);
+    uint32_t *ids = PyMem_RawMalloc(n > 0 ? (size_t)n * TOKEN_BYTES : 1);
+    if (ids == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = items[i];
+        if (!PyLong_CheckExact(item)) {
+            PyMem_RawFree(ids);
+            return 0;
+        }
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow != 0 || v < 0 || v > (long long)UINT32_MAX) {
+            PyMem_RawFree(ids);
+            Py_INCREF(item);
+            raise_out_of_range(i, item);
+            return -1;
+        }
+        ids[i] = (uint32_t)v;
+    }
+    *out = ids;
+    return 1;
+}
+
+/* The integer type of a buffer format ("l", "<I", "=q", ...): sets *is_signed and returns 1,
+ * or returns 0 for anything else (floats, bools, big-endian, structs). */
+static int
+integer_format(const char *format, Py_ssize_t itemsize, int *is_signed)
+{
+    if (format == NULL)
+        format = "B";
+    if (*format == '@' || *format == '=' || *format == '<')
+        format++; /* native or little-endian: this file builds only on little-endian hosts */
+    if (format[0] == '\0' || format[1] != '\0' || strchr("bBhHiIlLqQnN", format[0]) == NULL)
+        return 0;
+    if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8)
+        return 0;
+    *is_signed = format[0] >= 'a';
+    return 1;
+}
+
+/* The two lowercase hex digits of every byte value, as they lie in memory. */
+static uint16_t HEX_PAIRS[256];
+
+static void
+init_hex_pairs(void)
+{
+    static const char hex_digits[] = "0123456789abcdef";
+    for (int b = 0; b < 256; b++) {
+        unsigned char pair[2] = {(unsigned char)hex_digits[b >> 4], (unsigned char)hex_digits[b & 15]};
+        memcpy(&HEX_PAIRS[b], pair, 2);
+    }
+}
+
+/* The list of lowercase hex keys (2 * DIGEST characters each) of n digests. */
+static PyObject *
+hex_keys(const unsigned char *digests, Py_ssize_t n)
+{
+    PyObject *keys = PyList_New(n);
+    if (keys == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyUnicode_New(2 * DIGEST, 127);
+        if (key == NULL) {
+            Py_DECREF(keys);
+            return NULL;
+        }
+        Py_UCS1 *chars = PyUnicode_1BYTE_DATA(key);
+        const unsigned char *digest = digests + i * DIGEST;
+        for (int j = 0; j < DIGEST; j++)
+            memcpy(chars + 2 * j, &HEX_PAIRS[digest[j]], 2);
+        PyList_SET_ITEM(keys, i, key);
+    }
+    return keys;
+}
+
+PyDoc_STRVAR(page_chain_doc,
+"page_chain(tokens, page_size, prior, hex, /)\n"
+"--\n"
+"\n"
+"The chain of the full pages of tokens, from token ids to keys in one call.\n"
+"\n"
+"tokens: a list or tuple of ints, or a C-contiguous buffer of native integers (a 1-D numpy\n"
+"array of any integer dtype). page_size: tokens per page, an int >= 1. prior: a bytes-like\n"
+"object of 0 bytes (no prior) or DIGEST_SIZE bytes (a raw digest). hex: a bool.\n"
+"\n"
+"Page i's digest is H(prior_i + page_i), the page's ids as u32 little-endian, prior_0 = prior,\n"
+"prior_i = the digest of page i-1. Every id is checked, those of a partial last page too, but\n"
+"only full pages are hashed.\n"
+"\n"
+"Returns the lowercase hex keys (list of str, 2 * DIGEST_SIZE characters) if hex, else the\n"
+"raw digests concatenated (bytes, DIGEST_SIZE per page); NotImplemented for tokens it does not\n"
+"read (a sequence holding anything but exact ints, a buffer of another format): the caller\n"
+"converts those itself. Raises TokenOutOfRange(position, value) (a ValueError) for the first\n"
+"id outside 0 <= id < 2**32; TypeError or ValueError naming page_size or prior; RuntimeError\n"
+"if the hash library fails.");
+
+static PyObject *
+page_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError,
+                     "page_chain() takes 4 positional arguments (tokens, page_size, prior, hex), got %zd", nargs);
+        return NULL;
+    }
+    PyObject *tokens = args[0], *page_object = args[1];
+    if (!PyLong_Check(page_object) || PyBool_Check(page_object)) {
+        PyErr_Format(PyExc_TypeError, "page_size: must be an int, got %.200s", Py_TYPE(page_object)->tp_name);
+        return NULL;
+    }
+    int overflow = 0;
+    long long page_ll = PyLong_AsLongLongAndOverflow(page_object, &overflow);
+    if (page_ll == -1 && PyErr_Occurred())
+        return NULL;
+    if (overflow < 0 || (overflow == 0 && page_ll < 1)) {
+        PyErr_Format(PyExc_ValueError, "page_size: must be >= 1, got %R", page_object);
+        return NULL;
+    }
+    /* A page longer than any input: no full page, so no digest (the ids are still checked). */
+    Py_ssize_t page_size = (overflow > 0 || page_ll > PY_SSIZE_T_MAX / TOKEN_BYTES)
+                               ? PY_SSIZE_T_MAX / TOKEN_BYTES : (Py_ssize_t)page_ll;
+    int want_hex = PyObject_IsTrue(args[3]);
+    if (want_hex < 0)
+        return NULL;
+
+    Py_buffer prior_view;
+    if (PyObject_GetBuffer(args[2], &prior_view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (prior_view.len != 0 && prior_view.len != DIGEST) {
+        PyErr_Format(PyExc_ValueError, "prior: must be 0 bytes (no prior) or %d bytes (a raw digest), got %zd bytes",
+                     DIGEST, prior_view.len);
+        PyBuffer_Release(&prior_view);
+        return NULL;
+    }
+    unsigned char prior[DIGEST];
+    size_t prior_length = (size_t)prior_view.len;
+    memcpy(prior, prior_view.buf, prior_length);
+    PyBuffer_Release(&prior_view);
+
+    /* The ids: a list/tuple read into u32 now, or a buffer read page by page in the loop. */
+    token_array src;
+    uint32_t *sequence_ids = NULL;
+    Py_buffer view;
+    int have_view = 0;
+    if (PyList_CheckExact(tokens) || PyTuple_CheckExact(tokens)) {
+        int status = read_int_sequence(tokens, &sequence_ids);
+        if (status <= 0)
+            return status < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+        src.data = (const char *)sequence_ids;
+        src.count = PySequence_Fast_GET_SIZE(tokens);
+        src.itemsize = 4;
+        src.is_signed = 0;
+    }
+    else {
+        if (!PyObject_CheckBuffer(tokens)
+            || PyObject_GetBuffer(tokens, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            PyErr_Clear(); /* not a buffer, or not a contiguous one */
+            return Py_NewRef(Py_NotImplemented);
+        }
+        have_view = 1;
+        if (view.ndim > 1 || !integer_format(view.format, view.itemsize, &src.is_signed)) {
+            PyBuffer_Release(&view);
+            return Py_NewRef(Py_NotImplemented);
+        }
+        src.data = view.buf;
+        src.itemsize = (int)view.itemsize;
+        src.count = view.len / view.itemsize;
+    }
+
+    PyObject *result = NULL;
+    Py_ssize_t n_pages = src.count / page_size;
+    Py_ssize_t block_tokens = src.count < page_size ? src.count : page_size;
+    unsigned char *block = PyMem_RawMalloc(DIGEST + (size_t)block_tokens * TOKEN_BYTES);
+    PyObject *digests = PyBytes_FromStringAndSize(NULL, n_pages * DIGEST);
+    if (block == NULL || digests == NULL) {
+        if (block == NULL)
+            PyErr_NoMemory();
+        goto done;
+    }
+    unsigned char *out = (unsigned char *)PyBytes_AS_STRING(digests);
+    Py_ssize_t status;
+    if (src.count * src.itemsize >= GIL_RELEASE_MIN_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        status = chain_pages(&src, page_size, prior, prior_length, block, out);
+        Py_END_ALLOW_THREADS
+    }
+    else {
+        status = chain_pages(&src, page_size, prior, prior_length, block, out);
+    }
+    if (status == -2)
+        PyErr_SetString(PyExc_RuntimeError, "page_chain: the hash library failed");
+    else if (status >= 0)
+        raise_out_of_range(status, token_value(&src, status));
+    else if (want_hex)
+        result = hex_keys(out, n_pages);
+    else
+        result = Py_NewRef(digests);
+
+done:
+    Py_XDECREF(digests);
+    PyMem_RawFree(block);
+    PyMem_RawFree(sequence_ids);
+    if (have_view)
+        PyBuffer_Release(&view);
+    return result;
+}
+
+static PyMethodDef chain_methods[] = {
+    {"page_chain", (PyCFunction)(void (*)(void))page_chain, METH_FASTCALL, page_chain_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static const char *
+library_version(void)
+{
+#if defined(CHAIN_SHA256)
+    return OpenSSL_version(OPENSSL_VERSION);
+#else
+    static char version[32];
+    unsigned number = XXH_versionNumber();
+    PyOS_snprintf(version, sizeof version, "xxHash %u.%u.%u", number / 10000, number / 100 % 100, number % 100);
+    return version;
+#endif
+}
+
+static int
+chain_exec(PyObject *module)
+{
+    init_hex_pairs();
+#if defined(CHAIN_SHA256) && defined(CHAIN_SHA256_EVP)
+    if (sha256_md == NULL && (sha256_md = EVP_MD_fetch(NULL, "SHA256", NULL)) == NULL) {
+        PyErr_SetString(PyExc_ImportError, MODULE_NAME ": OpenSSL has no SHA256 digest");
+        return -1;
+    }
+#endif
+    if (TokenOutOfRange == NULL) {
+        TokenOutOfRange = PyErr_NewExceptionWithDoc(
+            MODULE_NAME ".TokenOutOfRange",
+            "A token id outside 0 <= id < 2**32; args = (position, value).", PyExc_ValueError, NULL);
+        if (TokenOutOfRange == NULL)
+            return -1;
+    }
+    if (PyModule_AddObjectRef(module, "TokenOutOfRange", TokenOutOfRange) < 0
+        || PyModule_AddIntConstant(module, "DIGEST_SIZE", DIGEST) < 0
+        || PyModule_AddStringConstant(module, "LIBRARY", library_version()) < 0)
+        return -1;
+    return 0;
+}
+
+static PyModuleDef_Slot chain_slots[] = {
+    {Py_mod_exec, chain_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef chain_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = MODULE_NAME,
+    .m_doc = "A page hash chain in C, from token ids to keys; see kvstage.hashing.schemes.",
+    .m_size = 0,
+    .m_methods = chain_methods,
+    .m_slots = chain_slots,
+};
+
+PyMODINIT_FUNC
+INIT_FUNCTION(void)
+{
+    return PyModuleDef_Init(&chain_module);
+}
