@@ -3,14 +3,14 @@
 For each scheme (``sglang-v1`` = SHA-256, ``xxh3-128``) and page size (1, 16, 64, 256), over
 the same 1M random token ids (2**20; ``--quick``: 2**16), each method producing the same keys:
 
-* ``kvstage``: :func:`kvstage.hashing.page_keys` on a numpy int64 array (validation, one
-  ``astype('<u4')``, then the chain): the chain that runs by default here, for ``sglang-v1``
-  the compiled one (``kvstage.hashing._chain``, one C call for all pages) where it was built,
-  else the pure-Python loop (the last lines say which).
-* ``kvstage-list``: the same from a Python list of ints (one ``array('I', ...)`` conversion).
-* ``kvstage-py``: as ``kvstage`` but always the pure-Python chain (one hash call per page), what
-  runs without the extension or with ``KVSTAGE_PURE_PYTHON_HASH=1``; for ``xxh3-128``, whose
-  chain is always Python, the same as ``kvstage``.
+* ``kvstage``: :func:`kvstage.hashing.page_keys` on a numpy int64 array: the chain that runs
+  by default here, the compiled one (one C call from int64 ids to the list of keys, range
+  checks and u32 conversion fused into the page loop) where it was built, else the pure-Python
+  loop (the last lines say which).
+* ``kvstage-list``: the same from a Python list of ints (what engines hold).
+* ``kvstage-py``: as ``kvstage`` but always the pure-Python chain (validation and one
+  ``astype('<u4')``, then one hash call per page), what runs without the extensions or with
+  ``KVSTAGE_PURE_PYTHON_HASH=1``.
 * ``per-token``: the plain reference, a hash object per page fed the prior digest, then one
   ``int.to_bytes(4, "little")`` per token, from a Python list.
 * ``ceiling``: the same hash over the same token bytes in ONE call (no chain, no per-page
@@ -18,17 +18,18 @@ the same 1M random token ids (2**20; ``--quick``: 2**16), each method producing 
   bytes and pads every page, so even zero overhead stays below 1.0 of it at small pages.
 * ``call-floor``: only the per-page hash calls a Python chain cannot avoid, on empty input
   (``sglang-v1``: one hashlib object made and finalised per page; ``xxh3-128``: one
-  ``xxh3_128_digest(b"")`` per page). It bounds any pure-Python chain from above: ``kvstage``
+  ``xxh3_128_digest(b"")`` per page). It bounds any pure-Python chain from above: ``kvstage-py``
   at 1.0 of it would spend nothing beyond those calls (no slicing, hashing, hex); the compiled
-  chain makes no such calls, so it can exceed 1.0.
+  chains make no such calls.
 
 Timing: CPU time of this process (``time.process_time``; all methods are single-threaded, and
 it keeps other jobs on a shared machine out of the figures); every method once per round, rounds interleaved (so load on a shared machine hits all
-methods alike), the median over rounds; each ratio is the median of the per-round ratios.
+methods alike; both schemes run in every round), the median over rounds; each ratio is the
+median of the per-round ratios.
 
 Targets (issue 3), at page 64: sglang-v1 >= 10x per-token and >= 0.5 of the ceiling;
-xxh3-128 >= 3x sglang-v1 (all on the ``kvstage`` rows, so on the compiled sglang-v1 chain where
-it is built; the pure-Python figures are printed beside them).
+xxh3-128 >= 3x sglang-v1 (all on the ``kvstage`` rows, so on the compiled chains where they
+are built; the list and pure-Python figures are printed beside them).
 
 Run: ``python bench/bench_hashing.py [--quick] [--rounds N] [--json PATH]``;
 ``run(quick) -> dict`` is the entry point for other scripts.
@@ -50,17 +51,14 @@ import numpy as np
 import xxhash
 
 from kvstage.hashing import SCHEMES, get_scheme, page_keys
-from kvstage.hashing.schemes import HashScheme, _chain_hash_objects, _sha256_digest, describe_chains
+from kvstage.hashing.schemes import describe_chains
 
 PAGE_SIZES = (1, 16, 64, 256)
 NEW_HASH = {"sglang-v1": hashlib.sha256, "xxh3-128": xxhash.xxh3_128}
 ONE_CALL = {"sglang-v1": lambda data: hashlib.sha256(data).digest(), "xxh3-128": xxhash.xxh3_128_digest}
 METHODS = ("kvstage", "kvstage-list", "kvstage-py", "per-token", "ceiling", "call-floor")
 # The pure-Python chain of each scheme, whatever runs by default (see ``kvstage-py`` above).
-PURE_PYTHON = {
-    "sglang-v1": HashScheme("sglang-v1", 32, _sha256_digest, _chain_hash_objects(hashlib.sha256), cryptographic=True),
-    "xxh3-128": get_scheme("xxh3-128"),
-}
+PURE_PYTHON = {name: get_scheme(name).pure_python() for name in SCHEMES}
 TARGET_PAGE = 64
 
 
@@ -103,7 +101,7 @@ def run(quick: bool = False, *, rounds: int | None = None, n_tokens: int | None 
         log: where progress lines go.
 
     Returns:
-        ``{"machine", "python", "sglang_chain", "n_tokens", "rounds", "quick", "results":
+        ``{"machine", "python", "chains", "n_tokens", "rounds", "quick", "results":
         [{scheme, page_size, method, seconds, tokens_per_s}], "ratios": [{scheme, page_size,
         vs_per_token, of_ceiling, list_vs_per_token, list_of_ceiling, of_call_floor,
         py_vs_per_token, py_of_ceiling}], "xxh3_vs_sglang": {page_size: x},
@@ -117,35 +115,37 @@ def run(quick: bool = False, *, rounds: int | None = None, n_tokens: int | None 
     data = array.astype("<u4").tobytes()
     results: list[dict] = []
     ratios: list[dict] = []
-    kvstage_seconds: dict[tuple[str, int], list[float]] = {}
-    for scheme in schemes:
-        for page_size in page_sizes:
+    xxh3_vs_sglang: dict[int, float] = {}
+    for page_size in page_sizes:
+        fns: dict[str, dict[str, Callable[[], object]]] = {}
+        for scheme in schemes:
             # Same keys from every chain method (checked once, outside the timing).
             expected = page_keys(array, page_size, scheme=scheme)
             assert page_keys(tokens, page_size, scheme=scheme) == expected
             assert page_keys(array, page_size, scheme=PURE_PYTHON[scheme]) == expected
             assert per_token_reference(tokens[: 8 * page_size], page_size, NEW_HASH[scheme]) == expected[:8]
-            fns = {
-                "kvstage": lambda: page_keys(array, page_size, scheme=scheme),
-                "kvstage-list": lambda: page_keys(tokens, page_size, scheme=scheme),
-                "kvstage-py": lambda: page_keys(array, page_size, scheme=PURE_PYTHON[scheme]),
-                "per-token": lambda: per_token_reference(tokens, page_size, NEW_HASH[scheme]),
-                "ceiling": lambda: ONE_CALL[scheme](data),
-                "call-floor": lambda: call_floor(scheme, n_tokens // page_size),
+            fns[scheme] = {
+                "kvstage": lambda scheme=scheme: page_keys(array, page_size, scheme=scheme),
+                "kvstage-list": lambda scheme=scheme: page_keys(tokens, page_size, scheme=scheme),
+                "kvstage-py": lambda scheme=scheme: page_keys(array, page_size, scheme=PURE_PYTHON[scheme]),
+                "per-token": lambda scheme=scheme: per_token_reference(tokens, page_size, NEW_HASH[scheme]),
+                "ceiling": lambda scheme=scheme: ONE_CALL[scheme](data),
+                "call-floor": lambda scheme=scheme: call_floor(scheme, n_tokens // page_size),
             }
-            times = {m: [] for m in METHODS}
-            for _ in range(rounds):
-                for method, fn in fns.items():
-                    times[method].append(_timed(fn))
+        times = {scheme: {m: [] for m in METHODS} for scheme in schemes}
+        for _ in range(rounds):
+            for scheme in schemes:  # both schemes in every round: their ratio is per round too
+                for method, fn in fns[scheme].items():
+                    times[scheme][method].append(_timed(fn))
+        for scheme in schemes:
             row = {}
             for method in METHODS:
-                seconds = statistics.median(times[method])
+                seconds = statistics.median(times[scheme][method])
                 row[method] = n_tokens / seconds
                 results.append(dict(scheme=scheme, page_size=page_size, method=method, seconds=seconds, tokens_per_s=row[method]))
-            kvstage_seconds[(scheme, page_size)] = times["kvstage"]
 
-            def per_round(a: str, b: str) -> float:
-                return statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
+            def per_round(a: str, b: str, scheme: str = scheme) -> float:
+                return statistics.median(tb / ta for ta, tb in zip(times[scheme][a], times[scheme][b]))
 
             ratio = dict(
                 scheme=scheme,
@@ -154,7 +154,7 @@ def run(quick: bool = False, *, rounds: int | None = None, n_tokens: int | None 
                 of_ceiling=per_round("kvstage", "ceiling"),
                 list_vs_per_token=per_round("kvstage-list", "per-token"),
                 list_of_ceiling=per_round("kvstage-list", "ceiling"),
-                of_call_floor=per_round("kvstage", "call-floor"),
+                of_call_floor=per_round("kvstage-py", "call-floor"),
                 py_vs_per_token=per_round("kvstage-py", "per-token"),
                 py_of_ceiling=per_round("kvstage-py", "ceiling"),
             )
@@ -163,20 +163,18 @@ def run(quick: bool = False, *, rounds: int | None = None, n_tokens: int | None 
                 f"{scheme:9s} page {page_size:3d}  "
                 + "  ".join(f"{m} {row[m] / 1e6:7.2f}" for m in METHODS)
                 + f"  Mtok/s | kvstage {ratio['vs_per_token']:5.1f}x per-token, {ratio['of_ceiling']:.2f} of ceiling"
-                + f", {ratio['of_call_floor']:.2f} of call floor"
                 + f" | from list {ratio['list_vs_per_token']:5.1f}x, {ratio['list_of_ceiling']:.2f}"
-                + f" | pure Python {ratio['py_vs_per_token']:5.1f}x, {ratio['py_of_ceiling']:.2f}"
+                + f" | pure Python {ratio['py_vs_per_token']:5.1f}x, {ratio['py_of_ceiling']:.2f}, {ratio['of_call_floor']:.2f} of call floor"
             )
-    xxh3_vs_sglang = {}
-    if set(SCHEMES) <= set(schemes):
-        # Rounds of the two schemes are not interleaved; the ratio of medians is the fair summary.
-        for page_size in page_sizes:
-            xxh3_vs_sglang[page_size] = statistics.median(kvstage_seconds[("sglang-v1", page_size)]) / statistics.median(kvstage_seconds[("xxh3-128", page_size)])
+        if set(SCHEMES) <= set(schemes):
+            pairs = zip(times["sglang-v1"]["kvstage"], times["xxh3-128"]["kvstage"])
+            xxh3_vs_sglang[page_size] = statistics.median(sglang / xxh3 for sglang, xxh3 in pairs)
+    if xxh3_vs_sglang:
         log("xxh3-128 / sglang-v1 (kvstage): " + "  ".join(f"page {p}: {x:.1f}x" for p, x in xxh3_vs_sglang.items()))
     report = {
         "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
         "python": platform.python_version(),
-        "sglang_chain": describe_chains(),
+        "chains": describe_chains(),
         "openssl": __import__("ssl").OPENSSL_VERSION,
         "xxhash": xxhash.VERSION,
         "n_tokens": n_tokens,
@@ -213,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = run(args.quick, rounds=args.rounds, n_tokens=args.tokens, page_sizes=tuple(args.page_size or PAGE_SIZES))
     print(f"{report['n_tokens']} tokens, median of {report['rounds']} rounds; Python {report['python']}, {report['openssl']}")
-    print(f"kvstage rows: {report['sglang_chain']}")
+    print(f"kvstage rows: {report['chains']}")
     for name, item in report["summary"].items():
         print(f"{'PASS' if item['ok'] else 'MISS'} {name}: {item['value']:.2f} (target {item['target']})")
     if args.json:
