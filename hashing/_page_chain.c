@@ -299,7 +299,7 @@ PyDoc_STRVAR(page_chain_doc,
 "\n"
 "The chain of the full pages of tokens, from token ids to keys in one call.\n"
 "\n"
-"tokens: a list or tuple of ints, or a C-contiguous buffer of native integers (a 1-D numpy\n"
+"tokens: a list or tuple of ints, or a 1-D C-contiguous buffer of native integers (a numpy\n"
 "array of any integer dtype). page_size: tokens per page, an int >= 1. prior: a bytes-like\n"
 "object of 0 bytes (no prior) or DIGEST_SIZE bytes (a raw digest). hex: a bool.\n"
 "\n"
@@ -344,8 +344,16 @@ page_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
 
     Py_buffer prior_view;
-    if (PyObject_GetBuffer(args[2], &prior_view, PyBUF_SIMPLE) < 0)
+    if (!PyObject_CheckBuffer(args[2])) {
+        PyErr_Format(PyExc_TypeError, "prior: must be a bytes-like object, got %.200s", Py_TYPE(args[2])->tp_name);
         return NULL;
+    }
+    if (PyObject_GetBuffer(args[2], &prior_view, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "prior: must be a C-contiguous bytes-like object, got a %.200s that is not",
+                     Py_TYPE(args[2])->tp_name);
+        return NULL;
+    }
     if (prior_view.len != 0 && prior_view.len != DIGEST) {
         PyErr_Format(PyExc_ValueError, "prior: must be 0 bytes (no prior) or %d bytes (a raw digest), got %zd bytes",
                      DIGEST, prior_view.len);
@@ -378,7 +386,7 @@ page_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             return Py_NewRef(Py_NotImplemented);
         }
         have_view = 1;
-        if (view.ndim > 1 || !integer_format(view.format, view.itemsize, &src.is_signed)) {
+        if (view.ndim != 1 || !integer_format(view.format, view.itemsize, &src.is_signed)) {
             PyBuffer_Release(&view);
             return Py_NewRef(Py_NotImplemented);
         }
