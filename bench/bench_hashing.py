@@ -212,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args.quick, rounds=args.rounds, n_tokens=args.tokens, page_sizes=tuple(args.page_size or PAGE_SIZES))
     print(f"{report['n_tokens']} tokens, median of {report['rounds']} rounds; Python {report['python']}, {report['openssl']}")
     print(f"kvstage rows: {report['chains']}")
+    if report["n_tokens"] < 1 << 20:
+        print("(fewer than 1M tokens: per-call costs weigh more; the targets are judged on a full run)")
     for name, item in report["summary"].items():
-        print(f"{'PASS' if item['ok'] else 'MISS'} {name}: {item['value']:.2f} (target {item['target']})")
+        verdict = ("PASS" if item["ok"] else "MISS") if report["n_tokens"] >= 1 << 20 else "----"
+        print(f"{verdict} {name}: {item['value']:.2f} (target {item['target']})")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -21,12 +21,15 @@ A partial page is never hashed as if it were full.
 
 from __future__ import annotations
 
+import inspect
+import re
+
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.hashing.namespace import namespace_seed_bytes
 from kvstage.hashing.schemes import DEFAULT_SCHEME, HashScheme, get_scheme
 from kvstage.hashing.tokens import TOKEN_BYTES, compiled_source, out_of_range_error, token_buffer
 
-_MISSING = object()
+_HEX_DIGITS = re.compile(r"[0-9a-fA-F]*")
 
 
 def _check_page_size(page_size: int) -> int:
@@ -48,10 +51,10 @@ def _prior_bytes(prior_hash: str | None, hash_scheme: HashScheme) -> bytes:
             f"prior_hash: must be a {hash_scheme.key_length}-character {hash_scheme.name} key (or empty), "
             f"got {len(prior_hash)} characters"
         )
-    try:
-        return bytes.fromhex(prior_hash)
-    except ValueError:
-        raise InvalidArgumentError(f"prior_hash: must be hexadecimal, got {prior_hash!r}") from None
+    # Not bytes.fromhex alone: it skips whitespace, so a padded key would pass as a shorter prior.
+    if not _HEX_DIGITS.fullmatch(prior_hash):
+        raise InvalidArgumentError(f"prior_hash: must be hexadecimal, got {prior_hash!r}")
+    return bytes.fromhex(prior_hash)
 
 
 def _keys(tokens, page_size: int, prior: bytes, hash_scheme: HashScheme) -> list[str]:
@@ -141,8 +144,11 @@ def _request_namespace(req) -> tuple[str | None, str | None]:
     """``(req.extra_key, req.cache_salt)``, or a clear error naming what the request lacks."""
     values = []
     for name in ("extra_key", "cache_salt"):
-        value = getattr(req, name, _MISSING)
-        if value is _MISSING:
+        try:
+            value = getattr(req, name)
+        except AttributeError:
+            if inspect.getattr_static(req, name, None) is not None:
+                raise  # the attribute exists and its getter failed: the engine's error, not a missing field
             kind = type(req)
             raise ArgumentTypeError(
                 f"req: a request must have attributes extra_key and cache_salt (each a str or None); "

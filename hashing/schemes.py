@@ -27,7 +27,8 @@ Compiled chains: each scheme's chain runs in C, from token ids to keys in one ca
 the xxHash header; one source, ``hashing/_page_chain.c``), when that optional extension was
 built at install time; else in Python (:attr:`HashScheme.chain`), where a hash call per page
 costs several times the hashing itself. Both give the same keys. ``KVSTAGE_PURE_PYTHON_HASH=1``
-(any value but empty or ``0``), read at import, forces Python for both.
+(any value but empty, ``0``, ``false``, ``no`` or ``off``), read at import, forces Python for
+both.
 :attr:`HashScheme.implementation` (and ``kvstage info``) says which runs.
 """
 
@@ -53,6 +54,8 @@ DEFAULT_SCHEME = "sglang-v1"
 def _full_pages(data, page_bytes: int):
     """The full pages of ``data`` (a bytes-like object) as ``bytes`` objects, split in C."""
     view = memoryview(data).cast("B")
+    if page_bytes > len(view):
+        return iter(())  # no full page (and no struct format of that size)
     end = len(view) - len(view) % page_bytes
     return struct.iter_unpack(f"{page_bytes}s", view[:end])
 
@@ -97,7 +100,7 @@ PURE_PYTHON_ENV = "KVSTAGE_PURE_PYTHON_HASH"
 
 
 def _pure_python_forced() -> bool:
-    return os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0")
+    return os.environ.get(PURE_PYTHON_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _load_compiled(module_name: str) -> tuple[ModuleType | None, str]:

@@ -43,10 +43,22 @@ def out_of_range_error(argument: str, position: int, value: int) -> InvalidArgum
     return InvalidArgumentError(f"{argument}: {_RULE}; {argument}[{position}] = {value}")
 
 
+def _is_bool_like(value: object) -> bool:
+    """A Python/numpy bool, or a numpy array or torch tensor of dtype bool (which ``__index__``
+    would otherwise turn into 0 or 1)."""
+    if isinstance(value, (bool, np.bool_)):
+        return True
+    dtype = getattr(value, "dtype", None)
+    if isinstance(dtype, np.dtype):
+        return dtype.kind == "b"
+    torch = sys.modules.get("torch")
+    return torch is not None and dtype is torch.bool
+
+
 def _first_bad_element(seq, argument: str) -> Exception:
     """Scan ``seq`` in order and build the error for its first bad element (error path only)."""
     for position, value in enumerate(seq):
-        if isinstance(value, (bool, np.bool_)):
+        if _is_bool_like(value):
             return ArgumentTypeError(f"{argument}: token ids must be integers, not bools; {argument}[{position}] = {_describe(value)}")
         try:
             as_int = operator.index(value)
@@ -68,11 +80,27 @@ def _sequence_buffer(seq, argument: str) -> memoryview:
     # array() takes bools as 0/1, so only elements that became 0 or 1 can be bools: find those
     # few with numpy and look at their types, instead of a type check per element.
     candidates = np.flatnonzero(np.frombuffer(packed, dtype=np.uint32) <= 1).tolist()
-    if candidates and bool in map(type, map(seq.__getitem__, candidates)):
+    if candidates and any(map(_is_bool_like, map(seq.__getitem__, candidates))):
         raise _first_bad_element(seq, argument)
     if not _LITTLE_ENDIAN:
         packed.byteswap()
     return memoryview(packed).cast("B").toreadonly()
+
+
+def _range_array(ids: range, argument: str) -> np.ndarray:
+    """A range as an int64 array, its rule checked at its ends first, so that a range with an
+    id out of range raises at once instead of being walked (a range is monotonic)."""
+    if len(ids) == 0:
+        return np.empty(0, dtype=np.int64)
+    if not 0 <= ids[0] < _LIMIT:
+        raise out_of_range_error(argument, 0, ids[0])
+    if not 0 <= ids[-1] < _LIMIT:
+        # The first id past the bound: ids[i] >= 2**32 going up, ids[i] < 0 going down.
+        first_bad = -((ids.start - _LIMIT) // ids.step) if ids.step > 0 else ids.start // -ids.step + 1
+        raise out_of_range_error(argument, first_bad, ids[first_bad])
+    values = np.arange(ids.start, ids.stop, ids.step, dtype=np.int64)
+    assert len(values) == len(ids)
+    return values
 
 
 def _numpy_buffer(values: np.ndarray, argument: str) -> memoryview:
@@ -113,8 +141,13 @@ def _host_array(tensor, argument: str) -> np.ndarray:
         raise ArgumentTypeError(f"{argument}: token ids must be integers, got dtype {tensor.dtype}")
     if tensor.dim() != 1:
         raise InvalidArgumentError(f"{argument}: must be 1-D, got shape {tuple(tensor.shape)}")
+    if tensor.layout != torch.strided:
+        raise ArgumentTypeError(f"{argument}: must be a dense (strided) tensor, got layout {tensor.layout}")
+    if tensor.is_meta:
+        raise ArgumentTypeError(f"{argument}: must be on a device with data, got a meta tensor")
     # One device-to-host copy of the whole tensor (a no-op on CPU); the checks run on the host.
-    return tensor.detach().cpu().numpy()
+    # resolve_neg: a lazily negated view (torch's neg bit) cannot become a numpy array as it is.
+    return tensor.detach().cpu().resolve_neg().numpy()
 
 
 def _is_torch_tensor(value: object) -> bool:
@@ -142,8 +175,10 @@ def token_buffer(tokens, argument: str = "tokens") -> memoryview:
         InvalidArgumentError: an id outside ``0 <= id < 2**32`` (the message names the first
             bad position and its value), or an array that is not 1-D.
     """
-    if isinstance(tokens, (list, tuple, range)):
+    if isinstance(tokens, (list, tuple)):
         return _sequence_buffer(tokens, argument)
+    if isinstance(tokens, range):
+        return _numpy_buffer(_range_array(tokens, argument), argument)
     if isinstance(tokens, np.ndarray):
         return _numpy_buffer(tokens, argument)
     if _is_torch_tensor(tokens):
@@ -158,19 +193,22 @@ def compiled_source(tokens, argument: str = "tokens"):
     """``tokens`` as a compiled chain reads them, or None where only :func:`token_buffer` can.
 
     A list or tuple passes as it is (the chain declines it if an element is not an exact int);
-    a numpy integer array or a torch integer tensor (moved to the host in one transfer) becomes
-    a 1-D C-contiguous numpy array in native byte order. Cheap checks only, nothing per element:
+    a numpy integer array, a range or a torch integer tensor (moved to the host in one
+    transfer) becomes a 1-D C-contiguous numpy array in native byte order. Cheap checks only, nothing per element:
     the chain checks every id's range.
 
     Raises:
-        ArgumentTypeError / InvalidArgumentError: a torch tensor of a non-integer dtype or not
-            1-D (as :func:`token_buffer`). Other bad inputs return None, and
+        ArgumentTypeError / InvalidArgumentError: a torch tensor of a non-integer dtype, not
+            1-D, sparse or on the meta device; a range holding an id out of range (as
+            :func:`token_buffer`). Other bad inputs return None, and
             :func:`token_buffer` then raises.
     """
     if type(tokens) is list or type(tokens) is tuple:
         return tokens
     if isinstance(tokens, np.ndarray):
         values = tokens
+    elif isinstance(tokens, range):
+        values = _range_array(tokens, argument)
     elif _is_torch_tensor(tokens):
         values = _host_array(tokens, argument)
     else:

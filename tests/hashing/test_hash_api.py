@@ -164,3 +164,42 @@ def test_keys_do_not_depend_on_pythonhashseed():
         )
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout) == here
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_prior_hash_with_whitespace_is_not_hexadecimal(scheme):
+    # bytes.fromhex skips whitespace: a padded key of the right length once hashed a shorter prior.
+    length = get_scheme(scheme).key_length
+    for prior_hash in (
+        " " + "0" * (length - 2) + " ",
+        "\t" + "0" * (length - 2) + "\n",
+        "0" * (length - 4) + "    ",
+        " ".join(["00"] * length)[:length],
+    ):
+        assert len(prior_hash) == length
+        with pytest.raises(InvalidArgumentError, match="prior_hash: must be hexadecimal"):
+            page_keys(TOKENS, 16, prior_hash=prior_hash, scheme=scheme)
+        with pytest.raises(InvalidArgumentError, match="prior_hash: must be hexadecimal"):
+            PageHasher(scheme, 16).continue_keys(TOKENS, prior_hash)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_page_size_larger_than_any_input_gives_no_keys(scheme):
+    for page_size in (2**40, 2**61, 2**80):
+        assert page_keys([], page_size, scheme=scheme) == []
+        assert page_keys(TOKENS, page_size, scheme=scheme) == []
+        assert page_keys(TOKENS, page_size, scheme=get_scheme(scheme).pure_python()) == []
+    with pytest.raises(InvalidArgumentError, match=r"tokens\[1\] = -1"):
+        page_keys([1, -1], 2**80, scheme=get_scheme(scheme).pure_python())
+
+
+def test_a_request_property_that_fails_is_not_reported_as_missing():
+    class EngineRequest:
+        cache_salt = None
+
+        @property
+        def extra_key(self):
+            return self.lora.name  # no such attribute: a bug inside the engine's property
+
+    with pytest.raises(AttributeError, match="'lora'"):
+        compute_prefix_hash(EngineRequest(), TOKENS, page_size=16)

@@ -281,7 +281,7 @@ class Spy:
         (np.arange(1, 5, dtype=">i8"), ["keys"]),  # byte-swapped to native first
         (np.arange(1, 9, dtype=np.int64)[::2], ["keys"]),  # made contiguous first
         (torch.arange(1, 5), ["keys"]),
-        (range(1, 5), []),  # compiled_source: None, token_buffer reads it
+        (range(1, 5), ["keys"]),  # an int64 array made from its ends
         ([1, 2, np.int64(3), 4], ["NotImplemented"]),
         ([Color.RED, 2, 3, 4], ["NotImplemented"]),
         (np.array([1, 2, 3, 4], dtype=object), []),
@@ -624,7 +624,9 @@ def expected_description(forced: bool) -> list[str | re.Pattern]:
     return parts
 
 
-@pytest.mark.parametrize("value, forced", [("1", True), ("yes", True), ("0", False), ("", False)])
+@pytest.mark.parametrize(
+    "value, forced", [("1", True), ("yes", True), ("0", False), ("", False), ("false", False), (" Off ", False), ("no", False)]
+)
 def test_the_environment_variable_forces_the_python_chains(value, forced, tmp_path):
     env = {**os.environ, schemes.PURE_PYTHON_ENV: value}
     code = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import struct
 
 import numpy as np
@@ -203,3 +204,41 @@ def test_bad_id_past_the_first_conversion_chunk_is_found():
         token_bytes(values)
     values[250_000] = 0
     assert token_bytes(values)[-8:] == struct.pack("<2I", 299_998, 299_999)
+
+
+def test_bool_tensors_in_lists_are_type_errors():
+    with pytest.raises(ArgumentTypeError, match=r"not bools; tokens\[0\] = "):
+        token_bytes([torch.tensor(True), torch.tensor(2)])
+    with pytest.raises(ArgumentTypeError, match=r"not bools; tokens\[1\] = "):
+        page_keys([5, np.array(True), 3, 4], 2)
+    assert token_bytes([torch.tensor(1), torch.tensor(2)]) == struct.pack("<2I", 1, 2)  # int tensors are ids
+
+
+@pytest.mark.parametrize(
+    "make, rule",
+    [
+        (lambda: torch.tensor([1, 2], device="meta"), "tokens: must be on a device with data"),
+        (lambda: torch.tensor([1, 2]).to_sparse(), "tokens: must be a dense (strided) tensor"),
+    ],
+)
+def test_tensors_that_cannot_be_read_are_named(make, rule):
+    with pytest.raises(ArgumentTypeError, match=re.escape(rule)):
+        token_bytes(make())
+    with pytest.raises(ArgumentTypeError, match=re.escape(rule)):
+        page_keys(make(), 2)
+
+
+def test_negative_view_tensors_are_read_as_their_values():
+    tensor = torch.tensor([-1, -2, -3, -4])._neg_view()  # values 1..4 held as a lazy negation
+    assert token_bytes(tensor) == struct.pack("<4I", 1, 2, 3, 4)
+    assert page_keys(tensor, 2) == page_keys([1, 2, 3, 4], 2)
+
+
+def test_a_huge_range_is_checked_without_walking_it():
+    with pytest.raises(InvalidArgumentError, match=r"tokens\[0\] = -1"):
+        token_bytes(range(-1, 2**40))
+    with pytest.raises(InvalidArgumentError, match=rf"tokens\[{2**32 - 5}\] = {2**32}"):
+        page_keys(range(5, 2**40), 2**40)
+    assert token_bytes(range(2**32 - 3, 2**32)) == struct.pack("<3I", 2**32 - 3, 2**32 - 2, 2**32 - 1)
+    assert token_bytes(range(10, 0, -3)) == struct.pack("<4I", 10, 7, 4, 1)
+    assert page_keys(range(0, 300, 7), 4) == page_keys(list(range(0, 300, 7)), 4)
