@@ -330,18 +330,11 @@ class OffloadManager:
             fails the copy (counted and reported in :meth:`poll`).
         """
         with nvtx_range("offload"):
-            if req.finished():
-                state = self._states.get(id(req))
-                if state.ending if state is not None else self._has_ended(req):
-                    return False
-                return self._finish(req)
-            state = self._states.get(id(req))
+            state = self._live_state(req)
             if state is None:
-                if self._has_ended(req):
-                    return False
-                state = self._track(req)
-            elif state.ending:
                 return False
+            if req.finished():
+                return self._finish_state(state)
             return self._launch(state, self.offload_stride) in (_LAUNCHED, _PARTIAL)
 
     def poll(self) -> int:
@@ -390,7 +383,8 @@ class OffloadManager:
             :meth:`abort` to release it.
         """
         with nvtx_range("offload.finish"):
-            return self._finish(req)
+            state = self._live_state(req)
+            return True if state is None else self._finish_state(state)
 
     def abort(self, req: Any) -> None:
         """``req`` was aborted: offload nothing more; copies in flight complete and their host
@@ -500,14 +494,18 @@ class OffloadManager:
             link.tokens = None
         return segment.keys
 
-    def _finish(self, req: Any) -> bool:
+    def _live_state(self, req: Any) -> _RequestState | None:
+        """``req``'s state, tracked now if it is new; None once it has ended (finish or abort
+        called, or released)."""
         state = self._states.get(id(req))
         if state is None:
-            if self._has_ended(req):
-                return True
-            state = self._track(req)
-        elif state.ending:
-            return True
+            return None if self._has_ended(req) else self._track(req)
+        return None if state.ending else state
+
+    def _finish_state(self, state: _RequestState) -> bool:
+        """Launch every remaining whole page of a live request, mark it ending, release it when
+        nothing of it is in flight; what :meth:`finish` returns."""
+        req = state.req
         outcome = self._launch(state, self.page_size)
         state.ending = True
         if outcome in (_FULL, _PARTIAL):

@@ -450,6 +450,15 @@ class MooncakeStore(StorageBackend):
             raise StorageError(f"mooncake: register_buffer of {end - start} bytes at {start:#x} failed with {describe_code(rc)}")
         bisect.insort(self._registered, (start, end, buffer), key=lambda entry: entry[0])
 
+    def _split_registered(self, indices, pages: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+        """``indices`` split into pages that lie in a registered buffer (zero-copy transfer)
+        and pages that must go through the bounce buffer."""
+        direct: list[int] = []
+        bounced: list[int] = []
+        for i in indices:
+            (direct if self._inside_registered(pages[i].data_ptr(), self.page_bytes) else bounced).append(i)
+        return direct, bounced
+
     def _inside_registered(self, start: int, size: int) -> bool:
         index = bisect.bisect_right(self._registered, start, key=lambda entry: entry[0]) - 1
         return index >= 0 and start + size <= self._registered[index][1]
@@ -506,8 +515,7 @@ class MooncakeStore(StorageBackend):
                 else:
                     # 0: absent. Another negative code: unknown; try the put.
                     todo.append(index)
-            direct = [i for i in todo if self._inside_registered(pages[i].data_ptr(), self.page_bytes)]
-            bounced = [i for i in todo if not self._inside_registered(pages[i].data_ptr(), self.page_bytes)]
+            direct, bounced = self._split_registered(todo, pages)
             if direct:
                 codes = self._call(
                     "batch_put_from", len(direct), store.batch_put_from,
@@ -541,8 +549,7 @@ class MooncakeStore(StorageBackend):
             store = self._require_open()
             if not self._master_reachable("get", len(full_keys)):
                 return hits
-            direct = [i for i in range(len(full_keys)) if self._inside_registered(into[i].data_ptr(), self.page_bytes)]
-            bounced = [i for i in range(len(full_keys)) if not self._inside_registered(into[i].data_ptr(), self.page_bytes)]
+            direct, bounced = self._split_registered(range(len(full_keys)), into)
             if direct:
                 codes = self._call(
                     "batch_get_into", len(direct), store.batch_get_into,
