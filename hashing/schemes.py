@@ -28,8 +28,7 @@ the xxHash header; one source, ``hashing/_page_chain.c``), when that optional ex
 built at install time; else in Python (:attr:`HashScheme.chain`), where a hash call per page
 costs several times the hashing itself. Both give the same keys. ``KVSTAGE_PURE_PYTHON_HASH=1``
 (any value but empty, ``0``, ``false``, ``no`` or ``off``), read at import, forces Python for
-both.
-:attr:`HashScheme.implementation` (and ``kvstage info``) says which runs.
+both. :attr:`HashScheme.implementation` (and ``kvstage info``) says which runs.
 """
 
 from __future__ import annotations
