@@ -100,11 +100,6 @@ class Transfer:
         """Token rows moved per (part, layer): ``n_pages * page_size``."""
         return self.slots.numel()
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes moved: ``n_tokens * kv_parts * len(layers) * row_bytes``."""
-        return self.n_tokens * self.pool.kv_parts * len(self.layers) * self.pool.row_bytes
-
 
 def _check_index(name: str, t: object, pool: KVPool) -> torch.Tensor:
     require(isinstance(t, torch.Tensor), name, f"must be a torch.Tensor, got {type(t).__name__}", ArgumentTypeError)

@@ -72,15 +72,20 @@ class _Route:
     """How one call's indices map, decided once per call (the same for every plane).
 
     run_start: first host page when the batch's host pages are one consecutive run (in any
-        order), else None. Then ``order`` sorts the batch by host page, and the host side is a
-        plain slice: no indexed access at all.
-    device_pages: the batch's device page numbers when every page is an aligned run of slots
-        (``slots[i * ps + j] == k * ps + j``), so the device side moves whole pages.
+        order), else None. Then the batch is sorted by host page, and the host side is a plain
+        slice ``[run_start, run_start + n_pages)``: no indexed access at all.
+    device_index: the device-side index, in host order when ``run_start`` is set: device page
+        numbers when ``whole_pages``, else slots (token rows).
+    whole_pages: every page is an aligned run of slots (``slots[i * ps + j] == k * ps + j``)
+        and the host side is one run, so the device side moves whole pages.
+    host_pages: the host page of each page of the batch (int64), for the indexed host side
+        when ``run_start`` is None.
     """
 
     run_start: int | None
-    order: torch.Tensor | None
-    device_pages: torch.Tensor | None
+    device_index: torch.Tensor
+    whole_pages: bool
+    host_pages: torch.Tensor
 
 
 def _whole_pages(device_rows: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -94,15 +99,18 @@ def _route(plan: Transfer) -> _Route:
     ps, n = plan.page_size, plan.n_pages
     host = plan.pages_on_host if plan.pages_on_host is not None else plan.pages.cpu()  # CUDA: a sync (test path)
     host = host.long()
-    order, run_start = None, None
+    slots = plan.slots.long()
+    host_pages = plan.pages.long()
     low, high = int(host.min()), int(host.max())
-    if high - low == n - 1:  # distinct ids (validated) spanning n values: one run
-        run_start = low
-        order = torch.argsort(host).to(plan.slots.device)
-    slots = plan.slots.long().view(n, ps)
-    first = slots[:, 0]
-    aligned = ps > 1 and bool(((first % ps == 0) & (slots == first[:, None] + torch.arange(ps, device=slots.device)).all(1)).all())
-    return _Route(run_start, order, first // ps if aligned else None)
+    if high - low != n - 1:  # host pages anywhere: index both sides
+        return _Route(None, slots, False, host_pages)
+    # Distinct ids (validated) spanning n values: one run, sorted by host page.
+    order = torch.argsort(host).to(slots.device)
+    pages = slots.view(n, ps)
+    first = pages[:, 0]
+    if ps > 1 and bool(((first % ps == 0) & (pages == first[:, None] + torch.arange(ps, device=slots.device)).all(1)).all()):
+        return _Route(low, (first // ps)[order], True, host_pages)
+    return _Route(low, pages[order].reshape(-1), False, host_pages)
 
 
 def run_gather_torch(plan: Transfer) -> None:
@@ -117,21 +125,20 @@ def run_gather_torch(plan: Transfer) -> None:
     pool, ps, n = plan.pool, plan.page_size, plan.n_pages
     word = word_bytes_for(pool.row_bytes, pool.tensors() + [plan.staging], GATHER_MAX_WORD)
     route = _route(plan)
-    slots = plan.slots.long()
     with nvtx_range("gather_reference"):
         for device_rows, host_plane in _host_planes(plan, word):
             w = device_rows.shape[1]
             if route.run_start is None:  # host pages anywhere: select the rows, then index_copy_ whole pages
-                rows = device_rows.index_select(0, slots).view(n, ps, w)
-                host_plane.index_copy_(0, plan.pages.long(), rows)
+                rows = device_rows.index_select(0, route.device_index).view(n, ps, w)
+                host_plane.index_copy_(0, route.host_pages, rows)
                 continue
             target = host_plane[route.run_start : route.run_start + n]  # [n, ps, w], host order
-            if route.device_pages is not None:  # one pass: whole pages straight into the staging slice
-                torch.index_select(_whole_pages(device_rows, ps), 0, route.device_pages[route.order], out=target.view(n, ps * w))
+            if route.whole_pages:  # one pass: whole pages straight into the staging slice
+                torch.index_select(_whole_pages(device_rows, ps), 0, route.device_index, out=target.view(n, ps * w))
             elif ps == 1:  # one pass: rows straight into the staging slice
-                torch.index_select(device_rows, 0, slots[route.order], out=target.view(n, w))
+                torch.index_select(device_rows, 0, route.device_index, out=target.view(n, w))
             else:  # scattered rows of multi-token pages: select, then one strided copy
-                target.copy_(device_rows.index_select(0, slots.view(n, ps)[route.order].reshape(-1)).view(n, ps, w))
+                target.copy_(device_rows.index_select(0, route.device_index).view(n, ps, w))
 
 
 def run_scatter_torch(plan: Transfer) -> None:
@@ -146,19 +153,18 @@ def run_scatter_torch(plan: Transfer) -> None:
     pool, ps, n = plan.pool, plan.page_size, plan.n_pages
     word = word_bytes_for(pool.row_bytes, pool.tensors() + [plan.staging], SCATTER_MAX_WORD)
     route = _route(plan)
-    slots = plan.slots.long()
     with nvtx_range("scatter_reference"):
         for device_rows, host_plane in _host_planes(plan, word):
             w = device_rows.shape[1]
             if route.run_start is None:
-                source = host_plane.index_select(0, plan.pages.long())  # [n, ps, w] in batch order
-                device_rows.index_copy_(0, slots, source.view(n * ps, w))
+                source = host_plane.index_select(0, route.host_pages)  # [n, ps, w] in batch order
+                device_rows.index_copy_(0, route.device_index, source.view(n * ps, w))
                 continue
             source = host_plane[route.run_start : route.run_start + n]  # [n, ps, w], host order
-            if route.device_pages is not None:
-                _whole_pages(device_rows, ps).index_copy_(0, route.device_pages[route.order], source.reshape(n, ps * w))
+            if route.whole_pages:
+                _whole_pages(device_rows, ps).index_copy_(0, route.device_index, source.reshape(n, ps * w))
             else:
-                device_rows.index_copy_(0, slots.view(n, ps)[route.order].reshape(-1), source.reshape(n * ps, w))
+                device_rows.index_copy_(0, route.device_index, source.reshape(n * ps, w))
 
 
 def gather_reference(

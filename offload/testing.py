@@ -72,11 +72,6 @@ class SlotTable:
         self.device = torch.device(device)
         self._rows: dict[int, tuple[Any, torch.Tensor]] = {}
 
-    @property
-    def free_slots(self) -> int:
-        """Slots not held by any request."""
-        return len(self._free)
-
     def assign(self, req: Any, n_slots: int) -> torch.Tensor:
         """Give ``req`` ``n_slots`` slots (its row; an existing row is replaced by a longer one
         that keeps the old slots first).

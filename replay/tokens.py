@@ -53,7 +53,3 @@ class TokenSource:
         """The ``output_length`` output token ids, a function of ``request.index`` (int64)."""
         rng = np.random.default_rng([self.seed, _OUTPUT_STREAM, request.index])
         return rng.integers(0, self.vocab_size, request.output_length, dtype=np.int64)
-
-    def clear(self) -> None:
-        """Drop the block cache."""
-        self._blocks.clear()
