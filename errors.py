@@ -36,6 +36,12 @@ class StorageError(KvstageError, RuntimeError):
     """A storage backend could not be set up or failed as a whole (not a per-key miss)."""
 
 
+def is_int(value: object) -> bool:
+    """True for an ``int`` that is not a ``bool`` (Python counts ``True`` as the int 1; no size,
+    count or index here takes it)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def require(condition: bool, argument: str, rule: str, error: type[KvstageError] = InvalidArgumentError) -> None:
     """Raise ``error("<argument>: <rule>")`` when ``condition`` is false.
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import re
 
-from kvstage.errors import ArgumentTypeError, InvalidArgumentError
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int
 from kvstage.hashing.namespace import namespace_seed_bytes
 from kvstage.hashing.schemes import DEFAULT_SCHEME, HashScheme, get_scheme
 from kvstage.hashing.tokens import TOKEN_BYTES, compiled_source, out_of_range_error, token_buffer
@@ -33,7 +33,7 @@ _HEX_DIGITS = re.compile(r"[0-9a-fA-F]*")
 
 
 def _check_page_size(page_size: int) -> int:
-    if isinstance(page_size, bool) or not isinstance(page_size, int):
+    if not is_int(page_size):
         raise ArgumentTypeError(f"page_size: must be an int, got {type(page_size).__name__}")
     if page_size < 1:
         raise InvalidArgumentError(f"page_size: must be >= 1, got {page_size}")
@@ -84,7 +84,7 @@ def full_pages(num_tokens: int, page_size: int) -> tuple[int, int]:
             ``num_tokens`` is not an int >= 0.
     """
     _check_page_size(page_size)
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+    if not is_int(num_tokens):
         raise ArgumentTypeError(f"num_tokens: must be an int, got {type(num_tokens).__name__}")
     if num_tokens < 0:
         raise InvalidArgumentError(f"num_tokens: must be >= 0, got {num_tokens}")

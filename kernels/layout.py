@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvstage.errors import ArgumentTypeError, DeviceMismatchError, require
+from kvstage.errors import ArgumentTypeError, DeviceMismatchError, is_int, require
 from kvstage.kernels.pool import KVPool
 
 __all__ = ["LAYOUTS", "Transfer", "check_transfer", "copy_runs", "page_runs", "split_staged", "staging_shape"]
@@ -29,7 +29,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 def _check_page_size(page_size: object) -> None:
     require(
-        isinstance(page_size, int) and not isinstance(page_size, bool) and page_size >= 1,
+        is_int(page_size) and page_size >= 1,
         "page_size", f"must be a positive int, got {page_size!r}",
     )
 
@@ -54,7 +54,7 @@ def staging_shape(pool: KVPool, num_host_pages: int, page_size: int, layout: str
     """
     require(isinstance(pool, KVPool), "pool", f"must be a KVPool, got {type(pool).__name__}", ArgumentTypeError)
     require(
-        isinstance(num_host_pages, int) and not isinstance(num_host_pages, bool) and num_host_pages >= 0,
+        is_int(num_host_pages) and num_host_pages >= 0,
         "num_host_pages", f"must be an int >= 0, got {num_host_pages!r}",
     )
     _check_page_size(page_size)
@@ -190,7 +190,7 @@ def check_transfer(
     if layer is None:
         layers = range(pool.num_layers)
     else:
-        require(isinstance(layer, int) and not isinstance(layer, bool), "layer", f"must be None or an int, got {layer!r}", ArgumentTypeError)
+        require(is_int(layer), "layer", f"must be None or an int, got {layer!r}", ArgumentTypeError)
         require(0 <= layer < pool.num_layers, "layer", f"must be in [0, {pool.num_layers}), got {layer}")
         layers = range(layer, layer + 1)
     if check_bounds is None:

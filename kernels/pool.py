@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from kvstage.errors import ArgumentTypeError, DeviceMismatchError, require
+from kvstage.errors import ArgumentTypeError, DeviceMismatchError, is_int, require
 
 __all__ = ["KVPool"]
 
@@ -145,7 +145,7 @@ class KVPool:
         Raises:
             InvalidArgumentError: ``page_size`` is not a positive int.
         """
-        require(isinstance(page_size, int) and not isinstance(page_size, bool) and page_size >= 1, "page_size", f"must be a positive int, got {page_size!r}")
+        require(is_int(page_size) and page_size >= 1, "page_size", f"must be a positive int, got {page_size!r}")
         return self.kv_parts * self.num_layers * page_size * self.row_bytes
 
     def layer(self, part: int, layer: int) -> torch.Tensor:

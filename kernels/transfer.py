@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstage.errors import require
+from kvstage.errors import is_int, require
 from kvstage.kernels.backend import resolve_backend
 from kvstage.kernels.layout import Transfer, check_transfer, copy_runs, split_staged
 from kvstage.kernels.pool import KVPool
@@ -37,7 +37,7 @@ MODES = ("kernel", "staged")
 def _check_mode(mode: object, max_programs: object) -> None:
     require(mode in MODES, "mode", f"must be one of {MODES}, got {mode!r}")
     require(
-        max_programs is None or (isinstance(max_programs, int) and not isinstance(max_programs, bool) and max_programs >= 1),
+        max_programs is None or (is_int(max_programs) and max_programs >= 1),
         "max_programs", f"must be None or an int >= 1, got {max_programs!r}",
     )
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from kvstage.errors import InvalidArgumentError, StorageError
+from kvstage.errors import InvalidArgumentError, StorageError, is_int
 from kvstage.offload.storage import STORAGE_SCHEMES, LayoutFingerprint, PutStatus, StorageBackend, page_as_bytes
 
 MAGIC = b"KVSTAGE\x01"
@@ -81,7 +81,7 @@ class FileStore(StorageBackend):
         fsync: bool = False,
     ) -> None:
         super().__init__(fingerprint)
-        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+        if not is_int(capacity_bytes) or capacity_bytes < 0:
             raise InvalidArgumentError(f"capacity_bytes: must be a non-negative int, got {capacity_bytes!r}")
         self.directory = Path(directory)
         self.capacity_bytes = capacity_bytes

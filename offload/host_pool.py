@@ -19,13 +19,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from kvstage.errors import ArgumentTypeError, InvalidArgumentError, require
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
 
 DEFAULT_CHUNK_BYTES = 1 << 30  # 1 GiB: pins reliably, and few enough chunks for a big pool
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class HostPool:
@@ -71,8 +67,8 @@ class HostPool:
             ("num_pages", num_pages),
             ("page_size", page_size),
         ):
-            require(_is_int(value) and value >= 1, name, f"must be a positive int, got {value!r}")
-        require(_is_int(kv_parts) and kv_parts in (1, 2), "kv_parts", f"must be 1 (MLA) or 2 (MHA), got {kv_parts!r}")
+            require(is_int(value) and value >= 1, name, f"must be a positive int, got {value!r}")
+        require(is_int(kv_parts) and kv_parts in (1, 2), "kv_parts", f"must be 1 (MLA) or 2 (MHA), got {kv_parts!r}")
         require(isinstance(dtype, torch.dtype), "dtype", f"must be a torch.dtype, got {dtype!r}", ArgumentTypeError)
         self.num_layers = num_layers
         self.kv_parts = kv_parts
@@ -85,7 +81,7 @@ class HostPool:
         if chunk_pages is None:
             chunk_pages = max(1, min(num_pages, DEFAULT_CHUNK_BYTES // self.page_bytes))
         require(
-            _is_int(chunk_pages) and chunk_pages >= 1, "chunk_pages", f"must be a positive int, got {chunk_pages!r}"
+            is_int(chunk_pages) and chunk_pages >= 1, "chunk_pages", f"must be a positive int, got {chunk_pages!r}"
         )
         chunk_pages = min(chunk_pages, num_pages)
         self.pinned = torch.cuda.is_available() if pin is None else bool(pin)
@@ -168,7 +164,7 @@ class HostPool:
         Raises:
             InvalidArgumentError: ``n`` is not a non-negative int.
         """
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:  # not require(): its message would be built every call
+        if not is_int(n) or n < 0:  # not require(): its message would be built every call
             raise InvalidArgumentError(f"n: must be a non-negative int, got {n!r}")
         free = self._free
         if n > len(free):
@@ -198,7 +194,7 @@ class HostPool:
         in_use = self._in_use
         capacity = self._capacity
         for index, page in enumerate(ids):
-            if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < capacity:
+            if not is_int(page) or not 0 <= page < capacity:
                 raise InvalidArgumentError(f"ids[{index}]: must be a page id in [0, {capacity}), got {page!r}")
             if not in_use[page]:
                 raise InvalidArgumentError(f"ids[{index}]: page {page} is not allocated (double free or foreign id)")
@@ -221,7 +217,7 @@ class HostPool:
         Raises:
             InvalidArgumentError: ``page`` is not an id in ``[0, capacity)``.
         """
-        if not isinstance(page, int) or not 0 <= page < self._capacity:
+        if not is_int(page) or not 0 <= page < self._capacity:
             raise InvalidArgumentError(f"page: must be in [0, {self._capacity}), got {page!r}")
         return self.chunks[page // self.chunk_pages][page % self.chunk_pages]
 

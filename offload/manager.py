@@ -57,7 +57,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from kvstage.errors import ArgumentTypeError, InvalidArgumentError, StorageError, require
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, StorageError, is_int, require
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.host_pool import HostPool
 from kvstage.offload.storage import PutStatus, StorageBackend
@@ -239,7 +239,7 @@ class OffloadManager:
         )
         stride = page_size if offload_stride is None else offload_stride
         require(
-            isinstance(stride, int) and stride > 0 and stride % page_size == 0,
+            is_int(stride) and stride > 0 and stride % page_size == 0,
             "offload_stride",
             f"must be a positive multiple of page_size {page_size}, got {offload_stride!r}",
         )

@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import torch
 
-from kvstage.errors import InvalidArgumentError
+from kvstage.errors import InvalidArgumentError, is_int
 from kvstage.offload.storage import STORAGE_SCHEMES, LayoutFingerprint, PutStatus, StorageBackend
 
 DEFAULT_CAPACITY_BYTES = 1 << 30  # 1 GiB
@@ -50,10 +50,10 @@ class MemoryStore(StorageBackend):
             raise InvalidArgumentError("capacity_pages: give capacity_bytes or capacity_pages, not both")
         if capacity_pages is None:
             capacity_bytes = DEFAULT_CAPACITY_BYTES if capacity_bytes is None else capacity_bytes
-            if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            if not is_int(capacity_bytes) or capacity_bytes < 0:
                 raise InvalidArgumentError(f"capacity_bytes: must be a non-negative int, got {capacity_bytes!r}")
             capacity_pages = capacity_bytes // self.page_bytes
-        elif not isinstance(capacity_pages, int) or capacity_pages < 0:
+        elif not is_int(capacity_pages) or capacity_pages < 0:
             raise InvalidArgumentError(f"capacity_pages: must be a non-negative int, got {capacity_pages!r}")
         self.capacity_pages = capacity_pages
         self._pages: OrderedDict[str, torch.Tensor] = OrderedDict()  # oldest use first

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvstage.errors import InvalidArgumentError
+from kvstage.errors import InvalidArgumentError, is_int
 
 
 class PutStatus(enum.Enum):
@@ -59,7 +59,7 @@ class LayoutFingerprint:
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_parts", "head_num", "head_dim", "page_size", "tp_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise InvalidArgumentError(f"{name}: must be a positive int, got {value!r}")
         if self.kv_parts not in (1, 2):
             raise InvalidArgumentError(f"kv_parts: must be 1 (MLA) or 2 (MHA), got {self.kv_parts}")

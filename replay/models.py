@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstage.errors import InvalidArgumentError
+from kvstage.errors import InvalidArgumentError, is_int
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -92,7 +92,7 @@ def resolve_model(
         raise InvalidArgumentError(f"--model: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     base = PRESETS[preset or DEFAULT_MODEL]
     for option, value in (("--layers", layers), ("--heads", heads), ("--head-dim", head_dim)):
-        if value is not None and (not isinstance(value, int) or value < 1):
+        if value is not None and (not is_int(value) or value < 1):
             raise InvalidArgumentError(f"{option}: must be a positive int, got {value!r}")
     if dtype is not None and dtype not in DTYPES:
         raise InvalidArgumentError(f"--dtype: unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import numpy as np
 
-from kvstage.errors import InvalidArgumentError
+from kvstage.errors import InvalidArgumentError, is_int
 
 BLOCK_TOKENS = 512  # tokens per hash_ids block in Mooncake traces
 
@@ -52,10 +52,6 @@ class TraceRequest:
     line: int = 0
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def parse_line(text: str, index: int, line: int, source: str = "trace") -> TraceRequest:
     """Parse and validate one JSONL line.
 
@@ -81,13 +77,13 @@ def parse_line(text: str, index: int, line: int, source: str = "trace") -> Trace
         raise fail("timestamp", f"must be a number >= 0 (milliseconds), got {timestamp!r}")
     for field in ("input_length", "output_length"):
         value = obj[field]
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise fail(field, f"must be an int >= 1, got {value!r}")
     hash_ids = obj["hash_ids"]
     if not isinstance(hash_ids, list):
         raise fail("hash_ids", f"must be a list of ints, got {type(hash_ids).__name__}")
     for position, block in enumerate(hash_ids):
-        if not _is_int(block) or block < 0:
+        if not is_int(block) or block < 0:
             raise fail(f"hash_ids[{position}]", f"must be an int >= 0, got {block!r}")
     needed = -(-obj["input_length"] // BLOCK_TOKENS)
     if len(hash_ids) != needed:
@@ -150,7 +146,7 @@ def synthetic_trace(num_requests: int = 48, seed: int = 0) -> list[TraceRequest]
         num_requests: requests to make, >= 1.
         seed: the numpy generator's seed; the same seed gives the same trace.
     """
-    if not _is_int(num_requests) or num_requests < 1:
+    if not is_int(num_requests) or num_requests < 1:
         raise InvalidArgumentError(f"num_requests: must be an int >= 1, got {num_requests!r}")
     rng = np.random.default_rng([seed, 0x7A11])
     next_id = 0
