@@ -11,6 +11,8 @@ Messages name the argument and the rule it broke, for example
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class KvstageError(Exception):
     """Base class of every exception kvstage raises."""
@@ -42,17 +44,21 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def require(condition: bool, argument: str, rule: str, error: type[KvstageError] = InvalidArgumentError) -> None:
+def require(
+    condition: bool, argument: str, rule: str | Callable[[], str], error: type[KvstageError] = InvalidArgumentError
+) -> None:
     """Raise ``error("<argument>: <rule>")`` when ``condition`` is false.
 
     Args:
         condition: the rule holds when true.
         argument: the name of the argument that is checked, as the caller spells it.
-        rule: what must hold, with the offending value where it helps.
+        rule: what must hold, with the offending value where it helps; or a function making
+            that text, called only when the rule fails (on hot paths, where formatting the
+            message every call would cost more than the check).
         error: the exception class to raise (a :class:`KvstageError` subclass).
 
     Raises:
         error: when ``condition`` is false.
     """
     if not condition:
-        raise error(f"{argument}: {rule}")
+        raise error(f"{argument}: {rule() if callable(rule) else rule}")

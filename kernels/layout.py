@@ -30,12 +30,12 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 def _check_page_size(page_size: object) -> None:
     require(
         is_int(page_size) and page_size >= 1,
-        "page_size", f"must be a positive int, got {page_size!r}",
+        "page_size", lambda: f"must be a positive int, got {page_size!r}",
     )
 
 
 def _check_layout(layout: object) -> None:
-    require(layout in LAYOUTS, "layout", f"must be one of {LAYOUTS}, got {layout!r}")
+    require(layout in LAYOUTS, "layout", lambda: f"must be one of {LAYOUTS}, got {layout!r}")
 
 
 def staging_shape(pool: KVPool, num_host_pages: int, page_size: int, layout: str = "page_first") -> tuple[int, ...]:
@@ -52,10 +52,10 @@ def staging_shape(pool: KVPool, num_host_pages: int, page_size: int, layout: str
         ArgumentTypeError: ``pool`` is not a :class:`KVPool`.
         InvalidArgumentError: a negative page count, a page size < 1, an unknown layout.
     """
-    require(isinstance(pool, KVPool), "pool", f"must be a KVPool, got {type(pool).__name__}", ArgumentTypeError)
+    require(isinstance(pool, KVPool), "pool", lambda: f"must be a KVPool, got {type(pool).__name__}", ArgumentTypeError)
     require(
         is_int(num_host_pages) and num_host_pages >= 0,
-        "num_host_pages", f"must be an int >= 0, got {num_host_pages!r}",
+        "num_host_pages", lambda: f"must be an int >= 0, got {num_host_pages!r}",
     )
     _check_page_size(page_size)
     _check_layout(layout)
@@ -102,22 +102,22 @@ class Transfer:
 
 
 def _check_index(name: str, t: object, pool: KVPool) -> torch.Tensor:
-    require(isinstance(t, torch.Tensor), name, f"must be a torch.Tensor, got {type(t).__name__}", ArgumentTypeError)
+    require(isinstance(t, torch.Tensor), name, lambda: f"must be a torch.Tensor, got {type(t).__name__}", ArgumentTypeError)
     assert isinstance(t, torch.Tensor)
-    require(t.dtype in INDEX_DTYPES, name, f"dtype must be int32 or int64, got {t.dtype}", ArgumentTypeError)
-    require(t.dim() == 1, name, f"must be 1-D, got shape {tuple(t.shape)}")
+    require(t.dtype in INDEX_DTYPES, name, lambda: f"dtype must be int32 or int64, got {t.dtype}", ArgumentTypeError)
+    require(t.dim() == 1, name, lambda: f"must be 1-D, got shape {tuple(t.shape)}")
     require(
         t.device == pool.device or t.device.type == "cpu", name,
-        f"must be on the pool's device ({pool.device}) or on CPU, got {t.device}", DeviceMismatchError,
+        lambda: f"must be on the pool's device ({pool.device}) or on CPU, got {t.device}", DeviceMismatchError,
     )
     return t
 
 
 def _check_staging(staging: object, pool: KVPool, page_size: int, layout: str) -> int:
     """Check the staging buffer against the pool; return how many host pages it holds."""
-    require(isinstance(staging, torch.Tensor), "staging", f"must be a torch.Tensor, got {type(staging).__name__}", ArgumentTypeError)
+    require(isinstance(staging, torch.Tensor), "staging", lambda: f"must be a torch.Tensor, got {type(staging).__name__}", ArgumentTypeError)
     assert isinstance(staging, torch.Tensor)
-    require(staging.dtype == pool.dtype, "staging", f"dtype must be the pool's {pool.dtype}, got {staging.dtype}", ArgumentTypeError)
+    require(staging.dtype == pool.dtype, "staging", lambda: f"dtype must be the pool's {pool.dtype}, got {staging.dtype}", ArgumentTypeError)
     if pool.device.type == "cuda" and staging.device.type == "cpu":
         # The kernel reads/writes host memory over PCIe through its device address: only
         # page-locked memory has one; pageable memory would fault.
@@ -125,7 +125,7 @@ def _check_staging(staging: object, pool: KVPool, page_size: int, layout: str) -
     else:
         require(
             staging.device == pool.device, "staging",
-            f"must be pinned host memory or on the pool's device ({pool.device}), got {staging.device}", DeviceMismatchError,
+            lambda: f"must be pinned host memory or on the pool's device ({pool.device}), got {staging.device}", DeviceMismatchError,
         )
     if layout == "page_first":
         names = ("num_host_pages", "num_layers", "kv_parts", "page_size", "head_num", "head_dim")
@@ -133,16 +133,28 @@ def _check_staging(staging: object, pool: KVPool, page_size: int, layout: str) -
     else:
         names = ("kv_parts", "num_layers", "num_host_tokens", "head_num", "head_dim")
         want = (pool.kv_parts, pool.num_layers, None, pool.head_num, pool.head_dim)
-    require(staging.dim() == len(names), "staging", f"{layout} staging must be [{', '.join(names)}], got shape {tuple(staging.shape)}")
+    require(staging.dim() == len(names), "staging", lambda: f"{layout} staging must be [{', '.join(names)}], got shape {tuple(staging.shape)}")
     for dim, (name, expected) in enumerate(zip(names, want)):
         if expected is not None:
-            require(staging.shape[dim] == expected, "staging", f"dim {dim} ({name}) must be {expected}, got {staging.shape[dim]} (shape {tuple(staging.shape)})")
+            require(staging.shape[dim] == expected, "staging", lambda: f"dim {dim} ({name}) must be {expected}, got {staging.shape[dim]} (shape {tuple(staging.shape)})")
     require(staging.is_contiguous(), "staging", "must be contiguous")
     if layout == "page_first":
         return int(staging.shape[0])
     tokens = int(staging.shape[2])
-    require(tokens % page_size == 0, "staging", f"dim 2 (num_host_tokens) must be a multiple of page_size {page_size}, got {tokens}")
+    require(tokens % page_size == 0, "staging", lambda: f"dim 2 (num_host_tokens) must be a multiple of page_size {page_size}, got {tokens}")
     return tokens // page_size
+
+
+# Up to this many ids, Python's min/max/set on a list beat three torch reductions (~30 us).
+_SMALL_INDEX = 256
+
+
+def _range_and_distinct(ids: torch.Tensor) -> tuple[int, int, int]:
+    """``(min, max, number of distinct values)`` of a non-empty 1-D index tensor."""
+    if ids.device.type == "cpu" and ids.numel() <= _SMALL_INDEX:
+        values = ids.tolist()
+        return min(values), max(values), len(set(values))
+    return int(ids.min()), int(ids.max()), torch.unique(ids).numel()
 
 
 def check_transfer(
@@ -176,7 +188,7 @@ def check_transfer(
             ``slot_indices`` does not hold ``len(host_page_ids) * page_size`` indices; a host
             page id out of range or repeated; (``check_bounds``) a slot out of range.
     """
-    require(isinstance(pool, KVPool), "pool", f"must be a KVPool, got {type(pool).__name__}", ArgumentTypeError)
+    require(isinstance(pool, KVPool), "pool", lambda: f"must be a KVPool, got {type(pool).__name__}", ArgumentTypeError)
     _check_page_size(page_size)
     _check_layout(layout)
     num_host_pages = _check_staging(staging, pool, page_size, layout)
@@ -185,23 +197,23 @@ def check_transfer(
     n_pages = pages.numel()
     require(
         slots.numel() == n_pages * page_size, "slot_indices",
-        f"must hold len(host_page_ids) * page_size = {n_pages} * {page_size} = {n_pages * page_size} indices, got {slots.numel()}",
+        lambda: f"must hold len(host_page_ids) * page_size = {n_pages} * {page_size} = {n_pages * page_size} indices, got {slots.numel()}",
     )
     if layer is None:
         layers = range(pool.num_layers)
     else:
-        require(is_int(layer), "layer", f"must be None or an int, got {layer!r}", ArgumentTypeError)
-        require(0 <= layer < pool.num_layers, "layer", f"must be in [0, {pool.num_layers}), got {layer}")
+        require(is_int(layer), "layer", lambda: f"must be None or an int, got {layer!r}", ArgumentTypeError)
+        require(0 <= layer < pool.num_layers, "layer", lambda: f"must be in [0, {pool.num_layers}), got {layer}")
         layers = range(layer, layer + 1)
     if check_bounds is None:
         check_bounds = pool.device.type == "cpu"
     if n_pages and (check_bounds or pages.device.type == "cpu"):
-        low, high = int(pages.min()), int(pages.max())
-        require(0 <= low and high < num_host_pages, "host_page_ids", f"must be in [0, {num_host_pages}) (the staging buffer's pages), got min {low} max {high}")
-        require(torch.unique(pages).numel() == n_pages, "host_page_ids", "must not repeat a page id within one call")
+        low, high, distinct = _range_and_distinct(pages)
+        require(0 <= low and high < num_host_pages, "host_page_ids", lambda: f"must be in [0, {num_host_pages}) (the staging buffer's pages), got min {low} max {high}")
+        require(distinct == n_pages, "host_page_ids", "must not repeat a page id within one call")
     if n_pages and check_bounds:
         low, high = int(slots.min()), int(slots.max())
-        require(0 <= low and high < pool.num_slots, "slot_indices", f"must be in [0, {pool.num_slots}) (the pool's slots), got min {low} max {high}")
+        require(0 <= low and high < pool.num_slots, "slot_indices", lambda: f"must be in [0, {pool.num_slots}) (the pool's slots), got min {low} max {high}")
     pages_on_host = pages if pages.device.type == "cpu" else None
     if slots.device != pool.device:
         slots = slots.to(pool.device, non_blocking=True)

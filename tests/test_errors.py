@@ -42,3 +42,17 @@ def test_auto_backend_on_cpu_follows_triton_interpret(monkeypatch):
     assert resolve_backend("auto", on_cuda=False) == "torch"
     with pytest.raises(errors.BackendUnavailableError, match="TRITON_INTERPRET=1"):
         resolve_backend("triton", on_cuda=False)
+
+
+def test_require_takes_a_rule_made_only_when_it_fails():
+    made = []
+
+    def rule() -> str:
+        made.append(1)
+        return "must be even, got 3"
+
+    errors.require(True, "n", rule)
+    assert made == []
+    with pytest.raises(errors.InvalidArgumentError, match="^n: must be even, got 3$"):
+        errors.require(False, "n", rule)
+    assert made == [1]
