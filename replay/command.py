@@ -18,7 +18,9 @@ from kvstage.replay.models import DEFAULT_MODEL, DTYPES, PRESETS, resolve_model
 from kvstage.replay.trace import TraceError, TraceRequest, load_trace, synthetic_trace
 
 DEFAULT_SYNTHETIC_REQUESTS = 48
-HASH_SCHEMES = ("sglang-v1", "xxh3-128")  # as kvstage.hashing.SCHEMES; listed here so --help needs no import
+# As kvstage.hashing.SCHEMES and kvstage.kernels.backend.BACKEND_CHOICES (a test keeps them
+# equal); listed here so that --help imports neither (kvstage.kernels imports torch).
+HASH_SCHEMES = ("sglang-v1", "xxh3-128")
 BACKENDS = ("auto", "triton", "torch")
 
 
@@ -43,7 +45,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, help="layers (overrides the preset)")
     p.add_argument("--heads", type=int, help="KV heads (overrides the preset)")
     p.add_argument("--head-dim", type=int, help="head_dim, or kv_dim for MLA (overrides the preset)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), help="KV dtype (overrides the preset)")
+    p.add_argument("--dtype", choices=DTYPES, help="KV dtype (overrides the preset)")
     p.add_argument("--storage", default="memory", metavar="URL", help="memory | memory:BYTES | file:DIR | mooncake://... (default memory, sized so nothing is evicted)")
     p.add_argument("--hash", choices=HASH_SCHEMES, default="sglang-v1", help="page key scheme (default sglang-v1)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="copy backend of the gathers (default auto)")

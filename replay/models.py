@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kvstage.errors import InvalidArgumentError, is_int
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# By name, so that `kvstage --help` builds its parser without importing torch (~2 s).
+DTYPES = ("float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class ModelShape:
         kv_parts: 2 (MHA: K and V) or 1 (MLA: one latent).
         head_num: KV heads per part (1 for MLA).
         head_dim: elements per head (kv_dim for MLA).
-        dtype: KV dtype.
+        dtype_name: KV dtype as torch spells it, one of :data:`DTYPES` (e.g. ``"bfloat16"``).
     """
 
     name: str
@@ -40,12 +39,14 @@ class ModelShape:
     kv_parts: int
     head_num: int
     head_dim: int
-    dtype: torch.dtype
+    dtype_name: str
 
     @property
-    def dtype_name(self) -> str:
-        """The dtype as torch spells it, e.g. ``"bfloat16"``."""
-        return str(self.dtype).removeprefix("torch.")
+    def dtype(self) -> torch.dtype:
+        """The KV dtype (``torch.<dtype_name>``)."""
+        import torch
+
+        return getattr(torch, self.dtype_name)
 
     @property
     def token_bytes(self) -> int:
@@ -63,9 +64,9 @@ class ModelShape:
 
 
 PRESETS = {
-    "small": ModelShape("small", 2, 2, 2, 64, torch.float16),
-    "llama3-8b": ModelShape("llama3-8b", 32, 2, 8, 128, torch.bfloat16),
-    "deepseek-v3": ModelShape("deepseek-v3", 61, 1, 1, 576, torch.bfloat16),
+    "small": ModelShape("small", 2, 2, 2, 64, "float16"),
+    "llama3-8b": ModelShape("llama3-8b", 32, 2, 8, 128, "bfloat16"),
+    "deepseek-v3": ModelShape("deepseek-v3", 61, 1, 1, 576, "bfloat16"),
 }
 DEFAULT_MODEL = "small"
 
@@ -106,5 +107,5 @@ def resolve_model(
         kv_parts=kv_parts,
         head_num=1 if kv_parts == 1 else (heads or base.head_num),
         head_dim=head_dim or base.head_dim,
-        dtype=DTYPES[dtype] if dtype else base.dtype,
+        dtype_name=dtype or base.dtype_name,
     )
