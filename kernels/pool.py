@@ -11,6 +11,7 @@ table of per-(part, layer) byte offsets (see :mod:`kvstage.kernels.transfer`).
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -157,6 +158,16 @@ class KVPool:
         require(0 <= part < self.kv_parts, "part", f"must be in [0, {self.kv_parts}), got {part}")
         require(0 <= layer < self.num_layers, "layer", f"must be in [0, {self.num_layers}), got {layer}")
         return self.buffers[part][layer]
+
+    @functools.cached_property
+    def word_alignment(self) -> int:
+        """The widest word, in bytes (16, 8, 4, 2 or 1), dividing ``row_bytes`` and every buffer's
+        start address: the widest access a copy may use on the pool's side. Computed once (the
+        buffers of a pool never change)."""
+        word = 16
+        while word > 1 and (self.row_bytes % word or any(t.data_ptr() % word for t in self.tensors())):
+            word //= 2
+        return word
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer, part-major: ``[part 0 layer 0, part 0 layer 1, ..., part 1 layer 0, ...]``."""

@@ -123,7 +123,7 @@ def run_gather_torch(plan: Transfer) -> None:
         copy_runs(outer, inner.staging, to_staging=True)
         return
     pool, ps, n = plan.pool, plan.page_size, plan.n_pages
-    word = word_bytes_for(pool.row_bytes, pool.tensors() + [plan.staging], GATHER_MAX_WORD)
+    word = word_bytes_for(pool.row_bytes, [plan.staging], min(GATHER_MAX_WORD, pool.word_alignment))
     route = _route(plan)
     with nvtx_range("gather_reference"):
         for device_rows, host_plane in _host_planes(plan, word):
@@ -151,7 +151,7 @@ def run_scatter_torch(plan: Transfer) -> None:
         run_scatter_torch(inner)
         return
     pool, ps, n = plan.pool, plan.page_size, plan.n_pages
-    word = word_bytes_for(pool.row_bytes, pool.tensors() + [plan.staging], SCATTER_MAX_WORD)
+    word = word_bytes_for(pool.row_bytes, [plan.staging], min(SCATTER_MAX_WORD, pool.word_alignment))
     route = _route(plan)
     with nvtx_range("scatter_reference"):
         for device_rows, host_plane in _host_planes(plan, word):

@@ -152,12 +152,7 @@ class _PoolWords:
     align: int  # power of two (words) dividing the row and every offset, up to 16 bytes
 
 
-def _pool_max_word(pool) -> int:
-    cached = getattr(pool, "_triton_max_word", None)
-    if cached is None:
-        cached = word_bytes_for(pool.row_bytes, pool.tensors())
-        pool._triton_max_word = cached
-    return cached
+KERNEL_MAX_WORD = 8  # bytes: the kernel moves 8-, 4-, 2- or 1-byte words (wider runs vectorise)
 
 
 def _pool_words(pool, word: int) -> _PoolWords:
@@ -186,7 +181,7 @@ def launch(plan: Transfer, *, gather: bool, max_programs: int | None = None) -> 
     if plan.n_pages == 0:
         return None
     pool = plan.pool
-    word = word_bytes_for(pool.row_bytes, [plan.staging], _pool_max_word(pool))
+    word = word_bytes_for(pool.row_bytes, [plan.staging], min(KERNEL_MAX_WORD, pool.word_alignment))
     row_words = pool.row_bytes // word
     words = _pool_words(pool, word)
     staging_words = as_rows(plan.staging, pool.row_bytes, word)

@@ -86,3 +86,12 @@ def test_staging_shape_rejects_bad_arguments(device, args, argument):
     pool = make_pool(parts=1, layers=1, slots=4, heads=1, dim=8, dtype=torch.float16, device=device)
     with pytest.raises(InvalidArgumentError, match=f"^{argument}:"):
         staging_shape(pool, *args)
+
+
+def test_word_alignment_is_the_widest_word_dividing_rows_and_addresses():
+    base = torch.zeros(4 * 64 + 2, dtype=torch.uint8)
+    assert KVPool.mla([base[:256].view(4, 1, 64)]).word_alignment == min(16, base.data_ptr() & -base.data_ptr())
+    odd = KVPool.mla([base[2:258].view(4, 1, 64)])  # starts 2 bytes in: 2-byte words at most
+    assert odd.word_alignment == 2
+    assert KVPool.mla([torch.zeros(4, 1, 6, dtype=torch.uint8)]).word_alignment == 2  # 6-byte rows
+    assert KVPool.mla([torch.zeros(4, 1, 3, dtype=torch.uint8)]).word_alignment == 1
