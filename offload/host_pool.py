@@ -15,7 +15,7 @@ The pool only hands out and takes back page ids; it never looks at the bytes.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -86,6 +86,7 @@ class HostPool:
         chunk_pages = min(chunk_pages, num_pages)
         self.pinned = torch.cuda.is_available() if pin is None else bool(pin)
         self.chunk_pages = chunk_pages
+        self._page_range = torch.arange(chunk_pages, dtype=torch.int64)  # runs of host page ids are views of it
         self.chunks: list[torch.Tensor] = []
         for start in range(0, num_pages, chunk_pages):
             pages = min(chunk_pages, num_pages - start)
@@ -245,6 +246,51 @@ class HostPool:
             group[1].append(position)
             group[2].append(page - chunk * chunk_pages)
         return list(groups.values())
+
+    def gather_copy(
+        self, kv_pool: Any, slots: torch.Tensor, host_ids: Sequence[int], *, backend: str = "auto"
+    ) -> tuple[Callable[[], None], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+        """The D2H copy of pages from a device KV pool into host pages of this pool, to run later.
+
+        Args:
+            kv_pool: the :class:`kvstage.kernels.KVPool` the pages come from (same layout).
+            slots: int32/int64 ``[len(host_ids) * page_size]`` device slots, page by page.
+            host_ids: the host page (allocated from this pool) each page goes to, in order.
+            backend: the gather's backend (``"auto"``, ``"triton"``, ``"torch"``).
+
+        Returns:
+            ``(copy, keep)``: ``copy()`` runs one :func:`kvstage.kernels.gather` per chunk
+            touched (on the caller's stream or thread); ``keep`` holds the ``(staging, slots,
+            host page ids)`` tensors it reads, to keep alive until it has run. Host page ids
+            stay on CPU (the kernels read them there without a device sync); a run of
+            consecutive ids, the usual case, is a view of one ``arange``.
+
+        Raises:
+            Nothing here: ``copy()`` raises what the gather raises (validation before writing).
+        """
+        from kvstage.kernels import gather
+
+        groups = self.locate(host_ids)
+        page_size = self.page_size
+        keep = []
+        for chunk, positions, local_ids in groups:
+            if len(groups) == 1:
+                chunk_slots = slots
+            else:
+                pages = torch.tensor(positions, dtype=torch.int64, device=slots.device)
+                chunk_slots = slots.view(-1, page_size).index_select(0, pages).reshape(-1)
+            first, n = local_ids[0], len(local_ids)
+            if n == 1 or local_ids == list(range(first, first + n)):
+                page_ids = self._page_range[first : first + n]
+            else:
+                page_ids = torch.tensor(local_ids, dtype=torch.int64)
+            keep.append((self.chunks[chunk], chunk_slots, page_ids))
+
+        def copy() -> None:
+            for staging, chunk_slots, page_ids in keep:
+                gather(kv_pool, staging, chunk_slots, page_ids, page_size=page_size, layout="page_first", backend=backend)
+
+        return copy, keep
 
     def __repr__(self) -> str:
         return (

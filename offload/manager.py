@@ -220,7 +220,6 @@ class OffloadManager:
         backend: str = "auto",
         copy_stream: Any = None,
     ) -> None:
-        from kvstage.kernels import gather
         from kvstage.kernels.backend import resolve_backend
         from kvstage.offload.copy_stream import CopyStream
 
@@ -281,7 +280,6 @@ class OffloadManager:
         self.backend = backend
         self._owns_copy_stream = copy_stream is None
         self.copy_stream = copy_stream if copy_stream is not None else CopyStream(self.device)
-        self._gather = gather
         self._release_callback = release
         self._failure_callback = on_storage_failure
         self._states: dict[int, _RequestState] = {}
@@ -290,7 +288,6 @@ class OffloadManager:
         self._ended: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._in_flight: deque[_Segment] = deque()
         self._in_order = bool(getattr(self.copy_stream, "in_order", False))
-        self._page_range = torch.arange(host_pool.chunk_pages, dtype=torch.int64)
         storage.register_host_buffers(host_pool.buffers)
         # Counters (see OffloadMetrics).
         self._pages_in_flight = 0
@@ -567,7 +564,7 @@ class OffloadManager:
                 raise InvalidArgumentError(
                     f"slot_indices_of: {slots.shape[0]} slots for request rid={req.rid!r}, its first {end} tokens have KV"
                 )
-            copy, keep = self._gather_copy(slots[start:end], host_ids)
+            copy, keep = self.host_pool.gather_copy(self.kv_pool, slots[start:end], host_ids, backend=self.backend)
             event = self.copy_stream.submit(copy, keep=keep)
         except BaseException:
             self.host_pool.free(host_ids)
@@ -580,34 +577,6 @@ class OffloadManager:
         self._pages_in_flight += n_pages
         self._pages_launched += n_pages
         return _LAUNCHED if fitting == units else _PARTIAL
-
-    def _gather_copy(self, slots: torch.Tensor, host_ids: list[int]):
-        """The copy (one gather per host-pool chunk touched) and the tensors it must keep alive."""
-        pool = self.host_pool
-        groups = pool.locate(host_ids)
-        launches = []
-        page_range = self._page_range
-        for chunk, positions, local_ids in groups:
-            if len(groups) == 1:
-                chunk_slots = slots
-            else:
-                pages = torch.tensor(positions, dtype=torch.int64, device=slots.device)
-                chunk_slots = slots.view(-1, self.page_size).index_select(0, pages).reshape(-1)
-            # Host page ids stay on CPU (the kernels take them there, no device sync); a run of
-            # consecutive ids (the usual case) is a view of one arange, not a new tensor.
-            first, n = local_ids[0], len(local_ids)
-            if n == 1 or local_ids == list(range(first, first + n)):
-                page_ids = page_range[first : first + n]
-            else:
-                page_ids = torch.tensor(local_ids, dtype=torch.int64)
-            launches.append((pool.chunks[chunk], chunk_slots, page_ids))
-        kv_pool, gather, page_size, backend = self.kv_pool, self._gather, self.page_size, self.backend
-
-        def copy() -> None:
-            for staging, chunk_slots, page_ids in launches:
-                gather(kv_pool, staging, chunk_slots, page_ids, page_size=page_size, layout="page_first", backend=backend)
-
-        return copy, launches
 
     def _complete(self, segment: _Segment) -> None:
         state = segment.state

@@ -476,22 +476,11 @@ class ReplayEngine:
         prefill's KV writes on the compute stream; on CPU on the same worker thread, so two
         gathers never run at once (the Triton interpreter is not thread-safe). Blocks until done.
         """
-        from kvstage.kernels import gather
-
-        ps, device, backend = self.page_size, self.device, self.config.backend
+        ps, device = self.page_size, self.device
         page_index = torch.tensor(pages, dtype=torch.int64, device=device)
-        launches = []
-        for chunk_no, positions, local_ids in self.host_pool.locate(host_ids):
-            chosen = page_index[torch.tensor(positions, device=device)] if len(positions) != len(pages) else page_index
-            slots = req.slots[(chosen.view(-1, 1) * ps + torch.arange(ps, device=device)).view(-1)]
-            launches.append((self.host_pool.chunks[chunk_no], slots, torch.tensor(local_ids, dtype=torch.int64, device=device)))
-        kv_pool = self.kv_pool
-
-        def copy() -> None:
-            for staging, slots, local in launches:
-                gather(kv_pool, staging, slots, local, page_size=ps, layout="page_first", backend=backend)
-
-        event = self.manager.copy_stream.submit(copy, keep=launches)
+        slots = req.slots[(page_index.view(-1, 1) * ps + torch.arange(ps, device=device)).view(-1)]
+        copy, keep = self.host_pool.gather_copy(self.kv_pool, slots, host_ids, backend=self.config.backend)
+        event = self.manager.copy_stream.submit(copy, keep=keep)
         event.synchronize()
         if getattr(event, "error", None) is not None:
             raise event.error

@@ -123,3 +123,24 @@ def test_bad_arguments_name_the_argument(change, error, rule):
     args.update(change)
     with pytest.raises(error, match=rule):
         HostPool(**args)
+
+
+@pytest.mark.parametrize("host_ids", [[2, 3], [4, 1, 0, 3], [3, 1]])  # one chunk, three chunks, a gap
+def test_gather_copy_puts_every_page_in_its_host_page(host_ids):
+    from kvstage.kernels import KVPool
+
+    pool = make_pool(num_pages=5, chunk_pages=2)
+    buffers = [[torch.randn(40, 2, 8).half() for _ in range(3)] for _ in range(2)]
+    kv_pool = KVPool.mha(buffers[0], buffers[1])
+    for chunk in pool.chunks:
+        chunk.fill_(-7)  # poison: what the copy does not write stays -7
+    device_pages = [9, 0, 5, 7][: len(host_ids)]
+    slots = torch.tensor([p * 4 + j for p in device_pages for j in range(4)])
+    copy, keep = pool.gather_copy(kv_pool, slots, host_ids, backend="torch")
+    assert len(keep) == len(pool.locate(host_ids))
+    copy()
+    for device_page, host_id in zip(device_pages, host_ids):
+        expected = torch.stack([torch.stack([buffers[p][layer][device_page * 4 : device_page * 4 + 4] for p in range(2)]) for layer in range(3)])
+        assert torch.equal(pool.page(host_id), expected)
+    untouched = [page for page in range(5) if page not in host_ids]
+    assert all(bool((pool.page(page) == -7).all()) for page in untouched)
