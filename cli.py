@@ -45,9 +45,10 @@ def collect_info() -> dict[str, object]:
 
 def _mooncake_status() -> str:
     from kvstage.offload.mooncake_master import master_binary
+    from kvstage.offload.mooncake_store import INSTALL_HINT
 
     if importlib.util.find_spec("mooncake") is None:
-        return "not installed (pip install 'kvstage[mooncake]'; see tools/install-mooncake.sh)"
+        return f"not installed ({INSTALL_HINT})"
     master = master_binary()
     versions = [f"{name} {_version_of(name)}" for name in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")]
     found = [v for v in versions if not v.endswith("not installed")]

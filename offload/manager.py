@@ -99,6 +99,12 @@ class OffloadRequest(Protocol):
 SlotIndicesOf = Callable[[Any], torch.Tensor]
 
 
+def kv_length(req: OffloadRequest) -> int:
+    """Token positions of ``req`` whose KV is in the device pool: the prompt and every output
+    token but the last sampled one, which has no KV until the next decode step writes it."""
+    return len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+
+
 @dataclass(frozen=True)
 class OffloadMetrics:
     """A snapshot of the manager's counters (pages are host pages of ``page_size`` tokens).
@@ -506,17 +512,13 @@ class OffloadManager:
         outcome = self._launch(state, self.page_size)
         state.ending = True
         if outcome in (_FULL, _PARTIAL):
-            dropped = (self._kv_len(req) - state.offloaded_len) // self.page_size
+            dropped = (kv_length(req) - state.offloaded_len) // self.page_size
             self._pages_dropped += dropped
             logger.warning("offload: host pool full at finish of rid=%r: %d pages not offloaded", req.rid, dropped)
         if state.in_flight == 0:
             self._release(state)
         return outcome in (_NOTHING, _LAUNCHED)
 
-    @staticmethod
-    def _kv_len(req: Any) -> int:
-        # The last sampled token has no KV yet.
-        return len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
 
     @staticmethod
     def _tokens(req: Any, start: int, end: int) -> list[int]:
@@ -535,7 +537,7 @@ class OffloadManager:
         req = state.req
         start = state.offloaded_len
         page_size = self.page_size
-        units = (self._kv_len(req) - start) // unit
+        units = (kv_length(req) - start) // unit
         if units <= 0:
             return _NOTHING
         pages_per_unit = unit // page_size

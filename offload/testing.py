@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvstage.errors import InvalidArgumentError, StorageError
+from kvstage.offload.manager import kv_length
 from kvstage.offload.memory_store import MemoryStore
 from kvstage.offload.storage import LayoutFingerprint, PutStatus
 
@@ -49,8 +50,8 @@ class SimpleRequest:
 
     @property
     def tokens_with_kv(self) -> int:
-        """``len(origin_input_ids) + len(output_ids) - 1`` (the last sampled token has no KV yet)."""
-        return len(self.origin_input_ids) + max(len(self.output_ids) - 1, 0)
+        """:func:`kvstage.offload.manager.kv_length` of this request."""
+        return kv_length(self)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rid={self.rid!r}, prompt={len(self.origin_input_ids)}, output={len(self.output_ids)})"

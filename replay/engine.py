@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from kvstage.errors import InvalidArgumentError
+from kvstage.offload.manager import kv_length
 from kvstage.offload.storage import PutStatus
 from kvstage.replay.kv_content import KVContent
 from kvstage.replay.models import ModelShape
@@ -144,8 +145,8 @@ class ReplayRequest:
 
     @property
     def kv_len(self) -> int:
-        """Token positions whose KV is in the device pool (the last sampled token has none)."""
-        return len(self.origin_input_ids) + max(len(self.output_ids) - 1, 0)
+        """Token positions whose KV is in the device pool (:func:`kvstage.offload.manager.kv_length`)."""
+        return kv_length(self)
 
     @property
     def kv_tokens(self) -> list[int]:
