@@ -436,6 +436,16 @@ class OffloadManager:
         return None if state is None else state.offloaded_len
 
     @property
+    def requests_live(self) -> int:
+        """Requests tracked and not yet released (``metrics.requests_live``, without a snapshot)."""
+        return len(self._states)
+
+    @property
+    def copies_in_flight(self) -> int:
+        """Copies launched and not yet handled by :meth:`poll` (``metrics.copies_in_flight``)."""
+        return len(self._in_flight)
+
+    @property
     def metrics(self) -> OffloadMetrics:
         """A snapshot of the counters."""
         pool = self.host_pool

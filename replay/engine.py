@@ -357,7 +357,7 @@ class ReplayEngine:
         running: list[ReplayRequest] = []
         finishing: list[ReplayRequest] = []  # finished, waiting for host pages to offload their tail
         last_progress = 0.0
-        while pending or running or finishing or self.manager.metrics.requests_live:
+        while pending or running or finishing or self.manager.requests_live:
             admitted = self._admit(pending, running)
             if running:
                 self._decode_step(running)
@@ -373,7 +373,7 @@ class ReplayEngine:
             if not running and not admitted:
                 # Nothing to compute: wait for copies in flight (they free host and device pages).
                 self.manager.drain()
-                if finishing and not pending and self.manager.metrics.copies_in_flight == 0:
+                if finishing and not pending and self.manager.copies_in_flight == 0:
                     for req in finishing:  # the host pool is idle and still too small: finish anyway
                         self._try_finish(req, force=True)
                     finishing = []
@@ -492,7 +492,7 @@ class ReplayEngine:
         """``n`` host pages, waiting for the manager's copies in flight when the pool is full."""
         ids = self.host_pool.alloc(n)
         while ids is None:
-            if self.manager.metrics.copies_in_flight == 0:
+            if self.manager.copies_in_flight == 0:
                 raise InvalidArgumentError(
                     f"--host-pages: the host pool ({self.host_pool.capacity} pages) cannot hold a prefill chunk of {n} pages"
                 )

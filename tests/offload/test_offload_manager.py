@@ -515,3 +515,12 @@ def test_an_interrupted_poll_keeps_the_copies_it_did_not_handle():
     assert rig.manager.metrics.copies_in_flight == 1 and rig.host_pool.used == 1
     assert rig.manager.poll() == 1
     assert rig.host_pool.used == 0 and rig.manager.metrics.pages_stored == 1
+
+
+def test_live_counters_equal_the_metrics_snapshot():
+    rig = make_rig(page_size=2)
+    req = rig.new_request("r", [1, 2], 10)
+    assert (rig.manager.requests_live, rig.manager.copies_in_flight) == (0, 0)
+    decode_steps(rig, req, [3, 4, 5, 6, 7], poll=False)  # two copies
+    m = rig.manager.metrics
+    assert (rig.manager.requests_live, rig.manager.copies_in_flight) == (m.requests_live, m.copies_in_flight) == (1, 2)
