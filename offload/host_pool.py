@@ -266,10 +266,21 @@ class HostPool:
             consecutive ids, the usual case, is a view of one ``arange``.
 
         Raises:
-            Nothing here: ``copy()`` raises what the gather raises (validation before writing).
+            InvalidArgumentError: a host id that is not an allocated page of this pool, or
+                ``slots`` not a 1-D tensor of ``len(host_ids) * page_size`` slots. ``copy()``
+                raises what the gather raises (its validation runs before anything is written).
         """
         from kvstage.kernels import gather
 
+        host_ids = list(host_ids)
+        for index, page in enumerate(host_ids):
+            if not is_int(page) or not 0 <= page < self._capacity or not self._in_use[page]:
+                raise InvalidArgumentError(f"host_ids[{index}]: must be an allocated page of this pool, got {page!r}")
+        require(
+            isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.numel() == len(host_ids) * self.page_size,
+            "slots",
+            lambda: f"must be a 1-D tensor of len(host_ids) * page_size = {len(host_ids) * self.page_size} slots, got {slots!r:.80}",
+        )
         groups = self.locate(host_ids)
         page_size = self.page_size
         keep = []

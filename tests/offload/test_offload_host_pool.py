@@ -132,6 +132,7 @@ def test_gather_copy_puts_every_page_in_its_host_page(host_ids):
     pool = make_pool(num_pages=5, chunk_pages=2)
     buffers = [[torch.randn(40, 2, 8).half() for _ in range(3)] for _ in range(2)]
     kv_pool = KVPool.mha(buffers[0], buffers[1])
+    assert pool.alloc(5) == [0, 1, 2, 3, 4]
     for chunk in pool.chunks:
         chunk.fill_(-7)  # poison: what the copy does not write stays -7
     device_pages = [9, 0, 5, 7][: len(host_ids)]
@@ -144,3 +145,19 @@ def test_gather_copy_puts_every_page_in_its_host_page(host_ids):
         assert torch.equal(pool.page(host_id), expected)
     untouched = [page for page in range(5) if page not in host_ids]
     assert all(bool((pool.page(page) == -7).all()) for page in untouched)
+
+
+def test_gather_copy_names_bad_host_ids_and_slots_before_any_copy():
+    from kvstage.kernels import KVPool
+
+    pool = make_pool(num_pages=5, chunk_pages=2)
+    kv_pool = KVPool.mha([torch.zeros(40, 2, 8).half()] * 3, [torch.zeros(40, 2, 8).half()] * 3)
+    pool.alloc(2)  # pages 0 and 1
+    slots = torch.arange(8)
+    for bad in ([0, 7], [0, -1], [0, True], [0, 3]):  # out of range, negative, a bool, not allocated
+        with pytest.raises(InvalidArgumentError, match=r"^host_ids\[1\]: must be an allocated page of this pool"):
+            pool.gather_copy(kv_pool, slots, bad)
+    with pytest.raises(InvalidArgumentError, match="^slots: must be a 1-D tensor of len.host_ids. . page_size = 8 slots"):
+        pool.gather_copy(kv_pool, torch.arange(4), [0, 1])
+    copy, keep = pool.gather_copy(kv_pool, slots, [0, 1], backend="torch")
+    copy()
