@@ -44,8 +44,8 @@ def collect_info() -> dict[str, object]:
 
 
 def _mooncake_status() -> str:
-    from kvstage.offload.mooncake_master import master_binary
-    from kvstage.offload.mooncake_store import INSTALL_HINT
+    from mooncake_master import master_binary
+    from kvstage.storage.mooncake.store import INSTALL_HINT
 
     if importlib.util.find_spec("mooncake") is None:
         return f"not installed ({INSTALL_HINT})"

@@ -32,9 +32,11 @@ import time
 
 import torch
 
+from kvstage.kv_layout import KVLayout
 from kvstage.hashing import PageHasher
 from kvstage.kernels import KVPool
-from kvstage.offload import HostPool, LayoutFingerprint, ManualCopyStream, MemoryStore, OffloadManager
+from kvstage.offload import HostPool, ManualCopyStream, OffloadManager
+from kvstage.storage import LayoutFingerprint, MemoryStore
 from kvstage.offload.testing import SimpleRequest
 
 LIVE = (64, 256, 1024)
@@ -52,7 +54,7 @@ def measure(live: int, rounds: int, poll_repeats: int) -> dict:
     """One configuration: ``live`` requests, ``rounds`` pages each."""
     kv = KVPool.from_stacked(torch.zeros((2, 2, 8, 1, 8), dtype=torch.float16))  # never read: no-op copies
     host = HostPool.like(kv, num_pages=live, page_size=PAGE_SIZE, pin=False)
-    fingerprint = LayoutFingerprint("bench", "float16", 2, 2, 1, 8, PAGE_SIZE)
+    fingerprint = LayoutFingerprint("bench", KVLayout(2, 2, 1, 8, "float16"), PAGE_SIZE)
     store = MemoryStore(fingerprint, capacity_pages=live * (rounds + 1))
     row = torch.arange(PROMPT + (rounds + 1) * PAGE_SIZE)  # every request's slots (never read)
     stream = ManualCopyStream(run_copies=False, in_order=True)

@@ -7,7 +7,7 @@ and reads it back into another chunk with one ``get``, for each method:
 
 * ``memory``: :class:`kvstage.offload.MemoryStore` (a private copy of every page in this
   process; get copies it out).
-* ``mooncake``: :class:`kvstage.offload.MooncakeStore` over TCP to a ``mooncake_master`` this
+* ``mooncake``: :class:`kvstage.storage.MooncakeStore` over TCP to a ``mooncake_master`` this
   script starts on loopback (HTTP metadata); both chunks registered, so pages move with
   ``batch_put_from`` / ``batch_get_into`` straight from/into them (zero-copy on kvstage's side;
   over TCP to this process's own segment Mooncake itself does a memcpy). ``put`` includes the
@@ -44,17 +44,17 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's client logs every s
 
 import torch
 
-from kvstage.offload.memory_store import MemoryStore
-from kvstage.offload.mooncake_store import INSTALL_HINT, MooncakeStore, mooncake_available
-from kvstage.offload.storage import LayoutFingerprint, StorageBackend
+from kvstage.kv_layout import KVLayout
+from kvstage.storage.memory_store import MemoryStore
+from kvstage.storage.mooncake.store import INSTALL_HINT, MooncakeStore, mooncake_available
+from kvstage.storage import LayoutFingerprint, StorageBackend
 
 METHODS = ("memory", "mooncake", "mooncake-bounce", "memcpy")
 
 
 def llama3_8b_fingerprint(num_layers: int = 32) -> LayoutFingerprint:
     """Llama-3-8B's KV layout in bf16 with 64-token pages (8 KV heads of 128), ``num_layers`` layers."""
-    return LayoutFingerprint("meta-llama/Meta-Llama-3-8B", "bfloat16", num_layers=num_layers, kv_parts=2,
-                             head_num=8, head_dim=128, page_size=64)
+    return LayoutFingerprint("meta-llama/Meta-Llama-3-8B", KVLayout(num_layers, 2, 8, 128, "bfloat16"), 64)
 
 
 def _round_trip(store: StorageBackend, pages: torch.Tensor, into: torch.Tensor) -> tuple[float, float]:
@@ -115,7 +115,8 @@ def run(
     workdir = tempfile.TemporaryDirectory(prefix="kvstage-bench-storage-")
     stores["memory"] = MemoryStore(fingerprint, capacity_bytes=(rounds + 1) * batch_bytes)
     if mooncake_available():
-        from kvstage.offload.mooncake_master import LocalMooncakeMaster
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the loopback launcher lives with the tests
+        from mooncake_master import LocalMooncakeMaster
 
         try:
             master = LocalMooncakeMaster(Path(workdir.name) / "master.log").start()

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from kvstage.errors import ArgumentTypeError, DeviceMismatchError, is_int, require
+from kvstage.kv_layout import KVLayout
 
 __all__ = ["KVPool"]
 
@@ -129,6 +130,11 @@ class KVPool:
     def is_mla(self) -> bool:
         """True for a one-part (latent) pool."""
         return self.kv_parts == 1
+
+    @functools.cached_property
+    def layout(self) -> KVLayout:
+        """The pool's per-token layout (:class:`kvstage.kv_layout.KVLayout`)."""
+        return KVLayout(self.num_layers, self.kv_parts, self.head_num, self.head_dim, self.dtype)
 
     @property
     def itemsize(self) -> int:

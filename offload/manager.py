@@ -60,7 +60,7 @@ import torch
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError, StorageError, is_int, require
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.host_pool import HostPool
-from kvstage.offload.storage import PutStatus, StorageBackend
+from kvstage.storage import PutStatus, StorageBackend
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class OffloadManager:
             "offload_stride",
             f"must be a positive multiple of page_size {page_size}, got {offload_stride!r}",
         )
-        for name in ("num_layers", "kv_parts", "head_num", "head_dim", "dtype"):
+        for name in ("num_layers", "kv_parts", "num_heads", "head_dim", "dtype"):
             mine, theirs = getattr(host_pool, name), getattr(kv_pool, name)
             require(mine == theirs, "host_pool", f"{name} {mine} must equal the KV pool's {theirs}")
         storage_page_bytes = getattr(storage, "page_bytes", host_pool.page_bytes)
@@ -266,7 +266,7 @@ class OffloadManager:
                 "storage",
                 f"its layout's dtype {fingerprint.dtype} must be the host pool's {host_pool.dtype}",
             )
-            for name in ("num_layers", "kv_parts", "head_num", "head_dim", "page_size"):
+            for name in ("num_layers", "kv_parts", "num_heads", "head_dim", "page_size"):
                 mine, theirs = getattr(host_pool, name), getattr(fingerprint, name)
                 require(theirs == mine, "storage", f"its layout's {name} {theirs} must equal the host pool's {mine}")
         require(callable(slot_indices_of), "slot_indices_of", "must be callable")

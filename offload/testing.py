@@ -15,10 +15,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kvstage.kv_layout import KVLayout
 from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.offload.manager import kv_length
-from kvstage.offload.memory_store import MemoryStore
-from kvstage.offload.storage import LayoutFingerprint, PutStatus
+from kvstage.storage.memory_store import MemoryStore
+from kvstage.storage import LayoutFingerprint, PutStatus
 
 
 class SimpleRequest:
@@ -235,17 +236,17 @@ class Rig:
             return
         rows = self.expected_rows(req, start, end).to(self.stacked.device)  # [n, parts, layers, 4]
         slots = self.slots(req)[start:end]
-        head_num, head_dim = self.kv_pool.head_num, self.kv_pool.head_dim
+        num_heads, head_dim = self.kv_pool.num_heads, self.kv_pool.head_dim
         values = rows.permute(1, 2, 0, 3).unsqueeze(3)  # [parts, layers, n, 1, 4]
-        values = values.expand(-1, -1, -1, head_num, -1).repeat(1, 1, 1, 1, head_dim // 4)
+        values = values.expand(-1, -1, -1, num_heads, -1).repeat(1, 1, 1, 1, head_dim // 4)
         self.stacked[:, :, slots] = values
 
     def expected_page(self, req: Any, page_index: int) -> torch.Tensor:
-        """The host page ``[num_layers, kv_parts, page_size, head_num, head_dim]`` of page ``page_index``."""
+        """The host page ``[num_layers, kv_parts, page_size, num_heads, head_dim]`` of page ``page_index``."""
         ps = self.page_size
         rows = self.expected_rows(req, page_index * ps, (page_index + 1) * ps)  # [ps, parts, layers, 4]
         page = rows.permute(2, 1, 0, 3).unsqueeze(3)  # [layers, parts, ps, 1, 4]
-        return page.expand(-1, -1, -1, self.kv_pool.head_num, -1).repeat(1, 1, 1, 1, self.kv_pool.head_dim // 4)
+        return page.expand(-1, -1, -1, self.kv_pool.num_heads, -1).repeat(1, 1, 1, 1, self.kv_pool.head_dim // 4)
 
     def chain(self, req: Any) -> list[str]:
         """The prefill keys of every full page of the tokens with KV (what decode must match)."""
@@ -271,7 +272,7 @@ def make_rig(
     *,
     page_size: int = 4,
     num_layers: int = 2,
-    head_num: int = 1,
+    num_heads: int = 1,
     head_dim: int = 4,
     num_slots: int = 256,
     host_pages: int = 16,
@@ -282,7 +283,7 @@ def make_rig(
     slot_generator: torch.Generator | None = None,
     **manager_kwargs: Any,
 ) -> Rig:
-    """A :class:`Rig` with an MHA int32 KV pool ``[2, num_layers, num_slots, head_num, head_dim]``.
+    """A :class:`Rig` with an MHA int32 KV pool ``[2, num_layers, num_slots, num_heads, head_dim]``.
 
     Args:
         storage: default: an unbounded :class:`FlakyStore` that never fails.
@@ -298,10 +299,10 @@ def make_rig(
     if head_dim % 4:
         raise InvalidArgumentError(f"head_dim: must be a multiple of 4 for the rig's rows, got {head_dim}")
     device = torch.device(device)
-    stacked = torch.zeros((2, num_layers, num_slots, head_num, head_dim), dtype=torch.int32, device=device)
+    stacked = torch.zeros((2, num_layers, num_slots, num_heads, head_dim), dtype=torch.int32, device=device)
     kv_pool = KVPool.from_stacked(stacked)
     host_pool = HostPool.like(kv_pool, num_pages=host_pages, page_size=page_size, chunk_pages=chunk_pages)
-    fingerprint = LayoutFingerprint("rig", "int32", num_layers, 2, head_num, head_dim, page_size)
+    fingerprint = LayoutFingerprint("rig", KVLayout(num_layers, 2, num_heads, head_dim, "int32"), page_size)
     storage = FlakyStore(fingerprint) if storage is None else storage
     copy_stream = ManualCopyStream() if copy_stream is None else copy_stream
     manager_kwargs.setdefault("backend", "torch")

@@ -39,7 +39,7 @@ import torch
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.offload.manager import kv_length
-from kvstage.offload.storage import PutStatus
+from kvstage.storage import PutStatus
 from kvstage.replay.kv_content import KVContent
 from kvstage.replay.models import ModelShape
 from kvstage.replay.tokens import TokenSource
@@ -235,7 +235,8 @@ class ReplayEngine:
         from kvstage.hashing import PageHasher
         from kvstage.kernels import KVPool
         from kvstage.kernels.backend import resolve_backend
-        from kvstage.offload import HostPool, LayoutFingerprint, OffloadManager, open_storage
+        from kvstage.offload import HostPool, OffloadManager
+        from kvstage.storage import LayoutFingerprint, open_storage
 
         self.config = config
         self.model = model = config.model
@@ -268,7 +269,7 @@ class ReplayEngine:
             pool_pages = max(needs[0], min(sum(needs[: config.max_running]), budget // model.page_bytes(ps)))
         self.device_pages = DevicePagePool(pool_pages)
         num_slots = pool_pages * ps
-        shape = (num_slots, model.head_num, model.head_dim)
+        shape = (num_slots, model.num_heads, model.head_dim)
         # Uninitialized: a slot is always written (prefill or decode) before a gather reads it.
         if model.kv_parts == 2:
             k = [torch.empty(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)]
@@ -288,10 +289,7 @@ class ReplayEngine:
         host_pages = config.host_pages or (PREFILL_CHUNK_PAGES + 4 * config.max_running * stride_pages)
         self.host_pool = HostPool.like(self.kv_pool, num_pages=host_pages, page_size=ps)
         self.prefill_chunk = max(1, min(PREFILL_CHUNK_PAGES, host_pages // 2))
-        self.fingerprint = LayoutFingerprint(
-            model_id=model.name, dtype=model.dtype_name, num_layers=model.num_layers, kv_parts=model.kv_parts,
-            head_num=model.head_num, head_dim=model.head_dim, page_size=ps,
-        )
+        self.fingerprint = LayoutFingerprint.of(self.kv_pool, page_size=ps, model_id=model.name)
         self.notes: list[str] = []  # things the command line should tell the user
         self.expected_pages_bound = sum(
             (r.input_length + r.output_length - 1) // ps for r in self.trace

@@ -51,14 +51,14 @@ class KVContent:
 
     Attributes:
         word: the integer dtype words are made of; ``words_per_row`` of them a token row
-            (one layer and part: ``head_num * head_dim`` elements).
+            (one layer and part: ``num_heads * head_dim`` elements).
     """
 
     def __init__(self, model: ModelShape, page_size: int, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.model = model
         self.page_size = page_size
         self.seed = int(seed)
-        row_bytes = model.head_num * model.head_dim * model.dtype.itemsize
+        row_bytes = model.num_heads * model.head_dim * model.dtype.itemsize
         self.word = word_dtype(row_bytes)
         self.word_bytes = torch.empty((), dtype=self.word).element_size()
         self.words_per_row = row_bytes // self.word_bytes
@@ -101,7 +101,7 @@ class KVContent:
 
     def expected_pages(self, keys: Sequence[str]) -> torch.Tensor:
         """The bytes every page under ``keys`` must hold, page-first (the host page layout
-        ``[num_layers, kv_parts, page_size, head_num, head_dim]``): uint8 ``[P, page_bytes]`` on CPU."""
+        ``[num_layers, kv_parts, page_size, num_heads, head_dim]``): uint8 ``[P, page_bytes]`` on CPU."""
         masks = self.masks(keys, device="cpu")
         words = self.base_cpu.unsqueeze(0) ^ masks.view(-1, 1, 1, 1, 1)
         return words.reshape(len(keys), -1).view(torch.uint8)

@@ -14,8 +14,14 @@ Presets (shapes from the models' published configs):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvstage.errors import InvalidArgumentError, is_int
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstage.kv_layout import KVLayout
 
 # By name, so that `kvstage --help` builds its parser without importing torch (~2 s).
 DTYPES = ("float16", "bfloat16", "float32")
@@ -29,7 +35,7 @@ class ModelShape:
         name: preset name or ``"custom"``.
         num_layers: transformer layers.
         kv_parts: 2 (MHA: K and V) or 1 (MLA: one latent).
-        head_num: KV heads per part (1 for MLA).
+        num_heads: KV heads per part (1 for MLA).
         head_dim: elements per head (kv_dim for MLA).
         dtype_name: KV dtype as torch spells it, one of :data:`DTYPES` (e.g. ``"bfloat16"``).
     """
@@ -37,29 +43,34 @@ class ModelShape:
     name: str
     num_layers: int
     kv_parts: int
-    head_num: int
+    num_heads: int
     head_dim: int
     dtype_name: str
 
     @property
-    def dtype(self) -> torch.dtype:
-        """The KV dtype (``torch.<dtype_name>``)."""
-        import torch
+    def layout(self) -> KVLayout:
+        """The per-token KV layout (imports torch, which building the CLI parser avoids)."""
+        from kvstage.kv_layout import KVLayout
 
-        return getattr(torch, self.dtype_name)
+        return KVLayout(self.num_layers, self.kv_parts, self.num_heads, self.head_dim, self.dtype_name)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The KV dtype (``layout.dtype``)."""
+        return self.layout.dtype
 
     @property
     def token_bytes(self) -> int:
-        """KV bytes of one token over every layer and part."""
-        return self.num_layers * self.kv_parts * self.head_num * self.head_dim * self.dtype.itemsize
+        """KV bytes of one token over every layer and part (``layout.token_bytes``)."""
+        return self.layout.token_bytes
 
     def page_bytes(self, page_size: int) -> int:
-        """KV bytes of one page of ``page_size`` tokens."""
-        return self.token_bytes * page_size
+        """KV bytes of one page of ``page_size`` tokens (``layout.page_bytes``)."""
+        return self.layout.page_bytes(page_size)
 
     def describe(self) -> str:
         """One line, e.g. ``llama3-8b (32 layers, MHA 8x128, bfloat16, 128.0 KiB/token)``."""
-        kind = f"MLA kv_dim {self.head_dim}" if self.kv_parts == 1 else f"MHA {self.head_num}x{self.head_dim}"
+        kind = f"MLA kv_dim {self.head_dim}" if self.kv_parts == 1 else f"MHA {self.num_heads}x{self.head_dim}"
         return f"{self.name} ({self.num_layers} layers, {kind}, {self.dtype_name}, {self.token_bytes / 1024:.1f} KiB/token)"
 
 
@@ -105,7 +116,7 @@ def resolve_model(
         name=base.name if not overridden else (f"{preset}+custom" if preset else "custom"),
         num_layers=layers or base.num_layers,
         kv_parts=kv_parts,
-        head_num=1 if kv_parts == 1 else (heads or base.head_num),
+        num_heads=1 if kv_parts == 1 else (heads or base.num_heads),
         head_dim=head_dim or base.head_dim,
         dtype_name=dtype or base.dtype_name,
     )

@@ -7,14 +7,15 @@ import tempfile
 import pytest
 import torch
 
+from kvstage.kv_layout import KVLayout
 from kvstage.errors import InvalidArgumentError, KvstageError, is_int
-from kvstage.offload.file_store import FileStore
+from kvstage.storage.file_store import FileStore
 from kvstage.offload.host_pool import HostPool
-from kvstage.offload.memory_store import MemoryStore
-from kvstage.offload.storage import LayoutFingerprint
+from kvstage.storage.memory_store import MemoryStore
+from kvstage.storage import LayoutFingerprint
 from kvstage.replay.models import resolve_model
 
-FINGERPRINT = LayoutFingerprint("rig", "int32", 2, 2, 1, 4, 2)
+FINGERPRINT = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 2)
 
 
 def test_is_int_is_an_int_that_is_not_a_bool():
@@ -22,12 +23,19 @@ def test_is_int_is_an_int_that_is_not_a_bool():
     assert not is_int(True) and not is_int(False) and not is_int(1.0) and not is_int("1") and not is_int(None)
 
 
-@pytest.mark.parametrize("field", range(2, 7))
-def test_layout_fingerprint_sizes_reject_bools(field):
-    args = ["rig", "int32", 2, 2, 1, 4, 2]
+@pytest.mark.parametrize("field", range(4))
+def test_kv_layout_sizes_reject_bools(field):
+    args = [2, 2, 1, 4, "int32"]
     args[field] = True
-    with pytest.raises(InvalidArgumentError, match="must be a positive int, got True"):
-        LayoutFingerprint(*args)
+    with pytest.raises(InvalidArgumentError, match="got True"):
+        KVLayout(*args)
+
+
+@pytest.mark.parametrize("field", ["page_size", "tp_size", "tp_rank", "first_layer"])
+def test_layout_fingerprint_ints_reject_bools(field):
+    kwargs = {"page_size": 2, "tp_size": 2, "tp_rank": 0, "first_layer": 0, field: True}
+    with pytest.raises(InvalidArgumentError, match=f"{field}: .*got True"):
+        LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), **kwargs)
 
 
 def test_store_capacities_reject_bools():
@@ -41,7 +49,7 @@ def test_store_capacities_reject_bools():
 
 
 def test_host_pool_page_rejects_bools():
-    pool = HostPool(num_layers=1, kv_parts=1, page_size=2, head_num=1, head_dim=4, dtype=torch.float16, num_pages=4)
+    pool = HostPool(num_layers=1, kv_parts=1, page_size=2, num_heads=1, head_dim=4, dtype=torch.float16, num_pages=4)
     with pytest.raises(InvalidArgumentError, match=r"page: must be in \[0, 4\), got True"):
         pool.page(True)
 

@@ -13,7 +13,7 @@ from kvstage.offload import HostPool
 
 def make_pool(num_pages=5, chunk_pages=2, page_size=4, **kw) -> HostPool:
     return HostPool(
-        num_layers=3, kv_parts=2, head_num=2, head_dim=8, dtype=torch.float16,
+        num_layers=3, kv_parts=2, num_heads=2, head_dim=8, dtype=torch.float16,
         num_pages=num_pages, page_size=page_size, pin=False, chunk_pages=chunk_pages, **kw,
     )
 
@@ -103,7 +103,7 @@ def test_locate_groups_ids_by_chunk_in_order():
 
 
 def test_like_copies_the_kv_pool_layout():
-    kv = SimpleNamespace(num_layers=2, kv_parts=1, head_num=1, head_dim=16, dtype=torch.bfloat16)
+    kv = SimpleNamespace(num_layers=2, kv_parts=1, num_heads=1, head_dim=16, dtype=torch.bfloat16)
     pool = HostPool.like(kv, num_pages=3, page_size=8, pin=False)
     assert pool.page_shape == (2, 1, 8, 1, 16) and pool.dtype == torch.bfloat16
 
@@ -119,7 +119,7 @@ def test_like_copies_the_kv_pool_layout():
     ],
 )
 def test_bad_arguments_name_the_argument(change, error, rule):
-    args = dict(num_layers=1, kv_parts=2, head_num=1, head_dim=4, dtype=torch.float32, num_pages=2, page_size=2, pin=False)
+    args = dict(num_layers=1, kv_parts=2, num_heads=1, head_dim=4, dtype=torch.float32, num_pages=2, page_size=2, pin=False)
     args.update(change)
     with pytest.raises(error, match=rule):
         HostPool(**args)

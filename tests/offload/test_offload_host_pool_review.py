@@ -8,7 +8,7 @@ import torch
 from kvstage.errors import InvalidArgumentError
 from kvstage.offload import HostPool
 
-ARGS = dict(num_layers=1, kv_parts=2, head_num=1, head_dim=4, dtype=torch.float32, num_pages=2, page_size=2, pin=False)
+ARGS = dict(num_layers=1, kv_parts=2, num_heads=1, head_dim=4, dtype=torch.float32, num_pages=2, page_size=2, pin=False)
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,12 @@ import threading
 import pytest
 import torch
 
+from kvstage.kv_layout import KVLayout
 from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
 from kvstage.nvtx_ranges import open_ranges
-from kvstage.offload import CopyStream, HostPool, LayoutFingerprint, MemoryStore, OffloadManager, OffloadRequest
+from kvstage.offload import CopyStream, HostPool, OffloadManager, OffloadRequest
+from kvstage.storage import LayoutFingerprint, MemoryStore
 from kvstage.offload.testing import FlakyStore, SimpleRequest, make_rig
 
 NAMESPACES = [
@@ -284,7 +286,7 @@ def test_identical_pages_of_two_requests_are_deduplicated():
 def test_storage_failures_are_counted_logged_reported_and_the_manager_goes_on(caplog):
     reports = []
     failing = {"on": True}
-    fingerprint = LayoutFingerprint("rig", "int32", 2, 2, 1, 4, 2)
+    fingerprint = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 2)
     store = FlakyStore(fingerprint, fail=lambda key: failing["on"])
     rig = make_rig(page_size=2, storage=store, on_storage_failure=lambda *args: reports.append(args))
     req = rig.new_request("r", [1, 2], 20)
@@ -312,7 +314,7 @@ def test_a_put_that_raises_fails_its_pages_and_the_next_one_works():
         calls["n"] += 1
         return calls["n"] == 1
 
-    store = FlakyStore(LayoutFingerprint("rig", "int32", 2, 2, 1, 4, 2), raise_on_put=raise_first)
+    store = FlakyStore(LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 2), raise_on_put=raise_first)
     rig = make_rig(page_size=2, storage=store, on_storage_failure=lambda *args: reports.append(args))
     req = rig.new_request("r", [1, 2], 20)
     decode_steps(rig, req, [3, 4, 5, 6, 7], poll=False)
@@ -404,10 +406,10 @@ def test_mismatched_parts_are_rejected():
         OffloadManager(*args, offload_stride=6)
     with pytest.raises(InvalidArgumentError, match="^hasher: page_size 8 must equal"):
         OffloadManager(*args[:3], PageHasher(page_size=8), rig.slots)
-    other = MemoryStore(LayoutFingerprint("rig", "int32", 2, 2, 1, 8, 4))
+    other = MemoryStore(LayoutFingerprint("rig", KVLayout(2, 2, 1, 8, "int32"), 4))
     with pytest.raises(InvalidArgumentError, match="^storage: its layout's page has 512 bytes"):
         OffloadManager(args[0], args[1], other, *args[3:])
-    pool = HostPool(num_layers=3, kv_parts=2, head_num=1, head_dim=4, dtype=torch.int32, num_pages=2, page_size=4)
+    pool = HostPool(num_layers=3, kv_parts=2, num_heads=1, head_dim=4, dtype=torch.int32, num_pages=2, page_size=4)
     with pytest.raises(InvalidArgumentError, match="^host_pool: num_layers 3 must equal the KV pool's 2"):
         OffloadManager(args[0], pool, *args[2:])
     with pytest.raises(InvalidArgumentError, match="^backend: must be one of"):
@@ -483,9 +485,9 @@ def test_a_token_the_hash_scheme_rejects_fails_its_pages_without_stopping_poll()
 
 
 def test_manager_backs_up_to_a_file_store(tmp_path):
-    from kvstage.offload import FileStore
+    from kvstage.storage import FileStore
 
-    store = FileStore(LayoutFingerprint("rig", "int32", 2, 2, 1, 4, 2), tmp_path)
+    store = FileStore(LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 2), tmp_path)
     rig = make_rig(page_size=2, storage=store)
     req = rig.new_request("r", [1, 2, 3], 10, extra_key="lora")
     decode_steps(rig, req, [4, 5, 6, 7, 8, 9], poll=False)

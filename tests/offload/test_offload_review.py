@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvstage.kv_layout import KVLayout
 from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
 from kvstage.kernels import KVPool
-from kvstage.offload import HostPool, LayoutFingerprint, MemoryStore, OffloadManager
+from kvstage.offload import HostPool, OffloadManager
+from kvstage.storage import LayoutFingerprint, MemoryStore
 
 
 def _pool_and_host():
@@ -19,10 +21,10 @@ def _pool_and_host():
 @pytest.mark.parametrize(
     "fingerprint, field",
     [
-        (LayoutFingerprint("m", "float32", 2, 2, 1, 4, 4), "dtype"),  # same bytes, another dtype
-        (LayoutFingerprint("m", "int32", 4, 2, 1, 4, 2), "num_layers"),  # same bytes: 4 layers x page 2
-        (LayoutFingerprint("m", "int32", 2, 2, 2, 2, 4), "head_num"),  # same bytes: 2 heads x dim 2
-        (LayoutFingerprint("m", "int32", 2, 1, 2, 4, 4), "kv_parts"),  # same bytes: MLA-shaped
+        (LayoutFingerprint("m", KVLayout(2, 2, 1, 4, "float32"), 4), "dtype"),  # same bytes, another dtype
+        (LayoutFingerprint("m", KVLayout(4, 2, 1, 4, "int32"), 2), "num_layers"),  # same bytes: 4 layers x page 2
+        (LayoutFingerprint("m", KVLayout(2, 2, 2, 2, "int32"), 4), "num_heads"),  # same bytes: 2 heads x dim 2
+        (LayoutFingerprint("m", KVLayout(2, 1, 2, 4, "int32"), 4), "kv_parts"),  # same bytes: MLA-shaped
     ],
     ids=["dtype", "layers-and-page", "heads-and-dim", "parts"],
 )
@@ -37,7 +39,7 @@ def test_a_storage_whose_layout_differs_from_the_pools_is_rejected(fingerprint, 
 def test_a_storage_with_the_pools_layout_is_accepted_under_a_dtype_alias():
     kv_pool = KVPool.from_stacked(torch.zeros((2, 2, 16, 1, 4), dtype=torch.float16))
     host_pool = HostPool.like(kv_pool, num_pages=4, page_size=4)
-    storage = MemoryStore(LayoutFingerprint("m", "half", 2, 2, 1, 4, 4))
+    storage = MemoryStore(LayoutFingerprint("m", KVLayout(2, 2, 1, 4, "half"), 4))
     OffloadManager(kv_pool, host_pool, storage, PageHasher(page_size=4), lambda req: None).close()
 
 
@@ -61,7 +63,7 @@ class _ShortAnswers(MemoryStore):
 def test_a_backend_answering_too_few_keys_fails_the_pages_instead_of_losing_them(short):
     from kvstage.offload.testing import make_rig
 
-    fingerprint = LayoutFingerprint("rig", "int32", 2, 2, 1, 4, 4)
+    fingerprint = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 4)
     failures = []
     rig = make_rig(page_size=4, offload_stride=8, storage=_ShortAnswers(fingerprint, short),
                    on_storage_failure=lambda req, keys, error: failures.append((keys, error)))
@@ -85,9 +87,9 @@ def test_a_backend_answering_too_few_keys_fails_the_pages_instead_of_losing_them
 def test_a_torn_file_store_page_is_not_reported_present_and_is_written_again(tmp_path, keep):
     # A power loss without fsync can leave a page's name with a short file. If exists() and
     # put() took the name for the page, the manager would deduplicate it forever: lost.
-    from kvstage.offload import FileStore, PutStatus
+    from kvstage.storage import FileStore, PutStatus
 
-    fingerprint = LayoutFingerprint("tiny/model", "float32", 2, 2, 1, 4, 2)
+    fingerprint = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
     key = "c" * 64
     page = torch.arange(32, dtype=torch.float32)
     store = FileStore(fingerprint, tmp_path)
@@ -107,9 +109,9 @@ def test_a_torn_file_store_page_is_not_reported_present_and_is_written_again(tmp
 def test_a_put_larger_than_the_capacity_never_reports_stored_a_page_it_evicted(tmp_path, kind):
     # STORED means "readable from now on": a page evicted by a later page of the same put must
     # not be reported STORED (the manager would count a page stored that storage does not hold).
-    from kvstage.offload import FileStore, PutStatus
+    from kvstage.storage import FileStore, PutStatus
 
-    fingerprint = LayoutFingerprint("tiny/model", "float32", 2, 2, 1, 4, 2)  # 128-byte pages
+    fingerprint = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)  # 128-byte pages
     keys = [c * 64 for c in "abc"]
     pages = [torch.full((32,), float(i)) for i in range(3)]
     if kind == "memory":
@@ -131,9 +133,9 @@ def test_a_put_larger_than_the_capacity_never_reports_stored_a_page_it_evicted(t
 def test_a_file_store_reopened_with_a_smaller_capacity_is_within_it_at_once(tmp_path):
     import os
 
-    from kvstage.offload import FileStore
+    from kvstage.storage import FileStore
 
-    fingerprint = LayoutFingerprint("tiny/model", "float32", 2, 2, 1, 4, 2)
+    fingerprint = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
     keys = [c * 64 for c in "abc"]
     store = FileStore(fingerprint, tmp_path)
     for age, key in enumerate(keys):
@@ -152,7 +154,7 @@ def test_a_failure_callback_that_ends_the_request_releases_it_once_and_poll_does
     # on_storage_failure; the copy being handled is no longer in flight, so that call releases.
     from kvstage.offload.testing import FlakyStore, make_rig
 
-    fingerprint = LayoutFingerprint("rig", "int32", 2, 2, 1, 4, 4)
+    fingerprint = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 4)
     rigs = []
 
     def on_failure(req, keys, error):
@@ -239,6 +241,6 @@ def test_a_missing_hasher_is_named():
     from kvstage.errors import ArgumentTypeError
 
     kv_pool, host_pool = _pool_and_host()
-    storage = MemoryStore(LayoutFingerprint("m", "int32", 2, 2, 1, 4, 4))
+    storage = MemoryStore(LayoutFingerprint("m", KVLayout(2, 2, 1, 4, "int32"), 4))
     with pytest.raises(ArgumentTypeError, match=r"^hasher: must be a kvstage.hashing.PageHasher .* got NoneType"):
         OffloadManager(kv_pool, host_pool, storage, None, lambda req: None)

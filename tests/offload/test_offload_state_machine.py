@@ -8,7 +8,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstage.offload import LayoutFingerprint, ManualCopyStream
+from kvstage.kv_layout import KVLayout
+from kvstage.offload import ManualCopyStream
+from kvstage.storage import LayoutFingerprint
 from kvstage.offload.testing import FlakyStore, SimpleRequest, make_rig
 
 PAGE_SIZE = 2
@@ -54,7 +56,7 @@ class OffloadMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.failure_mode = "none"
-        fingerprint = LayoutFingerprint("rig", "int32", 2, 2, 1, 4, PAGE_SIZE)
+        fingerprint = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), PAGE_SIZE)
         store = FlakyStore(fingerprint, fail=self._page_fails, raise_on_put=lambda: self.failure_mode == "raise")
         self.stream = OwnedCopyStream()
         self.rig = make_rig(

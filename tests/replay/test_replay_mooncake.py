@@ -12,7 +12,7 @@ from kvstage.replay.trace import TraceRequest
 
 def test_replay_through_a_real_mooncake_store(tmp_path):
     master_module = pytest.importorskip("kvstage.offload.mooncake_master", reason="the Mooncake store has not landed here")
-    store_module = pytest.importorskip("kvstage.offload.mooncake_store")
+    store_module = pytest.importorskip("kvstage.storage.mooncake.store")
     if not store_module.mooncake_available() or master_module.master_binary() is None:
         pytest.skip(f"the Mooncake store is not usable here; {store_module.INSTALL_HINT}")
     requests = [

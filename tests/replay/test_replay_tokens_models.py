@@ -46,20 +46,20 @@ def test_output_tokens_are_a_function_of_the_request_index():
 
 def test_presets_have_the_published_kv_shapes():
     llama = PRESETS["llama3-8b"]
-    assert (llama.num_layers, llama.kv_parts, llama.head_num, llama.head_dim, llama.dtype) == (32, 2, 8, 128, torch.bfloat16)
+    assert (llama.num_layers, llama.kv_parts, llama.num_heads, llama.head_dim, llama.dtype) == (32, 2, 8, 128, torch.bfloat16)
     assert llama.token_bytes == 128 * 1024
     deepseek = PRESETS["deepseek-v3"]
-    assert (deepseek.num_layers, deepseek.kv_parts, deepseek.head_num, deepseek.head_dim) == (61, 1, 1, 576)
+    assert (deepseek.num_layers, deepseek.kv_parts, deepseek.num_heads, deepseek.head_dim) == (61, 1, 1, 576)
     assert deepseek.token_bytes == 61 * 576 * 2
     assert PRESETS["small"].page_bytes(64) == 64 * 1024
 
 
 def test_explicit_fields_override_the_preset():
     model = resolve_model("llama3-8b", layers=4, dtype="float16")
-    assert (model.num_layers, model.head_num, model.head_dim, model.dtype) == (4, 8, 128, torch.float16)
+    assert (model.num_layers, model.num_heads, model.head_dim, model.dtype) == (4, 8, 128, torch.float16)
     assert model.name == "llama3-8b+custom"
     custom = resolve_model(None, layers=3, heads=1, head_dim=16)
-    assert (custom.name, custom.num_layers, custom.kv_parts, custom.head_num, custom.head_dim) == ("custom", 3, 2, 1, 16)
+    assert (custom.name, custom.num_layers, custom.kv_parts, custom.num_heads, custom.head_dim) == ("custom", 3, 2, 1, 16)
     assert resolve_model("deepseek-v3", layers=2).kv_parts == 1
 
 

@@ -1,4 +1,4 @@
-"""Run a ``mooncake_master`` on loopback: for tests, benchmarks and single-machine use.
+"""Run a ``mooncake_master`` on loopback for the tests and the storage bench (not package API).
 
 The master binary ships in the Mooncake wheel (``mooncake/mooncake_master``). It is started with
 its HTTP metadata server (``-enable_http_metadata_server=true``) so clients need no etcd, and
@@ -11,8 +11,6 @@ binds every service to 127.0.0.1 on ports the kernel reports free. Flags used (f
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import signal
 import socket
 import subprocess
@@ -20,7 +18,7 @@ import time
 from pathlib import Path
 
 from kvstage.errors import BackendUnavailableError
-from kvstage.offload.mooncake_store import INSTALL_HINT
+from kvstage.storage.mooncake.store import INSTALL_HINT, master_binary
 
 
 def free_port() -> int:
@@ -28,24 +26,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def master_binary() -> Path | None:
-    """Path of the executable ``mooncake_master`` inside the installed ``mooncake`` package, or None.
-
-    Found without importing ``mooncake`` (so without loading its native libraries).
-    """
-    try:
-        spec = importlib.util.find_spec("mooncake")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        candidate = Path(folder) / "mooncake_master"
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return candidate
-    return None
 
 
 class LocalMooncakeMaster:

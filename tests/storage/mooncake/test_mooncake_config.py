@@ -7,9 +7,11 @@ import sys
 import pytest
 
 from kvstage.errors import BackendUnavailableError, InvalidArgumentError
-from kvstage.offload import mooncake_store
-from kvstage.offload.mooncake_store import MooncakeConfig, MooncakeStore, describe_code, parse_mooncake_url, parse_size
-from kvstage.offload.storage import STORAGE_SCHEMES, open_storage
+from kvstage.storage.mooncake import store as mooncake_store
+from kvstage.storage.mooncake.config import MooncakeConfig, parse_mooncake_url, parse_size
+from kvstage.storage.mooncake.status import describe_code
+from kvstage.storage.mooncake.store import MooncakeStore
+from kvstage.storage import STORAGE_SCHEMES, open_storage
 
 
 def test_url_with_every_field():
@@ -98,7 +100,7 @@ def test_codes_have_names_and_meanings():
 
 
 def test_scheme_is_registered():
-    assert STORAGE_SCHEMES["mooncake"] is mooncake_store._open_mooncake
+    assert STORAGE_SCHEMES["mooncake"] == ("kvstage.storage.mooncake.store", "open_mooncake_store")
 
 
 def test_missing_mooncake_names_the_install_command(monkeypatch, fingerprint):

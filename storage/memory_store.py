@@ -19,7 +19,8 @@ from collections import OrderedDict
 import torch
 
 from kvstage.errors import InvalidArgumentError, is_int
-from kvstage.offload.storage import STORAGE_SCHEMES, LayoutFingerprint, PutStatus, StorageBackend
+from kvstage.storage.backend import PutStatus, StorageBackend
+from kvstage.storage.fingerprint import LayoutFingerprint
 
 DEFAULT_CAPACITY_BYTES = 1 << 30  # 1 GiB
 
@@ -125,7 +126,8 @@ class MemoryStore(StorageBackend):
             self._pages.clear()
 
 
-def _open_memory(rest: str, fingerprint: LayoutFingerprint) -> MemoryStore:
+def open_memory_store(rest: str, fingerprint: LayoutFingerprint) -> MemoryStore:
+    """The ``memory`` / ``memory:CAPACITY_BYTES`` URL (see :func:`kvstage.storage.open_storage`)."""
     if not rest:
         return MemoryStore(fingerprint)
     try:
@@ -134,5 +136,3 @@ def _open_memory(rest: str, fingerprint: LayoutFingerprint) -> MemoryStore:
         raise InvalidArgumentError(f"storage: 'memory:{rest}': the capacity must be an int number of bytes") from None
     return MemoryStore(fingerprint, capacity_bytes=capacity)
 
-
-STORAGE_SCHEMES["memory"] = _open_memory

@@ -6,13 +6,15 @@ import time
 
 import torch
 
+from kvstage.kv_layout import KVLayout
 from kvstage.hashing import PageHasher
-from kvstage.offload import CopyStream, LayoutFingerprint, PutStatus
-from kvstage.offload.mooncake_store import MooncakeStore
+from kvstage.offload import CopyStream
+from kvstage.storage import LayoutFingerprint, PutStatus
+from kvstage.storage.mooncake.store import MooncakeStore
 from kvstage.offload.testing import make_rig
 
 # The rig's layout (make_rig defaults): int32, 2 layers, K and V, 1 head of 4, 4-token pages.
-RIG_FINGERPRINT = LayoutFingerprint("rig", "int32", num_layers=2, kv_parts=2, head_num=1, head_dim=4, page_size=4)
+RIG_FINGERPRINT = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 4)
 
 
 def decode(rig, req, tokens) -> None:

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.offload.mooncake_master import LocalMooncakeMaster, master_binary
-from kvstage.offload.mooncake_store import INSTALL_HINT, mooncake_available
-from kvstage.offload.storage import LayoutFingerprint
+from mooncake_master import LocalMooncakeMaster, master_binary
+from kvstage.kv_layout import KVLayout
+from kvstage.storage.mooncake.store import INSTALL_HINT, mooncake_available
+from kvstage.storage import LayoutFingerprint
 from support import REPO_ROOT
 
 # A small layout: 2 layers x K,V x 16 tokens x 2 heads x 64 x bf16 = 16 KiB a page.
-FINGERPRINT = LayoutFingerprint("tiny-model", "bfloat16", num_layers=2, kv_parts=2, head_num=2, head_dim=64, page_size=16)
+FINGERPRINT = LayoutFingerprint("tiny-model", KVLayout(2, 2, 2, 64, "bfloat16"), 16)
 
 
 def drop_shadowing_module() -> None:

@@ -10,9 +10,10 @@ import uuid
 import pytest
 import torch
 
+from kvstage.kv_layout import KVLayout
 from kvstage.errors import StorageError
-from kvstage.offload.mooncake_store import MooncakeStore
-from kvstage.offload.storage import LayoutFingerprint, PutStatus
+from kvstage.storage.mooncake.store import MooncakeStore
+from kvstage.storage import LayoutFingerprint, PutStatus
 
 
 def bounded(seconds: float, function, *args):
@@ -136,7 +137,7 @@ def test_a_full_store_fails_the_pages_it_cannot_hold(mooncake_master):
     # 512 KiB pages in a 16 MiB segment (Mooncake refuses much smaller ones): at most 32 fit;
     # puts beyond that answer NO_AVAILABLE_HANDLE (the master evicts only later, and not
     # objects still under their lease).
-    big = LayoutFingerprint("big-pages", "bfloat16", num_layers=4, kv_parts=2, head_num=8, head_dim=64, page_size=64)
+    big = LayoutFingerprint("big-pages", KVLayout(4, 2, 8, 64, "bfloat16"), 64)
     assert big.page_bytes == 512 << 10
     store = MooncakeStore(big, mooncake_master.url(segment="16MB"))
     try:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvstage.kv_layout import KVLayout
 from kvstage.errors import InvalidArgumentError
-from kvstage.offload import LayoutFingerprint, MemoryStore, PutStatus, open_storage
+from kvstage.storage import LayoutFingerprint, MemoryStore, PutStatus, open_storage
 
-FP = LayoutFingerprint("tiny", "float32", num_layers=2, kv_parts=2, head_num=1, head_dim=4, page_size=2)  # 128 bytes
+FP = LayoutFingerprint("tiny", KVLayout(2, 2, 1, 4, "float32"), 2)  # 128 bytes
 
 
 def page(value: float) -> torch.Tensor:
@@ -85,7 +86,7 @@ def test_bounds_are_checked():
 def test_a_key_found_by_exists_counts_as_recently_used():
     # The manager deduplicates through exists(): a shared page it finds is in use, so it must
     # not be the next evicted (before, exists() left the LRU order alone: FIFO for shared pages).
-    fingerprint = LayoutFingerprint("m", "uint8", 1, 1, 1, 4, 1)
+    fingerprint = LayoutFingerprint("m", KVLayout(1, 1, 1, 4, "uint8"), 1)
     store = MemoryStore(fingerprint, capacity_pages=2)
     page = torch.zeros(4, dtype=torch.uint8)
     store.put(["a", "b"], [page, page])

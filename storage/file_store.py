@@ -39,7 +39,8 @@ import torch
 import xxhash
 
 from kvstage.errors import InvalidArgumentError, StorageError, is_int
-from kvstage.offload.storage import STORAGE_SCHEMES, LayoutFingerprint, PutStatus, StorageBackend, page_as_bytes
+from kvstage.storage.backend import PutStatus, StorageBackend, page_as_bytes
+from kvstage.storage.fingerprint import LayoutFingerprint
 
 MAGIC = b"KVSTAGE\x01"
 _HEADER = struct.Struct("<8sIQQ")  # magic, key length, payload length, checksum
@@ -248,7 +249,8 @@ def _unlink(path) -> None:
         pass
 
 
-def _open_file(rest: str, fingerprint: LayoutFingerprint) -> FileStore:
+def open_file_store(rest: str, fingerprint: LayoutFingerprint) -> FileStore:
+    """The ``file:DIR[?capacity_bytes=N]`` URL (see :func:`kvstage.storage.open_storage`)."""
     directory, _, query = rest.partition("?")
     if not directory:
         raise InvalidArgumentError("storage: 'file:DIR' needs a directory")
@@ -263,5 +265,3 @@ def _open_file(rest: str, fingerprint: LayoutFingerprint) -> FileStore:
             raise InvalidArgumentError(f"storage: capacity_bytes must be an int, got {value!r}") from None
     return FileStore(fingerprint, directory, **options)
 
-
-STORAGE_SCHEMES["file"] = _open_file

@@ -1,4 +1,4 @@
-"""The storage interface that offloaded KV pages are backed up to, and its shared parts.
+"""The storage interface: :class:`StorageBackend`, :class:`PutStatus`, :class:`StorageStats`.
 
 A backend stores whole pages (the page-first bytes of one page across every layer and KV part)
 under string keys. Callers pass the page hash (hex) as the key; the backend prefixes it with the
@@ -6,7 +6,8 @@ under string keys. Callers pass the page hash (hex) as the key; the backend pref
 tensor-parallel rank are never read as another's.
 
 Backends: ``MemoryStore`` (default), ``FileStore`` (one file a page), ``MooncakeStore``
-(the Mooncake distributed store, optional). :func:`open_storage` builds one from a URL.
+(the Mooncake distributed store, optional); :func:`kvstage.storage.open_storage` builds one
+from a URL.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 import abc
 import enum
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from kvstage.errors import InvalidArgumentError, is_int
+from kvstage.errors import InvalidArgumentError
+from kvstage.storage.fingerprint import LayoutFingerprint
 
 
 class PutStatus(enum.Enum):
@@ -28,71 +30,6 @@ class PutStatus(enum.Enum):
     STORED = "stored"  # written now, readable from now on
     DEDUPLICATED = "deduplicated"  # the key was already there; nothing written
     FAILED = "failed"  # not written; the key is not visible
-
-
-@dataclass(frozen=True)
-class LayoutFingerprint:
-    """What must match for a stored page's bytes to be read back as KV of the same layout.
-
-    Attributes:
-        model_id: the model's name or path, e.g. ``"meta-llama/Llama-3.1-8B"``.
-        dtype: the KV dtype's name as torch spells it, e.g. ``"bfloat16"``.
-        num_layers: layers in one page.
-        kv_parts: 2 for MHA (K and V), 1 for MLA (one latent).
-        head_num: KV heads per part (1 for MLA).
-        head_dim: elements per head (kv_dim for MLA, e.g. 576).
-        page_size: tokens per page.
-        tp_rank: this worker's tensor-parallel rank.
-        tp_size: the tensor-parallel world size.
-    """
-
-    model_id: str
-    dtype: str
-    num_layers: int
-    kv_parts: int
-    head_num: int
-    head_dim: int
-    page_size: int
-    tp_rank: int = 0
-    tp_size: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "kv_parts", "head_num", "head_dim", "page_size", "tp_size"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                raise InvalidArgumentError(f"{name}: must be a positive int, got {value!r}")
-        if self.kv_parts not in (1, 2):
-            raise InvalidArgumentError(f"kv_parts: must be 1 (MLA) or 2 (MHA), got {self.kv_parts}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise InvalidArgumentError(f"tp_rank: must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
-        if not self.model_id:
-            raise InvalidArgumentError("model_id: must be a non-empty string")
-        try:
-            getattr(torch, self.dtype).itemsize
-        except AttributeError:
-            raise InvalidArgumentError(f"dtype: not a torch dtype name: {self.dtype!r}") from None
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per element of :attr:`dtype`."""
-        return getattr(torch, self.dtype).itemsize
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page: layers x KV parts x page_size x heads x head_dim x itemsize."""
-        return self.num_layers * self.kv_parts * self.page_size * self.head_num * self.head_dim * self.itemsize
-
-    def prefix(self) -> str:
-        """The key prefix, e.g. ``"llama3-8b@bfloat16@L32xKV2xH8xD128@P64@tp0of1@"``.
-
-        Characters outside ``[A-Za-z0-9._-]`` in the model id become ``_`` so the prefix is
-        safe as a file name and as a Mooncake key.
-        """
-        model = "".join(c if c.isalnum() or c in "._-" else "_" for c in self.model_id)
-        return (
-            f"{model}@{self.dtype}@L{self.num_layers}xKV{self.kv_parts}xH{self.head_num}xD{self.head_dim}"
-            f"@P{self.page_size}@tp{self.tp_rank}of{self.tp_size}@"
-        )
 
 
 @dataclass
@@ -247,25 +184,3 @@ def _checked_keys(keys: Sequence[str]) -> list[str]:
         if not isinstance(key, str) or not key:
             raise InvalidArgumentError(f"keys[{index}]: must be a non-empty str, got {key!r}")
     return keys
-
-
-# URL scheme -> factory(rest_of_url, fingerprint) -> StorageBackend; backends register here.
-STORAGE_SCHEMES: dict[str, Callable[[str, LayoutFingerprint], StorageBackend]] = {}
-
-
-def open_storage(url: str, fingerprint: LayoutFingerprint) -> StorageBackend:
-    """Build a storage backend from a URL.
-
-    Forms: ``memory`` or ``memory:CAPACITY_BYTES``; ``file:DIR``; ``mooncake://...`` (when
-    the ``mooncake`` extra is installed).
-
-    Raises:
-        InvalidArgumentError: the URL's scheme is unknown (the message lists the known ones).
-    """
-    scheme, _, rest = url.partition(":")
-    if url.startswith("mooncake://"):
-        scheme, rest = "mooncake", url
-    factory = STORAGE_SCHEMES.get(scheme)
-    if factory is None:
-        raise InvalidArgumentError(f"storage: unknown scheme {scheme!r} in {url!r}; known: {sorted(STORAGE_SCHEMES)}")
-    return factory(rest, fingerprint)

@@ -16,9 +16,8 @@ that page ``FAILED`` and is logged with its name and meaning (the table is Moonc
 ``ErrorCode`` enum in ``mooncake-store/include/types.h``, plus ``-901`` RPC_TIMEOUT observed from
 the 0.3.13 client). A get is a hit only when it returned exactly ``page_bytes``.
 
-Configuration, from a URL (see :func:`parse_mooncake_url`) or a dict, uses the field names of
-Mooncake's docs and its JSON config: ``master_server_address``, ``metadata_server``,
-``local_hostname``, ``protocol``, ``device_name``, ``global_segment_size``, ``local_buffer_size``.
+Configuration: :mod:`kvstage.storage.mooncake.config`; return codes:
+:mod:`kvstage.storage.mooncake.status`.
 
 The ``mooncake`` package is imported lazily, when a store is built, so kvstage imports without it.
 Install: ``bash tools/install-mooncake.sh .venv`` (Debian's libibverbs1, librdmacm1, libnuma1 and
@@ -28,21 +27,24 @@ Install: ``bash tools/install-mooncake.sh .venv`` (Debian's libibverbs1, librdma
 from __future__ import annotations
 
 import bisect
+import importlib.util
 import logging
 import os
-import re
 import socket
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Mapping, Sequence
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
 import torch
 
 from kvstage.errors import BackendUnavailableError, InvalidArgumentError, StorageError
-from kvstage.offload.storage import STORAGE_SCHEMES, LayoutFingerprint, PutStatus, StorageBackend
+from kvstage.storage.backend import PutStatus, StorageBackend
+from kvstage.storage.fingerprint import LayoutFingerprint
+from kvstage.storage.mooncake.config import MooncakeConfig, parse_mooncake_url, split_host_port
+from kvstage.storage.mooncake.status import MASTER_DOWN_CODES, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, describe_code
 
 logger = logging.getLogger(__name__)
 
@@ -50,229 +52,6 @@ INSTALL_HINT = (
     "install it with `bash tools/install-mooncake.sh .venv` (Debian packages libibverbs1 librdmacm1 "
     "libnuma1, then `pip install mooncake-transfer-engine-non-cuda`, or `kvstage[mooncake]`)"
 )
-
-# Mooncake's ErrorCode (mooncake-store/include/types.h): code -> (name, meaning).
-MOONCAKE_ERROR_CODES: dict[int, tuple[str, str]] = {
-    -1: ("INTERNAL_ERROR", "internal error"),
-    -10: ("BUFFER_OVERFLOW", "insufficient buffer space"),
-    -100: ("SHARD_INDEX_OUT_OF_RANGE", "shard index out of bounds"),
-    -101: ("SEGMENT_NOT_FOUND", "no available segment"),
-    -102: ("SEGMENT_ALREADY_EXISTS", "segment already exists"),
-    -103: ("CLIENT_NOT_FOUND", "client not found"),
-    -200: ("NO_AVAILABLE_HANDLE", "no space left in the store's segments"),
-    -300: ("INVALID_VERSION", "invalid version"),
-    -400: ("INVALID_KEY", "invalid key"),
-    -500: ("WRITE_FAIL", "write failed"),
-    -600: ("INVALID_PARAMS", "invalid parameters"),
-    -601: ("ILLEGAL_CLIENT", "illegal client for this operation"),
-    -700: ("INVALID_WRITE", "invalid write"),
-    -701: ("INVALID_READ", "invalid read"),
-    -702: ("INVALID_REPLICA", "invalid replica"),
-    -703: ("REPLICA_IS_NOT_READY", "replica not ready (a put still in progress)"),
-    -704: ("OBJECT_NOT_FOUND", "object not found"),
-    -705: ("OBJECT_ALREADY_EXISTS", "object already exists"),
-    -706: ("OBJECT_HAS_LEASE", "object has a lease"),
-    -707: ("LEASE_EXPIRED", "lease expired before the transfer completed"),
-    -708: ("OBJECT_HAS_REPLICATION_TASK", "object has a replication task"),
-    -709: ("OBJECT_NO_REPLICATION_TASK", "object has no replication task"),
-    -710: ("REPLICA_NOT_FOUND", "replica not found"),
-    -711: ("REPLICA_ALREADY_EXISTS", "replica already exists"),
-    -712: ("REPLICA_IS_GONE", "replica is gone"),
-    -713: ("REPLICA_NOT_IN_LOCAL_MEMORY", "replica not in this node's memory"),
-    -800: ("TRANSFER_FAIL", "transfer failed"),
-    -900: ("RPC_FAIL", "RPC to the master failed (master down or unreachable?)"),
-    -901: ("RPC_TIMEOUT", "RPC to the master timed out (master hung or overloaded?)"),
-    -1000: ("ETCD_OPERATION_ERROR", "etcd operation failed"),
-    -1001: ("ETCD_KEY_NOT_EXIST", "key not found in etcd"),
-    -1002: ("ETCD_TRANSACTION_FAIL", "etcd transaction failed"),
-    -1003: ("ETCD_CTX_CANCELLED", "etcd context cancelled"),
-    -1010: ("UNAVAILABLE_IN_CURRENT_STATUS", "unavailable in the master's current status"),
-    -1011: ("UNAVAILABLE_IN_CURRENT_MODE", "unavailable in the master's current mode"),
-    -1100: ("FILE_NOT_FOUND", "file not found"),
-    -1101: ("FILE_OPEN_FAIL", "file open failed"),
-    -1102: ("FILE_READ_FAIL", "file read failed"),
-    -1103: ("FILE_WRITE_FAIL", "file write failed"),
-    -1104: ("FILE_INVALID_BUFFER", "invalid file buffer"),
-    -1105: ("FILE_LOCK_FAIL", "file lock failed"),
-    -1106: ("FILE_INVALID_HANDLE", "invalid file handle"),
-    -1200: ("BUCKET_NOT_FOUND", "bucket not found"),
-    -1201: ("BUCKET_ALREADY_EXISTS", "bucket already exists"),
-    -1202: ("KEYS_EXCEED_BUCKET_LIMIT", "keys exceed the bucket limit"),
-    -1203: ("KEYS_ULTRA_LIMIT", "keys over the limit"),
-    -1300: ("UNABLE_OFFLOAD", "offload not enabled"),
-    -1301: ("UNABLE_OFFLOADING", "unable to offload"),
-    -1400: ("TASK_NOT_FOUND", "task not found"),
-    -1401: ("TASK_PENDING_LIMIT_EXCEEDED", "too many pending tasks"),
-}
-
-OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
-RPC_FAIL = -900
-RPC_TIMEOUT = -901
-_MASTER_DOWN_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
-
-PROTOCOLS = ("tcp", "rdma")
-
-# Short URL query names -> config field names (the long names are accepted too).
-_URL_ALIASES = {
-    "metadata": "metadata_server",
-    "segment": "global_segment_size",
-    "buffer": "local_buffer_size",
-    "device": "device_name",
-    "bounce": "bounce_bytes",
-}
-# Names other Mooncake APIs use for the same fields.
-_DICT_ALIASES = {"master_server_addr": "master_server_address", "rdma_devices": "device_name"}
-
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def describe_code(code: int) -> str:
-    """``"-900 RPC_FAIL (RPC to the master failed ...)"`` for a Mooncake return code."""
-    name, meaning = MOONCAKE_ERROR_CODES.get(code, ("UNKNOWN", "an error code kvstage does not know"))
-    return f"{code} {name} ({meaning})"
-
-
-def parse_size(value: int | str, argument: str) -> int:
-    """Bytes from an int or a string such as ``"512MB"``, ``"1 GiB"``, ``"4096"``.
-
-    Units are binary whatever their spelling: K/KB/KiB = 2**10, M = 2**20, G = 2**30, T = 2**40.
-
-    Raises:
-        InvalidArgumentError: not a positive size.
-    """
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{argument}: must be a size in bytes, got {value!r}")
-    if isinstance(value, int):
-        size = value
-    elif isinstance(value, str):
-        match = re.fullmatch(r"\s*(\d+)\s*([kmgtKMGT]?)(?:i?[bB])?\s*", value)
-        if match is None:
-            raise InvalidArgumentError(f"{argument}: not a size (e.g. 1073741824, '512MB', '1GiB'): {value!r}")
-        size = int(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
-    else:
-        raise InvalidArgumentError(f"{argument}: must be an int or a size string, got {type(value).__name__}")
-    if size < 1:
-        raise InvalidArgumentError(f"{argument}: must be positive, got {value!r}")
-    return size
-
-
-@dataclass(frozen=True)
-class MooncakeConfig:
-    """Where the Mooncake cluster is and what this client brings to it.
-
-    Attributes:
-        master_server_address: ``host:port`` of ``mooncake_master``'s RPC service.
-        metadata_server: the transfer-engine metadata service: ``http://host:port/metadata``
-            (the master's ``-enable_http_metadata_server``), ``etcd://...``, or
-            ``"P2PHANDSHAKE"`` (no metadata service; the default).
-        local_hostname: the address other Mooncake nodes reach this one at. Default: the local
-            address of the route to the master (loopback for a local master).
-        protocol: ``"tcp"`` or ``"rdma"``.
-        device_name: RDMA devices, comma-separated (e.g. ``"mlx5_0,mlx5_1"``); ``""`` lets
-            Mooncake discover them.
-        global_segment_size: bytes of this process's memory given to the distributed pool;
-            with one client this is the whole store's capacity.
-        local_buffer_size: bytes of Mooncake's own registered transfer buffer in this process.
-        bounce_bytes: size of kvstage's bounce buffer for pages outside registered memory
-            (rounded down to whole pages, at least one).
-        connect_timeout_s: seconds to wait for a TCP connection to the master (and an HTTP
-            metadata server) before setup, so an absent master fails fast.
-        rpc_timeout_ms: when set, exported as ``MC_RPC_TIMEOUT_MS`` before setup: how long one
-            RPC to the master may take (Mooncake's default is 30 s). Process-wide.
-        setup_retries: when set, exported as ``MC_STORE_CLIENT_SETUP_RETRIES`` (Mooncake's
-            default 20, about 4.5 s each when the master does not answer). Process-wide.
-    """
-
-    master_server_address: str
-    metadata_server: str = "P2PHANDSHAKE"
-    local_hostname: str | None = None
-    protocol: str = "tcp"
-    device_name: str = ""
-    global_segment_size: int = 1 << 30
-    local_buffer_size: int = 64 << 20
-    bounce_bytes: int = 64 << 20
-    connect_timeout_s: float = 2.0
-    rpc_timeout_ms: int | None = None
-    setup_retries: int | None = None
-
-    def __post_init__(self) -> None:
-        host, port = _split_host_port(self.master_server_address, "master_server_address")
-        object.__setattr__(self, "master_server_address", f"{host}:{port}")
-        if not isinstance(self.metadata_server, str) or not self.metadata_server:
-            raise InvalidArgumentError("metadata_server: must be a non-empty string (e.g. 'P2PHANDSHAKE')")
-        if self.protocol not in PROTOCOLS:
-            raise InvalidArgumentError(f"protocol: must be one of {PROTOCOLS}, got {self.protocol!r}")
-        for name in ("global_segment_size", "local_buffer_size", "bounce_bytes"):
-            object.__setattr__(self, name, parse_size(getattr(self, name), name))
-        timeout = float(self.connect_timeout_s)
-        if not timeout > 0:
-            raise InvalidArgumentError(f"connect_timeout_s: must be positive, got {self.connect_timeout_s!r}")
-        object.__setattr__(self, "connect_timeout_s", timeout)
-        for name in ("rpc_timeout_ms", "setup_retries"):
-            value = getattr(self, name)
-            if value is not None:
-                value = int(value)
-                if value < 1:
-                    raise InvalidArgumentError(f"{name}: must be a positive int, got {value}")
-                object.__setattr__(self, name, value)
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "MooncakeConfig":
-        """Build from a dict with the field names above (Mooncake's ``master_server_addr`` and
-        ``rdma_devices`` are accepted as aliases).
-
-        Raises:
-            InvalidArgumentError: an unknown key, a missing ``master_server_address`` or a bad value.
-        """
-        known = {f.name for f in fields(cls)}
-        kwargs: dict[str, Any] = {}
-        for key, value in values.items():
-            name = _DICT_ALIASES.get(key, key)
-            if name not in known:
-                raise InvalidArgumentError(f"mooncake config: unknown key {key!r}; known: {sorted(known)}")
-            kwargs[name] = value
-        if "master_server_address" not in kwargs:
-            raise InvalidArgumentError("master_server_address: required (host:port of mooncake_master)")
-        if kwargs.get("local_hostname") == "":
-            kwargs["local_hostname"] = None
-        return cls(**kwargs)
-
-
-def parse_mooncake_url(url: str) -> MooncakeConfig:
-    """Parse ``mooncake://MASTER_HOST:PORT?metadata=...&protocol=tcp&segment=1GB&buffer=64MB``.
-
-    Query names: the :class:`MooncakeConfig` field names, or the short ``metadata``,
-    ``segment``, ``buffer``, ``device``, ``bounce``. Values are percent-decoded, so a metadata
-    URL may be given plainly (``metadata=http://127.0.0.1:8080/metadata``) or encoded.
-
-    Raises:
-        InvalidArgumentError: not a ``mooncake://`` URL, no master address, a repeated or
-            unknown query name, or a bad value.
-    """
-    if not isinstance(url, str) or not url.startswith("mooncake://"):
-        raise InvalidArgumentError(f"url: must start with 'mooncake://', got {url!r}")
-    parts = urlsplit(url)
-    if not parts.netloc:
-        raise InvalidArgumentError(f"url: no master address in {url!r}; expected mooncake://HOST:PORT?...")
-    values: dict[str, Any] = {"master_server_address": parts.netloc}
-    for key, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
-        name = _URL_ALIASES.get(key, key)
-        if name in values:
-            raise InvalidArgumentError(f"url: {key!r} given twice in {url!r}")
-        values[name] = value
-    return MooncakeConfig.from_mapping(values)
-
-
-def _split_host_port(address: str, argument: str) -> tuple[str, int]:
-    if not isinstance(address, str) or ":" not in address:
-        raise InvalidArgumentError(f"{argument}: must be 'host:port', got {address!r}")
-    host, _, port_text = address.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise InvalidArgumentError(f"{argument}: must be 'host:port' with a port in 1..65535, got {address!r}")
-    return host, int(port_text)
-
 
 def _import_mooncake_store() -> Any:
     try:
@@ -294,6 +73,24 @@ def mooncake_available() -> bool:
     except BackendUnavailableError:
         return False
     return True
+
+
+def master_binary() -> Path | None:
+    """Path of the executable ``mooncake_master`` inside the installed ``mooncake`` package, or None.
+
+    Found without importing ``mooncake`` (so without loading its native libraries).
+    """
+    try:
+        spec = importlib.util.find_spec("mooncake")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / "mooncake_master"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
 
 
 def _probe(host: str, port: int, timeout: float, what: str) -> str:
@@ -359,7 +156,7 @@ class MooncakeStore(StorageBackend):
         self._last_skip_log = 0.0
 
         store_class = _import_mooncake_store()
-        host, port = _split_host_port(config.master_server_address, "master_server_address")
+        host, port = split_host_port(config.master_server_address, "master_server_address")
         self._master_host_port = (host, port)
         local_address = _probe(host, port, config.connect_timeout_s, "mooncake_master")
         if config.metadata_server.startswith(("http://", "https://")):
@@ -612,10 +409,10 @@ class MooncakeStore(StorageBackend):
 
     def _note_master(self, codes: list[int]) -> bool:
         """Track whether the master answers; True when every code says it did not."""
-        down = bool(codes) and all(code in _MASTER_DOWN_CODES for code in codes)
+        down = bool(codes) and all(code in MASTER_DOWN_CODES for code in codes)
         if down:
             self._master_suspect = True
-        elif any(code not in _MASTER_DOWN_CODES for code in codes):
+        elif any(code not in MASTER_DOWN_CODES for code in codes):
             self._master_suspect = False
         return down
 
@@ -673,8 +470,6 @@ def _chunks(items: list[int], size: int) -> list[list[int]]:
     return [items[start : start + size] for start in range(0, len(items), size)]
 
 
-def _open_mooncake(url: str, fingerprint: LayoutFingerprint) -> MooncakeStore:
+def open_mooncake_store(url: str, fingerprint: LayoutFingerprint) -> MooncakeStore:
+    """The ``mooncake://`` URL (see :func:`kvstage.storage.open_storage`)."""
     return MooncakeStore(fingerprint, url)
-
-
-STORAGE_SCHEMES["mooncake"] = _open_mooncake

@@ -10,11 +10,12 @@ import textwrap
 import pytest
 import torch
 
+from kvstage.kv_layout import KVLayout
 from kvstage.errors import InvalidArgumentError
-from kvstage.offload import FileStore, LayoutFingerprint, PutStatus, open_storage
-from kvstage.offload.file_store import TMP_SUFFIX
+from kvstage.storage import FileStore, LayoutFingerprint, PutStatus, open_storage
+from kvstage.storage.file_store import TMP_SUFFIX
 
-FP = LayoutFingerprint("tiny/model", "float32", num_layers=2, kv_parts=2, head_num=1, head_dim=4, page_size=2)
+FP = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
 KEY_A = "a" * 64
 KEY_B = "b" * 64
 
@@ -43,7 +44,7 @@ def test_roundtrip_and_dedup_and_reopen(tmp_path):
 
 def test_another_layout_never_reads_the_page(tmp_path):
     FileStore(FP, tmp_path).put([KEY_A], [page(1)])
-    other = LayoutFingerprint("tiny/model", "int32", num_layers=2, kv_parts=2, head_num=1, head_dim=4, page_size=2)
+    other = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "int32"), 2)
     store = FileStore(other, tmp_path)
     assert store.exists([KEY_A]) == [False]
     into = torch.zeros(32, dtype=torch.int32)
@@ -86,8 +87,8 @@ def test_writer_killed_between_write_and_rename_leaves_nothing_visible(tmp_path)
     code = textwrap.dedent(
         f"""
         import os, torch
-        from kvstage.offload import FileStore, LayoutFingerprint
-        fp = LayoutFingerprint("tiny/model", "float32", num_layers=2, kv_parts=2, head_num=1, head_dim=4, page_size=2)
+        from kvstage.storage import FileStore, LayoutFingerprint
+        fp = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
         store = FileStore(fp, {str(tmp_path)!r})
         os.replace = lambda *a: os._exit(9)
         store.put([{KEY_A!r}], [torch.ones(32)])
@@ -118,7 +119,7 @@ def test_capacity_evicts_the_least_recently_used_file(tmp_path):
 
 
 def test_long_model_id_gets_hashed_file_names(tmp_path):
-    fp = LayoutFingerprint("m" * 300, "float32", num_layers=2, kv_parts=2, head_num=1, head_dim=4, page_size=2)
+    fp = LayoutFingerprint("m" * 300, KVLayout(2, 2, 1, 4, "float32"), 2)
     store = FileStore(fp, tmp_path)
     assert store.put([KEY_A], [page(1)]) == [PutStatus.STORED]
     assert len(store.file_name(KEY_A)) < 100

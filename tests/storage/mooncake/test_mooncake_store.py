@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvstage.errors import InvalidArgumentError, StorageError
-from kvstage.offload.mooncake_store import MooncakeStore
-from kvstage.offload.storage import PutStatus, open_storage
+from kvstage.storage.mooncake.store import MooncakeStore
+from kvstage.storage import PutStatus, open_storage
 
 
 def new_keys(n: int) -> list[str]:

@@ -1,0 +1,37 @@
+"""Stores that hold KV pages by key under a layout fingerprint.
+
+Knows keys, bytes and layout fingerprints; nothing of requests or kernels.
+
+Public API:
+    StorageBackend, PutStatus, StorageStats: the interface every store implements.
+    LayoutFingerprint: the key space (model, dtype, layout, page size, rank or stage).
+    MemoryStore: in-process pages (the default); FileStore: one crash-safe file a page;
+    MooncakeStore: the Mooncake distributed store (optional ``mooncake`` extra; imported when
+        a store is built).
+    open_storage, STORAGE_SCHEMES: build a store from a URL (``memory``, ``file:DIR``,
+        ``mooncake://HOST:PORT?...``).
+
+Modules: ``backend``, ``fingerprint``, ``registry``, ``memory_store``, ``file_store``,
+``mooncake`` (``config``, ``status``, ``store``).
+"""
+
+from kvstage.storage.backend import PutStatus, StorageBackend, StorageStats
+from kvstage.storage.file_store import FileStore
+from kvstage.storage.fingerprint import LayoutFingerprint
+from kvstage.storage.memory_store import MemoryStore
+from kvstage.storage.mooncake.config import MooncakeConfig
+from kvstage.storage.mooncake.store import MooncakeStore
+from kvstage.storage.registry import STORAGE_SCHEMES, open_storage
+
+__all__ = [
+    "STORAGE_SCHEMES",
+    "FileStore",
+    "LayoutFingerprint",
+    "MemoryStore",
+    "MooncakeConfig",
+    "MooncakeStore",
+    "PutStatus",
+    "StorageBackend",
+    "StorageStats",
+    "open_storage",
+]

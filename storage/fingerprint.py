@@ -1,0 +1,140 @@
+"""The layout fingerprint: what must match for two processes to share stored pages.
+
+Every key a store holds starts with its fingerprint's :meth:`LayoutFingerprint.prefix`, so a
+page is only ever read back as KV of the same model, dtype, layout, page size and shard:
+
+- tensor parallel (K/V): each rank holds its own heads, so the rank and TP size are part of the
+  key space;
+- MLA: the latent is replicated on every TP rank, so the fingerprint is rank-neutral (TP 4 and
+  TP 8 share pages) and only rank 0 writes (:attr:`LayoutFingerprint.writes_pages`);
+- pipeline parallel: stages hold different layers, so the layer range is part of the key space
+  (stage 1 never deduplicates against, or reads, stage 0's pages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
+from kvstage.kv_layout import KVLayout
+
+__all__ = ["LayoutFingerprint"]
+
+
+@dataclass(frozen=True)
+class LayoutFingerprint:
+    """The key space of stored pages.
+
+    Attributes:
+        model_id: the model's name or path, e.g. ``"meta-llama/Llama-3.1-8B"`` (non-empty).
+        layout: this process's KV layout (:class:`kvstage.kv_layout.KVLayout`); for a pipeline
+            stage, ``layout.num_layers`` is the stage's layer count.
+        page_size: tokens per page.
+        tp_rank: this worker's tensor-parallel rank, in ``[0, tp_size)``.
+        tp_size: the tensor-parallel world size.
+        first_layer: the model layer this process's layer 0 is (pipeline stage > 0: > 0).
+
+    Raises:
+        InvalidArgumentError: an empty model id, a size or rank out of range (bools are not ints).
+        ArgumentTypeError: ``layout`` is not a :class:`KVLayout`.
+    """
+
+    model_id: str
+    layout: KVLayout
+    page_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    first_layer: int = 0
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.model_id, str) and self.model_id != "", "model_id", "must be a non-empty string")
+        require(
+            isinstance(self.layout, KVLayout), "layout",
+            lambda: f"must be a kvstage.kv_layout.KVLayout, got {type(self.layout).__name__}", ArgumentTypeError,
+        )
+        for name in ("page_size", "tp_size"):
+            value = getattr(self, name)
+            require(is_int(value) and value >= 1, name, lambda: f"must be a positive int, got {value!r}")
+        require(
+            is_int(self.tp_rank) and 0 <= self.tp_rank < self.tp_size,
+            "tp_rank", lambda: f"must be an int in [0, tp_size={self.tp_size}), got {self.tp_rank!r}",
+        )
+        require(
+            is_int(self.first_layer) and self.first_layer >= 0,
+            "first_layer", lambda: f"must be an int >= 0, got {self.first_layer!r}",
+        )
+
+    @classmethod
+    def of(cls, kv_pool: Any, *, page_size: int, model_id: str, tp_rank: int = 0, tp_size: int = 1, first_layer: int = 0) -> "LayoutFingerprint":
+        """The fingerprint of a KV pool's (or host pool's, or a :class:`KVLayout`'s) layout.
+
+        Args:
+            kv_pool: anything with a ``layout`` attribute holding a :class:`KVLayout`, or a
+                :class:`KVLayout` itself.
+            page_size, model_id, tp_rank, tp_size, first_layer: as the attributes.
+
+        Raises:
+            ArgumentTypeError: ``kv_pool`` has no layout.
+            InvalidArgumentError: as the class.
+        """
+        layout = kv_pool if isinstance(kv_pool, KVLayout) else getattr(kv_pool, "layout", None)
+        require(
+            isinstance(layout, KVLayout), "kv_pool",
+            lambda: f"must be a KVPool, HostPool or KVLayout (something with a .layout), got {type(kv_pool).__name__}",
+            ArgumentTypeError,
+        )
+        return cls(model_id, layout, page_size, tp_rank=tp_rank, tp_size=tp_size, first_layer=first_layer)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (``layout.page_bytes(page_size)``)."""
+        return self.layout.page_bytes(self.page_size)
+
+    @property
+    def layers(self) -> range:
+        """The model layers this key space holds, ``range(first_layer, first_layer + num_layers)``."""
+        return range(self.first_layer, self.first_layer + self.layout.num_layers)
+
+    @property
+    def rank_neutral(self) -> bool:
+        """True for MLA (one KV part): every TP rank holds the same latent, so ranks share pages."""
+        return self.layout.kv_parts == 1
+
+    @property
+    def writes_pages(self) -> bool:
+        """Whether this process writes pages: every rank for K/V; only TP rank 0 for MLA, whose
+        other ranks hold the same bytes and would only write them again."""
+        return not self.rank_neutral or self.tp_rank == 0
+
+    def prefix(self) -> str:
+        """The key prefix, e.g. ``"llama3-8b@bfloat16@L0-31xKV2xH8xD128@P64@tp0of1@"``
+        (MLA: ``...@tp-any@``).
+
+        Characters outside ``[A-Za-z0-9._-]`` in the model id become ``_`` so the prefix is
+        safe as a file name and as a Mooncake key.
+        """
+        model = "".join(c if c.isalnum() or c in "._-" else "_" for c in self.model_id)
+        layout = self.layout
+        layers = self.layers
+        shard = "tp-any" if self.rank_neutral else f"tp{self.tp_rank}of{self.tp_size}"
+        return (
+            f"{model}@{layout.dtype_name}@L{layers.start}-{layers.stop - 1}xKV{layout.kv_parts}"
+            f"xH{layout.num_heads}xD{layout.head_dim}@P{self.page_size}@{shard}@"
+        )
+
+    def require_matches(self, layout: KVLayout, page_size: int, argument: str = "storage") -> None:
+        """Raise unless pages of ``layout`` and ``page_size`` belong to this key space.
+
+        Equal page bytes are not enough: a page of another dtype or shape would later be read
+        back as this layout.
+
+        Raises:
+            InvalidArgumentError: the layouts or page sizes differ (the message names the field).
+        """
+        for name in ("dtype", "num_layers", "kv_parts", "num_heads", "head_dim"):
+            mine, theirs = getattr(self.layout, name), getattr(layout, name)
+            if mine != theirs:
+                raise InvalidArgumentError(f"{argument}: its layout's {name} {mine} must equal the pool's {theirs}")
+        if self.page_size != page_size:
+            raise InvalidArgumentError(f"{argument}: its layout's page_size {self.page_size} must equal the pool's {page_size}")

@@ -1,0 +1,171 @@
+"""Mooncake client configuration: :class:`MooncakeConfig`, from a ``mooncake://`` URL or a dict.
+
+Field names follow Mooncake's docs and JSON config: ``master_server_address``,
+``metadata_server``, ``local_hostname``, ``protocol``, ``device_name``, ``global_segment_size``,
+``local_buffer_size``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+from urllib.parse import parse_qsl, urlsplit
+
+from kvstage.errors import InvalidArgumentError
+
+PROTOCOLS = ("tcp", "rdma")
+
+# Short URL query names -> config field names (the long names are accepted too).
+_URL_ALIASES = {
+    "metadata": "metadata_server",
+    "segment": "global_segment_size",
+    "buffer": "local_buffer_size",
+    "device": "device_name",
+    "bounce": "bounce_bytes",
+}
+# Names other Mooncake APIs use for the same fields.
+_DICT_ALIASES = {"master_server_addr": "master_server_address", "rdma_devices": "device_name"}
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: int | str, argument: str) -> int:
+    """Bytes from an int or a string such as ``"512MB"``, ``"1 GiB"``, ``"4096"``.
+
+    Units are binary whatever their spelling: K/KB/KiB = 2**10, M = 2**20, G = 2**30, T = 2**40.
+
+    Raises:
+        InvalidArgumentError: not a positive size.
+    """
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{argument}: must be a size in bytes, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+)\s*([kmgtKMGT]?)(?:i?[bB])?\s*", value)
+        if match is None:
+            raise InvalidArgumentError(f"{argument}: not a size (e.g. 1073741824, '512MB', '1GiB'): {value!r}")
+        size = int(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    else:
+        raise InvalidArgumentError(f"{argument}: must be an int or a size string, got {type(value).__name__}")
+    if size < 1:
+        raise InvalidArgumentError(f"{argument}: must be positive, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """Where the Mooncake cluster is and what this client brings to it.
+
+    Attributes:
+        master_server_address: ``host:port`` of ``mooncake_master``'s RPC service.
+        metadata_server: the transfer-engine metadata service: ``http://host:port/metadata``
+            (the master's ``-enable_http_metadata_server``), ``etcd://...``, or
+            ``"P2PHANDSHAKE"`` (no metadata service; the default).
+        local_hostname: the address other Mooncake nodes reach this one at. Default: the local
+            address of the route to the master (loopback for a local master).
+        protocol: ``"tcp"`` or ``"rdma"``.
+        device_name: RDMA devices, comma-separated (e.g. ``"mlx5_0,mlx5_1"``); ``""`` lets
+            Mooncake discover them.
+        global_segment_size: bytes of this process's memory given to the distributed pool;
+            with one client this is the whole store's capacity.
+        local_buffer_size: bytes of Mooncake's own registered transfer buffer in this process.
+        bounce_bytes: size of kvstage's bounce buffer for pages outside registered memory
+            (rounded down to whole pages, at least one).
+        connect_timeout_s: seconds to wait for a TCP connection to the master (and an HTTP
+            metadata server) before setup, so an absent master fails fast.
+        rpc_timeout_ms: when set, exported as ``MC_RPC_TIMEOUT_MS`` before setup: how long one
+            RPC to the master may take (Mooncake's default is 30 s). Process-wide.
+        setup_retries: when set, exported as ``MC_STORE_CLIENT_SETUP_RETRIES`` (Mooncake's
+            default 20, about 4.5 s each when the master does not answer). Process-wide.
+    """
+
+    master_server_address: str
+    metadata_server: str = "P2PHANDSHAKE"
+    local_hostname: str | None = None
+    protocol: str = "tcp"
+    device_name: str = ""
+    global_segment_size: int = 1 << 30
+    local_buffer_size: int = 64 << 20
+    bounce_bytes: int = 64 << 20
+    connect_timeout_s: float = 2.0
+    rpc_timeout_ms: int | None = None
+    setup_retries: int | None = None
+
+    def __post_init__(self) -> None:
+        host, port = split_host_port(self.master_server_address, "master_server_address")
+        object.__setattr__(self, "master_server_address", f"{host}:{port}")
+        if not isinstance(self.metadata_server, str) or not self.metadata_server:
+            raise InvalidArgumentError("metadata_server: must be a non-empty string (e.g. 'P2PHANDSHAKE')")
+        if self.protocol not in PROTOCOLS:
+            raise InvalidArgumentError(f"protocol: must be one of {PROTOCOLS}, got {self.protocol!r}")
+        for name in ("global_segment_size", "local_buffer_size", "bounce_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name), name))
+        timeout = float(self.connect_timeout_s)
+        if not timeout > 0:
+            raise InvalidArgumentError(f"connect_timeout_s: must be positive, got {self.connect_timeout_s!r}")
+        object.__setattr__(self, "connect_timeout_s", timeout)
+        for name in ("rpc_timeout_ms", "setup_retries"):
+            value = getattr(self, name)
+            if value is not None:
+                value = int(value)
+                if value < 1:
+                    raise InvalidArgumentError(f"{name}: must be a positive int, got {value}")
+                object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "MooncakeConfig":
+        """Build from a dict with the field names above (Mooncake's ``master_server_addr`` and
+        ``rdma_devices`` are accepted as aliases).
+
+        Raises:
+            InvalidArgumentError: an unknown key, a missing ``master_server_address`` or a bad value.
+        """
+        known = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            name = _DICT_ALIASES.get(key, key)
+            if name not in known:
+                raise InvalidArgumentError(f"mooncake config: unknown key {key!r}; known: {sorted(known)}")
+            kwargs[name] = value
+        if "master_server_address" not in kwargs:
+            raise InvalidArgumentError("master_server_address: required (host:port of mooncake_master)")
+        if kwargs.get("local_hostname") == "":
+            kwargs["local_hostname"] = None
+        return cls(**kwargs)
+
+
+def parse_mooncake_url(url: str) -> MooncakeConfig:
+    """Parse ``mooncake://MASTER_HOST:PORT?metadata=...&protocol=tcp&segment=1GB&buffer=64MB``.
+
+    Query names: the :class:`MooncakeConfig` field names, or the short ``metadata``,
+    ``segment``, ``buffer``, ``device``, ``bounce``. Values are percent-decoded, so a metadata
+    URL may be given plainly (``metadata=http://127.0.0.1:8080/metadata``) or encoded.
+
+    Raises:
+        InvalidArgumentError: not a ``mooncake://`` URL, no master address, a repeated or
+            unknown query name, or a bad value.
+    """
+    if not isinstance(url, str) or not url.startswith("mooncake://"):
+        raise InvalidArgumentError(f"url: must start with 'mooncake://', got {url!r}")
+    parts = urlsplit(url)
+    if not parts.netloc:
+        raise InvalidArgumentError(f"url: no master address in {url!r}; expected mooncake://HOST:PORT?...")
+    values: dict[str, Any] = {"master_server_address": parts.netloc}
+    for key, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
+        name = _URL_ALIASES.get(key, key)
+        if name in values:
+            raise InvalidArgumentError(f"url: {key!r} given twice in {url!r}")
+        values[name] = value
+    return MooncakeConfig.from_mapping(values)
+
+
+def split_host_port(address: str, argument: str) -> tuple[str, int]:
+    if not isinstance(address, str) or ":" not in address:
+        raise InvalidArgumentError(f"{argument}: must be 'host:port', got {address!r}")
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise InvalidArgumentError(f"{argument}: must be 'host:port' with a port in 1..65535, got {address!r}")
+    return host, int(port_text)
