@@ -1,18 +1,38 @@
-"""The per-request offload manager, its host page pool and copy streams.
+"""The per-request offload manager and what it composes: host pool, copier, copy streams,
+store I/O workers.
 
 Stores live in :mod:`kvstage.storage`, page keys in :mod:`kvstage.hashing`, copies in
 :mod:`kvstage.kernels`; this package composes them and alone knows a request's lifecycle.
+
+Modules: ``manager`` (:class:`OffloadManager`, decisions), ``copier`` (moves pages, reports
+:class:`CopyResult`), ``copy_stream``, ``host_pool``, ``store_io`` (the one page writer, the
+one prefix reader, worker threads), ``load_path`` (prefix match, prefetch and load handles),
+``request`` (what is read from a request), ``metrics``, ``testing`` (engine stand-ins).
 """
 
+from kvstage.offload.copier import Copier, CopyResult
 from kvstage.offload.copy_stream import CopyStream, ManualCopyStream
 from kvstage.offload.host_pool import HostPool
-from kvstage.offload.manager import OffloadManager, OffloadMetrics, OffloadRequest
+from kvstage.offload.load_path import PREFETCH_POLICIES, LoadHandle, PrefetchHandle, PrefixMatch
+from kvstage.offload.manager import OffloadManager
+from kvstage.offload.metrics import OffloadMetrics
+from kvstage.offload.request import OffloadRequest, kv_length
+from kvstage.offload.store_io import StoreWorkers, write_pages
 
 __all__ = [
+    "PREFETCH_POLICIES",
+    "Copier",
+    "CopyResult",
     "CopyStream",
     "HostPool",
+    "LoadHandle",
     "ManualCopyStream",
     "OffloadManager",
     "OffloadMetrics",
     "OffloadRequest",
+    "PrefetchHandle",
+    "PrefixMatch",
+    "StoreWorkers",
+    "kv_length",
+    "write_pages",
 ]

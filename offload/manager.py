@@ -1,50 +1,34 @@
-"""``OffloadManager``: backs up a decoding request's KV pages to storage, stride by stride.
+"""``OffloadManager``: decides what of each request moves when; the copier and store workers move it.
 
-The engine calls :meth:`OffloadManager.offload` for each running request every decode step,
-:meth:`OffloadManager.poll` once a step, and :meth:`OffloadManager.finish` or
-:meth:`OffloadManager.abort` when a request ends. The manager:
+The engine calls, from its scheduler thread:
 
-1. finds the tokens whose KV exists and is not offloaded yet (``origin_input_ids +
-   output_ids[:-1]``; the last sampled token has no KV yet), in whole strides starting right
-   after the last offloaded token, so pages stay aligned to absolute positions;
-2. allocates host pages, launches one gather per host-pool chunk on the copy stream and keeps
-   the completion event, counted as in flight for that request object;
-3. in ``poll``, for each finished copy (in any order): writes the pages to storage under their
-   page keys, skipping keys already there, and frees the host pages;
-4. calls ``release(req)`` exactly once, when the request has ended and no copy of its device
-   slots is in flight; only then may the engine free the request's device slots.
+- store path: :meth:`~OffloadManager.offload` for each running request every step (it launches
+  the prompt's whole pages once they have KV, then each new whole stride of decode tokens),
+  :meth:`~OffloadManager.finish` / :meth:`~OffloadManager.abort` /
+  :meth:`~OffloadManager.retract` when a request leaves the running batch;
+- load path: :meth:`~OffloadManager.match_prefix` (lookup),
+  :meth:`~OffloadManager.prefetch` (store to host pages on a worker thread),
+  :meth:`~OffloadManager.load` (host pages to the request's device slots, layer by layer);
+- :meth:`~OffloadManager.poll` once a step: it only collects what finished (copies, store
+  writes, reads), frees host pages and calls ``release(req)``; it never waits.
 
 Decisions worth knowing:
 
-- State is keyed by the request *object* (``id(req)``, with the object held by the state so the
-  id cannot be reused while tracked), never by ``rid`` and never through the request class's
-  ``__eq__``/``__hash__``: two requests with one rid (a retry) are two lifecycles.
-- The prompt's page-aligned prefix was stored by prefill. Its last page key (or the namespace
-  seed when the prompt is shorter than a page) is the prior of the request's chain, computed
-  once per request (when its first segment's keys are needed).
-- Page keys are computed in ``poll``, not in ``offload`` (which stays cheap: it copies the
-  segment's token ids and launches). A key depends only on tokens, so when a segment completes
-  before the one launched before it, ``poll`` computes the earlier segments' keys first, from
-  their token ids (each segment links to its predecessor until its keys are known): the chain is
-  always hashed in order and no completion waits for another.
-- ``finish`` offloads every remaining *whole page*, not only whole strides: the stride batches
-  copies during decode; at the end nothing is gained by leaving full pages behind.
-- Every page launched ends in exactly one of: stored, deduplicated, failed (the copy or the
-  storage write failed; counted, logged, ``on_storage_failure`` called), discarded (its
-  request was aborted: freed without a storage write).
-- ``poll`` never blocks and costs O(copies finished), not O(live requests): in-flight copies
-  sit in a queue in submission order; on an in-order copy stream ``poll`` stops at the first
-  unfinished copy, on any other it checks each in-flight copy.
-- Host pool short: ``offload`` launches the whole strides that fit, oldest first (the rest
-  follow at later calls, as pages are freed); when not one fits it returns False and changes
-  nothing. ``finish`` launches the pages that fit, drops the rest (``pages_dropped``) and still
-  releases. A request whose ``finished()`` is true is finished by ``offload``.
-- After release the manager forgets the request but remembers the object weakly: a late
-  ``finish``/``abort``/``offload`` of it is ignored, so release stays exactly once.
-- NVTX ranges (domain ``kvstage``): ``offload``, ``offload.finish``, ``poll``, ``backup``
-  (the storage write of one segment, inside ``poll``).
+- State is keyed by the request *object* (``id(req)``, the object held by the state so the id
+  cannot be reused while tracked), never by ``rid``: two requests with one rid are two lifecycles.
+- Keys: a request's pages form one hash chain from its namespace seed. The chain continues from
+  what the manager knows: pages it stored, pages it loaded (their keys came from the lookup), or,
+  with ``store_prompt=False``, the prompt pages the engine says its prefill side stored. Keys are
+  computed in ``poll`` (on the engine's thread, in chain order whatever order copies finish in).
+- ``release(req)`` is called exactly once per lifecycle, after ``finish``/``abort``/``retract``,
+  when no copy of the request's device slots (gather or load) is in flight. Store writes and
+  reads in flight touch only host pages and do not hold release back.
+- Every launched page ends exactly once: stored, deduplicated, failed, or discarded (see
+  :class:`~kvstage.offload.metrics.OffloadMetrics`).
+- NVTX ranges (domain ``kvstage``): ``offload``, ``offload.finish``, ``poll``, ``lookup``,
+  ``prefetch``, ``load``, ``backup`` (a worker's store write).
 
-Not thread-safe: call offload/poll/finish/abort from one thread (the scheduler's).
+Not thread-safe: call everything from one thread (the scheduler's).
 """
 
 from __future__ import annotations
@@ -52,230 +36,143 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable
 
 import torch
 
-from kvstage.errors import ArgumentTypeError, InvalidArgumentError, StorageError, is_int, require
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
 from kvstage.nvtx_ranges import nvtx_range
+from kvstage.offload.copier import GATHER, Copier, CopyResult
 from kvstage.offload.host_pool import HostPool
-from kvstage.storage import PutStatus, StorageBackend
+from kvstage.offload.load_path import PREFETCH_POLICIES, LoadHandle, PrefetchHandle, PrefixMatch
+from kvstage.offload.metrics import OffloadMetrics
+from kvstage.offload.request import SlotIndicesOf, kv_length, request_tokens
+from kvstage.offload.store_io import StoreWorkers, read_leading_pages, write_pages
+
+__all__ = ["OffloadManager"]
 
 logger = logging.getLogger(__name__)
 
 
-@runtime_checkable
-class OffloadRequest(Protocol):
-    """What the manager reads from an engine's request object (adapt yours to it).
-
-    Attributes:
-        rid: the request id (only for log lines; never a key).
-        origin_input_ids: the prompt's token ids (list or 1-D int sequence).
-        output_ids: the sampled token ids so far; the last one has no KV yet.
-        extra_key: namespace part (LoRA adapter and similar), or None.
-        cache_salt: namespace part (per-tenant secret), or None.
-
-    The class should support weak references (plain classes do; a ``__slots__`` class needs
-    ``"__weakref__"`` in its slots): the manager remembers released requests weakly, so that a
-    late ``finish``/``abort``/``offload`` of one is ignored. Without that, such a late call
-    starts a new lifecycle for the object.
-    """
-
-    rid: Any
-    origin_input_ids: Sequence[int]
-    output_ids: Sequence[int]
-    extra_key: str | None
-    cache_salt: str | None
-
-    def finished(self) -> bool:
-        """True once the request will produce no more tokens."""
-        ...
-
-
-# slot_indices_of(req) -> 1-D int32/int64 tensor on the KV pool's device whose entry i is the
-# device slot holding token i's KV (e.g. sglang's req_to_token[req.req_pool_idx]); at least as
-# long as the tokens with KV.
-SlotIndicesOf = Callable[[Any], torch.Tensor]
-
-
-def kv_length(req: OffloadRequest) -> int:
-    """Token positions of ``req`` whose KV is in the device pool: the prompt and every output
-    token but the last sampled one, which has no KV until the next decode step writes it."""
-    return len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
-
-
-@dataclass(frozen=True)
-class OffloadMetrics:
-    """A snapshot of the manager's counters (pages are host pages of ``page_size`` tokens).
-
-    Every launched page is in flight or has ended exactly once::
-
-        pages_launched == pages_in_flight + pages_stored + pages_deduplicated
-                          + pages_failed + pages_discarded
-    """
-
-    requests_live: int  # request objects tracked (not released yet)
-    copies_in_flight: int  # D2H copies launched and not handled by poll yet
-    pages_in_flight: int
-    pages_launched: int
-    pages_offloaded: int  # pages whose D2H copy completed without error
-    bytes_offloaded: int
-    copy_seconds: float  # summed durations of those copies (GPU time on CUDA)
-    pages_stored: int  # written to storage now
-    pages_deduplicated: int  # storage had the key already
-    pages_failed: int  # copy or storage write failed; reported
-    pages_discarded: int  # the request was aborted; freed without a storage write
-    pages_dropped: int  # finish() could not get host pages; never launched
-    storage_failures: int  # storage writes (segments) with at least one failed page
-    copy_failures: int  # copies that raised
-    offloads_rejected: int  # offload() returned False because the host pool was full
-    releases: int
-    callback_errors: int  # release/on_storage_failure callbacks that raised (logged)
-    host_pages_used: int
-    host_pages_high_water: int
-    host_pages_capacity: int
-
-    @property
-    def d2h_gbps(self) -> float:
-        """D2H throughput over copy time, in GB/s (1e9 bytes)."""
-        return self.bytes_offloaded / self.copy_seconds / 1e9 if self.copy_seconds > 0 else 0.0
-
-    @property
-    def dedup_hits(self) -> int:
-        """Pages not written because storage had them (same as ``pages_deduplicated``)."""
-        return self.pages_deduplicated
-
-
-def _answer_of(answer: Any, expected: int, call: str) -> list:
-    """A backend's per-key answer as a list, or StorageError when it does not answer every key
-    (zip would silently drop the pages it left out of the accounting)."""
-    answer = list(answer)
-    if len(answer) != expected:
-        raise StorageError(f"storage: {call}() answered {len(answer)} keys of {expected}")
-    return answer
-
-
 class _RequestState:
-    __slots__ = ("req", "offloaded_len", "last_segment", "in_flight", "ending", "aborted")
+    __slots__ = (
+        "req", "offloaded_length", "last_key", "unkeyed", "copies_in_flight", "loads",
+        "ending", "aborted", "retract_keep", "prefetch", "backlog_pages",
+    )
 
-    def __init__(self, req: Any, offloaded_len: int) -> None:
+    def __init__(self, req: Any, offloaded_length: int) -> None:
         self.req = req  # held: keeps id(req) from being reused while tracked
-        self.offloaded_len = offloaded_len  # tokens [0, offloaded_len) are stored or launched
-        self.last_segment: _Segment | None = None  # the latest launched (the chain continues it)
-        self.in_flight = 0
-        self.ending = False  # finish() or abort() was called
+        self.offloaded_length = offloaded_length  # tokens [0, offloaded_length) stored, loaded or launched
+        self.last_key: str | None = None  # the chain's key before the first unkeyed segment
+        self.unkeyed: deque[_Segment] | None = None  # None: last_key not known yet
+        self.copies_in_flight = 0  # gathers and loads of its device slots not polled yet
+        self.loads: list[_Load] = []
+        self.ending = False  # finish(), abort() or retract() was called
         self.aborted = False
+        self.retract_keep: bool | None = None  # retract(): keep the offload progress for a rerun
+        self.prefetch: PrefetchHandle | None = None
+        self.backlog_pages = 0  # whole pages finish() is waiting for host pages for
 
 
 class _Segment:
-    """One launched copy: whole pages of one request, their host pages, tokens and keys."""
+    """One gather: whole pages of one request, their token ids (until keyed) and keys."""
 
-    __slots__ = ("state", "host_ids", "tokens", "prev", "keys", "event")
+    __slots__ = ("state", "tokens", "keys", "prior_key")
 
-    def __init__(self, state: _RequestState, host_ids: list[int], tokens: list[int], prev: "_Segment | None", event: Any) -> None:
+    def __init__(self, state: _RequestState, tokens: list[int]) -> None:
         self.state = state
-        self.host_ids = host_ids
-        self.tokens = tokens  # token ids of the pages; dropped once keys are computed
-        self.prev = prev  # the request's previous segment (None: the first, after the prompt)
+        self.tokens: list[int] | None = tokens
         self.keys: list[str] | None = None
-        self.event = event
+        self.prior_key: str | None = None
 
 
-_NOTHING, _LAUNCHED, _PARTIAL, _FULL = 0, 1, 2, 3
+class _Load:
+    """One load (the copier's job): the request state and the pages it scatters."""
+
+    __slots__ = ("state", "num_pages")
+
+    def __init__(self, state: _RequestState, num_pages: int) -> None:
+        self.state = state
+        self.num_pages = num_pages
 
 
 class OffloadManager:
-    """Offloads decoding requests' KV pages through a host pool to a storage backend.
+    """Stores requests' KV pages through a host pool to a store, and loads stored prefixes back.
 
     Args:
         kv_pool: the device KV pool (:class:`kvstage.kernels.KVPool`).
-        host_pool: staging pages matching ``kv_pool``'s layout and dtype.
-        storage: where pages are backed up; its layout's page bytes must equal the host page's.
-        hasher: computes page keys (:class:`kvstage.hashing.PageHasher`); its page_size must
-            equal the host pool's.
-        slot_indices_of: ``slot_indices_of(req)`` -> the request's device slots (see
-            :data:`SlotIndicesOf`).
-        offload_stride: tokens per offload unit during decode, a positive multiple of the page
-            size (default: one page).
-        release: ``release(req)``, called exactly once per request after ``finish``/``abort``
-            when none of its copies is in flight: the engine may free its device slots then.
-        on_storage_failure: ``on_storage_failure(req, failed_keys, error)``: a copy or storage
-            write failed for these page keys (error: the exception, or None when the backend
-            answered FAILED; keys are empty when the hasher itself raised).
-        backend: the gather's backend (``"auto"``, ``"triton"``, ``"torch"``).
-        copy_stream: where copies run (default: :class:`CopyStream` on ``kv_pool.device``);
-            anything with ``submit(copy, keep=...) -> event`` and ``in_order``.
+        host_pool: host pages of the same layout (:class:`HostPool`).
+        storage: the store (:class:`kvstage.storage.StorageBackend`); its layout fingerprint
+            must describe the host pool's pages.
+        hasher: page keys (:class:`kvstage.hashing.PageHasher`), page size as the host pool's.
+        slot_indices_of: ``slot_indices_of(req)`` -> the request's device slots
+            (:data:`~kvstage.offload.request.SlotIndicesOf`).
+        offload_stride: decode tokens per copy, a positive multiple of the page size
+            (default: one page).
+        store_prompt: True (default): the manager stores the prompt's whole pages too, and the
+            chain starts at the namespace seed. False: the engine's prefill side stored them
+            (sglang's disaggregated decode); the chain continues from their keys.
+        release: ``release(req)``: the engine may free the request's device slots now.
+        on_storage_failure: ``on_storage_failure(req, failed_keys, error)``: a copy, the page
+            keys or a store write failed for these keys (empty when keys could not be made).
+        backend: the kernels' backend (``"auto"``, ``"triton"``, ``"torch"``).
+        copy_stream: where copies run (default: :class:`~kvstage.offload.CopyStream` on the
+            pool's device).
+        producer: default for each call's ``after``: the stream (or event) after whose work
+            the KV is written, e.g. the engine's forward stream (None: the current stream).
+        finish_backlog_pages: whole pages that finished requests may wait for host pages
+            with (their device slots stay held until launched); beyond it ``finish`` drops
+            pages (``pages_dropped``). Default: the host pool's capacity.
+        store_workers: where store writes and reads run: anything with ``write(call)`` and
+            ``read(call)`` returning a ``concurrent.futures.Future``, and ``close()`` (default:
+            :class:`~kvstage.offload.store_io.StoreWorkers`, one writer and one reader thread).
 
     Raises:
-        InvalidArgumentError: the stride, page sizes or layouts do not match, or a callback
-            is not callable.
+        ArgumentTypeError: ``hasher`` is not a page hasher.
+        InvalidArgumentError: the stride, page sizes or layouts do not match, or a callback is
+            not callable.
     """
 
     def __init__(
         self,
         kv_pool: Any,
         host_pool: HostPool,
-        storage: StorageBackend,
+        storage: Any,
         hasher: Any,
         slot_indices_of: SlotIndicesOf,
         *,
         offload_stride: int | None = None,
+        store_prompt: bool = True,
         release: Callable[[Any], None] | None = None,
         on_storage_failure: Callable[[Any, list[str], BaseException | None], None] | None = None,
         backend: str = "auto",
         copy_stream: Any = None,
+        producer: Any = None,
+        finish_backlog_pages: int | None = None,
+        store_workers: Any = None,
     ) -> None:
-        from kvstage.kernels.backend import resolve_backend
-        from kvstage.offload.copy_stream import CopyStream
-
         page_size = host_pool.page_size
         require(
-            all(callable(getattr(hasher, name, None)) for name in ("continue_keys", "prefill_keys", "seed"))
-            and hasattr(hasher, "page_size"),
+            all(callable(getattr(hasher, name, None)) for name in ("continue_keys", "prefill_keys", "seed")) and hasattr(hasher, "page_size"),
             "hasher",
-            f"must be a kvstage.hashing.PageHasher (page_size, seed, prefill_keys, continue_keys), got {type(hasher).__name__}",
+            lambda: f"must be a kvstage.hashing.PageHasher (page_size, seed, prefill_keys, continue_keys), got {type(hasher).__name__}",
             ArgumentTypeError,
         )
-        require(
-            hasher.page_size == page_size,
-            "hasher",
-            f"page_size {hasher.page_size} must equal the host pool's page_size {page_size}",
-        )
+        require(hasher.page_size == page_size, "hasher", lambda: f"page_size {hasher.page_size} must equal the host pool's page_size {page_size}")
         stride = page_size if offload_stride is None else offload_stride
         require(
             is_int(stride) and stride > 0 and stride % page_size == 0,
-            "offload_stride",
-            f"must be a positive multiple of page_size {page_size}, got {offload_stride!r}",
+            "offload_stride", lambda: f"must be a positive multiple of page_size {page_size}, got {offload_stride!r}",
         )
-        for name in ("num_layers", "kv_parts", "num_heads", "head_dim", "dtype"):
-            mine, theirs = getattr(host_pool, name), getattr(kv_pool, name)
-            require(mine == theirs, "host_pool", f"{name} {mine} must equal the KV pool's {theirs}")
-        storage_page_bytes = getattr(storage, "page_bytes", host_pool.page_bytes)
-        require(
-            storage_page_bytes == host_pool.page_bytes,
-            "storage",
-            f"its layout's page has {storage_page_bytes} bytes, the host pool's page has {host_pool.page_bytes}",
-        )
+        self.copier = Copier(kv_pool, host_pool, copy_stream=copy_stream, backend=backend)
         fingerprint = getattr(storage, "fingerprint", None)
-        if fingerprint is not None:
-            # Equal page bytes are not enough: the keys carry the storage's layout prefix, so a
-            # page of another dtype or shape would later be read back as that layout.
-            require(
-                getattr(torch, fingerprint.dtype, None) == host_pool.dtype,
-                "storage",
-                f"its layout's dtype {fingerprint.dtype} must be the host pool's {host_pool.dtype}",
-            )
-            for name in ("num_layers", "kv_parts", "num_heads", "head_dim", "page_size"):
-                mine, theirs = getattr(host_pool, name), getattr(fingerprint, name)
-                require(theirs == mine, "storage", f"its layout's {name} {theirs} must equal the host pool's {mine}")
+        require(fingerprint is not None, "storage", lambda: f"must be a kvstage.storage.StorageBackend, got {type(storage).__name__}", ArgumentTypeError)
+        fingerprint.require_matches(host_pool.layout, page_size, "storage")
         require(callable(slot_indices_of), "slot_indices_of", "must be callable")
         require(release is None or callable(release), "release", "must be callable or None")
-        require(
-            on_storage_failure is None or callable(on_storage_failure), "on_storage_failure", "must be callable or None"
-        )
-        self.device = torch.device(kv_pool.device)
-        resolve_backend(backend, on_cuda=self.device.type == "cuda")  # validates now, not mid-step
+        require(on_storage_failure is None or callable(on_storage_failure), "on_storage_failure", "must be callable or None")
+        backlog = host_pool.capacity if finish_backlog_pages is None else finish_backlog_pages
+        require(is_int(backlog) and backlog >= 0, "finish_backlog_pages", lambda: f"must be an int >= 0, got {finish_backlog_pages!r}")
         self.kv_pool = kv_pool
         self.host_pool = host_pool
         self.storage = storage
@@ -283,141 +180,286 @@ class OffloadManager:
         self.slot_indices_of = slot_indices_of
         self.page_size = page_size
         self.offload_stride = stride
-        self.backend = backend
-        self._owns_copy_stream = copy_stream is None
-        self.copy_stream = copy_stream if copy_stream is not None else CopyStream(self.device)
+        self.store_prompt = bool(store_prompt)
+        self.producer = producer
+        self.finish_backlog_pages = backlog
+        # An MLA rank other than 0 holds the same latent as rank 0, which writes it.
+        self.writes_pages = fingerprint.writes_pages
         self._release_callback = release
         self._failure_callback = on_storage_failure
+        self._owns_workers = store_workers is None
+        self._workers = StoreWorkers() if store_workers is None else store_workers
         self._states: dict[int, _RequestState] = {}
-        # Released request objects, held weakly (gone when the engine drops them): a late
-        # finish/abort/offload of one is ignored instead of releasing it a second time.
+        # Released request objects, held weakly: a late finish/abort/offload of one is ignored.
         self._ended: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-        self._in_flight: deque[_Segment] = deque()
-        self._in_order = bool(getattr(self.copy_stream, "in_order", False))
+        # Retracted with keep_offloaded: their progress, resumed when they run again.
+        self._retracted: dict[int, _RequestState] = {}
+        self._unhandled: deque[CopyResult] = deque()  # copies polled from the copier, not handled yet
+        self._writes: deque[tuple[_Segment, list[int], Any]] = deque()
+        self._prefetches: list[PrefetchHandle] = []
+        self._backlog: list[_RequestState] = []
+        self._counters = OffloadMetrics()
         storage.register_host_buffers(host_pool.buffers)
-        # Counters (see OffloadMetrics).
-        self._pages_in_flight = 0
-        self._pages_launched = 0
-        self._pages_offloaded = 0
-        self._copy_seconds = 0.0
-        self._pages_stored = 0
-        self._pages_deduplicated = 0
-        self._pages_failed = 0
-        self._pages_discarded = 0
-        self._pages_dropped = 0
-        self._storage_failures = 0
-        self._copy_failures = 0
-        self._offloads_rejected = 0
-        self._releases = 0
-        self._callback_errors = 0
 
-    # -- the engine's calls -----------------------------------------------------------------
+    # -- store path ---------------------------------------------------------------------------
 
-    def offload(self, req: Any) -> bool:
-        """Launch the D2H copy of ``req``'s new whole strides, if any.
+    def offload(self, req: Any, *, after: Any = None) -> bool:
+        """Launch the D2H copy of ``req``'s pages that have KV and are not stored yet: the
+        prompt's whole pages (``store_prompt``), then each new whole stride of decode tokens.
 
-        A request whose ``finished()`` is true is handed to :meth:`finish` instead.
+        A request whose ``finished()`` is true is handed to :meth:`finish`.
+
+        Args:
+            req: the request object (:class:`~kvstage.offload.OffloadRequest`).
+            after: the event or stream after which its KV is written (default: ``producer``).
 
         Returns:
-            True when a copy was launched now: of every new whole stride, or of as many as
-            the host pool's free pages hold (oldest first; the rest at later calls). For a
-            finished request: what :meth:`finish` returns. False when there is no whole stride
-            yet, the request has ended (finish/abort called, or released), or not one stride
-            fits in the host pool; in each of these cases nothing changed.
+            True when a copy was launched now (as many whole units as the host pool holds,
+            oldest first; the rest at later calls). False when there is nothing new, the
+            request has ended, this rank does not write (MLA rank > 0), or nothing fits.
 
         Raises:
-            ArgumentTypeError: ``slot_indices_of(req)`` is not a 1-D int32/int64 tensor.
-            InvalidArgumentError: ``slot_indices_of(req)`` is too short for the tokens to copy.
-            Whatever ``slot_indices_of`` or (on CUDA, where the gather launches here) the gather
-            raise; nothing changed then. On CPU the gather runs on the worker thread: its error
-            fails the copy (counted and reported in :meth:`poll`).
+            ArgumentTypeError / DeviceMismatchError / InvalidArgumentError: ``slot_indices_of``
+                returned no 1-D int tensor of the pool's device, or too few slots; a placeholder
+                (negative) token id among the tokens to copy. Nothing changed then.
         """
         with nvtx_range("offload"):
             state = self._live_state(req)
             if state is None:
                 return False
             if req.finished():
-                return self._finish_state(state)
-            return self._launch(state, self.offload_stride) in (_LAUNCHED, _PARTIAL)
+                return self._finish_state(state, after)
+            return self._launch_all(state, self.offload_stride, after) > 0
 
-    def poll(self) -> int:
-        """Handle every copy that has completed: back its pages up, free them, release requests.
-
-        Never blocks. Returns the number of copies handled.
-        """
-        if not self._in_flight:
-            return 0
-        with nvtx_range("poll"):
-            done: list[_Segment] = []
-            in_flight = self._in_flight
-            if self._in_order:
-                while in_flight and in_flight[0].event.query():
-                    done.append(in_flight.popleft())
-            else:
-                waiting: deque[_Segment] = deque()
-                for segment in in_flight:
-                    (done if segment.event.query() else waiting).append(segment)
-                self._in_flight = waiting
-            for index, segment in enumerate(done):
-                try:
-                    self._complete(segment)
-                except BaseException:
-                    # Not expected (callbacks and storage errors are caught): keep the copies not
-                    # handled yet for the next poll rather than losing their host pages.
-                    self._in_flight.extendleft(reversed(done[index + 1 :]))
-                    raise
-            return len(done)
-
-    def finish(self, req: Any) -> bool:
+    def finish(self, req: Any, *, after: Any = None) -> bool:
         """``req`` has ended normally: offload its remaining whole pages, then release it.
 
-        ``release(req)`` is called once no copy of it is in flight: within this call when none
-        is, else in the :meth:`poll` that handles its last copy. A second call does nothing
-        (also after release, while the engine still holds the object).
+        Pages that find no free host page wait for one (within ``finish_backlog_pages``, the
+        device slots held meanwhile); beyond that limit they are dropped (``pages_dropped``).
+        A second call does nothing.
 
         Returns:
-            True when every remaining whole page was launched (or there was none); False when
-            the host pool could not take them all: it launches those that fit and drops the
-            rest (``pages_dropped``).
+            True when every remaining whole page was launched or is waiting; False when some
+            were dropped.
 
         Raises:
-            As :meth:`offload` (``slot_indices_of`` too short or raising; on CUDA the gather's
-            launch errors); nothing changed then and the request is not released: call
-            :meth:`abort` to release it.
+            As :meth:`offload`; nothing changed then and the request is not released (call
+            :meth:`abort`).
         """
         with nvtx_range("offload.finish"):
             state = self._live_state(req)
-            return True if state is None else self._finish_state(state)
+            return True if state is None else self._finish_state(state, after)
 
     def abort(self, req: Any) -> None:
-        """``req`` was aborted: offload nothing more; copies in flight complete and their host
-        pages are freed without storage writes; ``release(req)`` is called once when none is in
-        flight (within this call when none is). Also after :meth:`finish`, before release;
-        after release it does nothing.
+        """``req`` was aborted: nothing more of it is stored or loaded.
+
+        Its prefetch is cancelled; loads of it in flight are waited for, so no slot of it is
+        written after this returns; gathers in flight complete and their pages are discarded.
+        ``release(req)`` is called once none of its copies is in flight (within this call when
+        none is). After release it does nothing.
         """
         state = self._states.get(id(req))
         if state is None:
             if self._has_ended(req):
                 return
-            state = _RequestState(req, 0)
-            self._states[id(req)] = state
-        state.ending = True
-        state.aborted = True
-        if state.in_flight == 0:
-            self._release(state)
+            state = self._track(req)
+        self._end_state(state, aborted=True)
+
+    def retract(self, req: Any, *, keep_offloaded: bool = True) -> None:
+        """``req`` leaves the running batch to run again later (sglang's retraction under
+        memory pressure): like :meth:`abort` (its device slots are released once nothing of
+        it is in flight), except that the object may be offloaded again afterwards.
+
+        Args:
+            keep_offloaded: True: when it runs again, offloading resumes after the pages
+                already stored or launched (their keys continue the chain); False: it starts
+                over (pages already in the store are deduplicated).
+        """
+        state = self._states.get(id(req))
+        if state is None:
+            return
+        state.retract_keep = bool(keep_offloaded)
+        self._counters.retractions += 1
+        self._end_state(state, aborted=not keep_offloaded)
+
+    # -- load path ----------------------------------------------------------------------------
+
+    def match_prefix(self, req: Any = None, *, token_ids: Any = None, extra_key: str | None = None, cache_salt: str | None = None) -> PrefixMatch:
+        """Lookup: how many leading whole pages of a token sequence the store holds.
+
+        Give a request (its prompt but the last token, which the engine computes anyway) or
+        ``token_ids`` with their namespace. One batched ``exists`` call on the caller's thread
+        (a store round trip; :meth:`prefetch` does its own lookup on a worker thread).
+
+        Raises:
+            InvalidArgumentError: neither or both of ``req`` and ``token_ids``.
+        """
+        with nvtx_range("lookup"):
+            keys = self._lookup_keys(req, token_ids, extra_key, cache_salt)
+            hits = list(self.storage.exists(keys)) if keys else []
+            leading = next((index for index, hit in enumerate(hits) if not hit), len(keys))
+            self._counters.lookups += 1
+            self._counters.pages_looked_up += len(keys)
+            self._counters.pages_hit += leading
+            return PrefixMatch(leading, keys[:leading], leading * self.page_size, len(keys))
+
+    def prefetch(self, req: Any, *, policy: str = "best_effort", timeout_s: float | None = None) -> PrefetchHandle:
+        """Start reading ``req``'s stored prefix into host pages on a worker thread.
+
+        The worker looks the prompt's whole pages up (all but the last prompt token), then
+        reads the leading hits; the handle's ``pages_ready`` grows as batches land. Host pages
+        for every looked-up page are taken now (as many as are free); those beyond the hit are
+        freed by :meth:`poll` once the read ends.
+
+        Args:
+            req: a request not yet running (no pages offloaded).
+            policy: when :meth:`PrefetchHandle.ready_to_load` lets the engine load (see
+                :data:`~kvstage.offload.load_path.PREFETCH_POLICIES`).
+            timeout_s: seconds, for ``policy="timeout"``.
+
+        Raises:
+            InvalidArgumentError: an unknown policy, a missing or non-positive timeout, a
+                request that has ended, already has a prefetch, or already offloaded pages.
+        """
+        require(policy in PREFETCH_POLICIES, "policy", lambda: f"must be one of {PREFETCH_POLICIES}, got {policy!r}")
+        if policy == "timeout":
+            require(isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0, "timeout_s", lambda: f"must be a positive number of seconds for policy 'timeout', got {timeout_s!r}")
+        with nvtx_range("prefetch"):
+            state = self._live_state(req)
+            require(state is not None, "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
+            require(state.prefetch is None, "req", lambda: f"rid={req.rid!r} has a prefetch already")
+            require(state.offloaded_length == 0 and state.unkeyed is None, "req", lambda: f"rid={req.rid!r} has offloaded pages already; prefetch before it runs")
+            keys = self._lookup_keys(req, None, None, None)
+            host_page_ids = self.copier.alloc(min(len(keys), self.copier.free_pages)) or []
+            keys = keys[: len(host_page_ids)]
+            handle = PrefetchHandle(req, policy, timeout_s, keys, host_page_ids, self.page_size)
+            state.prefetch = handle
+            self._prefetches.append(handle)
+            self._counters.prefetches += 1
+            pages = [self.host_pool.page(host_page_id) for host_page_id in host_page_ids]
+            handle.future = self._workers.read(lambda: self._read_prefix(handle, pages))
+            return handle
+
+    def load(self, handle: PrefetchHandle, slot_indices: torch.Tensor, *, layer_by_layer: bool = False, after: Any = None) -> LoadHandle:
+        """Scatter prefetched pages into the request's device slots, on the copy stream.
+
+        Loads ``len(slot_indices) // page_size`` leading pages (at most ``handle.pages_ready``);
+        the read stops (pages past those are not loaded). The request's chain continues after
+        the loaded pages, so the manager stores only what follows them. Host pages are freed by
+        :meth:`poll` once the copy completes.
+
+        Args:
+            handle: from :meth:`prefetch`, not loaded or cancelled before.
+            slot_indices: the device slots of the prefix's first tokens, whole pages.
+            layer_by_layer: one copy (and completion) per layer, so layer ``i`` of the forward
+                pass waits only for its own KV (:meth:`LoadHandle.wait_layer`).
+            after: the event or stream after which the slots may be written.
+
+        Raises:
+            ArgumentTypeError: ``handle`` is not a :class:`PrefetchHandle`.
+            InvalidArgumentError: the handle was loaded or cancelled already, is another
+                manager's, its request has ended; ``slot_indices`` holds more pages than are
+                ready, or not whole pages. Nothing is written then.
+        """
+        require(isinstance(handle, PrefetchHandle), "handle", lambda: f"must be a PrefetchHandle from prefetch(), got {type(handle).__name__}", ArgumentTypeError)
+        with nvtx_range("load"):
+            state = self._states.get(id(handle.req))
+            require(not handle.loaded, "handle", "was loaded already (a prefetch is loaded once)")
+            require(not handle.cancelled, "handle", "was cancelled (or its request aborted)")
+            require(
+                state is not None and not state.ending and state.prefetch is handle, "handle",
+                lambda: f"rid={handle.req.rid!r} has ended, or the handle is not this manager's",
+            )
+            ready = handle.pages_ready
+            count = slot_indices.shape[0] if isinstance(slot_indices, torch.Tensor) and slot_indices.dim() == 1 else None
+            require(
+                count is not None and count % self.page_size == 0 and count // self.page_size <= ready,
+                "slot_indices",
+                lambda: f"must be a 1-D tensor of at most {ready} ready pages x {self.page_size} slots, got {tuple(slot_indices.shape) if isinstance(slot_indices, torch.Tensor) else type(slot_indices).__name__}",
+            )
+            num_pages = count // self.page_size
+            host_page_ids = handle.host_page_ids[:num_pages]
+            copy_handles = []
+            if num_pages:
+                job = _Load(state, num_pages)
+                copy_handles = self.copier.scatter(job, host_page_ids, slot_indices, layer_by_layer=layer_by_layer, after=self._after(after))
+                state.copies_in_flight += 1
+                state.loads.append(job)
+                self._counters.loads += 1
+            handle.loaded = True
+            handle.cancelled = True  # the read stops; pages past num_pages are freed when it ends
+            handle.host_page_ids = handle.host_page_ids[num_pages:]
+            if handle.finished:
+                self._drop_prefetch(handle)
+            state.prefetch = None
+            if num_pages:
+                state.offloaded_length = num_pages * self.page_size
+                state.last_key = handle.page_keys[num_pages - 1]
+                state.unkeyed = deque()
+            return LoadHandle(handle.req, num_pages, self.page_size, copy_handles, self.kv_pool.num_layers, layer_by_layer)
+
+    def cancel(self, handle: PrefetchHandle) -> None:
+        """Stop a prefetch; its host pages are freed once the worker is done with them. A
+        loaded or cancelled handle: nothing happens."""
+        require(isinstance(handle, PrefetchHandle), "handle", lambda: f"must be a PrefetchHandle, got {type(handle).__name__}", ArgumentTypeError)
+        if handle.cancelled:
+            return
+        handle.cancelled = True
+        state = self._states.get(id(handle.req))
+        if state is not None and state.prefetch is handle:
+            state.prefetch = None
+        if handle.finished:
+            self._drop_prefetch(handle)
+
+    # -- every step ---------------------------------------------------------------------------
+
+    def poll(self) -> int:
+        """Collect what finished: copies (page keys and store writes for gathers, host pages
+        freed for loads), store writes, prefetch reads; launch finished requests' waiting pages;
+        release requests. Never blocks. Returns the number of copies handled."""
+        with nvtx_range("poll"):
+            unhandled = self._unhandled
+            unhandled.extend(self.copier.poll())
+            handled = 0
+            while unhandled:  # one at a time: an interrupted poll leaves the rest for the next
+                result = unhandled.popleft()
+                handled += 1
+                if result.direction == GATHER:
+                    self._gathered(result)
+                else:
+                    self._loaded(result)
+            while self._writes and self._writes[0][2].done():
+                self._written(*self._writes.popleft())
+            if self._prefetches:
+                for handle in [h for h in self._prefetches if h.finished and h.cancelled]:
+                    self._drop_prefetch(handle)
+            if self._backlog:
+                self._launch_backlog()
+            return handled
 
     def drain(self) -> None:
-        """Block until every copy in flight has completed, then :meth:`poll` (for shutdown and tests)."""
-        for segment in list(self._in_flight):
-            segment.event.synchronize()
-        self.poll()
+        """Block until every copy, store write and read in flight has completed, and finished
+        requests' waiting pages are launched, polling as it goes (for shutdown and tests; never
+        in the engine's step)."""
+        while True:
+            self.copier.synchronize()
+            for handle in list(self._prefetches):
+                handle.wait()
+            for _, _, future in list(self._writes):
+                future.result()
+            self.poll()
+            if not (self.copier.copies_in_flight or self._writes or self._backlog):
+                return
 
     def close(self) -> None:
-        """:meth:`drain`, then stop the copy stream if the manager made it. Requests still
-        tracked stay tracked (finish or abort them first to release them)."""
+        """:meth:`drain`, then stop the worker threads and the copy stream if the manager made
+        it. Requests still tracked stay tracked."""
+        for handle in list(self._prefetches):
+            self.cancel(handle)
         self.drain()
-        if self._owns_copy_stream:
-            self.copy_stream.close()
+        if self._owns_workers:
+            self._workers.close()
+        self.copier.close()
 
     # -- what the engine may inspect ----------------------------------------------------------
 
@@ -426,259 +468,62 @@ class OffloadManager:
         return id(req) in self._states
 
     def in_flight(self, req: Any) -> int:
-        """Copies of this request object in flight (0 when untracked)."""
+        """Copies of this request's device slots in flight (0 when untracked)."""
         state = self._states.get(id(req))
-        return 0 if state is None else state.in_flight
+        return 0 if state is None else state.copies_in_flight
 
-    def offloaded_len(self, req: Any) -> int | None:
-        """Tokens of this request stored by prefill or launched so far (None when untracked)."""
-        state = self._states.get(id(req))
-        return None if state is None else state.offloaded_len
+    def offloaded_length(self, req: Any) -> int | None:
+        """Tokens of this request stored, loaded or launched so far (None when untracked)."""
+        state = self._states.get(id(req)) or self._retracted.get(id(req))
+        return None if state is None else state.offloaded_length
 
     @property
     def requests_live(self) -> int:
-        """Requests tracked and not yet released (``metrics.requests_live``, without a snapshot)."""
+        """Requests tracked and not yet released."""
         return len(self._states)
 
     @property
     def copies_in_flight(self) -> int:
-        """Copies launched and not yet handled by :meth:`poll` (``metrics.copies_in_flight``)."""
-        return len(self._in_flight)
+        """Copies launched and not yet handled by :meth:`poll`."""
+        return self.copier.copies_in_flight + len(self._unhandled)
 
     @property
     def metrics(self) -> OffloadMetrics:
         """A snapshot of the counters."""
-        pool = self.host_pool
-        return OffloadMetrics(
-            requests_live=len(self._states),
-            copies_in_flight=len(self._in_flight),
-            pages_in_flight=self._pages_in_flight,
-            pages_launched=self._pages_launched,
-            pages_offloaded=self._pages_offloaded,
-            bytes_offloaded=self._pages_offloaded * pool.page_bytes,
-            copy_seconds=self._copy_seconds,
-            pages_stored=self._pages_stored,
-            pages_deduplicated=self._pages_deduplicated,
-            pages_failed=self._pages_failed,
-            pages_discarded=self._pages_discarded,
-            pages_dropped=self._pages_dropped,
-            storage_failures=self._storage_failures,
-            copy_failures=self._copy_failures,
-            offloads_rejected=self._offloads_rejected,
-            releases=self._releases,
-            callback_errors=self._callback_errors,
-            host_pages_used=pool.used,
-            host_pages_high_water=pool.high_water,
-            host_pages_capacity=pool.capacity,
-        )
+        counters = self._counters
+        snapshot = OffloadMetrics(**{name: getattr(counters, name) for name in counters.__dataclass_fields__})
+        snapshot.requests_live = len(self._states)
+        snapshot.copies_in_flight = self.copies_in_flight
+        snapshot.writes_pending = len(self._writes)
+        snapshot.host_pages_used = self.host_pool.used
+        snapshot.host_pages_high_water = self.host_pool.high_water
+        snapshot.host_pages_capacity = self.host_pool.capacity
+        return snapshot
 
-    # -- internals ------------------------------------------------------------------------------
+    # -- internals: lifecycle -----------------------------------------------------------------
+
+    def _after(self, after: Any) -> Any:
+        return self.producer if after is None else after
 
     def _track(self, req: Any) -> _RequestState:
-        """New state: the prompt's page-aligned prefix counts as offloaded (prefill stored it)."""
-        aligned = len(req.origin_input_ids) // self.page_size * self.page_size
-        state = _RequestState(req, aligned)
+        resumed = self._retracted.pop(id(req), None)
+        if resumed is not None and resumed.req is req:
+            state = _RequestState(req, resumed.offloaded_length)
+            state.last_key = resumed.last_key
+            state.unkeyed = None if resumed.unkeyed is None else deque()
+        elif self.store_prompt:
+            state = _RequestState(req, 0)
+        else:  # the prefill side stored the prompt's whole pages
+            state = _RequestState(req, len(req.origin_input_ids) // self.page_size * self.page_size)
         self._states[id(req)] = state
         return state
 
-    def _prompt_prior(self, req: Any) -> str | None:
-        """The prior of the first decode page: the last key of the prompt's whole pages, or the
-        namespace seed when the prompt is shorter than a page (None: no namespace)."""
-        prompt = req.origin_input_ids
-        aligned = len(prompt) // self.page_size * self.page_size
-        if aligned:
-            return self.hasher.prefill_keys(prompt[:aligned], extra_key=req.extra_key, cache_salt=req.cache_salt)[-1]
-        return self.hasher.seed(req.extra_key, req.cache_salt)
-
-    def _keys_of(self, segment: _Segment) -> list[str]:
-        """The segment's page keys, computing its unkeyed predecessors' first (oldest first)."""
-        if segment.keys is not None:
-            return segment.keys
-        unkeyed = []
-        link: _Segment | None = segment
-        while link is not None and link.keys is None:
-            unkeyed.append(link)
-            link = link.prev
-        for link in reversed(unkeyed):
-            prior = link.prev.keys[-1] if link.prev is not None else self._prompt_prior(link.state.req)
-            link.keys = self.hasher.continue_keys(link.tokens, prior)
-        for link in unkeyed:  # keys known: the links and token ids are no longer needed
-            link.prev = None
-            link.tokens = None
-        return segment.keys
-
     def _live_state(self, req: Any) -> _RequestState | None:
-        """``req``'s state, tracked now if it is new; None once it has ended (finish or abort
-        called, or released)."""
+        """``req``'s state, tracked now if new; None once it has ended."""
         state = self._states.get(id(req))
         if state is None:
             return None if self._has_ended(req) else self._track(req)
         return None if state.ending else state
-
-    def _finish_state(self, state: _RequestState) -> bool:
-        """Launch every remaining whole page of a live request, mark it ending, release it when
-        nothing of it is in flight; what :meth:`finish` returns."""
-        req = state.req
-        outcome = self._launch(state, self.page_size)
-        state.ending = True
-        if outcome in (_FULL, _PARTIAL):
-            dropped = (kv_length(req) - state.offloaded_len) // self.page_size
-            self._pages_dropped += dropped
-            logger.warning("offload: host pool full at finish of rid=%r: %d pages not offloaded", req.rid, dropped)
-        if state.in_flight == 0:
-            self._release(state)
-        return outcome in (_NOTHING, _LAUNCHED)
-
-
-    @staticmethod
-    def _tokens(req: Any, start: int, end: int) -> list[int]:
-        prompt, output = req.origin_input_ids, req.output_ids
-        n_prompt = len(prompt)
-        if end <= n_prompt:
-            return list(prompt[start:end])
-        if start >= n_prompt:
-            return list(output[start - n_prompt : end - n_prompt])
-        return list(prompt[start:]) + list(output[: end - n_prompt])
-
-    def _launch(self, state: _RequestState, unit: int) -> int:
-        """Launch the copy of the whole ``unit``s after ``state.offloaded_len`` that fit in the
-        host pool, oldest first; returns _NOTHING, _LAUNCHED (all), _PARTIAL or _FULL (none fit).
-        """
-        req = state.req
-        start = state.offloaded_len
-        page_size = self.page_size
-        units = (kv_length(req) - start) // unit
-        if units <= 0:
-            return _NOTHING
-        pages_per_unit = unit // page_size
-        # A backlog larger than the free pages goes in the units that fit, so that it still
-        # progresses as pages are freed rather than waiting for room for all of it at once.
-        fitting = min(units, self.host_pool.free_pages // pages_per_unit)
-        if fitting == 0:
-            self._offloads_rejected += 1
-            return _FULL
-        n_tokens = fitting * unit
-        n_pages = n_tokens // page_size
-        host_ids = self.host_pool.alloc(n_pages)
-        assert host_ids is not None  # fitting was computed from free_pages
-        try:
-            end = start + n_tokens
-            tokens = self._tokens(req, start, end)
-            slots = self.slot_indices_of(req)
-            if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
-                # Checked here: on CPU the gather runs on the copy thread, where a bad tensor
-                # would only surface later as a failed copy.
-                described = f"{slots.dtype} tensor of shape {tuple(slots.shape)}" if isinstance(slots, torch.Tensor) else type(slots).__name__
-                raise ArgumentTypeError(
-                    f"slot_indices_of: must return a 1-D int32/int64 tensor for rid={req.rid!r}, got {described}"
-                )
-            if slots.shape[0] < end:
-                raise InvalidArgumentError(
-                    f"slot_indices_of: {slots.shape[0]} slots for request rid={req.rid!r}, its first {end} tokens have KV"
-                )
-            copy, keep = self.host_pool.gather_copy(self.kv_pool, slots[start:end], host_ids, backend=self.backend)
-            event = self.copy_stream.submit(copy, keep=keep)
-        except BaseException:
-            self.host_pool.free(host_ids)
-            raise
-        segment = _Segment(state, host_ids, tokens, state.last_segment, event)
-        state.offloaded_len = end
-        state.last_segment = segment
-        state.in_flight += 1
-        self._in_flight.append(segment)
-        self._pages_in_flight += n_pages
-        self._pages_launched += n_pages
-        return _LAUNCHED if fitting == units else _PARTIAL
-
-    def _complete(self, segment: _Segment) -> None:
-        state = segment.state
-        event = segment.event
-        n_pages = len(segment.host_ids)
-        state.in_flight -= 1
-        self._pages_in_flight -= n_pages
-        try:
-            if event.error is not None:
-                self._copy_failures += 1
-                self._pages_failed += n_pages
-                logger.error("offload: D2H copy of %d pages of rid=%r failed: %r", n_pages, state.req.rid, event.error)
-                try:
-                    keys = list(self._keys_of(segment))
-                except Exception:
-                    keys = []
-                self._report_failure(state.req, keys, event.error)
-            else:
-                self._pages_offloaded += n_pages
-                self._copy_seconds += event.seconds or 0.0
-                if state.aborted:
-                    self._pages_discarded += n_pages
-                    return
-                try:
-                    keys = self._keys_of(segment)
-                except Exception as error:  # e.g. a token id the hash scheme cannot encode
-                    self._pages_failed += n_pages
-                    logger.error("offload: page keys of %d pages of rid=%r failed: %r", n_pages, state.req.rid, error)
-                    self._report_failure(state.req, [], error)
-                    return
-                self._backup(state.req, segment, keys)
-        finally:
-            self.host_pool.free(segment.host_ids)
-            segment.event = None  # drops the index tensors the copy kept alive
-            if state.ending and state.in_flight == 0:
-                self._release(state)
-
-    def _backup(self, req: Any, segment: _Segment, keys: list[str]) -> None:
-        """Write a completed segment's pages to storage, skipping keys it has; count each page."""
-        with nvtx_range("backup"):
-            stored = deduplicated = 0
-            failed: list[str] = []
-            error: BaseException | None = None
-            todo: list[int] = []
-            try:
-                seen: set[str] = set()
-                answer = _answer_of(self.storage.exists(keys), len(keys), "exists")
-                for index, present in enumerate(answer):
-                    key = keys[index]
-                    if present or key in seen:
-                        deduplicated += 1
-                    else:
-                        seen.add(key)
-                        todo.append(index)
-                if todo:
-                    page = self.host_pool.page
-                    host_ids = segment.host_ids
-                    statuses = self.storage.put([keys[i] for i in todo], [page(host_ids[i]) for i in todo])
-                    statuses = _answer_of(statuses, len(todo), "put")
-                    for index, status in zip(todo, statuses):
-                        if status is PutStatus.STORED:
-                            stored += 1
-                        elif status is PutStatus.DEDUPLICATED:
-                            deduplicated += 1
-                        else:
-                            failed.append(keys[index])
-            except Exception as raised:  # the backend failed as a whole: no page counts as written
-                error = raised
-                stored = 0
-                deduplicated = len(keys) - len(todo) if todo else 0
-                failed = [keys[i] for i in todo] if todo else list(keys)
-            self._pages_stored += stored
-            self._pages_deduplicated += deduplicated
-            if failed:
-                self._pages_failed += len(failed)
-                self._storage_failures += 1
-                logger.warning(
-                    "offload: storage write failed for %d of %d pages of rid=%r%s",
-                    len(failed), len(keys), req.rid, f": {error!r}" if error is not None else "",
-                )
-                self._report_failure(req, failed, error)
-
-    def _report_failure(self, req: Any, keys: list[str], error: BaseException | None) -> None:
-        if self._failure_callback is None:
-            return
-        try:
-            self._failure_callback(req, keys, error)
-        except Exception:
-            self._callback_errors += 1
-            logger.exception("offload: on_storage_failure callback raised for rid=%r", req.rid)
 
     def _has_ended(self, req: Any) -> bool:
         if self._ended.get(id(req)) is req:
@@ -686,19 +531,266 @@ class OffloadManager:
             return True
         return False
 
-    def _release(self, state: _RequestState) -> None:
+    def _end_state(self, state: _RequestState, *, aborted: bool) -> None:
+        state.ending = True
+        state.aborted = state.aborted or aborted
+        if state.prefetch is not None:
+            self.cancel(state.prefetch)
+        if state.backlog_pages:
+            state.backlog_pages = 0
+            self._backlog.remove(state)
+        if aborted:
+            for load in list(state.loads):  # a queued load cannot be recalled: no slot written after abort returns
+                self.copier.synchronize(job=load)
+        self._maybe_release(state)
+
+    def _finish_state(self, state: _RequestState, after: Any) -> bool:
+        self._launch_all(state, self.page_size, after)
+        state.ending = True
+        remaining = (kv_length(state.req) - state.offloaded_length) // self.page_size if self.writes_pages else 0
+        if remaining > 0:
+            waiting = sum(s.backlog_pages for s in self._backlog)
+            if waiting + remaining <= self.finish_backlog_pages:
+                state.backlog_pages = remaining
+                self._backlog.append(state)
+                return True
+            self._counters.pages_dropped += remaining
+            logger.warning("offload: host pool full at finish of rid=%r: %d pages not offloaded", state.req.rid, remaining)
+            self._maybe_release(state)
+            return False
+        self._maybe_release(state)
+        return True
+
+    def _launch_backlog(self) -> None:
+        for state in list(self._backlog):
+            self._launch_all(state, self.page_size, None)
+            state.backlog_pages = (kv_length(state.req) - state.offloaded_length) // self.page_size
+            if state.backlog_pages == 0:
+                self._backlog.remove(state)
+                self._maybe_release(state)
+            if self.copier.free_pages == 0:
+                break
+
+    def _maybe_release(self, state: _RequestState) -> None:
+        if not state.ending or state.copies_in_flight or state.backlog_pages:
+            return
         if self._states.get(id(state.req)) is not state:
-            return  # released already, e.g. by a callback that called abort/finish mid-poll
-        del self._states[id(state.req)]
+            return  # released already (a callback that called abort/finish mid-poll)
+        req = state.req
+        del self._states[id(req)]
+        if state.retract_keep is True:
+            self._retracted[id(req)] = state
+        elif state.retract_keep is None:
+            try:
+                self._ended[id(req)] = req
+            except TypeError:  # a class without weakref support: not remembered
+                pass
+        self._counters.releases += 1
+        if self._release_callback is not None:
+            try:
+                self._release_callback(req)
+            except Exception:
+                self._counters.callback_errors += 1
+                logger.exception("offload: release callback raised for rid=%r", req.rid)
+
+    # -- internals: store path ----------------------------------------------------------------
+
+    def _launch_all(self, state: _RequestState, unit: int, after: Any) -> int:
+        """Launch the prompt's whole pages (if not stored), then whole ``unit``s; pages launched."""
+        if not self.writes_pages:
+            return 0
+        launched = 0
+        prompt_pages_end = len(state.req.origin_input_ids) // self.page_size * self.page_size
+        if state.offloaded_length < prompt_pages_end:
+            launched += self._launch(state, self.page_size, min(prompt_pages_end, kv_length(state.req)), after)
+            if state.offloaded_length < prompt_pages_end:
+                return launched
+        return launched + self._launch(state, unit, kv_length(state.req), after)
+
+    def _launch(self, state: _RequestState, unit: int, end_limit: int, after: Any) -> int:
+        """Launch the whole ``unit``s in ``[offloaded_length, end_limit)`` that fit in the host
+        pool, oldest first; returns the pages launched."""
+        req, page_size = state.req, self.page_size
+        start = state.offloaded_length
+        units = (end_limit - start) // unit
+        if units <= 0:
+            return 0
+        fitting = min(units, self.copier.free_pages // (unit // page_size))
+        if fitting == 0:
+            self._counters.offloads_rejected += 1
+            return 0
+        end = start + fitting * unit
+        tokens = request_tokens(req, start, end)
+        slot_indices = self.slot_indices_of(req)
+        argument = f"slot_indices_of(rid={req.rid!r})"
+        if isinstance(slot_indices, torch.Tensor) and slot_indices.dim() == 1:
+            if slot_indices.shape[0] < end:
+                raise InvalidArgumentError(f"{argument}: {slot_indices.shape[0]} slots, its first {end} tokens have KV")
+            slot_indices = slot_indices[start:end]
+        segment = _Segment(state, tokens)
+        host_page_ids = self.copier.gather(segment, slot_indices, after=self._after(after), argument=argument)
+        if host_page_ids is None:  # fitting was computed from free pages
+            raise AssertionError("host pool changed between the count and the allocation")
+        if state.unkeyed is None:
+            state.unkeyed = deque()
+            state.last_key = self._chain_start(req)
+        state.unkeyed.append(segment)
+        state.offloaded_length = end
+        state.copies_in_flight += 1
+        pages = len(host_page_ids)
+        self._counters.pages_launched += pages
+        self._counters.pages_in_flight += pages
+        return pages
+
+    def _chain_start(self, req: Any) -> str | None:
+        """The prior of the request's first launched page: the namespace seed, or with
+        ``store_prompt=False`` the last key of the prompt's whole pages (stored by prefill)."""
+        aligned = len(req.origin_input_ids) // self.page_size * self.page_size
+        if not self.store_prompt and aligned:
+            return self.hasher.prefill_keys(req.origin_input_ids[:aligned], extra_key=req.extra_key, cache_salt=req.cache_salt)[-1]
+        return self.hasher.seed(req.extra_key, req.cache_salt)
+
+    def _keys_of(self, segment: _Segment) -> list[str]:
+        """The segment's page keys, keying its request's earlier segments first (chain order)."""
+        state = segment.state
+        while segment.keys is None:
+            earliest = state.unkeyed.popleft()
+            earliest.prior_key = state.last_key
+            earliest.keys = self.hasher.continue_keys(earliest.tokens, state.last_key)
+            earliest.tokens = None
+            state.last_key = earliest.keys[-1]
+        return segment.keys
+
+    def _gathered(self, result: CopyResult) -> None:
+        segment: _Segment = result.job
+        state = segment.state
+        pages = len(result.host_page_ids)
+        state.copies_in_flight -= 1
+        write = None
         try:
-            self._ended[id(state.req)] = state.req
-        except TypeError:  # a class without weakref support: not remembered
-            pass
-        self._releases += 1
-        if self._release_callback is None:
+            if not result.ok:
+                self._counters.copy_failures += 1
+                self._counters.pages_failed += pages
+                logger.error("offload: D2H copy of %d pages of rid=%r failed: %r", pages, state.req.rid, result.error)
+                self._report_failure(state.req, self._keys_or_empty(segment), result.error)
+                return
+            self._counters.pages_offloaded += pages
+            self._counters.bytes_offloaded += result.bytes
+            self._counters.copy_seconds += result.seconds
+            if state.aborted:
+                self._counters.pages_discarded += pages
+                return
+            try:
+                keys = self._keys_of(segment)
+            except Exception as error:  # e.g. a token id the hash scheme cannot encode
+                self._counters.pages_failed += pages
+                logger.error("offload: page keys of %d pages of rid=%r failed: %r", pages, state.req.rid, error)
+                self._report_failure(state.req, [], error)
+                return
+            host_pages = [self.host_pool.page(host_page_id) for host_page_id in result.host_page_ids]
+            write = self._workers.write(lambda: _backup(self.storage, keys, host_pages, segment.prior_key))
+            self._writes.append((segment, result.host_page_ids, write))
+        finally:
+            if write is None:
+                self._counters.pages_in_flight -= pages
+                self.copier.free(result.host_page_ids)
+            self._maybe_release(state)
+
+    def _keys_or_empty(self, segment: _Segment) -> list[str]:
+        try:
+            return list(self._keys_of(segment))
+        except Exception:
+            return []
+
+    def _written(self, segment: _Segment, host_page_ids: list[int], future: Any) -> None:
+        outcome = future.result()
+        self.copier.free(host_page_ids)
+        counters = self._counters
+        counters.pages_in_flight -= len(host_page_ids)
+        counters.pages_stored += outcome.stored
+        counters.pages_deduplicated += outcome.deduplicated
+        if outcome.failed_keys:
+            counters.pages_failed += len(outcome.failed_keys)
+            counters.storage_failures += 1
+            logger.warning(
+                "offload: storage write failed for %d of %d pages of rid=%r%s", len(outcome.failed_keys),
+                len(host_page_ids), segment.state.req.rid, f": {outcome.error!r}" if outcome.error is not None else "",
+            )
+            self._report_failure(segment.state.req, outcome.failed_keys, outcome.error)
+
+    def _report_failure(self, req: Any, keys: list[str], error: BaseException | None) -> None:
+        if self._failure_callback is None:
             return
         try:
-            self._release_callback(state.req)
+            self._failure_callback(req, keys, error)
         except Exception:
-            self._callback_errors += 1
-            logger.exception("offload: release callback raised for rid=%r", state.req.rid)
+            self._counters.callback_errors += 1
+            logger.exception("offload: on_storage_failure callback raised for rid=%r", req.rid)
+
+    # -- internals: load path -----------------------------------------------------------------
+
+    def _lookup_keys(self, req: Any, token_ids: Any, extra_key: str | None, cache_salt: str | None) -> list[str]:
+        require((req is None) != (token_ids is None), "req", "give a request or token_ids, not both or neither")
+        if req is not None:
+            prompt = req.origin_input_ids
+            usable = max(len(prompt) - 1, 0) // self.page_size * self.page_size  # the last token is computed anyway
+            return self.hasher.prefill_keys(prompt[:usable], extra_key=req.extra_key, cache_salt=req.cache_salt)
+        return self.hasher.prefill_keys(token_ids, extra_key=extra_key, cache_salt=cache_salt)
+
+    def _read_prefix(self, handle: PrefetchHandle, pages: list[torch.Tensor]) -> None:
+        """On a reader thread: lookup, then read the leading hits into the host pages."""
+        with nvtx_range("prefetch.read"):
+            try:
+                keys = handle.page_keys
+                hits = list(self.storage.exists(keys)) if keys and not handle.cancelled else []
+                leading = next((index for index, hit in enumerate(hits) if not hit), len(hits))
+                handle.pages_hit = leading
+
+                def progress(count: int) -> None:
+                    handle.pages_ready = count
+
+                outcome = read_leading_pages(self.storage, keys[:leading], pages[:leading], on_progress=progress, cancelled=lambda: handle.cancelled)
+                handle.error = outcome.error
+            except Exception as error:  # a store that fails as a whole: nothing more is ready
+                handle.error = error
+            finally:
+                handle.finished = True
+
+    def _drop_prefetch(self, handle: PrefetchHandle) -> None:
+        """Account a finished prefetch and free its host pages not taken by a load."""
+        if handle not in self._prefetches:
+            return
+        self._prefetches.remove(handle)
+        counters = self._counters
+        counters.lookups += 1
+        counters.pages_looked_up += handle.pages_wanted
+        counters.pages_hit += handle.pages_hit or 0
+        counters.pages_prefetched += handle.pages_ready
+        if handle.error is not None or (handle.pages_hit is not None and handle.pages_ready < handle.pages_hit and not handle.cancelled):
+            counters.prefetch_failures += 1
+            logger.warning("offload: prefetch of rid=%r ended at page %d of %s: %r", handle.req.rid, handle.pages_ready, handle.pages_hit, handle.error)
+        if handle.host_page_ids:
+            self.copier.free(handle.host_page_ids)
+            handle.host_page_ids = []
+
+    def _loaded(self, result: CopyResult) -> None:
+        load: _Load = result.job
+        self.copier.free(result.host_page_ids)
+        state = load.state
+        counters = self._counters
+        if result.ok:
+            counters.pages_loaded += load.num_pages
+            counters.bytes_loaded += result.bytes
+            counters.load_seconds += result.seconds
+        else:
+            counters.load_failures += 1
+            logger.error("offload: load of %d pages of rid=%r failed: %r", load.num_pages, state.req.rid, result.error)
+        state.copies_in_flight -= 1
+        state.loads.remove(load)
+        self._maybe_release(state)
+
+
+def _backup(storage: Any, keys: list[str], pages: list[torch.Tensor], prior_key: str | None):
+    """A worker's store write of one segment (inside the ``backup`` NVTX range)."""
+    with nvtx_range("backup"):
+        return write_pages(storage, keys, pages, prior_key=prior_key)

@@ -3,23 +3,19 @@
 - :class:`SimpleRequest`: a request that satisfies :class:`kvstage.offload.OffloadRequest`.
 - :class:`SlotTable`: hands out device slots to requests and is the manager's
   ``slot_indices_of`` (what sglang's ``req_to_token`` row is).
-- :class:`FlakyStore`: a :class:`MemoryStore` whose writes fail on demand.
 
-Nothing here is used by the manager itself.
+Nothing here is used by the manager itself. The test suite's rig (a tiny engine around the
+manager, a store that fails on demand) lives in ``tests/offload_rig.py``.
 """
 
 from __future__ import annotations
 
-import zlib
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from kvstage.kv_layout import KVLayout
-from kvstage.errors import InvalidArgumentError, StorageError
-from kvstage.offload.manager import kv_length
-from kvstage.storage.memory_store import MemoryStore
-from kvstage.storage import LayoutFingerprint, PutStatus
+from kvstage.errors import InvalidArgumentError
+from kvstage.offload.request import kv_length
 
 
 class SimpleRequest:
@@ -50,8 +46,8 @@ class SimpleRequest:
         return self.done
 
     @property
-    def tokens_with_kv(self) -> int:
-        """:func:`kvstage.offload.manager.kv_length` of this request."""
+    def kv_length(self) -> int:
+        """:func:`kvstage.offload.request.kv_length` of this request."""
         return kv_length(self)
 
     def __repr__(self) -> str:
@@ -74,8 +70,8 @@ class SlotTable:
         self.device = torch.device(device)
         self._rows: dict[int, tuple[Any, torch.Tensor]] = {}
 
-    def assign(self, req: Any, n_slots: int) -> torch.Tensor:
-        """Give ``req`` ``n_slots`` slots (its row; an existing row is replaced by a longer one
+    def assign(self, req: Any, num_slots: int) -> torch.Tensor:
+        """Give ``req`` ``num_slots`` slots (its row; an existing row is replaced by a longer one
         that keeps the old slots first).
 
         Raises:
@@ -83,9 +79,9 @@ class SlotTable:
         """
         old = self._rows.get(id(req))
         have = [] if old is None else old[1].tolist()
-        more = n_slots - len(have)
+        more = num_slots - len(have)
         if more > len(self._free):
-            raise InvalidArgumentError(f"n_slots: {more} more slots wanted, {len(self._free)} free")
+            raise InvalidArgumentError(f"num_slots: {more} more slots wanted, {len(self._free)} free")
         taken = [self._free.pop() for _ in range(max(more, 0))]
         row = torch.tensor(have + taken, dtype=torch.int64, device=self.device)
         self._rows[id(req)] = (req, row)
@@ -110,203 +106,3 @@ class SlotTable:
 
     def __call__(self, req: Any) -> torch.Tensor:
         return self._rows[id(req)][1]
-
-
-class FlakyStore(MemoryStore):
-    """A :class:`MemoryStore` whose writes fail when ``fail(key)`` says so.
-
-    Args:
-        fingerprint: the KV layout.
-        fail: ``fail(key) -> bool`` per page key (no prefix); True: that page's put is FAILED
-            (and not visible). None: never.
-        raise_on_put: ``raise_on_put() -> bool`` per put call; True: the call raises
-            :class:`StorageError` and writes nothing (a backend that fails as a whole).
-        capacity_pages: as for :class:`MemoryStore` (default: unbounded for tests).
-    """
-
-    def __init__(
-        self,
-        fingerprint: LayoutFingerprint,
-        *,
-        fail: Callable[[str], bool] | None = None,
-        raise_on_put: Callable[[], bool] | None = None,
-        capacity_pages: int = 1 << 40,
-    ) -> None:
-        super().__init__(fingerprint, capacity_pages=capacity_pages)
-        self.fail = fail
-        self.raise_on_put = raise_on_put
-
-    def _put(self, full_keys: list[str], pages: list[torch.Tensor]) -> list[PutStatus]:
-        if self.raise_on_put is not None and self.raise_on_put():
-            raise StorageError("storage: injected failure of a whole put")
-        statuses: list[PutStatus | None] = [None] * len(full_keys)
-        keep_keys, keep_pages, keep_at = [], [], []
-        prefix = len(self.prefix)
-        for index, (key, page) in enumerate(zip(full_keys, pages)):
-            if self.fail is not None and key not in self._pages and self.fail(key[prefix:]):
-                statuses[index] = PutStatus.FAILED
-            else:
-                keep_keys.append(key)
-                keep_pages.append(page)
-                keep_at.append(index)
-        for index, status in zip(keep_at, super()._put(keep_keys, keep_pages)):
-            statuses[index] = status
-        return statuses  # type: ignore[return-value]
-
-
-def namespace_code(extra_key: str | None, cache_salt: str | None) -> int:
-    """A small int that differs between the namespaces a test uses (written into fake KV)."""
-    return zlib.crc32(repr((extra_key, cache_salt)).encode()) & 0x7FFFFFFF
-
-
-class Rig:
-    """A tiny engine around an :class:`OffloadManager`: an int32 KV pool whose every row says
-    which token it holds, a slot table, a host pool, a store, and the released requests.
-
-    The KV row of (part, layer) for the token ``t`` at position ``p`` of a request in namespace
-    ``ns`` is ``[t, p, namespace_code(ns), part * 16 + layer]`` repeated over heads, so a
-    stored page can be checked against the tokens its key was computed from. Rows are
-    written when their KV "exists": the prompt at :meth:`new_request` (prefill), a token's row
-    when the next token is sampled (:meth:`decode`).
-
-    Build one with :func:`make_rig`.
-    """
-
-    def __init__(self, kv_pool, stacked, host_pool, storage, hasher, slots, copy_stream, manager_kwargs) -> None:
-        from kvstage.offload.manager import OffloadManager
-
-        self.kv_pool = kv_pool
-        self.stacked = stacked
-        self.host_pool = host_pool
-        self.storage = storage
-        self.hasher = hasher
-        self.slots = slots
-        self.copy_stream = copy_stream
-        self.released: list[Any] = []
-        self.on_release: Callable[[Any], None] | None = None  # extra check a test may add
-        self.manager = OffloadManager(
-            kv_pool, host_pool, storage, hasher, slots, release=self._release, copy_stream=copy_stream, **manager_kwargs
-        )
-
-    @property
-    def page_size(self) -> int:
-        """Tokens per page (the host pool's)."""
-        return self.host_pool.page_size
-
-    def _release(self, req: Any) -> None:
-        if self.on_release is not None:
-            self.on_release(req)
-        self.released.append(req)
-        self.slots.release(req)
-
-    def new_request(
-        self, rid: Any, prompt: Sequence[int], max_new_tokens: int, *, cls: type = SimpleRequest, **namespace: Any
-    ) -> Any:
-        """A request whose prompt's KV is written (prefill done), with slots for its tokens."""
-        req = cls(rid, prompt, **namespace)
-        self.slots.assign(req, len(req.origin_input_ids) + max_new_tokens)
-        self._write_kv(req, 0, len(req.origin_input_ids))
-        return req
-
-    def decode(self, req: Any, token: int) -> None:
-        """Sample ``token``: the previous last token's KV now exists."""
-        req.output_ids.append(token)
-        if len(req.output_ids) >= 2:
-            position = req.tokens_with_kv - 1
-            self._write_kv(req, position, position + 1)
-
-    def _tokens(self, req: Any) -> list[int]:
-        return (req.origin_input_ids + req.output_ids)[: req.tokens_with_kv]
-
-    def expected_rows(self, req: Any, start: int, end: int) -> torch.Tensor:
-        """``[end - start, kv_parts, num_layers, 4]`` int32: the rows of positions [start, end)."""
-        tokens = (req.origin_input_ids + req.output_ids)[start:end]
-        n = end - start
-        pool = self.kv_pool
-        rows = torch.empty((n, pool.kv_parts, pool.num_layers, 4), dtype=torch.int32)
-        rows[..., 0] = torch.tensor(tokens, dtype=torch.int32).view(n, 1, 1)
-        rows[..., 1] = torch.arange(start, end, dtype=torch.int32).view(n, 1, 1)
-        rows[..., 2] = namespace_code(req.extra_key, req.cache_salt)
-        marks = torch.arange(pool.kv_parts).view(-1, 1) * 16 + torch.arange(pool.num_layers).view(1, -1)
-        rows[..., 3] = marks.to(torch.int32)
-        return rows
-
-    def _write_kv(self, req: Any, start: int, end: int) -> None:
-        if end <= start:
-            return
-        rows = self.expected_rows(req, start, end).to(self.stacked.device)  # [n, parts, layers, 4]
-        slots = self.slots(req)[start:end]
-        num_heads, head_dim = self.kv_pool.num_heads, self.kv_pool.head_dim
-        values = rows.permute(1, 2, 0, 3).unsqueeze(3)  # [parts, layers, n, 1, 4]
-        values = values.expand(-1, -1, -1, num_heads, -1).repeat(1, 1, 1, 1, head_dim // 4)
-        self.stacked[:, :, slots] = values
-
-    def expected_page(self, req: Any, page_index: int) -> torch.Tensor:
-        """The host page ``[num_layers, kv_parts, page_size, num_heads, head_dim]`` of page ``page_index``."""
-        ps = self.page_size
-        rows = self.expected_rows(req, page_index * ps, (page_index + 1) * ps)  # [ps, parts, layers, 4]
-        page = rows.permute(2, 1, 0, 3).unsqueeze(3)  # [layers, parts, ps, 1, 4]
-        return page.expand(-1, -1, -1, self.kv_pool.num_heads, -1).repeat(1, 1, 1, 1, self.kv_pool.head_dim // 4)
-
-    def chain(self, req: Any) -> list[str]:
-        """The prefill keys of every full page of the tokens with KV (what decode must match)."""
-        return self.hasher.prefill_keys(self._tokens(req), extra_key=req.extra_key, cache_salt=req.cache_salt)
-
-    def check_stored_pages(self, req: Any) -> tuple[int, int]:
-        """Compare every stored page of ``req`` (beyond the prompt's aligned prefix) with its
-        expected bytes. Returns (pages found, pages checked); raises AssertionError on a mismatch."""
-        keys = self.chain(req)
-        first = len(req.origin_input_ids) // self.page_size
-        found = 0
-        into = torch.empty(self.host_pool.page_shape, dtype=self.kv_pool.dtype)
-        for index in range(first, len(keys)):
-            if self.storage.get([keys[index]], [into]) == [True]:
-                found += 1
-                expected = self.expected_page(req, index)
-                if not torch.equal(into, expected):
-                    raise AssertionError(f"{req!r}: stored page {index} differs from its KV")
-        return found, len(keys) - first
-
-
-def make_rig(
-    *,
-    page_size: int = 4,
-    num_layers: int = 2,
-    num_heads: int = 1,
-    head_dim: int = 4,
-    num_slots: int = 256,
-    host_pages: int = 16,
-    chunk_pages: int | None = None,
-    device: torch.device | str = "cpu",
-    storage: Any = None,
-    copy_stream: Any = None,
-    slot_generator: torch.Generator | None = None,
-    **manager_kwargs: Any,
-) -> Rig:
-    """A :class:`Rig` with an MHA int32 KV pool ``[2, num_layers, num_slots, num_heads, head_dim]``.
-
-    Args:
-        storage: default: an unbounded :class:`FlakyStore` that never fails.
-        copy_stream: default: a :class:`ManualCopyStream`.
-        manager_kwargs: passed to :class:`OffloadManager` (offload_stride, backend,
-            on_storage_failure); ``backend`` defaults to ``"torch"``.
-    """
-    from kvstage.hashing import PageHasher
-    from kvstage.kernels import KVPool
-    from kvstage.offload.copy_stream import ManualCopyStream
-    from kvstage.offload.host_pool import HostPool
-
-    if head_dim % 4:
-        raise InvalidArgumentError(f"head_dim: must be a multiple of 4 for the rig's rows, got {head_dim}")
-    device = torch.device(device)
-    stacked = torch.zeros((2, num_layers, num_slots, num_heads, head_dim), dtype=torch.int32, device=device)
-    kv_pool = KVPool.from_stacked(stacked)
-    host_pool = HostPool.like(kv_pool, num_pages=host_pages, page_size=page_size, chunk_pages=chunk_pages)
-    fingerprint = LayoutFingerprint("rig", KVLayout(num_layers, 2, num_heads, head_dim, "int32"), page_size)
-    storage = FlakyStore(fingerprint) if storage is None else storage
-    copy_stream = ManualCopyStream() if copy_stream is None else copy_stream
-    manager_kwargs.setdefault("backend", "torch")
-    return Rig(
-        kv_pool, stacked, host_pool, storage, PageHasher(page_size=page_size), SlotTable(num_slots, device, slot_generator),
-        copy_stream, manager_kwargs,
-    )

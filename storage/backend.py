@@ -79,11 +79,14 @@ class StorageBackend(abc.ABC):
         """Whether each page key (hex page hash, no prefix) is stored, in order."""
         return self._exists([self.prefix + key for key in _checked_keys(keys)])
 
-    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[PutStatus]:
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, prior_key: str | None = None) -> list[PutStatus]:
         """Store ``pages[i]`` under ``keys[i]``; a key already stored is left as it is.
 
         Args:
-            keys: page hashes (hex), no prefix; no key twice in one call.
+            keys: page hashes (hex), no prefix; no key twice in one call. One run of a hash
+                chain, in order.
+            prior_key: the chain key right before ``keys[0]`` (None: the run starts a chain),
+                for stores that evict chains from their tails.
             pages: CPU tensors, each contiguous with exactly ``page_bytes`` bytes (any dtype;
                 the bytes are stored). Typically views of host pool pages.
 

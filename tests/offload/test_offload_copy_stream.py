@@ -62,7 +62,7 @@ def test_manual_stream_completes_in_the_order_the_test_chooses():
     assert ran == ["c", "a"] and isinstance(b.error, RuntimeError) and b.query()
     with pytest.raises(InvalidArgumentError, match="^which: no pending copy 0"):
         stream.complete(0)
-    with pytest.raises(InvalidArgumentError, match="^which: not a pending event"):
+    with pytest.raises(InvalidArgumentError, match="^which: not a pending handle"):
         stream.complete(a)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvstage.errors import InvalidArgumentError
-from kvstage.offload import HostPool
+from offload_rig import host_pool
 
 ARGS = dict(num_layers=1, kv_parts=2, num_heads=1, head_dim=4, dtype=torch.float32, num_pages=2, page_size=2, pin=False)
 
@@ -18,17 +18,17 @@ ARGS = dict(num_layers=1, kv_parts=2, num_heads=1, head_dim=4, dtype=torch.float
         ({"num_pages": True}, r"^num_pages: must be a positive int"),
         ({"kv_parts": 2.0}, r"^kv_parts: must be 1 \(MLA\) or 2"),
         ({"kv_parts": True}, r"^kv_parts: must be 1 \(MLA\) or 2"),
-        ({"chunk_pages": True}, r"^chunk_pages: must be a positive int"),
+        ({"buffer_pages": True}, r"^buffer_pages: must be a positive int"),
     ],
 )
 def test_bools_and_floats_are_not_sizes(change, rule):
     with pytest.raises(InvalidArgumentError, match=rule):
-        HostPool(**{**ARGS, **change})
+        host_pool(**{**ARGS, **change})
 
 
 def test_alloc_of_a_bool_is_an_error_and_changes_nothing():
-    pool = HostPool(**ARGS)
-    with pytest.raises(InvalidArgumentError, match=r"^n: must be a non-negative int, got True"):
+    pool = host_pool(**ARGS)
+    with pytest.raises(InvalidArgumentError, match=r"^num_pages: must be a non-negative int, got True"):
         pool.alloc(True)
     assert pool.used == 0
 
@@ -36,4 +36,4 @@ def test_alloc_of_a_bool_is_an_error_and_changes_nothing():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works where CUDA is")
 def test_pin_without_an_accelerator_names_the_argument():
     with pytest.raises(InvalidArgumentError, match=r"^pin: "):
-        HostPool(**{**ARGS, "pin": True})
+        host_pool(**{**ARGS, "pin": True})

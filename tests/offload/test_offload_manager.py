@@ -15,7 +15,8 @@ from kvstage.hashing import PageHasher
 from kvstage.nvtx_ranges import open_ranges
 from kvstage.offload import CopyStream, HostPool, OffloadManager, OffloadRequest
 from kvstage.storage import LayoutFingerprint, MemoryStore
-from kvstage.offload.testing import FlakyStore, SimpleRequest, make_rig
+from kvstage.offload.testing import SimpleRequest
+from offload_rig import FlakyStore, make_rig
 
 NAMESPACES = [
     pytest.param({}, id="no-namespace"),
@@ -57,7 +58,7 @@ def test_decode_pages_are_stored_under_the_prefill_chain(namespace):
     decode_steps(rig, req, range(2000, 2019))
     assert rig.manager.finish(req)
     rig.manager.drain()
-    tokens = (req.origin_input_ids + req.output_ids)[: req.tokens_with_kv]  # 28 tokens: 7 pages
+    tokens = (req.origin_input_ids + req.output_ids)[: req.kv_length]  # 28 tokens: 7 pages
     prefill = PageHasher(page_size=4).prefill_keys(tokens, **namespace)
     assert len(prefill) == 7
     # Pages 0-1 were the prompt's (prefill stored them); 2-6 were offloaded by decode.
@@ -92,11 +93,11 @@ def test_strides_start_after_the_prompt_prefix_and_stay_page_aligned():
     for step, token in enumerate(range(100, 125)):
         rig.decode(req, token)
         if manager.offload(req):
-            launched_at.append((req.tokens_with_kv, manager.offloaded_len(req)))
+            launched_at.append((req.kv_length, manager.offloaded_length(req)))
     # The first stride is tokens 8..16 (the prompt's partial page joins it), then 16..24, 24..32.
     assert launched_at == [(16, 16), (24, 24), (32, 32)]
     # kv: 10 + 24 = 34 tokens; finish offloads the remaining whole pages (none: 32..34 is partial).
-    assert manager.finish(req) and manager.offloaded_len(req) == 32
+    assert manager.finish(req) and manager.offloaded_length(req) == 32
     rig.copy_stream.complete_all()
     manager.poll()
     assert rig.check_stored_pages(req) == (6, 6)
@@ -133,7 +134,7 @@ def test_reused_rid_late_completion_cleans_up_only_the_old_request(cls):
     assert manager.poll() == 1
     assert len(rig.released) == 1 and rig.released[0] is old
     assert manager.is_tracked(new) and manager.in_flight(new) == 1 and rig.slots.holds(new)
-    assert manager.offloaded_len(new) == 4
+    assert manager.offloaded_length(new) == 4
     decode_steps(rig, new, [10, 11], poll=False)
     manager.finish(new)
     stream.complete_all()
@@ -151,13 +152,13 @@ def test_host_pool_full_returns_false_and_changes_nothing():
     assert rig.host_pool.used == 3
     b = rig.new_request("b", [1, 2], 20)
     decode_steps(rig, b, [3, 4, 5], poll=False)  # kv 4: page 1 wanted, refused
-    before = (manager.offloaded_len(b), manager.in_flight(b), rig.host_pool.used, rig.copy_stream.submitted)
+    before = (manager.offloaded_length(b), manager.in_flight(b), rig.host_pool.used, rig.copy_stream.submitted)
     assert manager.offload(b) is False
-    assert (manager.offloaded_len(b), manager.in_flight(b), rig.host_pool.used, rig.copy_stream.submitted) == before
+    assert (manager.offloaded_length(b), manager.in_flight(b), rig.host_pool.used, rig.copy_stream.submitted) == before
     assert manager.metrics.offloads_rejected >= 1
     rig.copy_stream.complete(0)
     manager.poll()
-    assert manager.offload(b) is True and manager.offloaded_len(b) == 4  # same start as refused
+    assert manager.offload(b) is True and manager.offloaded_length(b) == 4  # same start as refused
     for req in (a, b):
         manager.finish(req)
     rig.copy_stream.complete_all()
@@ -279,7 +280,7 @@ def test_identical_pages_of_two_requests_are_deduplicated():
     rig.copy_stream.complete_all()
     rig.manager.poll()
     metrics = rig.manager.metrics
-    assert (metrics.pages_stored, metrics.pages_deduplicated, metrics.dedup_hits) == (2, 2, 2)
+    assert (metrics.pages_stored, metrics.pages_deduplicated, metrics.pages_deduplicated) == (2, 2, 2)
     assert rig.storage.stats.pages_stored == 2
 
 
@@ -375,9 +376,9 @@ def test_nvtx_ranges_cover_offload_poll_and_backup():
     rig.manager.slot_indices_of = slots_of
     original_put = rig.storage.put
 
-    def put(keys, pages):
+    def put(keys, pages, **options):
         seen["put"] = open_ranges()
-        return original_put(keys, pages)
+        return original_put(keys, pages, **options)
 
     rig.storage.put = put
     req = rig.new_request("r", [1, 2], 10)
@@ -394,9 +395,9 @@ def test_slot_indices_too_short_raise_and_change_nothing():
     rig.manager.slot_indices_of = lambda r: torch.arange(3)
     rig.decode(req, 6)
     rig.decode(req, 7)
-    with pytest.raises(InvalidArgumentError, match=r"^slot_indices_of: 3 slots for request rid='r', its first 6 tokens"):
+    with pytest.raises(InvalidArgumentError, match=r"^slot_indices_of\(rid='r'\): 3 slots, its first 6 tokens"):
         rig.manager.offload(req)
-    assert rig.host_pool.used == 1 and rig.manager.offloaded_len(req) == 4
+    assert rig.host_pool.used == 1 and rig.manager.offloaded_length(req) == 4
 
 
 def test_mismatched_parts_are_rejected():
@@ -407,10 +408,10 @@ def test_mismatched_parts_are_rejected():
     with pytest.raises(InvalidArgumentError, match="^hasher: page_size 8 must equal"):
         OffloadManager(*args[:3], PageHasher(page_size=8), rig.slots)
     other = MemoryStore(LayoutFingerprint("rig", KVLayout(2, 2, 1, 8, "int32"), 4))
-    with pytest.raises(InvalidArgumentError, match="^storage: its layout's page has 512 bytes"):
+    with pytest.raises(InvalidArgumentError, match="^storage: its layout's head_dim 8 must equal the pool's 4"):
         OffloadManager(args[0], args[1], other, *args[3:])
-    pool = HostPool(num_layers=3, kv_parts=2, num_heads=1, head_dim=4, dtype=torch.int32, num_pages=2, page_size=4)
-    with pytest.raises(InvalidArgumentError, match="^host_pool: num_layers 3 must equal the KV pool's 2"):
+    pool = HostPool(KVLayout(3, 2, 1, 4, torch.int32), num_pages=2, page_size=4)
+    with pytest.raises(InvalidArgumentError, match="^host_pool: layout's num_layers 3 must equal the KV pool's 2"):
         OffloadManager(args[0], pool, *args[2:])
     with pytest.raises(InvalidArgumentError, match="^backend: must be one of"):
         OffloadManager(*args, backend="cuda")
@@ -418,13 +419,13 @@ def test_mismatched_parts_are_rejected():
 
 def test_triton_backend_copies_the_same_pages(device):
     """One run through backend="auto" (Triton; the interpreter on CPU), multi-chunk host pool."""
-    rig = make_rig(page_size=2, host_pages=6, chunk_pages=2, device=device, backend="auto",
+    rig = make_rig(page_size=2, host_pages=6, buffer_pages=2, device=device, backend="auto",
                    copy_stream=CopyStream(device), slot_generator=torch.Generator().manual_seed(3))
     req = rig.new_request("r", [1, 2, 3], 12, cache_salt="t")
     for token in range(10, 17):
         rig.decode(req, token)
     assert rig.manager.offload(req)  # kv 9 tokens: pages 1..3 in one segment over two chunks
-    assert len(rig.host_pool.locate(rig.manager._in_flight[0].host_ids)) == 2
+    assert len(rig.host_pool.locate(rig.manager.copier._copies[0].host_page_ids)) == 2
     rig.manager.finish(req)
     rig.manager.drain()
     assert rig.check_stored_pages(req) == (3, 3) and rig.released == [req]
@@ -475,7 +476,7 @@ def test_a_token_the_hash_scheme_rejects_fails_its_pages_without_stopping_poll()
     rig = make_rig(page_size=2, on_storage_failure=lambda *args: reports.append(args))
     bad = rig.new_request("bad", [1, 2], 10)
     good = rig.new_request("good", [1, 2], 10)
-    decode_steps(rig, bad, [3, -5, 4], poll=False)  # -5 is no u32 token id
+    decode_steps(rig, bad, [3, 2**64, 4], poll=False)  # above 2**63-1: no scheme hashes it
     decode_steps(rig, good, [3, 4, 5], poll=False)
     rig.copy_stream.complete_all()
     assert rig.manager.poll() == 2
@@ -502,16 +503,16 @@ def test_an_interrupted_poll_keeps_the_copies_it_did_not_handle():
     req = rig.new_request("r", [1, 2], 10)
     decode_steps(rig, req, [3, 4, 5, 6, 7], poll=False)  # two copies
     rig.copy_stream.complete_all()
-    original_exists = rig.storage.exists
+    original_keys = rig.hasher.continue_keys
     calls = []
 
-    def exists(keys):
-        calls.append(keys)
+    def continue_keys(tokens, prior_hash):
+        calls.append(tokens)
         if len(calls) == 1:
             raise KeyboardInterrupt  # not an Exception: the manager lets it through
-        return original_exists(keys)
+        return original_keys(tokens, prior_hash)
 
-    rig.storage.exists = exists
+    rig.hasher.continue_keys = continue_keys
     with pytest.raises(KeyboardInterrupt):
         rig.manager.poll()
     assert rig.manager.metrics.copies_in_flight == 1 and rig.host_pool.used == 1

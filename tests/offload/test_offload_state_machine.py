@@ -11,7 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvstage.kv_layout import KVLayout
 from kvstage.offload import ManualCopyStream
 from kvstage.storage import LayoutFingerprint
-from kvstage.offload.testing import FlakyStore, SimpleRequest, make_rig
+from kvstage.offload.testing import SimpleRequest
+from offload_rig import FlakyStore, make_rig
 
 PAGE_SIZE = 2
 MAX_NEW = 12
@@ -60,7 +61,7 @@ class OffloadMachine(RuleBasedStateMachine):
         store = FlakyStore(fingerprint, fail=self._page_fails, raise_on_put=lambda: self.failure_mode == "raise")
         self.stream = OwnedCopyStream()
         self.rig = make_rig(
-            page_size=PAGE_SIZE, host_pages=7, chunk_pages=3, num_slots=MAX_REQUESTS * 24,
+            page_size=PAGE_SIZE, host_pages=7, buffer_pages=3, num_slots=MAX_REQUESTS * 24,
             storage=store, copy_stream=self.stream, on_storage_failure=self._on_failure,
         )
         self.rig.on_release = self._on_release
@@ -135,12 +136,12 @@ class OffloadMachine(RuleBasedStateMachine):
     def offload(self, pick):
         req = self.live[pick % len(self.live)]
         pool = self.rig.host_pool
-        before = (self.manager.offloaded_len(req), self.manager.in_flight(req), pool.used, self.stream.submitted)
+        before = (self.manager.offloaded_length(req), self.manager.in_flight(req), pool.used, self.stream.submitted)
         launched = self._drive(req, self.manager.offload)
-        after = (self.manager.offloaded_len(req), self.manager.in_flight(req), pool.used, self.stream.submitted)
+        after = (self.manager.offloaded_length(req), self.manager.in_flight(req), pool.used, self.stream.submitted)
         if launched:
             assert after[1] == before[1] + 1 and after[3] == before[3] + 1 and after[2] > before[2]
-            assert after[0] % PAGE_SIZE == 0 and after[0] <= req.tokens_with_kv
+            assert after[0] % PAGE_SIZE == 0 and after[0] <= req.kv_length
         else:
             assert after[1:] == before[1:] and (before[0] is None or after[0] == before[0])
 
@@ -210,8 +211,11 @@ class OffloadMachine(RuleBasedStateMachine):
     def teardown(self):
         for req in list(self.live):
             self.finish(0)
-        self.stream.complete_all()
-        self.poll()
+        for _ in range(100):  # finished requests' waiting pages launch as host pages free
+            self.stream.complete_all()
+            self.poll()
+            if not self.stream.pending:
+                break
         metrics = self.manager.metrics
         assert (metrics.requests_live, metrics.copies_in_flight, metrics.pages_in_flight) == (0, 0, 0)
         assert self.rig.host_pool.used == 0

@@ -11,7 +11,7 @@ from kvstage.hashing import PageHasher
 from kvstage.offload import CopyStream
 from kvstage.storage import LayoutFingerprint, PutStatus
 from kvstage.storage.mooncake.store import MooncakeStore
-from kvstage.offload.testing import make_rig
+from offload_rig import make_rig
 
 # The rig's layout (make_rig defaults): int32, 2 layers, K and V, 1 head of 4, 4-token pages.
 RIG_FINGERPRINT = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 4)
@@ -26,7 +26,7 @@ def decode(rig, req, tokens) -> None:
 
 def test_manager_stores_decode_pages_in_mooncake_zero_copy(mooncake_master):
     store = MooncakeStore(RIG_FINGERPRINT, mooncake_master.url())
-    rig = make_rig(page_size=4, host_pages=16, chunk_pages=8, storage=store, copy_stream=CopyStream("cpu"),
+    rig = make_rig(page_size=4, host_pages=16, buffer_pages=8, storage=store, copy_stream=CopyStream("cpu"),
                    slot_generator=torch.Generator().manual_seed(3))
     try:
         req = rig.new_request("r1", range(500, 510), 32, cache_salt="tenant-a")  # 2 full pages + 2
@@ -34,7 +34,7 @@ def test_manager_stores_decode_pages_in_mooncake_zero_copy(mooncake_master):
         assert rig.manager.finish(req)
         rig.manager.drain()
 
-        tokens = (req.origin_input_ids + req.output_ids)[: req.tokens_with_kv]
+        tokens = (req.origin_input_ids + req.output_ids)[: req.kv_length]
         keys = PageHasher(page_size=4).prefill_keys(tokens, cache_salt="tenant-a")
         assert len(keys) == 7
         # The prompt's 2 pages are prefill's to store; decode offloaded pages 2..6.

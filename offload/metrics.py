@@ -1,0 +1,66 @@
+"""The offload manager's counters: one record, each counter defined once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["OffloadMetrics"]
+
+
+@dataclass
+class OffloadMetrics:
+    """The manager's counters (pages are host pages of ``page_size`` tokens; bytes in bytes;
+    seconds of copy time, GPU time on CUDA). :attr:`OffloadManager.metrics` is a snapshot.
+
+    Every launched page is in flight or has ended exactly once::
+
+        pages_launched == pages_in_flight + pages_stored + pages_deduplicated
+                          + pages_failed + pages_discarded
+    """
+
+    # store path
+    requests_live: int = 0  # request objects tracked (not released yet); gauge
+    copies_in_flight: int = 0  # gathers and scatters launched and not polled yet; gauge
+    writes_pending: int = 0  # segments whose store write runs on a worker thread; gauge
+    pages_in_flight: int = 0  # launched pages not ended yet (copying or being written); gauge
+    pages_launched: int = 0
+    pages_offloaded: int = 0  # pages whose D2H copy completed without error
+    bytes_offloaded: int = 0
+    copy_seconds: float = 0.0  # summed durations of those copies
+    pages_stored: int = 0  # written to storage now
+    pages_deduplicated: int = 0  # storage had the key already
+    pages_failed: int = 0  # copy, page keys or storage write failed; reported
+    pages_discarded: int = 0  # the request was aborted or dropped on retraction; no write
+    pages_dropped: int = 0  # finish() could not get host pages within its limit; never launched
+    storage_failures: int = 0  # store writes (segments) with at least one failed page
+    copy_failures: int = 0  # copies that raised
+    offloads_rejected: int = 0  # offload() launched nothing because the host pool was full
+    releases: int = 0
+    retractions: int = 0
+    callback_errors: int = 0  # release/on_storage_failure callbacks that raised (logged)
+    # load path
+    lookups: int = 0  # match_prefix calls and prefetch lookups
+    pages_looked_up: int = 0  # whole pages asked
+    pages_hit: int = 0  # leading pages the store held
+    prefetches: int = 0
+    pages_prefetched: int = 0  # leading pages read into host pages
+    prefetch_failures: int = 0  # reads that raised or hit a hole before the lookup's end
+    loads: int = 0
+    pages_loaded: int = 0  # pages scattered into device slots without error
+    bytes_loaded: int = 0
+    load_seconds: float = 0.0
+    load_failures: int = 0
+    # host pool; gauges
+    host_pages_used: int = 0
+    host_pages_high_water: int = 0
+    host_pages_capacity: int = 0
+
+    @property
+    def d2h_gbps(self) -> float:
+        """D2H throughput over copy time, in GB/s (1e9 bytes)."""
+        return self.bytes_offloaded / self.copy_seconds / 1e9 if self.copy_seconds > 0 else 0.0
+
+    @property
+    def h2d_gbps(self) -> float:
+        """H2D (load) throughput over copy time, in GB/s (1e9 bytes)."""
+        return self.bytes_loaded / self.load_seconds / 1e9 if self.load_seconds > 0 else 0.0

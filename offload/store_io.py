@@ -1,0 +1,164 @@
+"""Store I/O for the manager: the one function that writes pages to a store, the one that
+reads a chain's leading pages back, and the worker threads they run on.
+
+Every path that stores pages (decode strides, prompt pages, the replay) goes through
+:func:`write_pages`, so outcomes are counted one way: each page ends ``STORED``,
+``DEDUPLICATED`` or failed. Deduplication is asked once per page: the store's ``put`` skips a
+key it holds (no separate ``exists`` round trip). Reads go through :func:`read_leading_pages`,
+which ends a hit at the first page that cannot be read, so nothing after a hole is used.
+
+:class:`StoreWorkers` runs these calls off the engine's thread (``concurrent.futures``; one
+writer and one reader thread by default, so a long backup queue never delays a prefetch).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from kvstage.errors import StorageError
+from kvstage.storage import PutStatus
+
+__all__ = ["ReadOutcome", "StoreWorkers", "WriteOutcome", "read_leading_pages", "write_pages"]
+
+
+@dataclass
+class WriteOutcome:
+    """How one batch of pages ended.
+
+    Attributes:
+        stored: pages written now.
+        deduplicated: pages the store already held (or repeated earlier in the batch).
+        failed_keys: keys not written (the store answered FAILED, or it failed as a whole).
+        error: the exception the store raised (the whole batch failed), or None.
+    """
+
+    stored: int = 0
+    deduplicated: int = 0
+    failed_keys: list[str] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+def _answer(answer: Any, expected: int, call: str) -> list:
+    """A store's per-key answer as a list, or StorageError when it does not answer every key
+    (zip would silently drop pages from the accounting)."""
+    answer = list(answer)
+    if len(answer) != expected:
+        raise StorageError(f"storage: {call}() answered {len(answer)} keys of {expected}")
+    return answer
+
+
+def write_pages(storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Tensor], *, prior_key: str | None = None) -> WriteOutcome:
+    """Write pages to a store under their keys and count each page's outcome; never raises.
+
+    Args:
+        storage: a :class:`kvstage.storage.StorageBackend`.
+        page_keys: the pages' keys, one run of a hash chain in order.
+        pages: CPU tensors of the store's page bytes (host pool pages).
+        prior_key: the chain key before ``page_keys[0]`` (None: the chain starts here), so the
+            store can evict chains from their tails.
+
+    Returns:
+        A :class:`WriteOutcome`; a store that raises or answers the wrong number of statuses
+        fails every page not known to be deduplicated.
+    """
+    outcome = WriteOutcome()
+    unique: dict[str, int] = {}
+    for index, key in enumerate(page_keys):
+        if key in unique:
+            outcome.deduplicated += 1
+        else:
+            unique[key] = index
+    keys = list(unique)
+    try:
+        statuses = _answer(storage.put(keys, [pages[unique[key]] for key in keys], prior_key=prior_key), len(keys), "put")
+    except Exception as error:  # the store failed as a whole: no page of the batch counts as written
+        outcome.error = error
+        outcome.failed_keys = keys
+        return outcome
+    for key, status in zip(keys, statuses):
+        if status is PutStatus.STORED:
+            outcome.stored += 1
+        elif status is PutStatus.DEDUPLICATED:
+            outcome.deduplicated += 1
+        else:
+            outcome.failed_keys.append(key)
+    return outcome
+
+
+@dataclass
+class ReadOutcome:
+    """How a read of a chain's leading pages ended.
+
+    Attributes:
+        pages_read: the leading pages now in the host pages (a hole ends them).
+        error: what the store raised, or None.
+    """
+
+    pages_read: int = 0
+    error: BaseException | None = None
+
+
+def read_leading_pages(
+    storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Tensor], *, batch_pages: int = 16,
+    on_progress: Callable[[int], None] | None = None, cancelled: Callable[[], bool] | None = None,
+) -> ReadOutcome:
+    """Read a chain's leading pages into host pages, stopping at the first page not read.
+
+    Args:
+        storage: a :class:`kvstage.storage.StorageBackend`.
+        page_keys: the chain's keys from its first page to read, in order.
+        pages: host pool pages to read into, one per key.
+        batch_pages: pages per ``get`` call (progress is reported after each).
+        on_progress: called with the leading pages read so far after each batch.
+        cancelled: polled before each batch; True stops the read.
+
+    Returns:
+        A :class:`ReadOutcome`; never raises (a store error ends the read at the pages before).
+    """
+    outcome = ReadOutcome()
+    for start in range(0, len(page_keys), batch_pages):
+        if cancelled is not None and cancelled():
+            break
+        keys = list(page_keys[start : start + batch_pages])
+        try:
+            hits = _answer(storage.get(keys, list(pages[start : start + len(keys)])), len(keys), "get")
+        except Exception as error:
+            outcome.error = error
+            break
+        leading = next((index for index, hit in enumerate(hits) if not hit), len(hits))
+        outcome.pages_read += leading
+        if on_progress is not None:
+            on_progress(outcome.pages_read)
+        if leading < len(keys):
+            break
+    return outcome
+
+
+class StoreWorkers:
+    """Threads that run store calls off the engine's thread: writes on one pool, reads on another.
+
+    Args:
+        write_threads: threads for writes (>= 1).
+        read_threads: threads for reads (>= 1).
+    """
+
+    def __init__(self, *, write_threads: int = 1, read_threads: int = 1) -> None:
+        self._writes = ThreadPoolExecutor(max_workers=write_threads, thread_name_prefix="kvstage-store-write")
+        self._reads = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="kvstage-store-read")
+
+    def write(self, call: Callable[[], Any]) -> Future:
+        """Run ``call()`` on a writer thread; its future."""
+        return self._writes.submit(call)
+
+    def read(self, call: Callable[[], Any]) -> Future:
+        """Run ``call()`` on a reader thread; its future."""
+        return self._reads.submit(call)
+
+    def close(self) -> None:
+        """Finish queued calls and stop the threads. Idempotent."""
+        self._writes.shutdown(wait=True)
+        self._reads.shutdown(wait=True)
