@@ -47,7 +47,7 @@ from kvstage.offload.host_pool import HostPool
 from kvstage.offload.load_path import PREFETCH_POLICIES, LoadHandle, PrefetchHandle, PrefixMatch
 from kvstage.offload.metrics import OffloadMetrics
 from kvstage.offload.request import SlotIndicesOf, kv_length, request_tokens
-from kvstage.offload.store_io import StoreWorkers, read_leading_pages, write_pages
+from kvstage.offload.store_io import StoreWorkers, leading_hits, read_leading_pages, write_pages
 
 __all__ = ["OffloadManager"]
 
@@ -293,11 +293,12 @@ class OffloadManager:
 
         Raises:
             InvalidArgumentError: neither or both of ``req`` and ``token_ids``.
+            StorageError: the store answered a different number of keys than asked; whatever
+                its ``exists`` raises.
         """
         with nvtx_range("lookup"):
             keys = self._lookup_keys(req, token_ids, extra_key, cache_salt)
-            hits = list(self.storage.exists(keys)) if keys else []
-            leading = next((index for index, hit in enumerate(hits) if not hit), len(keys))
+            leading = leading_hits(self.storage, keys)
             self._counters.lookups += 1
             self._counters.pages_looked_up += len(keys)
             self._counters.pages_hit += leading
@@ -742,8 +743,7 @@ class OffloadManager:
         with nvtx_range("prefetch.read"):
             try:
                 keys = handle.page_keys
-                hits = list(self.storage.exists(keys)) if keys and not handle.cancelled else []
-                leading = next((index for index, hit in enumerate(hits) if not hit), len(hits))
+                leading = 0 if handle.cancelled else leading_hits(self.storage, keys)
                 handle.pages_hit = leading
 
                 def progress(count: int) -> None:

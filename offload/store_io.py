@@ -22,7 +22,7 @@ import torch
 from kvstage.errors import StorageError
 from kvstage.storage import PutStatus
 
-__all__ = ["ReadOutcome", "StoreWorkers", "WriteOutcome", "read_leading_pages", "write_pages"]
+__all__ = ["ReadOutcome", "StoreWorkers", "WriteOutcome", "leading_hits", "read_leading_pages", "write_pages"]
 
 
 @dataclass
@@ -87,6 +87,19 @@ def write_pages(storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Te
         else:
             outcome.failed_keys.append(key)
     return outcome
+
+
+def leading_hits(storage: Any, page_keys: Sequence[str]) -> int:
+    """Lookup: how many leading ``page_keys`` the store holds (one batched ``exists`` call).
+
+    Raises:
+        StorageError: the store answered a different number of keys than asked.
+        Whatever the store's ``exists`` raises.
+    """
+    if not page_keys:
+        return 0
+    hits = _answer(storage.exists(list(page_keys)), len(page_keys), "exists")
+    return next((index for index, hit in enumerate(hits) if not hit), len(hits))
 
 
 @dataclass

@@ -67,6 +67,8 @@ class FlakyStore(MemoryStore):
             (and not visible). None: never.
         raise_on_put: ``raise_on_put() -> bool`` per put call; True: the call raises
             :class:`StorageError` and writes nothing (a backend that fails as a whole).
+        fail_get: ``fail_get(key) -> bool`` per page key; True: ``get`` of it misses although
+            ``exists`` finds it (a page that cannot be read).
         capacity_pages: as for :class:`MemoryStore` (default: unbounded for tests).
     """
 
@@ -76,11 +78,20 @@ class FlakyStore(MemoryStore):
         *,
         fail: Callable[[str], bool] | None = None,
         raise_on_put: Callable[[], bool] | None = None,
+        fail_get: Callable[[str], bool] | None = None,
         capacity_pages: int = 1 << 40,
     ) -> None:
         super().__init__(fingerprint, capacity_pages=capacity_pages)
         self.fail = fail
         self.raise_on_put = raise_on_put
+        self.fail_get = fail_get
+
+    def _get(self, full_keys: list[str], into: list[torch.Tensor]) -> list[bool]:
+        prefix = len(self.prefix)
+        hits = super()._get(full_keys, into)
+        if self.fail_get is None:
+            return hits
+        return [hit and not self.fail_get(key[prefix:]) for key, hit in zip(full_keys, hits)]
 
     def _put(self, full_keys: list[str], pages: list[torch.Tensor]) -> list[PutStatus]:
         if self.raise_on_put is not None and self.raise_on_put():

@@ -1,0 +1,356 @@
+"""The load path: prompt store, lookup, prefetch (policies, holes, cancel), layer-by-layer load."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, StorageError
+from kvstage.kv_layout import KVLayout
+from kvstage.offload import CopyStream, ManualCopyStream, StoreWorkers
+from kvstage.storage import LayoutFingerprint
+from offload_rig import FlakyStore, make_rig
+
+PAGE = 4
+
+
+def stored_request(rig, rid="a", prompt=range(18), outputs=range(100, 110), **namespace):
+    """Run one request through prefill, decode and finish; every copy completed and written."""
+    req = rig.new_request(rid, list(prompt), len(outputs) + 1, **namespace)
+    complete = getattr(rig.copy_stream, "complete_all", lambda: None)  # a real stream runs copies itself
+    for token in outputs:
+        rig.decode(req, token)
+        rig.manager.offload(req)
+        complete()
+        rig.manager.poll()
+    req.done = True
+    rig.manager.finish(req)
+    complete()
+    rig.manager.drain()
+    return req
+
+
+def follow_up(rig, rid, prompt, **namespace):
+    """A new request with slots and every slot poisoned (-1): nothing of it is written yet."""
+    from kvstage.offload.testing import SimpleRequest
+
+    req = SimpleRequest(rid, list(prompt), **namespace)
+    rig.slots.assign(req, len(req.origin_input_ids) + 8)
+    rig.stacked[:, :, rig.slots(req)] = -1
+    return req
+
+
+def rows_at(rig, slots, layers=slice(None)):
+    """The rig's ``[n, parts, layers, 4]`` rows at device ``slots`` (heads repeat them)."""
+    return rig.stacked[:, layers, slots, 0, :4].permute(2, 0, 1, 3)
+
+
+def loaded_rows_equal(rig, source, target, num_tokens):
+    """Whether target's first slots hold exactly the KV rows of source's first tokens."""
+    return torch.equal(rows_at(rig, rig.slots(target)[:num_tokens]), rig.expected_rows(source, 0, num_tokens))
+
+
+def test_prompt_pages_are_stored_by_the_manager_under_the_prefill_chain():
+    rig = make_rig(page_size=PAGE, store_prompt=True)
+    req = stored_request(rig, cache_salt="t")
+    # 18 + 10 - 1 = 27 tokens with KV: 6 whole pages, prompt's 4 and decode's 2, one chain.
+    chain = rig.chain(req)
+    assert len(chain) == 6 and rig.storage.exists(chain) == [True] * 6
+    m = rig.manager.metrics
+    assert (m.pages_launched, m.pages_stored, m.host_pages_used) == (6, 6, 0)
+    for index in range(6):
+        into = torch.empty(rig.host_pool.page_shape, dtype=torch.int32)
+        assert rig.storage.get([chain[index]], [into]) == [True]
+        assert torch.equal(into, rig.expected_page(req, index))
+
+
+def test_store_prompt_false_continues_the_chain_from_the_prefill_sides_keys():
+    rig = make_rig(page_size=PAGE, store_prompt=False)
+    req = stored_request(rig)
+    chain = rig.chain(req)
+    assert rig.storage.exists(chain) == [False] * 4 + [True] * 2  # the prompt's pages: prefill's job
+    assert rig.manager.metrics.pages_launched == 2
+
+
+def test_lookup_prefetch_and_load_bring_the_prefix_back_bitwise():
+    rig = make_rig(page_size=PAGE, store_prompt=True, slot_generator=torch.Generator().manual_seed(5))
+    a = stored_request(rig, cache_salt="t")
+    b = follow_up(rig, "b", range(18), cache_salt="t")
+    match = rig.manager.match_prefix(b)
+    assert (match.num_pages, match.num_tokens, match.pages_asked) == (4, 16, 4)  # 17 usable tokens
+    assert match.page_keys == rig.chain(a)[:4]
+    handle = rig.manager.prefetch(b, policy="wait_complete")
+    assert handle.wait(5.0) and handle.pages_ready == 4 and handle.ready_to_load()
+    load = rig.manager.load(handle, rig.slots(b)[:16])
+    assert load.num_tokens == 16 and not load.done()
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    assert load.done() and loaded_rows_equal(rig, a, b, 16)
+    assert bool((rig.stacked[:, :, rig.slots(b)[16:]] == -1).all())  # nothing past the load written
+    m = rig.manager.metrics
+    assert (m.pages_loaded, m.bytes_loaded, m.host_pages_used) == (4, 4 * rig.host_pool.page_bytes, 0)
+    assert rig.manager.offloaded_length(b) == 16  # its chain continues after the loaded pages
+
+
+def test_the_chain_continues_after_a_load_so_only_new_pages_are_stored():
+    rig = make_rig(page_size=PAGE, store_prompt=True)
+    a = stored_request(rig, prompt=range(18), outputs=range(100, 110))
+    turn = list(a.origin_input_ids) + list(a.output_ids)  # follow-up turn: A's prompt and output
+    b = follow_up(rig, "b", turn)
+    assert rig.manager.match_prefix(b).num_pages == 6  # A's decode pages too
+    handle = rig.manager.prefetch(b)
+    handle.wait(5.0)
+    rig.manager.load(handle, rig.slots(b)[:24])
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    rig._write_kv(b, 24, len(turn))  # prefill of the rest
+    b.output_ids.append(7)
+    stored_before = rig.manager.metrics.pages_stored
+    b.done = True
+    rig.manager.finish(b)
+    rig.copy_stream.complete_all()
+    rig.manager.drain()
+    assert rig.manager.metrics.pages_stored == stored_before + 1  # page 6 only (tokens 24..27)
+    assert rig.storage.exists(rig.chain(b)) == [True] * 7
+
+
+@pytest.mark.parametrize("namespace", [{"cache_salt": "other"}, {"extra_key": "lora-2"}, {}])
+def test_another_namespace_gets_no_hit(namespace):
+    rig = make_rig(page_size=PAGE, store_prompt=True)
+    stored_request(rig, cache_salt="t")
+    other = follow_up(rig, "x", range(18), **namespace)
+    assert rig.manager.match_prefix(other).num_pages == 0
+    assert rig.manager.match_prefix(token_ids=list(range(16)), **namespace).num_pages == 0
+    assert rig.manager.match_prefix(token_ids=list(range(16)), cache_salt="t").num_pages == 4
+
+
+def test_a_page_that_exists_but_cannot_be_read_ends_the_hit_before_it():
+    fingerprint = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), PAGE)
+    store = FlakyStore(fingerprint)
+    rig = make_rig(page_size=PAGE, store_prompt=True, storage=store)
+    a = stored_request(rig, prompt=range(30), outputs=range(100, 102))
+    bad = rig.chain(a)[2]
+    store.fail_get = lambda key: key == bad
+    b = follow_up(rig, "b", range(30))
+    assert rig.manager.match_prefix(b).num_pages == 7  # exists says yes for every page
+    handle = rig.manager.prefetch(b)
+    handle.wait(5.0)
+    assert (handle.pages_hit, handle.pages_ready) == (7, 2)  # nothing after the hole
+    with pytest.raises(InvalidArgumentError, match=r"^slot_indices: must be a 1-D tensor of at most 2 ready pages"):
+        rig.manager.load(handle, rig.slots(b)[:12])
+    rig.manager.load(handle, rig.slots(b)[:8])
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    assert loaded_rows_equal(rig, a, b, 8) and rig.host_pool.used == 0
+    assert rig.manager.metrics.pages_loaded == 2
+
+
+def test_cancel_and_abort_free_the_host_pages():
+    rig = make_rig(page_size=PAGE, store_prompt=True)
+    stored_request(rig)
+    b = follow_up(rig, "b", range(18))
+    handle = rig.manager.prefetch(b)
+    assert rig.host_pool.used == 4
+    rig.manager.cancel(handle)
+    handle.wait(5.0)
+    rig.manager.poll()
+    assert rig.host_pool.used == 0
+    with pytest.raises(InvalidArgumentError, match="^handle: was cancelled"):
+        rig.manager.load(handle, rig.slots(b)[:16])
+    c = follow_up(rig, "c", range(18))
+    handle = rig.manager.prefetch(c)
+    rig.manager.abort(c)
+    assert rig.released[-1] is c
+    handle.wait(5.0)
+    rig.manager.poll()
+    assert rig.host_pool.used == 0 and handle.cancelled
+
+
+def test_load_arguments_are_checked_before_anything_is_written():
+    rig = make_rig(page_size=PAGE, store_prompt=True)
+    stored_request(rig)
+    b = follow_up(rig, "b", range(18))
+    with pytest.raises(ArgumentTypeError, match="^handle: must be a PrefetchHandle"):
+        rig.manager.load(object(), rig.slots(b)[:4])
+    handle = rig.manager.prefetch(b)
+    handle.wait(5.0)
+    for bad in (rig.slots(b)[:6], rig.slots(b)[:20], rig.slots(b)[:8].view(2, 4), [0, 1, 2, 3]):
+        with pytest.raises(InvalidArgumentError, match="^slot_indices: must be a 1-D tensor of at most 4 ready pages"):
+            rig.manager.load(handle, bad)
+    assert rig.copy_stream.pending == [] and bool((rig.stacked[:, :, rig.slots(b)] == -1).all())
+    rig.manager.load(handle, rig.slots(b)[:16])
+    with pytest.raises(InvalidArgumentError, match="^handle: was loaded already"):
+        rig.manager.load(handle, rig.slots(b)[:16])
+    with pytest.raises(InvalidArgumentError, match="^req: rid='b' has a prefetch|^req: rid='b' has offloaded pages"):
+        rig.manager.prefetch(b)
+    with pytest.raises(InvalidArgumentError, match="^policy: must be one of"):
+        rig.manager.prefetch(follow_up(rig, "c", range(18)), policy="eager")
+    with pytest.raises(InvalidArgumentError, match="^timeout_s: must be a positive number"):
+        rig.manager.prefetch(follow_up(rig, "d", range(18)), policy="timeout")
+
+
+def test_a_released_request_cannot_prefetch_or_load():
+    rig = make_rig(page_size=PAGE, store_prompt=True)
+    stored_request(rig)
+    b = follow_up(rig, "b", range(18))
+    handle = rig.manager.prefetch(b)
+    handle.wait(5.0)
+    rig.manager.abort(b)
+    with pytest.raises(InvalidArgumentError, match="^handle: was cancelled"):
+        rig.manager.load(handle, rig.slots(b)[:16] if rig.slots.holds(b) else torch.arange(16))
+    with pytest.raises(InvalidArgumentError, match="^req: rid='b' has ended"):
+        rig.manager.prefetch(b)
+
+
+def test_prefetch_policies_say_when_the_engine_may_load():
+    rig = make_rig(page_size=PAGE, store_prompt=True, store_workers=StoreWorkers(read_threads=3))
+    stored_request(rig)
+    gate = threading.Event()
+    original_get = rig.storage.get
+
+    def slow_get(keys, into):
+        gate.wait(5.0)
+        return original_get(keys, into)
+
+    rig.storage.get = slow_get
+    handles = {}
+    for policy, timeout in (("best_effort", None), ("wait_complete", None), ("timeout", 0.05)):
+        handles[policy] = rig.manager.prefetch(follow_up(rig, policy, range(18)), policy=policy, timeout_s=timeout)
+    assert handles["best_effort"].ready_to_load() and handles["best_effort"].pages_ready == 0
+    assert not handles["wait_complete"].ready_to_load()
+    time.sleep(0.06)
+    assert handles["timeout"].ready_to_load() and not handles["wait_complete"].ready_to_load()
+    gate.set()
+    for handle in handles.values():
+        assert handle.wait(5.0)
+    assert all(h.ready_to_load() and h.pages_ready == 4 for h in handles.values())
+    for handle in handles.values():
+        rig.manager.cancel(handle)
+    rig.manager.poll()
+    assert rig.host_pool.used == 0
+
+
+def test_layer_by_layer_load_completes_each_layer_on_its_own_event():
+    rig = make_rig(page_size=PAGE, num_layers=3, store_prompt=True)
+    a = stored_request(rig)
+    b = follow_up(rig, "b", range(18))
+    handle = rig.manager.prefetch(b)
+    handle.wait(5.0)
+    load = rig.manager.load(handle, rig.slots(b)[:16], layer_by_layer=True)
+    assert len(rig.copy_stream.pending) == 3 and rig.manager.in_flight(b) == 1
+    slots_b = rig.slots(b)[:16]
+    expected = rig.expected_rows(a, 0, 16)
+    for layer in range(3):
+        assert not load.layer_handle(layer).query()
+        assert bool((rig.stacked[:, layer, slots_b] == -1).all())  # not copied before its event
+        rig.copy_stream.complete(0)
+        assert load.layer_handle(layer).query()
+        assert torch.equal(rows_at(rig, slots_b, slice(layer, layer + 1)), expected[:, :, layer : layer + 1])
+        if layer + 1 < 3:
+            assert bool((rig.stacked[:, layer + 1 :, slots_b] == -1).all())
+    rig.manager.poll()
+    assert load.done() and rig.manager.in_flight(b) == 0 and rig.host_pool.used == 0
+    with pytest.raises(InvalidArgumentError, match=r"^layer: must be an int in \[0, 3\)"):
+        load.layer_handle(3)
+
+
+def test_a_slow_copy_never_lets_a_layer_be_read_before_its_event():
+    """A real copy stream whose scatters are slowed: a forward pass on another thread waits for
+    each layer's event and then reads that layer; it must never see an unwritten slot."""
+    from kvstage.kernels import transfer
+
+    rig = make_rig(page_size=PAGE, num_layers=4, store_prompt=True, copy_stream=CopyStream("cpu"), store_workers=StoreWorkers())
+    a = stored_request(rig)
+    b = follow_up(rig, "b", range(18))
+    handle = rig.manager.prefetch(b)
+    handle.wait(5.0)
+    original = transfer.scatter
+
+    def slow_scatter(*args, **kwargs):
+        time.sleep(0.02)
+        return original(*args, **kwargs)
+
+    import kvstage.offload.copier as copier_module
+
+    copier_module.scatter = slow_scatter
+    try:
+        load = rig.manager.load(handle, rig.slots(b)[:16], layer_by_layer=True)
+        seen = []
+
+        expected = rig.expected_rows(a, 0, 16)
+
+        def forward():
+            for layer in range(4):
+                load.wait_layer(layer)
+                rows = rows_at(rig, rig.slots(b)[:16], slice(layer, layer + 1))
+                seen.append(not torch.equal(rows, expected[:, :, layer : layer + 1]))
+
+        reader = threading.Thread(target=forward)
+        reader.start()
+        reader.join(10.0)
+    finally:
+        copier_module.scatter = original
+    assert seen == [False] * 4
+    rig.manager.drain()
+    rig.manager.close()
+
+
+def test_prefetch_runs_off_the_engines_thread():
+    rig = make_rig(page_size=PAGE, store_prompt=True, store_workers=StoreWorkers())
+    stored_request(rig)
+    threads = []
+    original_get = rig.storage.get
+
+    def get(keys, into):
+        threads.append(threading.current_thread().name)
+        return original_get(keys, into)
+
+    rig.storage.get = get
+    handle = rig.manager.prefetch(follow_up(rig, "b", range(18)))
+    handle.wait(5.0)
+    assert threads and all(name.startswith("kvstage-store-read") for name in threads)
+
+
+def test_a_store_answering_too_few_keys_to_a_lookup_is_an_error():
+    rig = make_rig(page_size=PAGE, store_prompt=True)
+    stored_request(rig)
+    rig.storage.exists = lambda keys: [True]
+    with pytest.raises(StorageError, match=r"exists\(\) answered 1 keys of 4"):
+        rig.manager.match_prefix(token_ids=list(range(16)))
+    handle = rig.manager.prefetch(follow_up(rig, "b", range(18)))
+    handle.wait(5.0)
+    assert handle.pages_ready == 0 and isinstance(handle.error, StorageError)
+
+
+def test_manual_stream_records_the_producer_event_of_each_copy():
+    stream = ManualCopyStream()
+    producer = object()
+    rig = make_rig(page_size=PAGE, store_prompt=True, copy_stream=stream, producer=producer)
+    req = rig.new_request("r", range(8), 4)
+    rig.decode(req, 1)
+    mine = object()
+    rig.manager.offload(req, after=mine)  # per call
+    rig.decode(req, 2)
+    rig.decode(req, 3)
+    rig.decode(req, 4)
+    rig.decode(req, 5)
+    rig.manager.offload(req)  # the manager's default producer
+    assert stream.afters == [mine, producer]
+
+
+def test_cpu_copy_stream_waits_for_the_producer_before_copying():
+    order = []
+
+    class SlowProducer:
+        def synchronize(self):
+            time.sleep(0.05)
+            order.append("producer done")
+
+    stream = CopyStream("cpu")
+    handle = stream.submit(lambda: order.append("copy"), after=SlowProducer())
+    handle.synchronize()
+    stream.close()
+    assert order == ["producer done", "copy"]
