@@ -151,8 +151,14 @@ class LoadHandle:
             handle.wait(stream)
 
     def done(self) -> bool:
-        """Whether every layer has been copied (never blocks)."""
+        """Whether every layer's copy has finished (never blocks); see :attr:`error`."""
         return all(handle.query() for handle in self._handles)
+
+    @property
+    def error(self) -> BaseException | None:
+        """What a finished layer copy raised, or None. A failed load leaves its slots unwritten:
+        the engine computes those tokens' KV itself (the pages stay in the store)."""
+        return next((handle.error for handle in self._handles if handle.query() and handle.error is not None), None)
 
     def __repr__(self) -> str:
         return f"LoadHandle(rid={getattr(self.req, 'rid', None)!r}, pages={self.num_pages}, layer_by_layer={self.layer_by_layer}, done={self.done()})"

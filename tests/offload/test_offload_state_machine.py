@@ -1,17 +1,22 @@
 """A hypothesis state machine over the offload manager: random interleavings of new requests
-(with reused rids), decode, offload, poll, finish and abort, copies completing (or failing) in a
-random order, and storage failures; the manager's invariants are checked after every step."""
+(with reused rids), decode, offload, poll, finish and abort, the load path (lookup, prefetch,
+load, cancel, abort during prefetch or load), copies completing (or failing) in a random order,
+storage write and read failures, and evictions between lookup and read; the manager's
+invariants are checked after every step."""
 
 from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import torch
 
 from kvstage.kv_layout import KVLayout
 from kvstage.offload import ManualCopyStream
-from kvstage.storage import LayoutFingerprint
+from kvstage.offload.copier import SCATTER
 from kvstage.offload.testing import SimpleRequest
+from kvstage.storage import LayoutFingerprint
 from offload_rig import FlakyStore, make_rig
 
 PAGE_SIZE = 2
@@ -30,6 +35,21 @@ class RidEqualRequest(SimpleRequest):
         return hash(self.rid)
 
 
+class EvictingStore(FlakyStore):
+    """A FlakyStore that, when asked, evicts the last page a lookup found right after answering
+    it (an eviction between a prefetch's lookup and its read)."""
+
+    evict_after_lookup = False
+
+    def _exists(self, full_keys):
+        answer = super()._exists(full_keys)
+        if self.evict_after_lookup and any(answer):
+            last = max(index for index, hit in enumerate(answer) if hit)
+            with self._lock:
+                self._pages.pop(full_keys[last], None)
+        return answer
+
+
 class OwnedCopyStream(ManualCopyStream):
     """Records which request each held copy belongs to (the request the test is driving)."""
 
@@ -42,6 +62,9 @@ class OwnedCopyStream(ManualCopyStream):
         event = super().submit(copy, keep=keep, after=after)
         self.owner[id(event)] = self.driving
         return event
+
+    def pending_of(self, req) -> int:
+        return sum(1 for handle in self.pending if self.owner.get(id(handle)) is req)
 
     def complete(self, which=0, *, error=None):
         event = super().complete(which, error=error)
@@ -58,14 +81,20 @@ class OffloadMachine(RuleBasedStateMachine):
         super().__init__()
         self.failure_mode = "none"
         fingerprint = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), PAGE_SIZE)
-        store = FlakyStore(fingerprint, fail=self._page_fails, raise_on_put=lambda: self.failure_mode == "raise")
+        self.store = EvictingStore(
+            fingerprint, fail=self._page_fails, raise_on_put=lambda: self.failure_mode == "raise",
+            fail_get=lambda key: self.read_failures and int(key[-2], 16) % 3 == 0,
+        )
+        self.read_failures = False
         self.stream = OwnedCopyStream()
         self.rig = make_rig(
-            page_size=PAGE_SIZE, host_pages=7, buffer_pages=3, num_slots=MAX_REQUESTS * 24,
-            storage=store, copy_stream=self.stream, on_storage_failure=self._on_failure,
+            page_size=PAGE_SIZE, host_pages=7, buffer_pages=3, num_slots=MAX_REQUESTS * 64,
+            storage=self.store, copy_stream=self.stream, on_storage_failure=self._on_failure, store_prompt=True,
         )
         self.rig.on_release = self._on_release
         self.manager = self.rig.manager
+        self.prefetching: list[tuple[RidEqualRequest, object]] = []  # (request, prefetch handle)
+        self.loading: list[tuple[RidEqualRequest, object, int]] = []  # (request, load handle, pages)
         self.live: list[RidEqualRequest] = []  # may offload
         self.ending: list[RidEqualRequest] = []  # finish/abort called, not released yet
         self.created: list[RidEqualRequest] = []
@@ -101,8 +130,15 @@ class OffloadMachine(RuleBasedStateMachine):
 
     # -- rules -------------------------------------------------------------------------------
 
+    @initialize(prompt_len=st.integers(3, 9), namespace=st.sampled_from(NAMESPACES), steps=st.integers(1, 8))
+    def a_stored_conversation(self, prompt_len, namespace, steps):
+        """A first request whose pages are stored, so that follow-up turns can hit from the start."""
+        self.new_request(prompt_len, namespace, 99)
+        self.engine_step(0, steps)
+        self.run_every_copy()
+
     @precondition(lambda self: len(self.live) + len(self.ending) < MAX_REQUESTS)
-    @rule(prompt_len=st.integers(0, 4), namespace=st.sampled_from([{}, {}] + NAMESPACES), reuse=st.integers(0, 10))
+    @rule(prompt_len=st.integers(0, 9), namespace=st.sampled_from([{}, {}] + NAMESPACES), reuse=st.integers(0, 10))
     def new_request(self, prompt_len, namespace, reuse):
         if reuse < len(self.created):
             rid = self.created[reuse].rid  # a retry: same rid, new object
@@ -114,6 +150,89 @@ class OffloadMachine(RuleBasedStateMachine):
         self.rig.decode(req, 0)  # prefill samples the first token
         self.live.append(req)
         self.created.append(req)
+
+    @precondition(lambda self: len(self.live) + len(self.ending) + len(self.prefetching) + len(self.loading) < MAX_REQUESTS)
+    @rule(source=st.integers(0, 100), cut=st.integers(0, 4), policy=st.sampled_from(["best_effort", "wait_complete"]))
+    def new_request_with_prefetch(self, source, cut, policy):
+        """A follow-up turn of an earlier request (its tokens, its namespace, maybe fewer) that
+        first looks its prompt up and prefetches it (not prefilled yet)."""
+        if not self.created:
+            return
+        earlier = self.created[source % len(self.created)]
+        tokens = list(earlier.origin_input_ids) + list(earlier.output_ids)
+        prompt = tokens[: max(len(tokens) - cut, 2)] if len(tokens) >= 2 else [0, 1]
+        prompt_len = len(prompt)
+        namespace = {"extra_key": earlier.extra_key, "cache_salt": earlier.cache_salt}
+        rid = f"p{self.next_rid}"
+        self.next_rid += 1
+        req = RidEqualRequest(rid, prompt, **namespace)
+        self.rig.slots.assign(req, prompt_len + MAX_NEW)
+        self.rig.stacked[:, :, self.rig.slots(req)] = -1  # poisoned: nothing of it written yet
+        matched = self.manager.match_prefix(req).num_pages
+        handle = self.manager.prefetch(req, policy=policy)
+        assert handle.pages_ready <= (handle.pages_hit or 0) <= len(handle.page_keys) <= max(prompt_len - 1, 0) // PAGE_SIZE
+        assert handle.pages_hit is None or handle.pages_hit <= matched or self.store.evict_after_lookup
+        self.prefetching.append((req, handle))
+        self.created.append(req)
+
+    @precondition(lambda self: self.prefetching)
+    @rule(pick=st.integers(0, 100), fewer=st.integers(0, 2), layer_by_layer=st.booleans())
+    def load(self, pick, fewer, layer_by_layer):
+        req, handle = self.prefetching.pop(pick % len(self.prefetching))
+        if not handle.ready_to_load():
+            self.manager.cancel(handle)
+            self._prefill(req, 0)
+            return
+        pages = max(handle.pages_ready - fewer, 0)
+        slots = self.rig.slots(req)[: pages * PAGE_SIZE]
+        load = self._drive(req, lambda r: self.manager.load(handle, slots, layer_by_layer=layer_by_layer))
+        assert load.num_pages == pages
+        self.loading.append((req, load, pages))
+
+    @precondition(lambda self: self.loading)
+    @rule(pick=st.integers(0, 100))
+    def finish_load(self, pick):
+        """The engine waits for the load, checks it, and prefills the rest of the prompt."""
+        req, load, pages = self.loading.pop(pick % len(self.loading))
+        while self.stream.pending_of(req):
+            handle = next(h for h in self.stream.pending if self.stream.owner.get(id(h)) is req)
+            self.stream.complete(handle)
+        if load.error is not None:  # the copy failed: the engine computes the prefix itself
+            self._prefill(req, 0)
+            return
+        tokens = pages * PAGE_SIZE
+        slots = self.rig.slots(req)
+        rows = self.rig.stacked[:, :, slots, 0, :4].permute(2, 0, 1, 3)
+        assert torch.equal(rows[:tokens], self.rig.expected_rows(req, 0, tokens)), "loaded bytes differ"
+        assert bool((rows[tokens:] == -1).all()), "written past the loaded pages"
+        self._prefill(req, tokens)
+
+    def _prefill(self, req, start):
+        self.rig._write_kv(req, start, len(req.origin_input_ids))
+        self.rig.decode(req, 0)
+        self.live.append(req)
+
+    @precondition(lambda self: self.prefetching or self.loading)
+    @rule(pick=st.integers(0, 100), cancel_only=st.booleans())
+    def abort_during_load_path(self, pick, cancel_only):
+        everyone = [(req, handle) for req, handle in self.prefetching] + [(req, load) for req, load, _ in self.loading]
+        req, handle = everyone[pick % len(everyone)]
+        self.prefetching = [entry for entry in self.prefetching if entry[0] is not req]
+        self.loading = [entry for entry in self.loading if entry[0] is not req]
+        if cancel_only and hasattr(handle, "pages_ready"):
+            self.manager.cancel(handle)
+            self._prefill(req, 0)
+            return
+        self.ending.append(req)
+        self._drive(req, self.manager.abort)
+        # Nothing of an aborted request is written to its slots after abort returns.
+        assert self.stream.pending_of(req) == 0
+        self._settle()
+
+    @rule(read_failures=st.booleans(), evict=st.booleans())
+    def read_faults(self, read_failures, evict):
+        self.read_failures = read_failures
+        self.store.evict_after_lookup = evict
 
     @precondition(lambda self: self.live)
     @rule(pick=st.integers(0, 100), steps=st.integers(1, 4))
@@ -140,7 +259,8 @@ class OffloadMachine(RuleBasedStateMachine):
         launched = self._drive(req, self.manager.offload)
         after = (self.manager.offloaded_length(req), self.manager.in_flight(req), pool.used, self.stream.submitted)
         if launched:
-            assert after[1] == before[1] + 1 and after[3] == before[3] + 1 and after[2] > before[2]
+            # One copy, or two when the prompt's pages go first (store_prompt).
+            assert after[1] - before[1] == after[3] - before[3] in (1, 2) and after[2] > before[2]
             assert after[0] % PAGE_SIZE == 0 and after[0] <= req.kv_length
         else:
             assert after[1:] == before[1:] and (before[0] is None or after[0] == before[0])
@@ -157,6 +277,13 @@ class OffloadMachine(RuleBasedStateMachine):
         self.stream.complete(pick % len(self.stream.pending), error=error)
         if then_poll:
             self.poll()
+
+    @precondition(lambda self: self.stream.pending)
+    @rule()
+    def run_every_copy(self):
+        """The copy stream catches up (so stores fill and later lookups can hit)."""
+        self.stream.complete_all()
+        self.poll()
 
     @precondition(lambda self: self.live)
     @rule(pick=st.integers(0, 100))
@@ -187,7 +314,10 @@ class OffloadMachine(RuleBasedStateMachine):
     def host_pages_are_accounted(self):
         pool, metrics = self.rig.host_pool, self.manager.metrics
         assert pool.used + pool.free_pages == pool.capacity
-        assert pool.used == metrics.pages_in_flight == metrics.host_pages_used
+        prefetched = sum(len(handle.host_page_ids) for handle in self.manager._prefetches)
+        loading = sum(len(copy.host_page_ids) for copy in self.manager.copier._copies if copy.direction == SCATTER)
+        loading += sum(len(r.host_page_ids) for r in self.manager._unhandled if r.direction == SCATTER)
+        assert pool.used == metrics.pages_in_flight + prefetched + loading == metrics.host_pages_used
 
     @invariant()
     def every_page_ends_exactly_once(self):
@@ -205,10 +335,19 @@ class OffloadMachine(RuleBasedStateMachine):
             assert self.manager.is_tracked(req)
         for req in released:
             assert not self.manager.is_tracked(req)
-        assert self.manager.metrics.requests_live <= len(self.live) + len(self.ending)
-        assert self.manager.metrics.copies_in_flight >= len(self.stream.pending)
+        assert self.manager.metrics.requests_live <= len(self.live) + len(self.ending) + len(self.prefetching) + len(self.loading)
+        # A layer-by-layer load is one copy of the manager's and one stream submission per layer.
+        submissions = sum(len(copy.handles) for copy in self.manager.copier._copies)
+        submissions += sum(1 for result in self.manager._unhandled)
+        assert submissions >= len(self.stream.pending)
 
     def teardown(self):
+        for req, handle in self.prefetching:
+            self.manager.cancel(handle)
+            self._prefill(req, 0)
+        self.prefetching = []
+        for req, _, _ in list(self.loading):
+            self.finish_load(0)
         for req in list(self.live):
             self.finish(0)
         for _ in range(100):  # finished requests' waiting pages launch as host pages free
@@ -218,7 +357,8 @@ class OffloadMachine(RuleBasedStateMachine):
                 break
         metrics = self.manager.metrics
         assert (metrics.requests_live, metrics.copies_in_flight, metrics.pages_in_flight) == (0, 0, 0)
-        assert self.rig.host_pool.used == 0
+        self.manager.poll()
+        assert self.rig.host_pool.used == 0 and self.manager._prefetches == []
         released = self.rig.released
         assert len(released) == len(self.created)
         assert {id(req) for req in released} == {id(req) for req in self.created}
