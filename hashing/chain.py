@@ -27,7 +27,7 @@ import re
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int
 from kvstage.hashing.namespace import namespace_seed_bytes
 from kvstage.hashing.schemes import DEFAULT_SCHEME, HashScheme, get_scheme
-from kvstage.hashing.tokens import TOKEN_BYTES, compiled_source, out_of_range_error, token_buffer
+from kvstage.hashing.tokens import TOKEN_BYTES, compiled_source, out_of_range_error, token_ids, wide_pages
 
 _HEX_DIGITS = re.compile(r"[0-9a-fA-F]*")
 
@@ -70,7 +70,10 @@ def _keys(tokens, page_size: int, prior: bytes, hash_scheme: HashScheme) -> list
                 raise out_of_range_error("tokens", position, value) from None
             if keys is not NotImplemented:
                 return keys
-    return hash_scheme.keys(token_buffer(tokens), page_size * TOKEN_BYTES, prior)
+    data, id_bytes = token_ids(tokens)
+    if id_bytes == TOKEN_BYTES:  # every id fits u32: one uniform stream of pages
+        return hash_scheme.keys(data, page_size * TOKEN_BYTES, prior)
+    return hash_scheme.keys_of_pages(wide_pages(data, page_size), prior)
 
 
 def full_pages(num_tokens: int, page_size: int) -> tuple[int, int]:

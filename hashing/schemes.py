@@ -156,6 +156,25 @@ class HashScheme:
         """The lowercase hex of :attr:`chain`'s digests (the Python chain, whatever is compiled)."""
         return list(map(bytes.hex, self.chain(data, page_bytes, prior)))
 
+    def keys_of_pages(self, pages, prior: bytes) -> list[str]:
+        """The lowercase hex keys of a chain over pages of different lengths, in Python.
+
+        Args:
+            pages: an iterable of bytes-like objects, each what one page hashes after its prior
+                (:func:`kvstage.hashing.tokens.wide_pages`: u32 pages and ``0xff`` + u64 pages).
+            prior: the raw prior digest of the first page (``b""``: none).
+
+        Returns:
+            One key per page: page i's is the hex of ``digest(prior_i + pages[i])``, ``prior_0 =
+            prior`` and ``prior_i`` the digest of page i-1.
+        """
+        digest = self.digest
+        keys = []
+        for page in pages:
+            prior = digest(prior + page)
+            keys.append(prior.hex())
+        return keys
+
     def pure_python(self) -> HashScheme:
         """This scheme with its Python chain only (``compiled`` None): the reference, and what
         runs without the extension."""
