@@ -263,20 +263,23 @@ raise_out_of_range(Py_ssize_t position, PyObject *value)
     Py_DECREF(value);
 }
 
-/* Item i of a list or tuple as an id in 0..2**63-1: 1 with *v set, 0 when it is not an exact
- * int, -1 with TokenOutOfRange set. */
-static inline int
-read_id(PyObject **items, Py_ssize_t i, long long *v)
+/* Items [i, n) of a list or tuple, from a wide id on, as int64 ids at wide. Returns 1, 0 when
+ * an item is not an exact int, -1 with TokenOutOfRange set for an id outside 0..2**63-1. */
+static int
+read_wide_ids(PyObject **items, Py_ssize_t i, Py_ssize_t n, int64_t *wide)
 {
-    PyObject *item = items[i];
-    if (!PyLong_CheckExact(item))
-        return 0;
-    int overflow;
-    *v = PyLong_AsLongLongAndOverflow(item, &overflow);
-    if (overflow != 0 || *v < 0) {
-        Py_INCREF(item);
-        raise_out_of_range(i, item);
-        return -1;
+    for (; i < n; i++) {
+        PyObject *item = items[i];
+        if (!PyLong_CheckExact(item))
+            return 0;
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow != 0 || v < 0) {
+            Py_INCREF(item);
+            raise_out_of_range(i, item);
+            return -1;
+        }
+        wide[i] = v;
     }
     return 1;
 }
@@ -296,15 +299,17 @@ read_int_sequence(PyObject *sequence, void **out, int *itemsize)
         PyErr_NoMemory();
         return -1;
     }
-    long long v = 0;
     Py_ssize_t i = 0;
     for (; i < n; i++) {
-        int status = read_id(items, i, &v);
-        if (status <= 0) {
+        PyObject *item = items[i];
+        if (!PyLong_CheckExact(item)) {
             PyMem_RawFree(ids);
-            return status;
+            return 0;
         }
-        if (v > (long long)UINT32_MAX)
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        /* One compare for both a negative and a wide id: the loop stays as lean as u32 alone. */
+        if (overflow != 0 || (unsigned long long)v > UINT32_MAX)
             break;
         ids[i] = (uint32_t)v;
     }
@@ -313,7 +318,7 @@ read_int_sequence(PyObject *sequence, void **out, int *itemsize)
         *itemsize = TOKEN_BYTES;
         return 1;
     }
-    /* Item i is wide: the rest is read as int64. */
+    /* Item i is wide or out of range: read_wide_ids tells which, from it on. */
     int64_t *wide = PyMem_RawMalloc((size_t)n * WIDE_TOKEN_BYTES);
     if (wide == NULL) {
         PyMem_RawFree(ids);
@@ -323,14 +328,10 @@ read_int_sequence(PyObject *sequence, void **out, int *itemsize)
     for (Py_ssize_t j = 0; j < i; j++)
         wide[j] = ids[j];
     PyMem_RawFree(ids);
-    wide[i] = v;
-    for (i++; i < n; i++) {
-        int status = read_id(items, i, &v);
-        if (status <= 0) {
-            PyMem_RawFree(wide);
-            return status;
-        }
-        wide[i] = v;
+    int status = read_wide_ids(items, i, n, wide);
+    if (status <= 0) {
+        PyMem_RawFree(wide);
+        return status;
     }
     *out = wide;
     *itemsize = WIDE_TOKEN_BYTES;
