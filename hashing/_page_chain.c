@@ -6,11 +6,17 @@
  *                     (XXH_INLINE_ALL: Debian's libxxhash-dev at build time, nothing at run time).
  *
  * page_chain(tokens, page_size, prior, hex) does what kvstage.hashing.chain does in Python, in
- * one pass: each full page's token ids are checked (0 <= id < 2**32) and written as u32
- * little-endian right after the prior digest, and H(prior_i + page_i) is taken; prior_0 is the
- * given prior (none, or one raw digest), prior_i the digest of page i-1. Fusing the conversion
- * into the page loop reads each token once, from cache, instead of writing and re-reading a
- * whole u32 copy of the input. The tokens of a partial last page are checked, not hashed.
+ * one pass: each full page's token ids are written as u32 little-endian right after the prior
+ * digest, and H(prior_i + page_i) is taken; prior_0 is the given prior (none, or one raw
+ * digest), prior_i the digest of page i-1. Fusing the conversion into the page loop reads each
+ * token once, from cache, instead of writing and re-reading a whole u32 copy of the input. The
+ * tokens of a partial last page are checked, not hashed.
+ *
+ * Wide ids (sglang 0.5.23's native page hash, mem_cache/cpp_utils/hash_binding.cpp): ids may be
+ * 0 <= id <= 2**63-1. A page holding an id above 2**32-1 is hashed as prior_i + 0xff + every id
+ * of the page as u64 little-endian instead; the conversion notes high bits with a branch-free OR
+ * and only such a page is read again. scheme xxh3-128 uses the same bytes. An id below 0 or
+ * above 2**63-1 is an error.
  *
  * With a buffer of integers (a numpy array) the loop runs with the GIL released, as hashlib
  * does for large inputs. A list or tuple of ints is read once, with the GIL held, into a u32
@@ -48,7 +54,9 @@
 #error "the compiled page chains write u32 little-endian with native stores: little-endian hosts only"
 #endif
 
-#define TOKEN_BYTES 4
+#define TOKEN_BYTES 4      /* per id in a page whose ids all fit u32 */
+#define WIDE_TOKEN_BYTES 8 /* per id in a page holding an id above 2**32-1 */
+#define WIDE_PAGE_TAG 0xff /* hashed before a wide page's ids: 1 + 8 * page_size, an odd count */
 /* Below this many input bytes the GIL stays held: releasing and re-taking it costs more than
  * the hashing (the threshold hashlib uses). */
 #define GIL_RELEASE_MIN_BYTES 2048
@@ -115,72 +123,119 @@ token_value(const token_array *src, Py_ssize_t i)
     return PyLong_FromUnsignedLongLong(v);
 }
 
-/* Convert one run of n tokens of TYPE to u32 at out. OUT_OF_RANGE(v) is nonzero for a value
- * outside 0..2**32-1; the bits are OR-ed over the run and looked at once, so the loop has no
+/* What convert_tokens found in a run: every id fits u32 (written as u32), or one is wider
+ * (written as the tag, then u64). An offset >= 0 is instead the first id out of range. */
+#define RUN_NARROW (-1)
+#define RUN_WIDE (-2)
+
+/* Convert one run of n tokens of TYPE (at most 32 bits) to u32 at out. BAD(v) is nonzero for
+ * a value below 0; the bits are OR-ed over the run and looked at once, so the loop has no
  * branch and vectorises. On a bad run, the scalar scan finds its first bad token. */
-#define CONVERT_RUN(TYPE, OUT_OF_RANGE)                                \
+#define CONVERT_NARROW_RUN(TYPE, BAD)                                  \
     do {                                                               \
         const char *in = src->data + start * (Py_ssize_t)sizeof(TYPE); \
+        uint32_t *narrow = (uint32_t *)out;                            \
         uint64_t bad = 0;                                              \
         for (Py_ssize_t j = 0; j < n; j++) {                           \
             TYPE v;                                                    \
             memcpy(&v, in + j * (Py_ssize_t)sizeof(TYPE), sizeof v);   \
-            bad |= (uint64_t)(OUT_OF_RANGE);                           \
-            out[j] = (uint32_t)v;                                      \
+            bad |= (uint64_t)(BAD);                                    \
+            narrow[j] = (uint32_t)v;                                   \
         }                                                              \
         if (!bad)                                                      \
-            return -1;                                                 \
+            return RUN_NARROW;                                         \
         for (Py_ssize_t j = 0; j < n; j++) {                           \
             TYPE v;                                                    \
             memcpy(&v, in + j * (Py_ssize_t)sizeof(TYPE), sizeof v);   \
-            if (OUT_OF_RANGE)                                          \
+            if (BAD)                                                   \
                 return j;                                              \
         }                                                              \
-        return -1;                                                     \
+        return RUN_NARROW;                                             \
     } while (0)
 
-/* Tokens [start, start + n) of src as u32 at out. Returns -1 when all are in range, else the
- * offset (from start) of the first that is not; out is then partly written. */
+/* The same for a 64-bit TYPE: v >> 32, OR-ed branch-free over the run, is nonzero for any id
+ * outside u32 (a wide one or a negative one). Only such a run is read again: the first id with
+ * BAD(v) (outside 0..2**63-1) is returned, else the run is rewritten at out as the tag, then
+ * u64 little-endian ids. */
+#define CONVERT_WIDE_RUN(TYPE, BAD)                                                    \
+    do {                                                                               \
+        const char *in = src->data + start * (Py_ssize_t)sizeof(TYPE);                 \
+        uint32_t *narrow = (uint32_t *)out;                                            \
+        uint64_t high = 0;                                                             \
+        for (Py_ssize_t j = 0; j < n; j++) {                                           \
+            TYPE v;                                                                    \
+            memcpy(&v, in + j * (Py_ssize_t)sizeof(TYPE), sizeof v);                   \
+            high |= (uint64_t)v >> 32;                                                 \
+            narrow[j] = (uint32_t)v;                                                   \
+        }                                                                              \
+        if (!high)                                                                     \
+            return RUN_NARROW;                                                         \
+        for (Py_ssize_t j = 0; j < n; j++) {                                           \
+            TYPE v;                                                                    \
+            memcpy(&v, in + j * (Py_ssize_t)sizeof(TYPE), sizeof v);                   \
+            if (BAD)                                                                   \
+                return j;                                                              \
+            uint64_t wide = (uint64_t)v;                                               \
+            memcpy(out + 1 + (size_t)j * WIDE_TOKEN_BYTES, &wide, WIDE_TOKEN_BYTES);   \
+        }                                                                              \
+        out[0] = WIDE_PAGE_TAG;                                                        \
+        return RUN_WIDE;                                                               \
+    } while (0)
+
+/* Tokens [start, start + n) of src at out, as the page hash reads them. Returns RUN_NARROW (n
+ * u32 written), RUN_WIDE (the tag and n u64 written: out must have room for 1 + 8 * n bytes
+ * where src has 8-byte items) or the offset (from start) of the first id outside
+ * 0..2**63-1; out is then partly written. */
 static Py_ssize_t
-convert_tokens(const token_array *src, Py_ssize_t start, Py_ssize_t n, uint32_t *out)
+convert_tokens(const token_array *src, Py_ssize_t start, Py_ssize_t n, unsigned char *out)
 {
     if (src->is_signed) {
         switch (src->itemsize) {
-        case 1: CONVERT_RUN(int8_t, (uint8_t)v >> 7);
-        case 2: CONVERT_RUN(int16_t, (uint16_t)v >> 15);
-        case 4: CONVERT_RUN(int32_t, (uint32_t)v >> 31);
-        default: CONVERT_RUN(int64_t, (uint64_t)v >> 32);
+        case 1: CONVERT_NARROW_RUN(int8_t, (uint8_t)v >> 7);
+        case 2: CONVERT_NARROW_RUN(int16_t, (uint16_t)v >> 15);
+        case 4: CONVERT_NARROW_RUN(int32_t, (uint32_t)v >> 31);
+        default: CONVERT_WIDE_RUN(int64_t, v < 0);
         }
     }
     switch (src->itemsize) {
-    case 1: CONVERT_RUN(uint8_t, 0);
-    case 2: CONVERT_RUN(uint16_t, 0);
+    case 1: CONVERT_NARROW_RUN(uint8_t, 0);
+    case 2: CONVERT_NARROW_RUN(uint16_t, 0);
     case 4:
         memcpy(out, src->data + start * 4, (size_t)n * 4);
-        return -1;
-    default: CONVERT_RUN(uint64_t, v >> 32);
+        return RUN_NARROW;
+    default: CONVERT_WIDE_RUN(uint64_t, v >> 63);
     }
+}
+
+/* Bytes of the page buffer that converts up to n tokens of src: room for a wide page where an
+ * item can hold a wide id. */
+static size_t
+page_buffer_bytes(const token_array *src, Py_ssize_t n)
+{
+    return src->itemsize == 8 ? 1 + (size_t)n * WIDE_TOKEN_BYTES : (size_t)n * TOKEN_BYTES;
 }
 
 /* ---- the chain --------------------------------------------------------------------------- */
 
 /* Hash every full page of src into digests (DIGEST bytes each). block has room for DIGEST bytes
- * then min(page_size, count) u32 tokens. Touches no Python object (runs without the GIL).
- * Returns -1 on success, the position of the first token out of range, or -2 if the hash
- * library failed. */
+ * then page_buffer_bytes(src, min(page_size, count)). Touches no Python object (runs without
+ * the GIL). Returns -1 on success, the position of the first token out of range, or -2 if the
+ * hash library failed. */
 static Py_ssize_t
 chain_pages(const token_array *src, Py_ssize_t page_size, const unsigned char *prior, size_t prior_length,
             unsigned char *block, unsigned char *digests)
 {
-    uint32_t *page = (uint32_t *)(block + DIGEST);
-    size_t page_bytes = (size_t)page_size * TOKEN_BYTES;
+    unsigned char *page = block + DIGEST;
+    size_t narrow_bytes = (size_t)page_size * TOKEN_BYTES;
     Py_ssize_t n_pages = src->count / page_size;
-    /* The message H reads is prior + page, contiguous: the prior sits right before the page. */
+    /* The message H reads is prior + page, contiguous: the prior sits right before the page
+     * (a wide page's tag included). */
     memcpy(block + DIGEST - prior_length, prior, prior_length);
     for (Py_ssize_t i = 0; i < n_pages; i++) {
-        Py_ssize_t bad = convert_tokens(src, i * page_size, page_size, page);
-        if (bad >= 0)
-            return i * page_size + bad;
+        Py_ssize_t run = convert_tokens(src, i * page_size, page_size, page);
+        if (run >= 0)
+            return i * page_size + run;
+        size_t page_bytes = run == RUN_WIDE ? 1 + (size_t)page_size * WIDE_TOKEN_BYTES : narrow_bytes;
         unsigned char *digest = digests + i * DIGEST;
         if (hash_message(block + DIGEST - prior_length, prior_length + page_bytes, digest) < 0)
             return -2;
@@ -188,8 +243,8 @@ chain_pages(const token_array *src, Py_ssize_t page_size, const unsigned char *p
         prior_length = DIGEST;
     }
     Py_ssize_t tail_start = n_pages * page_size;
-    Py_ssize_t bad = convert_tokens(src, tail_start, src->count - tail_start, page);
-    return bad >= 0 ? tail_start + bad : -1;
+    Py_ssize_t run = convert_tokens(src, tail_start, src->count - tail_start, page);
+    return run >= 0 ? tail_start + run : -1;
 }
 
 /* ---- Python objects ---------------------------------------------------------------------- */
@@ -208,11 +263,34 @@ raise_out_of_range(Py_ssize_t position, PyObject *value)
     Py_DECREF(value);
 }
 
-/* A list or tuple of exact ints as a fresh u32 array (*out, PyMem_RawFree it). Returns 1 on
- * success, 0 when some item is not an exact int (the caller answers NotImplemented and Python
- * takes over: int subclasses such as bool, floats, numpy scalars), -1 with an exception set. */
+/* Items [i, n) of a list or tuple, from a wide id on, as int64 ids at wide. Returns 1, 0 when
+ * an item is not an exact int, -1 with TokenOutOfRange set for an id outside 0..2**63-1. */
 static int
-read_int_sequence(PyObject *sequence, uint32_t **out)
+read_wide_ids(PyObject **items, Py_ssize_t i, Py_ssize_t n, int64_t *wide)
+{
+    for (; i < n; i++) {
+        PyObject *item = items[i];
+        if (!PyLong_CheckExact(item))
+            return 0;
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow != 0 || v < 0) {
+            Py_INCREF(item);
+            raise_out_of_range(i, item);
+            return -1;
+        }
+        wide[i] = v;
+    }
+    return 1;
+}
+
+/* A list or tuple of exact ints as a fresh array (*out, PyMem_RawFree it): u32 ids (*itemsize
+ * 4) while every id fits, the common case; int64 ids (*itemsize 8) once one is wider, the u32
+ * ids read so far widened. Returns 1 on success, 0 when some item is not an exact int (the
+ * caller answers NotImplemented and Python takes over: int subclasses such as bool, floats,
+ * numpy scalars), -1 with an exception set. */
+static int
+read_int_sequence(PyObject *sequence, void **out, int *itemsize)
 {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(sequence);
     PyObject **items = PySequence_Fast_ITEMS(sequence);
@@ -221,7 +299,8 @@ read_int_sequence(PyObject *sequence, uint32_t **out)
         PyErr_NoMemory();
         return -1;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {
         PyObject *item = items[i];
         if (!PyLong_CheckExact(item)) {
             PyMem_RawFree(ids);
@@ -229,15 +308,33 @@ read_int_sequence(PyObject *sequence, uint32_t **out)
         }
         int overflow;
         long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
-        if (overflow != 0 || v < 0 || v > (long long)UINT32_MAX) {
-            PyMem_RawFree(ids);
-            Py_INCREF(item);
-            raise_out_of_range(i, item);
-            return -1;
-        }
+        /* One compare for both a negative and a wide id: the loop stays as lean as u32 alone. */
+        if (overflow != 0 || (unsigned long long)v > UINT32_MAX)
+            break;
         ids[i] = (uint32_t)v;
     }
-    *out = ids;
+    if (i == n) {
+        *out = ids;
+        *itemsize = TOKEN_BYTES;
+        return 1;
+    }
+    /* Item i is wide or out of range: read_wide_ids tells which, from it on. */
+    int64_t *wide = PyMem_RawMalloc((size_t)n * WIDE_TOKEN_BYTES);
+    if (wide == NULL) {
+        PyMem_RawFree(ids);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < i; j++)
+        wide[j] = ids[j];
+    PyMem_RawFree(ids);
+    int status = read_wide_ids(items, i, n, wide);
+    if (status <= 0) {
+        PyMem_RawFree(wide);
+        return status;
+    }
+    *out = wide;
+    *itemsize = WIDE_TOKEN_BYTES;
     return 1;
 }
 
@@ -303,15 +400,16 @@ PyDoc_STRVAR(page_chain_doc,
 "array of any integer dtype). page_size: tokens per page, an int >= 1. prior: a bytes-like\n"
 "object of 0 bytes (no prior) or DIGEST_SIZE bytes (a raw digest). hex: a bool.\n"
 "\n"
-"Page i's digest is H(prior_i + page_i), the page's ids as u32 little-endian, prior_0 = prior,\n"
-"prior_i = the digest of page i-1. Every id is checked, those of a partial last page too, but\n"
-"only full pages are hashed.\n"
+"Page i's digest is H(prior_i + page_i), prior_0 = prior, prior_i = the digest of page i-1;\n"
+"page_i is the page's ids as u32 little-endian, or, for a page holding an id above 2**32-1,\n"
+"the byte 0xff and then the ids as u64 little-endian (sglang 0.5.23's native page hash).\n"
+"Every id is checked, those of a partial last page too, but only full pages are hashed.\n"
 "\n"
 "Returns the lowercase hex keys (list of str, 2 * DIGEST_SIZE characters) if hex, else the\n"
 "raw digests concatenated (bytes, DIGEST_SIZE per page); NotImplemented for tokens it does not\n"
 "read (a sequence holding anything but exact ints, a buffer of another format): the caller\n"
 "converts those itself. Raises TokenOutOfRange(position, value) (a ValueError) for the first\n"
-"id outside 0 <= id < 2**32; TypeError or ValueError naming page_size or prior; RuntimeError\n"
+"id outside 0 <= id <= 2**63-1; TypeError or ValueError naming page_size or prior; RuntimeError\n"
 "if the hash library fails.");
 
 static PyObject *
@@ -365,19 +463,19 @@ page_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     memcpy(prior, prior_view.buf, prior_length);
     PyBuffer_Release(&prior_view);
 
-    /* The ids: a list/tuple read into u32 now, or a buffer read page by page in the loop. */
+    /* The ids: a list/tuple read into u32 (int64 if one is wider) now, or a buffer read page by
+     * page in the loop. */
     token_array src;
-    uint32_t *sequence_ids = NULL;
+    void *sequence_ids = NULL;
     Py_buffer view;
     int have_view = 0;
     if (PyList_CheckExact(tokens) || PyTuple_CheckExact(tokens)) {
-        int status = read_int_sequence(tokens, &sequence_ids);
+        int status = read_int_sequence(tokens, &sequence_ids, &src.itemsize);
         if (status <= 0)
             return status < 0 ? NULL : Py_NewRef(Py_NotImplemented);
         src.data = (const char *)sequence_ids;
         src.count = PySequence_Fast_GET_SIZE(tokens);
-        src.itemsize = 4;
-        src.is_signed = 0;
+        src.is_signed = src.itemsize == WIDE_TOKEN_BYTES;
     }
     else {
         if (!PyObject_CheckBuffer(tokens)
@@ -398,7 +496,7 @@ page_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *result = NULL;
     Py_ssize_t n_pages = src.count / page_size;
     Py_ssize_t block_tokens = src.count < page_size ? src.count : page_size;
-    unsigned char *block = PyMem_RawMalloc(DIGEST + (size_t)block_tokens * TOKEN_BYTES);
+    unsigned char *block = PyMem_RawMalloc(DIGEST + page_buffer_bytes(&src, block_tokens));
     PyObject *digests = PyBytes_FromStringAndSize(NULL, n_pages * DIGEST);
     if (block == NULL || digests == NULL) {
         if (block == NULL)
@@ -464,7 +562,7 @@ chain_exec(PyObject *module)
     if (TokenOutOfRange == NULL) {
         TokenOutOfRange = PyErr_NewExceptionWithDoc(
             MODULE_NAME ".TokenOutOfRange",
-            "A token id outside 0 <= id < 2**32; args = (position, value).", PyExc_ValueError, NULL);
+            "A token id outside 0 <= id <= 2**63-1; args = (position, value).", PyExc_ValueError, NULL);
         if (TokenOutOfRange == NULL)
             return -1;
     }

@@ -1,11 +1,18 @@
 """Page hash chains: the storage key of every full page of a token list.
 
-Construction (sglang HiCache key scheme "v1"; facts in ``shared/reference/sglang-storage-keys.md``):
-page i's key is the lowercase hex of ``H(prior_i + tokens_i)`` where ``tokens_i`` are the
-``page_size`` ids of page i as u32 little-endian (4 * page_size bytes), ``prior_0`` is the raw
-bytes of the prior hash the chain starts from (nothing when there is none) and ``prior_i`` is the
-raw digest of page i-1. ``H`` is the scheme's hash (:mod:`kvstage.hashing.schemes`). A key
-therefore commits to the whole prefix and to the namespace seed it started from.
+Construction (sglang HiCache key scheme "v1" and sglang 0.5.23's native page hash,
+``mem_cache/cpp_utils/hash_binding.cpp``; facts in ``shared/reference/sglang-storage-keys.md``):
+page i's key is the lowercase hex of ``H(prior_i + tokens_i)`` where ``prior_0`` is the raw bytes
+of the prior hash the chain starts from (nothing when there is none), ``prior_i`` is the raw
+digest of page i-1, and ``tokens_i`` encodes the ``page_size`` ids of page i:
+
+* every id ``<= 2**32-1``: the ids as u32 little-endian (``4 * page_size`` bytes);
+* any id above ``2**32-1``: the byte ``0xff``, then the ids as u64 little-endian
+  (``1 + 8 * page_size`` bytes).
+
+Ids must satisfy ``0 <= id <= 2**63-1``. The encoding is chosen page by page; the chain runs
+across both. ``H`` is the scheme's hash (:mod:`kvstage.hashing.schemes`). A key therefore commits
+to the whole prefix and to the namespace seed it started from.
 
 Prefill hashes a prompt in one go from the namespace seed (:func:`prefill_page_keys`); decode
 continues the same chain segment by segment from the previous segment's last key
@@ -27,7 +34,7 @@ import re
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int
 from kvstage.hashing.namespace import namespace_seed_bytes
 from kvstage.hashing.schemes import DEFAULT_SCHEME, HashScheme, get_scheme
-from kvstage.hashing.tokens import TOKEN_BYTES, compiled_source, out_of_range_error, token_buffer
+from kvstage.hashing.tokens import TOKEN_BYTES, compiled_source, out_of_range_error, token_ids, wide_pages
 
 _HEX_DIGITS = re.compile(r"[0-9a-fA-F]*")
 
@@ -70,7 +77,10 @@ def _keys(tokens, page_size: int, prior: bytes, hash_scheme: HashScheme) -> list
                 raise out_of_range_error("tokens", position, value) from None
             if keys is not NotImplemented:
                 return keys
-    return hash_scheme.keys(token_buffer(tokens), page_size * TOKEN_BYTES, prior)
+    data, id_bytes = token_ids(tokens)
+    if id_bytes == TOKEN_BYTES:  # every id fits u32: one uniform stream of pages
+        return hash_scheme.keys(data, page_size * TOKEN_BYTES, prior)
+    return hash_scheme.keys_of_pages(wide_pages(data, page_size), prior)
 
 
 def full_pages(num_tokens: int, page_size: int) -> tuple[int, int]:
@@ -96,7 +106,8 @@ def page_keys(tokens, page_size: int, *, prior_hash: str | None = None, scheme: 
 
     Args:
         tokens: token ids (list/tuple/range of ints, 1-D numpy integer array, 1-D torch integer
-            tensor on any device), each ``0 <= id < 2**32``.
+            tensor on any device), each ``0 <= id <= 2**63-1``; a page holding an id above
+            ``2**32-1`` is hashed as ``0xff`` + u64 ids (see the module doc).
         page_size: tokens per page (>= 1).
         prior_hash: hex key the chain continues from (the previous page's key, or a namespace
             seed); None or ``""`` = no prior (the first page hashes its tokens only).
@@ -109,9 +120,9 @@ def page_keys(tokens, page_size: int, *, prior_hash: str | None = None, scheme: 
     Raises:
         ArgumentTypeError: non-integer tokens (floats, bools), unsupported container, non-int
             ``page_size``, non-str ``prior_hash`` or ``scheme``.
-        InvalidArgumentError: a token id outside ``0 <= id < 2**32`` (first bad position and
-            value named), ``page_size < 1``, a ``prior_hash`` that is not a key of this scheme,
-            an unknown scheme.
+        InvalidArgumentError: a token id outside ``0 <= id <= 2**63-1`` (first bad position
+            and value named), ``page_size < 1``, a ``prior_hash`` that is not a key of this
+            scheme, an unknown scheme.
     """
     hash_scheme = get_scheme(scheme)
     _check_page_size(page_size)

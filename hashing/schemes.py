@@ -2,20 +2,25 @@
 
 A scheme is a hash function plus the rule that a page's key is the lowercase hex of its raw
 digest. Both schemes hash the same bytes for a page (see :mod:`kvstage.hashing.chain`): the
-previous page's raw digest, if any, then the page's token ids as unsigned 32-bit
-little-endian integers.
+previous page's raw digest, if any, then the page's token ids as unsigned 32-bit little-endian
+integers, or, for a page holding an id above ``2**32-1`` (ids go up to ``2**63-1``), the byte
+``0xff`` then the ids as unsigned 64-bit little-endian integers (sglang 0.5.23's native page
+hash, ``mem_cache/cpp_utils/hash_binding.cpp``).
 
 ``sglang-v1``
     SHA-256 (``hashlib.sha256``), 32-byte digest, 64-character keys. Byte for byte the keys
-    sglang's hierarchical cache (HiCache, key scheme "v1") writes to its L3 store, so a decode
-    side using it shares pages with a prefill side. A cryptographic hash: keys cannot be made to
+    sglang's hierarchical cache (HiCache, key scheme "v1"; with ids above ``2**32-1``, sglang
+    0.5.23's native page hash) writes to its L3 store, so a decode side using it shares pages
+    with a prefill side. A cryptographic hash: keys cannot be made to
     collide on purpose, which is what makes ``cache_salt`` a real isolation boundary between
     tenants. The default.
 
 ``xxh3-128``
     XXH3-128 (``xxhash.xxh3_128``, seed 0), 16-byte digest, 32-character keys; the raw digest
     is xxhash's canonical (big-endian) form, i.e. ``xxh3_128(data).digest()``, and the key its
-    hex. Several times faster than ``sglang-v1`` (about 3x at page 64 with both chains
+    hex. kvstage's own rule for wide ids: the same bytes as ``sglang-v1`` (``0xff`` + u64
+    little-endian ids for a page holding an id above ``2**32-1``), fed to XXH3-128; sglang has
+    no such scheme. Several times faster than ``sglang-v1`` (about 3x at page 64 with both chains
     compiled; see ``bench/bench_hashing.py``). NOT a cryptographic hash: anyone who can choose
     token ids can force two different prefixes onto one key. Use it where all requests are
     trusted (one tenant, or isolation not relying on keys); multi-tenant deployments that rely
@@ -155,6 +160,25 @@ class HashScheme:
     def keys(self, data, page_bytes: int, prior: bytes) -> list[str]:
         """The lowercase hex of :attr:`chain`'s digests (the Python chain, whatever is compiled)."""
         return list(map(bytes.hex, self.chain(data, page_bytes, prior)))
+
+    def keys_of_pages(self, pages, prior: bytes) -> list[str]:
+        """The lowercase hex keys of a chain over pages of different lengths, in Python.
+
+        Args:
+            pages: an iterable of bytes-like objects, each what one page hashes after its prior
+                (:func:`kvstage.hashing.tokens.wide_pages`: u32 pages and ``0xff`` + u64 pages).
+            prior: the raw prior digest of the first page (``b""``: none).
+
+        Returns:
+            One key per page: page i's is the hex of ``digest(prior_i + pages[i])``, ``prior_0 =
+            prior`` and ``prior_i`` the digest of page i-1.
+        """
+        digest = self.digest
+        keys = []
+        for page in pages:
+            prior = digest(prior + page)
+            keys.append(prior.hex())
+        return keys
 
     def pure_python(self) -> HashScheme:
         """This scheme with its Python chain only (``compiled`` None): the reference, and what

@@ -1,16 +1,29 @@
-"""Token ids -> the bytes a page hash reads: unsigned 32-bit little-endian, one after another.
+"""Token ids -> the bytes a page hash reads.
+
+The rule (sglang 0.5.23's native page hash, ``mem_cache/cpp_utils/hash_binding.cpp``; facts in
+``shared/reference/sglang-storage-keys.md``, "Wide token ids"): every id must satisfy
+``0 <= id <= 2**63-1``. A page whose ids all fit u32 (``<= 2**32-1``) hashes them as unsigned
+32-bit little-endian integers, one after another (:data:`TOKEN_BYTES` each). A page holding an id
+above ``2**32-1`` hashes the byte ``0xff`` (:data:`WIDE_PAGE_TAG`), then every id of the page as
+u64 little-endian (:data:`WIDE_TOKEN_BYTES` each): ``1 + 8 * page_size`` bytes, an odd count, so
+the two encodings never give the same bytes. The encoding is chosen page by page. An id outside
+the range is an error, never a wrap.
 
 Accepted inputs: a list, tuple or range of ints; a 1-D numpy integer array; a 1-D torch integer
 tensor on any device (a CUDA tensor is copied to the host in one transfer, never read element by
-element). Every id must satisfy ``0 <= id < 2**32``: an id outside that range cannot be encoded
-and is an error, never a wrap (sglang-storage-keys.md, "Page hash").
+element).
 
 Two paths give the same bytes and the same errors. Where a scheme's chain is compiled, it reads
 the ids itself (:func:`compiled_source` hands it the list, tuple or numpy array as it is) and
 converts them page by page while hashing. Otherwise (and for whatever the compiled chain
-declines: ranges, int subclasses, numpy scalars in a list) :func:`token_buffer` converts the
-whole input at once, with one ``array('I', ...)`` (lists) or numpy's ``astype('<u4')``
-(arrays). Python touches single elements only to name the first bad one in an error message.
+declines: ranges, int subclasses, numpy scalars in a list) :func:`token_ids` converts the whole
+input at once, with one ``array('I', ...)`` (lists) or numpy's ``astype('<u4')`` (arrays) while
+every id fits u32; only an input holding a wider id is converted again, to u64, and
+:func:`wide_pages` then encodes it page by page. Python touches single elements only to name the
+first bad one in an error message.
+
+:func:`token_buffer` / :func:`token_bytes` give the u32 stream alone: they take ids up to
+``2**32-1`` only.
 """
 
 from __future__ import annotations
@@ -23,10 +36,14 @@ import numpy as np
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 
-TOKEN_BYTES = 4  # bytes per token id in the hashed stream
-_LIMIT = 1 << 32
+TOKEN_BYTES = 4  # bytes per id in a page whose ids all fit u32
+WIDE_TOKEN_BYTES = 8  # bytes per id in a page holding an id above 2**32-1
+WIDE_PAGE_TAG = b"\xff"  # hashed before a wide page's ids (after the prior)
+U32_LIMIT = 1 << 32  # ids below it fit u32
+ID_LIMIT = 1 << 63  # ids below it are hashed; from it on, an error (as sglang)
 _CHUNK = 1 << 17  # elements checked and converted at a time (1 MiB of int64: stays in L2)
-_RULE = "every token id must satisfy 0 <= id < 2**32"
+_RULE = "every token id must satisfy 0 <= id <= 2**63-1"
+_U32_RULE = "every token id must satisfy 0 <= id <= 2**32-1 to be written as u32 (page keys take ids up to 2**63-1)"
 
 # array('I') is C unsigned int: 4 bytes on every platform kvstage runs on; 'L' as a fallback.
 _U32_CODE = "I" if array.array("I").itemsize == 4 else "L"
@@ -38,9 +55,10 @@ def _describe(value: object) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
-def out_of_range_error(argument: str, position: int, value: int) -> InvalidArgumentError:
-    """The error for token ``position`` holding ``value``, outside ``0 <= id < 2**32``."""
-    return InvalidArgumentError(f"{argument}: {_RULE}; {argument}[{position}] = {value}")
+def out_of_range_error(argument: str, position: int, value: int, rule: str = _RULE) -> InvalidArgumentError:
+    """The error for token ``position`` holding ``value``, outside ``0 <= id <= 2**63-1`` (or
+    the ``rule`` given)."""
+    return InvalidArgumentError(f"{argument}: {rule}; {argument}[{position}] = {value}")
 
 
 def _is_bool_like(value: object) -> bool:
@@ -55,8 +73,9 @@ def _is_bool_like(value: object) -> bool:
     return torch is not None and dtype is torch.bool
 
 
-def _first_bad_element(seq, argument: str) -> Exception:
-    """Scan ``seq`` in order and build the error for its first bad element (error path only)."""
+def _first_bad_element(seq, argument: str, limit: int, rule: str) -> Exception:
+    """Scan ``seq`` in order and build the error for its first bad element, an id outside
+    ``0 <= id < limit`` breaking ``rule`` (error path only)."""
     for position, value in enumerate(seq):
         if _is_bool_like(value):
             return ArgumentTypeError(f"{argument}: token ids must be integers, not bools; {argument}[{position}] = {_describe(value)}")
@@ -64,51 +83,83 @@ def _first_bad_element(seq, argument: str) -> Exception:
             as_int = operator.index(value)
         except TypeError:
             return ArgumentTypeError(f"{argument}: token ids must be integers; {argument}[{position}] = {_describe(value)}")
-        if not 0 <= as_int < _LIMIT:
-            return out_of_range_error(argument, position, as_int)
+        if not 0 <= as_int < limit:
+            return out_of_range_error(argument, position, as_int, rule)
     raise AssertionError("no bad element found")  # the caller saw one; unreachable
 
 
-def _sequence_buffer(seq, argument: str) -> memoryview:
+def _sequence_ids(seq, argument: str, wide: bool) -> tuple[memoryview, int]:
+    """A list or tuple as ``(little-endian buffer, bytes per id)``: u32 while every id fits,
+    else (``wide`` only) int64."""
     if len(seq) == 0:
-        return memoryview(b"")  # bytes: already read-only
+        return memoryview(b""), TOKEN_BYTES  # bytes: already read-only
+    limit, rule = (ID_LIMIT, _RULE) if wide else (U32_LIMIT, _U32_RULE)
     try:
         # One C-level pass: rejects floats (TypeError) and ids outside 0..2**32-1 (OverflowError).
         packed = array.array(_U32_CODE, seq)
-    except (TypeError, OverflowError):
-        raise _first_bad_element(seq, argument) from None
+    except TypeError:
+        raise _first_bad_element(seq, argument, limit, rule) from None
+    except OverflowError:
+        if not wide:
+            raise _first_bad_element(seq, argument, limit, rule) from None
+        # An id above 2**32-1 or below 0: a second pass, as int64 ('q' is 8 bytes everywhere).
+        try:
+            packed = array.array("q", seq)
+        except (TypeError, OverflowError):
+            raise _first_bad_element(seq, argument, limit, rule) from None
+        if np.frombuffer(packed, dtype=np.int64).min() < 0:
+            raise _first_bad_element(seq, argument, limit, rule) from None
     # array() takes bools as 0/1, so only elements that became 0 or 1 can be bools: find those
     # few with numpy and look at their types, instead of a type check per element.
-    candidates = np.flatnonzero(np.frombuffer(packed, dtype=np.uint32) <= 1).tolist()
+    as_numbers = np.frombuffer(packed, dtype=np.uint32 if packed.itemsize == TOKEN_BYTES else np.int64)
+    candidates = np.flatnonzero(as_numbers <= 1).tolist()
     if candidates and any(map(_is_bool_like, map(seq.__getitem__, candidates))):
-        raise _first_bad_element(seq, argument)
+        raise _first_bad_element(seq, argument, limit, rule)
     if not _LITTLE_ENDIAN:
         packed.byteswap()
-    return memoryview(packed).cast("B").toreadonly()
+    return memoryview(packed).cast("B").toreadonly(), packed.itemsize
 
 
-def _range_array(ids: range, argument: str) -> np.ndarray:
-    """A range as an int64 array, its rule checked at its ends first, so that a range with an
-    id out of range raises at once instead of being walked (a range is monotonic)."""
-    if len(ids) == 0:
+def _range_array(ids: range, argument: str, limit: int = ID_LIMIT, rule: str = _RULE) -> np.ndarray:
+    """A range as an int64 array, its rule (``0 <= id < limit``) checked at its ends first, so
+    that a range with an id out of range raises at once instead of being walked (a range is
+    monotonic; its length may not even fit a ``Py_ssize_t``)."""
+    if not ids:
         return np.empty(0, dtype=np.int64)
-    if not 0 <= ids[0] < _LIMIT:
-        raise out_of_range_error(argument, 0, ids[0])
-    if not 0 <= ids[-1] < _LIMIT:
-        # The first id past the bound: ids[i] >= 2**32 going up, ids[i] < 0 going down.
-        first_bad = -((ids.start - _LIMIT) // ids.step) if ids.step > 0 else ids.start // -ids.step + 1
-        raise out_of_range_error(argument, first_bad, ids[first_bad])
-    values = np.arange(ids.start, ids.stop, ids.step, dtype=np.int64)
-    assert len(values) == len(ids)
+    if not 0 <= ids[0] < limit:
+        raise out_of_range_error(argument, 0, ids[0], rule)
+    if not 0 <= ids[-1] < limit:
+        # The first id past the bound: ids[i] >= limit going up, ids[i] < 0 going down.
+        first_bad = -((ids.start - limit) // ids.step) if ids.step > 0 else ids.start // -ids.step + 1
+        raise out_of_range_error(argument, first_bad, ids[first_bad], rule)
+    if len(ids) == 1:
+        return np.array([ids[0]], dtype=np.int64)  # its step may not fit int64
+    # ids[0] + i * step, not np.arange(start, stop, step): stop may be 2**63, past int64. Both
+    # ends are in 0..2**63-1, so neither the step nor any partial sum overflows.
+    values = np.arange(len(ids), dtype=np.int64)
+    values *= ids.step
+    values += ids[0]
     return values
 
 
-def _numpy_buffer(values: np.ndarray, argument: str) -> memoryview:
+def _wide_ids(values: np.ndarray, argument: str) -> tuple[memoryview, int]:
+    """A numpy integer array holding an id outside u32 as ``(u64 little-endian buffer, 8)``;
+    an id below 0 or above 2**63-1 is named."""
+    bad = values < 0 if values.dtype.kind == "i" else values >= np.uint64(ID_LIMIT)
+    if bad.any():
+        position = int(np.argmax(bad))
+        raise out_of_range_error(argument, position, int(values[position]))
+    return memoryview(np.ascontiguousarray(values.astype("<u8"))).cast("B").toreadonly(), WIDE_TOKEN_BYTES
+
+
+def _numpy_ids(values: np.ndarray, argument: str, wide: bool) -> tuple[memoryview, int]:
+    """A numpy array as ``(little-endian buffer, bytes per id)``: u32 while every id fits,
+    else (``wide`` only) u64."""
     if values.ndim != 1:
         raise InvalidArgumentError(f"{argument}: must be 1-D, got shape {tuple(values.shape)}")
     kind = values.dtype.kind
     if kind == "O":
-        return _sequence_buffer(values.tolist(), argument)
+        return _sequence_ids(values.tolist(), argument, wide)
     if kind == "b":
         raise ArgumentTypeError(f"{argument}: token ids must be integers, got dtype bool")
     if kind not in "iu":
@@ -117,18 +168,20 @@ def _numpy_buffer(values: np.ndarray, argument: str) -> memoryview:
     if not signed and values.dtype.itemsize <= 4:
         # uint8/16/32 always fit: no check. A view of the converted array, not tobytes(): a
         # second copy would cost as much as the conversion (fresh pages from the allocator).
-        return memoryview(np.ascontiguousarray(values.astype("<u4", copy=False))).cast("B").toreadonly()
+        return memoryview(np.ascontiguousarray(values.astype("<u4", copy=False))).cast("B").toreadonly(), TOKEN_BYTES
     out = np.empty(values.shape[0], dtype="<u4")
     # Check and convert a chunk at a time, so the range check reads each chunk from cache
     # right before the conversion does (one pass over memory instead of three).
     for start in range(0, values.shape[0], _CHUNK):
         part = values[start : start + _CHUNK]
-        if (signed and part.min() < 0) or (values.dtype.itemsize > 4 and part.max() >= _LIMIT):
-            bad = (part < 0) | (part >= _LIMIT) if signed else part >= _LIMIT
+        if (signed and part.min() < 0) or (values.dtype.itemsize > 4 and part.max() >= U32_LIMIT):
+            if wide:  # an id past u32 (or below 0): the whole input again, as u64
+                return _wide_ids(values, argument)
+            bad = (part < 0) | (part >= U32_LIMIT) if signed else part >= U32_LIMIT
             position = start + int(np.argmax(bad))
-            raise out_of_range_error(argument, position, int(values[position]))
+            raise out_of_range_error(argument, position, int(values[position]), _U32_RULE)
         np.copyto(out[start : start + _CHUNK], part, casting="unsafe")
-    return memoryview(out).cast("B").toreadonly()
+    return memoryview(out).cast("B").toreadonly(), TOKEN_BYTES
 
 
 def _host_array(tensor, argument: str) -> np.ndarray:
@@ -155,11 +208,80 @@ def _is_torch_tensor(value: object) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
+def _ids(tokens, argument: str, wide: bool) -> tuple[memoryview, int]:
+    if isinstance(tokens, (list, tuple)):
+        return _sequence_ids(tokens, argument, wide)
+    if isinstance(tokens, range):
+        limit, rule = (ID_LIMIT, _RULE) if wide else (U32_LIMIT, _U32_RULE)
+        return _numpy_ids(_range_array(tokens, argument, limit, rule), argument, wide)
+    if isinstance(tokens, np.ndarray):
+        return _numpy_ids(tokens, argument, wide)
+    if _is_torch_tensor(tokens):
+        return _numpy_ids(_host_array(tokens, argument), argument, wide)
+    raise ArgumentTypeError(
+        f"{argument}: must be a list/tuple/range of ints, a numpy integer array or a torch integer tensor, "
+        f"got {type(tokens).__module__}.{type(tokens).__qualname__}"
+    )
+
+
+def token_ids(tokens, argument: str = "tokens") -> tuple[memoryview, int]:
+    """The token ids as one read-only little-endian byte view and its bytes per id: what the
+    Python chains hash.
+
+    ``(u32 view, 4)`` when every id fits u32, the common case, converted in one pass (the view
+    may share memory with ``tokens`` when it already is a contiguous little-endian uint32
+    array); else ``(u64 view, 8)``, for :func:`wide_pages` to encode page by page.
+
+    Args:
+        tokens: list/tuple/range of ints, 1-D numpy integer array, or 1-D torch integer tensor
+            (CPU or CUDA; a CUDA tensor is moved to the host in one transfer).
+        argument: the name used in error messages.
+
+    Returns:
+        ``(memoryview of format "B", 4 or 8)``; the view holds ``4 * len(tokens)`` or
+        ``8 * len(tokens)`` bytes.
+
+    Raises:
+        ArgumentTypeError: a float, bool or other non-integer id (or float/bool dtype), or an
+            unsupported container type (str, bytes, dict, generators, ...).
+        InvalidArgumentError: an id outside ``0 <= id <= 2**63-1`` (the message names the first
+            bad position and its value), or an array that is not 1-D.
+    """
+    return _ids(tokens, argument, wide=True)
+
+
+def wide_pages(data, page_size: int):
+    """The bytes each full page of u64 ids hashes after its prior, page by page (a generator).
+
+    A page whose ids all fit u32: its ids as u32 little-endian (``4 * page_size`` bytes). A page
+    with an id above ``2**32-1``: :data:`WIDE_PAGE_TAG` (``0xff``), then its ids as u64
+    little-endian (``1 + 8 * page_size`` bytes). The ids of a partial last page are not read.
+
+    Args:
+        data: a bytes-like object of u64 little-endian ids, each at most ``2**63-1`` (the
+            second item of :func:`token_ids` when it is 8).
+        page_size: ids per page (>= 1).
+
+    Returns:
+        An iterator of ``bytes``, one per full page, in page order.
+    """
+    ids = np.frombuffer(data, dtype="<u8")
+    num_pages = len(ids) // page_size
+    if num_pages == 0:
+        return
+    pages = ids[: num_pages * page_size].reshape(num_pages, page_size)
+    is_wide = (pages >> np.uint64(32)).any(axis=1).tolist()
+    for page, wide in zip(pages, is_wide):
+        yield WIDE_PAGE_TAG + page.tobytes() if wide else page.astype("<u4").tobytes()
+
+
 def token_buffer(tokens, argument: str = "tokens") -> memoryview:
     """The token ids as a read-only byte view: ``4 * len(tokens)`` bytes, each id as u32 little-endian.
 
-    What the chains hash; :func:`token_bytes` is the same as ``bytes``. The view may share
-    memory with ``tokens`` when it already is a contiguous little-endian uint32 array.
+    The u32 stream only: the bytes a chain of pages hashes when every id fits u32 (ids above
+    ``2**32-1`` hash their page as u64, see the module doc and :func:`token_ids`); :func:`token_bytes`
+    is the same as ``bytes``. The view may share memory with ``tokens`` when it already is a
+    contiguous little-endian uint32 array.
 
     Args:
         tokens: list/tuple/range of ints, 1-D numpy integer array, or 1-D torch integer tensor
@@ -172,25 +294,15 @@ def token_buffer(tokens, argument: str = "tokens") -> memoryview:
     Raises:
         ArgumentTypeError: a float, bool or other non-integer id (or float/bool dtype), or an
             unsupported container type (str, bytes, dict, generators, ...).
-        InvalidArgumentError: an id outside ``0 <= id < 2**32`` (the message names the first
-            bad position and its value), or an array that is not 1-D.
+        InvalidArgumentError: an id outside ``0 <= id <= 2**32-1`` (the message names the first
+            bad position and its value, and that page keys take ids up to ``2**63-1``), or an
+            array that is not 1-D.
     """
-    if isinstance(tokens, (list, tuple)):
-        return _sequence_buffer(tokens, argument)
-    if isinstance(tokens, range):
-        return _numpy_buffer(_range_array(tokens, argument), argument)
-    if isinstance(tokens, np.ndarray):
-        return _numpy_buffer(tokens, argument)
-    if _is_torch_tensor(tokens):
-        return _numpy_buffer(_host_array(tokens, argument), argument)
-    raise ArgumentTypeError(
-        f"{argument}: must be a list/tuple/range of ints, a numpy integer array or a torch integer tensor, "
-        f"got {type(tokens).__module__}.{type(tokens).__qualname__}"
-    )
+    return _ids(tokens, argument, wide=False)[0]
 
 
 def compiled_source(tokens, argument: str = "tokens"):
-    """``tokens`` as a compiled chain reads them, or None where only :func:`token_buffer` can.
+    """``tokens`` as a compiled chain reads them, or None where only :func:`token_ids` can.
 
     A list or tuple passes as it is (the chain declines it if an element is not an exact int);
     a numpy integer array, a range or a torch integer tensor (moved to the host in one
@@ -199,9 +311,9 @@ def compiled_source(tokens, argument: str = "tokens"):
 
     Raises:
         ArgumentTypeError / InvalidArgumentError: a torch tensor of a non-integer dtype, not
-            1-D, sparse or on the meta device; a range holding an id out of range (as
-            :func:`token_buffer`). Other bad inputs return None, and
-            :func:`token_buffer` then raises.
+            1-D, sparse or on the meta device; a range holding an id outside
+            ``0 <= id <= 2**63-1`` (as :func:`token_ids`). Other bad inputs return None, and
+            :func:`token_ids` then raises.
     """
     if type(tokens) is list or type(tokens) is tuple:
         return tokens
@@ -221,7 +333,8 @@ def compiled_source(tokens, argument: str = "tokens"):
 
 
 def token_bytes(tokens, argument: str = "tokens") -> bytes:
-    """:func:`token_buffer` as ``bytes`` (a copy): ``4 * len(tokens)`` bytes, u32 little-endian.
+    """:func:`token_buffer` as ``bytes`` (a copy): ``4 * len(tokens)`` bytes, u32 little-endian
+    (ids up to ``2**32-1`` only).
 
     Raises: as :func:`token_buffer`.
     """

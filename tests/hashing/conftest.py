@@ -31,12 +31,18 @@ def naive_seed(extra_key, cache_salt, scheme="sglang-v1") -> bytes:
 
 
 def naive_keys(tokens, page_size, prior: bytes = b"", scheme="sglang-v1") -> list[str]:
+    """A page whose ids all fit u32 hashes them as u32; a page with a wider id hashes 0xff, then
+    every id as u64 (sglang 0.5.23's native page hash)."""
     keys = []
     for start in range(0, len(tokens) - page_size + 1, page_size):
+        page = [int(token) for token in tokens[start : start + page_size]]
+        wide = any(token > 2**32 - 1 for token in page)
         h = NEW_HASH[scheme]()
         h.update(prior)
-        for token in tokens[start : start + page_size]:
-            h.update(int(token).to_bytes(4, "little"))
+        if wide:
+            h.update(b"\xff")
+        for token in page:
+            h.update(token.to_bytes(8 if wide else 4, "little"))
         prior = h.digest()
         keys.append(h.hexdigest())
     return keys

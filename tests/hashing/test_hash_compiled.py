@@ -2,7 +2,8 @@
 
 Both are built from ``hashing/_page_chain.c`` and expose ``page_chain(tokens, page_size, prior,
 hex, /)``. They are checked against a spec chain written here (one ``hashlib.sha256`` /
-``xxhash.xxh3_128_digest`` call per page over ``prior + struct.pack('<I'...)``) and against the
+``xxhash.xxh3_128_digest`` call per page over ``prior + struct.pack('<I'...)``, or
+``prior + b"\xff" + struct.pack('<Q'...)`` for a page with an id above 2**32-1) and against the
 pure-Python scheme (``get_scheme(name).pure_python()``): same keys, same errors, for every input
 kind ``page_keys`` takes. The compiled scheme is built here explicitly (``dataclasses.replace``
 of the pure one), so both paths are compared whatever ``KVSTAGE_PURE_PYTHON_HASH`` chose at
@@ -71,12 +72,16 @@ def compiled_scheme(name: str) -> HashScheme:
 
 
 def spec_digests(name: str, tokens, page_size: int, prior: bytes) -> list[bytes]:
-    """The chain as the spec states it: H(prior + page as u32 little-endian), one call per page."""
+    """The chain as the spec states it, one call per page: H(prior + page as u32 little-endian),
+    or H(prior + 0xff + page as u64 little-endian) for a page with an id above 2**32-1."""
     digest = SPEC_DIGEST[name]
     digests = []
     for start in range(0, len(tokens) - page_size + 1, page_size):
         page = [int(t) for t in tokens[start : start + page_size]]
-        prior = digest(prior + struct.pack(f"<{page_size}I", *page))
+        if max(page) > U32_MAX:
+            prior = digest(prior + b"\xff" + struct.pack(f"<{page_size}Q", *page))
+        else:
+            prior = digest(prior + struct.pack(f"<{page_size}I", *page))
         digests.append(prior)
     return digests
 
@@ -86,7 +91,7 @@ def spec_keys(name: str, tokens, page_size: int, prior: bytes = b"") -> list[str
 
 
 def range_message(position: int, value: int) -> str:
-    return f"tokens: every token id must satisfy 0 <= id < 2**32; tokens[{position}] = {value}"
+    return f"tokens: every token id must satisfy 0 <= id <= 2**63-1; tokens[{position}] = {value}"
 
 
 def raised(call, *args, **kwargs) -> BaseException:
@@ -302,10 +307,10 @@ BAD_VALUES = {
     "int8": (np.int8, [-1, -128]),
     "int16": (np.int16, [-1, -(2**15)]),
     "int32": (np.int32, [-1, -(2**31)]),
-    "int64": (np.int64, [-1, 2**32, 2**63 - 1, -(2**63)]),
-    "uint64": (np.uint64, [2**32, 2**64 - 1]),
-    "list": (None, [-1, 2**32, 2**63 - 1, 2**64 - 1, -(2**63), 2**100, -(2**100)]),
-    "tuple": (tuple, [-1, 2**32, 2**100]),
+    "int64": (np.int64, [-1, -(2**63)]),
+    "uint64": (np.uint64, [2**63, 2**64 - 1]),
+    "list": (None, [-1, 2**63, 2**64 - 1, -(2**63), 2**100, -(2**100)]),
+    "tuple": (tuple, [-1, 2**63, 2**100]),
 }
 # (number of tokens, page size, positions: first, middle, last full page, tail, last)
 LAYOUTS = [(23, 5, [0, 11, 17, 20, 22]), (1003, 10, [0, 517, 995, 1000, 1002])]  # 1003: GIL released
@@ -316,7 +321,7 @@ def with_bad(kind: str, n: int, position: int, value: int, later: int | None = N
     values = np.random.default_rng(position).integers(0, 100, n).tolist()
     values[position] = value
     if later is not None:
-        values[later] = 2**40 if kind == "uint64" else -7
+        values[later] = 2**63 + 5 if kind == "uint64" else -7
     if dtype is None:
         return values
     if dtype is tuple:
@@ -373,7 +378,8 @@ def test_the_boundary_ids_are_accepted(name, kind):
         ([-1, 1.5], InvalidArgumentError, range_message(0, -1), (0, -1)),
         ([5, True], ArgumentTypeError, "tokens: token ids must be integers, not bools; tokens[1] = True (bool)", NotImplemented),
         ([True, -1], ArgumentTypeError, "tokens: token ids must be integers, not bools; tokens[0] = True (bool)", NotImplemented),
-        ([7, 2**40, True], InvalidArgumentError, range_message(1, 2**40), (1, 2**40)),
+        ([7, 2**63, True], InvalidArgumentError, range_message(1, 2**63), (1, 2**63)),
+        ([7, 2**40, True], ArgumentTypeError, "tokens: token ids must be integers, not bools; tokens[2] = True (bool)", NotImplemented),
         ([7, np.int64(-3), 2**40], InvalidArgumentError, range_message(1, -3), NotImplemented),
         ([7, Color.RED, -3], InvalidArgumentError, range_message(2, -3), NotImplemented),
     ],
@@ -516,7 +522,7 @@ def test_a_page_longer_than_the_input_gives_no_keys_but_checks_the_ids(name, pag
     big = np.random.default_rng(1).integers(0, 2**32, 700).tolist()  # 2800 bytes: GIL released
     assert module.page_chain(big, page_size, b"", True) == ([] if page_size > 700 else spec_keys(name, big, page_size))
     for tokens, position, value in (
-        ([1, 2, 2**32], 2, 2**32),
+        ([1, 2, 2**63], 2, 2**63),
         ([-1, 2], 0, -1),
         (np.array([4, 5, -9, 6], dtype=np.int64), 2, -9),
         (np.array([4, 2**64 - 1], dtype=np.uint64), 1, 2**64 - 1),

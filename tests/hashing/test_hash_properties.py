@@ -10,7 +10,10 @@ from hypothesis import strategies as st
 
 from kvstage.hashing import SCHEMES, compute_prefix_hash, namespace_seed, page_keys, prefill_page_keys
 
-TOKEN = st.integers(min_value=0, max_value=2**32 - 1)
+# Mostly u32 ids, with ids up to 2**63-1 now and then: pages of both encodings in one chain.
+NARROW = st.integers(min_value=0, max_value=2**32 - 1)
+WIDE = st.integers(min_value=2**32, max_value=2**63 - 1)
+TOKEN = st.one_of(NARROW, NARROW, NARROW, NARROW, NARROW, NARROW, NARROW, WIDE)
 TOKENS = st.lists(TOKEN, max_size=120)
 PAGE_SIZE = st.integers(min_value=1, max_value=12)
 NAME = st.none() | st.text(max_size=6)
@@ -24,7 +27,7 @@ def test_matches_the_naive_per_token_reference(naive, tokens, page_size, extra_k
     got = prefill_page_keys(tokens, page_size, extra_key=extra_key, cache_salt=cache_salt, scheme=scheme)
     assert got == naive.prefill(tokens, page_size, extra_key, cache_salt, scheme)
     assert len(got) == len(tokens) // page_size
-    assert page_keys(np.array(tokens, dtype=np.uint32), page_size, scheme=scheme) == naive.keys(tokens, page_size, b"", scheme)
+    assert page_keys(np.array(tokens, dtype=np.uint64), page_size, scheme=scheme) == naive.keys(tokens, page_size, b"", scheme)
 
 
 @SETTINGS

@@ -1,4 +1,7 @@
-"""Token ids -> u32 little-endian bytes: every accepted container, the range rule, the type rule."""
+"""Token ids -> u32 little-endian bytes: every accepted container, the range rule, the type rule.
+
+``token_bytes`` / ``token_buffer`` write u32, so they take ids up to 2**32-1 only; page keys take
+ids up to 2**63-1 (``test_hash_wide_ids.py``)."""
 
 from __future__ import annotations
 
@@ -98,7 +101,7 @@ def test_out_of_range_ids_name_the_first_bad_position_and_value(tokens, position
         with pytest.raises(InvalidArgumentError) as info:
             token_bytes(container)
         assert f"tokens[{position}] = {value}" in str(info.value)
-        assert "0 <= id < 2**32" in str(info.value)
+        assert "0 <= id <= 2**32-1 to be written as u32" in str(info.value)
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.int32, np.int8])
@@ -238,7 +241,9 @@ def test_a_huge_range_is_checked_without_walking_it():
     with pytest.raises(InvalidArgumentError, match=r"tokens\[0\] = -1"):
         token_bytes(range(-1, 2**40))
     with pytest.raises(InvalidArgumentError, match=rf"tokens\[{2**32 - 5}\] = {2**32}"):
-        page_keys(range(5, 2**40), 2**40)
+        token_bytes(range(5, 2**40))
+    with pytest.raises(InvalidArgumentError, match=rf"tokens\[{2**63 - 5}\] = {2**63}"):
+        page_keys(range(5, 2**64), 2**40)
     assert token_bytes(range(2**32 - 3, 2**32)) == struct.pack("<3I", 2**32 - 3, 2**32 - 2, 2**32 - 1)
     assert token_bytes(range(10, 0, -3)) == struct.pack("<4I", 10, 7, 4, 1)
     assert page_keys(range(0, 300, 7), 4) == page_keys(list(range(0, 300, 7)), 4)

@@ -1,28 +1,40 @@
-"""Known-answer tests: sglang's own vectors (sglang-v1) and the committed xxh3-128 vectors."""
+"""Known-answer tests: sglang's own vectors (sglang-v1, u32 ids and sglang's native page hash with
+ids up to 2**63-1) and the committed xxh3-128 vectors."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from kvstage.hashing import PageHasher, compute_prefix_hash, namespace_seed, page_keys, prefill_page_keys
+from kvstage.hashing import PageHasher, compute_prefix_hash, get_scheme, namespace_seed, page_keys, prefill_page_keys
+from kvstage.hashing.schemes import HashScheme
 from support import SHARED
 
 SGLANG_VECTORS = SHARED / "reference" / "sglang_v1_vectors.json"
+# Made with sglang 0.5.23's own native page hash (ids up to 2**63-1): "tokens", "page_size",
+# "extra_key", "cache_salt", "seed" (hex or null) and "keys" per case, no "name".
+SGLANG_NATIVE_VECTORS = SHARED / "reference" / "sglang_native_vectors.json"
 XXH3_VECTORS = Path(__file__).with_name("xxh3_128_vectors.json")
 
 
-def load_cases(path: Path) -> list:
+def native_case_id(index: int, case: dict) -> str:
+    return f"{index:02d}-{case['kind']}-page{case['page_size']}"
+
+
+def load_cases(path: Path, case_id=lambda index, case: case["name"]) -> list:
     """The cases of a vector file as pytest params with readable ids; one skipped param if absent."""
     if not path.is_file():
         return [pytest.param(None, marks=pytest.mark.skip(reason=f"{path} is absent"), id="absent")]
     data = json.loads(path.read_text())
     cases = data["cases"] if isinstance(data, dict) else data
-    return [pytest.param(case, id=case["name"]) for case in cases]
+    return [pytest.param(case, id=case_id(index, case)) for index, case in enumerate(cases)]
 
 
 class Request:
@@ -107,3 +119,83 @@ def test_sglang_v1_first_page_written_out_by_hand():
 
     assert page_keys([1, 2], 2) == [hashlib.sha256(b"\x01\x00\x00\x00\x02\x00\x00\x00").hexdigest()]
     assert namespace_seed(None, None) is None
+
+
+# ---- sglang's native page hash: ids up to 2**63-1 -------------------------------------------
+
+
+def chain_scheme(name: str, chain: str) -> HashScheme:
+    """The scheme with its compiled chain (skips where it was not built) or its Python chain,
+    whatever KVSTAGE_PURE_PYTHON_HASH chose at import."""
+    pure = get_scheme(name).pure_python()
+    if chain == "pure-python":
+        return pure
+    module_name = {"sglang-v1": "kvstage.hashing._sha256_chain", "xxh3-128": "kvstage.hashing._xxh3_chain"}[name]
+    module = pytest.importorskip(module_name, reason=f"{module_name} was not built", exc_type=ImportError)
+    return replace(pure, compiled=module, why_pure_python="")
+
+
+def native_inputs(tokens: list[int], device: torch.device) -> dict:
+    """The same ids in every container that holds ids up to 2**63-1."""
+    return {
+        "list": tokens,
+        "tuple": tuple(tokens),
+        "numpy-int64": np.array(tokens, dtype=np.int64),
+        "numpy-uint64": np.array(tokens, dtype=np.uint64),
+        "torch-int64": torch.tensor(tokens, dtype=torch.int64, device=device),
+    }
+
+
+@pytest.mark.parametrize("chain", ["compiled", "pure-python"])
+@pytest.mark.parametrize("case", load_cases(SGLANG_NATIVE_VECTORS, native_case_id))
+def test_sglang_v1_matches_sglangs_native_page_hash(case, chain, device):
+    """Prefill from the seed, and decode segments split at every page boundary, give sglang's keys."""
+    scheme = chain_scheme("sglang-v1", chain)
+    extra_key, cache_salt, page_size, expected = case["extra_key"], case["cache_salt"], case["page_size"], case["keys"]
+    assert namespace_seed(extra_key, cache_salt, scheme) == case["seed"]
+    req = Request(extra_key, cache_salt)
+    num_pages = len(case["tokens"]) // page_size
+    assert len(expected) == num_pages
+    for kind, tokens in native_inputs(case["tokens"], device).items():
+        got = prefill_page_keys(tokens, page_size, extra_key=extra_key, cache_salt=cache_salt, scheme=scheme)
+        assert got == expected, kind
+        assert PageHasher(scheme, page_size).continue_keys(tokens, case["seed"]) == expected, kind
+        # Decode: two segments cut at each page boundary (an empty first segment leaves the chain
+        # unstarted, so the second starts from the seed), then one segment per page.
+        for cut in range(num_pages + 1):
+            first = compute_prefix_hash(req, tokens[: cut * page_size], "", page_size=page_size, scheme=scheme)
+            rest = compute_prefix_hash(req, tokens[cut * page_size :], first[-1] if first else "", page_size=page_size, scheme=scheme)
+            assert first + rest == expected, (kind, cut)
+        keys, prior = [], ""
+        for page in range(num_pages):
+            keys += compute_prefix_hash(req, tokens[page * page_size : (page + 1) * page_size], prior, page_size=page_size, scheme=scheme)
+            prior = keys[-1]
+        assert keys == expected, kind
+
+
+@pytest.mark.parametrize("case", load_cases(SGLANG_NATIVE_VECTORS, native_case_id))
+def test_naive_reference_matches_sglangs_native_vectors(case, naive):
+    """Guards the naive reference's wide-page rule, which the property tests compare against."""
+    seed = naive.seed(case["extra_key"], case["cache_salt"])
+    assert (seed.hex() if seed else None) == case["seed"]
+    assert naive.keys(case["tokens"], case["page_size"], seed) == case["keys"]
+
+
+@pytest.mark.parametrize("chain", ["compiled", "pure-python"])
+def test_wide_pages_written_out_by_hand(chain):
+    """A page with an id above 2**32-1 hashes prior + 0xff + every id as u64 LE; a page whose ids
+    fit u32 (2**32-1 included) hashes them as u32 LE, also after a wide page. Both schemes."""
+    import xxhash
+
+    ids = [7, 2**32, 2**32 - 1, 0, 2**63 - 1, 1]
+    narrow = lambda *page: b"".join(v.to_bytes(4, "little") for v in page)  # noqa: E731
+    wide = lambda *page: b"\xff" + b"".join(v.to_bytes(8, "little") for v in page)  # noqa: E731
+    for name, digest in (("sglang-v1", lambda data: hashlib.sha256(data).digest()), ("xxh3-128", xxhash.xxh3_128_digest)):
+        scheme = chain_scheme(name, chain)
+        first = digest(wide(7, 2**32))
+        second = digest(first + narrow(2**32 - 1, 0))
+        third = digest(second + wide(2**63 - 1, 1))
+        assert page_keys(ids, 2, scheme=scheme) == [first.hex(), second.hex(), third.hex()]
+        assert page_keys(ids[2:], 2, prior_hash=first.hex(), scheme=scheme) == [second.hex(), third.hex()]
+        # A page of 2**32 ids: 1 + 8 * 2 bytes, never the 4 * 2 of a u32 page.
+        assert page_keys([2**32, 2**32], 2, scheme=scheme) == [digest(b"\xff" + (2**32).to_bytes(8, "little") * 2).hex()]
