@@ -2,9 +2,9 @@
 
 Two staging layouts (the names sglang's transfer kernels use):
 
-* ``page_first``: ``[num_host_pages, num_layers, kv_parts, page_size, head_num, head_dim]``:
+* ``page_first``: ``[num_host_pages, num_layers, kv_parts, page_size, num_heads, head_dim]``:
   one host page of every layer and part is one contiguous block (one storage object per page).
-* ``layer_first``: ``[kv_parts, num_layers, num_host_pages * page_size, head_num, head_dim]``:
+* ``layer_first``: ``[kv_parts, num_layers, num_host_pages * page_size, num_heads, head_dim]``:
   host page ``h`` is token rows ``h * page_size ... h * page_size + page_size - 1`` of every
   ``[part, layer]`` plane, like the device pool itself.
 
@@ -45,8 +45,8 @@ def staging_shape(pool: KVPool, num_host_pages: int, page_size: int, layout: str
         pool: the device pool whose pages the buffer holds.
         num_host_pages: pages in the buffer (>= 0).
         page_size: tokens per page (>= 1).
-        layout: ``"page_first"`` -> ``(num_host_pages, num_layers, kv_parts, page_size, head_num, head_dim)``;
-            ``"layer_first"`` -> ``(kv_parts, num_layers, num_host_pages * page_size, head_num, head_dim)``.
+        layout: ``"page_first"`` -> ``(num_host_pages, num_layers, kv_parts, page_size, num_heads, head_dim)``;
+            ``"layer_first"`` -> ``(kv_parts, num_layers, num_host_pages * page_size, num_heads, head_dim)``.
 
     Raises:
         ArgumentTypeError: ``pool`` is not a :class:`KVPool`.
@@ -60,8 +60,8 @@ def staging_shape(pool: KVPool, num_host_pages: int, page_size: int, layout: str
     _check_page_size(page_size)
     _check_layout(layout)
     if layout == "page_first":
-        return (num_host_pages, pool.num_layers, pool.kv_parts, page_size, pool.head_num, pool.head_dim)
-    return (pool.kv_parts, pool.num_layers, num_host_pages * page_size, pool.head_num, pool.head_dim)
+        return (num_host_pages, pool.num_layers, pool.kv_parts, page_size, pool.num_heads, pool.head_dim)
+    return (pool.kv_parts, pool.num_layers, num_host_pages * page_size, pool.num_heads, pool.head_dim)
 
 
 @dataclass
@@ -71,34 +71,34 @@ class Transfer:
     Attributes:
         pool: the device pool.
         staging: the staging buffer (contiguous; pinned host, or on the pool's device).
-        slots: ``[n_pages * page_size]`` int32/int64 device slot per token, on the pool's device.
-        pages: ``[n_pages]`` int32/int64 host page ids, on the pool's device.
+        slot_indices: ``[num_pages * page_size]`` int32/int64 device slot per token, on the pool's device.
+        host_page_ids: ``[num_pages]`` int32/int64 host page ids, on the pool's device.
         page_size: tokens per page.
         layout: ``"page_first"`` or ``"layer_first"``.
         layers: the layers moved, ``range(num_layers)`` or one layer.
         num_host_pages: pages the staging buffer holds.
-        pages_on_host: ``host_page_ids`` as given when it was a CPU tensor (read without a sync), else None.
+        host_page_ids_cpu: ``host_page_ids`` as given when it was a CPU tensor (read without a sync), else None.
     """
 
     pool: KVPool
     staging: torch.Tensor
-    slots: torch.Tensor
-    pages: torch.Tensor
+    slot_indices: torch.Tensor
+    host_page_ids: torch.Tensor
     page_size: int
     layout: str
     layers: range
     num_host_pages: int
-    pages_on_host: torch.Tensor | None = None
+    host_page_ids_cpu: torch.Tensor | None = None
 
     @property
-    def n_pages(self) -> int:
+    def num_pages(self) -> int:
         """Pages moved by this call."""
-        return self.pages.numel()
+        return self.host_page_ids.numel()
 
     @property
-    def n_tokens(self) -> int:
-        """Token rows moved per (part, layer): ``n_pages * page_size``."""
-        return self.slots.numel()
+    def num_tokens(self) -> int:
+        """Token rows moved per (part, layer): ``num_pages * page_size``."""
+        return self.slot_indices.numel()
 
 
 def _check_index(name: str, t: object, pool: KVPool) -> torch.Tensor:
@@ -128,11 +128,11 @@ def _check_staging(staging: object, pool: KVPool, page_size: int, layout: str) -
             lambda: f"must be pinned host memory or on the pool's device ({pool.device}), got {staging.device}", DeviceMismatchError,
         )
     if layout == "page_first":
-        names = ("num_host_pages", "num_layers", "kv_parts", "page_size", "head_num", "head_dim")
-        want = (None, pool.num_layers, pool.kv_parts, page_size, pool.head_num, pool.head_dim)
+        names = ("num_host_pages", "num_layers", "kv_parts", "page_size", "num_heads", "head_dim")
+        want = (None, pool.num_layers, pool.kv_parts, page_size, pool.num_heads, pool.head_dim)
     else:
-        names = ("kv_parts", "num_layers", "num_host_tokens", "head_num", "head_dim")
-        want = (pool.kv_parts, pool.num_layers, None, pool.head_num, pool.head_dim)
+        names = ("kv_parts", "num_layers", "num_host_tokens", "num_heads", "head_dim")
+        want = (pool.kv_parts, pool.num_layers, None, pool.num_heads, pool.head_dim)
     require(staging.dim() == len(names), "staging", lambda: f"{layout} staging must be [{', '.join(names)}], got shape {tuple(staging.shape)}")
     for dim, (name, expected) in enumerate(zip(names, want)):
         if expected is not None:
@@ -192,12 +192,12 @@ def check_transfer(
     _check_page_size(page_size)
     _check_layout(layout)
     num_host_pages = _check_staging(staging, pool, page_size, layout)
-    slots = _check_index("slot_indices", slot_indices, pool)
-    pages = _check_index("host_page_ids", host_page_ids, pool)
-    n_pages = pages.numel()
+    _check_index("slot_indices", slot_indices, pool)
+    _check_index("host_page_ids", host_page_ids, pool)
+    num_pages = host_page_ids.numel()
     require(
-        slots.numel() == n_pages * page_size, "slot_indices",
-        lambda: f"must hold len(host_page_ids) * page_size = {n_pages} * {page_size} = {n_pages * page_size} indices, got {slots.numel()}",
+        slot_indices.numel() == num_pages * page_size, "slot_indices",
+        lambda: f"must hold len(host_page_ids) * page_size = {num_pages} * {page_size} = {num_pages * page_size} indices, got {slot_indices.numel()}",
     )
     if layer is None:
         layers = range(pool.num_layers)
@@ -207,25 +207,25 @@ def check_transfer(
         layers = range(layer, layer + 1)
     if check_bounds is None:
         check_bounds = pool.device.type == "cpu"
-    if n_pages and (check_bounds or pages.device.type == "cpu"):
-        low, high, distinct = _range_and_distinct(pages)
+    if num_pages and (check_bounds or host_page_ids.device.type == "cpu"):
+        low, high, distinct = _range_and_distinct(host_page_ids)
         require(0 <= low and high < num_host_pages, "host_page_ids", lambda: f"must be in [0, {num_host_pages}) (the staging buffer's pages), got min {low} max {high}")
-        require(distinct == n_pages, "host_page_ids", "must not repeat a page id within one call")
-    if n_pages and check_bounds:
-        low, high = int(slots.min()), int(slots.max())
+        require(distinct == num_pages, "host_page_ids", "must not repeat a page id within one call")
+    if num_pages and check_bounds:
+        low, high = int(slot_indices.min()), int(slot_indices.max())
         require(0 <= low and high < pool.num_slots, "slot_indices", lambda: f"must be in [0, {pool.num_slots}) (the pool's slots), got min {low} max {high}")
-    pages_on_host = pages if pages.device.type == "cpu" else None
-    if slots.device != pool.device:
-        slots = slots.to(pool.device, non_blocking=True)
-    if pages.device != pool.device:
-        pages = pages.to(pool.device, non_blocking=True)
-    return Transfer(pool, staging, slots, pages, page_size, layout, layers, num_host_pages, pages_on_host)
+    host_page_ids_cpu = host_page_ids if host_page_ids.device.type == "cpu" else None
+    if slot_indices.device != pool.device:
+        slot_indices = slot_indices.to(pool.device, non_blocking=True)
+    if host_page_ids.device != pool.device:
+        host_page_ids = host_page_ids.to(pool.device, non_blocking=True)
+    return Transfer(pool, staging, slot_indices, host_page_ids, page_size, layout, layers, num_host_pages, host_page_ids_cpu)
 
 
-def page_runs(page_ids: list[int]) -> list[tuple[int, int, int]]:
+def page_runs(host_page_ids: list[int]) -> list[tuple[int, int, int]]:
     """``(first batch page, first host page, length)`` of each run of consecutive host page ids."""
     runs: list[tuple[int, int, int]] = []
-    for i, host in enumerate(page_ids):
+    for i, host in enumerate(host_page_ids):
         if runs and runs[-1][1] + runs[-1][2] == host:
             first, start, length = runs[-1]
             runs[-1] = (first, start, length + 1)
@@ -246,7 +246,7 @@ def copy_runs(plan: Transfer, compact: torch.Tensor, *, to_staging: bool) -> Non
     """
     ps = plan.page_size
     all_layers = len(plan.layers) == plan.pool.num_layers
-    for first, start, length in page_runs(plan.pages.tolist()):
+    for first, start, length in page_runs(plan.host_page_ids.tolist()):
         if plan.layout == "page_first" and all_layers:
             pairs = [(plan.staging[start : start + length], compact[first : first + length])]
         elif plan.layout == "page_first":
@@ -274,9 +274,9 @@ def split_staged(plan: Transfer) -> tuple[Transfer, Transfer]:
     host page ids on the host (a device sync if they live on the GPU).
     """
     pool = plan.pool
-    compact = torch.empty(staging_shape(pool, plan.n_pages, plan.page_size, plan.layout), dtype=pool.dtype, device=pool.device)
-    ordinal = torch.arange(plan.n_pages, dtype=torch.int64, device=pool.device)
-    host_pages = plan.pages_on_host if plan.pages_on_host is not None else plan.pages.cpu()
-    inner = replace(plan, staging=compact, pages=ordinal, num_host_pages=plan.n_pages, pages_on_host=None)
-    outer = replace(plan, pages=host_pages)
+    compact = torch.empty(staging_shape(pool, plan.num_pages, plan.page_size, plan.layout), dtype=pool.dtype, device=pool.device)
+    ordinal = torch.arange(plan.num_pages, dtype=torch.int64, device=pool.device)
+    host_page_ids = plan.host_page_ids_cpu if plan.host_page_ids_cpu is not None else plan.host_page_ids.cpu()
+    inner = replace(plan, staging=compact, host_page_ids=ordinal, num_host_pages=plan.num_pages, host_page_ids_cpu=None)
+    outer = replace(plan, host_page_ids=host_page_ids)
     return inner, outer

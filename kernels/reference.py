@@ -73,19 +73,19 @@ class _Route:
 
     run_start: first host page when the batch's host pages are one consecutive run (in any
         order), else None. Then the batch is sorted by host page, and the host side is a plain
-        slice ``[run_start, run_start + n_pages)``: no indexed access at all.
+        slice ``[run_start, run_start + num_pages)``: no indexed access at all.
     device_index: the device-side index, in host order when ``run_start`` is set: device page
         numbers when ``whole_pages``, else slots (token rows).
     whole_pages: every page is an aligned run of slots (``slots[i * ps + j] == k * ps + j``)
         and the host side is one run, so the device side moves whole pages.
-    host_pages: the host page of each page of the batch (int64), for the indexed host side
+    host_page_ids: the host page of each page of the batch (int64), for the indexed host side
         when ``run_start`` is None.
     """
 
     run_start: int | None
     device_index: torch.Tensor
     whole_pages: bool
-    host_pages: torch.Tensor
+    host_page_ids: torch.Tensor
 
 
 def _whole_pages(device_rows: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -96,11 +96,11 @@ def _whole_pages(device_rows: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def _route(plan: Transfer) -> _Route:
-    ps, n = plan.page_size, plan.n_pages
-    host = plan.pages_on_host if plan.pages_on_host is not None else plan.pages.cpu()  # CUDA: a sync (test path)
+    ps, n = plan.page_size, plan.num_pages
+    host = plan.host_page_ids_cpu if plan.host_page_ids_cpu is not None else plan.host_page_ids.cpu()  # CUDA: a sync (test path)
     host = host.long()
-    slots = plan.slots.long()
-    host_pages = plan.pages.long()
+    slots = plan.slot_indices.long()
+    host_pages = plan.host_page_ids.long()
     low, high = int(host.min()), int(host.max())
     if high - low != n - 1:  # host pages anywhere: index both sides
         return _Route(None, slots, False, host_pages)
@@ -115,14 +115,14 @@ def _route(plan: Transfer) -> _Route:
 
 def run_gather_torch(plan: Transfer) -> None:
     """Execute a validated gather with ``index_select`` (and ``copy_`` / ``index_copy_`` into staging)."""
-    if plan.n_pages == 0:
+    if plan.num_pages == 0:
         return
     if plan.staging.device != plan.pool.device:  # host staging for a CUDA pool: torch ops need one device
         inner, outer = split_staged(plan)
         run_gather_torch(inner)
         copy_runs(outer, inner.staging, to_staging=True)
         return
-    pool, ps, n = plan.pool, plan.page_size, plan.n_pages
+    pool, ps, n = plan.pool, plan.page_size, plan.num_pages
     word = word_bytes_for(pool.row_bytes, [plan.staging], min(GATHER_MAX_WORD, pool.word_alignment))
     route = _route(plan)
     with nvtx_range("gather_reference"):
@@ -130,7 +130,7 @@ def run_gather_torch(plan: Transfer) -> None:
             w = device_rows.shape[1]
             if route.run_start is None:  # host pages anywhere: select the rows, then index_copy_ whole pages
                 rows = device_rows.index_select(0, route.device_index).view(n, ps, w)
-                host_plane.index_copy_(0, route.host_pages, rows)
+                host_plane.index_copy_(0, route.host_page_ids, rows)
                 continue
             target = host_plane[route.run_start : route.run_start + n]  # [n, ps, w], host order
             if route.whole_pages:  # one pass: whole pages straight into the staging slice
@@ -143,21 +143,21 @@ def run_gather_torch(plan: Transfer) -> None:
 
 def run_scatter_torch(plan: Transfer) -> None:
     """Execute a validated scatter with ``index_copy_`` (and ``index_select`` from staging when needed)."""
-    if plan.n_pages == 0:
+    if plan.num_pages == 0:
         return
     if plan.staging.device != plan.pool.device:
         inner, outer = split_staged(plan)
         copy_runs(outer, inner.staging, to_staging=False)
         run_scatter_torch(inner)
         return
-    pool, ps, n = plan.pool, plan.page_size, plan.n_pages
+    pool, ps, n = plan.pool, plan.page_size, plan.num_pages
     word = word_bytes_for(pool.row_bytes, [plan.staging], min(SCATTER_MAX_WORD, pool.word_alignment))
     route = _route(plan)
     with nvtx_range("scatter_reference"):
         for device_rows, host_plane in _host_planes(plan, word):
             w = device_rows.shape[1]
             if route.run_start is None:
-                source = host_plane.index_select(0, route.host_pages)  # [n, ps, w] in batch order
+                source = host_plane.index_select(0, route.host_page_ids)  # [n, ps, w] in batch order
                 device_rows.index_copy_(0, route.device_index, source.view(n * ps, w))
                 continue
             source = host_plane[route.run_start : route.run_start + n]  # [n, ps, w], host order
@@ -186,8 +186,8 @@ def gather_reference(
     Args:
         pool: the device pool.
         staging: contiguous buffer of :func:`staging_shape` ``(pool, num_host_pages, page_size, layout)``.
-        slot_indices: int32/int64 ``[n_pages * page_size]`` device slots, token order within each page.
-        host_page_ids: int32/int64 ``[n_pages]`` distinct pages of ``staging``.
+        slot_indices: int32/int64 ``[num_pages * page_size]`` device slots, token order within each page.
+        host_page_ids: int32/int64 ``[num_pages]`` distinct pages of ``staging``.
         page_size: tokens per page.
         layout: ``"page_first"`` or ``"layer_first"``.
         check_bounds: see :func:`kvstage.kernels.layout.check_transfer`.

@@ -86,7 +86,7 @@ def gather(
     check_bounds: bool | None = None,
     max_programs: int | None = None,
 ) -> None:
-    """Device to host: copy ``n_pages`` pages of every layer from ``pool`` into ``staging``, one launch.
+    """Device to host: copy ``num_pages`` pages of every layer from ``pool`` into ``staging``, one launch.
 
     Token ``j`` of page ``i`` (device slot ``slot_indices[i * page_size + j]``) of every
     (part, layer) lands at host page ``host_page_ids[i]``, token ``j``.
@@ -95,9 +95,9 @@ def gather(
         pool: the device pool (:class:`KVPool`).
         staging: contiguous ``staging_shape(pool, num_host_pages, page_size, layout)`` of
             ``pool.dtype``: pinned host memory for a CUDA pool, or a tensor on the pool's device.
-        slot_indices: int32/int64 ``[n_pages * page_size]`` device slots (a ``req_to_token``
+        slot_indices: int32/int64 ``[num_pages * page_size]`` device slots (a ``req_to_token``
             slice; the slots of a page need not be contiguous).
-        host_page_ids: int32/int64 ``[n_pages]`` distinct host pages.
+        host_page_ids: int32/int64 ``[num_pages]`` distinct host pages.
         page_size: tokens per page.
         layout: ``"page_first"`` or ``"layer_first"``.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
@@ -118,7 +118,7 @@ def gather(
     plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, check_bounds=check_bounds)
     _check_mode(mode, max_programs)
     chosen = resolve_backend(backend, pool.device.type == "cuda")
-    if plan.n_pages == 0:
+    if plan.num_pages == 0:
         return
     with nvtx_range("gather"):
         _run(plan, gather=True, backend=chosen, mode=mode, max_programs=max_programs)
@@ -152,7 +152,7 @@ def scatter(
     plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, layer=layer, check_bounds=check_bounds)
     _check_mode(mode, max_programs)
     chosen = resolve_backend(backend, pool.device.type == "cuda")
-    if plan.n_pages == 0:
+    if plan.num_pages == 0:
         return
     with nvtx_range("scatter"):
         _run(plan, gather=False, backend=chosen, mode=mode, max_programs=max_programs)

@@ -3,10 +3,10 @@
 One kernel serves both directions (``GATHER``: pool -> staging; else staging -> pool) and
 both staging layouts (they differ only in strides). It moves *words*, not elements: every
 tensor is viewed as the widest integer word (8, 4, 2 or 1 bytes) that divides the row
-(``head_num * head_dim * itemsize``) and every base address, so fp16, bf16, fp32, fp8 and
+(``num_heads * head_dim * itemsize``) and every base address, so fp16, bf16, fp32, fp8 and
 int8 are one code path, and 16-byte vector accesses happen where the row allows.
 
-Work decomposition: the batch's ``n_tokens = n_pages * page_size`` rows are cut into tiles
+Work decomposition: the batch's ``num_tokens = num_pages * page_size`` rows are cut into tiles
 of ``BLOCK_T`` tokens x ``BLOCK_W`` words; a program loads a tile's slot and page indices
 once, then copies that tile in every (part, layer). Programs walk the tiles grid-stride, so
 the grid is capped at ``max_programs`` (a copy kernel must leave the forward pass its SMs)
@@ -46,10 +46,10 @@ def _kv_rows_copy_kernel(
     pool_base,  # *word: the first pool buffer; buffer (p, l) starts at pool_base + layer_offsets[p * num_layers + l]
     layer_offsets,  # *int64 [kv_parts * num_layers]: word offsets of each buffer from pool_base
     staging,  # *word: the staging buffer
-    slots,  # *int32|int64 [n_tokens]: device slot of each token
-    pages,  # *int32|int64 [n_tokens // page_size]: host page of each page
-    n_tokens,
-    row_words,  # words per slot row (head_num * head_dim * itemsize / word)
+    slot_indices,  # *int32|int64 [num_tokens]: device slot of each token
+    host_page_ids,  # *int32|int64 [num_tokens // page_size]: host page of each page
+    num_tokens,
+    row_words,  # words per slot row (num_heads * head_dim * itemsize / word)
     page_size,
     num_layers,
     layer_start,
@@ -66,14 +66,14 @@ def _kv_rows_copy_kernel(
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     col_tiles = tl.cdiv(row_words, BLOCK_W)
-    num_tiles = tl.cdiv(n_tokens, BLOCK_T) * col_tiles
+    num_tiles = tl.cdiv(num_tokens, BLOCK_T) * col_tiles
     for tile in range(pid, num_tiles, num_programs):
         token = (tile // col_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
         col = ((tile % col_tiles) * BLOCK_W + tl.arange(0, BLOCK_W)).to(tl.int64)
-        token_ok = token < n_tokens
+        token_ok = token < num_tokens
         mask = token_ok[:, None] & (col < row_words)[None, :]
-        slot = tl.load(slots + token, mask=token_ok, other=0).to(tl.int64)
-        page = tl.load(pages + token // page_size, mask=token_ok, other=0).to(tl.int64)
+        slot = tl.load(slot_indices + token, mask=token_ok, other=0).to(tl.int64)
+        page = tl.load(host_page_ids + token // page_size, mask=token_ok, other=0).to(tl.int64)
         device_row = tl.multiple_of(slot * row_words, ALIGN)
         host_row = tl.multiple_of(page * staging_page_stride + (token % page_size).to(tl.int64) * row_words, ALIGN)
         for part in range(0, kv_parts):
@@ -103,7 +103,7 @@ class LaunchConfig:
     num_programs: int
 
 
-def choose_config(row_words: int, word_bytes: int, n_tokens: int, *, on_cuda: bool, max_programs: int | None) -> LaunchConfig:
+def choose_config(row_words: int, word_bytes: int, num_tokens: int, *, on_cuda: bool, max_programs: int | None) -> LaunchConfig:
     """The heuristic launch configuration (no autotuning: it needs a GPU and several configs).
 
     A tile is about 16 KiB on CUDA (whole rows where a row fits, so a token's row is read
@@ -111,7 +111,7 @@ def choose_config(row_words: int, word_bytes: int, n_tokens: int, *, on_cuda: bo
     batch allows (each program step is a numpy call, so fewer bigger steps are faster).
 
     Args:
-        row_words: words per row; word_bytes: bytes per word; n_tokens: rows per (part, layer).
+        row_words: words per row; word_bytes: bytes per word; num_tokens: rows per (part, layer).
         on_cuda: native launch (else the interpreter).
         max_programs: grid cap; ``None`` = ``KVSTAGE_MAX_PROGRAMS`` or the default.
     """
@@ -120,8 +120,8 @@ def choose_config(row_words: int, word_bytes: int, n_tokens: int, *, on_cuda: bo
         max_programs = int(env) if env else (DEFAULT_MAX_PROGRAMS if on_cuda else INTERPRETER_MAX_PROGRAMS)
     tile_bytes = 16 * 1024 if on_cuda else 1 << 20
     block_w = min(triton.next_power_of_2(row_words), max(1, tile_bytes // word_bytes))
-    block_t = min(triton.next_power_of_2(max(n_tokens, 1)), max(1, tile_bytes // (block_w * word_bytes)))
-    tiles = triton.cdiv(n_tokens, block_t) * triton.cdiv(row_words, block_w)
+    block_t = min(triton.next_power_of_2(max(num_tokens, 1)), max(1, tile_bytes // (block_w * word_bytes)))
+    tiles = triton.cdiv(num_tokens, block_t) * triton.cdiv(row_words, block_w)
     num_warps = 8 if block_t * block_w * word_bytes >= 8192 else 4
     return LaunchConfig(block_t, block_w, num_warps, max(1, min(tiles, max_programs)))
 
@@ -178,7 +178,7 @@ def launch(plan: Transfer, *, gather: bool, max_programs: int | None = None) -> 
 
     Returns the :class:`LaunchConfig` used (``None`` for an empty batch, which launches nothing).
     """
-    if plan.n_pages == 0:
+    if plan.num_pages == 0:
         return None
     pool = plan.pool
     word = word_bytes_for(pool.row_bytes, [plan.staging], min(KERNEL_MAX_WORD, pool.word_alignment))
@@ -186,7 +186,7 @@ def launch(plan: Transfer, *, gather: bool, max_programs: int | None = None) -> 
     words = _pool_words(pool, word)
     staging_words = as_rows(plan.staging, pool.row_bytes, word)
     on_cuda = pool.device.type == "cuda"
-    config = (_config_hook or choose_config)(row_words, word, plan.n_tokens, on_cuda=on_cuda, max_programs=max_programs)
+    config = (_config_hook or choose_config)(row_words, word, plan.num_tokens, on_cuda=on_cuda, max_programs=max_programs)
     ps, layers, parts = plan.page_size, pool.num_layers, pool.kv_parts
     if plan.layout == "page_first":  # [P, L, parts, ps, row]
         page_stride, part_stride, layer_stride = layers * parts * ps * row_words, ps * row_words, parts * ps * row_words
@@ -197,9 +197,9 @@ def launch(plan: Transfer, *, gather: bool, max_programs: int | None = None) -> 
         words.base,
         words.table,
         staging_words,
-        plan.slots,
-        plan.pages,
-        plan.n_tokens,
+        plan.slot_indices,
+        plan.host_page_ids,
+        plan.num_tokens,
         row_words,
         ps,
         layers,
@@ -230,12 +230,12 @@ def compile_ptx(*, gather: bool = True, block_t: int = 8, block_w: int = 256, al
     from triton.compiler import ASTSource
 
     signature = {
-        "pool_base": "*i64", "layer_offsets": "*i64", "staging": "*i64", "slots": "*i64", "pages": "*i64",
-        "n_tokens": "i32", "row_words": "i32", "page_size": "i32", "num_layers": "i32", "layer_start": "i32",
+        "pool_base": "*i64", "layer_offsets": "*i64", "staging": "*i64", "slot_indices": "*i64", "host_page_ids": "*i64",
+        "num_tokens": "i32", "row_words": "i32", "page_size": "i32", "num_layers": "i32", "layer_start": "i32",
         "layer_stop": "i32", "kv_parts": "i32", "staging_page_stride": "i64", "staging_part_stride": "i64",
         "staging_layer_stride": "i64", "GATHER": "constexpr", "BLOCK_T": "constexpr", "BLOCK_W": "constexpr", "ALIGN": "constexpr",
     }
-    divisible = [i for i, name in enumerate(signature) if name in {"pool_base", "layer_offsets", "staging", "slots", "pages", "row_words", "staging_page_stride", "staging_part_stride", "staging_layer_stride"}]
+    divisible = [i for i, name in enumerate(signature) if name in {"pool_base", "layer_offsets", "staging", "slot_indices", "host_page_ids", "row_words", "staging_page_stride", "staging_part_stride", "staging_layer_stride"}]
     source = ASTSource(
         fn=_kv_rows_copy_kernel, signature=signature,
         constexprs={"GATHER": gather, "BLOCK_T": block_t, "BLOCK_W": block_w, "ALIGN": align},

@@ -41,7 +41,7 @@ def test_grid_is_capped_by_default(on_cuda, expected_cap, monkeypatch):
 def tiny_tiles():
     """Force 2-token x 8-word tiles: many tiles, several column tiles per row, a short grid."""
 
-    def hook(row_words, word_bytes, n_tokens, *, on_cuda, max_programs):
+    def hook(row_words, word_bytes, num_tokens, *, on_cuda, max_programs):
         return triton_copy.LaunchConfig(block_t=2, block_w=8, num_warps=1, num_programs=max_programs or 3)
 
     triton_copy.set_config_hook(hook)
@@ -52,17 +52,17 @@ def tiny_tiles():
 @pytest.mark.parametrize("programs", [1, 3], ids=["1-program", "3-programs"])
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_grid_stride_loop_covers_every_tile(device, tiny_tiles, programs, layout):
-    pool = make_pool(parts=2, layers=2, slots=24, heads=1, dim=36, dtype=torch.float16, device=device, storage="scattered")
+    pool = make_pool(parts=2, layers=2, num_slots=24, heads=1, dim=36, dtype=torch.float16, device=device, storage="scattered")
     staging = make_staging(pool, 6, 3, layout)
-    slots, pages = make_indices(pool, 5, 3, 6)  # 15 tokens = 8 token tiles; 74-byte gaps -> 2-byte words, 36 a row = 5 column tiles
+    slot_indices, host_page_ids = make_indices(pool, 5, 3, 6)  # 15 tokens = 8 token tiles; 74-byte gaps -> 2-byte words, 36 a row = 5 column tiles
     want = staging.clone()
-    gather_reference(pool, want, slots, pages, page_size=3, layout=layout)
-    gather(pool, staging, slots, pages, page_size=3, layout=layout, backend="triton", max_programs=programs)
+    gather_reference(pool, want, slot_indices, host_page_ids, page_size=3, layout=layout)
+    gather(pool, staging, slot_indices, host_page_ids, page_size=3, layout=layout, backend="triton", max_programs=programs)
     assert same_bytes(staging, want)
     random_bytes_(staging, torch.Generator().manual_seed(5))
-    ref = make_pool(parts=2, layers=2, slots=24, heads=1, dim=36, dtype=torch.float16, device=device, storage="scattered")
-    scatter_reference(staging, ref, slots, pages, page_size=3, layout=layout)
-    scatter(staging, pool, slots, pages, page_size=3, layout=layout, backend="triton", max_programs=programs)
+    ref = make_pool(parts=2, layers=2, num_slots=24, heads=1, dim=36, dtype=torch.float16, device=device, storage="scattered")
+    scatter_reference(staging, ref, slot_indices, host_page_ids, page_size=3, layout=layout)
+    scatter(staging, pool, slot_indices, host_page_ids, page_size=3, layout=layout, backend="triton", max_programs=programs)
     assert all(same_bytes(a, b) for a, b in zip(pool.tensors(), ref.tensors()))
 
 
@@ -75,34 +75,34 @@ def test_page_runs_group_consecutive_host_pages():
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_staged_mode_equals_kernel_mode(device, layout, backend):
-    pool = make_pool(parts=2, layers=3, slots=40, heads=5, dim=72, dtype=torch.bfloat16, device=device)
+    pool = make_pool(parts=2, layers=3, num_slots=40, heads=5, dim=72, dtype=torch.bfloat16, device=device)
     pinned = device.type == "cuda"
     staging = make_staging(pool, 10, 3, layout, pinned=pinned)
-    slots, _ = make_indices(pool, 6, 3, 10)
-    pages = torch.tensor([5, 6, 7, 1, 2, 9])  # three runs; on CPU, as an engine's host pool would hand them over
+    slot_indices, _ = make_indices(pool, 6, 3, 10)
+    host_page_ids = torch.tensor([5, 6, 7, 1, 2, 9])  # three runs; on CPU, as an engine's host pool would hand them over
     kernel_staging = make_staging(pool, 10, 3, layout, pinned=pinned)  # (a clone would not be pinned)
-    gather(pool, kernel_staging, slots, pages, page_size=3, layout=layout, backend=backend)
-    gather(pool, staging, slots, pages, page_size=3, layout=layout, backend=backend, mode="staged")
+    gather(pool, kernel_staging, slot_indices, host_page_ids, page_size=3, layout=layout, backend=backend)
+    gather(pool, staging, slot_indices, host_page_ids, page_size=3, layout=layout, backend=backend, mode="staged")
     if device.type == "cuda":
         torch.cuda.synchronize()
     assert same_bytes(staging, kernel_staging)
     original = pool_bytes(pool)
     for t in pool.tensors():
-        t.view(torch.uint8)[slots.long()] = 0xA5
-    scatter(staging, pool, slots, pages, page_size=3, layout=layout, backend=backend, mode="staged", layer=None)
+        t.view(torch.uint8)[slot_indices.long()] = 0xA5
+    scatter(staging, pool, slot_indices, host_page_ids, page_size=3, layout=layout, backend=backend, mode="staged", layer=None)
     assert all(torch.equal(a, b) for a, b in zip(original, pool_bytes(pool)))
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_staged_scatter_of_one_layer_moves_only_that_layer(device, layout):
-    pool = make_pool(parts=2, layers=3, slots=24, heads=1, dim=16, dtype=torch.float16, device=device)
+    pool = make_pool(parts=2, layers=3, num_slots=24, heads=1, dim=16, dtype=torch.float16, device=device)
     staging = make_staging(pool, 5, 2, layout, pinned=device.type == "cuda")
     random_bytes_(staging, torch.Generator().manual_seed(4))
-    slots, _ = make_indices(pool, 3, 2, 5)
-    pages = torch.tensor([4, 0, 1])
-    want = make_pool(parts=2, layers=3, slots=24, heads=1, dim=16, dtype=torch.float16, device=device)
-    scatter_reference(staging, want, slots, pages, page_size=2, layout=layout, layer=1)
-    scatter(staging, pool, slots, pages, page_size=2, layout=layout, layer=1, mode="staged", backend="triton")
+    slot_indices, _ = make_indices(pool, 3, 2, 5)
+    host_page_ids = torch.tensor([4, 0, 1])
+    want = make_pool(parts=2, layers=3, num_slots=24, heads=1, dim=16, dtype=torch.float16, device=device)
+    scatter_reference(staging, want, slot_indices, host_page_ids, page_size=2, layout=layout, layer=1)
+    scatter(staging, pool, slot_indices, host_page_ids, page_size=2, layout=layout, layer=1, mode="staged", backend="triton")
     if device.type == "cuda":
         torch.cuda.synchronize()
     assert all(same_bytes(a, b) for a, b in zip(pool.tensors(), want.tensors()))
@@ -122,11 +122,11 @@ def test_every_launch_runs_inside_its_nvtx_range(device, backend, monkeypatch):
 
     real_torch = reference.run_gather_torch
     monkeypatch.setattr("kvstage.kernels.transfer.run_gather_torch", lambda plan: (seen.append(nvtx_ranges.open_ranges()), real_torch(plan)))
-    pool = make_pool(parts=1, layers=2, slots=8, heads=1, dim=16, dtype=torch.float16, device=device)
+    pool = make_pool(parts=1, layers=2, num_slots=8, heads=1, dim=16, dtype=torch.float16, device=device)
     staging = make_staging(pool, 2, 2, "page_first")
-    slots, pages = make_indices(pool, 2, 2, 2)
-    gather(pool, staging, slots, pages, page_size=2, backend=backend)
-    scatter(staging, pool, slots, pages, page_size=2, backend=backend)
+    slot_indices, host_page_ids = make_indices(pool, 2, 2, 2)
+    gather(pool, staging, slot_indices, host_page_ids, page_size=2, backend=backend)
+    scatter(staging, pool, slot_indices, host_page_ids, page_size=2, backend=backend)
     if backend == "triton":
         assert seen == [("gather",), ("scatter",)]
     else:
@@ -135,20 +135,20 @@ def test_every_launch_runs_inside_its_nvtx_range(device, backend, monkeypatch):
 
 
 def test_streams_helper_copies_and_completes(device):
-    pool = make_pool(parts=2, layers=2, slots=16, heads=1, dim=16, dtype=torch.float16, device=device)
+    pool = make_pool(parts=2, layers=2, num_slots=16, heads=1, dim=16, dtype=torch.float16, device=device)
     staging = make_staging(pool, 3, 2, "page_first", pinned=True)
-    slots, pages = make_indices(pool, 2, 2, 3)
+    slot_indices, host_page_ids = make_indices(pool, 2, 2, 3)
     want = make_staging(pool, 3, 2, "page_first")
-    gather_reference(pool, want, slots, pages, page_size=2)
+    gather_reference(pool, want, slot_indices, host_page_ids, page_size=2)
     stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-    handle = gather_async(pool, staging, slots, pages, stream=stream, page_size=2)
+    handle = gather_async(pool, staging, slot_indices, host_page_ids, stream=stream, page_size=2)
     handle.synchronize()
     assert handle.query()
     assert same_bytes(staging, want)
     original = pool_bytes(pool)
     for t in pool.tensors():
-        t.view(torch.uint8)[slots.long()] = 0
-    handle = scatter_async(staging, pool, slots, pages, stream=stream, page_size=2)
+        t.view(torch.uint8)[slot_indices.long()] = 0
+    handle = scatter_async(staging, pool, slot_indices, host_page_ids, stream=stream, page_size=2)
     handle.wait()  # the consumer's stream waits; on CPU it already ran
     if device.type == "cuda":
         torch.cuda.current_stream().synchronize()
@@ -165,13 +165,13 @@ def test_launch_after_runs_inline_without_a_stream():
 def test_side_stream_copy_waits_for_the_producer():
     """The producer writes the pool after a long kernel; the gather on the side stream must see the write."""
     device = torch.device("cuda")
-    pool = make_pool(parts=2, layers=2, slots=64, heads=8, dim=128, dtype=torch.bfloat16, device=device)
+    pool = make_pool(parts=2, layers=2, num_slots=64, heads=8, dim=128, dtype=torch.bfloat16, device=device)
     staging = make_staging(pool, 4, 16, "page_first", pinned=True)
-    slots, pages = make_indices(pool, 4, 16, 4)
+    slot_indices, host_page_ids = make_indices(pool, 4, 16, 4)
     side = torch.cuda.Stream()
     torch.cuda._sleep(50_000_000)  # keep the producer busy for tens of ms
     for t in pool.tensors():
         t.fill_(1.5)
-    handle = gather_async(pool, staging, slots, pages, stream=side, page_size=16)
+    handle = gather_async(pool, staging, slot_indices, host_page_ids, stream=side, page_size=16)
     handle.synchronize()
     assert (staging.float() == 1.5).all()
