@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from kvstage.errors import ArgumentTypeError, DeviceMismatchError, require
+from kvstage.kernels.words import widest_word
 from kvstage.kv_layout import KVLayout
 
 __all__ = ["KVPool"]
@@ -167,12 +168,9 @@ class KVPool:
     @functools.cached_property
     def word_alignment(self) -> int:
         """The widest word, in bytes (16, 8, 4, 2 or 1), dividing ``row_bytes`` and every buffer's
-        start address: the widest access a copy may use on the pool's side. Computed once (the
-        buffers of a pool never change)."""
-        word = 16
-        while word > 1 and (self.row_bytes % word or any(t.data_ptr() % word for t in self.tensors())):
-            word //= 2
-        return word
+        start address: the widest access a copy may use on the pool's side (the rule is
+        :func:`kvstage.kernels.words.widest_word`). Computed once (the buffers of a pool never change)."""
+        return widest_word(self.row_bytes, (t.data_ptr() for t in self.tensors()))
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer, part-major: ``[part 0 layer 0, part 0 layer 1, ..., part 1 layer 0, ...]``."""

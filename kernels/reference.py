@@ -25,37 +25,25 @@ import torch
 
 from kvstage.kernels.layout import Transfer, check_transfer, copy_runs, split_staged
 from kvstage.kernels.pool import KVPool
+from kvstage.kernels.words import as_words, widest_word
 from kvstage.nvtx_ranges import nvtx_range
 
-__all__ = ["gather_reference", "scatter_reference", "word_bytes_for", "as_rows"]
+__all__ = ["gather_reference", "scatter_reference"]
 
-_WORD_DTYPES = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-# index_copy_ (scatter) costs per element, so it moves 16-byte "words" (complex128 is only a
-# 16-byte container here: its values are copied bit for bit); index_select (gather) measured
-# fastest on 8-byte words.
+# index_copy_ (scatter) costs per element, so it moves 16-byte words; index_select (gather)
+# measured fastest on 8-byte words.
 GATHER_MAX_WORD, SCATTER_MAX_WORD = 8, 16
 
 
-def word_bytes_for(row_bytes: int, tensors: list[torch.Tensor], max_word: int = 8) -> int:
-    """The widest word (``max_word``, ..., 2 or 1 bytes) dividing ``row_bytes`` and every tensor's start address."""
-    word = max_word
-    while word > 1:
-        if row_bytes % word == 0 and all(t.data_ptr() % word == 0 for t in tensors):
-            return word
-        word //= 2
-    return 1
-
-
-def as_rows(t: torch.Tensor, row_bytes: int, word: int) -> torch.Tensor:
-    """View contiguous ``t`` as ``[numel * itemsize / row_bytes, row_bytes / word]`` words (no copy)."""
-    flat = t.reshape(-1).view(torch.uint8)
-    return flat.view(_WORD_DTYPES[word]).view(-1, row_bytes // word)
+def _word(plan: Transfer, max_word: int) -> int:
+    """The copy word (:func:`widest_word`) of the pool's rows and buffers and the staging buffer."""
+    return widest_word(plan.pool.row_bytes, [plan.staging.data_ptr()], min(max_word, plan.pool.word_alignment))
 
 
 def _host_planes(plan: Transfer, word: int):
     """Yield ``(device_rows [num_slots, w], host_plane [num_host_pages, page_size, w])`` per (part, layer)."""
     pool, ps = plan.pool, plan.page_size
-    staging = as_rows(plan.staging, pool.row_bytes, word)
+    staging = as_words(plan.staging, pool.row_bytes, word)
     if plan.layout == "page_first":  # [P, L, parts, ps, w]: plane (l, p) is a strided [P, ps, w]
         staging5 = staging.view(plan.num_host_pages, pool.num_layers, pool.kv_parts, ps, -1)
         planes = lambda p, layer: staging5[:, layer, p]  # noqa: E731
@@ -64,7 +52,7 @@ def _host_planes(plan: Transfer, word: int):
         planes = lambda p, layer: staging4[p, layer]  # noqa: E731
     for p in range(pool.kv_parts):
         for layer in plan.layers:
-            yield as_rows(pool.buffers[p][layer], pool.row_bytes, word), planes(p, layer)
+            yield as_words(pool.buffers[p][layer], pool.row_bytes, word), planes(p, layer)
 
 
 @dataclass
@@ -123,7 +111,7 @@ def run_gather_torch(plan: Transfer) -> None:
         copy_runs(outer, inner.staging, to_staging=True)
         return
     pool, ps, n = plan.pool, plan.page_size, plan.num_pages
-    word = word_bytes_for(pool.row_bytes, [plan.staging], min(GATHER_MAX_WORD, pool.word_alignment))
+    word = _word(plan, GATHER_MAX_WORD)
     route = _route(plan)
     with nvtx_range("gather_reference"):
         for device_rows, host_plane in _host_planes(plan, word):
@@ -151,7 +139,7 @@ def run_scatter_torch(plan: Transfer) -> None:
         run_scatter_torch(inner)
         return
     pool, ps, n = plan.pool, plan.page_size, plan.num_pages
-    word = word_bytes_for(pool.row_bytes, [plan.staging], min(SCATTER_MAX_WORD, pool.word_alignment))
+    word = _word(plan, SCATTER_MAX_WORD)
     route = _route(plan)
     with nvtx_range("scatter_reference"):
         for device_rows, host_plane in _host_planes(plan, word):

@@ -21,6 +21,7 @@ may be negative). All offsets are computed in int64, so pools and staging buffer
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,7 +30,8 @@ import triton
 import triton.language as tl
 
 from kvstage.kernels.layout import Transfer
-from kvstage.kernels.reference import as_rows, word_bytes_for
+from kvstage.kernels.pool import KVPool
+from kvstage.kernels.words import as_words, widest_word
 
 __all__ = ["LaunchConfig", "choose_config", "launch", "set_config_hook", "DEFAULT_MAX_PROGRAMS"]
 
@@ -135,14 +137,6 @@ def set_config_hook(hook: Callable[..., LaunchConfig] | None) -> None:
     _config_hook = hook
 
 
-def _align_words(word: int, row_words: int, offsets: list[int]) -> int:
-    """Largest power of two <= 16 bytes / word dividing the row and every buffer offset, in words."""
-    align = max(1, 16 // word)
-    while align > 1 and (row_words % align or any(o % align for o in offsets)):
-        align //= 2
-    return align
-
-
 @dataclass(frozen=True)
 class _PoolWords:
     """What a launch needs from the pool at one word size; built once per (pool, word)."""
@@ -155,20 +149,22 @@ class _PoolWords:
 KERNEL_MAX_WORD = 8  # bytes: the kernel moves 8-, 4-, 2- or 1-byte words (wider runs vectorise)
 
 
-def _pool_words(pool, word: int) -> _PoolWords:
-    # Per-call work is Python, and a scatter per layer runs once per layer of every forward
-    # pass: build the views and the offset table (an H2D copy) once per pool and word size.
-    cache = pool.__dict__.setdefault("_triton_words", {})
-    entry = cache.get(word)
+# Per-call work is Python, and a scatter per layer runs once per layer of every forward pass:
+# the views and the offset table (an H2D copy) are built once per pool and word size, and
+# kept here (never in the pool object) for as long as the pool lives.
+_POOL_WORDS: "weakref.WeakKeyDictionary[KVPool, dict[int, _PoolWords]]" = weakref.WeakKeyDictionary()
+
+
+def _pool_words(pool: KVPool, word: int) -> _PoolWords:
+    entry = _POOL_WORDS.setdefault(pool, {}).get(word)
     if entry is None:
         tensors = pool.tensors()
         base_ptr = tensors[0].data_ptr()
-        offsets = [(t.data_ptr() - base_ptr) // word for t in tensors]  # may be negative
-        row_words = pool.row_bytes // word
-        entry = cache[word] = _PoolWords(
-            as_rows(tensors[0], pool.row_bytes, word),
-            torch.tensor(offsets, dtype=torch.int64, device=pool.device),
-            _align_words(word, row_words, offsets),
+        byte_offsets = [t.data_ptr() - base_ptr for t in tensors]  # may be negative
+        entry = _POOL_WORDS[pool][word] = _PoolWords(
+            as_words(tensors[0], pool.row_bytes, word),
+            torch.tensor([o // word for o in byte_offsets], dtype=torch.int64, device=pool.device),
+            widest_word(pool.row_bytes, byte_offsets) // word,
         )
     return entry
 
@@ -181,10 +177,10 @@ def launch(plan: Transfer, *, gather: bool, max_programs: int | None = None) -> 
     if plan.num_pages == 0:
         return None
     pool = plan.pool
-    word = word_bytes_for(pool.row_bytes, [plan.staging], min(KERNEL_MAX_WORD, pool.word_alignment))
+    word = widest_word(pool.row_bytes, [plan.staging.data_ptr()], min(KERNEL_MAX_WORD, pool.word_alignment))
     row_words = pool.row_bytes // word
     words = _pool_words(pool, word)
-    staging_words = as_rows(plan.staging, pool.row_bytes, word)
+    staging_words = as_words(plan.staging, pool.row_bytes, word)
     on_cuda = pool.device.type == "cuda"
     config = (_config_hook or choose_config)(row_words, word, plan.num_tokens, on_cuda=on_cuda, max_programs=max_programs)
     ps, layers, parts = plan.page_size, pool.num_layers, pool.kv_parts

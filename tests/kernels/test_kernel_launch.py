@@ -11,18 +11,38 @@ from kernel_helpers import make_indices, make_pool, make_staging, pool_bytes, ra
 from kvstage import nvtx_ranges
 from kvstage.kernels import gather, gather_async, gather_reference, launch_after, scatter, scatter_async, scatter_reference
 from kvstage.kernels import triton_copy
-from kvstage.kernels.reference import word_bytes_for
+from kvstage.kernels.words import widest_word
 from kvstage.kernels.layout import page_runs
 
 
 def test_word_is_the_widest_dividing_row_and_addresses():
-    base = torch.empty(64, dtype=torch.uint8)  # torch's allocator aligns to at least 64 bytes
-    assert word_bytes_for(144, [base]) == 8
-    assert word_bytes_for(36, [base]) == 4
-    assert word_bytes_for(18, [base]) == 2
-    assert word_bytes_for(9, [base]) == 1
-    assert word_bytes_for(144, [base, base[4:]]) == 4  # a buffer starting 4 bytes in
-    assert word_bytes_for(144, [base[1:]]) == 1
+    base = torch.empty(64, dtype=torch.uint8).data_ptr()  # torch's allocator aligns to at least 64 bytes
+    assert widest_word(144, [base]) == 16
+    assert widest_word(144, [base], max_word=8) == 8
+    assert widest_word(36, [base]) == 4
+    assert widest_word(18, [base]) == 2
+    assert widest_word(9, [base]) == 1
+    assert widest_word(144, [base, base + 4]) == 4  # a buffer starting 4 bytes in
+    assert widest_word(144, [base + 1]) == 1
+    assert widest_word(576, [0, -576 * 7]) == 16  # negative byte offsets (buffers below the first)
+
+
+def test_one_word_rule_for_both_backends_and_none_stored_in_the_pool(device):
+    import ast
+    import inspect
+
+    from kvstage.kernels import reference
+
+    imported = {node.module for node in ast.walk(ast.parse(inspect.getsource(triton_copy))) if isinstance(node, ast.ImportFrom)}
+    assert "kvstage.kernels.reference" not in imported
+    pool = make_pool(parts=2, layers=2, num_slots=8, heads=1, dim=16, dtype=torch.float16, device=device)
+    before = set(vars(pool))
+    staging = make_staging(pool, 2, 2, "page_first")
+    slot_indices, host_page_ids = make_indices(pool, 2, 2, 2)
+    gather(pool, staging, slot_indices, host_page_ids, page_size=2, backend="triton")
+    gather(pool, staging, slot_indices, host_page_ids, page_size=2, backend="torch")
+    assert set(vars(pool)) - before == {"word_alignment"}  # KVPool's own cached_property, nothing else
+    assert reference.widest_word is triton_copy.widest_word
 
 
 @pytest.mark.parametrize("on_cuda, expected_cap", [(True, triton_copy.DEFAULT_MAX_PROGRAMS), (False, triton_copy.INTERPRETER_MAX_PROGRAMS)], ids=["cuda", "interpreter"])
