@@ -167,16 +167,26 @@ def check_transfer(
     layout: str = "page_first",
     layer: int | None = None,
     check_bounds: bool | None = None,
+    scatter: bool = False,
 ) -> Transfer:
     """Validate a gather/scatter before anything is written; return the normalized :class:`Transfer`.
 
-    Index tensors on CPU for a CUDA pool are copied to the device (``non_blocking``).
+    Index tensors may be any 1-D view (strided, with a storage offset, or expanded): the
+    copies read them by their strides. Index tensors on CPU for a CUDA pool are copied to the
+    device (``non_blocking``).
+
+    A scatter must not write one slot twice (its content would be unspecified: on a GPU a
+    mix of both rows). An expanded ``slot_indices`` (stride 0, more than one element) is
+    rejected in a scatter; repeated values are rejected where the slots are checked
+    (``check_bounds``) and are the caller's responsibility otherwise. A gather may read a
+    slot more than once.
 
     Args:
-        check_bounds: check every device slot against ``[0, num_slots)`` (and host page ids
-            that live on the device). ``None`` = on for a CPU pool, off for a CUDA pool, where
-            it reads the indices back to the host (a device sync). Host page ids that live on
-            CPU are always checked (no sync needed).
+        check_bounds: check every device slot against ``[0, num_slots)`` (a scatter: and that
+            none repeats), and host page ids that live on the device. ``None`` = on for a CPU
+            pool, off for a CUDA pool, where it reads the indices back to the host (a device
+            sync). Host page ids that live on CPU are always checked (no sync needed).
+        scatter: the copy writes the pool (``scatter``) rather than the staging buffer.
 
     Raises:
         ArgumentTypeError: ``pool`` not a :class:`KVPool`; staging dtype differs from the pool's;
@@ -186,7 +196,9 @@ def check_transfer(
         InvalidArgumentError: bad ``page_size``/``layout``/``layer``; staging shape does not
             match the pool (layers, parts, page size, heads, head_dim) or is not contiguous;
             ``slot_indices`` does not hold ``len(host_page_ids) * page_size`` indices; a host
-            page id out of range or repeated; (``check_bounds``) a slot out of range.
+            page id out of range or repeated (an expanded ``host_page_ids`` repeats one); a
+            scatter's ``slot_indices`` expanded; (``check_bounds``) a slot out of range, or
+            repeated in a scatter.
     """
     require(isinstance(pool, KVPool), "pool", lambda: f"must be a KVPool, got {type(pool).__name__}", ArgumentTypeError)
     _check_page_size(page_size)
@@ -198,6 +210,12 @@ def check_transfer(
     require(
         slot_indices.numel() == num_pages * page_size, "slot_indices",
         lambda: f"must hold len(host_page_ids) * page_size = {num_pages} * {page_size} = {num_pages * page_size} indices, got {slot_indices.numel()}",
+    )
+    # A stride-0 view of more than one element repeats its value: known without reading it.
+    require(num_pages <= 1 or host_page_ids.stride(0) != 0, "host_page_ids", "must not repeat a page id within one call (an expanded view repeats one)")
+    require(
+        not scatter or slot_indices.numel() <= 1 or slot_indices.stride(0) != 0, "slot_indices",
+        "must not repeat a slot in a scatter (an expanded view repeats one; the slot's content would be unspecified)",
     )
     if layer is None:
         layers = range(pool.num_layers)
@@ -212,8 +230,12 @@ def check_transfer(
         require(0 <= low and high < num_host_pages, "host_page_ids", lambda: f"must be in [0, {num_host_pages}) (the staging buffer's pages), got min {low} max {high}")
         require(distinct == num_pages, "host_page_ids", "must not repeat a page id within one call")
     if num_pages and check_bounds:
-        low, high = int(slot_indices.min()), int(slot_indices.max())
+        if scatter:
+            low, high, distinct = _range_and_distinct(slot_indices)
+        else:
+            low, high, distinct = int(slot_indices.min()), int(slot_indices.max()), slot_indices.numel()
         require(0 <= low and high < pool.num_slots, "slot_indices", lambda: f"must be in [0, {pool.num_slots}) (the pool's slots), got min {low} max {high}")
+        require(distinct == slot_indices.numel(), "slot_indices", "must not repeat a slot in a scatter (the slot's content would be unspecified)")
     host_page_ids_cpu = host_page_ids if host_page_ids.device.type == "cpu" else None
     if slot_indices.device != pool.device:
         slot_indices = slot_indices.to(pool.device, non_blocking=True)

@@ -202,11 +202,11 @@ def scatter_reference(
 
     Args:
         layer: ``None`` moves every layer; an int moves that layer only (both parts).
-        Others: as :func:`gather_reference`. A slot that repeats in ``slot_indices`` receives
-        one of its rows (which one is unspecified).
+        Others: as :func:`gather_reference`; no slot may repeat in ``slot_indices`` (see
+        :func:`kvstage.kernels.layout.check_transfer`).
 
     Raises:
         The errors of :func:`kvstage.kernels.layout.check_transfer`, before anything is written.
     """
-    plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, layer=layer, check_bounds=check_bounds)
+    plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, layer=layer, check_bounds=check_bounds, scatter=True)
     run_scatter_torch(plan)

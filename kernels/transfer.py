@@ -96,8 +96,10 @@ def gather(
         staging: contiguous ``staging_shape(pool, num_host_pages, page_size, layout)`` of
             ``pool.dtype``: pinned host memory for a CUDA pool, or a tensor on the pool's device.
         slot_indices: int32/int64 ``[num_pages * page_size]`` device slots (a ``req_to_token``
-            slice; the slots of a page need not be contiguous).
-        host_page_ids: int32/int64 ``[num_pages]`` distinct host pages.
+            slice; the slots of a page need not be contiguous), on the pool's device or CPU;
+            any 1-D view (read by its strides; expanded: one slot for every token).
+        host_page_ids: int32/int64 ``[num_pages]`` distinct host pages, on the pool's device
+            or CPU; any 1-D view (read by its strides).
         page_size: tokens per page.
         layout: ``"page_first"`` or ``"layer_first"``.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
@@ -143,13 +145,14 @@ def scatter(
     Args:
         layer: ``None`` moves every layer in one launch; an int moves that layer (both parts),
             so that loading can overlap the forward pass layer by layer.
-        Others: as :func:`gather`. A slot repeated in ``slot_indices`` receives one of its
-        rows (which one is unspecified).
+        Others: as :func:`gather`. No slot may repeat in ``slot_indices`` (its content would
+        be unspecified): an expanded view is rejected, and repeated values are rejected where
+        the slots are checked (``check_bounds``).
 
     Raises:
         As :func:`gather`; also InvalidArgumentError for ``layer`` out of range.
     """
-    plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, layer=layer, check_bounds=check_bounds)
+    plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, layer=layer, check_bounds=check_bounds, scatter=True)
     _check_mode(mode, max_programs)
     chosen = resolve_backend(backend, pool.device.type == "cuda")
     if plan.num_pages == 0:

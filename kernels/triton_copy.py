@@ -48,8 +48,10 @@ def _kv_rows_copy_kernel(
     pool_base,  # *word: the first pool buffer; buffer (p, l) starts at pool_base + layer_offsets[p * num_layers + l]
     layer_offsets,  # *int64 [kv_parts * num_layers]: word offsets of each buffer from pool_base
     staging,  # *word: the staging buffer
-    slot_indices,  # *int32|int64 [num_tokens]: device slot of each token
-    host_page_ids,  # *int32|int64 [num_tokens // page_size]: host page of each page
+    slot_indices,  # *int32|int64 [num_tokens]: device slot of each token, slot_stride elements apart
+    host_page_ids,  # *int32|int64 [num_tokens // page_size]: host page of each page, page_id_stride elements apart
+    slot_stride,  # elements between consecutive slot_indices (0 for an expanded view)
+    page_id_stride,  # elements between consecutive host_page_ids
     num_tokens,
     row_words,  # words per slot row (num_heads * head_dim * itemsize / word)
     page_size,
@@ -74,8 +76,9 @@ def _kv_rows_copy_kernel(
         col = ((tile % col_tiles) * BLOCK_W + tl.arange(0, BLOCK_W)).to(tl.int64)
         token_ok = token < num_tokens
         mask = token_ok[:, None] & (col < row_words)[None, :]
-        slot = tl.load(slot_indices + token, mask=token_ok, other=0).to(tl.int64)
-        page = tl.load(host_page_ids + token // page_size, mask=token_ok, other=0).to(tl.int64)
+        token64 = token.to(tl.int64)
+        slot = tl.load(slot_indices + token64 * slot_stride, mask=token_ok, other=0).to(tl.int64)
+        page = tl.load(host_page_ids + (token64 // page_size) * page_id_stride, mask=token_ok, other=0).to(tl.int64)
         device_row = tl.multiple_of(slot * row_words, ALIGN)
         host_row = tl.multiple_of(page * staging_page_stride + (token % page_size).to(tl.int64) * row_words, ALIGN)
         for part in range(0, kv_parts):
@@ -195,6 +198,8 @@ def launch(plan: Transfer, *, gather: bool, max_programs: int | None = None) -> 
         staging_words,
         plan.slot_indices,
         plan.host_page_ids,
+        plan.slot_indices.stride(0),
+        plan.host_page_ids.stride(0),
         plan.num_tokens,
         row_words,
         ps,
@@ -227,7 +232,7 @@ def compile_ptx(*, gather: bool = True, block_t: int = 8, block_w: int = 256, al
 
     signature = {
         "pool_base": "*i64", "layer_offsets": "*i64", "staging": "*i64", "slot_indices": "*i64", "host_page_ids": "*i64",
-        "num_tokens": "i32", "row_words": "i32", "page_size": "i32", "num_layers": "i32", "layer_start": "i32",
+        "slot_stride": "i32", "page_id_stride": "i32", "num_tokens": "i32", "row_words": "i32", "page_size": "i32", "num_layers": "i32", "layer_start": "i32",
         "layer_stop": "i32", "kv_parts": "i32", "staging_page_stride": "i64", "staging_part_stride": "i64",
         "staging_layer_stride": "i64", "GATHER": "constexpr", "BLOCK_T": "constexpr", "BLOCK_W": "constexpr", "ALIGN": "constexpr",
     }
