@@ -20,7 +20,9 @@ may be negative). All offsets are computed in int64, so pools and staging buffer
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -29,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvstage.kernels.backend import triton_interpreter_enabled
 from kvstage.kernels.layout import Transfer
 from kvstage.kernels.pool import KVPool
 from kvstage.kernels.words import as_words, widest_word
@@ -172,6 +175,17 @@ def _pool_words(pool: KVPool, word: int) -> _PoolWords:
     return entry
 
 
+# Triton's interpreter patches triton.language for the duration of a launch and restores it
+# after, so two launches from two threads break each other at random ("Did you forget to add
+# @triton.jit?"). Interpreter launches take this lock; native launches never do.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _launch_guard(on_cuda: bool) -> contextlib.AbstractContextManager:
+    """The interpreter lock for a launch on CPU tensors under the interpreter; nothing on CUDA."""
+    return _INTERPRETER_LOCK if not on_cuda and triton_interpreter_enabled() else contextlib.nullcontext()
+
+
 def launch(plan: Transfer, *, gather: bool, max_programs: int | None = None) -> LaunchConfig | None:
     """Run the copy kernel for a validated :class:`Transfer` on the current stream.
 
@@ -192,30 +206,31 @@ def launch(plan: Transfer, *, gather: bool, max_programs: int | None = None) -> 
     else:  # [parts, L, P * ps, row]
         tokens = plan.num_host_pages * ps
         page_stride, part_stride, layer_stride = ps * row_words, layers * tokens * row_words, tokens * row_words
-    _kv_rows_copy_kernel[(config.num_programs,)](
-        words.base,
-        words.table,
-        staging_words,
-        plan.slot_indices,
-        plan.host_page_ids,
-        plan.slot_indices.stride(0),
-        plan.host_page_ids.stride(0),
-        plan.num_tokens,
-        row_words,
-        ps,
-        layers,
-        plan.layers.start,
-        plan.layers.stop,
-        parts,
-        page_stride,
-        part_stride,
-        layer_stride,
-        GATHER=gather,
-        BLOCK_T=config.block_t,
-        BLOCK_W=config.block_w,
-        ALIGN=words.align,
-        num_warps=config.num_warps,
-    )
+    with _launch_guard(on_cuda):
+        _kv_rows_copy_kernel[(config.num_programs,)](
+            words.base,
+            words.table,
+            staging_words,
+            plan.slot_indices,
+            plan.host_page_ids,
+            plan.slot_indices.stride(0),
+            plan.host_page_ids.stride(0),
+            plan.num_tokens,
+            row_words,
+            ps,
+            layers,
+            plan.layers.start,
+            plan.layers.stop,
+            parts,
+            page_stride,
+            part_stride,
+            layer_stride,
+            GATHER=gather,
+            BLOCK_T=config.block_t,
+            BLOCK_W=config.block_w,
+            ALIGN=words.align,
+            num_warps=config.num_warps,
+        )
     return config
 
 
