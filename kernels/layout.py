@@ -21,10 +21,37 @@ import torch
 from kvstage.errors import ArgumentTypeError, DeviceMismatchError, is_int, require
 from kvstage.kernels.pool import KVPool
 
-__all__ = ["LAYOUTS", "Transfer", "check_transfer", "copy_runs", "page_runs", "split_staged", "staging_shape"]
+__all__ = ["LAYOUTS", "Transfer", "check_transfer", "copy_runs", "on_host", "page_runs", "split_staged", "staging_shape", "to_device_async"]
 
 LAYOUTS = ("page_first", "layer_first")
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """True when ``t``'s values can be read on the host without syncing a device (a CPU tensor).
+
+    The one place that decides it: a tensor for which this is false is never read on the
+    host by a copy (no ``.cpu()``, ``.item()``, ``.tolist()``, ``bool()``, ``torch.unique``),
+    unless the caller asked for ``check_bounds``.
+    """
+    return t.device.type == "cpu"
+
+
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without blocking the host: the copy is queued on ``device``'s current stream.
+
+    A CPU tensor bound for a CUDA device goes through pinned memory: a ``non_blocking`` copy
+    from pageable memory may be synchronous (CUDA runtime API, "API synchronization behavior":
+    cudaMemcpyAsync from pageable host memory; PyTorch's "pin_memory() and non_blocking"
+    guide). torch's pinned allocator keeps the pinned block until the copy has run, and the
+    result, allocated on the stream the copy and the kernel then use, may be dropped right
+    after the launch (the caching allocator reuses it only for later work on that stream).
+    """
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    return t.to(device, non_blocking=True)
 
 
 def _check_page_size(page_size: object) -> None:
@@ -71,13 +98,16 @@ class Transfer:
     Attributes:
         pool: the device pool.
         staging: the staging buffer (contiguous; pinned host, or on the pool's device).
-        slot_indices: ``[num_pages * page_size]`` int32/int64 device slot per token, on the pool's device.
-        host_page_ids: ``[num_pages]`` int32/int64 host page ids, on the pool's device.
+        slot_indices: ``[num_pages * page_size]`` int32/int64 device slot per token, on the pool's
+            device (any 1-D view; a copy made here for CPU indices is kept by this object).
+        host_page_ids: ``[num_pages]`` int32/int64 host page ids, on the pool's device (any 1-D view).
         page_size: tokens per page.
         layout: ``"page_first"`` or ``"layer_first"``.
         layers: the layers moved, ``range(num_layers)`` or one layer.
         num_host_pages: pages the staging buffer holds.
-        host_page_ids_cpu: ``host_page_ids`` as given when it was a CPU tensor (read without a sync), else None.
+        host_page_ids_cpu: ``host_page_ids`` as given when :func:`on_host` (readable without a
+            sync), else None.
+        slot_indices_cpu: ``slot_indices`` as given when :func:`on_host`, else None.
     """
 
     pool: KVPool
@@ -89,6 +119,7 @@ class Transfer:
     layers: range
     num_host_pages: int
     host_page_ids_cpu: torch.Tensor | None = None
+    slot_indices_cpu: torch.Tensor | None = None
 
     @property
     def num_pages(self) -> int:
@@ -173,7 +204,7 @@ def check_transfer(
 
     Index tensors may be any 1-D view (strided, with a storage offset, or expanded): the
     copies read them by their strides. Index tensors on CPU for a CUDA pool are copied to the
-    device (``non_blocking``).
+    device through pinned memory (:func:`to_device_async`: no host sync).
 
     A scatter must not write one slot twice (its content would be unspecified: on a GPU a
     mix of both rows). An expanded ``slot_indices`` (stride 0, more than one element) is
@@ -225,7 +256,7 @@ def check_transfer(
         layers = range(layer, layer + 1)
     if check_bounds is None:
         check_bounds = pool.device.type == "cpu"
-    if num_pages and (check_bounds or host_page_ids.device.type == "cpu"):
+    if num_pages and (check_bounds or on_host(host_page_ids)):
         low, high, distinct = _range_and_distinct(host_page_ids)
         require(0 <= low and high < num_host_pages, "host_page_ids", lambda: f"must be in [0, {num_host_pages}) (the staging buffer's pages), got min {low} max {high}")
         require(distinct == num_pages, "host_page_ids", "must not repeat a page id within one call")
@@ -236,12 +267,12 @@ def check_transfer(
             low, high, distinct = int(slot_indices.min()), int(slot_indices.max()), slot_indices.numel()
         require(0 <= low and high < pool.num_slots, "slot_indices", lambda: f"must be in [0, {pool.num_slots}) (the pool's slots), got min {low} max {high}")
         require(distinct == slot_indices.numel(), "slot_indices", "must not repeat a slot in a scatter (the slot's content would be unspecified)")
-    host_page_ids_cpu = host_page_ids if host_page_ids.device.type == "cpu" else None
-    if slot_indices.device != pool.device:
-        slot_indices = slot_indices.to(pool.device, non_blocking=True)
-    if host_page_ids.device != pool.device:
-        host_page_ids = host_page_ids.to(pool.device, non_blocking=True)
-    return Transfer(pool, staging, slot_indices, host_page_ids, page_size, layout, layers, num_host_pages, host_page_ids_cpu)
+    return Transfer(
+        pool, staging, to_device_async(slot_indices, pool.device), to_device_async(host_page_ids, pool.device),
+        page_size, layout, layers, num_host_pages,
+        host_page_ids_cpu=host_page_ids if on_host(host_page_ids) else None,
+        slot_indices_cpu=slot_indices if on_host(slot_indices) else None,
+    )
 
 
 def page_runs(host_page_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -292,13 +323,19 @@ def split_staged(plan: Transfer) -> tuple[Transfer, Transfer]:
 
     ``inner`` moves the batch between the pool and a new compact buffer on the pool's device
     (``inner.staging``; batch page ``i`` at page ``i``); ``outer`` carries the host page ids on
-    the host for :func:`copy_runs` between that buffer and the real staging buffer. Reads the
-    host page ids on the host (a device sync if they live on the GPU).
+    the host for :func:`copy_runs` between that buffer and the real staging buffer.
+
+    Raises:
+        InvalidArgumentError: ``host_page_ids`` are not readable on the host (:func:`on_host`):
+            their runs are found on the host, and reading device ids would sync the device.
     """
+    require(
+        plan.host_page_ids_cpu is not None, "host_page_ids",
+        lambda: f"a staged copy (mode='staged', or the torch backend with host staging for a CUDA pool) needs them on CPU, got {plan.host_page_ids.device}: their runs are read on the host, and reading device ids would sync the device",
+    )
     pool = plan.pool
     compact = torch.empty(staging_shape(pool, plan.num_pages, plan.page_size, plan.layout), dtype=pool.dtype, device=pool.device)
     ordinal = torch.arange(plan.num_pages, dtype=torch.int64, device=pool.device)
-    host_page_ids = plan.host_page_ids_cpu if plan.host_page_ids_cpu is not None else plan.host_page_ids.cpu()
-    inner = replace(plan, staging=compact, host_page_ids=ordinal, num_host_pages=plan.num_pages, host_page_ids_cpu=None)
-    outer = replace(plan, host_page_ids=host_page_ids)
+    inner = replace(plan, staging=compact, host_page_ids=ordinal, num_host_pages=plan.num_pages, host_page_ids_cpu=torch.arange(plan.num_pages))
+    outer = replace(plan, host_page_ids=plan.host_page_ids_cpu)
     return inner, outer

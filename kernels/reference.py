@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstage.kernels.layout import Transfer, check_transfer, copy_runs, split_staged
+from kvstage.kernels.layout import Transfer, check_transfer, copy_runs, split_staged, to_device_async
 from kvstage.kernels.pool import KVPool
 from kvstage.kernels.words import as_words, widest_word
 from kvstage.nvtx_ranges import nvtx_range
@@ -83,22 +83,33 @@ def _whole_pages(device_rows: torch.Tensor, page_size: int) -> torch.Tensor:
     return device_rows[:whole].view(-1, page_size * device_rows.shape[1])
 
 
-def _route(plan: Transfer) -> _Route:
-    ps, n = plan.page_size, plan.num_pages
-    host = plan.host_page_ids_cpu if plan.host_page_ids_cpu is not None else plan.host_page_ids.cpu()  # CUDA: a sync (test path)
-    host = host.long()
-    slots = plan.slot_indices.long()
-    host_pages = plan.host_page_ids.long()
-    low, high = int(host.min()), int(host.max())
-    if high - low != n - 1:  # host pages anywhere: index both sides
-        return _Route(None, slots, False, host_pages)
-    # Distinct ids (validated) spanning n values: one run, sorted by host page.
-    order = torch.argsort(host).to(slots.device)
-    pages = slots.view(n, ps)
+def _aligned_page_starts(slot_indices: torch.Tensor, page_size: int) -> torch.Tensor | None:
+    """The first slot of each page when every page is an aligned run of slots, else None (CPU tensors only)."""
+    pages = slot_indices.long().reshape(-1, page_size)
     first = pages[:, 0]
-    if ps > 1 and bool(((first % ps == 0) & (pages == first[:, None] + torch.arange(ps, device=slots.device)).all(1)).all()):
-        return _Route(low, (first // ps)[order], True, host_pages)
-    return _Route(low, pages[order].reshape(-1), False, host_pages)
+    aligned = (first % page_size == 0) & (pages == first[:, None] + torch.arange(page_size)).all(1)
+    return first if bool(aligned.all()) else None
+
+
+def _route(plan: Transfer) -> _Route:
+    """Decide the route from what the host can read without a device sync (:func:`on_host`):
+    the host page ids (for a run) and the slots (for whole pages) as given on CPU. Indices that
+    live on the device are never read on the host: they take the indexed route."""
+    ps, n, device = plan.page_size, plan.num_pages, plan.slot_indices.device
+    slot_indices, host_page_ids = plan.slot_indices.long(), plan.host_page_ids.long()
+    indexed = _Route(None, slot_indices, False, host_page_ids)  # host pages anywhere: index both sides
+    if plan.host_page_ids_cpu is None:
+        return indexed
+    host = plan.host_page_ids_cpu.long()
+    low, high = int(host.min()), int(host.max())
+    if high - low != n - 1:
+        return indexed
+    # Distinct ids (validated) spanning n values: one run, sorted by host page.
+    order = torch.argsort(host)
+    first = _aligned_page_starts(plan.slot_indices_cpu, ps) if ps > 1 and plan.slot_indices_cpu is not None else None
+    if first is not None:
+        return _Route(low, to_device_async((first // ps)[order], device), True, host_page_ids)
+    return _Route(low, slot_indices.reshape(n, ps)[to_device_async(order, device)].reshape(-1), False, host_page_ids)
 
 
 def run_gather_torch(plan: Transfer) -> None:

@@ -14,15 +14,20 @@
   pass during the PCIe part. On CPU it runs the same two steps (the buffer is a CPU tensor),
   which only serves to test it.
 
-Every call runs on the current stream (wrap it in :mod:`kvstage.kernels.streams` to run
-it on a side stream after the producer's event).
+Every call runs on the current stream of the pool's device, with that device made current
+for the call (wrap it in :mod:`kvstage.kernels.streams` to run it on a side stream after the
+producer's event). Nothing on the way to the launch syncs the device: index tensors that live
+on the device are never read on the host (unless ``check_bounds`` asks for it), and CPU ones
+reach the device through pinned memory.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from kvstage.errors import is_int, require
+from kvstage.errors import ArgumentTypeError, is_int, require
 from kvstage.kernels.backend import resolve_backend
 from kvstage.kernels.layout import Transfer, check_transfer, copy_runs, split_staged
 from kvstage.kernels.pool import KVPool
@@ -42,6 +47,21 @@ def _check_mode(mode: object, max_programs: object) -> None:
     )
 
 
+def _device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` the current CUDA device for one copy; nothing for a CPU pool.
+
+    A Triton launch, torch's allocations and ``non_blocking`` copies use the *current*
+    device's current stream; with another device current, the kernel would be queued there
+    with this pool's pointers (CUDA: a kernel runs on the device of the stream it is launched
+    on; PyTorch: ``torch.cuda.device`` sets the device for the enclosed calls).
+    """
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _check_pool(pool: object) -> None:
+    require(isinstance(pool, KVPool), "pool", lambda: f"must be a KVPool, got {type(pool).__name__}", ArgumentTypeError)
+
+
 def _execute(plan: Transfer, *, gather: bool, backend: str, max_programs: int | None) -> None:
     """Run one validated copy on ``backend`` (``"triton"`` or ``"torch"``)."""
     if backend == "torch":
@@ -55,7 +75,8 @@ def _execute(plan: Transfer, *, gather: bool, backend: str, max_programs: int | 
 def _staged(plan: Transfer, *, gather: bool, backend: str, max_programs: int | None) -> None:
     """``mode="staged"``: kernel <-> compact buffer on the pool's device, ``copy_`` <-> staging.
 
-    Reads ``host_page_ids`` on the host to find runs (a device sync if they live on the GPU).
+    Reads ``host_page_ids`` on the host to find runs: they must be given on CPU (see
+    :func:`kvstage.kernels.layout.split_staged`).
     """
     inner, outer = split_staged(plan)
     if gather:
@@ -105,7 +126,8 @@ def gather(
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
         mode: ``"kernel"`` or ``"staged"`` (see the module doc).
         check_bounds: check slots (and device-resident host page ids) against their ranges;
-            default on for CPU pools, off for CUDA pools (it costs a device sync).
+            default on for CPU pools, off for CUDA pools (it costs a device sync: the one
+            sync a caller can ask for).
         max_programs: cap on the Triton grid (programs loop over the work); ``None`` = the
             launch heuristic's default, small so the forward pass keeps its SMs.
 
@@ -114,16 +136,20 @@ def gather(
     Raises:
         ArgumentTypeError, DeviceMismatchError, InvalidArgumentError: from validation,
             before anything is written (see :func:`kvstage.kernels.layout.check_transfer`);
-            InvalidArgumentError also for a bad ``mode``, ``backend`` or ``max_programs``.
+            InvalidArgumentError also for a bad ``mode``, ``backend`` or ``max_programs``, and
+            for ``host_page_ids`` on the device in a staged copy (``mode="staged"``, or the
+            torch backend with host staging for a CUDA pool), whose runs are read on the host.
         BackendUnavailableError: ``backend="triton"`` where Triton cannot run.
     """
-    plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, check_bounds=check_bounds)
-    _check_mode(mode, max_programs)
-    chosen = resolve_backend(backend, pool.device.type == "cuda")
-    if plan.num_pages == 0:
-        return
-    with nvtx_range("gather"):
-        _run(plan, gather=True, backend=chosen, mode=mode, max_programs=max_programs)
+    _check_pool(pool)
+    with _device_guard(pool.device):
+        plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, check_bounds=check_bounds)
+        _check_mode(mode, max_programs)
+        chosen = resolve_backend(backend, pool.device.type == "cuda")
+        if plan.num_pages == 0:
+            return
+        with nvtx_range("gather"):
+            _run(plan, gather=True, backend=chosen, mode=mode, max_programs=max_programs)
 
 
 def scatter(
@@ -152,10 +178,12 @@ def scatter(
     Raises:
         As :func:`gather`; also InvalidArgumentError for ``layer`` out of range.
     """
-    plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, layer=layer, check_bounds=check_bounds, scatter=True)
-    _check_mode(mode, max_programs)
-    chosen = resolve_backend(backend, pool.device.type == "cuda")
-    if plan.num_pages == 0:
-        return
-    with nvtx_range("scatter"):
-        _run(plan, gather=False, backend=chosen, mode=mode, max_programs=max_programs)
+    _check_pool(pool)
+    with _device_guard(pool.device):
+        plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, layer=layer, check_bounds=check_bounds, scatter=True)
+        _check_mode(mode, max_programs)
+        chosen = resolve_backend(backend, pool.device.type == "cuda")
+        if plan.num_pages == 0:
+            return
+        with nvtx_range("scatter"):
+            _run(plan, gather=False, backend=chosen, mode=mode, max_programs=max_programs)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kvstage.kernels.backend import triton_interpreter_enabled
-from kvstage.kernels.layout import Transfer
+from kvstage.kernels.layout import Transfer, to_device_async
 from kvstage.kernels.pool import KVPool
 from kvstage.kernels.words import as_words, widest_word
 
@@ -169,7 +169,7 @@ def _pool_words(pool: KVPool, word: int) -> _PoolWords:
         byte_offsets = [t.data_ptr() - base_ptr for t in tensors]  # may be negative
         entry = _POOL_WORDS[pool][word] = _PoolWords(
             as_words(tensors[0], pool.row_bytes, word),
-            torch.tensor([o // word for o in byte_offsets], dtype=torch.int64, device=pool.device),
+            to_device_async(torch.tensor([o // word for o in byte_offsets], dtype=torch.int64), pool.device),
             widest_word(pool.row_bytes, byte_offsets) // word,
         )
     return entry
