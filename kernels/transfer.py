@@ -34,7 +34,7 @@ from kvstage.kernels.pool import KVPool
 from kvstage.kernels.reference import run_gather_torch, run_scatter_torch
 from kvstage.nvtx_ranges import nvtx_range
 
-__all__ = ["MODES", "gather", "scatter"]
+__all__ = ["MODES", "gather", "scatter", "warm_up"]
 
 MODES = ("kernel", "staged")
 
@@ -92,6 +92,36 @@ def _run(plan: Transfer, *, gather: bool, backend: str, mode: str, max_programs:
         _staged(plan, gather=gather, backend=backend, max_programs=max_programs)
     else:
         _execute(plan, gather=gather, backend=backend, max_programs=max_programs)
+
+
+def warm_up(pool: KVPool, page_size: int, *, backend: str = "auto") -> int:
+    """Prepare copies of ``pool`` at ``page_size`` ahead of the hot path; call once after building the pool.
+
+    With native Triton it compiles every kernel variant those copies use (both directions,
+    int32 and int64 indices, any batch size, layout or layer: seconds of compiling that the
+    first copies would otherwise pay) and builds the pool's offset table (an H2D copy).
+
+    Args:
+        pool: the device pool.
+        page_size: tokens per page of the copies to come.
+        backend: as :func:`gather`; nothing to prepare for ``"torch"``.
+
+    Returns:
+        The number of kernel variants compiled (0 for the torch backend and under the interpreter).
+
+    Raises:
+        ArgumentTypeError: ``pool`` is not a :class:`KVPool`.
+        InvalidArgumentError: ``page_size`` is not a positive int; a bad ``backend``.
+        BackendUnavailableError: ``backend="triton"`` where Triton cannot run.
+    """
+    _check_pool(pool)
+    require(is_int(page_size) and page_size >= 1, "page_size", lambda: f"must be a positive int, got {page_size!r}")
+    if resolve_backend(backend, pool.device.type == "cuda") != "triton":
+        return 0
+    from kvstage.kernels import triton_copy
+
+    with _device_guard(pool.device):
+        return triton_copy.warm_up(pool, page_size)
 
 
 def gather(

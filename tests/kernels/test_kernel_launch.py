@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 import pytest
 import torch
@@ -195,3 +196,47 @@ def test_side_stream_copy_waits_for_the_producer():
     handle = gather_async(pool, staging, slot_indices, host_page_ids, stream=side, page_size=16)
     handle.synchronize()
     assert (staging.float() == 1.5).all()
+
+
+KERNEL_PARAMS = list(inspect.signature(triton_copy._kv_rows_copy_kernel.fn).parameters)
+
+
+def _specialization(args, kwargs):
+    """What selects a compiled variant: Triton's key of every specialized argument, and the constexprs."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import MockTensor, native_specialize_impl
+
+    keys = {}
+    for name, value in zip(KERNEL_PARAMS, args):
+        value = MockTensor.wrap_dtype(value)
+        specialize = name not in triton_copy._VARYING
+        keys[name] = native_specialize_impl(BaseBackend, value, False, specialize, True)
+    return keys, {k: kwargs[k] for k in ("GATHER", "BLOCK_T", "BLOCK_W", "VEC", "num_warps")}
+
+
+@pytest.mark.parametrize("rows", [(8, 128, torch.bfloat16), (1, 576, torch.float8_e4m3fn)], ids=["llama-rows", "mla-fp8-rows"])
+def test_warm_up_compiles_the_variant_of_every_later_copy(rows, monkeypatch):
+    """Batches of 1, 16 and 5 pages, both layouts, a per-layer scatter at layers 0, 1 and 2, int32
+    and int64 indices: each launch's specialization (as Triton computes it on CUDA) is one
+    that warm_up compiled, so none compiles on the hot path."""
+    heads, dim, dtype = rows
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(_specialization(args, kwargs))
+
+    monkeypatch.setattr(triton_copy, "_kv_rows_copy_kernel", Recorder())
+    real = triton_copy.choose_config
+    monkeypatch.setattr(triton_copy, "choose_config", lambda *a, **k: real(*a, **{**k, "on_cuda": True}))  # CUDA's tile shapes
+    pool = make_pool(parts=2 if heads > 1 else 1, layers=3, num_slots=96, heads=heads, dim=dim, dtype=dtype, device=torch.device("cpu"))
+    warmed = [_specialization(args, kwargs) for args, kwargs in triton_copy.warm_up_calls(pool, 4)]
+    for num_pages, layout, index_dtype in [(1, "page_first", torch.int64), (16, "layer_first", torch.int32), (5, "page_first", torch.int32)]:
+        staging = make_staging(pool, 20, 4, layout)
+        slot_indices, host_page_ids = make_indices(pool, num_pages, 4, 20, index_dtype=index_dtype)
+        gather(pool, staging, slot_indices, host_page_ids, page_size=4, layout=layout, backend="triton")
+        for layer in (None, 0, 1, 2):
+            scatter(staging, pool, slot_indices, host_page_ids, page_size=4, layout=layout, layer=layer, backend="triton")
+    assert len(launches) == 15
+    assert all(launch in warmed for launch in launches)
+    assert len({repr(w) for w in warmed}) == len(warmed) == 8  # 2 directions x 2 x 2 index dtypes, all distinct
