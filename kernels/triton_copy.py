@@ -2,9 +2,14 @@
 
 One kernel serves both directions (``GATHER``: pool -> staging; else staging -> pool) and
 both staging layouts (they differ only in strides). It moves *words*, not elements: every
-tensor is viewed as the widest integer word (8, 4, 2 or 1 bytes) that divides the row
-(``num_heads * head_dim * itemsize``) and every base address, so fp16, bf16, fp32, fp8 and
-int8 are one code path, and 16-byte vector accesses happen where the row allows.
+tensor is viewed as integer words of up to 8 bytes, ``VEC`` of them making the widest vector
+(up to 16 bytes) that divides the row (``num_heads * head_dim * itemsize``) and every base
+address (:func:`kvstage.kernels.words.widest_word`), so fp16, bf16, fp32, fp8 and int8 are
+one code path, and every row that allows 16-byte accesses gets them.
+
+Index tensors are read by their strides (any 1-D view). Ints that vary per call are not
+specialized, so the variants a pool needs are few and :func:`warm_up` compiles them ahead of
+the hot path. Under the interpreter launches are serialized (it is not thread-safe).
 
 Work decomposition: the batch's ``num_tokens = num_pages * page_size`` rows are cut into tiles
 of ``BLOCK_T`` tokens x ``BLOCK_W`` words; a program loads a tile's slot and page indices
