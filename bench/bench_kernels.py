@@ -9,7 +9,7 @@ Shapes: Llama-3-8B (32 layers, 8 KV heads, head_dim 128, bf16, K and V) and Deep
   reference, ``index_select``/``index_copy_`` per layer).
 * ``loop``: one ``copy_`` per (page, layer, part), what a naive engine does.
 * ``triton`` / ``triton-staged`` (GPU only): the Triton kernel writing pinned memory
-  directly, and the kernel into a device buffer plus ``cudaMemcpyAsync`` per run of pages.
+  directly, and the kernel into a device buffer plus ``cudaMemcpyAsync`` per run of host pages.
 
 Timing: ``triton.testing.do_bench`` (median) on GPU; on CPU the median of repeated
 ``perf_counter`` runs, torch paths only: the Triton interpreter's timings mean nothing.
@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from kvstage.kernels import KVPool, gather, scatter, staging_shape
+from kvstage.kernels import KVPool, gather, scatter, staging_shape, warm_up
 
 CASES = {
     "llama3-8b": dict(parts=2, layers=32, heads=8, dim=128),
@@ -44,7 +44,7 @@ CASES = {
 }
 PAGE_SIZES = (1, 16, 64)
 DTYPE = torch.bfloat16
-# the per-page loop issues n_pages * layers * parts copies; above this many it times a prefix of the batch
+# the per-page loop issues num_pages * layers * parts copies; above this many it times a prefix of the batch
 LOOP_MAX_COPIES = {"cpu": 1 << 14, "cuda": 1 << 15}
 CPU_NOTE = "CPU: only torch paths are timed; the Triton interpreter's timings mean nothing."
 
@@ -56,29 +56,29 @@ def batch_tokens(device: torch.device, quick: bool) -> int:
     return 512 if quick else 2048
 
 
-def make_case(name: str, page_size: int, n_tokens: int, device: torch.device, seed: int = 0):
+def make_case(name: str, page_size: int, num_tokens: int, device: torch.device, seed: int = 0):
     """A pool of twice the batch's slots, a pinned (GPU) staging buffer, and the batch's indices."""
     shape = CASES[name]
-    n_pages = n_tokens // page_size
-    num_slots = 2 * n_pages * page_size
+    num_pages = num_tokens // page_size
+    num_slots = 2 * num_pages * page_size
     buffers = [[torch.empty((num_slots, shape["heads"], shape["dim"]), dtype=DTYPE, device=device) for _ in range(shape["layers"])] for _ in range(shape["parts"])]
     for i, part in enumerate(buffers):
         for j, t in enumerate(part):
             t.fill_(float((i * 131 + j) % 97))
     pool = KVPool.mla(buffers[0]) if shape["parts"] == 1 else KVPool.mha(buffers[0], buffers[1])
     pin = device.type == "cuda"
-    staging = torch.zeros(staging_shape(pool, n_pages, page_size), dtype=DTYPE, pin_memory=pin)
+    staging = torch.zeros(staging_shape(pool, num_pages, page_size), dtype=DTYPE, pin_memory=pin)
     gen = torch.Generator().manual_seed(seed)
-    starts = torch.randperm(num_slots // page_size, generator=gen)[:n_pages] * page_size
-    slots = (starts[:, None] + torch.arange(page_size)).reshape(-1).to(device)
-    pages = torch.arange(n_pages)
-    return pool, staging, slots, pages
+    starts = torch.randperm(num_slots // page_size, generator=gen)[:num_pages] * page_size
+    slot_indices = (starts[:, None] + torch.arange(page_size)).reshape(-1).to(device)
+    host_page_ids = torch.arange(num_pages)
+    return pool, staging, slot_indices, host_page_ids
 
 
-def page_loop(pool: KVPool, staging: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, page_size: int, *, to_host: bool) -> Callable[[], None]:
+def page_loop(pool: KVPool, staging: torch.Tensor, slot_indices: torch.Tensor, host_page_ids: torch.Tensor, page_size: int, *, to_host: bool) -> Callable[[], None]:
     """The naive engine: one ``copy_`` per (page, layer, part) of whole page runs."""
-    firsts = slots.view(-1, page_size)[:, 0].tolist()
-    host = pages.tolist()
+    firsts = slot_indices.view(-1, page_size)[:, 0].tolist()
+    host = host_page_ids.tolist()
     non_blocking = pool.device.type == "cuda"
     planes = [(layer, part, pool.buffers[part][layer]) for layer in range(pool.num_layers) for part in range(pool.kv_parts)]
 
@@ -138,23 +138,23 @@ def methods_for(device: torch.device) -> list[str]:
     return names
 
 
-def _methods(device, pool, staging, slots, pages, page_size, nbytes, *, op, max_programs):
+def _methods(device, pool, staging, slot_indices, host_page_ids, page_size, nbytes, *, op, max_programs):
     """The functions to time for one (case, page size, op), and the bytes each moves."""
     to_host = op == "gather"
     fns: dict[str, Callable[[], None]] = {"ceiling": _ceiling(nbytes, device, to_host=to_host)}
     moved = {"ceiling": nbytes}
     for method in methods_for(device)[1:]:
         if method == "loop":
-            keep = max(1, min(pages.numel(), LOOP_MAX_COPIES[device.type] // (pool.num_layers * pool.kv_parts)))
-            fns[method] = page_loop(pool, staging, slots[: keep * page_size], pages[:keep], page_size, to_host=to_host)
-            moved[method] = nbytes * keep // pages.numel()
+            keep = max(1, min(host_page_ids.numel(), LOOP_MAX_COPIES[device.type] // (pool.num_layers * pool.kv_parts)))
+            fns[method] = page_loop(pool, staging, slot_indices[: keep * page_size], host_page_ids[:keep], page_size, to_host=to_host)
+            moved[method] = nbytes * keep // host_page_ids.numel()
             continue
         backend, mode = ("torch", "kernel") if method == "torch" else ("triton", "staged" if method.endswith("staged") else "kernel")
         options = dict(page_size=page_size, backend=backend, mode=mode, max_programs=max_programs)
         if to_host:
-            fns[method] = functools.partial(gather, pool, staging, slots, pages, **options)
+            fns[method] = functools.partial(gather, pool, staging, slot_indices, host_page_ids, **options)
         else:
-            fns[method] = functools.partial(scatter, staging, pool, slots, pages, **options)
+            fns[method] = functools.partial(scatter, staging, pool, slot_indices, host_page_ids, **options)
         moved[method] = nbytes
     return fns, moved
 
@@ -167,7 +167,7 @@ def run(
     page_sizes: tuple[int, ...] = PAGE_SIZES,
     max_programs: int | None = None,
     threads: int | None = None,
-    n_tokens: int | None = None,
+    num_tokens: int | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Time every case x page size x op x method; return the results as a JSON-able dict.
@@ -179,11 +179,11 @@ def run(
         threads: torch intra-op threads while timing; ``None`` = 1 on CPU (every method alike:
             on a shared machine OpenMP barriers wait out other processes' time slices and the
             numbers turn to noise), unchanged on GPU.
-        n_tokens: tokens per batch (default :func:`batch_tokens`); a multiple of every page size.
+        num_tokens: tokens per batch (default :func:`batch_tokens`); a multiple of every page size.
         log: where progress lines go.
 
     Returns:
-        ``{"device", "torch", "note", "n_tokens", "results": [{case, page_size, op, method,
+        ``{"device", "torch", "note", "num_tokens", "results": [{case, page_size, op, method,
         bytes, seconds, gbps, of_ceiling, of_loop}], "summary": {...}}``.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -192,15 +192,17 @@ def run(
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
-    n_tokens = n_tokens or batch_tokens(device, quick)
+    num_tokens = num_tokens or batch_tokens(device, quick)
     results: list[dict] = []
     try:
         for case in cases:
             for page_size in page_sizes:
-                pool, staging, slots, pages = make_case(case, page_size, n_tokens, device)
+                pool, staging, slot_indices, host_page_ids = make_case(case, page_size, num_tokens, device)
+                if device.type == "cuda":
+                    warm_up(pool, page_size)  # compile the kernel variants outside the timed runs
                 nbytes = staging.numel() * staging.element_size()
                 for op in ("gather", "scatter"):
-                    fns, moved = _methods(device, pool, staging, slots, pages, page_size, nbytes, op=op, max_programs=max_programs)
+                    fns, moved = _methods(device, pool, staging, slot_indices, host_page_ids, page_size, nbytes, op=op, max_programs=max_programs)
                     seconds = time_medians(fns, device, quick=quick)
                     row = {m: moved[m] / seconds[m] / 1e9 for m in fns}
                     for m in fns:
@@ -209,13 +211,13 @@ def run(
                             of_ceiling=row[m] / row["ceiling"], of_loop=row[m] / row["loop"],
                         ))
                     log(f"{case:16s} page {page_size:3d} {op:8s} " + "  ".join(f"{m} {g:6.2f}" for m, g in row.items()) + f"  GB/s ({nbytes / 1e6:.0f} MB)")
-                del pool, staging, slots, pages
+                del pool, staging, slot_indices, host_page_ids
     finally:
         torch.set_num_threads(previous_threads)
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()}, {threads} torch threads of {os.cpu_count()})",
         "torch": torch.__version__,
-        "n_tokens": n_tokens,
+        "num_tokens": num_tokens,
         "threads": torch.get_num_threads() if threads is None else threads,
         "quick": quick,
         "note": None if device.type == "cuda" else CPU_NOTE,
@@ -257,7 +259,7 @@ def plot(report: dict, path: str | Path) -> None:
 
     results = report["results"]
     cases = list(dict.fromkeys(r["case"] for r in results))
-    pages = list(dict.fromkeys(r["page_size"] for r in results))
+    page_sizes = list(dict.fromkeys(r["page_size"] for r in results))
     methods = list(dict.fromkeys(r["method"] for r in results))
     fig, axes = plt.subplots(2, len(cases), figsize=(6 * len(cases), 7), squeeze=False)
     width = 0.8 / len(methods)
@@ -265,9 +267,9 @@ def plot(report: dict, path: str | Path) -> None:
         for j, case in enumerate(cases):
             ax = axes[i][j]
             for k, method in enumerate(methods):
-                values = [next((r["gbps"] for r in results if (r["case"], r["page_size"], r["op"], r["method"]) == (case, p, op, method)), 0.0) for p in pages]
-                ax.bar([x + k * width for x in range(len(pages))], values, width, label=method)
-            ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(pages))], [f"page {p}" for p in pages])
+                values = [next((r["gbps"] for r in results if (r["case"], r["page_size"], r["op"], r["method"]) == (case, p, op, method)), 0.0) for p in page_sizes]
+                ax.bar([x + k * width for x in range(len(page_sizes))], values, width, label=method)
+            ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(page_sizes))], [f"page {p}" for p in page_sizes])
             ax.set_title(f"{op} ({'D2H' if op == 'gather' else 'H2D'}), {case}")
             ax.set_ylabel("GB/s")
             ax.legend(fontsize="small")

@@ -41,26 +41,26 @@ def correctness(device: torch.device) -> list[dict]:
     records = []
     gen = torch.Generator().manual_seed(0)
     for name, shape in bench_kernels.CASES.items():
-        layers, page, n_pages, slots_total = 3, 16, 24, 64 * 16
+        layers, page, num_pages, num_slots = 3, 16, 24, 64 * 16
         buffers = [
-            [torch.randint(-128, 127, (slots_total, shape["heads"], shape["dim"] * 2), dtype=torch.int8, generator=gen).view(torch.bfloat16).to(device) for _ in range(layers)]
+            [torch.randint(-128, 127, (num_slots, shape["heads"], shape["dim"] * 2), dtype=torch.int8, generator=gen).view(torch.bfloat16).to(device) for _ in range(layers)]
             for _ in range(shape["parts"])
         ]
         pool = KVPool.mla(buffers[0]) if shape["parts"] == 1 else KVPool.mha(*buffers)
-        slots = torch.randperm(slots_total, generator=gen)[: n_pages * page].to(device)
-        pages = torch.randperm(n_pages + 8, generator=gen)[:n_pages]
+        slot_indices = torch.randperm(num_slots, generator=gen)[: num_pages * page].to(device)
+        host_page_ids = torch.randperm(num_pages + 8, generator=gen)[:num_pages]
         for layout in ("page_first", "layer_first"):
-            want = torch.zeros(staging_shape(pool, n_pages + 8, page, layout), dtype=pool.dtype, device=device)
-            gather_reference(pool, want, slots, pages, page_size=page, layout=layout)
+            want = torch.zeros(staging_shape(pool, num_pages + 8, page, layout), dtype=pool.dtype, device=device)
+            gather_reference(pool, want, slot_indices, host_page_ids, page_size=page, layout=layout)
             for mode in ("kernel", "staged"):
                 staging = torch.zeros(want.shape, dtype=pool.dtype, pin_memory=True)
-                gather(pool, staging, slots, pages, page_size=page, layout=layout, backend="triton", mode=mode)
+                gather(pool, staging, slot_indices, host_page_ids, page_size=page, layout=layout, backend="triton", mode=mode)
                 torch.cuda.synchronize()
                 ok_gather = torch.equal(staging.view(torch.int16), want.cpu().view(torch.int16))
                 saved = [t.clone() for t in pool.tensors()]
                 for t in pool.tensors():
-                    t.view(torch.int16)[slots] = 0
-                scatter(staging, pool, slots, pages, page_size=page, layout=layout, backend="triton", mode=mode)
+                    t.view(torch.int16)[slot_indices] = 0
+                scatter(staging, pool, slot_indices, host_page_ids, page_size=page, layout=layout, backend="triton", mode=mode)
                 torch.cuda.synchronize()
                 ok_scatter = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(pool.tensors(), saved))
                 records.append(dict(case=name, layout=layout, mode=mode, gather_ok=ok_gather, scatter_ok=ok_scatter))
@@ -70,14 +70,14 @@ def correctness(device: torch.device) -> list[dict]:
 
 def sweep(device: torch.device, quick: bool) -> list[dict]:
     """GB/s of the kernel (both ops, kernel mode) for several grid caps, Llama-3-8B, page 16."""
-    n_tokens = bench_kernels.batch_tokens(device, quick)
-    pool, staging, slots, pages = bench_kernels.make_case("llama3-8b", 16, n_tokens, device)
+    num_tokens = bench_kernels.batch_tokens(device, quick)
+    pool, staging, slot_indices, host_page_ids = bench_kernels.make_case("llama3-8b", 16, num_tokens, device)
     nbytes = staging.numel() * staging.element_size()
     rows = []
     for programs in (4, 8, 16, 32, 64, 132, 264):
         fns = {
-            "gather": lambda: gather(pool, staging, slots, pages, page_size=16, backend="triton", max_programs=programs),
-            "scatter": lambda: scatter(staging, pool, slots, pages, page_size=16, backend="triton", max_programs=programs),
+            "gather": lambda: gather(pool, staging, slot_indices, host_page_ids, page_size=16, backend="triton", max_programs=programs),
+            "scatter": lambda: scatter(staging, pool, slot_indices, host_page_ids, page_size=16, backend="triton", max_programs=programs),
         }
         seconds = bench_kernels.time_medians(fns, device, quick=quick)
         row = dict(max_programs=programs, **{f"{op}_gbps": nbytes / s / 1e9 for op, s in seconds.items()})

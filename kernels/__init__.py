@@ -4,6 +4,7 @@ Public API:
     KVPool: a view of the device pool (``mha``, ``mla``, ``from_stacked``).
     staging_shape: the shape of a ``page_first`` or ``layer_first`` staging buffer.
     gather / scatter: D2H / H2D of every layer (scatter: or one layer) in one launch.
+    warm_up: compile the kernel variants and build a pool's offset table before the first copy.
     gather_reference / scatter_reference: the torch reference (``index_select``/``index_copy_``).
     resolve_backend, describe_backend, BACKEND_CHOICES: which backend ``"auto"`` runs.
     launch_after, gather_async, scatter_async, CopyHandle, side_stream: run a copy on a side
@@ -11,8 +12,8 @@ Public API:
     MODES, LAYOUTS: the accepted ``mode`` and ``layout`` values.
 
 Modules: ``pool`` (KVPool), ``layout`` (staging layouts, validation, staged-mode helpers),
-``reference`` (torch path), ``triton_copy`` (the kernel, its launch heuristic
-``choose_config``, the autotune hook ``set_config_hook``, ``compile_ptx``; imports triton, so
+``words`` (the copy-word rule), ``reference`` (torch path), ``triton_copy`` (the kernel, its launch
+heuristic ``choose_config``, the autotune hook ``set_config_hook``, ``warm_up``, ``compile_ptx``; imports triton, so
 it is imported only when a Triton launch happens), ``transfer`` (gather/scatter), ``streams``.
 """
 
@@ -20,7 +21,7 @@ from kvstage.kernels.backend import BACKEND_CHOICES, describe_backend, resolve_b
 from kvstage.kernels.layout import LAYOUTS, staging_shape
 from kvstage.kernels.pool import KVPool
 from kvstage.kernels.reference import gather_reference, scatter_reference
-from kvstage.kernels.transfer import MODES, gather, scatter
+from kvstage.kernels.transfer import MODES, gather, scatter, warm_up
 from kvstage.kernels.streams import CopyHandle, gather_async, launch_after, scatter_async, side_stream
 
 __all__ = [
@@ -40,4 +41,5 @@ __all__ = [
     "scatter_reference",
     "side_stream",
     "staging_shape",
+    "warm_up",
 ]

@@ -2,9 +2,9 @@
 
 Two staging layouts (the names sglang's transfer kernels use):
 
-* ``page_first``: ``[num_host_pages, num_layers, kv_parts, page_size, head_num, head_dim]``:
+* ``page_first``: ``[num_host_pages, num_layers, kv_parts, page_size, num_heads, head_dim]``:
   one host page of every layer and part is one contiguous block (one storage object per page).
-* ``layer_first``: ``[kv_parts, num_layers, num_host_pages * page_size, head_num, head_dim]``:
+* ``layer_first``: ``[kv_parts, num_layers, num_host_pages * page_size, num_heads, head_dim]``:
   host page ``h`` is token rows ``h * page_size ... h * page_size + page_size - 1`` of every
   ``[part, layer]`` plane, like the device pool itself.
 
@@ -21,10 +21,37 @@ import torch
 from kvstage.errors import ArgumentTypeError, DeviceMismatchError, is_int, require
 from kvstage.kernels.pool import KVPool
 
-__all__ = ["LAYOUTS", "Transfer", "check_transfer", "copy_runs", "page_runs", "split_staged", "staging_shape"]
+__all__ = ["LAYOUTS", "Transfer", "check_transfer", "copy_runs", "on_host", "page_runs", "split_staged", "staging_shape", "to_device_async"]
 
 LAYOUTS = ("page_first", "layer_first")
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """True when ``t``'s values can be read on the host without syncing a device (a CPU tensor).
+
+    The one place that decides it: a tensor for which this is false is never read on the
+    host by a copy (no ``.cpu()``, ``.item()``, ``.tolist()``, ``bool()``, ``torch.unique``),
+    unless the caller asked for ``check_bounds``.
+    """
+    return t.device.type == "cpu"
+
+
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without blocking the host: the copy is queued on ``device``'s current stream.
+
+    A CPU tensor bound for a CUDA device goes through pinned memory: a ``non_blocking`` copy
+    from pageable memory may be synchronous (CUDA runtime API, "API synchronization behavior":
+    cudaMemcpyAsync from pageable host memory; PyTorch's "pin_memory() and non_blocking"
+    guide). torch's pinned allocator keeps the pinned block until the copy has run, and the
+    result, allocated on the stream the copy and the kernel then use, may be dropped right
+    after the launch (the caching allocator reuses it only for later work on that stream).
+    """
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    return t.to(device, non_blocking=True)
 
 
 def _check_page_size(page_size: object) -> None:
@@ -45,8 +72,8 @@ def staging_shape(pool: KVPool, num_host_pages: int, page_size: int, layout: str
         pool: the device pool whose pages the buffer holds.
         num_host_pages: pages in the buffer (>= 0).
         page_size: tokens per page (>= 1).
-        layout: ``"page_first"`` -> ``(num_host_pages, num_layers, kv_parts, page_size, head_num, head_dim)``;
-            ``"layer_first"`` -> ``(kv_parts, num_layers, num_host_pages * page_size, head_num, head_dim)``.
+        layout: ``"page_first"`` -> ``(num_host_pages, num_layers, kv_parts, page_size, num_heads, head_dim)``;
+            ``"layer_first"`` -> ``(kv_parts, num_layers, num_host_pages * page_size, num_heads, head_dim)``.
 
     Raises:
         ArgumentTypeError: ``pool`` is not a :class:`KVPool`.
@@ -60,8 +87,8 @@ def staging_shape(pool: KVPool, num_host_pages: int, page_size: int, layout: str
     _check_page_size(page_size)
     _check_layout(layout)
     if layout == "page_first":
-        return (num_host_pages, pool.num_layers, pool.kv_parts, page_size, pool.head_num, pool.head_dim)
-    return (pool.kv_parts, pool.num_layers, num_host_pages * page_size, pool.head_num, pool.head_dim)
+        return (num_host_pages, pool.num_layers, pool.kv_parts, page_size, pool.num_heads, pool.head_dim)
+    return (pool.kv_parts, pool.num_layers, num_host_pages * page_size, pool.num_heads, pool.head_dim)
 
 
 @dataclass
@@ -71,34 +98,38 @@ class Transfer:
     Attributes:
         pool: the device pool.
         staging: the staging buffer (contiguous; pinned host, or on the pool's device).
-        slots: ``[n_pages * page_size]`` int32/int64 device slot per token, on the pool's device.
-        pages: ``[n_pages]`` int32/int64 host page ids, on the pool's device.
+        slot_indices: ``[num_pages * page_size]`` int32/int64 device slot per token, on the pool's
+            device (any 1-D view; a copy made here for CPU indices is kept by this object).
+        host_page_ids: ``[num_pages]`` int32/int64 host page ids, on the pool's device (any 1-D view).
         page_size: tokens per page.
         layout: ``"page_first"`` or ``"layer_first"``.
         layers: the layers moved, ``range(num_layers)`` or one layer.
         num_host_pages: pages the staging buffer holds.
-        pages_on_host: ``host_page_ids`` as given when it was a CPU tensor (read without a sync), else None.
+        host_page_ids_cpu: ``host_page_ids`` as given when :func:`on_host` (readable without a
+            sync), else None.
+        slot_indices_cpu: ``slot_indices`` as given when :func:`on_host`, else None.
     """
 
     pool: KVPool
     staging: torch.Tensor
-    slots: torch.Tensor
-    pages: torch.Tensor
+    slot_indices: torch.Tensor
+    host_page_ids: torch.Tensor
     page_size: int
     layout: str
     layers: range
     num_host_pages: int
-    pages_on_host: torch.Tensor | None = None
+    host_page_ids_cpu: torch.Tensor | None = None
+    slot_indices_cpu: torch.Tensor | None = None
 
     @property
-    def n_pages(self) -> int:
+    def num_pages(self) -> int:
         """Pages moved by this call."""
-        return self.pages.numel()
+        return self.host_page_ids.numel()
 
     @property
-    def n_tokens(self) -> int:
-        """Token rows moved per (part, layer): ``n_pages * page_size``."""
-        return self.slots.numel()
+    def num_tokens(self) -> int:
+        """Token rows moved per (part, layer): ``num_pages * page_size``."""
+        return self.slot_indices.numel()
 
 
 def _check_index(name: str, t: object, pool: KVPool) -> torch.Tensor:
@@ -128,11 +159,11 @@ def _check_staging(staging: object, pool: KVPool, page_size: int, layout: str) -
             lambda: f"must be pinned host memory or on the pool's device ({pool.device}), got {staging.device}", DeviceMismatchError,
         )
     if layout == "page_first":
-        names = ("num_host_pages", "num_layers", "kv_parts", "page_size", "head_num", "head_dim")
-        want = (None, pool.num_layers, pool.kv_parts, page_size, pool.head_num, pool.head_dim)
+        names = ("num_host_pages", "num_layers", "kv_parts", "page_size", "num_heads", "head_dim")
+        want = (None, pool.num_layers, pool.kv_parts, page_size, pool.num_heads, pool.head_dim)
     else:
-        names = ("kv_parts", "num_layers", "num_host_tokens", "head_num", "head_dim")
-        want = (pool.kv_parts, pool.num_layers, None, pool.head_num, pool.head_dim)
+        names = ("kv_parts", "num_layers", "num_host_tokens", "num_heads", "head_dim")
+        want = (pool.kv_parts, pool.num_layers, None, pool.num_heads, pool.head_dim)
     require(staging.dim() == len(names), "staging", lambda: f"{layout} staging must be [{', '.join(names)}], got shape {tuple(staging.shape)}")
     for dim, (name, expected) in enumerate(zip(names, want)):
         if expected is not None:
@@ -167,16 +198,26 @@ def check_transfer(
     layout: str = "page_first",
     layer: int | None = None,
     check_bounds: bool | None = None,
+    scatter: bool = False,
 ) -> Transfer:
     """Validate a gather/scatter before anything is written; return the normalized :class:`Transfer`.
 
-    Index tensors on CPU for a CUDA pool are copied to the device (``non_blocking``).
+    Index tensors may be any 1-D view (strided, with a storage offset, or expanded): the
+    copies read them by their strides. Index tensors on CPU for a CUDA pool are copied to the
+    device through pinned memory (:func:`to_device_async`: no host sync).
+
+    A scatter must not write one slot twice (its content would be unspecified: on a GPU a
+    mix of both rows). An expanded ``slot_indices`` (stride 0, more than one element) is
+    rejected in a scatter; repeated values are rejected where the slots are checked
+    (``check_bounds``) and are the caller's responsibility otherwise. A gather may read a
+    slot more than once.
 
     Args:
-        check_bounds: check every device slot against ``[0, num_slots)`` (and host page ids
-            that live on the device). ``None`` = on for a CPU pool, off for a CUDA pool, where
-            it reads the indices back to the host (a device sync). Host page ids that live on
-            CPU are always checked (no sync needed).
+        check_bounds: check every device slot against ``[0, num_slots)`` (a scatter: and that
+            none repeats), and host page ids that live on the device. ``None`` = on for a CPU
+            pool, off for a CUDA pool, where it reads the indices back to the host (a device
+            sync). Host page ids that live on CPU are always checked (no sync needed).
+        scatter: the copy writes the pool (``scatter``) rather than the staging buffer.
 
     Raises:
         ArgumentTypeError: ``pool`` not a :class:`KVPool`; staging dtype differs from the pool's;
@@ -186,18 +227,26 @@ def check_transfer(
         InvalidArgumentError: bad ``page_size``/``layout``/``layer``; staging shape does not
             match the pool (layers, parts, page size, heads, head_dim) or is not contiguous;
             ``slot_indices`` does not hold ``len(host_page_ids) * page_size`` indices; a host
-            page id out of range or repeated; (``check_bounds``) a slot out of range.
+            page id out of range or repeated (an expanded ``host_page_ids`` repeats one); a
+            scatter's ``slot_indices`` expanded; (``check_bounds``) a slot out of range, or
+            repeated in a scatter.
     """
     require(isinstance(pool, KVPool), "pool", lambda: f"must be a KVPool, got {type(pool).__name__}", ArgumentTypeError)
     _check_page_size(page_size)
     _check_layout(layout)
     num_host_pages = _check_staging(staging, pool, page_size, layout)
-    slots = _check_index("slot_indices", slot_indices, pool)
-    pages = _check_index("host_page_ids", host_page_ids, pool)
-    n_pages = pages.numel()
+    _check_index("slot_indices", slot_indices, pool)
+    _check_index("host_page_ids", host_page_ids, pool)
+    num_pages = host_page_ids.numel()
     require(
-        slots.numel() == n_pages * page_size, "slot_indices",
-        lambda: f"must hold len(host_page_ids) * page_size = {n_pages} * {page_size} = {n_pages * page_size} indices, got {slots.numel()}",
+        slot_indices.numel() == num_pages * page_size, "slot_indices",
+        lambda: f"must hold len(host_page_ids) * page_size = {num_pages} * {page_size} = {num_pages * page_size} indices, got {slot_indices.numel()}",
+    )
+    # A stride-0 view of more than one element repeats its value: known without reading it.
+    require(num_pages <= 1 or host_page_ids.stride(0) != 0, "host_page_ids", "must not repeat a page id within one call (an expanded view repeats one)")
+    require(
+        not scatter or slot_indices.numel() <= 1 or slot_indices.stride(0) != 0, "slot_indices",
+        "must not repeat a slot in a scatter (an expanded view repeats one; the slot's content would be unspecified)",
     )
     if layer is None:
         layers = range(pool.num_layers)
@@ -207,25 +256,29 @@ def check_transfer(
         layers = range(layer, layer + 1)
     if check_bounds is None:
         check_bounds = pool.device.type == "cpu"
-    if n_pages and (check_bounds or pages.device.type == "cpu"):
-        low, high, distinct = _range_and_distinct(pages)
+    if num_pages and (check_bounds or on_host(host_page_ids)):
+        low, high, distinct = _range_and_distinct(host_page_ids)
         require(0 <= low and high < num_host_pages, "host_page_ids", lambda: f"must be in [0, {num_host_pages}) (the staging buffer's pages), got min {low} max {high}")
-        require(distinct == n_pages, "host_page_ids", "must not repeat a page id within one call")
-    if n_pages and check_bounds:
-        low, high = int(slots.min()), int(slots.max())
+        require(distinct == num_pages, "host_page_ids", "must not repeat a page id within one call")
+    if num_pages and check_bounds:
+        if scatter:
+            low, high, distinct = _range_and_distinct(slot_indices)
+        else:
+            low, high, distinct = int(slot_indices.min()), int(slot_indices.max()), slot_indices.numel()
         require(0 <= low and high < pool.num_slots, "slot_indices", lambda: f"must be in [0, {pool.num_slots}) (the pool's slots), got min {low} max {high}")
-    pages_on_host = pages if pages.device.type == "cpu" else None
-    if slots.device != pool.device:
-        slots = slots.to(pool.device, non_blocking=True)
-    if pages.device != pool.device:
-        pages = pages.to(pool.device, non_blocking=True)
-    return Transfer(pool, staging, slots, pages, page_size, layout, layers, num_host_pages, pages_on_host)
+        require(distinct == slot_indices.numel(), "slot_indices", "must not repeat a slot in a scatter (the slot's content would be unspecified)")
+    return Transfer(
+        pool, staging, to_device_async(slot_indices, pool.device), to_device_async(host_page_ids, pool.device),
+        page_size, layout, layers, num_host_pages,
+        host_page_ids_cpu=host_page_ids if on_host(host_page_ids) else None,
+        slot_indices_cpu=slot_indices if on_host(slot_indices) else None,
+    )
 
 
-def page_runs(page_ids: list[int]) -> list[tuple[int, int, int]]:
+def page_runs(host_page_ids: list[int]) -> list[tuple[int, int, int]]:
     """``(first batch page, first host page, length)`` of each run of consecutive host page ids."""
     runs: list[tuple[int, int, int]] = []
-    for i, host in enumerate(page_ids):
+    for i, host in enumerate(host_page_ids):
         if runs and runs[-1][1] + runs[-1][2] == host:
             first, start, length = runs[-1]
             runs[-1] = (first, start, length + 1)
@@ -246,7 +299,7 @@ def copy_runs(plan: Transfer, compact: torch.Tensor, *, to_staging: bool) -> Non
     """
     ps = plan.page_size
     all_layers = len(plan.layers) == plan.pool.num_layers
-    for first, start, length in page_runs(plan.pages.tolist()):
+    for first, start, length in page_runs(plan.host_page_ids.tolist()):
         if plan.layout == "page_first" and all_layers:
             pairs = [(plan.staging[start : start + length], compact[first : first + length])]
         elif plan.layout == "page_first":
@@ -270,13 +323,19 @@ def split_staged(plan: Transfer) -> tuple[Transfer, Transfer]:
 
     ``inner`` moves the batch between the pool and a new compact buffer on the pool's device
     (``inner.staging``; batch page ``i`` at page ``i``); ``outer`` carries the host page ids on
-    the host for :func:`copy_runs` between that buffer and the real staging buffer. Reads the
-    host page ids on the host (a device sync if they live on the GPU).
+    the host for :func:`copy_runs` between that buffer and the real staging buffer.
+
+    Raises:
+        InvalidArgumentError: ``host_page_ids`` are not readable on the host (:func:`on_host`):
+            their runs are found on the host, and reading device ids would sync the device.
     """
+    require(
+        plan.host_page_ids_cpu is not None, "host_page_ids",
+        lambda: f"a staged copy (mode='staged', or the torch backend with host staging for a CUDA pool) needs them on CPU, got {plan.host_page_ids.device}: their runs are read on the host, and reading device ids would sync the device",
+    )
     pool = plan.pool
-    compact = torch.empty(staging_shape(pool, plan.n_pages, plan.page_size, plan.layout), dtype=pool.dtype, device=pool.device)
-    ordinal = torch.arange(plan.n_pages, dtype=torch.int64, device=pool.device)
-    host_pages = plan.pages_on_host if plan.pages_on_host is not None else plan.pages.cpu()
-    inner = replace(plan, staging=compact, pages=ordinal, num_host_pages=plan.n_pages, pages_on_host=None)
-    outer = replace(plan, pages=host_pages)
+    compact = torch.empty(staging_shape(pool, plan.num_pages, plan.page_size, plan.layout), dtype=pool.dtype, device=pool.device)
+    ordinal = torch.arange(plan.num_pages, dtype=torch.int64, device=pool.device)
+    inner = replace(plan, staging=compact, host_page_ids=ordinal, num_host_pages=plan.num_pages, host_page_ids_cpu=torch.arange(plan.num_pages))
+    outer = replace(plan, host_page_ids=plan.host_page_ids_cpu)
     return inner, outer

@@ -1,7 +1,7 @@
 """A view of an inference engine's device KV pool: per-(part, layer) buffers of token rows.
 
 The pool is what sglang keeps per layer: MHA has a K buffer and a V buffer of shape
-``[num_slots, head_num, head_dim]`` per layer (``kv_parts = 2``); MLA has one latent buffer
+``[num_slots, num_heads, head_dim]`` per layer (``kv_parts = 2``); MLA has one latent buffer
 ``[num_slots, 1, kv_dim]`` per layer (``kv_parts = 1``). A *slot* is one token's row in every
 buffer; the engine's ``req_to_token`` table maps a request's token positions to slots.
 
@@ -16,28 +16,29 @@ from typing import Sequence
 
 import torch
 
-from kvstage.errors import ArgumentTypeError, DeviceMismatchError, is_int, require
+from kvstage.errors import ArgumentTypeError, DeviceMismatchError, require
+from kvstage.kernels.words import widest_word
 from kvstage.kv_layout import KVLayout
 
 __all__ = ["KVPool"]
 
 
 class KVPool:
-    """The device KV pool: ``kv_parts x num_layers`` buffers ``[num_slots, head_num, head_dim]``.
+    """The device KV pool: ``kv_parts x num_layers`` buffers ``[num_slots, num_heads, head_dim]``.
 
     Build one with :meth:`mha`, :meth:`mla` or :meth:`from_stacked`; the pool keeps
     references to (never copies of) the engine's tensors. Build a new pool if the engine
     reallocates its buffers: the Triton launcher caches their addresses per pool.
 
     Every buffer must have the same shape, dtype and device, and be contiguous (a slot's
-    row of ``head_num * head_dim`` elements is one run of bytes, and slot ``s`` starts
+    row of ``num_heads * head_dim`` elements is one run of bytes, and slot ``s`` starts
     ``s * row_bytes`` after the buffer's start).
 
     Attributes:
         kv_parts: 2 for MHA (K, V), 1 for MLA (the latent).
         num_layers: number of layers.
         num_slots: token slots per buffer.
-        head_num: KV heads per slot (1 for MLA).
+        num_heads: KV heads per slot (1 for MLA).
         head_dim: elements per head (``kv_dim`` for MLA, e.g. 576).
         dtype: the element dtype (any: fp16, bf16, fp32, fp8, int8, ...; the copies move bytes).
         device: where the buffers live.
@@ -59,7 +60,7 @@ class KVPool:
         require(num_layers >= 1, argument, "must hold at least one layer")
         first = parts[0][0]
         require(isinstance(first, torch.Tensor), f"{argument}[0][0]", f"must be a torch.Tensor, got {type(first).__name__}", ArgumentTypeError)
-        require(first.dim() == 3, f"{argument}[0][0]", f"must be [num_slots, head_num, head_dim], got shape {tuple(first.shape)}")
+        require(first.dim() == 3, f"{argument}[0][0]", f"must be [num_slots, num_heads, head_dim], got shape {tuple(first.shape)}")
         for p, part in enumerate(parts):
             require(len(part) == num_layers, f"{argument}[{p}]", f"must hold {num_layers} layers like part 0, got {len(part)}")
             for layer, t in enumerate(part):
@@ -72,16 +73,16 @@ class KVPool:
         self.buffers: list[list[torch.Tensor]] = parts
         self.kv_parts = len(parts)
         self.num_layers = num_layers
-        self.num_slots, self.head_num, self.head_dim = (int(d) for d in first.shape)
-        require(self.num_slots >= 1 and self.head_num >= 1 and self.head_dim >= 1, argument, f"every dimension must be >= 1, got shape {tuple(first.shape)}")
+        self.num_slots, self.num_heads, self.head_dim = (int(d) for d in first.shape)
+        require(self.num_slots >= 1 and self.num_heads >= 1 and self.head_dim >= 1, argument, f"every dimension must be >= 1, got shape {tuple(first.shape)}")
         self.dtype: torch.dtype = first.dtype
         self.device: torch.device = first.device
-        self._itemsize = first.element_size()
+        self._layout = KVLayout(self.num_layers, self.kv_parts, self.num_heads, self.head_dim, self.dtype)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
     def mha(cls, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor]) -> "KVPool":
-        """An MHA pool from per-layer K and V buffers, each ``[num_slots, head_num, head_dim]``.
+        """An MHA pool from per-layer K and V buffers, each ``[num_slots, num_heads, head_dim]``.
 
         Raises:
             InvalidArgumentError: the lists differ in length or are empty; shapes differ;
@@ -110,7 +111,7 @@ class KVPool:
 
     @classmethod
     def from_stacked(cls, t: torch.Tensor) -> "KVPool":
-        """A pool from one tensor ``[kv_parts, num_layers, num_slots, head_num, head_dim]``.
+        """A pool from one tensor ``[kv_parts, num_layers, num_slots, num_heads, head_dim]``.
 
         ``kv_parts`` is 2 (MHA) or 1 (MLA). The pool's buffers are views of ``t``.
 
@@ -120,7 +121,7 @@ class KVPool:
                 not contiguous.
         """
         require(isinstance(t, torch.Tensor), "t", f"must be a torch.Tensor, got {type(t).__name__}", ArgumentTypeError)
-        require(t.dim() == 5, "t", f"must be [kv_parts, num_layers, num_slots, head_num, head_dim], got shape {tuple(t.shape)}")
+        require(t.dim() == 5, "t", f"must be [kv_parts, num_layers, num_slots, num_heads, head_dim], got shape {tuple(t.shape)}")
         require(t.shape[0] in (1, 2), "t", f"dim 0 (kv_parts) must be 1 or 2, got {t.shape[0]}")
         require(t.is_contiguous(), "t", "must be contiguous")
         return cls([list(t[p].unbind(0)) for p in range(t.shape[0])], argument="t")
@@ -131,20 +132,20 @@ class KVPool:
         """True for a one-part (latent) pool."""
         return self.kv_parts == 1
 
-    @functools.cached_property
+    @property
     def layout(self) -> KVLayout:
-        """The pool's per-token layout (:class:`kvstage.kv_layout.KVLayout`)."""
-        return KVLayout(self.num_layers, self.kv_parts, self.head_num, self.head_dim, self.dtype)
+        """One token's layout: ``KVLayout(num_layers, kv_parts, num_heads, head_dim, dtype)``."""
+        return self._layout
 
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return self._itemsize
+        return self._layout.itemsize
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one slot in one buffer: ``head_num * head_dim * itemsize``."""
-        return self.head_num * self.head_dim * self.itemsize
+        """Bytes of one slot in one buffer: ``num_heads * head_dim * itemsize`` (:attr:`KVLayout.row_bytes`)."""
+        return self._layout.row_bytes
 
     def page_bytes(self, page_size: int) -> int:
         """Bytes of one page of every layer and part: ``kv_parts * num_layers * page_size * row_bytes``.
@@ -152,11 +153,10 @@ class KVPool:
         Raises:
             InvalidArgumentError: ``page_size`` is not a positive int.
         """
-        require(is_int(page_size) and page_size >= 1, "page_size", f"must be a positive int, got {page_size!r}")
-        return self.kv_parts * self.num_layers * page_size * self.row_bytes
+        return self._layout.page_bytes(page_size)
 
     def layer(self, part: int, layer: int) -> torch.Tensor:
-        """The buffer ``[num_slots, head_num, head_dim]`` of ``part`` (0 = K or latent, 1 = V) and ``layer``.
+        """The buffer ``[num_slots, num_heads, head_dim]`` of ``part`` (0 = K or latent, 1 = V) and ``layer``.
 
         Raises:
             InvalidArgumentError: ``part`` or ``layer`` out of range.
@@ -168,12 +168,9 @@ class KVPool:
     @functools.cached_property
     def word_alignment(self) -> int:
         """The widest word, in bytes (16, 8, 4, 2 or 1), dividing ``row_bytes`` and every buffer's
-        start address: the widest access a copy may use on the pool's side. Computed once (the
-        buffers of a pool never change)."""
-        word = 16
-        while word > 1 and (self.row_bytes % word or any(t.data_ptr() % word for t in self.tensors())):
-            word //= 2
-        return word
+        start address: the widest access a copy may use on the pool's side (the rule is
+        :func:`kvstage.kernels.words.widest_word`). Computed once (the buffers of a pool never change)."""
+        return widest_word(self.row_bytes, (t.data_ptr() for t in self.tensors()))
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer, part-major: ``[part 0 layer 0, part 0 layer 1, ..., part 1 layer 0, ...]``."""
@@ -182,6 +179,6 @@ class KVPool:
     def __repr__(self) -> str:
         kind = "MLA" if self.is_mla else "MHA"
         return (
-            f"KVPool({kind}, num_layers={self.num_layers}, num_slots={self.num_slots}, head_num={self.head_num}, "
+            f"KVPool({kind}, num_layers={self.num_layers}, num_slots={self.num_slots}, num_heads={self.num_heads}, "
             f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})"
         )

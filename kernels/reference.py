@@ -23,39 +23,27 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstage.kernels.layout import Transfer, check_transfer, copy_runs, split_staged
+from kvstage.kernels.layout import Transfer, check_transfer, copy_runs, split_staged, to_device_async
 from kvstage.kernels.pool import KVPool
+from kvstage.kernels.words import as_words, widest_word
 from kvstage.nvtx_ranges import nvtx_range
 
-__all__ = ["gather_reference", "scatter_reference", "word_bytes_for", "as_rows"]
+__all__ = ["gather_reference", "scatter_reference"]
 
-_WORD_DTYPES = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-# index_copy_ (scatter) costs per element, so it moves 16-byte "words" (complex128 is only a
-# 16-byte container here: its values are copied bit for bit); index_select (gather) measured
-# fastest on 8-byte words.
+# index_copy_ (scatter) costs per element, so it moves 16-byte words; index_select (gather)
+# measured fastest on 8-byte words.
 GATHER_MAX_WORD, SCATTER_MAX_WORD = 8, 16
 
 
-def word_bytes_for(row_bytes: int, tensors: list[torch.Tensor], max_word: int = 8) -> int:
-    """The widest word (``max_word``, ..., 2 or 1 bytes) dividing ``row_bytes`` and every tensor's start address."""
-    word = max_word
-    while word > 1:
-        if row_bytes % word == 0 and all(t.data_ptr() % word == 0 for t in tensors):
-            return word
-        word //= 2
-    return 1
-
-
-def as_rows(t: torch.Tensor, row_bytes: int, word: int) -> torch.Tensor:
-    """View contiguous ``t`` as ``[numel * itemsize / row_bytes, row_bytes / word]`` words (no copy)."""
-    flat = t.reshape(-1).view(torch.uint8)
-    return flat.view(_WORD_DTYPES[word]).view(-1, row_bytes // word)
+def _word(plan: Transfer, max_word: int) -> int:
+    """The copy word (:func:`widest_word`) of the pool's rows and buffers and the staging buffer."""
+    return widest_word(plan.pool.row_bytes, [plan.staging.data_ptr()], min(max_word, plan.pool.word_alignment))
 
 
 def _host_planes(plan: Transfer, word: int):
     """Yield ``(device_rows [num_slots, w], host_plane [num_host_pages, page_size, w])`` per (part, layer)."""
     pool, ps = plan.pool, plan.page_size
-    staging = as_rows(plan.staging, pool.row_bytes, word)
+    staging = as_words(plan.staging, pool.row_bytes, word)
     if plan.layout == "page_first":  # [P, L, parts, ps, w]: plane (l, p) is a strided [P, ps, w]
         staging5 = staging.view(plan.num_host_pages, pool.num_layers, pool.kv_parts, ps, -1)
         planes = lambda p, layer: staging5[:, layer, p]  # noqa: E731
@@ -64,7 +52,7 @@ def _host_planes(plan: Transfer, word: int):
         planes = lambda p, layer: staging4[p, layer]  # noqa: E731
     for p in range(pool.kv_parts):
         for layer in plan.layers:
-            yield as_rows(pool.buffers[p][layer], pool.row_bytes, word), planes(p, layer)
+            yield as_words(pool.buffers[p][layer], pool.row_bytes, word), planes(p, layer)
 
 
 @dataclass
@@ -73,19 +61,19 @@ class _Route:
 
     run_start: first host page when the batch's host pages are one consecutive run (in any
         order), else None. Then the batch is sorted by host page, and the host side is a plain
-        slice ``[run_start, run_start + n_pages)``: no indexed access at all.
+        slice ``[run_start, run_start + num_pages)``: no indexed access at all.
     device_index: the device-side index, in host order when ``run_start`` is set: device page
         numbers when ``whole_pages``, else slots (token rows).
     whole_pages: every page is an aligned run of slots (``slots[i * ps + j] == k * ps + j``)
         and the host side is one run, so the device side moves whole pages.
-    host_pages: the host page of each page of the batch (int64), for the indexed host side
+    host_page_ids: the host page of each page of the batch (int64), for the indexed host side
         when ``run_start`` is None.
     """
 
     run_start: int | None
     device_index: torch.Tensor
     whole_pages: bool
-    host_pages: torch.Tensor
+    host_page_ids: torch.Tensor
 
 
 def _whole_pages(device_rows: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -95,42 +83,53 @@ def _whole_pages(device_rows: torch.Tensor, page_size: int) -> torch.Tensor:
     return device_rows[:whole].view(-1, page_size * device_rows.shape[1])
 
 
-def _route(plan: Transfer) -> _Route:
-    ps, n = plan.page_size, plan.n_pages
-    host = plan.pages_on_host if plan.pages_on_host is not None else plan.pages.cpu()  # CUDA: a sync (test path)
-    host = host.long()
-    slots = plan.slots.long()
-    host_pages = plan.pages.long()
-    low, high = int(host.min()), int(host.max())
-    if high - low != n - 1:  # host pages anywhere: index both sides
-        return _Route(None, slots, False, host_pages)
-    # Distinct ids (validated) spanning n values: one run, sorted by host page.
-    order = torch.argsort(host).to(slots.device)
-    pages = slots.view(n, ps)
+def _aligned_page_starts(slot_indices: torch.Tensor, page_size: int) -> torch.Tensor | None:
+    """The first slot of each page when every page is an aligned run of slots, else None (CPU tensors only)."""
+    pages = slot_indices.long().reshape(-1, page_size)
     first = pages[:, 0]
-    if ps > 1 and bool(((first % ps == 0) & (pages == first[:, None] + torch.arange(ps, device=slots.device)).all(1)).all()):
-        return _Route(low, (first // ps)[order], True, host_pages)
-    return _Route(low, pages[order].reshape(-1), False, host_pages)
+    aligned = (first % page_size == 0) & (pages == first[:, None] + torch.arange(page_size)).all(1)
+    return first if bool(aligned.all()) else None
+
+
+def _route(plan: Transfer) -> _Route:
+    """Decide the route from what the host can read without a device sync (:func:`on_host`):
+    the host page ids (for a run) and the slots (for whole pages) as given on CPU. Indices that
+    live on the device are never read on the host: they take the indexed route."""
+    ps, n, device = plan.page_size, plan.num_pages, plan.slot_indices.device
+    slot_indices, host_page_ids = plan.slot_indices.long(), plan.host_page_ids.long()
+    indexed = _Route(None, slot_indices, False, host_page_ids)  # host pages anywhere: index both sides
+    if plan.host_page_ids_cpu is None:
+        return indexed
+    host = plan.host_page_ids_cpu.long()
+    low, high = int(host.min()), int(host.max())
+    if high - low != n - 1:
+        return indexed
+    # Distinct ids (validated) spanning n values: one run, sorted by host page.
+    order = torch.argsort(host)
+    first = _aligned_page_starts(plan.slot_indices_cpu, ps) if ps > 1 and plan.slot_indices_cpu is not None else None
+    if first is not None:
+        return _Route(low, to_device_async((first // ps)[order], device), True, host_page_ids)
+    return _Route(low, slot_indices.reshape(n, ps)[to_device_async(order, device)].reshape(-1), False, host_page_ids)
 
 
 def run_gather_torch(plan: Transfer) -> None:
     """Execute a validated gather with ``index_select`` (and ``copy_`` / ``index_copy_`` into staging)."""
-    if plan.n_pages == 0:
+    if plan.num_pages == 0:
         return
     if plan.staging.device != plan.pool.device:  # host staging for a CUDA pool: torch ops need one device
         inner, outer = split_staged(plan)
         run_gather_torch(inner)
         copy_runs(outer, inner.staging, to_staging=True)
         return
-    pool, ps, n = plan.pool, plan.page_size, plan.n_pages
-    word = word_bytes_for(pool.row_bytes, [plan.staging], min(GATHER_MAX_WORD, pool.word_alignment))
+    ps, n = plan.page_size, plan.num_pages
+    word = _word(plan, GATHER_MAX_WORD)
     route = _route(plan)
     with nvtx_range("gather_reference"):
         for device_rows, host_plane in _host_planes(plan, word):
             w = device_rows.shape[1]
             if route.run_start is None:  # host pages anywhere: select the rows, then index_copy_ whole pages
                 rows = device_rows.index_select(0, route.device_index).view(n, ps, w)
-                host_plane.index_copy_(0, route.host_pages, rows)
+                host_plane.index_copy_(0, route.host_page_ids, rows)
                 continue
             target = host_plane[route.run_start : route.run_start + n]  # [n, ps, w], host order
             if route.whole_pages:  # one pass: whole pages straight into the staging slice
@@ -143,21 +142,21 @@ def run_gather_torch(plan: Transfer) -> None:
 
 def run_scatter_torch(plan: Transfer) -> None:
     """Execute a validated scatter with ``index_copy_`` (and ``index_select`` from staging when needed)."""
-    if plan.n_pages == 0:
+    if plan.num_pages == 0:
         return
     if plan.staging.device != plan.pool.device:
         inner, outer = split_staged(plan)
         copy_runs(outer, inner.staging, to_staging=False)
         run_scatter_torch(inner)
         return
-    pool, ps, n = plan.pool, plan.page_size, plan.n_pages
-    word = word_bytes_for(pool.row_bytes, [plan.staging], min(SCATTER_MAX_WORD, pool.word_alignment))
+    ps, n = plan.page_size, plan.num_pages
+    word = _word(plan, SCATTER_MAX_WORD)
     route = _route(plan)
     with nvtx_range("scatter_reference"):
         for device_rows, host_plane in _host_planes(plan, word):
             w = device_rows.shape[1]
             if route.run_start is None:
-                source = host_plane.index_select(0, route.host_pages)  # [n, ps, w] in batch order
+                source = host_plane.index_select(0, route.host_page_ids)  # [n, ps, w] in batch order
                 device_rows.index_copy_(0, route.device_index, source.view(n * ps, w))
                 continue
             source = host_plane[route.run_start : route.run_start + n]  # [n, ps, w], host order
@@ -186,8 +185,8 @@ def gather_reference(
     Args:
         pool: the device pool.
         staging: contiguous buffer of :func:`staging_shape` ``(pool, num_host_pages, page_size, layout)``.
-        slot_indices: int32/int64 ``[n_pages * page_size]`` device slots, token order within each page.
-        host_page_ids: int32/int64 ``[n_pages]`` distinct pages of ``staging``.
+        slot_indices: int32/int64 ``[num_pages * page_size]`` device slots, token order within each page.
+        host_page_ids: int32/int64 ``[num_pages]`` distinct pages of ``staging``.
         page_size: tokens per page.
         layout: ``"page_first"`` or ``"layer_first"``.
         check_bounds: see :func:`kvstage.kernels.layout.check_transfer`.
@@ -214,11 +213,11 @@ def scatter_reference(
 
     Args:
         layer: ``None`` moves every layer; an int moves that layer only (both parts).
-        Others: as :func:`gather_reference`. A slot that repeats in ``slot_indices`` receives
-        one of its rows (which one is unspecified).
+        Others: as :func:`gather_reference`; no slot may repeat in ``slot_indices`` (see
+        :func:`kvstage.kernels.layout.check_transfer`).
 
     Raises:
         The errors of :func:`kvstage.kernels.layout.check_transfer`, before anything is written.
     """
-    plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, layer=layer, check_bounds=check_bounds)
+    plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, layer=layer, check_bounds=check_bounds, scatter=True)
     run_scatter_torch(plan)

@@ -35,7 +35,7 @@ def make_pool(
     *,
     parts: int,
     layers: int,
-    slots: int,
+    num_slots: int,
     heads: int,
     dim: int,
     dtype: torch.dtype,
@@ -50,14 +50,14 @@ def make_pool(
     sizes between them (not adjacent, descending addresses, so table offsets go negative).
     """
     gen = torch.Generator().manual_seed(seed)
-    shape = (slots, heads, dim)
+    shape = (num_slots, heads, dim)
     if storage == "stacked":
         t = random_bytes_(torch.empty((parts, layers, *shape), dtype=dtype, device=device), gen)
         return KVPool.from_stacked(t)
     if storage == "lists":
         buffers = [[random_bytes_(torch.empty(shape, dtype=dtype, device=device), gen) for _ in range(layers)] for _ in range(parts)]
     elif storage == "scattered":
-        numel = slots * heads * dim
+        numel = num_slots * heads * dim
         gap = 37  # elements: keeps every buffer's start aligned to its element but not to 16 bytes
         arena = torch.empty(parts * layers * (numel + gap) + gap, dtype=dtype, device=device)
         random_bytes_(arena, gen)
@@ -89,24 +89,24 @@ def make_staging(pool: KVPool, num_host_pages: int, page_size: int, layout: str,
 
 
 def make_indices(
-    pool: KVPool, n_pages: int, page_size: int, num_host_pages: int, *, seed: int = 0, index_dtype=torch.int64, aligned: bool = False
+    pool: KVPool, num_pages: int, page_size: int, num_host_pages: int, *, seed: int = 0, index_dtype=torch.int64, aligned: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct random slots (token order within a page) and distinct random host page ids."""
     gen = torch.Generator().manual_seed(seed + 1)
     if aligned:
         pool_pages = pool.num_slots // page_size
-        starts = torch.randperm(pool_pages, generator=gen)[:n_pages] * page_size
-        slots = (starts[:, None] + torch.arange(page_size)).reshape(-1)
+        starts = torch.randperm(pool_pages, generator=gen)[:num_pages] * page_size
+        slot_indices = (starts[:, None] + torch.arange(page_size)).reshape(-1)
     else:
-        slots = torch.randperm(pool.num_slots, generator=gen)[: n_pages * page_size]
-    pages = torch.randperm(num_host_pages, generator=gen)[:n_pages]
-    return slots.to(index_dtype).to(pool.device), pages.to(index_dtype).to(pool.device)
+        slot_indices = torch.randperm(pool.num_slots, generator=gen)[: num_pages * page_size]
+    host_page_ids = torch.randperm(num_host_pages, generator=gen)[:num_pages]
+    return slot_indices.to(index_dtype).to(pool.device), host_page_ids.to(index_dtype).to(pool.device)
 
 
-def expected_staging(pool: KVPool, staging: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, page_size: int, layout: str) -> torch.Tensor:
+def expected_staging(pool: KVPool, staging: torch.Tensor, slot_indices: torch.Tensor, host_page_ids: torch.Tensor, page_size: int, layout: str) -> torch.Tensor:
     """What ``staging`` holds after a gather, by plain Python loops (the oracle's oracle)."""
     out = staging.detach().cpu().clone().view(torch.uint8)  # bytes: fp8 indexing needs no kernels
-    s, h = slots.cpu().tolist(), pages.cpu().tolist()
+    s, h = slot_indices.cpu().tolist(), host_page_ids.cpu().tolist()
     for i, host_page in enumerate(h):
         for j in range(page_size):
             for p in range(pool.kv_parts):

@@ -193,7 +193,7 @@ class Rig:
             return
         rows = self.expected_rows(req, start, end).to(self.stacked.device)  # [n, parts, layers, 4]
         slots = self.slots(req)[start:end]
-        num_heads, head_dim = self.kv_pool.layout.num_heads, self.kv_pool.head_dim
+        num_heads, head_dim = self.kv_pool.num_heads, self.kv_pool.head_dim
         values = rows.permute(1, 2, 0, 3).unsqueeze(3)  # [parts, layers, n, 1, 4]
         values = values.expand(-1, -1, -1, num_heads, -1).repeat(1, 1, 1, 1, head_dim // 4)
         self.stacked[:, :, slots] = values
@@ -203,7 +203,7 @@ class Rig:
         ps = self.page_size
         rows = self.expected_rows(req, page_index * ps, (page_index + 1) * ps)  # [ps, parts, layers, 4]
         page = rows.permute(2, 1, 0, 3).unsqueeze(3)  # [layers, parts, ps, 1, 4]
-        return page.expand(-1, -1, -1, self.kv_pool.layout.num_heads, -1).repeat(1, 1, 1, 1, self.kv_pool.head_dim // 4)
+        return page.expand(-1, -1, -1, self.kv_pool.num_heads, -1).repeat(1, 1, 1, 1, self.kv_pool.head_dim // 4)
 
     def chain(self, req: Any) -> list[str]:
         """The prefill keys of every full page of the tokens with KV (what decode must match)."""

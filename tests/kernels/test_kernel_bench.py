@@ -20,7 +20,7 @@ def load_bench():
 def test_bench_reports_every_method_beside_the_ceiling(tmp_path):
     bench = load_bench()
     lines = []
-    report = bench.run(True, device="cpu", cases=("deepseek-v3-mla",), page_sizes=(1, 16), n_tokens=32, log=lines.append)
+    report = bench.run(True, device="cpu", cases=("deepseek-v3-mla",), page_sizes=(1, 16), num_tokens=32, log=lines.append)
     methods = {(r["page_size"], r["op"], r["method"]) for r in report["results"]}
     assert methods == {(p, op, m) for p in (1, 16) for op in ("gather", "scatter") for m in ("ceiling", "torch", "loop")}
     assert all(r["gbps"] > 0 and r["seconds"] > 0 for r in report["results"])
@@ -39,8 +39,8 @@ def test_page_loop_moves_the_same_bytes_as_gather():
     bench = load_bench()
     from kvstage.kernels import gather
 
-    pool, staging, slots, pages = bench.make_case("deepseek-v3-mla", 16, 64, torch.device("cpu"))
-    bench.page_loop(pool, staging, slots, pages, 16, to_host=True)()
+    pool, staging, slot_indices, host_page_ids = bench.make_case("deepseek-v3-mla", 16, 64, torch.device("cpu"))
+    bench.page_loop(pool, staging, slot_indices, host_page_ids, 16, to_host=True)()
     want = torch.zeros_like(staging)
-    gather(pool, want, slots, pages, page_size=16, backend="torch")
+    gather(pool, want, slot_indices, host_page_ids, page_size=16, backend="torch")
     assert torch.equal(staging, want)

@@ -26,20 +26,20 @@ def test_gather_and_scatter_reach_slots_past_2_gib(device, layout):
     stacked = torch.empty((2, 1, SLOTS, 1, ROW), dtype=torch.int8, device=device)
     pool = KVPool.from_stacked(stacked)
     page = 4
-    slots = torch.arange(SLOTS - 3 * page, SLOTS, device=device).flip(0)  # 3 pages of the highest slots, reversed
-    assert int(slots.min()) * ROW > 2**31
+    slot_indices = torch.arange(SLOTS - 3 * page, SLOTS, device=device).flip(0)  # 3 pages of the highest slots, reversed
+    assert int(slot_indices.min()) * ROW > 2**31
     gen = torch.Generator().manual_seed(11)
     for part in range(2):
-        rows = random_bytes_(torch.empty((slots.numel(), 1, ROW), dtype=torch.int8), gen)
-        stacked[part, 0, slots] = rows.to(device)
-    pages = torch.tensor([2, 0, 3], device=device)
+        rows = random_bytes_(torch.empty((slot_indices.numel(), 1, ROW), dtype=torch.int8), gen)
+        stacked[part, 0, slot_indices] = rows.to(device)
+    host_page_ids = torch.tensor([2, 0, 3], device=device)
     staging = make_staging(pool, 4, page, layout)
     want = staging.clone()
-    gather_reference(pool, want, slots, pages, page_size=page, layout=layout)
-    gather(pool, staging, slots, pages, page_size=page, layout=layout, backend="triton")
+    gather_reference(pool, want, slot_indices, host_page_ids, page_size=page, layout=layout)
+    gather(pool, staging, slot_indices, host_page_ids, page_size=page, layout=layout, backend="triton")
     assert torch.equal(as_bytes(staging), as_bytes(want))
-    saved = stacked[:, 0, slots].clone()
-    stacked[:, 0, slots] = 0
-    scatter(staging, pool, slots, pages, page_size=page, layout=layout, backend="triton")
-    assert torch.equal(stacked[:, 0, slots], saved)
+    saved = stacked[:, 0, slot_indices].clone()
+    stacked[:, 0, slot_indices] = 0
+    scatter(staging, pool, slot_indices, host_page_ids, page_size=page, layout=layout, backend="triton")
+    assert torch.equal(stacked[:, 0, slot_indices], saved)
     del stacked, pool

@@ -8,13 +8,14 @@ import torch
 from kernel_helpers import make_pool
 from kvstage.errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
 from kvstage.kernels import KVPool, staging_shape
+from kvstage.kv_layout import KVLayout
 
 
 def test_mha_pool_reports_its_shape(device):
     k = [torch.zeros(10, 5, 72, dtype=torch.bfloat16, device=device) for _ in range(3)]
     v = [torch.zeros(10, 5, 72, dtype=torch.bfloat16, device=device) for _ in range(3)]
     pool = KVPool.mha(k, v)
-    assert (pool.kv_parts, pool.num_layers, pool.num_slots, pool.head_num, pool.head_dim) == (2, 3, 10, 5, 72)
+    assert (pool.kv_parts, pool.num_layers, pool.num_slots, pool.num_heads, pool.head_dim) == (2, 3, 10, 5, 72)
     assert pool.dtype == torch.bfloat16 and pool.device == torch.device(device)
     assert pool.row_bytes == 5 * 72 * 2
     assert pool.page_bytes(16) == 2 * 3 * 16 * 5 * 72 * 2
@@ -25,8 +26,17 @@ def test_mha_pool_reports_its_shape(device):
 def test_mla_pool_has_one_part(device):
     latent = [torch.zeros(7, 1, 576, dtype=torch.float8_e4m3fn, device=device) for _ in range(2)]
     pool = KVPool.mla(latent)
-    assert (pool.kv_parts, pool.num_layers, pool.head_num, pool.head_dim) == (1, 2, 1, 576)
+    assert (pool.kv_parts, pool.num_layers, pool.num_heads, pool.head_dim) == (1, 2, 1, 576)
     assert pool.is_mla and pool.page_bytes(1) == 2 * 576
+
+
+def test_pool_layout_is_the_shared_layout_value(device):
+    pool = make_pool(parts=2, layers=3, num_slots=4, heads=5, dim=72, dtype=torch.bfloat16, device=device)
+    assert pool.layout == KVLayout(num_layers=3, kv_parts=2, num_heads=5, head_dim=72, dtype=torch.bfloat16)
+    assert pool.row_bytes == pool.layout.row_bytes == 720
+    assert pool.page_bytes(16) == pool.layout.page_bytes(16) == 2 * 3 * 16 * 720
+    with pytest.raises(InvalidArgumentError, match="^page_size:"):
+        pool.page_bytes(0)
 
 
 def test_from_stacked_views_the_tensor(device):
@@ -70,10 +80,10 @@ def test_pool_rejects_buffers_on_two_devices():
 
 
 def test_staging_shapes_of_both_layouts(device):
-    pool = make_pool(parts=2, layers=3, slots=8, heads=5, dim=72, dtype=torch.float16, device=device)
+    pool = make_pool(parts=2, layers=3, num_slots=8, heads=5, dim=72, dtype=torch.float16, device=device)
     assert staging_shape(pool, 4, 16) == (4, 3, 2, 16, 5, 72)
     assert staging_shape(pool, 4, 16, "layer_first") == (2, 3, 64, 5, 72)
-    mla = make_pool(parts=1, layers=2, slots=8, heads=1, dim=576, dtype=torch.bfloat16, device=device)
+    mla = make_pool(parts=1, layers=2, num_slots=8, heads=1, dim=576, dtype=torch.bfloat16, device=device)
     assert staging_shape(mla, 0, 1) == (0, 2, 1, 1, 1, 576)
 
 
@@ -83,7 +93,7 @@ def test_staging_shapes_of_both_layouts(device):
     ids=["negative-pages", "zero-page-size", "unknown-layout"],
 )
 def test_staging_shape_rejects_bad_arguments(device, args, argument):
-    pool = make_pool(parts=1, layers=1, slots=4, heads=1, dim=8, dtype=torch.float16, device=device)
+    pool = make_pool(parts=1, layers=1, num_slots=4, heads=1, dim=8, dtype=torch.float16, device=device)
     with pytest.raises(InvalidArgumentError, match=f"^{argument}:"):
         staging_shape(pool, *args)
 

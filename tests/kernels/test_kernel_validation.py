@@ -14,17 +14,17 @@ PAGE = 3
 
 @pytest.fixture
 def case(device):
-    pool = make_pool(parts=2, layers=2, slots=16, heads=1, dim=8, dtype=torch.float16, device=device)
+    pool = make_pool(parts=2, layers=2, num_slots=16, heads=1, dim=8, dtype=torch.float16, device=device)
     staging = make_staging(pool, 4, PAGE, "page_first")
-    slots, pages = make_indices(pool, 2, PAGE, 4)
-    return pool, staging, slots, pages
+    slot_indices, host_page_ids = make_indices(pool, 2, PAGE, 4)
+    return pool, staging, slot_indices, host_page_ids
 
 
 def _bad(case, what):
     """Return kwargs for gather/scatter with one thing broken, as named by ``what``."""
-    pool, staging, slots, pages = case
+    pool, staging, slot_indices, host_page_ids = case
     dev = pool.device
-    kw = dict(pool=pool, staging=staging, slot_indices=slots, host_page_ids=pages, page_size=PAGE)
+    kw = dict(pool=pool, staging=staging, slot_indices=slot_indices, host_page_ids=host_page_ids, page_size=PAGE)
     if what == "staging-dtype":
         kw["staging"] = staging.view(torch.bfloat16)
     elif what == "staging-layers":
@@ -46,15 +46,15 @@ def _bad(case, what):
         kw["staging"] = torch.zeros(2, 2, 10, 1, 8, dtype=torch.float16, device=dev)
         kw["layout"] = "layer_first"
     elif what == "slot-dtype":
-        kw["slot_indices"] = slots.float()
+        kw["slot_indices"] = slot_indices.float()
     elif what == "slot-not-tensor":
-        kw["slot_indices"] = slots.tolist()
+        kw["slot_indices"] = slot_indices.tolist()
     elif what == "slot-rank":
-        kw["slot_indices"] = slots.view(2, PAGE)
+        kw["slot_indices"] = slot_indices.view(2, PAGE)
     elif what == "slot-count":
-        kw["slot_indices"] = slots[:-1]
+        kw["slot_indices"] = slot_indices[:-1]
     elif what == "page-dtype":
-        kw["host_page_ids"] = pages.to(torch.int16)
+        kw["host_page_ids"] = host_page_ids.to(torch.int16)
     elif what == "page-out-of-range":  # host page ids on CPU are always checked (no sync needed)
         kw["host_page_ids"] = torch.tensor([0, 4])
     elif what == "page-negative":
@@ -135,44 +135,44 @@ def test_bad_argument_is_named_and_nothing_is_written(case, op, what, error, arg
 
 @pytest.mark.parametrize("layer", [2, -1, "0"], ids=["too-high", "negative", "string"])
 def test_scatter_rejects_a_bad_layer(case, layer):
-    pool, staging, slots, pages = case
+    pool, staging, slot_indices, host_page_ids = case
     with pytest.raises((InvalidArgumentError, ArgumentTypeError), match="^layer:"):
-        scatter(staging, pool, slots, pages, page_size=PAGE, layer=layer)
+        scatter(staging, pool, slot_indices, host_page_ids, page_size=PAGE, layer=layer)
 
 
 def test_slot_check_is_skipped_when_asked(case):
     """check_bounds=False trusts the slots (as on CUDA by default): a valid batch still copies."""
-    pool, staging, slots, pages = case
-    gather(pool, staging, slots, pages, page_size=PAGE, check_bounds=False)
+    pool, staging, slot_indices, host_page_ids = case
+    gather(pool, staging, slot_indices, host_page_ids, page_size=PAGE, check_bounds=False)
     want = make_staging(pool, 4, PAGE, "page_first")
-    gather(pool, want, slots, pages, page_size=PAGE, backend="torch")
+    gather(pool, want, slot_indices, host_page_ids, page_size=PAGE, backend="torch")
     assert same_bytes(staging, want)
 
 
 def test_cpu_staging_for_a_cuda_pool_must_be_pinned():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    pool = make_pool(parts=2, layers=1, slots=8, heads=1, dim=8, dtype=torch.float16, device=torch.device("cuda"))
+    pool = make_pool(parts=2, layers=1, num_slots=8, heads=1, dim=8, dtype=torch.float16, device=torch.device("cuda"))
     staging = torch.zeros(2, 1, 2, 1, 1, 8, dtype=torch.float16)
-    slots, pages = make_indices(pool, 1, 1, 2)
+    slot_indices, host_page_ids = make_indices(pool, 1, 1, 2)
     with pytest.raises(DeviceMismatchError, match="^staging: .*pinned"):
-        gather(pool, staging, slots, pages, page_size=1)
+        gather(pool, staging, slot_indices, host_page_ids, page_size=1)
 
 
 def test_cuda_staging_for_a_cpu_pool_is_a_device_mismatch():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    pool = make_pool(parts=2, layers=1, slots=8, heads=1, dim=8, dtype=torch.float16, device=torch.device("cpu"))
+    pool = make_pool(parts=2, layers=1, num_slots=8, heads=1, dim=8, dtype=torch.float16, device=torch.device("cpu"))
     staging = torch.zeros(2, 1, 2, 1, 1, 8, dtype=torch.float16, device="cuda")
-    slots, pages = make_indices(pool, 1, 1, 2)
+    slot_indices, host_page_ids = make_indices(pool, 1, 1, 2)
     with pytest.raises(DeviceMismatchError, match="^staging:"):
-        gather(pool, staging, slots, pages, page_size=1)
+        gather(pool, staging, slot_indices, host_page_ids, page_size=1)
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(case, monkeypatch):
-    pool, staging, slots, pages = case
+    pool, staging, slot_indices, host_page_ids = case
     if pool.device.type != "cpu":
         pytest.skip("about CPU tensors")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(BackendUnavailableError, match="^backend:"):
-        gather(pool, staging, slots, pages, page_size=PAGE, backend="triton")
+        gather(pool, staging, slot_indices, host_page_ids, page_size=PAGE, backend="triton")

@@ -1,0 +1,172 @@
+"""Every tensor a copy reads or writes by pointer is taken by its strides, or rejected by name.
+
+Index tensors (``slot_indices``, ``host_page_ids``) may be any 1-D view: strided (a column of
+``req_to_token``), with a storage offset, or expanded (stride 0). Each view is checked
+against the torch reference run on a contiguous copy of the same values, on both backends,
+both modes, gather and scatter (every layer and one layer). The values a wrong stride would
+read instead are valid but unwanted (slots and host pages outside the batch), so a stride
+bug shows as wrong bytes rather than as a fault; every destination is poisoned first.
+
+Staging and pool buffers must be contiguous (a written tensor cannot be silently copied);
+a storage offset is fine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_helpers import as_bytes, make_pool, make_staging, pool_bytes, poison_, random_bytes_, same_bytes
+from kvstage.errors import InvalidArgumentError
+from kvstage.kernels import KVPool, gather, gather_reference, scatter, scatter_reference
+
+PAGE, NUM_PAGES, NUM_HOST_PAGES, NUM_SLOTS = 2, 3, 6, 16
+SLOTS = [9, 2, 14, 5, 0, 11]  # the batch's slots; the others (e.g. 7, 13) must stay untouched
+HOST_PAGE_IDS = [4, 1, 2]  # host pages 0, 3, 5 must keep their poison
+UNWANTED = {"slot_indices": 7, "host_page_ids": 5}  # what a view's gaps hold
+OPS = ["gather", "scatter", "scatter-layer-1"]
+
+
+def view_of(values: list[int], kind: str, filler: int, device: torch.device) -> torch.Tensor:
+    """A 1-D int64 view holding ``values`` (``expanded``: ``values[0]`` repeated) in a non-plain layout."""
+    n = len(values)
+    if kind == "strided":  # every other element of a [n, 2] tensor, like req_to_token[:, 0]
+        base = torch.full((n, 2), filler, dtype=torch.int64, device=device)
+        base[:, 0] = torch.tensor(values, device=device)
+        t = base[:, 0]
+        assert t.stride() == (2,)
+    elif kind == "offset":
+        base = torch.full((n + 3,), filler, dtype=torch.int64, device=device)
+        base[3:] = torch.tensor(values, device=device)
+        t = base[3:]
+        assert t.storage_offset() == 3
+    else:
+        t = torch.tensor(values[:1], dtype=torch.int64, device=device).expand(n)
+        assert t.stride() == (0,)
+    return t
+
+
+def case(device):
+    pool = make_pool(parts=2, layers=3, num_slots=NUM_SLOTS, heads=1, dim=12, dtype=torch.float16, device=device)
+    staging = make_staging(pool, NUM_HOST_PAGES, PAGE, "page_first")
+    return pool, staging
+
+
+def run(op: str, pool, staging, slot_indices, host_page_ids, **options):
+    if op == "gather":
+        gather(pool, staging, slot_indices, host_page_ids, page_size=PAGE, **options)
+    else:
+        scatter(staging, pool, slot_indices, host_page_ids, page_size=PAGE, layer=1 if op.endswith("layer-1") else None, **options)
+
+
+def expected(op: str, pool, staging, slot_indices, host_page_ids):
+    """The reference's result, from contiguous copies of the indices and a copy of the destination."""
+    slot_indices, host_page_ids = slot_indices.contiguous(), host_page_ids.contiguous()
+    if op == "gather":
+        want = staging.clone()
+        gather_reference(pool, want, slot_indices, host_page_ids, page_size=PAGE)
+        return [want]
+    want = KVPool([[t.clone() for t in part] for part in pool.buffers])
+    scatter_reference(staging, want, slot_indices, host_page_ids, page_size=PAGE, layer=1 if op.endswith("layer-1") else None)
+    return want.tensors()
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("mode", ["kernel", "staged"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("kind", ["strided", "offset", "expanded"])
+@pytest.mark.parametrize("argument", ["slot_indices", "host_page_ids"])
+def test_index_views_are_read_by_their_strides(device, argument, kind, op, backend, mode):
+    pool, staging = case(device)
+    values = {"slot_indices": SLOTS, "host_page_ids": HOST_PAGE_IDS}
+    index = {name: torch.tensor(v, device=device) for name, v in values.items()}
+    index[argument] = view_of(values[argument], kind, UNWANTED[argument], device)
+    if op != "gather":
+        random_bytes_(staging, torch.Generator().manual_seed(1))
+        for t in pool.tensors():  # the target slots hold poison: a row left unwritten shows
+            t.view(NUM_SLOTS, -1).view(torch.uint8)[SLOTS] = 0xA5
+    repeats = kind == "expanded" and (argument == "host_page_ids" or op != "gather")
+    if repeats:  # an expanded view repeats one value: a host page twice, or (scatter) a slot twice
+        before_pool, before_staging = pool_bytes(pool), as_bytes(staging).clone()
+        with pytest.raises(InvalidArgumentError, match=f"^{argument}: .*repeat"):
+            run(op, pool, staging, index["slot_indices"], index["host_page_ids"], backend=backend, mode=mode)
+        assert all(torch.equal(a, b) for a, b in zip(before_pool, pool_bytes(pool)))
+        assert torch.equal(before_staging, as_bytes(staging))
+        return
+    want = expected(op, pool, staging, index["slot_indices"], index["host_page_ids"])
+    run(op, pool, staging, index["slot_indices"], index["host_page_ids"], backend=backend, mode=mode)
+    synchronize(device)
+    got = [staging] if op == "gather" else pool.tensors()
+    assert all(same_bytes(a, b) for a, b in zip(got, want))
+    if op == "gather":  # host pages outside the batch kept their poison
+        assert all((as_bytes(staging[h]) == 0xA5).all() for h in (0, 3, 5))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("op", OPS)
+def test_staging_with_a_storage_offset_is_read_at_its_offset(device, op, backend):
+    pool, _ = case(device)
+    shape = make_staging(pool, NUM_HOST_PAGES, PAGE, "page_first").shape
+    numel = torch.Size(shape).numel()
+    arena = poison_(torch.empty(numel + 5, dtype=pool.dtype, device=device))
+    staging = arena[1 : 1 + numel].view(shape)  # starts 2 bytes in: 2-byte words
+    if op != "gather":
+        random_bytes_(staging, torch.Generator().manual_seed(2))
+    slot_indices, host_page_ids = torch.tensor(SLOTS, device=device), torch.tensor(HOST_PAGE_IDS, device=device)
+    want = expected(op, pool, staging, slot_indices, host_page_ids)
+    run(op, pool, staging, slot_indices, host_page_ids, backend=backend)
+    synchronize(device)
+    got = [staging] if op == "gather" else pool.tensors()
+    assert all(same_bytes(a, b) for a, b in zip(got, want))
+    assert (as_bytes(arena[:1]) == 0xA5).all() and (as_bytes(arena[1 + numel :]) == 0xA5).all()
+
+
+@pytest.mark.parametrize("kind", ["strided", "expanded"])
+@pytest.mark.parametrize("op", OPS)
+def test_staging_that_is_not_contiguous_is_rejected(device, op, kind):
+    pool, staging = case(device)
+    if kind == "strided":  # every other host page of a buffer twice as long
+        bad = make_staging(pool, 2 * NUM_HOST_PAGES, PAGE, "page_first")[::2]
+    else:
+        bad = staging[:1].expand(NUM_HOST_PAGES, *staging.shape[1:])
+    before = pool_bytes(pool)
+    with pytest.raises(InvalidArgumentError, match="^staging: must be contiguous"):
+        run(op, pool, bad, torch.tensor(SLOTS, device=device), torch.tensor(HOST_PAGE_IDS, device=device))
+    assert all(torch.equal(a, b) for a, b in zip(before, pool_bytes(pool)))
+
+
+@pytest.mark.parametrize("kind", ["strided", "expanded"])
+def test_pool_buffers_that_are_not_contiguous_are_rejected(device, kind):
+    k = torch.zeros(NUM_SLOTS, 1, 12, dtype=torch.float16, device=device)
+    bad = torch.zeros(NUM_SLOTS * 2, 1, 12, dtype=torch.float16, device=device)[::2] if kind == "strided" else k[:1].expand(NUM_SLOTS, 1, 12)
+    with pytest.raises(InvalidArgumentError, match=r"^k_buffers/v_buffers\[1\]\[0\]: must be contiguous"):
+        KVPool.mha([k], [bad])
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_pool_buffers_with_storage_offsets_are_read_at_their_offsets(device, backend):
+    pool = make_pool(parts=2, layers=3, num_slots=NUM_SLOTS, heads=1, dim=12, dtype=torch.float16, device=device, storage="scattered")
+    assert all(t.storage_offset() > 0 for t in pool.tensors())
+    staging = make_staging(pool, NUM_HOST_PAGES, PAGE, "page_first")
+    slot_indices, host_page_ids = torch.tensor(SLOTS, device=device), torch.tensor(HOST_PAGE_IDS, device=device)
+    want = expected("gather", pool, staging, slot_indices, host_page_ids)[0]
+    gather(pool, staging, slot_indices, host_page_ids, page_size=PAGE, backend=backend)
+    synchronize(device)
+    assert same_bytes(staging, want)
+
+
+def test_scatter_rejects_a_repeated_slot_it_can_see(device):
+    """Two tokens into one slot would leave it unspecified (a mix of both rows on a GPU): checked
+    wherever the slots are checked (check_bounds, the default for a CPU pool)."""
+    pool, staging = case(device)
+    slot_indices = torch.tensor([9, 2, 14, 9, 0, 11], device=device)
+    before = pool_bytes(pool)
+    with pytest.raises(InvalidArgumentError, match="^slot_indices: .*repeat"):
+        scatter(staging, pool, slot_indices, torch.tensor(HOST_PAGE_IDS, device=device), page_size=PAGE, check_bounds=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, pool_bytes(pool)))
+    gather(pool, staging, slot_indices, torch.tensor(HOST_PAGE_IDS, device=device), page_size=PAGE, check_bounds=True)  # gather may repeat
