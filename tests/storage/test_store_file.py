@@ -36,7 +36,7 @@ def test_roundtrip_and_dedup_and_reopen(tmp_path):
     assert torch.equal(read(store, KEY_A), page(1).reshape(-1))
     names = sorted(os.listdir(tmp_path))
     assert names == sorted([store.file_name(KEY_A), store.file_name(KEY_B)])
-    assert names[0].startswith("tiny_model@float32@L2xKV2xH1xD4@P2@tp0of1@")
+    assert names[0].startswith("tiny_model@float32@L0-1xKV2xH1xD4@P2@tp0of1@")
     reopened = FileStore(FP, tmp_path)
     assert reopened.used_bytes == store.used_bytes > 2 * 128
     assert torch.equal(read(reopened, KEY_B), page(2).reshape(-1))
@@ -87,6 +87,7 @@ def test_writer_killed_between_write_and_rename_leaves_nothing_visible(tmp_path)
     code = textwrap.dedent(
         f"""
         import os, torch
+        from kvstage.kv_layout import KVLayout
         from kvstage.storage import FileStore, LayoutFingerprint
         fp = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
         store = FileStore(fp, {str(tmp_path)!r})
