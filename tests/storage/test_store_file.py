@@ -36,7 +36,7 @@ def test_roundtrip_and_dedup_and_reopen(tmp_path):
     assert torch.equal(read(store, KEY_A), page(1).reshape(-1))
     names = sorted(os.listdir(tmp_path))
     assert names == sorted([store.file_name(KEY_A), store.file_name(KEY_B)])
-    assert names[0].startswith("tiny_model@float32@L0-1xKV2xH1xD4@P2@tp0of1@")
+    assert names[0].startswith("tiny_model-d0ee8cd9@float32@L0-1xKV2xH1xD4@P2@tp0of1@")
     reopened = FileStore(FP, tmp_path)
     assert reopened.used_bytes == store.used_bytes > 2 * 128
     assert torch.equal(read(reopened, KEY_B), page(2).reshape(-1))
