@@ -39,7 +39,7 @@ def open_store(kind: str, tmp_path, capacity_pages: int):
     return FileStore(FP, tmp_path / "store", capacity_bytes=capacity_pages * file_page_bytes(tmp_path))
 
 
-KINDS = ["memory"]
+KINDS = ["memory", "file"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -135,6 +135,37 @@ def test_prior_key_is_checked_before_anything_is_written(kind, tmp_path):
         store.put(CHAIN[:1], [page(1)], prior_key=7)
     assert store.exists(CHAIN) == [False] * 3
     assert store.put(CHAIN[:1], [page(1)], prior_key="") == [STORED]  # "": a chain's start, as None
+
+
+def test_file_store_keeps_recency_and_links_across_a_reopen(tmp_path):
+    size = file_page_bytes(tmp_path)
+    directory = tmp_path / "store"
+    store = FileStore(FP, directory, capacity_bytes=4 * size)
+    store.put(CHAIN, [page(1), page(2), page(3)])
+    store.put(OTHER, [page(4)])
+    assert store.exists(CHAIN[2:]) == [True]  # the chain's tail is now more recent than OTHER
+    reopened = FileStore(FP, directory, capacity_bytes=4 * size)
+    assert reopened.used_bytes == 4 * size
+    assert reopened.put(THIRD, [page(5)]) == [STORED]  # evicts OTHER (recency kept)
+    assert reopened.put(FOURTH, [page(6)]) == [STORED]  # evicts the chain's tail (links kept)
+    assert reopened.exists(CHAIN + OTHER) == [True, True, False, False]
+    into = torch.zeros(64)
+    assert reopened.get(CHAIN[1:2], [into]) == [True] and torch.equal(into, page(2))
+
+
+def test_file_store_reopened_after_a_torn_page_keeps_every_other_page(tmp_path):
+    size = file_page_bytes(tmp_path)
+    directory = tmp_path / "store"
+    store = FileStore(FP, directory, capacity_bytes=4 * size)
+    store.put(CHAIN, [page(1), page(2), page(3)])
+    store.put(OTHER, [page(4)])
+    path = store.path_of(CHAIN[1])
+    path.write_bytes(path.read_bytes()[:20])  # a torn header
+    reopened = FileStore(FP, directory, capacity_bytes=4 * size)
+    assert reopened.used_bytes == 3 * size and not path.exists()
+    assert reopened.exists(CHAIN + OTHER) == [True, False, True, True]
+    # The chain heals: the dropped page is written again, its successor deduplicated.
+    assert reopened.put(CHAIN, [page(1), page(2), page(3)]) == [DEDUPLICATED, STORED, DEDUPLICATED]
 
 
 def test_many_uses_keep_the_eviction_order_exact():

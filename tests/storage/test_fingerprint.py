@@ -114,3 +114,17 @@ def test_model_ids_that_sanitize_alike_keep_distinct_prefixes():
     for prefix in (slash, accented):
         assert all(c.isascii() and (c.isalnum() or c in "._-@") for c in prefix), prefix
 
+
+
+def test_stages_on_one_directory_count_and_evict_only_their_own_pages(tmp_path):
+    store1 = FileStore(stage(2), tmp_path)
+    assert store1.put([KEY], [filled(stage(2), 12)]) == [PutStatus.STORED]
+    page_file_bytes = store1.used_bytes
+    # Stage 0 opens the shared directory with room for one page and writes two chains' heads.
+    store0 = FileStore(stage(0), tmp_path, capacity_bytes=page_file_bytes)
+    assert store0.used_bytes == 0
+    other = prefill_page_keys([3, 4], 2)[0]
+    assert store0.put([KEY], [filled(stage(0), 10)]) == [PutStatus.STORED]
+    assert store0.put([other], [filled(stage(0), 11)]) == [PutStatus.STORED]  # evicts stage 0's KEY
+    assert store0.exists([KEY, other]) == [False, True]
+    assert store1.exists([KEY]) == [True] and store1.used_bytes == page_file_bytes
