@@ -3,6 +3,15 @@
 Each stored page is a private copy (a ``uint8`` CPU tensor), so the host pool page it came from
 can be freed and reused right after ``put`` returns.
 
+Speed: a page moves with one single-threaded ``memmove`` (``put`` into the store, ``get`` out of
+it). torch's ``copy_`` splits a copy over its intra-op threads, and a page-sized copy (megabytes)
+then waits at the end for the slowest thread: measured here 0.4-1.5 GB/s per 8 MiB page with 2
+threads on a shared machine against 4-5 GB/s for ``memmove``, and a store's worker thread should
+not take the engine's intra-op threads anyway. A store at its capacity (the steady state)
+writes each new page into the memory of the page it evicts, so it never touches fresh memory:
+a new allocation costs a page fault and a kernel zero-fill per 4 KiB on first touch, which
+halves a copy's speed (``bench/bench_storage.py``: ``memory`` against ``memory-growing``).
+
 Eviction is chain-aware (:mod:`kvstage.storage.chain_index`): when a new page would exceed the
 capacity, only pages with no stored successor are candidates, least recently used first, so a
 chain shrinks from its tail and no page outlives its predecessor by eviction. ``get``, a
@@ -18,6 +27,7 @@ URL form for :func:`open_storage`: ``memory`` (capacity :data:`DEFAULT_CAPACITY_
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import torch
@@ -30,8 +40,11 @@ from kvstage.storage.fingerprint import LayoutFingerprint
 DEFAULT_CAPACITY_BYTES = 1 << 30  # 1 GiB
 
 
-def _bytes_of(page: torch.Tensor) -> torch.Tensor:
-    return page.reshape(-1).view(torch.uint8)
+def _copy(target: torch.Tensor, source: torch.Tensor, nbytes: int) -> None:
+    """Copy ``nbytes`` from ``source`` to ``target`` (contiguous CPU tensors of at least that
+    many bytes, checked by :class:`StorageBackend`) with one single-threaded ``memmove``; ctypes
+    releases the GIL around it."""
+    ctypes.memmove(target.data_ptr(), source.data_ptr(), nbytes)
 
 
 class MemoryStore(StorageBackend):
@@ -64,6 +77,7 @@ class MemoryStore(StorageBackend):
         self.capacity_pages = capacity_pages
         self._pages: ChainIndex[str, torch.Tensor] = ChainIndex()
         self._lock = threading.Lock()
+        self.buffers_allocated = 0  # pages of memory allocated; an evicting put reuses the victim's
 
     def __len__(self) -> int:
         """Pages stored now."""
@@ -97,19 +111,20 @@ class MemoryStore(StorageBackend):
                 if prior is not None and prior not in stored:
                     statuses.append(PutStatus.FAILED)  # unreachable: its predecessor is not here
                     continue
-                if len(stored) >= self.capacity_pages and not self._evict_one(keep):
-                    statuses.append(PutStatus.FAILED)
-                    continue
-                stored.add(key, _bytes_of(page).clone(), prior)
+                if len(stored) < self.capacity_pages:
+                    buffer = torch.empty(self.page_bytes, dtype=torch.uint8)
+                    self.buffers_allocated += 1
+                else:
+                    victim = stored.pop_victim(keep)  # the least recently used chain tail
+                    if victim is None:
+                        statuses.append(PutStatus.FAILED)
+                        continue
+                    self.stats.pages_evicted += 1
+                    buffer = victim[1]  # its memory is already faulted in: reused
+                _copy(buffer, page, self.page_bytes)
+                stored.add(key, buffer, prior)
                 statuses.append(PutStatus.STORED)
         return statuses
-
-    def _evict_one(self, keep: set[str]) -> bool:
-        """Evict the least recently used chain tail outside ``keep``; False when there is none."""
-        if self._pages.pop_victim(keep) is None:
-            return False
-        self.stats.pages_evicted += 1
-        return True
 
     def _get(self, full_keys: list[str], into: list[torch.Tensor]) -> list[bool]:
         hits = []
@@ -121,7 +136,7 @@ class MemoryStore(StorageBackend):
                     hits.append(False)
                     continue
                 stored.touch(key)
-                _bytes_of(target).copy_(page)
+                _copy(target, page, self.page_bytes)
                 hits.append(True)
         return hits
 

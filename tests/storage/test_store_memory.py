@@ -98,3 +98,22 @@ def test_a_key_found_by_exists_counts_as_recently_used():
     assert store.exists(["a", "zz"]) == [True, False]
     store.put(["c"], [page])  # evicts the least recently used: b, not a
     assert store.exists(["a", "b", "c"]) == [True, False, True]
+
+
+def test_a_full_store_reuses_the_memory_of_the_pages_it_evicts():
+    store = MemoryStore(FP, capacity_pages=2)
+    for index, key in enumerate("abcde"):
+        assert store.put([key], [page(float(index))]) == [PutStatus.STORED]
+    assert store.buffers_allocated == 2 and store.stats.pages_evicted == 3
+    into = torch.zeros(32)
+    assert store.get(["e"], [into]) == [True] and torch.equal(into, page(4.0).reshape(-1))
+    assert store.get(["d"], [into]) == [True] and torch.equal(into, page(3.0).reshape(-1))
+
+
+def test_pages_of_any_dtype_and_shape_round_trip_byte_for_byte():
+    store = MemoryStore(FP, capacity_pages=2)
+    source = torch.arange(128, dtype=torch.uint8).reshape(4, 32)  # 128 bytes, another dtype
+    assert store.put(["a"], [source]) == [PutStatus.STORED]
+    into = torch.empty(64, dtype=torch.int16)
+    assert store.get(["a"], [into]) == [True]
+    assert torch.equal(into.view(torch.uint8), source.reshape(-1))
