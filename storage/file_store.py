@@ -75,7 +75,7 @@ SUFFIX = ".kvpage"
 TMP_SUFFIX = ".tmp"
 DEFAULT_CAPACITY_BYTES = 16 << 30  # 16 GiB
 _MAX_NAME = 200  # file names stay well under the usual 255-byte limit
-_SAFE = frozenset(string.ascii_letters + string.digits + "._-@")  # fingerprint prefixes and hex keys
+_SAFE_KEY = frozenset(string.ascii_letters + string.digits + "._-")  # hex keys; no "@", which ends a prefix
 _HASHED = "~"  # separates the owner tag from the SHA-256 in a hashed name; never in a plain one
 
 
@@ -156,7 +156,11 @@ class FileStore(StorageBackend):
         return self.directory / self.file_name(key)
 
     def _name(self, full_key: str) -> str:
-        if len(full_key) + len(SUFFIX) > _MAX_NAME or not all(c in _SAFE for c in full_key):
+        """``full_key`` (this store's prefix + a page key) as a file name: itself, or the owner
+        tag and its SHA-256 when it is long or the page key has a character outside
+        ``[A-Za-z0-9._-]`` (so a plain name's prefix is always exactly this store's)."""
+        key = full_key[len(self.prefix) :]
+        if len(full_key) + len(SUFFIX) > _MAX_NAME or not all(c in _SAFE_KEY for c in key):
             return f"{self._owner_tag}{_HASHED}{hashlib.sha256(full_key.encode()).hexdigest()}{SUFFIX}"
         return full_key + SUFFIX
 

@@ -146,8 +146,8 @@ def test_exists_is_false_for_a_page_file_of_the_wrong_size(tmp_path):
 
 def test_keys_with_path_characters_get_hashed_file_names(tmp_path):
     store = FileStore(FP, tmp_path / "store")
-    assert store.put(["../escape"], [page(1)]) == [PutStatus.STORED]
-    assert os.listdir(tmp_path) == ["store"] and "~" in store.file_name("../escape")
+    assert store.put(["../escape", "a@b"], [page(1), page(2)]) == [PutStatus.STORED] * 2
+    assert os.listdir(tmp_path) == ["store"] and "~" in store.file_name("../escape") and "~" in store.file_name("a@b")
     assert torch.equal(read(store, "../escape"), page(1).reshape(-1))
 
 
