@@ -5,8 +5,11 @@ Pages have Llama-3-8B's KV shape in bf16: 32 layers x K,V x 64 tokens x 8 KV hea
 one host-pool-like chunk tensor; every round stores the batch under fresh keys with one ``put``
 and reads it back into another chunk with one ``get``, for each method:
 
-* ``memory``: :class:`kvstage.offload.MemoryStore` (a private copy of every page in this
-  process; get copies it out).
+* ``memory``: :class:`kvstage.storage.MemoryStore` at its capacity, the steady state of a
+  serving engine: the store holds one batch (filled by the warm-up round), so every put evicts
+  the previous round's pages and reuses their memory; get copies the pages out.
+* ``memory-growing``: a MemoryStore with room for every round, so every put takes memory the
+  process never touched before (the page faults of a store that is still filling up).
 * ``mooncake``: :class:`kvstage.storage.MooncakeStore` over TCP to a ``mooncake_master`` this
   script starts on loopback (HTTP metadata); both chunks registered, so pages move with
   ``batch_put_from`` / ``batch_get_into`` straight from/into them (zero-copy on kvstage's side;
@@ -21,7 +24,8 @@ Timing: wall clock (``time.perf_counter``; Mooncake works on its own threads), o
 not counted, then the median over rounds; methods interleaved within each round. Every get is
 checked against the pages put (outside the timing).
 
-Run: ``python bench/bench_storage.py [--quick] [--rounds N] [--pages N] [--layers N] [--json PATH]``;
+Run: ``python bench/bench_storage.py [--quick] [--rounds N] [--pages N] [--layers N]
+[--methods memory,memcpy] [--json PATH]``;
 ``run(quick) -> dict`` is the entry point for other scripts. Without Mooncake installed the
 Mooncake methods are skipped (reported, with what to install).
 """
@@ -49,7 +53,7 @@ from kvstage.storage.memory_store import MemoryStore
 from kvstage.storage.mooncake.store import INSTALL_HINT, MooncakeStore, mooncake_available
 from kvstage.storage import LayoutFingerprint, StorageBackend
 
-METHODS = ("memory", "mooncake", "mooncake-bounce", "memcpy")
+METHODS = ("memory", "memory-growing", "mooncake", "mooncake-bounce", "memcpy")
 
 
 def llama3_8b_fingerprint(num_layers: int = 32) -> LayoutFingerprint:
@@ -80,6 +84,7 @@ def run(
     rounds: int | None = None,
     n_pages: int | None = None,
     num_layers: int | None = None,
+    methods: tuple[str, ...] = METHODS,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Time put and get of every method; return the results as a JSON-able dict.
@@ -88,13 +93,20 @@ def run(
         quick: 8 layers (2 MiB pages), 8 pages a batch, 3 rounds instead of 32 layers (8 MiB),
             16 pages, 5 rounds.
         rounds, n_pages, num_layers: override those.
+        methods: the methods to time (a subset of :data:`METHODS`).
         log: where progress lines go.
+
+    Raises:
+        ValueError: ``methods`` names an unknown method.
 
     Returns:
         ``{"machine", "python", "torch", "quick", "rounds", "pages_per_batch", "page_bytes",
         "layout", "results": [{method, op, page_bytes, pages, seconds, gbps}],
         "skipped": {method: reason}, "ratios": {name: x}}``.
     """
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise ValueError(f"methods: unknown {unknown}; known: {list(METHODS)}")
     rounds = rounds or (3 if quick else 5)
     n_pages = n_pages or (8 if quick else 16)
     fingerprint = llama3_8b_fingerprint(num_layers or (8 if quick else 32))
@@ -113,8 +125,14 @@ def run(
     stores: dict[str, StorageBackend] = {}
     master = None
     workdir = tempfile.TemporaryDirectory(prefix="kvstage-bench-storage-")
-    stores["memory"] = MemoryStore(fingerprint, capacity_bytes=(rounds + 1) * batch_bytes)
-    if mooncake_available():
+    for method in METHODS:
+        if method not in methods:
+            skipped[method] = "not asked for (--methods)"
+    stores["memory"] = MemoryStore(fingerprint, capacity_bytes=batch_bytes)
+    stores["memory-growing"] = MemoryStore(fingerprint, capacity_bytes=(rounds + 1) * batch_bytes)
+    if "mooncake" not in methods and "mooncake-bounce" not in methods:
+        pass  # no master to start
+    elif mooncake_available():
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the loopback launcher lives with the tests
         from mooncake_master import LocalMooncakeMaster
 
@@ -183,9 +201,14 @@ def run(
     gbps = {(r["method"], r["op"]): r["gbps"] for r in results}
     ratios = {}
     for op in ("put", "get"):
-        if ("mooncake", op) in gbps:
+        for method in ("memory", "memory-growing"):
+            if (method, op) in gbps and ("memcpy", op) in gbps:
+                ratios[f"{method.replace('-', '_')}_{op}_vs_memcpy"] = gbps[(method, op)] / gbps[("memcpy", op)]
+        if ("mooncake", op) in gbps and ("memory", op) in gbps and ("mooncake-bounce", op) in gbps:
             ratios[f"mooncake_{op}_vs_memory"] = gbps[("mooncake", op)] / gbps[("memory", op)]
             ratios[f"mooncake_{op}_vs_bounce"] = gbps[("mooncake", op)] / gbps[("mooncake-bounce", op)]
+    for name, value in ratios.items():
+        log(f"  {name}: {value:.2f}")
     return {
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
@@ -211,8 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", type=int, help="pages a batch")
     parser.add_argument("--layers", type=int, help="layers a page (32: 8 MiB pages)")
     parser.add_argument("--json", type=Path, help="write the report here")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
     args = parser.parse_args(argv)
-    report = run(args.quick, rounds=args.rounds, n_pages=args.pages, num_layers=args.layers)
+    methods = tuple(filter(None, args.methods.split(",")))
+    report = run(args.quick, rounds=args.rounds, n_pages=args.pages, num_layers=args.layers, methods=methods)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

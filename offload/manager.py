@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 class _RequestState:
     __slots__ = (
-        "req", "offloaded_length", "last_key", "unkeyed", "copies_in_flight", "loads",
+        "req", "offloaded_length", "last_key", "last_key_stored", "unkeyed", "copies_in_flight", "loads",
         "ending", "aborted", "retract_keep", "prefetch", "backlog_pages",
     )
 
@@ -64,6 +64,7 @@ class _RequestState:
         self.req = req  # held: keeps id(req) from being reused while tracked
         self.offloaded_length = offloaded_length  # tokens [0, offloaded_length) stored, loaded or launched
         self.last_key: str | None = None  # the chain's key before the first unkeyed segment
+        self.last_key_stored = False  # last_key is a page's key (not the namespace seed)
         self.unkeyed: deque[_Segment] | None = None  # None: last_key not known yet
         self.copies_in_flight = 0  # gathers and loads of its device slots not polled yet
         self.loads: list[_Load] = []
@@ -126,6 +127,8 @@ class OffloadManager:
         store_workers: where store writes and reads run: anything with ``write(call)`` and
             ``read(call)`` returning a ``concurrent.futures.Future``, and ``close()`` (default:
             :class:`~kvstage.offload.store_io.StoreWorkers`, one writer and one reader thread).
+            Writes must run in submission order (one writer): a store refuses a page whose
+            predecessor in the chain is not stored yet.
 
     Raises:
         ArgumentTypeError: ``hasher`` is not a page hasher.
@@ -396,6 +399,7 @@ class OffloadManager:
             if num_pages:
                 state.offloaded_length = num_pages * self.page_size
                 state.last_key = handle.page_keys[num_pages - 1]
+                state.last_key_stored = True
                 state.unkeyed = deque()
             return LoadHandle(handle.req, num_pages, self.page_size, copy_handles, self.kv_pool.num_layers, layer_by_layer)
 
@@ -510,7 +514,7 @@ class OffloadManager:
         resumed = self._retracted.pop(id(req), None)
         if resumed is not None and resumed.req is req:
             state = _RequestState(req, resumed.offloaded_length)
-            state.last_key = resumed.last_key
+            state.last_key, state.last_key_stored = resumed.last_key, resumed.last_key_stored
             state.unkeyed = None if resumed.unkeyed is None else deque()
         elif self.store_prompt:
             state = _RequestState(req, 0)
@@ -634,7 +638,7 @@ class OffloadManager:
             raise AssertionError("host pool changed between the count and the allocation")
         if state.unkeyed is None:
             state.unkeyed = deque()
-            state.last_key = self._chain_start(req)
+            state.last_key, state.last_key_stored = self._chain_start(req)
         state.unkeyed.append(segment)
         state.offloaded_length = end
         state.copies_in_flight += 1
@@ -643,23 +647,24 @@ class OffloadManager:
         self._counters.pages_in_flight += pages
         return pages
 
-    def _chain_start(self, req: Any) -> str | None:
-        """The prior of the request's first launched page: the namespace seed, or with
-        ``store_prompt=False`` the last key of the prompt's whole pages (stored by prefill)."""
+    def _chain_start(self, req: Any) -> tuple[str | None, bool]:
+        """The prior of the request's first launched page, and whether it is a stored page's
+        key: the namespace seed (not a page), or with ``store_prompt=False`` the last key of the
+        prompt's whole pages (stored by the prefill side)."""
         aligned = len(req.origin_input_ids) // self.page_size * self.page_size
         if not self.store_prompt and aligned:
-            return self.hasher.prefill_keys(req.origin_input_ids[:aligned], extra_key=req.extra_key, cache_salt=req.cache_salt)[-1]
-        return self.hasher.seed(req.extra_key, req.cache_salt)
+            return self.hasher.prefill_keys(req.origin_input_ids[:aligned], extra_key=req.extra_key, cache_salt=req.cache_salt)[-1], True
+        return self.hasher.seed(req.extra_key, req.cache_salt), False
 
     def _keys_of(self, segment: _Segment) -> list[str]:
         """The segment's page keys, keying its request's earlier segments first (chain order)."""
         state = segment.state
         while segment.keys is None:
             earliest = state.unkeyed.popleft()
-            earliest.prior_key = state.last_key
+            earliest.prior_key = state.last_key if state.last_key_stored else None  # a seed is no page
             earliest.keys = self.hasher.continue_keys(earliest.tokens, state.last_key)
             earliest.tokens = None
-            state.last_key = earliest.keys[-1]
+            state.last_key, state.last_key_stored = earliest.keys[-1], True
         return segment.keys
 
     def _gathered(self, result: CopyResult) -> None:

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from kvstage.errors import InvalidArgumentError
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.storage.fingerprint import LayoutFingerprint
 
 
@@ -76,33 +76,58 @@ class StorageBackend(abc.ABC):
     # -- the public interface -------------------------------------------------------------
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each page key (hex page hash, no prefix) is stored, in order."""
+        """Whether each page key (hex page hash, no prefix) is stored and readable, in order.
+
+        "Readable" as far as a store can tell cheaply (the file store checks the size, not the
+        checksum; see each store). A key found counts as a use for the store's eviction.
+        """
         return self._exists([self.prefix + key for key in _checked_keys(keys)])
 
-    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, prior_key: str | None = None) -> list[PutStatus]:
+    def put(
+        self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, prior_key: str | None = None
+    ) -> list[PutStatus]:
         """Store ``pages[i]`` under ``keys[i]``; a key already stored is left as it is.
+
+        A put's keys are one run of one chain, in order: ``keys[i - 1]`` is the page right
+        before ``keys[i]`` (the offload manager always writes a request's segment that way), and
+        ``prior_key`` is the page right before ``keys[0]``. Stores that evict by themselves use
+        these links to evict a chain from its tail (a page whose predecessor is gone can never
+        be found by a lookup, which walks a chain from its start); see each store.
 
         Args:
             keys: page hashes (hex), no prefix; no key twice in one call. One run of a hash
                 chain, in order.
-            prior_key: the chain key right before ``keys[0]`` (None: the run starts a chain),
-                for stores that evict chains from their tails.
             pages: CPU tensors, each contiguous with exactly ``page_bytes`` bytes (any dtype;
                 the bytes are stored). Typically views of host pool pages.
+            prior_key: the storage key (page hash, no prefix) of the chain's page right before
+                ``keys[0]``, e.g. the previous segment's last key when a decode segment is
+                written; the hashing side calls the same key ``prior_hash``. None or ``""``:
+                ``keys[0]`` starts a chain (a namespace seed is not a stored page, so it is
+                never passed here).
 
         Returns:
             One :class:`PutStatus` per key. A ``FAILED`` key is not visible afterwards.
 
         Raises:
-            InvalidArgumentError: lengths differ, a key repeats, or a page is not a contiguous
-                CPU tensor of ``page_bytes`` bytes. Nothing is written then.
+            InvalidArgumentError: lengths differ, a key repeats, a page is not a contiguous
+                CPU tensor of ``page_bytes`` bytes, or ``prior_key`` is one of ``keys``.
+                Nothing is written then.
+            ArgumentTypeError: ``prior_key`` is not a str or None.
         """
         keys = _checked_keys(keys)
         self._check_pages("pages", keys, pages)
         if len(set(keys)) != len(keys):
             raise InvalidArgumentError("keys: a key appears twice in one put")
+        if prior_key is not None and not isinstance(prior_key, str):
+            raise ArgumentTypeError(f"prior_key: must be a str key or None, got {type(prior_key).__name__}")
+        if prior_key in keys:
+            raise InvalidArgumentError(f"prior_key: must not be one of keys (keys[{keys.index(prior_key)}]): it precedes keys[0]")
+        full_keys = [self.prefix + key for key in keys]
         started = time.perf_counter()
-        statuses = self._put([self.prefix + key for key in keys], list(pages))
+        if prior_key:
+            statuses = self._put(full_keys, list(pages), self.prefix + prior_key)
+        else:  # also serves subclasses whose _put predates prior_key (two arguments)
+            statuses = self._put(full_keys, list(pages))
         self.stats.put_seconds += time.perf_counter() - started
         for status in statuses:
             if status is PutStatus.STORED:
@@ -158,7 +183,9 @@ class StorageBackend(abc.ABC):
     def _exists(self, full_keys: list[str]) -> list[bool]: ...
 
     @abc.abstractmethod
-    def _put(self, full_keys: list[str], pages: list[torch.Tensor]) -> list[PutStatus]: ...
+    def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> list[PutStatus]:
+        """Store a run of one chain (see :meth:`put`); ``full_prior_key`` (prefix included)
+        precedes ``full_keys[0]``, None at a chain's start."""
 
     @abc.abstractmethod
     def _get(self, full_keys: list[str], into: list[torch.Tensor]) -> list[bool]: ...

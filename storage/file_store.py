@@ -1,13 +1,19 @@
 """``FileStore``: one file a page under a directory, crash-safe and checksummed.
 
-File format (little-endian), written in one ``write``::
+File format (little-endian), written in one go::
 
-    magic  b"KVSTAGE\\x01"           8 bytes
-    key length                       u32
-    payload length                   u64
-    checksum xxh3_64(key + payload)  u64
-    key (UTF-8)                      key length bytes
-    payload (the page's bytes)       payload length bytes
+    magic  b"KVSTAGE\\x02"                           8 bytes
+    key length                                       u32
+    payload length                                   u64
+    checksum xxh3_64(key + prior digest + payload)   u64
+    prior digest                                     32 bytes
+    key (UTF-8)                                      key length bytes
+    payload (the page's bytes)                       payload length bytes
+
+The prior digest is the SHA-256 of the full key (prefix included) of the chain's page right
+before this one (``put``'s ``prior_key`` or the call's previous key), 32 zero bytes at a chain's
+start: the chain link, fixed-size so every page file of one key length has one size. Files of
+format 1 (no link) read as absent and are removed when their store opens.
 
 Why: a page is first written to a temporary name in the same directory and then renamed with
 ``os.replace`` (atomic on POSIX within one file system), so a writer killed mid-write leaves at
@@ -15,12 +21,30 @@ most a temporary file, never a half page under a page's name. The checksum cover
 renaming cannot (a torn write after a power loss without ``fsync``, a flipped bit on disk, a
 file truncated or edited by hand): a page whose length, key or checksum does not match reads as
 a miss and is removed, never as wrong bytes. The key inside the file guards against two keys
-sharing a file name (long keys are named by their SHA-256).
+sharing a file name (long keys, or keys with characters outside ``[A-Za-z0-9._-]``, are named by
+their SHA-256).
 
-Capacity: bounded in bytes; the least recently used pages of this process's index (seeded at
-open from the directory, oldest modification time first) are deleted to make room, never a page
-of the same put (a page that fits only that way is ``FAILED``). One process
-should write a directory; others may read it.
+``exists`` means readable, at a price: ``exists`` checks the file's size (one ``stat``, the
+same cost as finding the file at all), so a torn or truncated page is absent; the payload's
+checksum would cost reading the whole page (as much as the ``get`` that follows a lookup), so a
+page corrupted at the right size still answers True until a ``get`` reads it (a miss, and the
+file is removed) or a ``put`` of its key. A ``put`` of a key whose file is there reads and
+verifies it (a read and a checksum, cheaper than the write it replaces): an intact page is
+``DEDUPLICATED``, a corrupt one is written again and ``STORED``, so offload heals it.
+
+Eviction (capacity in bytes) is chain-aware, as in :class:`kvstage.storage.MemoryStore`: only
+pages with no stored successor are candidates, least recently used first; never a page of the
+same put nor its ``prior_key`` page (a page that fits only that way is ``FAILED``, and so are the
+pages after it in that put: their predecessor is missing). ``get``, ``exists`` and a
+deduplicated ``put`` count as a use. Both survive a reopen without a sidecar: the recency is
+each page file's modification time (set to the index's strictly increasing nanosecond tick on
+every write and use), the links are in the page headers, so opening reads each page file's
+header (one small read a file) and a page file that is torn loses only itself.
+
+Sharing a directory: a store counts, evicts and sweeps only its own files (their names start
+with its fingerprint's prefix, or with a tag of it for hashed names), so stores of different
+fingerprints (pipeline stages, TP ranks) may write one directory. One process should write one
+fingerprint's pages of a directory; others may read them.
 
 URL form for :func:`open_storage`: ``file:DIR`` or ``file:DIR?capacity_bytes=N``.
 """
@@ -29,10 +53,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import string
 import struct
 import threading
 import uuid
-from collections import OrderedDict
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -40,20 +65,29 @@ import xxhash
 
 from kvstage.errors import InvalidArgumentError, StorageError, is_int
 from kvstage.storage.backend import PutStatus, StorageBackend, page_as_bytes
+from kvstage.storage.chain_index import ChainIndex
 from kvstage.storage.fingerprint import LayoutFingerprint
 
-MAGIC = b"KVSTAGE\x01"
-_HEADER = struct.Struct("<8sIQQ")  # magic, key length, payload length, checksum
+MAGIC = b"KVSTAGE\x02"
+_HEADER = struct.Struct("<8sIQQ32s")  # magic, key length, payload length, checksum, prior digest
+_NO_PRIOR = bytes(32)
 SUFFIX = ".kvpage"
 TMP_SUFFIX = ".tmp"
 DEFAULT_CAPACITY_BYTES = 16 << 30  # 16 GiB
 _MAX_NAME = 200  # file names stay well under the usual 255-byte limit
+_SAFE_KEY = frozenset(string.ascii_letters + string.digits + "._-")  # hex keys; no "@", which ends a prefix
+_HASHED = "~"  # separates the owner tag from the SHA-256 in a hashed name; never in a plain one
 
 
-def _checksum(key: bytes, payload) -> int:
+def _checksum(key: bytes, prior: bytes, payload) -> int:
     hasher = xxhash.xxh3_64(key)
+    hasher.update(prior)
     hasher.update(payload)
     return hasher.intdigest()
+
+
+def _digest(full_key: str) -> bytes:
+    return hashlib.sha256(full_key.encode()).digest()
 
 
 class FileStore(StorageBackend):
@@ -62,7 +96,7 @@ class FileStore(StorageBackend):
     Args:
         fingerprint: the KV layout (key prefix and page size in bytes).
         directory: where the page files live; created if missing.
-        capacity_bytes: bound on the bytes of page files this store keeps (headers included).
+        capacity_bytes: bound on the bytes of this store's page files (headers included).
         fsync: also ``fsync`` each page before renaming it (durable across power loss; slower).
             Without it a power loss may leave a torn page, which the checksum turns into a miss.
 
@@ -87,29 +121,30 @@ class FileStore(StorageBackend):
         self.directory = Path(directory)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
+        # Names of hashed page files and of temporary files start with this tag of the prefix.
+        self._owner_tag = hashlib.sha256(self.prefix.encode()).hexdigest()[:16]
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # file name -> size, least recent first
+        # Pages by the SHA-256 of their full key (the link a header holds): (file name, size).
+        self._index: ChainIndex[bytes, tuple[str, int]] = ChainIndex()
+        self._pinned: Counter[bytes] = Counter()  # pages of puts in flight (and their priors)
         self._used = 0
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            entries = []
-            for entry in os.scandir(self.directory):
-                if entry.name.endswith(TMP_SUFFIX):
-                    # Left by a writer that died before its rename: never visible, safe to drop.
-                    _unlink(entry.path)
-                elif entry.name.endswith(SUFFIX) and entry.is_file():
-                    stat = entry.stat()
-                    entries.append((stat.st_mtime_ns, entry.name, stat.st_size))
+            names = [entry.name for entry in os.scandir(self.directory) if self._owns(entry.name)]
         except OSError as error:
             raise StorageError(f"directory: cannot use {str(self.directory)!r}: {error}") from error
-        for _, name, size in sorted(entries):
-            self._index[name] = size
-            self._used += size
+        for name in names:
+            if name.endswith(TMP_SUFFIX):
+                # Left by a writer of this fingerprint that died before its rename: never
+                # visible, safe to drop.
+                _unlink(self.directory / name)
+            elif name.endswith(SUFFIX):
+                self._load(name)
         self._make_room(0)  # reopened with a smaller capacity: within it from the start
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the page files this store knows of."""
+        """Bytes of this store's page files."""
         return self._used
 
     def file_name(self, key: str) -> str:
@@ -120,58 +155,131 @@ class FileStore(StorageBackend):
         """The path of a page key's file (it may not exist)."""
         return self.directory / self.file_name(key)
 
-    @staticmethod
-    def _name(full_key: str) -> str:
-        if len(full_key) + len(SUFFIX) > _MAX_NAME:
-            return hashlib.sha256(full_key.encode()).hexdigest() + SUFFIX
+    def _name(self, full_key: str) -> str:
+        """``full_key`` (this store's prefix + a page key) as a file name: itself, or the owner
+        tag and its SHA-256 when it is long or the page key has a character outside
+        ``[A-Za-z0-9._-]`` (so a plain name's prefix is always exactly this store's)."""
+        key = full_key[len(self.prefix) :]
+        if len(full_key) + len(SUFFIX) > _MAX_NAME or not all(c in _SAFE_KEY for c in key):
+            return f"{self._owner_tag}{_HASHED}{hashlib.sha256(full_key.encode()).hexdigest()}{SUFFIX}"
         return full_key + SUFFIX
 
-    def _present(self, full_key: str, path: Path) -> bool:
-        """Whether ``path`` holds a file of the size a page of ``full_key`` has (a cheap stat:
-        a torn or truncated file, e.g. after a power loss without fsync, is not a page; the
-        checksum still guards the bytes on read)."""
+    def _owns(self, name: str) -> bool:
+        """Whether a directory entry is this fingerprint's (a page or a temporary file)."""
+        if name.endswith(TMP_SUFFIX):
+            return name.startswith(f".{self._owner_tag}{_HASHED}")
+        return name.startswith(f"{self._owner_tag}{_HASHED}") or (name.startswith(self.prefix) and _HASHED not in name)
+
+    def _file_size(self, full_key: str) -> int:
+        return _HEADER.size + len(full_key.encode()) + self.page_bytes
+
+    def _load(self, name: str) -> None:
+        """Index a page file found at open: its link from the header, its recency from its
+        modification time. A file whose header is not a page of this layout is removed."""
+        path = self.directory / name
         try:
-            size = os.stat(path).st_size
+            with open(path, "rb") as handle:
+                status = os.fstat(handle.fileno())
+                head = handle.read(_HEADER.size)
+                if len(head) == _HEADER.size:
+                    head += handle.read(_HEADER.unpack_from(head)[1])
         except OSError:
-            return False
-        return size == _HEADER.size + len(full_key.encode()) + self.page_bytes
+            return
+        parsed = self._parse_header(head, status.st_size)
+        if parsed is None or self._name(parsed[0]) != name:
+            _unlink(path)  # torn, corrupt, of format 1, or renamed by hand: never a page here
+            return
+        full_key, prior = parsed
+        self._index.add(_digest(full_key), (name, status.st_size), prior, tick=status.st_mtime_ns)
+        self._used += status.st_size
+
+    def _parse_header(self, head: bytes, size: int) -> tuple[str, bytes | None] | None:
+        """(full key, prior digest or None) from a page file's first bytes (at least the header
+        and the key), or None when they are not the header of a page of this layout that is
+        ``size`` bytes long."""
+        if len(head) < _HEADER.size:
+            return None
+        magic, key_length, payload_length, _, prior = _HEADER.unpack_from(head)
+        key_end = _HEADER.size + key_length
+        if magic != MAGIC or payload_length != self.page_bytes or size != key_end + payload_length or len(head) < key_end:
+            return None
+        try:
+            full_key = head[_HEADER.size : key_end].decode()
+        except UnicodeDecodeError:
+            return None
+        return full_key, (None if prior == _NO_PRIOR else prior)
+
+    # -- the storage interface ---------------------------------------------------------------
 
     def _exists(self, full_keys: list[str]) -> list[bool]:
-        directory = self.directory
-        return [self._present(key, directory / self._name(key)) for key in full_keys]
+        return [self._present(full_key) for full_key in full_keys]
 
-    def _put(self, full_keys: list[str], pages: list[torch.Tensor]) -> list[PutStatus]:
-        statuses = []
-        this_call: set[str] = set()  # never evicted to make room for a page of the same call
-        for full_key, page in zip(full_keys, pages):
-            name = self._name(full_key)
-            path = self.directory / name
-            this_call.add(name)
-            if self._present(full_key, path):
-                with self._lock:
-                    if name in self._index:
-                        self._index.move_to_end(name)
-                statuses.append(PutStatus.DEDUPLICATED)
-                continue
-            statuses.append(self._write(full_key, name, path, page, this_call))
-        return statuses
+    def _present(self, full_key: str) -> bool:
+        """Whether the key's file is there at a page's size (a cheap ``stat``; see the module
+        doc); a hit counts as a use."""
+        path = self.directory / self._name(full_key)
+        try:
+            if os.stat(path).st_size != self._file_size(full_key):
+                return False
+        except OSError:
+            return False
+        self._touch(full_key, path)
+        return True
 
-    def _write(self, full_key: str, name: str, path: Path, page: torch.Tensor, keep: set[str] = frozenset()) -> PutStatus:
+    def _touch(self, full_key: str, path: Path) -> None:
+        """Record a use: in the index and as the file's modification time (for a reopen)."""
+        with self._lock:
+            tick = self._index.touch(_digest(full_key))
+            if tick is None:  # a page of this fingerprint written by another process
+                tick = self._index.tick()
+        try:
+            os.utime(path, ns=(tick, tick))
+        except OSError:
+            pass  # evicted or removed meanwhile: nothing to record
+
+    def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> list[PutStatus]:
+        digests = [_digest(key) for key in full_keys]
+        prior = None if full_prior_key is None else _digest(full_prior_key)
+        pinned = digests + ([] if prior is None else [prior])
+        with self._lock:
+            self._pinned.update(pinned)  # never evicted while this put runs, by any thread
+        try:
+            statuses = []
+            for full_key, digest, page in zip(full_keys, digests, pages):
+                statuses.append(self._put_one(full_key, digest, page, prior))
+                prior = digest
+            return statuses
+        finally:
+            with self._lock:
+                self._pinned.subtract(pinned)
+                for digest in pinned:
+                    if self._pinned[digest] <= 0:
+                        del self._pinned[digest]
+
+    def _put_one(self, full_key: str, digest: bytes, page: torch.Tensor, prior: bytes | None) -> PutStatus:
+        name = self._name(full_key)
+        path = self.directory / name
+        if self._read(full_key, path, None):
+            return PutStatus.DEDUPLICATED  # there and intact (a corrupt file was removed)
+        with self._lock:
+            if prior is not None and prior not in self._index:
+                return PutStatus.FAILED  # unreachable: its predecessor is not here
         key = full_key.encode()
         payload = page_as_bytes(page)
-        header = _HEADER.pack(MAGIC, len(key), len(payload), _checksum(key, payload))
+        header = _HEADER.pack(MAGIC, len(key), len(payload), _checksum(key, prior or _NO_PRIOR, payload), prior or _NO_PRIOR)
         size = len(header) + len(key) + len(payload)
-        if size > self.capacity_bytes:
+        if size > self.capacity_bytes or not self._make_room(size):
             return PutStatus.FAILED
-        if not self._make_room(size, keep):
-            return PutStatus.FAILED
-        tmp = self.directory / f".{name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
+        tmp = self.directory / f".{self._owner_tag}{_HASHED}{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
         try:
             with open(tmp, "wb") as handle:
                 handle.write(header)
                 handle.write(key)
                 handle.write(payload)
                 handle.flush()
+                with self._lock:
+                    tick = self._index.tick()
+                os.utime(handle.fileno(), ns=(tick, tick))
                 if self.fsync:
                     os.fsync(handle.fileno())
             os.replace(tmp, path)
@@ -179,31 +287,32 @@ class FileStore(StorageBackend):
             _unlink(tmp)
             return PutStatus.FAILED
         with self._lock:
-            old = self._index.pop(name, 0)
-            self._index[name] = size
-            self._used += size - old
+            self._index.add(digest, (name, size), prior, tick=tick)
+            self._used += size
         return PutStatus.STORED
 
-    def _make_room(self, size: int, keep: set[str] = frozenset()) -> bool:
-        """Evict least recently used pages until ``size`` more bytes fit; False (nothing more
-        evicted) when that would evict a page named in ``keep`` (pages of the current put)."""
+    def _make_room(self, size: int) -> bool:
+        """Evict chain tails, least recently used first, until ``size`` more bytes fit; False
+        (nothing more evicted) when only pages of puts in flight are left to evict."""
         while True:
             with self._lock:
-                if self._used + size <= self.capacity_bytes or not self._index:
+                if self._used + size <= self.capacity_bytes:
                     return True
-                if next(iter(self._index)) in keep:
+                victim = self._index.pop_victim(self._pinned)
+                if victim is None:
                     return False
-                name, old = self._index.popitem(last=False)
+                name, old = victim[1]
                 self._used -= old
             _unlink(self.directory / name)
             self.stats.pages_evicted += 1
 
     def _get(self, full_keys: list[str], into: list[torch.Tensor]) -> list[bool]:
-        return [self._read(full_key, target) for full_key, target in zip(full_keys, into)]
+        directory = self.directory
+        return [self._read(full_key, directory / self._name(full_key), target) for full_key, target in zip(full_keys, into)]
 
-    def _read(self, full_key: str, target: torch.Tensor) -> bool:
-        name = self._name(full_key)
-        path = self.directory / name
+    def _read(self, full_key: str, path: Path, target: torch.Tensor | None) -> bool:
+        """Read and verify the key's page file and copy its payload into ``target`` (None:
+        verify only). A hit counts as a use; a corrupt or torn file is removed (and forgotten)."""
         try:
             with open(path, "rb") as handle:
                 data = handle.read()
@@ -212,34 +321,31 @@ class FileStore(StorageBackend):
         key = full_key.encode()
         payload = self._verified_payload(data, key)
         if payload is None:
-            # Corrupt or torn: drop it so a later put can write the page again.
-            self._forget(name)
+            # Corrupt or torn: drop it so a put can write the page again.
+            with self._lock:
+                removed = self._index.remove(_digest(full_key))
+                if removed is not None:
+                    self._used -= removed[1]
             _unlink(path)
             return False
-        page_as_bytes(target)[:] = payload
-        with self._lock:
-            if name in self._index:
-                self._index.move_to_end(name)
+        if target is not None:
+            page_as_bytes(target)[:] = payload
+        self._touch(full_key, path)
         return True
 
     def _verified_payload(self, data: bytes, key: bytes) -> memoryview | None:
-        if len(data) < _HEADER.size:
+        parsed = self._parse_header(data, len(data))
+        if parsed is None:
             return None
-        magic, key_length, payload_length, checksum = _HEADER.unpack_from(data)
-        start = _HEADER.size + key_length
-        if magic != MAGIC or payload_length != self.page_bytes or len(data) != start + payload_length:
+        full_key, prior = parsed
+        if full_key.encode() != key:
             return None
+        checksum = _HEADER.unpack_from(data)[3]
         view = memoryview(data)
-        if bytes(view[_HEADER.size : start]) != key:
-            return None
-        payload = view[start:]
-        if _checksum(key, payload) != checksum:
+        payload = view[_HEADER.size + len(key) :]
+        if _checksum(key, prior or _NO_PRIOR, payload) != checksum:
             return None
         return payload
-
-    def _forget(self, name: str) -> None:
-        with self._lock:
-            self._used -= self._index.pop(name, 0)
 
 
 def _unlink(path) -> None:

@@ -13,6 +13,8 @@ page is only ever read back as KV of the same model, dtype, layout, page size an
 
 from __future__ import annotations
 
+import hashlib
+import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,10 +113,13 @@ class LayoutFingerprint:
         """The key prefix, e.g. ``"llama3-8b@bfloat16@L0-31xKV2xH8xD128@P64@tp0of1@"``
         (MLA: ``...@tp-any@``).
 
-        Characters outside ``[A-Za-z0-9._-]`` in the model id become ``_`` so the prefix is
-        safe as a file name and as a Mooncake key.
+        A model id made only of ``[A-Za-z0-9._-]`` is used as it is. Any other character
+        becomes ``_`` (so the prefix is safe as a file name and as a Mooncake key) and the id
+        then ends in ``-`` and the first 8 hex digits of the SHA-256 of the id as given (UTF-8),
+        so ids that sanitize alike (``org/model``, ``org_model``, ``org/mödel``) keep distinct
+        key spaces: ``"org/model"`` -> ``"org_model-c87c0c64"``.
         """
-        model = "".join(c if c.isalnum() or c in "._-" else "_" for c in self.model_id)
+        model = _safe_model_name(self.model_id)
         layout = self.layout
         layers = self.layers
         shard = "tp-any" if self.rank_neutral else f"tp{self.tp_rank}of{self.tp_size}"
@@ -138,3 +143,15 @@ class LayoutFingerprint:
                 raise InvalidArgumentError(f"{argument}: its layout's {name} {mine} must equal the pool's {theirs}")
         if self.page_size != page_size:
             raise InvalidArgumentError(f"{argument}: its layout's page_size {self.page_size} must equal the pool's {page_size}")
+
+
+_SAFE = frozenset(string.ascii_letters + string.digits + "._-")
+
+
+def _safe_model_name(model_id: str) -> str:
+    """``model_id`` when every character is in ``[A-Za-z0-9._-]``; otherwise each other
+    character as ``_`` plus ``-`` and 8 hex digits of the id's SHA-256 (see ``prefix``)."""
+    if all(c in _SAFE for c in model_id):
+        return model_id
+    sanitized = "".join(c if c in _SAFE else "_" for c in model_id)
+    return f"{sanitized}-{hashlib.sha256(model_id.encode()).hexdigest()[:8]}"

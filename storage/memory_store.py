@@ -1,11 +1,25 @@
-"""``MemoryStore``: the default storage backend, pages kept in this process's memory, LRU-bounded.
+"""``MemoryStore``: the default storage backend, pages kept in this process's memory, bounded.
 
 Each stored page is a private copy (a ``uint8`` CPU tensor), so the host pool page it came from
-can be freed and reused right after ``put`` returns. When a new page would exceed the capacity,
-the least recently used pages are evicted first; ``get``, a deduplicated ``put`` and an
-``exists`` that finds the key count as a use (the manager deduplicates shared pages through
-``exists``, and those are the pages most worth keeping). A put never
-evicts a page of the same call: a page that fits only that way is ``FAILED``.
+can be freed and reused right after ``put`` returns.
+
+Speed: a page moves with one single-threaded ``memmove`` (``put`` into the store, ``get`` out of
+it). torch's ``copy_`` splits a copy over its intra-op threads, and a page-sized copy (megabytes)
+then waits at the end for the slowest thread: measured here 0.4-1.5 GB/s per 8 MiB page with 2
+threads on a shared machine against 4-5 GB/s for ``memmove``, and a store's worker thread should
+not take the engine's intra-op threads anyway. A store at its capacity (the steady state)
+writes each new page into the memory of the page it evicts, so it never touches fresh memory:
+a new allocation costs a page fault and a kernel zero-fill per 4 KiB on first touch, which
+halves a copy's speed (``bench/bench_storage.py``: ``memory`` against ``memory-growing``).
+
+Eviction is chain-aware (:mod:`kvstage.storage.chain_index`): when a new page would exceed the
+capacity, only pages with no stored successor are candidates, least recently used first, so a
+chain shrinks from its tail and no page outlives its predecessor by eviction. ``get``, a
+deduplicated ``put`` and an ``exists`` that finds the key count as a use (the manager
+deduplicates shared pages through ``exists``, and those are the pages most worth keeping).
+A put never evicts a page of the same call nor its ``prior_key`` page: a page that fits only
+that way is ``FAILED``, and so is a page whose predecessor (``prior_key``, or the call's
+previous key) is not stored, since no lookup could reach it.
 
 URL form for :func:`open_storage`: ``memory`` (capacity :data:`DEFAULT_CAPACITY_BYTES`) or
 ``memory:CAPACITY_BYTES``.
@@ -13,24 +27,28 @@ URL form for :func:`open_storage`: ``memory`` (capacity :data:`DEFAULT_CAPACITY_
 
 from __future__ import annotations
 
+import ctypes
 import threading
-from collections import OrderedDict
 
 import torch
 
 from kvstage.errors import InvalidArgumentError, is_int
 from kvstage.storage.backend import PutStatus, StorageBackend
+from kvstage.storage.chain_index import ChainIndex
 from kvstage.storage.fingerprint import LayoutFingerprint
 
 DEFAULT_CAPACITY_BYTES = 1 << 30  # 1 GiB
 
 
-def _bytes_of(page: torch.Tensor) -> torch.Tensor:
-    return page.reshape(-1).view(torch.uint8)
+def _copy(target: torch.Tensor, source: torch.Tensor, nbytes: int) -> None:
+    """Copy ``nbytes`` from ``source`` to ``target`` (contiguous CPU tensors of at least that
+    many bytes, checked by :class:`StorageBackend`) with one single-threaded ``memmove``; ctypes
+    releases the GIL around it."""
+    ctypes.memmove(target.data_ptr(), source.data_ptr(), nbytes)
 
 
 class MemoryStore(StorageBackend):
-    """Pages in host memory, at most ``capacity_pages`` of them, least recently used evicted.
+    """Pages in host memory, at most ``capacity_pages`` of them, evicted from chains' tails.
 
     Args:
         fingerprint: the KV layout (key prefix and page size in bytes).
@@ -57,8 +75,9 @@ class MemoryStore(StorageBackend):
         elif not is_int(capacity_pages) or capacity_pages < 0:
             raise InvalidArgumentError(f"capacity_pages: must be a non-negative int, got {capacity_pages!r}")
         self.capacity_pages = capacity_pages
-        self._pages: OrderedDict[str, torch.Tensor] = OrderedDict()  # oldest use first
+        self._pages: ChainIndex[str, torch.Tensor] = ChainIndex()
         self._lock = threading.Lock()
+        self.buffers_allocated = 0  # pages of memory allocated; an evicting put reuses the victim's
 
     def __len__(self) -> int:
         """Pages stored now."""
@@ -72,38 +91,39 @@ class MemoryStore(StorageBackend):
     def _exists(self, full_keys: list[str]) -> list[bool]:
         # A key found counts as a use: the manager deduplicates shared pages through exists(),
         # and those are the pages most worth keeping.
-        found = []
         with self._lock:
-            pages = self._pages
-            for key in full_keys:
-                hit = key in pages
-                if hit:
-                    pages.move_to_end(key)
-                found.append(hit)
-        return found
+            touch = self._pages.touch
+            return [touch(key) is not None for key in full_keys]
 
-    def _put(self, full_keys: list[str], pages: list[torch.Tensor]) -> list[PutStatus]:
+    def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> list[PutStatus]:
         statuses = []
-        used_now = 0  # this call's pages, the most recent in the LRU order
+        keep = set(full_keys)  # never evicted for a page of this call
+        if full_prior_key is not None:
+            keep.add(full_prior_key)
         with self._lock:
             stored = self._pages
+            before = full_prior_key
             for key, page in zip(full_keys, pages):
-                if key in stored:
-                    stored.move_to_end(key)
+                prior, before = before, key
+                if stored.touch(key) is not None:
                     statuses.append(PutStatus.DEDUPLICATED)
-                    used_now += 1
                     continue
-                if used_now >= self.capacity_pages:
-                    # Room only by evicting a page of this very call, which was just reported
-                    # stored (or present): this page fails instead.
-                    statuses.append(PutStatus.FAILED)
+                if prior is not None and prior not in stored:
+                    statuses.append(PutStatus.FAILED)  # unreachable: its predecessor is not here
                     continue
-                while len(stored) >= self.capacity_pages:
-                    stored.popitem(last=False)
+                if len(stored) < self.capacity_pages:
+                    buffer = torch.empty(self.page_bytes, dtype=torch.uint8)
+                    self.buffers_allocated += 1
+                else:
+                    victim = stored.pop_victim(keep)  # the least recently used chain tail
+                    if victim is None:
+                        statuses.append(PutStatus.FAILED)
+                        continue
                     self.stats.pages_evicted += 1
-                stored[key] = _bytes_of(page).clone()
+                    buffer = victim[1]  # its memory is already faulted in: reused
+                _copy(buffer, page, self.page_bytes)
+                stored.add(key, buffer, prior)
                 statuses.append(PutStatus.STORED)
-                used_now += 1
         return statuses
 
     def _get(self, full_keys: list[str], into: list[torch.Tensor]) -> list[bool]:
@@ -111,19 +131,19 @@ class MemoryStore(StorageBackend):
         with self._lock:
             stored = self._pages
             for key, target in zip(full_keys, into):
-                page = stored.get(key)
+                page = stored.value(key)
                 if page is None:
                     hits.append(False)
                     continue
-                stored.move_to_end(key)
-                _bytes_of(target).copy_(page)
+                stored.touch(key)
+                _copy(target, page, self.page_bytes)
                 hits.append(True)
         return hits
 
     def close(self) -> None:
         """Drop every page. Idempotent."""
         with self._lock:
-            self._pages.clear()
+            self._pages = ChainIndex()
 
 
 def open_memory_store(rest: str, fingerprint: LayoutFingerprint) -> MemoryStore:

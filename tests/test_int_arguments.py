@@ -49,8 +49,8 @@ def test_store_capacities_reject_bools():
 
 
 def test_host_pool_page_rejects_bools():
-    pool = HostPool(num_layers=1, kv_parts=1, page_size=2, num_heads=1, head_dim=4, dtype=torch.float16, num_pages=4)
-    with pytest.raises(InvalidArgumentError, match=r"page: must be in \[0, 4\), got True"):
+    pool = HostPool(KVLayout(1, 1, 1, 4, torch.float16), num_pages=4, page_size=2, pin=False)
+    with pytest.raises(InvalidArgumentError, match=r"^host_page_id: must be in \[0, 4\), got True"):
         pool.page(True)
 
 

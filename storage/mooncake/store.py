@@ -10,6 +10,9 @@ with Mooncake once (``register_buffer``); a page that lies inside a registered b
 registered buffer is copied through a registered bounce buffer (``bounce_bytes``, allocated on
 first use), so RDMA never sees unregistered memory.
 
+Eviction is Mooncake's own (the master evicts objects when its segments fill up), so the chain
+link ``put`` takes (``prior_key``) is accepted and ignored here.
+
 Statuses: keys that exist (``batch_is_exist`` returns 1) are not written and count as
 ``DEDUPLICATED``; ``batch_put_from`` returns 0 for a page that is stored; any negative code makes
 that page ``FAILED`` and is logged with its name and meaning (the table is Mooncake's
@@ -292,7 +295,9 @@ class MooncakeStore(StorageBackend):
         self._log_failures("exists", full_keys, [c for c in codes if c < 0])
         return [code == 1 for code in codes]
 
-    def _put(self, full_keys: list[str], pages: list[torch.Tensor]) -> list[PutStatus]:
+    def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> list[PutStatus]:
+        # full_prior_key (the chain link) is not used: the master evicts on its own (by its
+        # lease and high-water mark), with no notion of chains.
         statuses = [PutStatus.FAILED] * len(full_keys)
         if not full_keys:
             return statuses

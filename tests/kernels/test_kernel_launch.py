@@ -179,7 +179,22 @@ def test_streams_helper_copies_and_completes(device):
 def test_launch_after_runs_inline_without_a_stream():
     calls = []
     handle = launch_after(functools.partial(calls.append, 1), stream=None, keep_alive=[torch.zeros(1)])
-    assert calls == [1] and handle.query() and handle.event is None
+    assert calls == [1] and handle.query() and handle.device is None and handle.error is None
+
+
+def test_launch_after_raises_what_an_inline_copy_raises():
+    def failing():
+        raise RuntimeError("bad copy")
+
+    with pytest.raises(RuntimeError, match="bad copy"):
+        launch_after(failing, stream=None)
+
+
+def test_launch_after_names_a_bad_stream():
+    from kvstage.errors import ArgumentTypeError
+
+    with pytest.raises(ArgumentTypeError, match="^stream: must be a torch.cuda.Stream or None"):
+        launch_after(lambda: None, stream="side")
 
 
 @pytest.mark.gpu

@@ -36,7 +36,7 @@ def test_roundtrip_and_dedup_and_reopen(tmp_path):
     assert torch.equal(read(store, KEY_A), page(1).reshape(-1))
     names = sorted(os.listdir(tmp_path))
     assert names == sorted([store.file_name(KEY_A), store.file_name(KEY_B)])
-    assert names[0].startswith("tiny_model@float32@L2xKV2xH1xD4@P2@tp0of1@")
+    assert names[0].startswith("tiny_model-d0ee8cd9@float32@L0-1xKV2xH1xD4@P2@tp0of1@")
     reopened = FileStore(FP, tmp_path)
     assert reopened.used_bytes == store.used_bytes > 2 * 128
     assert torch.equal(read(reopened, KEY_B), page(2).reshape(-1))
@@ -87,6 +87,7 @@ def test_writer_killed_between_write_and_rename_leaves_nothing_visible(tmp_path)
     code = textwrap.dedent(
         f"""
         import os, torch
+        from kvstage.kv_layout import KVLayout
         from kvstage.storage import FileStore, LayoutFingerprint
         fp = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
         store = FileStore(fp, {str(tmp_path)!r})
@@ -109,13 +110,45 @@ def test_capacity_evicts_the_least_recently_used_file(tmp_path):
     size = probe.used_bytes
     store = FileStore(FP, tmp_path / "store", capacity_bytes=2 * size)
     keys = ["1" * 64, "2" * 64, "3" * 64]
-    store.put(keys[:2], [page(1), page(2)])
+    store.put(keys[:1], [page(1)])  # two one-page chains (chains: test_chain_eviction.py)
+    store.put(keys[1:2], [page(2)])
     assert read(store, keys[0]) is not None  # keys[0] is now the most recent
     assert store.put([keys[2]], [page(3)]) == [PutStatus.STORED]
     assert store.exists(keys) == [True, False, True]
     assert store.used_bytes == 2 * size and store.stats.pages_evicted == 1
     tiny = FileStore(FP, tmp_path / "tiny", capacity_bytes=size - 1)
     assert tiny.put([KEY_A], [page(1)]) == [PutStatus.FAILED] and tiny.exists([KEY_A]) == [False]
+
+
+def test_page_corrupted_at_its_size_is_rewritten_by_the_next_put(tmp_path):
+    store = FileStore(FP, tmp_path)
+    store.put([KEY_A], [page(1)])
+    path = store.path_of(KEY_A)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10  # one bit of the payload: the size stays a page's
+    path.write_bytes(bytes(data))
+    assert store.exists([KEY_A]) == [True]  # exists checks the size only (see the module doc)
+    assert store.put([KEY_A], [page(1)]) == [PutStatus.STORED]
+    assert store.stats.pages_stored == 2 and store.stats.pages_deduplicated == 0
+    assert torch.equal(read(store, KEY_A), page(1).reshape(-1))
+    assert store.put([KEY_A], [page(1)]) == [PutStatus.DEDUPLICATED]  # intact now
+
+
+def test_exists_is_false_for_a_page_file_of_the_wrong_size(tmp_path):
+    store = FileStore(FP, tmp_path)
+    store.put([KEY_A], [page(1)])
+    path = store.path_of(KEY_A)
+    path.write_bytes(path.read_bytes() + b"x")
+    assert store.exists([KEY_A]) == [False]
+    assert store.put([KEY_A], [page(2)]) == [PutStatus.STORED]
+    assert torch.equal(read(store, KEY_A), page(2).reshape(-1))
+
+
+def test_keys_with_path_characters_get_hashed_file_names(tmp_path):
+    store = FileStore(FP, tmp_path / "store")
+    assert store.put(["../escape", "a@b"], [page(1), page(2)]) == [PutStatus.STORED] * 2
+    assert os.listdir(tmp_path) == ["store"] and "~" in store.file_name("../escape") and "~" in store.file_name("a@b")
+    assert torch.equal(read(store, "../escape"), page(1).reshape(-1))
 
 
 def test_long_model_id_gets_hashed_file_names(tmp_path):

@@ -1,4 +1,7 @@
-"""MemoryStore: exact bytes back, dedup, LRU eviction within a bounded capacity, URL form."""
+"""MemoryStore: exact bytes back, dedup, LRU eviction within a bounded capacity, URL form.
+
+(Chain-aware eviction: ``test_chain_eviction.py``; these tests put one-page chains.)
+"""
 
 from __future__ import annotations
 
@@ -48,7 +51,8 @@ def test_miss_leaves_the_target_untouched():
 def test_least_recently_used_page_is_evicted_first():
     store = MemoryStore(FP, capacity_bytes=3 * 128 + 100)  # 3 pages
     assert store.capacity_pages == 3
-    store.put(["a", "b", "c"], [page(1), page(2), page(3)])
+    for key, value in zip("abc", (1, 2, 3)):  # three one-page chains
+        store.put([key], [page(value)])
     store.get(["a"], [torch.zeros(32)])  # a is now the most recent
     store.exists(["c"])  # found by the manager's dedup probe: a use too
     assert store.put(["d"], [page(4)]) == [PutStatus.STORED]
@@ -89,7 +93,27 @@ def test_a_key_found_by_exists_counts_as_recently_used():
     fingerprint = LayoutFingerprint("m", KVLayout(1, 1, 1, 4, "uint8"), 1)
     store = MemoryStore(fingerprint, capacity_pages=2)
     page = torch.zeros(4, dtype=torch.uint8)
-    store.put(["a", "b"], [page, page])
+    store.put(["a"], [page])
+    store.put(["b"], [page])
     assert store.exists(["a", "zz"]) == [True, False]
     store.put(["c"], [page])  # evicts the least recently used: b, not a
     assert store.exists(["a", "b", "c"]) == [True, False, True]
+
+
+def test_a_full_store_reuses_the_memory_of_the_pages_it_evicts():
+    store = MemoryStore(FP, capacity_pages=2)
+    for index, key in enumerate("abcde"):
+        assert store.put([key], [page(float(index))]) == [PutStatus.STORED]
+    assert store.buffers_allocated == 2 and store.stats.pages_evicted == 3
+    into = torch.zeros(32)
+    assert store.get(["e"], [into]) == [True] and torch.equal(into, page(4.0).reshape(-1))
+    assert store.get(["d"], [into]) == [True] and torch.equal(into, page(3.0).reshape(-1))
+
+
+def test_pages_of_any_dtype_and_shape_round_trip_byte_for_byte():
+    store = MemoryStore(FP, capacity_pages=2)
+    source = torch.arange(128, dtype=torch.uint8).reshape(4, 32)  # 128 bytes, another dtype
+    assert store.put(["a"], [source]) == [PutStatus.STORED]
+    into = torch.empty(64, dtype=torch.int16)
+    assert store.get(["a"], [into]) == [True]
+    assert torch.equal(into.view(torch.uint8), source.reshape(-1))

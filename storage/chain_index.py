@@ -1,0 +1,149 @@
+"""``ChainIndex``: the pages a store holds, their chain links and recency; picks what to evict.
+
+A page's key chains from the key before it (:mod:`kvstage.hashing.chain`), and a lookup walks a
+chain from its start, stopping at the first page a store lacks. A page whose predecessor is gone
+can never be found again, so eviction works from a chain's tail: only a page with no stored
+successor is a candidate, and among candidates the least recently used goes first. Evicting a
+page may make its predecessor a candidate (once its last stored successor is gone). Chains branch
+(two prompts sharing a prefix), so a page may have several successors.
+
+Links come from the stores' ``put``: ``keys[i - 1]`` precedes ``keys[i]`` and ``prior_key``
+precedes ``keys[0]`` (see :meth:`kvstage.storage.StorageBackend.put`).
+
+Recency is a tick: nanoseconds since the epoch, strictly increasing within one index
+(``max(time.time_ns(), last tick + 1)``), so a store can persist it (the file store as each page
+file's modification time) and seed a reopened index with it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass
+from typing import Container, Generic, Hashable, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+__all__ = ["ChainIndex"]
+
+
+@dataclass
+class _Entry(Generic[K, V]):
+    value: V
+    prior: K | None
+    tick: int
+
+
+class ChainIndex(Generic[K, V]):
+    """Stored pages by key (any hashable: the memory store's full keys, the file store's key
+    digests), each with a value (the page's bytes, or its file's name and size), its
+    predecessor's key and its last use.
+
+    Not thread-safe: a store calls it under its own lock. Every operation is O(log n) amortized
+    (a heap of candidates with stale entries skipped as they surface).
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[K, _Entry[K, V]] = {}
+        # predecessor key -> stored keys that follow it; kept while the predecessor is absent,
+        # so a page written again (e.g. after a corrupt copy was dropped) knows its successors.
+        self._successors: dict[K, set[K]] = {}
+        self._candidates: list[tuple[int, K]] = []  # (tick, key): may hold stale entries
+        self._clock = 0
+
+    def __len__(self) -> int:
+        """Pages stored."""
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def value(self, key: K) -> V | None:
+        """The value stored with ``key``, or None when ``key`` is not stored."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.value
+
+    def tick(self) -> int:
+        """A new tick: ``max(time.time_ns(), last tick + 1)``."""
+        self._clock = max(time.time_ns(), self._clock + 1)
+        return self._clock
+
+    def add(self, key: K, value: V, prior: K | None, tick: int | None = None) -> int:
+        """Store ``key`` (not stored yet) after ``prior``, used at ``tick`` (None: now).
+
+        ``prior`` need not be stored (a reopened store may hold a chain's later pages only).
+        Returns the tick.
+        """
+        if tick is None:
+            tick = self.tick()
+        else:
+            self._clock = max(self._clock, tick)
+        self._entries[key] = _Entry(value, prior, tick)
+        if prior is not None:
+            self._successors.setdefault(prior, set()).add(key)
+        if not self._successors.get(key):
+            heapq.heappush(self._candidates, (tick, key))
+        self._compact()
+        return tick
+
+    def touch(self, key: K) -> int | None:
+        """Mark ``key`` used now; the new tick, or None when ``key`` is not stored."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        entry.tick = self.tick()
+        if not self._successors.get(key):
+            heapq.heappush(self._candidates, (entry.tick, key))
+            self._compact()
+        return entry.tick
+
+    def remove(self, key: K) -> V | None:
+        """Forget ``key`` (evicted or found corrupt); its value, or None when it was not stored.
+
+        Its predecessor becomes a candidate once no stored successor is left. Successors of
+        ``key`` stay stored (and linked to it).
+        """
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return None
+        prior = entry.prior
+        if prior is not None:
+            siblings = self._successors[prior]
+            siblings.discard(key)
+            if not siblings:
+                del self._successors[prior]
+                before = self._entries.get(prior)
+                if before is not None:
+                    heapq.heappush(self._candidates, (before.tick, prior))
+        return entry.value
+
+    def pop_victim(self, keep: Container[K] = ()) -> tuple[K, V] | None:
+        """Remove and return ``(key, value)`` of the least recently used page with no stored
+        successor, skipping keys in ``keep``; None when every candidate is kept (or none is stored)."""
+        kept: list[tuple[int, K]] = []
+        victim = None
+        while self._candidates:
+            tick, key = heapq.heappop(self._candidates)
+            entry = self._entries.get(key)
+            if entry is None or entry.tick != tick or self._successors.get(key):
+                continue  # stale: gone, used since, or a successor was stored since
+            if key in keep:
+                kept.append((tick, key))
+                continue
+            victim = key
+            break
+        for item in kept:
+            heapq.heappush(self._candidates, item)
+        if victim is None:
+            return None
+        return victim, self.remove(victim)
+
+    def _compact(self) -> None:
+        """Rebuild the candidate heap when stale entries outnumber the pages."""
+        if len(self._candidates) <= 2 * len(self._entries) + 64:
+            return
+        self._candidates = [
+            (entry.tick, key) for key, entry in self._entries.items() if not self._successors.get(key)
+        ]
+        heapq.heapify(self._candidates)
