@@ -16,4 +16,4 @@ def test_engine_example_runs(tmp_path):
     script.write_text(example)
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "2 pages stored"
+    assert result.stdout.strip() == "4 pages stored, 2 hit, 2 loaded"
