@@ -44,8 +44,7 @@ def collect_info() -> dict[str, object]:
 
 
 def _mooncake_status() -> str:
-    from mooncake_master import master_binary
-    from kvstage.storage.mooncake.store import INSTALL_HINT
+    from kvstage.storage.mooncake.store import INSTALL_HINT, master_binary
 
     if importlib.util.find_spec("mooncake") is None:
         return f"not installed ({INSTALL_HINT})"

@@ -48,7 +48,7 @@ from kvstage.storage import LayoutFingerprint, MemoryStore
 
 LIVE = (64, 256, 1024)
 PAGE_SIZE = 64
-PROMPT = 100  # one full page (prefill stored it) and 36 tokens that join the first decode page
+PROMPT = 100  # one full page (stored untimed) and 36 tokens that join the first decode page
 TARGET_POLL_IDLE_US = 20.0
 TARGET_OFFLOAD_US = 50.0
 
@@ -83,11 +83,13 @@ def measure(live: int, rounds: int, poll_repeats: int, *, busy_writes: bool = Fa
     store = (_BusyStore if busy_writes else MemoryStore)(fingerprint, capacity_pages=live * (rounds + 1))
     row = torch.arange(PROMPT + (rounds + 1) * PAGE_SIZE)  # every request's slots (never read)
     stream = ManualCopyStream(run_copies=False, in_order=True)
-    manager = OffloadManager(kv, host, store, PageHasher(page_size=PAGE_SIZE), lambda req: row, store_prompt=False,
+    manager = OffloadManager(kv, host, store, PageHasher(page_size=PAGE_SIZE), lambda req: row,
                              release=lambda req: None, copy_stream=stream, backend="torch")
     requests = [SimpleRequest(i, [(i * 7 + t) % 50000 for t in range(PROMPT)], [1]) for i in range(live)]
-    for req in requests:  # first sight: the prompt's chain (once per request) is not timed
-        assert manager.offload(req) is False
+    for req in requests:  # first sight: the prompt's whole page is stored (not timed)
+        assert manager.offload(req)
+    stream.complete_all()
+    manager.drain()
     launch, idle, poll_none, poll_all = [], [], [], []
     clock = time.perf_counter_ns
     for round_index in range(rounds):
@@ -116,7 +118,7 @@ def measure(live: int, rounds: int, poll_repeats: int, *, busy_writes: bool = Fa
             assert manager.metrics.writes_pending > 0  # the polls above ran while writes were pending
         manager.drain()  # the writer thread finishes this round's writes (untimed)
     metrics = manager.metrics
-    assert metrics.pages_stored == live * rounds and metrics.host_pages_used == 0
+    assert metrics.pages_stored == live * (rounds + 1) and metrics.host_pages_used == 0
     manager.close()
     all_us = _median_us(poll_all)
     return {

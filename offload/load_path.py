@@ -25,6 +25,9 @@ __all__ = ["PREFETCH_POLICIES", "LoadHandle", "PrefetchHandle", "PrefixMatch"]
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
+_NOTHING_TO_WAIT_FOR = CopyHandle()
+_NOTHING_TO_WAIT_FOR.complete(seconds=0.0)
+
 
 @dataclass(frozen=True)
 class PrefixMatch:
@@ -137,6 +140,8 @@ class LoadHandle:
         """
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self._num_layers:
             raise InvalidArgumentError(f"layer: must be an int in [0, {self._num_layers}), got {layer!r}")
+        if not self._handles:  # a load of no pages (a lookup miss): nothing to wait for
+            return _NOTHING_TO_WAIT_FOR
         return self._handles[layer] if self.layer_by_layer else self._handles[0]
 
     def wait_layer(self, layer: int, stream: "torch.cuda.Stream | None" = None) -> None:

@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 class _RequestState:
     __slots__ = (
-        "req", "offloaded_length", "last_key", "last_key_stored", "unkeyed", "copies_in_flight", "loads",
+        "req", "offloaded_length", "last_key", "last_key_stored", "unkeyed", "unsettled", "copies_in_flight", "loads",
         "ending", "aborted", "retract_keep", "prefetch", "backlog_pages",
     )
 
@@ -66,6 +66,9 @@ class _RequestState:
         self.last_key: str | None = None  # the chain's key before the first unkeyed segment
         self.last_key_stored = False  # last_key is a page's key (not the namespace seed)
         self.unkeyed: deque[_Segment] | None = None  # None: last_key not known yet
+        # Launched segments not settled yet, in launch order: a finished one waits for those
+        # before it, so its request's writes reach the store in chain order.
+        self.unsettled: deque[_Segment] = deque()
         self.copies_in_flight = 0  # gathers and loads of its device slots not polled yet
         self.loads: list[_Load] = []
         self.ending = False  # finish(), abort() or retract() was called
@@ -78,13 +81,14 @@ class _RequestState:
 class _Segment:
     """One gather: whole pages of one request, their token ids (until keyed) and keys."""
 
-    __slots__ = ("state", "tokens", "keys", "prior_key")
+    __slots__ = ("state", "tokens", "keys", "prior_key", "result")
 
     def __init__(self, state: _RequestState, tokens: list[int]) -> None:
         self.state = state
         self.tokens: list[int] | None = tokens
         self.keys: list[str] | None = None
         self.prior_key: str | None = None
+        self.result: CopyResult | None = None  # its copy's outcome, once polled
 
 
 class _Load:
@@ -640,6 +644,7 @@ class OffloadManager:
             state.unkeyed = deque()
             state.last_key, state.last_key_stored = self._chain_start(req)
         state.unkeyed.append(segment)
+        state.unsettled.append(segment)
         state.offloaded_length = end
         state.copies_in_flight += 1
         pages = len(host_page_ids)
@@ -668,10 +673,22 @@ class OffloadManager:
         return segment.keys
 
     def _gathered(self, result: CopyResult) -> None:
+        """A gather finished: settle it and every finished segment after it, in launch order."""
         segment: _Segment = result.job
         state = segment.state
-        pages = len(result.host_page_ids)
         state.copies_in_flight -= 1
+        segment.result = result
+        try:
+            while state.unsettled and state.unsettled[0].result is not None:
+                self._settle(state.unsettled.popleft())
+        finally:
+            self._maybe_release(state)
+
+    def _settle(self, segment: _Segment) -> None:
+        """Count a finished gather and hand its pages to a store write (or free them)."""
+        result = segment.result
+        state = segment.state
+        pages = len(result.host_page_ids)
         write = None
         try:
             if not result.ok:
@@ -700,7 +717,6 @@ class OffloadManager:
             if write is None:
                 self._counters.pages_in_flight -= pages
                 self.copier.free(result.host_page_ids)
-            self._maybe_release(state)
 
     def _keys_or_empty(self, segment: _Segment) -> list[str]:
         try:

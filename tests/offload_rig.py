@@ -93,7 +93,7 @@ class FlakyStore(MemoryStore):
             return hits
         return [hit and not self.fail_get(key[prefix:]) for key, hit in zip(full_keys, hits)]
 
-    def _put(self, full_keys: list[str], pages: list[torch.Tensor]) -> list[PutStatus]:
+    def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> list[PutStatus]:
         if self.raise_on_put is not None and self.raise_on_put():
             raise StorageError("storage: injected failure of a whole put")
         statuses: list[PutStatus | None] = [None] * len(full_keys)
@@ -106,7 +106,14 @@ class FlakyStore(MemoryStore):
                 keep_keys.append(key)
                 keep_pages.append(page)
                 keep_at.append(index)
-        for index, status in zip(keep_at, super()._put(keep_keys, keep_pages)):
+        # A failed page breaks the run: the pages after it are one chain that no lookup reaches.
+        if len(keep_at) < len(full_keys):
+            first_failed = next(i for i, status in enumerate(statuses) if status is PutStatus.FAILED)
+            cut = sum(1 for index in keep_at if index < first_failed)
+            for index in keep_at[cut:]:
+                statuses[index] = PutStatus.FAILED
+            keep_keys, keep_pages, keep_at = keep_keys[:cut], keep_pages[:cut], keep_at[:cut]
+        for index, status in zip(keep_at, super()._put(keep_keys, keep_pages, full_prior_key)):
             statuses[index] = status
         return statuses  # type: ignore[return-value]
 
@@ -163,7 +170,17 @@ class Rig:
         req = cls(rid, prompt, **namespace)
         self.slots.assign(req, len(req.origin_input_ids) + max_new_tokens)
         self._write_kv(req, 0, len(req.origin_input_ids))
+        if not self.manager.store_prompt:
+            self.store_prompt_as_prefill(req)
         return req
+
+    def store_prompt_as_prefill(self, req: Any) -> None:
+        """What a disaggregated prefill side does (``store_prompt=False``): put the prompt's
+        whole pages under their prefill keys, so the decode side's chain continues from them."""
+        whole = len(req.origin_input_ids) // self.page_size
+        if whole:
+            keys = self.hasher.prefill_keys(req.origin_input_ids[: whole * self.page_size], extra_key=req.extra_key, cache_salt=req.cache_salt)
+            self.storage.put(keys, [self.expected_page(req, index) for index in range(whole)])
 
     def decode(self, req: Any, token: int) -> None:
         """Sample ``token``: the previous last token's KV now exists."""

@@ -71,8 +71,8 @@ def test_store_prompt_false_continues_the_chain_from_the_prefill_sides_keys():
     rig = make_rig(page_size=PAGE, store_prompt=False)
     req = stored_request(rig)
     chain = rig.chain(req)
-    assert rig.storage.exists(chain) == [False] * 4 + [True] * 2  # the prompt's pages: prefill's job
-    assert rig.manager.metrics.pages_launched == 2
+    assert rig.storage.exists(chain) == [True] * 6  # 0-3 put by the rig's prefill side
+    assert rig.manager.metrics.pages_launched == 2 and rig.manager.metrics.pages_stored == 2
 
 
 def test_lookup_prefetch_and_load_bring_the_prefix_back_bitwise():

@@ -61,8 +61,8 @@ def test_decode_pages_are_stored_under_the_prefill_chain(namespace):
     tokens = (req.origin_input_ids + req.output_ids)[: req.kv_length]  # 28 tokens: 7 pages
     prefill = PageHasher(page_size=4).prefill_keys(tokens, **namespace)
     assert len(prefill) == 7
-    # Pages 0-1 were the prompt's (prefill stored them); 2-6 were offloaded by decode.
-    assert rig.storage.exists(prefill) == [False, False] + [True] * 5
+    # Pages 0-1 are the prompt's (the rig's prefill side stored them); 2-6 were offloaded by decode.
+    assert rig.storage.exists(prefill) == [True] * 7
     assert rig.check_stored_pages(req) == (5, 5)
     assert rig.released == [req]
     metrics = rig.manager.metrics
@@ -197,7 +197,7 @@ def test_abort_discards_in_flight_pages_and_releases_once():
     assert rig.released == [req]
     metrics = manager.metrics
     assert (metrics.pages_discarded, metrics.pages_stored, metrics.host_pages_used) == (3, 0, 0)
-    assert rig.storage.stats.pages_stored == 0
+    assert rig.storage.stats.pages_stored == len(req.origin_input_ids) // 2  # the prefill side's pages only
 
 
 def test_abort_or_finish_of_an_untracked_request_releases_at_once():
@@ -280,8 +280,8 @@ def test_identical_pages_of_two_requests_are_deduplicated():
     rig.copy_stream.complete_all()
     rig.manager.poll()
     metrics = rig.manager.metrics
-    assert (metrics.pages_stored, metrics.pages_deduplicated, metrics.pages_deduplicated) == (2, 2, 2)
-    assert rig.storage.stats.pages_stored == 2
+    assert (metrics.pages_stored, metrics.pages_deduplicated) == (2, 2)
+    assert rig.storage.stats.pages_stored == 3  # page 0 by the prefill side (once), pages 1-2 by a
 
 
 def test_storage_failures_are_counted_logged_reported_and_the_manager_goes_on(caplog):
@@ -302,9 +302,12 @@ def test_storage_failures_are_counted_logged_reported_and_the_manager_goes_on(ca
     failing["on"] = False
     rig.copy_stream.complete(0)
     rig.manager.poll()
-    assert store.exists(rig.chain(req)[1:]) == [False, True]
+    # Page 2 comes after a page the store does not hold: no lookup could reach it, so the
+    # chain-aware store refuses it too.
+    assert store.exists(rig.chain(req)[1:]) == [False, False]
     metrics = rig.manager.metrics
-    assert (metrics.pages_failed, metrics.storage_failures, metrics.pages_stored, metrics.host_pages_used) == (1, 1, 1, 0)
+    assert (metrics.pages_failed, metrics.storage_failures, metrics.pages_stored, metrics.host_pages_used) == (2, 2, 0, 0)
+    assert [keys for _, keys, _ in reports] == [[key_1], [rig.chain(req)[2]]]
 
 
 def test_a_put_that_raises_fails_its_pages_and_the_next_one_works():
@@ -317,14 +320,15 @@ def test_a_put_that_raises_fails_its_pages_and_the_next_one_works():
 
     store = FlakyStore(LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 2), raise_on_put=raise_first)
     rig = make_rig(page_size=2, storage=store, on_storage_failure=lambda *args: reports.append(args))
-    req = rig.new_request("r", [1, 2], 20)
-    decode_steps(rig, req, [3, 4, 5, 6, 7], poll=False)
+    req = rig.new_request("r", [1], 20)  # no whole prompt page: the prefill side puts nothing
+    decode_steps(rig, req, [2, 3, 4, 5, 6], poll=False)
     rig.manager.finish(req)
     rig.copy_stream.complete_all()
     rig.manager.poll()
-    assert len(reports) == 1 and "injected failure" in str(reports[0][2])
+    assert len(reports) == 2 and "injected failure" in str(reports[0][2])
     metrics = rig.manager.metrics
-    assert (metrics.pages_failed, metrics.pages_stored, rig.released) == (1, 1, [req])
+    # Page 0's put raised; page 1 follows it in the chain and is refused (reported without error).
+    assert (metrics.pages_failed, metrics.pages_stored, rig.released) == (2, 0, [req])
 
 
 def test_failed_copy_frees_its_pages_and_is_reported():
@@ -452,7 +456,7 @@ def test_decode_keys_match_the_reference_vectors(shared_dir):
         rig.copy_stream.complete_all()
         rig.manager.poll()
         full = len(tokens) // page_size
-        assert rig.storage.exists(hashes[:full]) == [False] + [True] * (full - 1), case["name"]
+        assert rig.storage.exists(hashes[:full]) == [True] * full, case["name"]  # page 0: the prefill side's
         checked += 1
     assert checked >= 4
 
@@ -465,10 +469,11 @@ def test_later_segment_completing_first_gets_keys_continuing_the_earlier_ones():
     rig.copy_stream.complete(1)  # page 2's copy first: its prior is page 1's key
     rig.manager.poll()
     chain = rig.chain(req)
-    assert rig.storage.exists(chain) == [False, False, True]
+    # Page 2 waits for page 1: a request's pages reach the store in chain order.
+    assert rig.storage.exists(chain) == [True, False, False] and rig.host_pool.used == 2
     rig.copy_stream.complete(0)
     rig.manager.poll()
-    assert rig.storage.exists(chain) == [False, True, True] and rig.check_stored_pages(req) == (2, 2)
+    assert rig.storage.exists(chain) == [True, True, True] and rig.check_stored_pages(req) == (2, 2)
 
 
 def test_a_token_the_hash_scheme_rejects_fails_its_pages_without_stopping_poll():
@@ -495,7 +500,7 @@ def test_manager_backs_up_to_a_file_store(tmp_path):
     rig.manager.finish(req)
     rig.copy_stream.complete_all()
     rig.manager.poll()
-    assert rig.check_stored_pages(req) == (3, 3) and len(list(tmp_path.iterdir())) == 3
+    assert rig.check_stored_pages(req) == (3, 3) and len(list(tmp_path.iterdir())) == 4  # and the prefill side's page 0
 
 
 def test_an_interrupted_poll_keeps_the_copies_it_did_not_handle():

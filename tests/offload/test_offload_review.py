@@ -125,9 +125,9 @@ def test_a_put_larger_than_the_capacity_never_reports_stored_a_page_it_evicted(t
     for key, status, here in zip(keys, statuses, present):
         assert (status is PutStatus.STORED) == here, (key[0], status, here)
     assert statuses[:2] == [PutStatus.STORED, PutStatus.STORED] and statuses[2] is PutStatus.FAILED
-    # An older page is still evicted for a new one in a later call (LRU as before).
+    # A later call still evicts for a new page, from the chain's tail (b), never its start (a).
     assert store.put([keys[2]], [pages[2]]) == [PutStatus.STORED]
-    assert store.exists(keys) == [False, True, True]
+    assert store.exists(keys) == [True, False, True]
 
 
 def test_a_file_store_reopened_with_a_smaller_capacity_is_within_it_at_once(tmp_path):

@@ -46,7 +46,7 @@ class EvictingStore(FlakyStore):
         if self.evict_after_lookup and any(answer):
             last = max(index for index, hit in enumerate(answer) if hit)
             with self._lock:
-                self._pages.pop(full_keys[last], None)
+                self._pages.remove(full_keys[last])
         return answer
 
 

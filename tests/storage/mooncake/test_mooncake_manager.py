@@ -37,12 +37,12 @@ def test_manager_stores_decode_pages_in_mooncake_zero_copy(mooncake_master):
         tokens = (req.origin_input_ids + req.output_ids)[: req.kv_length]
         keys = PageHasher(page_size=4).prefill_keys(tokens, cache_salt="tenant-a")
         assert len(keys) == 7
-        # The prompt's 2 pages are prefill's to store; decode offloaded pages 2..6.
-        assert store.exists(keys) == [False, False] + [True] * 5
+        # The prompt's 2 pages were put by the rig's prefill side; decode offloaded pages 2..6.
+        assert store.exists(keys) == [True] * 7
         metrics = rig.manager.metrics
         assert (metrics.pages_launched, metrics.pages_stored, metrics.pages_failed) == (5, 5, 0)
         assert (metrics.requests_live, metrics.host_pages_used, rig.released) == (0, 0, [req])
-        assert store.pages_bounced == 0  # every put came straight from the registered host pool
+        assert store.pages_bounced == 2  # the prefill side's 2 pages (test tensors); every manager put came straight from the registered host pool
 
         assert rig.check_stored_pages(req) == (5, 5)  # the bytes are the KV of those tokens
 
@@ -83,7 +83,7 @@ def test_manager_keeps_its_invariants_when_the_master_dies(private_master):
         assert metrics.host_pages_used == 0  # every host page was freed
         assert rig.released == [req]  # released once, despite the failures
         assert sum(len(keys) for keys in failures) == 3
-        assert store.stats.pages_stored == 2 and store.stats.pages_failed == 3
+        assert store.stats.pages_stored == 4 and store.stats.pages_failed == 3  # 2 of them the prefill side's
         assert store.calls_skipped >= 2  # after the first failure, no call waited on Mooncake
         # Nothing failed is reported as present.
         assert store.exists([key for keys in failures for key in keys]) == [False] * 3

@@ -1,8 +1,5 @@
-"""Bugs found while integrating kvstage with a real model (tests/offload/test_real_model.py).
-
-Each test is the smallest failing case, marked ``xfail(strict=True)``: when the library is
-fixed it passes and the mark must go.
-"""
+"""Bugs found while integrating kvstage with a real model (tests/offload/test_real_model.py),
+each as the smallest case that failed before its fix."""
 
 from __future__ import annotations
 
@@ -16,11 +13,6 @@ from kvstage.offload.testing import SimpleRequest, SlotTable
 from kvstage.storage import LayoutFingerprint, open_storage
 
 
-@pytest.mark.xfail(
-    strict=True, raises=IndexError,
-    reason="LoadHandle.layer_handle indexes self._handles[...] (offload/load_path.py:140), which load() leaves "
-    "empty when it loads 0 pages (a lookup miss): wait_layer raises IndexError instead of returning at once",
-)
 @pytest.mark.parametrize("layer_by_layer", [True, False])
 def test_wait_layer_on_a_load_of_no_pages_returns(layer_by_layer):
     page_size = 4
