@@ -53,7 +53,8 @@ def test_manager_stores_decode_pages_in_mooncake_zero_copy(mooncake_master):
         rig.manager.drain()
         metrics = rig.manager.metrics
         assert (metrics.pages_launched, metrics.pages_stored, metrics.pages_deduplicated) == (10, 5, 5)
-        assert store.stats.pages_stored == 5  # the manager asked exists() and skipped them
+        assert store.stats.pages_stored == 7  # 5 decode pages once, 2 prompt pages (prefill side) once
+        assert store.stats.pages_deduplicated == 7  # the retry's puts were answered by one put call each
     finally:
         rig.copy_stream.close()
         store.close()
