@@ -512,7 +512,7 @@ class ReplayEngine:
             self.stats.load_mismatches += int(self.mismatched_pages(slots, req.masks[:num_pages]).sum())
         self.stats.prefill_tokens_saved += load.num_tokens
         prompt_length = len(req.origin_input_ids)
-        self._write_kv(req.slots[load.num_tokens : prompt_length], req.masks[num_pages : _pages(prompt_length, ps)], None)
+        self._write_kv(req.slots[load.num_tokens : prompt_length], req.masks[load.num_pages : _pages(prompt_length, ps)], None)
         req.sample_next()
 
     def _decode_step(self, running: list[ReplayRequest]) -> None:
