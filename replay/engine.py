@@ -116,6 +116,7 @@ class ReplayRequest:
         trace: the trace line it came from.
         page_keys: the keys of every full page the request will have KV for (prompt then decode).
         device_pages: the device pool pages it holds; ``slots``: its slot of each token position.
+        prefetch: its :class:`~kvstage.offload.PrefetchHandle` while it waits to load (else None).
     """
 
     def __init__(self, trace: TraceRequest, prompt: np.ndarray, output: np.ndarray, extra_key: str | None, cache_salt: str | None) -> None:
@@ -131,9 +132,7 @@ class ReplayRequest:
         self.mask_values: list[int] = []
         self.device_pages: list[int] = []
         self.slots: torch.Tensor | None = None
-        self.finish_called = False
-        self.released = False
-        self.prefetch: Any = None  # its PrefetchHandle while it waits in the prefetching list
+        self.prefetch: Any = None
 
     @property
     def output_length(self) -> int:
@@ -189,11 +188,6 @@ class DevicePagePool:
     def __init__(self, num_pages: int) -> None:
         self.capacity = num_pages
         self._free = list(range(num_pages - 1, -1, -1))
-
-    @property
-    def free_pages(self) -> int:
-        """Pages not held by a request."""
-        return len(self._free)
 
     def alloc(self, n: int) -> list[int] | None:
         """``n`` pages, or None (nothing changed) when fewer are free."""
@@ -359,7 +353,6 @@ class ReplayEngine:
         self.device_pages.free(req.device_pages)
         req.device_pages = []
         req.slots = None
-        req.released = True
 
     def _storage_failed(self, req: Any, keys: list[str], error: BaseException | None) -> None:
         self.stats.storage_failure_keys.extend(keys)
@@ -545,7 +538,6 @@ class ReplayEngine:
         if not force and remaining > self.host_pool.free_pages and remaining <= self.host_pool.capacity:
             return False
         self.manager.finish(req)
-        req.finish_called = True
         self.requests_done += 1
         return True
 

@@ -27,6 +27,7 @@ import torch
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.offload.testing import SimpleRequest
+from kvstage.replay.engine import ReplayRequest
 
 MATCHED, MISMATCHED, MISSING, UNREACHABLE = "matched", "mismatched", "missing", "unreachable"
 
@@ -131,10 +132,10 @@ def verify_pages(engine, *, sample: int | None = None, seed: int = 0) -> VerifyR
     for order, pages in chains.items():
         chain = engine.request_keys[order][:pages]
         trace = engine.trace[order]
-        tokens = np.concatenate([engine.tokens.prompt(trace), engine.tokens.output(trace)[:-1]])[: pages * ps].tolist()
         extra_key, cache_salt = engine.namespaces[order]
+        tokens = ReplayRequest(trace, engine.tokens.prompt(trace), engine.tokens.output(trace), extra_key, cache_salt).kv_tokens
         # A lookup leaves a prompt's last token out (the engine computes it): one more, any id.
-        req = SimpleRequest(f"verify-r{trace.index}", tokens + [0], extra_key=extra_key, cache_salt=cache_salt)
+        req = SimpleRequest(f"verify-r{trace.index}", tokens[: pages * ps] + [0], extra_key=extra_key, cache_salt=cache_salt)
         handle = manager.prefetch(req, policy="wait_complete")
         if handle.pages_wanted < pages:
             manager.abort(req)
