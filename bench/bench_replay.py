@@ -8,8 +8,8 @@ Cases (each the same code path as the command line, in this process):
   first 200 requests of the Mooncake conversation trace, page size 64, small model; target:
   "a few minutes" on CPU, taken as under 300 s.
 
-Each row carries the replay's own figures (D2H GB/s, hashing tokens/s, storage put GB/s, pages)
-so a regression in any part shows here. On CPU torch runs with one intra-op thread, as the
+Each row carries the replay's own figures (prefix hit rate, load and D2H GB/s, hashing
+tokens/s, storage put GB/s, pages) so a regression in any part shows here. On CPU torch runs with one intra-op thread, as the
 command line does (see ``kvstage.replay.command.set_cpu_threads``).
 
 Run: ``python bench/bench_replay.py [--quick] [--json PATH]``; ``run(quick) -> dict``.
@@ -34,9 +34,10 @@ from kvstage.replay.trace import load_trace, synthetic_trace
 CONVERSATION = Path(__file__).resolve().parent.parent.parent / "shared/data/mooncake-traces/conversation_trace.jsonl"
 TARGET_SECONDS = {"default": 60.0, "conversation-200": 300.0}
 FIGURES = (
-    "prefill_pages_total", "prefill_pages_unique_stored", "decode_pages_offloaded", "bytes_d2h", "d2h_gbps",
-    "hashing_tokens_per_s", "storage_put_gbps", "storage_get_gbps", "host_pool_high_water_pages",
-    "verify_mismatches", "lost_pages", "round_trip_mismatches", "h2d_gbps", "copy_backend",
+    "prompt_pages", "page_hit_rate", "prefill_tokens_saved", "pages_loaded", "h2d_gbps", "load_mismatches",
+    "pages_stored", "pages_deduplicated", "bytes_offloaded", "d2h_gbps", "hashing_tokens_per_s",
+    "storage_put_gbps", "storage_get_gbps", "host_pool_high_water_pages", "verify_mismatches", "lost_pages",
+    "copy_backend",
 )
 
 
@@ -67,10 +68,11 @@ def run(quick: bool = False, *, log: Callable[[str], None] = print) -> dict:
             row.update({key: report[key] for key in FIGURES})
             results.append(row)
             target = TARGET_SECONDS[name]
-            clean = report["verify_mismatches"] == 0 and report["lost_pages"] == 0 and report["round_trip_mismatches"] == 0
+            clean = report["load_mismatches"] == 0 and report["verify_mismatches"] == 0 and report["lost_pages"] == 0
             summary[f"{name}: seconds ({'cpu' if on_cpu else 'cuda'})"] = dict(value=seconds, target=target, ok=seconds < target and clean)
-            log(f"{name:17s} {report['requests']} requests in {seconds:6.1f} s, D2H {report['d2h_gbps']:.2f} GB/s, "
-                f"{report['prefill_pages_unique_stored']} unique prefill pages, {report['lost_pages']} lost, {report['verify_mismatches']} mismatched")
+            log(f"{name:17s} {report['requests']} requests in {seconds:6.1f} s, prefix hit {report['page_hit_rate']:.1%}, "
+                f"D2H {report['d2h_gbps']:.2f} GB/s, H2D {report['h2d_gbps']:.2f} GB/s, {report['pages_stored']} pages stored, "
+                f"{report['lost_pages']} lost, {report['load_mismatches'] + report['verify_mismatches']} mismatched")
     finally:
         torch.set_num_threads(threads)
     return {"device": "cpu" if on_cpu else torch.cuda.get_device_name(0), "torch": torch.__version__, "quick": quick, "results": results, "summary": summary}

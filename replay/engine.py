@@ -4,27 +4,29 @@ and storage.
 What one replay does, per request of the trace (in timestamp order, as fast as it can: arrival
 times order the requests but are not waited for):
 
-1. *Admission*: when fewer than ``max_running`` requests run and the device KV pool has free
-   pages for the whole request (prompt + output), it is admitted.
-2. *Prefill*: the KV of every prompt token is written into the request's device slots (content:
-   :mod:`kvstage.replay.kv_content`, a function of the page key and position). The prompt's
-   whole pages are stored under their prefill keys: keys the storage already has are skipped
-   (``exists``), the rest are gathered D2H by :func:`kvstage.kernels.gather` into host pool
-   pages and ``put``. The first output token is sampled.
+1. *Admission*: when fewer than ``max_running`` requests prefetch or run, the device KV pool has
+   free pages for the whole request (prompt + output) and the host pool has free pages for its
+   prompt's lookup, it is admitted: ``OffloadManager.prefetch`` (policy ``wait_complete``) reads
+   its stored prefix into host pages on a worker thread, and it waits in the *prefetching* list.
+2. *Load and prefill*: once ``ready_to_load()``, the prefetched pages are loaded into its first
+   device slots (``OffloadManager.load``) and checked byte for byte (load mismatches); the KV of
+   the remaining prompt tokens is written (content: :mod:`kvstage.replay.kv_content`, a function
+   of the page key and position) and the first output token is sampled.
 3. *Decode*: each step, every running request writes the KV of its last token and samples the
-   next; ``OffloadManager.offload(req)`` is called for each (it copies every whole stride), then
-   ``poll()`` once. A request that has all its output tokens is handed to
-   ``OffloadManager.finish`` (which offloads its remaining whole pages) and leaves the batch;
-   its device pages are freed when the manager calls ``release``.
+   next; ``OffloadManager.offload(req)`` is called for each (the first call stores the prompt's
+   whole pages past the loaded ones, later ones every whole stride), then ``poll()`` once. A
+   request that has all its output tokens is handed to ``OffloadManager.finish`` (which offloads
+   its remaining whole pages) and leaves the batch; its device pages are freed when the manager
+   calls ``release``.
 
-After the run (:func:`kvstage.replay.command.replay`), every stored page is read back and
-compared (:func:`kvstage.replay.verify.verify_pages`), and up to 256 of them are loaded back
-into the device pool by :func:`kvstage.kernels.scatter` and compared there (the way back).
+After the run (:func:`kvstage.replay.command.replay`), every stored page is loaded back through
+the same prefetch and load path into idle device slots and compared
+(:func:`kvstage.replay.verify.verify_pages`).
 
-Every page key a request will ever have (prompt and decode, full pages only) is computed at
+Every page key a request will ever have (prompt and decode, whole pages only) is computed at
 admission with the same hasher the manager uses, and is what the KV content is made from; the
-verify step (:mod:`kvstage.replay.verify`) reads these keys back, so a key computed differently
-by the manager shows up as a lost page.
+verify step loads these keys back, so a key computed differently by the manager shows up as a
+lost page.
 """
 
 from __future__ import annotations
@@ -38,8 +40,7 @@ import numpy as np
 import torch
 
 from kvstage.errors import InvalidArgumentError
-from kvstage.offload.manager import kv_length
-from kvstage.storage import PutStatus
+from kvstage.offload.request import kv_length
 from kvstage.replay.kv_content import KVContent
 from kvstage.replay.models import ModelShape
 from kvstage.replay.tokens import TokenSource
@@ -47,7 +48,8 @@ from kvstage.replay.trace import TraceRequest
 
 DEFAULT_CPU_POOL_BYTES = 4 << 30  # device KV pool bound when it lives on CPU
 DEFAULT_GPU_POOL_FRACTION = 0.5  # of free GPU memory
-PREFILL_CHUNK_PAGES = 256  # prompt pages gathered and put per storage call
+PREFETCH_POLICY = "wait_complete"  # load a prefix once its read has finished: every hit page
+POISON_WORD = 0x5A  # written into slots before a load, so a load that writes nothing is caught
 MEMORY_STORE_SHARE = 0.6  # of the host memory available: the most a default memory store takes
 
 
@@ -83,7 +85,9 @@ class ReplayConfig:
         pool_tokens: device KV pool slots; None: enough for the ``max_running`` largest
             requests, bounded (4 GiB on CPU, half the free memory on CUDA) but never below the
             largest request.
-        host_pages: host pool pages; None: one prefill chunk plus four strides per running request.
+        host_pages: host pool pages, at least the longest request's whole pages (a prefetch and
+            a verify load take a whole prefix at once); None: twice that plus four strides per
+            running request.
     """
 
     model: ModelShape
@@ -112,6 +116,7 @@ class ReplayRequest:
         trace: the trace line it came from.
         page_keys: the keys of every full page the request will have KV for (prompt then decode).
         device_pages: the device pool pages it holds; ``slots``: its slot of each token position.
+        prefetch: its :class:`~kvstage.offload.PrefetchHandle` while it waits to load (else None).
     """
 
     def __init__(self, trace: TraceRequest, prompt: np.ndarray, output: np.ndarray, extra_key: str | None, cache_salt: str | None) -> None:
@@ -127,8 +132,7 @@ class ReplayRequest:
         self.mask_values: list[int] = []
         self.device_pages: list[int] = []
         self.slots: torch.Tensor | None = None
-        self.finish_called = False
-        self.released = False
+        self.prefetch: Any = None
 
     @property
     def output_length(self) -> int:
@@ -144,11 +148,6 @@ class ReplayRequest:
         self.output_ids.append(self._target_output[len(self.output_ids)])
 
     @property
-    def kv_len(self) -> int:
-        """Token positions whose KV is in the device pool (:func:`kvstage.offload.manager.kv_length`)."""
-        return kv_length(self)
-
-    @property
     def kv_tokens(self) -> list[int]:
         """Every token that will have KV: the prompt and all but the last output token."""
         return self.origin_input_ids + self._target_output[:-1]
@@ -161,17 +160,21 @@ class ReplayRequest:
 
 @dataclass
 class ReplayStats:
-    """Raw counters of one replay (the report derives rates from them)."""
+    """Raw counters of one replay (the report derives rates from them; the pages' store and load
+    counters are the manager's, :class:`kvstage.offload.OffloadMetrics`).
+
+    Attributes:
+        prompt_pages: whole pages of the prompts.
+        prefill_tokens_saved: prompt tokens whose KV was loaded rather than written by prefill.
+        load_mismatches: loaded pages whose device KV differs from what was stored.
+    """
 
     requests: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
-    prefill_pages_total: int = 0
-    prefill_pages_stored: int = 0
-    prefill_pages_deduplicated: int = 0
-    prefill_pages_failed: int = 0
-    prefill_bytes_d2h: int = 0
-    prefill_d2h_seconds: float = 0.0
+    prompt_pages: int = 0
+    prefill_tokens_saved: int = 0
+    load_mismatches: int = 0
     hashed_tokens: int = 0
     hash_seconds: float = 0.0
     decode_steps: int = 0
@@ -185,11 +188,6 @@ class DevicePagePool:
     def __init__(self, num_pages: int) -> None:
         self.capacity = num_pages
         self._free = list(range(num_pages - 1, -1, -1))
-
-    @property
-    def free_pages(self) -> int:
-        """Pages not held by a request."""
-        return len(self._free)
 
     def alloc(self, n: int) -> list[int] | None:
         """``n`` pages, or None (nothing changed) when fewer are free."""
@@ -226,8 +224,14 @@ class ReplayEngine:
         requests: the trace (any order; replayed in timestamp order, ties in trace order).
         on_progress: ``on_progress(engine)`` called about every 0.1 s while running.
 
+    Attributes:
+        run_metrics: the manager's counters when :meth:`run` returned (verification loads
+            through the same manager afterwards).
+        request_keys: each request's page keys, in replay order.
+
     Raises:
-        InvalidArgumentError: the pool is too small for a request, or an option is out of range.
+        InvalidArgumentError: the device or host pool is too small for a request, or an
+            option is out of range.
         BackendUnavailableError: the copy backend cannot run here.
     """
 
@@ -270,7 +274,7 @@ class ReplayEngine:
         self.device_pages = DevicePagePool(pool_pages)
         num_slots = pool_pages * ps
         shape = (num_slots, model.num_heads, model.head_dim)
-        # Uninitialized: a slot is always written (prefill or decode) before a gather reads it.
+        # Uninitialized: a slot is always written (load, prefill or decode) before a gather reads it.
         if model.kv_parts == 2:
             k = [torch.empty(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)]
             v = [torch.empty(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)]
@@ -278,22 +282,26 @@ class ReplayEngine:
         else:
             self.kv_pool = KVPool.mla([torch.empty(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)])
         word, width = self.content.word, self.content.words_per_row
-        # Word views of each layer and part: the engine writes KV as machine words.
+        # Word views of each layer and part: the engine writes and checks KV as machine words.
         self._words = [
             [self.kv_pool.layer(part, layer).view(num_slots, -1).view(word).view(num_slots, width) for layer in range(model.num_layers)]
             for part in range(model.kv_parts)
         ]
 
         # Host pool, storage, hasher, manager.
-        stride_pages = self.stride // ps
-        host_pages = config.host_pages or (PREFILL_CHUNK_PAGES + 4 * config.max_running * stride_pages)
+        longest = max((r.input_length + r.output_length - 1) // ps for r in self.trace)
+        host_pages = config.host_pages or (2 * max(longest, 1) + 4 * config.max_running * (self.stride // ps))
+        if host_pages < longest:
+            raise InvalidArgumentError(
+                f"--host-pages: {host_pages} pages cannot hold the longest request's {longest} whole pages "
+                "(a prefetch and a verify load take a whole prefix at once)"
+            )
         self.host_pool = HostPool.like(self.kv_pool, num_pages=host_pages, page_size=ps)
-        self.prefill_chunk = max(1, min(PREFILL_CHUNK_PAGES, host_pages // 2))
         self.fingerprint = LayoutFingerprint.of(self.kv_pool, page_size=ps, model_id=model.name)
         self.notes: list[str] = []  # things the command line should tell the user
         self.expected_pages_bound = sum(
             (r.input_length + r.output_length - 1) // ps for r in self.trace
-        )  # every full page any request will have: a store this large never evicts
+        )  # every whole page any request will have: a store this large never evicts
         self.storage_url = self._storage_url(config.storage)
         self.storage = open_storage(self.storage_url, self.fingerprint)
         self.hasher = PageHasher(config.hash_scheme, ps)
@@ -302,24 +310,26 @@ class ReplayEngine:
             offload_stride=self.stride, release=self._release, on_storage_failure=self._storage_failed,
             backend=config.backend,
         )
+        self.run_metrics = self.manager.metrics
 
         # Namespaces.
         rng = np.random.default_rng([config.seed, 0x7E4A])
-        self._namespaces = []
+        self.namespaces: list[tuple[str | None, str | None]] = []  # (extra_key, cache_salt) in replay order
         for _ in self.trace:
             salt = f"tenant-{int(rng.integers(config.tenants))}" if config.tenants > 0 else None
             extra = "lora-adapter-0" if rng.random() < config.lora_share else None
-            self._namespaces.append((extra, salt))
+            self.namespaces.append((extra, salt))
 
-        # What verify reads back: every full page key, with the namespaces that produced it.
+        # What verify loads back: every whole page key, with the namespaces that produced it.
         self.expected_keys: dict[str, set[tuple[str | None, str | None]]] = {}
+        self.request_keys: list[list[str]] = [[] for _ in self.trace]
         self.requests_done = 0
         self.started = 0.0
 
     # -- setup helpers ------------------------------------------------------------------------
 
     def _storage_url(self, url: str) -> str:
-        """``memory`` becomes ``memory:BYTES``: the trace's every full page, but at most
+        """``memory`` becomes ``memory:BYTES``: the trace's every whole page, but at most
         :data:`MEMORY_STORE_SHARE` of the host memory available now (then pages may be evicted,
         and :attr:`notes` says so)."""
         if url != "memory":
@@ -337,26 +347,34 @@ class ReplayEngine:
             need = capped
         return f"memory:{need}"
 
-    def _release(self, req: ReplayRequest) -> None:
+    def _release(self, req: Any) -> None:
+        if not isinstance(req, ReplayRequest):
+            return  # a verify request: its scratch slots belong to no request
         self.device_pages.free(req.device_pages)
         req.device_pages = []
         req.slots = None
-        req.released = True
 
-    def _storage_failed(self, req: ReplayRequest, keys: list[str], error: BaseException | None) -> None:
+    def _storage_failed(self, req: Any, keys: list[str], error: BaseException | None) -> None:
         self.stats.storage_failure_keys.extend(keys)
 
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self) -> ReplayStats:
-        """Replay every request; returns the counters (the manager's are in ``self.manager.metrics``)."""
+        """Replay every request; returns the counters (the manager's are in :attr:`run_metrics`)."""
         self.started = time.perf_counter()
         pending = deque(enumerate(self.trace))
+        prefetching: list[ReplayRequest] = []  # admitted, reading their stored prefix
         running: list[ReplayRequest] = []
         finishing: list[ReplayRequest] = []  # finished, waiting for host pages to offload their tail
         last_progress = 0.0
-        while pending or running or finishing or self.manager.requests_live:
-            admitted = self._admit(pending, running)
+        while pending or prefetching or running or finishing or self.manager.requests_live:
+            admitted = self._admit(pending, prefetching, len(running))
+            ready = [req for req in prefetching if req.prefetch.ready_to_load()]
+            if ready:
+                prefetching = [req for req in prefetching if req not in ready]
+                for req in ready:
+                    self._load_and_prefill(req)
+                running.extend(ready)
             if running:
                 self._decode_step(running)
                 for req in running:
@@ -369,9 +387,9 @@ class ReplayEngine:
             self.manager.poll()
             finishing = [req for req in finishing if not self._try_finish(req)]
             if not running and not admitted:
-                # Nothing to compute: wait for copies in flight (they free host and device pages).
+                # Nothing to compute: wait for reads and copies in flight (they free host and device pages).
                 self.manager.drain()
-                if finishing and not pending and self.manager.copies_in_flight == 0:
+                if finishing and not pending and not prefetching and self.manager.copies_in_flight == 0:
                     for req in finishing:  # the host pool is idle and still too small: finish anyway
                         self._try_finish(req, force=True)
                     finishing = []
@@ -382,30 +400,34 @@ class ReplayEngine:
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
         self.stats.run_seconds = time.perf_counter() - self.started
+        self.run_metrics = self.manager.metrics
         if self.on_progress is not None:
             self.on_progress(self)
         return self.stats
 
-    def _admit(self, pending: deque, running: list[ReplayRequest]) -> int:
+    def _admit(self, pending: deque, prefetching: list[ReplayRequest], num_running: int) -> int:
+        """Admit pending requests (head of line first) and start their prefetch; returns how many."""
         admitted = 0
-        while pending and len(running) < self.config.max_running:
+        ps = self.page_size
+        while pending and len(prefetching) + num_running < self.config.max_running:
             order, trace = pending[0]
-            need = _pages(trace.input_length + trace.output_length, self.page_size)
-            pages = self.device_pages.alloc(need)
+            if (trace.input_length - 1) // ps > self.host_pool.free_pages:
+                break  # its lookup would be cut short: wait for host pages
+            pages = self.device_pages.alloc(_pages(trace.input_length + trace.output_length, ps))
             if pages is None:
-                break  # head-of-line: wait for released pages
+                break  # wait for released device pages
             pending.popleft()
             req = self._make_request(order, trace)
             req.device_pages = pages
             page_ids = torch.tensor(pages, dtype=torch.int64)
-            req.slots = (page_ids.view(-1, 1) * self.page_size + torch.arange(self.page_size)).view(-1).to(self.device)
-            self._prefill(req)
-            running.append(req)
+            req.slots = (page_ids.view(-1, 1) * ps + torch.arange(ps)).view(-1).to(self.device)
+            req.prefetch = self.manager.prefetch(req, policy=PREFETCH_POLICY)
+            prefetching.append(req)
             admitted += 1
         return admitted
 
     def _make_request(self, order: int, trace: TraceRequest) -> ReplayRequest:
-        extra, salt = self._namespaces[order]
+        extra, salt = self.namespaces[order]
         req = ReplayRequest(trace, self.tokens.prompt(trace), self.tokens.output(trace), extra, salt)
         ps = self.page_size
         tokens = req.kv_tokens
@@ -415,6 +437,7 @@ class ReplayEngine:
         self.stats.hash_seconds += time.perf_counter() - started
         self.stats.hashed_tokens += full
         req.page_keys = list(keys)
+        self.request_keys[order] = req.page_keys
         namespace = req.namespace
         for key in keys:
             self.expected_keys.setdefault(key, set()).add(namespace)
@@ -424,6 +447,7 @@ class ReplayEngine:
         req.masks = torch.tensor(req.mask_values, dtype=self.content.word).to(self.device)
         self.stats.requests += 1
         self.stats.prompt_tokens += len(req.origin_input_ids)
+        self.stats.prompt_pages += len(req.origin_input_ids) // ps
         self.stats.output_tokens += req.output_length
         return req
 
@@ -437,66 +461,52 @@ class ReplayEngine:
                     rows = self.content.token_rows(masks, offsets, layer, part)
                 words.index_copy_(0, slots, rows)
 
-    def _prefill(self, req: ReplayRequest) -> None:
-        """Write the prompt's KV, store its whole pages under their prefill keys, sample token 0."""
-        ps = self.page_size
-        n_prompt = len(req.origin_input_ids)
-        n_pages = _pages(n_prompt, ps)
-        self._write_kv(req.slots[:n_prompt], req.masks[:n_pages], None)
-        full = n_prompt // ps
-        keys = req.page_keys[:full]
-        self.stats.prefill_pages_total += full
-        if keys:
-            present = self.storage.exists(keys)
-            todo = [i for i, hit in enumerate(present) if not hit]
-            self.stats.prefill_pages_deduplicated += full - len(todo)
-            for start in range(0, len(todo), self.prefill_chunk):
-                chunk = todo[start : start + self.prefill_chunk]
-                host_ids = self._alloc_host(len(chunk))
-                try:
-                    self._copy_prefill_pages(req, chunk, host_ids)
-                    statuses = self.storage.put([keys[i] for i in chunk], [self.host_pool.page(h) for h in host_ids])
-                finally:
-                    self.host_pool.free(host_ids)
-                for index, status in zip(chunk, statuses):
-                    if status is PutStatus.STORED:
-                        self.stats.prefill_pages_stored += 1
-                    elif status is PutStatus.DEDUPLICATED:
-                        self.stats.prefill_pages_deduplicated += 1
-                    else:
-                        self.stats.prefill_pages_failed += 1
-                        self.stats.storage_failure_keys.append(keys[index])
-        req.sample_next()
+    def poison(self, slot_indices: torch.Tensor) -> None:
+        """Fill these device slots (every layer and part) with :data:`POISON_WORD` words.
 
-    def _copy_prefill_pages(self, req: ReplayRequest, pages: list[int], host_ids: list[int]) -> None:
-        """Gather the request's prompt ``pages`` (page numbers within the request) into host pages.
-
-        The copy runs on the manager's copy stream, like the decode copies: on CUDA after the
-        prefill's KV writes on the compute stream; on CPU on the same worker thread, so two
-        gathers never run at once (the Triton interpreter is not thread-safe). Blocks until done.
+        Device pages are reused, so slots about to be loaded may already hold the very KV a
+        load should bring; poisoned first, a load that writes nothing cannot pass the check.
         """
-        ps, device = self.page_size, self.device
-        page_index = torch.tensor(pages, dtype=torch.int64, device=device)
-        slots = req.slots[(page_index.view(-1, 1) * ps + torch.arange(ps, device=device)).view(-1)]
-        copy, keep = self.host_pool.gather_copy(self.kv_pool, slots, host_ids, backend=self.config.backend)
-        event = self.manager.copy_stream.submit(copy, keep=keep)
-        event.synchronize()
-        if getattr(event, "error", None) is not None:
-            raise event.error
-        self.stats.prefill_d2h_seconds += event.seconds or 0.0
-        self.stats.prefill_bytes_d2h += len(pages) * self.host_pool.page_bytes
+        for layers in self._words:
+            for words in layers:
+                words.index_fill_(0, slot_indices, POISON_WORD)
 
-    def _alloc_host(self, n: int) -> list[int]:
-        """``n`` host pages, waiting for the manager's copies in flight when the pool is full."""
-        ids = self.host_pool.alloc(n)
-        while ids is None:
-            if self.manager.copies_in_flight == 0:
-                raise InvalidArgumentError(
-                    f"--host-pages: the host pool ({self.host_pool.capacity} pages) cannot hold a prefill chunk of {n} pages"
-                )
-            self.manager.drain()
-            ids = self.host_pool.alloc(n)
-        return ids
+    def mismatched_pages(self, slot_indices: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        """Which pages of the device KV differ from the content they must hold.
+
+        Args:
+            slot_indices: ``[P * page_size]`` device slots, page by page.
+            masks: ``[P]`` the pages' KV content masks (:meth:`KVContent.masks`), on the pool's device.
+
+        Returns:
+            A bool tensor ``[P]`` on the pool's device: True where any word of the page (any
+            layer, part or token) differs.
+        """
+        num_pages = masks.shape[0]
+        wrong = torch.zeros(num_pages, dtype=torch.bool, device=self.device)
+        for part, layers in enumerate(self._words):
+            for layer, words in enumerate(layers):
+                expected = self.content.page_words_for_layer(masks, layer, part)
+                wrong |= (words.index_select(0, slot_indices) != expected).view(num_pages, -1).any(dim=1)
+        return wrong
+
+    def _load_and_prefill(self, req: ReplayRequest) -> None:
+        """Load the prefetched prefix into the request's first slots and check its bytes, write
+        the remaining prompt tokens' KV, sample token 0."""
+        ps = self.page_size
+        handle, req.prefetch = req.prefetch, None
+        num_pages = handle.pages_ready
+        slots = req.slots[: num_pages * ps]
+        if num_pages:
+            self.poison(slots)
+        load = self.manager.load(handle, slots)  # also with 0 pages: it ends the prefetch
+        if num_pages:
+            load.wait()
+            self.stats.load_mismatches += int(self.mismatched_pages(slots, req.masks[:num_pages]).sum())
+        self.stats.prefill_tokens_saved += load.num_tokens
+        prompt_length = len(req.origin_input_ids)
+        self._write_kv(req.slots[load.num_tokens : prompt_length], req.masks[load.num_pages : _pages(prompt_length, ps)], None)
+        req.sample_next()
 
     def _decode_step(self, running: list[ReplayRequest]) -> None:
         """One token for every running request: write the KV of its last token, sample the next."""
@@ -508,7 +518,7 @@ class ReplayEngine:
         # would cost a launch each.
         rows = np.empty((3, len(active)), dtype=np.int64)
         for i, req in enumerate(active):
-            position = req.kv_len  # the last sampled token's position
+            position = kv_length(req)  # the last sampled token's position
             page, offset = divmod(position, ps)
             rows[0, i] = req.device_pages[page] * ps + offset
             rows[1, i] = req.mask_values[page]
@@ -523,20 +533,15 @@ class ReplayEngine:
 
     def _try_finish(self, req: ReplayRequest, force: bool = False) -> bool:
         """Hand a finished request to ``manager.finish`` once the host pool can take its tail."""
-        offloaded = self.manager.offloaded_len(req)
-        if offloaded is None:
-            offloaded = len(req.origin_input_ids) // self.page_size * self.page_size
-        remaining = req.kv_len // self.page_size - offloaded // self.page_size
+        offloaded = self.manager.offloaded_length(req) or 0
+        remaining = kv_length(req) // self.page_size - offloaded // self.page_size
         if not force and remaining > self.host_pool.free_pages and remaining <= self.host_pool.capacity:
             return False
         self.manager.finish(req)
-        req.finish_called = True
         self.requests_done += 1
         return True
 
     def close(self) -> None:
-        """Stop the copy stream and close the storage."""
-        stream = getattr(self.manager, "copy_stream", None)
-        if stream is not None and hasattr(stream, "close"):
-            stream.close()
+        """Close the manager (its workers and copy stream) and the storage."""
+        self.manager.close()
         self.storage.close()

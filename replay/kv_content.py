@@ -1,9 +1,9 @@
 """The KV bytes the replay writes: a deterministic function of (page key, position in page).
 
 No model runs, so the replay makes up KV content, under one rule: the bytes of token ``t`` of a
-page (every layer and part) depend only on the page's key and ``t``. Any page read back from
-storage can then be checked against what it must hold, and two pages under one key (a prefix
-shared by two requests) hold the same bytes, as real KV would.
+page (every layer and part) depend only on the page's key and ``t``. Any page loaded back from
+storage into device slots can then be checked against what it must hold, and two pages under one
+key (a prefix shared by two requests) hold the same bytes, as real KV would.
 
 Scheme (cheap: one XOR per machine word): a seeded random *base page* of words
 ``[num_layers, kv_parts, page_size, W]`` (W words a token row of one layer and part) gives the
@@ -65,10 +65,8 @@ class KVContent:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 17)
         shape = (model.num_layers, model.kv_parts, page_size, self.words_per_row)
         raw = torch.randint(0, 256, (int(np.prod(shape)) * self.word_bytes,), dtype=torch.uint8, generator=generator)
-        self.base_cpu = raw.view(self.word).view(shape)
         self.device = torch.device(device)
-        self.base = self.base_cpu.to(self.device)
-        self.page_bytes = model.page_bytes(page_size)
+        self.base = raw.view(self.word).view(shape).to(self.device)
 
     # -- masks ------------------------------------------------------------------------------
 
@@ -83,10 +81,9 @@ class KVContent:
                 value -= 1 << bits
         return value
 
-    def masks(self, keys: Sequence[str], device: torch.device | str | None = None) -> torch.Tensor:
-        """Masks of ``keys`` as a 1-D tensor of the word dtype on ``device`` (default: :attr:`device`)."""
-        values = [self.mask(key) for key in keys]
-        return torch.tensor(values, dtype=self.word).to(self.device if device is None else device)
+    def masks(self, keys: Sequence[str]) -> torch.Tensor:
+        """Masks of ``keys`` as a 1-D tensor of the word dtype on :attr:`device`."""
+        return torch.tensor([self.mask(key) for key in keys], dtype=self.word).to(self.device)
 
     # -- content ----------------------------------------------------------------------------
 
@@ -98,10 +95,3 @@ class KVContent:
     def token_rows(self, masks: torch.Tensor, offsets: torch.Tensor, layer: int, part: int) -> torch.Tensor:
         """Words of single tokens: token i at position ``offsets[i]`` of a page with ``masks[i]``: ``[R, W]``."""
         return self.base[layer, part].index_select(0, offsets) ^ masks.view(-1, 1)
-
-    def expected_pages(self, keys: Sequence[str]) -> torch.Tensor:
-        """The bytes every page under ``keys`` must hold, page-first (the host page layout
-        ``[num_layers, kv_parts, page_size, num_heads, head_dim]``): uint8 ``[P, page_bytes]`` on CPU."""
-        masks = self.masks(keys, device="cpu")
-        words = self.base_cpu.unsqueeze(0) ^ masks.view(-1, 1, 1, 1, 1)
-        return words.reshape(len(keys), -1).view(torch.uint8)

@@ -18,21 +18,22 @@ def _rate(amount: float, seconds: float) -> float:
     return amount / seconds if seconds > 0 else 0.0
 
 
-def build_report(engine, verify, *, trace_name: str, elapsed_s: float, round_trip=None) -> dict[str, Any]:
+def build_report(engine, verify, *, trace_name: str, elapsed_s: float) -> dict[str, Any]:
     """Every figure of one replay as a flat JSON-able dict (see the README for the fields).
+
+    Page counters named as :class:`kvstage.offload.OffloadMetrics`' are the manager's at the end
+    of the run (verification's loads are the ``verify_`` fields).
 
     Args:
         engine: the :class:`kvstage.replay.engine.ReplayEngine` after ``run()``.
         verify: the :class:`kvstage.replay.verify.VerifyResult`.
         trace_name: the trace file's name or ``"built-in synthetic"``.
-        round_trip: the :class:`kvstage.replay.verify.RoundTripResult` (None: not run).
         elapsed_s: wall-clock seconds of the whole command (setup, run, verify).
     """
     stats, config, model = engine.stats, engine.config, engine.model
-    metrics = engine.manager.metrics
+    metrics = engine.run_metrics
     storage_stats = engine.storage.stats
-    bytes_d2h = stats.prefill_bytes_d2h + metrics.bytes_offloaded
-    d2h_seconds = stats.prefill_d2h_seconds + metrics.copy_seconds
+    page_size = engine.page_size
     page_bytes = engine.host_pool.page_bytes
     return {
         "trace": trace_name,
@@ -40,7 +41,7 @@ def build_report(engine, verify, *, trace_name: str, elapsed_s: float, round_tri
         "prompt_tokens": stats.prompt_tokens,
         "output_tokens": stats.output_tokens,
         "model": model.describe(),
-        "page_size": engine.page_size,
+        "page_size": page_size,
         "page_bytes": page_bytes,
         "stride": engine.stride,
         "max_running": config.max_running,
@@ -51,38 +52,54 @@ def build_report(engine, verify, *, trace_name: str, elapsed_s: float, round_tri
         "tenants": config.tenants,
         "lora_share": config.lora_share,
         "seed": config.seed,
-        "prefill_pages_total": stats.prefill_pages_total,
-        "prefill_pages_unique_stored": stats.prefill_pages_stored,
-        "prefill_pages_deduplicated": stats.prefill_pages_deduplicated,
-        "decode_pages_offloaded": metrics.pages_offloaded,
-        "decode_pages_stored": metrics.pages_stored,
-        "decode_pages_deduplicated": metrics.pages_deduplicated,
-        "decode_pages_dropped": metrics.pages_dropped,
-        "offloads_rejected_host_full": metrics.offloads_rejected,
-        "bytes_d2h": bytes_d2h,
-        "d2h_seconds": d2h_seconds,
-        "d2h_gbps": _rate(bytes_d2h, d2h_seconds) / 1e9,
+        "prompt_pages": stats.prompt_pages,
+        # load path: each request's prompt (all but its last token) looked up, the hit loaded
+        "pages_looked_up": metrics.pages_looked_up,
+        "pages_hit": metrics.pages_hit,
+        "page_hit_rate": _rate(metrics.pages_hit, metrics.pages_looked_up),
+        "tokens_looked_up": metrics.pages_looked_up * page_size,
+        "tokens_hit": metrics.pages_hit * page_size,
+        "prefill_tokens_saved": stats.prefill_tokens_saved,
+        "prompt_token_hit_rate": _rate(stats.prefill_tokens_saved, stats.prompt_tokens),
+        "pages_loaded": metrics.pages_loaded,
+        "bytes_loaded": metrics.bytes_loaded,
+        "load_seconds": metrics.load_seconds,
+        "h2d_gbps": metrics.h2d_gbps,
+        "load_mismatches": stats.load_mismatches,
+        "prefetch_failures": metrics.prefetch_failures,
+        "load_failures": metrics.load_failures,
+        # store path: prompt pages past the hit, then decode pages
+        "pages_launched": metrics.pages_launched,
+        "pages_offloaded": metrics.pages_offloaded,
+        "pages_stored": metrics.pages_stored,
+        "pages_deduplicated": metrics.pages_deduplicated,
+        "pages_failed": metrics.pages_failed,
+        "pages_dropped": metrics.pages_dropped,
+        "offloads_rejected": metrics.offloads_rejected,
+        "bytes_offloaded": metrics.bytes_offloaded,
+        "copy_seconds": metrics.copy_seconds,
+        "d2h_gbps": metrics.d2h_gbps,
         "hashed_tokens": stats.hashed_tokens,
         "hashing_tokens_per_s": _rate(stats.hashed_tokens, stats.hash_seconds),
         "storage_put_gbps": storage_stats.put_gbps(),
         "storage_get_gbps": storage_stats.get_gbps(),
         "storage_pages_evicted": storage_stats.pages_evicted,
         # What a store must hold to keep every page of this trace (sizing a store).
-        "stored_bytes": (stats.prefill_pages_stored + metrics.pages_stored) * page_bytes,
-        "storage_failures": stats.prefill_pages_failed + metrics.pages_failed,
-        "host_pool_high_water_pages": engine.host_pool.high_water,
-        "host_pool_high_water_bytes": engine.host_pool.high_water * page_bytes,
-        "host_pool_capacity_pages": engine.host_pool.capacity,
+        "stored_bytes": metrics.pages_stored * page_bytes,
+        "host_pool_high_water_pages": metrics.host_pages_high_water,
+        "host_pool_high_water_bytes": metrics.host_pages_high_water * page_bytes,
+        "host_pool_capacity_pages": metrics.host_pages_capacity,
         "device_pool_pages": engine.device_pages.capacity,
         "decode_steps": stats.decode_steps,
+        "verify_requests": verify.verify_requests,
         "verify_pages_checked": verify.pages_checked,
         "verify_sampled": verify.sampled,
         "verify_mismatches": verify.mismatches,
+        "verify_pages_unreachable": verify.unreachable,
         "verify_missing_explained": verify.explained,
         "lost_pages": verify.lost,
-        "round_trip_pages": round_trip.pages if round_trip else 0,
-        "round_trip_mismatches": round_trip.mismatches if round_trip else 0,
-        "h2d_gbps": round_trip.h2d_gbps if round_trip else 0.0,
+        "verify_bytes_loaded": verify.bytes_loaded,
+        "verify_h2d_gbps": verify.h2d_gbps,
         "run_s": stats.run_seconds,
         "verify_s": verify.seconds,
         "elapsed_s": elapsed_s,
@@ -130,15 +147,7 @@ class ProgressDisplay:
     def update(self, engine) -> None:
         """Refresh from the engine's counters."""
         metrics = engine.manager.metrics
-        stats = engine.stats
-        bytes_d2h = stats.prefill_bytes_d2h + metrics.bytes_offloaded
-        seconds = stats.prefill_d2h_seconds + metrics.copy_seconds
-        self.progress.update(
-            self.task,
-            completed=engine.requests_done,
-            gbps=_rate(bytes_d2h, seconds) / 1e9,
-            pages=stats.prefill_pages_stored + metrics.pages_stored,
-        )
+        self.progress.update(self.task, completed=engine.requests_done, gbps=metrics.d2h_gbps, pages=metrics.pages_stored)
 
 
 def _human_bytes(n: float) -> str:
@@ -160,22 +169,26 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("requests", f"{r['requests']:,}"),
         ("prompt / output tokens", f"{r['prompt_tokens']:,} / {r['output_tokens']:,}"),
         ("page size / stride", f"{r['page_size']} / {r['stride']} tokens ({_human_bytes(r['page_bytes'])} a page)"),
-        ("prefill pages total", f"{r['prefill_pages_total']:,}"),
-        ("  unique stored", f"{r['prefill_pages_unique_stored']:,}"),
-        ("  deduplicated", f"{r['prefill_pages_deduplicated']:,}"),
-        ("decode pages offloaded", f"{r['decode_pages_offloaded']:,} ({r['decode_pages_stored']:,} stored)"),
-        ("bytes moved D2H", f"{_human_bytes(r['bytes_d2h'])} at {r['d2h_gbps']:.2f} GB/s"),
+        ("prefix hit: pages", f"{r['pages_hit']:,} of {r['pages_looked_up']:,} looked up ({r['page_hit_rate']:.1%})"),
+        ("prefix hit: tokens", f"{r['tokens_hit']:,} of {r['tokens_looked_up']:,} looked up"),
+        ("prefill tokens saved", f"{r['prefill_tokens_saved']:,} ({r['prompt_token_hit_rate']:.1%} of prompt tokens)"),
+        ("loaded H2D", f"{r['pages_loaded']:,} pages, {_human_bytes(r['bytes_loaded'])} at {r['h2d_gbps']:.2f} GB/s"),
+        ("load mismatches", f"{r['load_mismatches']:,}"),
+        ("pages offloaded D2H", f"{r['pages_offloaded']:,} of {r['pages_launched']:,} launched, "
+         f"{_human_bytes(r['bytes_offloaded'])} at {r['d2h_gbps']:.2f} GB/s"),
+        ("  stored / deduplicated", f"{r['pages_stored']:,} / {r['pages_deduplicated']:,}"),
+        ("  failed / dropped", f"{r['pages_failed']:,} / {r['pages_dropped']:,}"),
         ("hashing", f"{r['hashing_tokens_per_s'] / 1e6:.2f} M tokens/s"),
         ("storage put / get", f"{r['storage_put_gbps']:.2f} / {r['storage_get_gbps']:.2f} GB/s"),
         ("stored by this run", f"{_human_bytes(r['stored_bytes'])}"),
         ("host pool high-water", f"{r['host_pool_high_water_pages']:,} of {r['host_pool_capacity_pages']:,} pages ({_human_bytes(r['host_pool_high_water_bytes'])})"),
-        ("storage failures", f"{r['storage_failures']:,}"),
-        ("verify: pages checked", f"{r['verify_pages_checked']:,}{' (sample)' if r['verify_sampled'] else ''}"),
+        ("verify: pages checked", f"{r['verify_pages_checked']:,}{' (sample)' if r['verify_sampled'] else ''} "
+         f"in {r['verify_requests']:,} loads at {r['verify_h2d_gbps']:.2f} GB/s"),
         ("verify: mismatches", f"{r['verify_mismatches']:,}"),
         ("verify: lost pages", f"{r['lost_pages']:,}" + (
             f" ({r['verify_missing_explained']:,} more missing, explained by failures, drops or evictions)"
             if r["verify_missing_explained"] else "")),
-        ("load back H2D", f"{r['round_trip_pages']:,} pages at {r['h2d_gbps']:.2f} GB/s, {r['round_trip_mismatches']:,} mismatched"),
+        ("verify: unreachable", f"{r['verify_pages_unreachable']:,} (stored behind a missing page of their chain)"),
         ("elapsed", f"{r['elapsed_s']:.1f} s (run {r['run_s']:.1f} s, verify {r['verify_s']:.1f} s)"),
     ]
 

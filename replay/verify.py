@@ -1,38 +1,51 @@
-"""Read stored pages back and compare their bytes with what they must hold.
+"""Load stored pages back through the manager's load path and compare them with what they must hold.
 
-After a replay, every full page key any request had (prompt and decode pages) should be in the
-storage, holding :meth:`KVContent.expected_pages` of that key. A key the storage does not
-return is *lost*, unless the replay knows why (a reported storage failure, a page the manager
-dropped for want of host pages, an eviction by a store too small for the run): those are
-counted apart as *explained*. A page returned with other bytes is a *mismatch*.
+After a replay, every whole page key any request had (prompt and decode pages) should be in the
+storage, holding :meth:`KVContent.expected_pages` of that key. Verification reads them the way an
+engine would: a *verify request* per chain (the tokens with KV of a trace request, as a prompt)
+is prefetched (:meth:`OffloadManager.prefetch`) and loaded (:meth:`OffloadManager.load`) into
+idle device slots, whose KV is then compared with the expected content.
+
+Each page checked ends as one of:
+
+- *matched*: loaded with the expected bytes; *mismatched*: loaded with other bytes;
+- *missing*: not loadable, and not behind an earlier page of its chain that is missing: the
+  store does not hold it, or holds it and cannot read it (a corrupted file). A missing page is
+  *lost* unless the replay knows why (a reported storage failure, a page the manager dropped
+  for want of host pages, an eviction by a store too small for the run): those are *explained*;
+- *unreachable*: held by the store (``exists``) behind a missing page of its chain, so no load
+  can use it.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
 
-from kvstage.replay.kv_content import KVContent
+from kvstage.errors import InvalidArgumentError
+from kvstage.offload.testing import SimpleRequest
+from kvstage.replay.engine import ReplayRequest
 
-VERIFY_BATCH_BYTES = 256 << 20  # pages read back and compared per batch (bounds host memory)
+MATCHED, MISMATCHED, MISSING, UNREACHABLE = "matched", "mismatched", "missing", "unreachable"
 
 
 @dataclass
 class VerifyResult:
-    """The outcome of :func:`verify_pages`.
+    """The outcome of :func:`verify_pages` (counts are pages; each page key counted once).
 
     Attributes:
-        pages_checked: keys read back (all expected keys, or the sample).
-        pages_matched: read back with the expected bytes.
-        mismatches: read back with other bytes.
-        missing: not returned by the storage.
+        pages_checked: keys verified (every expected key, or the sampled keys and the pages
+            before them in their chains).
+        pages_matched, mismatches, missing, unreachable: see the module docstring.
         lost: missing pages nothing explains (``missing - explained``, at least 0).
         explained: missing pages accounted for by failures, drops or evictions.
-        seconds: wall-clock time of the read-back and comparison.
+        verify_requests: prefetch-and-load rounds (one per chain verified).
+        pages_loaded, bytes_loaded: what those loads moved H2D.
+        load_seconds: the loads' copy time, in seconds (GPU time on CUDA).
+        seconds: wall-clock time of the whole verification.
         sampled: whether a sample (``--verify-sample``) was checked rather than every key.
     """
 
@@ -40,141 +53,134 @@ class VerifyResult:
     pages_matched: int = 0
     mismatches: int = 0
     missing: int = 0
+    unreachable: int = 0
     lost: int = 0
     explained: int = 0
+    verify_requests: int = 0
+    pages_loaded: int = 0
+    bytes_loaded: int = 0
+    load_seconds: float = 0.0
     seconds: float = 0.0
     sampled: bool = False
 
+    @property
+    def h2d_gbps(self) -> float:
+        """The verify loads' H2D throughput over copy time, in GB/s (1e9 bytes)."""
+        return self.bytes_loaded / self.load_seconds / 1e9 if self.load_seconds > 0 else 0.0
 
-def verify_pages(
-    storage,
-    content: KVContent,
-    keys: Sequence[str],
-    *,
-    sample: int | None = None,
-    seed: int = 0,
-    failed_keys: Sequence[str] = (),
-    unexplained_allowance: int = 0,
-) -> VerifyResult:
-    """Read ``keys`` (or a seeded sample of ``sample`` of them) back and compare bytes.
+
+def chains_to_verify(request_keys: list[list[str]], targets: list[str]) -> dict[int, int]:
+    """The fewest request prefixes whose pages cover ``targets``.
 
     Args:
-        storage: a :class:`kvstage.offload.StorageBackend` of the replay's layout.
-        content: makes the expected bytes of a key.
-        keys: the page keys that must be stored.
-        sample: check this many keys chosen at random (seeded); None or >= len(keys): all.
-        seed: the sample's seed.
-        failed_keys: keys reported failed (their absence is explained).
-        unexplained_allowance: missing pages explained without a key (drops, evictions).
+        request_keys: each request's page keys (one hash chain each), in replay order.
+        targets: keys to cover, each a key of some request.
 
     Returns:
-        A :class:`VerifyResult`.
+        ``{request order: pages}``: load the first ``pages`` pages of that request's chain. A
+        prefix that is a prefix of another chosen one is left out (a key fixes its whole chain
+        before it, so two chains through one key agree up to it).
+    """
+    owner: dict[str, tuple[int, int]] = {}
+    for order, keys in enumerate(request_keys):
+        for position, key in enumerate(keys):
+            owner.setdefault(key, (order, position))
+    depth: dict[int, int] = {}
+    for key in targets:
+        order, position = owner[key]
+        depth[order] = max(depth.get(order, 0), position + 1)
+    ends = {request_keys[order][pages - 1]: order for order, pages in depth.items()}
+    for order, pages in depth.items():
+        for key in request_keys[order][: pages - 1]:
+            covered = ends.get(key)
+            if covered is not None and covered != order:
+                del ends[key]
+    return {order: depth[order] for order in sorted(ends.values())}
+
+
+def verify_pages(engine, *, sample: int | None = None, seed: int = 0) -> VerifyResult:
+    """Load the replay's stored pages back through the manager's load path and compare them.
+
+    Call it after :meth:`ReplayEngine.run`: it uses the device pool's first slots (no request
+    holds them then) and the manager's host pages.
+
+    Args:
+        engine: the :class:`kvstage.replay.engine.ReplayEngine` after ``run()``.
+        sample: verify this many keys chosen at random (seeded), each with the pages before it
+            in its chain; None or >= the number of keys: all.
+        seed: the sample's seed.
+
+    Returns:
+        A :class:`VerifyResult`; missing pages are explained by ``engine.stats``'
+        ``storage_failure_keys``, the manager's ``pages_dropped`` and the store's evictions.
+
+    Raises:
+        InvalidArgumentError: the host pool could not take a chain's pages (it is smaller than
+            the longest request, or not idle).
     """
     started = time.perf_counter()
-    keys = list(keys)
+    manager, content, ps = engine.manager, engine.content, engine.page_size
+    keys = list(engine.expected_keys)
     sampled = sample is not None and sample < len(keys)
     if sampled:
         rng = np.random.default_rng([seed, 0x5EED])
         keys = [keys[i] for i in sorted(rng.choice(len(keys), size=sample, replace=False).tolist())]
-    failed = set(failed_keys)
-    result = VerifyResult(sampled=sampled)
-    page_bytes = content.page_bytes
-    batch_pages = max(1, min(256, VERIFY_BATCH_BYTES // page_bytes))
-    buffer = torch.empty((min(batch_pages, max(len(keys), 1)), page_bytes), dtype=torch.uint8)
+    chains = chains_to_verify(engine.request_keys, keys)
+    before = manager.metrics
+    outcome: dict[str, str] = {}
+    scratch = torch.arange(max(chains.values(), default=0) * ps, dtype=torch.int64, device=engine.device)
+    for order, pages in chains.items():
+        chain = engine.request_keys[order][:pages]
+        trace = engine.trace[order]
+        extra_key, cache_salt = engine.namespaces[order]
+        tokens = ReplayRequest(trace, engine.tokens.prompt(trace), engine.tokens.output(trace), extra_key, cache_salt).kv_tokens
+        # A lookup leaves a prompt's last token out (the engine computes it): one more, any id.
+        req = SimpleRequest(f"verify-r{trace.index}", tokens[: pages * ps] + [0], extra_key=extra_key, cache_salt=cache_salt)
+        handle = manager.prefetch(req, policy="wait_complete")
+        if handle.pages_wanted < pages:
+            manager.abort(req)
+            raise InvalidArgumentError(
+                f"--host-pages: {manager.host_pool.free_pages} free host pages cannot take a chain of {pages} pages"
+            )
+        handle.wait()
+        loaded = handle.pages_ready
+        slots = scratch[: loaded * ps]
+        if loaded:
+            engine.poison(slots)
+        load = manager.load(handle, slots)
+        if loaded:
+            load.wait()
+            wrong = engine.mismatched_pages(slots, content.masks(chain[:loaded])).tolist()
+            for key, bad in zip(chain, wrong):
+                outcome.setdefault(key, MISMATCHED if bad else MATCHED)
+        manager.abort(req)
+        manager.poll()  # frees the load's host pages for the next chain
+        if loaded < pages:
+            outcome.setdefault(chain[loaded], MISSING)
+            behind = chain[loaded + 1 :]
+            for key, held in zip(behind, engine.storage.exists(behind) if behind else []):
+                outcome.setdefault(key, UNREACHABLE if held else MISSING)
+    after = manager.metrics
+    result = VerifyResult(sampled=sampled, verify_requests=len(chains))
+    result.pages_loaded = after.pages_loaded - before.pages_loaded
+    result.bytes_loaded = after.bytes_loaded - before.bytes_loaded
+    result.load_seconds = after.load_seconds - before.load_seconds
+    failed = set(engine.stats.storage_failure_keys)
     missing_failed = 0
-    for start in range(0, len(keys), batch_pages):
-        batch = keys[start : start + batch_pages]
-        into = [buffer[i] for i in range(len(batch))]
-        hits = storage.get(batch, into)
-        expected = content.expected_pages(batch).view(content.word)
-        # Compare machine words, not bytes: 2-8x fewer elements for the same answer.
-        same = (buffer[: len(batch)].view(content.word) == expected).all(dim=1).tolist()
-        for key, hit, equal in zip(batch, hits, same):
-            result.pages_checked += 1
-            if not hit:
-                result.missing += 1
-                missing_failed += key in failed
-            elif equal:
-                result.pages_matched += 1
-            else:
-                result.mismatches += 1
-    result.explained = min(result.missing, missing_failed + unexplained_allowance)
+    for key, state in outcome.items():
+        result.pages_checked += 1
+        if state == MATCHED:
+            result.pages_matched += 1
+        elif state == MISMATCHED:
+            result.mismatches += 1
+        elif state == UNREACHABLE:
+            result.unreachable += 1
+        else:
+            result.missing += 1
+            missing_failed += key in failed
+    allowance = engine.run_metrics.pages_dropped + engine.storage.stats.pages_evicted
+    result.explained = min(result.missing, missing_failed + allowance)
     result.lost = result.missing - result.explained
     result.seconds = time.perf_counter() - started
     return result
 
-
-@dataclass
-class RoundTripResult:
-    """The outcome of :func:`round_trip_pages`: stored pages loaded back into the device KV pool.
-
-    Attributes:
-        pages: pages read from storage and scattered H2D.
-        mismatches: pages whose device KV differs from the expected content afterwards.
-        bytes_h2d: bytes scattered.
-        h2d_seconds: time of the scatters (GPU: synchronized wall-clock).
-    """
-
-    pages: int = 0
-    mismatches: int = 0
-    bytes_h2d: int = 0
-    h2d_seconds: float = 0.0
-
-    @property
-    def h2d_gbps(self) -> float:
-        """H2D GB/s (1e9 bytes) over the scatters' time."""
-        return self.bytes_h2d / self.h2d_seconds / 1e9 if self.h2d_seconds > 0 else 0.0
-
-
-def round_trip_pages(storage, content: KVContent, kv_pool, keys: Sequence[str], *, page_size: int, backend: str = "auto", max_pages: int = 256) -> RoundTripResult:
-    """The way back: read up to ``max_pages`` stored pages into host staging, scatter them into
-    the device KV pool (:func:`kvstage.kernels.scatter`, H2D, every layer) and compare the
-    pool's words with the expected content, layer by layer on the device.
-
-    Uses the pool's first slots: call it when no request holds the pool (after the replay).
-    Pages the storage does not return are skipped (:func:`verify_pages` counts them).
-
-    Args:
-        storage: the replay's storage backend.
-        content: the expected KV (its device is the pool's).
-        kv_pool: the :class:`kvstage.kernels.KVPool` the replay ran with.
-        keys: page keys to choose from (the first ``max_pages``).
-        page_size: tokens per page.
-        backend: the scatter's backend.
-        max_pages: at most this many pages (bounded also by the pool's and 256 MiB of staging).
-    """
-    from kvstage.kernels import scatter, staging_shape
-
-    device = kv_pool.device
-    on_cuda = torch.device(device).type == "cuda"
-    budget = max(1, VERIFY_BATCH_BYTES // content.page_bytes)
-    n = min(len(keys), max_pages, kv_pool.num_slots // page_size, budget)
-    result = RoundTripResult()
-    if n == 0:
-        return result
-    staging = torch.empty(staging_shape(kv_pool, n, page_size), dtype=kv_pool.dtype, pin_memory=on_cuda)
-    hits = storage.get(list(keys[:n]), [staging[i] for i in range(n)])
-    chosen = [i for i, hit in enumerate(hits) if hit]
-    if not chosen:
-        return result
-    host_ids = torch.tensor(chosen, dtype=torch.int64, device=device)
-    slots = torch.arange(len(chosen) * page_size, dtype=torch.int64, device=device)
-    if on_cuda:
-        torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    scatter(staging, kv_pool, slots, host_ids, page_size=page_size, layout="page_first", backend=backend)
-    if on_cuda:
-        torch.cuda.synchronize(device)
-    result.h2d_seconds = time.perf_counter() - started
-    result.pages = len(chosen)
-    result.bytes_h2d = len(chosen) * content.page_bytes
-    masks = content.masks([keys[i] for i in chosen])
-    wrong = torch.zeros(len(chosen), dtype=torch.bool, device=device)
-    rows = len(chosen) * page_size
-    for layer in range(kv_pool.num_layers):
-        for part in range(kv_pool.kv_parts):
-            words = kv_pool.layer(part, layer).view(kv_pool.num_slots, -1).view(content.word)[:rows]
-            expected = content.page_words_for_layer(masks, layer, part)
-            wrong |= (words != expected).view(len(chosen), -1).any(dim=1)
-    result.mismatches = int(wrong.sum())
-    return result

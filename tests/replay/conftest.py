@@ -1,9 +1,15 @@
-"""Fixtures of the replay tests: one torch intra-op thread, as ``kvstage replay`` uses on CPU."""
+"""Fixtures of the replay tests: one torch intra-op thread, as ``kvstage replay`` uses on CPU;
+this folder on ``sys.path`` for ``replay_helpers``."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture(autouse=True)

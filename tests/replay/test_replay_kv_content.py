@@ -14,6 +14,13 @@ def test_word_is_the_widest_integer_that_divides_a_row(row_bytes, word):
     assert word_dtype(row_bytes) is word
 
 
+def pages_of(content, keys):
+    """Every layer and part of pages under ``keys``: words ``[P, num_layers, kv_parts, page_size, W]`` on CPU."""
+    model, masks = content.model, content.masks(keys)
+    planes = [[content.page_words_for_layer(masks, layer, part).cpu() for part in range(model.kv_parts)] for layer in range(model.num_layers)]
+    return torch.stack([torch.stack(parts) for parts in planes]).view(model.num_layers, model.kv_parts, len(keys), content.page_size, -1).permute(2, 0, 1, 3, 4)
+
+
 @pytest.mark.parametrize(
     "model",
     [resolve_model("small"), resolve_model("deepseek-v3", layers=2), resolve_model(None, layers=1, heads=3, head_dim=5, dtype="bfloat16")],
@@ -22,29 +29,26 @@ def test_word_is_the_widest_integer_that_divides_a_row(row_bytes, word):
 def test_pages_depend_on_key_and_position_only(model, device):
     ps = 8
     content = KVContent(model, ps, seed=5, device=device)
-    pages = content.expected_pages(["aa", "bb", "aa"])
-    assert pages.shape == (3, model.page_bytes(ps)) and pages.dtype == torch.uint8
+    pages = pages_of(content, ["aa", "bb", "aa"])
+    assert pages.shape == (3, model.num_layers, model.kv_parts, ps, content.words_per_row)
+    assert content.words_per_row * content.word_bytes == model.num_heads * model.head_dim * model.dtype.itemsize
     assert torch.equal(pages[0], pages[2])
-    assert torch.equal(pages[0], KVContent(model, ps, seed=5).expected_pages(["aa"])[0])
-    assert not torch.equal(pages[0], KVContent(model, ps, seed=6).expected_pages(["aa"])[0])
+    assert torch.equal(pages[0], pages_of(KVContent(model, ps, seed=5), ["aa"])[0])
+    assert not torch.equal(pages[0], pages_of(KVContent(model, ps, seed=6), ["aa"])[0])
     # Another key differs in every word; another position differs too.
-    words = pages.view(content.word).view(3, -1)
-    assert bool((words[0] != words[1]).all())
-    rows = words[0].view(model.num_layers, model.kv_parts, ps, -1)
-    assert not torch.equal(rows[:, :, 0], rows[:, :, 1])
+    assert bool((pages[0] != pages[1]).all())
+    assert not torch.equal(pages[0][:, :, 0], pages[0][:, :, 1])
 
 
-def test_layer_rows_and_token_rows_agree_with_the_page_layout(device):
+def test_token_rows_are_rows_of_the_pages(device):
     model = resolve_model("small")
     ps = 4
     content = KVContent(model, ps, seed=0, device=device)
     keys = ["k0", "k1"]
     masks = content.masks(keys)
-    page = content.expected_pages(keys).view(content.word).view(2, model.num_layers, model.kv_parts, ps, -1)
+    offsets = torch.tensor([3, 0], device=device)
     for layer in range(model.num_layers):
         for part in range(model.kv_parts):
-            whole = content.page_words_for_layer(masks, layer, part).cpu()
-            assert torch.equal(whole, page[:, layer, part].reshape(2 * ps, -1))
-            offsets = torch.tensor([3, 0], device=device)
+            whole = content.page_words_for_layer(masks, layer, part).cpu().view(2, ps, -1)
             single = content.token_rows(masks, offsets, layer, part).cpu()
-            assert torch.equal(single[0], page[0, layer, part, 3]) and torch.equal(single[1], page[1, layer, part, 0])
+            assert torch.equal(single[0], whole[0, 3]) and torch.equal(single[1], whole[1, 0])
