@@ -77,6 +77,7 @@ class PrefetchHandle:
         self.pages_ready = 0
         self.finished = False  # the worker is done with the host pages
         self.error: BaseException | None = None
+        self.hole = False  # the read stopped at a page the lookup found but the store could not read
         self.cancelled = False
         self.loaded = False  # load() took it
         self.future: Any = None

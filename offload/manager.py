@@ -771,7 +771,7 @@ class OffloadManager:
                     handle.pages_ready = count
 
                 outcome = read_leading_pages(self.storage, keys[:leading], pages[:leading], on_progress=progress, cancelled=lambda: handle.cancelled)
-                handle.error = outcome.error
+                handle.error, handle.hole = outcome.error, outcome.hole
             except Exception as error:  # a store that fails as a whole: nothing more is ready
                 handle.error = error
             finally:
@@ -787,7 +787,7 @@ class OffloadManager:
         counters.pages_looked_up += handle.pages_wanted
         counters.pages_hit += handle.pages_hit or 0
         counters.pages_prefetched += handle.pages_ready
-        if handle.error is not None or (handle.pages_hit is not None and handle.pages_ready < handle.pages_hit and not handle.cancelled):
+        if handle.error is not None or handle.hole:
             counters.prefetch_failures += 1
             logger.warning("offload: prefetch of rid=%r ended at page %d of %s: %r", handle.req.rid, handle.pages_ready, handle.pages_hit, handle.error)
         if handle.host_page_ids:

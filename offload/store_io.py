@@ -108,10 +108,12 @@ class ReadOutcome:
 
     Attributes:
         pages_read: the leading pages now in the host pages (a hole ends them).
+        hole: a page was asked and not read (the store missed it although asked for it).
         error: what the store raised, or None.
     """
 
     pages_read: int = 0
+    hole: bool = False
     error: BaseException | None = None
 
 
@@ -147,6 +149,7 @@ def read_leading_pages(
         if on_progress is not None:
             on_progress(outcome.pages_read)
         if leading < len(keys):
+            outcome.hole = True
             break
     return outcome
 

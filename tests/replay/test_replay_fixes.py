@@ -1,9 +1,7 @@
-"""Library bugs the replay found, each as the smallest failing test (xfail strict: it fails
-until the library is fixed, then must be turned into a plain test)."""
+"""Library bugs the replay found, each as the smallest case that failed before its fix."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from kvstage.hashing import PageHasher
@@ -27,8 +25,6 @@ class UnreadableStore(MemoryStore):
         return [hit and key != self.prefix + self.unreadable for key, hit in zip(full_keys, hits)]
 
 
-@pytest.mark.xfail(strict=True, reason="OffloadManager.load marks the handle cancelled before _drop_prefetch, "
-                   "which leaves cancelled handles out of prefetch_failures")
 def test_a_loaded_prefetch_whose_read_stopped_at_an_unreadable_page_counts_as_a_prefetch_failure():
     kv_pool = KVPool.mha([torch.zeros(32, 1, 8, dtype=torch.float16)], [torch.zeros(32, 1, 8, dtype=torch.float16)])
     host_pool = HostPool.like(kv_pool, num_pages=8, page_size=PAGE_SIZE)
