@@ -61,11 +61,11 @@ class CorruptFirstPageStore(MemoryStore):
 
     corrupted_key: str | None = None
 
-    def _put(self, full_keys, pages):
-        statuses = super()._put(full_keys, pages)
+    def _put(self, full_keys, pages, full_prior_key=None):
+        statuses = super()._put(full_keys, pages, full_prior_key)
         if self.corrupted_key is None and full_keys:
             self.corrupted_key = full_keys[0]
-            self._pages[full_keys[0]][7] ^= 0x01
+            self._pages.value(full_keys[0])[7] ^= 0x01
         return statuses
 
 
@@ -121,13 +121,13 @@ def test_verify_catches_wrong_bytes_and_pages_missing_from_the_store():
         engine.content = right
         assert (wrong.pages_checked, wrong.mismatches, wrong.pages_matched) == (57, 57, 0)
         # One byte of one page at rest: one mismatch, though two chains load it.
-        storage._pages[storage.prefix + keys[0][3]][0] ^= 0x10
+        storage._pages.value(storage.prefix + keys[0][3])[0] ^= 0x10
         flipped = verify_pages(engine)
         assert (flipped.mismatches, flipped.pages_matched, flipped.lost) == (1, 56, 0)
-        storage._pages[storage.prefix + keys[0][3]][0] ^= 0x10
+        storage._pages.value(storage.prefix + keys[0][3])[0] ^= 0x10
         # Page 40 of the shared prefix gone: it is lost; what both chains hold after it is unreachable:
         # pages 41-42 (shared), request 0's page 43, request 1's pages 43-55.
-        del storage._pages[storage.prefix + keys[0][40]]
+        storage._pages.remove(storage.prefix + keys[0][40])
         holed = verify_pages(engine)
         assert (holed.pages_matched, holed.missing, holed.lost, holed.unreachable) == (40, 1, 1, 2 + 1 + 13)
         assert holed.pages_checked == 57 and holed.verify_requests == 2
