@@ -44,10 +44,12 @@ from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, requ
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.copier import GATHER, Copier, CopyResult
 from kvstage.offload.host_pool import HostPool
+from kvstage.offload.key_chain import ChainRun, RequestChain
 from kvstage.offload.load_path import PREFETCH_POLICIES, LoadHandle, PrefetchHandle, PrefixMatch
+from kvstage.offload.prefetcher import Prefetcher
 from kvstage.offload.metrics import OffloadMetrics
 from kvstage.offload.request import SlotIndicesOf, kv_length, request_tokens
-from kvstage.offload.store_io import StoreWorkers, leading_hits, read_leading_pages, write_pages
+from kvstage.offload.store_io import StoreWorkers, write_pages
 
 __all__ = ["OffloadManager"]
 
@@ -56,16 +58,14 @@ logger = logging.getLogger(__name__)
 
 class _RequestState:
     __slots__ = (
-        "req", "offloaded_length", "last_key", "last_key_stored", "unkeyed", "unsettled", "copies_in_flight", "loads",
+        "req", "offloaded_length", "chain", "unsettled", "copies_in_flight", "loads",
         "ending", "aborted", "retract_keep", "prefetch", "backlog_pages",
     )
 
     def __init__(self, req: Any, offloaded_length: int) -> None:
         self.req = req  # held: keeps id(req) from being reused while tracked
         self.offloaded_length = offloaded_length  # tokens [0, offloaded_length) stored, loaded or launched
-        self.last_key: str | None = None  # the chain's key before the first unkeyed segment
-        self.last_key_stored = False  # last_key is a page's key (not the namespace seed)
-        self.unkeyed: deque[_Segment] | None = None  # None: last_key not known yet
+        self.chain: RequestChain | None = None  # None: nothing launched or loaded yet
         # Launched segments not settled yet, in launch order: a finished one waits for those
         # before it, so its request's writes reach the store in chain order.
         self.unsettled: deque[_Segment] = deque()
@@ -79,15 +79,13 @@ class _RequestState:
 
 
 class _Segment:
-    """One gather: whole pages of one request, their token ids (until keyed) and keys."""
+    """One gather (the copier's job): a run of the request's chain and its copy's outcome."""
 
-    __slots__ = ("state", "tokens", "keys", "prior_key", "result")
+    __slots__ = ("state", "run", "result")
 
-    def __init__(self, state: _RequestState, tokens: list[int]) -> None:
+    def __init__(self, state: _RequestState, run: ChainRun) -> None:
         self.state = state
-        self.tokens: list[int] | None = tokens
-        self.keys: list[str] | None = None
-        self.prior_key: str | None = None
+        self.run = run
         self.result: CopyResult | None = None  # its copy's outcome, once polled
 
 
@@ -203,9 +201,9 @@ class OffloadManager:
         self._retracted: dict[int, _RequestState] = {}
         self._unhandled: deque[CopyResult] = deque()  # copies polled from the copier, not handled yet
         self._writes: deque[tuple[_Segment, list[int], Any]] = deque()
-        self._prefetches: list[PrefetchHandle] = []
         self._backlog: list[_RequestState] = []
         self._counters = OffloadMetrics()
+        self._prefetcher = Prefetcher(self.copier, storage, hasher, self._workers, self._counters)
         storage.register_host_buffers(host_pool.buffers)
 
     # -- store path ---------------------------------------------------------------------------
@@ -303,13 +301,7 @@ class OffloadManager:
             StorageError: the store answered a different number of keys than asked; whatever
                 its ``exists`` raises.
         """
-        with nvtx_range("lookup"):
-            keys = self._lookup_keys(req, token_ids, extra_key, cache_salt)
-            leading = leading_hits(self.storage, keys)
-            self._counters.lookups += 1
-            self._counters.pages_looked_up += len(keys)
-            self._counters.pages_hit += leading
-            return PrefixMatch(leading, keys[:leading], leading * self.page_size, len(keys))
+        return self._prefetcher.match(self._prefetcher.lookup_keys(req, token_ids, extra_key, cache_salt))
 
     def prefetch(self, req: Any, *, policy: str = "best_effort", timeout_s: float | None = None) -> PrefetchHandle:
         """Start reading ``req``'s stored prefix into host pages on a worker thread.
@@ -336,17 +328,9 @@ class OffloadManager:
             state = self._live_state(req)
             require(state is not None, "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
             require(state.prefetch is None, "req", lambda: f"rid={req.rid!r} has a prefetch already")
-            require(state.offloaded_length == 0 and state.unkeyed is None, "req", lambda: f"rid={req.rid!r} has offloaded pages already; prefetch before it runs")
-            keys = self._lookup_keys(req, None, None, None)
-            host_page_ids = self.copier.alloc(min(len(keys), self.copier.free_pages)) or []
-            keys = keys[: len(host_page_ids)]
-            handle = PrefetchHandle(req, policy, timeout_s, keys, host_page_ids, self.page_size)
-            state.prefetch = handle
-            self._prefetches.append(handle)
-            self._counters.prefetches += 1
-            pages = [self.host_pool.page(host_page_id) for host_page_id in host_page_ids]
-            handle.future = self._workers.read(lambda: self._read_prefix(handle, pages))
-            return handle
+            require(state.offloaded_length == 0 and state.chain is None, "req", lambda: f"rid={req.rid!r} has offloaded pages already; prefetch before it runs")
+            state.prefetch = self._prefetcher.start(req, policy, timeout_s)
+            return state.prefetch
 
     def load(self, handle: PrefetchHandle, slot_indices: torch.Tensor, *, layer_by_layer: bool = False, after: Any = None) -> LoadHandle:
         """Scatter prefetched pages into the request's device slots, on the copy stream.
@@ -386,7 +370,8 @@ class OffloadManager:
                 lambda: f"must be a 1-D tensor of at most {ready} ready pages x {self.page_size} slots, got {tuple(slot_indices.shape) if isinstance(slot_indices, torch.Tensor) else type(slot_indices).__name__}",
             )
             num_pages = count // self.page_size
-            host_page_ids = handle.host_page_ids[:num_pages]
+            host_page_ids = self._prefetcher.take(handle, num_pages)
+            state.prefetch = None
             copy_handles = []
             if num_pages:
                 job = _Load(state, num_pages)
@@ -394,17 +379,9 @@ class OffloadManager:
                 state.copies_in_flight += 1
                 state.loads.append(job)
                 self._counters.loads += 1
-            handle.loaded = True
-            handle.cancelled = True  # the read stops; pages past num_pages are freed when it ends
-            handle.host_page_ids = handle.host_page_ids[num_pages:]
-            if handle.finished:
-                self._drop_prefetch(handle)
-            state.prefetch = None
             if num_pages:
                 state.offloaded_length = num_pages * self.page_size
-                state.last_key = handle.page_keys[num_pages - 1]
-                state.last_key_stored = True
-                state.unkeyed = deque()
+                state.chain = RequestChain(handle.page_keys[num_pages - 1], True)
             return LoadHandle(handle.req, num_pages, self.page_size, copy_handles, self.kv_pool.num_layers, layer_by_layer)
 
     def cancel(self, handle: PrefetchHandle) -> None:
@@ -413,12 +390,10 @@ class OffloadManager:
         require(isinstance(handle, PrefetchHandle), "handle", lambda: f"must be a PrefetchHandle, got {type(handle).__name__}", ArgumentTypeError)
         if handle.cancelled:
             return
-        handle.cancelled = True
         state = self._states.get(id(handle.req))
         if state is not None and state.prefetch is handle:
             state.prefetch = None
-        if handle.finished:
-            self._drop_prefetch(handle)
+        self._prefetcher.cancel(handle)
 
     # -- every step ---------------------------------------------------------------------------
 
@@ -439,9 +414,7 @@ class OffloadManager:
                     self._loaded(result)
             while self._writes and self._writes[0][2].done():
                 self._written(*self._writes.popleft())
-            if self._prefetches:
-                for handle in [h for h in self._prefetches if h.finished and h.cancelled]:
-                    self._drop_prefetch(handle)
+            self._prefetcher.poll()
             if self._backlog:
                 self._launch_backlog()
             return handled
@@ -452,8 +425,7 @@ class OffloadManager:
         in the engine's step)."""
         while True:
             self.copier.synchronize()
-            for handle in list(self._prefetches):
-                handle.wait()
+            self._prefetcher.wait()
             for _, _, future in list(self._writes):
                 future.result()
             self.poll()
@@ -463,7 +435,7 @@ class OffloadManager:
     def close(self) -> None:
         """:meth:`drain`, then stop the worker threads and the copy stream if the manager made
         it. Requests still tracked stay tracked."""
-        for handle in list(self._prefetches):
+        for handle in list(self._prefetcher.active):
             self.cancel(handle)
         self.drain()
         if self._owns_workers:
@@ -518,8 +490,7 @@ class OffloadManager:
         resumed = self._retracted.pop(id(req), None)
         if resumed is not None and resumed.req is req:
             state = _RequestState(req, resumed.offloaded_length)
-            state.last_key, state.last_key_stored = resumed.last_key, resumed.last_key_stored
-            state.unkeyed = None if resumed.unkeyed is None else deque()
+            state.chain = resumed.chain  # every run of it was keyed before its release
         elif self.store_prompt:
             state = _RequestState(req, 0)
         else:  # the prefill side stored the prompt's whole pages
@@ -636,14 +607,13 @@ class OffloadManager:
             if slot_indices.shape[0] < end:
                 raise InvalidArgumentError(f"{argument}: {slot_indices.shape[0]} slots, its first {end} tokens have KV")
             slot_indices = slot_indices[start:end]
-        segment = _Segment(state, tokens)
+        segment = _Segment(state, ChainRun(tokens))
         host_page_ids = self.copier.gather(segment, slot_indices, after=self._after(after), argument=argument)
         if host_page_ids is None:  # fitting was computed from free pages
             raise AssertionError("host pool changed between the count and the allocation")
-        if state.unkeyed is None:
-            state.unkeyed = deque()
-            state.last_key, state.last_key_stored = self._chain_start(req)
-        state.unkeyed.append(segment)
+        if state.chain is None:
+            state.chain = RequestChain(*self._chain_start(req))
+        state.chain.add(segment.run)  # only once launched: a run that raised is no part of the chain
         state.unsettled.append(segment)
         state.offloaded_length = end
         state.copies_in_flight += 1
@@ -660,17 +630,6 @@ class OffloadManager:
         if not self.store_prompt and aligned:
             return self.hasher.prefill_keys(req.origin_input_ids[:aligned], extra_key=req.extra_key, cache_salt=req.cache_salt)[-1], True
         return self.hasher.seed(req.extra_key, req.cache_salt), False
-
-    def _keys_of(self, segment: _Segment) -> list[str]:
-        """The segment's page keys, keying its request's earlier segments first (chain order)."""
-        state = segment.state
-        while segment.keys is None:
-            earliest = state.unkeyed.popleft()
-            earliest.prior_key = state.last_key if state.last_key_stored else None  # a seed is no page
-            earliest.keys = self.hasher.continue_keys(earliest.tokens, state.last_key)
-            earliest.tokens = None
-            state.last_key, state.last_key_stored = earliest.keys[-1], True
-        return segment.keys
 
     def _gathered(self, result: CopyResult) -> None:
         """A gather finished: settle it and every finished segment after it, in launch order."""
@@ -695,7 +654,7 @@ class OffloadManager:
                 self._counters.copy_failures += 1
                 self._counters.pages_failed += pages
                 logger.error("offload: D2H copy of %d pages of rid=%r failed: %r", pages, state.req.rid, result.error)
-                self._report_failure(state.req, self._keys_or_empty(segment), result.error)
+                self._report_failure(state.req, self._keys_or_empty(state, segment), result.error)
                 return
             self._counters.pages_offloaded += pages
             self._counters.bytes_offloaded += result.bytes
@@ -704,23 +663,23 @@ class OffloadManager:
                 self._counters.pages_discarded += pages
                 return
             try:
-                keys = self._keys_of(segment)
+                keys = state.chain.keys_of(segment.run, self.hasher)
             except Exception as error:  # e.g. a token id the hash scheme cannot encode
                 self._counters.pages_failed += pages
                 logger.error("offload: page keys of %d pages of rid=%r failed: %r", pages, state.req.rid, error)
                 self._report_failure(state.req, [], error)
                 return
             host_pages = [self.host_pool.page(host_page_id) for host_page_id in result.host_page_ids]
-            write = self._workers.write(lambda: _backup(self.storage, keys, host_pages, segment.prior_key))
+            write = self._workers.write(lambda: write_pages(self.storage, keys, host_pages, prior_key=segment.run.prior_key))
             self._writes.append((segment, result.host_page_ids, write))
         finally:
             if write is None:
                 self._counters.pages_in_flight -= pages
                 self.copier.free(result.host_page_ids)
 
-    def _keys_or_empty(self, segment: _Segment) -> list[str]:
+    def _keys_or_empty(self, state: _RequestState, segment: _Segment) -> list[str]:
         try:
-            return list(self._keys_of(segment))
+            return list(state.chain.keys_of(segment.run, self.hasher))
         except Exception:
             return []
 
@@ -751,49 +710,6 @@ class OffloadManager:
 
     # -- internals: load path -----------------------------------------------------------------
 
-    def _lookup_keys(self, req: Any, token_ids: Any, extra_key: str | None, cache_salt: str | None) -> list[str]:
-        require((req is None) != (token_ids is None), "req", "give a request or token_ids, not both or neither")
-        if req is not None:
-            prompt = req.origin_input_ids
-            usable = max(len(prompt) - 1, 0) // self.page_size * self.page_size  # the last token is computed anyway
-            return self.hasher.prefill_keys(prompt[:usable], extra_key=req.extra_key, cache_salt=req.cache_salt)
-        return self.hasher.prefill_keys(token_ids, extra_key=extra_key, cache_salt=cache_salt)
-
-    def _read_prefix(self, handle: PrefetchHandle, pages: list[torch.Tensor]) -> None:
-        """On a reader thread: lookup, then read the leading hits into the host pages."""
-        with nvtx_range("prefetch.read"):
-            try:
-                keys = handle.page_keys
-                leading = 0 if handle.cancelled else leading_hits(self.storage, keys)
-                handle.pages_hit = leading
-
-                def progress(count: int) -> None:
-                    handle.pages_ready = count
-
-                outcome = read_leading_pages(self.storage, keys[:leading], pages[:leading], on_progress=progress, cancelled=lambda: handle.cancelled)
-                handle.error, handle.hole = outcome.error, outcome.hole
-            except Exception as error:  # a store that fails as a whole: nothing more is ready
-                handle.error = error
-            finally:
-                handle.finished = True
-
-    def _drop_prefetch(self, handle: PrefetchHandle) -> None:
-        """Account a finished prefetch and free its host pages not taken by a load."""
-        if handle not in self._prefetches:
-            return
-        self._prefetches.remove(handle)
-        counters = self._counters
-        counters.lookups += 1
-        counters.pages_looked_up += handle.pages_wanted
-        counters.pages_hit += handle.pages_hit or 0
-        counters.pages_prefetched += handle.pages_ready
-        if handle.error is not None or handle.hole:
-            counters.prefetch_failures += 1
-            logger.warning("offload: prefetch of rid=%r ended at page %d of %s: %r", handle.req.rid, handle.pages_ready, handle.pages_hit, handle.error)
-        if handle.host_page_ids:
-            self.copier.free(handle.host_page_ids)
-            handle.host_page_ids = []
-
     def _loaded(self, result: CopyResult) -> None:
         load: _Load = result.job
         self.copier.free(result.host_page_ids)
@@ -810,8 +726,3 @@ class OffloadManager:
         state.loads.remove(load)
         self._maybe_release(state)
 
-
-def _backup(storage: Any, keys: list[str], pages: list[torch.Tensor], prior_key: str | None):
-    """A worker's store write of one segment (inside the ``backup`` NVTX range)."""
-    with nvtx_range("backup"):
-        return write_pages(storage, keys, pages, prior_key=prior_key)

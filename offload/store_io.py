@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvstage.errors import StorageError
+from kvstage.nvtx_ranges import nvtx_range
 from kvstage.storage import PutStatus
 
 __all__ = ["ReadOutcome", "StoreWorkers", "WriteOutcome", "leading_hits", "read_leading_pages", "write_pages"]
@@ -64,7 +65,14 @@ def write_pages(storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Te
     Returns:
         A :class:`WriteOutcome`; a store that raises or answers the wrong number of statuses
         fails every page not known to be deduplicated.
+
+    Runs inside the NVTX range ``backup``.
     """
+    with nvtx_range("backup"):
+        return _write_pages(storage, page_keys, pages, prior_key)
+
+
+def _write_pages(storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Tensor], prior_key: str | None) -> WriteOutcome:
     outcome = WriteOutcome()
     unique: dict[str, int] = {}
     for index, key in enumerate(page_keys):

@@ -314,7 +314,7 @@ class OffloadMachine(RuleBasedStateMachine):
     def host_pages_are_accounted(self):
         pool, metrics = self.rig.host_pool, self.manager.metrics
         assert pool.used + pool.free_pages == pool.capacity
-        prefetched = sum(len(handle.host_page_ids) for handle in self.manager._prefetches)
+        prefetched = sum(len(handle.host_page_ids) for handle in self.manager._prefetcher.active)
         loading = sum(len(copy.host_page_ids) for copy in self.manager.copier._copies if copy.direction == SCATTER)
         loading += sum(len(r.host_page_ids) for r in self.manager._unhandled if r.direction == SCATTER)
         assert pool.used == metrics.pages_in_flight + prefetched + loading == metrics.host_pages_used
@@ -358,7 +358,7 @@ class OffloadMachine(RuleBasedStateMachine):
         metrics = self.manager.metrics
         assert (metrics.requests_live, metrics.copies_in_flight, metrics.pages_in_flight) == (0, 0, 0)
         self.manager.poll()
-        assert self.rig.host_pool.used == 0 and self.manager._prefetches == []
+        assert self.rig.host_pool.used == 0 and self.manager._prefetcher.active == []
         released = self.rig.released
         assert len(released) == len(self.created)
         assert {id(req) for req in released} == {id(req) for req in self.created}

@@ -1,0 +1,144 @@
+"""The prefetcher: lookups, and reads of stored prefixes into host pages on a worker thread.
+
+It knows keys, host pages and the store; the manager ties its handles to requests (which
+request may prefetch, what a load means for the request's chain). Every prefetch's host pages
+come from the copier and go back to it: those a load takes when their copy completes, the rest
+once the worker is done with them (:meth:`Prefetcher.poll`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kvstage.errors import require
+from kvstage.nvtx_ranges import nvtx_range
+from kvstage.offload.copier import Copier
+from kvstage.offload.load_path import PrefetchHandle, PrefixMatch
+from kvstage.offload.metrics import OffloadMetrics
+from kvstage.offload.store_io import leading_hits, read_leading_pages
+
+__all__ = ["Prefetcher"]
+
+logger = logging.getLogger(__name__)
+
+
+class Prefetcher:
+    """Lookups and prefetches of one manager (see :class:`kvstage.offload.OffloadManager`).
+
+    Args:
+        copier: allocates and frees the host pages.
+        storage: the store read from.
+        hasher: page keys (:class:`kvstage.hashing.PageHasher`).
+        workers: store workers; reads run on ``workers.read``.
+        counters: the manager's counters, updated here for the load path.
+
+    Not thread-safe but for the reader thread's writes into each handle's progress fields.
+    """
+
+    def __init__(self, copier: Copier, storage: Any, hasher: Any, workers: Any, counters: OffloadMetrics) -> None:
+        self.copier = copier
+        self.storage = storage
+        self.hasher = hasher
+        self.page_size = copier.page_size
+        self._workers = workers
+        self._counters = counters
+        self.active: list[PrefetchHandle] = []  # not yet accounted: reading, or read and not dropped
+
+    def lookup_keys(self, req: Any = None, token_ids: Any = None, extra_key: str | None = None, cache_salt: str | None = None) -> list[str]:
+        """The keys of the whole pages to look up: a request's prompt but its last token (which
+        the engine computes anyway), or ``token_ids`` in their namespace.
+
+        Raises:
+            InvalidArgumentError: neither or both of ``req`` and ``token_ids``.
+        """
+        require((req is None) != (token_ids is None), "req", "give a request or token_ids, not both or neither")
+        if req is not None:
+            prompt = req.origin_input_ids
+            usable = max(len(prompt) - 1, 0) // self.page_size * self.page_size
+            return self.hasher.prefill_keys(prompt[:usable], extra_key=req.extra_key, cache_salt=req.cache_salt)
+        return self.hasher.prefill_keys(token_ids, extra_key=extra_key, cache_salt=cache_salt)
+
+    def match(self, page_keys: list[str]) -> PrefixMatch:
+        """One batched lookup of ``page_keys`` on the caller's thread (see :func:`leading_hits`)."""
+        with nvtx_range("lookup"):
+            leading = leading_hits(self.storage, page_keys)
+            counters = self._counters
+            counters.lookups += 1
+            counters.pages_looked_up += len(page_keys)
+            counters.pages_hit += leading
+            return PrefixMatch(leading, page_keys[:leading], leading * self.page_size, len(page_keys))
+
+    def start(self, req: Any, policy: str, timeout_s: float | None) -> PrefetchHandle:
+        """Take host pages for ``req``'s lookup keys (as many as are free) and start the read."""
+        keys = self.lookup_keys(req)
+        host_page_ids = self.copier.alloc(min(len(keys), self.copier.free_pages)) or []
+        handle = PrefetchHandle(req, policy, timeout_s, keys[: len(host_page_ids)], host_page_ids, self.page_size)
+        self.active.append(handle)
+        self._counters.prefetches += 1
+        pages = [self.copier.host_pool.page(host_page_id) for host_page_id in host_page_ids]
+        handle.future = self._workers.read(lambda: self._read(handle, pages))
+        return handle
+
+    def take(self, handle: PrefetchHandle, num_pages: int) -> list[int]:
+        """The first ``num_pages`` ready host pages for a load (the caller frees them after the
+        copy); the read stops and the handle's other host pages are freed once it has."""
+        taken, handle.host_page_ids = handle.host_page_ids[:num_pages], handle.host_page_ids[num_pages:]
+        handle.loaded = True
+        handle.cancelled = True  # the read stops at its next batch
+        if handle.finished:
+            self._drop(handle)
+        return taken
+
+    def cancel(self, handle: PrefetchHandle) -> None:
+        """Stop the read; its host pages are freed once the worker is done with them."""
+        handle.cancelled = True
+        if handle.finished:
+            self._drop(handle)
+
+    def poll(self) -> None:
+        """Account the stopped reads that have finished and free their host pages (never blocks)."""
+        for handle in [h for h in self.active if h.finished and h.cancelled]:
+            self._drop(handle)
+
+    def wait(self) -> None:
+        """Block until every read has finished (shutdown and tests)."""
+        for handle in list(self.active):
+            handle.wait()
+
+    def _read(self, handle: PrefetchHandle, pages: list[torch.Tensor]) -> None:
+        """On a reader thread: the lookup, then the leading hits into the host pages."""
+        with nvtx_range("prefetch.read"):
+            try:
+                keys = handle.page_keys
+                leading = 0 if handle.cancelled else leading_hits(self.storage, keys)
+                handle.pages_hit = leading
+
+                def progress(count: int) -> None:
+                    handle.pages_ready = count
+
+                outcome = read_leading_pages(self.storage, keys[:leading], pages[:leading], on_progress=progress, cancelled=lambda: handle.cancelled)
+                handle.error, handle.hole = outcome.error, outcome.hole
+            except Exception as error:  # a store that fails as a whole: nothing more is ready
+                handle.error = error
+            finally:
+                handle.finished = True
+
+    def _drop(self, handle: PrefetchHandle) -> None:
+        """Account a finished prefetch and free its host pages that no load took."""
+        if handle not in self.active:
+            return
+        self.active.remove(handle)
+        counters = self._counters
+        counters.lookups += 1
+        counters.pages_looked_up += handle.pages_wanted
+        counters.pages_hit += handle.pages_hit or 0
+        counters.pages_prefetched += handle.pages_ready
+        if handle.error is not None or handle.hole:
+            counters.prefetch_failures += 1
+            logger.warning("offload: prefetch of rid=%r ended at page %d of %s: %r", handle.req.rid, handle.pages_ready, handle.pages_hit, handle.error)
+        if handle.host_page_ids:
+            self.copier.free(handle.host_page_ids)
+            handle.host_page_ids = []
