@@ -4,12 +4,15 @@ store I/O workers.
 Stores live in :mod:`kvstage.storage`, page keys in :mod:`kvstage.hashing`, copies in
 :mod:`kvstage.kernels`; this package composes them and alone knows a request's lifecycle.
 
-Modules: ``manager`` (:class:`OffloadManager`, decisions), ``copier`` (moves pages, reports
-:class:`CopyResult`), ``copy_stream``, ``host_pool``, ``store_io`` (the one page writer, the
-one prefix reader, worker threads), ``load_path`` (prefix match, prefetch and load handles),
-``request`` (what is read from a request), ``metrics``, ``testing`` (engine stand-ins).
+Modules: ``manager`` (:class:`OffloadManager`: lifecycle decisions), ``copier`` (moves pages,
+reports :class:`CopyResult`), ``copy_stream``, ``host_pool``, ``key_chain`` (a request's keys in
+chain order), ``store_io`` (the one page writer, the one prefix reader, worker threads),
+``prefetcher`` (lookups, reads into host pages), ``load_path`` (prefix match, prefetch and load
+handles), ``request`` (what is read from a request), ``collaborators`` (typed Protocols),
+``metrics``, ``testing`` (engine stand-ins).
 """
 
+from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike, PageHasherLike, StoreWorkersLike
 from kvstage.offload.copier import Copier, CopyResult
 from kvstage.offload.copy_stream import CopyStream, ManualCopyStream
 from kvstage.offload.host_pool import HostPool
@@ -24,6 +27,10 @@ __all__ = [
     "Copier",
     "CopyResult",
     "CopyStream",
+    "CopyStreamLike",
+    "KVPoolLike",
+    "PageHasherLike",
+    "StoreWorkersLike",
     "HostPool",
     "LoadHandle",
     "ManualCopyStream",

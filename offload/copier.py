@@ -21,6 +21,7 @@ import torch
 from kvstage.errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError, require
 from kvstage.kernels import gather, resolve_backend, scatter
 from kvstage.kernels.streams import CopyHandle
+from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike
 from kvstage.offload.copy_stream import CopyStream
 from kvstage.offload.host_pool import HostPool
 
@@ -85,7 +86,7 @@ class Copier:
     Not thread-safe: one thread (the engine's scheduler) calls it.
     """
 
-    def __init__(self, kv_pool: Any, host_pool: HostPool, *, copy_stream: Any = None, backend: str = "auto") -> None:
+    def __init__(self, kv_pool: KVPoolLike, host_pool: HostPool, *, copy_stream: CopyStreamLike | None = None, backend: str = "auto") -> None:
         for name in ("num_layers", "kv_parts", "num_heads", "head_dim", "dtype"):
             mine, theirs = getattr(host_pool.layout, name), getattr(kv_pool.layout, name)
             require(mine == theirs, "host_pool", lambda: f"layout's {name} {mine} must equal the KV pool's {theirs}")

@@ -42,6 +42,7 @@ import torch
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
 from kvstage.nvtx_ranges import nvtx_range
+from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike, PageHasherLike, StoreWorkersLike
 from kvstage.offload.copier import GATHER, Copier, CopyResult
 from kvstage.offload.host_pool import HostPool
 from kvstage.offload.key_chain import ChainRun, RequestChain
@@ -50,6 +51,7 @@ from kvstage.offload.prefetcher import Prefetcher
 from kvstage.offload.metrics import OffloadMetrics
 from kvstage.offload.request import SlotIndicesOf, kv_length, request_tokens
 from kvstage.offload.store_io import StoreWorkers, write_pages
+from kvstage.storage import StorageBackend
 
 __all__ = ["OffloadManager"]
 
@@ -140,10 +142,10 @@ class OffloadManager:
 
     def __init__(
         self,
-        kv_pool: Any,
+        kv_pool: KVPoolLike,
         host_pool: HostPool,
-        storage: Any,
-        hasher: Any,
+        storage: StorageBackend,
+        hasher: PageHasherLike,
         slot_indices_of: SlotIndicesOf,
         *,
         offload_stride: int | None = None,
@@ -151,14 +153,14 @@ class OffloadManager:
         release: Callable[[Any], None] | None = None,
         on_storage_failure: Callable[[Any, list[str], BaseException | None], None] | None = None,
         backend: str = "auto",
-        copy_stream: Any = None,
+        copy_stream: CopyStreamLike | None = None,
         producer: Any = None,
         finish_backlog_pages: int | None = None,
-        store_workers: Any = None,
+        store_workers: StoreWorkersLike | None = None,
     ) -> None:
         page_size = host_pool.page_size
         require(
-            all(callable(getattr(hasher, name, None)) for name in ("continue_keys", "prefill_keys", "seed")) and hasattr(hasher, "page_size"),
+            isinstance(hasher, PageHasherLike),
             "hasher",
             lambda: f"must be a kvstage.hashing.PageHasher (page_size, seed, prefill_keys, continue_keys), got {type(hasher).__name__}",
             ArgumentTypeError,
