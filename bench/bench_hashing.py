@@ -75,12 +75,12 @@ def per_token_reference(tokens: list[int], page_size: int, new_hash: Callable) -
     return keys
 
 
-def call_floor(scheme: str, n_pages: int) -> list[bytes]:
+def call_floor(scheme: str, num_pages: int) -> list[bytes]:
     """The per-page hash calls alone, on no data (see the module doc)."""
     if scheme == "sglang-v1":
         fresh = hashlib.sha256().copy  # as kvstage's chain makes its per-page objects
-        return [fresh().digest() for _ in range(n_pages)]
-    return [xxhash.xxh3_128_digest(b"") for _ in range(n_pages)]
+        return [fresh().digest() for _ in range(num_pages)]
+    return [xxhash.xxh3_128_digest(b"") for _ in range(num_pages)]
 
 
 def _timed(fn: Callable[[], object]) -> float:

@@ -42,7 +42,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's client logs every setup step at INFO
 
@@ -82,7 +82,7 @@ def run(
     quick: bool = False,
     *,
     rounds: int | None = None,
-    n_pages: int | None = None,
+    num_pages: int | None = None,
     num_layers: int | None = None,
     methods: tuple[str, ...] = METHODS,
     log: Callable[[str], None] = print,
@@ -92,7 +92,7 @@ def run(
     Args:
         quick: 8 layers (2 MiB pages), 8 pages a batch, 3 rounds instead of 32 layers (8 MiB),
             16 pages, 5 rounds.
-        rounds, n_pages, num_layers: override those.
+        rounds, num_pages, num_layers: override those.
         methods: the methods to time (a subset of :data:`METHODS`).
         log: where progress lines go.
 
@@ -108,15 +108,15 @@ def run(
     if unknown:
         raise ValueError(f"methods: unknown {unknown}; known: {list(METHODS)}")
     rounds = rounds or (3 if quick else 5)
-    n_pages = n_pages or (8 if quick else 16)
+    num_pages = num_pages or (8 if quick else 16)
     fingerprint = llama3_8b_fingerprint(num_layers or (8 if quick else 32))
     page_bytes = fingerprint.page_bytes
-    batch_bytes = n_pages * page_bytes
-    log(f"storage bench: {n_pages} pages of {page_bytes / 2**20:.1f} MiB a batch, {rounds} rounds (+1 warm-up)")
+    batch_bytes = num_pages * page_bytes
+    log(f"storage bench: {num_pages} pages of {page_bytes / 2**20:.1f} MiB a batch, {rounds} rounds (+1 warm-up)")
 
     generator = torch.Generator().manual_seed(0)
     # Host-pool-like chunks: [pages, page elements] bf16, each row one contiguous page.
-    pages = torch.randn(n_pages, page_bytes // 2, generator=generator).to(torch.bfloat16)
+    pages = torch.randn(num_pages, page_bytes // 2, generator=generator).to(torch.bfloat16)
     into = torch.empty_like(pages)
     loose_pages = [p.clone() for p in pages]  # separate allocations, never registered
     loose_pages_t = torch.stack(loose_pages)  # for the byte check only
@@ -195,7 +195,7 @@ def run(
         if not samples:
             continue
         seconds = statistics.median(samples)
-        results.append({"method": method, "op": op, "page_bytes": page_bytes, "pages": n_pages,
+        results.append({"method": method, "op": op, "page_bytes": page_bytes, "pages": num_pages,
                         "seconds": seconds, "gbps": batch_bytes / seconds / 1e9})
         log(f"  {method:16s} {op}: {batch_bytes / seconds / 1e9:7.2f} GB/s  ({seconds * 1e3:8.2f} ms a batch)")
     gbps = {(r["method"], r["op"]): r["gbps"] for r in results}
@@ -217,7 +217,7 @@ def run(
         "torch": torch.__version__,
         "quick": quick,
         "rounds": rounds,
-        "pages_per_batch": n_pages,
+        "pages_per_batch": num_pages,
         "page_bytes": page_bytes,
         "layout": fingerprint.prefix(),
         "protocol": "tcp, loopback, one client (this process holds the segment)",
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
     args = parser.parse_args(argv)
     methods = tuple(filter(None, args.methods.split(",")))
-    report = run(args.quick, rounds=args.rounds, n_pages=args.pages, num_layers=args.layers, methods=methods)
+    report = run(args.quick, rounds=args.rounds, num_pages=args.pages, num_layers=args.layers, methods=methods)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from kvstage.errors import BackendUnavailableError, InvalidArgumentError, KvstageError
 from kvstage.replay.models import DEFAULT_MODEL, DTYPES, PRESETS, resolve_model
-from kvstage.replay.trace import TraceError, TraceRequest, load_trace, synthetic_trace
+from kvstage.replay.trace import TraceRequest, load_trace, synthetic_trace
 
 DEFAULT_SYNTHETIC_REQUESTS = 48
 # As kvstage.hashing.SCHEMES and kvstage.kernels.backend.BACKEND_CHOICES (a test keeps them

@@ -131,7 +131,7 @@ class ReplayRequest:
         self.masks: torch.Tensor | None = None  # per page: its KV content mask (kv_content)
         self.mask_values: list[int] = []
         self.device_pages: list[int] = []
-        self.slots: torch.Tensor | None = None
+        self.slot_indices: torch.Tensor | None = None
         self.prefetch: Any = None
 
     @property
@@ -306,7 +306,7 @@ class ReplayEngine:
         self.storage = open_storage(self.storage_url, self.fingerprint)
         self.hasher = PageHasher(config.hash_scheme, ps)
         self.manager = OffloadManager(
-            self.kv_pool, self.host_pool, self.storage, self.hasher, lambda req: req.slots,
+            self.kv_pool, self.host_pool, self.storage, self.hasher, lambda req: req.slot_indices,
             offload_stride=self.stride, release=self._release, on_storage_failure=self._storage_failed,
             backend=config.backend,
         )
@@ -352,7 +352,7 @@ class ReplayEngine:
             return  # a verify request: its scratch slots belong to no request
         self.device_pages.free(req.device_pages)
         req.device_pages = []
-        req.slots = None
+        req.slot_indices = None
 
     def _storage_failed(self, req: Any, keys: list[str], error: BaseException | None) -> None:
         self.stats.storage_failure_keys.extend(keys)
@@ -419,8 +419,8 @@ class ReplayEngine:
             pending.popleft()
             req = self._make_request(order, trace)
             req.device_pages = pages
-            page_ids = torch.tensor(pages, dtype=torch.int64)
-            req.slots = (page_ids.view(-1, 1) * ps + torch.arange(ps)).view(-1).to(self.device)
+            device_page_ids = torch.tensor(pages, dtype=torch.int64)
+            req.slot_indices = (device_page_ids.view(-1, 1) * ps + torch.arange(ps)).view(-1).to(self.device)
             req.prefetch = self.manager.prefetch(req, policy=PREFETCH_POLICY)
             prefetching.append(req)
             admitted += 1
@@ -451,15 +451,15 @@ class ReplayEngine:
         self.stats.output_tokens += req.output_length
         return req
 
-    def _write_kv(self, slots: torch.Tensor, masks: torch.Tensor, offsets: torch.Tensor | None) -> None:
-        """Write KV words: whole pages (``offsets`` None: masks per page, slots per token) or single tokens."""
+    def _write_kv(self, slot_indices: torch.Tensor, masks: torch.Tensor, offsets: torch.Tensor | None) -> None:
+        """Write KV words: whole pages (``offsets`` None: masks per page, slot indices per token) or single tokens."""
         for part, layers in enumerate(self._words):
             for layer, words in enumerate(layers):
                 if offsets is None:
-                    rows = self.content.page_words_for_layer(masks, layer, part)[: slots.shape[0]]
+                    rows = self.content.page_words_for_layer(masks, layer, part)[: slot_indices.shape[0]]
                 else:
                     rows = self.content.token_rows(masks, offsets, layer, part)
-                words.index_copy_(0, slots, rows)
+                words.index_copy_(0, slot_indices, rows)
 
     def poison(self, slot_indices: torch.Tensor) -> None:
         """Fill these device slots (every layer and part) with :data:`POISON_WORD` words.
@@ -496,7 +496,7 @@ class ReplayEngine:
         ps = self.page_size
         handle, req.prefetch = req.prefetch, None
         num_pages = handle.pages_ready
-        slots = req.slots[: num_pages * ps]
+        slots = req.slot_indices[: num_pages * ps]
         if num_pages:
             self.poison(slots)
         load = self.manager.load(handle, slots)  # also with 0 pages: it ends the prefetch
@@ -505,7 +505,7 @@ class ReplayEngine:
             self.stats.load_mismatches += int(self.mismatched_pages(slots, req.masks[:num_pages]).sum())
         self.stats.prefill_tokens_saved += load.num_tokens
         prompt_length = len(req.origin_input_ids)
-        self._write_kv(req.slots[load.num_tokens : prompt_length], req.masks[load.num_pages : _pages(prompt_length, ps)], None)
+        self._write_kv(req.slot_indices[load.num_tokens : prompt_length], req.masks[load.num_pages : _pages(prompt_length, ps)], None)
         req.sample_next()
 
     def _decode_step(self, running: list[ReplayRequest]) -> None:

@@ -18,7 +18,7 @@ from kvstage.storage import LayoutFingerprint, MemoryStore, PutStatus
 LAYOUT_FIELDS = ("num_layers", "kv_parts", "num_heads", "head_dim", "dtype")
 
 
-def host_pool(**args: Any) -> "HostPool":
+def host_pool(**args: Any) -> Any:
     """A HostPool from flat arguments: the layout's fields and the pool's own."""
     from kvstage.offload import HostPool
 

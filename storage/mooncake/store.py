@@ -4,7 +4,7 @@ Pages go to a Mooncake cluster: one ``mooncake_master`` (object placement and me
 memory segments that clients contribute. This process is a client that also contributes
 ``global_segment_size`` bytes of its own memory to the pool, as in Mooncake's "embedded" mode.
 
-Zero-copy: :meth:`MooncakeStore.register_host_buffers` registers the host pool's chunk tensors
+Zero-copy: :meth:`MooncakeStore.register_host_buffers` registers the host pool's host buffers
 with Mooncake once (``register_buffer``); a page that lies inside a registered buffer is moved with
 ``batch_put_from`` / ``batch_get_into`` straight from / into its memory. A page outside every
 registered buffer is copied through a registered bounce buffer (``bounce_bytes``, allocated on
@@ -148,7 +148,7 @@ class MooncakeStore(StorageBackend):
         self._store: Any = None
         self._registered: list[tuple[int, int, torch.Tensor]] = []  # (start, end, tensor), sorted by start
         self._bounce: torch.Tensor | None = None
-        self._bounce_pages = max(1, config.bounce_bytes // self.page_bytes)
+        self._bounce_num_pages = max(1, config.bounce_bytes // self.page_bytes)
         self.pages_bounced = 0  # pages copied through the bounce buffer (not zero-copy)
         self.calls_skipped = 0  # operations failed without calling Mooncake: the master was down
         # Set when every key of a call failed with RPC_FAIL/RPC_TIMEOUT: the master is suspect.
@@ -201,7 +201,7 @@ class MooncakeStore(StorageBackend):
     # -- registration ----------------------------------------------------------------------
 
     def register_host_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
-        """Register host memory (the host pool's chunk tensors) with Mooncake, once each.
+        """Register host memory (the host pool's host buffers) with Mooncake, once each.
 
         A buffer already registered, or lying inside one, is skipped. Pages inside a
         registered buffer then move without a copy.
@@ -263,18 +263,18 @@ class MooncakeStore(StorageBackend):
         index = bisect.bisect_right(self._registered, start, key=lambda entry: entry[0]) - 1
         return index >= 0 and start + size <= self._registered[index][1]
 
-    def _bounce_slots(self, store: Any) -> torch.Tensor | None:
+    def _bounce_buffer(self, store: Any) -> torch.Tensor | None:
         """The registered bounce buffer as ``[bounce pages, page_bytes]`` uint8; None when
         Mooncake refuses to register it (the pages that needed it then fail, logged)."""
         if self._bounce is None:
-            bounce = torch.empty(self._bounce_pages * self.page_bytes, dtype=torch.uint8)
+            bounce = torch.empty(self._bounce_num_pages * self.page_bytes, dtype=torch.uint8)
             try:
                 self._register(store, bounce, bounce.data_ptr(), bounce.data_ptr() + bounce.numel())
             except StorageError as error:
                 logger.warning("%s; pages outside registered buffers fail", error)
                 return None
             self._bounce = bounce
-        return self._bounce.view(self._bounce_pages, self.page_bytes)
+        return self._bounce.view(self._bounce_num_pages, self.page_bytes)
 
     def _require_open(self) -> Any:
         if self._store is None:
@@ -325,20 +325,20 @@ class MooncakeStore(StorageBackend):
                 )
                 self._note_master(codes)
                 failures += self._apply_put_codes(direct, codes, statuses)
-            for chunk in _chunks(bounced, self._bounce_pages):
-                slots = self._bounce_slots(store)
-                if slots is None:
-                    failures += [-1] * len(chunk)  # statuses stay FAILED
+            for batch in _batches(bounced, self._bounce_num_pages):
+                bounce = self._bounce_buffer(store)
+                if bounce is None:
+                    failures += [-1] * len(batch)  # statuses stay FAILED
                     continue
-                for slot, index in enumerate(chunk):
-                    slots[slot].copy_(pages[index].reshape(-1).view(torch.uint8))
+                for bounce_index, index in enumerate(batch):
+                    bounce[bounce_index].copy_(pages[index].reshape(-1).view(torch.uint8))
                 codes = self._call(
-                    "batch_put_from", len(chunk), store.batch_put_from,
-                    [full_keys[i] for i in chunk], [slots[s].data_ptr() for s in range(len(chunk))], [self.page_bytes] * len(chunk),
+                    "batch_put_from", len(batch), store.batch_put_from,
+                    [full_keys[i] for i in batch], [bounce[s].data_ptr() for s in range(len(batch))], [self.page_bytes] * len(batch),
                 )
                 self._note_master(codes)
-                failures += self._apply_put_codes(chunk, codes, statuses)
-                self.pages_bounced += len(chunk)
+                failures += self._apply_put_codes(batch, codes, statuses)
+                self.pages_bounced += len(batch)
         self._log_failures("put", full_keys, failures)
         return statuses
 
@@ -360,21 +360,21 @@ class MooncakeStore(StorageBackend):
                 self._note_master(codes)
                 for index, code in zip(direct, codes):
                     hits[index] = self._get_ok(code, into[index], failures)
-            for chunk in _chunks(bounced, self._bounce_pages):
-                slots = self._bounce_slots(store)
-                if slots is None:
-                    failures += [-1] * len(chunk)  # misses
+            for batch in _batches(bounced, self._bounce_num_pages):
+                bounce = self._bounce_buffer(store)
+                if bounce is None:
+                    failures += [-1] * len(batch)  # misses
                     continue
                 codes = self._call(
-                    "batch_get_into", len(chunk), store.batch_get_into,
-                    [full_keys[i] for i in chunk], [slots[s].data_ptr() for s in range(len(chunk))], [self.page_bytes] * len(chunk),
+                    "batch_get_into", len(batch), store.batch_get_into,
+                    [full_keys[i] for i in batch], [bounce[s].data_ptr() for s in range(len(batch))], [self.page_bytes] * len(batch),
                 )
                 self._note_master(codes)
-                for slot, (index, code) in enumerate(zip(chunk, codes)):
+                for bounce_index, (index, code) in enumerate(zip(batch, codes)):
                     if self._get_ok(code, None, failures):
-                        into[index].reshape(-1).view(torch.uint8).copy_(slots[slot])
+                        into[index].reshape(-1).view(torch.uint8).copy_(bounce[bounce_index])
                         hits[index] = True
-                self.pages_bounced += len(chunk)
+                self.pages_bounced += len(batch)
         self._log_failures("get", full_keys, failures)
         return hits
 
@@ -471,7 +471,7 @@ class MooncakeStore(StorageBackend):
         logger.warning("mooncake: %s failed for %d of %d pages: %s", operation, len(codes), len(full_keys), summary)
 
 
-def _chunks(items: list[int], size: int) -> list[list[int]]:
+def _batches(items: list[int], size: int) -> list[list[int]]:
     return [items[start : start + size] for start in range(0, len(items), size)]
 
 

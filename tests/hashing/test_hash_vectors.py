@@ -4,7 +4,6 @@ ids up to 2**63-1) and the committed xxh3-128 vectors."""
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 from dataclasses import replace
 from pathlib import Path

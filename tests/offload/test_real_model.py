@@ -39,7 +39,6 @@ shapes, and A to be the reference (its own KV continuing at position 32).
 from __future__ import annotations
 
 import inspect
-import time
 
 import pytest
 import torch
