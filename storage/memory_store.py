@@ -15,8 +15,8 @@ halves a copy's speed (``bench/bench_storage.py``: ``memory`` against ``memory-g
 Eviction is chain-aware (:mod:`kvstage.storage.chain_index`): when a new page would exceed the
 capacity, only pages with no stored successor are candidates, least recently used first, so a
 chain shrinks from its tail and no page outlives its predecessor by eviction. ``get``, a
-deduplicated ``put`` and an ``exists`` that finds the key count as a use (the manager
-deduplicates shared pages through ``exists``, and those are the pages most worth keeping).
+deduplicated ``put`` and an ``exists`` that finds the key count as a use (shared prefixes are
+found and deduplicated through them, and those are the pages most worth keeping).
 A put never evicts a page of the same call nor its ``prior_key`` page: a page that fits only
 that way is ``FAILED``, and so is a page whose predecessor (``prior_key``, or the call's
 previous key) is not stored, since no lookup could reach it.
@@ -89,8 +89,8 @@ class MemoryStore(StorageBackend):
         return len(self._pages) * self.page_bytes
 
     def _exists(self, full_keys: list[str]) -> list[bool]:
-        # A key found counts as a use: the manager deduplicates shared pages through exists(),
-        # and those are the pages most worth keeping.
+        # A key found counts as a use: lookups find shared prefixes through exists(), and
+        # those are the pages most worth keeping.
         with self._lock:
             touch = self._pages.touch
             return [touch(key) is not None for key in full_keys]
