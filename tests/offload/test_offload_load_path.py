@@ -354,3 +354,34 @@ def test_cpu_copy_stream_waits_for_the_producer_before_copying():
     handle.synchronize()
     stream.close()
     assert order == ["producer done", "copy"]
+
+
+def test_nvtx_ranges_cover_lookup_prefetch_and_load():
+    from kvstage.nvtx_ranges import open_ranges
+
+    rig = make_rig(page_size=PAGE, store_prompt=True)
+    stored_request(rig)
+    seen = {}
+    original_exists, original_get = rig.storage.exists, rig.storage.get
+
+    def exists(keys):
+        seen.setdefault("exists", open_ranges())
+        return original_exists(keys)
+
+    def get(keys, into):
+        seen["get"] = open_ranges()
+        return original_get(keys, into)
+
+    rig.storage.exists, rig.storage.get = exists, get
+    b = follow_up(rig, "b", range(18))
+    rig.manager.match_prefix(b)
+    handle = rig.manager.prefetch(b)  # inline workers: the read runs inside prefetch()
+    original_scatter_submit = rig.copy_stream.submit
+
+    def submit(copy, **options):
+        seen["load"] = open_ranges()
+        return original_scatter_submit(copy, **options)
+
+    rig.copy_stream.submit = submit
+    rig.manager.load(handle, rig.slots(b)[:16])
+    assert seen == {"exists": ("lookup",), "get": ("prefetch", "prefetch.read"), "load": ("load",)}
