@@ -110,6 +110,25 @@ class KVPool:
         return cls([latent], argument="latent_buffers")
 
     @classmethod
+    def allocate(cls, layout: KVLayout, num_slots: int, *, device: torch.device | str = "cpu", fill: float | None = None) -> "KVPool":
+        """A new pool of ``layout`` with ``num_slots`` slots: one ``[num_slots, num_heads,
+        head_dim]`` buffer per part and layer, uninitialized or filled with ``fill`` (e.g. NaN,
+        so that a read of a slot nothing wrote shows).
+
+        Raises:
+            ArgumentTypeError: ``layout`` is not a :class:`KVLayout`.
+            InvalidArgumentError: ``num_slots`` is not a positive int.
+        """
+        require(isinstance(layout, KVLayout), "layout", lambda: f"must be a KVLayout, got {type(layout).__name__}", ArgumentTypeError)
+        require(isinstance(num_slots, int) and not isinstance(num_slots, bool) and num_slots >= 1, "num_slots", lambda: f"must be a positive int, got {num_slots!r}")
+        shape = (layout.kv_parts, layout.num_layers, num_slots, layout.num_heads, layout.head_dim)
+        if fill is None:
+            stacked = torch.empty(shape, dtype=layout.dtype, device=device)
+        else:
+            stacked = torch.full(shape, fill, dtype=layout.dtype, device=device)
+        return cls.from_stacked(stacked)
+
+    @classmethod
     def from_stacked(cls, t: torch.Tensor) -> "KVPool":
         """A pool from one tensor ``[kv_parts, num_layers, num_slots, num_heads, head_dim]``.
 

@@ -260,10 +260,11 @@ class OffloadManager:
     def abort(self, req: Any) -> None:
         """``req`` was aborted: nothing more of it is stored or loaded.
 
-        Its prefetch is cancelled; loads of it in flight are waited for, so no slot of it is
-        written after this returns; gathers in flight complete and their pages are discarded.
-        ``release(req)`` is called once none of its copies is in flight (within this call when
-        none is). After release it does nothing.
+        Its prefetch is cancelled; loads of it in flight are waited for (a queued copy cannot
+        be recalled), so no slot of it is written after this returns; gathers in flight complete
+        and their pages are discarded. ``release(req)`` is called once none of its copies is in
+        flight: within this call when no gather of it is (also after waiting for its loads), else
+        in the :meth:`poll` that collects the last one. After release it does nothing.
         """
         state = self._states.get(id(req))
         if state is None:
@@ -521,9 +522,10 @@ class OffloadManager:
         if state.backlog_pages:
             state.backlog_pages = 0
             self._backlog.remove(state)
-        if aborted:
+        if aborted and state.loads:
             for load in list(state.loads):  # a queued load cannot be recalled: no slot written after abort returns
                 self.copier.synchronize(job=load)
+            self.poll()  # collects those loads, so the release comes within this call
         self._maybe_release(state)
 
     def _finish_state(self, state: _RequestState, after: Any) -> bool:

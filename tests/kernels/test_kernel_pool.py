@@ -105,3 +105,19 @@ def test_word_alignment_is_the_widest_word_dividing_rows_and_addresses():
     assert odd.word_alignment == 2
     assert KVPool.mla([torch.zeros(4, 1, 6, dtype=torch.uint8)]).word_alignment == 2  # 6-byte rows
     assert KVPool.mla([torch.zeros(4, 1, 3, dtype=torch.uint8)]).word_alignment == 1
+
+
+def test_allocate_makes_an_empty_pool_of_a_layout():
+    from kvstage.errors import ArgumentTypeError, InvalidArgumentError
+    from kvstage.kv_layout import KVLayout
+
+    layout = KVLayout(3, 2, 2, 8, "bfloat16")
+    pool = KVPool.allocate(layout, 40, fill=float("nan"))
+    assert pool.layout == layout and pool.num_slots == 40 and len(pool.tensors()) == 6
+    assert all(t.shape == (40, 2, 8) and bool(t.isnan().all()) for t in pool.tensors())
+    mla = KVPool.allocate(KVLayout(2, 1, 1, 576, "float8_e4m3fn"), 4)
+    assert mla.is_mla and mla.row_bytes == 576
+    with pytest.raises(InvalidArgumentError, match="^num_slots: must be a positive int"):
+        KVPool.allocate(layout, 0)
+    with pytest.raises(ArgumentTypeError, match="^layout: must be a KVLayout"):
+        KVPool.allocate((3, 2, 2, 8), 4)

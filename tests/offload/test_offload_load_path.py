@@ -385,3 +385,16 @@ def test_nvtx_ranges_cover_lookup_prefetch_and_load():
     rig.copy_stream.submit = submit
     rig.manager.load(handle, rig.slots(b)[:16])
     assert seen == {"exists": ("lookup",), "get": ("prefetch", "prefetch.read"), "load": ("load",)}
+
+
+def test_abort_during_a_load_waits_for_it_and_releases_within_the_call():
+    rig = make_rig(page_size=PAGE, store_prompt=True)
+    a = stored_request(rig)
+    b = follow_up(rig, "b", range(18))
+    handle = rig.manager.prefetch(b)
+    handle.wait(5.0)
+    rig.manager.load(handle, rig.slots(b)[:16])
+    assert rig.copy_stream.pending and rig.released == [a]
+    rig.manager.abort(b)
+    # The queued load ran before abort returned (nothing of b written afterwards), and b is released.
+    assert rig.copy_stream.pending == [] and rig.released == [a, b] and rig.host_pool.used == 0
