@@ -27,6 +27,9 @@ from kvstage.kernels.transfer import gather, scatter
 __all__ = ["CopyHandle", "gather_async", "launch_after", "scatter_async", "side_stream"]
 
 
+_waiter_lock = threading.Lock()  # orders a runner's complete() against a waiter's sleep
+
+
 class CopyHandle:
     """The completion of one asynchronous copy.
 
@@ -39,7 +42,7 @@ class CopyHandle:
         device: the CUDA device whose stream runs the copy, or None (host-side runner).
     """
 
-    __slots__ = ("error", "device", "_start", "_end", "_done", "_seconds", "_keep", "_on_wait")
+    __slots__ = ("error", "device", "_start", "_end", "_done", "_waiter", "_seconds", "_keep", "_on_wait")
 
     def __init__(self, keep: Iterable[Any] = (), *, on_wait: Callable[["CopyHandle"], None] | None = None) -> None:
         """A handle completed by a host-side runner through :meth:`complete`.
@@ -52,7 +55,8 @@ class CopyHandle:
         self.error: BaseException | None = None
         self.device: torch.device | None = None
         self._start = self._end = None
-        self._done = threading.Event()
+        self._done = False
+        self._waiter: threading.Event | None = None  # made only when a thread waits: launches stay cheap
         self._seconds: float | None = None
         self._keep: tuple | None = tuple(keep)
         self._on_wait = on_wait
@@ -69,17 +73,19 @@ class CopyHandle:
         self.error = error
         self._seconds = seconds
         self._keep = None
-        self._done.set()
+        with _waiter_lock:
+            self._done = True
+            waiter = self._waiter
+        if waiter is not None:
+            waiter.set()
 
     def query(self) -> bool:
         """True when the copy has finished (successfully or not: see :attr:`error`); never blocks.
         Releases the kept tensors then."""
-        if self._end is None:
-            return self._done.is_set()
-        if self._done.is_set():
-            return True
+        if self._end is None or self._done:
+            return self._done
         if self._end.query():
-            self._done.set()
+            self._done = True
             self._keep = None
             return True
         return False
@@ -88,12 +94,18 @@ class CopyHandle:
         """Block the calling thread until the copy has finished."""
         if self._end is not None:
             self._end.synchronize()
-            self._done.set()
+            self._done = True
             self._keep = None
             return
-        if not self._done.is_set() and self._on_wait is not None:
+        if not self._done and self._on_wait is not None:
             self._on_wait(self)
-        self._done.wait()
+        with _waiter_lock:
+            if self._done:
+                return
+            if self._waiter is None:
+                self._waiter = threading.Event()
+            waiter = self._waiter
+        waiter.wait()
 
     def wait(self, stream: "torch.cuda.Stream | None" = None) -> None:
         """Make ``stream`` (default: the current stream of the copy's device) wait for the copy
