@@ -77,12 +77,13 @@ class _BusyStore(MemoryStore):
 def measure(live: int, rounds: int, poll_repeats: int, *, busy_writes: bool = False) -> dict:
     """One configuration: ``live`` requests, ``rounds`` pages each; ``busy_writes``: every store
     write also moves 128 MiB, and poll() is timed while those writes are pending."""
-    kv = KVPool.from_stacked(torch.zeros((2, 2, 8, 1, 8), dtype=torch.float16))  # never read: no-op copies
+    num_slots = PROMPT + (rounds + 1) * PAGE_SIZE
+    kv = KVPool.from_stacked(torch.zeros((2, 2, num_slots, 1, 8), dtype=torch.float16))  # never read: no-op copies
     # Pending writes hold their host pages: room for every round's pages when writes pile up.
     host = HostPool.like(kv, num_pages=live * (rounds + 2), page_size=PAGE_SIZE, pin=False)
     fingerprint = LayoutFingerprint("bench", KVLayout(2, 2, 1, 8, "float16"), PAGE_SIZE)
     store = (_BusyStore if busy_writes else MemoryStore)(fingerprint, capacity_pages=live * (rounds + 1))
-    row = torch.arange(PROMPT + (rounds + 1) * PAGE_SIZE)  # every request's slots (never read)
+    row = torch.arange(num_slots)  # every request's slots (never read)
     stream = ManualCopyStream(run_copies=False, in_order=True)
     manager = OffloadManager(kv, host, store, PageHasher(page_size=PAGE_SIZE), lambda req: row,
                              release=lambda req: None, copy_stream=stream, backend="torch")

@@ -58,6 +58,7 @@ class KVPoolLike(Protocol):
     layout: KVLayout
     device: torch.device
     num_layers: int
+    num_slots: int
 
 
 @runtime_checkable

@@ -141,7 +141,7 @@ class Copier:
                 a 1-D int32/int64 tensor of whole pages on the KV pool's device; nothing changed.
             Whatever the launch raises on CUDA; the host pages are freed then.
         """
-        num_pages = self._check_slot_indices(slot_indices, argument)
+        num_pages = self.check_slot_indices(slot_indices, argument)
         host_page_ids = self.alloc(num_pages)
         if host_page_ids is None:
             return None
@@ -175,7 +175,7 @@ class Copier:
                 or its length is not ``len(host_page_ids) * page_size``, or a host page is not
                 allocated; nothing was launched.
         """
-        num_pages = self._check_slot_indices(slot_indices, "slot_indices")
+        num_pages = self.check_slot_indices(slot_indices, "slot_indices", distinct=True)
         host_page_ids = list(host_page_ids)
         require(
             num_pages == len(host_page_ids), "slot_indices",
@@ -224,7 +224,17 @@ class Copier:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _check_slot_indices(self, slot_indices: Any, argument: str) -> int:
+    def check_slot_indices(self, slot_indices: Any, argument: str, *, distinct: bool = False) -> int:
+        """Check slot indices for a copy; returns their number of pages.
+
+        A 1-D int32/int64 tensor on the KV pool's device, whole pages; on CPU (where reading
+        them costs no device sync) every slot in ``[0, num_slots)`` and, with ``distinct`` (a
+        scatter: two rows into one slot), no slot twice. On CUDA the range is the engine's
+        promise: checking it would sync with the device.
+
+        Raises:
+            ArgumentTypeError, DeviceMismatchError, InvalidArgumentError: naming ``argument``.
+        """
         page_size = self.page_size
         if not isinstance(slot_indices, torch.Tensor) or slot_indices.dim() != 1 or slot_indices.dtype not in (torch.int32, torch.int64):
             described = f"{slot_indices.dtype} tensor of shape {tuple(slot_indices.shape)}" if isinstance(slot_indices, torch.Tensor) else type(slot_indices).__name__
@@ -234,6 +244,13 @@ class Copier:
         count = slot_indices.shape[0]
         if count % page_size:
             raise InvalidArgumentError(f"{argument}: {count} slots is not a whole number of pages of {page_size}")
+        if count and slot_indices.device.type == "cpu":
+            low, high = int(slot_indices.min()), int(slot_indices.max())
+            num_slots = self.kv_pool.num_slots
+            if low < 0 or high >= num_slots:
+                raise InvalidArgumentError(f"{argument}: every slot must be in [0, {num_slots}), got {low if low < 0 else high}")
+            if distinct and torch.unique(slot_indices).numel() != count:
+                raise InvalidArgumentError(f"{argument}: a slot repeats (two rows would be written into one slot)")
         return count // page_size
 
     def _groups(self, slot_indices: torch.Tensor, host_page_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -15,6 +15,7 @@ The pool only hands out and takes back host page ids; it never looks at the byte
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -162,7 +163,8 @@ class HostPool:
                 (a double free or an id this pool never handed out), or repeats in ``host_page_ids``.
                 Nothing is freed then.
         """
-        host_page_ids = list(host_page_ids)
+        # numpy integers are ids too (what an engine gets from an array); bools are not.
+        host_page_ids = [int(page) if isinstance(page, numbers.Integral) and not isinstance(page, bool) else page for page in host_page_ids]
         in_use = self._in_use
         capacity = self._capacity
         for index, page in enumerate(host_page_ids):

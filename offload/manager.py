@@ -160,7 +160,7 @@ class OffloadManager:
     ) -> None:
         page_size = host_pool.page_size
         require(
-            isinstance(hasher, PageHasherLike),
+            isinstance(hasher, PageHasherLike) and not isinstance(hasher, type),
             "hasher",
             lambda: f"must be a kvstage.hashing.PageHasher (page_size, seed, prefill_keys, continue_keys), got {type(hasher).__name__}",
             ArgumentTypeError,
@@ -178,6 +178,7 @@ class OffloadManager:
         require(callable(slot_indices_of), "slot_indices_of", "must be callable")
         require(release is None or callable(release), "release", "must be callable or None")
         require(on_storage_failure is None or callable(on_storage_failure), "on_storage_failure", "must be callable or None")
+        _check_after(producer, "producer")
         backlog = host_pool.capacity if finish_backlog_pages is None else finish_backlog_pages
         require(is_int(backlog) and backlog >= 0, "finish_backlog_pages", lambda: f"must be an int >= 0, got {finish_backlog_pages!r}")
         self.kv_pool = kv_pool
@@ -205,6 +206,7 @@ class OffloadManager:
         self._writes: deque[tuple[_Segment, list[int], Any]] = deque()
         self._backlog: list[_RequestState] = []
         self._counters = OffloadMetrics()
+        self._closed = False
         self._prefetcher = Prefetcher(self.copier, storage, hasher, self._workers, self._counters)
         storage.register_host_buffers(host_pool.buffers)
 
@@ -214,7 +216,8 @@ class OffloadManager:
         """Launch the D2H copy of ``req``'s pages that have KV and are not stored yet: the
         prompt's whole pages (``store_prompt``), then each new whole stride of decode tokens.
 
-        A request whose ``finished()`` is true is handed to :meth:`finish`.
+        A request whose ``finished()`` is true is handed to :meth:`finish`. A request with a
+        pending prefetch is refused: load or cancel the prefetch first.
 
         Args:
             req: the request object (:class:`~kvstage.offload.OffloadRequest`).
@@ -227,15 +230,23 @@ class OffloadManager:
 
         Raises:
             ArgumentTypeError / DeviceMismatchError / InvalidArgumentError: ``slot_indices_of``
-                returned no 1-D int tensor of the pool's device, or too few slots; a placeholder
-                (negative) token id among the tokens to copy. Nothing changed then.
+                returned no 1-D int tensor of the pool's device, too few slots, or (on CPU, where
+                it costs no sync) a slot out of the pool's range; a placeholder (negative) token
+                id among the tokens to copy; ``after`` is no event or stream; a prefetch of the
+                request is pending; the manager is closed. Nothing changed then.
         """
+        self._require_open("offload")
+        _check_after(after, "after")
         with nvtx_range("offload"):
             state = self._live_state(req)
             if state is None:
                 return False
             if req.finished():
                 return self._finish_state(state, after)
+            require(
+                state.prefetch is None, "req",
+                lambda: f"rid={req.rid!r} has a prefetch pending: load or cancel it before offloading its pages",
+            )
             return self._launch_all(state, self.offload_stride, after) > 0
 
     def finish(self, req: Any, *, after: Any = None) -> bool:
@@ -253,6 +264,8 @@ class OffloadManager:
             As :meth:`offload`; nothing changed then and the request is not released (call
             :meth:`abort`).
         """
+        self._require_open("finish")
+        _check_after(after, "after")
         with nvtx_range("offload.finish"):
             state = self._live_state(req)
             return True if state is None else self._finish_state(state, after)
@@ -304,6 +317,7 @@ class OffloadManager:
             StorageError: the store answered a different number of keys than asked; whatever
                 its ``exists`` raises.
         """
+        self._require_open("match_prefix")
         return self._prefetcher.match(self._prefetcher.lookup_keys(req, token_ids, extra_key, cache_salt))
 
     def prefetch(self, req: Any, *, policy: str = "best_effort", timeout_s: float | None = None) -> PrefetchHandle:
@@ -322,17 +336,26 @@ class OffloadManager:
 
         Raises:
             InvalidArgumentError: an unknown policy, a missing or non-positive timeout, a
-                request that has ended, already has a prefetch, or already offloaded pages.
+                placeholder (negative) id in the prompt, a request that has ended, already has a
+                prefetch, or already offloaded pages; the manager is closed. Nothing is tracked
+                then. With ``store_prompt=False`` a prefetch may load the prompt pages the
+                prefill side stored; the chain still continues from the prompt's last page.
         """
         require(policy in PREFETCH_POLICIES, "policy", lambda: f"must be one of {PREFETCH_POLICIES}, got {policy!r}")
         if policy == "timeout":
             require(isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0, "timeout_s", lambda: f"must be a positive number of seconds for policy 'timeout', got {timeout_s!r}")
+        self._require_open("prefetch")
         with nvtx_range("prefetch"):
-            state = self._live_state(req)
-            require(state is not None, "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
-            require(state.prefetch is None, "req", lambda: f"rid={req.rid!r} has a prefetch already")
-            require(state.offloaded_length == 0 and state.chain is None, "req", lambda: f"rid={req.rid!r} has offloaded pages already; prefetch before it runs")
-            state.prefetch = self._prefetcher.start(req, policy, timeout_s)
+            usable = max(len(req.origin_input_ids) - 1, 0) // self.page_size * self.page_size
+            tokens = request_tokens(req, 0, usable)  # placeholder ids named before anything is tracked
+            state = self._states.get(id(req))
+            require(state is not None or not self._has_ended(req), "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
+            require(state is None or not state.ending, "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
+            require(state is None or state.prefetch is None, "req", lambda: f"rid={req.rid!r} has a prefetch already")
+            require(state is None or (state.chain is None and state.copies_in_flight == 0), "req", lambda: f"rid={req.rid!r} has offloaded pages already; prefetch before it runs")
+            keys = self.hasher.prefill_keys(tokens, extra_key=req.extra_key, cache_salt=req.cache_salt)
+            state = state if state is not None else self._track(req)
+            state.prefetch = self._prefetcher.start(req, keys, policy, timeout_s)
             return state.prefetch
 
     def load(self, handle: PrefetchHandle, slot_indices: torch.Tensor, *, layer_by_layer: bool = False, after: Any = None) -> LoadHandle:
@@ -357,6 +380,8 @@ class OffloadManager:
                 ready, or not whole pages. Nothing is written then.
         """
         require(isinstance(handle, PrefetchHandle), "handle", lambda: f"must be a PrefetchHandle from prefetch(), got {type(handle).__name__}", ArgumentTypeError)
+        self._require_open("load")
+        _check_after(after, "after")
         with nvtx_range("load"):
             state = self._states.get(id(handle.req))
             require(not handle.loaded, "handle", "was loaded already (a prefetch is loaded once)")
@@ -373,6 +398,8 @@ class OffloadManager:
                 lambda: f"must be a 1-D tensor of at most {ready} ready pages x {self.page_size} slots, got {tuple(slot_indices.shape) if isinstance(slot_indices, torch.Tensor) else type(slot_indices).__name__}",
             )
             num_pages = count // self.page_size
+            if num_pages:
+                self.copier.check_slot_indices(slot_indices, "slot_indices", distinct=True)  # before the handle is taken
             host_page_ids = self._prefetcher.take(handle, num_pages)
             state.prefetch = None
             copy_handles = []
@@ -382,7 +409,7 @@ class OffloadManager:
                 state.copies_in_flight += 1
                 state.loads.append(job)
                 self._counters.loads += 1
-            if num_pages:
+            if num_pages * self.page_size > state.offloaded_length:  # (with store_prompt=False the prefill side's pages may reach further)
                 state.offloaded_length = num_pages * self.page_size
                 state.chain = RequestChain(handle.page_keys[num_pages - 1], True)
             return LoadHandle(handle.req, num_pages, self.page_size, copy_handles, self.kv_pool.num_layers, layer_by_layer)
@@ -393,6 +420,7 @@ class OffloadManager:
         require(isinstance(handle, PrefetchHandle), "handle", lambda: f"must be a PrefetchHandle, got {type(handle).__name__}", ArgumentTypeError)
         if handle.cancelled:
             return
+        require(handle in self._prefetcher.active, "handle", "is not this manager's prefetch")
         state = self._states.get(id(handle.req))
         if state is not None and state.prefetch is handle:
             state.prefetch = None
@@ -436,11 +464,16 @@ class OffloadManager:
                 return
 
     def close(self) -> None:
-        """:meth:`drain`, then stop the worker threads and the copy stream if the manager made
-        it. Requests still tracked stay tracked."""
+        """Cancel prefetches, :meth:`drain`, then stop the worker threads and the copy stream if
+        the manager made them. Idempotent. Afterwards ``offload``, ``finish``, ``prefetch``,
+        ``load`` and ``match_prefix`` raise; ``abort`` and ``retract`` still release requests
+        that stayed tracked."""
+        if self._closed:
+            return
         for handle in list(self._prefetcher.active):
             self.cancel(handle)
         self.drain()
+        self._closed = True
         if self._owns_workers:
             self._workers.close()
         self.copier.close()
@@ -489,6 +522,10 @@ class OffloadManager:
     def _after(self, after: Any) -> Any:
         return self.producer if after is None else after
 
+    def _require_open(self, call: str) -> None:
+        if self._closed:
+            raise InvalidArgumentError(f"manager: {call}() after close(); make a new OffloadManager")
+
     def _track(self, req: Any) -> _RequestState:
         resumed = self._retracted.pop(id(req), None)
         if resumed is not None and resumed.req is req:
@@ -529,6 +566,8 @@ class OffloadManager:
         self._maybe_release(state)
 
     def _finish_state(self, state: _RequestState, after: Any) -> bool:
+        if state.prefetch is not None:  # never loaded: the engine computed the prompt itself
+            self.cancel(state.prefetch)
         self._launch_all(state, self.page_size, after)
         state.ending = True
         remaining = (kv_length(state.req) - state.offloaded_length) // self.page_size if self.writes_pages else 0
@@ -730,3 +769,17 @@ class OffloadManager:
         state.loads.remove(load)
         self._maybe_release(state)
 
+
+
+def _check_after(after: Any, argument: str) -> None:
+    """``after``/``producer`` must be None, a CUDA event or stream, or (CPU copy streams)
+    anything with ``synchronize()``.
+
+    Raises:
+        ArgumentTypeError: naming ``argument``.
+    """
+    if after is None or callable(getattr(after, "synchronize", None)):
+        return
+    raise ArgumentTypeError(
+        f"{argument}: must be None, a torch.cuda.Event or torch.cuda.Stream (CPU: anything with synchronize()), got {type(after).__name__}"
+    )

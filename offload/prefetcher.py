@@ -71,9 +71,9 @@ class Prefetcher:
             counters.pages_hit += leading
             return PrefixMatch(leading, page_keys[:leading], leading * self.page_size, len(page_keys))
 
-    def start(self, req: Any, policy: str, timeout_s: float | None) -> PrefetchHandle:
-        """Take host pages for ``req``'s lookup keys (as many as are free) and start the read."""
-        keys = self.lookup_keys(req)
+    def start(self, req: Any, keys: list[str], policy: str, timeout_s: float | None) -> PrefetchHandle:
+        """Take host pages for ``keys`` (the request's lookup keys; as many as are free) and
+        start the read."""
         host_page_ids = self.copier.alloc(min(len(keys), self.copier.free_pages)) or []
         handle = PrefetchHandle(req, policy, timeout_s, keys[: len(host_page_ids)], host_page_ids, self.page_size)
         self.active.append(handle)

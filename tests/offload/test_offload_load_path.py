@@ -326,12 +326,16 @@ def test_a_store_answering_too_few_keys_to_a_lookup_is_an_error():
 
 
 def test_manual_stream_records_the_producer_event_of_each_copy():
+    class Event:
+        def synchronize(self):
+            pass
+
     stream = ManualCopyStream()
-    producer = object()
+    producer = Event()
     rig = make_rig(page_size=PAGE, store_prompt=True, copy_stream=stream, producer=producer)
     req = rig.new_request("r", range(8), 4)
     rig.decode(req, 1)
-    mine = object()
+    mine = Event()
     rig.manager.offload(req, after=mine)  # per call
     rig.decode(req, 2)
     rig.decode(req, 3)
