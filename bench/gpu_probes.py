@@ -842,15 +842,19 @@ def probe_real_model(ctx: Ctx) -> Probe:
         ctx.synchronize()
         same_bytes = all(torch.equal(x, y) for x, y in zip(rows_of(second.kv_pool, second.slots(b)[:prefix_tokens]), rows_of(first.kv_pool, first.slots(a)[:prefix_tokens])))
         probe.check(f"{name}: B's loaded prefix equals A's KV byte for byte", same_bytes and load.num_tokens == prefix_tokens, f"{load.num_tokens} tokens")
-        probe.check(f"{name}: B's tokens equal A's", b.output_ids == a.output_ids)
         diffs = [float((x - y).abs().max()) for x, y in zip(logits_a, logits_b)]
         bitwise = all(torch.equal(x, y) for x, y in zip(logits_a, logits_b))
+        # Bitwise logits need the GPU to repeat A's kernels exactly (CUBLAS_WORKSPACE_CONFIG is set);
+        # where it did not, a near tie may flip a token, and B's decode pages differ: then WARN.
         probe.check(f"{name}: B's logits equal A's bitwise", bitwise, f"max |diff| {max(diffs):.3g}", soft=True)
+        probe.check(f"{name}: B's tokens equal A's", b.output_ids == a.output_ids, soft=not bitwise)
         second.manager.drain()
         metrics = second.manager.metrics
-        probe.check(f"{name}: B's prefix loaded, its decode pages deduplicated", metrics.pages_loaded == prefix_tokens // rm.PAGE_SIZE
-                    and (metrics.pages_stored, metrics.pages_deduplicated) == (0, stored - prefix_tokens // rm.PAGE_SIZE),
-                    f"loaded {metrics.pages_loaded}, stored {metrics.pages_stored}, deduplicated {metrics.pages_deduplicated}")
+        prefix_pages = prefix_tokens // rm.PAGE_SIZE
+        probe.check(f"{name}: B's prefix loaded", metrics.pages_loaded == prefix_pages, f"{metrics.pages_loaded} of {prefix_pages} pages")
+        probe.check(f"{name}: B's decode pages continue the loaded chain (deduplicated against A's)",
+                    (metrics.pages_stored, metrics.pages_deduplicated) == (0, stored - prefix_pages),
+                    f"stored {metrics.pages_stored}, deduplicated {metrics.pages_deduplicated}", soft=b.output_ids != a.output_ids)
         runs[name] = dict(bitwise=bitwise, max_abs_diff=max(diffs), tokens_equal=b.output_ids == a.output_ids, loaded_bytes_equal=same_bytes)
         first.close()
         second.close()
@@ -1038,7 +1042,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx.out.mkdir(parents=True, exist_ok=True)
     print(f"gpu_probes {args.command}: {header(ctx)}", flush=True)
     if args.command == "warm":
-        return run_warm(ctx, args.jobs if not args.dry_run else 2)
+        return run_warm(ctx, args.jobs if not args.dry_run else 1)
     if args.command == "probes":
         unknown = [n for n in args.only.split(",") if n and n not in PROBES]
         if unknown:
