@@ -298,12 +298,17 @@ def stored_pages_equal(rig: Rig, req: SimpleRequest, slots: torch.Tensor, pages:
 
 
 def poll_until_idle(rig: Rig, timeout_s: float = 20.0) -> bool:
-    """``poll()`` until no copy is in flight (never ``drain``: the probe must not hide a missed poll)."""
+    """``poll()`` until no copy and no store write is in flight (never ``drain``: the probe must
+    not hide a missed poll); False when that takes longer than ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while rig.manager.copies_in_flight and time.monotonic() < deadline:
+
+    def busy() -> bool:
+        return bool(rig.manager.copies_in_flight or rig.manager.metrics.writes_pending)
+
+    while busy() and time.monotonic() < deadline:
         rig.manager.poll()
         time.sleep(0.002)
-    return rig.manager.copies_in_flight == 0
+    return not busy()
 
 
 # -- probes ------------------------------------------------------------------------------------
@@ -437,6 +442,9 @@ def probe_allocator_race(ctx: Ctx) -> Probe:
             del slot_indices, host_page_ids, handle  # the caller keeps nothing of the copy
             for _ in range(4):  # the same sizes again and again on the compute stream, filled with a wrong slot
                 keep += [torch.full((n,), garbage_slot, dtype=d, device=ctx.device) for n, d in sizes]
+                # and in pinned memory, where a CPU index went on its way to the device (torch's
+                # pinned allocator must not hand its block out before the queued H2D copy ran)
+                keep += [pinned_empty(ctx, n, d).fill_(garbage_slot) for n, d in sizes]
             busy = still_sleeping(sleep)
             if side is not None:
                 side.synchronize()

@@ -234,3 +234,27 @@ def test_the_skip_takes_only_the_interpreter_refusal_off_cuda(harness):
 def test_without_cuda_the_interpreter_runs_and_nothing_is_skipped(harness, monkeypatch):
     monkeypatch.setattr(harness, "CPU_TRITON_OFF", False)
     assert not harness.needs_cpu_interpreter(item("cpu"), BackendUnavailableError(INTERPRETER_ERROR))
+
+
+def test_the_ptx_probe_reads_the_compiled_kernel_of_each_real_launch(probes, monkeypatch):
+    """The native path of the PTX probe (a launch returns the compiled kernel, its PTX is read),
+    with a stand-in kernel: one PTX whose row accesses are 16 bytes, then one where a store is not."""
+    from kvstage.kernels import triton_copy
+
+    wide = "ld.global.L1::evict_first.v2.b64 {%rd1, %rd2}, [%rd3];\nst.global.v2.b64 [%rd4], {%rd1, %rd2};"
+    ptx = {"text": wide}
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(grid) or SimpleNamespace(asm={"ptx": ptx["text"]})
+
+    monkeypatch.setattr(triton_copy, "_kv_rows_copy_kernel", Kernel())
+    ctx = probes.Ctx(torch.device("cpu"), True, Path("."))
+    if ctx.backend != "triton":
+        pytest.skip("Triton does not run here")
+    probe = probes.probe_ptx(ctx)
+    assert probe.ok and len(probe.data["counts"]) == 4 and len(launches) == 4, probe.checks
+    assert isinstance(triton_copy._kv_rows_copy_kernel, Kernel)  # the spy put the kernel back
+    ptx["text"] = wide + "\nst.global.b16 [%rd9], %rs1;"
+    assert not probes.probe_ptx(ctx).ok
