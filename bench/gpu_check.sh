@@ -82,7 +82,7 @@ for arg in "$@"; do
             echo "budget $BUDGET_S"
             echo "limit $LIMIT_S"
             exit 0 ;;
-        -h | --help) sed -n '2,52p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        -h | --help) sed -n '2,49p' "${BASH_SOURCE[0]}"; exit 0 ;;
         -*) echo "gpu_check: unknown option $arg" >&2; exit 2 ;;
         *) outdir=$arg ;;
     esac
