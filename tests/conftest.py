@@ -2,6 +2,19 @@
 
 ``TRITON_INTERPRET=1`` must be set before any module that defines ``@triton.jit`` kernels is
 imported, so it is set here at collection time, before the tests import ``kvstage.kernels``.
+
+Where CUDA is present the interpreter stays off (the ``cuda`` parameter of the ``device``
+fixture runs the kernels natively, and the interpreter would take the CUDA launches too). A
+Triton copy on CPU tensors then cannot run: ``resolve_backend`` raises
+``BackendUnavailableError`` ("... needs TRITON_INTERPRET=1 ..."). A test (or fixture) that
+does not run on the ``cuda`` parameter and raises exactly that is reported as *skipped*, with
+the reason, instead of failed: the same test's ``cuda`` parameter (or the CPU machines of CI,
+where the interpreter is on) covers that code. Anything else a test raises still fails.
+
+``KVSTAGE_SIMULATE_CUDA=1`` (test-only; ``tests/test_gpu_check.py`` uses it) makes this
+harness behave on a CPU machine as on a CUDA one: the interpreter is left off, so the tests
+that would skip on a GPU skip here, which proves the rule without a GPU. There is still no
+``cuda`` parameter and the ``gpu``-marked tests still skip.
 """
 
 from __future__ import annotations
@@ -13,10 +26,20 @@ import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
+SIMULATE_CUDA = os.environ.get("KVSTAGE_SIMULATE_CUDA") == "1"  # test-only, see the module doc
+if not (CUDA or SIMULATE_CUDA):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton copies on CPU tensors cannot run in this process: the interpreter is off where CUDA is.
+CPU_TRITON_OFF = (CUDA or SIMULATE_CUDA) and os.environ.get("TRITON_INTERPRET", "0") != "1"
+CPU_TRITON_SKIP_REASON = (
+    "a Triton copy on CPU tensors needs the interpreter (TRITON_INTERPRET=1), which is off where CUDA is "
+    "present" + (" (simulated: KVSTAGE_SIMULATE_CUDA=1)" if SIMULATE_CUDA and not CUDA else "")
+    + "; the cuda parameter and the CPU CI run cover this code"
+)
 
-from support import SHARED
+from support import SHARED  # noqa: E402
+
+from kvstage.errors import BackendUnavailableError  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -26,6 +49,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def needs_cpu_interpreter(item: pytest.Item, error: BaseException | None) -> bool:
+    """Whether ``error`` (raised by ``item``) is a Triton copy on CPU tensors refused because the
+    interpreter is off where CUDA is present: the one failure reported as a skip."""
+    if not CPU_TRITON_OFF or error is None:
+        return False
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and str(callspec.params.get("device", "")).startswith("cuda"):
+        return False  # a CUDA-parameter test never takes this path: a real failure
+    seen = set()
+    while error is not None and id(error) not in seen:  # the error, or what it was raised from
+        seen.add(id(error))
+        if isinstance(error, BackendUnavailableError) and "TRITON_INTERPRET=1" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.when in ("setup", "call") and call.excinfo is not None and needs_cpu_interpreter(item, call.excinfo.value):
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), (item.location[1] or 0) + 1, f"Skipped: {CPU_TRITON_SKIP_REASON}")
 
 
 @pytest.fixture(params=["cpu"] + (["cuda"] if CUDA else []))
