@@ -3,7 +3,9 @@
 What is measured, per round (median of many rounds; the baseline runs in the same round):
 
 - ``copy``: one ``Tensor.copy_`` of the same bytes from a host buffer into a contiguous tensor
-  on the pool's device (the ceiling: no gather of scattered slots, no page structure);
+  on the pool's device (the ceiling: no gather of scattered slots, no page structure; on CPU
+  torch splits it over every core);
+- ``copy_one_thread`` (CPU): the same copy on one thread, as the copy stream's worker runs;
 - ``scatter``: :func:`kvstage.kernels.scatter` of the pages into scattered slots, every layer
   in one call (the kernels alone);
 - ``load``: :meth:`OffloadManager.load` of a prefetched prefix into scattered slots, every
@@ -76,12 +78,19 @@ def measure(num_layers: int, num_pages: int, rounds: int, device: torch.device, 
     target = torch.empty(total_bytes, dtype=torch.uint8, device=device)
     staging = host_pool.buffers[0]
     staged_ids = torch.arange(num_pages)
-    results: dict[str, list[float]] = {"copy": [], "scatter": [], "load": [], "first_layer": [], "layer_by_layer": []}
+    results: dict[str, list[float]] = {"copy": [], "copy_one_thread": [], "scatter": [], "load": [], "first_layer": [], "layer_by_layer": []}
     for round_index in range(rounds + 1):  # round 0 warms up
         started = time.perf_counter()
         target.copy_(host, non_blocking=True)
         _sync(device)
         copy_s = time.perf_counter() - started
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        started = time.perf_counter()
+        target.copy_(host, non_blocking=True)
+        _sync(device)
+        copy_one_thread_s = time.perf_counter() - started
+        torch.set_num_threads(threads)
 
         started = time.perf_counter()
         scatter(staging, kv_pool, slot_indices, staged_ids, page_size=PAGE_SIZE, backend=backend)
@@ -106,6 +115,7 @@ def measure(num_layers: int, num_pages: int, rounds: int, device: torch.device, 
             manager.poll()
         if round_index:
             results["copy"].append(copy_s)
+            results["copy_one_thread"].append(copy_one_thread_s)
             results["scatter"].append(scatter_s)
             for name, seconds in timings.items():
                 results[name].append(seconds)
@@ -121,6 +131,7 @@ def measure(num_layers: int, num_pages: int, rounds: int, device: torch.device, 
         "bytes": total_bytes,
         "gbps": {name: round(value, 2) for name, value in gbps.items()},
         "load_over_copy": round(gbps["load"] / gbps["copy"], 3),
+        "load_over_one_thread_copy": round(gbps["load"] / gbps["copy_one_thread"], 3),
         "scatter_over_copy": round(gbps["scatter"] / gbps["copy"], 3),
         "first_layer_ms": round(medians["first_layer"] * 1e3, 2),
         "layer_by_layer_ms": round(medians["layer_by_layer"] * 1e3, 2),
@@ -146,11 +157,11 @@ def run(quick: bool = False, device: str | None = None) -> dict:
 
 def print_report(report: dict) -> None:
     print(f"load path vs a same-size copy on {report['config']['device']}, GB/s (median of {report['config']['rounds']} rounds)")
-    print(f"{'layers':>6} {'pages':>6} {'MiB':>6} {'copy':>7} {'scatter':>8} {'load':>7} {'load/copy':>10} {'first layer ms':>15} {'all layers ms':>14}")
+    print(f"{'layers':>6} {'pages':>6} {'MiB':>6} {'copy':>7} {'copy 1t':>8} {'scatter':>8} {'load':>7} {'load/copy':>10} {'load/1t':>8} {'first layer ms':>15} {'all layers ms':>14}")
     for r in report["results"]:
         g = r["gbps"]
-        print(f"{r['num_layers']:>6} {r['num_pages']:>6} {r['bytes'] / 2**20:>6.0f} {g['copy']:>7.2f} {g['scatter']:>8.2f} {g['load']:>7.2f} "
-              f"{r['load_over_copy']:>10.2f} {r['first_layer_ms']:>15.2f} {r['layer_by_layer_ms']:>14.2f}")
+        print(f"{r['num_layers']:>6} {r['num_pages']:>6} {r['bytes'] / 2**20:>6.0f} {g['copy']:>7.2f} {g['copy_one_thread']:>8.2f} {g['scatter']:>8.2f} {g['load']:>7.2f} "
+              f"{r['load_over_copy']:>10.2f} {r['load_over_one_thread_copy']:>8.2f} {r['first_layer_ms']:>15.2f} {r['layer_by_layer_ms']:>14.2f}")
     print(f"target: load >= {report['target_load_over_copy']:.0%} of copy -> {report['meets_target']}")
 
 
