@@ -3,11 +3,12 @@
 Each stored page is a private copy (a ``uint8`` CPU tensor), so the host pool page it came from
 can be freed and reused right after ``put`` returns.
 
-Speed: a page moves with one single-threaded ``memmove`` (``put`` into the store, ``get`` out of
-it). torch's ``copy_`` splits a copy over its intra-op threads, and a page-sized copy (megabytes)
-then waits at the end for the slowest thread: measured here 0.4-1.5 GB/s per 8 MiB page with 2
-threads on a shared machine against 4-5 GB/s for ``memmove``, and a store's worker thread should
-not take the engine's intra-op threads anyway. A store at its capacity (the steady state)
+Speed: a page moves with torch's ``copy_`` (``put`` into the store, ``get`` out of it), which
+splits a megabyte copy over torch's intra-op threads: on the 2-core CI machine 0.90 / 0.92 of a
+same-size copy for put / get, against 0.65 / 0.72 for one single-threaded ``memmove`` measured
+in the same state (``bench/bench_storage.py``). On a machine loaded by other work a split copy
+waits for its slowest thread (0.4-1.5 GB/s per 8 MiB page was seen once); an engine that wants
+its intra-op threads for itself can set ``torch.set_num_threads``. A store at its capacity (the steady state)
 writes each new page into the memory of the page it evicts, so it never touches fresh memory:
 a new allocation costs a page fault and a kernel zero-fill per 4 KiB on first touch, which
 halves a copy's speed (``bench/bench_storage.py``: ``memory`` against ``memory-growing``).
@@ -27,7 +28,6 @@ URL form for :func:`open_storage`: ``memory`` (capacity :data:`DEFAULT_CAPACITY_
 
 from __future__ import annotations
 
-import ctypes
 import threading
 
 import torch
@@ -42,9 +42,8 @@ DEFAULT_CAPACITY_BYTES = 1 << 30  # 1 GiB
 
 def _copy(target: torch.Tensor, source: torch.Tensor, nbytes: int) -> None:
     """Copy ``nbytes`` from ``source`` to ``target`` (contiguous CPU tensors of at least that
-    many bytes, checked by :class:`StorageBackend`) with one single-threaded ``memmove``; ctypes
-    releases the GIL around it."""
-    ctypes.memmove(target.data_ptr(), source.data_ptr(), nbytes)
+    many bytes, checked by :class:`StorageBackend`) as bytes; torch releases the GIL."""
+    target.reshape(-1).view(torch.uint8)[:nbytes].copy_(source.reshape(-1).view(torch.uint8)[:nbytes])
 
 
 class MemoryStore(StorageBackend):
