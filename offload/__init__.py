@@ -7,7 +7,8 @@ Stores live in :mod:`kvstage.storage`, page keys in :mod:`kvstage.hashing`, copi
 Modules: ``manager`` (:class:`OffloadManager`: lifecycle decisions), ``copier`` (moves pages,
 reports :class:`CopyResult`), ``copy_stream``, ``host_pool``, ``key_chain`` (a request's keys in
 chain order), ``store_io`` (the one page writer, the one prefix reader, worker threads),
-``prefetcher`` (lookups, reads into host pages), ``load_path`` (prefix match, prefetch and load
+``backup`` (finished gathers into store writes, their accounting), ``prefetcher`` (lookups,
+reads into host pages), ``load_path`` (prefix match, prefetch and load
 handles), ``request`` (what is read from a request), ``collaborators`` (typed Protocols),
 ``metrics``, ``testing`` (engine stand-ins).
 """

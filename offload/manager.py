@@ -42,6 +42,7 @@ import torch
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
 from kvstage.nvtx_ranges import nvtx_range
+from kvstage.offload.backup import Backup
 from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike, PageHasherLike, StoreWorkersLike
 from kvstage.offload.copier import GATHER, Copier, CopyResult
 from kvstage.offload.host_pool import HostPool
@@ -50,7 +51,7 @@ from kvstage.offload.load_path import PREFETCH_POLICIES, LoadHandle, PrefetchHan
 from kvstage.offload.prefetcher import Prefetcher
 from kvstage.offload.metrics import OffloadMetrics
 from kvstage.offload.request import SlotIndicesOf, kv_length, request_tokens
-from kvstage.offload.store_io import StoreWorkers, write_pages
+from kvstage.offload.store_io import StoreWorkers
 from kvstage.storage import StorageBackend
 
 __all__ = ["OffloadManager"]
@@ -194,7 +195,6 @@ class OffloadManager:
         # An MLA rank other than 0 holds the same latent as rank 0, which writes it.
         self.writes_pages = fingerprint.writes_pages
         self._release_callback = release
-        self._failure_callback = on_storage_failure
         self._owns_workers = store_workers is None
         self._workers = StoreWorkers() if store_workers is None else store_workers
         self._states: dict[int, _RequestState] = {}
@@ -203,11 +203,11 @@ class OffloadManager:
         # Retracted with keep_offloaded: their progress, resumed when they run again.
         self._retracted: dict[int, _RequestState] = {}
         self._unhandled: deque[CopyResult] = deque()  # copies polled from the copier, not handled yet
-        self._writes: deque[tuple[_Segment, list[int], Any]] = deque()
         self._backlog: list[_RequestState] = []
         self._counters = OffloadMetrics()
         self._closed = False
         self._prefetcher = Prefetcher(self.copier, storage, hasher, self._workers, self._counters)
+        self._backup = Backup(self.copier, storage, hasher, self._workers, self._counters, on_storage_failure)
         storage.register_host_buffers(host_pool.buffers)
 
     # -- store path ---------------------------------------------------------------------------
@@ -443,8 +443,7 @@ class OffloadManager:
                     self._gathered(result)
                 else:
                     self._loaded(result)
-            while self._writes and self._writes[0][2].done():
-                self._written(*self._writes.popleft())
+            self._backup.poll()
             self._prefetcher.poll()
             if self._backlog:
                 self._launch_backlog()
@@ -457,10 +456,9 @@ class OffloadManager:
         while True:
             self.copier.synchronize()
             self._prefetcher.wait()
-            for _, _, future in list(self._writes):
-                future.result()
+            self._backup.wait()
             self.poll()
-            if not (self.copier.copies_in_flight or self._writes or self._backlog):
+            if not (self.copier.copies_in_flight or self._backup.writes_pending or self._backlog):
                 return
 
     def close(self) -> None:
@@ -511,7 +509,7 @@ class OffloadManager:
         snapshot = OffloadMetrics(**{name: getattr(counters, name) for name in counters.__dataclass_fields__})
         snapshot.requests_live = len(self._states)
         snapshot.copies_in_flight = self.copies_in_flight
-        snapshot.writes_pending = len(self._writes)
+        snapshot.writes_pending = self._backup.writes_pending
         snapshot.host_pages_used = self.host_pool.used
         snapshot.host_pages_high_water = self.host_pool.high_water
         snapshot.host_pages_capacity = self.host_pool.capacity
@@ -682,76 +680,10 @@ class OffloadManager:
         segment.result = result
         try:
             while state.unsettled and state.unsettled[0].result is not None:
-                self._settle(state.unsettled.popleft())
+                done = state.unsettled.popleft()
+                self._backup.settle(state.req, state.chain, done.run, done.result, discard=state.aborted)
         finally:
             self._maybe_release(state)
-
-    def _settle(self, segment: _Segment) -> None:
-        """Count a finished gather and hand its pages to a store write (or free them)."""
-        result = segment.result
-        state = segment.state
-        pages = len(result.host_page_ids)
-        write = None
-        try:
-            if not result.ok:
-                self._counters.copy_failures += 1
-                self._counters.pages_failed += pages
-                logger.error("offload: D2H copy of %d pages of rid=%r failed: %r", pages, state.req.rid, result.error)
-                self._report_failure(state.req, self._keys_or_empty(state, segment), result.error)
-                return
-            self._counters.pages_offloaded += pages
-            self._counters.bytes_offloaded += result.bytes
-            self._counters.copy_seconds += result.seconds
-            if state.aborted:
-                self._counters.pages_discarded += pages
-                return
-            try:
-                keys = state.chain.keys_of(segment.run, self.hasher)
-            except Exception as error:  # e.g. a token id the hash scheme cannot encode
-                self._counters.pages_failed += pages
-                logger.error("offload: page keys of %d pages of rid=%r failed: %r", pages, state.req.rid, error)
-                self._report_failure(state.req, [], error)
-                return
-            host_pages = [self.host_pool.page(host_page_id) for host_page_id in result.host_page_ids]
-            write = self._workers.write(lambda: write_pages(self.storage, keys, host_pages, prior_key=segment.run.prior_key))
-            self._writes.append((segment, result.host_page_ids, write))
-        finally:
-            if write is None:
-                self._counters.pages_in_flight -= pages
-                self.copier.free(result.host_page_ids)
-
-    def _keys_or_empty(self, state: _RequestState, segment: _Segment) -> list[str]:
-        try:
-            return list(state.chain.keys_of(segment.run, self.hasher))
-        except Exception:
-            return []
-
-    def _written(self, segment: _Segment, host_page_ids: list[int], future: Any) -> None:
-        outcome = future.result()
-        self.copier.free(host_page_ids)
-        counters = self._counters
-        counters.pages_in_flight -= len(host_page_ids)
-        counters.pages_stored += outcome.stored
-        counters.pages_deduplicated += outcome.deduplicated
-        if outcome.failed_keys:
-            counters.pages_failed += len(outcome.failed_keys)
-            counters.storage_failures += 1
-            logger.warning(
-                "offload: storage write failed for %d of %d pages of rid=%r%s", len(outcome.failed_keys),
-                len(host_page_ids), segment.state.req.rid, f": {outcome.error!r}" if outcome.error is not None else "",
-            )
-            self._report_failure(segment.state.req, outcome.failed_keys, outcome.error)
-
-    def _report_failure(self, req: Any, keys: list[str], error: BaseException | None) -> None:
-        if self._failure_callback is None:
-            return
-        try:
-            self._failure_callback(req, keys, error)
-        except Exception:
-            self._counters.callback_errors += 1
-            logger.exception("offload: on_storage_failure callback raised for rid=%r", req.rid)
-
-    # -- internals: load path -----------------------------------------------------------------
 
     def _loaded(self, result: CopyResult) -> None:
         load: _Load = result.job

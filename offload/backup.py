@@ -1,0 +1,130 @@
+"""Backup: a request's finished gathers become store writes, and their outcomes are counted.
+
+The manager hands over each finished gather in launch order (so a request's pages reach the
+store in chain order); this module counts it (offloaded, failed, discarded), computes its page
+keys, submits the store write to a worker thread (:func:`~kvstage.offload.store_io.write_pages`),
+and, when the write is done, frees the host pages, counts each page's outcome and reports
+failures. Host pages stay allocated while their write runs: they are the write's source.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any, Callable
+
+from kvstage.offload.copier import Copier, CopyResult
+from kvstage.offload.key_chain import ChainRun, RequestChain
+from kvstage.offload.metrics import OffloadMetrics
+from kvstage.offload.store_io import write_pages
+
+__all__ = ["Backup"]
+
+logger = logging.getLogger(__name__)
+
+FailureCallback = Callable[[Any, list[str], "BaseException | None"], None]
+
+
+class Backup:
+    """Store writes of finished gathers, and their accounting.
+
+    Args:
+        copier: frees the host pages.
+        storage: the store written to.
+        hasher: page keys (:class:`kvstage.hashing.PageHasher`).
+        workers: store workers; writes run on ``workers.write`` in submission order.
+        counters: the manager's counters, updated here for the store path.
+        on_failure: ``on_failure(req, failed_keys, error)`` or None (the manager's
+            ``on_storage_failure``); its exceptions are counted and logged, never raised.
+    """
+
+    def __init__(self, copier: Copier, storage: Any, hasher: Any, workers: Any, counters: OffloadMetrics, on_failure: FailureCallback | None) -> None:
+        self.copier = copier
+        self.storage = storage
+        self.hasher = hasher
+        self._workers = workers
+        self._counters = counters
+        self._on_failure = on_failure
+        self._writes: deque[tuple[Any, list[int], Any]] = deque()  # (req, host page ids, future), submission order
+
+    @property
+    def writes_pending(self) -> int:
+        """Store writes submitted and not yet collected by :meth:`poll`."""
+        return len(self._writes)
+
+    def settle(self, req: Any, chain: RequestChain, run: ChainRun, result: CopyResult, *, discard: bool) -> None:
+        """Count one finished gather of ``req`` and hand its pages to a store write (or free
+        them: a failed copy, pages whose keys cannot be made, or ``discard`` for an aborted
+        request)."""
+        counters = self._counters
+        pages = len(result.host_page_ids)
+        write = None
+        try:
+            if not result.ok:
+                counters.copy_failures += 1
+                counters.pages_failed += pages
+                logger.error("offload: D2H copy of %d pages of rid=%r failed: %r", pages, req.rid, result.error)
+                self.report_failure(req, self._keys_or_empty(chain, run), result.error)
+                return
+            counters.pages_offloaded += pages
+            counters.bytes_offloaded += result.bytes
+            counters.copy_seconds += result.seconds
+            if discard:
+                counters.pages_discarded += pages
+                return
+            try:
+                keys = chain.keys_of(run, self.hasher)
+            except Exception as error:  # e.g. a token id the hash scheme cannot encode
+                counters.pages_failed += pages
+                logger.error("offload: page keys of %d pages of rid=%r failed: %r", pages, req.rid, error)
+                self.report_failure(req, [], error)
+                return
+            host_pages = [self.copier.host_pool.page(host_page_id) for host_page_id in result.host_page_ids]
+            write = self._workers.write(lambda: write_pages(self.storage, keys, host_pages, prior_key=run.prior_key))
+            self._writes.append((req, result.host_page_ids, write))
+        finally:
+            if write is None:
+                counters.pages_in_flight -= pages
+                self.copier.free(result.host_page_ids)
+
+    def poll(self) -> None:
+        """Collect the finished writes, oldest first (never blocks)."""
+        while self._writes and self._writes[0][2].done():
+            self._written(*self._writes.popleft())
+
+    def wait(self) -> None:
+        """Block until every submitted write has finished (shutdown and tests)."""
+        for _, _, future in list(self._writes):
+            future.result()
+
+    def report_failure(self, req: Any, keys: list[str], error: BaseException | None) -> None:
+        """Call ``on_failure``; an exception it raises is counted and logged."""
+        if self._on_failure is None:
+            return
+        try:
+            self._on_failure(req, keys, error)
+        except Exception:
+            self._counters.callback_errors += 1
+            logger.exception("offload: on_storage_failure callback raised for rid=%r", req.rid)
+
+    def _keys_or_empty(self, chain: RequestChain, run: ChainRun) -> list[str]:
+        try:
+            return list(chain.keys_of(run, self.hasher))
+        except Exception:
+            return []
+
+    def _written(self, req: Any, host_page_ids: list[int], future: Any) -> None:
+        outcome = future.result()
+        self.copier.free(host_page_ids)
+        counters = self._counters
+        counters.pages_in_flight -= len(host_page_ids)
+        counters.pages_stored += outcome.stored
+        counters.pages_deduplicated += outcome.deduplicated
+        if outcome.failed_keys:
+            counters.pages_failed += len(outcome.failed_keys)
+            counters.storage_failures += 1
+            logger.warning(
+                "offload: storage write failed for %d of %d pages of rid=%r%s", len(outcome.failed_keys),
+                len(host_page_ids), req.rid, f": {outcome.error!r}" if outcome.error is not None else "",
+            )
+            self.report_failure(req, outcome.failed_keys, outcome.error)
