@@ -258,3 +258,15 @@ def test_the_ptx_probe_reads_the_compiled_kernel_of_each_real_launch(probes, mon
     assert isinstance(triton_copy._kv_rows_copy_kernel, Kernel)  # the spy put the kernel back
     ptx["text"] = wide + "\nst.global.b16 [%rd9], %rs1;"
     assert not probes.probe_ptx(ctx).ok
+
+
+def test_without_cuda_the_script_stops_after_setup_with_exit_3_and_says_why(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("OUT", None)
+    env.pop("GPU_CHECK_ALLOW_CPU", None)
+    result = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 3, result.stdout + result.stderr
+    summary = (tmp_path / "00-summary.txt").read_text()
+    assert "setup: PASS" in summary and "cuda: NONE" in summary
+    assert "no CUDA device visible to torch" in (tmp_path / "gpu_check.log").read_text()
