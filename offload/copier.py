@@ -277,13 +277,13 @@ class Copier:
         handles: list[CopyHandle] = []
         for layer in layers:
             if direction == GATHER:
-                def copy(groups=groups) -> None:
+                def copy(groups=groups) -> None:  # slots checked on the engine's thread (check_slot_indices)
                     for staging, slots, local in groups:
-                        gather(kv_pool, staging, slots, local, page_size=page_size, layout="page_first", backend=backend)
+                        gather(kv_pool, staging, slots, local, page_size=page_size, layout="page_first", backend=backend, check_bounds=False)
             else:
                 def copy(groups=groups, layer=layer) -> None:
                     for staging, slots, local in groups:
-                        scatter(staging, kv_pool, slots, local, page_size=page_size, layout="page_first", layer=layer, backend=backend)
+                        scatter(staging, kv_pool, slots, local, page_size=page_size, layout="page_first", layer=layer, backend=backend, check_bounds=False)
             handles.append(self.copy_stream.submit(copy, keep=keep, after=after))
         self._copies.append(_Copy(job, direction, host_page_ids, handles))
         return handles

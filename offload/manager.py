@@ -33,6 +33,7 @@ Not thread-safe: call everything from one thread (the scheduler's).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from collections import deque
@@ -136,9 +137,10 @@ class OffloadManager:
             predecessor in the chain is not stored yet.
 
     Raises:
-        ArgumentTypeError: ``hasher`` is not a page hasher.
-        InvalidArgumentError: the stride, page sizes or layouts do not match, or a callback is
-            not callable.
+        ArgumentTypeError: ``hasher`` is not a page hasher instance, ``storage`` is not a
+            storage backend, or ``producer`` is neither None, an event nor a stream.
+        InvalidArgumentError: the stride, page sizes or layouts do not match, a callback is
+            not callable, or ``finish_backlog_pages`` is not an int >= 0.
     """
 
     def __init__(
@@ -200,8 +202,9 @@ class OffloadManager:
         self._states: dict[int, _RequestState] = {}
         # Released request objects, held weakly: a late finish/abort/offload of one is ignored.
         self._ended: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-        # Retracted with keep_offloaded: their progress, resumed when they run again.
-        self._retracted: dict[int, _RequestState] = {}
+        # Retracted with keep_offloaded: (the request held weakly, its offloaded length, its chain),
+        # resumed when it runs again; forgotten when the engine drops the request.
+        self._retracted: dict[int, tuple[Any, int, RequestChain | None]] = {}
         self._unhandled: deque[CopyResult] = deque()  # copies polled from the copier, not handled yet
         self._backlog: list[_RequestState] = []
         self._counters = OffloadMetrics()
@@ -346,14 +349,12 @@ class OffloadManager:
             require(isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0, "timeout_s", lambda: f"must be a positive number of seconds for policy 'timeout', got {timeout_s!r}")
         self._require_open("prefetch")
         with nvtx_range("prefetch"):
-            usable = max(len(req.origin_input_ids) - 1, 0) // self.page_size * self.page_size
-            tokens = request_tokens(req, 0, usable)  # placeholder ids named before anything is tracked
+            keys = self._prefetcher.lookup_keys(req)  # placeholder ids named before anything is tracked
             state = self._states.get(id(req))
             require(state is not None or not self._has_ended(req), "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
             require(state is None or not state.ending, "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
             require(state is None or state.prefetch is None, "req", lambda: f"rid={req.rid!r} has a prefetch already")
             require(state is None or (state.chain is None and state.copies_in_flight == 0), "req", lambda: f"rid={req.rid!r} has offloaded pages already; prefetch before it runs")
-            keys = self.hasher.prefill_keys(tokens, extra_key=req.extra_key, cache_salt=req.cache_salt)
             state = state if state is not None else self._track(req)
             state.prefetch = self._prefetcher.start(req, keys, policy, timeout_s)
             return state.prefetch
@@ -398,14 +399,15 @@ class OffloadManager:
                 lambda: f"must be a 1-D tensor of at most {ready} ready pages x {self.page_size} slots, got {tuple(slot_indices.shape) if isinstance(slot_indices, torch.Tensor) else type(slot_indices).__name__}",
             )
             num_pages = count // self.page_size
-            if num_pages:
-                self.copier.check_slot_indices(slot_indices, "slot_indices", distinct=True)  # before the handle is taken
-            host_page_ids = self._prefetcher.take(handle, num_pages)
-            state.prefetch = None
             copy_handles = []
             if num_pages:
+                # The copier checks the slots (and raises) before it launches; the handle is
+                # taken only after, so a bad tensor changes nothing.
                 job = _Load(state, num_pages)
-                copy_handles = self.copier.scatter(job, host_page_ids, slot_indices, layer_by_layer=layer_by_layer, after=self._after(after))
+                copy_handles = self.copier.scatter(job, handle.host_page_ids[:num_pages], slot_indices, layer_by_layer=layer_by_layer, after=self._after(after))
+            self._prefetcher.take(handle, num_pages)
+            state.prefetch = None
+            if num_pages:
                 state.copies_in_flight += 1
                 state.loads.append(job)
                 self._counters.loads += 1
@@ -489,8 +491,11 @@ class OffloadManager:
 
     def offloaded_length(self, req: Any) -> int | None:
         """Tokens of this request stored, loaded or launched so far (None when untracked)."""
-        state = self._states.get(id(req)) or self._retracted.get(id(req))
-        return None if state is None else state.offloaded_length
+        state = self._states.get(id(req))
+        if state is not None:
+            return state.offloaded_length
+        retracted = self._retracted.get(id(req))
+        return retracted[1] if retracted is not None and retracted[0]() is req else None
 
     @property
     def requests_live(self) -> int:
@@ -505,15 +510,12 @@ class OffloadManager:
     @property
     def metrics(self) -> OffloadMetrics:
         """A snapshot of the counters."""
-        counters = self._counters
-        snapshot = OffloadMetrics(**{name: getattr(counters, name) for name in counters.__dataclass_fields__})
-        snapshot.requests_live = len(self._states)
-        snapshot.copies_in_flight = self.copies_in_flight
-        snapshot.writes_pending = self._backup.writes_pending
-        snapshot.host_pages_used = self.host_pool.used
-        snapshot.host_pages_high_water = self.host_pool.high_water
-        snapshot.host_pages_capacity = self.host_pool.capacity
-        return snapshot
+        pool = self.host_pool
+        return dataclasses.replace(
+            self._counters, requests_live=len(self._states), copies_in_flight=self.copies_in_flight,
+            writes_pending=self._backup.writes_pending, host_pages_used=pool.used,
+            host_pages_high_water=pool.high_water, host_pages_capacity=pool.capacity,
+        )
 
     # -- internals: lifecycle -----------------------------------------------------------------
 
@@ -526,9 +528,9 @@ class OffloadManager:
 
     def _track(self, req: Any) -> _RequestState:
         resumed = self._retracted.pop(id(req), None)
-        if resumed is not None and resumed.req is req:
-            state = _RequestState(req, resumed.offloaded_length)
-            state.chain = resumed.chain  # every run of it was keyed before its release
+        if resumed is not None and resumed[0]() is req:
+            state = _RequestState(req, resumed[1])
+            state.chain = resumed[2]  # every run of it was keyed before its release
         elif self.store_prompt:
             state = _RequestState(req, 0)
         else:  # the prefill side stored the prompt's whole pages
@@ -600,7 +602,12 @@ class OffloadManager:
         req = state.req
         del self._states[id(req)]
         if state.retract_keep is True:
-            self._retracted[id(req)] = state
+            key = id(req)
+            try:
+                held = weakref.ref(req, lambda _, key=key: self._retracted.pop(key, None))
+            except TypeError:  # a class without weakref support: held until it runs again
+                held = lambda req=req: req  # noqa: E731
+            self._retracted[key] = (held, state.offloaded_length, state.chain)
         elif state.retract_keep is None:
             try:
                 self._ended[id(req)] = req
@@ -700,7 +707,6 @@ class OffloadManager:
         state.copies_in_flight -= 1
         state.loads.remove(load)
         self._maybe_release(state)
-
 
 
 def _check_after(after: Any, argument: str) -> None:

@@ -18,6 +18,7 @@ from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.copier import Copier
 from kvstage.offload.load_path import PrefetchHandle, PrefixMatch
 from kvstage.offload.metrics import OffloadMetrics
+from kvstage.offload.request import request_tokens
 from kvstage.offload.store_io import leading_hits, read_leading_pages
 
 __all__ = ["Prefetcher"]
@@ -52,13 +53,13 @@ class Prefetcher:
         the engine computes anyway), or ``token_ids`` in their namespace.
 
         Raises:
-            InvalidArgumentError: neither or both of ``req`` and ``token_ids``.
+            InvalidArgumentError: neither or both of ``req`` and ``token_ids``; a placeholder
+                (negative) id in the request's prompt (named with its rid and position).
         """
         require((req is None) != (token_ids is None), "req", "give a request or token_ids, not both or neither")
         if req is not None:
-            prompt = req.origin_input_ids
-            usable = max(len(prompt) - 1, 0) // self.page_size * self.page_size
-            return self.hasher.prefill_keys(prompt[:usable], extra_key=req.extra_key, cache_salt=req.cache_salt)
+            usable = max(len(req.origin_input_ids) - 1, 0) // self.page_size * self.page_size
+            return self.hasher.prefill_keys(request_tokens(req, 0, usable), extra_key=req.extra_key, cache_salt=req.cache_salt)
         return self.hasher.prefill_keys(token_ids, extra_key=extra_key, cache_salt=cache_salt)
 
     def match(self, page_keys: list[str]) -> PrefixMatch:

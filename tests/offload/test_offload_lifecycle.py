@@ -95,3 +95,27 @@ def test_only_rank_0_of_an_mla_model_writes_and_every_rank_reads_it(tmp_path):
         manager.poll()
     assert writer.metrics.pages_stored == 2 and reader.metrics.pages_launched == 0
     assert reader.match_prefix(token_ids=[1, 2, 3, 4]).num_pages == 2
+
+
+def test_a_retracted_request_the_engine_drops_is_forgotten():
+    import gc
+
+    rig = make_rig(page_size=2)
+    req = rig.new_request("r", [1, 2], 20)
+    decode(rig, req, [3, 4, 5])
+    rig.manager.retract(req, keep_offloaded=True)
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    assert rig.manager.offloaded_length(req) == 4 and len(rig.manager._retracted) == 1
+    del req
+    rig.released.clear()
+    gc.collect()
+    assert rig.manager._retracted == {}
+
+
+def test_lookup_of_a_prompt_with_a_placeholder_names_the_request_and_position():
+    rig = make_rig(page_size=2)
+    req = SimpleRequest("p", [1, 2, -1, 4, 5])
+    with pytest.raises(InvalidArgumentError, match=r"^origin_input_ids\[2\]: rid='p' holds the placeholder id -1"):
+        rig.manager.match_prefix(req)
+    assert rig.manager.metrics.lookups == 0
