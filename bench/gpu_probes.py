@@ -777,48 +777,6 @@ def probe_real_model(ctx: Ctx) -> Probe:
     device = ctx.device
     new_tokens = 40 if not ctx.dry else 6
 
-    class DeviceEngine(rm.Engine):
-        """The test's Engine with the model, pool, slots and the forward's tensors on ``device``."""
-
-        def __init__(self, model, storage, *, seed, kv_pool=None):
-            self.model = model
-            self.kv_pool = kv_pool if kv_pool is not None else device_pool(model)
-            self.slots = SlotTable(rm.NUM_SLOTS, device=device, generator=torch.Generator().manual_seed(seed))
-            self.released = []
-            host_pool = HostPool.like(self.kv_pool, num_pages=rm.HOST_PAGES, page_size=rm.PAGE_SIZE)
-            self.manager = OffloadManager(self.kv_pool, host_pool, storage, PageHasher(page_size=rm.PAGE_SIZE), self.slots,
-                                          release=self.released.append, backend=ctx.backend)
-            self.cache_argument = rm._cache_argument(model.model.layers[0])
-
-        @torch.no_grad()
-        def forward(self, slot_indices, token_ids, start, load=None):
-            inner = self.model.model
-            end = start + len(token_ids)
-            positions = torch.arange(start, end, device=device)[None]
-            hidden = inner.embed_tokens(torch.tensor([token_ids], device=device))
-            position_embeddings = inner.rotary_emb(hidden, positions)
-            mask = torch.full((len(token_ids), end), torch.finfo(hidden.dtype).min, dtype=hidden.dtype, device=device).triu(start + 1)[None, None]
-            cache = rm.PoolCache(self.kv_pool, slot_indices[:end], start, load)
-            for layer in inner.layers:
-                out = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=position_embeddings, **{self.cache_argument: cache})
-                hidden = out[0] if isinstance(out, tuple) else out
-            return self.model.lm_head(inner.norm(hidden))[0].float()
-
-        def run(self, req, start, load=None):
-            steps = [self.prefill(req, start, len(req.origin_input_ids), load)]
-            while True:
-                req.output_ids.append(int(steps[-1][-1].argmax()))
-                self.manager.offload(req)
-                self.manager.poll()
-                if len(req.output_ids) == new_tokens:
-                    break
-                position = req.kv_length
-                slot_indices = self.slots.assign(req, position + 1)
-                steps.append(self.forward(slot_indices, [req.output_ids[-1]], position))
-            req.done = True
-            self.manager.finish(req)
-            return steps
-
     def device_pool(model):
         cpu_pool = rm.pool_buffers(model)
         moved = [[t.to(device) for t in part] for part in cpu_pool.buffers]
@@ -833,7 +791,7 @@ def probe_real_model(ctx: Ctx) -> Probe:
         if ctx.cuda:
             kernels_warm_up(kv_pool, rm.PAGE_SIZE)
         storage = open_storage("memory", LayoutFingerprint.of(kv_pool, page_size=rm.PAGE_SIZE, model_id=f"tiny-{arch}"))
-        first = DeviceEngine(model, storage, seed=0, kv_pool=kv_pool)
+        first = rm.Engine(model, storage, backend=ctx.backend, seed=0, kv_pool=kv_pool, device=device, new_tokens=new_tokens)
         tokens = rm.prompt_tokens()
         prefix_tokens = (rm.PROMPT_TOKENS - 1) // rm.PAGE_SIZE * rm.PAGE_SIZE
         a = SimpleRequest("a", tokens, **rm.NAMESPACE)
@@ -843,7 +801,7 @@ def probe_real_model(ctx: Ctx) -> Probe:
         stored = a.kv_length // rm.PAGE_SIZE
         probe.check(f"{name}: A's pages stored", first.manager.metrics.pages_stored == stored and first.released == [a],
                     f"{first.manager.metrics.pages_stored} of {stored}")
-        second = DeviceEngine(model, storage, seed=1)
+        second = rm.Engine(model, storage, backend=ctx.backend, seed=1, kv_pool=device_pool(model), device=device, new_tokens=new_tokens)
         b = SimpleRequest("b", tokens, **rm.NAMESPACE)
         load = second.load_prefix(b)
         logits_b = second.run(b, prefix_tokens, load=load)

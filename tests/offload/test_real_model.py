@@ -146,12 +146,16 @@ def _cache_argument(layer: torch.nn.Module) -> str:
 
 
 class Engine:
-    """One engine instance: a model, its KV pool, a slot table and kvstage's manager."""
+    """One engine instance: a model, its KV pool, a slot table and kvstage's manager, on
+    ``device`` (the model's); ``new_tokens``: how many tokens :meth:`run` decodes to."""
 
-    def __init__(self, model: torch.nn.Module, storage, *, backend: str, seed: int, kv_pool: KVPool | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, storage, *, backend: str, seed: int, kv_pool: KVPool | None = None,
+                 device: torch.device | str = "cpu", new_tokens: int = NEW_TOKENS) -> None:
         self.model = model
+        self.device = torch.device(device)
+        self.new_tokens = new_tokens
         self.kv_pool = kv_pool if kv_pool is not None else pool_buffers(model)
-        self.slots = SlotTable(NUM_SLOTS, generator=torch.Generator().manual_seed(seed))
+        self.slots = SlotTable(NUM_SLOTS, device=self.device, generator=torch.Generator().manual_seed(seed))
         self.released: list = []
         host_pool = HostPool.like(self.kv_pool, num_pages=HOST_PAGES, page_size=PAGE_SIZE)
         self.manager = OffloadManager(
@@ -166,10 +170,10 @@ class Engine:
         into ``slot_indices[start:start + n]``, and ``slot_indices[:start]`` hold the KV before."""
         inner = self.model.model
         end = start + len(token_ids)
-        positions = torch.arange(start, end)[None]
-        hidden = inner.embed_tokens(torch.tensor([token_ids]))
+        positions = torch.arange(start, end, device=self.device)[None]
+        hidden = inner.embed_tokens(torch.tensor([token_ids], device=self.device))
         position_embeddings = inner.rotary_emb(hidden, positions)
-        mask = torch.full((len(token_ids), end), torch.finfo(hidden.dtype).min, dtype=hidden.dtype).triu(start + 1)[None, None]
+        mask = torch.full((len(token_ids), end), torch.finfo(hidden.dtype).min, dtype=hidden.dtype, device=self.device).triu(start + 1)[None, None]
         cache = PoolCache(self.kv_pool, slot_indices[:end], start, load)
         for layer in inner.layers:
             out = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=position_embeddings,
@@ -184,14 +188,14 @@ class Engine:
 
     def run(self, req: SimpleRequest, start: int, load=None) -> list[torch.Tensor]:
         """Prefill the prompt from ``start`` (``[0, start)`` has KV), greedy-decode to
-        ``NEW_TOKENS``, calling kvstage as an engine does: ``offload`` and ``poll`` after every
+        ``new_tokens``, calling kvstage as an engine does: ``offload`` and ``poll`` after every
         step's KV is written, ``finish`` at the end. Returns every step's logits."""
         steps = [self.prefill(req, start, len(req.origin_input_ids), load)]
         while True:
             req.output_ids.append(int(steps[-1][-1].argmax()))
             self.manager.offload(req)
             self.manager.poll()
-            if len(req.output_ids) == NEW_TOKENS:
+            if len(req.output_ids) == self.new_tokens:
                 break
             position = req.kv_length  # the last sampled token's position: it has no KV yet
             slot_indices = self.slots.assign(req, position + 1)
