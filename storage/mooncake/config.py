@@ -162,6 +162,11 @@ def parse_mooncake_url(url: str) -> MooncakeConfig:
 
 
 def split_host_port(address: str, argument: str) -> tuple[str, int]:
+    """``"host:port"`` (brackets around an IPv6 host allowed) as ``(host, port)``.
+
+    Raises:
+        InvalidArgumentError: not ``host:port`` with a port in 1..65535; names ``argument``.
+    """
     if not isinstance(address, str) or ":" not in address:
         raise InvalidArgumentError(f"{argument}: must be 'host:port', got {address!r}")
     host, _, port_text = address.rpartition(":")
