@@ -95,7 +95,7 @@ MATRIX_ROWS = {
     "576B-fp8-mla": dict(parts=1, heads=1, dim=576, dtype=torch.float8_e4m3fn),
     "2048B-bf16-llama": dict(parts=2, heads=8, dim=128, dtype=torch.bfloat16),
 }
-MATRIX = dict(layers=3, page=16, pages=5, host_pages=8, slots=256)
+MATRIX = dict(layers=3, page=16, pages=5, num_host_pages=8, slots=256)
 STAGING_OFFSETS = (0, 2, 4, 8)  # bytes into a pinned buffer (torch's pinned blocks are 16-byte aligned or more)
 BIG_STAGING = dict(parts=2, layers=4, heads=1, dim=9, dtype=torch.int8, page=16, bytes=(9 << 28))  # 2.25 GiB, layer-first
 PTX_ROWS = {"llama3-8b-bf16": "2048B-bf16-llama", "deepseek-mla-fp8": "576B-fp8-mla"}
@@ -264,11 +264,11 @@ class Rig:
     page: int
 
 
-def make_rig(ctx: Ctx, *, num_slots: int = 2048, host_pages: int = 128, producer: Any = None, seed: int = 0) -> Rig:
+def make_rig(ctx: Ctx, *, num_slots: int = 2048, num_host_pages: int = 128, producer: Any = None, seed: int = 0) -> Rig:
     """A KV pool (``RIG``), a pinned host pool, a memory store and the manager, on ``ctx.device``."""
     page = RIG["page"]
     pool = make_pool(ctx.device, parts=RIG["parts"], layers=RIG["layers"], heads=RIG["heads"], dim=RIG["dim"], dtype=RIG["dtype"], slots=num_slots, fill="zero")
-    host_pool = HostPool.like(pool, num_pages=host_pages, page_size=page)  # pinned where CUDA is
+    host_pool = HostPool.like(pool, num_pages=num_host_pages, page_size=page)  # pinned where CUDA is
     storage = open_storage("memory", LayoutFingerprint.of(pool, page_size=page, model_id="gpu-check"))
     hasher = PageHasher(page_size=page)
     slots = SlotTable(num_slots, device=ctx.device, generator=torch.Generator().manual_seed(seed))
@@ -582,14 +582,14 @@ def run_matrix(ctx: Ctx, probe: Probe, combos: list[tuple]) -> list[dict]:
         if row_name not in pools:
             pools[row_name] = make_pool(ctx.device, layers=m["layers"], slots=m["slots"], seed=len(pools), **spec)
         pool = pools[row_name]
-        shape = staging_shape(pool, m["host_pages"], m["page"], layout)
+        shape = staging_shape(pool, m["num_host_pages"], m["page"], layout)
         nbytes = int(torch.Size(shape).numel()) * pool.itemsize
         arena = pinned_empty(ctx, nbytes + 16)
         arena.fill_(POISON)
         staging = arena[offset : offset + nbytes].view(pool.dtype).view(shape)
         gen = torch.Generator().manual_seed(len(records))
         slot_values = torch.randperm(m["slots"], generator=gen)[: m["pages"] * m["page"]]
-        host_values = torch.randperm(m["host_pages"], generator=gen)[: m["pages"]]
+        host_values = torch.randperm(m["num_host_pages"], generator=gen)[: m["pages"]]
         slot_indices = slot_values.to(index_dtype).to(ctx.device)
         host_page_ids = host_values.to(index_dtype)  # CPU: a staged copy reads its runs on the host
         options = dict(page_size=m["page"], layout=layout, backend=ctx.backend, mode=mode)
@@ -642,8 +642,8 @@ def probe_staging_2gib(ctx: Ctx) -> Probe:
     pool = make_pool(ctx.device, parts=s["parts"], layers=s["layers"], heads=s["heads"], dim=s["dim"], dtype=s["dtype"], slots=512, seed=9)
     page, row = s["page"], pool.row_bytes
     per_host_page = pool.kv_parts * pool.num_layers * page * row
-    host_pages = (s["bytes"] if ctx.cuda else 1 << 20) // per_host_page
-    shape = staging_shape(pool, host_pages, page, "layer_first")
+    num_host_pages = (s["bytes"] if ctx.cuda else 1 << 20) // per_host_page
+    shape = staging_shape(pool, num_host_pages, page, "layer_first")
     nbytes = int(torch.Size(shape).numel()) * pool.itemsize
     probe.data["staging_bytes"] = nbytes
     if ctx.cuda:
@@ -651,10 +651,10 @@ def probe_staging_2gib(ctx: Ctx) -> Probe:
     started = time.perf_counter()
     staging = pinned_empty(ctx, nbytes).view(pool.dtype).view(shape)
     probe.data["pin_seconds"] = time.perf_counter() - started
-    host_values = torch.tensor([host_pages - 1, host_pages - 5, host_pages - 3, host_pages // 2])  # none adjacent: each keeps a poisoned row after it
+    host_values = torch.tensor([num_host_pages - 1, num_host_pages - 5, num_host_pages - 3, num_host_pages // 2])  # none adjacent: each keeps a poisoned row after it
     pages = host_values.numel()
     slot_values = torch.randperm(pool.num_slots, generator=torch.Generator().manual_seed(2))[: pages * page]
-    flat = staging.view(pool.kv_parts, pool.num_layers, host_pages * page, row).view(torch.uint8)
+    flat = staging.view(pool.kv_parts, pool.num_layers, num_host_pages * page, row).view(torch.uint8)
     for index_dtype in (torch.int32, torch.int64):
         for p in range(pool.kv_parts):
             for layer in range(pool.num_layers):
@@ -671,7 +671,7 @@ def probe_staging_2gib(ctx: Ctx) -> Probe:
             for layer in range(pool.num_layers):
                 for i, h in enumerate(host_values.tolist()):
                     ok &= torch.equal(flat[p, layer, h * page : (h + 1) * page], small[p, layer, i * page : (i + 1) * page])
-                    ok &= bool((flat[p, layer, h * page + page] == POISON).all()) if h < host_pages - 1 else True
+                    ok &= bool((flat[p, layer, h * page + page] == POISON).all()) if h < num_host_pages - 1 else True
         dtype_name = str(index_dtype).removeprefix("torch.")
         probe.check(f"gather into the last host pages, {dtype_name} indices", ok)
         saved = [t.clone() for t in pool.tensors()]
@@ -730,7 +730,7 @@ def probe_ptx(ctx: Ctx) -> Probe:
     m = MATRIX
     for name, row_name in PTX_ROWS.items():
         pool = make_pool(ctx.device, layers=m["layers"], slots=m["slots"], **MATRIX_ROWS[row_name])
-        staging = pinned_empty(ctx, int(torch.Size(staging_shape(pool, m["host_pages"], m["page"], "page_first")).numel()), pool.dtype).view(staging_shape(pool, m["host_pages"], m["page"], "page_first"))
+        staging = pinned_empty(ctx, int(torch.Size(staging_shape(pool, m["num_host_pages"], m["page"], "page_first")).numel()), pool.dtype).view(staging_shape(pool, m["num_host_pages"], m["page"], "page_first"))
         slot_indices = torch.arange(m["pages"] * m["page"], device=ctx.device)
         host_page_ids = torch.arange(m["pages"])
         for op in ("gather", "scatter"):

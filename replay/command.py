@@ -57,7 +57,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
     p.add_argument("--device", choices=("cpu", "cuda"), help="device of the KV pool (default: cuda when available)")
     p.add_argument("--pool-tokens", type=int, metavar="N", help="device KV pool slots (default: sized for the largest running requests)")
-    p.add_argument("--host-pages", type=int, metavar="N", help="host pool pages, at least the longest request's (default: twice that + 4 strides per running request)")
+    p.add_argument("--num-host-pages", type=int, metavar="N", help="host pool pages, at least the longest request's (default: twice that + 4 strides per running request)")
     p.add_argument("--threads", type=int, metavar="N", help="torch intra-op CPU threads (default 1 with a CPU KV pool, else torch's default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=run)
@@ -85,7 +85,7 @@ def config_from_args(args: argparse.Namespace):
     _positive("--tenants", args.tenants, 0)
     _positive("--verify-sample", args.verify_sample, 0)
     _positive("--pool-tokens", args.pool_tokens)
-    _positive("--host-pages", args.host_pages)
+    _positive("--num-host-pages", args.num_host_pages)
     _positive("--threads", args.threads)
     if args.stride is not None and (args.stride < 1 or args.stride % args.page_size):
         raise InvalidArgumentError(f"--stride: must be a positive multiple of --page-size {args.page_size}, got {args.stride}")
@@ -106,7 +106,7 @@ def config_from_args(args: argparse.Namespace):
     config = ReplayConfig(
         model=model, page_size=args.page_size, stride=args.stride, max_running=args.max_running, storage=storage,
         hash_scheme=args.hash, backend=args.backend, seed=args.seed, tenants=args.tenants, lora_share=args.lora_share,
-        device=args.device, pool_tokens=args.pool_tokens, host_pages=args.host_pages,
+        device=args.device, pool_tokens=args.pool_tokens, num_host_pages=args.num_host_pages,
     )
     return config, requests, trace_name
 

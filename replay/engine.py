@@ -85,7 +85,7 @@ class ReplayConfig:
         pool_tokens: device KV pool slots; None: enough for the ``max_running`` largest
             requests, bounded (4 GiB on CPU, half the free memory on CUDA) but never below the
             largest request.
-        host_pages: host pool pages, at least the longest request's whole pages (a prefetch and
+        num_host_pages: host pool pages, at least the longest request's whole pages (a prefetch and
             a verify load take a whole prefix at once); None: twice that plus four strides per
             running request.
     """
@@ -102,7 +102,7 @@ class ReplayConfig:
     lora_share: float = 0.0
     device: str | None = None
     pool_tokens: int | None = None
-    host_pages: int | None = None
+    num_host_pages: int | None = None
 
 
 class ReplayRequest:
@@ -290,13 +290,13 @@ class ReplayEngine:
 
         # Host pool, storage, hasher, manager.
         longest = max((r.input_length + r.output_length - 1) // ps for r in self.trace)
-        host_pages = config.host_pages or (2 * max(longest, 1) + 4 * config.max_running * (self.stride // ps))
-        if host_pages < longest:
+        num_host_pages = config.num_host_pages or (2 * max(longest, 1) + 4 * config.max_running * (self.stride // ps))
+        if num_host_pages < longest:
             raise InvalidArgumentError(
-                f"--host-pages: {host_pages} pages cannot hold the longest request's {longest} whole pages "
+                f"--num-host-pages: {num_host_pages} pages cannot hold the longest request's {longest} whole pages "
                 "(a prefetch and a verify load take a whole prefix at once)"
             )
-        self.host_pool = HostPool.like(self.kv_pool, num_pages=host_pages, page_size=ps)
+        self.host_pool = HostPool.like(self.kv_pool, num_pages=num_host_pages, page_size=ps)
         self.fingerprint = LayoutFingerprint.of(self.kv_pool, page_size=ps, model_id=model.name)
         self.notes: list[str] = []  # things the command line should tell the user
         self.expected_pages_bound = sum(

@@ -140,7 +140,7 @@ def verify_pages(engine, *, sample: int | None = None, seed: int = 0) -> VerifyR
         if handle.pages_wanted < pages:
             manager.abort(req)
             raise InvalidArgumentError(
-                f"--host-pages: {manager.host_pool.free_pages} free host pages cannot take a chain of {pages} pages"
+                f"--num-host-pages: {manager.host_pool.free_pages} free host pages cannot take a chain of {pages} pages"
             )
         handle.wait()
         loaded = handle.pages_ready

@@ -249,7 +249,7 @@ def make_rig(
     num_heads: int = 1,
     head_dim: int = 4,
     num_slots: int = 256,
-    host_pages: int = 16,
+    num_host_pages: int = 16,
     buffer_pages: int | None = None,
     device: torch.device | str = "cpu",
     storage: Any = None,
@@ -276,7 +276,7 @@ def make_rig(
     device = torch.device(device)
     stacked = torch.zeros((2, num_layers, num_slots, num_heads, head_dim), dtype=torch.int32, device=device)
     kv_pool = KVPool.from_stacked(stacked)
-    host_pool = HostPool.like(kv_pool, num_pages=host_pages, page_size=page_size, buffer_pages=buffer_pages)
+    host_pool = HostPool.like(kv_pool, num_pages=num_host_pages, page_size=page_size, buffer_pages=buffer_pages)
     fingerprint = LayoutFingerprint("rig", KVLayout(num_layers, 2, num_heads, head_dim, "int32"), page_size)
     storage = FlakyStore(fingerprint) if storage is None else storage
     copy_stream = ManualCopyStream() if copy_stream is None else copy_stream

@@ -168,7 +168,7 @@ def test_the_matrix_sees_a_copy_that_writes_nothing(probes, monkeypatch):
 
 def test_the_stored_bytes_check_sees_a_wrong_page(probes):
     ctx = probes.Ctx(torch.device("cpu"), True, Path("."))
-    rig = probes.make_rig(ctx, num_slots=256, host_pages=16)
+    rig = probes.make_rig(ctx, num_slots=256, num_host_pages=16)
     req = probes.SimpleRequest("r", probes.prompt(1, 2, rig.page))
     slots = rig.slots.assign(req, len(req.origin_input_ids))
     probes.put_rows_(rig.pool, slots, probes.device_rows(rig.pool, slots.numel(), seed=3))

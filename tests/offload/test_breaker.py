@@ -293,7 +293,7 @@ def test_two_requests_with_one_rid_keep_their_keys_and_releases_apart():
 
 
 def test_a_long_prompt_with_a_small_host_pool_prefetches_what_fits_and_the_chain_continues():
-    rig = make_rig(page_size=2, store_prompt=True, host_pages=4)
+    rig = make_rig(page_size=2, store_prompt=True, num_host_pages=4)
     a = rig.new_request("a", list(range(1, 42)), 4)
     a_slots = rig.slots(a)[:8].clone()  # freed at a's release
     a_kv = rig.stacked[:, :, a_slots].clone()

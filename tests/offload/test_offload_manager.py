@@ -145,7 +145,7 @@ def test_reused_rid_late_completion_cleans_up_only_the_old_request(cls):
 
 
 def test_host_pool_full_returns_false_and_changes_nothing():
-    rig = make_rig(page_size=2, host_pages=3)
+    rig = make_rig(page_size=2, num_host_pages=3)
     manager = rig.manager
     a = rig.new_request("a", [1, 2], 20)
     decode_steps(rig, a, [3, 4, 5, 6, 7, 8, 9], poll=False)  # 3 pages in flight: pool full
@@ -167,7 +167,7 @@ def test_host_pool_full_returns_false_and_changes_nothing():
 
 
 def test_finish_with_the_host_pool_full_drops_pages_and_still_releases():
-    rig = make_rig(page_size=2, host_pages=1)
+    rig = make_rig(page_size=2, num_host_pages=1)
     a = rig.new_request("a", [1, 2], 20)
     decode_steps(rig, a, [3, 4, 5], poll=False)  # kv 4: page 1 in flight
     b = rig.new_request("b", [9], 20)
@@ -423,7 +423,7 @@ def test_mismatched_parts_are_rejected():
 
 def test_triton_backend_copies_the_same_pages(device):
     """One run through backend="auto" (Triton; the interpreter on CPU), multi-chunk host pool."""
-    rig = make_rig(page_size=2, host_pages=6, buffer_pages=2, device=device, backend="auto",
+    rig = make_rig(page_size=2, num_host_pages=6, buffer_pages=2, device=device, backend="auto",
                    copy_stream=CopyStream(device), slot_generator=torch.Generator().manual_seed(3))
     req = rig.new_request("r", [1, 2, 3], 12, cache_salt="t")
     for token in range(10, 17):

@@ -45,7 +45,7 @@ class DeviceConstructionSpy:
 def test_engine_facing_calls_build_no_device_tensor_from_host_data(monkeypatch):
     # Two host buffers of 2 pages each: segments span them (the case that once built an index
     # tensor on the device from a Python list).
-    rig = make_rig(page_size=2, host_pages=6, buffer_pages=2, store_prompt=True, store_workers=StoreWorkers())
+    rig = make_rig(page_size=2, num_host_pages=6, buffer_pages=2, store_prompt=True, store_workers=StoreWorkers())
     prompt = list(range(7))
     a = rig.new_request("a", prompt, 12)
     b = rig.new_request("b", prompt, 12)

@@ -202,7 +202,7 @@ def test_a_backlog_larger_than_the_free_host_pages_is_offloaded_in_the_strides_t
     # outgrew the free host pages never progressed and finish() dropped all of it.
     from offload_rig import make_rig
 
-    rig = make_rig(page_size=4, offload_stride=4, host_pages=2)
+    rig = make_rig(page_size=4, offload_stride=4, num_host_pages=2)
     req = rig.new_request("r", range(4), 32)
     for token in range(100, 118):  # 4 + 17 tokens with KV: 4 whole pages after the prompt
         rig.decode(req, token)
@@ -225,7 +225,7 @@ def test_a_backlog_larger_than_the_free_host_pages_is_offloaded_in_the_strides_t
 def test_finish_with_a_full_host_pool_keeps_the_rest_waiting_until_pages_free():
     from offload_rig import make_rig
 
-    rig = make_rig(page_size=4, offload_stride=4, host_pages=3)
+    rig = make_rig(page_size=4, offload_stride=4, num_host_pages=3)
     req = rig.new_request("r", range(4), 32)
     for token in range(100, 122):  # 4 + 21 tokens with KV: 5 whole pages after the prompt
         rig.decode(req, token)
@@ -245,7 +245,7 @@ def test_finish_with_a_full_host_pool_keeps_the_rest_waiting_until_pages_free():
 def test_finish_beyond_the_backlog_limit_drops_the_rest():
     from offload_rig import make_rig
 
-    rig = make_rig(page_size=4, offload_stride=4, host_pages=3, finish_backlog_pages=1)
+    rig = make_rig(page_size=4, offload_stride=4, num_host_pages=3, finish_backlog_pages=1)
     req = rig.new_request("r", range(4), 32)
     for token in range(100, 122):  # 5 whole pages after the prompt; 3 fit, 2 > the limit of 1
         rig.decode(req, token)

@@ -88,7 +88,7 @@ class OffloadMachine(RuleBasedStateMachine):
         self.read_failures = False
         self.stream = OwnedCopyStream()
         self.rig = make_rig(
-            page_size=PAGE_SIZE, host_pages=7, buffer_pages=3, num_slots=MAX_REQUESTS * 64,
+            page_size=PAGE_SIZE, num_host_pages=7, buffer_pages=3, num_slots=MAX_REQUESTS * 64,
             storage=self.store, copy_stream=self.stream, on_storage_failure=self._on_failure, store_prompt=True,
         )
         self.rig.on_release = self._on_release

@@ -102,7 +102,7 @@ def test_a_second_run_on_the_same_file_store_stores_nothing_new(tmp_path):
 def test_a_host_pool_of_the_longest_request_still_offloads_every_page():
     requests = tiny_trace()
     longest = max((r.input_length + r.output_length - 1) // 16 for r in requests)
-    report, engine = run_in_process(requests, host_pages=longest, max_running=6)
+    report, engine = run_in_process(requests, num_host_pages=longest, max_running=6)
     engine.close()
     assert report["host_pool_high_water_pages"] <= report["host_pool_capacity_pages"] == longest == 77
     assert report["lost_pages"] == 0 and report["pages_dropped"] == 0 and report["load_mismatches"] == 0
@@ -111,10 +111,10 @@ def test_a_host_pool_of_the_longest_request_still_offloads_every_page():
 
 
 def test_a_host_pool_smaller_than_the_longest_request_is_refused(capsys):
-    with pytest.raises(InvalidArgumentError, match="^--host-pages: 76 pages cannot hold the longest request's 77"):
-        run_in_process(tiny_trace(), host_pages=76)
-    assert main(["replay", "--no-progress", "--requests", "3", "--host-pages", "2"]) == 2
-    assert "--host-pages" in capsys.readouterr().err
+    with pytest.raises(InvalidArgumentError, match="^--num-host-pages: 76 pages cannot hold the longest request's 77"):
+        run_in_process(tiny_trace(), num_host_pages=76)
+    assert main(["replay", "--no-progress", "--requests", "3", "--num-host-pages", "2"]) == 2
+    assert "--num-host-pages" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ def decode(rig, req, tokens) -> None:
 
 def test_manager_stores_decode_pages_in_mooncake_zero_copy(mooncake_master):
     store = MooncakeStore(RIG_FINGERPRINT, mooncake_master.url())
-    rig = make_rig(page_size=4, host_pages=16, buffer_pages=8, storage=store, copy_stream=CopyStream("cpu"),
+    rig = make_rig(page_size=4, num_host_pages=16, buffer_pages=8, storage=store, copy_stream=CopyStream("cpu"),
                    slot_generator=torch.Generator().manual_seed(3))
     try:
         req = rig.new_request("r1", range(500, 510), 32, cache_salt="tenant-a")  # 2 full pages + 2
@@ -63,7 +63,7 @@ def test_manager_stores_decode_pages_in_mooncake_zero_copy(mooncake_master):
 def test_manager_keeps_its_invariants_when_the_master_dies(private_master):
     store = MooncakeStore(RIG_FINGERPRINT, private_master.url(rpc_timeout_ms=1500))
     failures: list[list[str]] = []
-    rig = make_rig(page_size=4, host_pages=16, storage=store, copy_stream=CopyStream("cpu"),
+    rig = make_rig(page_size=4, num_host_pages=16, storage=store, copy_stream=CopyStream("cpu"),
                    on_storage_failure=lambda req, keys, error: failures.append(list(keys)))
     try:
         req = rig.new_request("r1", range(10, 18), 40)  # 2 full prompt pages
