@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvstage.errors import StorageError
+from kvstage.errors import StorageError, is_int, require
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.storage import PutStatus
 
@@ -166,11 +166,18 @@ class StoreWorkers:
     """Threads that run store calls off the engine's thread: writes on one pool, reads on another.
 
     Args:
-        write_threads: threads for writes (>= 1).
+        write_threads: threads for writes (>= 1). More than one lets a request's writes land
+            out of chain order, which a chain-aware store refuses: keep one unless the store
+            ignores chain links (Mooncake).
         read_threads: threads for reads (>= 1).
+
+    Raises:
+        InvalidArgumentError: a thread count is not an int >= 1.
     """
 
     def __init__(self, *, write_threads: int = 1, read_threads: int = 1) -> None:
+        for name, value in (("write_threads", write_threads), ("read_threads", read_threads)):
+            require(is_int(value) and value >= 1, name, lambda: f"must be an int >= 1, got {value!r}")
         self._writes = ThreadPoolExecutor(max_workers=write_threads, thread_name_prefix="kvstage-store-write")
         self._reads = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="kvstage-store-read")
 

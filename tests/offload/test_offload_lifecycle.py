@@ -119,3 +119,11 @@ def test_lookup_of_a_prompt_with_a_placeholder_names_the_request_and_position():
     with pytest.raises(InvalidArgumentError, match=r"^origin_input_ids\[2\]: rid='p' holds the placeholder id -1"):
         rig.manager.match_prefix(req)
     assert rig.manager.metrics.lookups == 0
+
+
+@pytest.mark.parametrize("kwargs, name", [({"write_threads": 0}, "write_threads"), ({"read_threads": True}, "read_threads")])
+def test_store_worker_thread_counts_are_checked_by_name(kwargs, name):
+    from kvstage.offload import StoreWorkers
+
+    with pytest.raises(InvalidArgumentError, match=f"^{name}: must be an int >= 1"):
+        StoreWorkers(**kwargs)
