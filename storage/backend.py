@@ -124,10 +124,7 @@ class StorageBackend(abc.ABC):
             raise InvalidArgumentError(f"prior_key: must not be one of keys (keys[{keys.index(prior_key)}]): it precedes keys[0]")
         full_keys = [self.prefix + key for key in keys]
         started = time.perf_counter()
-        if prior_key:
-            statuses = self._put(full_keys, list(pages), self.prefix + prior_key)
-        else:  # also serves subclasses whose _put predates prior_key (two arguments)
-            statuses = self._put(full_keys, list(pages))
+        statuses = self._put(full_keys, list(pages), self.prefix + prior_key if prior_key else None)
         self.stats.put_seconds += time.perf_counter() - started
         for status in statuses:
             if status is PutStatus.STORED:

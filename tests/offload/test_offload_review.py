@@ -54,8 +54,8 @@ class _ShortAnswers(MemoryStore):
         answer = super()._exists(full_keys)
         return answer[:-1] if self.short == "exists" else answer
 
-    def _put(self, full_keys, pages):
-        answer = super()._put(full_keys, pages)
+    def _put(self, full_keys, pages, full_prior_key=None):
+        answer = super()._put(full_keys, pages, full_prior_key)
         return answer[:-1] if self.short == "put" else answer
 
 
