@@ -45,7 +45,7 @@ from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, requ
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.backup import Backup
 from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike, PageHasherLike, StoreWorkersLike
-from kvstage.offload.copier import GATHER, Copier, CopyResult
+from kvstage.offload.copier import GATHER, SCATTER, Copier, CopyResult
 from kvstage.offload.host_pool import HostPool
 from kvstage.offload.key_chain import ChainRun, RequestChain
 from kvstage.offload.load_path import PREFETCH_POLICIES, LoadHandle, PrefetchHandle, PrefixMatch
@@ -562,7 +562,13 @@ class OffloadManager:
         if aborted and state.loads:
             for load in list(state.loads):  # a queued load cannot be recalled: no slot written after abort returns
                 self.copier.synchronize(job=load)
-            self.poll()  # collects those loads, so the release comes within this call
+            # Collect those loads alone (so the release comes within this call); every other
+            # finished copy waits for the next poll, which owns launches and callbacks.
+            self._unhandled.extend(self.copier.poll())
+            mine = [result for result in self._unhandled if result.direction == SCATTER and result.job.state is state]
+            for result in mine:
+                self._unhandled.remove(result)
+                self._loaded(result)
         self._maybe_release(state)
 
     def _finish_state(self, state: _RequestState, after: Any) -> bool:

@@ -402,3 +402,25 @@ def test_abort_during_a_load_waits_for_it_and_releases_within_the_call():
     rig.manager.abort(b)
     # The queued load ran before abort returned (nothing of b written afterwards), and b is released.
     assert rig.copy_stream.pending == [] and rig.released == [a, b] and rig.host_pool.used == 0
+
+
+def test_abort_collects_only_its_own_loads_and_launches_nothing_of_other_requests():
+    # Found by the state machine on a fresh example database: abort() ran a whole poll(), which
+    # launched another finished request's waiting pages from inside abort.
+    rig = make_rig(page_size=PAGE, store_prompt=True, num_host_pages=6)
+    stored_request(rig)
+    b = follow_up(rig, "b", range(18))
+    handle = rig.manager.prefetch(b)
+    handle.wait(5.0)
+    rig.manager.load(handle, rig.slots(b)[:16])  # holds 4 of the 6 host pages until collected
+    c = rig.new_request("c", range(40, 60), 8)  # 20 tokens with KV: 5 whole pages
+    rig.decode(c, 1)
+    c.done = True
+    assert rig.manager.finish(c)  # 2 pages launched, 3 wait for host pages
+    launched = rig.manager.metrics.pages_launched
+    rig.manager.abort(b)
+    assert rig.released[-1] is b  # released within the call ...
+    assert rig.manager.metrics.pages_launched == launched  # ... and nothing of c launched by it
+    rig.copy_stream.complete_all()
+    rig.manager.drain()
+    assert rig.released[-1] is c and rig.host_pool.used == 0
