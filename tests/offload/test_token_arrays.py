@@ -204,3 +204,39 @@ def test_a_placeholder_in_an_array_is_named(typecode):
     req = Request(array(typecode, [1, -1, 3, 4]), array(typecode, [5]), rid="p")
     with pytest.raises(InvalidArgumentError, match=r"^origin_input_ids\[1\]: rid='p' holds the placeholder id -1 at token position 1"):
         request_tokens(req, 0, 5)
+
+
+# ---- the replay's requests hold array('q'), as sglang's do ---------------------------------------
+
+
+def test_the_replays_requests_hold_array_q_and_its_run_hashes_them_as_arrays(monkeypatch):
+    from kvstage.replay.command import replay
+    from kvstage.replay.engine import ReplayConfig, ReplayRequest
+    from kvstage.replay.models import resolve_model
+    from kvstage.replay.trace import TraceRequest
+
+    trace = [TraceRequest(i, float(i), n_in, n_out, tuple(ids)) for i, (n_in, n_out, ids) in
+             enumerate([(700, 20, [0, 1]), (900, 9, [0, 1]), (300, 1, [0]), (64, 40, [5])])]  # fmt: skip
+    req = ReplayRequest(trace[0], np.arange(700, dtype=np.int64), np.arange(20, dtype=np.int64) + 10**6, None, None)
+    assert type(req.origin_input_ids) is array and req.origin_input_ids.typecode == "q"
+    assert type(req.output_ids) is array and req.output_ids.typecode == "q" and len(req.output_ids) == 0
+    req.sample_next()
+    assert req.output_ids.tolist() == [10**6]
+    assert type(req.kv_tokens) is array and req.kv_tokens.tolist() == list(range(700)) + list(range(10**6, 10**6 + 19))
+
+    seen = []  # the type of every token sequence the run's hasher is handed
+    for method in ("prefill_keys", "continue_keys"):
+        original = getattr(PageHasher, method)
+
+        def spy(self, tokens, *args, _original=original, **kwargs):
+            seen.append(type(tokens))
+            return _original(self, tokens, *args, **kwargs)
+
+        monkeypatch.setattr(PageHasher, method, spy)
+    config = ReplayConfig(model=resolve_model(None, layers=1, heads=1, head_dim=8, dtype="float16"), page_size=16, max_running=2, backend="torch")
+    # The run alone (verify_sample=0: the verify pass, whose requests are SimpleRequest lists,
+    # checks nothing); each load during the run checks its bytes (load_mismatches).
+    report, engine = replay(config, trace, verify_sample=0)
+    assert report["pages_stored"] > 0 and report["pages_loaded"] > 0
+    assert report["load_mismatches"] == report["pages_failed"] == report["pages_dropped"] == 0
+    assert seen and set(seen) == {array}
