@@ -220,18 +220,18 @@ def _is_torch_tensor(value: object) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def _format_letter(format: str) -> tuple[str, str]:
+def _format_letter(buffer_format: str) -> tuple[str, str]:
     """``(byte order prefix, type letter)`` of a buffer format: ``"<q"`` -> ``("<", "q")``,
     ``"l"`` -> ``("", "l")``; the letter is the rest when it is not one character."""
-    if format[:1] in ("@", "=", "<", ">", "!"):
-        return format[0], format[1:]
-    return "", format
+    if buffer_format[:1] in ("@", "=", "<", ">", "!"):
+        return buffer_format[0], buffer_format[1:]
+    return "", buffer_format
 
 
-def _is_native_integer_format(format: str) -> bool:
+def _is_native_integer_format(buffer_format: str) -> bool:
     """Whether the compiled chains read a buffer of this format in place: an integer type,
     native or little-endian (they build on little-endian hosts only)."""
-    order, letter = _format_letter(format)
+    order, letter = _format_letter(buffer_format)
     return letter in _INTEGER_LETTERS and order in ("", "@", "=", "<") and _LITTLE_ENDIAN
 
 
@@ -365,9 +365,9 @@ def compiled_source(tokens, argument: str = "tokens"):
     Raises:
         ArgumentTypeError / InvalidArgumentError: a torch tensor of a non-integer dtype, not
             1-D, sparse or on the meta device; a range holding an id outside
-            ``0 <= id <= 2**63-1``; ``bytes``, ``bytearray`` or a buffer that is not 1-D or not
-            of integers (as :func:`token_ids`). Other bad inputs return None, and
-            :func:`token_ids` then raises.
+            ``0 <= id <= 2**63-1``; a buffer that is not 1-D or not of integers (as
+            :func:`token_ids`). Other bad inputs (``bytes`` and ``bytearray`` among them)
+            return None, and :func:`token_ids` then raises.
     """
     if type(tokens) is list or type(tokens) is tuple:
         return tokens
