@@ -24,7 +24,10 @@ Two paths give the same bytes and the same errors. Where a scheme's chain is com
 the ids itself (:func:`compiled_source` hands it the list, tuple or numpy array as it is) and
 converts them page by page while hashing; a contiguous native-endian buffer (an ``array.array``)
 is read in place, without a copy, and a strided or big-endian one is first copied into a
-contiguous native array. Otherwise (and for whatever the compiled chain
+contiguous native array. While a chain reads an ``array.array`` (for a large input with the
+GIL released) the array cannot be resized: an ``append`` from another thread raises
+``BufferError``, so code that hashes an engine's live token list off the engine's thread hashes
+a slice of it (a copy), as :func:`kvstage.offload.request.request_tokens` gives. Otherwise (and for whatever the compiled chain
 declines: ranges, int subclasses, numpy scalars in a list) :func:`token_ids` converts the whole
 input at once, with one ``array('I', ...)`` (lists) or numpy's ``astype('<u4')`` (arrays) while
 every id fits u32; only an input holding a wider id is converted again, to u64, and
