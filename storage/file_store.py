@@ -157,6 +157,7 @@ class FileStore(StorageBackend):
         # clear() waits for puts in flight and holds new ones (a put lands wholly after it).
         self._gate = threading.Condition()
         self._puts_active = 0
+        self._puts_waiting = 0  # a clear lets these in first, so repeated clears never starve puts
         self._clearing = False
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -290,8 +291,10 @@ class FileStore(StorageBackend):
         prior = None if full_prior_key is None else _digest(full_prior_key)
         pinned = digests + ([] if prior is None else [prior])
         with self._gate:
+            self._puts_waiting += 1
             while self._clearing:
                 self._gate.wait()
+            self._puts_waiting -= 1
             self._puts_active += 1
         with self._lock:
             self._pinned.update(pinned)  # never evicted while this put runs, by any thread
@@ -437,7 +440,7 @@ class FileStore(StorageBackend):
         # Every page file of this key space: indexed here or written by another process.
         # Removes only what it finds when it starts; another process's put after that stays.
         with self._gate:
-            while self._clearing:
+            while self._clearing or self._puts_waiting:
                 self._gate.wait()
             self._clearing = True
             while self._puts_active:

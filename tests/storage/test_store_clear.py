@@ -99,7 +99,7 @@ def test_puts_racing_clears_land_whole_or_not_at_all(kind, tmp_path):
     thread = threading.Thread(target=writer)
     thread.start()
     cleared = 0
-    while not stop.is_set():
+    while not stop.wait(0.002):
         cleared += store.clear()
     thread.join()
     assert all(answer == [STORED] * 4 for answer in statuses)
