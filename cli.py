@@ -1,4 +1,5 @@
-"""The ``kvstage`` command line: ``kvstage --version``, ``kvstage info``, ``kvstage replay``.
+"""The ``kvstage`` command line: ``kvstage --version``, ``kvstage info``, ``kvstage replay``,
+``kvstage store``.
 
 Sub-commands register themselves in :func:`build_parser`; each has a ``run_<name>`` function
 that takes the parsed arguments and returns the process exit code.
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvstage.replay.command import add_parser as add_replay_parser
 
     add_replay_parser(commands)
+    from kvstage.storage.command import add_parser as add_store_parser
+
+    add_store_parser(commands)
     return parser
 
 
