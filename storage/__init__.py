@@ -14,7 +14,7 @@ Public API:
     open_storage, STORAGE_SCHEMES: build a store from a URL (``memory``, ``file:DIR``,
         ``mooncake://HOST:PORT?...``).
 
-Modules: ``backend``, ``events``, ``command`` (``kvstage store``), ``fingerprint``, ``registry``, ``memory_store``, ``file_store``,
+Modules: ``backend``, ``events``, ``fingerprint``, ``registry``, ``memory_store``, ``file_store``,
 ``mooncake`` (``config``, ``status``, ``store``).
 """
 

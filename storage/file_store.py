@@ -59,7 +59,7 @@ Other key spaces in the directory (pages of an old ``model_id`` after a weight u
 ranks or stages) are not this store's to count or evict: :func:`key_spaces` lists every key
 space's pages and bytes (opening a store logs how many page files of other key spaces the
 directory holds), :meth:`FileStore.evict_key_space` removes one (counted and reported as
-events), and ``kvstage store file:DIR`` does both from the command line.
+events), and ``kvstage store file:DIR`` (:mod:`kvstage.cli`) does both from the command line.
 
 Store events (:mod:`kvstage.storage.events`, tier ``"file"``): ``stored`` for each page a put
 wrote, ``evicted`` for each page the capacity evicted, ``removed`` for each page
@@ -246,11 +246,13 @@ class FileStore(StorageBackend):
                 head = handle.read(_HEADER.size)
                 if len(head) == _HEADER.size:
                     head += handle.read(_HEADER.unpack_from(head)[1])
+                parsed = self._parse_header(head, status.st_size)
+                if parsed is None or self._name(parsed[0]) != name:
+                    # Torn, corrupt, of format 1, or renamed by hand: never a page here (unless
+                    # another process has just written the page again: then kept).
+                    self._remove_file_read(path, status)
+                    return
         except OSError:
-            return
-        parsed = self._parse_header(head, status.st_size)
-        if parsed is None or self._name(parsed[0]) != name:
-            _unlink(path)  # torn, corrupt, of format 1, or renamed by hand: never a page here
             return
         full_key, prior = parsed
         self._index.add(_digest(full_key), (name, status.st_size, full_key[len(self.prefix) :]), prior, tick=status.st_mtime_ns)
@@ -443,32 +445,39 @@ class FileStore(StorageBackend):
         return True
 
     def _drop_corrupt(self, full_key: str, path: Path, read: os.stat_result) -> None:
-        """Remove the corrupt page file ``read`` (its stat, taken while it is held open, so its
-        inode is not reused) unless a writer replaced it at ``path`` since: rename to a
-        tombstone, compare inodes, put a different (fresh) file back."""
-        tombstone = self._tmp_path()
+        """Remove the corrupt page file ``read`` and forget it, unless a writer replaced it at
+        ``path`` since (see :meth:`_remove_file_read`); a ``removed`` event when it went."""
         with self._lock:  # the index entry goes with the file, never with a fresh one
-            try:
-                os.rename(path, tombstone)
-            except OSError:
-                return  # gone already (another reader, a clear)
-            try:
-                moved = os.stat(tombstone)
-            except OSError:
+            if not self._remove_file_read(path, read):
                 return
-            if (moved.st_ino, moved.st_dev) != (read.st_ino, read.st_dev):
-                try:
-                    os.link(tombstone, path)  # the fresh page back; a newer one there wins
-                except OSError:
-                    pass
-                _unlink(tombstone)
-                return
-            _unlink(tombstone)
             removed = self._index.remove(_digest(full_key))
             if removed is not None:
                 self._used -= removed[1]
             self.stats.pages_removed += 1
             self._record("removed", [full_key])
+
+    def _remove_file_read(self, path: Path, read: os.stat_result) -> bool:
+        """Remove ``path`` if it is still the file ``read`` (its stat, taken while the file is
+        held open, so its inode is not reused): rename it to a tombstone, compare inodes, put a
+        different (fresh) file back. Whether the file read was removed."""
+        tombstone = self._tmp_path()
+        try:
+            os.rename(path, tombstone)
+        except OSError:
+            return False  # gone already (another reader, a clear)
+        try:
+            moved = os.stat(tombstone)
+        except OSError:
+            return False
+        if (moved.st_ino, moved.st_dev) != (read.st_ino, read.st_dev):
+            try:
+                os.link(tombstone, path)  # the fresh page back; a newer one there wins
+            except OSError:
+                pass
+            _unlink(tombstone)
+            return False
+        _unlink(tombstone)
+        return True
 
     def _clear(self) -> int:
         # Every page file of this key space: indexed here or written by another process.

@@ -8,6 +8,7 @@ lines on their stdin/stdout.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -154,3 +155,25 @@ def test_a_put_finds_a_prior_written_by_another_store_after_it_opened(tmp_path):
         PutStatus.DEDUPLICATED, PutStatus.DEDUPLICATED, PutStatus.STORED,
     ]
     assert decode.put(["f" * 64], [torch.ones(64)], prior_key="e" * 64) == [PutStatus.FAILED]  # nowhere
+
+
+def test_opening_never_removes_a_torn_page_another_writer_has_just_healed(tmp_path, monkeypatch):
+    writer = FileStore(FP, tmp_path)
+    writer.put([KEYS[0]], [torch.zeros(64)])
+    path = writer.path_of(KEYS[0])
+    path.write_bytes(path.read_bytes()[:40])  # torn
+    parse = FileStore._parse_header
+
+    def healed_meanwhile(self, head, size):
+        # The opening store read the torn header; another writer heals the page now.
+        monkeypatch.setattr(FileStore, "_parse_header", parse)
+        path.unlink()
+        healer = FileStore(FP, tmp_path / "elsewhere")
+        assert healer.put([KEYS[0]], [torch.ones(64)]) == [PutStatus.STORED]
+        os.replace(healer.path_of(KEYS[0]), path)  # a fresh file (inode) under the page's name
+        return parse(self, head, size)
+
+    monkeypatch.setattr(FileStore, "_parse_header", healed_meanwhile)
+    FileStore(FP, tmp_path)
+    into = torch.zeros(64)
+    assert FileStore(FP, tmp_path).get([KEYS[0]], [into]) == [True] and torch.equal(into, torch.ones(64))
