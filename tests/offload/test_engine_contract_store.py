@@ -352,3 +352,23 @@ def test_a_raising_offload_of_a_resumed_request_keeps_its_offload_progress():
     with pytest.raises(InvalidArgumentError, match="placeholder"):
         rig.manager.offload(req)
     assert rig.manager.offloaded_length(req) == 8 and not rig.manager.is_tracked(req)
+
+
+def test_on_storage_failure_gets_the_error_a_store_answer_carries():
+    # Before: a read-only file: directory answered FAILED and on_storage_failure got error=None.
+    from kvstage.storage import PutStatus, PutStatuses
+
+    reports = []
+
+    class ReadOnly(FlakyStore):
+        def _put(self, full_keys, pages, full_prior_key=None):
+            return PutStatuses([PutStatus.FAILED] * len(full_keys), OSError(errno.EROFS, "Read-only file system"))
+
+    rig = make_rig(page_size=PAGE, store_prompt=True, storage=ReadOnly(rig_fingerprint()),
+                   on_storage_failure=lambda *args: reports.append(args))
+    req = rig.new_request("r", range(8), 4)
+    req.done = True
+    rig.manager.finish(req)
+    settle(rig)
+    [(who, keys, error)] = reports
+    assert who is req and len(keys) == 2 and isinstance(error, OSError) and error.errno == errno.EROFS
