@@ -130,6 +130,8 @@ class Backup:
     def take_ended(self) -> list[RequestWrites]:
         """The released lifecycles whose last write has ended since the last call, in the
         order they ended."""
+        if not self._ended:  # most polls: no list made
+            return []
         ended, self._ended = self._ended, []
         return ended
 

@@ -236,7 +236,8 @@ class OffloadManager:
         self.writes_pages = fingerprint.writes_pages
         self._release_callback = release
         self._on_stored = on_stored
-        self._owner: tuple[int, str] | None = None  # (ident, name) of the thread of the first call
+        self._owner_ident: int | None = None  # the thread of the first call
+        self._owner_name = ""
         self._owns_workers = store_workers is None
         self._workers = StoreWorkers() if store_workers is None else store_workers
         self._states: dict[int, _RequestState] = {}
@@ -288,14 +289,19 @@ class OffloadManager:
             ThreadingError: called from another thread than the manager's.
             Nothing was launched and nothing new is tracked then.
         """
-        self._check_thread("offload")
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("offload")
         self._require_open("offload")
         _check_after(after, "after")
         with nvtx_range("offload"):
-            state, new = self._state_of(req, released_raises=True)
+            state, new = self._states.get(id(req)), False
             if state is None:
+                state, new = self._state_of(req, released_raises=True)
+                if state is None:
+                    return False
+            elif state.ending:
                 return False
-            length = self._checked_kv_length(state, kv_length)
+            length = kv_length_of(req) if kv_length is None else self._checked_kv_length(state, kv_length)
             if req.finished():
                 return self._finish_state(state, new, length, after)
             require(
@@ -305,7 +311,7 @@ class OffloadManager:
             runs = self._plan(state, self.offload_stride, length)
             if new:
                 self._commit(state)
-            return self._launch(state, runs, after) > 0
+            return self._launch(state, runs, after) > 0 if runs else False
 
     def finish(self, req: Any, *, kv_length: int | None = None, after: Any = None) -> bool:
         """``req`` has ended normally: offload its remaining whole pages, then release it.
@@ -328,7 +334,8 @@ class OffloadManager:
             As :meth:`offload`; nothing was launched and the request is not released then
             (call :meth:`abort`).
         """
-        self._check_thread("finish")
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("finish")
         self._require_open("finish")
         _check_after(after, "after")
         with nvtx_range("offload.finish"):
@@ -350,7 +357,8 @@ class OffloadManager:
         Raises:
             ThreadingError: called from another thread than the manager's.
         """
-        self._check_thread("abort")
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("abort")
         state = self._states.get(id(req))
         if state is None:
             if self._has_ended(req):
@@ -374,7 +382,8 @@ class OffloadManager:
         Raises:
             ThreadingError: called from another thread than the manager's.
         """
-        self._check_thread("retract")
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("retract")
         state = self._states.get(id(req))
         if state is None:
             return
@@ -398,7 +407,8 @@ class OffloadManager:
                 its ``exists`` raises.
             ThreadingError: called from another thread than the manager's.
         """
-        self._check_thread("match_prefix")
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("match_prefix")
         self._require_open("match_prefix")
         return self._prefetcher.match(self._prefetcher.lookup_keys(req, token_ids, extra_key, cache_salt))
 
@@ -436,7 +446,8 @@ class OffloadManager:
                 the prefill side stored; the chain still continues from the prompt's last page.
             ThreadingError: called from another thread than the manager's.
         """
-        self._check_thread("prefetch")
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("prefetch")
         require(policy in PREFETCH_POLICIES, "policy", lambda: f"must be one of {PREFETCH_POLICIES}, got {policy!r}")
         if policy == "timeout":
             require(isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0, "timeout_s", lambda: f"must be a positive number of seconds for policy 'timeout', got {timeout_s!r}")
@@ -483,7 +494,8 @@ class OffloadManager:
         After the forward pass's ``wait_layer``/``wait``, check :attr:`LoadHandle.error`: a
         failed load leaves the slots unwritten and the engine computes those tokens itself.
         """
-        self._check_thread("load")
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("load")
         require(isinstance(handle, PrefetchHandle), "handle", lambda: f"must be a PrefetchHandle from prefetch(), got {type(handle).__name__}", ArgumentTypeError)
         self._require_open("load")
         _check_after(after, "after")
@@ -527,7 +539,8 @@ class OffloadManager:
         Raises:
             ThreadingError: called from another thread than the manager's.
         """
-        self._check_thread("cancel")
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("cancel")
         self._cancel(handle)
 
     # -- every step ---------------------------------------------------------------------------
@@ -542,7 +555,8 @@ class OffloadManager:
         Raises:
             ThreadingError: called from another thread than the manager's.
         """
-        self._check_thread("poll")
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("poll")
         return self._poll()
 
     def drain(self) -> None:
@@ -553,7 +567,8 @@ class OffloadManager:
         Raises:
             ThreadingError: called from another thread than the manager's.
         """
-        self._check_thread("drain")
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("drain")
         self._drain()
 
     def flush(self) -> int:
@@ -574,7 +589,8 @@ class OffloadManager:
             InvalidArgumentError: the manager is closed.
             Whatever the store's ``clear()`` raises.
         """
-        self._check_thread("flush")
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("flush")
         self._require_open("flush")
         for handle in list(self._prefetcher.active):
             self._cancel(handle)
@@ -650,17 +666,18 @@ class OffloadManager:
             raise InvalidArgumentError(f"manager: {call}() after close(); make a new OffloadManager")
 
     def _check_thread(self, call: str) -> None:
-        """The first call's thread owns the manager; a call from another raises."""
+        """The first call's thread owns the manager; a call from another raises (the hot
+        methods compare :func:`threading.get_ident` first and call this only on a mismatch)."""
         ident = threading.get_ident()
-        owner = self._owner
-        if owner is not None and owner[0] == ident:
+        if self._owner_ident is None:
+            self._owner_ident, self._owner_name = ident, threading.current_thread().name
             return
-        if owner is None:
-            self._owner = (ident, threading.current_thread().name)
+        if ident == self._owner_ident:
             return
         raise ThreadingError(
-            f"{call}: called from thread {threading.current_thread().name!r} ({ident}), but thread {owner[1]!r} ({owner[0]}) "
-            "made this manager's first call; call every method but close() from that one thread (the engine's scheduler)"
+            f"{call}: called from thread {threading.current_thread().name!r} ({ident}), but thread {self._owner_name!r} "
+            f"({self._owner_ident}) made this manager's first call; call every method but close() from that one thread "
+            "(the engine's scheduler)"
         )
 
     def _state_of(self, req: Any, *, released_raises: bool) -> tuple[_RequestState | None, bool]:
@@ -884,10 +901,12 @@ class OffloadManager:
         prompt_end = len(req.origin_input_ids) // page_size * page_size
         # What has KV and is not stored: the prompt's whole pages (page by page, as far as they
         # have KV), then once the prompt's are all wanted, whole units of decode tokens.
-        prompt_wanted = max((min(prompt_end, length) - first) // page_size, 0) if first < prompt_end else 0
+        prompt_wanted = (min(prompt_end, length) - first) // page_size if first < prompt_end else 0
+        if prompt_wanted < 0:
+            prompt_wanted = 0
         wanted_end = first + prompt_wanted * page_size
-        if wanted_end >= prompt_end:
-            wanted_end += max((length - wanted_end) // unit, 0) * unit
+        if wanted_end >= prompt_end and length - wanted_end >= unit:
+            wanted_end += (length - wanted_end) // unit * unit
         if wanted_end <= first:
             return []
         # What fits in the free host pages now, oldest first.
@@ -917,6 +936,8 @@ class OffloadManager:
             slot_indices = slot_indices[first:wanted_end]
         self.copier.check_slot_indices(slot_indices, argument)
         self._counters.offloads_rejected += rejected
+        if len(bounds) == 1 and bounds[0] == (first, wanted_end):  # the common case: no slicing
+            return [(ChainRun(tokens), slot_indices)]
         return [(ChainRun(tokens[begin - first : end - first]), slot_indices[begin - first : end - first]) for begin, end in bounds]
 
     def _launch(self, state: _RequestState, runs: list[tuple[ChainRun, torch.Tensor]], after: Any) -> int:
