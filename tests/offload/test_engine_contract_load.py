@@ -226,3 +226,17 @@ def test_flush_forgets_retracted_progress_so_the_request_stores_again():
     assert rig.manager.offload(req)
     settle_loads(rig)
     assert rig.manager.match_prefix(token_ids=list(range(8))).num_pages == 2
+
+
+def test_flush_empties_a_file_store_and_the_same_prompt_then_misses(tmp_path):
+    from kvstage.kv_layout import KVLayout
+    from kvstage.storage import FileStore, LayoutFingerprint
+
+    store = FileStore(LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), PAGE), tmp_path)
+    rig = make_rig(page_size=PAGE, store_prompt=True, storage=store)
+    store_prompt_of(rig, "a", range(20))
+    assert rig.manager.match_prefix(token_ids=list(range(20))).num_pages == 5
+    assert rig.manager.flush() == 5
+    assert rig.manager.match_prefix(token_ids=list(range(20))).num_pages == 0
+    reopened = FileStore(LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), PAGE), tmp_path)
+    assert reopened.exists(rig.hasher.prefill_keys(list(range(20)))) == [False] * 5  # gone from disk too
