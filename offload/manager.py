@@ -435,7 +435,8 @@ class OffloadManager:
             min_pages: None (default): start at once with the host pages free now. An int
                 >= 1: wait (no host page taken, ``num_host_pages == 0``, :meth:`poll` starts
                 waiting prefetches oldest first) until ``min(min_pages, pages_wanted)`` host
-                pages are free, instead of reading fewer.
+                pages are free, instead of reading fewer. Offloads are not held back for it:
+                under a steady stream of copies it waits until they leave that many free.
 
         Raises:
             InvalidArgumentError: an unknown policy, a missing or non-positive timeout, a
