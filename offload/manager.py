@@ -895,10 +895,10 @@ class OffloadManager:
             InvalidArgumentError / ArgumentTypeError / DeviceMismatchError: a placeholder id,
                 too few slots, bad slot indices.
         """
-        if not self.writes_pages:
+        first = state.offloaded_length
+        if length - first < self.page_size or not self.writes_pages:  # most calls: nothing new
             return []
         req, page_size = state.req, self.page_size
-        first = state.offloaded_length
         prompt_end = len(req.origin_input_ids) // page_size * page_size
         # What has KV and is not stored: the prompt's whole pages (page by page, as far as they
         # have KV), then once the prompt's are all wanted, whole units of decode tokens.
@@ -936,7 +936,8 @@ class OffloadManager:
                 raise InvalidArgumentError(f"{argument}: {slot_indices.shape[0]} slots, its first {wanted_end} tokens have KV")
             slot_indices = slot_indices[first:wanted_end]
         self.copier.check_slot_indices(slot_indices, argument)
-        self._counters.offloads_rejected += rejected
+        if rejected:
+            self._counters.offloads_rejected += rejected
         if len(bounds) == 1 and bounds[0] == (first, wanted_end):  # the common case: no slicing
             return [(ChainRun(tokens), slot_indices)]
         return [(ChainRun(tokens[begin - first : end - first]), slot_indices[begin - first : end - first]) for begin, end in bounds]
@@ -944,11 +945,12 @@ class OffloadManager:
     def _launch(self, state: _RequestState, runs: list[tuple[ChainRun, torch.Tensor]], after: Any) -> int:
         """Launch planned runs (:meth:`_plan`, with the host pages free then); pages launched."""
         launched = 0
+        after = self.producer if after is None else after
         for run, slot_indices in runs:
             if state.chain is None:
                 state.chain = RequestChain(*self._chain_start(state.req))
             segment = _Segment(state, run)
-            host_page_ids = self.copier.gather(segment, slot_indices, after=self._after(after), checked=True)
+            host_page_ids = self.copier.gather(segment, slot_indices, after=after, checked=True)
             if host_page_ids is None:  # the plan counted free pages
                 raise AssertionError("host pool changed between the plan and the allocation")
             state.chain.add(run)  # only once launched: a run that raised is no part of the chain
