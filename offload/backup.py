@@ -70,7 +70,7 @@ class Backup:
         self._counters = counters
         self._on_failure = on_failure
         self._writes: deque[tuple[RequestWrites, list[int], Any]] = deque()  # submission order
-        self._ended: list[RequestWrites] = []  # released lifecycles whose last write has ended
+        self.ended: list[RequestWrites] = []  # released lifecycles whose last write has ended (take_ended)
 
     @property
     def writes_pending(self) -> int:
@@ -125,14 +125,12 @@ class Backup:
         """``writes``' lifecycle was released: it is ended once its last write has."""
         writes.released = True
         if writes.writes_pending == 0:
-            self._ended.append(writes)
+            self.ended.append(writes)
 
     def take_ended(self) -> list[RequestWrites]:
         """The released lifecycles whose last write has ended since the last call, in the
         order they ended."""
-        if not self._ended:  # most polls: no list made
-            return []
-        ended, self._ended = self._ended, []
+        ended, self.ended = self.ended, []
         return ended
 
     def wait(self) -> None:
@@ -168,7 +166,7 @@ class Backup:
         writes.pages_failed += len(outcome.failed_keys)
         writes.writes_pending -= 1
         if writes.released and writes.writes_pending == 0:
-            self._ended.append(writes)
+            self.ended.append(writes)
         if outcome.failed_keys:
             counters.pages_failed += len(outcome.failed_keys)
             counters.storage_failures += 1

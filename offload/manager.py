@@ -849,8 +849,9 @@ class OffloadManager:
             self._prefetcher.poll()
             if self._backlog:
                 self._launch_backlog()
-            for writes in self._backup.take_ended():
-                self._stored(writes)
+            if self._backup.ended:
+                for writes in self._backup.take_ended():
+                    self._stored(writes)
             return handled
 
     def _stored(self, writes: RequestWrites) -> None:

@@ -114,6 +114,8 @@ class Prefetcher:
         """Start waiting prefetches whose host pages are free (oldest first), free the host
         pages a finished read will not use (past its ready pages), and account the stopped
         reads that have finished (never blocks)."""
+        if not self.active:  # most polls
+            return
         waiting = self._waiting
         while waiting and self.copier.free_pages >= waiting[0].min_pages:
             self._begin(waiting.popleft())
