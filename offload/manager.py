@@ -896,39 +896,44 @@ class OffloadManager:
             InvalidArgumentError / ArgumentTypeError / DeviceMismatchError: a placeholder id,
                 too few slots, bad slot indices.
         """
-        first = state.offloaded_length
-        if length - first < self.page_size or not self.writes_pages:  # most calls: nothing new
+        first, page_size = state.offloaded_length, self.page_size
+        if length - first < page_size or not self.writes_pages:  # most calls: nothing new
             return []
-        req, page_size = state.req, self.page_size
+        req = state.req
         prompt_end = len(req.origin_input_ids) // page_size * page_size
-        # What has KV and is not stored: the prompt's whole pages (page by page, as far as they
-        # have KV), then once the prompt's are all wanted, whole units of decode tokens.
-        prompt_wanted = (min(prompt_end, length) - first) // page_size if first < prompt_end else 0
-        if prompt_wanted < 0:
-            prompt_wanted = 0
-        wanted_end = first + prompt_wanted * page_size
-        if wanted_end >= prompt_end and length - wanted_end >= unit:
-            wanted_end += (length - wanted_end) // unit * unit
-        if wanted_end <= first:
-            return []
-        # What fits in the free host pages now, oldest first.
         free = self.copier.free_pages
-        bounds: list[tuple[int, int]] = []
         rejected = 0
-        start = first
-        if prompt_wanted:
-            fitting = min(prompt_wanted, free)
+        if first >= prompt_end:  # decode tokens go in whole units (the common case)
+            units = (length - first) // unit
+            if units <= 0:
+                return []
+            wanted_end = first + units * unit
+            fitting = min(units, free // (unit // page_size))
+            bounds = [(first, first + fitting * unit)] if fitting else []
+            rejected = 0 if fitting else 1
+        else:
+            # The prompt's whole pages, page by page as far as they have KV; once they are all
+            # wanted, whole units of decode tokens after them.
+            prompt_wanted = max((min(prompt_end, length) - first) // page_size, 0)
+            wanted_end = first + prompt_wanted * page_size
+            if wanted_end >= prompt_end and length - wanted_end >= unit:
+                wanted_end += (length - wanted_end) // unit * unit
+            if wanted_end <= first:
+                return []
+            bounds = []
+            start = first
+            fitting = min(prompt_wanted, free)  # what fits in the free host pages now, oldest first
             if fitting:
                 bounds.append((start, start + fitting * page_size))
                 start, free = start + fitting * page_size, free - fitting
             else:
                 rejected += 1
-        if start >= prompt_end and wanted_end > start:
-            fitting = min((wanted_end - start) // unit, free // (unit // page_size))
-            if fitting:
-                bounds.append((start, start + fitting * unit))
-            else:
-                rejected += 1
+            if start >= prompt_end and wanted_end > start:
+                fitting = min((wanted_end - start) // unit, free // (unit // page_size))
+                if fitting:
+                    bounds.append((start, start + fitting * unit))
+                else:
+                    rejected += 1
         tokens = request_tokens(req, first, wanted_end)  # raises on a placeholder id
         slot_indices = self.slot_indices_of(req)
         argument = f"slot_indices_of(rid={req.rid!r})"
@@ -939,7 +944,7 @@ class OffloadManager:
         self.copier.check_slot_indices(slot_indices, argument)
         if rejected:
             self._counters.offloads_rejected += rejected
-        if len(bounds) == 1 and bounds[0] == (first, wanted_end):  # the common case: no slicing
+        if len(bounds) == 1 and bounds[0][1] == wanted_end:  # the common case: no slicing
             return [(ChainRun(tokens), slot_indices)]
         return [(ChainRun(tokens[begin - first : end - first]), slot_indices[begin - first : end - first]) for begin, end in bounds]
 
