@@ -170,7 +170,10 @@ class OffloadManager:
 
     Call every method but :meth:`close` from one thread (the engine's scheduler): the thread of
     the first call owns the manager, and a call from another raises
-    :class:`~kvstage.errors.ThreadingError` naming the method and both threads.
+    :class:`~kvstage.errors.ThreadingError` naming the method and both threads. The read-only
+    inspectors (``metrics``, ``is_tracked``, ``in_flight``, ``offloaded_length``,
+    ``requests_live``, ``copies_in_flight``) are not checked: read from another thread, they
+    are a racy snapshot.
     """
 
     def __init__(
