@@ -13,6 +13,7 @@ from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.kv_layout import KVLayout
 from kvstage.offload.testing import SimpleRequest, SlotTable
 from kvstage.storage import LayoutFingerprint, MemoryStore, PutStatus
+from naive_keys import naive_prefill_keys
 
 
 LAYOUT_FIELDS = ("num_layers", "kv_parts", "num_heads", "head_dim", "dtype")
@@ -179,7 +180,7 @@ class Rig:
         whole pages under their prefill keys, so the decode side's chain continues from them."""
         whole = len(req.origin_input_ids) // self.page_size
         if whole:
-            keys = self.hasher.prefill_keys(req.origin_input_ids[: whole * self.page_size], extra_key=req.extra_key, cache_salt=req.cache_salt)
+            keys = naive_prefill_keys(req.origin_input_ids[: whole * self.page_size], self.page_size, req.extra_key, req.cache_salt)
             self.storage.put(keys, [self.expected_page(req, index) for index in range(whole)])
 
     def decode(self, req: Any, token: int) -> None:
@@ -223,8 +224,9 @@ class Rig:
         return page.expand(-1, -1, -1, self.kv_pool.num_heads, -1).repeat(1, 1, 1, 1, self.kv_pool.head_dim // 4)
 
     def chain(self, req: Any) -> list[str]:
-        """The prefill keys of every full page of the tokens with KV (what decode must match)."""
-        return self.hasher.prefill_keys(self._tokens(req), extra_key=req.extra_key, cache_salt=req.cache_salt)
+        """The prefill keys of every full page of the tokens with KV (what decode must match), from
+        the naive reference (``tests/naive_keys.py``), not the manager's hasher."""
+        return naive_prefill_keys(self._tokens(req), self.page_size, req.extra_key, req.cache_salt)
 
     def check_stored_pages(self, req: Any) -> tuple[int, int]:
         """Compare every stored page of ``req`` (beyond the prompt's aligned prefix) with its
