@@ -228,20 +228,26 @@ class Rig:
         the naive reference (``tests/naive_keys.py``), not the manager's hasher."""
         return naive_prefill_keys(self._tokens(req), self.page_size, req.extra_key, req.cache_salt)
 
-    def check_stored_pages(self, req: Any) -> tuple[int, int]:
-        """Compare every stored page of ``req`` (beyond the prompt's aligned prefix) with its
-        expected bytes. Returns (pages found, pages checked); raises AssertionError on a mismatch."""
+    def check_stored_pages(self, req: Any) -> list[int]:
+        """Compare every stored page of ``req``'s chain (:meth:`chain`: every whole page of its
+        tokens with KV, the prompt's too) with its expected bytes.
+
+        Returns:
+            The indices of the chain's pages the store does not hold (``[]``: every page is
+            stored; ``len(self.chain(req))`` pages were checked).
+
+        Raises:
+            AssertionError: a stored page's bytes differ from its KV.
+        """
         keys = self.chain(req)
-        first = len(req.origin_input_ids) // self.page_size
-        found = 0
+        missing = []
         into = torch.empty(self.host_pool.page_shape, dtype=self.kv_pool.dtype)
-        for index in range(first, len(keys)):
-            if self.storage.get([keys[index]], [into]) == [True]:
-                found += 1
-                expected = self.expected_page(req, index)
-                if not torch.equal(into, expected):
-                    raise AssertionError(f"{req!r}: stored page {index} differs from its KV")
-        return found, len(keys) - first
+        for index, key in enumerate(keys):
+            if self.storage.get([key], [into]) != [True]:
+                missing.append(index)
+            elif not torch.equal(into, self.expected_page(req, index)):
+                raise AssertionError(f"{req!r}: stored page {index} differs from its KV")
+        return missing
 
 
 def make_rig(
