@@ -228,13 +228,21 @@ class Rig:
         the naive reference (``tests/naive_keys.py``), not the manager's hasher."""
         return naive_prefill_keys(self._tokens(req), self.page_size, req.extra_key, req.cache_salt)
 
-    def check_stored_pages(self, req: Any) -> list[int]:
+    def check_stored_pages(self, req: Any) -> tuple[int, int]:
+        """Compare every stored page of ``req`` beyond the prompt's aligned prefix with its
+        expected bytes. Returns (pages found, pages checked); raises AssertionError on a mismatch."""
+        first = len(req.origin_input_ids) // self.page_size
+        missing = self.missing_pages(req)
+        checked = len(self.chain(req)) - first
+        return checked - sum(1 for index in missing if index >= first), checked
+
+    def missing_pages(self, req: Any) -> list[int]:
         """Compare every stored page of ``req``'s chain (:meth:`chain`: every whole page of its
         tokens with KV, the prompt's too) with its expected bytes.
 
         Returns:
             The indices of the chain's pages the store does not hold (``[]``: every page is
-            stored; ``len(self.chain(req))`` pages were checked).
+            stored).
 
         Raises:
             AssertionError: a stored page's bytes differ from its KV.

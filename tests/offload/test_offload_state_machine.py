@@ -154,7 +154,7 @@ class OffloadMachine(RuleBasedStateMachine):
             assert not any(owner is req for owner in self.stream.owner.values()), "released with a copy in flight"
             reading, self.read_failures = self.read_failures, False
             try:
-                self.rig.check_stored_pages(req)  # the pages stored so far hold the request's KV
+                self.rig.missing_pages(req)  # the pages stored so far hold the request's KV
             finally:
                 self.read_failures = reading
         except AssertionError as failure:
@@ -425,7 +425,7 @@ class OffloadMachine(RuleBasedStateMachine):
         unexplained = []
         for req in self.created:
             chain, first_excused = self.rig.chain(req), self.excused_from.get(id(req), len(self.rig.chain(req)))
-            missing = [index for index in self.rig.check_stored_pages(req) if index < first_excused and chain[index] not in self.store.evicted]
+            missing = [index for index in self.rig.missing_pages(req) if index < first_excused and chain[index] not in self.store.evicted]
             if missing:
                 unexplained.append(f"{req!r}: pages {missing} of {len(chain)} not stored")
         assert unexplained == []
