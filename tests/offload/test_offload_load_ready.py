@@ -77,7 +77,7 @@ def test_loading_one_page_more_than_ready_while_the_read_runs_writes_nothing_pas
         load = manager.load(handle, slots[: 16 * PAGE])  # the handle is still usable
     finally:
         let_go.set()
-    handle.wait(10.0)
+    assert handle.wait(10.0)
     rig.copy_stream.complete_all()
     manager.poll()
     assert load.done() and load.num_pages == 16 and manager.metrics.pages_loaded == 16
