@@ -154,7 +154,9 @@ class OffloadMachine(RuleBasedStateMachine):
             assert not any(owner is req for owner in self.stream.owner.values()), "released with a copy in flight"
             reading, self.read_failures = self.read_failures, False
             try:
-                self.rig.missing_pages(req)  # the pages stored so far hold the request's KV
+                # Raises if a page stored so far differs from the request's KV; which pages may be
+                # missing is judged at teardown, once every write has been collected.
+                self.rig.missing_pages(req)
             finally:
                 self.read_failures = reading
         except AssertionError as failure:
