@@ -149,7 +149,7 @@ def test_staging_that_is_not_contiguous_is_rejected(device, op, kind):
 def test_pool_buffers_that_are_not_contiguous_are_rejected(device, kind):
     k = torch.zeros(NUM_SLOTS, 1, 12, dtype=torch.float16, device=device)
     bad = torch.zeros(NUM_SLOTS * 2, 1, 12, dtype=torch.float16, device=device)[::2] if kind == "strided" else k[:1].expand(NUM_SLOTS, 1, 12)
-    with pytest.raises(InvalidArgumentError, match=r"^k_buffers/v_buffers\[1\]\[0\]: must be contiguous"):
+    with pytest.raises(InvalidArgumentError, match=r"^v_buffers\[0\]: must be contiguous"):
         KVPool.mha([k], [bad])
 
 
