@@ -21,8 +21,12 @@ $(VENV)/.mooncake: $(VENV)/.installed tools/install-mooncake.sh tools/apt-instal
 	bash tools/install-mooncake.sh $(VENV) || { [ -z "$$CI" ] || exit 1; echo "make: Mooncake not installed; its tests will skip"; }
 	touch $@
 
+# Tests run in a network namespace with loopback only (tools/in-netns.sh): the servers they
+# start (mooncake_master binds a port on every interface) are reachable from this machine alone.
+IN_NETNS := bash tools/in-netns.sh
+
 test: $(VENV)/.installed $(VENV)/.mooncake
-	$(PYTHON) -m pytest
+	$(IN_NETNS) $(PYTHON) -m pytest
 
 bench: $(VENV)/.installed
 	$(PYTHON) -m bench
