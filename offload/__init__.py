@@ -6,7 +6,8 @@ Stores live in :mod:`kvstage.storage`, page keys in :mod:`kvstage.hashing`, copi
 
 Modules: ``manager`` (:class:`OffloadManager`: lifecycle decisions), ``copier`` (moves pages,
 reports :class:`CopyResult`), ``copy_stream``, ``host_pool``, ``key_chain`` (a request's keys in
-chain order), ``store_io`` (the one page writer, the one prefix reader, worker threads),
+chain order), ``store_io`` (the one page writer, the one prefix reader, worker threads), ``store_index``
+(what a store holds, answered without a store round trip),
 ``backup`` (finished gathers into store writes, their accounting), ``prefetcher`` (lookups,
 reads into host pages), ``load_path`` (prefix match, prefetch and load
 handles), ``request`` (what is read from a request), ``collaborators`` (typed Protocols),
@@ -21,6 +22,7 @@ from kvstage.offload.load_path import PREFETCH_POLICIES, LoadHandle, PrefetchHan
 from kvstage.offload.manager import OffloadManager
 from kvstage.offload.metrics import OffloadMetrics
 from kvstage.offload.request import OffloadRequest, kv_length
+from kvstage.offload.store_index import StoreIndex
 from kvstage.offload.store_io import StoreWorkers, write_pages
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "OffloadRequest",
     "PrefetchHandle",
     "PrefixMatch",
+    "StoreIndex",
     "StoreWorkers",
     "kv_length",
     "write_pages",
