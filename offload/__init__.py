@@ -11,13 +11,15 @@ chain order), ``store_io`` (the one page writer, the one prefix reader, worker t
 ``backup`` (finished gathers into store writes, their accounting), ``prefetcher`` (lookups,
 reads into host pages), ``load_path`` (prefix match, prefetch and load
 handles), ``request`` (what is read from a request), ``collaborators`` (typed Protocols),
-``metrics``, ``testing`` (engine stand-ins).
+``keyed_copies`` (stores and loads of pages whose keys the engine names), ``metrics``,
+``testing`` (engine stand-ins).
 """
 
 from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike, PageHasherLike, StoreWorkersLike
 from kvstage.offload.copier import Copier, CopyResult
 from kvstage.offload.copy_stream import CopyStream, ManualCopyStream
 from kvstage.offload.host_pool import HostPool
+from kvstage.offload.keyed_copies import KeyedCopies, KeyedResult
 from kvstage.offload.load_path import PREFETCH_POLICIES, LoadHandle, PrefetchHandle, PrefixMatch
 from kvstage.offload.manager import OffloadManager
 from kvstage.offload.metrics import OffloadMetrics
@@ -35,6 +37,8 @@ __all__ = [
     "PageHasherLike",
     "StoreWorkersLike",
     "HostPool",
+    "KeyedCopies",
+    "KeyedResult",
     "LoadHandle",
     "ManualCopyStream",
     "OffloadManager",

@@ -83,9 +83,9 @@ def tier_fingerprint(config, *, page_bytes: int, model_id: str | None = None) ->
 
 def offloading_events(events: Sequence[StoreEvent], *, key_space: str, medium, locality, ownership: str) -> list:
     """kvstage store events of ``key_space`` as vLLM ``OffloadingEvent``s, one per run of
-    events of one kind, in order: ``stored`` is a store, ``evicted`` and ``removed`` removals
-    (eviction with ``removal_expected=False``: the store chose it). Events of other key spaces
-    are left out (another fingerprint's pages).
+    events of one kind, in order: ``stored`` is a store (``removed=False``), ``evicted`` and
+    ``removed`` are removals (``removed=True``). Events of other key spaces are left out
+    (another fingerprint's pages).
 
     Args:
         events: what ``store.take_events()`` returned.
