@@ -175,11 +175,11 @@ class KeyedCopies:
     def wait(self, jobs: Sequence[Any] | None = None) -> None:
         """Block until the given jobs (None: every job) finished; their results stay for
         :meth:`poll`."""
-        wanted = None if jobs is None else {id(job) for job in jobs}
+        wanted = None if jobs is None else list(jobs)
 
         def pending() -> list[_Job]:
             records = [*self._gathering.values(), *self._scattering.values(), *self._in_store]
-            return [r for r in records if wanted is None or id(r.job) in wanted]
+            return [r for r in records if wanted is None or any(r.job is job or r.job == job for job in wanted)]
 
         while pending():
             self._progress()
