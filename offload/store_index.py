@@ -6,7 +6,9 @@ it (:meth:`StoreIndex.add`), keys known gone (:meth:`StoreIndex.discard`: an evi
 failed read), and earlier answers of the store. A key it does not know answers None at once and
 is asked of the store with one batched ``exists`` on a :class:`StoreWorkers` reader thread;
 :meth:`StoreIndex.poll` collects the answer. A miss is cached for ``miss_ttl_s`` only, since
-another process sharing the store may store the key later.
+another process sharing the store may store the key later; with ``hit_ttl_s``, a held key whose
+answer is older is still answered True at once and asked again in the background, since another
+process's store may have evicted it unseen.
 
 Not thread-safe: one thread (the engine's scheduler) calls every method; only ``exists`` runs on
 the reader thread.
@@ -30,30 +32,34 @@ class StoreIndex:
         storage: a :class:`kvstage.storage.StorageBackend` (its ``exists`` is the only call).
         workers: a :class:`kvstage.offload.StoreWorkers`; refreshes run on its reader threads.
         miss_ttl_s: seconds a "not held" answer is trusted (>= 0); after that the key is asked
-            again. Held keys stay held until discarded.
+            again.
+        hit_ttl_s: seconds after which a held key is checked again in the background (>= 0),
+            still answering True meanwhile; None: held keys stay held until discarded.
         batch_keys: most keys in one ``exists`` call (>= 1).
         clock: monotonic seconds (tests pass a fake one).
 
     Raises:
-        InvalidArgumentError: ``miss_ttl_s`` is negative or not a number, ``batch_keys`` not an
-            int >= 1.
+        InvalidArgumentError: ``miss_ttl_s`` or ``hit_ttl_s`` is negative or not a number,
+            ``batch_keys`` not an int >= 1.
     """
 
     def __init__(
-        self, storage: Any, workers: Any, *, miss_ttl_s: float = 1.0, batch_keys: int = 4096,
-        clock: Callable[[], float] = time.monotonic,
+        self, storage: Any, workers: Any, *, miss_ttl_s: float = 1.0, hit_ttl_s: float | None = None,
+        batch_keys: int = 4096, clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        require(
-            isinstance(miss_ttl_s, (int, float)) and not isinstance(miss_ttl_s, bool) and miss_ttl_s >= 0,
-            "miss_ttl_s", lambda: f"must be a number of seconds >= 0, got {miss_ttl_s!r}",
-        )
+        for name, value in (("miss_ttl_s", miss_ttl_s), ("hit_ttl_s", 0 if hit_ttl_s is None else hit_ttl_s)):
+            require(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+                name, lambda: f"must be a number of seconds >= 0, got {value!r}",
+            )
         require(is_int(batch_keys) and batch_keys >= 1, "batch_keys", lambda: f"must be an int >= 1, got {batch_keys!r}")
         self._storage = storage
         self._workers = workers
         self._miss_ttl_s = float(miss_ttl_s)
+        self._hit_ttl_s = None if hit_ttl_s is None else float(hit_ttl_s)
         self._batch_keys = batch_keys
         self._clock = clock
-        self._held: set[str] = set()
+        self._held: dict[str, float] = {}  # key -> when it was last known held
         self._missing: dict[str, float] = {}  # key -> when it was found missing
         self._queued: dict[str, None] = {}  # keys to ask, in order (a dict: ordered and unique)
         self._asking: list[str] = []  # the keys of the refresh in flight
@@ -67,23 +73,31 @@ class StoreIndex:
     def lookup(self, key: str) -> bool | None:
         """True: held; False: not held (an answer younger than ``miss_ttl_s``, or discarded);
         None: not known yet, the store is being asked (call :meth:`poll` later). Never blocks."""
-        if key in self._held:
+        held_since = self._held.get(key)
+        if held_since is not None:
+            if self._hit_ttl_s is not None and self._clock() - held_since > self._hit_ttl_s:
+                self._ask(key)
             return True
         found_missing = self._missing.get(key)
         if found_missing is not None:
             if self._clock() - found_missing <= self._miss_ttl_s:
                 return False
             del self._missing[key]
+        self._ask(key)
+        return None
+
+    def _ask(self, key: str) -> None:
+        """Queue ``key`` for the next refresh unless it is queued or being asked."""
         if key not in self._queued and (self._refresh is None or key not in self._asking):
             self._queued[key] = None
             if self._refresh is None:
                 self._submit()
-        return None
 
     def add(self, keys: Iterable[str]) -> None:
         """The store holds ``keys`` now (they were written through this process)."""
+        now = self._clock()
         for key in keys:
-            self._held.add(key)
+            self._held[key] = now
             self._missing.pop(key, None)
             self._changed_while_asking.add(key)
 
@@ -91,7 +105,7 @@ class StoreIndex:
         """``keys`` are gone (evicted, removed, unreadable): they answer False for ``miss_ttl_s``."""
         now = self._clock()
         for key in keys:
-            self._held.discard(key)
+            self._held.pop(key, None)
             self._missing[key] = now
             self._changed_while_asking.add(key)
 
@@ -114,8 +128,9 @@ class StoreIndex:
                     continue  # what this process did since the question left is newer
                 answered += 1
                 if held:
-                    self._held.add(key)
+                    self._held[key] = now
                 else:
+                    self._held.pop(key, None)
                     self._missing[key] = now
         self._changed_while_asking.clear()
         if self._queued:

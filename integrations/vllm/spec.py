@@ -13,7 +13,8 @@ worker (:class:`KVStageWorker`: moves vLLM's canonical block tensors to and from
 layers; its key is the block's ``OffloadKey`` in hex.
 
 Extra config: ``storage`` (a kvstage storage URL, default ``memory``), ``num_host_pages`` (the
-worker's host pool, default 256), ``model_id`` (default: the model vLLM runs), ``miss_ttl_s``.
+worker's host pool, default 256), ``model_id`` (default: the model vLLM runs), ``miss_ttl_s``
+and ``hit_ttl_s`` (see :class:`kvstage.offload.StoreIndex`; default 1 and 10 seconds).
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class KVStageOffloadingSpec(OffloadingSpec):
         self.num_host_pages = extra.get("num_host_pages", 256)
         require(is_int(self.num_host_pages) and self.num_host_pages >= 1, "num_host_pages", lambda: f"must be an int >= 1, got {self.num_host_pages!r}")
         self.miss_ttl_s = extra.get("miss_ttl_s", 1.0)
+        self.hit_ttl_s = extra.get("hit_ttl_s", 10.0)
         self.fingerprint = block_fingerprint(config, model_id=extra.get("model_id"))
         self._manager: KVStageOffloadingManager | None = None
         self._worker: KVStageWorker | None = None
@@ -120,7 +122,7 @@ class KVStageOffloadingSpec(OffloadingSpec):
         if self._manager is None:
             self._manager = KVStageOffloadingManager(
                 open_shared_storage(self.storage_url, self.fingerprint), miss_ttl_s=self.miss_ttl_s,
-                events=self.kv_events_config.enable_kv_cache_events,
+                hit_ttl_s=self.hit_ttl_s, events=self.kv_events_config.enable_kv_cache_events,
             )
         return self._manager
 
@@ -138,17 +140,18 @@ class KVStageOffloadingManager(OffloadingManager):
     Args:
         storage: the store (shared with the workers of this process, if any).
         miss_ttl_s: seconds a "not held" answer is trusted.
+        hit_ttl_s: seconds after which a held key is checked again in the background.
         events: collect vLLM events (vLLM publishes KV events).
 
-    A store's eviction of a page is seen here only through the store's events, i.e. when the
-    workers share this process's store object (one process, or a store whose events reach it);
-    otherwise a load of an evicted page fails and vLLM recomputes the block.
+    A store's eviction of a page is seen at once through the store's events when the workers
+    share this process's store object (one process); otherwise within ``hit_ttl_s`` of the
+    key's last check, and a load of an evicted page meanwhile fails (vLLM recomputes the block).
     """
 
-    def __init__(self, storage: Any, *, miss_ttl_s: float = 1.0, events: bool = False) -> None:
+    def __init__(self, storage: Any, *, miss_ttl_s: float = 1.0, hit_ttl_s: float | None = 10.0, events: bool = False) -> None:
         self.storage = storage
         self._workers = StoreWorkers()
-        self.index = StoreIndex(storage, self._workers, miss_ttl_s=miss_ttl_s)
+        self.index = StoreIndex(storage, self._workers, miss_ttl_s=miss_ttl_s, hit_ttl_s=hit_ttl_s)
         self._events_enabled = events
         self._events: list[OffloadingEvent] = []
         self._storing: set[str] = set()  # page keys of stores in flight

@@ -72,6 +72,8 @@ class KVStageTier(SecondaryTierManager):
         model_id: the model's name in the key space; None: the model vLLM runs.
         read_threads: reader threads (promotions and lookups; >= 1).
         miss_ttl_s: seconds a "not held" answer is trusted before the store is asked again.
+        hit_ttl_s: seconds after which a held key is checked again in the background (a
+            store shared with other processes, e.g. Mooncake, may evict it unseen); None: never.
         locality: ``"LOCAL"`` or ``"REMOTE"`` (vLLM's ``Locality``), or None.
         backpressure_detector: vLLM's, passed through.
 
@@ -91,6 +93,7 @@ class KVStageTier(SecondaryTierManager):
         model_id: str | None = None,
         read_threads: int = 2,
         miss_ttl_s: float = 1.0,
+        hit_ttl_s: float | None = 10.0,
         locality: str | None = None,
         backpressure_detector: Any = None,
     ) -> None:
@@ -104,7 +107,7 @@ class KVStageTier(SecondaryTierManager):
         self.storage = open_storage(storage, self.fingerprint)
         try:
             self._workers = StoreWorkers(read_threads=read_threads)
-            self.index = StoreIndex(self.storage, self._workers, miss_ttl_s=miss_ttl_s)
+            self.index = StoreIndex(self.storage, self._workers, miss_ttl_s=miss_ttl_s, hit_ttl_s=hit_ttl_s)
         except Exception:
             self.storage.close()
             raise

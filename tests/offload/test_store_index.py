@@ -140,3 +140,28 @@ def test_bad_arguments_raise_naming_them(store_and_workers, arguments, message):
     store, workers = store_and_workers
     with pytest.raises(InvalidArgumentError, match=message):
         StoreIndex(store, workers, **arguments)
+
+
+def test_a_held_key_older_than_hit_ttl_answers_true_and_is_checked_in_the_background(store_and_workers):
+    store, workers = store_and_workers
+    now = [0.0]
+    index = StoreIndex(store, workers, hit_ttl_s=5.0, clock=lambda: now[0])
+    index.add(["a1", "b1"])  # e.g. a worker in another process wrote them; then its store evicts a1
+    store.put(["b1"], [page(2)])
+    now[0] = 6.0
+    assert index.lookup("a1") is True and index.lookup("b1") is True  # stale, still answered at once
+    settled(index)
+    assert index.lookup("a1") is False  # the store said it is gone
+    assert index.lookup("b1") is True and not index.refreshing  # confirmed: fresh again
+    now[0] = 10.0
+    index.lookup("b1")
+    assert not index.refreshing  # 4 s after its confirmation: not asked again
+
+
+def test_without_hit_ttl_held_keys_are_never_asked_again(store_and_workers):
+    store, workers = store_and_workers
+    now = [0.0]
+    index = StoreIndex(store, workers, clock=lambda: now[0])
+    index.add(["a1"])
+    now[0] = 1e6
+    assert index.lookup("a1") is True and not index.refreshing

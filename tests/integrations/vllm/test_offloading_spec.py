@@ -121,3 +121,23 @@ def test_a_hybrid_model_raises_naming_the_groups_and_the_tier_to_use():
     two_groups = type(config)(**{**config.__dict__, "groups": config.groups * 2})
     with pytest.raises(InvalidArgumentError, match="kv_cache_groups.*KVStageTier"):
         KVStageOffloadingSpec(two_groups)
+
+
+@pytest.mark.parametrize(("extra", "message"), [({"num_host_pages": 0}, "num_host_pages"), ({"storage": 7}, "storage")])
+def test_bad_extra_config_raises_naming_the_key(extra, message):
+    from vllm_rig import offloading_config
+
+    with pytest.raises(InvalidArgumentError, match=message):
+        KVStageOffloadingSpec(offloading_config(extra))
+
+
+def test_a_padded_layer_tensor_raises_before_anything_is_allocated():
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+    from kvstage.integrations.vllm import KVStageWorker
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    padded = CanonicalKVCaches([CanonicalKVCacheTensor(torch.zeros(4, 512, dtype=torch.int8), 512)], [[CanonicalKVCacheRef(0, 384)]])
+    store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=384, page_format="t"))
+    with pytest.raises(InvalidArgumentError, match=r"group_data_refs\[0\]\[0\].*padding"):
+        KVStageWorker(padded, store)
