@@ -109,6 +109,14 @@ class StoreIndex:
             self._missing[key] = now
             self._changed_while_asking.add(key)
 
+    def reset(self) -> None:
+        """Forget every answer (e.g. after the store was cleared): every key is asked again;
+        the answer of a refresh in flight is ignored."""
+        self._held.clear()
+        self._missing.clear()
+        self._queued.clear()
+        self._changed_while_asking.update(self._asking)
+
     def poll(self) -> int:
         """Take the finished refresh's answers and send the queued keys; never blocks.
 

@@ -11,24 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvstage.errors import require
 from kvstage.storage import LayoutFingerprint
 from kvstage.storage.events import StoreEvent
 
-__all__ = ["chunk_page_format", "offload_keys", "offloading_events", "page_keys", "tier_fingerprint"]
+__all__ = ["block_fingerprint", "chunk_page_format", "offloading_events", "page_keys", "tier_fingerprint"]
 
 
 def page_keys(keys: Iterable[bytes]) -> list[str]:
     """vLLM ``OffloadKey``s (bytes) as kvstage page keys (lowercase hex), in order."""
     return [key.hex() for key in keys]
-
-
-def offload_keys(keys: Iterable[str]) -> list[bytes]:
-    """kvstage page keys (hex) back as vLLM ``OffloadKey`` bytes, in order.
-
-    Raises:
-        ValueError: a key is not hex (not one this adapter wrote).
-    """
-    return [bytes.fromhex(key) for key in keys]
 
 
 def chunk_page_format(config) -> str:
@@ -78,6 +70,41 @@ def tier_fingerprint(config, *, page_bytes: int, model_id: str | None = None) ->
     """
     return LayoutFingerprint.opaque(
         model_id or config.model.name, page_bytes=page_bytes, page_format=chunk_page_format(config),
+    )
+
+
+def block_fingerprint(config, *, model_id: str | None = None) -> LayoutFingerprint:
+    """The key space of one worker's blocks: ``config.worker_kv_bytes_per_block`` bytes a page.
+
+    The format names the KV dtype, the group's block size and layers, and the parallel layout;
+    pages are this rank's share (``tp_rank`` of ``world_size``), or rank-neutral where vLLM
+    says every rank holds the same bytes (``replicated_layout``, MLA).
+
+    Args:
+        config: vLLM's ``OffloadingConfig``.
+        model_id: the model's name; None: ``config.model.name``.
+
+    Raises:
+        InvalidArgumentError: more than one KV group, or blocks of more than one chunk.
+    """
+    require(
+        len(config.groups) == 1, "kv_cache_groups",
+        lambda: f"KVStageOffloadingSpec stores one KV cache group, this model offloads {len(config.groups)}: "
+        "for hybrid models use TieringOffloadingSpec with a KVStageTier secondary tier",
+    )
+    require(
+        config.cache.blocks_per_chunk == 1, "block_size",
+        lambda: f"KVStageOffloadingSpec stores GPU blocks as they are (blocks_per_chunk 1), got {config.cache.blocks_per_chunk}",
+    )
+    group, parallel = config.groups[0], config.parallel
+    page_format = "|".join([
+        "vllm-block-v1", f"dtype={config.model.dtype}", f"g{group.group_id}:{group.tokens_per_block}tok:{','.join(group.layer_names)}",
+        f"tph={config.cache.tokens_per_hash}", f"layout={config.kv_cache_layout}",
+        f"world=tp{parallel.tp_size}pp{parallel.pp_size}pcp{parallel.pcp_size}dcp{parallel.dcp_size}x{parallel.world_size}",
+    ])
+    return LayoutFingerprint.opaque(
+        model_id or config.model.name, page_bytes=config.worker_kv_bytes_per_block, page_format=page_format,
+        tp_rank=parallel.rank, tp_size=parallel.world_size, rank_neutral=bool(config.replicated_layout),
     )
 
 

@@ -41,10 +41,9 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvstage.errors import InvalidArgumentError, is_int, require
-from kvstage.integrations.vllm.keys import offloading_events, page_keys
+from kvstage.integrations.vllm.keys import block_fingerprint, offloading_events, page_keys
 from kvstage.kernels import KVPool
 from kvstage.offload import Copier, HostPool, KeyedCopies, StoreIndex, StoreWorkers
-from kvstage.storage import LayoutFingerprint
 from kvstage.storage.shared import open_shared_storage, release_shared_storage
 
 __all__ = ["KVStageLoadStoreSpec", "KVStageOffloadingManager", "KVStageOffloadingSpec", "KVStageWorker"]
@@ -60,41 +59,6 @@ class KVStageLoadStoreSpec(LoadStoreSpec):
 
     def __repr__(self) -> str:
         return f"KVStageLoadStoreSpec({len(self.page_keys)} pages)"
-
-
-def block_fingerprint(config, *, model_id: str | None = None) -> LayoutFingerprint:
-    """The key space of one worker's blocks: ``config.worker_kv_bytes_per_block`` bytes a page.
-
-    The format names the KV dtype, the group's block size and layers, and the parallel layout;
-    pages are this rank's share (``tp_rank`` of ``world_size``), or rank-neutral where vLLM
-    says every rank holds the same bytes (``replicated_layout``, MLA).
-
-    Args:
-        config: vLLM's ``OffloadingConfig``.
-        model_id: the model's name; None: ``config.model.name``.
-
-    Raises:
-        InvalidArgumentError: more than one KV group, or blocks of more than one chunk.
-    """
-    require(
-        len(config.groups) == 1, "kv_cache_groups",
-        lambda: f"KVStageOffloadingSpec stores one KV cache group, this model offloads {len(config.groups)}: "
-        "for hybrid models use TieringOffloadingSpec with a KVStageTier secondary tier",
-    )
-    require(
-        config.cache.blocks_per_chunk == 1, "block_size",
-        lambda: f"KVStageOffloadingSpec stores GPU blocks as they are (blocks_per_chunk 1), got {config.cache.blocks_per_chunk}",
-    )
-    group, parallel = config.groups[0], config.parallel
-    page_format = "|".join([
-        "vllm-block-v1", f"dtype={config.model.dtype}", f"g{group.group_id}:{group.tokens_per_block}tok:{','.join(group.layer_names)}",
-        f"tph={config.cache.tokens_per_hash}", f"layout={config.kv_cache_layout}",
-        f"world=tp{parallel.tp_size}pp{parallel.pp_size}pcp{parallel.pcp_size}dcp{parallel.dcp_size}x{parallel.world_size}",
-    ])
-    return LayoutFingerprint.opaque(
-        model_id or config.model.name, page_bytes=config.worker_kv_bytes_per_block, page_format=page_format,
-        tp_rank=parallel.rank, tp_size=parallel.world_size, rank_neutral=bool(config.replicated_layout),
-    )
 
 
 class KVStageOffloadingSpec(OffloadingSpec):
@@ -194,6 +158,15 @@ class KVStageOffloadingManager(OffloadingManager):
 
     def has_pending_work(self) -> bool:
         return self.index.refreshing
+
+    def reset_cache(self) -> None:
+        """Clear the store's key space (vLLM's connector cache reset, e.g. after a weight
+        update) and forget every lookup answer. Blocks this thread for the clear: a rare,
+        operator-driven call. Stores in other processes (``memory``) are not reached."""
+        self.storage.clear()
+        self.index.reset()
+        self._storing.clear()
+        self._drain_store_events()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """The store's stored / evicted / removed pages since the last call, as vLLM events."""

@@ -165,3 +165,23 @@ def test_without_hit_ttl_held_keys_are_never_asked_again(store_and_workers):
     index.add(["a1"])
     now[0] = 1e6
     assert index.lookup("a1") is True and not index.refreshing
+
+
+def test_reset_forgets_every_answer_and_ignores_the_refresh_in_flight(store_and_workers):
+    store, workers = store_and_workers
+    store.put(["a1"], [page(1)])
+    gate = threading.Event()
+    real_exists = store.exists
+    store.exists = lambda keys: (gate.wait(5), real_exists(keys))[1]
+    index = StoreIndex(store, workers)
+    index.add(["b1"])
+    index.lookup("a1")  # in flight when the store is cleared
+    store.exists = real_exists
+    store.clear()
+    index.reset()
+    gate.set()
+    assert len(index) == 0 and index.lookup("b1") is None  # asked again
+    settled(index)
+    assert index.lookup("a1") is None  # the answer from before the clear was not taken
+    settled(index)
+    assert index.lookup("a1") is False and index.lookup("b1") is False

@@ -141,3 +141,21 @@ def test_a_padded_layer_tensor_raises_before_anything_is_allocated():
     store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=384, page_format="t"))
     with pytest.raises(InvalidArgumentError, match=r"group_data_refs\[0\]\[0\].*padding"):
         KVStageWorker(padded, store)
+
+
+def test_a_connector_cache_reset_clears_the_store_and_reports_the_removals(tmp_path):
+    rig = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}")
+    try:
+        rig.add_request("a", PROMPT)
+        rig.run_until_idle()
+        stored = [key for event in rig.offloading_events if not event.removed for key in event.keys]
+        assert len(stored) == 4
+        assert rig.scheduler.reset_prefix_cache(reset_connector=True)  # e.g. after a weight update
+        rig.add_request("b", PROMPT)
+        second = rig.run_until_idle()
+        assert sum(step.num_scheduled_tokens.get("b", 0) for step in second) == len(PROMPT) + 1  # nothing loaded
+        removed = [key for event in rig.offloading_events if event.removed for key in event.keys]
+        assert sorted(removed) == sorted(stored)
+        assert rig.manager.storage.stats.pages_read == 0
+    finally:
+        rig.close()
