@@ -93,7 +93,7 @@ class KeyedCopies:
 
     # -- submission -------------------------------------------------------------------------
 
-    def store(self, job: Any, slot_indices: torch.Tensor, page_keys: Sequence[str]) -> bool:
+    def store(self, job: Any, slot_indices: torch.Tensor, page_keys: Sequence[str], *, after: Any = None) -> bool:
         """Copy the pages at ``slot_indices`` out and write them under ``page_keys``.
 
         Args:
@@ -101,6 +101,8 @@ class KeyedCopies:
             slot_indices: 1-D int tensor of ``len(page_keys) * page_size`` slots, page by page,
                 on the KV pool's device.
             page_keys: the pages' keys, one run of a hash chain in order.
+            after: the producer the copy waits for (see :meth:`CopyStream.submit`; CUDA: None
+                is the stream current now, e.g. the engine's forward stream).
 
         Returns:
             False when the host pool has too few free pages (nothing started).
@@ -111,7 +113,7 @@ class KeyedCopies:
         """
         keys = self._checked_keys(page_keys, slot_indices)
         record = _Job(job, True, keys, slot_indices, [])
-        host_page_ids = self.copier.gather(record, slot_indices)
+        host_page_ids = self.copier.gather(record, slot_indices, after=after)
         if host_page_ids is None:
             return False
         record.host_page_ids = host_page_ids

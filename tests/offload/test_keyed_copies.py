@@ -118,3 +118,20 @@ def test_a_store_of_another_page_size_is_refused(rig):
     other = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=64, page_format="test"))
     with pytest.raises(InvalidArgumentError, match="storage"):
         KeyedCopies(keyed.copier, other, keyed.workers)
+
+
+def test_a_store_copies_the_blocks_as_the_producer_leaves_them(rig):
+    keyed, layers, store, host_pool = rig
+
+    class Producer:
+        """A CPU stand-in for the forward stream: its KV lands when synchronize() is waited on."""
+
+        def synchronize(self):
+            for layer in layers:
+                layer[4] = 42
+
+    assert keyed.store("s", blocks(4), ["k4"], after=Producer())
+    [result] = finish(keyed, "s")
+    page = torch.empty(host_pool.page_bytes, dtype=torch.uint8)
+    assert result.ok and store.get(["k4"], [page]) == [True]
+    assert torch.all(page.view(torch.int8) == 42)  # copied after the producer, never before
