@@ -203,3 +203,42 @@ def test_a_second_engine_finds_pages_another_stored_without_a_blocking_lookup(tm
 def test_a_bad_storage_url_raises_naming_it_before_the_manager_exists():
     with pytest.raises(InvalidArgumentError, match="storage"):
         Rig("nosuch://x")
+
+
+def test_a_hybrid_models_chunks_of_two_groups_cascade_and_come_back(rig):
+    # One job holding chunks of KV groups 0 and 1 (a hybrid model's full and sliding layers).
+    keys = [make_offload_key(f"block-{i}".encode().ljust(32, b"."), i % 2) for i in range(NUM_CHUNKS + 2)]
+    chunks = chunks_for(keys)
+    for key in keys:
+        rig.store([key], chunks)
+    rig.step()
+    assert rig.tier.storage.stats.pages_stored == len(keys)
+    assert rig.lookup(keys[1]) is LookupResult.HIT_PENDING  # group 1's chunk, evicted from the CPU tier
+    rig.step()
+    rig.step()
+    assert rig.lookup(keys[1]) is LookupResult.HIT
+    assert torch.equal(rig.primary_bytes(keys[1]), chunks[keys[1]])
+
+
+def test_the_tier_over_a_real_mooncake_master(tmp_path):
+    from mooncake_master import LocalMooncakeMaster
+
+    from kvstage.storage.mooncake.store import master_binary, mooncake_available
+
+    if not (mooncake_available() and master_binary()):
+        pytest.skip("the Mooncake store is not installed (make .venv/.mooncake)")
+    with LocalMooncakeMaster(tmp_path / "master.log") as master:
+        rig = Rig(master.url())
+        try:
+            keys = keys_of(*range(NUM_CHUNKS + 2))
+            chunks = chunks_for(keys)
+            for key in keys:
+                rig.store([key], chunks)
+            rig.step()
+            assert rig.lookup(keys[0]) is LookupResult.HIT_PENDING
+            rig.step()
+            rig.step()
+            assert rig.lookup(keys[0]) is LookupResult.HIT
+            assert torch.equal(rig.primary_bytes(keys[0]), chunks[keys[0]])
+        finally:
+            rig.close()
