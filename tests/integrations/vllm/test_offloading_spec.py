@@ -159,3 +159,31 @@ def test_a_connector_cache_reset_clears_the_store_and_reports_the_removals(tmp_p
         assert rig.manager.storage.stats.pages_read == 0
     finally:
         rig.close()
+
+
+def test_a_second_request_loads_from_a_real_mooncake_master(tmp_path):
+    from mooncake_master import LocalMooncakeMaster
+
+    from kvstage.storage.mooncake.store import master_binary, mooncake_available
+
+    if not (mooncake_available() and master_binary()):
+        pytest.skip("the Mooncake store is not installed (make .venv/.mooncake)")
+    with LocalMooncakeMaster(tmp_path / "master.log") as master:
+        rig = ConnectorRig(tmp_path / "model", master.url())
+        try:
+            rig.add_request("a", PROMPT, max_tokens=1)
+            rig.run_until_idle()
+            rig.scheduler.reset_prefix_cache()
+            rig.backing.zero_()
+            request = rig.add_request("b", PROMPT, max_tokens=50)
+            for _ in range(500):
+                rig.step()
+                if request.num_computed_tokens >= len(PROMPT):
+                    break
+            assert rig.manager.storage.stats.pages_read == 4
+            blocks = rig.block_ids("b")
+            for index in range(4):
+                for layer, name in enumerate(rig.LAYERS):
+                    assert torch.equal(rig.kv[name][blocks[index]], expected_block(rig, PROMPT, index)[layer])
+        finally:
+            rig.close()
