@@ -186,8 +186,8 @@ def run(quick: bool = False, *, rounds: int | None = None, log=print) -> dict:
         "quick": quick, "rounds": rounds,
     }
     if importlib.util.find_spec("vllm") is None:
-        log("bench_vllm: vLLM 0.33.0 is not installed (bash tools/install-vllm.sh .venv); skipped")
-        return {**report, "skipped": "vLLM 0.33.0 is not installed (bash tools/install-vllm.sh .venv)", "results": []}
+        log("bench_vllm: vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python); skipped")
+        return {**report, "skipped": "vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)", "results": []}
     import vllm
 
     report["vllm"] = vllm.__version__

@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM 0.33.0 is not installed (bash tools/install-vllm.sh .venv)")
+pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)")
 
 from support import REPO_ROOT  # noqa: E402
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector", reason="vLLM 0.33.0 is not installed (bash tools/install-vllm.sh .venv)")
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector", reason="vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)")
 
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import Medium  # noqa: E402
