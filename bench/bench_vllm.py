@@ -58,7 +58,8 @@ def _median_seconds(call, rounds: int) -> float:
 def _worker_figures(num_blocks: int, rounds: int, log) -> list[dict]:
     from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
 
-    from kvstage.integrations.vllm.spec import KVStageLoadStoreSpec, KVStageWorker
+    from kvstage.integrations.vllm.manager import KVStageLoadStoreSpec
+    from kvstage.integrations.vllm.worker import KVStageWorker
     from kvstage.storage import LayoutFingerprint, MemoryStore
 
     total_blocks = 2 * num_blocks  # stores read the first half, loads write the second
@@ -110,7 +111,7 @@ def _worker_figures(num_blocks: int, rounds: int, log) -> list[dict]:
 def _take_events_figures(rounds: int, log) -> list[dict]:
     import torch as _torch
 
-    from kvstage.integrations.vllm.spec import KVStageOffloadingManager
+    from kvstage.integrations.vllm.manager import KVStageOffloadingManager
     from kvstage.storage import LayoutFingerprint, MemoryStore
 
     store = MemoryStore(LayoutFingerprint.opaque("bench", page_bytes=16, page_format="bench-events"))
@@ -147,7 +148,7 @@ def _take_events_figures(rounds: int, log) -> list[dict]:
 def _lookup_figures(rounds: int, log) -> tuple[list[dict], float]:
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-    from kvstage.integrations.vllm.spec import KVStageOffloadingManager
+    from kvstage.integrations.vllm.manager import KVStageOffloadingManager
     from kvstage.storage import FileStore, LayoutFingerprint, MemoryStore
 
     fingerprint = LayoutFingerprint.opaque("bench", page_bytes=16, page_format="bench-lookup")

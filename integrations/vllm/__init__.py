@@ -9,10 +9,13 @@ Public API:
         manager (``KVStageOffloadingManager``) and worker (``KVStageWorker``).
 
 Modules: ``keys`` (offload keys as page keys, the fingerprint of vLLM's chunks, store events as
-vLLM events), ``tier`` (``KVStageTier``), ``spec`` (``KVStageOffloadingSpec``). Importing this package imports vLLM.
+vLLM events), ``tier`` (``KVStageTier``), ``spec`` (``KVStageOffloadingSpec``), ``manager``
+(its scheduler side), ``worker`` (its worker side). Importing this package imports vLLM.
 """
 
-from kvstage.integrations.vllm.spec import KVStageOffloadingManager, KVStageOffloadingSpec, KVStageWorker
+from kvstage.integrations.vllm.manager import KVStageOffloadingManager
+from kvstage.integrations.vllm.spec import KVStageOffloadingSpec
+from kvstage.integrations.vllm.worker import KVStageWorker
 from kvstage.integrations.vllm.tier import KVStageTier
 
 __all__ = ["KVStageOffloadingManager", "KVStageOffloadingSpec", "KVStageTier", "KVStageWorker"]
