@@ -3,20 +3,24 @@
 Knows keys, bytes and layout fingerprints; nothing of requests or kernels.
 
 Public API:
-    StorageBackend, PutStatus, StorageStats: the interface every store implements.
+    StorageBackend, PutStatus, PutStatuses, StorageStats: the interface every store implements
+        (``put``, ``get``, ``exists``, ``clear``, ``take_events``).
+    StoreEvent: a page stored, evicted or removed, as ``take_events`` reports it.
     LayoutFingerprint: the key space (model, dtype, layout, page size, rank or stage).
-    MemoryStore: in-process pages (the default); FileStore: one crash-safe file a page;
+    MemoryStore: in-process pages (the default); FileStore: one crash-safe file a page
+        (KeySpace: what ``FileStore.key_spaces()`` lists);
     MooncakeStore: the Mooncake distributed store (optional ``mooncake`` extra; imported when
         a store is built).
     open_storage, STORAGE_SCHEMES: build a store from a URL (``memory``, ``file:DIR``,
         ``mooncake://HOST:PORT?...``).
 
-Modules: ``backend``, ``fingerprint``, ``registry``, ``memory_store``, ``file_store``,
+Modules: ``backend``, ``events``, ``fingerprint``, ``registry``, ``memory_store``, ``file_store``,
 ``mooncake`` (``config``, ``status``, ``store``).
 """
 
-from kvstage.storage.backend import PutStatus, StorageBackend, StorageStats
-from kvstage.storage.file_store import FileStore
+from kvstage.storage.backend import PutStatus, PutStatuses, StorageBackend, StorageStats
+from kvstage.storage.events import StoreEvent
+from kvstage.storage.file_store import FileStore, KeySpace
 from kvstage.storage.fingerprint import LayoutFingerprint
 from kvstage.storage.memory_store import MemoryStore
 from kvstage.storage.mooncake.config import MooncakeConfig
@@ -26,12 +30,15 @@ from kvstage.storage.registry import STORAGE_SCHEMES, open_storage
 __all__ = [
     "STORAGE_SCHEMES",
     "FileStore",
+    "KeySpace",
     "LayoutFingerprint",
     "MemoryStore",
     "MooncakeConfig",
     "MooncakeStore",
     "PutStatus",
+    "PutStatuses",
     "StorageBackend",
     "StorageStats",
+    "StoreEvent",
     "open_storage",
 ]
