@@ -21,15 +21,26 @@ $(VENV)/.mooncake: $(VENV)/.installed tools/install-mooncake.sh tools/apt-instal
 	bash tools/install-mooncake.sh $(VENV) || { [ -z "$$CI" ] || exit 1; echo "make: Mooncake not installed; its tests will skip"; }
 	touch $@
 
-# Tests run in a network namespace with loopback only (tools/in-netns.sh): the servers they
-# start (mooncake_master binds a port on every interface) are reachable from this machine alone.
+# vLLM 0.33.0's KV offloading code on CPU (tools/install-vllm.sh, pins from ../shared/reference)
+# for the vLLM adapter's tests, in VLLM_VENV: an overlay of VENV (its own packages first, then
+# VENV's), since vLLM's pins and sglang's disagree (openai). Where vLLM cannot be installed its
+# tests skip with the reason, except under CI, where they must run.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed: $(VENV)/.installed tools/install-vllm.sh
+	bash tools/install-vllm.sh $(VLLM_VENV) $(VENV) || { [ -z "$$CI" ] || exit 1; echo "make: vLLM not installed; its tests will skip"; }
+	touch $@
+
+# Tests run in a network namespace of their own (tools/in-netns.sh): the servers they start
+# (mooncake_master binds a port on every interface) are reachable from this machine alone.
+# Each engine's tests run in their own pytest process, in the venv holding its pinned packages.
 IN_NETNS := bash tools/in-netns.sh
 
-test: $(VENV)/.installed $(VENV)/.mooncake
+test: $(VENV)/.installed $(VENV)/.mooncake $(VLLM_VENV)/.installed
 	$(IN_NETNS) $(PYTHON) -m pytest
+	if [ -x $(VLLM_VENV)/bin/python ]; then $(IN_NETNS) $(VLLM_VENV)/bin/python -m pytest tests/integrations/vllm; else $(IN_NETNS) $(PYTHON) -m pytest tests/integrations/vllm; fi
 
 bench: $(VENV)/.installed
 	$(PYTHON) -m bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info hashing/_*_chain*.so
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info hashing/_*_chain*.so

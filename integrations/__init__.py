@@ -1,0 +1,1 @@
+"""Adapters that speak one inference engine's interfaces and translate them to kvstage's."""
