@@ -581,3 +581,43 @@ def test_a_request_without_a_protocol_attribute_gets_a_kvstage_error_and_is_not_
     with pytest.raises(InvalidArgumentError, match="extra_key"):
         manager.offload(req)
     assert not manager.is_tracked(req) and manager.requests_live == 0
+
+
+def _decode_side_first(llama, failures):
+    """Disaggregation timing: the decode side (``store_prompt=False``) decodes 20 tokens and
+    writes its 2 decode pages before the prefill side's 5 prompt pages land in the shared store."""
+    storage = memory_store(make_pool(llama))
+    decode = Engine(llama, storage, store_prompt=False, prefetch=False,
+                    manager_kwargs={"on_storage_failure": lambda req, keys, error: failures.append((len(keys), error))})
+    prefill = Engine(llama, storage, prefetch=False)
+    req = Req("r", prompt(20, 40), 20, **NAMESPACE)
+    decode.run(req)
+    decode.settle()
+    first_token = Req("r", prompt(20, 40), 1, **NAMESPACE)
+    prefill.run(first_token)
+    prefill.settle()
+    assert first_token.output_ids[0] == req.output_ids[0]
+    return decode, prefill, req
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="decode pages written before the prefill side's prompt pages land are FAILED and never retried")
+def test_decode_side_pages_that_race_ahead_of_the_prefill_side_are_kept(llama):
+    """In PD disaggregation the decode side starts once the KV is transferred, while the prefill
+    side's store writes may still be queued: its first decode page can reach the store before
+    the prompt's last page. The chain-aware store answers FAILED for each decode page (no
+    predecessor yet); the manager never retries, so the request's decode pages are lost for
+    good although their chain is whole a moment later (5 of 7 pages found)."""
+    decode, prefill, req = _decode_side_first(llama, [])
+    assert [(ok, failed) for _, ok, failed in decode.stored] == [(2, 0)]
+    assert prefill.manager.match_prefix(token_ids=req.all_ids()[:-1], **NAMESPACE).num_pages == 7
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="on_storage_failure gets error=None for a page whose predecessor is missing")
+def test_a_page_refused_for_a_missing_predecessor_says_why(llama):
+    """The README: a failed put says why (``PutStatus.error``, passed to ``on_storage_failure``).
+    A page refused because its chain predecessor is not in the store reaches the engine as
+    ``error=None``: nothing tells it apart from any other failure."""
+    failures = []
+    _decode_side_first(llama, failures)
+    assert failures == [(1, failures[0][1])] * 2  # each decode page's write failed alone
+    assert all(error is not None for _, error in failures)
