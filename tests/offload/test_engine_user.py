@@ -467,6 +467,50 @@ def test_a_second_thread_calling_the_manager_raises_naming_the_method(llama):
     engine.manager.close()
 
 
+
+def _corrupt_third_page(llama, directory):
+    """An engine on a ``file:`` store stores A (37-token prompt: 4 pages); then one byte of
+    the file of A's third page flips (a torn write, a bad disk)."""
+    engine = Engine(llama, open_storage(f"file:{directory}", LayoutFingerprint.of(make_pool(llama), page_size=PAGE, model_id="toy")))
+    a = Req("a", prompt(95, 37), 3, **NAMESPACE)
+    engine.run(a)
+    engine.settle()
+    key = engine.manager.match_prefix(a).page_keys[2]
+    (path,) = [p for p in directory.iterdir() if key in p.name]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return engine, a
+
+
+def test_a_corrupt_page_ends_the_hit_and_the_engine_recomputes_from_it(tmp_path, llama):
+    """B loads the 2 pages before the corrupt one and computes the rest: its logits equal a
+    run without kvstage; the recomputed pages are stored again and C then loads all 4."""
+    engine, a = _corrupt_third_page(llama, tmp_path)
+    b = Req("b", a.origin_input_ids, 3, **NAMESPACE)
+    engine.run(b)
+    engine.settle()
+    assert engine.loaded["b"] == 16 and engine.manager.metrics.prefetch_failures == 1
+    reference = Engine(llama)
+    b_ref = Req("b", a.origin_input_ids, 3, **NAMESPACE)
+    reference.run(b_ref)
+    assert all(torch.equal(x, y) for x, y in zip(b.logits, b_ref.logits[1:], strict=True))
+    c = Req("c", a.origin_input_ids, 3, **NAMESPACE)
+    engine.run(c)
+    assert engine.loaded["c"] == 32
+    engine.manager.close()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="the WARNING for a prefetch that ends at a corrupt page ends in ': None'")
+def test_the_warning_for_a_prefetch_ended_by_a_corrupt_page_says_why(tmp_path, llama, caplog):
+    """The one line an operator sees reads "prefetch of rid='b' ended at page 2 of 4: None"."""
+    engine, a = _corrupt_third_page(llama, tmp_path)
+    with caplog.at_level("WARNING", logger="kvstage"):
+        engine.run(Req("b", a.origin_input_ids, 3, **NAMESPACE))
+    engine.manager.close()
+    (message,) = [r.getMessage() for r in caplog.records if "ended at page" in r.getMessage()]
+    assert not message.endswith("None"), message
+
 # -- two processes sharing a file: store ---------------------------------------------------------
 
 ROLE_SCRIPT = """
