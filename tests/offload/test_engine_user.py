@@ -684,3 +684,25 @@ def test_pages_waiting_after_finish_are_counted_when_an_abort_drops_them(llama):
     metrics = engine.manager.metrics
     stored = sum(ok for _, ok, _ in engine.stored)
     assert stored + metrics.pages_dropped + metrics.pages_discarded == 15, (stored, metrics.pages_dropped)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="finish of a request still prefetching blames its slots, not the pending prefetch")
+def test_finishing_a_request_that_is_still_prefetching_names_the_prefetch(llama):
+    """sglang finishes a request aborted while it waits (``finished_reason`` set, then the usual
+    finish path). Here it was prefetching, never ran and owns no slots: ``finish(req)`` raises
+    "slot_indices_of(rid='c'): 0 slots, its first 32 tokens have KV", which sends the engine
+    developer to its slot table; ``offload`` in the same state names the pending prefetch
+    ("load or cancel it"). (``finish(req, kv_length=0)`` or ``abort`` release it.)"""
+    engine = Engine(llama, storage=memory_store(make_pool(llama)))
+    a = Req("a", prompt(102, 37), 3, **NAMESPACE)
+    engine.run(a)
+    engine.settle()
+    c = Req("c", a.origin_input_ids, 3, **NAMESPACE)
+    handle = engine.manager.prefetch(c, policy="wait_complete")
+    handle.wait(5.0)
+    c.finished_reason = "abort"
+    with pytest.raises(InvalidArgumentError) as raised:
+        engine.manager.finish(c)
+    engine.manager.abort(c)
+    engine.manager.close()
+    assert "prefetch" in str(raised.value), str(raised.value)
