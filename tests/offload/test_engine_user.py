@@ -706,3 +706,33 @@ def test_finishing_a_request_that_is_still_prefetching_names_the_prefetch(llama)
     engine.manager.abort(c)
     engine.manager.close()
     assert "prefetch" in str(raised.value), str(raised.value)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a resumed request that reloads less than it stored resumes offloading after its old progress: the lost page is never stored again")
+def test_a_resumed_request_that_reloads_less_than_it_stored_mends_its_chain(tmp_path, llama):
+    """Retracted after 20 tokens (4 pages stored); its second page is then lost (a corrupt file
+    here; Mooncake's silent eviction does the same). Re-admitted, it reloads 1 page and
+    recomputes the rest, but the manager resumes storing after the 4 pages of its old progress:
+    page 2 is never stored again, and every later page sits behind the hole (1 of 7 reachable).
+    A fresh request in the same place stores the recomputed pages again (see the corrupt-page
+    test above)."""
+    engine = Engine(llama, open_storage(f"file:{tmp_path}", LayoutFingerprint.of(make_pool(llama), page_size=PAGE, model_id="toy")))
+    req = Req("r", prompt(120, 20), 40, **NAMESPACE)
+    engine.submit(req)
+    while len(req.output_ids) < 20:
+        engine.step()
+    engine.running.remove(req)
+    engine.manager.retract(req, keep_offloaded=True)
+    engine.settle()
+    key = engine.manager.match_prefix(req).page_keys[1]
+    (path,) = [p for p in tmp_path.iterdir() if key in p.name]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    req.computed = 0
+    engine.run(req)
+    engine.settle()
+    assert engine.loaded["r"] == PAGE
+    reachable = engine.manager.match_prefix(token_ids=req.all_ids()[:-1], **NAMESPACE).num_pages
+    engine.manager.close()
+    assert reachable == (20 + 39) // PAGE
