@@ -356,10 +356,12 @@ def test_abort_mid_prefill_and_mid_decode_keep_what_was_stored(llama):
     engine.manager.close()
 
 
-def test_retracted_request_resumes_with_everything_it_stored(llama):
+@pytest.mark.parametrize("arch", ["llama", "deepseek"])
+def test_retracted_request_resumes_with_everything_it_stored(arch, llama, deepseek):
     """Decoded 20 tokens (KV of 39 positions: 4 pages stored), retracted, re-admitted: the
     prefetch hits all 4 pages and loads the KV the request had, byte for byte."""
-    engine = Engine(llama, storage=memory_store(make_pool(llama)))
+    model = llama if arch == "llama" else deepseek
+    engine = Engine(model, storage=memory_store(make_pool(model)))
     req = Req("r", prompt(6, 20), 30, **NAMESPACE)
     engine.submit(req)
     while len(req.output_ids) < 20:
@@ -586,6 +588,28 @@ def test_prefill_and_decode_processes_share_a_file_store(tmp_path, llama):
     assert reader.manager.match_prefix(turn2).num_pages == 7
     reader.manager.close()
 
+
+
+EXIT_SCRIPT = """
+import sys
+sys.path[:0] = [{tests!r}, {offload_tests!r}]
+from test_engine_user import *
+model = make_model("llama")
+engine = Engine(model, open_storage("file:" + sys.argv[1], LayoutFingerprint.of(make_pool(model), page_size=PAGE, model_id="toy")), host_pages=4)
+engine.run(*[Req(f"r{{i}}", prompt(70 + i, 45), 6, **NAMESPACE) for i in range(3)])
+print("live", engine.manager.requests_live, "copies", engine.manager.copies_in_flight)
+"""
+
+
+def test_a_process_that_exits_without_close_exits_normally(tmp_path):
+    """Three requests through a 4-page host pool, then exit with copies, writes and finish
+    backlogs in flight and no ``close()``: exit status 0, nothing on stderr from the workers."""
+    script = EXIT_SCRIPT.format(tests=str(REPO_ROOT / "tests"), offload_tests=str(REPO_ROOT / "tests" / "offload"))
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("live ")
+    assert "terminate called" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 # -- defects found this way (xfail until fixed) -------------------------------------------------
 
