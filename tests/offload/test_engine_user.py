@@ -513,6 +513,32 @@ def test_the_warning_for_a_prefetch_ended_by_a_corrupt_page_says_why(tmp_path, l
     (message,) = [r.getMessage() for r in caplog.records if "ended at page" in r.getMessage()]
     assert not message.endswith("None"), message
 
+
+def test_a_decode_side_loads_the_prefill_sides_prompt_pages_and_continues_the_chain(llama):
+    """PD disaggregation in one process: the prefill side stores a 45-token prompt's 5 whole
+    pages and samples the first token; the decode side (``store_prompt=False``) admits the
+    request with that token, prefetches and loads the 5 pages, computes positions 40..45 and
+    decodes, storing its 3 pages (the prompt's partial page onwards): the chain is whole."""
+    storage = memory_store(make_pool(llama))
+    prefill = Engine(llama, storage, prefetch=False)
+    first = Req("p", prompt(130, 45), 1, **NAMESPACE)
+    prefill.run(first)
+    prefill.settle()
+    decode = Engine(llama, storage, store_prompt=False)
+    req = Req("p", prompt(130, 45), 20, **NAMESPACE)
+    req.output_ids.append(first.output_ids[0])
+    decode.run(req)
+    decode.settle()
+    assert decode.loaded == {"p": 40}
+    assert [(ok, failed) for _, ok, failed in prefill.stored] == [(5, 0)]
+    assert [(ok, failed) for _, ok, failed in decode.stored] == [(3, 0)]
+    assert decode.manager.match_prefix(token_ids=req.all_ids()[:-1], **NAMESPACE).num_pages == (45 + 19) // PAGE
+    reference = Engine(llama)
+    ref = Req("p", prompt(130, 45), 20, **NAMESPACE)
+    reference.run(ref)
+    assert req.output_ids == ref.output_ids
+    decode.manager.close()
+
 # -- two processes sharing a file: store ---------------------------------------------------------
 
 ROLE_SCRIPT = """
