@@ -537,7 +537,7 @@ def test_a_decode_side_loads_the_prefill_sides_prompt_pages_and_continues_the_ch
     ref = Req("p", prompt(130, 45), 20, **NAMESPACE)
     reference.run(ref)
     assert req.output_ids == ref.output_ids
-    decode.manager.close()
+    decode.manager.close(), prefill.manager.close()
 
 # -- two processes sharing a file: store ---------------------------------------------------------
 
@@ -659,7 +659,9 @@ def test_offload_that_raises_on_a_bad_namespace_tracks_nothing(namespace):
     req.output_ids.append(5)
     with pytest.raises(ArgumentTypeError, match="extra_key|cache_salt"):
         manager.offload(req)
-    assert not manager.is_tracked(req) and manager.requests_live == 0
+    tracked, live = manager.is_tracked(req), manager.requests_live
+    manager.close()
+    assert not tracked and live == 0
 
 
 @pytest.mark.xfail(strict=True, raises=(AttributeError, AssertionError), reason="a request object without extra_key raises a bare AttributeError, after it is tracked")
@@ -672,9 +674,13 @@ def test_a_request_without_a_protocol_attribute_gets_a_kvstage_error_and_is_not_
     req = Req("r", range(1, 41), 4)
     req.output_ids.append(5)
     del req.extra_key
-    with pytest.raises(InvalidArgumentError, match="extra_key"):
-        manager.offload(req)
-    assert not manager.is_tracked(req) and manager.requests_live == 0
+    try:
+        with pytest.raises(InvalidArgumentError, match="extra_key"):
+            manager.offload(req)
+    finally:
+        tracked, live = manager.is_tracked(req), manager.requests_live
+        manager.close()
+    assert not tracked and live == 0
 
 
 def _decode_side_first(llama, failures):
@@ -702,8 +708,10 @@ def test_decode_side_pages_that_race_ahead_of_the_prefill_side_are_kept(llama):
     predecessor yet); the manager never retries, so the request's decode pages are lost for
     good although their chain is whole a moment later (5 of 7 pages found)."""
     decode, prefill, req = _decode_side_first(llama, [])
+    reachable = prefill.manager.match_prefix(token_ids=req.all_ids()[:-1], **NAMESPACE).num_pages
+    decode.manager.close(), prefill.manager.close()
     assert [(ok, failed) for _, ok, failed in decode.stored] == [(2, 0)]
-    assert prefill.manager.match_prefix(token_ids=req.all_ids()[:-1], **NAMESPACE).num_pages == 7
+    assert reachable == 7
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="on_storage_failure gets error=None for a page whose predecessor is missing")
@@ -712,7 +720,8 @@ def test_a_page_refused_for_a_missing_predecessor_says_why(llama):
     A page refused because its chain predecessor is not in the store reaches the engine as
     ``error=None``: nothing tells it apart from any other failure."""
     failures = []
-    _decode_side_first(llama, failures)
+    decode, prefill, _ = _decode_side_first(llama, failures)
+    decode.manager.close(), prefill.manager.close()
     assert failures == [(1, failures[0][1])] * 2  # each decode page's write failed alone
     assert all(error is not None for _, error in failures)
 
@@ -730,6 +739,7 @@ def test_pages_waiting_after_finish_are_counted_when_an_abort_drops_them(llama):
     for req in reqs:
         engine.manager.abort(req)
     engine.settle()
+    engine.manager.close()
     assert len(engine.released) == 3
     metrics = engine.manager.metrics
     stored = sum(ok for _, ok, _ in engine.stored)
