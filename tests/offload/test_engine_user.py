@@ -15,10 +15,10 @@ way (the fix removes the mark).
 from __future__ import annotations
 
 import array
+import inspect
 import os
 import subprocess
 import sys
-import textwrap
 import threading
 
 import pytest
@@ -86,6 +86,7 @@ class Req:
         self.finished_reason: str | None = None
         self.computed = 0  # positions with KV in the device pool
         self.logits: list[torch.Tensor] = []  # each forward's logits, in order
+        self.pending_load = None  # the load of its admission, waited for by its next forward
 
     def finished(self) -> bool:
         return self.finished_reason is not None
@@ -137,7 +138,7 @@ class PoolKV:
 
 
 def _cache_keyword(layer: torch.nn.Module) -> str:
-    import inspect
+    """The decoder layer's cache keyword (transformers renamed it across versions)."""
     names = inspect.signature(layer.forward).parameters
     return next(n for n in ("cache", "past_key_values", "past_key_value") if n in names)
 
@@ -205,7 +206,8 @@ class Engine:
                 self.running.append(req)
         for _, handle in list(self.prefetching.values()):
             handle.wait(5.0)  # a test only, for deterministic steps: an engine steps the running batch meanwhile
-        self.manager is None or self.manager.poll()
+        if self.manager is not None:
+            self.manager.poll()
         for key, (req, handle) in list(self.prefetching.items()):
             if handle.ready_to_load():
                 del self.prefetching[key]
@@ -225,8 +227,7 @@ class Engine:
         """One scheduler iteration: admit, one chunk or decode token per running request, offload, poll."""
         self._admit()
         for req in list(self.running):
-            load = getattr(req, "pending_load", None)
-            req.pending_load = None
+            load, req.pending_load = req.pending_load, None
             # prefill (chunked) up to every token id it holds: the prompt, or for a resumed
             # request the prompt and output; then one decode token a step
             total = len(req.origin_input_ids) + len(req.output_ids)
