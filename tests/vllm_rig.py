@@ -47,7 +47,7 @@ class ConnectorRig:
     BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_SIZE = 16, 32, 2, 16
     LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
-    def __init__(self, model_dir, storage: str, *, events: bool = True) -> None:
+    def __init__(self, model_dir, storage: str, *, events: bool = True, extra_config: dict | None = None) -> None:
         import uuid
 
         import torch
@@ -85,7 +85,7 @@ class ConnectorRig:
             kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null"),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="OffloadingConnector", kv_role="kv_both", engine_id=f"kvstage-{uuid.uuid4().hex[:12]}",
-                kv_connector_extra_config={"spec_name": "KVStageOffloadingSpec", "spec_module_path": "kvstage.integrations.vllm", "storage": storage},
+                kv_connector_extra_config={"spec_name": "KVStageOffloadingSpec", "spec_module_path": "kvstage.integrations.vllm", "storage": storage, **(extra_config or {})},
             ),
         )
         attention = FullAttentionSpec(block_size=block_size, num_kv_heads=self.NUM_KV_HEADS, head_size=self.HEAD_SIZE, dtype=torch.float16)
