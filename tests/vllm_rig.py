@@ -42,6 +42,8 @@ class ConnectorRig:
     The model is a stand-in: for every token a step schedules, it writes ``kv_value(token,
     position, layer)`` into the token's row of its block in each layer's KV tensor, so a block's
     bytes are a function of its tokens; a loaded block must hold exactly those bytes.
+    ``extra_config`` adds keys to the connector's ``kv_connector_extra_config`` (e.g.
+    ``num_host_pages``).
     """
 
     BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_SIZE = 16, 32, 2, 16

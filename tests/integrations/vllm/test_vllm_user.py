@@ -364,6 +364,36 @@ def test_spec_shutdown_waits_for_writes_in_flight(tmp_path):
         fresh.close()
 
 
+def test_spec_a_request_aborted_while_its_load_runs_frees_and_the_next_one_loads(tmp_path):
+    from vllm.v1.request import RequestStatus
+
+    rig = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}")
+    try:
+        rig.add_request("a", PROMPT, max_tokens=1)
+        rig.run_until_idle()
+        rig.scheduler.reset_prefix_cache()
+        rig.backing.zero_()
+        storage = rig.manager.storage
+        get = storage.get
+
+        def slow_get(*args, **kwargs):
+            time.sleep(0.3)
+            return get(*args, **kwargs)
+
+        storage.get = slow_get
+        rig.add_request("b", PROMPT, max_tokens=3)
+        rig.step()
+        assert rig.worker.connector_worker.worker.keyed.jobs_in_flight == 1  # b's load is reading
+        rig.scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+        rig.run_until_idle()
+        storage.get = get
+        rig.backing.zero_()
+        assert run_to_prompt_end(rig, "c", PROMPT) == len(PROMPT) - 4 * BLOCK
+        assert_blocks_hold(rig, "c", PROMPT, 4)
+    finally:
+        rig.close()
+
+
 @pytest.mark.xfail(strict=True, reason="a failed load (a corrupt file page) is a TransferResult(success=False), and vLLM 0.33.0's connector worker asserts every transfer succeeded: the engine dies instead of recomputing the block as the README says")
 def test_spec_a_corrupt_page_is_recomputed_never_loaded(tmp_path):
     rig = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}")
