@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -204,7 +203,16 @@ def test_tier_pages_survive_vllms_cache_reset_and_shutdown_with_writes_in_flight
             engine.manager.reset_cache()
         more = keys_of(10, 11)
         chunks.update(chunks_for(more, seed=12))
-        engine.store(more, chunks, settle=False)  # cascades still in flight at shutdown
+        storage = engine.tier.storage
+        put = storage.put
+
+        def slow_put(*args, **kwargs):
+            time.sleep(0.3)
+            return put(*args, **kwargs)
+
+        storage.put = slow_put
+        engine.store(more, chunks, settle=False)
+        assert engine.tier.has_pending_work()  # their cascade is still writing at shutdown
     finally:
         engine.close()
     fresh = TierEngine(f"file:{tmp_path / 'kv'}")
