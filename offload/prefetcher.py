@@ -182,7 +182,11 @@ class Prefetcher:
         counters.pages_truncated += max(hit - handle.num_host_pages, 0)
         if handle.error is not None or handle.hole:
             counters.prefetch_failures += 1
-            logger.warning("offload: prefetch of rid=%r ended at page %d of %s: %r", handle.req.rid, handle.pages_ready, handle.pages_hit, handle.error)
+            why = repr(handle.error) if handle.error is not None else (
+                f"the store held page {handle.pages_ready} at the lookup but did not return it (missing or corrupt: "
+                "evicted, removed, or a failed checksum since)"
+            )
+            logger.warning("offload: prefetch of rid=%r ended at page %d of %s: %s", handle.req.rid, handle.pages_ready, handle.pages_hit, why)
 
     def _drop(self, handle: PrefetchHandle) -> None:
         """Account a finished prefetch and free its host pages that no load took."""
