@@ -283,7 +283,7 @@ class OffloadManager:
 
         Raises:
             ArgumentTypeError / DeviceMismatchError / InvalidArgumentError: a bad ``kv_length``;
-                ``slot_indices_of`` returned no 1-D int tensor of the pool's device, too few
+                ``extra_key`` or ``cache_salt`` is neither a str nor None; ``slot_indices_of`` returned no 1-D int tensor of the pool's device, too few
                 slots, or (on CPU, where it costs no sync) a slot out of the pool's range; a
                 placeholder (negative) token id among the tokens to copy; ``after`` is no event
                 or stream; a prefetch of the request is pending; the request object was
@@ -897,7 +897,7 @@ class OffloadManager:
 
         Raises:
             InvalidArgumentError / ArgumentTypeError / DeviceMismatchError: a placeholder id,
-                too few slots, bad slot indices.
+                too few slots, bad slot indices, a bad namespace (the chain starts here).
         """
         first, page_size = state.offloaded_length, self.page_size
         if length - first < page_size or not self.writes_pages:  # most calls: nothing new
@@ -945,6 +945,8 @@ class OffloadManager:
                 raise InvalidArgumentError(f"{argument}: {slot_indices.shape[0]} slots, its first {wanted_end} tokens have KV")
             slot_indices = slot_indices[first:wanted_end]
         self.copier.check_slot_indices(slot_indices, argument)
+        if bounds and state.chain is None:  # the namespace is checked here, before anything is tracked
+            state.chain = RequestChain(*self._chain_start(req))
         if rejected:
             self._counters.offloads_rejected += rejected
         if len(bounds) == 1 and bounds[0][1] == wanted_end:  # the common case: no slicing
@@ -956,8 +958,6 @@ class OffloadManager:
         launched = 0
         after = self.producer if after is None else after
         for run, slot_indices in runs:
-            if state.chain is None:
-                state.chain = RequestChain(*self._chain_start(state.req))
             segment = _Segment(state, run)
             host_page_ids = self.copier.gather(segment, slot_indices, after=after, checked=True)
             if host_page_ids is None:  # the plan counted free pages

@@ -651,7 +651,6 @@ def _bare_manager(**kwargs):
     return OffloadManager(pool, host, storage, PageHasher(page_size=PAGE), lambda req: torch.arange(64), **kwargs)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="offload raises on a bad namespace only in _launch, after the request is tracked")
 @pytest.mark.parametrize("namespace", [{"extra_key": 7}, {"cache_salt": b"salt"}], ids=["int-extra_key", "bytes-cache_salt"])
 def test_offload_that_raises_on_a_bad_namespace_tracks_nothing(namespace):
     """An engine keeping a LoRA adapter's int id as ``extra_key``: the README's contract says a
@@ -662,6 +661,9 @@ def test_offload_that_raises_on_a_bad_namespace_tracks_nothing(namespace):
     req.output_ids.append(5)
     with pytest.raises(ArgumentTypeError, match="extra_key|cache_salt"):
         manager.offload(req)
+    req.finished_reason = "length"
+    with pytest.raises(ArgumentTypeError, match="extra_key|cache_salt"):
+        manager.finish(req)
     tracked, live = manager.is_tracked(req), manager.requests_live
     manager.close()
     assert not tracked and live == 0
