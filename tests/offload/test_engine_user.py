@@ -669,19 +669,22 @@ def test_offload_that_raises_on_a_bad_namespace_tracks_nothing(namespace):
     assert not tracked and live == 0
 
 
-@pytest.mark.xfail(strict=True, raises=(AttributeError, AssertionError), reason="a request object without extra_key raises a bare AttributeError, after it is tracked")
 def test_a_request_without_a_protocol_attribute_gets_a_kvstage_error_and_is_not_tracked():
     """vLLM's ``Request`` has no ``extra_key``; an engine adapting it and forgetting one of the
     protocol's attributes gets ``AttributeError: ... no attribute 'extra_key'`` from deep in
     the manager (``_chain_start``), not an error naming the request protocol, and the request
-    stays tracked."""
+    stays tracked. A missing namespace attribute is not read as None (a request adapter that
+    forgot ``cache_salt`` would share a tenant's pages): it raises ``ArgumentTypeError`` naming
+    the attribute, before anything is tracked."""
     manager = _bare_manager()
     req = Req("r", range(1, 41), 4)
     req.output_ids.append(5)
     del req.extra_key
     try:
-        with pytest.raises(InvalidArgumentError, match="extra_key"):
+        with pytest.raises(ArgumentTypeError, match="has no attribute 'extra_key'"):
             manager.offload(req)
+        with pytest.raises(ArgumentTypeError, match="has no attribute 'extra_key'"):
+            manager.prefetch(req)
     finally:
         tracked, live = manager.is_tracked(req), manager.requests_live
         manager.close()
