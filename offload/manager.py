@@ -325,6 +325,10 @@ class OffloadManager:
         beyond that limit dropped (``pages_dropped``). A second call, or a call after the
         release, does nothing.
 
+        A pending prefetch of ``req`` (never loaded: the engine computed its tokens itself) is
+        cancelled, and the pages with KV are offloaded as usual. A request that ends before it
+        ran holds no KV: end it with :meth:`abort` or ``finish(req, kv_length=0)``.
+
         Args:
             kv_length: as for :meth:`offload` (a request cut short mid-prefill stores the
                 pages of its computed chunks).
@@ -335,8 +339,10 @@ class OffloadManager:
             were dropped.
 
         Raises:
-            As :meth:`offload`; nothing was launched and the request is not released then
-            (call :meth:`abort`).
+            As :meth:`offload`; nothing was launched, a pending prefetch is kept, and the
+            request is not released then (call :meth:`abort`). With a prefetch pending, a
+            request with too few slots for ``kv_length`` (one that never ran) gets an
+            ``InvalidArgumentError`` naming the pending prefetch.
         """
         if threading.get_ident() != self._owner_ident:
             self._check_thread("finish")
@@ -770,7 +776,17 @@ class OffloadManager:
         self._maybe_release(state)
 
     def _finish_state(self, state: _RequestState, new: bool, length: int, after: Any) -> bool:
-        runs = self._plan(state, self.page_size, length)  # every check before anything changes
+        try:
+            runs = self._plan(state, self.page_size, length)  # every check before anything changes
+        except InvalidArgumentError as error:
+            if state.prefetch is None:
+                raise
+            # Most likely the request never ran (it was still prefetching): say so, not only the slots.
+            raise InvalidArgumentError(
+                f"req: rid={state.req.rid!r} has a prefetch pending (never loaded), and its KV up to kv_length={length} "
+                f"cannot be offloaded ({error}); a request that ends before it runs: abort(req) or "
+                "finish(req, kv_length=0), which cancel the prefetch"
+            ) from error
         if new:
             self._commit(state)
         if state.prefetch is not None:  # never loaded: the engine computed the prompt itself

@@ -754,8 +754,8 @@ def test_pages_waiting_after_finish_are_counted_when_an_abort_drops_them(llama):
     assert stored + metrics.pages_dropped + metrics.pages_discarded == 15, (stored, metrics.pages_dropped)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="finish of a request still prefetching blames its slots, not the pending prefetch")
-def test_finishing_a_request_that_is_still_prefetching_names_the_prefetch(llama):
+@pytest.mark.parametrize("ending", ["abort", "finish-kv_length-0"])
+def test_finishing_a_request_that_is_still_prefetching_names_the_prefetch(llama, ending):
     """sglang finishes a request aborted while it waits (``finished_reason`` set, then the usual
     finish path). Here it was prefetching, never ran and owns no slots: ``finish(req)`` raises
     "slot_indices_of(rid='c'): 0 slots, its first 32 tokens have KV", which sends the engine
@@ -771,9 +771,14 @@ def test_finishing_a_request_that_is_still_prefetching_names_the_prefetch(llama)
     c.finished_reason = "abort"
     with pytest.raises(InvalidArgumentError) as raised:
         engine.manager.finish(c)
-    engine.manager.abort(c)
+    assert not handle.cancelled and engine.manager.is_tracked(c)  # the call that raised changed nothing
+    if ending == "abort":
+        engine.manager.abort(c)
+    else:
+        assert engine.manager.finish(c, kv_length=0)
     engine.manager.close()
-    assert "prefetch" in str(raised.value), str(raised.value)
+    assert "prefetch pending" in str(raised.value) and "abort(req)" in str(raised.value), str(raised.value)
+    assert handle.cancelled and engine.released[-1] is c
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="a resumed request that reloads less than it stored resumes offloading after its old progress: the lost page is never stored again")
