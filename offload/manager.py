@@ -360,7 +360,8 @@ class OffloadManager:
         Its prefetch is cancelled; loads of it in flight are waited for (a queued copy cannot
         be recalled), so no slot of it is written after this returns; gathers in flight complete
         and their pages are stored (a long prefill aborted midway keeps the chunks it
-        launched). ``release(req)`` is called once none of its copies is in flight: within this
+        launched); pages a :meth:`finish` left waiting for host pages are never launched
+        (counted in ``pages_dropped``). ``release(req)`` is called once none of its copies is in flight: within this
         call when no gather of it is (also after waiting for its loads), else in the
         :meth:`poll` that collects the last one. After release it does nothing.
 
@@ -760,7 +761,9 @@ class OffloadManager:
         state.aborted = state.aborted or aborted
         if state.prefetch is not None:
             self._cancel(state.prefetch)
-        if state.backlog_pages:
+        if state.backlog_pages:  # finish()'s pages still waiting for host pages: never launched now
+            self._counters.pages_dropped += state.backlog_pages
+            logger.warning("offload: %s of rid=%r drops its %d pages waiting for host pages", "abort" if aborted else "retract", state.req.rid, state.backlog_pages)
             state.backlog_pages = 0
             self._backlog.remove(state)
         if aborted and state.loads:
