@@ -486,8 +486,10 @@ class OffloadManager:
 
         Loads ``len(slot_indices) // page_size`` leading pages (at most ``handle.pages_ready``);
         the read stops (pages past those are not loaded). The request's chain continues after
-        the loaded pages, so the manager stores only what follows them. Host pages are freed by
-        :meth:`poll` once the copy completes.
+        the loaded pages, so the manager stores only what follows them: also when that is less
+        than a resumed (retracted) request stored before, so that pages lost from the store
+        since are stored again as the engine recomputes them (with ``store_prompt=False``, never
+        before the prompt's end). Host pages are freed by :meth:`poll` once the copy completes.
 
         Args:
             handle: from :meth:`prefetch`, not loaded or cancelled before.
@@ -539,9 +541,14 @@ class OffloadManager:
                 state.copies_in_flight += 1
                 state.loads.append(job)
                 self._counters.loads += 1
-            if num_pages * self.page_size > state.offloaded_length:  # (with store_prompt=False the prefill side's pages may reach further)
-                state.offloaded_length = num_pages * self.page_size
-                state.chain = RequestChain(handle.page_keys[num_pages - 1], True)
+            # Offloading resumes after the loaded pages: further than the prompt pages a prefill
+            # side stored, or short of a resumed request's old progress when a page of it was
+            # lost (the engine recomputes from the loaded length, and those pages mend the chain).
+            loaded = num_pages * self.page_size
+            resume = max(loaded, 0 if self.store_prompt else len(handle.req.origin_input_ids) // self.page_size * self.page_size)
+            if resume != state.offloaded_length:
+                state.offloaded_length = resume
+                state.chain = RequestChain(handle.page_keys[num_pages - 1], True) if resume == loaded and num_pages else None
             return LoadHandle(handle.req, num_pages, self.page_size, copy_handles, self.kv_pool.num_layers, layer_by_layer)
 
     def cancel(self, handle: PrefetchHandle) -> None:

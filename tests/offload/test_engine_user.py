@@ -781,7 +781,6 @@ def test_finishing_a_request_that_is_still_prefetching_names_the_prefetch(llama,
     assert handle.cancelled and engine.released[-1] is c
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a resumed request that reloads less than it stored resumes offloading after its old progress: the lost page is never stored again")
 def test_a_resumed_request_that_reloads_less_than_it_stored_mends_its_chain(tmp_path, llama):
     """Retracted after 20 tokens (4 pages stored); its second page is then lost (a corrupt file
     here; Mooncake's silent eviction does the same). Re-admitted, it reloads 1 page and
