@@ -138,7 +138,9 @@ class OffloadManager:
         on_storage_failure: ``on_storage_failure(req, failed_keys, error)``: a copy, the page
             keys or a store write failed for these keys (empty when keys could not be made);
             ``error`` is the exception that failed them (e.g. the store's ``OSError`` with its
-            errno) or None when the store only answered FAILED. Also logged once at WARNING.
+            errno, or a :class:`~kvstage.storage.MissingPriorError` naming the chain page before
+            them that the store lacks) or None when the store only answered FAILED (no room).
+            Also logged once at WARNING.
         on_stored: ``on_stored(req, pages_stored, pages_failed)``: called from :meth:`poll`
             exactly once per request lifecycle (also aborted and retracted ones, and with
             ``0, 0`` when nothing was launched), after its release and after its last store

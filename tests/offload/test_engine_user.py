@@ -30,7 +30,7 @@ from kvstage.errors import ArgumentTypeError, InvalidArgumentError, ThreadingErr
 from kvstage.hashing import PageHasher
 from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, OffloadManager
-from kvstage.storage import LayoutFingerprint, open_storage
+from kvstage.storage import LayoutFingerprint, MissingPriorError, open_storage
 from support import REPO_ROOT
 
 PAGE = 8
@@ -724,16 +724,20 @@ def test_decode_side_pages_that_race_ahead_of_the_prefill_side_are_kept(llama):
     assert reachable == 7
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="on_storage_failure gets error=None for a page whose predecessor is missing")
 def test_a_page_refused_for_a_missing_predecessor_says_why(llama):
     """The README: a failed put says why (``PutStatus.error``, passed to ``on_storage_failure``).
-    A page refused because its chain predecessor is not in the store reaches the engine as
-    ``error=None``: nothing tells it apart from any other failure."""
+    A page refused because its chain predecessor is not in the store reached the engine as
+    ``error=None``, nothing telling it apart from any other failure; it now gets a
+    ``MissingPriorError`` naming the missing key: the prompt's last page for the first decode
+    page, the first decode page for the second."""
     failures = []
-    decode, prefill, _ = _decode_side_first(llama, failures)
+    decode, prefill, req = _decode_side_first(llama, failures)
     decode.manager.close(), prefill.manager.close()
-    assert failures == [(1, failures[0][1])] * 2  # each decode page's write failed alone
-    assert all(error is not None for _, error in failures)
+    assert [count for count, _ in failures] == [1, 1]  # each decode page's write failed alone
+    assert all(isinstance(error, MissingPriorError) for _, error in failures), failures
+    keys = decode.manager.hasher.prefill_keys(req.all_ids()[:56], **NAMESPACE)
+    assert [error.prior_key for _, error in failures] == [keys[4], keys[5]]
+    assert keys[4] in str(failures[0][1])
 
 
 def test_pages_waiting_after_finish_are_counted_when_an_abort_drops_them(llama):
