@@ -162,13 +162,24 @@ class OffloadManager:
             :class:`~kvstage.offload.store_io.StoreWorkers`, one writer and one reader thread).
             Writes must run in submission order (one writer): a store refuses a page whose
             predecessor in the chain is not stored yet.
+        prior_wait_s: with ``store_prompt=False`` only: seconds (>= 0; default 10) that a store
+            write refused because the chain page before it is not stored yet
+            (:class:`~kvstage.storage.MissingPriorError`: the prefill side's last prompt page
+            may land after the first decode page) is put again, after pauses of 10 ms doubling
+            to 200 ms, on the writer thread; between attempts it waits off every thread, so
+            other writes go on and :meth:`drain` does not wait for it (:meth:`close` does).
+            After that long the pages fail, reported to ``on_storage_failure`` with a
+            ``MissingPriorError`` naming the missing key. 0: no retry. With
+            ``store_prompt=True`` every prior is this manager's own page or a loaded one, so a
+            refusal is final at once.
 
     Raises:
         ArgumentTypeError: ``hasher`` is not a page hasher instance, ``storage`` is not a
             storage backend, or ``producer`` is neither None, an event nor a stream.
         InvalidArgumentError: the stride, page sizes or layouts do not match, the stride
             needs more pages than the host pool holds, a callback is not callable, or
-            ``finish_backlog_pages`` is neither None nor an int >= 0.
+            ``finish_backlog_pages`` is neither None nor an int >= 0, or ``prior_wait_s`` is
+            not a number >= 0.
 
     Call every method but :meth:`close` from one thread (the engine's scheduler): the thread of
     the first call owns the manager, and a call from another raises
@@ -196,6 +207,7 @@ class OffloadManager:
         producer: Any = None,
         finish_backlog_pages: int | None = None,
         store_workers: StoreWorkersLike | None = None,
+        prior_wait_s: float = 10.0,
     ) -> None:
         page_size = host_pool.page_size
         require(
@@ -213,6 +225,10 @@ class OffloadManager:
         require(
             stride // page_size <= host_pool.capacity, "offload_stride",
             lambda: f"{stride} tokens ({stride // page_size} pages of {page_size}) exceeds the host pool's capacity of {host_pool.capacity} pages: no stride could ever be launched",
+        )
+        require(
+            isinstance(prior_wait_s, (int, float)) and not isinstance(prior_wait_s, bool) and prior_wait_s >= 0,
+            "prior_wait_s", lambda: f"must be a number of seconds >= 0, got {prior_wait_s!r}",
         )
         self.copier = Copier(kv_pool, host_pool, copy_stream=copy_stream, backend=backend)
         fingerprint = getattr(storage, "fingerprint", None)
@@ -256,7 +272,10 @@ class OffloadManager:
         self._counters = OffloadMetrics()
         self._closed = False
         self._prefetcher = Prefetcher(self.copier, storage, hasher, self._workers, self._counters)
-        self._backup = Backup(self.copier, storage, hasher, self._workers, self._counters, on_storage_failure)
+        self._backup = Backup(
+            self.copier, storage, hasher, self._workers, self._counters, on_storage_failure,
+            prior_wait_s=0.0 if self.store_prompt else float(prior_wait_s),
+        )
         storage.register_host_buffers(host_pool.buffers)
 
     # -- store path ---------------------------------------------------------------------------
@@ -583,7 +602,9 @@ class OffloadManager:
     def drain(self) -> None:
         """Block until every copy, store write and read in flight has completed, and finished
         requests' waiting pages are launched, polling as it goes (for shutdown and tests; never
-        in the engine's step).
+        in the engine's step). Writes parked waiting for a prior page that another process
+        writes (``prior_wait_s``) are not waited for: they land or fail on their own, and
+        :meth:`close` waits for them.
 
         Raises:
             ThreadingError: called from another thread than the manager's.
@@ -595,7 +616,8 @@ class OffloadManager:
     def flush(self) -> int:
         """Empty the store's key space (after a weight update, its pages hold the old weights'
         KV): cancel every prefetch, wait for the copies, store writes and reads in flight (as
-        :meth:`drain`), forget what retracted requests had offloaded (they store again from
+        :meth:`drain`; writes parked waiting for their prior page fail now, so that no page of
+        the old weights lands after the clear), forget what retracted requests had offloaded (they store again from
         the start), then ``storage.clear()``.
 
         Requests still running keep their chains: their later pages continue keys whose
@@ -615,7 +637,11 @@ class OffloadManager:
         self._require_open("flush")
         for handle in list(self._prefetcher.active):
             self._cancel(handle)
-        self._drain()
+        self._backup.stop_waiting(True)  # no write parked for its prior may land after clear()
+        try:
+            self._drain(parked=True)
+        finally:
+            self._backup.stop_waiting(False)
         self._retracted.clear()
         return self.storage.clear()
 
@@ -629,7 +655,7 @@ class OffloadManager:
             return
         for handle in list(self._prefetcher.active):
             self._cancel(handle)
-        self._drain()
+        self._drain(parked=True)  # writes waiting for their prior page: up to prior_wait_s
         self._closed = True
         if self._owns_workers:
             self._workers.close()
@@ -895,13 +921,16 @@ class OffloadManager:
             self._counters.callback_errors += 1
             logger.exception("offload: on_stored callback raised for rid=%r", writes.req.rid)
 
-    def _drain(self) -> None:
+    def _drain(self, *, parked: bool = False) -> None:
+        """Block until copies, reads, writes and backlogs are done; writes parked waiting for
+        their prior page too when ``parked`` (close, flush)."""
         while True:
             self.copier.synchronize()
             self._prefetcher.wait()
-            self._backup.wait()
+            self._backup.wait(parked=parked)
             self._poll()
-            if not (self.copier.copies_in_flight or self._backup.writes_pending or self._backlog):
+            writes = self._backup.writes_pending if parked else self._backup.writes_running
+            if not (self.copier.copies_in_flight or writes or self._backlog):
                 return
 
     def _cancel(self, handle: PrefetchHandle) -> None:

@@ -693,12 +693,12 @@ def test_a_request_without_a_protocol_attribute_gets_a_kvstage_error_and_is_not_
     assert not tracked and live == 0
 
 
-def _decode_side_first(llama, failures):
+def _decode_side_first(llama, failures, **manager_kwargs):
     """Disaggregation timing: the decode side (``store_prompt=False``) decodes 20 tokens and
     writes its 2 decode pages before the prefill side's 5 prompt pages land in the shared store."""
     storage = memory_store(make_pool(llama))
     decode = Engine(llama, storage, store_prompt=False, prefetch=False,
-                    manager_kwargs={"on_storage_failure": lambda req, keys, error: failures.append((len(keys), error))})
+                    manager_kwargs={"on_storage_failure": lambda req, keys, error: failures.append((len(keys), error)), **manager_kwargs})
     prefill = Engine(llama, storage, prefetch=False)
     req = Req("r", prompt(20, 40), 20, **NAMESPACE)
     decode.run(req)
@@ -710,18 +710,24 @@ def _decode_side_first(llama, failures):
     return decode, prefill, req
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="decode pages written before the prefill side's prompt pages land are FAILED and never retried")
 def test_decode_side_pages_that_race_ahead_of_the_prefill_side_are_kept(llama):
     """In PD disaggregation the decode side starts once the KV is transferred, while the prefill
     side's store writes may still be queued: its first decode page can reach the store before
     the prompt's last page. The chain-aware store answers FAILED for each decode page (no
-    predecessor yet); the manager never retries, so the request's decode pages are lost for
-    good although their chain is whole a moment later (5 of 7 pages found)."""
-    decode, prefill, req = _decode_side_first(llama, [])
+    predecessor yet); the manager never retried, so the request's decode pages were lost for
+    good although their chain is whole a moment later (5 of 7 pages found). Now a
+    ``store_prompt=False`` manager puts them again for up to ``prior_wait_s``, off the
+    engine's thread: the decode side's ``drain`` returned while they waited (the prefill side
+    ran after it), and ``close`` waits for them."""
+    failures = []
+    decode, prefill, req = _decode_side_first(llama, failures)
+    decode.manager.close()
     reachable = prefill.manager.match_prefix(token_ids=req.all_ids()[:-1], **NAMESPACE).num_pages
-    decode.manager.close(), prefill.manager.close()
+    prefill.manager.close()
     assert [(ok, failed) for _, ok, failed in decode.stored] == [(2, 0)]
-    assert reachable == 7
+    assert reachable == 7 and failures == []
+    metrics = decode.manager.metrics
+    assert (metrics.pages_launched, metrics.pages_stored, metrics.pages_failed, metrics.writes_pending) == (2, 2, 0, 0)
 
 
 def test_a_page_refused_for_a_missing_predecessor_says_why(llama):
@@ -731,7 +737,7 @@ def test_a_page_refused_for_a_missing_predecessor_says_why(llama):
     ``MissingPriorError`` naming the missing key: the prompt's last page for the first decode
     page, the first decode page for the second."""
     failures = []
-    decode, prefill, req = _decode_side_first(llama, failures)
+    decode, prefill, req = _decode_side_first(llama, failures, prior_wait_s=0)  # no retry: the refusal is final
     decode.manager.close(), prefill.manager.close()
     assert [count for count, _ in failures] == [1, 1]  # each decode page's write failed alone
     assert all(isinstance(error, MissingPriorError) for _, error in failures), failures
