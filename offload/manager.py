@@ -62,7 +62,7 @@ from kvstage.offload.key_chain import ChainRun, RequestChain
 from kvstage.offload.load_path import PREFETCH_POLICIES, LoadHandle, PrefetchHandle, PrefixMatch
 from kvstage.offload.prefetcher import Prefetcher
 from kvstage.offload.metrics import OffloadMetrics
-from kvstage.offload.request import SlotIndicesOf, namespace, request_tokens
+from kvstage.offload.request import SlotIndicesOf, int_scalar, namespace, request_tokens
 from kvstage.offload.request import kv_length as kv_length_of
 from kvstage.offload.store_io import StoreWorkers
 from kvstage.storage import StorageBackend
@@ -291,10 +291,12 @@ class OffloadManager:
 
         Args:
             req: the request object (:class:`~kvstage.offload.OffloadRequest`).
-            kv_length: the token positions ``[0, kv_length)`` whose KV is written (an int,
-                at most the request's prompt plus output tokens, never below what this
-                lifecycle launched already). None: the whole prompt and every output token
-                but the last (:func:`~kvstage.offload.request.kv_length`).
+            kv_length: the token positions ``[0, kv_length)`` whose KV is written: an integer
+                scalar (an int, a numpy integer or a 0-d integer tensor,
+                :func:`~kvstage.offload.request.int_scalar`), at most the request's prompt plus
+                output tokens, never below what this lifecycle launched already. None: the
+                whole prompt and every output token but the last
+                (:func:`~kvstage.offload.request.kv_length`).
             after: the event or stream after which its KV is written (default: ``producer``).
 
         Returns:
@@ -774,14 +776,17 @@ class OffloadManager:
         """The positions with KV: ``kv_length`` checked, or the request's default.
 
         Raises:
-            InvalidArgumentError: not an int >= 0, past the request's tokens, or below what
-                this lifecycle launched.
+            InvalidArgumentError: not an integer scalar >= 0, past the request's tokens, or
+                below what this lifecycle launched.
         """
         req = state.req
         if kv_length is None:
             return kv_length_of(req)
-        if not is_int(kv_length) or kv_length < 0:
-            raise InvalidArgumentError(f"kv_length: must be an int >= 0 (token positions with KV), got {kv_length!r}")
+        given, kv_length = kv_length, int_scalar(kv_length)
+        if kv_length is None or kv_length < 0:
+            raise InvalidArgumentError(
+                f"kv_length: must be an int >= 0 (token positions with KV; a numpy integer or 0-d integer tensor too), got {given!r}"
+            )
         total = len(req.origin_input_ids) + len(req.output_ids)
         if kv_length > total:
             raise InvalidArgumentError(f"kv_length: {kv_length} exceeds the {total} tokens of rid={req.rid!r} (prompt and output)")

@@ -8,10 +8,10 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
-from kvstage.errors import InvalidArgumentError
+from kvstage.errors import InvalidArgumentError, is_int
 from kvstage.hashing.chain import _request_namespace
 
-__all__ = ["OffloadRequest", "SlotIndicesOf", "kv_length", "namespace", "request_tokens"]
+__all__ = ["OffloadRequest", "SlotIndicesOf", "int_scalar", "kv_length", "namespace", "request_tokens"]
 
 _SIGNED_TYPECODES = frozenset("bhilq")  # array.array typecodes of signed integers
 
@@ -68,6 +68,26 @@ def kv_length(req: OffloadRequest) -> int:
     decode step writes it. The default of the manager's ``kv_length=`` argument (an engine
     mid-way through a chunked prefill passes the positions computed so far instead)."""
     return len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+
+
+def int_scalar(value: Any) -> int | None:
+    """``value`` as an ``int`` when it is an integer scalar, else None.
+
+    Integer scalars: an ``int`` that is not a ``bool`` (:func:`kvstage.errors.is_int`), a numpy
+    integer (vLLM keeps ``num_computed_tokens`` as numpy), or a 0-d numpy array or torch tensor
+    of an integer dtype (a CUDA tensor's ``item()`` waits for its stream). Bools, floats and
+    arrays of more than one element are not.
+    """
+    if is_int(value):
+        return value
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
+        return int(value)
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point \
+            and not value.dtype.is_complex and value.dtype is not torch.bool:
+        return int(value.item())
+    return None
 
 
 def namespace(req: OffloadRequest) -> tuple[str | None, str | None]:

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -820,3 +821,38 @@ def test_a_resumed_request_that_reloads_less_than_it_stored_mends_its_chain(tmp_
     reachable = engine.manager.match_prefix(token_ids=req.all_ids()[:-1], **NAMESPACE).num_pages
     engine.manager.close()
     assert reachable == (20 + 39) // PAGE
+
+
+# -- gaps the user reported ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [np.int64(16), np.int32(16), np.uint16(16), np.array(16), torch.tensor(16), torch.tensor(16, dtype=torch.int32)],
+                         ids=["np.int64", "np.int32", "np.uint16", "np-0d", "torch-0d-int64", "torch-0d-int32"])
+def test_kv_length_takes_any_integer_scalar(length):
+    """vLLM keeps ``num_computed_tokens`` as numpy; a 0-d integer tensor is the same number."""
+    manager = _bare_manager()
+    req = Req("r", range(1, 41), 4)
+    assert manager.offload(req, kv_length=length)
+    assert manager.offloaded_length(req) == 16 and type(manager.offloaded_length(req)) is int
+    req.output_ids.append(5)
+    req.finished_reason = "length"
+    if isinstance(length, torch.Tensor):
+        forty = torch.tensor(40, dtype=length.dtype)
+    else:
+        forty = np.array(40, dtype=length.dtype) if isinstance(length, np.ndarray) else type(length)(40)
+    assert manager.finish(req, kv_length=forty)
+    manager.drain()
+    manager.close()
+    assert manager.metrics.pages_stored == 5
+
+
+@pytest.mark.parametrize("length", [np.bool_(True), torch.tensor(True), torch.tensor(16.0), np.float64(16), torch.tensor([16]), np.array([16]), 16.0],
+                         ids=["np.bool_", "torch-bool", "torch-float", "np.float64", "torch-1d", "np-1d", "float"])
+def test_kv_length_that_is_no_integer_scalar_is_refused_and_tracks_nothing(length):
+    manager = _bare_manager()
+    req = Req("r", range(1, 41), 4)
+    with pytest.raises(InvalidArgumentError, match=r"^kv_length: must be an int >= 0"):
+        manager.offload(req, kv_length=length)
+    tracked = manager.is_tracked(req)
+    manager.close()
+    assert not tracked
