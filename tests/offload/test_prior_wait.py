@@ -25,14 +25,14 @@ class DecodeSide:
     """A decode-side manager over a zeroed pool (every request owns slots 0..63), a memory store
     the "prefill side" writes into directly, and the callbacks' records."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, store_prompt: bool = False, **kwargs) -> None:
         pool = KVPool.mha([torch.zeros(64, 1, 4) for _ in range(2)], [torch.zeros(64, 1, 4) for _ in range(2)])
         self.storage = open_storage("memory", LayoutFingerprint.of(pool, page_size=PAGE, model_id="toy"))
         self.hasher = PageHasher(page_size=PAGE)
         self.failures, self.stored = [], []
         self.manager = OffloadManager(
             pool, HostPool.like(pool, num_pages=4, page_size=PAGE), self.storage, self.hasher, lambda req: torch.arange(64),
-            store_prompt=False, on_storage_failure=lambda req, keys, error: self.failures.append((keys, error)),
+            store_prompt=store_prompt, on_storage_failure=lambda req, keys, error: self.failures.append((keys, error)),
             on_stored=lambda req, ok, failed: self.stored.append((ok, failed)), **kwargs,
         )
         self.prompt_keys = self.hasher.prefill_keys(PROMPT, **NAMESPACE)
@@ -115,3 +115,28 @@ def test_prior_wait_s_zero_refuses_at_once():
 def test_prior_wait_s_must_be_seconds(bad):
     with pytest.raises(InvalidArgumentError, match=r"^prior_wait_s: must be a number of seconds >= 0"):
         DecodeSide(prior_wait_s=bad)
+
+
+def test_a_manager_that_stores_its_prompts_never_waits_for_a_prior():
+    """With ``store_prompt=True`` every prior is the manager's own page or a loaded one: a
+    refusal is final at once (here the loaded prefix was cleared by another process)."""
+    side = DecodeSide(store_prompt=True)
+    a = SimpleRequest("a", PROMPT, **NAMESPACE)
+    a.output_ids.append(20)
+    a.done = True
+    side.manager.finish(a)
+    side.manager.drain()
+    b = SimpleRequest("b", PROMPT + [30], **NAMESPACE)
+    handle = side.manager.prefetch(b, policy="wait_complete")
+    handle.wait(5.0)
+    side.manager.poll()
+    load = side.manager.load(handle, torch.arange(8))
+    load.wait()
+    side.storage.clear()
+    b.output_ids.extend([31, 32, 33, 34])  # KV of 9 + 3 positions: the page after the loaded two
+    assert side.manager.offload(b)
+    side.manager.drain()
+    ((keys, error),) = side.failures
+    assert isinstance(error, MissingPriorError) and error.prior_key == side.prompt_keys[-1]
+    assert side.manager.metrics.writes_pending == 0
+    side.manager.close()
