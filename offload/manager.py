@@ -307,8 +307,8 @@ class OffloadManager:
         Raises:
             ArgumentTypeError / DeviceMismatchError / InvalidArgumentError: a bad ``kv_length``;
                 the request lacks ``extra_key`` or ``cache_salt`` or holds neither a str nor
-                None there (:func:`~kvstage.offload.request.namespace`); ``slot_indices_of`` returned no 1-D int tensor of the pool's device, too few
-                slots, or (on CPU, where it costs no sync) a slot out of the pool's range; a
+                None there (:func:`~kvstage.offload.request.namespace`); ``slot_indices_of``
+                returned no 1-D int tensor of the pool's device, too few slots, or (on CPU, where it costs no sync) a slot out of the pool's range; a
                 placeholder (negative) token id among the tokens to copy; ``after`` is no event
                 or stream; a prefetch of the request is pending; the request object was
                 released already (finished or aborted: use a new object, or :meth:`retract` a
@@ -384,9 +384,9 @@ class OffloadManager:
         be recalled), so no slot of it is written after this returns; gathers in flight complete
         and their pages are stored (a long prefill aborted midway keeps the chunks it
         launched); pages a :meth:`finish` left waiting for host pages are never launched
-        (counted in ``pages_dropped``). ``release(req)`` is called once none of its copies is in flight: within this
-        call when no gather of it is (also after waiting for its loads), else in the
-        :meth:`poll` that collects the last one. After release it does nothing.
+        (counted in ``pages_dropped``). ``release(req)`` is called once none of its copies is
+        in flight: within this call when no gather of it is (also after waiting for its loads),
+        else in the :meth:`poll` that collects the last one. After release it does nothing.
 
         Raises:
             ThreadingError: called from another thread than the manager's.
@@ -619,8 +619,8 @@ class OffloadManager:
         """Empty the store's key space (after a weight update, its pages hold the old weights'
         KV): cancel every prefetch, wait for the copies, store writes and reads in flight (as
         :meth:`drain`; writes parked waiting for their prior page fail now, so that no page of
-        the old weights lands after the clear), forget what retracted requests had offloaded (they store again from
-        the start), then ``storage.clear()``.
+        the old weights lands after the clear), forget what retracted requests had offloaded
+        (they store again from the start), then ``storage.clear()``.
 
         Requests still running keep their chains: their later pages continue keys whose
         predecessors are gone, which a chain-aware store refuses (counted failed). Flush when
