@@ -8,7 +8,8 @@ Modules: ``manager`` (:class:`OffloadManager`: lifecycle decisions), ``copier`` 
 reports :class:`CopyResult`), ``copy_stream``, ``host_pool``, ``key_chain`` (a request's keys in
 chain order), ``store_io`` (the one page writer, the one prefix reader, worker threads), ``store_index``
 (what a store holds, answered without a store round trip),
-``backup`` (finished gathers into store writes, their accounting), ``prefetcher`` (lookups,
+``backup`` (finished gathers into store writes, their accounting), ``prior_wait`` (a write
+put again while its chain's prior page, another process's, is not stored yet), ``prefetcher`` (lookups,
 reads into host pages), ``load_path`` (prefix match, prefetch and load
 handles), ``request`` (what is read from a request), ``collaborators`` (typed Protocols),
 ``keyed_copies`` (stores and loads of pages whose keys the engine names), ``metrics``,

@@ -12,12 +12,14 @@ into its ``on_stored`` signal once the lifecycle is released and its last write 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from typing import Any, Callable
 
 from kvstage.offload.copier import Copier, CopyResult
 from kvstage.offload.key_chain import ChainRun, RequestChain
 from kvstage.offload.metrics import OffloadMetrics
+from kvstage.offload.prior_wait import PriorWaitingWrite
 from kvstage.offload.store_io import write_pages
 
 __all__ = ["Backup", "RequestWrites"]
@@ -60,22 +62,36 @@ class Backup:
         counters: the manager's counters, updated here for the store path.
         on_failure: ``on_failure(req, failed_keys, error)`` or None (the manager's
             ``on_storage_failure``); its exceptions are counted and logged, never raised.
+        prior_wait_s: seconds a write refused for a missing prior page is put again
+            (:class:`~kvstage.offload.prior_wait.PriorWaitingWrite`); 0: never.
     """
 
-    def __init__(self, copier: Copier, storage: Any, hasher: Any, workers: Any, counters: OffloadMetrics, on_failure: FailureCallback | None) -> None:
+    def __init__(
+        self, copier: Copier, storage: Any, hasher: Any, workers: Any, counters: OffloadMetrics,
+        on_failure: FailureCallback | None, prior_wait_s: float = 0.0,
+    ) -> None:
         self.copier = copier
         self.storage = storage
         self.hasher = hasher
         self._workers = workers
         self._counters = counters
         self._on_failure = on_failure
-        self._writes: deque[tuple[RequestWrites, list[int], Any]] = deque()  # submission order
+        self.prior_wait_s = prior_wait_s
+        self._stopping = False  # stop_waiting(): writes made now attempt once
+        # (tally, host pages, future, the PriorWaitingWrite or None), in submission order
+        self._writes: deque[tuple[RequestWrites, list[int], Any, PriorWaitingWrite | None]] = deque()
+        self._changed = threading.Condition()  # a PriorWaitingWrite parked or ended
         self.ended: list[RequestWrites] = []  # released lifecycles whose last write has ended (take_ended)
 
     @property
     def writes_pending(self) -> int:
-        """Store writes submitted and not yet collected by :meth:`poll`."""
+        """Store writes submitted and not yet collected by :meth:`poll` (parked ones too)."""
         return len(self._writes)
+
+    @property
+    def writes_running(self) -> int:
+        """Store writes not done and not parked waiting for their prior page."""
+        return sum(1 for _, _, future, job in self._writes if not future.done() and not (job is not None and job.parked))
 
     def settle(self, writes: RequestWrites, chain: RequestChain, run: ChainRun, result: CopyResult, *, discard: bool) -> None:
         """Count one finished gather of ``writes.req`` and hand its pages to a store write (or
@@ -108,8 +124,14 @@ class Backup:
                 self.report_failure(req, [], error)
                 return
             host_pages = [self.copier.host_pool.page(host_page_id) for host_page_id in result.host_page_ids]
-            write = self._workers.write(lambda: write_pages(self.storage, keys, host_pages, prior_key=run.prior_key))
-            self._writes.append((writes, result.host_page_ids, write))
+            job = None
+            if self.prior_wait_s > 0 and not self._stopping:
+                job = PriorWaitingWrite(self._workers.write, self.storage, keys, host_pages, run.prior_key, self.prior_wait_s, self._notify)
+                job.start()
+                write = job.future
+            else:
+                write = self._workers.write(lambda: write_pages(self.storage, keys, host_pages, prior_key=run.prior_key))
+            self._writes.append((writes, result.host_page_ids, write, job))
             writes.writes_pending += 1
         finally:
             if write is None:
@@ -117,9 +139,21 @@ class Backup:
                 self.copier.free(result.host_page_ids)
 
     def poll(self) -> None:
-        """Collect the finished writes, oldest first (never blocks)."""
-        while self._writes and self._writes[0][2].done():
-            self._written(*self._writes.popleft())
+        """Collect the finished writes, oldest first, past any still running or parked (never
+        blocks)."""
+        writes = self._writes
+        while writes and writes[0][2].done():
+            self._written(*writes.popleft()[:3])
+        # One writer thread ends writes in order; only a parked write lets later ones pass it.
+        if not writes or writes[0][3] is None or not any(entry[2].done() for entry in writes):
+            return
+        pending: deque = deque()
+        for entry in writes:
+            if entry[2].done():
+                self._written(*entry[:3])
+            else:
+                pending.append(entry)
+        self._writes = pending
 
     def end(self, writes: RequestWrites) -> None:
         """``writes``' lifecycle was released: it is ended once its last write has."""
@@ -133,10 +167,30 @@ class Backup:
         ended, self.ended = self.ended, []
         return ended
 
-    def wait(self) -> None:
-        """Block until every submitted write has finished (shutdown and tests)."""
-        for _, _, future in list(self._writes):
-            future.result()
+    def wait(self, *, parked: bool = False) -> None:
+        """Block until every submitted write has finished or, unless ``parked``, is parked
+        waiting for its prior page (shutdown and tests)."""
+        for _, _, future, job in list(self._writes):
+            if job is None:
+                future.result()
+                continue
+            with self._changed:
+                while not future.done() and (parked or not job.parked):
+                    self._changed.wait(0.1)
+
+    def stop_waiting(self, stopping: bool) -> None:
+        """``True``: parked writes end now with their refusal, and writes made until
+        ``stop_waiting(False)`` attempt once (a flush: no page of the old weights may land
+        after ``clear``)."""
+        self._stopping = stopping
+        if stopping:
+            for _, _, _, job in list(self._writes):
+                if job is not None:
+                    job.stop()
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
 
     def report_failure(self, req: Any, keys: list[str], error: BaseException | None) -> None:
         """Call ``on_failure``; an exception it raises is counted and logged."""

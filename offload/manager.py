@@ -62,7 +62,7 @@ from kvstage.offload.key_chain import ChainRun, RequestChain
 from kvstage.offload.load_path import PREFETCH_POLICIES, LoadHandle, PrefetchHandle, PrefixMatch
 from kvstage.offload.prefetcher import Prefetcher
 from kvstage.offload.metrics import OffloadMetrics
-from kvstage.offload.request import SlotIndicesOf, request_tokens
+from kvstage.offload.request import SlotIndicesOf, int_scalar, namespace, request_tokens
 from kvstage.offload.request import kv_length as kv_length_of
 from kvstage.offload.store_io import StoreWorkers
 from kvstage.storage import StorageBackend
@@ -138,7 +138,9 @@ class OffloadManager:
         on_storage_failure: ``on_storage_failure(req, failed_keys, error)``: a copy, the page
             keys or a store write failed for these keys (empty when keys could not be made);
             ``error`` is the exception that failed them (e.g. the store's ``OSError`` with its
-            errno) or None when the store only answered FAILED. Also logged once at WARNING.
+            errno, or a :class:`~kvstage.storage.MissingPriorError` naming the chain page before
+            them that the store lacks) or None when the store only answered FAILED (no room).
+            Also logged once at WARNING.
         on_stored: ``on_stored(req, pages_stored, pages_failed)``: called from :meth:`poll`
             exactly once per request lifecycle (also aborted and retracted ones, and with
             ``0, 0`` when nothing was launched), after its release and after its last store
@@ -160,13 +162,24 @@ class OffloadManager:
             :class:`~kvstage.offload.store_io.StoreWorkers`, one writer and one reader thread).
             Writes must run in submission order (one writer): a store refuses a page whose
             predecessor in the chain is not stored yet.
+        prior_wait_s: with ``store_prompt=False`` only: seconds (>= 0; default 10) that a store
+            write refused because the chain page before it is not stored yet
+            (:class:`~kvstage.storage.MissingPriorError`: the prefill side's last prompt page
+            may land after the first decode page) is put again, after pauses of 10 ms doubling
+            to 200 ms, on the writer thread; between attempts it waits off every thread, so
+            other writes go on and :meth:`drain` does not wait for it (:meth:`close` does).
+            After that long the pages fail, reported to ``on_storage_failure`` with a
+            ``MissingPriorError`` naming the missing key. 0: no retry. With
+            ``store_prompt=True`` every prior is this manager's own page or a loaded one, so a
+            refusal is final at once.
 
     Raises:
         ArgumentTypeError: ``hasher`` is not a page hasher instance, ``storage`` is not a
             storage backend, or ``producer`` is neither None, an event nor a stream.
         InvalidArgumentError: the stride, page sizes or layouts do not match, the stride
             needs more pages than the host pool holds, a callback is not callable, or
-            ``finish_backlog_pages`` is neither None nor an int >= 0.
+            ``finish_backlog_pages`` is neither None nor an int >= 0, or ``prior_wait_s`` is
+            not a number >= 0.
 
     Call every method but :meth:`close` from one thread (the engine's scheduler): the thread of
     the first call owns the manager, and a call from another raises
@@ -194,6 +207,7 @@ class OffloadManager:
         producer: Any = None,
         finish_backlog_pages: int | None = None,
         store_workers: StoreWorkersLike | None = None,
+        prior_wait_s: float = 10.0,
     ) -> None:
         page_size = host_pool.page_size
         require(
@@ -211,6 +225,10 @@ class OffloadManager:
         require(
             stride // page_size <= host_pool.capacity, "offload_stride",
             lambda: f"{stride} tokens ({stride // page_size} pages of {page_size}) exceeds the host pool's capacity of {host_pool.capacity} pages: no stride could ever be launched",
+        )
+        require(
+            isinstance(prior_wait_s, (int, float)) and not isinstance(prior_wait_s, bool) and prior_wait_s >= 0,
+            "prior_wait_s", lambda: f"must be a number of seconds >= 0, got {prior_wait_s!r}",
         )
         self.copier = Copier(kv_pool, host_pool, copy_stream=copy_stream, backend=backend)
         fingerprint = getattr(storage, "fingerprint", None)
@@ -254,7 +272,10 @@ class OffloadManager:
         self._counters = OffloadMetrics()
         self._closed = False
         self._prefetcher = Prefetcher(self.copier, storage, hasher, self._workers, self._counters)
-        self._backup = Backup(self.copier, storage, hasher, self._workers, self._counters, on_storage_failure)
+        self._backup = Backup(
+            self.copier, storage, hasher, self._workers, self._counters, on_storage_failure,
+            prior_wait_s=0.0 if self.store_prompt else float(prior_wait_s),
+        )
         storage.register_host_buffers(host_pool.buffers)
 
     # -- store path ---------------------------------------------------------------------------
@@ -270,10 +291,12 @@ class OffloadManager:
 
         Args:
             req: the request object (:class:`~kvstage.offload.OffloadRequest`).
-            kv_length: the token positions ``[0, kv_length)`` whose KV is written (an int,
-                at most the request's prompt plus output tokens, never below what this
-                lifecycle launched already). None: the whole prompt and every output token
-                but the last (:func:`~kvstage.offload.request.kv_length`).
+            kv_length: the token positions ``[0, kv_length)`` whose KV is written: an integer
+                scalar (an int, a numpy integer or a 0-d integer tensor,
+                :func:`~kvstage.offload.request.int_scalar`), at most the request's prompt plus
+                output tokens, never below what this lifecycle launched already. None: the
+                whole prompt and every output token but the last
+                (:func:`~kvstage.offload.request.kv_length`).
             after: the event or stream after which its KV is written (default: ``producer``).
 
         Returns:
@@ -283,8 +306,9 @@ class OffloadManager:
 
         Raises:
             ArgumentTypeError / DeviceMismatchError / InvalidArgumentError: a bad ``kv_length``;
-                ``slot_indices_of`` returned no 1-D int tensor of the pool's device, too few
-                slots, or (on CPU, where it costs no sync) a slot out of the pool's range; a
+                the request lacks ``extra_key`` or ``cache_salt`` or holds neither a str nor
+                None there (:func:`~kvstage.offload.request.namespace`); ``slot_indices_of``
+                returned no 1-D int tensor of the pool's device, too few slots, or (on CPU, where it costs no sync) a slot out of the pool's range; a
                 placeholder (negative) token id among the tokens to copy; ``after`` is no event
                 or stream; a prefetch of the request is pending; the request object was
                 released already (finished or aborted: use a new object, or :meth:`retract` a
@@ -324,6 +348,10 @@ class OffloadManager:
         beyond that limit dropped (``pages_dropped``). A second call, or a call after the
         release, does nothing.
 
+        A pending prefetch of ``req`` (never loaded: the engine computed its tokens itself) is
+        cancelled, and the pages with KV are offloaded as usual. A request that ends before it
+        ran holds no KV: end it with :meth:`abort` or ``finish(req, kv_length=0)``.
+
         Args:
             kv_length: as for :meth:`offload` (a request cut short mid-prefill stores the
                 pages of its computed chunks).
@@ -334,8 +362,10 @@ class OffloadManager:
             were dropped.
 
         Raises:
-            As :meth:`offload`; nothing was launched and the request is not released then
-            (call :meth:`abort`).
+            As :meth:`offload`; nothing was launched, a pending prefetch is kept, and the
+            request is not released then (call :meth:`abort`). With a prefetch pending, a
+            request with too few slots for ``kv_length`` (one that never ran) gets an
+            ``InvalidArgumentError`` naming the pending prefetch.
         """
         if threading.get_ident() != self._owner_ident:
             self._check_thread("finish")
@@ -353,9 +383,10 @@ class OffloadManager:
         Its prefetch is cancelled; loads of it in flight are waited for (a queued copy cannot
         be recalled), so no slot of it is written after this returns; gathers in flight complete
         and their pages are stored (a long prefill aborted midway keeps the chunks it
-        launched). ``release(req)`` is called once none of its copies is in flight: within this
-        call when no gather of it is (also after waiting for its loads), else in the
-        :meth:`poll` that collects the last one. After release it does nothing.
+        launched); pages a :meth:`finish` left waiting for host pages are never launched
+        (counted in ``pages_dropped``). ``release(req)`` is called once none of its copies is
+        in flight: within this call when no gather of it is (also after waiting for its loads),
+        else in the :meth:`poll` that collects the last one. After release it does nothing.
 
         Raises:
             ThreadingError: called from another thread than the manager's.
@@ -478,8 +509,10 @@ class OffloadManager:
 
         Loads ``len(slot_indices) // page_size`` leading pages (at most ``handle.pages_ready``);
         the read stops (pages past those are not loaded). The request's chain continues after
-        the loaded pages, so the manager stores only what follows them. Host pages are freed by
-        :meth:`poll` once the copy completes.
+        the loaded pages, so the manager stores only what follows them: also when that is less
+        than a resumed (retracted) request stored before, so that pages lost from the store
+        since are stored again as the engine recomputes them (with ``store_prompt=False``, never
+        before the prompt's end). Host pages are freed by :meth:`poll` once the copy completes.
 
         Args:
             handle: from :meth:`prefetch`, not loaded or cancelled before.
@@ -531,9 +564,14 @@ class OffloadManager:
                 state.copies_in_flight += 1
                 state.loads.append(job)
                 self._counters.loads += 1
-            if num_pages * self.page_size > state.offloaded_length:  # (with store_prompt=False the prefill side's pages may reach further)
-                state.offloaded_length = num_pages * self.page_size
-                state.chain = RequestChain(handle.page_keys[num_pages - 1], True)
+            # Offloading resumes after the loaded pages: further than the prompt pages a prefill
+            # side stored, or short of a resumed request's old progress when a page of it was
+            # lost (the engine recomputes from the loaded length, and those pages mend the chain).
+            loaded = num_pages * self.page_size
+            resume = max(loaded, 0 if self.store_prompt else len(handle.req.origin_input_ids) // self.page_size * self.page_size)
+            if resume != state.offloaded_length:
+                state.offloaded_length = resume
+                state.chain = RequestChain(handle.page_keys[num_pages - 1], True) if resume == loaded and num_pages else None
             return LoadHandle(handle.req, num_pages, self.page_size, copy_handles, self.kv_pool.num_layers, layer_by_layer)
 
     def cancel(self, handle: PrefetchHandle) -> None:
@@ -566,7 +604,9 @@ class OffloadManager:
     def drain(self) -> None:
         """Block until every copy, store write and read in flight has completed, and finished
         requests' waiting pages are launched, polling as it goes (for shutdown and tests; never
-        in the engine's step).
+        in the engine's step). Writes parked waiting for a prior page that another process
+        writes (``prior_wait_s``) are not waited for: they land or fail on their own, and
+        :meth:`close` waits for them.
 
         Raises:
             ThreadingError: called from another thread than the manager's.
@@ -578,8 +618,9 @@ class OffloadManager:
     def flush(self) -> int:
         """Empty the store's key space (after a weight update, its pages hold the old weights'
         KV): cancel every prefetch, wait for the copies, store writes and reads in flight (as
-        :meth:`drain`), forget what retracted requests had offloaded (they store again from
-        the start), then ``storage.clear()``.
+        :meth:`drain`; writes parked waiting for their prior page fail now, so that no page of
+        the old weights lands after the clear), forget what retracted requests had offloaded
+        (they store again from the start), then ``storage.clear()``.
 
         Requests still running keep their chains: their later pages continue keys whose
         predecessors are gone, which a chain-aware store refuses (counted failed). Flush when
@@ -598,7 +639,11 @@ class OffloadManager:
         self._require_open("flush")
         for handle in list(self._prefetcher.active):
             self._cancel(handle)
-        self._drain()
+        self._backup.stop_waiting(True)  # no write parked for its prior may land after clear()
+        try:
+            self._drain(parked=True)
+        finally:
+            self._backup.stop_waiting(False)
         self._retracted.clear()
         return self.storage.clear()
 
@@ -612,7 +657,7 @@ class OffloadManager:
             return
         for handle in list(self._prefetcher.active):
             self._cancel(handle)
-        self._drain()
+        self._drain(parked=True)  # writes waiting for their prior page: up to prior_wait_s
         self._closed = True
         if self._owns_workers:
             self._workers.close()
@@ -731,14 +776,17 @@ class OffloadManager:
         """The positions with KV: ``kv_length`` checked, or the request's default.
 
         Raises:
-            InvalidArgumentError: not an int >= 0, past the request's tokens, or below what
-                this lifecycle launched.
+            InvalidArgumentError: not an integer scalar >= 0, past the request's tokens, or
+                below what this lifecycle launched.
         """
         req = state.req
         if kv_length is None:
             return kv_length_of(req)
-        if not is_int(kv_length) or kv_length < 0:
-            raise InvalidArgumentError(f"kv_length: must be an int >= 0 (token positions with KV), got {kv_length!r}")
+        given, kv_length = kv_length, int_scalar(kv_length)
+        if kv_length is None or kv_length < 0:
+            raise InvalidArgumentError(
+                f"kv_length: must be an int >= 0 (token positions with KV; a numpy integer or 0-d integer tensor too), got {given!r}"
+            )
         total = len(req.origin_input_ids) + len(req.output_ids)
         if kv_length > total:
             raise InvalidArgumentError(f"kv_length: {kv_length} exceeds the {total} tokens of rid={req.rid!r} (prompt and output)")
@@ -753,7 +801,9 @@ class OffloadManager:
         state.aborted = state.aborted or aborted
         if state.prefetch is not None:
             self._cancel(state.prefetch)
-        if state.backlog_pages:
+        if state.backlog_pages:  # finish()'s pages still waiting for host pages: never launched now
+            self._counters.pages_dropped += state.backlog_pages
+            logger.warning("offload: %s of rid=%r drops its %d pages waiting for host pages", "abort" if aborted else "retract", state.req.rid, state.backlog_pages)
             state.backlog_pages = 0
             self._backlog.remove(state)
         if aborted and state.loads:
@@ -769,7 +819,17 @@ class OffloadManager:
         self._maybe_release(state)
 
     def _finish_state(self, state: _RequestState, new: bool, length: int, after: Any) -> bool:
-        runs = self._plan(state, self.page_size, length)  # every check before anything changes
+        try:
+            runs = self._plan(state, self.page_size, length)  # every check before anything changes
+        except InvalidArgumentError as error:
+            if state.prefetch is None:
+                raise
+            # Most likely the request never ran (it was still prefetching): say so, not only the slots.
+            raise InvalidArgumentError(
+                f"req: rid={state.req.rid!r} has a prefetch pending (never loaded), and its KV up to kv_length={length} "
+                f"cannot be offloaded ({error}); a request that ends before it runs: abort(req) or "
+                "finish(req, kv_length=0), which cancel the prefetch"
+            ) from error
         if new:
             self._commit(state)
         if state.prefetch is not None:  # never loaded: the engine computed the prompt itself
@@ -866,13 +926,16 @@ class OffloadManager:
             self._counters.callback_errors += 1
             logger.exception("offload: on_stored callback raised for rid=%r", writes.req.rid)
 
-    def _drain(self) -> None:
+    def _drain(self, *, parked: bool = False) -> None:
+        """Block until copies, reads, writes and backlogs are done; writes parked waiting for
+        their prior page too when ``parked`` (close, flush)."""
         while True:
             self.copier.synchronize()
             self._prefetcher.wait()
-            self._backup.wait()
+            self._backup.wait(parked=parked)
             self._poll()
-            if not (self.copier.copies_in_flight or self._backup.writes_pending or self._backlog):
+            writes = self._backup.writes_pending if parked else self._backup.writes_running
+            if not (self.copier.copies_in_flight or writes or self._backlog):
                 return
 
     def _cancel(self, handle: PrefetchHandle) -> None:
@@ -897,7 +960,7 @@ class OffloadManager:
 
         Raises:
             InvalidArgumentError / ArgumentTypeError / DeviceMismatchError: a placeholder id,
-                too few slots, bad slot indices.
+                too few slots, bad slot indices, a bad namespace (the chain starts here).
         """
         first, page_size = state.offloaded_length, self.page_size
         if length - first < page_size or not self.writes_pages:  # most calls: nothing new
@@ -945,6 +1008,8 @@ class OffloadManager:
                 raise InvalidArgumentError(f"{argument}: {slot_indices.shape[0]} slots, its first {wanted_end} tokens have KV")
             slot_indices = slot_indices[first:wanted_end]
         self.copier.check_slot_indices(slot_indices, argument)
+        if bounds and state.chain is None:  # the namespace is checked here, before anything is tracked
+            state.chain = RequestChain(*self._chain_start(req))
         if rejected:
             self._counters.offloads_rejected += rejected
         if len(bounds) == 1 and bounds[0][1] == wanted_end:  # the common case: no slicing
@@ -956,8 +1021,6 @@ class OffloadManager:
         launched = 0
         after = self.producer if after is None else after
         for run, slot_indices in runs:
-            if state.chain is None:
-                state.chain = RequestChain(*self._chain_start(state.req))
             segment = _Segment(state, run)
             host_page_ids = self.copier.gather(segment, slot_indices, after=after, checked=True)
             if host_page_ids is None:  # the plan counted free pages
@@ -977,10 +1040,11 @@ class OffloadManager:
         """The prior of the request's first launched page, and whether it is a stored page's
         key: the namespace seed (not a page), or with ``store_prompt=False`` the last key of the
         prompt's whole pages (stored by the prefill side)."""
+        extra_key, cache_salt = namespace(req)
         aligned = len(req.origin_input_ids) // self.page_size * self.page_size
         if not self.store_prompt and aligned:
-            return self.hasher.prefill_keys(req.origin_input_ids[:aligned], extra_key=req.extra_key, cache_salt=req.cache_salt)[-1], True
-        return self.hasher.seed(req.extra_key, req.cache_salt), False
+            return self.hasher.prefill_keys(req.origin_input_ids[:aligned], extra_key=extra_key, cache_salt=cache_salt)[-1], True
+        return self.hasher.seed(extra_key, cache_salt), False
 
     def _gathered(self, result: CopyResult) -> None:
         """A gather finished: settle it and every finished segment after it, in launch order."""

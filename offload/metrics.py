@@ -16,12 +16,15 @@ class OffloadMetrics:
 
         pages_launched == pages_in_flight + pages_stored + pages_deduplicated
                           + pages_failed + pages_discarded
+
+    and every whole page that ``finish`` was asked to offload is launched or ``pages_dropped``
+    (also when an abort or retract ends its wait for host pages).
     """
 
     # store path
     requests_live: int = 0  # request objects tracked (not released yet); gauge
     copies_in_flight: int = 0  # gathers and scatters launched and not polled yet; gauge
-    writes_pending: int = 0  # segments whose store write runs on a worker thread; gauge
+    writes_pending: int = 0  # segments whose store write runs on a worker thread (or waits for its prior page); gauge
     pages_in_flight: int = 0  # launched pages not ended yet (copying or being written); gauge
     pages_launched: int = 0
     pages_offloaded: int = 0  # pages whose D2H copy completed without error
@@ -31,7 +34,7 @@ class OffloadMetrics:
     pages_deduplicated: int = 0  # storage had the key already
     pages_failed: int = 0  # copy, page keys or storage write failed; reported
     pages_discarded: int = 0  # retracted without keep_offloaded while copying; no write
-    pages_dropped: int = 0  # finish() could not get host pages within its limit; never launched
+    pages_dropped: int = 0  # never launched: finish() found no host pages within its limit, or an abort/retract ended their wait
     storage_failures: int = 0  # store writes (segments) with at least one failed page
     copy_failures: int = 0  # copies that raised
     offloads_rejected: int = 0  # offload() launched nothing because the host pool was full

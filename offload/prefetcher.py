@@ -21,7 +21,7 @@ from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.copier import Copier
 from kvstage.offload.load_path import PrefetchHandle, PrefixMatch
 from kvstage.offload.metrics import OffloadMetrics
-from kvstage.offload.request import request_tokens
+from kvstage.offload.request import namespace, request_tokens
 from kvstage.offload.store_io import leading_hits, read_leading_pages
 
 __all__ = ["Prefetcher"]
@@ -60,11 +60,14 @@ class Prefetcher:
         Raises:
             InvalidArgumentError: neither or both of ``req`` and ``token_ids``; a placeholder
                 (negative) id among the request's tokens (named with its rid and position).
+            ArgumentTypeError: the request lacks ``extra_key`` or ``cache_salt``, or either
+                is neither a str nor None (:func:`~kvstage.offload.request.namespace`).
         """
         require((req is None) != (token_ids is None), "req", "give a request or token_ids, not both or neither")
         if req is not None:
             usable = max(len(req.origin_input_ids) + len(req.output_ids) - 1, 0) // self.page_size * self.page_size
-            return self.hasher.prefill_keys(request_tokens(req, 0, usable), extra_key=req.extra_key, cache_salt=req.cache_salt)
+            extra_key, cache_salt = namespace(req)
+            return self.hasher.prefill_keys(request_tokens(req, 0, usable), extra_key=extra_key, cache_salt=cache_salt)
         return self.hasher.prefill_keys(token_ids, extra_key=extra_key, cache_salt=cache_salt)
 
     def match(self, page_keys: list[str]) -> PrefixMatch:
@@ -182,7 +185,11 @@ class Prefetcher:
         counters.pages_truncated += max(hit - handle.num_host_pages, 0)
         if handle.error is not None or handle.hole:
             counters.prefetch_failures += 1
-            logger.warning("offload: prefetch of rid=%r ended at page %d of %s: %r", handle.req.rid, handle.pages_ready, handle.pages_hit, handle.error)
+            why = repr(handle.error) if handle.error is not None else (
+                f"the store held page {handle.pages_ready} at the lookup but did not return it (missing or corrupt: "
+                "evicted, removed, or a failed checksum since)"
+            )
+            logger.warning("offload: prefetch of rid=%r ended at page %d of %s: %s", handle.req.rid, handle.pages_ready, handle.pages_hit, why)
 
     def _drop(self, handle: PrefetchHandle) -> None:
         """Account a finished prefetch and free its host pages that no load took."""

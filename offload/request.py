@@ -8,9 +8,10 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
-from kvstage.errors import InvalidArgumentError
+from kvstage.errors import InvalidArgumentError, is_int
+from kvstage.hashing.chain import _request_namespace
 
-__all__ = ["OffloadRequest", "SlotIndicesOf", "kv_length", "request_tokens"]
+__all__ = ["OffloadRequest", "SlotIndicesOf", "int_scalar", "kv_length", "namespace", "request_tokens"]
 
 _SIGNED_TYPECODES = frozenset("bhilq")  # array.array typecodes of signed integers
 
@@ -23,8 +24,12 @@ class OffloadRequest(Protocol):
         rid: the request id (only for log lines; never a key: ids are reused).
         origin_input_ids: the prompt's token ids (list or 1-D int sequence).
         output_ids: the sampled token ids so far; the last one has no KV yet.
-        extra_key: namespace part (LoRA adapter and similar), or None.
-        cache_salt: namespace part (per-tenant secret), or None.
+        extra_key: namespace part (LoRA adapter and similar), a str or None.
+        cache_salt: namespace part (per-tenant secret), a str or None.
+
+    Both namespace attributes must exist, None when unused (vLLM's ``Request`` has no
+    ``extra_key``: an adapter sets it): a missing one is not read as None, since a request that
+    forgot its ``cache_salt`` would share another tenant's pages (:func:`namespace`).
 
     Positions with KV: the manager copies only token positions whose KV the engine has
     written, ``[0, kv_length)``. By default (:func:`kv_length`) that is the whole prompt and
@@ -63,6 +68,36 @@ def kv_length(req: OffloadRequest) -> int:
     decode step writes it. The default of the manager's ``kv_length=`` argument (an engine
     mid-way through a chunked prefill passes the positions computed so far instead)."""
     return len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+
+
+def int_scalar(value: Any) -> int | None:
+    """``value`` as an ``int`` when it is an integer scalar, else None.
+
+    Integer scalars: an ``int`` that is not a ``bool`` (:func:`kvstage.errors.is_int`), a numpy
+    integer (vLLM keeps ``num_computed_tokens`` as numpy), or a 0-d numpy array or torch tensor
+    of an integer dtype (a CUDA tensor's ``item()`` waits for its stream). Bools, floats and
+    arrays of more than one element are not.
+    """
+    if is_int(value):
+        return value
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
+        return int(value)
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point \
+            and not value.dtype.is_complex and value.dtype is not torch.bool:
+        return int(value.item())
+    return None
+
+
+def namespace(req: OffloadRequest) -> tuple[str | None, str | None]:
+    """``(req.extra_key, req.cache_salt)``, the request's namespace (each a str or None).
+
+    Raises:
+        ArgumentTypeError: ``req`` has no such attribute (the message names it and the
+            request's type), or holds neither a str nor None there.
+    """
+    return _request_namespace(req)
 
 
 def _token_slice(ids: Sequence[int], start: int, end: int) -> Sequence[int]:

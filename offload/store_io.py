@@ -36,8 +36,9 @@ class WriteOutcome:
         failed_keys: keys not written (the store answered FAILED, or it failed as a whole).
         error: why pages failed: the exception the store raised (the whole batch failed), or
             the one its answer carries (:class:`kvstage.storage.PutStatuses` ``.error``, e.g. an
-            ``OSError`` with errno ``EROFS`` or ``ENOSPC``); None when no page failed because of
-            an error (a page refused by the store's chain or capacity rules).
+            ``OSError`` with errno ``EROFS`` or ``ENOSPC``, or a
+            :class:`~kvstage.storage.MissingPriorError` naming the chain page the store lacks);
+            None when no page failed because of an error (a page refused for room).
     """
 
     stored: int = 0

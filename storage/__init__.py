@@ -18,7 +18,7 @@ Modules: ``backend``, ``events``, ``fingerprint``, ``registry``, ``memory_store`
 ``mooncake`` (``config``, ``status``, ``store``).
 """
 
-from kvstage.storage.backend import PutStatus, PutStatuses, StorageBackend, StorageStats
+from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, StorageBackend, StorageStats
 from kvstage.storage.events import StoreEvent
 from kvstage.storage.file_store import FileStore, KeySpace
 from kvstage.storage.fingerprint import LayoutFingerprint
@@ -33,6 +33,7 @@ __all__ = [
     "KeySpace",
     "LayoutFingerprint",
     "MemoryStore",
+    "MissingPriorError",
     "MooncakeConfig",
     "MooncakeStore",
     "PutStatus",

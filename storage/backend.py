@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from kvstage.errors import ArgumentTypeError, InvalidArgumentError
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, StorageError
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY, EventQueue, StoreEvent
 from kvstage.storage.fingerprint import LayoutFingerprint
 
@@ -34,13 +34,30 @@ class PutStatus(enum.Enum):
     FAILED = "failed"  # not written; the key is not visible
 
 
+class MissingPriorError(StorageError):
+    """Why a chain-aware store (memory, file) refused pages: the chain's page before them is not
+    stored, so no lookup could reach them (:meth:`StorageBackend.put`'s ``prior_key``, or the
+    call's previous key when that one was refused). A put of the same pages once the prior is
+    stored succeeds (e.g. a decode side's page that reached the store before the prefill side's
+    last prompt page).
+
+    Attributes:
+        prior_key: the missing page's key (the store's key, without the fingerprint prefix).
+    """
+
+    def __init__(self, prior_key: str, message: str | None = None) -> None:
+        super().__init__(message or f"prior_key: {prior_key!r} is not stored; a page after a missing one is unreachable, so it is refused")
+        self.prior_key = prior_key
+
+
 class PutStatuses(list):
     """What :meth:`StorageBackend.put` answers: a list of one :class:`PutStatus` per key, and
     :attr:`error`, the exception that failed pages of the call (e.g. ``OSError`` with errno
     ``EROFS``, ``EACCES`` or ``ENOSPC`` from a file store, a
-    :class:`kvstage.storage.mooncake.status.MooncakeCodeError` with the Mooncake return code), or None when no page failed because of an error (a page
-    refused by chain or capacity rules is ``FAILED`` with no error). When several pages failed
-    with different errors, the first one.
+    :class:`kvstage.storage.mooncake.status.MooncakeCodeError` with the Mooncake return code, a
+    :class:`MissingPriorError` naming the chain page a chain-aware store found missing), or None
+    when no page failed because of an error (a page refused for room is ``FAILED`` with no
+    error). When several pages failed with different errors, the first one.
 
     A list subclass, so callers that compare or iterate statuses keep working.
     """

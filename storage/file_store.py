@@ -67,7 +67,8 @@ wrote, ``evicted`` for each page the capacity evicted, ``removed`` for each page
 
 Failure causes: a page not written because of an ``OSError`` (a read-only directory: ``EROFS``,
 or ``EACCES``; a full disk: ``ENOSPC``) is ``FAILED`` and ``put``'s answer carries the error
-(:class:`kvstage.storage.PutStatuses`).
+(:class:`kvstage.storage.PutStatuses`); pages refused because ``prior_key`` is not stored carry a
+:class:`kvstage.storage.MissingPriorError` naming it.
 
 URL form for :func:`open_storage`: ``file:DIR`` or ``file:DIR?capacity_bytes=N``.
 """
@@ -90,7 +91,7 @@ import torch
 import xxhash
 
 from kvstage.errors import InvalidArgumentError, StorageError, is_int
-from kvstage.storage.backend import PutStatus, PutStatuses, StorageBackend, page_as_bytes
+from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, StorageBackend, page_as_bytes
 from kvstage.storage.chain_index import ChainIndex
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint
@@ -340,11 +341,11 @@ class FileStore(StorageBackend):
         statuses = PutStatuses()
         try:
             for full_key, digest, page in zip(full_keys, digests, pages):
-                status, error = self._put_one(full_key, digest, page, prior)
+                status, error = self._put_one(full_key, digest, page, prior, full_prior_key)
                 statuses.append(status)
                 if statuses.error is None:
                     statuses.error = error
-                prior = digest
+                prior, full_prior_key = digest, None  # a later key's predecessor is in this call: not missing but refused
             return statuses
         finally:
             with self._lock:
@@ -356,16 +357,20 @@ class FileStore(StorageBackend):
                 self._puts_active -= 1
                 self._gate.notify_all()
 
-    def _put_one(self, full_key: str, digest: bytes, page: torch.Tensor, prior: bytes | None) -> tuple[PutStatus, OSError | None]:
+    def _put_one(
+        self, full_key: str, digest: bytes, page: torch.Tensor, prior: bytes | None, full_prior_key: str | None
+    ) -> tuple[PutStatus, OSError | MissingPriorError | None]:
         """One page's status, and the error that failed it (None when it did not fail, or
-        failed by a rule: an unreachable page, no room)."""
+        failed for want of room or after a page of the same call that failed; a
+        :class:`MissingPriorError` naming ``full_prior_key``, the put's ``prior_key``, when that
+        is not stored)."""
         name = self._name(full_key)
         path = self.directory / name
         if self._read(full_key, path, None, adopt=True):
             return PutStatus.DEDUPLICATED, None  # there and intact (a corrupt file was removed)
         with self._lock:
-            if prior is not None and prior not in self._index:
-                return PutStatus.FAILED, None  # unreachable: its predecessor is not here
+            if prior is not None and prior not in self._index:  # unreachable: its predecessor is not here
+                return PutStatus.FAILED, None if full_prior_key is None else MissingPriorError(full_prior_key[len(self.prefix) :])
         key = full_key.encode()
         payload = page_as_bytes(page)
         header = _HEADER.pack(MAGIC, len(key), len(payload), _checksum(key, prior or _NO_PRIOR, payload), prior or _NO_PRIOR)

@@ -20,7 +20,8 @@ deduplicated ``put`` and an ``exists`` that finds the key count as a use (shared
 found and deduplicated through them, and those are the pages most worth keeping).
 A put never evicts a page of the same call nor its ``prior_key`` page: a page that fits only
 that way is ``FAILED``, and so is a page whose predecessor (``prior_key``, or the call's
-previous key) is not stored, since no lookup could reach it.
+previous key) is not stored, since no lookup could reach it (the answer's ``error`` is then a
+:class:`~kvstage.storage.backend.MissingPriorError` naming that key).
 
 Store events (:mod:`kvstage.storage.events`, tier ``"memory"``): ``stored`` for each page a
 put stored, ``evicted`` for each page its eviction dropped, ``removed`` for each page
@@ -37,7 +38,7 @@ import threading
 import torch
 
 from kvstage.errors import InvalidArgumentError, is_int
-from kvstage.storage.backend import PutStatus, StorageBackend
+from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, StorageBackend
 from kvstage.storage.chain_index import ChainIndex
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint
@@ -104,8 +105,8 @@ class MemoryStore(StorageBackend):
             touch = self._pages.touch
             return [touch(key) is not None for key in full_keys]
 
-    def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> list[PutStatus]:
-        statuses = []
+    def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> PutStatuses:
+        statuses = PutStatuses()
         evicted = []
         keep = set(full_keys)  # never evicted for a page of this call
         if full_prior_key is not None:
@@ -120,6 +121,8 @@ class MemoryStore(StorageBackend):
                     continue
                 if prior is not None and prior not in stored:
                     statuses.append(PutStatus.FAILED)  # unreachable: its predecessor is not here
+                    if statuses.error is None and prior == full_prior_key:  # (else the call refused its previous key, for room)
+                        statuses.error = MissingPriorError(prior[len(self.prefix) :])
                     continue
                 if len(stored) < self.capacity_pages:
                     buffer = torch.empty(self.page_bytes, dtype=torch.uint8)

@@ -20,7 +20,9 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
+import numpy as np
 import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -29,7 +31,7 @@ from kvstage.errors import ArgumentTypeError, InvalidArgumentError, ThreadingErr
 from kvstage.hashing import PageHasher
 from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, OffloadManager
-from kvstage.storage import LayoutFingerprint, open_storage
+from kvstage.storage import LayoutFingerprint, MissingPriorError, open_storage
 from support import REPO_ROOT
 
 PAGE = 8
@@ -389,7 +391,8 @@ def test_agent_loop_sends_the_next_turn_on_stored_and_it_hits_the_whole_first_tu
     turn1 = Req("turn1", prompt(7, 30), 12, **NAMESPACE)
     engine.submit(turn1)
     turn2 = None
-    for _ in range(10_000):
+    deadline = time.monotonic() + 60  # idle steps wait for turn 1's write on the writer thread
+    while time.monotonic() < deadline:
         engine.step()
         if turn2 is None and any(r is turn1 for r, _, _ in engine.stored):
             turn2 = Req("turn2", turn1.all_ids() + prompt(8, 5), 3, **NAMESPACE)
@@ -504,15 +507,17 @@ def test_a_corrupt_page_ends_the_hit_and_the_engine_recomputes_from_it(tmp_path,
     engine.manager.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="the WARNING for a prefetch that ends at a corrupt page ends in ': None'")
 def test_the_warning_for_a_prefetch_ended_by_a_corrupt_page_says_why(tmp_path, llama, caplog):
-    """The one line an operator sees reads "prefetch of rid='b' ended at page 2 of 4: None"."""
+    """The one line an operator sees says why the hit ended (it read "prefetch of rid='b' ended at
+    page 2 of 4: None", since a page read as a miss carries no exception)."""
     engine, a = _corrupt_third_page(llama, tmp_path)
     with caplog.at_level("WARNING", logger="kvstage"):
         engine.run(Req("b", a.origin_input_ids, 3, **NAMESPACE))
     engine.manager.close()
     (message,) = [r.getMessage() for r in caplog.records if "ended at page" in r.getMessage()]
     assert not message.endswith("None"), message
+    assert message.endswith("ended at page 2 of 4: the store held page 2 at the lookup but did not return it "
+                            "(missing or corrupt: evicted, removed, or a failed checksum since)"), message
 
 
 def test_a_decode_side_loads_the_prefill_sides_prompt_pages_and_continues_the_chain(llama):
@@ -649,7 +654,6 @@ def _bare_manager(**kwargs):
     return OffloadManager(pool, host, storage, PageHasher(page_size=PAGE), lambda req: torch.arange(64), **kwargs)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="offload raises on a bad namespace only in _launch, after the request is tracked")
 @pytest.mark.parametrize("namespace", [{"extra_key": 7}, {"cache_salt": b"salt"}], ids=["int-extra_key", "bytes-cache_salt"])
 def test_offload_that_raises_on_a_bad_namespace_tracks_nothing(namespace):
     """An engine keeping a LoRA adapter's int id as ``extra_key``: the README's contract says a
@@ -660,36 +664,42 @@ def test_offload_that_raises_on_a_bad_namespace_tracks_nothing(namespace):
     req.output_ids.append(5)
     with pytest.raises(ArgumentTypeError, match="extra_key|cache_salt"):
         manager.offload(req)
+    req.finished_reason = "length"
+    with pytest.raises(ArgumentTypeError, match="extra_key|cache_salt"):
+        manager.finish(req)
     tracked, live = manager.is_tracked(req), manager.requests_live
     manager.close()
     assert not tracked and live == 0
 
 
-@pytest.mark.xfail(strict=True, raises=(AttributeError, AssertionError), reason="a request object without extra_key raises a bare AttributeError, after it is tracked")
 def test_a_request_without_a_protocol_attribute_gets_a_kvstage_error_and_is_not_tracked():
     """vLLM's ``Request`` has no ``extra_key``; an engine adapting it and forgetting one of the
     protocol's attributes gets ``AttributeError: ... no attribute 'extra_key'`` from deep in
     the manager (``_chain_start``), not an error naming the request protocol, and the request
-    stays tracked."""
+    stays tracked. A missing namespace attribute is not read as None (a request adapter that
+    forgot ``cache_salt`` would share a tenant's pages): it raises ``ArgumentTypeError`` naming
+    the attribute, before anything is tracked."""
     manager = _bare_manager()
     req = Req("r", range(1, 41), 4)
     req.output_ids.append(5)
     del req.extra_key
     try:
-        with pytest.raises(InvalidArgumentError, match="extra_key"):
+        with pytest.raises(ArgumentTypeError, match="has no attribute 'extra_key'"):
             manager.offload(req)
+        with pytest.raises(ArgumentTypeError, match="has no attribute 'extra_key'"):
+            manager.prefetch(req)
     finally:
         tracked, live = manager.is_tracked(req), manager.requests_live
         manager.close()
     assert not tracked and live == 0
 
 
-def _decode_side_first(llama, failures):
+def _decode_side_first(llama, failures, **manager_kwargs):
     """Disaggregation timing: the decode side (``store_prompt=False``) decodes 20 tokens and
     writes its 2 decode pages before the prefill side's 5 prompt pages land in the shared store."""
     storage = memory_store(make_pool(llama))
     decode = Engine(llama, storage, store_prompt=False, prefetch=False,
-                    manager_kwargs={"on_storage_failure": lambda req, keys, error: failures.append((len(keys), error))})
+                    manager_kwargs={"on_storage_failure": lambda req, keys, error: failures.append((len(keys), error)), **manager_kwargs})
     prefill = Engine(llama, storage, prefetch=False)
     req = Req("r", prompt(20, 40), 20, **NAMESPACE)
     decode.run(req)
@@ -701,33 +711,42 @@ def _decode_side_first(llama, failures):
     return decode, prefill, req
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="decode pages written before the prefill side's prompt pages land are FAILED and never retried")
 def test_decode_side_pages_that_race_ahead_of_the_prefill_side_are_kept(llama):
     """In PD disaggregation the decode side starts once the KV is transferred, while the prefill
     side's store writes may still be queued: its first decode page can reach the store before
     the prompt's last page. The chain-aware store answers FAILED for each decode page (no
-    predecessor yet); the manager never retries, so the request's decode pages are lost for
-    good although their chain is whole a moment later (5 of 7 pages found)."""
-    decode, prefill, req = _decode_side_first(llama, [])
+    predecessor yet); the manager never retried, so the request's decode pages were lost for
+    good although their chain is whole a moment later (5 of 7 pages found). Now a
+    ``store_prompt=False`` manager puts them again for up to ``prior_wait_s``, off the
+    engine's thread: the decode side's ``drain`` returned while they waited (the prefill side
+    ran after it), and ``close`` waits for them."""
+    failures = []
+    decode, prefill, req = _decode_side_first(llama, failures)
+    decode.manager.close()
     reachable = prefill.manager.match_prefix(token_ids=req.all_ids()[:-1], **NAMESPACE).num_pages
-    decode.manager.close(), prefill.manager.close()
+    prefill.manager.close()
     assert [(ok, failed) for _, ok, failed in decode.stored] == [(2, 0)]
-    assert reachable == 7
+    assert reachable == 7 and failures == []
+    metrics = decode.manager.metrics
+    assert (metrics.pages_launched, metrics.pages_stored, metrics.pages_failed, metrics.writes_pending) == (2, 2, 0, 0)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="on_storage_failure gets error=None for a page whose predecessor is missing")
 def test_a_page_refused_for_a_missing_predecessor_says_why(llama):
     """The README: a failed put says why (``PutStatus.error``, passed to ``on_storage_failure``).
-    A page refused because its chain predecessor is not in the store reaches the engine as
-    ``error=None``: nothing tells it apart from any other failure."""
+    A page refused because its chain predecessor is not in the store reached the engine as
+    ``error=None``, nothing telling it apart from any other failure; it now gets a
+    ``MissingPriorError`` naming the missing key: the prompt's last page for the first decode
+    page, the first decode page for the second."""
     failures = []
-    decode, prefill, _ = _decode_side_first(llama, failures)
+    decode, prefill, req = _decode_side_first(llama, failures, prior_wait_s=0)  # no retry: the refusal is final
     decode.manager.close(), prefill.manager.close()
-    assert failures == [(1, failures[0][1])] * 2  # each decode page's write failed alone
-    assert all(error is not None for _, error in failures)
+    assert [count for count, _ in failures] == [1, 1]  # each decode page's write failed alone
+    assert all(isinstance(error, MissingPriorError) for _, error in failures), failures
+    keys = decode.manager.hasher.prefill_keys(req.all_ids()[:56], **NAMESPACE)
+    assert [error.prior_key for _, error in failures] == [keys[4], keys[5]]
+    assert keys[4] in str(failures[0][1])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="abort of a finished request drops its waiting pages without counting them")
 def test_pages_waiting_after_finish_are_counted_when_an_abort_drops_them(llama):
     """Three requests finish with a 2-page host pool: ``finish`` returns True (every page
     launched or waiting). The engine then shuts down and aborts what is still tracked: the
@@ -744,11 +763,12 @@ def test_pages_waiting_after_finish_are_counted_when_an_abort_drops_them(llama):
     assert len(engine.released) == 3
     metrics = engine.manager.metrics
     stored = sum(ok for _, ok, _ in engine.stored)
+    assert metrics.pages_dropped > 0 and metrics.pages_launched == stored  # the dropped ones were never launched
     assert stored + metrics.pages_dropped + metrics.pages_discarded == 15, (stored, metrics.pages_dropped)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="finish of a request still prefetching blames its slots, not the pending prefetch")
-def test_finishing_a_request_that_is_still_prefetching_names_the_prefetch(llama):
+@pytest.mark.parametrize("ending", ["abort", "finish-kv_length-0"])
+def test_finishing_a_request_that_is_still_prefetching_names_the_prefetch(llama, ending):
     """sglang finishes a request aborted while it waits (``finished_reason`` set, then the usual
     finish path). Here it was prefetching, never ran and owns no slots: ``finish(req)`` raises
     "slot_indices_of(rid='c'): 0 slots, its first 32 tokens have KV", which sends the engine
@@ -764,12 +784,16 @@ def test_finishing_a_request_that_is_still_prefetching_names_the_prefetch(llama)
     c.finished_reason = "abort"
     with pytest.raises(InvalidArgumentError) as raised:
         engine.manager.finish(c)
-    engine.manager.abort(c)
+    assert not handle.cancelled and engine.manager.is_tracked(c)  # the call that raised changed nothing
+    if ending == "abort":
+        engine.manager.abort(c)
+    else:
+        assert engine.manager.finish(c, kv_length=0)
     engine.manager.close()
-    assert "prefetch" in str(raised.value), str(raised.value)
+    assert "prefetch pending" in str(raised.value) and "abort(req)" in str(raised.value), str(raised.value)
+    assert handle.cancelled and engine.released[-1] is c
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a resumed request that reloads less than it stored resumes offloading after its old progress: the lost page is never stored again")
 def test_a_resumed_request_that_reloads_less_than_it_stored_mends_its_chain(tmp_path, llama):
     """Retracted after 20 tokens (4 pages stored); its second page is then lost (a corrupt file
     here; Mooncake's silent eviction does the same). Re-admitted, it reloads 1 page and
@@ -797,3 +821,38 @@ def test_a_resumed_request_that_reloads_less_than_it_stored_mends_its_chain(tmp_
     reachable = engine.manager.match_prefix(token_ids=req.all_ids()[:-1], **NAMESPACE).num_pages
     engine.manager.close()
     assert reachable == (20 + 39) // PAGE
+
+
+# -- gaps the user reported ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [np.int64(16), np.int32(16), np.uint16(16), np.array(16), torch.tensor(16), torch.tensor(16, dtype=torch.int32)],
+                         ids=["np.int64", "np.int32", "np.uint16", "np-0d", "torch-0d-int64", "torch-0d-int32"])
+def test_kv_length_takes_any_integer_scalar(length):
+    """vLLM keeps ``num_computed_tokens`` as numpy; a 0-d integer tensor is the same number."""
+    manager = _bare_manager()
+    req = Req("r", range(1, 41), 4)
+    assert manager.offload(req, kv_length=length)
+    assert manager.offloaded_length(req) == 16 and type(manager.offloaded_length(req)) is int
+    req.output_ids.append(5)
+    req.finished_reason = "length"
+    if isinstance(length, torch.Tensor):
+        forty = torch.tensor(40, dtype=length.dtype)
+    else:
+        forty = np.array(40, dtype=length.dtype) if isinstance(length, np.ndarray) else type(length)(40)
+    assert manager.finish(req, kv_length=forty)
+    manager.drain()
+    manager.close()
+    assert manager.metrics.pages_stored == 5
+
+
+@pytest.mark.parametrize("length", [np.bool_(True), torch.tensor(True), torch.tensor(16.0), np.float64(16), torch.tensor([16]), np.array([16]), 16.0],
+                         ids=["np.bool_", "torch-bool", "torch-float", "np.float64", "torch-1d", "np-1d", "float"])
+def test_kv_length_that_is_no_integer_scalar_is_refused_and_tracks_nothing(length):
+    manager = _bare_manager()
+    req = Req("r", range(1, 41), 4)
+    with pytest.raises(InvalidArgumentError, match=r"^kv_length: must be an int >= 0"):
+        manager.offload(req, kv_length=length)
+    tracked = manager.is_tracked(req)
+    manager.close()
+    assert not tracked

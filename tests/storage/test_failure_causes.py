@@ -21,7 +21,8 @@ import torch
 
 from kvstage.kv_layout import KVLayout
 from kvstage.offload.store_io import write_pages
-from kvstage.storage import LayoutFingerprint, MemoryStore, PutStatus, PutStatuses
+from kvstage.errors import StorageError
+from kvstage.storage import FileStore, LayoutFingerprint, MemoryStore, MissingPriorError, PutStatus, PutStatuses
 
 UNSHARE = ["unshare", "--mount", "--map-root-user"]
 
@@ -76,15 +77,30 @@ def test_a_full_and_a_read_only_directory_fail_puts_with_their_errno(tmp_path):
     assert seen["ro_outcome"] == {"failed": ["f" * 64], "errno": errno.EROFS}
 
 
-def test_pages_refused_by_a_rule_carry_no_error():
+def test_pages_refused_for_room_carry_no_error():
     fp = LayoutFingerprint("tiny", KVLayout(2, 2, 1, 4, "float32"), 2)
     store = MemoryStore(fp, capacity_pages=1)
     page = torch.zeros(32)
     answer = store.put(["a", "b"], [page, page])  # "b" fits only by evicting "a", its predecessor
     assert isinstance(answer, PutStatuses) and answer == [PutStatus.STORED, PutStatus.FAILED]
-    assert answer.error is None
-    outcome = write_pages(store, ["c"], [page], prior_key="missing")
-    assert outcome.failed_keys == ["c"] and outcome.error is None
+    assert answer.error is None  # "b"'s predecessor "a" is missing only because the call refused it for room
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_pages_refused_for_a_missing_prior_say_which_key(kind, tmp_path):
+    """A page whose chain predecessor is not stored is unreachable, so it is refused; the answer's
+    error names the missing key (the first one: the pages after it in the call miss theirs too)."""
+    fp = LayoutFingerprint("tiny", KVLayout(2, 2, 1, 4, "float32"), 2)
+    store = MemoryStore(fp) if kind == "memory" else FileStore(fp, tmp_path)
+    page = torch.zeros(32)
+    answer = store.put(["c", "d"], [page, page], prior_key="b" * 64)
+    assert answer == [PutStatus.FAILED, PutStatus.FAILED]
+    assert isinstance(answer.error, MissingPriorError) and isinstance(answer.error, StorageError)
+    assert answer.error.prior_key == "b" * 64 and "b" * 64 in str(answer.error)
+    outcome = write_pages(store, ["e"], [page], prior_key="missing")
+    assert outcome.failed_keys == ["e"] and isinstance(outcome.error, MissingPriorError) and outcome.error.prior_key == "missing"
+    assert store.put(["b" * 64], [page]) == [PutStatus.STORED]
+    assert store.put(["c", "d"], [page, page], prior_key="b" * 64) == [PutStatus.STORED, PutStatus.STORED]
 
 
 def test_write_pages_takes_the_error_a_store_answers_with():
