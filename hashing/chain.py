@@ -155,8 +155,16 @@ def prefill_page_keys(
     return _keys(tokens, page_size, seed, hash_scheme)
 
 
-def _request_namespace(req) -> tuple[str | None, str | None]:
-    """``(req.extra_key, req.cache_salt)``, or a clear error naming what the request lacks."""
+def request_namespace(req) -> tuple[str | None, str | None]:
+    """``(req.extra_key, req.cache_salt)``, the request's namespace (each a str or None).
+
+    A missing attribute is not read as None: a request that lost its ``cache_salt`` would
+    share another tenant's pages.
+
+    Raises:
+        ArgumentTypeError: ``req`` has no such attribute (the message names it and the
+            request's type), or holds neither a str nor None there.
+    """
     values = []
     for name in ("extra_key", "cache_salt"):
         try:
@@ -199,7 +207,7 @@ def compute_prefix_hash(
     """
     hash_scheme = get_scheme(scheme)
     _check_page_size(page_size)
-    extra_key, cache_salt = _request_namespace(req)
+    extra_key, cache_salt = request_namespace(req)
     if prior_hash is None or prior_hash == "":
         prior = namespace_seed_bytes(extra_key, cache_salt, hash_scheme)
     else:

@@ -62,7 +62,7 @@ from kvstage.offload.key_chain import ChainRun, RequestChain
 from kvstage.offload.load_path import PREFETCH_POLICIES, LoadHandle, PrefetchHandle, PrefixMatch
 from kvstage.offload.prefetcher import Prefetcher
 from kvstage.offload.metrics import OffloadMetrics
-from kvstage.offload.request import SlotIndicesOf, int_scalar, namespace, request_tokens
+from kvstage.offload.request import SlotIndicesOf, int_scalar, request_namespace, request_tokens
 from kvstage.offload.request import kv_length as kv_length_of
 from kvstage.offload.store_io import StoreWorkers
 from kvstage.storage import StorageBackend
@@ -307,7 +307,7 @@ class OffloadManager:
         Raises:
             ArgumentTypeError / DeviceMismatchError / InvalidArgumentError: a bad ``kv_length``;
                 the request lacks ``extra_key`` or ``cache_salt`` or holds neither a str nor
-                None there (:func:`~kvstage.offload.request.namespace`); ``slot_indices_of``
+                None there (:func:`~kvstage.hashing.chain.request_namespace`); ``slot_indices_of``
                 returned no 1-D int tensor of the pool's device, too few slots, or (on CPU, where it costs no sync) a slot out of the pool's range; a
                 placeholder (negative) token id among the tokens to copy; ``after`` is no event
                 or stream; a prefetch of the request is pending; the request object was
@@ -1040,7 +1040,7 @@ class OffloadManager:
         """The prior of the request's first launched page, and whether it is a stored page's
         key: the namespace seed (not a page), or with ``store_prompt=False`` the last key of the
         prompt's whole pages (stored by the prefill side)."""
-        extra_key, cache_salt = namespace(req)
+        extra_key, cache_salt = request_namespace(req)
         aligned = len(req.origin_input_ids) // self.page_size * self.page_size
         if not self.store_prompt and aligned:
             return self.hasher.prefill_keys(req.origin_input_ids[:aligned], extra_key=extra_key, cache_salt=cache_salt)[-1], True

@@ -21,7 +21,7 @@ from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.copier import Copier
 from kvstage.offload.load_path import PrefetchHandle, PrefixMatch
 from kvstage.offload.metrics import OffloadMetrics
-from kvstage.offload.request import namespace, request_tokens
+from kvstage.offload.request import request_namespace, request_tokens
 from kvstage.offload.store_io import leading_hits, read_leading_pages
 
 __all__ = ["Prefetcher"]
@@ -61,12 +61,12 @@ class Prefetcher:
             InvalidArgumentError: neither or both of ``req`` and ``token_ids``; a placeholder
                 (negative) id among the request's tokens (named with its rid and position).
             ArgumentTypeError: the request lacks ``extra_key`` or ``cache_salt``, or either
-                is neither a str nor None (:func:`~kvstage.offload.request.namespace`).
+                is neither a str nor None (:func:`~kvstage.hashing.chain.request_namespace`).
         """
         require((req is None) != (token_ids is None), "req", "give a request or token_ids, not both or neither")
         if req is not None:
             usable = max(len(req.origin_input_ids) + len(req.output_ids) - 1, 0) // self.page_size * self.page_size
-            extra_key, cache_salt = namespace(req)
+            extra_key, cache_salt = request_namespace(req)
             return self.hasher.prefill_keys(request_tokens(req, 0, usable), extra_key=extra_key, cache_salt=cache_salt)
         return self.hasher.prefill_keys(token_ids, extra_key=extra_key, cache_salt=cache_salt)
 

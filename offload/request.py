@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from kvstage.errors import InvalidArgumentError, is_int
-from kvstage.hashing.chain import _request_namespace
+from kvstage.hashing.chain import request_namespace
 
-__all__ = ["OffloadRequest", "SlotIndicesOf", "int_scalar", "kv_length", "namespace", "request_tokens"]
+__all__ = ["OffloadRequest", "SlotIndicesOf", "int_scalar", "kv_length", "request_namespace", "request_tokens"]
 
 _SIGNED_TYPECODES = frozenset("bhilq")  # array.array typecodes of signed integers
 
@@ -88,16 +88,6 @@ def int_scalar(value: Any) -> int | None:
             and not value.dtype.is_complex and value.dtype is not torch.bool:
         return int(value.item())
     return None
-
-
-def namespace(req: OffloadRequest) -> tuple[str | None, str | None]:
-    """``(req.extra_key, req.cache_salt)``, the request's namespace (each a str or None).
-
-    Raises:
-        ArgumentTypeError: ``req`` has no such attribute (the message names it and the
-            request's type), or holds neither a str nor None there.
-    """
-    return _request_namespace(req)
 
 
 def _token_slice(ids: Sequence[int], start: int, end: int) -> Sequence[int]:
