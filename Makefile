@@ -21,8 +21,19 @@ $(VENV)/.mooncake: $(VENV)/.installed tools/install-mooncake.sh tools/apt-instal
 	bash tools/install-mooncake.sh $(VENV) || { [ -z "$$CI" ] || exit 1; echo "make: Mooncake not installed; its tests will skip"; }
 	touch $@
 
-test: $(VENV)/.installed $(VENV)/.mooncake
-	$(PYTHON) -m pytest
+# sglang 0.5.23 for CPU (optional extra), so tests/integrations/sglang run sglang's own code;
+# where it cannot be installed its tests skip with the reason, except under CI.
+$(VENV)/.sglang: $(VENV)/.installed tools/install-sglang.sh tools/apt-install.sh
+	bash tools/install-sglang.sh $(VENV) || { [ -z "$$CI" ] || exit 1; echo "make: sglang not installed; its tests will skip"; }
+	touch $@
+
+# The sglang tests run in a pytest process of their own: sglang's import on CPU patches
+# process-wide state (see tests/integrations/sglang/conftest.py).
+SGLANG_TESTS := tests/integrations/sglang
+
+test: $(VENV)/.installed $(VENV)/.mooncake $(VENV)/.sglang
+	$(PYTHON) -m pytest --ignore=$(SGLANG_TESTS)
+	$(PYTHON) -m pytest $(SGLANG_TESTS)
 
 bench: $(VENV)/.installed
 	$(PYTHON) -m bench

@@ -1,0 +1,12 @@
+"""kvstage inside sglang 0.5.23 (needs the ``sglang`` extra).
+
+- :class:`KVStageStorage`: a HiCache L3 storage backend over any kvstage store, loaded by
+  sglang's storage factory as ``dynamic`` (``module_path: "kvstage.integrations.sglang"``,
+  ``class_name: "KVStageStorage"``, ``interface_v1: 1``, ``url``).
+- :mod:`kvstage.integrations.sglang.host_layouts`: sglang's host pool layouts as views in
+  kvstage's page byte order.
+"""
+
+from kvstage.integrations.sglang.storage import KVStageStorage
+
+__all__ = ["KVStageStorage"]

@@ -1,0 +1,69 @@
+"""sglang 0.5.23's own code on CPU, in a pytest process of its own (``make test`` runs this
+folder separately; the main run ignores it).
+
+Importing sglang on a CPU machine needs two things done once per process, which is why these
+tests never share a process with the rest of the suite:
+
+- torchvision: PyPI's Linux wheel is a CUDA build; on a CPU torch its operator library cannot
+  load, and its fake-kernel registrations for those operators then fail at import. sglang uses
+  torchvision only for image transforms of vision-language configs (imported with
+  ``sglang.srt.configs``), so when that import fails the registrations module is replaced by an
+  empty one and torchvision is imported again.
+- sglang's runtime context: pools read the published config (``get_parallel()``,
+  ``get_memory()``), so a CPU config is installed with sglang's own test hook
+  ``override_server_args(device="cpu")``.
+
+Where sglang is not installed the sglang-importing test modules are not collected and
+``test_install.py`` skips with the reason; under ``CI=true`` that is an error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+from pathlib import Path
+
+# sglang_rig.py beside this file (the suite's pythonpath is tests/ only)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _import_sglang() -> str | None:
+    """Import what the tests use; None when it worked, else why not."""
+    try:
+        import torchvision  # noqa: F401
+    except ModuleNotFoundError as error:
+        return f"torchvision is not installed ({error}); run tools/install-sglang.sh"
+    except RuntimeError:
+        for name in [name for name in sys.modules if name == "torchvision" or name.startswith("torchvision.")]:
+            del sys.modules[name]
+        sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
+        import torchvision  # noqa: F401
+    try:
+        sglang = importlib.import_module("sglang")
+        importlib.import_module("sglang.srt.managers.cache_controller")
+    except ImportError as error:
+        return f"sglang is not importable ({error}); run tools/install-sglang.sh"
+    if sglang.__version__ != "0.5.23":
+        return f"sglang {sglang.__version__} is installed; these tests are for 0.5.23"
+    from sglang.srt.runtime_context import get_context
+
+    get_context().override_server_args(device="cpu").install()
+    return None
+
+
+SGLANG_MISSING = _import_sglang()
+if SGLANG_MISSING is not None:
+    if os.environ.get("CI") == "true":
+        raise RuntimeError(f"CI=true: the sglang tests must run, but {SGLANG_MISSING}")
+    collect_ignore_glob = ["test_sglang_*.py"]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def sglang_missing() -> str | None:
+    """Why sglang cannot be used in this process, or None."""
+    return SGLANG_MISSING
