@@ -34,7 +34,10 @@ class WriteOutcome:
         stored: pages written now.
         deduplicated: pages the store already held (or repeated earlier in the batch).
         failed_keys: keys not written (the store answered FAILED, or it failed as a whole).
-        error: the exception the store raised (the whole batch failed), or None.
+        error: why pages failed: the exception the store raised (the whole batch failed), or
+            the one its answer carries (:class:`kvstage.storage.PutStatuses` ``.error``, e.g. an
+            ``OSError`` with errno ``EROFS`` or ``ENOSPC``); None when no page failed because of
+            an error (a page refused by the store's chain or capacity rules).
     """
 
     stored: int = 0
@@ -82,11 +85,13 @@ def _write_pages(storage: Any, page_keys: Sequence[str], pages: Sequence[torch.T
             unique[key] = index
     keys = list(unique)
     try:
-        statuses = _answer(storage.put(keys, [pages[unique[key]] for key in keys], prior_key=prior_key), len(keys), "put")
+        answer = storage.put(keys, [pages[unique[key]] for key in keys], prior_key=prior_key)
+        statuses = _answer(answer, len(keys), "put")
     except Exception as error:  # the store failed as a whole: no page of the batch counts as written
         outcome.error = error
         outcome.failed_keys = keys
         return outcome
+    outcome.error = getattr(answer, "error", None)  # a PutStatuses' cause of its failed pages
     for key, status in zip(keys, statuses):
         if status is PutStatus.STORED:
             outcome.stored += 1

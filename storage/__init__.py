@@ -3,7 +3,9 @@
 Knows keys, bytes and layout fingerprints; nothing of requests or kernels.
 
 Public API:
-    StorageBackend, PutStatus, StorageStats: the interface every store implements.
+    StorageBackend, PutStatus, PutStatuses, StorageStats: the interface every store implements
+        (``put``, ``get``, ``exists``, ``clear``, ``take_events``).
+    StoreEvent: a page stored, evicted or removed, as ``take_events`` reports it.
     LayoutFingerprint: the key space (model, dtype, layout, page size, rank or stage).
     MemoryStore: in-process pages (the default); FileStore: one crash-safe file a page;
     MooncakeStore: the Mooncake distributed store (optional ``mooncake`` extra; imported when
@@ -11,11 +13,12 @@ Public API:
     open_storage, STORAGE_SCHEMES: build a store from a URL (``memory``, ``file:DIR``,
         ``mooncake://HOST:PORT?...``).
 
-Modules: ``backend``, ``fingerprint``, ``registry``, ``memory_store``, ``file_store``,
+Modules: ``backend``, ``events``, ``fingerprint``, ``registry``, ``memory_store``, ``file_store``,
 ``mooncake`` (``config``, ``status``, ``store``).
 """
 
-from kvstage.storage.backend import PutStatus, StorageBackend, StorageStats
+from kvstage.storage.backend import PutStatus, PutStatuses, StorageBackend, StorageStats
+from kvstage.storage.events import StoreEvent
 from kvstage.storage.file_store import FileStore
 from kvstage.storage.fingerprint import LayoutFingerprint
 from kvstage.storage.memory_store import MemoryStore
@@ -31,7 +34,9 @@ __all__ = [
     "MooncakeConfig",
     "MooncakeStore",
     "PutStatus",
+    "PutStatuses",
     "StorageBackend",
     "StorageStats",
+    "StoreEvent",
     "open_storage",
 ]

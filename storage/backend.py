@@ -1,4 +1,5 @@
-"""The storage interface: :class:`StorageBackend`, :class:`PutStatus`, :class:`StorageStats`.
+"""The storage interface: :class:`StorageBackend`, :class:`PutStatus`, :class:`PutStatuses`,
+:class:`StorageStats`.
 
 A backend stores whole pages (the page-first bytes of one page across every layer and KV part)
 under string keys. Callers pass the page hash (hex) as the key; the backend prefixes it with the
@@ -21,6 +22,7 @@ from typing import Sequence
 import torch
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError
+from kvstage.storage.events import DEFAULT_EVENT_CAPACITY, EventQueue, StoreEvent
 from kvstage.storage.fingerprint import LayoutFingerprint
 
 
@@ -30,6 +32,22 @@ class PutStatus(enum.Enum):
     STORED = "stored"  # written now, readable from now on
     DEDUPLICATED = "deduplicated"  # the key was already there; nothing written
     FAILED = "failed"  # not written; the key is not visible
+
+
+class PutStatuses(list):
+    """What :meth:`StorageBackend.put` answers: a list of one :class:`PutStatus` per key, and
+    :attr:`error`, the exception that failed pages of the call (e.g. ``OSError`` with errno
+    ``EROFS``, ``EACCES`` or ``ENOSPC`` from a file store, a :class:`kvstage.errors.StorageError`
+    naming a Mooncake return code), or None when no page failed because of an error (a page
+    refused by chain or capacity rules is ``FAILED`` with no error). When several pages failed
+    with different errors, the first one.
+
+    A list subclass, so callers that compare or iterate statuses keep working.
+    """
+
+    def __init__(self, statuses=(), error: BaseException | None = None) -> None:
+        super().__init__(statuses)
+        self.error = error
 
 
 @dataclass
@@ -45,7 +63,12 @@ class StorageStats:
     pages_missed: int = 0
     bytes_got: int = 0
     get_seconds: float = 0.0
-    pages_evicted: int = 0
+    pages_evicted: int = 0  # by the store's own eviction
+    pages_removed: int = 0  # by clear(), a corrupt page dropped, FileStore.evict_key_space
+    events_stored: int = 0  # store events recorded, by kind (taken or not)
+    events_evicted: int = 0
+    events_removed: int = 0
+    events_dropped: int = 0  # events dropped from a full event queue (the oldest go)
 
     def put_gbps(self) -> float:
         """Stored bytes per second of put time, in GB/s (1e9 bytes)."""
@@ -59,19 +82,31 @@ class StorageStats:
 class StorageBackend(abc.ABC):
     """A key-value store of whole KV pages.
 
-    Subclasses implement :meth:`_exists`, :meth:`_put` and :meth:`_get` on full keys (prefix
-    included); this class checks arguments, adds the prefix, counts and times.
+    Subclasses implement :meth:`_exists`, :meth:`_put`, :meth:`_get` and :meth:`_clear` on
+    full keys (prefix included); this class checks arguments, adds the prefix, counts and
+    times. Subclasses record a :class:`StoreEvent` for each page stored, evicted and removed,
+    under the lock that orders their index changes, so a consumer sees events in the order of
+    the changes (a page stored after a ``clear`` is never reported before its removal).
 
     Args:
         fingerprint: the KV layout; its :meth:`LayoutFingerprint.prefix` starts every key and
             its :attr:`LayoutFingerprint.page_bytes` is the size every page must have.
+        event_capacity: store events kept until :meth:`take_events` takes them (0: none).
+
+    Raises:
+        InvalidArgumentError: event_capacity is not an int >= 0.
     """
 
-    def __init__(self, fingerprint: LayoutFingerprint) -> None:
+    tier = "store"  # the store's name in its events: "memory", "file", "mooncake"
+
+    def __init__(self, fingerprint: LayoutFingerprint, *, event_capacity: int = DEFAULT_EVENT_CAPACITY) -> None:
         self.fingerprint = fingerprint
         self.prefix = fingerprint.prefix()
         self.page_bytes = fingerprint.page_bytes
         self.stats = StorageStats()
+        self._events = EventQueue(
+            self.stats, tier=self.tier, key_space=self.prefix, page_bytes=self.page_bytes, capacity=event_capacity
+        )
 
     # -- the public interface -------------------------------------------------------------
 
@@ -85,7 +120,7 @@ class StorageBackend(abc.ABC):
 
     def put(
         self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, prior_key: str | None = None
-    ) -> list[PutStatus]:
+    ) -> PutStatuses:
         """Store ``pages[i]`` under ``keys[i]``; a key already stored is left as it is.
 
         A put's keys are one run of one chain, in order: ``keys[i - 1]`` is the page right
@@ -106,7 +141,9 @@ class StorageBackend(abc.ABC):
                 never passed here).
 
         Returns:
-            One :class:`PutStatus` per key. A ``FAILED`` key is not visible afterwards.
+            :class:`PutStatuses`: one :class:`PutStatus` per key (a ``FAILED`` key is not
+            visible afterwards) and ``.error``, the exception that failed pages, if any.
+            Each ``STORED`` page records a ``stored`` :class:`StoreEvent`.
 
         Raises:
             InvalidArgumentError: lengths differ, a key repeats, a page is not a contiguous
@@ -124,8 +161,9 @@ class StorageBackend(abc.ABC):
             raise InvalidArgumentError(f"prior_key: must not be one of keys (keys[{keys.index(prior_key)}]): it precedes keys[0]")
         full_keys = [self.prefix + key for key in keys]
         started = time.perf_counter()
-        statuses = self._put(full_keys, list(pages), self.prefix + prior_key if prior_key else None)
+        answer = self._put(full_keys, list(pages), self.prefix + prior_key if prior_key else None)
         self.stats.put_seconds += time.perf_counter() - started
+        statuses = PutStatuses(answer, getattr(answer, "error", None))
         for status in statuses:
             if status is PutStatus.STORED:
                 self.stats.pages_stored += 1
@@ -162,6 +200,34 @@ class StorageBackend(abc.ABC):
         self.stats.bytes_got += found * self.page_bytes
         return hits
 
+    def clear(self) -> int:
+        """Remove every page of this store's key space (its fingerprint prefix); pages of other
+        key spaces (in a shared directory or Mooncake cluster) stay. Use it after a weight
+        update, when stored KV no longer matches the model.
+
+        Safe while other threads put and get: a put racing a clear lands after it, whole, or
+        not at all; a get racing it reads a page whole or misses. Each page removed records a
+        ``removed`` :class:`StoreEvent` and counts in ``stats.pages_removed``. What each store
+        can see: see each store's ``_clear``.
+
+        Returns:
+            The number of pages removed.
+        """
+        removed = self._clear()
+        self.stats.pages_removed += removed
+        return removed
+
+    def take_events(self, max_events: int | None = None) -> list[StoreEvent]:
+        """Take the oldest store events not taken yet (None: all), oldest first; never blocks.
+
+        A full queue (``event_capacity``) drops its oldest events, counted in
+        ``stats.events_dropped``; see :mod:`kvstage.storage.events`.
+
+        Raises:
+            InvalidArgumentError: max_events is not None or an int >= 0.
+        """
+        return self._events.take(max_events)
+
     def register_host_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
         """Tell a zero-copy backend which host memory pages will come from (default: no-op)."""
 
@@ -182,10 +248,21 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> list[PutStatus]:
         """Store a run of one chain (see :meth:`put`); ``full_prior_key`` (prefix included)
-        precedes ``full_keys[0]``, None at a chain's start."""
+        precedes ``full_keys[0]``, None at a chain's start. A :class:`PutStatuses` answer
+        passes its ``error`` on. Records a ``stored`` event for each page it stored."""
 
     @abc.abstractmethod
     def _get(self, full_keys: list[str], into: list[torch.Tensor]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    def _clear(self) -> int:
+        """Remove every page under this store's prefix, recording a ``removed`` event for
+        each; the number removed."""
+
+    def _record(self, kind: str, full_keys) -> None:
+        """Record a store event of ``kind`` for each full key (prefix included) of this store."""
+        start = len(self.prefix)
+        self._events.record(kind, [key[start:] for key in full_keys])
 
     # -- helpers ----------------------------------------------------------------------------
 

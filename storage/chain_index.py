@@ -59,6 +59,14 @@ class ChainIndex(Generic[K, V]):
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
+    def keys(self) -> list[K]:
+        """The stored keys (a copy), in no particular order."""
+        return list(self._entries)
+
+    def items(self) -> list[tuple[K, V]]:
+        """``(key, value)`` of every stored page (a copy), in no particular order."""
+        return [(key, entry.value) for key, entry in self._entries.items()]
+
     def value(self, key: K) -> V | None:
         """The value stored with ``key``, or None when ``key`` is not stored."""
         entry = self._entries.get(key)

@@ -41,10 +41,27 @@ each page file's modification time (set to the index's strictly increasing nanos
 every write and use), the links are in the page headers, so opening reads each page file's
 header (one small read a file) and a page file that is torn loses only itself.
 
-Sharing a directory: a store counts, evicts and sweeps only its own files (their names start
-with its fingerprint's prefix, or with a tag of it for hashed names), so stores of different
-fingerprints (pipeline stages, TP ranks) may write one directory. One process should write one
-fingerprint's pages of a directory; others may read them.
+Sharing a directory: a store counts, evicts, clears and sweeps only its own key space's files
+(their names start with its fingerprint's prefix, or with a tag of it for hashed names), so
+stores of different fingerprints (pipeline stages, TP ranks) may write one directory.
+
+Processes sharing one key space (a prefill process stores prompt pages, a decode process
+continues their chains): a ``put`` whose ``prior_key`` this process has not indexed (written by
+another process after this one opened the directory) finds the prior's file in the directory and
+indexes it from its header before deciding; a deduplicated page found there is indexed too. A
+reader that finds a corrupt page removes only the file it read: it renames the page to a
+tombstone and compares the tombstone's inode with that of the file it still holds open; a
+different inode is a page rewritten since, which it puts back. Each process evicts within its
+own capacity, counting the files it indexed; opening sweeps only temporary files older than
+:data:`TMP_GRACE_S` (another process may be writing younger ones).
+
+Store events (:mod:`kvstage.storage.events`, tier ``"file"``): ``stored`` for each page a put
+wrote, ``evicted`` for each page the capacity evicted, ``removed`` for each page
+:meth:`FileStore.clear` removed and for each corrupt page a reader or a put dropped.
+
+Failure causes: a page not written because of an ``OSError`` (a read-only directory: ``EROFS``,
+or ``EACCES``; a full disk: ``ENOSPC``) is ``FAILED`` and ``put``'s answer carries the error
+(:class:`kvstage.storage.PutStatuses`).
 
 URL form for :func:`open_storage`: ``file:DIR`` or ``file:DIR?capacity_bytes=N``.
 """
@@ -56,6 +73,7 @@ import os
 import string
 import struct
 import threading
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -64,8 +82,9 @@ import torch
 import xxhash
 
 from kvstage.errors import InvalidArgumentError, StorageError, is_int
-from kvstage.storage.backend import PutStatus, StorageBackend, page_as_bytes
+from kvstage.storage.backend import PutStatus, PutStatuses, StorageBackend, page_as_bytes
 from kvstage.storage.chain_index import ChainIndex
+from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint
 
 MAGIC = b"KVSTAGE\x02"
@@ -74,6 +93,7 @@ _NO_PRIOR = bytes(32)
 SUFFIX = ".kvpage"
 TMP_SUFFIX = ".tmp"
 DEFAULT_CAPACITY_BYTES = 16 << 30  # 16 GiB
+TMP_GRACE_S = 600.0  # a temporary file younger than this may be another process's write in progress
 _MAX_NAME = 200  # file names stay well under the usual 255-byte limit
 _SAFE_KEY = frozenset(string.ascii_letters + string.digits + "._-")  # hex keys; no "@", which ends a prefix
 _HASHED = "~"  # separates the owner tag from the SHA-256 in a hashed name; never in a plain one
@@ -99,13 +119,17 @@ class FileStore(StorageBackend):
         capacity_bytes: bound on the bytes of this store's page files (headers included).
         fsync: also ``fsync`` each page before renaming it (durable across power loss; slower).
             Without it a power loss may leave a torn page, which the checksum turns into a miss.
+        event_capacity: store events kept until ``take_events`` (see :class:`StorageBackend`).
 
     Raises:
-        InvalidArgumentError: capacity_bytes is negative.
+        InvalidArgumentError: capacity_bytes is negative, or event_capacity is not an int >= 0.
         StorageError: the directory cannot be created or listed.
 
-    Thread-safe (one lock around index updates; file I/O outside it where possible).
+    Thread-safe (one lock around index updates; file I/O outside it where possible; a
+    :meth:`clear` waits for the puts in flight and holds new ones until it is done).
     """
+
+    tier = "file"
 
     def __init__(
         self,
@@ -114,8 +138,9 @@ class FileStore(StorageBackend):
         *,
         capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
         fsync: bool = False,
+        event_capacity: int = DEFAULT_EVENT_CAPACITY,
     ) -> None:
-        super().__init__(fingerprint)
+        super().__init__(fingerprint, event_capacity=event_capacity)
         if not is_int(capacity_bytes) or capacity_bytes < 0:
             raise InvalidArgumentError(f"capacity_bytes: must be a non-negative int, got {capacity_bytes!r}")
         self.directory = Path(directory)
@@ -124,10 +149,16 @@ class FileStore(StorageBackend):
         # Names of hashed page files and of temporary files start with this tag of the prefix.
         self._owner_tag = hashlib.sha256(self.prefix.encode()).hexdigest()[:16]
         self._lock = threading.Lock()
-        # Pages by the SHA-256 of their full key (the link a header holds): (file name, size).
-        self._index: ChainIndex[bytes, tuple[str, int]] = ChainIndex()
+        # Pages by the SHA-256 of their full key (the link a header holds): (file name, size,
+        # page key without the prefix).
+        self._index: ChainIndex[bytes, tuple[str, int, str]] = ChainIndex()
         self._pinned: Counter[bytes] = Counter()  # pages of puts in flight (and their priors)
         self._used = 0
+        # clear() waits for puts in flight and holds new ones (a put lands wholly after it).
+        self._gate = threading.Condition()
+        self._puts_active = 0
+        self._puts_waiting = 0  # a clear lets these in first, so repeated clears never starve puts
+        self._clearing = False
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             names = [entry.name for entry in os.scandir(self.directory) if self._owns(entry.name)]
@@ -135,9 +166,7 @@ class FileStore(StorageBackend):
             raise StorageError(f"directory: cannot use {str(self.directory)!r}: {error}") from error
         for name in names:
             if name.endswith(TMP_SUFFIX):
-                # Left by a writer of this fingerprint that died before its rename: never
-                # visible, safe to drop.
-                _unlink(self.directory / name)
+                _sweep_tmp(self.directory / name)
             elif name.endswith(SUFFIX):
                 self._load(name)
         self._make_room(0)  # reopened with a smaller capacity: within it from the start
@@ -190,8 +219,28 @@ class FileStore(StorageBackend):
             _unlink(path)  # torn, corrupt, of format 1, or renamed by hand: never a page here
             return
         full_key, prior = parsed
-        self._index.add(_digest(full_key), (name, status.st_size), prior, tick=status.st_mtime_ns)
+        self._index.add(_digest(full_key), (name, status.st_size, full_key[len(self.prefix) :]), prior, tick=status.st_mtime_ns)
         self._used += status.st_size
+
+    def _adopt(self, full_key: str, path: Path) -> bool:
+        """Index the key's page file when another process wrote it after this store opened
+        (its link from the header, used now); whether the key is indexed afterwards. Never
+        removes a file (it may be another process's fresh page). Call under ``self._lock``."""
+        digest = _digest(full_key)
+        if digest in self._index:
+            return True
+        try:
+            with open(path, "rb") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                head = handle.read(_HEADER.size + len(full_key.encode()))
+        except OSError:
+            return False
+        parsed = self._parse_header(head, size)
+        if parsed is None or parsed[0] != full_key:
+            return False
+        self._index.add(digest, (path.name, size, full_key[len(self.prefix) :]), parsed[1])
+        self._used += size
+        return True
 
     def _parse_header(self, head: bytes, size: int) -> tuple[str, bytes | None] | None:
         """(full key, prior digest or None) from a page file's first bytes (at least the header
@@ -237,16 +286,28 @@ class FileStore(StorageBackend):
         except OSError:
             pass  # evicted or removed meanwhile: nothing to record
 
-    def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> list[PutStatus]:
+    def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> PutStatuses:
         digests = [_digest(key) for key in full_keys]
         prior = None if full_prior_key is None else _digest(full_prior_key)
         pinned = digests + ([] if prior is None else [prior])
+        with self._gate:
+            self._puts_waiting += 1
+            while self._clearing:
+                self._gate.wait()
+            self._puts_waiting -= 1
+            self._puts_active += 1
         with self._lock:
             self._pinned.update(pinned)  # never evicted while this put runs, by any thread
+            if full_prior_key is not None and prior not in self._index:
+                # Written by another process after this store opened: index it from its file.
+                self._adopt(full_prior_key, self.directory / self._name(full_prior_key))
+        statuses = PutStatuses()
         try:
-            statuses = []
             for full_key, digest, page in zip(full_keys, digests, pages):
-                statuses.append(self._put_one(full_key, digest, page, prior))
+                status, error = self._put_one(full_key, digest, page, prior)
+                statuses.append(status)
+                if statuses.error is None:
+                    statuses.error = error
                 prior = digest
             return statuses
         finally:
@@ -255,22 +316,27 @@ class FileStore(StorageBackend):
                 for digest in pinned:
                     if self._pinned[digest] <= 0:
                         del self._pinned[digest]
+            with self._gate:
+                self._puts_active -= 1
+                self._gate.notify_all()
 
-    def _put_one(self, full_key: str, digest: bytes, page: torch.Tensor, prior: bytes | None) -> PutStatus:
+    def _put_one(self, full_key: str, digest: bytes, page: torch.Tensor, prior: bytes | None) -> tuple[PutStatus, OSError | None]:
+        """One page's status, and the error that failed it (None when it did not fail, or
+        failed by a rule: an unreachable page, no room)."""
         name = self._name(full_key)
         path = self.directory / name
-        if self._read(full_key, path, None):
-            return PutStatus.DEDUPLICATED  # there and intact (a corrupt file was removed)
+        if self._read(full_key, path, None, adopt=True):
+            return PutStatus.DEDUPLICATED, None  # there and intact (a corrupt file was removed)
         with self._lock:
             if prior is not None and prior not in self._index:
-                return PutStatus.FAILED  # unreachable: its predecessor is not here
+                return PutStatus.FAILED, None  # unreachable: its predecessor is not here
         key = full_key.encode()
         payload = page_as_bytes(page)
         header = _HEADER.pack(MAGIC, len(key), len(payload), _checksum(key, prior or _NO_PRIOR, payload), prior or _NO_PRIOR)
         size = len(header) + len(key) + len(payload)
         if size > self.capacity_bytes or not self._make_room(size):
-            return PutStatus.FAILED
-        tmp = self.directory / f".{self._owner_tag}{_HASHED}{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
+            return PutStatus.FAILED, None
+        tmp = self._tmp_path()
         try:
             with open(tmp, "wb") as handle:
                 handle.write(header)
@@ -283,13 +349,21 @@ class FileStore(StorageBackend):
                 if self.fsync:
                     os.fsync(handle.fileno())
             os.replace(tmp, path)
-        except OSError:
+        except OSError as error:
             _unlink(tmp)
-            return PutStatus.FAILED
+            return PutStatus.FAILED, error
         with self._lock:
-            self._index.add(digest, (name, size), prior, tick=tick)
+            replaced = self._index.remove(digest)  # indexed meanwhile by a reader (adopted)
+            if replaced is not None:
+                self._used -= replaced[1]
+            self._index.add(digest, (name, size, full_key[len(self.prefix) :]), prior, tick=tick)
             self._used += size
-        return PutStatus.STORED
+            self._record("stored", [full_key])
+        return PutStatus.STORED, None
+
+    def _tmp_path(self) -> Path:
+        """A fresh temporary name of this key space (writes and tombstones); swept at open."""
+        return self.directory / f".{self._owner_tag}{_HASHED}{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
 
     def _make_room(self, size: int) -> bool:
         """Evict chain tails, least recently used first, until ``size`` more bytes fit; False
@@ -301,37 +375,115 @@ class FileStore(StorageBackend):
                 victim = self._index.pop_victim(self._pinned)
                 if victim is None:
                     return False
-                name, old = victim[1]
+                name, old, key = victim[1]
                 self._used -= old
-            _unlink(self.directory / name)
-            self.stats.pages_evicted += 1
+                # Unlinked under the lock: a put of the same key must not find it in between.
+                _unlink(self.directory / name)
+                self.stats.pages_evicted += 1
+                self._events.record("evicted", [key])
 
     def _get(self, full_keys: list[str], into: list[torch.Tensor]) -> list[bool]:
         directory = self.directory
         return [self._read(full_key, directory / self._name(full_key), target) for full_key, target in zip(full_keys, into)]
 
-    def _read(self, full_key: str, path: Path, target: torch.Tensor | None) -> bool:
+    def _read(self, full_key: str, path: Path, target: torch.Tensor | None, *, adopt: bool = False) -> bool:
         """Read and verify the key's page file and copy its payload into ``target`` (None:
-        verify only). A hit counts as a use; a corrupt or torn file is removed (and forgotten)."""
+        verify only). A hit counts as a use (``adopt``: a page another process wrote is indexed
+        too); a corrupt or torn file is removed (and forgotten), only if it is still the file
+        read."""
         try:
             with open(path, "rb") as handle:
                 data = handle.read()
+                payload = self._verified_payload(data, full_key.encode())
+                if payload is None:
+                    self._drop_corrupt(full_key, path, os.fstat(handle.fileno()))
+                    return False
         except OSError:
-            return False
-        key = full_key.encode()
-        payload = self._verified_payload(data, key)
-        if payload is None:
-            # Corrupt or torn: drop it so a put can write the page again.
-            with self._lock:
-                removed = self._index.remove(_digest(full_key))
-                if removed is not None:
-                    self._used -= removed[1]
-            _unlink(path)
             return False
         if target is not None:
             page_as_bytes(target)[:] = payload
+        if adopt:
+            with self._lock:
+                self._adopt(full_key, path)
         self._touch(full_key, path)
         return True
+
+    def _drop_corrupt(self, full_key: str, path: Path, read: os.stat_result) -> None:
+        """Remove the corrupt page file ``read`` (its stat, taken while it is held open, so its
+        inode is not reused) unless a writer replaced it at ``path`` since: rename to a
+        tombstone, compare inodes, put a different (fresh) file back."""
+        tombstone = self._tmp_path()
+        with self._lock:  # the index entry goes with the file, never with a fresh one
+            try:
+                os.rename(path, tombstone)
+            except OSError:
+                return  # gone already (another reader, a clear)
+            try:
+                moved = os.stat(tombstone)
+            except OSError:
+                return
+            if (moved.st_ino, moved.st_dev) != (read.st_ino, read.st_dev):
+                try:
+                    os.link(tombstone, path)  # the fresh page back; a newer one there wins
+                except OSError:
+                    pass
+                _unlink(tombstone)
+                return
+            _unlink(tombstone)
+            removed = self._index.remove(_digest(full_key))
+            if removed is not None:
+                self._used -= removed[1]
+            self.stats.pages_removed += 1
+            self._record("removed", [full_key])
+
+    def _clear(self) -> int:
+        # Every page file of this key space: indexed here or written by another process.
+        # Removes only what it finds when it starts; another process's put after that stays.
+        with self._gate:
+            while self._clearing or self._puts_waiting:
+                self._gate.wait()
+            self._clearing = True
+            while self._puts_active:
+                self._gate.wait()
+        try:
+            with self._lock:
+                names = {value[0] for _, value in self._index.items()}
+                try:
+                    names.update(e.name for e in os.scandir(self.directory) if e.name.endswith(SUFFIX) and self._owns(e.name))
+                except OSError:
+                    pass  # the directory is gone: its files with it
+                removed = []
+                for name in names:
+                    full_key = self._full_key_of(name)
+                    try:
+                        os.unlink(self.directory / name)
+                    except OSError:
+                        continue  # removed by another process meanwhile: not counted twice
+                    if full_key is not None:
+                        removed.append(full_key)
+                self._index = ChainIndex()
+                self._used = 0
+                self._record("removed", removed)
+            return len(removed)
+        finally:
+            with self._gate:
+                self._clearing = False
+                self._gate.notify_all()
+
+    def _full_key_of(self, name: str) -> str | None:
+        """The full key of one of this key space's page files: its name, or (hashed names)
+        its header; None when a hashed file's header cannot be read."""
+        if _HASHED not in name:
+            return name[: -len(SUFFIX)]
+        try:
+            with open(self.directory / name, "rb") as handle:
+                head = handle.read(_HEADER.size)
+                if len(head) < _HEADER.size:
+                    return None
+                key = handle.read(_HEADER.unpack_from(head)[1])
+            return key.decode()
+        except (OSError, UnicodeDecodeError):
+            return None
 
     def _verified_payload(self, data: bytes, key: bytes) -> memoryview | None:
         parsed = self._parse_header(data, len(data))
@@ -353,6 +505,17 @@ def _unlink(path) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def _sweep_tmp(path: Path) -> None:
+    """Remove a temporary file (a dead writer's, or a tombstone) unless it may be another
+    process's write in progress: changed (ctime, set by a rename too) within TMP_GRACE_S."""
+    try:
+        if time.time_ns() - os.stat(path).st_ctime_ns < TMP_GRACE_S * 1e9:
+            return
+    except OSError:
+        return
+    _unlink(path)
 
 
 def open_file_store(rest: str, fingerprint: LayoutFingerprint) -> FileStore:

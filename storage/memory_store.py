@@ -22,6 +22,10 @@ A put never evicts a page of the same call nor its ``prior_key`` page: a page th
 that way is ``FAILED``, and so is a page whose predecessor (``prior_key``, or the call's
 previous key) is not stored, since no lookup could reach it.
 
+Store events (:mod:`kvstage.storage.events`, tier ``"memory"``): ``stored`` for each page a
+put stored, ``evicted`` for each page its eviction dropped, ``removed`` for each page
+:meth:`MemoryStore.clear` dropped.
+
 URL form for :func:`open_storage`: ``memory`` (capacity :data:`DEFAULT_CAPACITY_BYTES`) or
 ``memory:CAPACITY_BYTES``.
 """
@@ -35,6 +39,7 @@ import torch
 from kvstage.errors import InvalidArgumentError, is_int
 from kvstage.storage.backend import PutStatus, StorageBackend
 from kvstage.storage.chain_index import ChainIndex
+from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint
 
 DEFAULT_CAPACITY_BYTES = 1 << 30  # 1 GiB
@@ -53,17 +58,22 @@ class MemoryStore(StorageBackend):
         fingerprint: the KV layout (key prefix and page size in bytes).
         capacity_bytes: bound in bytes; the store holds ``capacity_bytes // page_bytes`` pages.
         capacity_pages: bound in pages (give one of the two; neither: 1 GiB of pages).
+        event_capacity: store events kept until ``take_events`` (see :class:`StorageBackend`).
 
     Raises:
-        InvalidArgumentError: both bounds given, or a bound is negative.
+        InvalidArgumentError: both bounds given, a bound is negative, or event_capacity is not
+            an int >= 0.
 
     Thread-safe (one lock around every call).
     """
 
+    tier = "memory"
+
     def __init__(
-        self, fingerprint: LayoutFingerprint, *, capacity_bytes: int | None = None, capacity_pages: int | None = None
+        self, fingerprint: LayoutFingerprint, *, capacity_bytes: int | None = None, capacity_pages: int | None = None,
+        event_capacity: int = DEFAULT_EVENT_CAPACITY,
     ) -> None:
-        super().__init__(fingerprint)
+        super().__init__(fingerprint, event_capacity=event_capacity)
         if capacity_bytes is not None and capacity_pages is not None:
             raise InvalidArgumentError("capacity_pages: give capacity_bytes or capacity_pages, not both")
         if capacity_pages is None:
@@ -96,6 +106,7 @@ class MemoryStore(StorageBackend):
 
     def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> list[PutStatus]:
         statuses = []
+        evicted = []
         keep = set(full_keys)  # never evicted for a page of this call
         if full_prior_key is not None:
             keep.add(full_prior_key)
@@ -119,10 +130,13 @@ class MemoryStore(StorageBackend):
                         statuses.append(PutStatus.FAILED)
                         continue
                     self.stats.pages_evicted += 1
+                    evicted.append(victim[0])
                     buffer = victim[1]  # its memory is already faulted in: reused
                 _copy(buffer, page, self.page_bytes)
                 stored.add(key, buffer, prior)
                 statuses.append(PutStatus.STORED)
+            self._record("evicted", evicted)
+            self._record("stored", [key for key, status in zip(full_keys, statuses) if status is PutStatus.STORED])
         return statuses
 
     def _get(self, full_keys: list[str], into: list[torch.Tensor]) -> list[bool]:
@@ -139,8 +153,16 @@ class MemoryStore(StorageBackend):
                 hits.append(True)
         return hits
 
+    def _clear(self) -> int:
+        # One lock around every call: a put runs wholly before or after.
+        with self._lock:
+            keys = self._pages.keys()
+            self._pages = ChainIndex()
+            self._record("removed", keys)
+        return len(keys)
+
     def close(self) -> None:
-        """Drop every page. Idempotent."""
+        """Drop every page (no events: the store is done). Idempotent."""
         with self._lock:
             self._pages = ChainIndex()
 

@@ -6,6 +6,8 @@ RPC_TIMEOUT as observed from the 0.3.13 client.
 
 from __future__ import annotations
 
+from kvstage.errors import StorageError
+
 # Mooncake's ErrorCode (mooncake-store/include/types.h): code -> (name, meaning).
 MOONCAKE_ERROR_CODES: dict[int, tuple[str, str]] = {
     -1: ("INTERNAL_ERROR", "internal error"),
@@ -65,6 +67,18 @@ OBJECT_ALREADY_EXISTS = -705
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
 MASTER_DOWN_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
+
+class MooncakeCodeError(StorageError):
+    """A Mooncake call answered a negative return code for a page (see :func:`describe_code`).
+
+    Attributes:
+        code: the return code (e.g. -200 NO_AVAILABLE_HANDLE).
+    """
+
+    def __init__(self, operation: str, code: int) -> None:
+        super().__init__(f"mooncake: {operation} failed with {describe_code(code)}")
+        self.code = code
+
 
 def describe_code(code: int) -> str:
     """``"-900 RPC_FAIL (RPC to the master failed ...)"`` for a Mooncake return code."""

@@ -19,6 +19,22 @@ that page ``FAILED`` and is logged with its name and meaning (the table is Moonc
 ``ErrorCode`` enum in ``mooncake-store/include/types.h``, plus ``-901`` RPC_TIMEOUT observed from
 the 0.3.13 client). A get is a hit only when it returned exactly ``page_bytes``.
 
+Failure causes: ``put``'s answer (:class:`kvstage.storage.PutStatuses`) carries the first
+failed page's cause: a :class:`MooncakeCodeError` (``.code``), the exception a binding call
+raised, or a :class:`kvstage.errors.StorageError` when the master was unreachable.
+
+``clear`` removes every object whose key starts with this store's prefix with the client's
+``remove_by_regex(..., force=True)`` (force: an object read within its lease is removed too),
+so pages of this key space that other clients stored go as well, and other key spaces stay.
+
+Store events (tier ``"mooncake"``), what a client can see: ``stored`` for each page this client
+stored; ``removed`` for each page of this client that ``clear`` removed; ``evicted`` for a page
+this client stored that a later ``exists``, ``get`` or ``clear`` found gone (the master evicted
+it; it tells no client when). Not seen: pages other clients stored or that the master evicted
+and nobody asked for since; ``clear`` counts the other clients' pages it removed but has no key
+to report them by. The client remembers the keys it stored, at most ``KNOWN_KEYS_LIMIT`` (the
+oldest are forgotten first; their eviction then goes unreported).
+
 Configuration: :mod:`kvstage.storage.mooncake.config`; return codes:
 :mod:`kvstage.storage.mooncake.status`.
 
@@ -44,12 +60,24 @@ from urllib.parse import urlsplit
 import torch
 
 from kvstage.errors import BackendUnavailableError, InvalidArgumentError, StorageError
-from kvstage.storage.backend import PutStatus, StorageBackend
+from kvstage.storage.backend import PutStatus, PutStatuses, StorageBackend
+from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint
 from kvstage.storage.mooncake.config import MooncakeConfig, parse_mooncake_url, split_host_port
-from kvstage.storage.mooncake.status import MASTER_DOWN_CODES, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, describe_code
+from kvstage.storage.mooncake.status import (
+    MASTER_DOWN_CODES, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, MooncakeCodeError, describe_code,
+)
 
 logger = logging.getLogger(__name__)
+
+KNOWN_KEYS_LIMIT = 1 << 20  # keys this client stored and remembers, for its evicted/removed events
+_REGEX_SYNTAX = frozenset("\\^$.|?*+()[]{}")  # ECMAScript's syntax characters (std::regex's default)
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a literal in an ECMAScript regular expression (Mooncake's ``std::regex``):
+    only syntax characters escaped (escaping others is an error in some ``std::regex``s)."""
+    return "".join("\\" + c if c in _REGEX_SYNTAX else c for c in text)
 
 INSTALL_HINT = (
     "install it with `bash tools/install-mooncake.sh .venv` (Debian packages libibverbs1 librdmacm1 "
@@ -120,10 +148,11 @@ class MooncakeStore(StorageBackend):
         fingerprint: the KV layout (key prefix and page size).
         config: a ``mooncake://`` URL (:func:`parse_mooncake_url`), a dict with
             :class:`MooncakeConfig`'s field names, or a :class:`MooncakeConfig`.
+        event_capacity: store events kept until ``take_events`` (see :class:`StorageBackend`).
 
     Raises:
         BackendUnavailableError: ``mooncake`` is not installed or its libraries are missing.
-        InvalidArgumentError: a bad config value.
+        InvalidArgumentError: a bad config value, or event_capacity is not an int >= 0.
         StorageError: the master (or the HTTP metadata server) does not answer, or Mooncake's
             ``setup`` fails; the message says which and what to do.
 
@@ -135,8 +164,13 @@ class MooncakeStore(StorageBackend):
     after ``rpc_timeout_ms`` (30 s by default).
     """
 
-    def __init__(self, fingerprint: LayoutFingerprint, config: str | Mapping[str, Any] | MooncakeConfig) -> None:
-        super().__init__(fingerprint)
+    tier = "mooncake"
+
+    def __init__(
+        self, fingerprint: LayoutFingerprint, config: str | Mapping[str, Any] | MooncakeConfig, *,
+        event_capacity: int = DEFAULT_EVENT_CAPACITY,
+    ) -> None:
+        super().__init__(fingerprint, event_capacity=event_capacity)
         if isinstance(config, str):
             config = parse_mooncake_url(config)
         elif isinstance(config, Mapping):
@@ -157,6 +191,8 @@ class MooncakeStore(StorageBackend):
         # (about 4 s a call). Cleared by the first call that reaches the master.
         self._master_suspect = False
         self._last_skip_log = 0.0
+        self._known: dict[str, None] = {}  # full keys this client stored, oldest first (an ordered set)
+        self._call_error: BaseException | None = None  # what a binding call of the current put raised
 
         store_class = _import_mooncake_store()
         host, port = split_host_port(config.master_server_address, "master_server_address")
@@ -292,23 +328,27 @@ class MooncakeStore(StorageBackend):
                 return [False] * len(full_keys)
             codes = self._call("batch_is_exist", len(full_keys), store.batch_is_exist, full_keys)
             self._note_master(codes)
+            self._note_gone([key for key, code in zip(full_keys, codes) if code == 0])
         self._log_failures("exists", full_keys, [c for c in codes if c < 0])
         return [code == 1 for code in codes]
 
     def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> list[PutStatus]:
         # full_prior_key (the chain link) is not used: the master evicts on its own (by its
         # lease and high-water mark), with no notion of chains.
-        statuses = [PutStatus.FAILED] * len(full_keys)
+        statuses = PutStatuses([PutStatus.FAILED] * len(full_keys))
         if not full_keys:
             return statuses
         failures: list[int] = []
         with self._lock:
             store = self._require_open()
+            self._call_error = None
             if not self._master_reachable("put", len(full_keys)):
+                statuses.error = StorageError(f"mooncake: master {self.config.master_server_address} is unreachable")
                 return statuses
             exist = self._call("batch_is_exist", len(full_keys), store.batch_is_exist, full_keys)
             if self._note_master(exist):
                 self._log_failures("put", full_keys, exist)
+                statuses.error = MooncakeCodeError("batch_is_exist", exist[0])
                 return statuses  # the master did not answer: a put would not either
             todo: list[int] = []
             for index, code in enumerate(exist):
@@ -339,6 +379,11 @@ class MooncakeStore(StorageBackend):
                 self._note_master(codes)
                 failures += self._apply_put_codes(batch, codes, statuses)
                 self.pages_bounced += len(batch)
+            stored = [key for key, status in zip(full_keys, statuses) if status is PutStatus.STORED]
+            self._remember(stored)
+            self._record("stored", stored)
+            if failures:
+                statuses.error = self._call_error or MooncakeCodeError("put", failures[0])
         self._log_failures("put", full_keys, failures)
         return statuses
 
@@ -360,6 +405,7 @@ class MooncakeStore(StorageBackend):
                 self._note_master(codes)
                 for index, code in zip(direct, codes):
                     hits[index] = self._get_ok(code, into[index], failures)
+                self._note_gone([full_keys[i] for i, code in zip(direct, codes) if code == OBJECT_NOT_FOUND])
             for batch in _batches(bounced, self._bounce_num_pages):
                 bounce = self._bounce_buffer(store)
                 if bounce is None:
@@ -374,9 +420,32 @@ class MooncakeStore(StorageBackend):
                     if self._get_ok(code, None, failures):
                         into[index].reshape(-1).view(torch.uint8).copy_(bounce[bounce_index])
                         hits[index] = True
+                self._note_gone([full_keys[i] for i, code in zip(batch, codes) if code == OBJECT_NOT_FOUND])
                 self.pages_bounced += len(batch)
         self._log_failures("get", full_keys, failures)
         return hits
+
+    def _clear(self) -> int:
+        """Remove every object under this store's prefix (``remove_by_regex``, forced).
+
+        Raises:
+            StorageError: the store is closed, or Mooncake answered an error (nothing is
+                known removed then; this client's pages are still reported as before).
+        """
+        with self._lock:
+            store = self._require_open()
+            known = list(self._known)
+            present = self._call("batch_is_exist", len(known), store.batch_is_exist, known) if known else []
+            try:
+                removed = store.remove_by_regex("^" + _regex_literal(self.prefix), True)
+            except Exception as error:  # the binding raises on a broken client
+                raise StorageError(f"mooncake: remove_by_regex raised {error.__class__.__name__}: {error}") from error
+            if removed < 0:
+                raise MooncakeCodeError("remove_by_regex", removed)
+            self._known.clear()
+            self._record("evicted", [key for key, code in zip(known, present) if code == 0])
+            self._record("removed", [key for key, code in zip(known, present) if code == 1])
+        return removed
 
     def close(self) -> None:
         """Unregister every buffer this store registered and close the Mooncake client.
@@ -400,12 +469,29 @@ class MooncakeStore(StorageBackend):
 
     # -- helpers ------------------------------------------------------------------------------
 
+    def _remember(self, full_keys: list[str]) -> None:
+        """Remember keys this client stored (for their evicted/removed events), at most
+        KNOWN_KEYS_LIMIT, forgetting the oldest first. Under ``self._lock``."""
+        known = self._known
+        for key in full_keys:
+            known[key] = None
+        while len(known) > KNOWN_KEYS_LIMIT:
+            del known[next(iter(known))]
+
+    def _note_gone(self, full_keys: list[str]) -> None:
+        """Keys Mooncake answered absent: those this client stored were evicted by the master
+        (an ``evicted`` event each, once). Under ``self._lock``."""
+        gone = [key for key in full_keys if self._known.pop(key, 0) is None]
+        self._record("evicted", gone)
+
     def _call(self, name: str, count: int, function: Any, *args: Any) -> list[int]:
-        """Run a batch call; an exception or a malformed answer becomes INTERNAL_ERROR for every key."""
+        """Run a batch call; an exception or a malformed answer becomes INTERNAL_ERROR for every
+        key (the exception is kept in ``_call_error`` for ``put``'s answer; ``put`` resets it)."""
         try:
             codes = list(function(*args))
         except Exception as error:  # the binding raises on bad arguments or a broken client
             logger.warning("mooncake: %s raised %s: %s", name, error.__class__.__name__, error)
+            self._call_error = error
             return [-1] * count
         if len(codes) != count or not all(isinstance(code, int) for code in codes):
             logger.warning("mooncake: %s answered %d codes for %d keys", name, len(codes), count)

@@ -13,6 +13,7 @@ import torch
 from kvstage.kv_layout import KVLayout
 from kvstage.errors import InvalidArgumentError
 from kvstage.storage import FileStore, LayoutFingerprint, PutStatus, open_storage
+from kvstage.storage import file_store
 from kvstage.storage.file_store import TMP_SUFFIX
 
 FP = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
@@ -82,7 +83,7 @@ def test_file_of_another_key_under_this_name_reads_as_a_miss(tmp_path):
     assert read(store, KEY_A) is None
 
 
-def test_writer_killed_between_write_and_rename_leaves_nothing_visible(tmp_path):
+def test_writer_killed_between_write_and_rename_leaves_nothing_visible(tmp_path, monkeypatch):
     # A real process dies (os._exit) after writing the temporary file, before os.replace.
     code = textwrap.dedent(
         f"""
@@ -99,6 +100,9 @@ def test_writer_killed_between_write_and_rename_leaves_nothing_visible(tmp_path)
     assert result.returncode == 9, result.stderr
     leftovers = os.listdir(tmp_path)
     assert len(leftovers) == 1 and leftovers[0].endswith(TMP_SUFFIX)
+    FileStore(FP, tmp_path)  # a young temporary file may be another process's write: kept
+    assert os.listdir(tmp_path) == leftovers
+    monkeypatch.setattr(file_store, "TMP_GRACE_S", 0.0)  # as if TMP_GRACE_S had passed
     store = FileStore(FP, tmp_path)  # opening sweeps the dead writer's temporary file
     assert os.listdir(tmp_path) == []
     assert store.exists([KEY_A]) == [False] and read(store, KEY_A) is None

@@ -1,0 +1,115 @@
+"""Store events: what a store stored, evicted and removed, for an engine (or a KV-aware router)
+to drain without blocking.
+
+Every store (memory, file, Mooncake) records a :class:`StoreEvent` for each page it stores
+(``put`` answered ``STORED``), evicts by its own eviction, and removes (``clear``, a corrupt page
+dropped, ``FileStore.evict_key_space``) in a bounded :class:`EventQueue`; the engine takes them
+with ``store.take_events()``. The queue never blocks a write: when it is full the oldest event
+is dropped (a consumer that fell behind sees the newest state) and counted in
+``store.stats.events_dropped``.
+
+The kinds follow vLLM's KV events (``BlockStored`` / ``BlockRemoved`` with a storage tier),
+with eviction told apart from removal.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from kvstage.errors import is_int, require
+
+__all__ = ["DEFAULT_EVENT_CAPACITY", "EVENT_KINDS", "EventQueue", "StoreEvent"]
+
+DEFAULT_EVENT_CAPACITY = 65536  # events a store keeps for a consumer that has not taken them yet
+EVENT_KINDS = ("stored", "evicted", "removed")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreEvent:
+    """One page stored, evicted or removed by a store.
+
+    Attributes:
+        key: the page key as engines pass it to ``put`` (hex page hash, no fingerprint prefix).
+        kind: ``"stored"`` (a ``put`` wrote it), ``"evicted"`` (the store's own eviction made
+            room) or ``"removed"`` (``clear``, a corrupt page dropped, a key space evicted).
+        tier: the store's name: ``"memory"``, ``"file"`` or ``"mooncake"``.
+        time_s: ``time.monotonic()`` when it happened, in seconds.
+        page_bytes: the page's size in bytes (payload, without a file header).
+        key_space: the fingerprint prefix the key lives under; the store's own, except for
+            pages of another key space that ``FileStore.evict_key_space`` removed.
+    """
+
+    key: str
+    kind: Literal["stored", "evicted", "removed"]
+    tier: str
+    time_s: float
+    page_bytes: int
+    key_space: str
+
+
+class EventQueue:
+    """A bounded, thread-safe queue of :class:`StoreEvent`; full, it drops the oldest.
+
+    Args:
+        stats: the store's :class:`kvstage.storage.StorageStats`; its ``events_stored``,
+            ``events_evicted``, ``events_removed`` (every event recorded, taken or not) and
+            ``events_dropped`` counters are kept here, under this queue's lock.
+        tier: the store's name, written into every event.
+        key_space: the store's fingerprint prefix.
+        page_bytes: the store's page size in bytes.
+        capacity: events kept at most (0: none are kept, every event is counted dropped).
+
+    Raises:
+        InvalidArgumentError: capacity is not an int >= 0.
+    """
+
+    def __init__(self, stats, *, tier: str, key_space: str, page_bytes: int, capacity: int = DEFAULT_EVENT_CAPACITY) -> None:
+        require(is_int(capacity) and capacity >= 0, "event_capacity", lambda: f"must be an int >= 0, got {capacity!r}")
+        self.capacity = capacity
+        self._stats = stats
+        self._tier = tier
+        self._key_space = key_space
+        self._page_bytes = page_bytes
+        self._events: collections.deque[StoreEvent] = collections.deque()
+        self._lock = threading.Lock()
+
+    def record(self, kind: str, keys, *, key_space: str | None = None) -> None:
+        """Record one event of ``kind`` per page key in ``keys`` (no prefix), now."""
+        now = time.monotonic()
+        space = self._key_space if key_space is None else key_space
+        events = [StoreEvent(key, kind, self._tier, now, self._page_bytes, space) for key in keys]
+        if not events:
+            return
+        with self._lock:
+            stats = self._stats
+            setattr(stats, f"events_{kind}", getattr(stats, f"events_{kind}") + len(events))
+            queue = self._events
+            queue.extend(events)
+            over = len(queue) - self.capacity
+            if over > 0:
+                stats.events_dropped += over
+                for _ in range(over):
+                    queue.popleft()
+
+    def take(self, max_events: int | None = None) -> list[StoreEvent]:
+        """Remove and return up to ``max_events`` of the oldest events (None: all), oldest first.
+
+        Never blocks on a writer for longer than a list swap.
+
+        Raises:
+            InvalidArgumentError: max_events is not None or an int >= 0.
+        """
+        require(
+            max_events is None or (is_int(max_events) and max_events >= 0), "max_events",
+            lambda: f"must be None or an int >= 0, got {max_events!r}",
+        )
+        with self._lock:
+            if max_events is None or max_events >= len(self._events):
+                taken, self._events = self._events, collections.deque()
+            else:
+                taken = [self._events.popleft() for _ in range(max_events)]
+        return list(taken)

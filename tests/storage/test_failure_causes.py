@@ -1,0 +1,99 @@
+"""A put whose pages fail because of an error says which: ``PutStatuses.error`` and, through
+``write_pages``, ``WriteOutcome.error``.
+
+Real file systems: a process in its own mount namespace (``unshare --mount --map-root-user``)
+mounts a small tmpfs (full: ``ENOSPC``) and remounts it read-only (``EROFS``), then writes a
+``FileStore`` there. Skipped, saying why, where the kernel allows no such namespace.
+(Mooncake codes: ``mooncake/test_mooncake_clear_events.py``.)
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvstage.kv_layout import KVLayout
+from kvstage.offload.store_io import write_pages
+from kvstage.storage import LayoutFingerprint, MemoryStore, PutStatus, PutStatuses
+
+UNSHARE = ["unshare", "--mount", "--map-root-user"]
+
+SCRIPT = textwrap.dedent(
+    """
+    import errno, json, os, subprocess, sys, torch
+    from kvstage.kv_layout import KVLayout
+    from kvstage.offload.store_io import write_pages
+    from kvstage.storage import FileStore, LayoutFingerprint
+
+    directory = sys.argv[1]
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", directory], check=True)
+    fp = LayoutFingerprint("tiny", KVLayout(2, 2, 8, 64, "float32"), 4)  # 32 KiB pages
+    store = FileStore(fp, directory)
+    page = torch.ones(fp.page_bytes // 4)
+    answer = store.put(["a" * 64, "b" * 64, "c" * 64], [page, page, page])
+    full = dict(statuses=[s.value for s in answer], errno=getattr(answer.error, "errno", None))
+    outcome = write_pages(store, ["d" * 64], [page])
+    full_outcome = dict(failed=outcome.failed_keys, errno=getattr(outcome.error, "errno", None))
+    subprocess.run(["mount", "-o", "remount,ro", directory], check=True)
+    answer = store.put(["e" * 64], [page])
+    ro = dict(statuses=[s.value for s in answer], errno=getattr(answer.error, "errno", None),
+              exists=store.exists(["e" * 64]), leftovers=sorted(n for n in os.listdir(directory) if n.endswith(".tmp")))
+    outcome = write_pages(store, ["f" * 64], [page])
+    ro_outcome = dict(failed=outcome.failed_keys, errno=getattr(outcome.error, "errno", None))
+    print(json.dumps(dict(full=full, full_outcome=full_outcome, ro=ro, ro_outcome=ro_outcome)))
+    """
+)
+
+
+def namespaces_usable() -> str | None:
+    """None when a mount namespace with tmpfs can be made here, else why not."""
+    if shutil.which("unshare") is None:
+        return "no unshare command"
+    probe = subprocess.run(UNSHARE + ["sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"no mount namespace here: {probe.stderr.strip()}"
+
+
+def test_a_full_and_a_read_only_directory_fail_puts_with_their_errno(tmp_path):
+    reason = namespaces_usable()
+    if reason is not None:
+        pytest.skip(reason)
+    result = subprocess.run(
+        UNSHARE + [sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["full"]["statuses"][0] == "stored" and "failed" in seen["full"]["statuses"]
+    assert seen["full"]["errno"] == errno.ENOSPC
+    assert seen["full_outcome"] == {"failed": ["d" * 64], "errno": errno.ENOSPC}
+    assert seen["ro"] == {"statuses": ["failed"], "errno": errno.EROFS, "exists": [False], "leftovers": []}
+    assert seen["ro_outcome"] == {"failed": ["f" * 64], "errno": errno.EROFS}
+
+
+def test_pages_refused_by_a_rule_carry_no_error():
+    fp = LayoutFingerprint("tiny", KVLayout(2, 2, 1, 4, "float32"), 2)
+    store = MemoryStore(fp, capacity_pages=1)
+    page = torch.zeros(32)
+    answer = store.put(["a", "b"], [page, page])  # "b" fits only by evicting "a", its predecessor
+    assert isinstance(answer, PutStatuses) and answer == [PutStatus.STORED, PutStatus.FAILED]
+    assert answer.error is None
+    outcome = write_pages(store, ["c"], [page], prior_key="missing")
+    assert outcome.failed_keys == ["c"] and outcome.error is None
+
+
+def test_write_pages_takes_the_error_a_store_answers_with():
+    class Refusing(MemoryStore):
+        def _put(self, full_keys, pages, full_prior_key=None):
+            return PutStatuses([PutStatus.FAILED] * len(full_keys), OSError(errno.EACCES, "Permission denied"))
+
+    store = Refusing(LayoutFingerprint("tiny", KVLayout(2, 2, 1, 4, "float32"), 2))
+    outcome = write_pages(store, ["a", "b", "a"], [torch.zeros(32)] * 3)
+    assert outcome.failed_keys == ["a", "b"] and outcome.deduplicated == 1
+    assert isinstance(outcome.error, OSError) and outcome.error.errno == errno.EACCES
+    assert store.stats.pages_failed == 2
