@@ -113,3 +113,26 @@ def set_host(host, canonical: torch.Tensor) -> None:
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def canonical_of(host) -> torch.Tensor:
+    """The host pool's content in canonical order (the inverse of ``host_buffer_of``, found by
+    laying out element positions)."""
+    shape = canonical_shape(host)
+    positions = torch.arange(torch.Size(shape).numel()).view(shape)
+    where = host_buffer_of(host.layout, positions, hasattr(host, "kv_cache_dim")).reshape(-1)
+    flat = torch.empty(len(where), dtype=host.dtype)
+    flat[where] = host.kv_buffer.reshape(-1)
+    return flat.view(shape)
+
+
+def token_slots(host, canonical: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The canonical content of host slots ``indices`` (token axis selected)."""
+    return canonical.index_select(1 if hasattr(host, "kv_cache_dim") else 2, indices)
+
+
+def extra_config(url: str) -> dict:
+    return {
+        "backend_name": "kvstage", "module_path": "kvstage.integrations.sglang",
+        "class_name": "KVStageStorage", "interface_v1": 1, "url": url,
+    }

@@ -17,7 +17,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.observability.metrics_collector import StorageMetrics
 from sglang_rig import (
     PAGE_SIZE, canonical_shape, host_buffer_of, host_pool, kvstage_backend, mha_device_pool, mla_device_pool,
-    random_canonical, same_bytes, set_host, storage_config,
+    random_canonical, same_bytes, set_host, storage_config, canonical_of,
 )
 
 from kvstage.errors import InvalidArgumentError, StorageError
@@ -89,21 +89,11 @@ def test_legacy_set_and_get_of_flat_pages_cross_host_layouts(written, read):
     reader_host.set_from_flat_data_page(16, got[0])
 
     source = torch.zeros(canonical_shape(writer_host), dtype=writer_host.dtype)
-    writer_canonical = _canonical_of(writer_host)
+    writer_canonical = canonical_of(writer_host)
     expected = torch.zeros_like(source)
     expected[:, :, 12:16] = writer_canonical[:, :, 4:8]
     expected[:, :, 16:20] = writer_canonical[:, :, 0:4]
-    assert same_bytes(_canonical_of(reader_host)[:, :, 12:20], expected[:, :, 12:20])
-
-
-def _canonical_of(host) -> torch.Tensor:
-    """Invert host_buffer_of by probing: which canonical element each buffer element holds."""
-    shape = canonical_shape(host)
-    positions = torch.arange(torch.Size(shape).numel()).view(shape)
-    where = host_buffer_of(host.layout, positions, hasattr(host, "kv_cache_dim")).reshape(-1)
-    flat = torch.empty(len(where), dtype=host.dtype)
-    flat[where] = host.kv_buffer.reshape(-1)
-    return flat.view(shape)
+    assert same_bytes(canonical_of(reader_host)[:, :, 12:20], expected[:, :, 12:20])
 
 
 # -- clear, stats, threads ----------------------------------------------------------------------
@@ -172,7 +162,7 @@ def test_sglang_three_storage_threads_at_once_move_every_page_intact(tmp_path):
     for thread in threads:
         thread.join(60)
     assert not errors and all(written)
-    got = _canonical_of(host)
+    got = canonical_of(host)
     assert same_bytes(got[:, :, half * PAGE_SIZE:2 * half * PAGE_SIZE], source[:, :, :half * PAGE_SIZE])
 
 
