@@ -21,22 +21,24 @@ $(VENV)/.mooncake: $(VENV)/.installed tools/install-mooncake.sh tools/apt-instal
 	bash tools/install-mooncake.sh $(VENV) || { [ -z "$$CI" ] || exit 1; echo "make: Mooncake not installed; its tests will skip"; }
 	touch $@
 
-# sglang 0.5.23 for CPU (optional extra), so tests/integrations/sglang run sglang's own code;
-# where it cannot be installed its tests skip with the reason, except under CI.
-$(VENV)/.sglang: $(VENV)/.installed tools/install-sglang.sh tools/apt-install.sh
-	bash tools/install-sglang.sh $(VENV) || { [ -z "$$CI" ] || exit 1; echo "make: sglang not installed; its tests will skip"; }
+# sglang 0.5.23 for CPU (optional extra) in a virtual environment of its own, so
+# tests/integrations/sglang run sglang's own code: its pinned packages include the CUDA build of
+# torchvision, which breaks transformers' model imports in $(VENV), and sglang's CPU import
+# patches process-wide state. Where it cannot be installed its tests skip with the reason,
+# except under CI.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_TESTS := tests/integrations/sglang
+$(SGLANG_VENV)/.sglang: pyproject.toml tools/setup-venv.sh tools/install-sglang.sh tools/apt-install.sh hashing/_page_chain.c
+	{ bash tools/setup-venv.sh $(SGLANG_VENV) test && bash tools/install-sglang.sh $(SGLANG_VENV); } \
+		|| { [ -z "$$CI" ] || exit 1; echo "make: sglang not installed; its tests will skip"; }
 	touch $@
 
-# The sglang tests run in a pytest process of their own: sglang's import on CPU patches
-# process-wide state (see tests/integrations/sglang/conftest.py).
-SGLANG_TESTS := tests/integrations/sglang
-
-test: $(VENV)/.installed $(VENV)/.mooncake $(VENV)/.sglang
+test: $(VENV)/.installed $(VENV)/.mooncake $(SGLANG_VENV)/.sglang
 	$(PYTHON) -m pytest --ignore=$(SGLANG_TESTS)
-	$(PYTHON) -m pytest $(SGLANG_TESTS)
+	if [ -x $(SGLANG_VENV)/bin/python ]; then $(SGLANG_VENV)/bin/python -m pytest $(SGLANG_TESTS); else $(PYTHON) -m pytest $(SGLANG_TESTS); fi
 
 bench: $(VENV)/.installed
 	$(PYTHON) -m bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info hashing/_*_chain*.so
+	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info hashing/_*_chain*.so
