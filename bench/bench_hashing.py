@@ -7,7 +7,9 @@ the same 1M random token ids (2**20; ``--quick``: 2**16), each method producing 
   by default here, the compiled one (one C call from int64 ids to the list of keys, range
   checks and u32 conversion fused into the page loop) where it was built, else the pure-Python
   loop (the last lines say which).
-* ``kvstage-list``: the same from a Python list of ints (what engines hold).
+* ``kvstage-list``: the same from a Python list of ints (what many engines hold).
+* ``kvstage-array``: the same from an ``array('q')`` (what sglang 0.5.23's ``Req`` holds): the
+  compiled chain reads its buffer in place, as it reads the numpy array.
 * ``kvstage-py``: as ``kvstage`` but always the pure-Python chain (validation and one
   ``astype('<u4')``, then one hash call per page), what runs without the extensions or with
   ``KVSTAGE_PURE_PYTHON_HASH=1``.
@@ -38,6 +40,7 @@ Run: ``python bench/bench_hashing.py [--quick] [--rounds N] [--json PATH]``;
 from __future__ import annotations
 
 import argparse
+import array
 import hashlib
 import json
 import platform
@@ -56,7 +59,7 @@ from kvstage.hashing.schemes import describe_chains
 PAGE_SIZES = (1, 16, 64, 256)
 NEW_HASH = {"sglang-v1": hashlib.sha256, "xxh3-128": xxhash.xxh3_128}
 ONE_CALL = {"sglang-v1": lambda data: hashlib.sha256(data).digest(), "xxh3-128": xxhash.xxh3_128_digest}
-METHODS = ("kvstage", "kvstage-list", "kvstage-py", "per-token", "ceiling", "call-floor")
+METHODS = ("kvstage", "kvstage-list", "kvstage-array", "kvstage-py", "per-token", "ceiling", "call-floor")
 # The pure-Python chain of each scheme, whatever runs by default (see ``kvstage-py`` above).
 PURE_PYTHON = {name: get_scheme(name).pure_python() for name in SCHEMES}
 TARGET_PAGE = 64
@@ -103,16 +106,17 @@ def run(quick: bool = False, *, rounds: int | None = None, n_tokens: int | None 
     Returns:
         ``{"machine", "python", "chains", "n_tokens", "rounds", "quick", "results":
         [{scheme, page_size, method, seconds, tokens_per_s}], "ratios": [{scheme, page_size,
-        vs_per_token, of_ceiling, list_vs_per_token, list_of_ceiling, of_call_floor,
+        vs_per_token, of_ceiling, list_vs_per_token, list_of_ceiling, array_of_numpy, of_call_floor,
         py_vs_per_token, py_of_ceiling}], "xxh3_vs_sglang": {page_size: x},
         "summary": {name: {value, target, ok}}}``.
     """
     n_tokens = n_tokens or (1 << 16 if quick else 1 << 20)
     rounds = rounds or (3 if quick else 5)
     rng = np.random.default_rng(0)
-    array = rng.integers(0, 152064, n_tokens, dtype=np.int64)  # a 152K vocabulary (Qwen2-sized)
-    tokens = array.tolist()
-    data = array.astype("<u4").tobytes()
+    ids = rng.integers(0, 152064, n_tokens, dtype=np.int64)  # a 152K vocabulary (Qwen2-sized)
+    tokens = ids.tolist()
+    int64_array = array.array("q", ids.tobytes())
+    data = ids.astype("<u4").tobytes()
     results: list[dict] = []
     ratios: list[dict] = []
     xxh3_vs_sglang: dict[int, float] = {}
@@ -120,14 +124,16 @@ def run(quick: bool = False, *, rounds: int | None = None, n_tokens: int | None 
         fns: dict[str, dict[str, Callable[[], object]]] = {}
         for scheme in schemes:
             # Same keys from every chain method (checked once, outside the timing).
-            expected = page_keys(array, page_size, scheme=scheme)
+            expected = page_keys(ids, page_size, scheme=scheme)
             assert page_keys(tokens, page_size, scheme=scheme) == expected
-            assert page_keys(array, page_size, scheme=PURE_PYTHON[scheme]) == expected
+            assert page_keys(int64_array, page_size, scheme=scheme) == expected
+            assert page_keys(ids, page_size, scheme=PURE_PYTHON[scheme]) == expected
             assert per_token_reference(tokens[: 8 * page_size], page_size, NEW_HASH[scheme]) == expected[:8]
             fns[scheme] = {
-                "kvstage": lambda scheme=scheme: page_keys(array, page_size, scheme=scheme),
+                "kvstage": lambda scheme=scheme: page_keys(ids, page_size, scheme=scheme),
                 "kvstage-list": lambda scheme=scheme: page_keys(tokens, page_size, scheme=scheme),
-                "kvstage-py": lambda scheme=scheme: page_keys(array, page_size, scheme=PURE_PYTHON[scheme]),
+                "kvstage-array": lambda scheme=scheme: page_keys(int64_array, page_size, scheme=scheme),
+                "kvstage-py": lambda scheme=scheme: page_keys(ids, page_size, scheme=PURE_PYTHON[scheme]),
                 "per-token": lambda scheme=scheme: per_token_reference(tokens, page_size, NEW_HASH[scheme]),
                 "ceiling": lambda scheme=scheme: ONE_CALL[scheme](data),
                 "call-floor": lambda scheme=scheme: call_floor(scheme, n_tokens // page_size),
@@ -154,6 +160,7 @@ def run(quick: bool = False, *, rounds: int | None = None, n_tokens: int | None 
                 of_ceiling=per_round("kvstage", "ceiling"),
                 list_vs_per_token=per_round("kvstage-list", "per-token"),
                 list_of_ceiling=per_round("kvstage-list", "ceiling"),
+                array_of_numpy=per_round("kvstage-array", "kvstage"),
                 of_call_floor=per_round("kvstage-py", "call-floor"),
                 py_vs_per_token=per_round("kvstage-py", "per-token"),
                 py_of_ceiling=per_round("kvstage-py", "ceiling"),
@@ -164,6 +171,7 @@ def run(quick: bool = False, *, rounds: int | None = None, n_tokens: int | None 
                 + "  ".join(f"{m} {row[m] / 1e6:7.2f}" for m in METHODS)
                 + f"  Mtok/s | kvstage {ratio['vs_per_token']:5.1f}x per-token, {ratio['of_ceiling']:.2f} of ceiling"
                 + f" | from list {ratio['list_vs_per_token']:5.1f}x, {ratio['list_of_ceiling']:.2f}"
+                + f" | from array('q') {ratio['array_of_numpy']:.2f} of numpy"
                 + f" | pure Python {ratio['py_vs_per_token']:5.1f}x, {ratio['py_of_ceiling']:.2f}, {ratio['of_call_floor']:.2f} of call floor"
             )
         if set(SCHEMES) <= set(schemes):

@@ -18,8 +18,9 @@
  * and only such a page is read again. scheme xxh3-128 uses the same bytes. An id below 0 or
  * above 2**63-1 is an error.
  *
- * With a buffer of integers (a numpy array) the loop runs with the GIL released, as hashlib
- * does for large inputs. A list or tuple of ints is read once, with the GIL held, into a u32
+ * A 1-D C-contiguous buffer of integers (an array.array such as sglang's array('q') token
+ * lists, a memoryview, a numpy array) is read in place, never copied, its format checked against
+ * its item size; the loop runs with the GIL released, as hashlib does for large inputs. A list or tuple of ints is read once, with the GIL held, into a u32
  * array that the loop then hashes with the GIL released.
  */
 #define PY_SSIZE_T_CLEAN
@@ -338,18 +339,36 @@ read_int_sequence(PyObject *sequence, void **out, int *itemsize)
     return 1;
 }
 
-/* The integer type of a buffer format ("l", "<I", "=q", ...): sets *is_signed and returns 1,
- * or returns 0 for anything else (floats, bools, big-endian, structs). */
+/* The integer type of a buffer format (struct module syntax: "l", "<I", "=q", "@n", ...): sets
+ * *is_signed and returns 1 when format names one integer type whose size is itemsize, else 0
+ * (floats, bools, chars, big-endian, structs, or an item size the format does not have). No
+ * prefix or '@': native sizes ('l' is a C long); '=' or '<': standard sizes ('l' is 4 bytes),
+ * where 'n' and 'N' do not exist. */
 static int
 integer_format(const char *format, Py_ssize_t itemsize, int *is_signed)
 {
     if (format == NULL)
         format = "B";
-    if (*format == '@' || *format == '=' || *format == '<')
-        format++; /* native or little-endian: this file builds only on little-endian hosts */
-    if (format[0] == '\0' || format[1] != '\0' || strchr("bBhHiIlLqQnN", format[0]) == NULL)
+    int native = 1;
+    if (*format == '@')
+        format++;
+    else if (*format == '=' || *format == '<') { /* little-endian: this file builds only on little-endian hosts */
+        native = 0;
+        format++;
+    }
+    if (format[0] == '\0' || format[1] != '\0')
         return 0;
-    if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8)
+    Py_ssize_t size;
+    switch (format[0]) {
+    case 'b': case 'B': size = 1; break;
+    case 'h': case 'H': size = native ? (Py_ssize_t)sizeof(short) : 2; break;
+    case 'i': case 'I': size = native ? (Py_ssize_t)sizeof(int) : 4; break;
+    case 'l': case 'L': size = native ? (Py_ssize_t)sizeof(long) : 4; break;
+    case 'q': case 'Q': size = native ? (Py_ssize_t)sizeof(long long) : 8; break;
+    case 'n': case 'N': size = native ? (Py_ssize_t)sizeof(Py_ssize_t) : 0; break;
+    default: return 0;
+    }
+    if (size != itemsize || (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8))
         return 0;
     *is_signed = format[0] >= 'a';
     return 1;
@@ -396,8 +415,10 @@ PyDoc_STRVAR(page_chain_doc,
 "\n"
 "The chain of the full pages of tokens, from token ids to keys in one call.\n"
 "\n"
-"tokens: a list or tuple of ints, or a 1-D C-contiguous buffer of native integers (a numpy\n"
-"array of any integer dtype). page_size: tokens per page, an int >= 1. prior: a bytes-like\n"
+"tokens: a list or tuple of ints, or a 1-D C-contiguous buffer of integers, read in place: an\n"
+"array.array, memoryview, ctypes array or numpy array whose format is one integer type of 1,\n"
+"2, 4 or 8 bytes, signed or unsigned, native or little-endian standard size ('q', 'l', '<i',\n"
+"'=H', ...) and matches its item size. page_size: tokens per page, an int >= 1. prior: a bytes-like\n"
 "object of 0 bytes (no prior) or DIGEST_SIZE bytes (a raw digest). hex: a bool.\n"
 "\n"
 "Page i's digest is H(prior_i + page_i), prior_0 = prior, prior_i = the digest of page i-1;\n"
@@ -490,7 +511,7 @@ page_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         src.data = view.buf;
         src.itemsize = (int)view.itemsize;
-        src.count = view.len / view.itemsize;
+        src.count = view.shape != NULL ? view.shape[0] : view.len / view.itemsize;
     }
 
     PyObject *result = NULL;

@@ -106,8 +106,11 @@ def page_keys(tokens, page_size: int, *, prior_hash: str | None = None, scheme: 
 
     Args:
         tokens: token ids (list/tuple/range of ints, 1-D numpy integer array, 1-D torch integer
-            tensor on any device), each ``0 <= id <= 2**63-1``; a page holding an id above
-            ``2**32-1`` is hashed as ``0xff`` + u64 ids (see the module doc).
+            tensor on any device, ``array.array`` of an integer typecode such as sglang's
+            ``array('q')``, or another 1-D buffer of integers such as a ``memoryview``; see
+            :mod:`kvstage.hashing.tokens`), each ``0 <= id <= 2**63-1``; a page holding an id
+            above ``2**32-1`` is hashed as ``0xff`` + u64 ids (see the module doc). Every form
+            gives the same keys.
         page_size: tokens per page (>= 1).
         prior_hash: hex key the chain continues from (the previous page's key, or a namespace
             seed); None or ``""`` = no prior (the first page hashes its tokens only).
@@ -118,7 +121,8 @@ def page_keys(tokens, page_size: int, *, prior_hash: str | None = None, scheme: 
         xxh3-128), in page order. Tokens of a partial last page are validated but not hashed.
 
     Raises:
-        ArgumentTypeError: non-integer tokens (floats, bools), unsupported container, non-int
+        ArgumentTypeError: non-integer tokens (floats, bools, a buffer of a non-integer
+            format), unsupported container (``bytes`` and ``bytearray`` included), non-int
             ``page_size``, non-str ``prior_hash`` or ``scheme``.
         InvalidArgumentError: a token id outside ``0 <= id <= 2**63-1`` (first bad position
             and value named), ``page_size < 1``, a ``prior_hash`` that is not a key of this

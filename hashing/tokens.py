@@ -11,11 +11,20 @@ the range is an error, never a wrap.
 
 Accepted inputs: a list, tuple or range of ints; a 1-D numpy integer array; a 1-D torch integer
 tensor on any device (a CUDA tensor is copied to the host in one transfer, never read element by
-element).
+element); an ``array.array`` of any integer typecode (sglang 0.5.23 keeps a request's
+``origin_input_ids`` and ``output_ids`` as ``array('q')``) or any other 1-D object exposing the
+buffer protocol with an integer format (``memoryview``, ctypes arrays): signed or unsigned, 1, 2,
+4 or 8 bytes, native or standard size, either byte order, contiguous or strided. ``bytes`` and
+``bytearray`` are refused although they export format ``'B'``: a byte string is text or a
+payload, not token ids (8-bit ids: ``array('B')`` or a uint8 array); so are buffers of chars
+(``'c'``), bools (``'?'``), floats and structs. An unsigned id above ``2**63-1`` is out of range
+like any other.
 
 Two paths give the same bytes and the same errors. Where a scheme's chain is compiled, it reads
 the ids itself (:func:`compiled_source` hands it the list, tuple or numpy array as it is) and
-converts them page by page while hashing. Otherwise (and for whatever the compiled chain
+converts them page by page while hashing; a contiguous native-endian buffer (an ``array.array``)
+is read in place, without a copy, and a strided or big-endian one is first copied into a
+contiguous native array. Otherwise (and for whatever the compiled chain
 declines: ranges, int subclasses, numpy scalars in a list) :func:`token_ids` converts the whole
 input at once, with one ``array('I', ...)`` (lists) or numpy's ``astype('<u4')`` (arrays) while
 every id fits u32; only an input holding a wider id is converted again, to u64, and
@@ -42,6 +51,9 @@ WIDE_PAGE_TAG = b"\xff"  # hashed before a wide page's ids (after the prior)
 U32_LIMIT = 1 << 32  # ids below it fit u32
 ID_LIMIT = 1 << 63  # ids below it are hashed; from it on, an error (as sglang)
 _CHUNK = 1 << 17  # elements checked and converted at a time (1 MiB of int64: stays in L2)
+_ACCEPTED = "a list/tuple/range of ints, a numpy integer array, a torch integer tensor, or an array.array or buffer of integers"
+# Buffer format letters of integer types (struct module syntax); the compiled chains read them too.
+_INTEGER_LETTERS = frozenset("bBhHiIlLqQnN")
 _RULE = "every token id must satisfy 0 <= id <= 2**63-1"
 _U32_RULE = "every token id must satisfy 0 <= id <= 2**32-1 to be written as u32 (page keys take ids up to 2**63-1)"
 
@@ -208,6 +220,44 @@ def _is_torch_tensor(value: object) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
+def _format_letter(format: str) -> tuple[str, str]:
+    """``(byte order prefix, type letter)`` of a buffer format: ``"<q"`` -> ``("<", "q")``,
+    ``"l"`` -> ``("", "l")``; the letter is the rest when it is not one character."""
+    if format[:1] in ("@", "=", "<", ">", "!"):
+        return format[0], format[1:]
+    return "", format
+
+
+def _is_native_integer_format(format: str) -> bool:
+    """Whether the compiled chains read a buffer of this format in place: an integer type,
+    native or little-endian (they build on little-endian hosts only)."""
+    order, letter = _format_letter(format)
+    return letter in _INTEGER_LETTERS and order in ("", "@", "=", "<") and _LITTLE_ENDIAN
+
+
+def _buffer_array(tokens, argument: str) -> np.ndarray:
+    """A 1-D buffer of integers (``array.array``, ``memoryview``, ctypes array, ...) as a numpy
+    array: a view of its memory where it is contiguous, else a contiguous copy."""
+    if isinstance(tokens, (bytes, bytearray)):
+        raise ArgumentTypeError(
+            f"{argument}: {type(tokens).__name__} is a byte string, not token ids (8-bit ids: array('B') or a "
+            f"numpy uint8 array); must be {_ACCEPTED}"
+        )
+    try:
+        view = memoryview(tokens)
+    except TypeError:
+        raise ArgumentTypeError(f"{argument}: must be {_ACCEPTED}, got {type(tokens).__module__}.{type(tokens).__qualname__}") from None
+    order, letter = _format_letter(view.format)
+    if letter not in _INTEGER_LETTERS or view.itemsize not in (1, 2, 4, 8):
+        raise ArgumentTypeError(f"{argument}: token ids must be integers, got a buffer of format {view.format!r}; must be {_ACCEPTED}")
+    if view.ndim != 1:
+        raise InvalidArgumentError(f"{argument}: must be 1-D, got shape {tuple(view.shape)}")
+    byte_order = {"<": "<", ">": ">", "!": ">"}.get(order, "=")
+    dtype = np.dtype(f"{byte_order}{'i' if letter.islower() else 'u'}{view.itemsize}")
+    # tobytes() copies a strided view in its logical order; a contiguous one is read in place.
+    return np.frombuffer(view if view.c_contiguous else view.tobytes(), dtype=dtype)
+
+
 def _ids(tokens, argument: str, wide: bool) -> tuple[memoryview, int]:
     if isinstance(tokens, (list, tuple)):
         return _sequence_ids(tokens, argument, wide)
@@ -218,10 +268,7 @@ def _ids(tokens, argument: str, wide: bool) -> tuple[memoryview, int]:
         return _numpy_ids(tokens, argument, wide)
     if _is_torch_tensor(tokens):
         return _numpy_ids(_host_array(tokens, argument), argument, wide)
-    raise ArgumentTypeError(
-        f"{argument}: must be a list/tuple/range of ints, a numpy integer array or a torch integer tensor, "
-        f"got {type(tokens).__module__}.{type(tokens).__qualname__}"
-    )
+    return _numpy_ids(_buffer_array(tokens, argument), argument, wide)
 
 
 def token_ids(tokens, argument: str = "tokens") -> tuple[memoryview, int]:
@@ -233,8 +280,9 @@ def token_ids(tokens, argument: str = "tokens") -> tuple[memoryview, int]:
     array); else ``(u64 view, 8)``, for :func:`wide_pages` to encode page by page.
 
     Args:
-        tokens: list/tuple/range of ints, 1-D numpy integer array, or 1-D torch integer tensor
-            (CPU or CUDA; a CUDA tensor is moved to the host in one transfer).
+        tokens: list/tuple/range of ints, 1-D numpy integer array, 1-D torch integer tensor
+            (CPU or CUDA; a CUDA tensor is moved to the host in one transfer), or a 1-D
+            ``array.array`` / buffer of integers (see the module doc).
         argument: the name used in error messages.
 
     Returns:
@@ -242,8 +290,9 @@ def token_ids(tokens, argument: str = "tokens") -> tuple[memoryview, int]:
         ``8 * len(tokens)`` bytes.
 
     Raises:
-        ArgumentTypeError: a float, bool or other non-integer id (or float/bool dtype), or an
-            unsupported container type (str, bytes, dict, generators, ...).
+        ArgumentTypeError: a float, bool or other non-integer id (float/bool dtype, a buffer
+            of a format other than an integer's), or an unsupported container type (str,
+            bytes, bytearray, dict, generators, ...).
         InvalidArgumentError: an id outside ``0 <= id <= 2**63-1`` (the message names the first
             bad position and its value), or an array that is not 1-D.
     """
@@ -284,16 +333,18 @@ def token_buffer(tokens, argument: str = "tokens") -> memoryview:
     contiguous little-endian uint32 array.
 
     Args:
-        tokens: list/tuple/range of ints, 1-D numpy integer array, or 1-D torch integer tensor
-            (CPU or CUDA; a CUDA tensor is moved to the host in one transfer).
+        tokens: list/tuple/range of ints, 1-D numpy integer array, 1-D torch integer tensor
+            (CPU or CUDA; a CUDA tensor is moved to the host in one transfer), or a 1-D
+            ``array.array`` / buffer of integers (see the module doc).
         argument: the name used in error messages.
 
     Returns:
         A ``memoryview`` (format ``"B"``) of ``4 * number of tokens`` bytes.
 
     Raises:
-        ArgumentTypeError: a float, bool or other non-integer id (or float/bool dtype), or an
-            unsupported container type (str, bytes, dict, generators, ...).
+        ArgumentTypeError: a float, bool or other non-integer id (float/bool dtype, a buffer
+            of a format other than an integer's), or an unsupported container type (str,
+            bytes, bytearray, dict, generators, ...).
         InvalidArgumentError: an id outside ``0 <= id <= 2**32-1`` (the message names the first
             bad position and its value, and that page keys take ids up to ``2**63-1``), or an
             array that is not 1-D.
@@ -304,15 +355,18 @@ def token_buffer(tokens, argument: str = "tokens") -> memoryview:
 def compiled_source(tokens, argument: str = "tokens"):
     """``tokens`` as a compiled chain reads them, or None where only :func:`token_ids` can.
 
-    A list or tuple passes as it is (the chain declines it if an element is not an exact int);
-    a numpy integer array, a range or a torch integer tensor (moved to the host in one
-    transfer) becomes a 1-D C-contiguous numpy array in native byte order. Cheap checks only, nothing per element:
-    the chain checks every id's range.
+    A list or tuple passes as it is (the chain declines it if an element is not an exact int),
+    and so does a 1-D C-contiguous buffer of native or little-endian integers (an
+    ``array.array``, a ``memoryview``, a ctypes array: the chain reads its memory in place); a
+    numpy integer array, a range, a torch integer tensor (moved to the host in one transfer) or
+    any other buffer of integers (strided, big-endian) becomes a 1-D C-contiguous numpy array in
+    native byte order. Cheap checks only, nothing per element: the chain checks every id's range.
 
     Raises:
         ArgumentTypeError / InvalidArgumentError: a torch tensor of a non-integer dtype, not
             1-D, sparse or on the meta device; a range holding an id outside
-            ``0 <= id <= 2**63-1`` (as :func:`token_ids`). Other bad inputs return None, and
+            ``0 <= id <= 2**63-1``; ``bytes``, ``bytearray`` or a buffer that is not 1-D or not
+            of integers (as :func:`token_ids`). Other bad inputs return None, and
             :func:`token_ids` then raises.
     """
     if type(tokens) is list or type(tokens) is tuple:
@@ -323,8 +377,16 @@ def compiled_source(tokens, argument: str = "tokens"):
         values = _range_array(tokens, argument)
     elif _is_torch_tensor(tokens):
         values = _host_array(tokens, argument)
+    elif isinstance(tokens, (bytes, bytearray)):
+        return None  # refused by token_ids, though they export format "B"
     else:
-        return None
+        try:
+            view = memoryview(tokens)
+        except TypeError:
+            return None
+        if view.ndim == 1 and view.c_contiguous and _is_native_integer_format(view.format):
+            return tokens
+        values = _buffer_array(tokens, argument)
     if values.ndim != 1 or values.dtype.kind not in "iu":
         return None
     if not values.dtype.isnative:

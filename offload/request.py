@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import array
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
+import numpy as np
 import torch
 
 from kvstage.errors import InvalidArgumentError
 
 __all__ = ["OffloadRequest", "SlotIndicesOf", "kv_length", "request_tokens"]
+
+_SIGNED_TYPECODES = frozenset("bhilq")  # array.array typecodes of signed integers
 
 
 @runtime_checkable
@@ -51,8 +55,36 @@ def kv_length(req: OffloadRequest) -> int:
     return len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
 
 
-def request_tokens(req: OffloadRequest, start: int, end: int) -> list[int]:
+def _token_slice(ids: Sequence[int], start: int, end: int) -> Sequence[int]:
+    """``ids[start:end]`` as a copy the engine's later changes to ``ids`` cannot reach: a slice
+    of an ``array.array``, list or tuple as it is (slicing copies; an array stays an array, which
+    the hasher reads in place), anything else (numpy, torch) as a list of ints."""
+    part = ids[start:end]
+    if isinstance(part, (array.array, list, tuple)):
+        return part
+    tolist = getattr(part, "tolist", None)  # one transfer for a CUDA tensor, not one per id
+    return tolist() if tolist is not None else list(part)
+
+
+def _first_negative(tokens: Sequence[int]) -> int | None:
+    """The offset of the first negative id in ``tokens``, or None."""
+    if isinstance(tokens, array.array):
+        if tokens.typecode not in _SIGNED_TYPECODES or len(tokens) == 0:
+            return None
+        negative = np.frombuffer(tokens, dtype=tokens.typecode) < 0
+        return int(negative.argmax()) if negative.any() else None
+    if tokens and min(tokens) < 0:
+        return next(offset for offset, token in enumerate(tokens) if token < 0)
+    return None
+
+
+def request_tokens(req: OffloadRequest, start: int, end: int) -> Sequence[int]:
     """Token ids at positions ``[start, end)`` of ``req``'s prompt followed by its output.
+
+    Returns:
+        A copy: an ``array.array`` where the positions lie in ``array.array`` token lists of one
+        typecode (sglang 0.5.23's ``array('q')``), else a list or tuple of ints. Either is what
+        :class:`kvstage.hashing.PageHasher` takes, with the same keys.
 
     Raises:
         InvalidArgumentError: a negative id among them (a placeholder such as -1 that
@@ -62,13 +94,15 @@ def request_tokens(req: OffloadRequest, start: int, end: int) -> list[int]:
     prompt, output = req.origin_input_ids, req.output_ids
     prompt_length = len(prompt)
     if end <= prompt_length:
-        tokens = list(prompt[start:end])
+        tokens = _token_slice(prompt, start, end)
     elif start >= prompt_length:
-        tokens = list(output[start - prompt_length : end - prompt_length])
+        tokens = _token_slice(output, start - prompt_length, end - prompt_length)
     else:
-        tokens = list(prompt[start:]) + list(output[: end - prompt_length])
-    if tokens and min(tokens) < 0:
-        offset = next(index for index, token in enumerate(tokens) if token < 0)
+        head, tail = _token_slice(prompt, start, prompt_length), _token_slice(output, 0, end - prompt_length)
+        same_kind = type(head) is type(tail) and getattr(head, "typecode", None) == getattr(tail, "typecode", None)
+        tokens = head + tail if same_kind else list(head) + list(tail)
+    offset = _first_negative(tokens)
+    if offset is not None:
         position = start + offset
         where = f"origin_input_ids[{position}]" if position < prompt_length else f"output_ids[{position - prompt_length}]"
         raise InvalidArgumentError(

@@ -32,6 +32,7 @@ lost page.
 from __future__ import annotations
 
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -105,13 +106,20 @@ class ReplayConfig:
     num_host_pages: int | None = None
 
 
+def _int64_array(ids: np.ndarray) -> array:
+    """Token ids as an ``array('q')`` (one copy of their bytes, no Python int per id)."""
+    out = array("q")
+    out.frombytes(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
+    return out
+
+
 class ReplayRequest:
     """A trace request as the engine and the offload manager see it (the ``OffloadRequest`` protocol).
 
     Attributes:
         rid: ``"r<index>"``.
-        origin_input_ids: prompt token ids (list of int).
-        output_ids: sampled token ids so far; the last has no KV yet.
+        origin_input_ids: prompt token ids, an ``array('q')`` as sglang 0.5.23's ``Req`` keeps them.
+        output_ids: sampled token ids so far (``array('q')``); the last has no KV yet.
         extra_key, cache_salt: the request's namespace (None when unset).
         trace: the trace line it came from.
         page_keys: the keys of every full page the request will have KV for (prompt then decode).
@@ -122,11 +130,11 @@ class ReplayRequest:
     def __init__(self, trace: TraceRequest, prompt: np.ndarray, output: np.ndarray, extra_key: str | None, cache_salt: str | None) -> None:
         self.trace = trace
         self.rid = f"r{trace.index}"
-        self.origin_input_ids: list[int] = prompt.tolist()
-        self.output_ids: list[int] = []
+        self.origin_input_ids = _int64_array(prompt)
+        self.output_ids = array("q")
         self.extra_key = extra_key
         self.cache_salt = cache_salt
-        self._target_output: list[int] = output.tolist()
+        self._target_output = _int64_array(output)
         self.page_keys: list[str] = []
         self.masks: torch.Tensor | None = None  # per page: its KV content mask (kv_content)
         self.mask_values: list[int] = []
@@ -148,7 +156,7 @@ class ReplayRequest:
         self.output_ids.append(self._target_output[len(self.output_ids)])
 
     @property
-    def kv_tokens(self) -> list[int]:
+    def kv_tokens(self) -> array:
         """Every token that will have KV: the prompt and all but the last output token."""
         return self.origin_input_ids + self._target_output[:-1]
 

@@ -20,6 +20,7 @@ Each page checked ends as one of:
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,7 +136,7 @@ def verify_pages(engine, *, sample: int | None = None, seed: int = 0) -> VerifyR
         extra_key, cache_salt = engine.namespaces[order]
         tokens = ReplayRequest(trace, engine.tokens.prompt(trace), engine.tokens.output(trace), extra_key, cache_salt).kv_tokens
         # A lookup leaves a prompt's last token out (the engine computes it): one more, any id.
-        req = SimpleRequest(f"verify-r{trace.index}", tokens[: pages * ps] + [0], extra_key=extra_key, cache_salt=cache_salt)
+        req = SimpleRequest(f"verify-r{trace.index}", tokens[: pages * ps] + array("q", [0]), extra_key=extra_key, cache_salt=cache_salt)
         handle = manager.prefetch(req, policy="wait_complete")
         if handle.pages_wanted < pages:
             manager.abort(req)

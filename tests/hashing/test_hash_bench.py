@@ -17,6 +17,7 @@ def test_bench_run_returns_figures_and_targets():
     assert all(r["tokens_per_s"] > 0 for r in report["results"])
     assert {r["scheme"] for r in report["ratios"]} == {"sglang-v1", "xxh3-128"}
     assert all(r["py_vs_per_token"] > 0 and r["py_of_ceiling"] > 0 for r in report["ratios"])  # the pure-Python rows
+    assert all(r["array_of_numpy"] > 0 for r in report["ratios"])  # the array("q") rows
     assert report["chains"].startswith("sglang-v1 ") and "; xxh3-128 " in report["chains"]
     assert set(report["xxh3_vs_sglang"]) == {16, 64}
     assert len(report["summary"]) == 3 and all(set(item) == {"value", "target", "ok"} for item in report["summary"].values())
