@@ -3,10 +3,14 @@
 - :class:`KVStageStorage`: a HiCache L3 storage backend over any kvstage store, loaded by
   sglang's storage factory as ``dynamic`` (``module_path: "kvstage.integrations.sglang"``,
   ``class_name: "KVStageStorage"``, ``interface_v1: 1``, ``url``).
+- :class:`KVStageDecodeOffloadManager`: kvstage's offload manager in the place of sglang's
+  decode-side ``DecodeKVCacheOffloadManager``; :func:`use_kvstage_decode_offload` switches
+  sglang's scheduler to it.
 - :mod:`kvstage.integrations.sglang.host_layouts`: sglang's host pool layouts as views in
   kvstage's page byte order.
 """
 
+from kvstage.integrations.sglang.decode_offload import KVStageDecodeOffloadManager, use_kvstage_decode_offload
 from kvstage.integrations.sglang.storage import KVStageStorage
 
-__all__ = ["KVStageStorage"]
+__all__ = ["KVStageDecodeOffloadManager", "KVStageStorage", "use_kvstage_decode_offload"]
