@@ -21,7 +21,8 @@ requests in finish order (the same on every rank) and, each step, the ranks agre
 all-reduce (MIN over ``tp_group``) on how many of the queue's head are released everywhere;
 exactly those are handed back to sglang.
 
-Switching sglang to it without editing sglang's source: :func:`use_kvstage_decode_offload`.
+Switching sglang to it without editing sglang's source: :func:`sglang_plugin`, an sglang plugin
+enabled by ``KVSTAGE_SGLANG_DECODE_OFFLOAD=1``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, OffloadManager
 from kvstage.storage import LayoutFingerprint, open_storage
 
-__all__ = ["KVStageDecodeOffloadManager", "use_kvstage_decode_offload"]
+__all__ = ["ENABLE_ENV", "KVStageDecodeOffloadManager", "sglang_plugin"]
 
 
 def _sglang_settings() -> tuple[int, int, dict, str | None, float, float]:
@@ -222,11 +223,25 @@ class KVStageDecodeOffloadManager:
         kv.mark_kv_released()
 
 
-def use_kvstage_decode_offload() -> None:
-    """Make sglang's scheduler build :class:`KVStageDecodeOffloadManager` where it builds its
-    ``DecodeKVCacheOffloadManager``: rebinds that name in ``sglang.srt.managers.scheduler``
-    (the module that looks it up when a decode scheduler starts). Call it in each scheduler
-    process before the scheduler is built (see the README's "Use with sglang")."""
-    import sglang.srt.managers.scheduler as scheduler
+ENABLE_ENV = "KVSTAGE_SGLANG_DECODE_OFFLOAD"
 
-    scheduler.DecodeKVCacheOffloadManager = KVStageDecodeOffloadManager
+
+def sglang_plugin() -> None:
+    """sglang's general plugin (entry point group ``sglang.srt.plugins``, name
+    ``kvstage_decode_offload``, declared in kvstage's ``pyproject.toml``): with
+    ``KVSTAGE_SGLANG_DECODE_OFFLOAD=1`` in the environment, replaces sglang's
+    ``DecodeKVCacheOffloadManager`` with :class:`KVStageDecodeOffloadManager` through sglang's
+    ``HookRegistry`` (a class ``REPLACE``, applied to every module that imported the name).
+    sglang runs plugins in every scheduler process (``load_plugins()`` in
+    ``run_scheduler_process``), so setting the variable before ``sglang.launch_server`` switches
+    every rank; without it the plugin does nothing."""
+    import os
+
+    if os.environ.get(ENABLE_ENV) != "1":
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(
+        "sglang.srt.disaggregation.decode_kvcache_offload_manager.DecodeKVCacheOffloadManager",
+        KVStageDecodeOffloadManager, HookType.REPLACE,
+    )
