@@ -48,7 +48,8 @@ class KVStageStorage(HiCacheStorage):
             optionally ``model_id`` (default: ``storage_config.model_name``) and
             ``kv_cache_dtype`` (``"fp8_e4m3"`` or ``"fp8_e5m2"``: required when the host pool
             holds fp8 KV as ``uint8``); sglang's own keys (``backend_name``, ``module_path``,
-            ``class_name``, ``interface_v1``) are ignored here.
+            ``class_name``, ``interface_v1``, the prefetch knobs,
+            ``hicache_storage_pass_prefix_keys``, ``tp_lcm_size``) are ignored here.
         kwargs: what sglang's factory passes along (unused).
 
     Raises:
@@ -62,7 +63,13 @@ class KVStageStorage(HiCacheStorage):
     own thread's buffers and the store serializes only its index updates.
     """
 
-    _KNOWN_EXTRA = {"backend_name", "module_path", "class_name", "interface_v1", "url", "model_id", "kv_cache_dtype"}
+    _KVSTAGE_EXTRA = {"url", "model_id", "kv_cache_dtype"}
+    # sglang's own keys of the same JSON (the factory's, and those its cache pops before us).
+    _SGLANG_EXTRA = {
+        "backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold", "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys", "tp_lcm_size",
+    }
+    _KNOWN_EXTRA = _KVSTAGE_EXTRA | _SGLANG_EXTRA
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
         extra = dict(storage_config.extra_config or {})
@@ -162,7 +169,7 @@ class KVStageStorage(HiCacheStorage):
         results: list[bool] = []
         for first in range(0, len(keys), CHUNK_PAGES):
             chunk = keys[first:first + CHUNK_PAGES]
-            pages = self._staged([page_view(self.mem_pool_host, start) for start in starts[first:first + CHUNK_PAGES]])
+            pages = self._for_put(store, [page_view(self.mem_pool_host, start) for start in starts[first:first + CHUNK_PAGES]])
             statuses = store.put(chunk, pages, prior_key=prior)
             results += [status is not PutStatus.FAILED for status in statuses]
             prior = chunk[-1]
@@ -181,16 +188,7 @@ class KVStageStorage(HiCacheStorage):
         for first in range(0, len(keys), CHUNK_PAGES):
             chunk = keys[first:first + CHUNK_PAGES]
             views = [page_view(self.mem_pool_host, start) for start in starts[first:first + CHUNK_PAGES]]
-            direct = [view.is_contiguous() for view in views]
-            staging = self._staging(sum(not d for d in direct))
-            into, spare = [], iter(staging)
-            for view, is_direct in zip(views, direct):
-                into.append(view if is_direct else next(spare))
-            hits = store.get(chunk, into)
-            for view, target, hit in zip(views, into, hits):
-                if hit and target is not view:
-                    view.copy_(target.view(view.dtype).view(view.shape))
-            results += hits
+            results += self._get_into(store, chunk, views)
         self._record("prefetch", sum(results), time.perf_counter() - started)
         return results
 
@@ -225,7 +223,7 @@ class KVStageStorage(HiCacheStorage):
         ok, prior = True, None
         for first in range(0, len(keys), CHUNK_PAGES):
             chunk = list(keys[first:first + CHUNK_PAGES])
-            statuses = store.put(chunk, self._staged(views[first:first + CHUNK_PAGES]), prior_key=prior)
+            statuses = store.put(chunk, self._for_put(store, views[first:first + CHUNK_PAGES]), prior_key=prior)
             ok = ok and all(status is not PutStatus.FAILED for status in statuses)
             prior = chunk[-1]
         return ok
@@ -244,13 +242,8 @@ class KVStageStorage(HiCacheStorage):
         views = [flat_page_view(self.mem_pool_host, target, self.kv_layout) for target in targets]
         out: list[torch.Tensor | None] = []
         for first in range(0, len(keys), CHUNK_PAGES):
-            chunk_views = views[first:first + CHUNK_PAGES]
-            staging = self._staging(len(chunk_views))
-            hits = store.get(list(keys[first:first + CHUNK_PAGES]), staging)
-            for view, page, target, hit in zip(chunk_views, staging, targets[first:first + CHUNK_PAGES], hits):
-                if hit:
-                    view.copy_(page.view(view.dtype).view(view.shape))
-                out.append(target if hit else None)
+            hits = self._get_into(store, list(keys[first:first + CHUNK_PAGES]), views[first:first + CHUNK_PAGES])
+            out += [target if hit else None for target, hit in zip(targets[first:first + CHUNK_PAGES], hits)]
         return out
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -306,8 +299,12 @@ class KVStageStorage(HiCacheStorage):
             self._local.buffers = buffers
         return list(buffers[:num_pages])
 
-    def _staged(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The pages as contiguous tensors: a contiguous view as it is, others copied to staging."""
+    def _for_put(self, store: StorageBackend, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The pages to hand ``store.put``: the views themselves where the store takes them
+        (contiguous, or any view for a store with ``strided_pages``: one copy, by the store);
+        others copied into this thread's staging first."""
+        if store.strided_pages:
+            return views
         staging = iter(self._staging(sum(not view.is_contiguous() for view in views)))
         pages = []
         for view in views:
@@ -318,6 +315,18 @@ class KVStageStorage(HiCacheStorage):
                 page.copy_(view)
                 pages.append(page)
         return pages
+
+    def _get_into(self, store: StorageBackend, keys: list[str], views: list[torch.Tensor]) -> list[bool]:
+        """Read ``keys`` into the page views, directly where the store takes them, else through
+        this thread's staging (copied on a hit only, so a miss writes nothing)."""
+        direct = [store.strided_pages or view.is_contiguous() for view in views]
+        spare = iter(self._staging(sum(not d for d in direct)))
+        into = [view if is_direct else next(spare) for view, is_direct in zip(views, direct)]
+        hits = store.get(keys, into)
+        for view, target, hit in zip(views, into, hits):
+            if hit and target is not view:
+                view.copy_(target)
+        return hits
 
     def _record(self, direction: str, num_pages: int, seconds: float) -> None:
         gigabytes = num_pages * self.store.page_bytes / 1e9

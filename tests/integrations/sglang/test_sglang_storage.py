@@ -113,3 +113,25 @@ def page_of(buffer: torch.Tensor, host, index: int) -> torch.Tensor:
         return host.get_data_page(index, flat=True).clone()
     finally:
         host.kv_buffer = saved
+
+
+@pytest.mark.parametrize("kind,layout", KINDS)
+def test_with_the_memory_store_each_page_moves_with_one_copy_between_host_pool_and_store(kind, layout):
+    """The store gets views of the host pool itself (no staging copy) in both directions."""
+    host = make_host(kind, layout)
+    set_host(host, random_canonical(host, seed=5))
+    backend = kvstage_backend("memory", host)
+    host_memory = host.kv_buffer.untyped_storage().data_ptr()
+    seen = []
+    for name in ("put", "get"):
+        original = getattr(backend.store, name)
+
+        def spy(keys, pages, *args, _original=original, **kwargs):
+            seen.extend(page.untyped_storage().data_ptr() == host_memory for page in pages)
+            return _original(keys, pages, *args, **kwargs)
+
+        setattr(backend.store, name, spy)
+    keys = [f"{i:064x}" for i in range(1, 3)]
+    assert backend.batch_set_v1(keys, slots([0, 8])) == [True, True]
+    assert backend.batch_get_v1(keys, slots([16, 24])) == [True, True]
+    assert seen == [True] * 4

@@ -191,6 +191,8 @@ def test_extra_config_errors_name_the_key():
         KVStageStorage(storage_config("memory", urll="x"))
     with pytest.raises(InvalidArgumentError, match="kv_cache_dtype"):
         KVStageStorage(storage_config("memory", kv_cache_dtype="fp8"))
+    # sglang's own keys of the same JSON are not kvstage's to refuse
+    KVStageStorage(storage_config("memory", prefetch_threshold=256, hicache_storage_pass_prefix_keys=True, tp_lcm_size=None))
 
 
 def test_context_parallel_and_split_heads_are_refused_with_the_field_named():
