@@ -94,9 +94,15 @@ def host_kv_layout(host_pool: Any) -> KVLayout:
 
 def page_view(host_pool: Any, index: int) -> torch.Tensor:
     """The page of ``host_pool`` starting at token ``index`` (a multiple of ``page_size``) as a
-    ``[num_layers, kv_parts, page_size, num_heads, head_dim]`` view of the pool's memory
-    (sglang's own ``get_data_page``, permuted; no copy)."""
-    return _table(host_pool)[host_pool.layout][1](host_pool.get_data_page(index, flat=False))
+    view of the pool's memory (sglang's own ``get_data_page``, permuted; no copy) whose
+    row-major elements are kvstage's ``[num_layers, kv_parts, page_size, num_heads, head_dim]``
+    page; where ``page_size, num_heads, head_dim`` are contiguous in the pool (layer_first,
+    page_first_direct) they are one dimension, which lets torch copy the page in long runs."""
+    view = _table(host_pool)[host_pool.layout][1](host_pool.get_data_page(index, flat=False))
+    try:
+        return view.view(view.shape[0], view.shape[1], -1)
+    except RuntimeError:  # not contiguous within a (layer, part) row: keep the 5-D view
+        return view
 
 
 def flat_page_view(host_pool: Any, flat_page: torch.Tensor, kv_layout: KVLayout) -> torch.Tensor:

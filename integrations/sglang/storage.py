@@ -311,7 +311,7 @@ class KVStageStorage(HiCacheStorage):
             if view.is_contiguous():
                 pages.append(view)
             else:
-                page = next(staging)
+                page = next(staging).view(view.shape)
                 page.copy_(view)
                 pages.append(page)
         return pages
@@ -325,7 +325,7 @@ class KVStageStorage(HiCacheStorage):
         hits = store.get(keys, into)
         for view, target, hit in zip(views, into, hits):
             if hit and target is not view:
-                view.copy_(target)
+                view.copy_(target.view(view.shape))
         return hits
 
     def _record(self, direction: str, num_pages: int, seconds: float) -> None:
