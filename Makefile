@@ -28,9 +28,11 @@ $(VENV)/.mooncake: $(VENV)/.installed tools/install-mooncake.sh tools/apt-instal
 # except under CI.
 SGLANG_VENV ?= .venv-sglang
 SGLANG_TESTS := tests/integrations/sglang
-$(SGLANG_VENV)/.sglang: pyproject.toml tools/setup-venv.sh tools/install-sglang.sh tools/apt-install.sh hashing/_page_chain.c
+$(SGLANG_VENV)/.sglang: pyproject.toml tools/setup-venv.sh tools/install-sglang.sh tools/install-mooncake.sh tools/apt-install.sh hashing/_page_chain.c
 	{ bash tools/setup-venv.sh $(SGLANG_VENV) test && bash tools/install-sglang.sh $(SGLANG_VENV); } \
 		|| { [ -z "$$CI" ] || exit 1; echo "make: sglang not installed; its tests will skip"; }
+	[ ! -x $(SGLANG_VENV)/bin/python ] || bash tools/install-mooncake.sh $(SGLANG_VENV) \
+		|| { [ -z "$$CI" ] || exit 1; echo "make: Mooncake not installed in $(SGLANG_VENV); its sglang test will skip"; }
 	touch $@
 
 test: $(VENV)/.installed $(VENV)/.mooncake $(SGLANG_VENV)/.sglang
