@@ -156,3 +156,26 @@ def test_two_tp_ranks_release_the_same_requests_in_the_same_steps(tmp_path, kind
         assert stored0 > 0 and stored1 == 0  # only rank 0 writes the replicated latent
     else:
         assert stored0 == stored1 > 0
+
+
+def test_an_abort_through_finalize_release_is_released_and_retraction_drains_first(tmp_path, one_rank):
+    settings = install_settings(f"file:{tmp_path / 'store'}")
+    try:
+        side = DecodeSide("mha", one_rank)
+        aborted = side.admit("aborted", list(range(3)), max_tokens=20)
+        running = side.admit("running", list(range(50, 53)), max_tokens=20)
+        for step in range(6):
+            for req in (aborted, running):
+                side.decode_step(req, 500 + step)
+        # sglang's sampling-mask abort: finalize_release_on_finish without offload_kv_cache
+        side.manager.finalize_release_on_finish(aborted)
+        assert len(side.manager.ongoing_offload) == 1
+        run_until_released(side, [aborted])
+        assert not released(running)
+        side.manager.drain_before_retraction()  # nothing of the running request is copying now
+        assert not side.manager.has_inflight_device_transfer()
+        side.manager.finalize_release_on_finish(aborted)  # already back with sglang: nothing
+        assert len(side.manager.ongoing_offload) == 0
+        side.manager.release_host_resources()
+    finally:
+        settings.restore()

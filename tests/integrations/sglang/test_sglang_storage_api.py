@@ -237,6 +237,12 @@ def test_calls_before_a_host_pool_is_registered_raise_and_bad_host_indices_write
     assert backend.batch_exists([key(1)]) == 0
 
 
+def test_a_pipeline_stage_keys_its_own_layers():
+    device = mha_device_pool(start_layer=3, end_layer=6)
+    backend = kvstage_backend("memory", host_pool(device, "page_first"))
+    assert "@L3-5xKV2xH2xD8@" in backend.store.prefix
+
+
 def test_sglang_factory_builds_it_from_the_dynamic_backend_config():
     host = mha_host()
     backend = StorageBackendFactory.create_backend("dynamic", storage_config("memory", model_id="my-model"), host)
