@@ -1,4 +1,5 @@
-"""The ``kvstage`` command line: ``kvstage --version``, ``kvstage info``, ``kvstage replay``.
+"""The ``kvstage`` command line: ``kvstage --version``, ``kvstage info``, ``kvstage replay``,
+``kvstage store``.
 
 Sub-commands register themselves in :func:`build_parser`; each has a ``run_<name>`` function
 that takes the parsed arguments and returns the process exit code.
@@ -63,6 +64,58 @@ def run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_store_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "store",
+        help="list the key spaces of a file: store directory (pages, bytes); evict some",
+        description=(
+            "List every key space (layout fingerprint prefix) with page files in a file: store's "
+            "directory, with its pages and bytes, then remove the key spaces asked for (e.g. an old "
+            "model_id's pages after a weight update); each removal is counted in the output."
+        ),
+    )
+    p.add_argument("url", metavar="file:DIR", help="the file store's URL (or its directory)")
+    p.add_argument("--evict", action="append", default=[], metavar="PREFIX", help="remove this key space's pages (repeatable)")
+    p.add_argument("--evict-other", action="store_true", help="remove every key space not named by --keep")
+    p.add_argument("--keep", action="append", default=[], metavar="PREFIX", help="a key space --evict-other keeps (repeatable)")
+    p.set_defaults(handler=run_store)
+
+
+def run_store(args: argparse.Namespace) -> int:
+    """``kvstage store``: list the key spaces of a file store's directory, then evict what the
+    arguments ask; one line per key space and per eviction.
+
+    Returns:
+        0; 2 when the arguments break a rule (``--evict-other`` without ``--keep``, ``--keep``
+        without ``--evict-other``, a URL that is not ``file:``) or the directory cannot be
+        listed, with the reason on stderr (nothing removed then).
+    """
+    from kvstage.errors import InvalidArgumentError, StorageError
+    from kvstage.storage.file_store import key_spaces, remove_key_space  # imports torch: only here
+
+    try:
+        scheme, colon, rest = args.url.partition(":")
+        if colon and (scheme != "file" or not rest):
+            raise InvalidArgumentError(f"url: must be file:DIR (or a directory), got {args.url!r}")
+        directory = rest.partition("?")[0] if colon else args.url
+        if args.evict_other != bool(args.keep):
+            raise InvalidArgumentError("--keep: --evict-other needs at least one --keep PREFIX, and --keep needs --evict-other")
+        spaces = key_spaces(directory)
+        for space in spaces:
+            print(f"{space.prefix}  {space.pages} pages  {space.bytes} bytes")
+        if not spaces:
+            print(f"no kvstage pages in {directory}")
+        doomed = list(args.evict)
+        if args.evict_other:
+            doomed += [space.prefix for space in spaces if space.prefix not in args.keep and space.prefix not in doomed]
+        for prefix in doomed:
+            print(f"evicted {prefix}: {len(remove_key_space(directory, prefix))} pages")
+    except (InvalidArgumentError, StorageError) as error:
+        print(f"kvstage store: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every sub-command."""
     parser = argparse.ArgumentParser(prog="kvstage", description=kvstage.__doc__.splitlines()[0])
@@ -73,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvstage.replay.command import add_parser as add_replay_parser
 
     add_replay_parser(commands)
+    _add_store_parser(commands)
     return parser
 
 

@@ -8,6 +8,10 @@ and reads it back into another chunk with one ``get``, for each method:
 * ``memory``: :class:`kvstage.storage.MemoryStore` at its capacity, the steady state of a
   serving engine: the store holds one batch (filled by the warm-up round), so every put evicts
   the previous round's pages and reuses their memory; get copies the pages out.
+* ``memory-events-off``: ``memory`` with store events off (``event_capacity=0``), the
+  baseline for what recording a ``stored`` and an ``evicted`` event per page costs a put
+  (every other store records them, as in serving; nobody drains them here, so the queue
+  runs full and drops its oldest, the most expensive case).
 * ``memory-growing``: a MemoryStore with room for every round, so every put takes memory the
   process never touched before (the page faults of a store that is still filling up).
 * ``mooncake``: :class:`kvstage.storage.MooncakeStore` over TCP to a ``mooncake_master`` this
@@ -19,6 +23,10 @@ and reads it back into another chunk with one ``get``, for each method:
   through kvstage's registered bounce buffer (what an engine that does not register its host
   pool pays).
 * ``memcpy``: one ``copy_`` of the batch from chunk to chunk: the host-memory ceiling.
+
+Store events: the cost of ``take_events`` per 10,000 events (all at once, and 100 at a time),
+and of recording them (a ``stored`` event per page, 16 pages a call, as puts do): median of
+``--event-repeats`` runs (default 21) of 10,000 events.
 
 Timing: wall clock (``time.perf_counter``; Mooncake works on its own threads), one warm-up round
 not counted, then the median over rounds; methods interleaved within each round. Every get is
@@ -49,11 +57,42 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's client logs every s
 import torch
 
 from kvstage.kv_layout import KVLayout
+from kvstage.storage.events import EventQueue
 from kvstage.storage.memory_store import MemoryStore
 from kvstage.storage.mooncake.store import INSTALL_HINT, MooncakeStore, mooncake_available
-from kvstage.storage import LayoutFingerprint, StorageBackend
+from kvstage.storage import LayoutFingerprint, StorageBackend, StorageStats
 
-METHODS = ("memory", "memory-growing", "mooncake", "mooncake-bounce", "memcpy")
+METHODS = ("memory", "memory-events-off", "memory-growing", "mooncake", "mooncake-bounce", "memcpy")
+EVENTS_TIMED = 10_000
+
+
+def time_events(repeats: int = 21, log: Callable[[str], None] = print) -> dict:
+    """Median microseconds per 10,000 store events: recorded (16 keys a call, as a put of 16
+    pages), taken all at once, taken 100 at a time. A fresh queue each repeat."""
+    keys = [uuid.uuid4().hex for _ in range(EVENTS_TIMED)]
+    samples: dict[str, list[float]] = {"record": [], "take_all": [], "take_100": []}
+    for _ in range(repeats):
+        for how in ("take_all", "take_100"):
+            queue = EventQueue(StorageStats(), tier="memory", key_space="bench@", page_bytes=1, capacity=EVENTS_TIMED)
+            started = time.perf_counter()
+            for start in range(0, EVENTS_TIMED, 16):
+                queue.record("stored", keys[start : start + 16])
+            if how == "take_all":
+                samples["record"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            if how == "take_all":
+                taken = len(queue.take())
+            else:
+                taken = 0
+                while batch := queue.take(100):
+                    taken += len(batch)
+            samples[how].append(time.perf_counter() - started)
+            if taken != EVENTS_TIMED:
+                raise RuntimeError(f"events: took {taken} of {EVENTS_TIMED}")
+    result = {name: statistics.median(values) * 1e6 for name, values in samples.items()}
+    for name, micros in result.items():
+        log(f"  events {name:9s}: {micros:8.0f} us per {EVENTS_TIMED} events (median of {repeats})")
+    return result
 
 
 def llama3_8b_fingerprint(num_layers: int = 32) -> LayoutFingerprint:
@@ -85,6 +124,7 @@ def run(
     num_pages: int | None = None,
     num_layers: int | None = None,
     methods: tuple[str, ...] = METHODS,
+    event_repeats: int = 21,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Time put and get of every method; return the results as a JSON-able dict.
@@ -94,6 +134,7 @@ def run(
             16 pages, 5 rounds.
         rounds, num_pages, num_layers: override those.
         methods: the methods to time (a subset of :data:`METHODS`).
+        event_repeats: runs of :func:`time_events` to take the median over (0: skip it).
         log: where progress lines go.
 
     Raises:
@@ -102,7 +143,8 @@ def run(
     Returns:
         ``{"machine", "python", "torch", "quick", "rounds", "pages_per_batch", "page_bytes",
         "layout", "results": [{method, op, page_bytes, pages, seconds, gbps}],
-        "skipped": {method: reason}, "ratios": {name: x}}``.
+        "skipped": {method: reason}, "ratios": {name: x}, "events_us_per_10000": {record,
+        take_all, take_100}}``.
     """
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
@@ -129,6 +171,7 @@ def run(
         if method not in methods:
             skipped[method] = "not asked for (--methods)"
     stores["memory"] = MemoryStore(fingerprint, capacity_bytes=batch_bytes)
+    stores["memory-events-off"] = MemoryStore(fingerprint, capacity_bytes=batch_bytes, event_capacity=0)
     stores["memory-growing"] = MemoryStore(fingerprint, capacity_bytes=(rounds + 1) * batch_bytes)
     if "mooncake" not in methods and "mooncake-bounce" not in methods:
         pass  # no master to start
@@ -201,6 +244,8 @@ def run(
     gbps = {(r["method"], r["op"]): r["gbps"] for r in results}
     ratios = {}
     for op in ("put", "get"):
+        if ("memory", op) in gbps and ("memory-events-off", op) in gbps:
+            ratios[f"memory_{op}_events_on_vs_off"] = gbps[("memory", op)] / gbps[("memory-events-off", op)]
         for method in ("memory", "memory-growing"):
             if (method, op) in gbps and ("memcpy", op) in gbps:
                 ratios[f"{method.replace('-', '_')}_{op}_vs_memcpy"] = gbps[(method, op)] / gbps[("memcpy", op)]
@@ -209,6 +254,7 @@ def run(
             ratios[f"mooncake_{op}_vs_bounce"] = gbps[("mooncake", op)] / gbps[("mooncake-bounce", op)]
     for name, value in ratios.items():
         log(f"  {name}: {value:.2f}")
+    events = time_events(event_repeats, log) if event_repeats else {}
     return {
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
@@ -224,6 +270,7 @@ def run(
         "results": results,
         "skipped": skipped,
         "ratios": ratios,
+        "events_us_per_10000": events,
     }
 
 
@@ -235,9 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, help="layers a page (32: 8 MiB pages)")
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--event-repeats", type=int, default=21, help="runs of the store-event timing (0: skip)")
     args = parser.parse_args(argv)
     methods = tuple(filter(None, args.methods.split(",")))
-    report = run(args.quick, rounds=args.rounds, num_pages=args.pages, num_layers=args.layers, methods=methods)
+    report = run(args.quick, rounds=args.rounds, num_pages=args.pages, num_layers=args.layers, methods=methods,
+                 event_repeats=args.event_repeats)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -511,10 +511,13 @@ class OffloadManager:
     def metrics(self) -> OffloadMetrics:
         """A snapshot of the counters."""
         pool = self.host_pool
+        store = self.storage.stats
         return dataclasses.replace(
             self._counters, requests_live=len(self._states), copies_in_flight=self.copies_in_flight,
             writes_pending=self._backup.writes_pending, host_pages_used=pool.used,
             host_pages_high_water=pool.high_water, host_pages_capacity=pool.capacity,
+            store_events_stored=store.events_stored, store_events_evicted=store.events_evicted,
+            store_events_removed=store.events_removed, store_events_dropped=store.events_dropped,
         )
 
     # -- internals: lifecycle -----------------------------------------------------------------

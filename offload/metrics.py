@@ -50,6 +50,11 @@ class OffloadMetrics:
     bytes_loaded: int = 0
     load_seconds: float = 0.0
     load_failures: int = 0
+    # the store's events (kvstage.storage.events), read from its stats; totals since it opened
+    store_events_stored: int = 0  # pages the store reported stored
+    store_events_evicted: int = 0  # pages its own eviction dropped (Mooncake: those it saw gone)
+    store_events_removed: int = 0  # pages clear() or a corrupt-page cleanup removed
+    store_events_dropped: int = 0  # events its full queue dropped before take_events() took them
     # host pool; gauges
     host_pages_used: int = 0
     host_pages_high_water: int = 0

@@ -7,7 +7,8 @@ Public API:
         (``put``, ``get``, ``exists``, ``clear``, ``take_events``).
     StoreEvent: a page stored, evicted or removed, as ``take_events`` reports it.
     LayoutFingerprint: the key space (model, dtype, layout, page size, rank or stage).
-    MemoryStore: in-process pages (the default); FileStore: one crash-safe file a page;
+    MemoryStore: in-process pages (the default); FileStore: one crash-safe file a page
+        (KeySpace: what ``FileStore.key_spaces()`` lists);
     MooncakeStore: the Mooncake distributed store (optional ``mooncake`` extra; imported when
         a store is built).
     open_storage, STORAGE_SCHEMES: build a store from a URL (``memory``, ``file:DIR``,
@@ -19,7 +20,7 @@ Modules: ``backend``, ``events``, ``fingerprint``, ``registry``, ``memory_store`
 
 from kvstage.storage.backend import PutStatus, PutStatuses, StorageBackend, StorageStats
 from kvstage.storage.events import StoreEvent
-from kvstage.storage.file_store import FileStore
+from kvstage.storage.file_store import FileStore, KeySpace
 from kvstage.storage.fingerprint import LayoutFingerprint
 from kvstage.storage.memory_store import MemoryStore
 from kvstage.storage.mooncake.config import MooncakeConfig
@@ -29,6 +30,7 @@ from kvstage.storage.registry import STORAGE_SCHEMES, open_storage
 __all__ = [
     "STORAGE_SCHEMES",
     "FileStore",
+    "KeySpace",
     "LayoutFingerprint",
     "MemoryStore",
     "MooncakeConfig",

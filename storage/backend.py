@@ -37,8 +37,8 @@ class PutStatus(enum.Enum):
 class PutStatuses(list):
     """What :meth:`StorageBackend.put` answers: a list of one :class:`PutStatus` per key, and
     :attr:`error`, the exception that failed pages of the call (e.g. ``OSError`` with errno
-    ``EROFS``, ``EACCES`` or ``ENOSPC`` from a file store, a :class:`kvstage.errors.StorageError`
-    naming a Mooncake return code), or None when no page failed because of an error (a page
+    ``EROFS``, ``EACCES`` or ``ENOSPC`` from a file store, a
+    :class:`kvstage.storage.mooncake.status.MooncakeCodeError` with the Mooncake return code), or None when no page failed because of an error (a page
     refused by chain or capacity rules is ``FAILED`` with no error). When several pages failed
     with different errors, the first one.
 

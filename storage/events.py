@@ -26,6 +26,7 @@ __all__ = ["DEFAULT_EVENT_CAPACITY", "EVENT_KINDS", "EventQueue", "StoreEvent"]
 
 DEFAULT_EVENT_CAPACITY = 65536  # events a store keeps for a consumer that has not taken them yet
 EVENT_KINDS = ("stored", "evicted", "removed")
+_COUNTERS = {kind: f"events_{kind}" for kind in EVENT_KINDS}  # the StorageStats field of each kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +62,8 @@ class EventQueue:
         tier: the store's name, written into every event.
         key_space: the store's fingerprint prefix.
         page_bytes: the store's page size in bytes.
-        capacity: events kept at most (0: none are kept, every event is counted dropped).
+        capacity: events kept at most (0: events off: none is built or kept, every one is
+            counted, and counted dropped).
 
     Raises:
         InvalidArgumentError: capacity is not an int >= 0.
@@ -78,15 +80,21 @@ class EventQueue:
         self._lock = threading.Lock()
 
     def record(self, kind: str, keys, *, key_space: str | None = None) -> None:
-        """Record one event of ``kind`` per page key in ``keys`` (no prefix), now."""
+        """Record one event of ``kind`` per page key in ``keys`` (a list, no prefix), now."""
+        if not keys:
+            return
+        counter = _COUNTERS[kind]
+        if self.capacity == 0:  # events off: counted as dropped, never built
+            with self._lock:
+                setattr(self._stats, counter, getattr(self._stats, counter) + len(keys))
+                self._stats.events_dropped += len(keys)
+            return
         now = time.monotonic()
         space = self._key_space if key_space is None else key_space
         events = [StoreEvent(key, kind, self._tier, now, self._page_bytes, space) for key in keys]
-        if not events:
-            return
         with self._lock:
             stats = self._stats
-            setattr(stats, f"events_{kind}", getattr(stats, f"events_{kind}") + len(events))
+            setattr(stats, counter, getattr(stats, counter) + len(events))
             queue = self._events
             queue.extend(events)
             over = len(queue) - self.capacity

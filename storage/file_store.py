@@ -55,6 +55,12 @@ different inode is a page rewritten since, which it puts back. Each process evic
 own capacity, counting the files it indexed; opening sweeps only temporary files older than
 :data:`TMP_GRACE_S` (another process may be writing younger ones).
 
+Other key spaces in the directory (pages of an old ``model_id`` after a weight update, of other
+ranks or stages) are not this store's to count or evict: :func:`key_spaces` lists every key
+space's pages and bytes (opening a store logs how many page files of other key spaces the
+directory holds), :meth:`FileStore.evict_key_space` removes one (counted and reported as
+events), and ``kvstage store file:DIR`` (:mod:`kvstage.cli`) does both from the command line.
+
 Store events (:mod:`kvstage.storage.events`, tier ``"file"``): ``stored`` for each page a put
 wrote, ``evicted`` for each page the capacity evicted, ``removed`` for each page
 :meth:`FileStore.clear` removed and for each corrupt page a reader or a put dropped.
@@ -69,6 +75,7 @@ URL form for :func:`open_storage`: ``file:DIR`` or ``file:DIR?capacity_bytes=N``
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import string
 import struct
@@ -76,6 +83,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -87,6 +95,8 @@ from kvstage.storage.chain_index import ChainIndex
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint
 
+logger = logging.getLogger(__name__)
+
 MAGIC = b"KVSTAGE\x02"
 _HEADER = struct.Struct("<8sIQQ32s")  # magic, key length, payload length, checksum, prior digest
 _NO_PRIOR = bytes(32)
@@ -97,6 +107,21 @@ TMP_GRACE_S = 600.0  # a temporary file younger than this may be another process
 _MAX_NAME = 200  # file names stay well under the usual 255-byte limit
 _SAFE_KEY = frozenset(string.ascii_letters + string.digits + "._-")  # hex keys; no "@", which ends a prefix
 _HASHED = "~"  # separates the owner tag from the SHA-256 in a hashed name; never in a plain one
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """The pages of one key space in a file store's directory.
+
+    Attributes:
+        prefix: the key space's fingerprint prefix (:meth:`LayoutFingerprint.prefix`).
+        pages: its page files.
+        bytes: their sizes summed, in bytes (headers included).
+    """
+
+    prefix: str
+    pages: int
+    bytes: int
 
 
 def _checksum(key: bytes, prior: bytes, payload) -> int:
@@ -147,7 +172,7 @@ class FileStore(StorageBackend):
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         # Names of hashed page files and of temporary files start with this tag of the prefix.
-        self._owner_tag = hashlib.sha256(self.prefix.encode()).hexdigest()[:16]
+        self._owner_tag = _owner_tag(self.prefix)
         self._lock = threading.Lock()
         # Pages by the SHA-256 of their full key (the link a header holds): (file name, size,
         # page key without the prefix).
@@ -161,9 +186,18 @@ class FileStore(StorageBackend):
         self._clearing = False
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            names = [entry.name for entry in os.scandir(self.directory) if self._owns(entry.name)]
+            every = [entry.name for entry in os.scandir(self.directory)]
         except OSError as error:
             raise StorageError(f"directory: cannot use {str(self.directory)!r}: {error}") from error
+        names = [name for name in every if self._owns(name)]
+        others = sum(1 for name in every if name.endswith(SUFFIX) and not self._owns(name))
+        if others:
+            logger.info(
+                "file store %s: %d page files of other key spaces are there, not counted in this store's "
+                "capacity; list them with kvstage.storage.file_store.key_spaces() or `kvstage store file:%s`, "
+                "remove one with FileStore.evict_key_space() or `kvstage store file:%s --evict PREFIX`",
+                self.directory, others, self.directory, self.directory,
+            )
         for name in names:
             if name.endswith(TMP_SUFFIX):
                 _sweep_tmp(self.directory / name)
@@ -212,11 +246,13 @@ class FileStore(StorageBackend):
                 head = handle.read(_HEADER.size)
                 if len(head) == _HEADER.size:
                     head += handle.read(_HEADER.unpack_from(head)[1])
+                parsed = self._parse_header(head, status.st_size)
+                if parsed is None or self._name(parsed[0]) != name:
+                    # Torn, corrupt, of format 1, or renamed by hand: never a page here (unless
+                    # another process has just written the page again: then kept).
+                    self._remove_file_read(path, status)
+                    return
         except OSError:
-            return
-        parsed = self._parse_header(head, status.st_size)
-        if parsed is None or self._name(parsed[0]) != name:
-            _unlink(path)  # torn, corrupt, of format 1, or renamed by hand: never a page here
             return
         full_key, prior = parsed
         self._index.add(_digest(full_key), (name, status.st_size, full_key[len(self.prefix) :]), prior, tick=status.st_mtime_ns)
@@ -409,32 +445,39 @@ class FileStore(StorageBackend):
         return True
 
     def _drop_corrupt(self, full_key: str, path: Path, read: os.stat_result) -> None:
-        """Remove the corrupt page file ``read`` (its stat, taken while it is held open, so its
-        inode is not reused) unless a writer replaced it at ``path`` since: rename to a
-        tombstone, compare inodes, put a different (fresh) file back."""
-        tombstone = self._tmp_path()
+        """Remove the corrupt page file ``read`` and forget it, unless a writer replaced it at
+        ``path`` since (see :meth:`_remove_file_read`); a ``removed`` event when it went."""
         with self._lock:  # the index entry goes with the file, never with a fresh one
-            try:
-                os.rename(path, tombstone)
-            except OSError:
-                return  # gone already (another reader, a clear)
-            try:
-                moved = os.stat(tombstone)
-            except OSError:
+            if not self._remove_file_read(path, read):
                 return
-            if (moved.st_ino, moved.st_dev) != (read.st_ino, read.st_dev):
-                try:
-                    os.link(tombstone, path)  # the fresh page back; a newer one there wins
-                except OSError:
-                    pass
-                _unlink(tombstone)
-                return
-            _unlink(tombstone)
             removed = self._index.remove(_digest(full_key))
             if removed is not None:
                 self._used -= removed[1]
             self.stats.pages_removed += 1
             self._record("removed", [full_key])
+
+    def _remove_file_read(self, path: Path, read: os.stat_result) -> bool:
+        """Remove ``path`` if it is still the file ``read`` (its stat, taken while the file is
+        held open, so its inode is not reused): rename it to a tombstone, compare inodes, put a
+        different (fresh) file back. Whether the file read was removed."""
+        tombstone = self._tmp_path()
+        try:
+            os.rename(path, tombstone)
+        except OSError:
+            return False  # gone already (another reader, a clear)
+        try:
+            moved = os.stat(tombstone)
+        except OSError:
+            return False
+        if (moved.st_ino, moved.st_dev) != (read.st_ino, read.st_dev):
+            try:
+                os.link(tombstone, path)  # the fresh page back; a newer one there wins
+            except OSError:
+                pass
+            _unlink(tombstone)
+            return False
+        _unlink(tombstone)
+        return True
 
     def _clear(self) -> int:
         # Every page file of this key space: indexed here or written by another process.
@@ -454,7 +497,7 @@ class FileStore(StorageBackend):
                     pass  # the directory is gone: its files with it
                 removed = []
                 for name in names:
-                    full_key = self._full_key_of(name)
+                    full_key = _full_key_of(self.directory / name)
                     try:
                         os.unlink(self.directory / name)
                     except OSError:
@@ -470,20 +513,33 @@ class FileStore(StorageBackend):
                 self._clearing = False
                 self._gate.notify_all()
 
-    def _full_key_of(self, name: str) -> str | None:
-        """The full key of one of this key space's page files: its name, or (hashed names)
-        its header; None when a hashed file's header cannot be read."""
-        if _HASHED not in name:
-            return name[: -len(SUFFIX)]
-        try:
-            with open(self.directory / name, "rb") as handle:
-                head = handle.read(_HEADER.size)
-                if len(head) < _HEADER.size:
-                    return None
-                key = handle.read(_HEADER.unpack_from(head)[1])
-            return key.decode()
-        except (OSError, UnicodeDecodeError):
-            return None
+    def key_spaces(self) -> list[KeySpace]:
+        """Every key space with page files in this store's directory, this one included;
+        see :func:`key_spaces`."""
+        return key_spaces(self.directory)
+
+    def evict_key_space(self, prefix: str) -> int:
+        """Remove every page file of another key space from this store's directory, e.g. an old
+        ``model_id``'s after a weight update; see :func:`remove_key_space`. Each page removed
+        records a ``removed`` event whose ``key_space`` is ``prefix`` and counts in
+        ``stats.pages_removed``.
+
+        Args:
+            prefix: the key space's fingerprint prefix, as :meth:`key_spaces` lists it.
+
+        Returns:
+            The number of pages removed.
+
+        Raises:
+            InvalidArgumentError: ``prefix`` is not a fingerprint prefix, or is this store's
+                own (use :meth:`clear`).
+        """
+        if prefix == self.prefix:
+            raise InvalidArgumentError(f"prefix: {prefix!r} is this store's own key space; clear() removes its pages")
+        removed = remove_key_space(self.directory, prefix)
+        self.stats.pages_removed += len(removed)
+        self._events.record("removed", removed, key_space=prefix)
+        return len(removed)
 
     def _verified_payload(self, data: bytes, key: bytes) -> memoryview | None:
         parsed = self._parse_header(data, len(data))
@@ -498,6 +554,104 @@ class FileStore(StorageBackend):
         if _checksum(key, prior or _NO_PRIOR, payload) != checksum:
             return None
         return payload
+
+
+def _prefix_of(full_key: str) -> str | None:
+    """The fingerprint prefix a full key starts with: its first five ``@``-ended fields
+    (:meth:`LayoutFingerprint.prefix`: model, dtype, layers and layout, page size, shard); None
+    when it has fewer."""
+    fields = full_key.split("@", 5)
+    return "@".join(fields[:5]) + "@" if len(fields) == 6 else None
+
+
+def _owner_tag(prefix: str) -> str:
+    return hashlib.sha256(prefix.encode()).hexdigest()[:16]
+
+
+def _full_key_of(path: Path) -> str | None:
+    """A page file's full key: its name, or (hashed names) its header; None when a hashed
+    file's header cannot be read."""
+    name = path.name
+    if _HASHED not in name:
+        return name[: -len(SUFFIX)]
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(_HEADER.size)
+            if len(head) < _HEADER.size:
+                return None
+            key = handle.read(_HEADER.unpack_from(head)[1])
+        return key.decode()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def key_spaces(directory: str | os.PathLike) -> list[KeySpace]:
+    """Every key space with page files (``*.kvpage``) in a file store's directory, largest
+    first. A key space's hashed names (long or unusual keys) are attributed by reading one of
+    their headers; files that are not kvstage pages are skipped.
+
+    Raises:
+        StorageError: the directory cannot be listed.
+    """
+    directory = Path(directory)
+    try:
+        entries = [(entry.name, entry.stat().st_size) for entry in os.scandir(directory) if entry.name.endswith(SUFFIX)]
+    except OSError as error:
+        raise StorageError(f"directory: cannot list {str(directory)!r}: {error}") from error
+    totals: dict[str, list[int]] = {}
+    tags: dict[str, str | None] = {}  # owner tag of hashed names -> their prefix
+    for name, size in entries:
+        if _HASHED in name:
+            tag = name.partition(_HASHED)[0]
+            if tag not in tags:
+                full_key = _full_key_of(directory / name)
+                tags[tag] = None if full_key is None else _prefix_of(full_key)
+            prefix = tags[tag]
+        else:
+            prefix = _prefix_of(name[: -len(SUFFIX)])
+        if prefix is None:
+            continue
+        total = totals.setdefault(prefix, [0, 0])
+        total[0] += 1
+        total[1] += size
+    return sorted((KeySpace(prefix, pages, size) for prefix, (pages, size) in totals.items()), key=lambda k: (-k.bytes, k.prefix))
+
+
+def remove_key_space(directory: str | os.PathLike, prefix: str) -> list[str]:
+    """Remove every page file of the key space ``prefix`` from a file store's directory.
+
+    Another process's write of that key space that lands after the directory is listed stays;
+    temporary files are left to their key space's next open (they may be writes in progress).
+
+    Returns:
+        The page keys (without the prefix) of the files removed; a hashed name whose header
+        cannot be read is removed but not listed.
+
+    Raises:
+        InvalidArgumentError: ``prefix`` is not a fingerprint prefix (five ``@``-ended fields).
+        StorageError: the directory cannot be listed.
+    """
+    if not isinstance(prefix, str) or _prefix_of(prefix) != prefix:
+        raise InvalidArgumentError(f"prefix: must be a fingerprint prefix such as 'model@dtype@L0-1xKV2xH1xD4@P16@tp0of1@', got {prefix!r}")
+    directory = Path(directory)
+    tag = _owner_tag(prefix) + _HASHED
+    try:
+        names = [
+            entry.name for entry in os.scandir(directory)
+            if entry.name.endswith(SUFFIX) and (entry.name.startswith(tag) or (entry.name.startswith(prefix) and _HASHED not in entry.name))
+        ]
+    except OSError as error:
+        raise StorageError(f"directory: cannot list {str(directory)!r}: {error}") from error
+    removed = []
+    for name in names:
+        full_key = _full_key_of(directory / name)
+        try:
+            os.unlink(directory / name)
+        except OSError:
+            continue  # removed by another process meanwhile
+        if full_key is not None:
+            removed.append(full_key[len(prefix) :])
+    return removed
 
 
 def _unlink(path) -> None:

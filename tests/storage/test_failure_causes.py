@@ -97,3 +97,45 @@ def test_write_pages_takes_the_error_a_store_answers_with():
     assert outcome.failed_keys == ["a", "b"] and outcome.deduplicated == 1
     assert isinstance(outcome.error, OSError) and outcome.error.errno == errno.EACCES
     assert store.stats.pages_failed == 2
+
+
+MANAGER_SCRIPT = textwrap.dedent(
+    """
+    import json, subprocess, sys
+    sys.path.insert(0, sys.argv[2])  # the tests' rig
+    from offload_rig import make_rig
+    from kvstage.kv_layout import KVLayout
+    from kvstage.storage import FileStore, LayoutFingerprint
+
+    directory = sys.argv[1]
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", directory], check=True)
+    store = FileStore(LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 4), directory)
+    failures = []
+    rig = make_rig(page_size=4, offload_stride=8, storage=store, store_prompt=True,
+                   on_storage_failure=lambda req, keys, error: failures.append((len(keys), getattr(error, "errno", None))))
+    req = rig.new_request("r", range(4), 16)
+    for token in range(100, 109):
+        rig.decode(req, token)
+    rig.manager.finish(req)
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    print(json.dumps(dict(failures=failures, failed=rig.manager.metrics.pages_failed)))
+    """
+)
+
+
+def test_the_managers_on_storage_failure_gets_the_errno_of_a_read_only_directory(tmp_path):
+    reason = namespaces_usable()
+    if reason is not None:
+        pytest.skip(reason)
+    from support import REPO_ROOT
+
+    result = subprocess.run(
+        UNSHARE + [sys.executable, "-c", MANAGER_SCRIPT, str(tmp_path), str(REPO_ROOT / "tests")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    # The prompt page's write fails with EROFS; the decode pages after it are refused by the
+    # chain rule (their predecessor is not stored), which is no error.
+    assert seen == {"failures": [[1, errno.EROFS], [2, None]], "failed": 3}

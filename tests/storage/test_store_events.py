@@ -171,3 +171,28 @@ def test_a_writer_and_a_drainer_thread_lose_nothing_uncounted(kind, event_capaci
 def store_keys(store, chains) -> set[str]:
     keys = [key for keys in chains for key in keys]
     return {key for key, hit in zip(keys, store.exists(keys)) if hit}
+
+
+def test_the_managers_metrics_count_the_stores_events():
+    from offload_rig import make_rig
+
+    fingerprint = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 4)
+    store = MemoryStore(fingerprint, capacity_pages=4, event_capacity=4)
+    rig = make_rig(page_size=4, offload_stride=8, storage=store)
+    others = torch.zeros(2, 64, dtype=torch.int32)
+    store.put(["1" * 64], [others[0]])  # two one-page chains of other requests
+    store.put(["2" * 64], [others[1]])
+    req = rig.new_request("r", range(4), 32)  # its prompt page: stored by the "prefill side"
+    for token in range(100, 109):  # 8 more tokens with KV: 2 pages; the 4-page store evicts one
+        rig.decode(req, token)
+    assert rig.manager.finish(req)
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    m = rig.manager.metrics
+    assert m.pages_stored == 2
+    assert (m.store_events_stored, m.store_events_evicted, m.store_events_removed) == (5, 1, 0)
+    assert store.clear() == 4
+    m = rig.manager.metrics
+    assert (m.store_events_stored, m.store_events_evicted, m.store_events_removed) == (5, 1, 4)
+    assert m.store_events_dropped == 10 - 4
+    assert [event.kind for event in store.take_events()] == ["removed"] * 4

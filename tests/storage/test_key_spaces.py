@@ -1,0 +1,100 @@
+"""Other key spaces in a file store's directory: listed with pages and bytes, never silently
+there (opening says so), evicted counted (FileStore.evict_key_space, ``kvstage store``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvstage.cli import main
+from kvstage.errors import InvalidArgumentError
+from kvstage.kv_layout import KVLayout
+from kvstage.storage import FileStore, KeySpace, LayoutFingerprint
+from kvstage.storage.file_store import key_spaces
+
+LAYOUT = KVLayout(2, 2, 1, 4, "float32")
+OLD = LayoutFingerprint("org/model", LAYOUT, 4)  # before a weight update
+NEW = LayoutFingerprint("org/model-v2", LAYOUT, 4)
+RANK1 = LayoutFingerprint("org/model-v2", LAYOUT, 4, tp_rank=1, tp_size=2)
+
+
+def page(value: float) -> torch.Tensor:
+    return torch.full((64,), float(value))
+
+
+def fill(directory) -> tuple[FileStore, FileStore, FileStore]:
+    old, new, rank1 = FileStore(OLD, directory), FileStore(NEW, directory), FileStore(RANK1, directory)
+    old.put(["a" * 64, "b" * 64, "key/with@odd chars"], [page(1), page(2), page(3)])  # one hashed name
+    new.put(["a" * 64], [page(4)])
+    rank1.put(["c" * 64, "d" * 64], [page(5), page(6)])
+    return old, new, rank1
+
+
+def sizes(directory, store: FileStore) -> int:
+    return sum(os.path.getsize(directory / name) for name in os.listdir(directory) if store._owns(name))
+
+
+def test_key_spaces_lists_each_with_its_pages_and_bytes(tmp_path):
+    old, new, rank1 = fill(tmp_path)
+    spaces = {space.prefix: space for space in key_spaces(tmp_path)}
+    assert spaces == {
+        OLD.prefix(): KeySpace(OLD.prefix(), 3, sizes(tmp_path, old)),
+        NEW.prefix(): KeySpace(NEW.prefix(), 1, sizes(tmp_path, new)),
+        RANK1.prefix(): KeySpace(RANK1.prefix(), 2, sizes(tmp_path, rank1)),
+    }
+    assert new.key_spaces() == key_spaces(tmp_path)
+    assert key_spaces(tmp_path)[0].prefix == OLD.prefix()  # largest first
+    assert spaces[OLD.prefix()].bytes == old.used_bytes
+
+
+def test_opening_a_store_says_how_many_pages_of_other_key_spaces_are_there(tmp_path, caplog):
+    fill(tmp_path)
+    with caplog.at_level(logging.INFO, logger="kvstage.storage.file_store"):
+        FileStore(NEW, tmp_path)
+    assert "5 page files of other key spaces" in caplog.text
+
+
+def test_evict_key_space_removes_that_key_space_only_counted_with_events(tmp_path):
+    old, new, rank1 = fill(tmp_path)
+    new.take_events()
+    assert new.evict_key_space(OLD.prefix()) == 3
+    assert old.exists(["a" * 64, "b" * 64, "key/with@odd chars"]) == [False] * 3
+    assert new.exists(["a" * 64]) == [True] and rank1.exists(["c" * 64, "d" * 64]) == [True, True]
+    events = new.take_events()
+    assert sorted(e.key for e in events) == sorted(["a" * 64, "b" * 64, "key/with@odd chars"])
+    assert {(e.kind, e.key_space, e.tier) for e in events} == {("removed", OLD.prefix(), "file")}
+    assert new.stats.pages_removed == 3
+    assert new.evict_key_space(OLD.prefix()) == 0
+    assert {space.prefix for space in key_spaces(tmp_path)} == {NEW.prefix(), RANK1.prefix()}
+
+
+def test_evict_key_space_refuses_its_own_and_a_non_prefix(tmp_path):
+    _, new, _ = fill(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="prefix: .* is this store's own key space; clear"):
+        new.evict_key_space(NEW.prefix())
+    with pytest.raises(InvalidArgumentError, match="prefix: must be a fingerprint prefix"):
+        new.evict_key_space("org_model")  # a bare name would match more than one key space
+    assert len(os.listdir(tmp_path)) == 6
+
+
+def test_the_store_command_lists_and_evicts_the_other_key_spaces(tmp_path, capsys):
+    fill(tmp_path)
+    assert main(["store", f"file:{tmp_path}"]) == 0
+    listed = capsys.readouterr().out
+    assert f"{OLD.prefix()}  3 pages" in listed and f"{RANK1.prefix()}  2 pages" in listed
+    assert main(["store", f"file:{tmp_path}", "--evict-other"]) == 2
+    assert "--evict-other needs at least one --keep" in capsys.readouterr().err
+    assert len(os.listdir(tmp_path)) == 6  # refused before removing anything
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstage", "store", f"file:{tmp_path}", "--evict-other", "--keep", NEW.prefix(), "--keep", RANK1.prefix()],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"evicted {OLD.prefix()}: 3 pages" in result.stdout
+    assert {space.prefix for space in key_spaces(tmp_path)} == {NEW.prefix(), RANK1.prefix()}
+    assert main(["store", "memory:1024"]) == 2 and "must be file:DIR" in capsys.readouterr().err
