@@ -19,9 +19,10 @@
  * above 2**63-1 is an error.
  *
  * A 1-D C-contiguous buffer of integers (an array.array such as sglang's array('q') token
- * lists, a memoryview, a numpy array) is read in place, never copied, its format checked against
- * its item size; the loop runs with the GIL released, as hashlib does for large inputs. A list or tuple of ints is read once, with the GIL held, into a u32
- * array that the loop then hashes with the GIL released.
+ * lists, a memoryview, a numpy array) is read in place, never copied, its format checked
+ * against its item size; the loop runs with the GIL released, as hashlib does for large inputs.
+ * A list or tuple of ints is read once, with the GIL held, into a u32 array that the loop then
+ * hashes with the GIL released.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -418,8 +419,8 @@ PyDoc_STRVAR(page_chain_doc,
 "tokens: a list or tuple of ints, or a 1-D C-contiguous buffer of integers, read in place: an\n"
 "array.array, memoryview, ctypes array or numpy array whose format is one integer type of 1,\n"
 "2, 4 or 8 bytes, signed or unsigned, native or little-endian standard size ('q', 'l', '<i',\n"
-"'=H', ...) and matches its item size. page_size: tokens per page, an int >= 1. prior: a bytes-like\n"
-"object of 0 bytes (no prior) or DIGEST_SIZE bytes (a raw digest). hex: a bool.\n"
+"'=H', ...) and matches its item size. page_size: tokens per page, an int >= 1. prior: a\n"
+"bytes-like object of 0 bytes (no prior) or DIGEST_SIZE bytes (a raw digest). hex: a bool.\n"
 "\n"
 "Page i's digest is H(prior_i + page_i), prior_0 = prior, prior_i = the digest of page i-1;\n"
 "page_i is the page's ids as u32 little-endian, or, for a page holding an id above 2**32-1,\n"

@@ -24,7 +24,10 @@ Two paths give the same bytes and the same errors. Where a scheme's chain is com
 the ids itself (:func:`compiled_source` hands it the list, tuple or numpy array as it is) and
 converts them page by page while hashing; a contiguous native-endian buffer (an ``array.array``)
 is read in place, without a copy, and a strided or big-endian one is first copied into a
-contiguous native array. Otherwise (and for whatever the compiled chain
+contiguous native array. While a chain reads an ``array.array`` (for a large input with the
+GIL released) the array cannot be resized: an ``append`` from another thread raises
+``BufferError``, so code that hashes an engine's live token list off the engine's thread hashes
+a slice of it (a copy), as :func:`kvstage.offload.request.request_tokens` gives. Otherwise (and for whatever the compiled chain
 declines: ranges, int subclasses, numpy scalars in a list) :func:`token_ids` converts the whole
 input at once, with one ``array('I', ...)`` (lists) or numpy's ``astype('<u4')`` (arrays) while
 every id fits u32; only an input holding a wider id is converted again, to u64, and
@@ -220,18 +223,18 @@ def _is_torch_tensor(value: object) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def _format_letter(format: str) -> tuple[str, str]:
+def _format_letter(buffer_format: str) -> tuple[str, str]:
     """``(byte order prefix, type letter)`` of a buffer format: ``"<q"`` -> ``("<", "q")``,
     ``"l"`` -> ``("", "l")``; the letter is the rest when it is not one character."""
-    if format[:1] in ("@", "=", "<", ">", "!"):
-        return format[0], format[1:]
-    return "", format
+    if buffer_format[:1] in ("@", "=", "<", ">", "!"):
+        return buffer_format[0], buffer_format[1:]
+    return "", buffer_format
 
 
-def _is_native_integer_format(format: str) -> bool:
+def _is_native_integer_format(buffer_format: str) -> bool:
     """Whether the compiled chains read a buffer of this format in place: an integer type,
     native or little-endian (they build on little-endian hosts only)."""
-    order, letter = _format_letter(format)
+    order, letter = _format_letter(buffer_format)
     return letter in _INTEGER_LETTERS and order in ("", "@", "=", "<") and _LITTLE_ENDIAN
 
 
@@ -365,9 +368,9 @@ def compiled_source(tokens, argument: str = "tokens"):
     Raises:
         ArgumentTypeError / InvalidArgumentError: a torch tensor of a non-integer dtype, not
             1-D, sparse or on the meta device; a range holding an id outside
-            ``0 <= id <= 2**63-1``; ``bytes``, ``bytearray`` or a buffer that is not 1-D or not
-            of integers (as :func:`token_ids`). Other bad inputs return None, and
-            :func:`token_ids` then raises.
+            ``0 <= id <= 2**63-1``; a buffer that is not 1-D or not of integers (as
+            :func:`token_ids`). Other bad inputs (``bytes`` and ``bytearray`` among them)
+            return None, and :func:`token_ids` then raises.
     """
     if type(tokens) is list or type(tokens) is tuple:
         return tokens
