@@ -38,6 +38,11 @@ class StorageError(KvstageError, RuntimeError):
     """A storage backend could not be set up or failed as a whole (not a per-key miss)."""
 
 
+class ThreadingError(KvstageError, RuntimeError):
+    """An object that one thread must drive (the offload manager: the engine's scheduler thread)
+    was called from another thread."""
+
+
 def is_int(value: object) -> bool:
     """True for an ``int`` that is not a ``bool`` (Python counts ``True`` as the int 1; no size,
     count or index here takes it)."""

@@ -5,6 +5,8 @@ store in chain order); this module counts it (offloaded, failed, discarded), com
 keys, submits the store write to a worker thread (:func:`~kvstage.offload.store_io.write_pages`),
 and, when the write is done, frees the host pages, counts each page's outcome and reports
 failures. Host pages stay allocated while their write runs: they are the write's source.
+Each request lifecycle's writes are tallied in a :class:`RequestWrites`, which the manager turns
+into its ``on_stored`` signal once the lifecycle is released and its last write has ended.
 """
 
 from __future__ import annotations
@@ -18,11 +20,33 @@ from kvstage.offload.key_chain import ChainRun, RequestChain
 from kvstage.offload.metrics import OffloadMetrics
 from kvstage.offload.store_io import write_pages
 
-__all__ = ["Backup"]
+__all__ = ["Backup", "RequestWrites"]
 
 logger = logging.getLogger(__name__)
 
 FailureCallback = Callable[[Any, list[str], "BaseException | None"], None]
+
+
+class RequestWrites:
+    """The store writes of one request lifecycle (from its first call to its release).
+
+    Attributes:
+        req: the request object.
+        pages_stored: pages that reached the store, deduplicated ones included (the store holds
+            them either way).
+        pages_failed: pages whose copy, keys or store write failed.
+        writes_pending: store writes submitted and not collected yet.
+        released: the lifecycle was released (no more writes will be added).
+    """
+
+    __slots__ = ("req", "pages_stored", "pages_failed", "writes_pending", "released")
+
+    def __init__(self, req: Any) -> None:
+        self.req = req
+        self.pages_stored = 0
+        self.pages_failed = 0
+        self.writes_pending = 0
+        self.released = False
 
 
 class Backup:
@@ -45,17 +69,19 @@ class Backup:
         self._workers = workers
         self._counters = counters
         self._on_failure = on_failure
-        self._writes: deque[tuple[Any, list[int], Any]] = deque()  # (req, host page ids, future), submission order
+        self._writes: deque[tuple[RequestWrites, list[int], Any]] = deque()  # submission order
+        self.ended: list[RequestWrites] = []  # released lifecycles whose last write has ended (take_ended)
 
     @property
     def writes_pending(self) -> int:
         """Store writes submitted and not yet collected by :meth:`poll`."""
         return len(self._writes)
 
-    def settle(self, req: Any, chain: RequestChain, run: ChainRun, result: CopyResult, *, discard: bool) -> None:
-        """Count one finished gather of ``req`` and hand its pages to a store write (or free
-        them: a failed copy, pages whose keys cannot be made, or ``discard`` for an aborted
-        request)."""
+    def settle(self, writes: RequestWrites, chain: RequestChain, run: ChainRun, result: CopyResult, *, discard: bool) -> None:
+        """Count one finished gather of ``writes.req`` and hand its pages to a store write (or
+        free them: a failed copy, pages whose keys cannot be made, or ``discard`` for a request
+        retracted without keeping its offload progress)."""
+        req = writes.req
         counters = self._counters
         pages = len(result.host_page_ids)
         write = None
@@ -63,6 +89,7 @@ class Backup:
             if not result.ok:
                 counters.copy_failures += 1
                 counters.pages_failed += pages
+                writes.pages_failed += pages
                 logger.error("offload: D2H copy of %d pages of rid=%r failed: %r", pages, req.rid, result.error)
                 self.report_failure(req, self._keys_or_empty(chain, run), result.error)
                 return
@@ -76,12 +103,14 @@ class Backup:
                 keys = chain.keys_of(run, self.hasher)
             except Exception as error:  # e.g. a token id the hash scheme cannot encode
                 counters.pages_failed += pages
+                writes.pages_failed += pages
                 logger.error("offload: page keys of %d pages of rid=%r failed: %r", pages, req.rid, error)
                 self.report_failure(req, [], error)
                 return
             host_pages = [self.copier.host_pool.page(host_page_id) for host_page_id in result.host_page_ids]
             write = self._workers.write(lambda: write_pages(self.storage, keys, host_pages, prior_key=run.prior_key))
-            self._writes.append((req, result.host_page_ids, write))
+            self._writes.append((writes, result.host_page_ids, write))
+            writes.writes_pending += 1
         finally:
             if write is None:
                 counters.pages_in_flight -= pages
@@ -91,6 +120,18 @@ class Backup:
         """Collect the finished writes, oldest first (never blocks)."""
         while self._writes and self._writes[0][2].done():
             self._written(*self._writes.popleft())
+
+    def end(self, writes: RequestWrites) -> None:
+        """``writes``' lifecycle was released: it is ended once its last write has."""
+        writes.released = True
+        if writes.writes_pending == 0:
+            self.ended.append(writes)
+
+    def take_ended(self) -> list[RequestWrites]:
+        """The released lifecycles whose last write has ended since the last call, in the
+        order they ended."""
+        ended, self.ended = self.ended, []
+        return ended
 
     def wait(self) -> None:
         """Block until every submitted write has finished (shutdown and tests)."""
@@ -113,13 +154,19 @@ class Backup:
         except Exception:
             return []
 
-    def _written(self, req: Any, host_page_ids: list[int], future: Any) -> None:
+    def _written(self, writes: RequestWrites, host_page_ids: list[int], future: Any) -> None:
+        req = writes.req
         outcome = future.result()
         self.copier.free(host_page_ids)
         counters = self._counters
         counters.pages_in_flight -= len(host_page_ids)
         counters.pages_stored += outcome.stored
         counters.pages_deduplicated += outcome.deduplicated
+        writes.pages_stored += outcome.stored + outcome.deduplicated
+        writes.pages_failed += len(outcome.failed_keys)
+        writes.writes_pending -= 1
+        if writes.released and writes.writes_pending == 0:
+            self.ended.append(writes)
         if outcome.failed_keys:
             counters.pages_failed += len(outcome.failed_keys)
             counters.storage_failures += 1

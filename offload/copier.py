@@ -123,7 +123,9 @@ class Copier:
 
     # -- copies ---------------------------------------------------------------------------
 
-    def gather(self, job: Any, slot_indices: torch.Tensor, *, after: Any = None, argument: str = "slot_indices") -> list[int] | None:
+    def gather(
+        self, job: Any, slot_indices: torch.Tensor, *, after: Any = None, argument: str = "slot_indices", checked: bool = False
+    ) -> list[int] | None:
         """Allocate host pages and launch the D2H copy of ``slot_indices``' pages into them.
 
         Args:
@@ -131,6 +133,8 @@ class Copier:
             slot_indices: int32/int64 ``[num_pages * page_size]`` device slots, page by page.
             after: the producer event or stream the copy waits for (see :meth:`CopyStream.submit`).
             argument: how error messages name ``slot_indices``.
+            checked: the caller ran :meth:`check_slot_indices` on ``slot_indices`` (or on a
+                tensor they are a whole-page slice of) already; not checked again.
 
         Returns:
             The host page ids (page ``i`` goes to ``host_page_ids[i]``), or None when the host
@@ -141,7 +145,7 @@ class Copier:
                 a 1-D int32/int64 tensor of whole pages on the KV pool's device; nothing changed.
             Whatever the launch raises on CUDA; the host pages are freed then.
         """
-        num_pages = self.check_slot_indices(slot_indices, argument)
+        num_pages = slot_indices.shape[0] // self.page_size if checked else self.check_slot_indices(slot_indices, argument)
         host_page_ids = self.alloc(num_pages)
         if host_page_ids is None:
             return None

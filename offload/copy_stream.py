@@ -8,7 +8,8 @@
   so it reads KV the forward pass has written, and records timing events around itself.
 - CPU: one worker thread that runs copies in submission order and completes their handles, so
   the lifecycle is asynchronous on CPU as well (``query()`` is False until the worker has run
-  the copy). A producer given as ``after`` is waited on (``after.synchronize()``) by the worker
+  the copy). At interpreter exit the worker finishes its queue and stops, also when nobody
+  called :meth:`CopyStream.close`. A producer given as ``after`` is waited on (``after.synchronize()``) by the worker
   before the copy runs, as the side stream would wait on an event.
 
 :class:`ManualCopyStream` holds every copy until a test (or a benchmark) completes it, in any
@@ -17,9 +18,11 @@ order, optionally without running it.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -100,6 +103,7 @@ class CopyStream:
             self._queue = queue.SimpleQueue()
             self._worker = threading.Thread(target=_run_copies, args=(self._queue,), name="kvstage-copy", daemon=True)
             self._worker.start()
+            _WITH_WORKERS.add(self)
 
     def __del__(self) -> None:
         try:
@@ -110,6 +114,18 @@ class CopyStream:
 
 def _no_copy() -> None:
     pass
+
+
+# CPU streams whose worker runs. A daemon thread still inside torch when the interpreter
+# finalizes aborts the process ("terminate called without an active exception"), so a
+# process that exits without closing its manager stops these workers first.
+_WITH_WORKERS: "weakref.WeakSet[CopyStream]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_workers_at_exit() -> None:
+    for stream in list(_WITH_WORKERS):
+        stream.close()
 
 
 def _run_copies(work: queue.SimpleQueue) -> None:

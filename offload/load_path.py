@@ -50,9 +50,10 @@ class PrefetchHandle:
     """A prefetch of a request's stored prefix into host pages (see
     :meth:`kvstage.offload.OffloadManager.prefetch`).
 
-    The read runs on a worker thread: first a lookup (``exists``) of the prompt's whole pages,
-    then ``get`` in batches; :attr:`pages_ready` grows after each batch. A page that exists but
-    fails to read ends the hit at the page before it.
+    The read runs on a worker thread: first a lookup (``exists``) of every wanted page, then
+    ``get`` of the leading hits that have host pages, in batches; :attr:`pages_ready` grows
+    after each batch. A page that exists but fails to read ends the hit at the page before it.
+    Once the read has ended, the next ``poll`` frees the host pages past the ready ones.
 
     Attributes:
         req: the request object.
@@ -60,27 +61,38 @@ class PrefetchHandle:
             request), ``"wait_complete"`` (only once the read has finished), or ``"timeout"``
             (once finished or ``timeout_s`` after the prefetch started).
         timeout_s: for ``"timeout"``, seconds.
-        pages_wanted: whole prompt pages looked up (at most the host pages it could get).
+        page_keys: the keys looked up, in chain order.
+        pages_wanted: whole pages looked up (``len(page_keys)``).
+        num_host_pages: host pages the read got (0 while it waits for them, see ``min_pages``);
+            pages past it are not read even when the store holds them (counted in
+            ``OffloadMetrics.pages_truncated``).
+        min_pages: host pages the prefetch waits for before it starts (0: it does not wait).
+        pages_hit: leading pages of ``page_keys`` the store holds, once the lookup ran (None before).
+        pages_ready: leading pages read into host pages so far.
+        host_page_ids: the host pages it holds now.
     """
 
-    def __init__(self, req: Any, policy: str, timeout_s: float | None, page_keys: list[str], host_page_ids: list[int], page_size: int) -> None:
+    def __init__(self, req: Any, policy: str, timeout_s: float | None, page_keys: list[str], page_size: int) -> None:
         self.req = req
         self.policy = policy
         self.timeout_s = timeout_s
         self.page_keys = page_keys
-        self.host_page_ids = host_page_ids
         self.page_size = page_size
         self.pages_wanted = len(page_keys)
+        self.host_page_ids: list[int] = []
+        self.num_host_pages = 0
+        self.min_pages = 0
         self.started = time.monotonic()
         # Written by the worker thread (single int stores), read by the engine's.
         self.pages_hit: int | None = None  # the lookup's leading hits, once known
         self.pages_ready = 0
-        self.finished = False  # the worker is done with the host pages
+        self.finished = False  # the worker is done with the host pages (or it never started)
         self.error: BaseException | None = None
         self.hole = False  # the read stopped at a page the lookup found but the store could not read
         self.cancelled = False
         self.loaded = False  # load() took it
-        self.future: Any = None
+        self.future: Any = None  # the read, once started
+        self.accounted = False  # the manager counted its finished read
 
     @property
     def tokens_ready(self) -> int:
@@ -99,9 +111,10 @@ class PrefetchHandle:
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the read has finished (for tests and tools, never the engine's step);
-        True when it has."""
+        True when it has. A prefetch still waiting for host pages returns False at once (the
+        manager's ``poll`` starts it)."""
         if self.future is None:
-            return True
+            return self.finished
         try:
             self.future.result(timeout=timeout_s)
         except FutureTimeoutError:
@@ -111,7 +124,7 @@ class PrefetchHandle:
     def __repr__(self) -> str:
         return (
             f"PrefetchHandle(rid={getattr(self.req, 'rid', None)!r}, policy={self.policy}, wanted={self.pages_wanted}, "
-            f"hit={self.pages_hit}, ready={self.pages_ready}, finished={self.finished}, cancelled={self.cancelled})"
+            f"num_host_pages={self.num_host_pages}, hit={self.pages_hit}, ready={self.pages_ready}, finished={self.finished}, cancelled={self.cancelled})"
         )
 
 

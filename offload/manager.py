@@ -3,14 +3,17 @@
 The engine calls, from its scheduler thread:
 
 - store path: :meth:`~OffloadManager.offload` for each running request every step (it launches
-  the prompt's whole pages once they have KV, then each new whole stride of decode tokens),
+  the prompt's whole pages as their KV is written, chunk by chunk under chunked prefill, then
+  each new whole stride of decode tokens),
   :meth:`~OffloadManager.finish` / :meth:`~OffloadManager.abort` /
   :meth:`~OffloadManager.retract` when a request leaves the running batch;
 - load path: :meth:`~OffloadManager.match_prefix` (lookup),
   :meth:`~OffloadManager.prefetch` (store to host pages on a worker thread),
   :meth:`~OffloadManager.load` (host pages to the request's device slots, layer by layer);
 - :meth:`~OffloadManager.poll` once a step: it only collects what finished (copies, store
-  writes, reads), frees host pages and calls ``release(req)``; it never waits.
+  writes, reads), frees host pages, calls ``release(req)`` and ``on_stored(req, ...)``; it
+  never waits;
+- :meth:`~OffloadManager.flush` after a weight update: the store's key space is emptied.
 
 Decisions worth knowing:
 
@@ -22,28 +25,36 @@ Decisions worth knowing:
   computed in ``poll`` (on the engine's thread, in chain order whatever order copies finish in).
 - ``release(req)`` is called exactly once per lifecycle, after ``finish``/``abort``/``retract``,
   when no copy of the request's device slots (gather or load) is in flight. Store writes and
-  reads in flight touch only host pages and do not hold release back.
+  reads in flight touch only host pages and do not hold release back; ``on_stored(req,
+  pages_stored, pages_failed)`` comes once per lifecycle after its last write has ended.
+- A lifecycle runs from the first call on a request object to its release. A retracted object
+  starts a new one when it runs again; a finished or aborted (released) object raises when it
+  is offloaded again.
 - Every launched page ends exactly once: stored, deduplicated, failed, or discarded (see
-  :class:`~kvstage.offload.metrics.OffloadMetrics`).
+  :class:`~kvstage.offload.metrics.OffloadMetrics`); an abort discards nothing launched.
+- A call that raises has launched nothing and tracks nothing new: every check (arguments,
+  token ids, slot indices) runs before its first launch.
 - NVTX ranges (domain ``kvstage``): ``offload``, ``offload.finish``, ``poll``, ``lookup``,
   ``prefetch``, ``load``, ``backup`` (a worker's store write).
 
-Not thread-safe: call everything from one thread (the scheduler's).
+One thread: the thread of the first call owns the manager; a call from another raises
+:class:`~kvstage.errors.ThreadingError` (``close()`` excepted).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import weakref
 from collections import deque
 from typing import Any, Callable
 
 import torch
 
-from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, ThreadingError, is_int, require
 from kvstage.nvtx_ranges import nvtx_range
-from kvstage.offload.backup import Backup
+from kvstage.offload.backup import Backup, RequestWrites
 from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike, PageHasherLike, StoreWorkersLike
 from kvstage.offload.copier import GATHER, SCATTER, Copier, CopyResult
 from kvstage.offload.host_pool import HostPool
@@ -51,7 +62,8 @@ from kvstage.offload.key_chain import ChainRun, RequestChain
 from kvstage.offload.load_path import PREFETCH_POLICIES, LoadHandle, PrefetchHandle, PrefixMatch
 from kvstage.offload.prefetcher import Prefetcher
 from kvstage.offload.metrics import OffloadMetrics
-from kvstage.offload.request import SlotIndicesOf, kv_length, request_tokens
+from kvstage.offload.request import SlotIndicesOf, request_tokens
+from kvstage.offload.request import kv_length as kv_length_of
 from kvstage.offload.store_io import StoreWorkers
 from kvstage.storage import StorageBackend
 
@@ -62,13 +74,15 @@ logger = logging.getLogger(__name__)
 
 class _RequestState:
     __slots__ = (
-        "req", "offloaded_length", "chain", "unsettled", "copies_in_flight", "loads",
-        "ending", "aborted", "retract_keep", "prefetch", "backlog_pages",
+        "req", "offloaded_length", "launched_length", "kv_length", "chain", "unsettled", "copies_in_flight", "loads",
+        "ending", "aborted", "retract_keep", "prefetch", "backlog_pages", "writes",
     )
 
     def __init__(self, req: Any, offloaded_length: int) -> None:
         self.req = req  # held: keeps id(req) from being reused while tracked
         self.offloaded_length = offloaded_length  # tokens [0, offloaded_length) stored, loaded or launched
+        self.launched_length = 0  # tokens [0, launched_length) launched by this lifecycle's calls
+        self.kv_length = 0  # finish(): the tokens with KV its waiting pages go up to
         self.chain: RequestChain | None = None  # None: nothing launched or loaded yet
         # Launched segments not settled yet, in launch order: a finished one waits for those
         # before it, so its request's writes reach the store in chain order.
@@ -80,6 +94,7 @@ class _RequestState:
         self.retract_keep: bool | None = None  # retract(): keep the offload progress for a rerun
         self.prefetch: PrefetchHandle | None = None
         self.backlog_pages = 0  # whole pages finish() is waiting for host pages for
+        self.writes = RequestWrites(req)  # this lifecycle's store writes (on_stored)
 
 
 class _Segment:
@@ -114,22 +129,32 @@ class OffloadManager:
         hasher: page keys (:class:`kvstage.hashing.PageHasher`), page size as the host pool's.
         slot_indices_of: ``slot_indices_of(req)`` -> the request's device slots
             (:data:`~kvstage.offload.request.SlotIndicesOf`).
-        offload_stride: decode tokens per copy, a positive multiple of the page size
-            (default: one page).
+        offload_stride: decode tokens per copy, a positive multiple of the page size that the
+            host pool can hold (default: one page).
         store_prompt: True (default): the manager stores the prompt's whole pages too, and the
             chain starts at the namespace seed. False: the engine's prefill side stored them
             (sglang's disaggregated decode); the chain continues from their keys.
         release: ``release(req)``: the engine may free the request's device slots now.
         on_storage_failure: ``on_storage_failure(req, failed_keys, error)``: a copy, the page
-            keys or a store write failed for these keys (empty when keys could not be made).
+            keys or a store write failed for these keys (empty when keys could not be made);
+            ``error`` is the exception that failed them (e.g. the store's ``OSError`` with its
+            errno) or None when the store only answered FAILED. Also logged once at WARNING.
+        on_stored: ``on_stored(req, pages_stored, pages_failed)``: called from :meth:`poll`
+            exactly once per request lifecycle (also aborted and retracted ones, and with
+            ``0, 0`` when nothing was launched), after its release and after its last store
+            write has ended: every page it launched has then reached the store (deduplicated
+            pages count as stored: the store holds them) or failed. Pages discarded by
+            ``retract(keep_offloaded=False)`` are in neither count. An engine that sends a
+            follow-up turn waits for this, not for ``release``, to find the pages stored.
         backend: the kernels' backend (``"auto"``, ``"triton"``, ``"torch"``).
         copy_stream: where copies run (default: :class:`~kvstage.offload.CopyStream` on the
             pool's device).
         producer: default for each call's ``after``: the stream (or event) after whose work
             the KV is written, e.g. the engine's forward stream (None: the current stream).
         finish_backlog_pages: whole pages that finished requests may wait for host pages
-            with (their device slots stay held until launched); beyond it ``finish`` drops
-            pages (``pages_dropped``). Default: the host pool's capacity.
+            with (their device slots stay held until launched). None (default): no limit,
+            ``finish`` never drops a page. A number opts into dropping the pages beyond it
+            (``pages_dropped``, a WARNING) so that a short host pool cannot hold device slots.
         store_workers: where store writes and reads run: anything with ``write(call)`` and
             ``read(call)`` returning a ``concurrent.futures.Future``, and ``close()`` (default:
             :class:`~kvstage.offload.store_io.StoreWorkers`, one writer and one reader thread).
@@ -139,8 +164,16 @@ class OffloadManager:
     Raises:
         ArgumentTypeError: ``hasher`` is not a page hasher instance, ``storage`` is not a
             storage backend, or ``producer`` is neither None, an event nor a stream.
-        InvalidArgumentError: the stride, page sizes or layouts do not match, a callback is
-            not callable, or ``finish_backlog_pages`` is not an int >= 0.
+        InvalidArgumentError: the stride, page sizes or layouts do not match, the stride
+            needs more pages than the host pool holds, a callback is not callable, or
+            ``finish_backlog_pages`` is neither None nor an int >= 0.
+
+    Call every method but :meth:`close` from one thread (the engine's scheduler): the thread of
+    the first call owns the manager, and a call from another raises
+    :class:`~kvstage.errors.ThreadingError` naming the method and both threads. The read-only
+    inspectors (``metrics``, ``is_tracked``, ``in_flight``, ``offloaded_length``,
+    ``requests_live``, ``copies_in_flight``) are not checked: read from another thread, they
+    are a racy snapshot.
     """
 
     def __init__(
@@ -155,6 +188,7 @@ class OffloadManager:
         store_prompt: bool = True,
         release: Callable[[Any], None] | None = None,
         on_storage_failure: Callable[[Any, list[str], BaseException | None], None] | None = None,
+        on_stored: Callable[[Any, int, int], None] | None = None,
         backend: str = "auto",
         copy_stream: CopyStreamLike | None = None,
         producer: Any = None,
@@ -174,6 +208,10 @@ class OffloadManager:
             is_int(stride) and stride > 0 and stride % page_size == 0,
             "offload_stride", lambda: f"must be a positive multiple of page_size {page_size}, got {offload_stride!r}",
         )
+        require(
+            stride // page_size <= host_pool.capacity, "offload_stride",
+            lambda: f"{stride} tokens ({stride // page_size} pages of {page_size}) exceeds the host pool's capacity of {host_pool.capacity} pages: no stride could ever be launched",
+        )
         self.copier = Copier(kv_pool, host_pool, copy_stream=copy_stream, backend=backend)
         fingerprint = getattr(storage, "fingerprint", None)
         require(fingerprint is not None, "storage", lambda: f"must be a kvstage.storage.StorageBackend, got {type(storage).__name__}", ArgumentTypeError)
@@ -181,9 +219,12 @@ class OffloadManager:
         require(callable(slot_indices_of), "slot_indices_of", "must be callable")
         require(release is None or callable(release), "release", "must be callable or None")
         require(on_storage_failure is None or callable(on_storage_failure), "on_storage_failure", "must be callable or None")
+        require(on_stored is None or callable(on_stored), "on_stored", "must be callable or None")
         _check_after(producer, "producer")
-        backlog = host_pool.capacity if finish_backlog_pages is None else finish_backlog_pages
-        require(is_int(backlog) and backlog >= 0, "finish_backlog_pages", lambda: f"must be an int >= 0, got {finish_backlog_pages!r}")
+        require(
+            finish_backlog_pages is None or (is_int(finish_backlog_pages) and finish_backlog_pages >= 0),
+            "finish_backlog_pages", lambda: f"must be None (no limit) or an int >= 0, got {finish_backlog_pages!r}",
+        )
         self.kv_pool = kv_pool
         self.host_pool = host_pool
         self.storage = storage
@@ -193,10 +234,13 @@ class OffloadManager:
         self.offload_stride = stride
         self.store_prompt = bool(store_prompt)
         self.producer = producer
-        self.finish_backlog_pages = backlog
+        self.finish_backlog_pages = finish_backlog_pages
         # An MLA rank other than 0 holds the same latent as rank 0, which writes it.
         self.writes_pages = fingerprint.writes_pages
         self._release_callback = release
+        self._on_stored = on_stored
+        self._owner_ident: int | None = None  # the thread of the first call
+        self._owner_name = ""
         self._owns_workers = store_workers is None
         self._workers = StoreWorkers() if store_workers is None else store_workers
         self._states: dict[int, _RequestState] = {}
@@ -215,73 +259,109 @@ class OffloadManager:
 
     # -- store path ---------------------------------------------------------------------------
 
-    def offload(self, req: Any, *, after: Any = None) -> bool:
+    def offload(self, req: Any, *, kv_length: int | None = None, after: Any = None) -> bool:
         """Launch the D2H copy of ``req``'s pages that have KV and are not stored yet: the
         prompt's whole pages (``store_prompt``), then each new whole stride of decode tokens.
 
+        Under chunked prefill, call it after each chunk with ``kv_length``: the prompt's whole
+        pages up to it are launched as they come, never a page with a slot not written yet.
         A request whose ``finished()`` is true is handed to :meth:`finish`. A request with a
         pending prefetch is refused: load or cancel the prefetch first.
 
         Args:
             req: the request object (:class:`~kvstage.offload.OffloadRequest`).
+            kv_length: the token positions ``[0, kv_length)`` whose KV is written (an int,
+                at most the request's prompt plus output tokens, never below what this
+                lifecycle launched already). None: the whole prompt and every output token
+                but the last (:func:`~kvstage.offload.request.kv_length`).
             after: the event or stream after which its KV is written (default: ``producer``).
 
         Returns:
             True when a copy was launched now (as many whole units as the host pool holds,
             oldest first; the rest at later calls). False when there is nothing new, the
-            request has ended, this rank does not write (MLA rank > 0), or nothing fits.
+            request is ending, this rank does not write (MLA rank > 0), or nothing fits.
 
         Raises:
-            ArgumentTypeError / DeviceMismatchError / InvalidArgumentError: ``slot_indices_of``
-                returned no 1-D int tensor of the pool's device, too few slots, or (on CPU, where
-                it costs no sync) a slot out of the pool's range; a placeholder (negative) token
-                id among the tokens to copy; ``after`` is no event or stream; a prefetch of the
-                request is pending; the manager is closed. Nothing changed then.
+            ArgumentTypeError / DeviceMismatchError / InvalidArgumentError: a bad ``kv_length``;
+                ``slot_indices_of`` returned no 1-D int tensor of the pool's device, too few
+                slots, or (on CPU, where it costs no sync) a slot out of the pool's range; a
+                placeholder (negative) token id among the tokens to copy; ``after`` is no event
+                or stream; a prefetch of the request is pending; the request object was
+                released already (finished or aborted: use a new object, or :meth:`retract` a
+                request that runs again); the manager is closed.
+            ThreadingError: called from another thread than the manager's.
+            Nothing was launched and nothing new is tracked then.
         """
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("offload")
         self._require_open("offload")
         _check_after(after, "after")
         with nvtx_range("offload"):
-            state = self._live_state(req)
+            state, new = self._states.get(id(req)), False
             if state is None:
+                state, new = self._state_of(req, released_raises=True)
+                if state is None:
+                    return False
+            elif state.ending:
                 return False
+            length = kv_length_of(req) if kv_length is None else self._checked_kv_length(state, kv_length)
             if req.finished():
-                return self._finish_state(state, after)
+                return self._finish_state(state, new, length, after)
             require(
                 state.prefetch is None, "req",
                 lambda: f"rid={req.rid!r} has a prefetch pending: load or cancel it before offloading its pages",
             )
-            return self._launch_all(state, self.offload_stride, after) > 0
+            runs = self._plan(state, self.offload_stride, length)
+            if new:
+                self._commit(state)
+            return self._launch(state, runs, after) > 0 if runs else False
 
-    def finish(self, req: Any, *, after: Any = None) -> bool:
+    def finish(self, req: Any, *, kv_length: int | None = None, after: Any = None) -> bool:
         """``req`` has ended normally: offload its remaining whole pages, then release it.
 
-        Pages that find no free host page wait for one (within ``finish_backlog_pages``, the
-        device slots held meanwhile); beyond that limit they are dropped (``pages_dropped``).
-        A second call does nothing.
+        Pages that find no free host page wait for one (the device slots held meanwhile) and
+        are launched by later polls; only with ``finish_backlog_pages`` set are the pages
+        beyond that limit dropped (``pages_dropped``). A second call, or a call after the
+        release, does nothing.
+
+        Args:
+            kv_length: as for :meth:`offload` (a request cut short mid-prefill stores the
+                pages of its computed chunks).
+            after: as for :meth:`offload`.
 
         Returns:
             True when every remaining whole page was launched or is waiting; False when some
             were dropped.
 
         Raises:
-            As :meth:`offload`; nothing changed then and the request is not released (call
-            :meth:`abort`).
+            As :meth:`offload`; nothing was launched and the request is not released then
+            (call :meth:`abort`).
         """
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("finish")
         self._require_open("finish")
         _check_after(after, "after")
         with nvtx_range("offload.finish"):
-            state = self._live_state(req)
-            return True if state is None else self._finish_state(state, after)
+            state, new = self._state_of(req, released_raises=False)
+            if state is None:
+                return True
+            return self._finish_state(state, new, self._checked_kv_length(state, kv_length), after)
 
     def abort(self, req: Any) -> None:
         """``req`` was aborted: nothing more of it is stored or loaded.
 
         Its prefetch is cancelled; loads of it in flight are waited for (a queued copy cannot
         be recalled), so no slot of it is written after this returns; gathers in flight complete
-        and their pages are discarded. ``release(req)`` is called once none of its copies is in
-        flight: within this call when no gather of it is (also after waiting for its loads), else
-        in the :meth:`poll` that collects the last one. After release it does nothing.
+        and their pages are stored (a long prefill aborted midway keeps the chunks it
+        launched). ``release(req)`` is called once none of its copies is in flight: within this
+        call when no gather of it is (also after waiting for its loads), else in the
+        :meth:`poll` that collects the last one. After release it does nothing.
+
+        Raises:
+            ThreadingError: called from another thread than the manager's.
         """
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("abort")
         state = self._states.get(id(req))
         if state is None:
             if self._has_ended(req):
@@ -292,13 +372,21 @@ class OffloadManager:
     def retract(self, req: Any, *, keep_offloaded: bool = True) -> None:
         """``req`` leaves the running batch to run again later (sglang's retraction under
         memory pressure): like :meth:`abort` (its device slots are released once nothing of
-        it is in flight), except that the object may be offloaded again afterwards.
+        it is in flight), except that the object starts a new lifecycle when it is offloaded
+        or prefetched again.
 
         Args:
             keep_offloaded: True: when it runs again, offloading resumes after the pages
-                already stored or launched (their keys continue the chain); False: it starts
-                over (pages already in the store are deduplicated).
+                already stored or launched (their keys continue the chain), and its
+                :meth:`prefetch` looks up every token with KV, output tokens too, so it
+                reloads what it stored. False: it starts over; pages still copying are
+                discarded (pages already in the store are deduplicated).
+
+        Raises:
+            ThreadingError: called from another thread than the manager's.
         """
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("retract")
         state = self._states.get(id(req))
         if state is None:
             return
@@ -311,52 +399,78 @@ class OffloadManager:
     def match_prefix(self, req: Any = None, *, token_ids: Any = None, extra_key: str | None = None, cache_salt: str | None = None) -> PrefixMatch:
         """Lookup: how many leading whole pages of a token sequence the store holds.
 
-        Give a request (its prompt but the last token, which the engine computes anyway) or
-        ``token_ids`` with their namespace. One batched ``exists`` call on the caller's thread
-        (a store round trip; :meth:`prefetch` does its own lookup on a worker thread).
+        Give a request (every token with KV, prompt and output, but the last, which the engine
+        computes anyway: a resumed request finds what it stored) or ``token_ids`` with their
+        namespace. One batched ``exists`` call on the caller's thread, a store round trip: an
+        engine's scheduler calls :meth:`prefetch` instead, which looks up on a worker thread.
 
         Raises:
             InvalidArgumentError: neither or both of ``req`` and ``token_ids``.
             StorageError: the store answered a different number of keys than asked; whatever
                 its ``exists`` raises.
+            ThreadingError: called from another thread than the manager's.
         """
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("match_prefix")
         self._require_open("match_prefix")
         return self._prefetcher.match(self._prefetcher.lookup_keys(req, token_ids, extra_key, cache_salt))
 
-    def prefetch(self, req: Any, *, policy: str = "best_effort", timeout_s: float | None = None) -> PrefetchHandle:
+    def prefetch(
+        self, req: Any, *, policy: str = "best_effort", timeout_s: float | None = None, min_pages: int | None = None
+    ) -> PrefetchHandle:
         """Start reading ``req``'s stored prefix into host pages on a worker thread.
 
-        The worker looks the prompt's whole pages up (all but the last prompt token), then
-        reads the leading hits; the handle's ``pages_ready`` grows as batches land. Host pages
-        for every looked-up page are taken now (as many as are free); those beyond the hit are
-        freed by :meth:`poll` once the read ends.
+        The worker looks up every whole page of the request's tokens with KV (prompt and
+        output, all but the last token, which the engine computes anyway; a retracted request
+        that runs again reloads every page it stored), then reads the leading hits; the
+        handle's ``pages_ready`` grows as batches land. Host pages for the looked-up pages are
+        taken when the read starts, as many as are free: a lookup that hits more pages than it
+        got host pages for reads only those (the handle's ``num_host_pages``; counted in
+        ``pages_truncated``). The next :meth:`poll` after the read ends frees the host pages
+        past ``pages_ready``. This is the call for an engine's scheduler: it needs no
+        :meth:`match_prefix` before it.
 
         Args:
-            req: a request not yet running (no pages offloaded).
+            req: a request not yet running (no pages offloaded in this lifecycle).
             policy: when :meth:`PrefetchHandle.ready_to_load` lets the engine load (see
                 :data:`~kvstage.offload.load_path.PREFETCH_POLICIES`).
             timeout_s: seconds, for ``policy="timeout"``.
+            min_pages: None (default): start at once with the host pages free now. An int
+                >= 1: wait (no host page taken, ``num_host_pages == 0``, :meth:`poll` starts
+                waiting prefetches oldest first) until ``min(min_pages, pages_wanted)`` host
+                pages are free, instead of reading fewer. Offloads are not held back for it:
+                under a steady stream of copies it waits until they leave that many free.
 
         Raises:
             InvalidArgumentError: an unknown policy, a missing or non-positive timeout, a
-                placeholder (negative) id in the prompt, a request that has ended, already has a
-                prefetch, or already offloaded pages; the manager is closed. Nothing is tracked
-                then. With ``store_prompt=False`` a prefetch may load the prompt pages the
-                prefill side stored; the chain still continues from the prompt's last page.
+                ``min_pages`` that is not an int >= 1 or that the host pool can never hold, a
+                placeholder (negative) id among the tokens, a request that has ended, already
+                has a prefetch, or already offloaded pages; the manager is closed. Nothing is
+                tracked then. With ``store_prompt=False`` a prefetch may load the prompt pages
+                the prefill side stored; the chain still continues from the prompt's last page.
+            ThreadingError: called from another thread than the manager's.
         """
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("prefetch")
         require(policy in PREFETCH_POLICIES, "policy", lambda: f"must be one of {PREFETCH_POLICIES}, got {policy!r}")
         if policy == "timeout":
             require(isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0, "timeout_s", lambda: f"must be a positive number of seconds for policy 'timeout', got {timeout_s!r}")
+        require(min_pages is None or (is_int(min_pages) and min_pages >= 1), "min_pages", lambda: f"must be None or an int >= 1, got {min_pages!r}")
         self._require_open("prefetch")
         with nvtx_range("prefetch"):
             keys = self._prefetcher.lookup_keys(req)  # placeholder ids named before anything is tracked
+            capacity = self.host_pool.capacity
+            require(
+                min_pages is None or min(min_pages, len(keys)) <= capacity, "min_pages",
+                lambda: f"{min_pages} of the {len(keys)} pages looked up can never be free: the host pool holds {capacity} pages",
+            )
             state = self._states.get(id(req))
             require(state is not None or not self._has_ended(req), "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
             require(state is None or not state.ending, "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
             require(state is None or state.prefetch is None, "req", lambda: f"rid={req.rid!r} has a prefetch already")
             require(state is None or (state.chain is None and state.copies_in_flight == 0), "req", lambda: f"rid={req.rid!r} has offloaded pages already; prefetch before it runs")
             state = state if state is not None else self._track(req)
-            state.prefetch = self._prefetcher.start(req, keys, policy, timeout_s)
+            state.prefetch = self._prefetcher.start(req, keys, policy, timeout_s, min_pages)
             return state.prefetch
 
     def load(self, handle: PrefetchHandle, slot_indices: torch.Tensor, *, layer_by_layer: bool = False, after: Any = None) -> LoadHandle:
@@ -379,7 +493,13 @@ class OffloadManager:
             InvalidArgumentError: the handle was loaded or cancelled already, is another
                 manager's, its request has ended; ``slot_indices`` holds more pages than are
                 ready, or not whole pages. Nothing is written then.
+            ThreadingError: called from another thread than the manager's.
+
+        After the forward pass's ``wait_layer``/``wait``, check :attr:`LoadHandle.error`: a
+        failed load leaves the slots unwritten and the engine computes those tokens itself.
         """
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("load")
         require(isinstance(handle, PrefetchHandle), "handle", lambda: f"must be a PrefetchHandle from prefetch(), got {type(handle).__name__}", ArgumentTypeError)
         self._require_open("load")
         _check_after(after, "after")
@@ -417,62 +537,82 @@ class OffloadManager:
             return LoadHandle(handle.req, num_pages, self.page_size, copy_handles, self.kv_pool.num_layers, layer_by_layer)
 
     def cancel(self, handle: PrefetchHandle) -> None:
-        """Stop a prefetch; its host pages are freed once the worker is done with them. A
-        loaded or cancelled handle: nothing happens."""
-        require(isinstance(handle, PrefetchHandle), "handle", lambda: f"must be a PrefetchHandle, got {type(handle).__name__}", ArgumentTypeError)
-        if handle.cancelled:
-            return
-        require(handle in self._prefetcher.active, "handle", "is not this manager's prefetch")
-        state = self._states.get(id(handle.req))
-        if state is not None and state.prefetch is handle:
-            state.prefetch = None
-        self._prefetcher.cancel(handle)
+        """Stop a prefetch (or its wait for host pages); its host pages are freed once the
+        worker is done with them. A loaded or cancelled handle: nothing happens.
+
+        Raises:
+            ThreadingError: called from another thread than the manager's.
+        """
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("cancel")
+        self._cancel(handle)
 
     # -- every step ---------------------------------------------------------------------------
 
     def poll(self) -> int:
         """Collect what finished: copies (page keys and store writes for gathers, host pages
-        freed for loads), store writes, prefetch reads; launch finished requests' waiting pages;
-        release requests. Never blocks. Returns the number of copies handled."""
-        with nvtx_range("poll"):
-            unhandled = self._unhandled
-            unhandled.extend(self.copier.poll())
-            handled = 0
-            while unhandled:  # one at a time: an interrupted poll leaves the rest for the next
-                result = unhandled.popleft()
-                handled += 1
-                if result.direction == GATHER:
-                    self._gathered(result)
-                else:
-                    self._loaded(result)
-            self._backup.poll()
-            self._prefetcher.poll()
-            if self._backlog:
-                self._launch_backlog()
-            return handled
+        freed for loads), store writes, prefetch reads (host pages past the ready ones freed,
+        waiting prefetches started); launch finished requests' waiting pages; release
+        requests; call ``on_stored`` for lifecycles whose last write has ended. Never blocks.
+        Returns the number of copies handled.
+
+        Raises:
+            ThreadingError: called from another thread than the manager's.
+        """
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("poll")
+        return self._poll()
 
     def drain(self) -> None:
         """Block until every copy, store write and read in flight has completed, and finished
         requests' waiting pages are launched, polling as it goes (for shutdown and tests; never
-        in the engine's step)."""
-        while True:
-            self.copier.synchronize()
-            self._prefetcher.wait()
-            self._backup.wait()
-            self.poll()
-            if not (self.copier.copies_in_flight or self._backup.writes_pending or self._backlog):
-                return
+        in the engine's step).
+
+        Raises:
+            ThreadingError: called from another thread than the manager's.
+        """
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("drain")
+        self._drain()
+
+    def flush(self) -> int:
+        """Empty the store's key space (after a weight update, its pages hold the old weights'
+        KV): cancel every prefetch, wait for the copies, store writes and reads in flight (as
+        :meth:`drain`), forget what retracted requests had offloaded (they store again from
+        the start), then ``storage.clear()``.
+
+        Requests still running keep their chains: their later pages continue keys whose
+        predecessors are gone, which a chain-aware store refuses (counted failed). Flush when
+        no request runs, as sglang does before a weight update.
+
+        Returns:
+            The pages the store removed.
+
+        Raises:
+            ThreadingError: called from another thread than the manager's.
+            InvalidArgumentError: the manager is closed.
+            Whatever the store's ``clear()`` raises.
+        """
+        if threading.get_ident() != self._owner_ident:
+            self._check_thread("flush")
+        self._require_open("flush")
+        for handle in list(self._prefetcher.active):
+            self._cancel(handle)
+        self._drain()
+        self._retracted.clear()
+        return self.storage.clear()
 
     def close(self) -> None:
         """Cancel prefetches, :meth:`drain`, then stop the worker threads and the copy stream if
-        the manager made them. Idempotent. Afterwards ``offload``, ``finish``, ``prefetch``,
-        ``load`` and ``match_prefix`` raise; ``abort`` and ``retract`` still release requests
+        the manager made them. Idempotent; allowed from any thread once the engine's thread has
+        stopped calling the manager. Afterwards ``offload``, ``finish``, ``prefetch``, ``load``,
+        ``match_prefix`` and ``flush`` raise; ``abort`` and ``retract`` still release requests
         that stayed tracked."""
         if self._closed:
             return
         for handle in list(self._prefetcher.active):
-            self.cancel(handle)
-        self.drain()
+            self._cancel(handle)
+        self._drain()
         self._closed = True
         if self._owns_workers:
             self._workers.close()
@@ -529,8 +669,41 @@ class OffloadManager:
         if self._closed:
             raise InvalidArgumentError(f"manager: {call}() after close(); make a new OffloadManager")
 
-    def _track(self, req: Any) -> _RequestState:
-        resumed = self._retracted.pop(id(req), None)
+    def _check_thread(self, call: str) -> None:
+        """The first call's thread owns the manager; a call from another raises (the hot
+        methods compare :func:`threading.get_ident` first and call this only on a mismatch)."""
+        ident = threading.get_ident()
+        if self._owner_ident is None:
+            self._owner_ident, self._owner_name = ident, threading.current_thread().name
+            return
+        if ident == self._owner_ident:
+            return
+        raise ThreadingError(
+            f"{call}: called from thread {threading.current_thread().name!r} ({ident}), but thread {self._owner_name!r} "
+            f"({self._owner_ident}) made this manager's first call; call every method but close() from that one thread "
+            "(the engine's scheduler)"
+        )
+
+    def _state_of(self, req: Any, *, released_raises: bool) -> tuple[_RequestState | None, bool]:
+        """``req``'s state and whether it is new (built, not tracked yet: :meth:`_commit`);
+        None once it is ending, or released already (then ``released_raises`` raises)."""
+        state = self._states.get(id(req))
+        if state is not None:
+            return (None if state.ending else state), False
+        if self._ended.get(id(req)) is req:
+            if released_raises:
+                raise InvalidArgumentError(
+                    f"req: rid={req.rid!r} was released already; a finished or aborted request object is not offloaded "
+                    "again: give a new request a new object, and retract() a request that will run again"
+                )
+            return None, False
+        return self._new_state(req), True
+
+    def _new_state(self, req: Any) -> _RequestState:
+        """A new lifecycle's state (not tracked yet): resumed after a retraction that kept the
+        offload progress, else from the prompt's start (or, with ``store_prompt=False``, after
+        the prompt pages the prefill side stored)."""
+        resumed = self._retracted.get(id(req))
         if resumed is not None and resumed[0]() is req:
             state = _RequestState(req, resumed[1])
             state.chain = resumed[2]  # every run of it was keyed before its release
@@ -538,27 +711,48 @@ class OffloadManager:
             state = _RequestState(req, 0)
         else:  # the prefill side stored the prompt's whole pages
             state = _RequestState(req, len(req.origin_input_ids) // self.page_size * self.page_size)
-        self._states[id(req)] = state
         return state
 
-    def _live_state(self, req: Any) -> _RequestState | None:
-        """``req``'s state, tracked now if new; None once it has ended."""
-        state = self._states.get(id(req))
-        if state is None:
-            return None if self._has_ended(req) else self._track(req)
-        return None if state.ending else state
+    def _commit(self, state: _RequestState) -> None:
+        """Track a new state (its call has passed every check)."""
+        key = id(state.req)
+        self._retracted.pop(key, None)
+        self._states[key] = state
+
+    def _track(self, req: Any) -> _RequestState:
+        state = self._new_state(req)
+        self._commit(state)
+        return state
 
     def _has_ended(self, req: Any) -> bool:
-        if self._ended.get(id(req)) is req:
-            logger.debug("offload: rid=%r was released already; call ignored", req.rid)
-            return True
-        return False
+        return self._ended.get(id(req)) is req
+
+    def _checked_kv_length(self, state: _RequestState, kv_length: Any) -> int:
+        """The positions with KV: ``kv_length`` checked, or the request's default.
+
+        Raises:
+            InvalidArgumentError: not an int >= 0, past the request's tokens, or below what
+                this lifecycle launched.
+        """
+        req = state.req
+        if kv_length is None:
+            return kv_length_of(req)
+        if not is_int(kv_length) or kv_length < 0:
+            raise InvalidArgumentError(f"kv_length: must be an int >= 0 (token positions with KV), got {kv_length!r}")
+        total = len(req.origin_input_ids) + len(req.output_ids)
+        if kv_length > total:
+            raise InvalidArgumentError(f"kv_length: {kv_length} exceeds the {total} tokens of rid={req.rid!r} (prompt and output)")
+        if kv_length < state.launched_length:
+            raise InvalidArgumentError(
+                f"kv_length: {kv_length} is below the {state.launched_length} tokens of rid={req.rid!r} launched already; positions with KV never shrink"
+            )
+        return kv_length
 
     def _end_state(self, state: _RequestState, *, aborted: bool) -> None:
         state.ending = True
         state.aborted = state.aborted or aborted
         if state.prefetch is not None:
-            self.cancel(state.prefetch)
+            self._cancel(state.prefetch)
         if state.backlog_pages:
             state.backlog_pages = 0
             self._backlog.remove(state)
@@ -574,20 +768,24 @@ class OffloadManager:
                 self._loaded(result)
         self._maybe_release(state)
 
-    def _finish_state(self, state: _RequestState, after: Any) -> bool:
+    def _finish_state(self, state: _RequestState, new: bool, length: int, after: Any) -> bool:
+        runs = self._plan(state, self.page_size, length)  # every check before anything changes
+        if new:
+            self._commit(state)
         if state.prefetch is not None:  # never loaded: the engine computed the prompt itself
-            self.cancel(state.prefetch)
-        self._launch_all(state, self.page_size, after)
+            self._cancel(state.prefetch)
+        self._launch(state, runs, after)
         state.ending = True
-        remaining = (kv_length(state.req) - state.offloaded_length) // self.page_size if self.writes_pages else 0
+        state.kv_length = length
+        remaining = (length - state.offloaded_length) // self.page_size if self.writes_pages else 0
         if remaining > 0:
-            waiting = sum(s.backlog_pages for s in self._backlog)
-            if waiting + remaining <= self.finish_backlog_pages:
+            limit = self.finish_backlog_pages
+            if limit is None or sum(s.backlog_pages for s in self._backlog) + remaining <= limit:
                 state.backlog_pages = remaining
                 self._backlog.append(state)
                 return True
             self._counters.pages_dropped += remaining
-            logger.warning("offload: host pool full at finish of rid=%r: %d pages not offloaded", state.req.rid, remaining)
+            logger.warning("offload: host pool full at finish of rid=%r: %d pages not offloaded (finish_backlog_pages=%d)", state.req.rid, remaining, limit)
             self._maybe_release(state)
             return False
         self._maybe_release(state)
@@ -595,8 +793,13 @@ class OffloadManager:
 
     def _launch_backlog(self) -> None:
         for state in list(self._backlog):
-            self._launch_all(state, self.page_size, None)
-            state.backlog_pages = (kv_length(state.req) - state.offloaded_length) // self.page_size
+            try:
+                self._launch(state, self._plan(state, self.page_size, state.kv_length), None)
+                state.backlog_pages = max(state.kv_length - state.offloaded_length, 0) // self.page_size
+            except Exception:  # checked at finish; only an engine that changed the request since gets here
+                logger.exception("offload: waiting pages of rid=%r could not be launched; dropped", state.req.rid)
+                self._counters.pages_dropped += state.backlog_pages
+                state.backlog_pages = 0
             if state.backlog_pages == 0:
                 self._backlog.remove(state)
                 self._maybe_release(state)
@@ -623,6 +826,7 @@ class OffloadManager:
             except TypeError:  # a class without weakref support: not remembered
                 pass
         self._counters.releases += 1
+        self._backup.end(state.writes)
         if self._release_callback is not None:
             try:
                 self._release_callback(req)
@@ -630,54 +834,144 @@ class OffloadManager:
                 self._counters.callback_errors += 1
                 logger.exception("offload: release callback raised for rid=%r", req.rid)
 
+    # -- internals: every step ----------------------------------------------------------------
+
+    def _poll(self) -> int:
+        with nvtx_range("poll"):
+            unhandled = self._unhandled
+            unhandled.extend(self.copier.poll())
+            handled = 0
+            while unhandled:  # one at a time: an interrupted poll leaves the rest for the next
+                result = unhandled.popleft()
+                handled += 1
+                if result.direction == GATHER:
+                    self._gathered(result)
+                else:
+                    self._loaded(result)
+            self._backup.poll()
+            self._prefetcher.poll()
+            if self._backlog:
+                self._launch_backlog()
+            if self._backup.ended:
+                for writes in self._backup.take_ended():
+                    self._stored(writes)
+            return handled
+
+    def _stored(self, writes: RequestWrites) -> None:
+        if self._on_stored is None:
+            return
+        try:
+            self._on_stored(writes.req, writes.pages_stored, writes.pages_failed)
+        except Exception:
+            self._counters.callback_errors += 1
+            logger.exception("offload: on_stored callback raised for rid=%r", writes.req.rid)
+
+    def _drain(self) -> None:
+        while True:
+            self.copier.synchronize()
+            self._prefetcher.wait()
+            self._backup.wait()
+            self._poll()
+            if not (self.copier.copies_in_flight or self._backup.writes_pending or self._backlog):
+                return
+
+    def _cancel(self, handle: PrefetchHandle) -> None:
+        require(isinstance(handle, PrefetchHandle), "handle", lambda: f"must be a PrefetchHandle, got {type(handle).__name__}", ArgumentTypeError)
+        if handle.cancelled:
+            return
+        require(handle in self._prefetcher.active, "handle", "is not this manager's prefetch")
+        state = self._states.get(id(handle.req))
+        if state is not None and state.prefetch is handle:
+            state.prefetch = None
+        self._prefetcher.cancel(handle)
+
     # -- internals: store path ----------------------------------------------------------------
 
-    def _launch_all(self, state: _RequestState, unit: int, after: Any) -> int:
-        """Launch the prompt's whole pages (if not stored), then whole ``unit``s; pages launched."""
-        if not self.writes_pages:
-            return 0
-        launched = 0
-        prompt_pages_end = len(state.req.origin_input_ids) // self.page_size * self.page_size
-        if state.offloaded_length < prompt_pages_end:
-            launched += self._launch(state, self.page_size, min(prompt_pages_end, kv_length(state.req)), after)
-            if state.offloaded_length < prompt_pages_end:
-                return launched
-        return launched + self._launch(state, unit, kv_length(state.req), after)
+    def _plan(self, state: _RequestState, unit: int, length: int) -> list[tuple[ChainRun, torch.Tensor]]:
+        """The runs to launch now, every one checked: the prompt's whole pages up to
+        ``length`` (if not stored), then whole ``unit``s of ``[offloaded_length, length)``,
+        as many as the free host pages hold, oldest first; each run's tokens and slots.
 
-    def _launch(self, state: _RequestState, unit: int, end_limit: int, after: Any) -> int:
-        """Launch the whole ``unit``s in ``[offloaded_length, end_limit)`` that fit in the host
-        pool, oldest first; returns the pages launched."""
-        req, page_size = state.req, self.page_size
-        start = state.offloaded_length
-        units = (end_limit - start) // unit
-        if units <= 0:
-            return 0
-        fitting = min(units, self.copier.free_pages // (unit // page_size))
-        if fitting == 0:
-            self._counters.offloads_rejected += 1
-            return 0
-        end = start + fitting * unit
-        tokens = request_tokens(req, start, end)
+        Checks the token ids and slot indices of every whole page up to ``length`` (also those
+        that do not fit now), so a call that raises has changed nothing.
+
+        Raises:
+            InvalidArgumentError / ArgumentTypeError / DeviceMismatchError: a placeholder id,
+                too few slots, bad slot indices.
+        """
+        first, page_size = state.offloaded_length, self.page_size
+        if length - first < page_size or not self.writes_pages:  # most calls: nothing new
+            return []
+        req = state.req
+        prompt_end = len(req.origin_input_ids) // page_size * page_size
+        free = self.copier.free_pages
+        rejected = 0
+        if first >= prompt_end:  # decode tokens go in whole units (the common case)
+            units = (length - first) // unit
+            if units <= 0:
+                return []
+            wanted_end = first + units * unit
+            fitting = min(units, free // (unit // page_size))
+            bounds = [(first, first + fitting * unit)] if fitting else []
+            rejected = 0 if fitting else 1
+        else:
+            # The prompt's whole pages, page by page as far as they have KV; once they are all
+            # wanted, whole units of decode tokens after them.
+            prompt_wanted = max((min(prompt_end, length) - first) // page_size, 0)
+            wanted_end = first + prompt_wanted * page_size
+            if wanted_end >= prompt_end and length - wanted_end >= unit:
+                wanted_end += (length - wanted_end) // unit * unit
+            if wanted_end <= first:
+                return []
+            bounds = []
+            start = first
+            fitting = min(prompt_wanted, free)  # what fits in the free host pages now, oldest first
+            if fitting:
+                bounds.append((start, start + fitting * page_size))
+                start, free = start + fitting * page_size, free - fitting
+            else:
+                rejected += 1
+            if start >= prompt_end and wanted_end > start:
+                fitting = min((wanted_end - start) // unit, free // (unit // page_size))
+                if fitting:
+                    bounds.append((start, start + fitting * unit))
+                else:
+                    rejected += 1
+        tokens = request_tokens(req, first, wanted_end)  # raises on a placeholder id
         slot_indices = self.slot_indices_of(req)
         argument = f"slot_indices_of(rid={req.rid!r})"
         if isinstance(slot_indices, torch.Tensor) and slot_indices.dim() == 1:
-            if slot_indices.shape[0] < end:
-                raise InvalidArgumentError(f"{argument}: {slot_indices.shape[0]} slots, its first {end} tokens have KV")
-            slot_indices = slot_indices[start:end]
-        segment = _Segment(state, ChainRun(tokens))
-        host_page_ids = self.copier.gather(segment, slot_indices, after=self._after(after), argument=argument)
-        if host_page_ids is None:  # fitting was computed from free pages
-            raise AssertionError("host pool changed between the count and the allocation")
-        if state.chain is None:
-            state.chain = RequestChain(*self._chain_start(req))
-        state.chain.add(segment.run)  # only once launched: a run that raised is no part of the chain
-        state.unsettled.append(segment)
-        state.offloaded_length = end
-        state.copies_in_flight += 1
-        pages = len(host_page_ids)
-        self._counters.pages_launched += pages
-        self._counters.pages_in_flight += pages
-        return pages
+            if slot_indices.shape[0] < wanted_end:
+                raise InvalidArgumentError(f"{argument}: {slot_indices.shape[0]} slots, its first {wanted_end} tokens have KV")
+            slot_indices = slot_indices[first:wanted_end]
+        self.copier.check_slot_indices(slot_indices, argument)
+        if rejected:
+            self._counters.offloads_rejected += rejected
+        if len(bounds) == 1 and bounds[0][1] == wanted_end:  # the common case: no slicing
+            return [(ChainRun(tokens), slot_indices)]
+        return [(ChainRun(tokens[begin - first : end - first]), slot_indices[begin - first : end - first]) for begin, end in bounds]
+
+    def _launch(self, state: _RequestState, runs: list[tuple[ChainRun, torch.Tensor]], after: Any) -> int:
+        """Launch planned runs (:meth:`_plan`, with the host pages free then); pages launched."""
+        launched = 0
+        after = self.producer if after is None else after
+        for run, slot_indices in runs:
+            if state.chain is None:
+                state.chain = RequestChain(*self._chain_start(state.req))
+            segment = _Segment(state, run)
+            host_page_ids = self.copier.gather(segment, slot_indices, after=after, checked=True)
+            if host_page_ids is None:  # the plan counted free pages
+                raise AssertionError("host pool changed between the plan and the allocation")
+            state.chain.add(run)  # only once launched: a run that raised is no part of the chain
+            state.unsettled.append(segment)
+            state.offloaded_length += len(run.tokens)
+            state.launched_length = state.offloaded_length
+            state.copies_in_flight += 1
+            pages = len(host_page_ids)
+            launched += pages
+            self._counters.pages_launched += pages
+            self._counters.pages_in_flight += pages
+        return launched
 
     def _chain_start(self, req: Any) -> tuple[str | None, bool]:
         """The prior of the request's first launched page, and whether it is a stored page's
@@ -697,7 +991,7 @@ class OffloadManager:
         try:
             while state.unsettled and state.unsettled[0].result is not None:
                 done = state.unsettled.popleft()
-                self._backup.settle(state.req, state.chain, done.run, done.result, discard=state.aborted)
+                self._backup.settle(state.writes, state.chain, done.run, done.result, discard=state.retract_keep is False)
         finally:
             self._maybe_release(state)
 

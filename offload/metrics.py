@@ -30,20 +30,21 @@ class OffloadMetrics:
     pages_stored: int = 0  # written to storage now
     pages_deduplicated: int = 0  # storage had the key already
     pages_failed: int = 0  # copy, page keys or storage write failed; reported
-    pages_discarded: int = 0  # the request was aborted or dropped on retraction; no write
+    pages_discarded: int = 0  # retracted without keep_offloaded while copying; no write
     pages_dropped: int = 0  # finish() could not get host pages within its limit; never launched
     storage_failures: int = 0  # store writes (segments) with at least one failed page
     copy_failures: int = 0  # copies that raised
     offloads_rejected: int = 0  # offload() launched nothing because the host pool was full
     releases: int = 0
     retractions: int = 0
-    callback_errors: int = 0  # release/on_storage_failure callbacks that raised (logged)
+    callback_errors: int = 0  # release/on_storage_failure/on_stored callbacks that raised (logged)
     # load path
     lookups: int = 0  # match_prefix calls and prefetch lookups
     pages_looked_up: int = 0  # whole pages asked
     pages_hit: int = 0  # leading pages the store held
     prefetches: int = 0
     pages_prefetched: int = 0  # leading pages read into host pages
+    pages_truncated: int = 0  # pages a prefetch's lookup hit but could not read for want of host pages
     prefetch_failures: int = 0  # reads that raised or hit a hole before the lookup's end
     loads: int = 0
     pages_loaded: int = 0  # pages scattered into device slots without error

@@ -2,13 +2,16 @@
 
 It knows keys, host pages and the store; the manager ties its handles to requests (which
 request may prefetch, what a load means for the request's chain). Every prefetch's host pages
-come from the copier and go back to it: those a load takes when their copy completes, the rest
-once the worker is done with them (:meth:`Prefetcher.poll`).
+come from the copier and go back to it: those a load takes when their copy completes, those
+past the ready pages once the read has ended, the rest when the prefetch is loaded or
+cancelled (:meth:`Prefetcher.poll`). A prefetch with ``min_pages`` waits for free host pages
+instead of reading fewer pages than that.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any
 
 import torch
@@ -46,19 +49,21 @@ class Prefetcher:
         self.page_size = copier.page_size
         self._workers = workers
         self._counters = counters
-        self.active: list[PrefetchHandle] = []  # not yet accounted: reading, or read and not dropped
+        self.active: list[PrefetchHandle] = []  # not yet accounted: waiting, reading, or read and not dropped
+        self._waiting: deque[PrefetchHandle] = deque()  # waiting for host pages (min_pages), oldest first
 
     def lookup_keys(self, req: Any = None, token_ids: Any = None, extra_key: str | None = None, cache_salt: str | None = None) -> list[str]:
-        """The keys of the whole pages to look up: a request's prompt but its last token (which
-        the engine computes anyway), or ``token_ids`` in their namespace.
+        """The keys of the whole pages to look up: every token of a request with KV, prompt and
+        output (a resumed request's too), but the last, which the engine computes anyway; or
+        ``token_ids`` in their namespace.
 
         Raises:
             InvalidArgumentError: neither or both of ``req`` and ``token_ids``; a placeholder
-                (negative) id in the request's prompt (named with its rid and position).
+                (negative) id among the request's tokens (named with its rid and position).
         """
         require((req is None) != (token_ids is None), "req", "give a request or token_ids, not both or neither")
         if req is not None:
-            usable = max(len(req.origin_input_ids) - 1, 0) // self.page_size * self.page_size
+            usable = max(len(req.origin_input_ids) + len(req.output_ids) - 1, 0) // self.page_size * self.page_size
             return self.hasher.prefill_keys(request_tokens(req, 0, usable), extra_key=req.extra_key, cache_salt=req.cache_salt)
         return self.hasher.prefill_keys(token_ids, extra_key=extra_key, cache_salt=cache_salt)
 
@@ -72,15 +77,19 @@ class Prefetcher:
             counters.pages_hit += leading
             return PrefixMatch(leading, page_keys[:leading], leading * self.page_size, len(page_keys))
 
-    def start(self, req: Any, keys: list[str], policy: str, timeout_s: float | None) -> PrefetchHandle:
-        """Take host pages for ``keys`` (the request's lookup keys; as many as are free) and
-        start the read."""
-        host_page_ids = self.copier.alloc(min(len(keys), self.copier.free_pages)) or []
-        handle = PrefetchHandle(req, policy, timeout_s, keys[: len(host_page_ids)], host_page_ids, self.page_size)
+    def start(self, req: Any, keys: list[str], policy: str, timeout_s: float | None, min_pages: int | None) -> PrefetchHandle:
+        """A prefetch of the request's lookup ``keys``: it takes as many host pages as are free
+        and starts the read now, or with ``min_pages`` waits (in arrival order) until
+        ``min(min_pages, len(keys))`` host pages are free (:meth:`poll` starts it)."""
+        handle = PrefetchHandle(req, policy, timeout_s, keys, self.page_size)
         self.active.append(handle)
         self._counters.prefetches += 1
-        pages = [self.copier.host_pool.page(host_page_id) for host_page_id in host_page_ids]
-        handle.future = self._workers.read(lambda: self._read(handle, pages))
+        needed = 0 if min_pages is None else min(min_pages, len(keys))
+        if needed and (self._waiting or self.copier.free_pages < needed):
+            handle.min_pages = needed
+            self._waiting.append(handle)
+        else:
+            self._begin(handle)
         return handle
 
     def take(self, handle: PrefetchHandle, num_pages: int) -> list[int]:
@@ -88,29 +97,58 @@ class Prefetcher:
         copy); the read stops and the handle's other host pages are freed once it has."""
         taken, handle.host_page_ids = handle.host_page_ids[:num_pages], handle.host_page_ids[num_pages:]
         handle.loaded = True
-        handle.cancelled = True  # the read stops at its next batch
-        if handle.finished:
-            self._drop(handle)
+        self.cancel(handle)  # the read stops at its next batch
         return taken
 
     def cancel(self, handle: PrefetchHandle) -> None:
-        """Stop the read; its host pages are freed once the worker is done with them."""
+        """Stop the read (or the wait for host pages); its host pages are freed once the worker
+        is done with them."""
         handle.cancelled = True
+        if handle in self._waiting:
+            self._waiting.remove(handle)
+            handle.finished = True  # never started: no worker holds anything
         if handle.finished:
             self._drop(handle)
 
     def poll(self) -> None:
-        """Account the stopped reads that have finished and free their host pages (never blocks)."""
-        for handle in [h for h in self.active if h.finished and h.cancelled]:
-            self._drop(handle)
+        """Start waiting prefetches whose host pages are free (oldest first), free the host
+        pages a finished read will not use (past its ready pages), and account the stopped
+        reads that have finished (never blocks)."""
+        if not self.active:  # most polls
+            return
+        waiting = self._waiting
+        while waiting and self.copier.free_pages >= waiting[0].min_pages:
+            self._begin(waiting.popleft())
+        for handle in [h for h in self.active if h.finished]:
+            self._account_read(handle)
+            if handle.cancelled:
+                self._drop(handle)
+            elif len(handle.host_page_ids) > handle.pages_ready:
+                unused, handle.host_page_ids = handle.host_page_ids[handle.pages_ready :], handle.host_page_ids[: handle.pages_ready]
+                self.copier.free(unused)
+
+    @property
+    def waiting(self) -> int:
+        """Prefetches waiting for host pages."""
+        return len(self._waiting)
 
     def wait(self) -> None:
-        """Block until every read has finished (shutdown and tests)."""
+        """Block until every started read has finished (shutdown and tests)."""
         for handle in list(self.active):
             handle.wait()
 
+    def _begin(self, handle: PrefetchHandle) -> None:
+        """Take host pages (up to the lookup, as many as are free) and submit the read."""
+        keys = handle.page_keys
+        host_page_ids = self.copier.alloc(min(len(keys), self.copier.free_pages)) or []
+        handle.host_page_ids = host_page_ids
+        handle.num_host_pages = len(host_page_ids)
+        pages = [self.copier.host_pool.page(host_page_id) for host_page_id in host_page_ids]
+        handle.future = self._workers.read(lambda: self._read(handle, pages))
+
     def _read(self, handle: PrefetchHandle, pages: list[torch.Tensor]) -> None:
-        """On a reader thread: the lookup, then the leading hits into the host pages."""
+        """On a reader thread: the lookup of every wanted page, then the leading hits that
+        have host pages into them."""
         with nvtx_range("prefetch.read"):
             try:
                 keys = handle.page_keys
@@ -120,26 +158,38 @@ class Prefetcher:
                 def progress(count: int) -> None:
                     handle.pages_ready = count
 
-                outcome = read_leading_pages(self.storage, keys[:leading], pages[:leading], on_progress=progress, cancelled=lambda: handle.cancelled)
+                readable = min(leading, len(pages))
+                outcome = read_leading_pages(self.storage, keys[:readable], pages[:readable], on_progress=progress, cancelled=lambda: handle.cancelled)
                 handle.error, handle.hole = outcome.error, outcome.hole
             except Exception as error:  # a store that fails as a whole: nothing more is ready
                 handle.error = error
             finally:
                 handle.finished = True
 
+    def _account_read(self, handle: PrefetchHandle) -> None:
+        """Count a finished read once: its lookup, hits, pages read and truncated, failures."""
+        if handle.accounted:
+            return
+        handle.accounted = True
+        if handle.future is None:  # cancelled while it waited for host pages: nothing ran
+            return
+        counters = self._counters
+        hit = handle.pages_hit or 0
+        counters.lookups += 1
+        counters.pages_looked_up += handle.pages_wanted
+        counters.pages_hit += hit
+        counters.pages_prefetched += handle.pages_ready
+        counters.pages_truncated += max(hit - handle.num_host_pages, 0)
+        if handle.error is not None or handle.hole:
+            counters.prefetch_failures += 1
+            logger.warning("offload: prefetch of rid=%r ended at page %d of %s: %r", handle.req.rid, handle.pages_ready, handle.pages_hit, handle.error)
+
     def _drop(self, handle: PrefetchHandle) -> None:
         """Account a finished prefetch and free its host pages that no load took."""
         if handle not in self.active:
             return
         self.active.remove(handle)
-        counters = self._counters
-        counters.lookups += 1
-        counters.pages_looked_up += handle.pages_wanted
-        counters.pages_hit += handle.pages_hit or 0
-        counters.pages_prefetched += handle.pages_ready
-        if handle.error is not None or handle.hole:
-            counters.prefetch_failures += 1
-            logger.warning("offload: prefetch of rid=%r ended at page %d of %s: %r", handle.req.rid, handle.pages_ready, handle.pages_hit, handle.error)
+        self._account_read(handle)
         if handle.host_page_ids:
             self.copier.free(handle.host_page_ids)
             handle.host_page_ids = []

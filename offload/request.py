@@ -26,10 +26,18 @@ class OffloadRequest(Protocol):
         extra_key: namespace part (LoRA adapter and similar), or None.
         cache_salt: namespace part (per-tenant secret), or None.
 
+    Positions with KV: the manager copies only token positions whose KV the engine has
+    written, ``[0, kv_length)``. By default (:func:`kv_length`) that is the whole prompt and
+    every output token but the last, right once the prefill is complete. Under chunked prefill
+    the engine passes ``kv_length=`` to ``offload``/``finish`` after each chunk (the prompt
+    positions computed so far); the manager then stores the prompt's whole pages up to it,
+    chunk by chunk, never a page with a slot not written yet. ``kv_length`` never exceeds the
+    prompt plus output tokens and never shrinks below what the request's lifecycle launched.
+
     The class should support weak references (plain classes do; a ``__slots__`` class needs
     ``"__weakref__"`` in its slots): the manager remembers released requests weakly, so that a
-    late ``finish``/``abort``/``offload`` of one is ignored. Without that, such a late call
-    starts a new lifecycle for the object.
+    late ``finish``/``abort`` of one is ignored and a late ``offload`` raises. Without that,
+    such a late call starts a new lifecycle for the object.
     """
 
     rid: Any
@@ -50,8 +58,10 @@ SlotIndicesOf = Callable[[Any], torch.Tensor]
 
 
 def kv_length(req: OffloadRequest) -> int:
-    """Token positions of ``req`` whose KV is in the device pool: the prompt and every output
-    token but the last sampled one, which has no KV until the next decode step writes it."""
+    """Token positions of ``req`` whose KV is in the device pool once its prefill is complete:
+    the prompt and every output token but the last sampled one, which has no KV until the next
+    decode step writes it. The default of the manager's ``kv_length=`` argument (an engine
+    mid-way through a chunked prefill passes the positions computed so far instead)."""
     return len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
 
 

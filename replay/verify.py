@@ -138,7 +138,7 @@ def verify_pages(engine, *, sample: int | None = None, seed: int = 0) -> VerifyR
         # A lookup leaves a prompt's last token out (the engine computes it): one more, any id.
         req = SimpleRequest(f"verify-r{trace.index}", tokens[: pages * ps] + array("q", [0]), extra_key=extra_key, cache_salt=cache_salt)
         handle = manager.prefetch(req, policy="wait_complete")
-        if handle.pages_wanted < pages:
+        if handle.num_host_pages < pages:
             manager.abort(req)
             raise InvalidArgumentError(
                 f"--num-host-pages: {manager.host_pool.free_pages} free host pages cannot take a chain of {pages} pages"

@@ -166,21 +166,26 @@ def test_host_pool_full_returns_false_and_changes_nothing():
     assert rig.check_stored_pages(b) == (1, 1)
 
 
-def test_finish_with_the_host_pool_full_drops_pages_and_still_releases():
+def test_finish_with_the_host_pool_full_keeps_pages_waiting_and_releases_once_launched():
+    # Issue 17: finish drops nothing by default (it used to drop b's 2 pages and release it).
     rig = make_rig(page_size=2, num_host_pages=1)
     a = rig.new_request("a", [1, 2], 20)
     decode_steps(rig, a, [3, 4, 5], poll=False)  # kv 4: page 1 in flight
     b = rig.new_request("b", [9], 20)
     decode_steps(rig, b, [3, 4, 5, 6], poll=False)  # kv 4: pages 0-1 refused, pool full
-    assert rig.manager.finish(b) is False
-    assert rig.released == [b] and rig.manager.metrics.pages_dropped == 2
+    assert rig.manager.finish(b) is True
+    assert rig.released == [] and rig.manager.metrics.pages_dropped == 0
     rig.manager.finish(a)
-    rig.copy_stream.complete_all()
-    rig.manager.poll()
-    assert rig.released == [b, a]
+    for _ in range(3):  # a's copy ends, then b's pages go one by one through the 1-page pool
+        rig.copy_stream.complete_all()
+        rig.manager.poll()
+    assert rig.released == [a, b]
+    metrics = rig.manager.metrics
+    assert (metrics.pages_stored, metrics.pages_deduplicated, metrics.pages_dropped) == (3, 0, 0)
+    assert rig.check_stored_pages(b) == (2, 2)
 
 
-def test_abort_discards_in_flight_pages_and_releases_once():
+def test_abort_stores_in_flight_pages_and_releases_once():
     rig = make_rig(page_size=2)
     manager = rig.manager
     req = rig.new_request("r", [1, 2], 20)
@@ -196,8 +201,9 @@ def test_abort_discards_in_flight_pages_and_releases_once():
     manager.poll()
     assert rig.released == [req]
     metrics = manager.metrics
-    assert (metrics.pages_discarded, metrics.pages_stored, metrics.host_pages_used) == (3, 0, 0)
-    assert rig.storage.stats.pages_stored == len(req.origin_input_ids) // 2  # the prefill side's pages only
+    # Issue 17: an abort keeps what was launched (it used to discard these 3 pages).
+    assert (metrics.pages_discarded, metrics.pages_stored, metrics.host_pages_used) == (0, 3, 0)
+    assert rig.storage.stats.pages_stored == len(req.origin_input_ids) // 2 + 3  # the prefill side's and the 3
 
 
 def test_abort_or_finish_of_an_untracked_request_releases_at_once():
@@ -209,7 +215,7 @@ def test_abort_or_finish_of_an_untracked_request_releases_at_once():
     assert rig.released == [quiet, short] and rig.manager.metrics.requests_live == 0
 
 
-def test_abort_after_finish_before_release_discards_the_rest():
+def test_abort_after_finish_before_release_keeps_what_was_launched():
     rig = make_rig(page_size=2)
     req = rig.new_request("r", [1, 2], 20)
     decode_steps(rig, req, [3, 4, 5], poll=False)
@@ -218,10 +224,11 @@ def test_abort_after_finish_before_release_discards_the_rest():
     rig.manager.abort(req)
     rig.copy_stream.complete_all()
     rig.manager.poll()
-    assert rig.released == [req] and rig.manager.metrics.pages_discarded == 1
+    assert rig.released == [req] and (rig.manager.metrics.pages_discarded, rig.manager.metrics.pages_stored) == (0, 1)
 
 
-def test_calls_after_release_are_ignored_while_the_engine_holds_the_request():
+def test_ending_calls_after_release_are_ignored_and_offload_raises():
+    # Issue 17: an offload after the release used to be ignored (a DEBUG log); it raises now.
     rig = make_rig(page_size=2)
     req = rig.new_request("r", [1, 2], 20)
     decode_steps(rig, req, [3, 4, 5], poll=False)
@@ -232,9 +239,11 @@ def test_calls_after_release_are_ignored_while_the_engine_holds_the_request():
     req.output_ids += [6, 7]  # more whole pages: none may be launched now
     assert rig.manager.finish(req) is True
     rig.manager.abort(req)
-    assert rig.manager.offload(req) is False
+    with pytest.raises(InvalidArgumentError, match=r"^req: rid='r' was released already"):
+        rig.manager.offload(req)
     req.done = True
-    assert rig.manager.offload(req) is False
+    with pytest.raises(InvalidArgumentError, match=r"^req: rid='r' was released already"):
+        rig.manager.offload(req)
     assert rig.released == [req] and rig.manager.metrics.releases == 1
     assert not rig.manager.is_tracked(req) and rig.copy_stream.submitted == 1
 

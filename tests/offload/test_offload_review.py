@@ -194,7 +194,8 @@ def test_bad_slot_indices_are_an_error_of_offload_itself(slots):
     rig.manager.slot_indices_of = lambda r: slots
     with pytest.raises(ArgumentTypeError, match=r"^slot_indices_of\(rid='r'\): must be a 1-D int32/int64 tensor"):
         rig.manager.offload(req)
-    assert rig.host_pool.used == 0 and rig.manager.offloaded_length(req) == 4 and not rig.copy_stream.pending
+    # a call that raises tracks nothing new (issue 17)
+    assert rig.host_pool.used == 0 and rig.manager.offloaded_length(req) is None and not rig.copy_stream.pending
 
 
 def test_a_backlog_larger_than_the_free_host_pages_is_offloaded_in_the_strides_that_fit():
