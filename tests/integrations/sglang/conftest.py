@@ -14,7 +14,9 @@ tests never share a process with the rest of the suite:
   ``override_server_args(device="cpu")``.
 
 Where sglang is not installed the sglang-importing test modules are not collected and
-``test_install.py`` skips with the reason; under ``CI=true`` that is an error.
+``test_install.py`` skips with the reason; under ``CI=true`` that is an error. In a pytest run
+given other paths too (a plain ``pytest`` of the whole suite) sglang is not imported and they
+skip the same way, naming the command that runs them.
 """
 
 from __future__ import annotations
@@ -26,17 +28,28 @@ from pathlib import Path
 # sglang_rig.py beside this file (the suite's pythonpath is tests/ only)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import pytest  # noqa: E402
+
 from sglang_cpu import import_sglang  # noqa: E402
 
-
-SGLANG_MISSING = import_sglang()
-if SGLANG_MISSING is not None:
-    if os.environ.get("CI") == "true":
-        raise RuntimeError(f"CI=true: the sglang tests must run, but {SGLANG_MISSING}")
-    collect_ignore_glob = ["test_sglang_*.py"]
+HERE = Path(__file__).resolve().parent
+SGLANG_MISSING: str | None = None
+collect_ignore_glob: list[str] = []
 
 
-import pytest  # noqa: E402
+def pytest_configure(config: pytest.Config) -> None:
+    """Import sglang only in a pytest process given this folder (or files in it) alone: in a run
+    of the whole suite its CPU import would change process-wide state under the other tests."""
+    global SGLANG_MISSING
+    paths = [Path(arg.split("::")[0]).resolve() for arg in config.args]
+    if any(not path.is_relative_to(HERE) for path in paths):
+        SGLANG_MISSING = "sglang's tests run in a pytest process of their own: pytest tests/integrations/sglang (make test does)"
+    else:
+        SGLANG_MISSING = import_sglang()
+        if SGLANG_MISSING is not None and os.environ.get("CI") == "true":
+            raise RuntimeError(f"CI=true: the sglang tests must run, but {SGLANG_MISSING}")
+    if SGLANG_MISSING is not None:
+        collect_ignore_glob.append("test_sglang_*.py")
 
 
 @pytest.fixture
