@@ -11,9 +11,8 @@ host pools, every host layout.
 
 Each figure is the median of ``rounds`` calls (after a warm-up); each ratio is the median of
 per-round ratios, the two calls timed back to back in each round. sglang must import on CPU (its
-own virtual environment, ``make .venv-sglang/.sglang``): run
-``.venv-sglang/bin/python -m bench --only sglang``; in another environment ``run`` re-runs
-itself there, or reports why it could not.
+own virtual environment, ``make .venv-sglang/.sglang``): ``python -m bench --only sglang`` runs
+this file there; ``.venv-sglang/bin/python bench/bench_sglang.py [--quick]`` prints the table.
 """
 
 from __future__ import annotations
@@ -101,7 +100,11 @@ def _measure(quick: bool, log: Callable[[str], None]) -> dict:
             info, 2.0, 0, PAGE_SIZE, layout, pin_memory=False, device_capacity_tokens=device.size,
             start_layer=device.start_layer, end_layer=device.end_layer,
         )
-        host.kv_buffer.view(torch.uint8).view(-1)[: batch_bytes].copy_(source)  # any bytes will do
+        # Every host page touched first (sglang pins its host pools, which faults them in), then
+        # any bytes in the pages written.
+        raw = host.kv_buffer.view(torch.uint8).view(-1)
+        raw.fill_(0)
+        raw[:batch_bytes].copy_(source)
         written = torch.arange(0, tokens)
         read = torch.arange(tokens, 2 * tokens)
         for store in ("memory", "file"):
@@ -161,20 +164,15 @@ def _measure(quick: bool, log: Callable[[str], None]) -> dict:
 
 
 def run(quick: bool = False, log: Callable[[str], None] = print) -> dict:
-    """The figures above; in a Python without sglang, the same run in ``.venv-sglang``.
+    """The figures above, measured in a process of ``.venv-sglang``'s Python (sglang's CPU
+    import changes process-wide state, which must not reach the other benchmarks).
 
     Raises:
-        RuntimeError: sglang cannot be imported here and ``.venv-sglang`` is missing or fails.
+        RuntimeError: ``.venv-sglang`` is missing, or the run there failed (its stderr's tail).
     """
-    try:
-        import sglang  # noqa: F401
-        here = True
-    except ImportError:
-        here = False
-    if here:
-        return _measure(quick, log)
     if not SGLANG_PYTHON.exists():
-        raise RuntimeError(f"sglang is not importable here and {SGLANG_PYTHON} is missing (make .venv-sglang/.sglang)")
+        raise RuntimeError(f"{SGLANG_PYTHON} is missing: make .venv-sglang/.sglang")
+    log("sglang bench: in .venv-sglang")
     args = [str(SGLANG_PYTHON), str(Path(__file__).resolve()), "--json"] + (["--quick"] if quick else [])
     result = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if result.returncode != 0:
