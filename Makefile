@@ -21,6 +21,15 @@ $(VENV)/.mooncake: $(VENV)/.installed tools/install-mooncake.sh tools/apt-instal
 	bash tools/install-mooncake.sh $(VENV) || { [ -z "$$CI" ] || exit 1; echo "make: Mooncake not installed; its tests will skip"; }
 	touch $@
 
+# vLLM 0.33.0's KV offloading code on CPU (tools/install-vllm.sh, pins from ../shared/reference)
+# for the vLLM adapter's tests, in VLLM_VENV: an overlay of VENV (its own packages first, then
+# VENV's), since vLLM's pins and sglang's disagree (openai). Where vLLM cannot be installed its
+# tests skip with the reason, except under CI, where they must run.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed: $(VENV)/.installed tools/install-vllm.sh
+	bash tools/install-vllm.sh $(VLLM_VENV) $(VENV) || { [ -z "$$CI" ] || exit 1; echo "make: vLLM not installed; its tests will skip"; }
+	touch $@
+
 # sglang 0.5.23 for CPU (optional extra) in a virtual environment of its own, so
 # tests/integrations/sglang run sglang's own code: its pinned packages include the CUDA build of
 # torchvision, which breaks transformers' model imports in $(VENV), and sglang's CPU import
@@ -35,12 +44,18 @@ $(SGLANG_VENV)/.sglang: pyproject.toml tools/setup-venv.sh tools/install-sglang.
 		|| { [ -z "$$CI" ] || exit 1; echo "make: Mooncake not installed in $(SGLANG_VENV); its sglang test will skip"; }
 	touch $@
 
-test: $(VENV)/.installed $(VENV)/.mooncake $(SGLANG_VENV)/.sglang
-	$(PYTHON) -m pytest --ignore=$(SGLANG_TESTS)
-	if [ -x $(SGLANG_VENV)/bin/python ]; then $(SGLANG_VENV)/bin/python -m pytest $(SGLANG_TESTS); else $(PYTHON) -m pytest $(SGLANG_TESTS); fi
+# Tests run in a network namespace of their own (tools/in-netns.sh): the servers they start
+# (mooncake_master binds a port on every interface) are reachable from this machine alone.
+# Each engine's tests run in their own pytest process, in the venv holding its pinned packages.
+IN_NETNS := bash tools/in-netns.sh
+
+test: $(VENV)/.installed $(VENV)/.mooncake $(VLLM_VENV)/.installed $(SGLANG_VENV)/.sglang
+	$(IN_NETNS) $(PYTHON) -m pytest
+	if [ -x $(VLLM_VENV)/bin/python ]; then $(IN_NETNS) $(VLLM_VENV)/bin/python -m pytest tests/integrations/vllm; else $(IN_NETNS) $(PYTHON) -m pytest tests/integrations/vllm; fi
+	if [ -x $(SGLANG_VENV)/bin/python ]; then $(IN_NETNS) $(SGLANG_VENV)/bin/python -m pytest $(SGLANG_TESTS); else $(IN_NETNS) $(PYTHON) -m pytest $(SGLANG_TESTS); fi
 
 bench: $(VENV)/.installed
 	$(PYTHON) -m bench
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info hashing/_*_chain*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info hashing/_*_chain*.so

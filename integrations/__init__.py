@@ -1,3 +1,1 @@
-"""Engine adapters: each subpackage speaks one engine's interfaces and translates them to
-kvstage's (``kvstage.integrations.sglang``; see each subpackage). Adapters hold no offload or
-storage logic of their own."""
+"""Adapters that speak one inference engine's interfaces and translate them to kvstage's."""

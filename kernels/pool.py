@@ -45,8 +45,11 @@ class KVPool:
         buffers: ``buffers[part][layer]`` is the tensor of that part and layer.
     """
 
-    def __init__(self, buffers: Sequence[Sequence[torch.Tensor]], *, argument: str = "buffers") -> None:
+    def __init__(self, buffers: Sequence[Sequence[torch.Tensor]], *, argument: str = "buffers", part_names: Sequence[str] | None = None) -> None:
         """Wrap ``buffers[part][layer]`` tensors; prefer :meth:`mha`, :meth:`mla`, :meth:`from_stacked`.
+
+        ``part_names`` (one per part) names a buffer in errors as the caller passed it, e.g.
+        ``v_buffers[3]``; without it, ``{argument}[part][layer]``.
 
         Raises:
             ArgumentTypeError: an entry is not a tensor, or dtypes differ.
@@ -58,13 +61,17 @@ class KVPool:
         require(len(parts) in (1, 2), argument, f"must hold 1 (MLA) or 2 (MHA) parts, got {len(parts)}")
         num_layers = len(parts[0])
         require(num_layers >= 1, argument, "must hold at least one layer")
+
+        def buffer_name(p: int, layer: int) -> str:
+            return f"{argument}[{p}][{layer}]" if part_names is None else f"{part_names[p]}[{layer}]"
+
         first = parts[0][0]
-        require(isinstance(first, torch.Tensor), f"{argument}[0][0]", f"must be a torch.Tensor, got {type(first).__name__}", ArgumentTypeError)
-        require(first.dim() == 3, f"{argument}[0][0]", f"must be [num_slots, num_heads, head_dim], got shape {tuple(first.shape)}")
+        require(isinstance(first, torch.Tensor), buffer_name(0, 0), f"must be a torch.Tensor, got {type(first).__name__}", ArgumentTypeError)
+        require(first.dim() == 3, buffer_name(0, 0), f"must be [num_slots, num_heads, head_dim], got shape {tuple(first.shape)}")
         for p, part in enumerate(parts):
             require(len(part) == num_layers, f"{argument}[{p}]", f"must hold {num_layers} layers like part 0, got {len(part)}")
             for layer, t in enumerate(part):
-                name = f"{argument}[{p}][{layer}]"
+                name = buffer_name(p, layer)
                 require(isinstance(t, torch.Tensor), name, f"must be a torch.Tensor, got {type(t).__name__}", ArgumentTypeError)
                 require(t.dtype == first.dtype, name, f"dtype must be {first.dtype} like the others, got {t.dtype}", ArgumentTypeError)
                 require(t.device == first.device, name, f"device must be {first.device} like the others, got {t.device}", DeviceMismatchError)
@@ -92,7 +99,7 @@ class KVPool:
         k_list, v_list = list(k_buffers), list(v_buffers)
         require(len(k_list) >= 1, "k_buffers", "must hold at least one layer")
         require(len(v_list) == len(k_list), "v_buffers", f"must hold {len(k_list)} layers like k_buffers, got {len(v_list)}")
-        return cls([k_list, v_list], argument="k_buffers/v_buffers")
+        return cls([k_list, v_list], argument="k_buffers/v_buffers", part_names=("k_buffers", "v_buffers"))
 
     @classmethod
     def mla(cls, latent_buffers: Sequence[torch.Tensor]) -> "KVPool":
@@ -107,7 +114,7 @@ class KVPool:
         for layer, t in enumerate(latent):
             if isinstance(t, torch.Tensor):
                 require(t.dim() == 3 and t.shape[1] == 1, f"latent_buffers[{layer}]", f"must be [num_slots, 1, kv_dim], got shape {tuple(t.shape)}")
-        return cls([latent], argument="latent_buffers")
+        return cls([latent], argument="latent_buffers", part_names=("latent_buffers",))
 
     @classmethod
     def allocate(cls, layout: KVLayout, num_slots: int, *, device: torch.device | str = "cpu", fill: float | None = None) -> "KVPool":

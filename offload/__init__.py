@@ -6,21 +6,25 @@ Stores live in :mod:`kvstage.storage`, page keys in :mod:`kvstage.hashing`, copi
 
 Modules: ``manager`` (:class:`OffloadManager`: lifecycle decisions), ``copier`` (moves pages,
 reports :class:`CopyResult`), ``copy_stream``, ``host_pool``, ``key_chain`` (a request's keys in
-chain order), ``store_io`` (the one page writer, the one prefix reader, worker threads),
+chain order), ``store_io`` (the one page writer, the one prefix reader, worker threads), ``store_index``
+(what a store holds, answered without a store round trip),
 ``backup`` (finished gathers into store writes, their accounting), ``prefetcher`` (lookups,
 reads into host pages), ``load_path`` (prefix match, prefetch and load
 handles), ``request`` (what is read from a request), ``collaborators`` (typed Protocols),
-``metrics``, ``testing`` (engine stand-ins).
+``keyed_copies`` (stores and loads of pages whose keys the engine names), ``metrics``,
+``testing`` (engine stand-ins).
 """
 
 from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike, PageHasherLike, StoreWorkersLike
 from kvstage.offload.copier import Copier, CopyResult
 from kvstage.offload.copy_stream import CopyStream, ManualCopyStream
 from kvstage.offload.host_pool import HostPool
+from kvstage.offload.keyed_copies import KeyedCopies, KeyedResult
 from kvstage.offload.load_path import PREFETCH_POLICIES, LoadHandle, PrefetchHandle, PrefixMatch
 from kvstage.offload.manager import OffloadManager
 from kvstage.offload.metrics import OffloadMetrics
 from kvstage.offload.request import OffloadRequest, kv_length
+from kvstage.offload.store_index import StoreIndex
 from kvstage.offload.store_io import StoreWorkers, write_pages
 
 __all__ = [
@@ -33,6 +37,8 @@ __all__ = [
     "PageHasherLike",
     "StoreWorkersLike",
     "HostPool",
+    "KeyedCopies",
+    "KeyedResult",
     "LoadHandle",
     "ManualCopyStream",
     "OffloadManager",
@@ -40,6 +46,7 @@ __all__ = [
     "OffloadRequest",
     "PrefetchHandle",
     "PrefixMatch",
+    "StoreIndex",
     "StoreWorkers",
     "kv_length",
     "write_pages",

@@ -8,7 +8,10 @@ page is only ever read back as KV of the same model, dtype, layout, page size an
 - MLA: the latent is replicated on every TP rank, so the fingerprint is rank-neutral (TP 4 and
   TP 8 share pages) and only rank 0 writes (:attr:`LayoutFingerprint.writes_pages`);
 - pipeline parallel: stages hold different layers, so the layer range is part of the key space
-  (stage 1 never deduplicates against, or reads, stage 0's pages).
+  (stage 1 never deduplicates against, or reads, stage 0's pages);
+- opaque pages (:meth:`LayoutFingerprint.opaque`): an engine that lays its pages out itself
+  (vLLM's offload blocks) names the format with a string; the key space is the model, that
+  format, the page's bytes and the shard, and the engine says whether ranks share pages.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ class LayoutFingerprint:
         tp_rank: this worker's tensor-parallel rank, in ``[0, tp_size)``.
         tp_size: the tensor-parallel world size.
         first_layer: the model layer this process's layer 0 is (pipeline stage > 0: > 0).
+        page_format: ``""`` for pages of ``layout``; else the description of an engine's own page
+            format (built by :meth:`opaque`, whose ``layout`` is then ``page_bytes`` uint8).
+        rank_neutral_pages: opaque formats only: every rank holds the same page bytes.
 
     Raises:
         InvalidArgumentError: an empty model id, a size or rank out of range (bools are not ints).
@@ -48,6 +54,8 @@ class LayoutFingerprint:
     tp_rank: int = 0
     tp_size: int = 1
     first_layer: int = 0
+    page_format: str = ""
+    rank_neutral_pages: bool = False
 
     def __post_init__(self) -> None:
         require(isinstance(self.model_id, str) and self.model_id != "", "model_id", "must be a non-empty string")
@@ -65,6 +73,44 @@ class LayoutFingerprint:
         require(
             is_int(self.first_layer) and self.first_layer >= 0,
             "first_layer", lambda: f"must be an int >= 0, got {self.first_layer!r}",
+        )
+        require(isinstance(self.page_format, str), "page_format", lambda: f"must be a str, got {type(self.page_format).__name__}")
+        require(
+            not self.rank_neutral_pages or self.page_format != "", "rank_neutral_pages",
+            "is for opaque page formats only (a KV layout is rank-neutral when it is MLA)",
+        )
+
+    @classmethod
+    def opaque(
+        cls, model_id: str, *, page_bytes: int, page_format: str, tp_rank: int = 0, tp_size: int = 1,
+        rank_neutral: bool = False,
+    ) -> "LayoutFingerprint":
+        """The key space of pages an engine lays out itself: ``page_bytes`` bytes each.
+
+        Args:
+            model_id: as the attribute.
+            page_bytes: bytes of one page (>= 1).
+            page_format: a non-empty description of everything that decides the page's bytes
+                besides the model (e.g. vLLM's block size, KV groups, dtype, parallel layout);
+                two formats never share pages.
+            tp_rank, tp_size: this process's shard, when its pages hold only its own share.
+            rank_neutral: every rank holds the same bytes (e.g. an MLA model's replicated
+                latent, or pages that already hold every rank's share): one key space for all
+                ranks, written by rank 0 only.
+
+        Raises:
+            InvalidArgumentError: an empty or non-str ``page_format``, ``page_bytes`` not a
+                positive int, or as the class.
+        """
+        require(
+            isinstance(page_format, str) and page_format != "", "page_format",
+            lambda: f"must be a non-empty str describing the page format, got {page_format!r}",
+        )
+        require(is_int(page_bytes) and page_bytes >= 1, "page_bytes", lambda: f"must be a positive int, got {page_bytes!r}")
+        layout = KVLayout(num_layers=1, kv_parts=1, num_heads=1, head_dim=page_bytes, dtype="uint8")
+        return cls(
+            model_id, layout, 1, tp_rank=tp_rank, tp_size=tp_size, page_format=page_format,
+            rank_neutral_pages=bool(rank_neutral),
         )
 
     @classmethod
@@ -100,7 +146,10 @@ class LayoutFingerprint:
 
     @property
     def rank_neutral(self) -> bool:
-        """True for MLA (one KV part): every TP rank holds the same latent, so ranks share pages."""
+        """True for MLA (one KV part): every TP rank holds the same latent, so ranks share pages;
+        for an opaque format, as :meth:`opaque` was told."""
+        if self.page_format:
+            return self.rank_neutral_pages
         return self.layout.kv_parts == 1
 
     @property
@@ -111,7 +160,8 @@ class LayoutFingerprint:
 
     def prefix(self) -> str:
         """The key prefix, e.g. ``"llama3-8b@bfloat16@L0-31xKV2xH8xD128@P64@tp0of1@"``
-        (MLA: ``...@tp-any@``).
+        (MLA: ``...@tp-any@``); an opaque format: ``"{model}@opaque-{16 hex digits of the
+        format's SHA-256}@B{page_bytes}@{shard}@"``.
 
         A model id made only of ``[A-Za-z0-9._-]`` is used as it is. Any other character
         becomes ``_`` (so the prefix is safe as a file name and as a Mooncake key) and the id
@@ -123,6 +173,9 @@ class LayoutFingerprint:
         layout = self.layout
         layers = self.layers
         shard = "tp-any" if self.rank_neutral else f"tp{self.tp_rank}of{self.tp_size}"
+        if self.page_format:
+            digest = hashlib.sha256(self.page_format.encode()).hexdigest()[:16]
+            return f"{model}@opaque-{digest}@B{self.page_bytes}@{shard}@"
         return (
             f"{model}@{layout.dtype_name}@L{layers.start}-{layers.stop - 1}xKV{layout.kv_parts}"
             f"xH{layout.num_heads}xD{layout.head_dim}@P{self.page_size}@{shard}@"

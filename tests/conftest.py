@@ -11,6 +11,10 @@ does not run on the ``cuda`` parameter and raises exactly that is reported as *s
 the reason, instead of failed: the same test's ``cuda`` parameter (or the CPU machines of CI,
 where the interpreter is on) covers that code. Anything else a test raises still fails.
 
+Under ``CI`` (``CI=true``, as CI services set it), a test skipped for want of something CI
+provides (``../shared``, the Mooncake package, the ptxas binary: :func:`support.skip_missing`)
+is reported as *failed*, naming what is missing: a green CI run never hides such a test.
+
 ``KVSTAGE_SIMULATE_CUDA=1`` (test-only; ``tests/test_gpu_check.py`` uses it) makes this
 harness behave on a CPU machine as on a CUDA one: the interpreter is left off, so the tests
 that would skip on a GPU skip here, which proves the rule without a GPU. There is still no
@@ -37,7 +41,7 @@ CPU_TRITON_SKIP_REASON = (
     + "; the cuda parameter and the CPU CI run cover this code"
 )
 
-from support import SHARED  # noqa: E402
+from support import CI, MISSING, SHARED, skip_missing  # noqa: E402
 
 from kvstage.errors import BackendUnavailableError  # noqa: E402
 
@@ -68,6 +72,15 @@ def needs_cpu_interpreter(item: pytest.Item, error: BaseException | None) -> boo
     return False
 
 
+def missing_under_ci(report: pytest.TestReport) -> str | None:
+    """The reason of ``report``'s skip when it is a :func:`support.skip_missing` skip and CI
+    is on (the skip is then a failure), else None."""
+    if not (CI and report.skipped and isinstance(report.longrepr, tuple)):
+        return None
+    reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+    return reason if reason.startswith(MISSING) else None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
@@ -75,6 +88,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if report.failed and call.when in ("setup", "call") and call.excinfo is not None and needs_cpu_interpreter(item, call.excinfo.value):
         report.outcome = "skipped"
         report.longrepr = (str(item.path), (item.location[1] or 0) + 1, f"Skipped: {CPU_TRITON_SKIP_REASON}")
+    reason = missing_under_ci(report)
+    if reason is not None:
+        report.outcome = "failed"
+        report.longrepr = f"{reason} (CI is set: a test CI must run may not skip)"
 
 
 @pytest.fixture(params=["cpu"] + (["cuda"] if CUDA else []))
@@ -85,7 +102,7 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 
 @pytest.fixture
 def shared_dir() -> Path:
-    """``../shared`` beside the repository; skips where it is absent."""
+    """``../shared`` beside the repository; skips where it is absent (fails under CI)."""
     if not SHARED.is_dir():
-        pytest.skip(f"{SHARED} is absent")
+        skip_missing(f"{SHARED} (../shared beside the repository)")
     return SHARED

@@ -1,4 +1,6 @@
-"""Builders shared by tests/kernels: random pools, poisoned staging, byte-exact comparison."""
+"""Builders shared by tests/kernels: random pools, poisoned staging, byte-exact comparison, and
+the expected bytes of a gather or scatter by plain Python loops (which share no code with
+kvstage's planning, ``check_transfer``, that the Triton path and the torch reference both use)."""
 
 from __future__ import annotations
 
@@ -103,8 +105,10 @@ def make_indices(
     return slot_indices.to(index_dtype).to(pool.device), host_page_ids.to(index_dtype).to(pool.device)
 
 
-def expected_staging(pool: KVPool, staging: torch.Tensor, slot_indices: torch.Tensor, host_page_ids: torch.Tensor, page_size: int, layout: str) -> torch.Tensor:
-    """What ``staging`` holds after a gather, by plain Python loops (the oracle's oracle)."""
+def expected_staging(pool: KVPool, staging: torch.Tensor, slot_indices: torch.Tensor, host_page_ids: torch.Tensor, page_size: int, layout: str = "page_first") -> torch.Tensor:
+    """What ``staging`` holds after a gather, by plain Python loops over pages, tokens, parts and
+    layers (no kvstage code: the oracle of the kernels and of the torch reference), as uint8
+    bytes of ``staging``'s shape (its last dim times the element size)."""
     out = staging.detach().cpu().clone().view(torch.uint8)  # bytes: fp8 indexing needs no kernels
     s, h = slot_indices.cpu().tolist(), host_page_ids.cpu().tolist()
     for i, host_page in enumerate(h):
@@ -117,3 +121,35 @@ def expected_staging(pool: KVPool, staging: torch.Tensor, slot_indices: torch.Te
                     else:
                         out[p, layer, host_page * page_size + j] = row
     return out
+
+
+def expected_pool_after_scatter(
+    pool: KVPool, staging: torch.Tensor, slot_indices: torch.Tensor, host_page_ids: torch.Tensor, page_size: int,
+    layout: str = "page_first", layer: int | None = None,
+) -> list[torch.Tensor]:
+    """Every buffer's bytes after a scatter of ``staging`` into ``pool`` (``layer``: that layer
+    only, both parts), by plain Python loops; flat uint8 tensors in ``pool.tensors()`` order
+    (part-major: ``p * num_layers + layer``). Read before the scatter: the pool's current bytes
+    are the rows the scatter leaves alone."""
+    out = [as_bytes(t).clone().view(pool.num_slots, -1) for t in pool.tensors()]
+    host = staging.detach().cpu().contiguous().view(torch.uint8)
+    s, h = slot_indices.cpu().tolist(), host_page_ids.cpu().tolist()
+    for i, host_page in enumerate(h):
+        for j in range(page_size):
+            for p in range(pool.kv_parts):
+                for each in range(pool.num_layers):
+                    if layer is not None and each != layer:
+                        continue
+                    row = host[host_page, each, p, j] if layout == "page_first" else host[p, each, host_page * page_size + j]
+                    out[p * pool.num_layers + each][s[i * page_size + j]] = row.reshape(-1)
+    return [t.view(-1) for t in out]
+
+
+def pool_equals(pool: KVPool, want: list[torch.Tensor]) -> bool:
+    """Whether every buffer of ``pool`` holds the bytes of ``want`` (as :func:`expected_pool_after_scatter`)."""
+    return len(want) == len(pool.tensors()) and all(torch.equal(as_bytes(t), w.view(-1)) for t, w in zip(pool.tensors(), want))
+
+
+def changed_buffers(before: list[torch.Tensor], pool: KVPool) -> list[int]:
+    """Indices (``pool.tensors()`` order) of the buffers whose bytes differ from ``before`` (:func:`pool_bytes`)."""
+    return [i for i, (old, t) in enumerate(zip(before, pool.tensors())) if not torch.equal(old, as_bytes(t))]

@@ -13,6 +13,7 @@ from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.kv_layout import KVLayout
 from kvstage.offload.testing import SimpleRequest, SlotTable
 from kvstage.storage import LayoutFingerprint, MemoryStore, PutStatus
+from naive_keys import naive_prefill_keys
 
 
 LAYOUT_FIELDS = ("num_layers", "kv_parts", "num_heads", "head_dim", "dtype")
@@ -179,7 +180,7 @@ class Rig:
         whole pages under their prefill keys, so the decode side's chain continues from them."""
         whole = len(req.origin_input_ids) // self.page_size
         if whole:
-            keys = self.hasher.prefill_keys(req.origin_input_ids[: whole * self.page_size], extra_key=req.extra_key, cache_salt=req.cache_salt)
+            keys = naive_prefill_keys(req.origin_input_ids[: whole * self.page_size], self.page_size, req.extra_key, req.cache_salt)
             self.storage.put(keys, [self.expected_page(req, index) for index in range(whole)])
 
     def decode(self, req: Any, token: int) -> None:
@@ -223,23 +224,38 @@ class Rig:
         return page.expand(-1, -1, -1, self.kv_pool.num_heads, -1).repeat(1, 1, 1, 1, self.kv_pool.head_dim // 4)
 
     def chain(self, req: Any) -> list[str]:
-        """The prefill keys of every full page of the tokens with KV (what decode must match)."""
-        return self.hasher.prefill_keys(self._tokens(req), extra_key=req.extra_key, cache_salt=req.cache_salt)
+        """The prefill keys of every full page of the tokens with KV (what decode must match), from
+        the naive reference (``tests/naive_keys.py``), not the manager's hasher."""
+        return naive_prefill_keys(self._tokens(req), self.page_size, req.extra_key, req.cache_salt)
 
     def check_stored_pages(self, req: Any) -> tuple[int, int]:
-        """Compare every stored page of ``req`` (beyond the prompt's aligned prefix) with its
+        """Compare every stored page of ``req`` beyond the prompt's aligned prefix with its
         expected bytes. Returns (pages found, pages checked); raises AssertionError on a mismatch."""
-        keys = self.chain(req)
         first = len(req.origin_input_ids) // self.page_size
-        found = 0
+        missing = self.missing_pages(req)
+        checked = len(self.chain(req)) - first
+        return checked - sum(1 for index in missing if index >= first), checked
+
+    def missing_pages(self, req: Any) -> list[int]:
+        """Compare every stored page of ``req``'s chain (:meth:`chain`: every whole page of its
+        tokens with KV, the prompt's too) with its expected bytes.
+
+        Returns:
+            The indices of the chain's pages the store does not hold (``[]``: every page is
+            stored).
+
+        Raises:
+            AssertionError: a stored page's bytes differ from its KV.
+        """
+        keys = self.chain(req)
+        missing = []
         into = torch.empty(self.host_pool.page_shape, dtype=self.kv_pool.dtype)
-        for index in range(first, len(keys)):
-            if self.storage.get([keys[index]], [into]) == [True]:
-                found += 1
-                expected = self.expected_page(req, index)
-                if not torch.equal(into, expected):
-                    raise AssertionError(f"{req!r}: stored page {index} differs from its KV")
-        return found, len(keys) - first
+        for index, key in enumerate(keys):
+            if self.storage.get([key], [into]) != [True]:
+                missing.append(index)
+            elif not torch.equal(into, self.expected_page(req, index)):
+                raise AssertionError(f"{req!r}: stored page {index} differs from its KV")
+        return missing
 
 
 def make_rig(

@@ -79,7 +79,7 @@ def test_every_subpackage_on_disk_is_declared_in_pyproject():
     on_disk = {"kvstage"}
     for init in REPO_ROOT.rglob("__init__.py"):
         relative = init.parent.relative_to(REPO_ROOT)
-        # tests/bench/tools are not in the wheel; hidden folders are virtual environments (.venv, .venv-sglang)
+        # Dot folders are virtual environments (.venv, .venv-vllm) and tool state, never kvstage.
         if relative.parts and (relative.parts[0] in {"tests", "bench", "tools", "build"} or relative.parts[0].startswith(".")):
             continue
         if relative.parts:

@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.hashing import PageHasher, get_scheme, page_keys, prefill_page_keys, schemes
 from kvstage.hashing.schemes import SCHEMES, HashScheme
-from support import SHARED
+from support import SHARED, skip_missing
 
 MODULES = {"sglang-v1": "kvstage.hashing._sha256_chain", "xxh3-128": "kvstage.hashing._xxh3_chain"}
 LIBRARIES = {"sglang-v1": "OpenSSL", "xxh3-128": "xxHash"}
@@ -170,7 +170,7 @@ def test_the_first_page_written_out_by_hand(name):
 def vector_cases(name: str) -> list[dict]:
     path = VECTORS[name]
     if not path.is_file():
-        pytest.skip(f"{path} is absent")
+        skip_missing(str(path))
     data = json.loads(path.read_text())
     cases = data["cases"] if isinstance(data, dict) else data
     assert cases

@@ -14,7 +14,7 @@ import torch
 
 from kvstage.hashing import PageHasher, compute_prefix_hash, get_scheme, namespace_seed, page_keys, prefill_page_keys
 from kvstage.hashing.schemes import HashScheme
-from support import SHARED
+from support import SHARED, missing_mark
 
 SGLANG_VECTORS = SHARED / "reference" / "sglang_v1_vectors.json"
 # Made with sglang 0.5.23's own native page hash (ids up to 2**63-1): "tokens", "page_size",
@@ -28,9 +28,10 @@ def native_case_id(index: int, case: dict) -> str:
 
 
 def load_cases(path: Path, case_id=lambda index, case: case["name"]) -> list:
-    """The cases of a vector file as pytest params with readable ids; one skipped param if absent."""
+    """The cases of a vector file as pytest params with readable ids; one skipped param if absent
+    (failed under CI)."""
     if not path.is_file():
-        return [pytest.param(None, marks=pytest.mark.skip(reason=f"{path} is absent"), id="absent")]
+        return [pytest.param(None, marks=missing_mark(str(path)), id="absent")]
     data = json.loads(path.read_text())
     cases = data["cases"] if isinstance(data, dict) else data
     return [pytest.param(case, id=case_id(index, case)) for index, case in enumerate(cases)]

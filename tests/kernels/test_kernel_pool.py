@@ -52,11 +52,11 @@ def test_from_stacked_views_the_tensor(device):
     [
         (lambda d: KVPool.mha([], []), "k_buffers", InvalidArgumentError),
         (lambda d: KVPool.mha([torch.zeros(4, 2, 8, device=d)], []), "v_buffers", InvalidArgumentError),
-        (lambda d: KVPool.mha([torch.zeros(4, 2, 8, device=d)], [torch.zeros(4, 2, 9, device=d)]), "k_buffers/v_buffers[1][0]", InvalidArgumentError),
-        (lambda d: KVPool.mha([torch.zeros(4, 2, 8, device=d)], [torch.zeros(4, 2, 8, dtype=torch.float16, device=d)]), "k_buffers/v_buffers[1][0]", ArgumentTypeError),
-        (lambda d: KVPool.mha([torch.zeros(4, 2, 8, device=d)], [torch.zeros(4, 8, 2, device=d).transpose(1, 2)]), "k_buffers/v_buffers[1][0]", InvalidArgumentError),
-        (lambda d: KVPool.mha([torch.zeros(4, 16, device=d)], [torch.zeros(4, 16, device=d)]), "k_buffers/v_buffers[0][0]", InvalidArgumentError),
-        (lambda d: KVPool.mha(["x"], ["y"]), "k_buffers/v_buffers[0][0]", ArgumentTypeError),
+        (lambda d: KVPool.mha([torch.zeros(4, 2, 8, device=d)], [torch.zeros(4, 2, 9, device=d)]), "v_buffers[0]", InvalidArgumentError),
+        (lambda d: KVPool.mha([torch.zeros(4, 2, 8, device=d)], [torch.zeros(4, 2, 8, dtype=torch.float16, device=d)]), "v_buffers[0]", ArgumentTypeError),
+        (lambda d: KVPool.mha([torch.zeros(4, 2, 8, device=d)], [torch.zeros(4, 8, 2, device=d).transpose(1, 2)]), "v_buffers[0]", InvalidArgumentError),
+        (lambda d: KVPool.mha([torch.zeros(4, 16, device=d)], [torch.zeros(4, 16, device=d)]), "k_buffers[0]", InvalidArgumentError),
+        (lambda d: KVPool.mha(["x"], ["y"]), "k_buffers[0]", ArgumentTypeError),
         (lambda d: KVPool.mla([torch.zeros(4, 2, 8, device=d)]), "latent_buffers[0]", InvalidArgumentError),
         (lambda d: KVPool.from_stacked(torch.zeros(3, 1, 4, 1, 8, device=d)), "t", InvalidArgumentError),
         (lambda d: KVPool.from_stacked(torch.zeros(2, 1, 4, 8, device=d)), "t", InvalidArgumentError),
@@ -72,11 +72,20 @@ def test_pool_rejects_bad_buffers(device, build, argument, error):
     assert str(info.value).startswith(f"{argument}:")
 
 
-def test_pool_rejects_buffers_on_two_devices():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device to hold one of the buffers")
-    with pytest.raises(DeviceMismatchError, match=r"^k_buffers/v_buffers\[1\]\[0\]: device"):
-        KVPool.mha([torch.zeros(4, 2, 8)], [torch.zeros(4, 2, 8, device="cuda")])
+@pytest.mark.parametrize("other", ["meta"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_pool_rejects_buffers_on_two_devices(other):
+    with pytest.raises(DeviceMismatchError, match=rf"^v_buffers\[0\]: device must be cpu like the others, got {other}"):
+        KVPool.mha([torch.zeros(4, 2, 8)], [torch.zeros(4, 2, 8, device=other)])
+
+
+def test_mla_pool_names_the_latent_buffer_on_another_device():
+    with pytest.raises(DeviceMismatchError, match=r"^latent_buffers\[1\]: device must be cpu like the others, got meta"):
+        KVPool.mla([torch.zeros(4, 1, 8), torch.zeros(4, 1, 8, device="meta")])
+
+
+def test_mha_pool_names_the_v_buffer_as_passed():
+    with pytest.raises(DeviceMismatchError, match=r"^v_buffers\[1\]: device must be cpu like the others, got meta"):
+        KVPool.mha([torch.zeros(4, 2, 8)] * 2, [torch.zeros(4, 2, 8), torch.zeros(4, 2, 8, device="meta")])
 
 
 def test_staging_shapes_of_both_layouts(device):

@@ -1,4 +1,5 @@
-"""gather/scatter against the torch reference, and the reference against plain Python loops.
+"""gather/scatter (Triton) and the torch reference, each against plain Python loops
+(:mod:`kernel_helpers`), which share no code with the planning both paths go through.
 
 Every destination is poisoned first (every byte 0xA5), so a target element left unwritten,
 or a byte written outside the target pages, shows up in the byte-exact comparison.
@@ -11,13 +12,15 @@ import torch
 
 from kernel_helpers import (
     as_bytes,
+    changed_buffers,
+    expected_pool_after_scatter,
     expected_staging,
     make_indices,
     make_pool,
     make_staging,
     pool_bytes,
+    pool_equals,
     random_bytes_,
-    same_bytes,
 )
 from kvstage.kernels import gather, gather_reference, scatter, scatter_reference
 
@@ -62,13 +65,12 @@ def test_reference_gather_equals_python_loops(device, shape, layout):
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_gather_equals_reference_and_leaves_other_pages_poisoned(device, shape, layout):
+def test_gather_equals_python_loops_and_leaves_other_pages_poisoned(device, shape, layout):
     pool, staging, slot_indices, host_page_ids = build(device, shape, layout=layout)
-    want = staging.clone()
-    gather_reference(pool, want, slot_indices, host_page_ids, page_size=shape[4], layout=layout)
+    want = expected_staging(pool, staging, slot_indices, host_page_ids, shape[4], layout)
     before = pool_bytes(pool)
     gather(pool, staging, slot_indices, host_page_ids, page_size=shape[4], layout=layout, backend=BACKEND)
-    assert same_bytes(staging, want)
+    assert torch.equal(as_bytes(staging), want.view(-1))
     assert all(torch.equal(a, b) for a, b in zip(before, pool_bytes(pool)))  # the source is only read
     # the host pages nobody asked for still hold the poison
     untouched = sorted(set(range(host_page_ids.numel() + 2)) - set(host_page_ids.tolist()))
@@ -79,15 +81,12 @@ def test_gather_equals_reference_and_leaves_other_pages_poisoned(device, shape, 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_scatter_equals_reference_and_leaves_other_slots_alone(device, shape, layout):
+def test_scatter_equals_python_loops_and_leaves_other_slots_alone(device, shape, layout):
     pool, staging, slot_indices, host_page_ids = build(device, shape, layout=layout)
     random_bytes_(staging, torch.Generator().manual_seed(7))
-    want = make_pool(parts=shape[0], layers=shape[1], num_slots=pool.num_slots, heads=shape[2], dim=shape[3], dtype=shape[5], device=device)
-    for dst, src in zip(want.tensors(), pool.tensors()):
-        dst.copy_(src) if dst.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) else dst.view(torch.uint8).copy_(src.view(torch.uint8))
-    scatter_reference(staging, want, slot_indices, host_page_ids, page_size=shape[4], layout=layout)
+    want = expected_pool_after_scatter(pool, staging, slot_indices, host_page_ids, shape[4], layout)
     scatter(staging, pool, slot_indices, host_page_ids, page_size=shape[4], layout=layout, backend=BACKEND)
-    assert all(same_bytes(a, b) for a, b in zip(pool.tensors(), want.tensors()))
+    assert pool_equals(pool, want)
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
@@ -105,20 +104,16 @@ def test_gather_then_scatter_restores_the_pool(device, storage, layout):
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_scatter_of_one_layer_writes_only_that_layer(device, layout):
+@pytest.mark.parametrize("backend", [BACKEND, "torch"])
+def test_scatter_of_one_layer_writes_only_that_layer(device, layout, backend):
     shape = (2, 4, 5, 72, 3, torch.float16)
     pool, staging, slot_indices, host_page_ids = build(device, shape, layout=layout)
     random_bytes_(staging, torch.Generator().manual_seed(3))
-    want = make_pool(parts=2, layers=4, num_slots=pool.num_slots, heads=5, dim=72, dtype=torch.float16, device=device)
-    for dst, src in zip(want.tensors(), pool.tensors()):
-        dst.copy_(src)
+    want = expected_pool_after_scatter(pool, staging, slot_indices, host_page_ids, 3, layout, layer=2)
     before = pool_bytes(pool)
-    scatter_reference(staging, want, slot_indices, host_page_ids, page_size=3, layout=layout, layer=2)
-    scatter(staging, pool, slot_indices, host_page_ids, page_size=3, layout=layout, layer=2, backend=BACKEND)
-    after = pool_bytes(pool)
-    assert all(same_bytes(a, b) for a, b in zip(pool.tensors(), want.tensors()))
-    changed = [i for i, (a, b) in enumerate(zip(before, after)) if not torch.equal(a, b)]
-    assert changed == [2, 4 + 2]  # K and V of layer 2, in pool.tensors() order
+    scatter(staging, pool, slot_indices, host_page_ids, page_size=3, layout=layout, layer=2, backend=backend)
+    assert pool_equals(pool, want)
+    assert changed_buffers(before, pool) == [2, 4 + 2]  # K and V of layer 2, in pool.tensors() order
 
 
 @pytest.mark.parametrize("backend", [BACKEND, "torch"])
@@ -131,20 +126,6 @@ def test_empty_batch_writes_nothing(device, backend):
     scatter(staging, pool, empty, empty, page_size=16, backend=backend)
     assert (as_bytes(staging) == 0xA5).all()
     assert all(torch.equal(a, b) for a, b in zip(before, pool_bytes(pool)))
-
-
-def expected_pool_after_scatter(pool_before, staging, slot_indices, host_page_ids, page_size, layout):
-    """Each buffer's bytes after a scatter, by plain Python loops."""
-    out = [t.detach().cpu().clone().view(torch.uint8) for t in pool_before.tensors()]
-    host = staging.detach().cpu().view(torch.uint8)
-    s, h = slot_indices.cpu().tolist(), host_page_ids.cpu().tolist()
-    for i, host_page in enumerate(h):
-        for j in range(page_size):
-            for p in range(pool_before.kv_parts):
-                for layer in range(pool_before.num_layers):
-                    row = host[host_page, layer, p, j] if layout == "page_first" else host[p, layer, host_page * page_size + j]
-                    out[p * pool_before.num_layers + layer][s[i * page_size + j]] = row
-    return out
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
@@ -165,4 +146,4 @@ def test_reference_paths_equal_python_loops(device, layout, host, device_slots, 
     random_bytes_(staging, torch.Generator().manual_seed(9))
     want_pool = expected_pool_after_scatter(pool, staging, slot_indices, host_page_ids, page_size, layout)
     scatter_reference(staging, pool, slot_indices, host_page_ids, page_size=page_size, layout=layout)
-    assert all(torch.equal(as_bytes(t), w.view(-1)) for t, w in zip(pool.tensors(), want_pool))
+    assert pool_equals(pool, want_pool)

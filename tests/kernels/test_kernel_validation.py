@@ -10,6 +10,9 @@ from kvstage.errors import ArgumentTypeError, BackendUnavailableError, DeviceMis
 from kvstage.kernels import gather, scatter
 
 PAGE = 3
+# A device that is neither the pool's nor the host: "meta" tensors (no storage) raise the same
+# device errors on a CPU-only machine; CUDA too where present.
+OTHER_DEVICES = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.fixture
@@ -70,6 +73,12 @@ def _bad(case, what):
     elif what == "slot-negative":
         kw["slot_indices"] = torch.tensor([0, 1, 2, 3, -4, 5], device=dev)
         kw["check_bounds"] = True
+    elif what == "staging-on-meta":  # neither the pool's device nor host memory
+        kw["staging"] = torch.empty(staging.shape, dtype=staging.dtype, device="meta")
+    elif what == "slot-on-meta":  # an index tensor on a third device
+        kw["slot_indices"] = slot_indices.to("meta")
+    elif what == "page-on-meta":
+        kw["host_page_ids"] = host_page_ids.to("meta")
     elif what == "page-size":
         kw["page_size"] = 0
     elif what == "layout":
@@ -108,6 +117,9 @@ CASES = [
     ("device-page-repeated", InvalidArgumentError, "host_page_ids"),
     ("slot-out-of-range", InvalidArgumentError, "slot_indices"),
     ("slot-negative", InvalidArgumentError, "slot_indices"),
+    ("staging-on-meta", DeviceMismatchError, "staging"),
+    ("slot-on-meta", DeviceMismatchError, "slot_indices"),
+    ("page-on-meta", DeviceMismatchError, "host_page_ids"),
     ("page-size", InvalidArgumentError, "page_size"),
     ("layout", InvalidArgumentError, "layout"),
     ("pool", ArgumentTypeError, "pool"),
@@ -159,14 +171,19 @@ def test_cpu_staging_for_a_cuda_pool_must_be_pinned():
         gather(pool, staging, slot_indices, host_page_ids, page_size=1)
 
 
-def test_cuda_staging_for_a_cpu_pool_is_a_device_mismatch():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+@pytest.mark.parametrize("other", OTHER_DEVICES)
+@pytest.mark.parametrize("op", ["gather", "scatter"])
+def test_staging_on_another_device_for_a_cpu_pool_is_a_device_mismatch(other, op):
     pool = make_pool(parts=2, layers=1, num_slots=8, heads=1, dim=8, dtype=torch.float16, device=torch.device("cpu"))
-    staging = torch.zeros(2, 1, 2, 1, 1, 8, dtype=torch.float16, device="cuda")
+    staging = torch.zeros(2, 1, 2, 1, 1, 8, dtype=torch.float16, device=other)
     slot_indices, host_page_ids = make_indices(pool, 1, 1, 2)
-    with pytest.raises(DeviceMismatchError, match="^staging:"):
-        gather(pool, staging, slot_indices, host_page_ids, page_size=1)
+    before = pool_bytes(pool)
+    with pytest.raises(DeviceMismatchError, match=rf"^staging: must be pinned host memory or on the pool's device \(cpu\), got {other}"):
+        if op == "gather":
+            gather(pool, staging, slot_indices, host_page_ids, page_size=1)
+        else:
+            scatter(staging, pool, slot_indices, host_page_ids, page_size=1)
+    assert all(torch.equal(a, b) for a, b in zip(before, pool_bytes(pool)))
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(case, monkeypatch):

@@ -128,7 +128,7 @@ def test_prefetch_with_store_prompt_false_loads_the_prefill_sides_pages_and_the_
     b = SimpleRequest("b", PROMPT)
     rig.slots.assign(b, len(PROMPT) + 4)
     handle = rig.manager.prefetch(b)
-    handle.wait(5.0)
+    assert handle.wait(5.0)
     assert handle.pages_ready == (len(PROMPT) - 1) // 2 and rig.manager.is_tracked(b)
     rig.manager.load(handle, rig.slots(b)[: handle.tokens_ready])
     rig.copy_stream.complete_all()

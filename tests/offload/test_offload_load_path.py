@@ -102,7 +102,7 @@ def test_the_chain_continues_after_a_load_so_only_new_pages_are_stored():
     b = follow_up(rig, "b", turn)
     assert rig.manager.match_prefix(b).num_pages == 6  # A's decode pages too
     handle = rig.manager.prefetch(b)
-    handle.wait(5.0)
+    assert handle.wait(5.0)
     rig.manager.load(handle, rig.slots(b)[:24])
     rig.copy_stream.complete_all()
     rig.manager.poll()
@@ -137,7 +137,7 @@ def test_a_page_that_exists_but_cannot_be_read_ends_the_hit_before_it():
     b = follow_up(rig, "b", range(30))
     assert rig.manager.match_prefix(b).num_pages == 7  # exists says yes for every page
     handle = rig.manager.prefetch(b)
-    handle.wait(5.0)
+    assert handle.wait(5.0)
     assert (handle.pages_hit, handle.pages_ready) == (7, 2)  # nothing after the hole
     with pytest.raises(InvalidArgumentError, match=r"^slot_indices: must be a 1-D tensor of at most 2 ready pages"):
         rig.manager.load(handle, rig.slots(b)[:12])
@@ -155,7 +155,7 @@ def test_cancel_and_abort_free_the_host_pages():
     handle = rig.manager.prefetch(b)
     assert rig.host_pool.used == 4
     rig.manager.cancel(handle)
-    handle.wait(5.0)
+    assert handle.wait(5.0)
     rig.manager.poll()
     assert rig.host_pool.used == 0
     with pytest.raises(InvalidArgumentError, match="^handle: was cancelled"):
@@ -164,7 +164,7 @@ def test_cancel_and_abort_free_the_host_pages():
     handle = rig.manager.prefetch(c)
     rig.manager.abort(c)
     assert rig.released[-1] is c
-    handle.wait(5.0)
+    assert handle.wait(5.0)
     rig.manager.poll()
     assert rig.host_pool.used == 0 and handle.cancelled
 
@@ -176,7 +176,7 @@ def test_load_arguments_are_checked_before_anything_is_written():
     with pytest.raises(ArgumentTypeError, match="^handle: must be a PrefetchHandle"):
         rig.manager.load(object(), rig.slots(b)[:4])
     handle = rig.manager.prefetch(b)
-    handle.wait(5.0)
+    assert handle.wait(5.0)
     for bad in (rig.slots(b)[:6], rig.slots(b)[:20], rig.slots(b)[:8].view(2, 4), [0, 1, 2, 3]):
         with pytest.raises(InvalidArgumentError, match="^slot_indices: must be a 1-D tensor of at most 4 ready pages"):
             rig.manager.load(handle, bad)
@@ -197,7 +197,7 @@ def test_a_released_request_cannot_prefetch_or_load():
     stored_request(rig)
     b = follow_up(rig, "b", range(18))
     handle = rig.manager.prefetch(b)
-    handle.wait(5.0)
+    assert handle.wait(5.0)
     rig.manager.abort(b)
     with pytest.raises(InvalidArgumentError, match="^handle: was cancelled"):
         rig.manager.load(handle, rig.slots(b)[:16] if rig.slots.holds(b) else torch.arange(16))
@@ -238,7 +238,7 @@ def test_layer_by_layer_load_completes_each_layer_on_its_own_event():
     a = stored_request(rig)
     b = follow_up(rig, "b", range(18))
     handle = rig.manager.prefetch(b)
-    handle.wait(5.0)
+    assert handle.wait(5.0)
     load = rig.manager.load(handle, rig.slots(b)[:16], layer_by_layer=True)
     assert len(rig.copy_stream.pending) == 3 and rig.manager.in_flight(b) == 1
     slots_b = rig.slots(b)[:16]
@@ -266,7 +266,7 @@ def test_a_slow_copy_never_lets_a_layer_be_read_before_its_event():
     a = stored_request(rig)
     b = follow_up(rig, "b", range(18))
     handle = rig.manager.prefetch(b)
-    handle.wait(5.0)
+    assert handle.wait(5.0)
     original = transfer.scatter
 
     def slow_scatter(*args, **kwargs):
@@ -310,7 +310,7 @@ def test_prefetch_runs_off_the_engines_thread():
 
     rig.storage.get = get
     handle = rig.manager.prefetch(follow_up(rig, "b", range(18)))
-    handle.wait(5.0)
+    assert handle.wait(5.0)
     assert threads and all(name.startswith("kvstage-store-read") for name in threads)
 
 
@@ -321,7 +321,7 @@ def test_a_store_answering_too_few_keys_to_a_lookup_is_an_error():
     with pytest.raises(StorageError, match=r"exists\(\) answered 1 keys of 4"):
         rig.manager.match_prefix(token_ids=list(range(16)))
     handle = rig.manager.prefetch(follow_up(rig, "b", range(18)))
-    handle.wait(5.0)
+    assert handle.wait(5.0)
     assert handle.pages_ready == 0 and isinstance(handle.error, StorageError)
 
 
@@ -396,7 +396,7 @@ def test_abort_during_a_load_waits_for_it_and_releases_within_the_call():
     a = stored_request(rig)
     b = follow_up(rig, "b", range(18))
     handle = rig.manager.prefetch(b)
-    handle.wait(5.0)
+    assert handle.wait(5.0)
     rig.manager.load(handle, rig.slots(b)[:16])
     assert rig.copy_stream.pending and rig.released == [a]
     rig.manager.abort(b)
@@ -411,7 +411,7 @@ def test_abort_collects_only_its_own_loads_and_launches_nothing_of_other_request
     stored_request(rig)
     b = follow_up(rig, "b", range(18))
     handle = rig.manager.prefetch(b)
-    handle.wait(5.0)
+    assert handle.wait(5.0)
     rig.manager.load(handle, rig.slots(b)[:16])  # holds 4 of the 6 host pages until collected
     c = rig.new_request("c", range(40, 60), 8)  # 20 tokens with KV: 5 whole pages
     rig.decode(c, 1)

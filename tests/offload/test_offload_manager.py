@@ -530,7 +530,10 @@ def test_an_interrupted_poll_keeps_the_copies_it_did_not_handle():
     with pytest.raises(KeyboardInterrupt):
         rig.manager.poll()
     assert rig.manager.metrics.copies_in_flight == 1 and rig.host_pool.used == 1
+    assert calls == [[3, 4]]  # the first copy's page was being keyed when the interrupt came
     assert rig.manager.poll() == 1
+    # The interrupted page's key was never recorded, so the next copy's prior is keyed again first.
+    assert [list(tokens) for tokens in calls] == [[3, 4], [3, 4], [5, 6]]
     # Handled, its host pages freed; its predecessor (the interrupted page) was never written,
     # so the chain-aware store refuses it and it counts failed, not lost.
     assert rig.host_pool.used == 0 and (rig.manager.metrics.pages_stored, rig.manager.metrics.pages_failed) == (0, 1)

@@ -2,7 +2,16 @@
 (with reused rids), decode, offload, poll, finish and abort, the load path (lookup, prefetch,
 load, cancel, abort during prefetch or load), copies completing (or failing) in a random order,
 storage write and read failures, and evictions between lookup and read; the manager's
-invariants are checked after every step."""
+invariants are checked after every step.
+
+Every page a request's tokens fill must end in the store with its own bytes, unless a fault the
+test injected explains its absence: the page was evicted; the request was aborted (any page);
+its ``finish`` dropped pages (the host pool was full: the pages after those launched); or a
+storage failure was reported for it that an injected fault caused (an injected page or put
+failure, an injected copy failure, or an eviction of a page before the failed ones: the
+failed pages and those after them). A failure report that no injected fault explains fails
+the test, and so does any assertion inside the manager's callbacks (which the manager catches
+and counts)."""
 
 from __future__ import annotations
 
@@ -37,9 +46,14 @@ class RidEqualRequest(SimpleRequest):
 
 class EvictingStore(FlakyStore):
     """A FlakyStore that, when asked, evicts the last page a lookup found right after answering
-    it (an eviction between a prefetch's lookup and its read)."""
+    it (an eviction between a prefetch's lookup and its read); ``evicted`` holds the keys (no
+    prefix) it evicted."""
 
     evict_after_lookup = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.evicted: set[str] = set()
 
     def _exists(self, full_keys):
         answer = super()._exists(full_keys)
@@ -47,6 +61,7 @@ class EvictingStore(FlakyStore):
             last = max(index for index, hit in enumerate(answer) if hit)
             with self._lock:
                 self._pages.remove(full_keys[last])
+            self.evicted.add(full_keys[last][len(self.prefix) :])
         return answer
 
 
@@ -100,22 +115,52 @@ class OffloadMachine(RuleBasedStateMachine):
         self.created: list[RidEqualRequest] = []
         self.failed_pages_reported = 0
         self.next_rid = 0
+        self.injected_failed_keys: set[str] = set()  # pages whose put an injected fault failed
+        self.excused_from: dict[int, int] = {}  # id(request) -> first page an injected fault may have cost it
+        self.callback_failures: list[str] = []  # assertions raised inside the manager's callbacks
 
     # -- callbacks the manager calls -----------------------------------------------------------
 
     def _page_fails(self, key: str) -> bool:
-        return self.failure_mode == "all" or (self.failure_mode == "some" and int(key[-1], 16) % 2 == 0)
+        fails = self.failure_mode == "all" or (self.failure_mode == "some" and int(key[-1], 16) % 2 == 0)
+        if fails:
+            self.injected_failed_keys.add(key)
+        return fails
+
+    def _excuse(self, req, first_page: int) -> None:
+        self.excused_from[id(req)] = min(first_page, self.excused_from.get(id(req), first_page))
 
     def _on_failure(self, req, keys, error) -> None:
-        assert _is_in(req, self.created)
-        self.failed_pages_reported += len(keys)
+        # The manager catches what a callback raises: record it for the invariant instead.
+        try:
+            assert _is_in(req, self.created), f"a failure reported for an unknown request {req!r}"
+            self.failed_pages_reported += len(keys)
+            chain = self.rig.chain(req)
+            first = min((chain.index(key) for key in keys if key in chain), default=0)
+            injected = (error is not None and "injected" in str(error)) or not self.injected_failed_keys.isdisjoint(keys)
+            prior_evicted = not self.store.evicted.isdisjoint(chain[:first])
+            # A run whose first page follows a page that an earlier fault cost: that fault explains it.
+            earlier = self.excused_from.get(id(req), len(chain)) <= first
+            assert injected or prior_evicted or earlier, f"{req!r}: storage failure of {keys} that no injected fault explains: {error!r}"
+            self._excuse(req, first)
+        except AssertionError as failure:
+            self.callback_failures.append(f"on_storage_failure: {failure}")
 
     def _on_release(self, req) -> None:
-        assert not _is_in(req, self.rig.released), "released twice"
-        assert not _is_in(req, self.live), "released before finish/abort"
-        # Its device slots may be reused now: no copy of them may still be pending.
-        assert not any(owner is req for owner in self.stream.owner.values()), "released with a copy in flight"
-        self.rig.check_stored_pages(req)  # stored bytes are the request's KV, page by page
+        try:
+            assert not _is_in(req, self.rig.released), "released twice"
+            assert not _is_in(req, self.live), "released before finish/abort"
+            # Its device slots may be reused now: no copy of them may still be pending.
+            assert not any(owner is req for owner in self.stream.owner.values()), "released with a copy in flight"
+            reading, self.read_failures = self.read_failures, False
+            try:
+                # Raises if a page stored so far differs from the request's KV; which pages may be
+                # missing is judged at teardown, once every write has been collected.
+                self.rig.missing_pages(req)
+            finally:
+                self.read_failures = reading
+        except AssertionError as failure:
+            self.callback_failures.append(f"release: {failure}")
 
     def _drive(self, req, call):
         self.stream.driving = req
@@ -224,6 +269,7 @@ class OffloadMachine(RuleBasedStateMachine):
             self._prefill(req, 0)
             return
         self.ending.append(req)
+        self._excuse(req, 0)
         self._drive(req, self.manager.abort)
         # Nothing of an aborted request is written to its slots after abort returns.
         assert self.stream.pending_of(req) == 0
@@ -290,7 +336,9 @@ class OffloadMachine(RuleBasedStateMachine):
     def finish(self, pick):
         req = self.live.pop(pick % len(self.live))
         self.ending.append(req)
-        self._drive(req, self.manager.finish)
+        launched = self.manager.offloaded_length(req) or 0
+        if not self._drive(req, self.manager.finish):  # pages past those launched were dropped
+            self._excuse(req, launched // PAGE_SIZE)
         self._settle()
 
     @precondition(lambda self: self.live or self.ending)
@@ -301,6 +349,7 @@ class OffloadMachine(RuleBasedStateMachine):
         if _is_in(req, self.live):
             self.live = [r for r in self.live if r is not req]
             self.ending.append(req)
+        self._excuse(req, 0)
         self._drive(req, self.manager.abort)
         self._settle()
 
@@ -309,6 +358,11 @@ class OffloadMachine(RuleBasedStateMachine):
         self.failure_mode = mode
 
     # -- invariants --------------------------------------------------------------------------
+
+    @invariant()
+    def callbacks_raised_nothing(self):
+        assert self.callback_failures == []
+        assert self.manager.metrics.callback_errors == 0
 
     @invariant()
     def host_pages_are_accounted(self):
@@ -363,6 +417,20 @@ class OffloadMachine(RuleBasedStateMachine):
         assert len(released) == len(self.created)
         assert {id(req) for req in released} == {id(req) for req in self.created}
         assert self.ending == []
+        self.callbacks_raised_nothing()
+        self.every_stored_page_is_there()
+
+    def every_stored_page_is_there(self):
+        """Every whole page of every request is in the store with its bytes, unless an injected
+        fault excuses that request (see the module doc)."""
+        self.read_failures = False  # an injected read failure would hide a stored page
+        unexplained = []
+        for req in self.created:
+            chain, first_excused = self.rig.chain(req), self.excused_from.get(id(req), len(self.rig.chain(req)))
+            missing = [index for index in self.rig.missing_pages(req) if index < first_excused and chain[index] not in self.store.evicted]
+            if missing:
+                unexplained.append(f"{req!r}: pages {missing} of {len(chain)} not stored")
+        assert unexplained == []
 
 
 OffloadMachine.TestCase.settings = settings(

@@ -1,20 +1,20 @@
-"""``kvstage replay --storage mooncake://...`` against a real Mooncake master (skips without Mooncake)."""
+"""``kvstage replay --storage mooncake://...`` against a real Mooncake master (skips without
+Mooncake; fails under CI)."""
 
 from __future__ import annotations
-
-import pytest
 
 from kvstage.replay.command import replay
 from kvstage.replay.engine import ReplayConfig
 from kvstage.replay.models import resolve_model
 from kvstage.replay.trace import TraceRequest
+from support import skip_missing
 
 
 def test_replay_through_a_real_mooncake_store(tmp_path):
     import mooncake_master as master_module  # tests/mooncake_master.py
     from kvstage.storage.mooncake import store as store_module
     if not store_module.mooncake_available() or master_module.master_binary() is None:
-        pytest.skip(f"the Mooncake store is not usable here; {store_module.INSTALL_HINT}")
+        skip_missing(f"the Mooncake store is not usable here; {store_module.INSTALL_HINT}")
     requests = [
         TraceRequest(0, 0.0, 700, 20, (0, 1)),
         TraceRequest(1, 1.0, 900, 9, (0, 1)),

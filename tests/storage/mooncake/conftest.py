@@ -2,7 +2,8 @@
 
 The master comes from the ``mooncake-transfer-engine-non-cuda`` wheel (``mooncake/mooncake_master``)
 and runs with its HTTP metadata server, every port picked free. Where the wheel (or the Debian
-libraries it links against) is missing, the tests that need it skip and say what to install.
+libraries it links against) is missing, the tests that need it skip and say what to install
+(under CI they fail: see ``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from mooncake_master import LocalMooncakeMaster, master_binary
 from kvstage.kv_layout import KVLayout
 from kvstage.storage.mooncake.store import INSTALL_HINT, mooncake_available
 from kvstage.storage import LayoutFingerprint
-from support import REPO_ROOT
+from support import REPO_ROOT, skip_missing
 
 # A small layout: 2 layers x K,V x 16 tokens x 2 heads x 64 x bf16 = 16 KiB a page.
 FINGERPRINT = LayoutFingerprint("tiny-model", KVLayout(2, 2, 2, 64, "bfloat16"), 16)
@@ -38,10 +39,10 @@ def require_mooncake() -> Path:
     """The master binary, or skip naming what to install."""
     drop_shadowing_module()
     if not mooncake_available():
-        pytest.skip(f"the Mooncake store is not usable here; {INSTALL_HINT}")
+        skip_missing(f"the Mooncake store is not usable here; {INSTALL_HINT}")
     binary = master_binary()
     if binary is None:
-        pytest.skip(f"mooncake_master is not in the installed mooncake package; {INSTALL_HINT}")
+        skip_missing(f"mooncake_master is not in the installed mooncake package; {INSTALL_HINT}")
     return binary
 
 

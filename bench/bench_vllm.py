@@ -1,0 +1,222 @@
+"""Benchmark: kvstage inside vLLM 0.33.0's offloading connector, on CPU.
+
+Three figures, each beside its baseline in the same run:
+
+* ``worker store`` / ``worker load``: :class:`kvstage.integrations.vllm.KVStageWorker` moving 256
+  vLLM blocks of 2 MiB (``--quick``: 64) between vLLM's canonical block tensors (2 layers of
+  1 MiB a block, int8, as vLLM's connector worker hands them over) and a ``MemoryStore`` sized to
+  one batch (every round evicts the previous round's pages: the steady state), through the
+  ``submit_store`` / ``submit_load`` / ``wait`` / ``get_finished`` calls vLLM makes. A store is a
+  gather into host pages plus a put (two copies of every byte), a load a get plus a scatter.
+  Baseline: one ``copy_`` of the same bytes between two host tensors.
+* ``take_events``: the scheduler-side manager's ``take_events()`` turning 10,000 store events
+  (pages stored) into vLLM ``OffloadingEvent``s and updating its index; baseline: the store's own
+  ``take_events()`` of 10,000 events (the drain alone).
+* ``lookup``: the manager's ``lookup`` of a request's 32 blocks (a 512-token prompt) with 100,000
+  keys stored (target: < 50 us a request, answered from the index, no store round trip);
+  baseline: one batched ``exists`` round trip to a ``FileStore`` for the same 32 keys, what a
+  blocking lookup would cost at least.
+
+Timing: ``time.perf_counter``, one warm-up round not counted, the median over rounds. Loaded
+blocks are checked against the stored ones outside the timing.
+
+Run: ``python bench/bench_vllm.py [--quick] [--rounds N] [--json PATH]``; ``run(quick) -> dict``
+is the entry point for ``python -m bench``. Without vLLM 0.33.0 installed the report says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BLOCK_BYTES_PER_LAYER = 1 << 20  # 2 layers: a 2 MiB block
+NUM_LAYERS = 2
+LOOKUP_KEYS, REQUEST_BLOCKS, NUM_EVENTS = 100_000, 32, 10_000
+TARGET_LOOKUP_US = 50.0
+
+
+def _median_seconds(call, rounds: int) -> float:
+    call()  # warm-up
+    samples = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def _worker_figures(num_blocks: int, rounds: int, log) -> list[dict]:
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
+
+    from kvstage.integrations.vllm.manager import KVStageLoadStoreSpec
+    from kvstage.integrations.vllm.worker import KVStageWorker
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    total_blocks = 2 * num_blocks  # stores read the first half, loads write the second
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(-128, 128, (total_blocks, BLOCK_BYTES_PER_LAYER), dtype=torch.int8, generator=generator) for _ in range(NUM_LAYERS)]
+    kv_caches = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, BLOCK_BYTES_PER_LAYER) for t in tensors],
+        [[CanonicalKVCacheRef(index, BLOCK_BYTES_PER_LAYER) for index in range(NUM_LAYERS)]],
+    )
+    page_bytes = NUM_LAYERS * BLOCK_BYTES_PER_LAYER
+    store = MemoryStore(LayoutFingerprint.opaque("bench", page_bytes=page_bytes, page_format="bench-vllm"), capacity_bytes=num_blocks * page_bytes)
+    worker = KVStageWorker(kv_caches, store, num_host_pages=num_blocks)
+    batch_bytes = num_blocks * page_bytes
+    source = GPULoadStoreSpec(list(range(num_blocks)), [num_blocks], [0])
+    target = GPULoadStoreSpec(list(range(num_blocks, total_blocks)), [num_blocks], [0])
+    state = {"round": 0, "keys": None, "job": 0}
+
+    def run_job(submit) -> None:
+        state["job"] += 1
+        submit(state["job"])
+        worker.wait({state["job"]})
+        [result] = worker.get_finished()
+        assert result.success, result
+
+    def store_round() -> None:
+        state["round"] += 1
+        state["keys"] = KVStageLoadStoreSpec([f"{state['round']:08x}{block:08x}" for block in range(num_blocks)])
+        run_job(lambda job: worker.submit_store(job, source, state["keys"]))
+
+    def load_round() -> None:
+        run_job(lambda job: worker.submit_load(job, state["keys"], target))
+
+    store_seconds = _median_seconds(store_round, rounds)
+    load_seconds = _median_seconds(load_round, rounds)
+    for t in tensors:  # the last load put the last stored blocks (the same source blocks) back
+        assert torch.equal(t[num_blocks:], t[:num_blocks])
+    worker.close()
+    a, b = torch.empty(batch_bytes, dtype=torch.uint8), torch.empty(batch_bytes, dtype=torch.uint8)
+    a.fill_(1)
+    copy_seconds = _median_seconds(lambda: b.copy_(a), rounds)
+    results = []
+    for op, seconds in (("worker store", store_seconds), ("worker load", load_seconds), ("copy_", copy_seconds)):
+        gbps = batch_bytes / seconds / 1e9
+        log(f"  {op:13s} {num_blocks} blocks of {page_bytes >> 20} MiB: {gbps:6.2f} GB/s ({seconds * 1e3:8.1f} ms)")
+        results.append({"method": op, "blocks": num_blocks, "block_bytes": page_bytes, "seconds": seconds, "gbps": gbps})
+    return results
+
+
+def _take_events_figures(rounds: int, log) -> list[dict]:
+    import torch as _torch
+
+    from kvstage.integrations.vllm.manager import KVStageOffloadingManager
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    store = MemoryStore(LayoutFingerprint.opaque("bench", page_bytes=16, page_format="bench-events"))
+    manager = KVStageOffloadingManager(store, events=True)
+    page = _torch.zeros(16, dtype=_torch.uint8)
+    state = {"round": 0}
+
+    def fill() -> None:  # 10,000 stored events, in 100 puts of one 100-page chain run each
+        state["round"] += 1
+        for run in range(NUM_EVENTS // 100):
+            keys = [f"{state['round']:06x}{run:04x}{i:04x}" for i in range(100)]
+            store.put(keys, [page] * 100)
+
+    def timed(call) -> float:
+        samples = []
+        for _ in range(rounds + 1):
+            fill()
+            started = time.perf_counter()
+            taken = call()
+            samples.append(time.perf_counter() - started)
+            assert sum(len(getattr(e, "keys", [e])) for e in taken) == NUM_EVENTS
+        return statistics.median(samples[1:])
+
+    manager_seconds = timed(lambda: list(manager.take_events()))
+    store_seconds = timed(store.take_events)
+    manager.shutdown()
+    results = []
+    for method, seconds in (("manager take_events", manager_seconds), ("store take_events", store_seconds)):
+        log(f"  {method:20s} {NUM_EVENTS} events: {seconds * 1e3:7.2f} ms ({seconds / NUM_EVENTS * 1e9:6.0f} ns an event)")
+        results.append({"method": method, "events": NUM_EVENTS, "seconds": seconds, "ns_per_event": seconds / NUM_EVENTS * 1e9})
+    return results
+
+
+def _lookup_figures(rounds: int, log) -> tuple[list[dict], float]:
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvstage.integrations.vllm.manager import KVStageOffloadingManager
+    from kvstage.storage import FileStore, LayoutFingerprint, MemoryStore
+
+    fingerprint = LayoutFingerprint.opaque("bench", page_bytes=16, page_format="bench-lookup")
+    manager = KVStageOffloadingManager(MemoryStore(fingerprint))
+    keys = [i.to_bytes(32, "big") + bytes(4) for i in range(LOOKUP_KEYS)]
+    manager.complete_store(keys, ReqContext("bench"))  # what the workers reported stored
+    request = keys[-REQUEST_BLOCKS:]
+    context = ReqContext("r")
+
+    def lookup_request() -> None:
+        for key in request:
+            assert manager.lookup(key, context) is LookupResult.HIT
+
+    repeat = 200
+    lookup_seconds = _median_seconds(lambda: [lookup_request() for _ in range(repeat)], rounds) / repeat
+    manager.shutdown()
+    with tempfile.TemporaryDirectory() as directory:
+        store = FileStore(fingerprint, directory)
+        hex_keys = [key.hex() for key in request]
+        store.put(hex_keys, [torch.zeros(16, dtype=torch.uint8)] * len(hex_keys))
+        exists_seconds = _median_seconds(lambda: store.exists(hex_keys), rounds)
+    results = [
+        {"method": "manager lookup", "keys_stored": LOOKUP_KEYS, "blocks": REQUEST_BLOCKS, "seconds": lookup_seconds, "us_per_request": lookup_seconds * 1e6},
+        {"method": "file exists round trip", "keys_stored": REQUEST_BLOCKS, "blocks": REQUEST_BLOCKS, "seconds": exists_seconds, "us_per_request": exists_seconds * 1e6},
+    ]
+    for result in results:
+        log(f"  {result['method']:22s} {REQUEST_BLOCKS} blocks: {result['us_per_request']:8.2f} us a request")
+    return results, lookup_seconds * 1e6
+
+
+def run(quick: bool = False, *, rounds: int | None = None, log=print) -> dict:
+    """Every figure; see the module doc. ``quick``: 64 blocks, 3 rounds."""
+    rounds = rounds or (3 if quick else 7)
+    report = {
+        "machine": platform.machine(), "cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
+        "quick": quick, "rounds": rounds,
+    }
+    if importlib.util.find_spec("vllm") is None:
+        log("bench_vllm: vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python); skipped")
+        return {**report, "skipped": "vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)", "results": []}
+    import vllm
+
+    report["vllm"] = vllm.__version__
+    log("vLLM worker: store and load through kvstage beside copy_")
+    results = _worker_figures(64 if quick else 256, rounds, log)
+    log("manager take_events beside the store's own drain")
+    results += _take_events_figures(rounds, log)
+    log(f"manager lookup with {LOOKUP_KEYS:,} keys stored")
+    lookup_results, lookup_us = _lookup_figures(rounds, log)
+    results += lookup_results
+    report["results"] = results
+    report["summary"] = {"lookup_us_per_request": {"value": lookup_us, "target": f"< {TARGET_LOOKUP_US:g}", "ok": lookup_us < TARGET_LOOKUP_US}}
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 blocks, 3 rounds")
+    parser.add_argument("--rounds", type=int, help="rounds to take the median over")
+    parser.add_argument("--json", type=Path, help="write the report here")
+    args = parser.parse_args(argv)
+    report = run(args.quick, rounds=args.rounds)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""vLLM's names for kvstage's: offload keys as page keys, its offload config as a layout
+fingerprint, kvstage's store events as vLLM's ``OffloadingEvent``s.
+
+vLLM 0.33.0 (``vllm/v1/kv_offload/base.py``) keys an offloaded chunk by ``OffloadKey``: the
+block hash bytes followed by the KV cache group index as 4 big-endian bytes. kvstage's stores take
+hex string keys, so a page key is ``key.hex()`` and ``bytes.fromhex`` gives the key back: one
+chunk of one group is one page, and groups never share a page key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvstage.errors import require
+from kvstage.storage import LayoutFingerprint
+from kvstage.storage.events import StoreEvent
+
+__all__ = ["block_fingerprint", "chunk_page_format", "offloading_events", "page_keys", "tier_fingerprint"]
+
+
+def page_keys(keys: Iterable[bytes]) -> list[str]:
+    """vLLM ``OffloadKey``s (bytes) as kvstage page keys (lowercase hex), in order."""
+    return [key.hex() for key in keys]
+
+
+def chunk_page_format(config) -> str:
+    """The page format of one primary-tier chunk of vLLM's ``TieringOffloadingSpec``.
+
+    A chunk holds ``blocks_per_chunk`` blocks of every worker (or one copy, for a replicated
+    layout) of one KV group, laid out by vLLM; its bytes depend on the KV dtype, the groups'
+    block sizes and layers, the hash granularity, the host layout (canonical or not) and, unless
+    vLLM says the bytes are parallelism-agnostic, the parallel layout. The model is the
+    fingerprint's model id.
+
+    Args:
+        config: vLLM's ``OffloadingConfig`` (``vllm/v1/kv_offload/config.py``).
+    """
+    groups = ";".join(
+        f"g{group.group_id}:{group.tokens_per_block}tok:{','.join(group.layer_names)}" for group in config.groups
+    )
+    parts = [
+        "vllm-chunk-v1",
+        f"dtype={config.model.dtype}",
+        f"groups={groups}",
+        f"bpc={config.cache.blocks_per_chunk}",
+        f"tph={config.cache.tokens_per_hash}",
+        f"canonical={int(bool(config.canonical_layout))}",
+        f"layout={config.kv_cache_layout}",
+        f"replicated={int(bool(config.replicated_layout))}",
+    ]
+    parallel = config.parallel
+    if not parallel.is_parallelism_agnostic:
+        parts.append(f"world=tp{parallel.tp_size}pp{parallel.pp_size}pcp{parallel.pcp_size}dcp{parallel.dcp_size}x{parallel.world_size}")
+    return "|".join(parts)
+
+
+def tier_fingerprint(config, *, page_bytes: int, model_id: str | None = None) -> LayoutFingerprint:
+    """The key space of a :class:`KVStageTier`: whole primary-tier chunks of ``page_bytes``.
+
+    A chunk holds every worker's share, so one scheduler writes it and the shard is the whole
+    world, named in the format (:func:`chunk_page_format`).
+
+    Args:
+        config: vLLM's ``OffloadingConfig``.
+        page_bytes: bytes of one chunk (the primary tier's row stride, padding included).
+        model_id: the model's name; None: ``config.model.name``.
+
+    Raises:
+        InvalidArgumentError: as :meth:`LayoutFingerprint.opaque`.
+    """
+    return LayoutFingerprint.opaque(
+        model_id or config.model.name, page_bytes=page_bytes, page_format=chunk_page_format(config),
+    )
+
+
+def block_fingerprint(config, *, model_id: str | None = None) -> LayoutFingerprint:
+    """The key space of one worker's blocks: ``config.worker_kv_bytes_per_block`` bytes a page.
+
+    The format names the KV dtype, the group's block size and layers, and the parallel layout;
+    pages are this rank's share (``tp_rank`` of ``world_size``), or rank-neutral where vLLM
+    says every rank holds the same bytes (``replicated_layout``, MLA).
+
+    Args:
+        config: vLLM's ``OffloadingConfig``.
+        model_id: the model's name; None: ``config.model.name``.
+
+    Raises:
+        InvalidArgumentError: more than one KV group, or blocks of more than one chunk.
+    """
+    require(
+        len(config.groups) == 1, "kv_cache_groups",
+        lambda: f"KVStageOffloadingSpec stores one KV cache group, this model offloads {len(config.groups)}: "
+        "for hybrid models use TieringOffloadingSpec with a KVStageTier secondary tier",
+    )
+    require(
+        config.cache.blocks_per_chunk == 1, "block_size",
+        lambda: f"KVStageOffloadingSpec stores GPU blocks as they are (blocks_per_chunk 1), got {config.cache.blocks_per_chunk}",
+    )
+    group, parallel = config.groups[0], config.parallel
+    page_format = "|".join([
+        "vllm-block-v1", f"dtype={config.model.dtype}", f"g{group.group_id}:{group.tokens_per_block}tok:{','.join(group.layer_names)}",
+        f"tph={config.cache.tokens_per_hash}", f"layout={config.kv_cache_layout}",
+        f"world=tp{parallel.tp_size}pp{parallel.pp_size}pcp{parallel.pcp_size}dcp{parallel.dcp_size}x{parallel.world_size}",
+    ])
+    return LayoutFingerprint.opaque(
+        model_id or config.model.name, page_bytes=config.worker_kv_bytes_per_block, page_format=page_format,
+        tp_rank=parallel.rank, tp_size=parallel.world_size, rank_neutral=bool(config.replicated_layout),
+    )
+
+
+def offloading_events(events: Sequence[StoreEvent], *, key_space: str, medium, locality, ownership: str) -> list:
+    """kvstage store events of ``key_space`` as vLLM ``OffloadingEvent``s, one per run of
+    events of one kind, in order: ``stored`` is a store (``removed=False``), ``evicted`` and
+    ``removed`` are removals (``removed=True``). Events of other key spaces are left out
+    (another fingerprint's pages).
+
+    Args:
+        events: what ``store.take_events()`` returned.
+        key_space: the store's fingerprint prefix.
+        medium, locality, ownership: the ``OffloadingEvent`` fields for this tier.
+    """
+    from vllm.v1.kv_offload.base import OffloadingEvent
+
+    translated: list = []
+    kind, keys = None, []
+    for event in events:
+        if event.key_space != key_space:
+            continue
+        if event.kind != kind and keys:
+            translated.append(OffloadingEvent(keys, medium, kind != "stored", locality=locality, ownership=ownership))
+            keys = []
+        kind = event.kind
+        keys.append(bytes.fromhex(event.key))
+    if keys:
+        translated.append(OffloadingEvent(keys, medium, kind != "stored", locality=locality, ownership=ownership))
+    return translated

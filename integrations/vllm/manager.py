@@ -1,0 +1,130 @@
+"""``KVStageOffloadingManager``: the scheduler side of :class:`KVStageOffloadingSpec`.
+
+It decides for vLLM's scheduler and never waits for the store: lookups answer from a
+:class:`kvstage.offload.StoreIndex`, loads and stores are handed to the workers as
+:class:`KVStageLoadStoreSpec` (the blocks' page keys), the store's events become vLLM's
+``OffloadingEvent``s.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+
+from kvstage.integrations.vllm.keys import offloading_events, page_keys
+from kvstage.offload import StoreIndex, StoreWorkers
+from kvstage.storage.shared import release_shared_storage
+
+__all__ = ["KVStageLoadStoreSpec", "KVStageOffloadingManager"]
+
+_LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
+
+
+class KVStageLoadStoreSpec(LoadStoreSpec):
+    """Where blocks live in kvstage: their page keys (hex ``OffloadKey``s), in block order."""
+
+    def __init__(self, page_keys: list[str]) -> None:
+        self.page_keys = page_keys
+
+    def __repr__(self) -> str:
+        return f"KVStageLoadStoreSpec({len(self.page_keys)} pages)"
+
+class KVStageOffloadingManager(OffloadingManager):
+    """Decides for vLLM's scheduler: what the store holds (cached, refreshed on a reader
+    thread), which blocks to store, and the store's events as vLLM's.
+
+    Args:
+        storage: the store (shared with the workers of this process, if any).
+        miss_ttl_s: seconds a "not held" answer is trusted.
+        hit_ttl_s: seconds after which a held key is checked again in the background.
+        events: collect vLLM events (vLLM publishes KV events).
+
+    A store's eviction of a page is seen at once through the store's events when the workers
+    share this process's store object (one process); otherwise within ``hit_ttl_s`` of the
+    key's last check, and a load of an evicted page meanwhile fails (vLLM recomputes the block).
+    """
+
+    def __init__(self, storage: Any, *, miss_ttl_s: float = 1.0, hit_ttl_s: float | None = 10.0, events: bool = False) -> None:
+        self.storage = storage
+        self._workers = StoreWorkers()
+        self.index = StoreIndex(storage, self._workers, miss_ttl_s=miss_ttl_s, hit_ttl_s=hit_ttl_s)
+        self._events_enabled = events
+        self._events: list[OffloadingEvent] = []
+        self._storing: set[str] = set()  # page keys of stores in flight
+        self._lock = threading.Lock()
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held by vLLM's scheduler around every call (the reader thread never takes it)."""
+        return self._lock
+
+    def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
+        """HIT / MISS from the index; RETRY while the store is being asked."""
+        return _LOOKUP[self.index.lookup(key.hex())]
+
+    def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> LoadStoreSpec:
+        """The page keys to read (the store keeps no pins: a page evicted meanwhile fails the load)."""
+        return KVStageLoadStoreSpec(page_keys(keys))
+
+    def prepare_store(self, keys: Collection[bytes], req_context: ReqContext) -> PrepareStoreOutput | None:
+        """Store the blocks the store does not hold and no store in flight is writing."""
+        wanted = [key for key in keys if self.index.lookup(key.hex()) is not True and key.hex() not in self._storing]
+        hex_keys = page_keys(wanted)
+        self._storing.update(hex_keys)
+        return PrepareStoreOutput(keys_to_store=wanted, store_spec=KVStageLoadStoreSpec(hex_keys), evicted_keys=[])
+
+    def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
+        """The workers finished writing ``keys``."""
+        hex_keys = page_keys(keys)
+        self._storing.difference_update(hex_keys)
+        if success:
+            self.index.add(hex_keys)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: Any) -> None:
+        """Send queued lookups; keep the index current with the store's events."""
+        self.index.poll()
+        self._drain_store_events()
+
+    def has_pending_work(self) -> bool:
+        return self.index.refreshing
+
+    def reset_cache(self) -> None:
+        """Clear the store's key space (vLLM's connector cache reset, e.g. after a weight
+        update) and forget every lookup answer. Blocks this thread for the clear: a rare,
+        operator-driven call. Stores in other processes (``memory``) are not reached."""
+        self.storage.clear()
+        self.index.reset()
+        self._storing.clear()
+        self._drain_store_events()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """The store's stored / evicted / removed pages since the last call, as vLLM events."""
+        self._drain_store_events()
+        events, self._events = self._events, []
+        return events
+
+    def _drain_store_events(self) -> None:
+        store_events = self.storage.take_events()
+        prefix = self.storage.prefix
+        self.index.discard([event.key for event in store_events if event.kind != "stored" and event.key_space == prefix])
+        if self._events_enabled and store_events:
+            self._events.extend(offloading_events(store_events, key_space=prefix, medium=Medium.STORAGE, locality=None, ownership=None))
+
+    def shutdown(self) -> None:
+        self._workers.close()
+        release_shared_storage(self.storage)

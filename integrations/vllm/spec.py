@@ -1,0 +1,66 @@
+"""``KVStageOffloadingSpec``: kvstage as vLLM 0.33.0's offloading backend, GPU blocks to a store.
+
+vLLM's ``OffloadingConnector`` loads a spec by name (``vllm/v1/kv_offload/factory.py``)::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"spec_name": "KVStageOffloadingSpec",
+            "spec_module_path": "kvstage.integrations.vllm", "storage": "file:/var/cache/kv"}}'
+
+and asks it for a scheduler-side manager (:class:`KVStageOffloadingManager`: decides, answers
+lookups from a :class:`kvstage.offload.StoreIndex`, reports store events) and, in each worker, a
+worker (:class:`KVStageWorker`: moves vLLM's canonical block tensors to and from the store with
+:class:`kvstage.offload.KeyedCopies`). A page is one block of one worker across the KV group's
+layers; its key is the block's ``OffloadKey`` in hex.
+
+Extra config: ``storage`` (a kvstage storage URL, default ``memory``), ``num_host_pages`` (the
+worker's host pool, default 256), ``model_id`` (default: the model vLLM runs), ``miss_ttl_s``
+and ``hit_ttl_s`` (see :class:`kvstage.offload.StoreIndex`; default 1 and 10 seconds).
+"""
+
+from __future__ import annotations
+
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
+
+from kvstage.errors import is_int, require
+from kvstage.integrations.vllm.keys import block_fingerprint
+from kvstage.integrations.vllm.manager import KVStageOffloadingManager
+from kvstage.integrations.vllm.worker import KVStageWorker
+from kvstage.storage.shared import open_shared_storage
+
+__all__ = ["KVStageOffloadingSpec"]
+
+
+class KVStageOffloadingSpec(OffloadingSpec):
+    """vLLM's ``OffloadingSpec`` over a kvstage store (see the module doc for the config).
+
+    Raises:
+        InvalidArgumentError: a bad extra config value (named), more than one KV group.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        extra = self.extra_config
+        self.storage_url = extra.get("storage", "memory")
+        require(isinstance(self.storage_url, str), "storage", lambda: f"must be a storage URL string, got {self.storage_url!r}")
+        self.num_host_pages = extra.get("num_host_pages", 256)
+        require(is_int(self.num_host_pages) and self.num_host_pages >= 1, "num_host_pages", lambda: f"must be an int >= 1, got {self.num_host_pages!r}")
+        self.miss_ttl_s = extra.get("miss_ttl_s", 1.0)
+        self.hit_ttl_s = extra.get("hit_ttl_s", 10.0)
+        self.fingerprint = block_fingerprint(config, model_id=extra.get("model_id"))
+        self._manager: KVStageOffloadingManager | None = None
+        self._worker: KVStageWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        """The scheduler-side manager (one per spec)."""
+        if self._manager is None:
+            self._manager = KVStageOffloadingManager(
+                open_shared_storage(self.storage_url, self.fingerprint), miss_ttl_s=self.miss_ttl_s,
+                hit_ttl_s=self.hit_ttl_s, events=self.kv_events_config.enable_kv_cache_events,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        """This worker's mover over ``kv_caches`` (one per spec)."""
+        if self._worker is None:
+            self._worker = KVStageWorker(kv_caches, open_shared_storage(self.storage_url, self.fingerprint), num_host_pages=self.num_host_pages)
+        return self._worker

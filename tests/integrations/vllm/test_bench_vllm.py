@@ -1,0 +1,25 @@
+"""bench/bench_vllm.py runs end to end (quick, one round) and reports every figure with its
+baseline; it makes no speed claim here (the benchmark's own report does)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)")
+
+from support import REPO_ROOT  # noqa: E402
+
+
+def test_the_quick_benchmark_reports_each_figure_beside_its_baseline():
+    spec = importlib.util.spec_from_file_location("bench_vllm", REPO_ROOT / "bench" / "bench_vllm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = module.run(quick=True, rounds=1, log=lambda line: None)
+    methods = {result["method"] for result in report["results"]}
+    assert methods == {
+        "worker store", "worker load", "copy_", "manager take_events", "store take_events", "manager lookup", "file exists round trip",
+    }
+    assert all(result["seconds"] > 0 for result in report["results"])
+    assert report["summary"]["lookup_us_per_request"]["target"] == "< 50"

@@ -1,0 +1,189 @@
+"""KVStageOffloadingSpec inside vLLM 0.33.0's OffloadingConnector, on CPU: vLLM's own Scheduler
+and connector scheduler decide, vLLM's connector worker hands kvstage's worker real block
+tensors (``register_kv_caches``), kvstage's copier and store threads move the bytes.
+
+What must hold: a request's full prompt blocks are stored; after the GPU prefix cache is reset
+and the KV cache zeroed, a second request with that prompt loads them from the store (no
+recompute of those tokens) and its blocks hold exactly the first request's bytes; lookups never
+block (an unknown key is a RETRY while the store is asked); the manager's take_events reports
+what the store stored and evicted, and vLLM's connector publishes them as KV events.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector", reason="vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)")
+
+import torch  # noqa: E402
+from vllm.v1.kv_offload.base import Medium  # noqa: E402
+from vllm_rig import ConnectorRig  # noqa: E402
+
+from kvstage.errors import InvalidArgumentError  # noqa: E402
+from kvstage.integrations.vllm import KVStageOffloadingSpec  # noqa: E402
+
+BLOCK = ConnectorRig.BLOCK_SIZE
+PROMPT = list(range(1, 4 * BLOCK + 6))  # 4 full blocks and 5 tokens
+
+
+@pytest.fixture(params=["memory", "file"])
+def rig(request, tmp_path):
+    rig = ConnectorRig(tmp_path / "model", "memory" if request.param == "memory" else f"file:{tmp_path / 'kv'}")
+    yield rig
+    rig.close()
+
+
+def expected_block(rig: ConnectorRig, prompt: list[int], block_index: int) -> list[torch.Tensor]:
+    """Each layer's block as the stand-in model writes it for ``prompt``."""
+    blocks = []
+    for layer in range(len(rig.LAYERS)):
+        block = torch.empty(2, BLOCK, rig.NUM_KV_HEADS, rig.HEAD_SIZE, dtype=torch.float16)
+        for offset in range(BLOCK):
+            position = block_index * BLOCK + offset
+            block[:, offset] = rig.kv_value(prompt[position], position, layer)
+        blocks.append(block)
+    return blocks
+
+
+def test_a_second_request_loads_the_first_ones_blocks_from_the_store(rig):
+    rig.add_request("a", PROMPT)
+    first = rig.run_until_idle()
+    assert first[0].num_scheduled_tokens == {}  # the lookup asked the store on a thread: RETRY
+    assert sum(step.num_scheduled_tokens.get("a", 0) for step in first) == len(PROMPT) + 1  # all computed
+    assert rig.manager.storage.stats.pages_stored == 4  # the 4 full prompt blocks
+    assert not rig.scheduler.requests
+
+    assert rig.scheduler.reset_prefix_cache()  # the GPU cache forgets them ...
+    rig.backing.zero_()  # ... and holds nothing of them
+    request = rig.add_request("b", PROMPT)
+    second = rig.run_until_idle()
+    scheduled = [step.num_scheduled_tokens.get("b", 0) for step in second]
+    assert sum(scheduled) == len(PROMPT) - 4 * BLOCK + 1  # only the 5 tokens past the loaded blocks (+1 decode)
+    assert rig.manager.storage.stats.pages_read == 4
+    assert request.num_output_tokens == 2
+
+
+def test_loaded_blocks_hold_exactly_the_stored_bytes(rig):
+    rig.add_request("a", PROMPT, max_tokens=1)
+    rig.run_until_idle()
+    rig.scheduler.reset_prefix_cache()
+    rig.backing.zero_()
+    request = rig.add_request("b", PROMPT, max_tokens=50)  # still running when checked
+    for _ in range(500):
+        rig.step()
+        if request.num_computed_tokens >= len(PROMPT):
+            break
+    blocks = rig.block_ids("b")
+    for index in range(4):
+        for layer, name in enumerate(rig.LAYERS):
+            assert torch.equal(rig.kv[name][blocks[index]], expected_block(rig, PROMPT, index)[layer]), (index, name)
+
+
+def test_take_events_reports_stored_and_evicted_blocks(tmp_path):
+    # Room for 3 pages (one block of both layers each): a second prompt's 2 blocks evict one.
+    page_bytes = 2 * ConnectorRig.BLOCK_SIZE * ConnectorRig.NUM_KV_HEADS * ConnectorRig.HEAD_SIZE * 2 * len(ConnectorRig.LAYERS)
+    rig = ConnectorRig(tmp_path / "model", f"memory:{3 * page_bytes}")
+    try:
+        rig.add_request("a", list(range(1, 2 * BLOCK + 3)))
+        rig.run_until_idle()
+        rig.add_request("c", list(range(100, 100 + 2 * BLOCK + 3)))
+        rig.run_until_idle()
+        taken = rig.offloading_events  # as vLLM's scheduler took them, step by step
+        stored = [key for event in taken if not event.removed for key in event.keys]
+        evicted = [key for event in taken if event.removed for key in event.keys]
+        assert len(stored) == 4 and len(evicted) == 1 and evicted[0] in stored[:2]
+        assert all(event.medium is Medium.STORAGE for event in taken)
+        assert rig.manager.index.lookup(evicted[0].hex()) is False  # never offered for a load
+        removed = [e for e in rig.kv_events if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE"]
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        assert [h for e in removed for h in e.block_hashes] == [maybe_convert_block_hash(evicted[0][:-4])]  # vLLM published it
+    finally:
+        rig.close()
+
+
+def test_vllms_connector_publishes_the_stores_as_kv_events(tmp_path):
+    rig = ConnectorRig(tmp_path / "model", "memory")
+    try:
+        rig.add_request("a", PROMPT)
+        rig.run_until_idle()
+        stored = [e for e in rig.kv_events if type(e).__name__ == "BlockStored" and e.medium == "STORAGE"]
+        gpu = [e for e in rig.kv_events if type(e).__name__ == "BlockStored" and e.medium == "GPU"]
+        assert [h for e in stored for h in e.block_hashes] == [h for e in gpu for h in e.block_hashes][:4]
+    finally:
+        rig.close()
+
+
+def test_a_hybrid_model_raises_naming_the_groups_and_the_tier_to_use():
+    from vllm_rig import offloading_config
+
+    config = offloading_config({"storage": "memory"})
+    two_groups = type(config)(**{**config.__dict__, "groups": config.groups * 2})
+    with pytest.raises(InvalidArgumentError, match="kv_cache_groups.*KVStageTier"):
+        KVStageOffloadingSpec(two_groups)
+
+
+@pytest.mark.parametrize(("extra", "message"), [({"num_host_pages": 0}, "num_host_pages"), ({"storage": 7}, "storage")])
+def test_bad_extra_config_raises_naming_the_key(extra, message):
+    from vllm_rig import offloading_config
+
+    with pytest.raises(InvalidArgumentError, match=message):
+        KVStageOffloadingSpec(offloading_config(extra))
+
+
+def test_a_padded_layer_tensor_raises_before_anything_is_allocated():
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+    from kvstage.integrations.vllm import KVStageWorker
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    padded = CanonicalKVCaches([CanonicalKVCacheTensor(torch.zeros(4, 512, dtype=torch.int8), 512)], [[CanonicalKVCacheRef(0, 384)]])
+    store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=384, page_format="t"))
+    with pytest.raises(InvalidArgumentError, match=r"group_data_refs\[0\]\[0\].*padding"):
+        KVStageWorker(padded, store)
+
+
+def test_a_connector_cache_reset_clears_the_store_and_reports_the_removals(tmp_path):
+    rig = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}")
+    try:
+        rig.add_request("a", PROMPT)
+        rig.run_until_idle()
+        stored = [key for event in rig.offloading_events if not event.removed for key in event.keys]
+        assert len(stored) == 4
+        assert rig.scheduler.reset_prefix_cache(reset_connector=True)  # e.g. after a weight update
+        rig.add_request("b", PROMPT)
+        second = rig.run_until_idle()
+        assert sum(step.num_scheduled_tokens.get("b", 0) for step in second) == len(PROMPT) + 1  # nothing loaded
+        removed = [key for event in rig.offloading_events if event.removed for key in event.keys]
+        assert sorted(removed) == sorted(stored)
+        assert rig.manager.storage.stats.pages_read == 0
+    finally:
+        rig.close()
+
+
+def test_a_second_request_loads_from_a_real_mooncake_master(tmp_path):
+    from mooncake_master import LocalMooncakeMaster
+
+    from kvstage.storage.mooncake.store import master_binary, mooncake_available
+
+    if not (mooncake_available() and master_binary()):
+        pytest.skip("the Mooncake store is not installed (make .venv/.mooncake)")
+    with LocalMooncakeMaster(tmp_path / "master.log") as master:
+        rig = ConnectorRig(tmp_path / "model", master.url())
+        try:
+            rig.add_request("a", PROMPT, max_tokens=1)
+            rig.run_until_idle()
+            rig.scheduler.reset_prefix_cache()
+            rig.backing.zero_()
+            request = rig.add_request("b", PROMPT, max_tokens=50)
+            for _ in range(500):
+                rig.step()
+                if request.num_computed_tokens >= len(PROMPT):
+                    break
+            assert rig.manager.storage.stats.pages_read == 4
+            blocks = rig.block_ids("b")
+            for index in range(4):
+                for layer, name in enumerate(rig.LAYERS):
+                    assert torch.equal(rig.kv[name][blocks[index]], expected_block(rig, PROMPT, index)[layer])
+        finally:
+            rig.close()

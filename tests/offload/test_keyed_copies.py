@@ -1,0 +1,137 @@
+"""KeyedCopies: pages stored and loaded under keys the engine names (vLLM's block hashes), through
+the real Copier (kernels on CPU), HostPool, StoreWorkers threads and a MemoryStore.
+
+What must hold: a stored job's pages land in the store under its keys byte for byte; a load puts
+them into other slots byte for byte; a load with a key the store lacks fails whole and writes no
+slot; host pages always go back; a job that cannot get host pages is refused with nothing
+started; bad slot counts and repeated keys raise before anything starts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstage.errors import InvalidArgumentError
+from kvstage.kernels import KVPool
+from kvstage.offload import Copier, HostPool, KeyedCopies, StoreWorkers
+from kvstage.storage import LayoutFingerprint, MemoryStore
+
+NUM_BLOCKS, LAYERS, BLOCK_BYTES = 12, 3, 256  # vLLM-like canonical tensors: [num_blocks, page bytes] int8 per layer
+
+
+@pytest.fixture
+def rig():
+    generator = torch.Generator().manual_seed(3)
+    layers = [torch.randint(-128, 128, (NUM_BLOCKS, 1, BLOCK_BYTES), dtype=torch.int8, generator=generator) for _ in range(LAYERS)]
+    kv_pool = KVPool.mla(layers)
+    host_pool = HostPool.like(kv_pool, num_pages=4, page_size=1)
+    store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=host_pool.page_bytes, page_format="test"))
+    workers = StoreWorkers()
+    copier = Copier(kv_pool, host_pool, backend="torch")
+    keyed = KeyedCopies(copier, store, workers)
+    yield keyed, layers, store, host_pool
+    copier.close()
+    workers.close()
+
+
+def blocks(*ids: int) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def finish(keyed: KeyedCopies, job) -> list:
+    keyed.wait([job])
+    return keyed.poll()
+
+
+def test_a_store_writes_each_block_of_every_layer_under_its_key(rig):
+    keyed, layers, store, host_pool = rig
+    job = object()
+    assert keyed.store(job, blocks(5, 2), ["k5", "k2"])
+    [result] = finish(keyed, job)
+    assert result.job is job and result.ok and result.is_store and result.bytes == 2 * host_pool.page_bytes
+    page = torch.empty(host_pool.page_bytes, dtype=torch.uint8)
+    assert store.get(["k2"], [page]) == [True]
+    assert torch.equal(page.view(torch.int8).view(LAYERS, BLOCK_BYTES), torch.stack([layer[2, 0] for layer in layers]))
+    assert host_pool.free_pages == 4
+
+
+def test_a_load_puts_stored_blocks_into_other_blocks_byte_for_byte(rig):
+    keyed, layers, store, host_pool = rig
+    keyed.store("s", blocks(0, 1, 2), ["a", "b", "c"])
+    keyed.wait()
+    keyed.poll()
+    expected = [layer[0:3].clone() for layer in layers]
+    assert keyed.load("l", ["a", "b", "c"], blocks(9, 10, 11))
+    [result] = finish(keyed, "l")
+    assert result.ok and not result.is_store and result.num_pages == 3
+    for layer, want in zip(layers, expected):
+        assert torch.equal(layer[9:12], want)
+    assert host_pool.free_pages == 4
+
+
+def test_a_load_with_a_missing_key_fails_whole_and_writes_no_block(rig):
+    keyed, layers, store, host_pool = rig
+    keyed.store("s", blocks(0), ["a"])
+    keyed.wait()
+    keyed.poll()
+    before = [layer.clone() for layer in layers]
+    assert keyed.load("l", ["a", "missing"], blocks(9, 10))
+    [result] = finish(keyed, "l")
+    assert not result.ok and result.bytes == 0
+    assert all(torch.equal(layer, was) for layer, was in zip(layers, before))
+    assert host_pool.free_pages == 4
+
+
+def test_a_job_without_enough_host_pages_is_refused_with_nothing_started(rig):
+    keyed, layers, store, host_pool = rig
+    assert not keyed.store("big", blocks(*range(5)), [f"k{i}" for i in range(5)])
+    assert not keyed.load("big", [f"k{i}" for i in range(5)], blocks(*range(5)))
+    assert keyed.jobs_in_flight == 0 and host_pool.free_pages == 4 and keyed.poll() == []
+
+
+def test_storing_held_keys_again_succeeds_without_writing(rig):
+    keyed, layers, store, host_pool = rig
+    keyed.store("one", blocks(0), ["a"])
+    keyed.wait()
+    keyed.store("two", blocks(0), ["a"])
+    keyed.wait()
+    results = keyed.poll()
+    assert [r.ok for r in results] == [True, True]
+    assert store.stats.pages_stored == 1 and store.stats.pages_deduplicated == 1
+
+
+@pytest.mark.parametrize(
+    ("keys", "slots", "message"),
+    [(["a", "b"], blocks(1), "slot_indices"), (["a", "a"], blocks(1, 2), "page_keys"), (["a"], blocks(1, 2).view(1, 2), "slot_indices")],
+)
+def test_bad_jobs_raise_before_anything_starts(rig, keys, slots, message):
+    keyed, layers, store, host_pool = rig
+    for submit in (lambda: keyed.store("j", slots, keys), lambda: keyed.load("j", keys, slots)):
+        with pytest.raises(InvalidArgumentError, match=message):
+            submit()
+    assert keyed.jobs_in_flight == 0 and host_pool.free_pages == 4
+
+
+def test_a_store_of_another_page_size_is_refused(rig):
+    keyed, layers, store, host_pool = rig
+    other = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=64, page_format="test"))
+    with pytest.raises(InvalidArgumentError, match="storage"):
+        KeyedCopies(keyed.copier, other, keyed.workers)
+
+
+def test_a_store_copies_the_blocks_as_the_producer_leaves_them(rig):
+    keyed, layers, store, host_pool = rig
+
+    class Producer:
+        """A CPU stand-in for the forward stream: its KV lands when synchronize() is waited on."""
+
+        def synchronize(self):
+            for layer in layers:
+                layer[4] = 42
+
+    assert keyed.store("s", blocks(4), ["k4"], after=Producer())
+    [result] = finish(keyed, "s")
+    page = torch.empty(host_pool.page_bytes, dtype=torch.uint8)
+    assert result.ok and store.get(["k4"], [page]) == [True]
+    assert torch.all(page.view(torch.int8) == 42)  # copied after the producer, never before

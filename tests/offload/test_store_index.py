@@ -1,0 +1,187 @@
+"""StoreIndex: what a store holds, answered on the engine's thread without waiting for the store.
+
+A real MemoryStore behind real StoreWorkers threads. What must hold: a key the index has not
+seen answers None (unknown) at once and its exists() runs on a reader thread; after poll() the
+store's answer is cached; keys added or discarded answer at once; a miss is asked again once its
+answer is older than miss_ttl_s (another process may have stored it); a discard made while a
+refresh is in flight is not undone by that refresh's stale answer; bad arguments raise.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvstage.errors import InvalidArgumentError
+from kvstage.offload import StoreIndex, StoreWorkers
+from kvstage.storage import LayoutFingerprint, MemoryStore
+
+FINGERPRINT = LayoutFingerprint.opaque("m", page_bytes=64, page_format="test")
+
+
+def page(value: int) -> torch.Tensor:
+    return torch.full((64,), value, dtype=torch.uint8)
+
+
+@pytest.fixture
+def store_and_workers():
+    store, workers = MemoryStore(FINGERPRINT), StoreWorkers()
+    yield store, workers
+    workers.close()
+
+
+def settled(index: StoreIndex) -> None:
+    """Until every queued key has its answer (an engine instead polls once a step)."""
+    while index.refreshing:
+        index.wait()
+        index.poll()
+
+
+def test_unknown_keys_answer_none_then_the_stores_answer_once_polled(store_and_workers):
+    store, workers = store_and_workers
+    store.put(["a1", "a2"], [page(1), page(2)])
+    index = StoreIndex(store, workers)
+    assert [index.lookup(key) for key in ("a1", "a2", "b1")] == [None, None, None]
+    settled(index)
+    assert [index.lookup(key) for key in ("a1", "a2", "b1")] == [True, True, False]
+    assert store.stats.pages_read == 0  # exists only: no page was read
+
+
+def test_the_engine_thread_never_runs_exists(store_and_workers):
+    store, workers = store_and_workers
+    callers = []
+    real_exists = store.exists
+    store.exists = lambda keys: callers.append(threading.current_thread().name) or real_exists(keys)
+    index = StoreIndex(store, workers)
+    index.lookup("a1")
+    settled(index)
+    assert callers and all(name.startswith("kvstage-store-read") for name in callers)
+
+
+def test_added_and_discarded_keys_answer_at_once(store_and_workers):
+    store, workers = store_and_workers
+    index = StoreIndex(store, workers)
+    index.add(["a1", "a2"])
+    assert index.lookup("a1") is True and len(index) == 2
+    index.discard(["a1"])
+    assert index.lookup("a1") is False and len(index) == 1
+
+
+def test_a_miss_is_asked_again_after_its_ttl(store_and_workers):
+    store, workers = store_and_workers
+    now = [100.0]
+    index = StoreIndex(store, workers, miss_ttl_s=1.0, clock=lambda: now[0])
+    index.lookup("a1")
+    settled(index)
+    assert index.lookup("a1") is False
+    store.put(["a1"], [page(1)])  # another process stores it
+    now[0] += 0.5
+    assert index.lookup("a1") is False  # still the cached answer
+    now[0] += 0.6
+    assert index.lookup("a1") is None  # stale: asked again
+    settled(index)
+    assert index.lookup("a1") is True
+
+
+def test_a_discard_during_a_refresh_is_not_undone_by_its_stale_answer(store_and_workers):
+    store, workers = store_and_workers
+    store.put(["a1"], [page(1)])
+    gate = threading.Event()
+    real_exists = store.exists
+    store.exists = lambda keys: (gate.wait(5), real_exists(keys))[1]
+    index = StoreIndex(store, workers)
+    assert index.lookup("a1") is None
+    index.discard(["a1"])  # e.g. a read found it corrupted while exists() was on its way
+    gate.set()
+    settled(index)
+    assert index.lookup("a1") is False
+
+
+def test_keys_asked_while_a_refresh_runs_go_in_the_next_one(store_and_workers):
+    store, workers = store_and_workers
+    store.put(["a1", "b1"], [page(1), page(2)])
+    batches = []
+    real_exists = store.exists
+    store.exists = lambda keys: batches.append(list(keys)) or real_exists(keys)
+    index = StoreIndex(store, workers)
+    index.lookup("a1")
+    index.lookup("b1")
+    index.lookup("a1")  # asked twice, queued once
+    settled(index)
+    assert index.lookup("a1") is True and index.lookup("b1") is True
+    assert sorted(key for batch in batches for key in batch) == ["a1", "b1"]
+
+
+def test_a_store_error_leaves_the_keys_unknown_and_asks_again(store_and_workers):
+    store, workers = store_and_workers
+    store.put(["a1"], [page(1)])
+    real_exists = store.exists
+    failures = [1]
+
+    def flaky(keys):
+        if failures:
+            failures.pop()
+            raise OSError("store down")
+        return real_exists(keys)
+
+    store.exists = flaky
+    index = StoreIndex(store, workers)
+    index.lookup("a1")
+    settled(index)
+    assert index.lookup("a1") is None  # unknown again: asked again
+    settled(index)
+    assert index.lookup("a1") is True
+
+
+@pytest.mark.parametrize(("arguments", "message"), [({"miss_ttl_s": -1}, "miss_ttl_s"), ({"batch_keys": 0}, "batch_keys")])
+def test_bad_arguments_raise_naming_them(store_and_workers, arguments, message):
+    store, workers = store_and_workers
+    with pytest.raises(InvalidArgumentError, match=message):
+        StoreIndex(store, workers, **arguments)
+
+
+def test_a_held_key_older_than_hit_ttl_answers_true_and_is_checked_in_the_background(store_and_workers):
+    store, workers = store_and_workers
+    now = [0.0]
+    index = StoreIndex(store, workers, hit_ttl_s=5.0, clock=lambda: now[0])
+    index.add(["a1", "b1"])  # e.g. a worker in another process wrote them; then its store evicts a1
+    store.put(["b1"], [page(2)])
+    now[0] = 6.0
+    assert index.lookup("a1") is True and index.lookup("b1") is True  # stale, still answered at once
+    settled(index)
+    assert index.lookup("a1") is False  # the store said it is gone
+    assert index.lookup("b1") is True and not index.refreshing  # confirmed: fresh again
+    now[0] = 10.0
+    index.lookup("b1")
+    assert not index.refreshing  # 4 s after its confirmation: not asked again
+
+
+def test_without_hit_ttl_held_keys_are_never_asked_again(store_and_workers):
+    store, workers = store_and_workers
+    now = [0.0]
+    index = StoreIndex(store, workers, clock=lambda: now[0])
+    index.add(["a1"])
+    now[0] = 1e6
+    assert index.lookup("a1") is True and not index.refreshing
+
+
+def test_reset_forgets_every_answer_and_ignores_the_refresh_in_flight(store_and_workers):
+    store, workers = store_and_workers
+    store.put(["a1"], [page(1)])
+    gate = threading.Event()
+    real_exists = store.exists
+    store.exists = lambda keys: (gate.wait(5), real_exists(keys))[1]
+    index = StoreIndex(store, workers)
+    index.add(["b1"])
+    index.lookup("a1")  # in flight when the store is cleared
+    store.exists = real_exists
+    store.clear()
+    index.reset()
+    gate.set()
+    assert len(index) == 0 and index.lookup("b1") is None  # asked again
+    settled(index)
+    assert index.lookup("a1") is None  # the answer from before the clear was not taken
+    settled(index)
+    assert index.lookup("a1") is False and index.lookup("b1") is False

@@ -1,0 +1,201 @@
+"""Test helpers for tests/integrations/vllm (importable as ``vllm_rig``; they import vLLM lazily)."""
+
+from __future__ import annotations
+
+
+CHUNK_BYTES = 4096  # one block of one worker a chunk: the page-aligned row vLLM's primary tier keeps
+
+
+def offloading_config(extra_config: dict, *, events: bool = True, engine_id: str | None = None, world_size: int = 1, rank: int = 0):
+    """vLLM's OffloadingConfig for a model of one KV group (2 layers, 16-token blocks) whose
+    worker holds CHUNK_BYTES a block, as vLLM's connector builds it for a spec."""
+    import uuid
+
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0", "model.layers.1"), group_id=0),),
+        worker_kv_bytes_per_block=CHUNK_BYTES,
+        enable_kv_cache_events=events,
+        extra_config=extra_config,
+        engine_id=engine_id or f"kvstage-test-{uuid.uuid4().hex[:12]}",
+        model=OffloadingModelConfig(name="org/tiny-llama", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=rank, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=False,
+        ),
+    )
+
+
+class ConnectorRig:
+    """vLLM's own scheduler (``vllm.v1.core.sched.scheduler.Scheduler``) with the
+    OffloadingConnector on ``KVStageOffloadingSpec``, and a worker-side OffloadingConnector over
+    real block tensors on CPU, stepped as vLLM's engine core and model runner step them.
+
+    The model is a stand-in: for every token a step schedules, it writes ``kv_value(token,
+    position, layer)`` into the token's row of its block in each layer's KV tensor, so a block's
+    bytes are a function of its tokens; a loaded block must hold exactly those bytes.
+    """
+
+    BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_SIZE = 16, 32, 2, 16
+    LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+    def __init__(self, model_dir, storage: str, *, events: bool = True) -> None:
+        import uuid
+
+        import torch
+        from transformers import LlamaConfig
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVEventsConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+            set_current_vllm_config,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+        from vllm.forward_context import ForwardContext
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        # A tiny Llama config (no weights: nothing runs the model) for vLLM's ModelConfig.
+        LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=len(self.LAYERS), num_attention_heads=4,
+            num_key_value_heads=self.NUM_KV_HEADS, vocab_size=256, max_position_embeddings=512,
+        ).save_pretrained(model_dir)
+        block_size, num_blocks = self.BLOCK_SIZE, self.NUM_BLOCKS
+        self.vllm_config = VllmConfig(
+            model_config=ModelConfig(model=str(model_dir), tokenizer=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
+            device_config=DeviceConfig(device="cpu"),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=4, max_model_len=512, is_encoder_decoder=False),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null"),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector", kv_role="kv_both", engine_id=f"kvstage-{uuid.uuid4().hex[:12]}",
+                kv_connector_extra_config={"spec_name": "KVStageOffloadingSpec", "spec_module_path": "kvstage.integrations.vllm", "storage": storage},
+            ),
+        )
+        attention = FullAttentionSpec(block_size=block_size, num_kv_heads=self.NUM_KV_HEADS, head_size=self.HEAD_SIZE, dtype=torch.float16)
+        page = attention.page_size_bytes
+        kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[KVCacheTensor(size=len(self.LAYERS) * num_blocks * page, layers=list(self.LAYERS), layer_stride=num_blocks * page, block_stride=page)],
+            kv_cache_groups=[KVCacheGroupSpec(list(self.LAYERS), attention)],
+        )
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.scheduler = Scheduler(
+            vllm_config=self.vllm_config, kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.vllm_config), block_size=block_size, log_stats=True,
+        )
+        self.worker = OffloadingConnector(self.vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+        # The "GPU" KV cache: one allocation, layer-outermost, as KVCacheTensor above places it.
+        self.backing = torch.zeros(len(self.LAYERS), num_blocks, page, dtype=torch.int8)
+        self.kv = {
+            name: self.backing[index].view(torch.float16).view(num_blocks, 2, block_size, self.NUM_KV_HEADS, self.HEAD_SIZE)
+            for index, name in enumerate(self.LAYERS)
+        }
+        with set_current_vllm_config(self.vllm_config):
+            self.worker.register_kv_caches(self.kv)
+        init_none_hash(sha256)
+        self._block_hasher = get_request_block_hasher(block_size, sha256)
+        self._forward_context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        self.manager = self.scheduler.connector.connector_scheduler.manager
+        self.kv_events: list = []  # what vLLM's connector published (BlockStored, BlockRemoved)
+        self.offloading_events: list = []  # what the manager's take_events gave vLLM's scheduler
+        take_events = self.manager.take_events
+
+        def recorded_take_events():
+            events = list(take_events())
+            self.offloading_events.extend(events)
+            return events
+
+        self.manager.take_events = recorded_take_events
+        publish = self.scheduler.kv_event_publisher.publish
+
+        def recorded_publish(batch):
+            self.kv_events.extend(batch.events)
+            return publish(batch)
+
+        self.scheduler.kv_event_publisher.publish = recorded_publish
+
+    @staticmethod
+    def kv_value(token: int, position: int, layer: int) -> float:
+        return float((token * 7 + position * 3 + layer) % 251) / 8
+
+    def add_request(self, request_id: str, prompt: list[int], max_tokens: int = 2):
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        sampling = SamplingParams(max_tokens=max_tokens)
+        sampling.update_from_generation_config({}, None)
+        request = Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling, pooling_params=None, block_hasher=self._block_hasher)
+        self.scheduler.add_request(request)
+        return request
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
+
+    def step(self):
+        """One engine step: schedule, start loads, "forward", save, collect transfers, update."""
+        import time
+
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        output = self.scheduler.schedule()
+        metadata = output.kv_connector_metadata
+        self.worker.handle_preemptions(metadata)
+        self.worker.bind_connector_metadata(metadata)
+        self.worker.start_load_kv(self._forward_context)
+        for request_id, count in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[request_id]
+            blocks, tokens = self.block_ids(request_id), request.all_token_ids
+            for position in range(request.num_computed_tokens - count, request.num_computed_tokens):
+                for layer, name in enumerate(self.LAYERS):
+                    self.kv[name][blocks[position // self.BLOCK_SIZE], :, position % self.BLOCK_SIZE] = self.kv_value(tokens[position], position, layer)
+        if output.total_num_scheduled_tokens > 0:
+            self.worker.wait_for_save()
+        time.sleep(0.02)  # the copy stream and store threads run between steps, as on a GPU
+        finished_sending, finished_recving = self.worker.get_finished(output.finished_req_ids)
+        self.worker.clear_connector_metadata()
+        running = [request_id for request_id in output.num_scheduled_tokens if request_id in self.scheduler.requests]
+        self.scheduler.update_from_output(output, ModelRunnerOutput(
+            req_ids=running, req_id_to_index={request_id: index for index, request_id in enumerate(running)},
+            sampled_token_ids=[[5] for _ in running],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=finished_sending, finished_recving=finished_recving,
+                kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
+            ),
+        ))
+        return output
+
+    def run(self, steps: int) -> list:
+        return [self.step() for _ in range(steps)]
+
+    def run_until_idle(self, max_steps: int = 500) -> list:
+        """Step until no request is left and the worker has no transfer in flight or queued
+        (the scheduler learns of finished stores one step later: one more step)."""
+        worker = self.worker.connector_worker
+        outputs = []
+        for _ in range(max_steps):
+            outputs.append(self.step())
+            if not self.scheduler.requests and worker.worker.keyed.jobs_in_flight == 0 and not worker._unsubmitted_store_jobs:
+                outputs.append(self.step())
+                return outputs
+        raise AssertionError(f"not idle after {max_steps} steps")
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.connector.shutdown()
