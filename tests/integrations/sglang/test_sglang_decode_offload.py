@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from array import array
 
 import pytest
@@ -172,8 +173,12 @@ def test_an_abort_through_finalize_release_is_released_and_retraction_drains_fir
         assert len(side.manager.ongoing_offload) == 1
         run_until_released(side, [aborted])
         assert not released(running)
-        side.manager.drain_before_retraction()  # nothing of the running request is copying now
-        assert not side.manager.has_inflight_device_transfer()
+        deadline = time.monotonic() + 30
+        while side.manager.has_inflight_device_transfer():  # the running request's copies end
+            assert time.monotonic() < deadline
+            side.manager.check_offload_progress()
+            time.sleep(0.002)
+        side.manager.drain_before_retraction()  # nothing copies device slots now: no error
         side.manager.finalize_release_on_finish(aborted)  # already back with sglang: nothing
         assert len(side.manager.ongoing_offload) == 0
         side.manager.release_host_resources()
