@@ -30,17 +30,32 @@ $(VLLM_VENV)/.installed: $(VENV)/.installed tools/install-vllm.sh
 	bash tools/install-vllm.sh $(VLLM_VENV) $(VENV) || { [ -z "$$CI" ] || exit 1; echo "make: vLLM not installed; its tests will skip"; }
 	touch $@
 
+# sglang 0.5.23 for CPU (optional extra) in a virtual environment of its own, so
+# tests/integrations/sglang run sglang's own code: its pinned packages include the CUDA build of
+# torchvision, which breaks transformers' model imports in $(VENV), and sglang's CPU import
+# patches process-wide state. Where it cannot be installed its tests skip with the reason,
+# except under CI.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_TESTS := tests/integrations/sglang
+$(SGLANG_VENV)/.sglang: pyproject.toml tools/setup-venv.sh tools/install-sglang.sh tools/install-mooncake.sh tools/apt-install.sh hashing/_page_chain.c
+	{ bash tools/setup-venv.sh $(SGLANG_VENV) test && bash tools/install-sglang.sh $(SGLANG_VENV); } \
+		|| { [ -z "$$CI" ] || exit 1; echo "make: sglang not installed; its tests will skip"; }
+	[ ! -x $(SGLANG_VENV)/bin/python ] || bash tools/install-mooncake.sh $(SGLANG_VENV) \
+		|| { [ -z "$$CI" ] || exit 1; echo "make: Mooncake not installed in $(SGLANG_VENV); its sglang test will skip"; }
+	touch $@
+
 # Tests run in a network namespace of their own (tools/in-netns.sh): the servers they start
 # (mooncake_master binds a port on every interface) are reachable from this machine alone.
 # Each engine's tests run in their own pytest process, in the venv holding its pinned packages.
 IN_NETNS := bash tools/in-netns.sh
 
-test: $(VENV)/.installed $(VENV)/.mooncake $(VLLM_VENV)/.installed
+test: $(VENV)/.installed $(VENV)/.mooncake $(VLLM_VENV)/.installed $(SGLANG_VENV)/.sglang
 	$(IN_NETNS) $(PYTHON) -m pytest
 	if [ -x $(VLLM_VENV)/bin/python ]; then $(IN_NETNS) $(VLLM_VENV)/bin/python -m pytest tests/integrations/vllm; else $(IN_NETNS) $(PYTHON) -m pytest tests/integrations/vllm; fi
+	if [ -x $(SGLANG_VENV)/bin/python ]; then $(IN_NETNS) $(SGLANG_VENV)/bin/python -m pytest $(SGLANG_TESTS); else $(IN_NETNS) $(PYTHON) -m pytest $(SGLANG_TESTS); fi
 
 bench: $(VENV)/.installed
 	$(PYTHON) -m bench
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info hashing/_*_chain*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info hashing/_*_chain*.so

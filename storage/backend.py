@@ -115,6 +115,10 @@ class StorageBackend(abc.ABC):
     """
 
     tier = "store"  # the store's name in its events: "memory", "file", "mooncake"
+    # True: put/get also take non-contiguous CPU tensors (strided views, e.g. a host pool page
+    # permuted into kvstage's page order) and move them with one copy; a view's bytes are its
+    # elements in row-major order. False: pages must be contiguous.
+    strided_pages = False
 
     def __init__(self, fingerprint: LayoutFingerprint, *, event_capacity: int = DEFAULT_EVENT_CAPACITY) -> None:
         self.fingerprint = fingerprint
@@ -150,7 +154,9 @@ class StorageBackend(abc.ABC):
             keys: page hashes (hex), no prefix; no key twice in one call. One run of a hash
                 chain, in order.
             pages: CPU tensors, each contiguous with exactly ``page_bytes`` bytes (any dtype;
-                the bytes are stored). Typically views of host pool pages.
+                the bytes are stored). Typically views of host pool pages. A store with
+                :attr:`strided_pages` also takes non-contiguous views (their elements in
+                row-major order are the page's bytes).
             prior_key: the storage key (page hash, no prefix) of the chain's page right before
                 ``keys[0]``, e.g. the previous segment's last key when a decode segment is
                 written; the hashing side calls the same key ``prior_hash``. None or ``""``:
@@ -196,7 +202,8 @@ class StorageBackend(abc.ABC):
 
         Args:
             keys: page hashes (hex), no prefix.
-            into: CPU tensors, each contiguous with exactly ``page_bytes`` bytes.
+            into: CPU tensors, each contiguous with exactly ``page_bytes`` bytes (with
+                :attr:`strided_pages`, also non-contiguous views, as for :meth:`put`).
 
         Returns:
             One bool per key: True when the page was found intact and copied; on False,
@@ -287,8 +294,9 @@ class StorageBackend(abc.ABC):
         if len(pages) != len(keys):
             raise InvalidArgumentError(f"{argument}: {len(pages)} pages for {len(keys)} keys")
         for index, page in enumerate(pages):
-            if not isinstance(page, torch.Tensor) or page.device.type != "cpu" or not page.is_contiguous():
-                raise InvalidArgumentError(f"{argument}[{index}]: must be a contiguous CPU tensor")
+            if not isinstance(page, torch.Tensor) or page.device.type != "cpu" or not (self.strided_pages or page.is_contiguous()):
+                kind = "CPU tensor" if self.strided_pages else "contiguous CPU tensor"
+                raise InvalidArgumentError(f"{argument}[{index}]: must be a {kind}")
             size = page.numel() * page.element_size()
             if size != self.page_bytes:
                 raise InvalidArgumentError(f"{argument}[{index}]: {size} bytes, the layout's page has {self.page_bytes}")

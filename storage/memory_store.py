@@ -46,10 +46,11 @@ from kvstage.storage.fingerprint import LayoutFingerprint
 DEFAULT_CAPACITY_BYTES = 1 << 30  # 1 GiB
 
 
-def _copy(target: torch.Tensor, source: torch.Tensor, nbytes: int) -> None:
-    """Copy ``nbytes`` from ``source`` to ``target`` (contiguous CPU tensors of at least that
-    many bytes, checked by :class:`StorageBackend`) as bytes; torch releases the GIL."""
-    target.reshape(-1).view(torch.uint8)[:nbytes].copy_(source.reshape(-1).view(torch.uint8)[:nbytes])
+def _as(buffer: torch.Tensor, page: torch.Tensor) -> torch.Tensor:
+    """The first bytes of a store buffer (flat ``uint8``) viewed as ``page``'s dtype and shape, so
+    one ``copy_`` moves a page whatever its strides (torch releases the GIL and splits a large
+    copy over its intra-op threads)."""
+    return buffer[: page.numel() * page.element_size()].view(page.dtype).view(page.shape)
 
 
 class MemoryStore(StorageBackend):
@@ -65,8 +66,11 @@ class MemoryStore(StorageBackend):
         InvalidArgumentError: both bounds given, a bound is negative, or event_capacity is not
             an int >= 0.
 
-    Thread-safe (one lock around every call).
+    Thread-safe (one lock around every call). Takes strided page views (:attr:`strided_pages`):
+    a host pool page in another byte order moves with one copy.
     """
+
+    strided_pages = True
 
     tier = "memory"
 
@@ -135,7 +139,7 @@ class MemoryStore(StorageBackend):
                     self.stats.pages_evicted += 1
                     evicted.append(victim[0])
                     buffer = victim[1]  # its memory is already faulted in: reused
-                _copy(buffer, page, self.page_bytes)
+                _as(buffer, page).copy_(page)
                 stored.add(key, buffer, prior)
                 statuses.append(PutStatus.STORED)
             self._record("evicted", evicted)
@@ -152,7 +156,7 @@ class MemoryStore(StorageBackend):
                     hits.append(False)
                     continue
                 stored.touch(key)
-                _copy(target, page, self.page_bytes)
+                target.copy_(_as(page, target))
                 hits.append(True)
         return hits
 

@@ -1,0 +1,204 @@
+"""KVStageStorage inside sglang 0.5.23: ``batch_set_v1`` / ``batch_get_v1`` of llama3-8b-sized
+pages (32 layers, 8 KV heads of 128, bf16, 64-token pages: 8 MiB) through sglang's own MHA
+host pools, every host layout.
+
+- memory store, beside a same-size ``copy_`` (the pages' bytes between two contiguous tensors, in
+  one call and page by page): target >= 0.8 of it for page_first_direct and layer_first;
+- file store (checksummed, crash-safe), beside sglang's own ``HiCacheFile`` on the same host pool
+  and directory, through the calls sglang's controller makes for it (``batch_set`` of
+  ``get_data_page`` flat pages; ``batch_get`` into flat pages then ``set_from_flat_data_page``):
+  target not slower.
+
+Each figure is the median of ``rounds`` calls (after a warm-up); each ratio is the median of
+per-round ratios, the two calls timed back to back in each round. sglang must import on CPU (its
+own virtual environment, ``make .venv-sglang/.sglang``): ``python -m bench --only sglang`` runs
+this file there; ``.venv-sglang/bin/python bench/bench_sglang.py [--quick]`` prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parent.parent
+SGLANG_TESTS = REPO / "tests" / "integrations" / "sglang"
+SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+PAGE_SIZE = 64
+
+
+def _median_seconds(call: Callable[[], object], rounds: int) -> float:
+    call()  # warm-up: first-touch page faults, staging buffers
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _paired(baseline: Callable[[], object], call: Callable[[], object], rounds: int) -> tuple[float, float, float]:
+    """(median baseline seconds, median call seconds, median of the per-round ratios
+    baseline/call): each round times both back to back, so a machine shared with other work
+    loads both alike."""
+    baseline(), call()
+    base_times, call_times = [], []
+    for _ in range(rounds):
+        for fn, times in ((baseline, base_times), (call, call_times)):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+    ratios = [b / c for b, c in zip(base_times, call_times)]
+    return statistics.median(base_times), statistics.median(call_times), statistics.median(ratios)
+
+
+def _measure(quick: bool, log: Callable[[str], None]) -> dict:
+    sys.path.insert(0, str(SGLANG_TESTS))
+    from sglang_cpu import import_sglang
+
+    missing = import_sglang()
+    if missing:
+        raise RuntimeError(missing)
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+    from sglang_rig import storage_config
+
+    num_pages = 16 if quick else 128
+    rounds = 5 if quick else 3
+    tokens = num_pages * PAGE_SIZE
+    device = MHATokenToKVPool(
+        size=tokens, page_size=PAGE_SIZE, dtype=torch.bfloat16, head_num=8, head_dim=128, layer_num=32,
+        device="cpu", enable_memory_saver=False,
+    )
+    info = device.get_device_pool_infos()[0].buffer_info
+    page_bytes = 2 * 32 * PAGE_SIZE * 8 * 128 * 2
+    batch_bytes = num_pages * page_bytes
+    log(f"sglang bench: {num_pages} pages of {page_bytes / 2**20:.0f} MiB a call, median of {rounds}")
+
+    source = torch.randint(0, 256, (batch_bytes,), dtype=torch.uint8)
+    target = torch.empty_like(source)
+    copy_seconds = _median_seconds(lambda: target.copy_(source), rounds)
+    source_pages, target_pages = source.view(num_pages, -1), target.view(num_pages, -1)
+
+    def copy_pages():
+        for into, page in zip(target_pages, source_pages):
+            into.copy_(page)
+
+    results = [{"layout": "-", "store": "-", "method": "copy_", "op": "copy", "pages": num_pages,
+                "seconds": copy_seconds, "gbps": batch_bytes / copy_seconds / 1e9}]
+    summary = {}
+    scratch = Path(tempfile.mkdtemp(prefix="kvstage-bench-sglang-"))
+    for layout in LAYOUTS:
+        # Room for the pages written and the pages read back (ratio 2 of the device pool).
+        # The memory store holds one call's pages: from the second call on, each put reuses an
+        # evicted page's memory (the steady state; fresh memory would add page faults).
+        host = MHATokenToKVPoolHost(
+            info, 2.0, 0, PAGE_SIZE, layout, pin_memory=False, device_capacity_tokens=device.size,
+            start_layer=device.start_layer, end_layer=device.end_layer,
+        )
+        # Every host page touched first (sglang pins its host pools, which faults them in), then
+        # any bytes in the pages written.
+        raw = host.kv_buffer.view(torch.uint8).view(-1)
+        raw.fill_(0)
+        raw[:batch_bytes].copy_(source)
+        written = torch.arange(0, tokens)
+        read = torch.arange(tokens, 2 * tokens)
+        for store in ("memory", "file"):
+            directory = scratch / f"{layout}-{store}"
+            url = f"memory:{batch_bytes}" if store == "memory" else f"file:{directory}"
+            backend = StorageBackendFactory.create_backend("dynamic", storage_config(url), host)
+            backend.register_mem_pool_host(host)
+            round_keys = iter(range(10**6))
+
+            def set_v1():
+                base = next(round_keys)
+                keys = [f"{base:032x}{i:032x}" for i in range(num_pages)]
+                assert all(backend.batch_set_v1(keys, written))
+                set_v1.keys = keys
+
+            copy = lambda: target.copy_(source)  # noqa: E731
+            _, put, put_ratio = _paired(copy, set_v1, rounds)
+            _, get, get_ratio = _paired(copy, lambda: all(backend.batch_get_v1(set_v1.keys, read)) or 1 / 0, rounds)
+            for op, seconds in (("batch_set_v1", put), ("batch_get_v1", get)):
+                results.append({"layout": layout, "store": store, "method": "kvstage", "op": op, "pages": num_pages,
+                                "seconds": seconds, "gbps": batch_bytes / seconds / 1e9})
+            if store == "memory" and layout in ("layer_first", "page_first_direct"):
+                for op, ratio in (("set", put_ratio), ("get", get_ratio)):
+                    summary[f"memory {op} / copy_, {layout}"] = {"value": round(ratio, 2), "target": ">= 0.8", "ok": ratio >= 0.8}
+                # A second baseline: the same bytes as one copy_ a page, between contiguous tensors
+                # (a store holds pages apart, so no page-by-page design beats it).
+                _, _, put_ratio = _paired(copy_pages, set_v1, rounds)
+                _, _, get_ratio = _paired(copy_pages, lambda: all(backend.batch_get_v1(set_v1.keys, read)) or 1 / 0, rounds)
+                for op, ratio in (("set", put_ratio), ("get", get_ratio)):
+                    summary[f"memory {op} / copy_ page by page, {layout}"] = {"value": round(ratio, 2), "target": ">= 0.8", "ok": ratio >= 0.8}
+            if store == "file":
+                sglang_file = HiCacheFile(storage_config("-"), file_path=str(scratch / f"{layout}-hicachefile"))
+                sglang_file.register_mem_pool_host(host)
+                dummy = [host.get_dummy_flat_data_page() for _ in range(num_pages)]
+
+                def file_set():
+                    base = next(round_keys)
+                    keys = [f"{base:032x}{i:032x}" for i in range(num_pages)]
+                    pages = [host.get_data_page(int(written[i * PAGE_SIZE])) for i in range(num_pages)]
+                    assert sglang_file.batch_set(keys, pages)
+                    file_set.keys = keys
+
+                def file_get():
+                    got = sglang_file.batch_get(file_set.keys, dummy)
+                    for i, page in enumerate(got):
+                        host.set_from_flat_data_page(int(read[i * PAGE_SIZE]), page)
+
+                sput, _, set_ratio = _paired(file_set, set_v1, rounds)
+                sget, _, get_ratio = _paired(file_get, lambda: all(backend.batch_get_v1(set_v1.keys, read)) or 1 / 0, rounds)
+                for op, seconds in (("batch_set", sput), ("batch_get", sget)):
+                    results.append({"layout": layout, "store": "file", "method": "HiCacheFile", "op": op, "pages": num_pages,
+                                    "seconds": seconds, "gbps": batch_bytes / seconds / 1e9})
+                for op, ratio in (("set", set_ratio), ("get", get_ratio)):
+                    summary[f"file {op}: HiCacheFile time / kvstage time, {layout}"] = {
+                        "value": round(ratio, 2), "target": ">= 1.0", "ok": ratio >= 1.0}
+            backend.close()
+        log(f"  {layout}: done")
+        del host
+        for directory in scratch.iterdir():  # disk: every round wrote a call's pages
+            subprocess.run(["rm", "-rf", str(directory)], check=False)
+    subprocess.run(["rm", "-rf", str(scratch)], check=False)
+    return {"pages_per_call": num_pages, "page_bytes": page_bytes, "rounds": rounds, "results": results, "summary": summary}
+
+
+def run(quick: bool = False, log: Callable[[str], None] = print) -> dict:
+    """The figures above, measured in a process of ``.venv-sglang``'s Python (sglang's CPU
+    import changes process-wide state, which must not reach the other benchmarks).
+
+    Raises:
+        RuntimeError: ``.venv-sglang`` is missing, or the run there failed (its stderr's tail).
+    """
+    if not SGLANG_PYTHON.exists():
+        raise RuntimeError(f"{SGLANG_PYTHON} is missing: make .venv-sglang/.sglang")
+    log("sglang bench: in .venv-sglang")
+    args = [str(SGLANG_PYTHON), str(Path(__file__).resolve()), "--json"] + (["--quick"] if quick else [])
+    result = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if result.returncode != 0:
+        raise RuntimeError(f"bench_sglang in .venv-sglang failed: {result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    quick = "--quick" in sys.argv
+    if "--json" in sys.argv:
+        print(json.dumps(_measure(quick, lambda line: print(line, file=sys.stderr))))
+    else:
+        report = _measure(quick, print)
+        for row in report["results"]:
+            print(f"{row['layout']:>18} {row['store']:>6} {row['method']:>11} {row['op']:>12}  {row['gbps']:6.2f} GB/s")
+        for name, item in report["summary"].items():
+            print(f"{name}: {item['value']} (target {item['target']}) {'PASS' if item['ok'] else 'MISS'}")

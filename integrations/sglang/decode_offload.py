@@ -1,0 +1,247 @@
+"""``KVStageDecodeOffloadManager``: kvstage's offload manager in the place of sglang's decode-side
+``DecodeKVCacheOffloadManager`` (sglang 0.5.23,
+``sglang/srt/disaggregation/decode_kvcache_offload_manager.py``).
+
+sglang's decode scheduler (prefill/decode disaggregation with
+``--disaggregation-decode-enable-offload-kvcache``) builds it as
+``DecodeKVCacheOffloadManager(req_to_token_pool=, token_to_kv_pool_allocator=, tp_group=,
+tree_cache=)`` and calls, on its scheduler thread: ``offload_kv_cache(req)`` each step for each
+running request and once at finish (``False`` there: sglang calls
+``finalize_release_on_finish(req)``), ``check_offload_progress()`` each step,
+``drain_before_retraction()``, ``has_inflight_device_transfer()``, ``len(ongoing_offload)`` and
+``release_host_resources()`` at shutdown. This class offers the same surface and drives
+:class:`kvstage.offload.OffloadManager` with ``store_prompt=False``: the prefill side stored the
+prompt's whole pages, and the decode pages' keys continue that chain (sglang-v1 keys, equal to
+sglang's own).
+
+Releases in TP lockstep: every TP rank must free a finished request's device slots in the same
+scheduler step, or the ranks schedule different batches. kvstage releases a request when its
+own rank's copies end (an MLA rank > 0 copies nothing), so each rank queues its finished
+requests in finish order (the same on every rank) and, each step, the ranks agree by an
+all-reduce (MIN over ``tp_group``) on how many of the queue's head are released everywhere;
+exactly those are handed back to sglang.
+
+Switching sglang to it without editing sglang's source: :func:`sglang_plugin`, an sglang plugin
+enabled by ``KVSTAGE_SGLANG_DECODE_OFFLOAD=1``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from kvstage.errors import InvalidArgumentError
+from kvstage.hashing import PageHasher
+from kvstage.kernels import KVPool
+from kvstage.offload import HostPool, OffloadManager
+from kvstage.storage import LayoutFingerprint, open_storage
+
+__all__ = ["ENABLE_ENV", "KVStageDecodeOffloadManager", "sglang_plugin"]
+
+
+def _sglang_settings() -> tuple[int, int, dict, str | None, float, float]:
+    """(page_size, offload_stride, storage extra config, served model name, hicache_size GB,
+    hicache_ratio), read from sglang's published config as its own decode manager reads them."""
+    from sglang.srt.environ import envs
+    from sglang.srt.runtime_context import get_memory, get_schedule, get_serving
+
+    page_size = get_schedule().page_size
+    env_stride = envs.SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE.get()
+    stride = page_size if env_stride is None or env_stride <= 0 else max(page_size, env_stride // page_size * page_size)
+    memory = get_memory()
+    raw = memory.hicache_storage_backend_extra_config
+    try:
+        extra = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as error:
+        raise InvalidArgumentError(f"hicache_storage_backend_extra_config: not JSON ({error})") from None
+    return page_size, stride, extra, get_serving().served_model_name, memory.hicache_size, memory.hicache_ratio
+
+
+class KVStageDecodeOffloadManager:
+    """sglang's decode-side KV offload manager, on kvstage.
+
+    Args:
+        req_to_token_pool: sglang's ``ReqToTokenPool``; a request's device slots are
+            ``req_to_token[req.kv.req_pool_idx]``.
+        token_to_kv_pool_allocator: sglang's allocator; its ``get_kvcache()`` is the device pool
+            (``MHATokenToKVPool``: ``k_buffer``/``v_buffer`` per layer; ``MLATokenToKVPool``:
+            ``kv_buffer``), wrapped in place.
+        tp_group: the TP process group (gloo on CPU) over which releases are agreed.
+        tree_cache: sglang's tree cache; a released request's slots go back through it as
+            sglang's own manager returns them.
+
+    Settings, from sglang's config: the page size; the stride
+    (``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``, a multiple of the page size, default one page);
+    ``--hicache-storage-backend-extra-config``'s ``url`` (any
+    :func:`kvstage.storage.open_storage` URL, the same store the prefill side's
+    :class:`~kvstage.integrations.sglang.KVStageStorage` writes) and optional ``model_id``
+    (default: the served model name); host pages: ``--hicache-size`` GB, else
+    ``--hicache-ratio`` times the device pool.
+
+    Raises:
+        InvalidArgumentError: no ``url`` in the extra config; a device pool other than MHA or
+            MLA (hybrid SWA/Mamba pools), or an MHA pool whose V head size differs from its K
+            head size; no model id.
+    """
+
+    def __init__(self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, tp_group: Any, tree_cache: Any) -> None:
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+        page_size, stride, extra, served_model, hicache_size, hicache_ratio = _sglang_settings()
+        url = extra.get("url")
+        if not isinstance(url, str) or not url:
+            raise InvalidArgumentError("hicache_storage_backend_extra_config.url: a kvstage storage URL is required")
+        model_id = extra.get("model_id") or served_model
+        if not model_id:
+            raise InvalidArgumentError("hicache_storage_backend_extra_config.model_id: required when sglang has no served model name")
+        kv_cache = token_to_kv_pool_allocator.get_kvcache()
+        if isinstance(kv_cache, MLATokenToKVPool):
+            kv_pool = KVPool.mla(list(kv_cache.kv_buffer))
+        elif isinstance(kv_cache, MHATokenToKVPool):
+            if kv_cache.v_head_dim != kv_cache.head_dim:
+                raise InvalidArgumentError(
+                    f"token_to_kv_pool_allocator: V head size {kv_cache.v_head_dim} differs from K head size {kv_cache.head_dim}"
+                )
+            kv_pool = KVPool.mha(list(kv_cache.k_buffer), list(kv_cache.v_buffer))
+        else:
+            raise InvalidArgumentError(
+                f"token_to_kv_pool_allocator: {type(kv_cache).__name__} is not supported (MHA or MLA device pools only; "
+                "hybrid SWA/Mamba pools are not)"
+            )
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.tree_cache = tree_cache
+        self.tp_group = tp_group
+        self.tp_world_size = torch.distributed.get_world_size(group=tp_group)
+        self.page_size = page_size
+        self.offload_stride = stride
+        fingerprint = LayoutFingerprint.of(
+            kv_pool, page_size=page_size, model_id=model_id,
+            tp_rank=torch.distributed.get_rank(group=tp_group), tp_size=self.tp_world_size,
+            first_layer=getattr(kv_cache, "start_layer", 0),
+        )
+        page_bytes = fingerprint.page_bytes
+        num_pages = int(hicache_size * 1e9) // page_bytes if hicache_size else int(hicache_ratio * kv_cache.size) // page_size
+        self.storage = open_storage(url, fingerprint)
+        self.host_pool = HostPool.like(kv_pool, num_pages=max(num_pages, 1), page_size=page_size)
+        self._released_here: set[int] = set()  # id(req) of finishing requests kvstage released on this rank
+        self._finishing: list[Any] = []  # finished requests, in finish order (equal on every rank)
+        self.manager = OffloadManager(
+            kv_pool, self.host_pool, self.storage, PageHasher(page_size=page_size), self._slot_indices,
+            offload_stride=stride, store_prompt=False, release=lambda req: self._released_here.add(id(req)),
+        )
+
+    # -- what sglang's scheduler calls ------------------------------------------------------
+
+    @property
+    def ongoing_offload(self) -> dict[int, Any]:
+        """Finished requests not handed back to sglang yet, by ``id(req)`` (sglang counts them)."""
+        return {id(req): req for req in self._finishing}
+
+    def offload_kv_cache(self, req: Any) -> bool:
+        """A running request: launch its new whole strides of decode KV (True when a copy was
+        launched). A finished one: offload its last whole pages and queue its release (always
+        True: sglang gets it back from :meth:`check_offload_progress`)."""
+        if req.kv.req_pool_idx is None or req.kv.req_pool_idx == -1:
+            return False
+        if req.finished():
+            self.manager.finish(req)
+            self._finishing.append(req)
+            return True
+        return self.manager.offload(req)
+
+    def finalize_release_on_finish(self, req: Any) -> None:
+        """``req`` ends without :meth:`offload_kv_cache` taking it (e.g. sglang's sampling-mask
+        abort): nothing more of it is stored; it is released in lockstep like any other."""
+        if req.kv.req_pool_idx is None or req.kv.req_pool_idx == -1 or any(queued is req for queued in self._finishing):
+            return  # released to sglang already, or queued
+        self.manager.abort(req)  # releases at once when nothing of it is in flight
+        if not self.manager.is_tracked(req):
+            self._released_here.add(id(req))
+        self._finishing.append(req)
+
+    def check_offload_progress(self) -> None:
+        """Collect finished copies and store writes (never waits), then hand sglang the
+        finished requests that every TP rank has released, in finish order."""
+        self.manager.poll()
+        ready = 0
+        for req in self._finishing:
+            if id(req) not in self._released_here:
+                break
+            ready += 1
+        if self.tp_world_size > 1:
+            agreed = torch.tensor([ready], dtype=torch.int64)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
+            ready = int(agreed.item())
+        released, self._finishing = self._finishing[:ready], self._finishing[ready:]
+        for req in released:
+            self._released_here.discard(id(req))
+            self._release_to_sglang(req)
+
+    def has_inflight_device_transfer(self) -> bool:
+        """Whether a copy of device slots (D2H gather) may still read the KV pool."""
+        return self.manager.copies_in_flight > 0
+
+    def drain_before_retraction(self) -> None:
+        """Collect what finished; raise on every rank if any rank still copies device slots.
+
+        Raises:
+            RuntimeError: a D2H copy is pending on some TP rank (retraction would free the
+                device KV it reads).
+        """
+        self.check_offload_progress()
+        pending = torch.tensor([int(self.has_inflight_device_transfer())], dtype=torch.int64)
+        if self.tp_world_size > 1:
+            torch.distributed.all_reduce(pending, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
+        if pending.item():
+            raise RuntimeError(
+                f"kvstage decode offload: device-to-host copies are still pending on some TP rank "
+                f"(here: {self.manager.copies_in_flight}); refusing to retract"
+            )
+
+    def release_host_resources(self) -> None:
+        """Shut down: wait for what is in flight, close the manager and the store."""
+        self.manager.close()
+        self.storage.close()
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _slot_indices(self, req: Any) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+
+    def _release_to_sglang(self, req: Any) -> None:
+        """Give ``req``'s device slots back to sglang, as its own decode manager does at finish."""
+        kv = req.kv
+        if kv.req_pool_idx is None or kv.req_pool_idx == -1:
+            return
+        self.tree_cache.free_kv_row(kv, [(kv.cache_protected_len, kv.kv_allocated_len)])
+        self.tree_cache.unlock(req.lock)
+        req.lock = None
+        self.req_to_token_pool.free(req)
+        kv.mark_kv_released()
+
+
+ENABLE_ENV = "KVSTAGE_SGLANG_DECODE_OFFLOAD"
+
+
+def sglang_plugin() -> None:
+    """sglang's general plugin (entry point group ``sglang.srt.plugins``, name
+    ``kvstage_decode_offload``, declared in kvstage's ``pyproject.toml``): with
+    ``KVSTAGE_SGLANG_DECODE_OFFLOAD=1`` in the environment, replaces sglang's
+    ``DecodeKVCacheOffloadManager`` with :class:`KVStageDecodeOffloadManager` through sglang's
+    ``HookRegistry`` (a class ``REPLACE``, applied to every module that imported the name).
+    sglang runs plugins in every scheduler process (``load_plugins()`` in
+    ``run_scheduler_process``), so setting the variable before ``sglang.launch_server`` switches
+    every rank; without it the plugin does nothing."""
+    import os
+
+    if os.environ.get(ENABLE_ENV) != "1":
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(
+        "sglang.srt.disaggregation.decode_kvcache_offload_manager.DecodeKVCacheOffloadManager",
+        KVStageDecodeOffloadManager, HookType.REPLACE,
+    )

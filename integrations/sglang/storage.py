@@ -1,0 +1,335 @@
+"""``KVStageStorage``: kvstage's stores as sglang's HiCache L3 storage backend.
+
+sglang 0.5.23 loads it through its storage factory (``--hicache-storage-backend dynamic``, see
+the README's "Use with sglang") as ``KVStageStorage(storage_config, kwargs)``, then calls
+``register_mem_pool_host(host_pool)``, the first point where the KV layout is known: the store
+(any :func:`kvstage.storage.open_storage` URL) is opened there, under the
+:class:`~kvstage.storage.LayoutFingerprint` of the host pool and the storage config.
+
+A page is stored in kvstage's byte order, whatever the host layout
+(:mod:`kvstage.integrations.sglang.host_layouts`), so a page written through one host layout
+reads back right through another, and a store's checksum turns a corrupted page into a miss.
+Keys are sglang's page hashes as given (with the default ``sglang-v1`` scheme they equal the
+keys :class:`kvstage.hashing.PageHasher` computes).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, List, Optional, Sequence
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.observability.metrics_collector import StorageMetrics
+
+from kvstage.errors import InvalidArgumentError, StorageError
+from kvstage.integrations.sglang.host_layouts import flat_page_view, host_kv_layout, page_view
+from kvstage.kv_layout import KVLayout
+from kvstage.storage import LayoutFingerprint, StorageBackend, open_storage
+from kvstage.storage.backend import PutStatus
+
+__all__ = ["KVStageStorage", "CHUNK_PAGES"]
+
+CHUNK_PAGES = 8  # pages a call moves per store call: bounds each thread's staging memory
+
+# fp8 KV that sglang stores as uint8: the extra config names the kind, so e4m3 and e5m2 pages
+# never share a key space.
+_FP8_KINDS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+class KVStageStorage(HiCacheStorage):
+    """sglang's ``HiCacheStorage`` interface over a kvstage store.
+
+    Args:
+        storage_config: sglang's ``HiCacheStorageConfig``. Its ``extra_config`` (the JSON of
+            ``--hicache-storage-backend-extra-config``) holds ``url`` (required: a storage URL,
+            e.g. ``"file:/var/cache/kv"``, ``"memory:8589934592"``, ``"mooncake://host:port?..."``),
+            optionally ``model_id`` (default: ``storage_config.model_name``) and
+            ``kv_cache_dtype`` (``"fp8_e4m3"`` or ``"fp8_e5m2"``: required when the host pool
+            holds fp8 KV as ``uint8``); sglang's own keys (``backend_name``, ``module_path``,
+            ``class_name``, ``interface_v1``, the prefetch knobs,
+            ``hicache_storage_pass_prefix_keys``, ``tp_lcm_size``) are ignored here.
+        kwargs: what sglang's factory passes along (unused).
+
+    Raises:
+        InvalidArgumentError: no ``url``; an unknown key in ``extra_config``; no model id; a
+            storage config kvstage's key space cannot describe yet: attention context
+            parallel (``attn_cp_size > 1``), decode context parallel (``dcp_size > 1``) or
+            split heads (``should_split_heads``), whose pages hold a shard of a page.
+
+    Thread-safety: sglang calls ``batch_set_v1`` (backup thread), ``batch_exists`` (prefetch
+    thread) and ``batch_get_v1`` (prefetch I/O thread) at once; each call stages pages in its
+    own thread's buffers and the store serializes only its index updates.
+    """
+
+    _KVSTAGE_EXTRA = {"url", "model_id", "kv_cache_dtype"}
+    # sglang's own keys of the same JSON (the factory's, and those its cache pops before us).
+    _SGLANG_EXTRA = {
+        "backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold", "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys", "tp_lcm_size",
+    }
+    _KNOWN_EXTRA = _KVSTAGE_EXTRA | _SGLANG_EXTRA
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        unknown = sorted(set(extra) - self._KNOWN_EXTRA)
+        if unknown:
+            raise InvalidArgumentError(f"extra_config: unknown keys {unknown}; known: {sorted(self._KNOWN_EXTRA)}")
+        url = extra.get("url")
+        if not isinstance(url, str) or not url:
+            raise InvalidArgumentError(
+                "extra_config.url: a kvstage storage URL is required (e.g. \"file:/path\", \"memory\", \"mooncake://host:port\")"
+            )
+        model_id = extra.get("model_id") or storage_config.model_name
+        if not model_id:
+            raise InvalidArgumentError("extra_config.model_id: required when sglang passes no model_name")
+        fp8_kind = extra.get("kv_cache_dtype")
+        if fp8_kind is not None and fp8_kind not in _FP8_KINDS:
+            raise InvalidArgumentError(f"extra_config.kv_cache_dtype: must be one of {sorted(_FP8_KINDS)}, got {fp8_kind!r}")
+        for name, value in (
+            ("attn_cp_size", storage_config.attn_cp_size),
+            ("dcp_size", getattr(storage_config, "dcp_size", 1)),
+        ):
+            if value != 1:
+                raise InvalidArgumentError(
+                    f"storage_config.{name}: {value}; context-parallel shards of a page are not in kvstage's key space yet (must be 1)"
+                )
+        if getattr(storage_config, "should_split_heads", False):
+            raise InvalidArgumentError(
+                "storage_config.should_split_heads: split heads (tp_lcm_size) are not in kvstage's key space yet"
+            )
+        self.storage_config = storage_config
+        self.url = url
+        self.model_id = model_id
+        self.fp8_kind = fp8_kind
+        self.store: StorageBackend | None = None
+        self.mem_pool_host: Any = None
+        self.kv_layout: KVLayout | None = None
+        self._local = threading.local()
+        self._metrics_lock = threading.Lock()
+        self._metrics = StorageMetrics()
+
+    # -- setup --------------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Open the store for this host pool's layout (called once by sglang's controller).
+
+        The fingerprint: ``model_id``; the pool's layers (``start_layer`` as the first layer,
+        for pipeline stages), K/V or MLA latent, heads, head size and dtype; ``page_size``; the
+        TP rank and size (MLA: rank-neutral; only TP rank 0 writes, as sglang's own
+        ``is_storage_writer``).
+
+        Raises:
+            InvalidArgumentError: an unsupported host pool (see
+                :func:`~kvstage.integrations.sglang.host_layouts.host_kv_layout`); a ``uint8``
+                pool without ``kv_cache_dtype``; a second registration.
+            BackendUnavailableError, StorageError: as :func:`kvstage.storage.open_storage`.
+        """
+        if self.store is not None:
+            raise InvalidArgumentError("mem_pool_host: a host pool is already registered")
+        layout = host_kv_layout(mem_pool_host)
+        if layout.dtype == torch.uint8:
+            if self.fp8_kind is None:
+                raise InvalidArgumentError(
+                    "extra_config.kv_cache_dtype: the host pool holds fp8 KV as uint8; name its kind "
+                    f"({sorted(_FP8_KINDS)}) so e4m3 and e5m2 pages never share a key space"
+                )
+            layout = KVLayout(layout.num_layers, layout.kv_parts, layout.num_heads, layout.head_dim, _FP8_KINDS[self.fp8_kind])
+        config = self.storage_config
+        fingerprint = LayoutFingerprint(
+            self.model_id, layout, mem_pool_host.page_size,
+            tp_rank=config.tp_rank, tp_size=config.tp_size, first_layer=getattr(mem_pool_host, "start_layer", 0),
+        )
+        super().register_mem_pool_host(mem_pool_host)
+        self.kv_layout = layout
+        self.store = open_storage(self.url, fingerprint)
+
+    # -- v1 zero-copy interface (host indices) ------------------------------------------------
+
+    def batch_set_v1(
+        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> List[bool]:
+        """Store the pages at ``host_indices`` (``page_size`` host slots per key, the first of each
+        page a multiple of ``page_size``) under ``keys``; True per key stored or already there.
+
+        ``keys`` are one run of one chain; ``extra_info.prefix_keys`` (sglang's
+        ``hicache_storage_pass_prefix_keys``) names the keys before it. The run is linked to
+        ``prefix_keys[-1]`` only when that page is stored: a child written before its parent
+        (or after it was evicted) is stored as a chain's start rather than refused, so no page
+        sglang hands over is lost (its parent, written later, is then not linked to it for
+        eviction).
+        """
+        store, starts = self._pages_of(keys, host_indices)
+        prior = None
+        prefix_keys = extra_info.prefix_keys if extra_info is not None else None
+        if prefix_keys:
+            prior = prefix_keys[-1] if store.exists([prefix_keys[-1]])[0] else None
+        started = time.perf_counter()
+        results: list[bool] = []
+        for first in range(0, len(keys), CHUNK_PAGES):
+            chunk = keys[first:first + CHUNK_PAGES]
+            pages = self._for_put(store, [page_view(self.mem_pool_host, start) for start in starts[first:first + CHUNK_PAGES]])
+            statuses = store.put(chunk, pages, prior_key=prior)
+            results += [status is not PutStatus.FAILED for status in statuses]
+            prior = chunk[-1]
+        self._record("backup", sum(results), time.perf_counter() - started)
+        return results
+
+    def batch_get_v1(
+        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> List[bool]:
+        """Read the pages of ``keys`` into ``host_indices`` (as :meth:`batch_set_v1`); True per
+        page found intact and written to the host pool. A missing or corrupt page is False and
+        its host slots get no bytes of a wrong page."""
+        store, starts = self._pages_of(keys, host_indices)
+        started = time.perf_counter()
+        results: list[bool] = []
+        for first in range(0, len(keys), CHUNK_PAGES):
+            chunk = keys[first:first + CHUNK_PAGES]
+            views = [page_view(self.mem_pool_host, start) for start in starts[first:first + CHUNK_PAGES]]
+            results += self._get_into(store, chunk, views)
+        self._record("prefetch", sum(results), time.perf_counter() - started)
+        return results
+
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """How many of ``keys``, from the first, the store holds (sglang's lookup)."""
+        store = self._store()
+        hits = store.exists(list(keys))
+        return hits.index(False) if False in hits else len(hits)
+
+    # -- the legacy interface (flat pages in the host layout's order) -------------------------
+
+    def exists(self, key: str) -> bool:
+        """Whether the store holds ``key``."""
+        return self._store().exists([key])[0]
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+        """Store one flat page (``host_pool.get_data_page(index, flat=True)``) under ``key``."""
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+        """Store flat pages under ``keys`` (one chain run); True when every page is stored or was there.
+
+        Raises:
+            InvalidArgumentError: ``values`` is not one flat page per key (see
+                :func:`~kvstage.integrations.sglang.host_layouts.flat_page_view`).
+        """
+        store = self._store()
+        values = list(values or [])
+        if len(values) != len(keys):
+            raise InvalidArgumentError(f"values: {len(values)} pages for {len(keys)} keys")
+        views = [flat_page_view(self.mem_pool_host, value, self.kv_layout) for value in values]
+        ok, prior = True, None
+        for first in range(0, len(keys), CHUNK_PAGES):
+            chunk = list(keys[first:first + CHUNK_PAGES])
+            statuses = store.put(chunk, self._for_put(store, views[first:first + CHUNK_PAGES]), prior_key=prior)
+            ok = ok and all(status is not PutStatus.FAILED for status in statuses)
+            prior = chunk[-1]
+        return ok
+
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+        """Read ``key`` into ``target_location`` (a flat page, e.g.
+        ``host_pool.get_dummy_flat_data_page()``); it, or None on a miss."""
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+        """Read ``keys`` into the flat pages ``target_locations``; each target, or None on a miss."""
+        store = self._store()
+        targets = list(target_locations or [])
+        if len(targets) != len(keys):
+            raise InvalidArgumentError(f"target_locations: {len(targets)} pages for {len(keys)} keys")
+        views = [flat_page_view(self.mem_pool_host, target, self.kv_layout) for target in targets]
+        out: list[torch.Tensor | None] = []
+        for first in range(0, len(keys), CHUNK_PAGES):
+            hits = self._get_into(store, list(keys[first:first + CHUNK_PAGES]), views[first:first + CHUNK_PAGES])
+            out += [target if hit else None for target, hit in zip(targets[first:first + CHUNK_PAGES], hits)]
+        return out
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Remove every page of this key space (sglang's ``flush_cache``)."""
+        self._store().clear()
+
+    def get_stats(self) -> StorageMetrics:
+        """sglang's ``StorageMetrics`` since the last call: pages and GB/s of each v1 backup
+        (``batch_set_v1``) and prefetch (``batch_get_v1``) call."""
+        with self._metrics_lock:
+            metrics, self._metrics = self._metrics, StorageMetrics()
+        return metrics
+
+    def close(self) -> None:
+        """Close the store. Idempotent."""
+        if self.store is not None:
+            self.store.close()
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _store(self) -> StorageBackend:
+        if self.store is None:
+            raise StorageError("KVStageStorage: no host pool registered yet (sglang calls register_mem_pool_host first)")
+        return self.store
+
+    def _pages_of(self, keys: Sequence[str], host_indices: torch.Tensor) -> tuple[StorageBackend, list[int]]:
+        """The store and the first host slot of each key's page, checked before anything moves."""
+        store = self._store()
+        page_size = self.mem_pool_host.page_size
+        if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
+            raise InvalidArgumentError("host_indices: must be a 1-D tensor of host slots")
+        if host_indices.numel() != len(keys) * page_size:
+            raise InvalidArgumentError(
+                f"host_indices: {host_indices.numel()} slots for {len(keys)} keys of page_size {page_size}"
+            )
+        starts = host_indices[::page_size].tolist()
+        for position, start in enumerate(starts):
+            if start % page_size != 0 or not 0 <= start < self.mem_pool_host.size:
+                raise InvalidArgumentError(
+                    f"host_indices[{position * page_size}]: {start} is not a page start of the host pool "
+                    f"(a multiple of page_size {page_size} below {self.mem_pool_host.size})"
+                )
+        return store, starts
+
+    def _staging(self, num_pages: int) -> list[torch.Tensor]:
+        """This thread's ``num_pages`` (<= CHUNK_PAGES) page buffers in kvstage's order."""
+        buffers = getattr(self._local, "buffers", None)
+        if buffers is None:
+            shape = self.kv_layout.page_shape(self.mem_pool_host.page_size)
+            buffers = torch.empty((CHUNK_PAGES, *shape), dtype=self.mem_pool_host.dtype)
+            self._local.buffers = buffers
+        return list(buffers[:num_pages])
+
+    def _for_put(self, store: StorageBackend, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The pages to hand ``store.put``: the views themselves where the store takes them
+        (contiguous, or any view for a store with ``strided_pages``: one copy, by the store);
+        others copied into this thread's staging first."""
+        if store.strided_pages:
+            return views
+        staging = iter(self._staging(sum(not view.is_contiguous() for view in views)))
+        pages = []
+        for view in views:
+            if view.is_contiguous():
+                pages.append(view)
+            else:
+                page = next(staging).view(view.shape)
+                page.copy_(view)
+                pages.append(page)
+        return pages
+
+    def _get_into(self, store: StorageBackend, keys: list[str], views: list[torch.Tensor]) -> list[bool]:
+        """Read ``keys`` into the page views, directly where the store takes them, else through
+        this thread's staging (copied on a hit only, so a miss writes nothing)."""
+        direct = [store.strided_pages or view.is_contiguous() for view in views]
+        spare = iter(self._staging(sum(not d for d in direct)))
+        into = [view if is_direct else next(spare) for view, is_direct in zip(views, direct)]
+        hits = store.get(keys, into)
+        for view, target, hit in zip(views, into, hits):
+            if hit and target is not view:
+                view.copy_(target.view(view.shape))
+        return hits
+
+    def _record(self, direction: str, num_pages: int, seconds: float) -> None:
+        gigabytes = num_pages * self.store.page_bytes / 1e9
+        with self._metrics_lock:
+            getattr(self._metrics, f"{direction}_pgs").append(num_pages)
+            getattr(self._metrics, f"{direction}_bandwidth").append(gigabytes / seconds if seconds > 0 else 0.0)

@@ -1,0 +1,116 @@
+"""sglang's decode-side objects on CPU (its Req, ReqToTokenPool, paged allocator, a disabled
+RadixCache as the tree cache, MHA/MLA device pools) around KVStageDecodeOffloadManager, and
+one decode run driven as sglang's scheduler drives it."""
+
+from __future__ import annotations
+
+import json
+import time
+from array import array
+
+import torch
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.runtime_context import get_context, get_parallel
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang_rig import PAGE_SIZE, extra_config, mha_device_pool, mla_device_pool
+
+from kvstage.integrations.sglang import KVStageDecodeOffloadManager
+
+
+def install_settings(url: str, tp_rank: int = 0, tp_size: int = 1, stride: int = PAGE_SIZE):
+    """sglang's published config for a decode server using kvstage (restore() undoes it)."""
+    import os
+
+    os.environ["SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"] = str(stride)
+    override = get_context().override_server_args(
+        device="cpu", page_size=PAGE_SIZE, tp_size=tp_size, hicache_ratio=2.0, served_model_name="org/tiny-model",
+        hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(extra_config(url)),
+    )
+    override.install()
+    get_parallel().override_permanently(
+        tp_rank=tp_rank, pp_rank=0, attn_tp_rank=tp_rank, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0
+    )
+    return override
+
+
+class DecodeSide:
+    """One decode rank: sglang's pools and a KVStageDecodeOffloadManager over ``tp_group``."""
+
+    def __init__(self, kind: str, tp_group) -> None:
+        self.device = mha_device_pool(size=256) if kind == "mha" else mla_device_pool(size=256)
+        self.req_to_token_pool = ReqToTokenPool(size=8, max_context_len=128, device="cpu", enable_memory_saver=False)
+        self.allocator = PagedTokenToKVPoolAllocator(
+            self.device.size, PAGE_SIZE, self.device.dtype, "cpu", self.device, need_sort=False
+        )
+        self.tree_cache = RadixCache(CacheInitParams(
+            disable=True, req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.allocator, page_size=PAGE_SIZE,
+        ))
+        self.manager = KVStageDecodeOffloadManager(
+            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
+            tp_group=tp_group, tree_cache=self.tree_cache,
+        )
+        self.generator = torch.Generator().manual_seed(0)
+
+    def admit(self, rid: str, prompt: list[int], max_tokens: int, extra_key: str | None = None) -> Req:
+        """A request whose prompt KV arrived from the prefill side: a req_to_token row and
+        slots for the whole request, the prompt's KV written."""
+        req = Req(rid, "", array("q", prompt), SamplingParams(max_new_tokens=max_tokens), extra_key=extra_key)
+        self.req_to_token_pool.alloc([req])
+        total = -(-(len(prompt) + max_tokens) // PAGE_SIZE) * PAGE_SIZE
+        slots = self.allocator.alloc(total)
+        self.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, total)), slots.to(torch.int32))
+        req.kv.kv_allocated_len = total
+        self.write_kv(req, 0, len(prompt))
+        return req
+
+    def write_kv(self, req: Req, start: int, end: int) -> None:
+        """Random KV at token positions [start, end) of ``req`` (the forward pass's stand-in)."""
+        slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end].long()
+        for buffer in self.buffers():
+            values = torch.randn((len(slots), *buffer.shape[1:]), generator=self.generator).to(buffer.dtype)
+            buffer[slots] = values
+
+    def buffers(self) -> list[torch.Tensor]:
+        if hasattr(self.device, "kv_buffer"):
+            return list(self.device.kv_buffer)
+        return list(self.device.k_buffer) + list(self.device.v_buffer)
+
+    def kv_of(self, req: Req, end: int) -> list[torch.Tensor]:
+        slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :end].long()
+        return [buffer[slots].clone() for buffer in self.buffers()]
+
+    def decode_step(self, req: Req, token: int) -> None:
+        """One step of sglang's decode loop for ``req``: the last sampled token gets its KV,
+        a new token is sampled, then the scheduler's offload calls."""
+        kv_end = len(req.origin_input_ids) + len(req.output_ids)
+        if req.output_ids:
+            self.write_kv(req, kv_end - 1, kv_end)
+        req.output_ids.append(token)
+        if len(req.output_ids) >= req.sampling_params.max_new_tokens:
+            req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+        if req.finished():
+            if not self.manager.offload_kv_cache(req):
+                self.manager.finalize_release_on_finish(req)
+        else:
+            self.manager.offload_kv_cache(req)
+
+
+def released(req: Req) -> bool:
+    return req.kv.req_pool_idx is None
+
+
+def run_until_released(side: DecodeSide, reqs: list[Req], timeout: float = 30.0) -> int:
+    """check_offload_progress once a step until every request is back with sglang; the steps."""
+    steps = 0
+    deadline = time.monotonic() + timeout
+    while not all(released(req) for req in reqs):
+        assert time.monotonic() < deadline, "requests not released"
+        side.manager.check_offload_progress()
+        steps += 1
+        time.sleep(0.002)
+    return steps

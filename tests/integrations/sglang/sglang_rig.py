@@ -1,0 +1,138 @@
+"""sglang's real device and host pools on CPU, and a storage config, for the adapter tests."""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+MLA_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+PAGE_SIZE = 4
+LAYERS = 3
+
+
+def mha_device_pool(size: int = 128, dtype=torch.bfloat16, head_num: int = 2, head_dim: int = 8, **kwargs) -> MHATokenToKVPool:
+    return MHATokenToKVPool(
+        size=size, page_size=PAGE_SIZE, dtype=dtype, head_num=head_num, head_dim=head_dim, layer_num=LAYERS,
+        device="cpu", enable_memory_saver=False, **kwargs,
+    )
+
+
+def mla_device_pool(size: int = 128, dtype=torch.bfloat16) -> MLATokenToKVPool:
+    return MLATokenToKVPool(
+        size=size, page_size=PAGE_SIZE, dtype=dtype, kv_lora_rank=16, qk_rope_head_dim=8, layer_num=LAYERS,
+        device="cpu", enable_memory_saver=False,
+    )
+
+
+def host_pool(device_pool, layout: str, ratio: float = 2.0):
+    """sglang's host pool for ``device_pool`` (pin_memory off: a CPU torch cannot register memory)."""
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    common = dict(
+        pin_memory=False, device_capacity_tokens=device_pool.size,
+        start_layer=device_pool.start_layer, end_layer=device_pool.end_layer,
+    )
+    if isinstance(device_pool, MLATokenToKVPool):
+        return MLATokenToKVPoolHost(
+            info, ratio, 0, PAGE_SIZE, layout, target_layer_num=device_pool.layer_num,
+            override_kv_cache_dim=device_pool.kv_cache_dim, **common,
+        )
+    return MHATokenToKVPoolHost(info, ratio, 0, PAGE_SIZE, layout, **common)
+
+
+def storage_config(url: str, *, mla: bool = False, tp_rank: int = 0, tp_size: int = 1, **extra) -> HiCacheStorageConfig:
+    """The config sglang's controller builds, with the dynamic backend's extra config."""
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=False, model_name="org/tiny-model",
+        extra_config={
+            "backend_name": "kvstage", "module_path": "kvstage.integrations.sglang",
+            "class_name": "KVStageStorage", "interface_v1": 1, "url": url, **extra,
+        },
+    )
+
+
+def kvstage_backend(url: str, host, **config):
+    """A KVStageStorage built by sglang's storage factory and registered as its controller does."""
+    mla = hasattr(host, "kv_cache_dim")
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(url, mla=mla, **config), host)
+    backend.register_mem_pool_host(host)
+    return backend
+
+
+
+
+def page_tokens(host, starts: list[int]) -> torch.Tensor:
+    """Host slot indices of the pages starting at ``starts`` (``page_size`` slots each)."""
+    return torch.cat([torch.arange(start, start + host.page_size) for start in starts])
+
+
+# Where token t of layer l (K or V part k, head h) lives in each host layout: the dims sglang's
+# init_kv_buffer allocates (pool_host/mha.py, pool_host/mla.py), written from the whole-buffer
+# side, independently of the adapter's per-page views. canonical: MHA [2, L, S, H, D], MLA [L, S, D].
+def host_buffer_of(layout: str, canonical: torch.Tensor, mla: bool) -> torch.Tensor:
+    if mla:
+        L, S, D = canonical.shape
+        P = S // PAGE_SIZE
+        return {
+            "layer_first": lambda: canonical.unsqueeze(2),
+            "page_first": lambda: canonical.permute(1, 0, 2).unsqueeze(2),
+            "page_first_direct": lambda: canonical.view(L, P, PAGE_SIZE, D).permute(1, 0, 2, 3).unsqueeze(3),
+        }[layout]()
+    _, L, S, H, D = canonical.shape
+    P = S // PAGE_SIZE
+    return {
+        "layer_first": lambda: canonical,
+        "page_first": lambda: canonical.permute(0, 2, 1, 3, 4),
+        "page_first_direct": lambda: canonical.view(2, L, P, PAGE_SIZE, H, D).permute(0, 2, 1, 3, 4, 5),
+        "page_head": lambda: canonical.view(2, L, P, PAGE_SIZE, H, D).permute(0, 2, 4, 3, 1, 5),
+    }[layout]()
+
+
+def canonical_shape(host) -> tuple[int, ...]:
+    if hasattr(host, "kv_cache_dim"):
+        return (host.layer_num, host.size, host.kv_cache_dim)
+    return (2, host.layer_num, host.size, host.head_num, host.head_dim)
+
+
+def random_canonical(host, seed: int) -> torch.Tensor:
+    """Random bit patterns (any dtype) in the canonical order of ``host``."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = canonical_shape(host)
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * host.dtype.itemsize), dtype=torch.uint8, generator=generator)
+    return raw.view(host.dtype)
+
+
+def set_host(host, canonical: torch.Tensor) -> None:
+    host.kv_buffer.copy_(host_buffer_of(host.layout, canonical, hasattr(host, "kv_cache_dim")))
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def canonical_of(host) -> torch.Tensor:
+    """The host pool's content in canonical order (the inverse of ``host_buffer_of``, found by
+    laying out element positions)."""
+    shape = canonical_shape(host)
+    positions = torch.arange(torch.Size(shape).numel()).view(shape)
+    where = host_buffer_of(host.layout, positions, hasattr(host, "kv_cache_dim")).reshape(-1)
+    flat = torch.empty(len(where), dtype=host.dtype)
+    flat[where] = host.kv_buffer.reshape(-1)
+    return flat.view(shape)
+
+
+def token_slots(host, canonical: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The canonical content of host slots ``indices`` (token axis selected)."""
+    return canonical.index_select(1 if hasattr(host, "kv_cache_dim") else 2, indices)
+
+
+def extra_config(url: str) -> dict:
+    return {
+        "backend_name": "kvstage", "module_path": "kvstage.integrations.sglang",
+        "class_name": "KVStageStorage", "interface_v1": 1, "url": url,
+    }

@@ -1,0 +1,147 @@
+"""sglang 0.5.23's own HiCacheController and HybridCacheController, with KVStageStorage loaded
+as their ``dynamic`` L3 backend (``interface_v1``): write-through to the store on sglang's
+backup thread, then a prefetch on its prefetch threads, the scheduler's part played by the
+test (take the hit, allocate host slots, hand the operation to the I/O thread)."""
+
+from __future__ import annotations
+
+import threading
+from array import array
+
+import pytest
+import torch
+import torch.distributed as dist
+from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+from sglang.srt.runtime_context import get_parallel
+from sglang_rig import (
+    MHA_LAYOUTS, MLA_LAYOUTS, PAGE_SIZE, canonical_of, extra_config, host_pool, mha_device_pool,
+    mla_device_pool, random_canonical, same_bytes, set_host, token_slots,
+)
+
+from kvstage.hashing import PageHasher
+from kvstage.integrations.sglang import KVStageStorage
+
+KINDS = [("mha", layout) for layout in MHA_LAYOUTS] + [("mla", layout) for layout in MLA_LAYOUTS]
+TIMEOUT = 30
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_world(tmp_path_factory):
+    """A one-process gloo world (a file rendezvous: no socket) and this rank's place in it."""
+    get_parallel().override_permanently(
+        tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0
+    )
+    init = tmp_path_factory.mktemp("gloo") / "rendezvous"
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def controller(kind: str, layout: str, url: str, hybrid: bool):
+    device = mha_device_pool() if kind == "mha" else mla_device_pool()
+    host = host_pool(device, layout)
+    allocator = PagedTokenToKVPoolAllocator(device.size, PAGE_SIZE, device.dtype, "cpu", device, need_sort=False)
+    pool = host
+    cls = HiCacheController
+    if hybrid:
+        pool = HostPoolGroup([PoolEntry(PoolName.KV, host, device, lambda layer: layer, is_primary_index_anchor=True)])
+        cls = HybridCacheController
+    cc = cls(
+        allocator, pool, PAGE_SIZE, dist.group.WORLD, threading.Event(), io_backend="direct",
+        storage_backend="dynamic", model_name="org/tiny-model", storage_backend_extra_config=extra_config(url),
+    )
+    assert isinstance(cc.storage_backend, KVStageStorage)
+    assert cc.page_set_func.__name__ == "_page_set_zero_copy"  # sglang chose the v1 calls
+    return cc, host
+
+
+def write_through(cc, host, key: RadixKey) -> torch.Tensor:
+    """Store the pages of ``key`` from fresh host slots on sglang's backup thread; the slots."""
+    indices = host.alloc(len(key.token_ids))
+    cc.write_storage(indices, key.token_ids, hash_value=get_storage_hash_str(key, page_size=PAGE_SIZE))
+    operation = cc.ack_backup_queue.get(timeout=TIMEOUT)
+    assert operation.completed_tokens == len(key.token_ids)
+    return indices
+
+
+def prefetch(cc, host, key: RadixKey) -> tuple[int, torch.Tensor]:
+    """sglang's prefetch of ``key``: its hit query, then its I/O thread into new host slots;
+    (tokens prefetched, the slots)."""
+    request = CacheRequestHandle("next-turn", 0) if isinstance(cc, HybridCacheController) else "next-turn"
+    cc.prefetch(request, key)
+    operation = cc.prefetch_hit_queue.get(timeout=TIMEOUT)
+    operation.host_indices = cc.alloc_prefetch_host_buffers(operation, operation.storage_hit_count)
+    cc.prefetch_buffer.put(operation)
+    completed = 0
+    while True:
+        ack = cc.ack_prefetch_queue.get(timeout=TIMEOUT)
+        if ack.completed_req:
+            return completed, operation.host_indices
+        completed = ack.completed_tokens
+
+
+def stop(cc) -> None:
+    cc.detach_storage_backend()
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["HiCacheController", "HybridCacheController"])
+@pytest.mark.parametrize("kind,layout", KINDS)
+def test_write_through_then_prefetch_through_sglangs_controller_moves_every_byte(kind, layout, hybrid):
+    cc, host = controller(kind, layout, "memory", hybrid)
+    try:
+        set_host(host, random_canonical(host, seed=1))
+        key = RadixKey(array("q", range(100, 100 + 5 * PAGE_SIZE)), extra_key="lora-7", cache_salt="tenant-a")
+        written = write_through(cc, host, key)
+        source = token_slots(host, canonical_of(host), written)
+        host.kv_buffer.zero_()
+        tokens, read = prefetch(cc, host, key)
+        assert tokens == len(key.token_ids)
+        assert same_bytes(token_slots(host, canonical_of(host), read), source)
+        kvstage_keys = PageHasher(page_size=PAGE_SIZE).prefill_keys(list(key.token_ids), extra_key="lora-7", cache_salt="tenant-a")
+        assert cc.storage_backend.store.exists(kvstage_keys) == [True] * 5
+    finally:
+        stop(cc)
+
+
+@pytest.mark.parametrize("kind,written,read", [
+    ("mha", "page_first", "layer_first"), ("mha", "page_head", "page_first_direct"),
+    ("mla", "page_first_direct", "page_first"),
+])
+def test_the_next_turn_prefetches_through_another_host_layout_from_a_shared_file_store(tmp_path, kind, written, read):
+    url = f"file:{tmp_path}"
+    writer, writer_host = controller(kind, written, url, hybrid=False)
+    try:
+        set_host(writer_host, random_canonical(writer_host, seed=2))
+        first_turn = RadixKey(array("q", range(7, 7 + 3 * PAGE_SIZE)))
+        slots = write_through(writer, writer_host, first_turn)
+        source = token_slots(writer_host, canonical_of(writer_host), slots)
+    finally:
+        stop(writer)
+    reader, reader_host = controller(kind, read, url, hybrid=True)
+    try:
+        next_turn = RadixKey(array("q", list(first_turn.token_ids) + [1, 2, 3, 4, 5]))  # one page more, unseen
+        tokens, got = prefetch(reader, reader_host, next_turn)
+        assert tokens == 3 * PAGE_SIZE
+        assert same_bytes(token_slots(reader_host, canonical_of(reader_host), got), source)
+    finally:
+        stop(reader)
+
+
+def test_flush_clears_what_the_controller_stored(tmp_path):
+    cc, host = controller("mha", "page_first", f"file:{tmp_path}", hybrid=False)
+    try:
+        set_host(host, random_canonical(host, seed=3))
+        key = RadixKey(array("q", range(2 * PAGE_SIZE)))
+        write_through(cc, host, key)
+        cc.storage_backend.clear()
+        tokens, _ = prefetch(cc, host, key)
+        assert tokens == 0
+    finally:
+        stop(cc)

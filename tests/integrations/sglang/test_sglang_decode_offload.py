@@ -1,0 +1,186 @@
+"""KVStageDecodeOffloadManager in sglang 0.5.23's decode loop: decode pages stored from sglang's
+Req, ReqToTokenPool, allocator and MHA/MLA pools continue the prefill side's chain, and sglang's
+own HiCacheController prefetches the whole conversation back byte for byte (the next turn);
+two TP ranks (two processes, gloo on loopback) release the same requests in the same steps."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from array import array
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+from sglang_rig import PAGE_SIZE, canonical_of, extra_config, host_pool, token_slots
+
+import tp_rank_worker
+from decode_rig import DecodeSide, install_settings, released, run_until_released
+from kvstage.errors import InvalidArgumentError
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    init = tmp_path / "gloo"
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def controller_over(side: DecodeSide, url: str, layout: str):
+    """sglang's HiCacheController with KVStageStorage on ``url``, over a host pool of the
+    decode side's device pool: the prefill side's writer and the next turn's reader."""
+    host = host_pool(side.device, layout)
+    cc = HiCacheController(
+        PagedTokenToKVPoolAllocator(side.device.size, PAGE_SIZE, side.device.dtype, "cpu", side.device, need_sort=False),
+        host, PAGE_SIZE, dist.group.WORLD, threading.Event(), io_backend="direct",
+        storage_backend="dynamic", model_name="org/tiny-model", storage_backend_extra_config=extra_config(url),
+    )
+    return cc, host
+
+
+def put_kv_in_host(host, kv: list[torch.Tensor], indices: torch.Tensor) -> None:
+    """The device KV rows ``kv`` (per buffer: K layers then V layers, or MLA latents) into
+    host slots ``indices``, through the canonical order."""
+    from sglang_rig import host_buffer_of
+
+    canonical = canonical_of(host)
+    mla = hasattr(host, "kv_cache_dim")
+    layers = host.layer_num
+    for i, rows in enumerate(kv):
+        if mla:
+            canonical[i, indices] = rows.view(len(indices), -1)
+        else:
+            canonical[i // layers, i % layers, indices] = rows
+    host.kv_buffer.copy_(host_buffer_of(host.layout, canonical, mla))
+
+
+@pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mla", "page_first_direct")])
+def test_decode_pages_continue_the_prefill_chain_and_the_next_turn_prefetches_them_byte_equal(tmp_path, one_rank, kind, layout):
+    url = f"file:{tmp_path / 'store'}"
+    settings = install_settings(url)
+    try:
+        side = DecodeSide(kind, one_rank)
+        prompt = list(range(300, 310))  # 2 whole pages from the prefill side, 2 tokens more
+        req = side.admit("turn-1", prompt, max_tokens=11, extra_key="lora-7")
+
+        # The prefill side stored the prompt's whole pages (sglang's controller, kvstage's store).
+        prefill, prefill_host = controller_over(side, url, layout)
+        prompt_slots = prefill_host.alloc(8)
+        put_kv_in_host(prefill_host, side.kv_of(req, 8), prompt_slots)
+        key = RadixKey(array("q", prompt[:8]), extra_key="lora-7")
+        prefill.write_storage(prompt_slots, key.token_ids, hash_value=get_storage_hash_str(key, page_size=PAGE_SIZE))
+        assert prefill.ack_backup_queue.get(timeout=30).completed_tokens == 8
+        prefill.detach_storage_backend()
+
+        for step in range(11):
+            side.decode_step(req, 1000 + step)
+            side.manager.check_offload_progress()
+        kv_length = len(prompt) + 10  # the last sampled token has no KV
+        expected = side.kv_of(req, kv_length)
+        run_until_released(side, [req])
+        assert released(req)
+        side.manager.release_host_resources()
+        assert side.manager.manager.metrics.pages_stored == (kv_length // PAGE_SIZE) - 2
+
+        # The next turn: sglang's prefetch finds every whole page and reads it back.
+        reader, reader_host = controller_over(side, url, layout)
+        conversation = RadixKey(array("q", prompt + [1000 + i for i in range(10)] + [7, 7, 7]), extra_key="lora-7")
+        reader.prefetch("turn-2", conversation)
+        operation = reader.prefetch_hit_queue.get(timeout=30)
+        assert operation.storage_hit_count == kv_length // PAGE_SIZE * PAGE_SIZE
+        operation.host_indices = reader.alloc_prefetch_host_buffers(operation, operation.storage_hit_count)
+        reader.prefetch_buffer.put(operation)
+        while not reader.ack_prefetch_queue.get(timeout=30).completed_req:
+            pass
+        got = token_slots(reader_host, canonical_of(reader_host), operation.host_indices)
+        whole = operation.storage_hit_count
+        for i, rows in enumerate(expected):
+            if kind == "mla":
+                want = rows[:whole].reshape(whole, -1)
+                assert torch.equal(got[i].view(torch.uint8), want.view(torch.uint8)), i
+            else:
+                layers = reader_host.layer_num
+                assert torch.equal(got[i // layers, i % layers].view(torch.uint8), rows[:whole].view(torch.uint8)), i
+        reader.detach_storage_backend()
+    finally:
+        settings.restore()
+
+
+def test_no_url_in_the_extra_config_is_refused(tmp_path, one_rank):
+    settings = install_settings("memory")
+    try:
+        from sglang.srt.runtime_context import get_context
+
+        inner = get_context().override_server_args(device="cpu", page_size=PAGE_SIZE, hicache_storage_backend_extra_config="{}")
+        inner.install()
+        try:
+            with pytest.raises(InvalidArgumentError, match="extra_config.url"):
+                DecodeSide("mha", one_rank)
+        finally:
+            inner.restore()
+    finally:
+        settings.restore()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_two_tp_ranks_release_the_same_requests_in_the_same_steps(tmp_path, kind):
+    context = mp.get_context("spawn")
+    with context.Manager() as manager:
+        out = manager.dict()
+        port = _free_port()
+        procs = [
+            context.Process(target=tp_rank_worker.run_rank, args=(rank, port, kind, f"file:{tmp_path / 'store'}", out)) for rank in (0, 1)
+        ]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(120)
+        assert [proc.exitcode for proc in procs] == [0, 0]
+        (released0, stored0), (released1, stored1) = out[0], out[1]
+    assert sorted(released0) == ["r0", "r1", "r2", "r3"]
+    assert released0 == released1
+    if kind == "mla":
+        assert stored0 > 0 and stored1 == 0  # only rank 0 writes the replicated latent
+    else:
+        assert stored0 == stored1 > 0
+
+
+def test_an_abort_through_finalize_release_is_released_and_retraction_drains_first(tmp_path, one_rank):
+    settings = install_settings(f"file:{tmp_path / 'store'}")
+    try:
+        side = DecodeSide("mha", one_rank)
+        aborted = side.admit("aborted", list(range(3)), max_tokens=20)
+        running = side.admit("running", list(range(50, 53)), max_tokens=20)
+        for step in range(6):
+            for req in (aborted, running):
+                side.decode_step(req, 500 + step)
+        # sglang's sampling-mask abort: finalize_release_on_finish without offload_kv_cache
+        side.manager.finalize_release_on_finish(aborted)
+        assert len(side.manager.ongoing_offload) == 1
+        run_until_released(side, [aborted])
+        assert not released(running)
+        deadline = time.monotonic() + 30
+        while side.manager.has_inflight_device_transfer():  # the running request's copies end
+            assert time.monotonic() < deadline
+            side.manager.check_offload_progress()
+            time.sleep(0.002)
+        side.manager.drain_before_retraction()  # nothing copies device slots now: no error
+        side.manager.finalize_release_on_finish(aborted)  # already back with sglang: nothing
+        assert len(side.manager.ongoing_offload) == 0
+        side.manager.release_host_resources()
+    finally:
+        settings.restore()
