@@ -1,0 +1,237 @@
+"""A fresh sglang user's run of the README's "Use with sglang": KVStageStorage loaded by sglang
+0.5.23's own storage factory from the README's extra-config JSON under sglang's own
+HiCacheController (write-through on its backup thread, prefetch of the next turn on its
+prefetch threads), with the scheduler's part played by the test. Defects found are
+``xfail(strict=True)`` tests naming the defect."""
+
+from __future__ import annotations
+
+import json
+import threading
+from array import array
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.storage import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+from sglang.srt.runtime_context import get_parallel
+from sglang_rig import (
+    PAGE_SIZE, canonical_of, host_pool, mha_device_pool, mla_device_pool, random_canonical, same_bytes,
+    set_host, storage_config, token_slots,
+)
+
+from kvstage.errors import InvalidArgumentError, KvstageError
+from kvstage.integrations.sglang import KVStageStorage
+
+TIMEOUT = 30
+README = Path(__file__).resolve().parents[3] / "README.md"
+
+
+def readme_extra_config(url: str) -> dict:
+    """The extra-config JSON of the README's launch command, as written there, with ``url``."""
+    text = README.read_text()
+    section = text[text.index("## Use with sglang"):]
+    start = section.index("'{\"backend_name\"")
+    raw = section[start + 1:section.index("}'", start) + 1]
+    config = json.loads(raw)
+    config["url"] = url
+    return config
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_world(tmp_path_factory):
+    """A one-process gloo world (file rendezvous) for the controller's TP group."""
+    get_parallel().override_permanently(
+        tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0
+    )
+    if dist.is_initialized():  # another module of this process made one
+        yield
+        return
+    init = tmp_path_factory.mktemp("gloo") / "rendezvous"
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def controller(url: str, layout: str = "page_first", kind: str = "mha", **device_kwargs):
+    """sglang's HiCacheController with the README's dynamic backend config."""
+    device = mha_device_pool(**device_kwargs) if kind == "mha" else mla_device_pool()
+    host = host_pool(device, layout)
+    allocator = PagedTokenToKVPoolAllocator(device.size, PAGE_SIZE, device.dtype, "cpu", device, need_sort=False)
+    cc = HiCacheController(
+        allocator, host, PAGE_SIZE, dist.group.WORLD, threading.Event(), io_backend="direct",
+        storage_backend="dynamic", model_name="org/tiny-model", storage_backend_extra_config=readme_extra_config(url),
+    )
+    return cc, host
+
+
+def write_through(cc, host, key: RadixKey) -> torch.Tensor:
+    indices = host.alloc(len(key.token_ids))
+    cc.write_storage(indices, key.token_ids, hash_value=get_storage_hash_str(key, page_size=PAGE_SIZE))
+    operation = cc.ack_backup_queue.get(timeout=TIMEOUT)
+    assert operation.completed_tokens == len(key.token_ids)
+    return indices
+
+
+def prefetch(cc, key: RadixKey, rid: str = "next-turn") -> tuple[int, torch.Tensor]:
+    """sglang's prefetch: hit query, host slots, the I/O thread; (tokens prefetched, slots)."""
+    cc.prefetch(rid, key)
+    operation = cc.prefetch_hit_queue.get(timeout=TIMEOUT)
+    operation.host_indices = cc.alloc_prefetch_host_buffers(operation, operation.storage_hit_count)
+    cc.prefetch_buffer.put(operation)
+    completed = 0
+    while True:
+        ack = cc.ack_prefetch_queue.get(timeout=TIMEOUT)
+        if ack.completed_req:
+            return completed, operation.host_indices
+        completed = ack.completed_tokens
+
+
+def snapshot(host, slots: torch.Tensor) -> torch.Tensor:
+    return token_slots(host, canonical_of(host), slots)
+
+
+# -- flows that work --------------------------------------------------------------------------
+
+
+def test_the_readme_config_loads_kvstage_and_the_next_turn_prefetches_the_first(tmp_path):
+    cc, host = controller(f"file:{tmp_path}")
+    try:
+        assert isinstance(cc.storage_backend, KVStageStorage)
+        set_host(host, random_canonical(host, seed=11))
+        turn1 = RadixKey(array("q", range(50, 50 + 4 * PAGE_SIZE)), extra_key="lora-1", cache_salt="tenant-a")
+        source = snapshot(host, write_through(cc, host, turn1))
+        host.kv_buffer.zero_()
+        turn2 = RadixKey(array("q", list(turn1.token_ids) + [9] * (2 * PAGE_SIZE)), extra_key="lora-1", cache_salt="tenant-a")
+        tokens, got = prefetch(cc, turn2)
+        assert tokens == 4 * PAGE_SIZE
+        assert same_bytes(snapshot(host, got), source)
+        other_tenant = RadixKey(turn1.token_ids, extra_key="lora-1", cache_salt="tenant-b")
+        assert prefetch(cc, other_tenant, rid="other")[0] == 0
+    finally:
+        cc.detach_storage_backend()
+
+
+def test_several_requests_written_at_once_each_prefetch_their_own_bytes():
+    cc, host = controller("memory", layout="layer_first")
+    try:
+        set_host(host, random_canonical(host, seed=12))
+        keys = [RadixKey(array("q", range(r * 1000, r * 1000 + (r + 1) * PAGE_SIZE))) for r in range(3)]
+        slots = [host.alloc(len(key.token_ids)) for key in keys]
+        for key, indices in zip(keys, slots):  # all queued before the backup thread acks one
+            cc.write_storage(indices, key.token_ids, hash_value=get_storage_hash_str(key, page_size=PAGE_SIZE))
+        done = sorted(cc.ack_backup_queue.get(timeout=TIMEOUT).completed_tokens for _ in keys)
+        assert done == [PAGE_SIZE, 2 * PAGE_SIZE, 3 * PAGE_SIZE]
+        sources = [snapshot(host, indices) for indices in slots]
+        host.kv_buffer.zero_()
+        for r, key in enumerate(keys):
+            tokens, got = prefetch(cc, key, rid=f"r{r}")
+            assert tokens == len(key.token_ids)
+            assert same_bytes(snapshot(host, got), sources[r])
+    finally:
+        cc.detach_storage_backend()
+
+
+@pytest.mark.parametrize("kind,written,read", [("mha", "page_head", "layer_first"), ("mla", "layer_first", "page_first_direct")])
+def test_a_page_written_in_one_host_layout_reads_back_in_another(tmp_path, kind, written, read):
+    writer, whost = controller(f"file:{tmp_path}", layout=written, kind=kind)
+    try:
+        set_host(whost, random_canonical(whost, seed=13))
+        key = RadixKey(array("q", range(3 * PAGE_SIZE)))
+        source = snapshot(whost, write_through(writer, whost, key))
+    finally:
+        writer.detach_storage_backend()
+    reader, rhost = controller(f"file:{tmp_path}", layout=read, kind=kind)
+    try:
+        tokens, got = prefetch(reader, key)
+        assert tokens == 3 * PAGE_SIZE
+        assert same_bytes(snapshot(rhost, got), source)
+    finally:
+        reader.detach_storage_backend()
+
+
+def test_a_corrupted_page_is_a_miss_and_the_pages_before_it_still_load(tmp_path):
+    cc, host = controller(f"file:{tmp_path}")
+    try:
+        set_host(host, random_canonical(host, seed=14))
+        key = RadixKey(array("q", range(3 * PAGE_SIZE)))
+        source = snapshot(host, write_through(cc, host, key))
+        third = get_storage_hash_str(key, page_size=PAGE_SIZE)[2]  # sglang's key of the third page
+        target = [p for p in tmp_path.rglob("*") if p.is_file() and third in p.name]
+        assert len(target) == 1, sorted(p.name for p in tmp_path.rglob("*"))
+        data = bytearray(target[0].read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        target[0].write_bytes(bytes(data))
+        host.kv_buffer.zero_()
+        tokens, got = prefetch(cc, key)
+        assert tokens == 2 * PAGE_SIZE
+        assert same_bytes(snapshot(host, got[: 2 * PAGE_SIZE]), source[..., : 2 * PAGE_SIZE, :, :])
+    finally:
+        cc.detach_storage_backend()
+
+
+def test_clear_flushes_and_get_stats_counts_pages_of_each_call(tmp_path):
+    cc, host = controller(f"file:{tmp_path}")
+    try:
+        backend = cc.storage_backend
+        backend.get_stats()  # from zero
+        set_host(host, random_canonical(host, seed=15))
+        key = RadixKey(array("q", range(2 * PAGE_SIZE)))
+        write_through(cc, host, key)
+        assert prefetch(cc, key)[0] == 2 * PAGE_SIZE
+        stats = backend.get_stats()
+        assert sum(stats.backup_pgs) == 2 and sum(stats.prefetch_pgs) == 2
+        assert all(bw > 0 for bw in stats.backup_bandwidth + stats.prefetch_bandwidth)
+        assert backend.get_stats().backup_pgs == []  # since the last call
+        backend.clear()
+        assert prefetch(cc, key, rid="after-flush")[0] == 0
+    finally:
+        cc.detach_storage_backend()
+
+
+# -- bad configs ---------------------------------------------------------------------------------
+
+
+def make(url, host, **extra):
+    config = storage_config(url, **extra)
+    if url is None:
+        del config.extra_config["url"]
+    backend = StorageBackendFactory.create_backend("dynamic", config, host)
+    backend.register_mem_pool_host(host)
+    return backend
+
+
+def test_a_missing_url_is_refused_naming_it():
+    host = host_pool(mha_device_pool(), "layer_first")
+    with pytest.raises(InvalidArgumentError, match=r"extra_config\.url"):
+        make(None, host)
+
+
+def test_a_bad_url_is_refused_with_a_kvstage_error_naming_the_url():
+    host = host_pool(mha_device_pool(), "layer_first")
+    with pytest.raises(KvstageError, match="s3"):
+        make("s3://bucket/kv", host)
+
+
+def test_fp8_kv_held_as_uint8_needs_kv_cache_dtype():
+    host = host_pool(mha_device_pool(dtype=torch.uint8), "layer_first")
+    with pytest.raises(InvalidArgumentError, match="kv_cache_dtype"):
+        make("memory", host)
+    assert make("memory", host, kv_cache_dtype="fp8_e4m3").kv_layout.dtype == torch.float8_e4m3fn
+
+
+def test_a_typo_in_the_extra_config_is_named():
+    host = host_pool(mha_device_pool(), "layer_first")
+    with pytest.raises(InvalidArgumentError, match="urll"):
+        make("memory", host, urll="file:/x")
+
+
+def test_v_head_size_other_than_k_is_refused():
+    host = host_pool(mha_device_pool(v_head_dim=4), "layer_first")
+    with pytest.raises(InvalidArgumentError, match="head"):
+        make("memory", host)
