@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from array import array
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.storage import StorageBackendFactory
@@ -25,6 +27,7 @@ from sglang_rig import (
     set_host, storage_config, token_slots,
 )
 
+from decode_rig import DecodeSide, install_settings, released
 from kvstage.errors import InvalidArgumentError, KvstageError
 from kvstage.integrations.sglang import KVStageStorage
 
@@ -235,3 +238,173 @@ def test_v_head_size_other_than_k_is_refused():
     host = host_pool(mha_device_pool(v_head_dim=4), "layer_first")
     with pytest.raises(InvalidArgumentError, match="head"):
         make("memory", host)
+
+
+# -- decode side: KVStageDecodeOffloadManager over sglang's Req, ReqToTokenPool, allocator ----
+
+
+@pytest.fixture
+def decode_settings(tmp_path):
+    """sglang's published config of a decode server whose extra config names a file store."""
+    url = f"file:{tmp_path / 'store'}"
+    settings = install_settings(url)
+    yield url
+    settings.restore()
+
+
+def prefill_side_stores_prompt(side: DecodeSide, url: str, req, key: RadixKey) -> None:
+    """The prefill server: sglang's controller writes the prompt's whole pages (the KV the
+    decode side received) through KVStageStorage."""
+    cc, host = controller(url)
+    try:
+        whole = len(key.token_ids) // PAGE_SIZE * PAGE_SIZE
+        slots = host.alloc(whole)
+        canonical = canonical_of(host)
+        for i, rows in enumerate(side.kv_of(req, whole)):
+            canonical[i // host.layer_num, i % host.layer_num, slots] = rows
+        set_host(host, canonical)
+        page_key = RadixKey(array("q", key.token_ids[:whole]), extra_key=key.extra_key, cache_salt=key.cache_salt)
+        cc.write_storage(slots, page_key.token_ids, hash_value=get_storage_hash_str(page_key, page_size=PAGE_SIZE))
+        assert cc.ack_backup_queue.get(timeout=TIMEOUT).completed_tokens == whole
+    finally:
+        cc.detach_storage_backend()
+
+
+def next_turn_reads(url: str, key: RadixKey) -> tuple[int, torch.Tensor]:
+    """The next turn on a fresh server: sglang's prefetch of ``key``; (tokens, KV as
+    ``[2, layers, tokens, heads, head_dim]``)."""
+    cc, host = controller(url)
+    try:
+        tokens, slots = prefetch(cc, key)
+        return tokens, snapshot(host, slots[:tokens])
+    finally:
+        cc.detach_storage_backend()
+
+
+def as_canonical(kv: list[torch.Tensor]) -> torch.Tensor:
+    """The decode side's per-buffer rows (K layers, then V layers) as ``[2, L, S, H, D]``."""
+    return torch.stack(kv).view(2, len(kv) // 2, *kv[0].shape)
+
+
+def finish_and_hand_back(side: DecodeSide, reqs) -> list[int]:
+    """check_offload_progress each step until sglang has every request back; the
+    ``len(ongoing_offload)`` sglang saw at each step."""
+    seen = []
+    deadline = time.monotonic() + TIMEOUT
+    while not all(released(req) for req in reqs):
+        assert time.monotonic() < deadline, "requests never handed back to sglang"
+        seen.append(len(side.manager.ongoing_offload))
+        side.manager.check_offload_progress()
+        time.sleep(0.002)
+    return seen
+
+
+def test_a_tenants_decode_pages_continue_its_prefill_chain_and_only_it_reads_them(decode_settings):
+    url = decode_settings
+    side = DecodeSide("mha", dist.group.WORLD)
+    try:
+        prompt = list(range(700, 709))  # 2 whole pages from prefill, 1 token more
+        req = side.admit("t1", prompt, max_tokens=9, extra_key="lora-2")
+        req.cache_salt = "tenant-a"  # what sglang's Req(cache_salt=...) holds
+        prefill_side_stores_prompt(side, url, req, RadixKey(array("q", prompt), extra_key="lora-2", cache_salt="tenant-a"))
+        for step in range(9):
+            side.decode_step(req, 2000 + step)
+            side.manager.check_offload_progress()
+        kv_length = len(prompt) + 8
+        expected = as_canonical(side.kv_of(req, kv_length))
+        seen = finish_and_hand_back(side, [req])
+        assert seen[0] == 1 and len(side.manager.ongoing_offload) == 0
+        side.manager.release_host_resources()
+        conversation = prompt + [2000 + i for i in range(8)] + [5]
+        whole = kv_length // PAGE_SIZE * PAGE_SIZE
+        tokens, got = next_turn_reads(url, RadixKey(array("q", conversation), extra_key="lora-2", cache_salt="tenant-a"))
+        assert tokens == whole
+        assert same_bytes(got, expected[:, :, :whole])
+        other, _ = next_turn_reads(url, RadixKey(array("q", conversation), extra_key="lora-2", cache_salt="tenant-b"))
+        assert other == 0
+    finally:
+        side.manager.manager.close()
+
+
+def retract(side: DecodeSide, req) -> None:
+    """sglang's retraction of a decode request: drain, free its slots and row, reset it."""
+    deadline = time.monotonic() + TIMEOUT
+    while side.manager.has_inflight_device_transfer():
+        assert time.monotonic() < deadline
+        side.manager.check_offload_progress()
+        time.sleep(0.002)
+    side.manager.drain_before_retraction()
+    side.allocator.free(side.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : req.kv.kv_allocated_len].long())
+    side.req_to_token_pool.free(req)
+    req.reset_for_retract()
+
+
+def test_a_retracted_request_that_resumes_stores_its_whole_conversation(decode_settings):
+    url = decode_settings
+    side = DecodeSide("mha", dist.group.WORLD)
+    try:
+        prompt = list(range(40, 48))  # 2 whole pages
+        req = side.admit("r1", prompt, max_tokens=14)
+        prefill_side_stores_prompt(side, url, req, RadixKey(array("q", prompt)))
+        for step in range(6):
+            side.decode_step(req, 3000 + step)
+            side.manager.check_offload_progress()
+        kv_before = side.kv_of(req, len(prompt) + 5)
+        retract(side, req)
+        # it runs again: new slots, its KV recomputed (the same values), decode goes on
+        side.req_to_token_pool.alloc([req])
+        total = -(-(len(prompt) + 14) // PAGE_SIZE) * PAGE_SIZE
+        slots = side.allocator.alloc(total)
+        side.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, total)), slots.to(torch.int32))
+        req.kv.kv_allocated_len = total
+        rows = side.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(prompt) + 5].long()
+        for buffer, before in zip(side.buffers(), kv_before):
+            buffer[rows] = before
+        for step in range(6, 14):
+            side.decode_step(req, 3000 + step)
+            side.manager.check_offload_progress()
+        kv_length = len(prompt) + 13
+        expected = as_canonical(side.kv_of(req, kv_length))
+        finish_and_hand_back(side, [req])
+        side.manager.release_host_resources()
+        whole = kv_length // PAGE_SIZE * PAGE_SIZE
+        tokens, got = next_turn_reads(url, RadixKey(array("q", prompt + [3000 + i for i in range(13)] + [1])))
+        assert tokens == whole
+        assert same_bytes(got, expected[:, :, :whole])
+    finally:
+        side.manager.manager.close()
+
+
+def test_an_aborted_request_is_handed_back_and_shutdown_keeps_what_was_launched(decode_settings):
+    url = decode_settings
+    side = DecodeSide("mha", dist.group.WORLD)
+    try:
+        prompt = list(range(90, 98))
+        req = side.admit("a1", prompt, max_tokens=30)
+        done = side.admit("d1", list(range(120, 128)), max_tokens=5)
+        prefill_side_stores_prompt(side, url, req, RadixKey(array("q", prompt)))
+        for step in range(9):
+            side.decode_step(req, 4000 + step)
+        req.finished_reason = FINISH_ABORT()  # the client went away: sglang finishes it as aborted
+        assert side.manager.offload_kv_cache(req) is True
+        kv_length = len(prompt) + 8
+        expected = as_canonical(side.kv_of(req, kv_length))
+        for step in range(5):
+            side.decode_step(done, 4100 + step)
+        finish_and_hand_back(side, [req, done])
+        side.manager.release_host_resources()  # shutdown right away: writes land first
+        whole = kv_length // PAGE_SIZE * PAGE_SIZE
+        tokens, got = next_turn_reads(url, RadixKey(array("q", prompt + [4000 + i for i in range(8)] + [1])))
+        assert tokens == whole
+        assert same_bytes(got, expected[:, :, :whole])
+    finally:
+        side.manager.manager.close()
+
+
+@pytest.mark.parametrize("url,rule", [("s3://bucket/kv", "s3"), ("file:", "file"), ("memory:lots", "lots")])
+def test_a_server_started_with_a_bad_url_refuses_to_start_naming_it(url, rule):
+    # sglang's controller wraps the backend's error in its own ValueError, kvstage's as the cause
+    with pytest.raises(ValueError, match=f"Failed to create storage backend: .*{rule}") as raised:
+        cc, _ = controller(url)
+        cc.detach_storage_backend()
+    assert isinstance(raised.value.__cause__, KvstageError)
