@@ -7,6 +7,8 @@ prefetch threads), with the scheduler's part played by the test. Defects found a
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from array import array
@@ -408,3 +410,107 @@ def test_a_server_started_with_a_bad_url_refuses_to_start_naming_it(url, rule):
         cc, _ = controller(url)
         cc.detach_storage_backend()
     assert isinstance(raised.value.__cause__, KvstageError)
+
+
+def test_a_page_unified_host_pool_is_refused_naming_the_layout():
+    host = host_pool(mha_device_pool(), "page_unified")
+    with pytest.raises(InvalidArgumentError, match="page_unified"):
+        make("memory", host)
+
+
+def test_three_prefetches_in_flight_at_once_each_get_their_own_pages():
+    cc, host = controller("memory", layout="page_first_direct")
+    try:
+        set_host(host, random_canonical(host, seed=16))
+        keys = [RadixKey(array("q", range(r * 500, r * 500 + (2 + r) * PAGE_SIZE)), cache_salt=f"t{r}") for r in range(3)]
+        sources = [snapshot(host, write_through(cc, host, key)) for key in keys]
+        host.kv_buffer.zero_()
+        for r, key in enumerate(keys):
+            cc.prefetch(f"r{r}", key)
+        operations = {}
+        for _ in keys:
+            operation = cc.prefetch_hit_queue.get(timeout=TIMEOUT)
+            operation.host_indices = cc.alloc_prefetch_host_buffers(operation, operation.storage_hit_count)
+            operations[operation.request_id] = operation
+        for operation in operations.values():
+            cc.prefetch_buffer.put(operation)
+        finished, completed = set(), {}
+        while len(finished) < 3:
+            ack = cc.ack_prefetch_queue.get(timeout=TIMEOUT)
+            if ack.completed_req:
+                finished.add(ack.rid)
+            elif ack.completed_tokens is not None:
+                completed[ack.rid] = ack.completed_tokens
+        for r, key in enumerate(keys):
+            operation = operations[f"r{r}"]
+            assert completed[f"r{r}"] == len(key.token_ids)
+            assert same_bytes(snapshot(host, operation.host_indices), sources[r])
+    finally:
+        cc.detach_storage_backend()
+
+
+def test_a_corrupted_middle_page_stops_the_prefix_there_and_a_rewrite_mends_it(tmp_path):
+    cc, host = controller(f"file:{tmp_path}", layout="layer_first")
+    try:
+        set_host(host, random_canonical(host, seed=17))
+        key = RadixKey(array("q", range(3 * PAGE_SIZE)))
+        slots = write_through(cc, host, key)
+        source = snapshot(host, slots)
+        second = get_storage_hash_str(key, page_size=PAGE_SIZE)[1]
+        [path] = [p for p in tmp_path.rglob("*") if p.is_file() and second in p.name]
+        path.write_bytes(path.read_bytes()[:-3])  # a torn write
+        tokens, _ = prefetch(cc, key)
+        assert tokens == PAGE_SIZE
+        # the next write-through of the same prompt stores the page again
+        cc.write_storage(slots, key.token_ids, hash_value=get_storage_hash_str(key, page_size=PAGE_SIZE))
+        assert cc.ack_backup_queue.get(timeout=TIMEOUT).completed_tokens == 3 * PAGE_SIZE
+        host.kv_buffer.zero_()
+        tokens, got = prefetch(cc, key, rid="again")
+        assert tokens == 3 * PAGE_SIZE
+        assert same_bytes(snapshot(host, got), source)
+    finally:
+        cc.detach_storage_backend()
+
+
+WRITER = """
+import sys, threading
+sys.path.insert(0, {here!r})
+from sglang_cpu import import_sglang
+assert import_sglang() is None
+from array import array
+import torch.distributed as dist
+from sglang.srt.runtime_context import get_parallel
+get_parallel().override_permanently(tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0)
+dist.init_process_group("gloo", init_method="file://{rendezvous}", rank=0, world_size=1)
+import test_sglang_user as user
+from sglang.srt.mem_cache.radix_cache import RadixKey
+cc, host = user.controller("file:{store}", layout="page_head")
+user.set_host(host, user.random_canonical(host, seed=21))
+key = RadixKey(array("q", range(5 * user.PAGE_SIZE)), extra_key="lora-9")
+slots = user.write_through(cc, host, key)
+torch_save = __import__("torch").save
+torch_save(user.snapshot(host, slots), "{out}")
+cc.detach_storage_backend()
+"""
+
+
+def test_two_sglang_processes_share_one_file_directory(tmp_path):
+    """Another sglang server process writes the pages; this one (another host layout) reads them,
+    and writes the same pages again (deduplicated, still readable)."""
+    store, out = tmp_path / "store", tmp_path / "source.pt"
+    script = WRITER.format(here=str(Path(__file__).resolve().parent), rendezvous=tmp_path / "gloo", store=store, out=out)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    source = torch.load(out)
+    cc, host = controller(f"file:{store}", layout="layer_first")
+    try:
+        key = RadixKey(array("q", range(5 * PAGE_SIZE)), extra_key="lora-9")
+        tokens, got = prefetch(cc, key)
+        assert tokens == 5 * PAGE_SIZE
+        assert same_bytes(snapshot(host, got), source)
+        write_through(cc, host, key)  # the same pages from this process too
+        host.kv_buffer.zero_()
+        tokens, got = prefetch(cc, key, rid="again")
+        assert tokens == 5 * PAGE_SIZE and same_bytes(snapshot(host, got), source)
+    finally:
+        cc.detach_storage_backend()
