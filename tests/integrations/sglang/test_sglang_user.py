@@ -567,3 +567,35 @@ def test_an_fp8_decode_side_without_kv_cache_dtype_is_refused(fp8_decode_side):
     with pytest.raises(InvalidArgumentError, match="kv_cache_dtype"):
         _, side = fp8_decode_side({})
         side.manager.release_host_resources()
+
+
+@pytest.mark.xfail(strict=True, reason="KVStageStorage silently ignores kv_cache_dtype on a host pool that does not hold "
+                   "fp8 as uint8: a config saying fp8 for a bf16 server is not refused")
+def test_kv_cache_dtype_on_a_pool_that_is_not_fp8_is_refused():
+    host = host_pool(mha_device_pool(), "layer_first")
+    with pytest.raises(InvalidArgumentError, match="kv_cache_dtype"):
+        make("memory", host, kv_cache_dtype="fp8_e5m2")
+
+
+def test_with_prefix_keys_passed_the_next_turns_extension_is_stored_after_its_prefix(tmp_path):
+    cc, host = controller(f"file:{tmp_path}", extra={"hicache_storage_pass_prefix_keys": True})
+    try:
+        set_host(host, random_canonical(host, seed=18))
+        turn1 = RadixKey(array("q", range(2 * PAGE_SIZE)))
+        first = get_storage_hash_str(turn1, page_size=PAGE_SIZE)
+        slots1 = host.alloc(2 * PAGE_SIZE)
+        cc.write_storage(slots1, turn1.token_ids, hash_value=first)
+        assert cc.ack_backup_queue.get(timeout=TIMEOUT).completed_tokens == 2 * PAGE_SIZE
+        # the radix tree's child node: the new pages, their hashes continuing the parent's, its keys as prefix
+        extension = array("q", range(100, 100 + 2 * PAGE_SIZE))
+        second = get_storage_hash_str(RadixKey(extension), prior_hash=first[-1], page_size=PAGE_SIZE)
+        slots2 = host.alloc(2 * PAGE_SIZE)
+        cc.write_storage(slots2, extension, hash_value=second, prefix_keys=first)
+        assert cc.ack_backup_queue.get(timeout=TIMEOUT).completed_tokens == 2 * PAGE_SIZE
+        source = snapshot(host, torch.cat([slots1, slots2]))
+        host.kv_buffer.zero_()
+        tokens, got = prefetch(cc, RadixKey(array("q", list(turn1.token_ids) + list(extension))))
+        assert tokens == 4 * PAGE_SIZE
+        assert same_bytes(snapshot(host, got), source)
+    finally:
+        cc.detach_storage_backend()
