@@ -1,8 +1,9 @@
 """A fresh sglang user's run of the README's "Use with sglang": KVStageStorage loaded by sglang
 0.5.23's own storage factory from the README's extra-config JSON under sglang's own
 HiCacheController (write-through on its backup thread, prefetch of the next turn on its
-prefetch threads), with the scheduler's part played by the test. Defects found are
-``xfail(strict=True)`` tests naming the defect."""
+prefetch threads), with the scheduler's part played by the test; and KVStageDecodeOffloadManager
+over sglang's Req, ReqToTokenPool, allocator and pools (decode_rig.DecodeSide), its pages read
+back by the next turn's prefetch. Defects found are ``xfail(strict=True)`` tests naming them."""
 
 from __future__ import annotations
 
@@ -478,6 +479,7 @@ sys.path.insert(0, {here!r})
 from sglang_cpu import import_sglang
 assert import_sglang() is None
 from array import array
+import torch
 import torch.distributed as dist
 from sglang.srt.runtime_context import get_parallel
 get_parallel().override_permanently(tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0)
@@ -488,8 +490,7 @@ cc, host = user.controller("file:{store}", layout="page_head")
 user.set_host(host, user.random_canonical(host, seed=21))
 key = RadixKey(array("q", range(5 * user.PAGE_SIZE)), extra_key="lora-9")
 slots = user.write_through(cc, host, key)
-torch_save = __import__("torch").save
-torch_save(user.snapshot(host, slots), "{out}")
+torch.save(user.snapshot(host, slots), "{out}")
 cc.detach_storage_backend()
 """
 
