@@ -600,3 +600,26 @@ def test_with_prefix_keys_passed_the_next_turns_extension_is_stored_after_its_pr
         assert same_bytes(snapshot(host, got), source)
     finally:
         cc.detach_storage_backend()
+
+
+def test_a_prompt_shorter_than_a_page_is_stored_whole_by_the_decode_side(decode_settings):
+    """No whole prompt page for the prefill side to store: the decode side's first page starts
+    the chain from the namespace seed, and the next turn reads every whole page."""
+    url = decode_settings
+    side = DecodeSide("mha", dist.group.WORLD)
+    try:
+        prompt = [5, 6, 7]
+        req = side.admit("s1", prompt, max_tokens=11, extra_key="lora-3")
+        for step in range(11):
+            side.decode_step(req, 6000 + step)
+            side.manager.check_offload_progress()
+        kv_length = len(prompt) + 10
+        expected = as_canonical(side.kv_of(req, kv_length))
+        finish_and_hand_back(side, [req])
+        side.manager.release_host_resources()
+        whole = kv_length // PAGE_SIZE * PAGE_SIZE
+        tokens, got = next_turn_reads(url, RadixKey(array("q", prompt + [6000 + i for i in range(10)] + [1]), extra_key="lora-3"))
+        assert tokens == whole
+        assert same_bytes(got, expected[:, :, :whole])
+    finally:
+        side.manager.manager.close()
