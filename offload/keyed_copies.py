@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Sequence
 
 import torch
@@ -158,8 +159,8 @@ class KeyedCopies:
                     self._finish(record, ok=False, moved=0, error=result.error)
                     continue
                 pages = [self.copier.host_pool.page(page) for page in record.host_page_ids]
-                storage, keys = self.storage, record.page_keys
-                record.future = self.workers.write(lambda: write_pages(storage, keys, pages))
+                # partial binds this job's keys and pages now (a lambda here would see the last job's)
+                record.future = self.workers.write(partial(write_pages, self.storage, record.page_keys, pages))
                 self._in_store.append(record)
             else:
                 del self._scattering[id(record)]

@@ -9,6 +9,8 @@ started; bad slot counts and repeated keys raise before anything starts.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -135,3 +137,24 @@ def test_a_store_copies_the_blocks_as_the_producer_leaves_them(rig):
     page = torch.empty(host_pool.page_bytes, dtype=torch.uint8)
     assert result.ok and store.get(["k4"], [page]) == [True]
     assert torch.all(page.view(torch.int8) == 42)  # copied after the producer, never before
+
+
+def test_stores_whose_gathers_finish_in_one_poll_each_write_their_own_pages(rig):
+    # The copies of both jobs end before the first poll: each write must carry its own job's
+    # keys and pages (a closure made in the poll's loop would see only the last job's).
+    keyed, layers, store, host_pool = rig
+    gate = threading.Event()
+    keyed.workers.write(gate.wait)  # the writer thread runs no write until both are queued
+    assert keyed.store("first", blocks(1, 2), ["k1", "k2"])
+    assert keyed.store("second", blocks(7, 8), ["k7", "k8"])
+    keyed.copier.synchronize()
+    assert keyed.poll() == [] and keyed.jobs_in_flight == 2  # both gathers collected, both writes queued
+    gate.set()
+    keyed.wait()
+    results = {result.job: result for result in keyed.poll()}
+    assert results["first"].ok and results["second"].ok
+    page = torch.empty(host_pool.page_bytes, dtype=torch.uint8)
+    for key, block in (("k1", 1), ("k2", 2), ("k7", 7), ("k8", 8)):
+        assert store.get([key], [page]) == [True], key
+        assert torch.equal(page.view(torch.int8).view(LAYERS, BLOCK_BYTES), torch.stack([layer[block, 0] for layer in layers])), key
+    assert host_pool.free_pages == 4

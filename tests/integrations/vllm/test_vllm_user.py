@@ -338,7 +338,6 @@ def test_spec_a_second_engine_loads_what_another_process_stored_byte_for_byte(ot
         rig.close()
 
 
-@pytest.mark.xfail(strict=True, reason="offload/keyed_copies.py KeyedCopies._progress hands the writer thread `lambda: write_pages(storage, keys, pages)` inside a loop: when several gathers finish in one poll, the writes run with the last job's keys and pages, the other jobs' pages are never written yet reported stored, and a later hit on them fails its load (vLLM's worker then asserts)")
 def test_spec_many_requests_at_once_are_all_stored_and_load_byte_for_byte(tmp_path):
     rig = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}")
     try:
