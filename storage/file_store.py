@@ -93,7 +93,7 @@ from kvstage.errors import InvalidArgumentError, StorageError, is_int
 from kvstage.storage.backend import PutStatus, PutStatuses, StorageBackend, page_as_bytes
 from kvstage.storage.chain_index import ChainIndex
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
-from kvstage.storage.fingerprint import LayoutFingerprint
+from kvstage.storage.fingerprint import LayoutFingerprint, prefix_of
 
 logger = logging.getLogger(__name__)
 
@@ -556,14 +556,6 @@ class FileStore(StorageBackend):
         return payload
 
 
-def _prefix_of(full_key: str) -> str | None:
-    """The fingerprint prefix a full key starts with: its first five ``@``-ended fields
-    (:meth:`LayoutFingerprint.prefix`: model, dtype, layers and layout, page size, shard); None
-    when it has fewer."""
-    fields = full_key.split("@", 5)
-    return "@".join(fields[:5]) + "@" if len(fields) == 6 else None
-
-
 def _owner_tag(prefix: str) -> str:
     return hashlib.sha256(prefix.encode()).hexdigest()[:16]
 
@@ -605,10 +597,10 @@ def key_spaces(directory: str | os.PathLike) -> list[KeySpace]:
             tag = name.partition(_HASHED)[0]
             if tag not in tags:
                 full_key = _full_key_of(directory / name)
-                tags[tag] = None if full_key is None else _prefix_of(full_key)
+                tags[tag] = None if full_key is None else prefix_of(full_key)
             prefix = tags[tag]
         else:
-            prefix = _prefix_of(name[: -len(SUFFIX)])
+            prefix = prefix_of(name[: -len(SUFFIX)])
         if prefix is None:
             continue
         total = totals.setdefault(prefix, [0, 0])
@@ -628,11 +620,14 @@ def remove_key_space(directory: str | os.PathLike, prefix: str) -> list[str]:
         cannot be read is removed but not listed.
 
     Raises:
-        InvalidArgumentError: ``prefix`` is not a fingerprint prefix (five ``@``-ended fields).
+        InvalidArgumentError: ``prefix`` is not a fingerprint prefix (:func:`kvstage.storage.fingerprint.prefix_of`).
         StorageError: the directory cannot be listed.
     """
-    if not isinstance(prefix, str) or _prefix_of(prefix) != prefix:
-        raise InvalidArgumentError(f"prefix: must be a fingerprint prefix such as 'model@dtype@L0-1xKV2xH1xD4@P16@tp0of1@', got {prefix!r}")
+    if not isinstance(prefix, str) or prefix_of(prefix) != prefix:
+        raise InvalidArgumentError(
+            f"prefix: must be a fingerprint prefix such as 'model@dtype@L0-1xKV2xH1xD4@P16@tp0of1@' "
+            f"or 'model@opaque-0123456789abcdef@B4096@tp0of1@', got {prefix!r}"
+        )
     directory = Path(directory)
     tag = _owner_tag(prefix) + _HASHED
     try:

@@ -445,7 +445,6 @@ def test_spec_pages_evicted_by_another_process_are_recomputed(tmp_path):
         rig.close()
 
 
-@pytest.mark.xfail(strict=True, reason="the vLLM adapter's key spaces (LayoutFingerprint.opaque: model@opaque-DIGEST@B<bytes>@tpRofN@, four fields) are invisible to the file store's key-space tools, which take a prefix's first five '@' fields: `kvstage store file:DIR` says 'no kvstage pages' and --evict rejects the prefix")
 def test_spec_pages_are_listed_and_evicted_by_kvstage_store(tmp_path):
     rig = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}")
     try:
