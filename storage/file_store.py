@@ -668,7 +668,12 @@ def _sweep_tmp(path: Path) -> None:
 
 
 def open_file_store(rest: str, fingerprint: LayoutFingerprint) -> FileStore:
-    """The ``file:DIR[?capacity_bytes=N]`` URL (see :func:`kvstage.storage.open_storage`)."""
+    """The ``file:DIR[?capacity_bytes=N]`` URL (see :func:`kvstage.storage.open_storage`).
+
+    Raises:
+        InvalidArgumentError: no directory, an unknown option, or a capacity that is not an int
+            or below one page (``fingerprint.page_bytes``); names ``storage``.
+    """
     directory, _, query = rest.partition("?")
     if not directory:
         raise InvalidArgumentError("storage: 'file:DIR' needs a directory")
@@ -681,5 +686,10 @@ def open_file_store(rest: str, fingerprint: LayoutFingerprint) -> FileStore:
             options[name] = int(value)
         except ValueError:
             raise InvalidArgumentError(f"storage: capacity_bytes must be an int, got {value!r}") from None
+    if options.get("capacity_bytes", fingerprint.page_bytes) < fingerprint.page_bytes:
+        # A store that cannot hold one page would fail every write.
+        raise InvalidArgumentError(
+            f"storage: 'file:{rest}' holds no page: capacity_bytes must be at least one page, {fingerprint.page_bytes} bytes"
+        )
     return FileStore(fingerprint, directory, **options)
 

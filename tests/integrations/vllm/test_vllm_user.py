@@ -282,7 +282,6 @@ def test_a_storage_url_of_an_unknown_scheme_raises_naming_storage(where, tmp_pat
 
 
 @pytest.mark.parametrize("where", ["tier", "spec"])
-@pytest.mark.xfail(strict=True, reason="a memory store smaller than one page ('memory:100', pages of 4096 bytes) is accepted: the tier then fails every cascade (pages_failed), and the spec's first store job fails, which vLLM's connector worker asserts against")
 def test_a_store_that_cannot_hold_one_page_raises_at_construction(where, tmp_path):
     with pytest.raises(InvalidArgumentError, match="storage"):
         if where == "tier":
