@@ -11,6 +11,17 @@ from kvstage.storage import LayoutFingerprint, open_storage
 FP = LayoutFingerprint.opaque("m", page_bytes=4096, page_format="test")
 
 
+@pytest.mark.parametrize("url", ["flie:/var/cache/kvstage", "s3://bucket"])
+def test_an_unknown_scheme_names_storage_and_the_known_schemes(url):
+    with pytest.raises(InvalidArgumentError, match=r"^storage: unknown storage scheme .*known: \['file', 'memory', 'mooncake'\]"):
+        open_storage(url, FP)
+
+
+def test_a_url_that_is_not_a_string_names_storage():
+    with pytest.raises(InvalidArgumentError, match=r"^storage: must be a storage URL string, got int"):
+        open_storage(4096, FP)
+
+
 @pytest.mark.parametrize("url", ["memory:100", "memory:4095", "memory:0", "file:{dir}?capacity_bytes=4095"])
 def test_a_capacity_below_one_page_is_refused_naming_storage_and_the_page_size(url, tmp_path):
     directory = tmp_path / "kv"

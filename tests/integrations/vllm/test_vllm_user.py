@@ -272,7 +272,6 @@ def test_tier_a_bad_locality_raises_naming_it():
 
 
 @pytest.mark.parametrize("where", ["tier", "spec"])
-@pytest.mark.xfail(strict=True, reason="an unknown storage scheme raises naming 'url', not the config key 'storage' the user wrote (while 'file:' without a directory names 'storage')")
 def test_a_storage_url_of_an_unknown_scheme_raises_naming_storage(where, tmp_path):
     with pytest.raises(InvalidArgumentError, match=r"^storage\b"):
         if where == "tier":
