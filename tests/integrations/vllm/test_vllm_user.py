@@ -265,9 +265,8 @@ def test_tier_a_second_engine_promotes_what_another_process_stored(other_engine_
         engine.close()
 
 
-@pytest.mark.xfail(strict=True, reason="a bad 'locality' in the tier config raises a bare ValueError from vLLM's Locality enum, not a kvstage error naming 'locality'")
 def test_tier_a_bad_locality_raises_naming_it():
-    with pytest.raises(InvalidArgumentError, match="locality"):
+    with pytest.raises(InvalidArgumentError, match=r"^locality: must be one of \['LOCAL', 'REMOTE'\] or None, got 'far'"):
         TierEngine("memory", locality="far")
 
 
