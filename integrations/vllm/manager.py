@@ -63,6 +63,7 @@ class KVStageOffloadingManager(OffloadingManager):
         self._events_enabled = events
         self._events: list[OffloadingEvent] = []
         self._storing: set[str] = set()  # page keys of stores in flight
+        self._clear_pending = False  # a reset waits for the jobs in flight before clearing
         self._lock = threading.Lock()
 
     @property
@@ -71,7 +72,10 @@ class KVStageOffloadingManager(OffloadingManager):
         return self._lock
 
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
-        """HIT / MISS from the index; RETRY while the store is being asked."""
+        """HIT / MISS from the index; RETRY while the store is being asked; MISS while a reset
+        waits for its clear (the store still holds pre-reset pages)."""
+        if self._clear_pending:
+            return LookupResult.MISS
         return _LOOKUP[self.index.lookup(key.hex())]
 
     def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> LoadStoreSpec:
@@ -79,7 +83,10 @@ class KVStageOffloadingManager(OffloadingManager):
         return KVStageLoadStoreSpec(page_keys(keys))
 
     def prepare_store(self, keys: Collection[bytes], req_context: ReqContext) -> PrepareStoreOutput | None:
-        """Store the blocks the store does not hold and no store in flight is writing."""
+        """Store the blocks the store does not hold and no store in flight is writing; none
+        while a reset waits for its clear (the clear would remove them)."""
+        if self._clear_pending:
+            return PrepareStoreOutput(keys_to_store=[], store_spec=KVStageLoadStoreSpec([]), evicted_keys=[])
         wanted = [key for key in keys if self.index.lookup(key.hex()) is not True and key.hex() not in self._storing]
         hex_keys = page_keys(wanted)
         self._storing.update(hex_keys)
@@ -104,12 +111,23 @@ class KVStageOffloadingManager(OffloadingManager):
         return self.index.refreshing
 
     def reset_cache(self) -> None:
-        """Clear the store's key space (vLLM's connector cache reset, e.g. after a weight
-        update) and forget every lookup answer. Blocks this thread for the clear: a rare,
-        operator-driven call. Stores in other processes (``memory``) are not reached."""
+        """vLLM's connector cache reset (e.g. after a weight update): forget every lookup
+        answer and clear the store's key space once the workers' jobs in flight have ended
+        (:meth:`on_reset_flushed`), so no page written before the reset lands after the clear.
+        Until then lookups miss and nothing is stored."""
+        self._clear_pending = True
+        self.index.reset()
+        self._storing.clear()  # vLLM reports no completion of jobs from before the reset
+
+    def on_reset_flushed(self) -> None:
+        """The workers finished every job in flight at the last :meth:`reset_cache`: clear
+        the store now. Blocks this thread for the clear: a rare, operator-driven call. Stores
+        in other processes (``memory``) are not reached."""
+        if not self._clear_pending:
+            return
         self.storage.clear()
         self.index.reset()
-        self._storing.clear()
+        self._clear_pending = False
         self._drain_store_events()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
