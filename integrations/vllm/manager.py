@@ -53,7 +53,8 @@ class KVStageOffloadingManager(OffloadingManager):
 
     A store's eviction of a page is seen at once through the store's events when the workers
     share this process's store object (one process); otherwise within ``hit_ttl_s`` of the
-    key's last check, and a load of an evicted page meanwhile fails (vLLM recomputes the block).
+    key's last check, or when a load of it fails (:meth:`loads_reported`, from
+    :class:`KVStageConnector`; vLLM recomputes the blocks).
     """
 
     def __init__(self, storage: Any, *, miss_ttl_s: float = 1.0, hit_ttl_s: float | None = 10.0, events: bool = False) -> None:
@@ -64,6 +65,7 @@ class KVStageOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] = []
         self._storing: set[str] = set()  # page keys of stores in flight
         self._clear_pending = False  # a reset waits for the jobs in flight before clearing
+        self._loaded: list[str] = []  # keys of loads that ended since vLLM last passed on the workers' output
         self._lock = threading.Lock()
 
     @property
@@ -82,6 +84,19 @@ class KVStageOffloadingManager(OffloadingManager):
         """The page keys to read (the store keeps no pins: a page evicted meanwhile fails the load)."""
         return KVStageLoadStoreSpec(page_keys(keys))
 
+    def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
+        """The workers finished loading ``keys`` (read, or reported as failed blocks)."""
+        self._loaded.extend(page_keys(keys))
+
+    def loads_reported(self, *, failed: bool) -> None:
+        """vLLM passed on the workers' output of a step; with ``failed``, blocks of a load in
+        it could not be read (:class:`KVStageConnector`): the store is asked again about every
+        key of the loads that ended in it (RETRY meanwhile), since one of them is gone or
+        corrupt."""
+        if failed:
+            self.index.forget(self._loaded)
+        self._loaded = []
+
     def prepare_store(self, keys: Collection[bytes], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Store the blocks the store does not hold and no store in flight is writing; none
         while a reset waits for its clear (the clear would remove them)."""
@@ -93,11 +108,15 @@ class KVStageOffloadingManager(OffloadingManager):
         return PrepareStoreOutput(keys_to_store=wanted, store_spec=KVStageLoadStoreSpec(hex_keys), evicted_keys=[])
 
     def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
-        """The workers finished writing ``keys``."""
+        """The workers finished the store of ``keys``. A worker reports a store done even when
+        the store could not write a page (vLLM's worker takes no failure), so the keys are
+        not taken as held: their next lookup asks the store (RETRY meanwhile), unless the
+        index learned since :meth:`prepare_store` that the store holds them (this process's
+        store reported them stored, or answered)."""
         hex_keys = page_keys(keys)
         self._storing.difference_update(hex_keys)
-        if success:
-            self.index.add(hex_keys)
+        self._drain_store_events()
+        self.index.forget([key for key in hex_keys if not self.index.holds(key)])
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -139,7 +158,9 @@ class KVStageOffloadingManager(OffloadingManager):
     def _drain_store_events(self) -> None:
         store_events = self.storage.take_events()
         prefix = self.storage.prefix
-        self.index.discard([event.key for event in store_events if event.kind != "stored" and event.key_space == prefix])
+        for event in store_events:  # in order: a page stored, then evicted, ends up gone
+            if event.key_space == prefix:
+                (self.index.add if event.kind == "stored" else self.index.discard)([event.key])
         if self._events_enabled and store_events:
             self._events.extend(offloading_events(store_events, key_space=prefix, medium=Medium.STORAGE, locality=None, ownership=None))
 

@@ -47,6 +47,7 @@ class KVStageOffloadingSpec(OffloadingSpec):
         self.miss_ttl_s = extra.get("miss_ttl_s", 1.0)
         self.hit_ttl_s = extra.get("hit_ttl_s", 10.0)
         self.fingerprint = block_fingerprint(config, model_id=extra.get("model_id"))
+        self.report_load_errors = False  # KVStageConnector sets it: failed loads go to vLLM's scheduler
         self._manager: KVStageOffloadingManager | None = None
         self._worker: KVStageWorker | None = None
 
@@ -62,5 +63,8 @@ class KVStageOffloadingSpec(OffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         """This worker's mover over ``kv_caches`` (one per spec)."""
         if self._worker is None:
-            self._worker = KVStageWorker(kv_caches, open_shared_storage(self.storage_url, self.fingerprint), num_host_pages=self.num_host_pages)
+            self._worker = KVStageWorker(
+                kv_caches, open_shared_storage(self.storage_url, self.fingerprint), num_host_pages=self.num_host_pages,
+                report_load_errors=self.report_load_errors,
+            )
         return self._worker

@@ -187,3 +187,30 @@ def test_a_second_request_loads_from_a_real_mooncake_master(tmp_path):
                     assert torch.equal(rig.kv[name][blocks[index]], expected_block(rig, PROMPT, index)[layer])
         finally:
             rig.close()
+
+
+@pytest.mark.parametrize("report_load_errors", [True, False])
+def test_the_worker_reports_a_failed_load_as_vllms_connector_can_take_it(report_load_errors):
+    # KVStageConnector: done, its blocks in take_block_ids_with_load_errors (vLLM recomputes them).
+    # vLLM's own OffloadingConnector has no such path: the load is reported failed, never done
+    # with blocks it did not write.
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
+
+    from kvstage.integrations.vllm import KVStageWorker
+    from kvstage.integrations.vllm.manager import KVStageLoadStoreSpec
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    tensors = [torch.zeros(8, 64, dtype=torch.int8) for _ in range(2)]
+    kv_caches = CanonicalKVCaches([CanonicalKVCacheTensor(t, 64) for t in tensors], [[CanonicalKVCacheRef(i, 64) for i in range(2)]])
+    store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=128, page_format="test"))
+    worker = KVStageWorker(kv_caches, store, num_host_pages=2, report_load_errors=report_load_errors)
+    try:
+        assert worker.submit_load(7, KVStageLoadStoreSpec(["aa", "bb", "cc"]), GPULoadStoreSpec([5, 6, 3], [3], [0]))  # 3 pages, 2 host pages
+        worker.wait({7})
+        [result] = worker.get_finished()
+        assert result.job_id == 7 and result.success is report_load_errors
+        assert worker.take_block_ids_with_load_errors() == ({5, 6, 3} if report_load_errors else set())
+        assert worker.take_block_ids_with_load_errors() == set() and worker.loads_failed == 1
+        assert all(not t.any() for t in tensors)  # nothing written
+    finally:
+        worker.close()
