@@ -123,7 +123,14 @@ def test_a_hybrid_model_raises_naming_the_groups_and_the_tier_to_use():
         KVStageOffloadingSpec(two_groups)
 
 
-@pytest.mark.parametrize(("extra", "message"), [({"num_host_pages": 0}, "num_host_pages"), ({"storage": 7}, "storage")])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"storage": "memory", "num_host_pages": 0}, "^num_host_pages: must be an int >= 1, got 0"),
+        ({"storage": 7}, "^storage: must be a storage URL string, got 7"),
+        ({}, "^storage: required"),
+    ],
+)
 def test_bad_extra_config_raises_naming_the_key(extra, message):
     from vllm_rig import offloading_config
 
@@ -214,3 +221,22 @@ def test_the_worker_reports_a_failed_load_as_vllms_connector_can_take_it(report_
         assert all(not t.any() for t in tensors)  # nothing written
     finally:
         worker.close()
+
+
+def test_unknown_extra_config_keys_are_warned_once_naming_them(caplog):
+    import logging
+
+    from vllm_rig import offloading_config
+
+    extra = {"storage": "memory", "spec_name": "KVStageOffloadingSpec", "offload_prompt_only": True, "num_host_page": 8, "hit_ttl": 3}
+    with caplog.at_level(logging.WARNING, logger="kvstage.integrations.vllm.spec"):
+        KVStageOffloadingSpec(offloading_config(extra))
+        KVStageOffloadingSpec(offloading_config(extra))  # vLLM builds a spec per connector role
+    warnings = [record.getMessage() for record in caplog.records if record.name == "kvstage.integrations.vllm.spec"]
+    assert len(warnings) == 1 and "['hit_ttl', 'num_host_page']" in warnings[0], warnings
+
+
+@pytest.mark.parametrize(("extra", "message"), [({"block_size": 64}, r"^block_size: .*vLLM's block of 16 tokens.*got 64"), ({"blocks_per_chunk": 2}, r"^blocks_per_chunk: .*got 2")])
+def test_chunks_of_several_blocks_raise_naming_what_the_user_wrote(extra, message, tmp_path):
+    with pytest.raises(InvalidArgumentError, match=message):
+        ConnectorRig(tmp_path / "model", "memory", extra_config=extra)
