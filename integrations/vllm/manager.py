@@ -158,9 +158,15 @@ class KVStageOffloadingManager(OffloadingManager):
     def _drain_store_events(self) -> None:
         store_events = self.storage.take_events()
         prefix = self.storage.prefix
-        for event in store_events:  # in order: a page stored, then evicted, ends up gone
-            if event.key_space == prefix:
-                (self.index.add if event.kind == "stored" else self.index.discard)([event.key])
+        stored, keys = True, []
+        for event in store_events:  # runs of one kind, in order: a page stored, then evicted, ends up gone
+            if event.key_space != prefix:
+                continue
+            if (event.kind == "stored") is not stored:
+                (self.index.add if stored else self.index.discard)(keys)
+                stored, keys = not stored, []
+            keys.append(event.key)
+        (self.index.add if stored else self.index.discard)(keys)
         if self._events_enabled and store_events:
             self._events.extend(offloading_events(store_events, key_space=prefix, medium=Medium.STORAGE, locality=None, ownership=None))
 

@@ -240,3 +240,26 @@ def test_unknown_extra_config_keys_are_warned_once_naming_them(caplog):
 def test_chunks_of_several_blocks_raise_naming_what_the_user_wrote(extra, message, tmp_path):
     with pytest.raises(InvalidArgumentError, match=message):
         ConnectorRig(tmp_path / "model", "memory", extra_config=extra)
+
+
+def test_the_managers_index_follows_the_stores_events_in_order():
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvstage.integrations.vllm import KVStageOffloadingManager
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=16, page_format="test"), capacity_pages=1)
+    manager = KVStageOffloadingManager(store)
+    try:
+        a, b = bytes(36), bytes(35) + b"\x01"
+        page = torch.zeros(16, dtype=torch.uint8)
+        store.put([a.hex()], [page])
+        store.put([b.hex()], [page])  # evicts a: events stored a, stored b, evicted a
+        manager.complete_store([a, b], ReqContext("r"))  # a worker reported both done
+        assert manager.lookup(b, ReqContext("r")) is LookupResult.HIT  # the store said stored
+        assert manager.lookup(a, ReqContext("r")) is LookupResult.RETRY  # not held: the store is asked
+        manager.index.wait()
+        manager.on_schedule_end(None)
+        assert manager.lookup(a, ReqContext("r")) is LookupResult.MISS
+    finally:
+        manager.shutdown()
