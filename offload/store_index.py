@@ -88,11 +88,15 @@ class StoreIndex:
         return None
 
     def _ask(self, key: str) -> None:
-        """Queue ``key`` for the next refresh unless it is queued or being asked."""
-        if key not in self._queued and (self._refresh is None or key not in self._asking):
-            self._queued[key] = None
-            if self._refresh is None:
-                self._submit()
+        """Queue ``key`` for the next refresh unless it is queued, or being asked by a refresh
+        whose answer about it will count (not changed since it left)."""
+        if key in self._queued:
+            return
+        if self._refresh is not None and key in self._asking and key not in self._changed_while_asking:
+            return
+        self._queued[key] = None
+        if self._refresh is None:
+            self._submit()
 
     def add(self, keys: Iterable[str]) -> None:
         """The store holds ``keys`` now (they were written through this process)."""
