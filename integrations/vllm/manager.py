@@ -114,8 +114,8 @@ class KVStageOffloadingManager(OffloadingManager):
         index learned since :meth:`prepare_store` that the store holds them (this process's
         store reported them stored, or answered)."""
         hex_keys = page_keys(keys)
+        self._drain_store_events()  # while the keys are still in _storing
         self._storing.difference_update(hex_keys)
-        self._drain_store_events()
         self.index.forget([key for key in hex_keys if not self.index.holds(key)])
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -158,10 +158,13 @@ class KVStageOffloadingManager(OffloadingManager):
     def _drain_store_events(self) -> None:
         store_events = self.storage.take_events()
         prefix = self.storage.prefix
+        storing = self._storing
         stored, keys = True, []
         for event in store_events:  # runs of one kind, in order: a page stored, then evicted, ends up gone
             if event.key_space != prefix:
                 continue
+            if event.kind == "stored" and event.key not in storing:
+                continue  # held answers come from this manager's own stores; others are asked
             if (event.kind == "stored") is not stored:
                 (self.index.add if stored else self.index.discard)(keys)
                 stored, keys = not stored, []

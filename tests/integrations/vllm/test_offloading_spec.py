@@ -253,13 +253,15 @@ def test_the_managers_index_follows_the_stores_events_in_order():
     try:
         a, b = bytes(36), bytes(35) + b"\x01"
         page = torch.zeros(16, dtype=torch.uint8)
+        assert manager.prepare_store([a, b], ReqContext("r")).keys_to_store == [a, b]  # a worker writes them:
         store.put([a.hex()], [page])
         store.put([b.hex()], [page])  # evicts a: events stored a, stored b, evicted a
         manager.complete_store([a, b], ReqContext("r"))  # a worker reported both done
         assert manager.lookup(b, ReqContext("r")) is LookupResult.HIT  # the store said stored
         assert manager.lookup(a, ReqContext("r")) is LookupResult.RETRY  # not held: the store is asked
-        manager.index.wait()
-        manager.on_schedule_end(None)
+        while manager.index.refreshing:  # the scheduler's steps until the store answered
+            manager.index.wait()
+            manager.on_schedule_end(None)
         assert manager.lookup(a, ReqContext("r")) is LookupResult.MISS
     finally:
         manager.shutdown()
