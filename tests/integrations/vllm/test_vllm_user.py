@@ -460,8 +460,13 @@ def test_spec_pages_are_listed_and_evicted_by_kvstage_store(tmp_path):
 def test_spec_a_prompt_longer_than_the_host_pool_does_not_kill_the_engine(tmp_path):
     rig = ConnectorRig(tmp_path / "model", "memory", extra_config={"num_host_pages": 3})
     try:
-        rig.add_request("a", PROMPT, max_tokens=1)  # 4 full blocks
+        rig.add_request("a", PROMPT, max_tokens=1)  # 4 full blocks: a job of 4, in parts of 3 and 1
         rig.run_until_idle()
+        assert rig.manager.storage.stats.pages_stored == 4 and rig.worker.connector_worker.worker.pages_failed == 0
+        rig.scheduler.reset_prefix_cache()
+        rig.backing.zero_()
+        assert run_to_prompt_end(rig, "b", PROMPT) == len(PROMPT) - 4 * BLOCK  # loaded in parts too
+        assert_blocks_hold(rig, "b", PROMPT, 4)
     finally:
         rig.close()
 
