@@ -154,7 +154,7 @@ def _lookup_figures(rounds: int, log) -> tuple[list[dict], float]:
     fingerprint = LayoutFingerprint.opaque("bench", page_bytes=16, page_format="bench-lookup")
     manager = KVStageOffloadingManager(MemoryStore(fingerprint))
     keys = [i.to_bytes(32, "big") + bytes(4) for i in range(LOOKUP_KEYS)]
-    manager.complete_store(keys, ReqContext("bench"))  # what the workers reported stored
+    manager.index.add([key.hex() for key in keys])  # what the store answered held (the steady state)
     request = keys[-REQUEST_BLOCKS:]
     context = ReqContext("r")
 

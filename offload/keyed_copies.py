@@ -9,8 +9,9 @@ The offload manager derives keys from a request's tokens; an engine that keys pa
             -> scatter them into the slots (copy stream) -> free the host pages
 
 Each job is the caller's token; :meth:`KeyedCopies.poll` moves jobs along and returns the
-finished ones, never blocking. Host pages are allocated when a job is submitted; a job that
-finds too few free is refused (``False``) and nothing changes.
+finished ones, never blocking. A job is never refused for want of host pages: it moves in parts
+of at most the host pool's pages, and a part that finds too few free waits, in submission order,
+until earlier parts free theirs (the engine keeps the job's device slots until it finishes).
 
 Not thread-safe: one thread submits and polls; only store calls run on the worker threads.
 """
@@ -18,8 +19,10 @@ Not thread-safe: one thread submits and polls; only store calls run on the worke
 from __future__ import annotations
 
 import time
+from collections import deque
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Sequence
 
 import torch
@@ -56,12 +59,27 @@ class KeyedResult:
 
 @dataclass
 class _Job:
+    """One submitted job: its parts' outcomes add up here."""
+
     job: Any
     is_store: bool
+    num_pages: int
+    parts_left: int
+    after: Any = None
+    moved: int = 0
+    ok: bool = True
+    error: BaseException | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Part:
+    """At most the host pool's pages of one job, moved together."""
+
+    owner: _Job
     page_keys: list[str]
     slot_indices: torch.Tensor
-    host_page_ids: list[int]
-    started: float = field(default_factory=time.perf_counter)
+    host_page_ids: list[int] = field(default_factory=list)
     future: Future | None = None
 
 
@@ -86,15 +104,16 @@ class KeyedCopies:
         self.copier = copier
         self.storage = storage
         self.workers = workers
-        self._gathering: dict[int, _Job] = {}  # id(job token) -> job, while its gather runs
-        self._scattering: dict[int, _Job] = {}
-        self._in_store: list[_Job] = []  # writes and reads running on the worker threads
+        self._waiting: deque[_Part] = deque()  # parts waiting for host pages, in submission order
+        self._copying: dict[int, _Part] = {}  # id(part) -> part, while its gather or scatter runs
+        self._in_store: list[_Part] = []  # writes and reads running on the worker threads
         self._finished: list[KeyedResult] = []
 
     # -- submission -------------------------------------------------------------------------
 
-    def store(self, job: Any, slot_indices: torch.Tensor, page_keys: Sequence[str], *, after: Any = None) -> bool:
-        """Copy the pages at ``slot_indices`` out and write them under ``page_keys``.
+    def store(self, job: Any, slot_indices: torch.Tensor, page_keys: Sequence[str], *, after: Any = None) -> None:
+        """Copy the pages at ``slot_indices`` out and write them under ``page_keys``; the
+        copies start as host pages are free (the slots must keep their KV until the job ends).
 
         Args:
             job: the caller's token (distinct objects for jobs in flight together).
@@ -102,44 +121,61 @@ class KeyedCopies:
                 on the KV pool's device.
             page_keys: the pages' keys, one run of a hash chain in order.
             after: the producer the copy waits for (see :meth:`CopyStream.submit`; CUDA: None
-                is the stream current now, e.g. the engine's forward stream).
-
-        Returns:
-            False when the host pool has too few free pages (nothing started).
+                is the stream current when a part's copy starts, e.g. the engine's forward
+                stream).
 
         Raises:
-            InvalidArgumentError: the slots are not ``len(page_keys)`` whole pages, or as
-                :meth:`Copier.gather`; nothing started.
+            InvalidArgumentError: the slots are not ``len(page_keys)`` whole pages, a key
+                repeats, or as :meth:`Copier.check_slot_indices`; nothing started.
         """
         keys = self._checked_keys(page_keys, slot_indices)
-        record = _Job(job, True, keys, slot_indices, [])
-        host_page_ids = self.copier.gather(record, slot_indices, after=after)
-        if host_page_ids is None:
-            return False
-        record.host_page_ids = host_page_ids
-        self._gathering[id(record)] = record
-        return True
+        self.copier.check_slot_indices(slot_indices, "slot_indices")
+        self._queue(_Job(job, True, len(keys), 0, after=after), keys, slot_indices)
 
-    def load(self, job: Any, page_keys: Sequence[str], slot_indices: torch.Tensor) -> bool:
-        """Read ``page_keys`` and copy them into ``slot_indices`` (all or the job fails).
-
-        Returns:
-            False when the host pool has too few free pages (nothing started).
+    def load(self, job: Any, page_keys: Sequence[str], slot_indices: torch.Tensor) -> None:
+        """Read ``page_keys`` and copy them into ``slot_indices``. The job fails when a page
+        cannot be read (missing, corrupt); a part that read every page is scattered, so on a
+        failure the slots of earlier parts may hold their pages, the others are untouched.
 
         Raises:
-            InvalidArgumentError: as :meth:`store`.
+            InvalidArgumentError: as :meth:`store`, or a slot appears twice; nothing started.
         """
         keys = self._checked_keys(page_keys, slot_indices)
         self.copier.check_slot_indices(slot_indices, "slot_indices", distinct=True)
-        host_page_ids = self.copier.alloc(len(keys))
-        if host_page_ids is None:
-            return False
-        record = _Job(job, False, keys, slot_indices, host_page_ids)
-        pages = [self.copier.host_pool.page(page) for page in host_page_ids]
-        storage = self.storage
-        record.future = self.workers.read(lambda: list(storage.get(keys, pages)))
-        self._in_store.append(record)
-        return True
+        self._queue(_Job(job, False, len(keys), 0), keys, slot_indices)
+
+    def _queue(self, record: _Job, keys: list[str], slot_indices: torch.Tensor) -> None:
+        per_part = self.copier.host_pool.capacity
+        page_size = self.copier.page_size
+        starts = range(0, len(keys), per_part)
+        record.parts_left = len(starts)
+        if not starts:
+            self._finished.append(KeyedResult(record.job, record.is_store, True, 0, 0, 0.0))
+            return
+        for start in starts:
+            stop = min(start + per_part, len(keys))
+            self._waiting.append(_Part(record, keys[start:stop], slot_indices[start * page_size : stop * page_size]))
+        self._start_waiting()
+
+    def _start_waiting(self) -> None:
+        """Start waiting parts, oldest first, while their host pages are free."""
+        while self._waiting:
+            part = self._waiting[0]
+            if part.owner.is_store:
+                host_page_ids = self.copier.gather(part, part.slot_indices, after=part.owner.after, checked=True)
+                if host_page_ids is None:
+                    return
+                part.host_page_ids = host_page_ids
+                self._copying[id(part)] = part
+            else:
+                host_page_ids = self.copier.alloc(len(part.page_keys))
+                if host_page_ids is None:
+                    return
+                part.host_page_ids = host_page_ids
+                pages = [self.copier.host_pool.page(page) for page in host_page_ids]
+                part.future = self.workers.read(partial(_read_all, self.storage, part.page_keys, pages))
+                self._in_store.append(part)
+            self._waiting.popleft()
 
     # -- progress ---------------------------------------------------------------------------
 
@@ -151,41 +187,41 @@ class KeyedCopies:
 
     def _progress(self) -> None:
         for result in self.copier.poll():
-            record: _Job = result.job
+            part: _Part = result.job
+            del self._copying[id(part)]
             if result.direction == GATHER:
-                del self._gathering[id(record)]
                 if not result.ok:
-                    self._finish(record, ok=False, moved=0, error=result.error)
+                    self._end_part(part, moved=0, error=result.error, ok=False)
                     continue
-                pages = [self.copier.host_pool.page(page) for page in record.host_page_ids]
-                storage, keys = self.storage, record.page_keys
-                record.future = self.workers.write(lambda: write_pages(storage, keys, pages))
-                self._in_store.append(record)
+                pages = [self.copier.host_pool.page(page) for page in part.host_page_ids]
+                # partial binds this part's keys and pages now (a lambda here would see the last part's)
+                part.future = self.workers.write(partial(write_pages, self.storage, part.page_keys, pages))
+                self._in_store.append(part)
             else:
-                del self._scattering[id(record)]
-                self._finish(record, ok=result.ok, moved=result.bytes if result.ok else 0, error=result.error)
+                self._end_part(part, moved=result.bytes if result.ok else 0, error=result.error, ok=result.ok)
         waiting = []
-        for record in self._in_store:
-            if not record.future.done():
-                waiting.append(record)
-            elif record.is_store:
-                self._written(record)
+        for part in self._in_store:
+            if not part.future.done():
+                waiting.append(part)
+            elif part.owner.is_store:
+                self._written(part)
             else:
-                self._read(record)
+                self._read(part)
         self._in_store = waiting
+        self._start_waiting()
 
     def wait(self, jobs: Sequence[Any] | None = None) -> None:
         """Block until the given jobs (None: every job) finished; their results stay for
         :meth:`poll`."""
         wanted = None if jobs is None else list(jobs)
 
-        def pending() -> list[_Job]:
-            records = [*self._gathering.values(), *self._scattering.values(), *self._in_store]
-            return [r for r in records if wanted is None or any(r.job is job or r.job == job for job in wanted)]
+        def pending() -> list[_Part]:
+            parts = [*self._waiting, *self._copying.values(), *self._in_store]
+            return [p for p in parts if wanted is None or any(p.owner.job is job or p.owner.job == job for job in wanted)]
 
         while pending():
             self._progress()
-            running = [r.future for r in pending() if r.future is not None and not r.future.done()]
+            running = [part.future for part in self._in_store if not part.future.done()]
             if running:
                 wait(running, timeout=0.01)
             else:
@@ -193,36 +229,44 @@ class KeyedCopies:
 
     @property
     def jobs_in_flight(self) -> int:
-        """Jobs submitted and not yet returned by :meth:`poll` as finished."""
-        return len(self._gathering) + len(self._scattering) + len(self._in_store)
+        """Jobs submitted and not yet finished (waiting for host pages, copying, or in the
+        store)."""
+        parts = [*self._waiting, *self._copying.values(), *self._in_store]
+        return len({id(part.owner) for part in parts})
 
     # -- internals --------------------------------------------------------------------------
 
-    def _written(self, record: _Job) -> None:
-        error = record.future.exception()
-        outcome = None if error is not None else record.future.result()
-        failed = len(record.page_keys) if outcome is None else len(outcome.failed_keys)
+    def _written(self, part: _Part) -> None:
+        error = part.future.exception()
+        outcome = None if error is not None else part.future.result()
+        failed = len(part.page_keys) if outcome is None else len(outcome.failed_keys)
         error = error if outcome is None else outcome.error
-        self._finish(record, ok=failed == 0, moved=(len(record.page_keys) - failed) * self.storage.page_bytes, error=error)
+        moved = (len(part.page_keys) - failed) * self.storage.page_bytes
+        self._end_part(part, moved=moved, error=error, ok=failed == 0)
 
-    def _read(self, record: _Job) -> None:
-        error = record.future.exception()
-        hits = [] if error is not None else record.future.result()
-        if error is not None or not all(hits) or len(hits) != len(record.page_keys):
-            self._finish(record, ok=False, moved=0, error=error)
+    def _read(self, part: _Part) -> None:
+        error = part.future.exception()
+        if error is not None or not part.future.result():
+            self._end_part(part, moved=0, error=error, ok=False)
             return
-        self._scattering[id(record)] = record
+        self._copying[id(part)] = part
         try:
-            self.copier.scatter(record, record.host_page_ids, record.slot_indices)
+            self.copier.scatter(part, part.host_page_ids, part.slot_indices)
         except BaseException as failure:
-            del self._scattering[id(record)]
-            self._finish(record, ok=False, moved=0, error=failure)
+            del self._copying[id(part)]
+            self._end_part(part, moved=0, error=failure, ok=False)
 
-    def _finish(self, record: _Job, *, ok: bool, moved: int, error: BaseException | None) -> None:
-        self.copier.free(record.host_page_ids)
-        self._finished.append(
-            KeyedResult(record.job, record.is_store, ok, len(record.page_keys), moved, time.perf_counter() - record.started, error)
-        )
+    def _end_part(self, part: _Part, *, moved: int, error: BaseException | None, ok: bool) -> None:
+        self.copier.free(part.host_page_ids)
+        record = part.owner
+        record.moved += moved
+        record.ok = record.ok and ok
+        record.error = record.error or error
+        record.parts_left -= 1
+        if record.parts_left == 0:
+            self._finished.append(
+                KeyedResult(record.job, record.is_store, record.ok, record.num_pages, record.moved, time.perf_counter() - record.started, record.error)
+            )
 
     def _checked_keys(self, page_keys: Sequence[str], slot_indices: torch.Tensor) -> list[str]:
         keys = list(page_keys)
@@ -235,3 +279,9 @@ class KeyedCopies:
         if len(set(keys)) != len(keys):
             raise InvalidArgumentError("page_keys: a key appears twice in one job")
         return keys
+
+
+def _read_all(storage: Any, page_keys: list[str], pages: list[torch.Tensor]) -> bool:
+    """Read every page; whether all were read intact."""
+    hits = list(storage.get(page_keys, pages))
+    return len(hits) == len(page_keys) and all(hits)

@@ -3,7 +3,8 @@
 A scheduler looks keys up one at a time and must never wait for a store (a file store's
 ``stat``, a Mooncake master's RPC). The index answers from what it knows: keys written through
 it (:meth:`StoreIndex.add`), keys known gone (:meth:`StoreIndex.discard`: an eviction event, a
-failed read), and earlier answers of the store. A key it does not know answers None at once and
+failed read), and earlier answers of the store; :meth:`StoreIndex.forget` drops what it knows
+of a key. A key it does not know answers None at once and
 is asked of the store with one batched ``exists`` on a :class:`StoreWorkers` reader thread;
 :meth:`StoreIndex.poll` collects the answer. A miss is cached for ``miss_ttl_s`` only, since
 another process sharing the store may store the key later; with ``hit_ttl_s``, a held key whose
@@ -87,11 +88,15 @@ class StoreIndex:
         return None
 
     def _ask(self, key: str) -> None:
-        """Queue ``key`` for the next refresh unless it is queued or being asked."""
-        if key not in self._queued and (self._refresh is None or key not in self._asking):
-            self._queued[key] = None
-            if self._refresh is None:
-                self._submit()
+        """Queue ``key`` for the next refresh unless it is queued, or being asked by a refresh
+        whose answer about it will count (not changed since it left)."""
+        if key in self._queued:
+            return
+        if self._refresh is not None and key in self._asking and key not in self._changed_while_asking:
+            return
+        self._queued[key] = None
+        if self._refresh is None:
+            self._submit()
 
     def add(self, keys: Iterable[str]) -> None:
         """The store holds ``keys`` now (they were written through this process)."""
@@ -107,6 +112,18 @@ class StoreIndex:
         for key in keys:
             self._held.pop(key, None)
             self._missing[key] = now
+            self._changed_while_asking.add(key)
+
+    def holds(self, key: str) -> bool:
+        """Whether ``key`` is known held now (no refresh is queued, unlike :meth:`lookup`)."""
+        return key in self._held
+
+    def forget(self, keys: Iterable[str]) -> None:
+        """Drop what is known of ``keys``: their next lookup asks the store (e.g. keys another
+        process wrote, whose outcome this one does not know); an answer in flight is ignored."""
+        for key in keys:
+            self._held.pop(key, None)
+            self._missing.pop(key, None)
             self._changed_while_asking.add(key)
 
     def reset(self) -> None:

@@ -94,7 +94,7 @@ from kvstage.errors import InvalidArgumentError, StorageError, is_int
 from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, StorageBackend, page_as_bytes
 from kvstage.storage.chain_index import ChainIndex
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
-from kvstage.storage.fingerprint import LayoutFingerprint
+from kvstage.storage.fingerprint import LayoutFingerprint, prefix_of
 
 logger = logging.getLogger(__name__)
 
@@ -561,14 +561,6 @@ class FileStore(StorageBackend):
         return payload
 
 
-def _prefix_of(full_key: str) -> str | None:
-    """The fingerprint prefix a full key starts with: its first five ``@``-ended fields
-    (:meth:`LayoutFingerprint.prefix`: model, dtype, layers and layout, page size, shard); None
-    when it has fewer."""
-    fields = full_key.split("@", 5)
-    return "@".join(fields[:5]) + "@" if len(fields) == 6 else None
-
-
 def _owner_tag(prefix: str) -> str:
     return hashlib.sha256(prefix.encode()).hexdigest()[:16]
 
@@ -610,10 +602,10 @@ def key_spaces(directory: str | os.PathLike) -> list[KeySpace]:
             tag = name.partition(_HASHED)[0]
             if tag not in tags:
                 full_key = _full_key_of(directory / name)
-                tags[tag] = None if full_key is None else _prefix_of(full_key)
+                tags[tag] = None if full_key is None else prefix_of(full_key)
             prefix = tags[tag]
         else:
-            prefix = _prefix_of(name[: -len(SUFFIX)])
+            prefix = prefix_of(name[: -len(SUFFIX)])
         if prefix is None:
             continue
         total = totals.setdefault(prefix, [0, 0])
@@ -633,11 +625,14 @@ def remove_key_space(directory: str | os.PathLike, prefix: str) -> list[str]:
         cannot be read is removed but not listed.
 
     Raises:
-        InvalidArgumentError: ``prefix`` is not a fingerprint prefix (five ``@``-ended fields).
+        InvalidArgumentError: ``prefix`` is not a fingerprint prefix (:func:`kvstage.storage.fingerprint.prefix_of`).
         StorageError: the directory cannot be listed.
     """
-    if not isinstance(prefix, str) or _prefix_of(prefix) != prefix:
-        raise InvalidArgumentError(f"prefix: must be a fingerprint prefix such as 'model@dtype@L0-1xKV2xH1xD4@P16@tp0of1@', got {prefix!r}")
+    if not isinstance(prefix, str) or prefix_of(prefix) != prefix:
+        raise InvalidArgumentError(
+            f"prefix: must be a fingerprint prefix such as 'model@dtype@L0-1xKV2xH1xD4@P16@tp0of1@' "
+            f"or 'model@opaque-0123456789abcdef@B4096@tp0of1@', got {prefix!r}"
+        )
     directory = Path(directory)
     tag = _owner_tag(prefix) + _HASHED
     try:
@@ -678,7 +673,12 @@ def _sweep_tmp(path: Path) -> None:
 
 
 def open_file_store(rest: str, fingerprint: LayoutFingerprint) -> FileStore:
-    """The ``file:DIR[?capacity_bytes=N]`` URL (see :func:`kvstage.storage.open_storage`)."""
+    """The ``file:DIR[?capacity_bytes=N]`` URL (see :func:`kvstage.storage.open_storage`).
+
+    Raises:
+        InvalidArgumentError: no directory, an unknown option, or a capacity that is not an int
+            or below one page (``fingerprint.page_bytes``); names ``storage``.
+    """
     directory, _, query = rest.partition("?")
     if not directory:
         raise InvalidArgumentError("storage: 'file:DIR' needs a directory")
@@ -691,5 +691,10 @@ def open_file_store(rest: str, fingerprint: LayoutFingerprint) -> FileStore:
             options[name] = int(value)
         except ValueError:
             raise InvalidArgumentError(f"storage: capacity_bytes must be an int, got {value!r}") from None
+    if options.get("capacity_bytes", fingerprint.page_bytes) < fingerprint.page_bytes:
+        # A store that cannot hold one page would fail every write.
+        raise InvalidArgumentError(
+            f"storage: 'file:{rest}' holds no page: capacity_bytes must be at least one page, {fingerprint.page_bytes} bytes"
+        )
     return FileStore(fingerprint, directory, **options)
 

@@ -24,7 +24,7 @@ from typing import Any
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
 from kvstage.kv_layout import KVLayout
 
-__all__ = ["LayoutFingerprint"]
+__all__ = ["LayoutFingerprint", "prefix_of"]
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ class LayoutFingerprint:
         shard = "tp-any" if self.rank_neutral else f"tp{self.tp_rank}of{self.tp_size}"
         if self.page_format:
             digest = hashlib.sha256(self.page_format.encode()).hexdigest()[:16]
-            return f"{model}@opaque-{digest}@B{self.page_bytes}@{shard}@"
+            return f"{model}@{_OPAQUE}{digest}@B{self.page_bytes}@{shard}@"
         return (
             f"{model}@{layout.dtype_name}@L{layers.start}-{layers.stop - 1}xKV{layout.kv_parts}"
             f"xH{layout.num_heads}xD{layout.head_dim}@P{self.page_size}@{shard}@"
@@ -199,6 +199,22 @@ class LayoutFingerprint:
 
 
 _SAFE = frozenset(string.ascii_letters + string.digits + "._-")
+_OPAQUE = "opaque-"  # the second field of an opaque format's prefix
+
+
+def prefix_of(full_key: str) -> str | None:
+    """The fingerprint prefix (:meth:`LayoutFingerprint.prefix`) a full key starts with, or None
+    when it starts with none.
+
+    A prefix is ``@``-ended fields, and no field holds ``@`` (model ids are sanitized): five for
+    pages of a KV layout (model, dtype, layers and layout, page size, shard), four for an opaque
+    format (model, ``opaque-DIGEST``, page bytes, shard), told apart by the second field.
+    """
+    fields = full_key.split("@", 5)
+    count = 4 if len(fields) > 1 and fields[1].startswith(_OPAQUE) else 5
+    if len(fields) <= count or any(field == "" for field in fields[:count]):
+        return None
+    return "@".join(fields[:count]) + "@"
 
 
 def _safe_model_name(model_id: str) -> str:

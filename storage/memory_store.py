@@ -175,12 +175,22 @@ class MemoryStore(StorageBackend):
 
 
 def open_memory_store(rest: str, fingerprint: LayoutFingerprint) -> MemoryStore:
-    """The ``memory`` / ``memory:CAPACITY_BYTES`` URL (see :func:`kvstage.storage.open_storage`)."""
+    """The ``memory`` / ``memory:CAPACITY_BYTES`` URL (see :func:`kvstage.storage.open_storage`).
+
+    Raises:
+        InvalidArgumentError: a capacity that is not an int, or below one page
+            (``fingerprint.page_bytes``); names ``storage``.
+    """
     if not rest:
         return MemoryStore(fingerprint)
     try:
         capacity = int(rest)
     except ValueError:
         raise InvalidArgumentError(f"storage: 'memory:{rest}': the capacity must be an int number of bytes") from None
+    if capacity < fingerprint.page_bytes:
+        # A store that cannot hold one page would fail every write.
+        raise InvalidArgumentError(
+            f"storage: 'memory:{rest}' holds no page: the capacity must be at least one page, {fingerprint.page_bytes} bytes"
+        )
     return MemoryStore(fingerprint, capacity_bytes=capacity)
 

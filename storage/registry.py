@@ -30,18 +30,19 @@ def open_storage(url: str, fingerprint: LayoutFingerprint) -> StorageBackend:
     see :func:`kvstage.storage.mooncake.config.parse_mooncake_url`).
 
     Raises:
-        InvalidArgumentError: the URL's scheme is unknown (the message lists the known ones), or
-            its options are bad.
+        InvalidArgumentError: the URL's scheme is unknown (the message lists the known ones), its
+            options are bad, or a ``memory`` / ``file`` capacity holds no page; the message names
+            ``storage``, the config key engines take the URL from.
         BackendUnavailableError: the scheme's optional package is not installed.
         StorageError: the store cannot be set up (e.g. the Mooncake master is unreachable).
     """
     if not isinstance(url, str):
-        raise InvalidArgumentError(f"url: must be a storage URL string, got {type(url).__name__}")
+        raise InvalidArgumentError(f"storage: must be a storage URL string, got {type(url).__name__}")
     scheme, _, rest = url.partition(":")
     if url.startswith("mooncake://"):
         scheme, rest = "mooncake", url
     entry = STORAGE_SCHEMES.get(scheme)
     if entry is None:
-        raise InvalidArgumentError(f"url: unknown storage scheme {scheme!r} in {url!r}; known: {sorted(STORAGE_SCHEMES)}")
+        raise InvalidArgumentError(f"storage: unknown storage scheme {scheme!r} in {url!r}; known: {sorted(STORAGE_SCHEMES)}")
     module, factory = entry
     return getattr(importlib.import_module(module), factory)(rest, fingerprint)

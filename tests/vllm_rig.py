@@ -35,9 +35,12 @@ def offloading_config(extra_config: dict, *, events: bool = True, engine_id: str
 
 
 class ConnectorRig:
-    """vLLM's own scheduler (``vllm.v1.core.sched.scheduler.Scheduler``) with the
-    OffloadingConnector on ``KVStageOffloadingSpec``, and a worker-side OffloadingConnector over
-    real block tensors on CPU, stepped as vLLM's engine core and model runner step them.
+    """vLLM's own scheduler (``vllm.v1.core.sched.scheduler.Scheduler``) with kvstage's
+    ``KVStageConnector`` (vLLM's OffloadingConnector plus failed-load reporting, as the README
+    configures it: ``kv_load_failure_policy`` ``"recompute"``) on ``KVStageOffloadingSpec``, and a
+    worker-side connector over real block tensors on CPU, stepped as vLLM's engine core and model
+    runner step them (transfer results and blocks with load errors collected as
+    ``kv_connector_model_runner_mixin`` does).
 
     The model is a stand-in: for every token a step schedules, it writes ``kv_value(token,
     position, layer)`` into the token's row of its block in each layer's KV tensor, so a block's
@@ -65,13 +68,14 @@ class ConnectorRig:
             set_current_vllm_config,
         )
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
         from vllm.forward_context import ForwardContext
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
         from vllm.v1.structured_output import StructuredOutputManager
+
+        from kvstage.integrations.vllm import KVStageConnector
 
         # A tiny Llama config (no weights: nothing runs the model) for vLLM's ModelConfig.
         LlamaConfig(
@@ -86,7 +90,8 @@ class ConnectorRig:
             scheduler_config=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=4, max_model_len=512, is_encoder_decoder=False),
             kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null"),
             kv_transfer_config=KVTransferConfig(
-                kv_connector="OffloadingConnector", kv_role="kv_both", engine_id=f"kvstage-{uuid.uuid4().hex[:12]}",
+                kv_connector="KVStageConnector", kv_connector_module_path="kvstage.integrations.vllm", kv_role="kv_both",
+                kv_load_failure_policy="recompute", engine_id=f"kvstage-{uuid.uuid4().hex[:12]}",
                 kv_connector_extra_config={"spec_name": "KVStageOffloadingSpec", "spec_module_path": "kvstage.integrations.vllm", "storage": storage, **(extra_config or {})},
             ),
         )
@@ -102,7 +107,7 @@ class ConnectorRig:
             vllm_config=self.vllm_config, kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config), block_size=block_size, log_stats=True,
         )
-        self.worker = OffloadingConnector(self.vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+        self.worker = KVStageConnector(self.vllm_config, KVConnectorRole.WORKER, kv_cache_config)
         # The "GPU" KV cache: one allocation, layer-outermost, as KVCacheTensor above places it.
         self.backing = torch.zeros(len(self.LAYERS), num_blocks, page, dtype=torch.int8)
         self.kv = {
@@ -170,14 +175,16 @@ class ConnectorRig:
         if output.total_num_scheduled_tokens > 0:
             self.worker.wait_for_save()
         time.sleep(0.02)  # the copy stream and store threads run between steps, as on a GPU
-        finished_sending, finished_recving = self.worker.get_finished(output.finished_req_ids)
+        transfers = self.worker.get_transfer_results(output.finished_req_ids)  # as vLLM's model runner collects them
+        invalid_block_ids = self.worker.get_block_ids_with_load_errors()
         self.worker.clear_connector_metadata()
         running = [request_id for request_id in output.num_scheduled_tokens if request_id in self.scheduler.requests]
         self.scheduler.update_from_output(output, ModelRunnerOutput(
             req_ids=running, req_id_to_index={request_id: index for index, request_id in enumerate(running)},
             sampled_token_ids=[[5] for _ in running],
             kv_connector_output=KVConnectorOutput(
-                finished_sending=finished_sending, finished_recving=finished_recving,
+                finished_sending=transfers.finished_sending, finished_recving=transfers.finished_recving,
+                failed_recving=transfers.failed_recving, invalid_block_ids=invalid_block_ids,
                 kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
             ),
         ))

@@ -85,18 +85,22 @@ def block_fingerprint(config, *, model_id: str | None = None) -> LayoutFingerpri
         model_id: the model's name; None: ``config.model.name``.
 
     Raises:
-        InvalidArgumentError: more than one KV group, or blocks of more than one chunk.
+        InvalidArgumentError: more than one KV group, or chunks of more than one block (naming
+            ``blocks_per_chunk`` or ``block_size``, whichever the extra config gave).
     """
     require(
         len(config.groups) == 1, "kv_cache_groups",
         lambda: f"KVStageOffloadingSpec stores one KV cache group, this model offloads {len(config.groups)}: "
         "for hybrid models use TieringOffloadingSpec with a KVStageTier secondary tier",
     )
-    require(
-        config.cache.blocks_per_chunk == 1, "block_size",
-        lambda: f"KVStageOffloadingSpec stores GPU blocks as they are (blocks_per_chunk 1), got {config.cache.blocks_per_chunk}",
-    )
     group, parallel = config.groups[0], config.parallel
+    written = "blocks_per_chunk" if "blocks_per_chunk" in config.extra_config else "block_size"
+    require(
+        config.cache.blocks_per_chunk == 1, written,
+        lambda: f"KVStageOffloadingSpec stores GPU blocks as they are: leave it out or give vLLM's block of "
+        f"{group.tokens_per_block} tokens (blocks_per_chunk 1), got {config.extra_config.get(written)!r} "
+        f"({config.cache.blocks_per_chunk} blocks a chunk)",
+    )
     page_format = "|".join([
         "vllm-block-v1", f"dtype={config.model.dtype}", f"g{group.group_id}:{group.tokens_per_block}tok:{','.join(group.layer_names)}",
         f"tph={config.cache.tokens_per_hash}", f"layout={config.kv_cache_layout}",

@@ -53,7 +53,8 @@ class KVStageOffloadingManager(OffloadingManager):
 
     A store's eviction of a page is seen at once through the store's events when the workers
     share this process's store object (one process); otherwise within ``hit_ttl_s`` of the
-    key's last check, and a load of an evicted page meanwhile fails (vLLM recomputes the block).
+    key's last check, or when a load of it fails (:meth:`loads_reported`, from
+    :class:`KVStageConnector`; vLLM recomputes the blocks).
     """
 
     def __init__(self, storage: Any, *, miss_ttl_s: float = 1.0, hit_ttl_s: float | None = 10.0, events: bool = False) -> None:
@@ -63,6 +64,8 @@ class KVStageOffloadingManager(OffloadingManager):
         self._events_enabled = events
         self._events: list[OffloadingEvent] = []
         self._storing: set[str] = set()  # page keys of stores in flight
+        self._clear_pending = False  # a reset waits for the jobs in flight before clearing
+        self._loaded: list[str] = []  # keys of loads that ended since vLLM last passed on the workers' output
         self._lock = threading.Lock()
 
     @property
@@ -71,26 +74,49 @@ class KVStageOffloadingManager(OffloadingManager):
         return self._lock
 
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
-        """HIT / MISS from the index; RETRY while the store is being asked."""
+        """HIT / MISS from the index; RETRY while the store is being asked; MISS while a reset
+        waits for its clear (the store still holds pre-reset pages)."""
+        if self._clear_pending:
+            return LookupResult.MISS
         return _LOOKUP[self.index.lookup(key.hex())]
 
     def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> LoadStoreSpec:
         """The page keys to read (the store keeps no pins: a page evicted meanwhile fails the load)."""
         return KVStageLoadStoreSpec(page_keys(keys))
 
+    def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
+        """The workers finished loading ``keys`` (read, or reported as failed blocks)."""
+        self._loaded.extend(page_keys(keys))
+
+    def loads_reported(self, *, failed: bool) -> None:
+        """vLLM passed on the workers' output of a step; with ``failed``, blocks of a load in
+        it could not be read (:class:`KVStageConnector`): the store is asked again about every
+        key of the loads that ended in it (RETRY meanwhile), since one of them is gone or
+        corrupt."""
+        if failed:
+            self.index.forget(self._loaded)
+        self._loaded = []
+
     def prepare_store(self, keys: Collection[bytes], req_context: ReqContext) -> PrepareStoreOutput | None:
-        """Store the blocks the store does not hold and no store in flight is writing."""
+        """Store the blocks the store does not hold and no store in flight is writing; none
+        while a reset waits for its clear (the clear would remove them)."""
+        if self._clear_pending:
+            return PrepareStoreOutput(keys_to_store=[], store_spec=KVStageLoadStoreSpec([]), evicted_keys=[])
         wanted = [key for key in keys if self.index.lookup(key.hex()) is not True and key.hex() not in self._storing]
         hex_keys = page_keys(wanted)
         self._storing.update(hex_keys)
         return PrepareStoreOutput(keys_to_store=wanted, store_spec=KVStageLoadStoreSpec(hex_keys), evicted_keys=[])
 
     def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
-        """The workers finished writing ``keys``."""
+        """The workers finished the store of ``keys``. A worker reports a store done even when
+        the store could not write a page (vLLM's worker takes no failure), so the keys are
+        not taken as held: their next lookup asks the store (RETRY meanwhile), unless the
+        index learned since :meth:`prepare_store` that the store holds them (this process's
+        store reported them stored, or answered)."""
         hex_keys = page_keys(keys)
+        self._drain_store_events()  # while the keys are still in _storing
         self._storing.difference_update(hex_keys)
-        if success:
-            self.index.add(hex_keys)
+        self.index.forget([key for key in hex_keys if not self.index.holds(key)])
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -104,12 +130,23 @@ class KVStageOffloadingManager(OffloadingManager):
         return self.index.refreshing
 
     def reset_cache(self) -> None:
-        """Clear the store's key space (vLLM's connector cache reset, e.g. after a weight
-        update) and forget every lookup answer. Blocks this thread for the clear: a rare,
-        operator-driven call. Stores in other processes (``memory``) are not reached."""
+        """vLLM's connector cache reset (e.g. after a weight update): forget every lookup
+        answer and clear the store's key space once the workers' jobs in flight have ended
+        (:meth:`on_reset_flushed`), so no page written before the reset lands after the clear.
+        Until then lookups miss and nothing is stored."""
+        self._clear_pending = True
+        self.index.reset()
+        self._storing.clear()  # vLLM reports no completion of jobs from before the reset
+
+    def on_reset_flushed(self) -> None:
+        """The workers finished every job in flight at the last :meth:`reset_cache`: clear
+        the store now. Blocks this thread for the clear: a rare, operator-driven call. Stores
+        in other processes (``memory``) are not reached."""
+        if not self._clear_pending:
+            return
         self.storage.clear()
         self.index.reset()
-        self._storing.clear()
+        self._clear_pending = False
         self._drain_store_events()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -121,7 +158,18 @@ class KVStageOffloadingManager(OffloadingManager):
     def _drain_store_events(self) -> None:
         store_events = self.storage.take_events()
         prefix = self.storage.prefix
-        self.index.discard([event.key for event in store_events if event.kind != "stored" and event.key_space == prefix])
+        storing = self._storing
+        stored, keys = True, []
+        for event in store_events:  # runs of one kind, in order: a page stored, then evicted, ends up gone
+            if event.key_space != prefix:
+                continue
+            if event.kind == "stored" and event.key not in storing:
+                continue  # held answers come from this manager's own stores; others are asked
+            if (event.kind == "stored") is not stored:
+                (self.index.add if stored else self.index.discard)(keys)
+                stored, keys = not stored, []
+            keys.append(event.key)
+        (self.index.add if stored else self.index.discard)(keys)
         if self._events_enabled and store_events:
             self._events.extend(offloading_events(store_events, key_space=prefix, medium=Medium.STORAGE, locality=None, ownership=None))
 

@@ -12,12 +12,16 @@ worker (:class:`KVStageWorker`: moves vLLM's canonical block tensors to and from
 :class:`kvstage.offload.KeyedCopies`). A page is one block of one worker across the KV group's
 layers; its key is the block's ``OffloadKey`` in hex.
 
-Extra config: ``storage`` (a kvstage storage URL, default ``memory``), ``num_host_pages`` (the
-worker's host pool, default 256), ``model_id`` (default: the model vLLM runs), ``miss_ttl_s``
-and ``hit_ttl_s`` (see :class:`kvstage.offload.StoreIndex`; default 1 and 10 seconds).
+Extra config: ``storage`` (a kvstage storage URL, required), ``num_host_pages`` (the worker's
+host pool, default 256), ``model_id`` (default: the model path vLLM runs; set it where engines
+serve one model from different paths), ``miss_ttl_s`` and ``hit_ttl_s`` (see
+:class:`kvstage.offload.StoreIndex`; default 1 and 10 seconds). Other keys, besides those vLLM
+reads itself, are named in a WARNING.
 """
 
 from __future__ import annotations
+
+import logging
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
 
@@ -29,24 +33,47 @@ from kvstage.storage.shared import open_shared_storage
 
 __all__ = ["KVStageOffloadingSpec"]
 
+logger = logging.getLogger(__name__)
+
+_KVSTAGE_KEYS = frozenset({"storage", "num_host_pages", "model_id", "miss_ttl_s", "hit_ttl_s"})
+# Keys vLLM 0.33.0 itself reads from kv_connector_extra_config for any spec (kv_offload/factory.py,
+# kv_offload/base.py, offloading/config.py).
+_VLLM_KEYS = frozenset({
+    "spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout",
+    "self_describing_kv_events", "offload_prompt_only",
+})
+_warned: set[tuple[str, ...]] = set()
+
 
 class KVStageOffloadingSpec(OffloadingSpec):
     """vLLM's ``OffloadingSpec`` over a kvstage store (see the module doc for the config).
 
     Raises:
-        InvalidArgumentError: a bad extra config value (named), more than one KV group.
+        InvalidArgumentError: a missing ``storage`` or a bad extra config value (named), more than
+            one KV group, chunks of more than one block (naming ``block_size`` or
+            ``blocks_per_chunk``, as written).
     """
 
     def __init__(self, config) -> None:
         super().__init__(config)
         extra = self.extra_config
-        self.storage_url = extra.get("storage", "memory")
+        require(
+            "storage" in extra, "storage",
+            "required: a kvstage storage URL (file:DIR, mooncake://..., memory[:BYTES]); vLLM's scheduler and workers may run "
+            "in different processes, and a memory store is its process's only",
+        )
+        self.storage_url = extra["storage"]
         require(isinstance(self.storage_url, str), "storage", lambda: f"must be a storage URL string, got {self.storage_url!r}")
+        unknown = sorted(set(extra) - _KVSTAGE_KEYS - _VLLM_KEYS)
+        if unknown and tuple(unknown) not in _warned:  # most likely a misspelled kvstage key: its default applies
+            _warned.add(tuple(unknown))  # once a process, not once per connector role
+            logger.warning("kvstage: KVStageOffloadingSpec ignores kv_connector_extra_config keys %s; it reads %s", unknown, sorted(_KVSTAGE_KEYS))
         self.num_host_pages = extra.get("num_host_pages", 256)
         require(is_int(self.num_host_pages) and self.num_host_pages >= 1, "num_host_pages", lambda: f"must be an int >= 1, got {self.num_host_pages!r}")
         self.miss_ttl_s = extra.get("miss_ttl_s", 1.0)
         self.hit_ttl_s = extra.get("hit_ttl_s", 10.0)
         self.fingerprint = block_fingerprint(config, model_id=extra.get("model_id"))
+        self.report_load_errors = False  # KVStageConnector sets it: failed loads go to vLLM's scheduler
         self._manager: KVStageOffloadingManager | None = None
         self._worker: KVStageWorker | None = None
 
@@ -62,5 +89,8 @@ class KVStageOffloadingSpec(OffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         """This worker's mover over ``kv_caches`` (one per spec)."""
         if self._worker is None:
-            self._worker = KVStageWorker(kv_caches, open_shared_storage(self.storage_url, self.fingerprint), num_host_pages=self.num_host_pages)
+            self._worker = KVStageWorker(
+                kv_caches, open_shared_storage(self.storage_url, self.fingerprint), num_host_pages=self.num_host_pages,
+                report_load_errors=self.report_load_errors,
+            )
         return self._worker

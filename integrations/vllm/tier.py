@@ -78,8 +78,8 @@ class KVStageTier(SecondaryTierManager):
         backpressure_detector: vLLM's, passed through.
 
     Raises:
-        InvalidArgumentError, ArgumentTypeError: a bad URL, fingerprint or thread count (from
-            kvstage, naming the argument); before any thread starts.
+        InvalidArgumentError, ArgumentTypeError: a bad URL, ``locality``, fingerprint or thread
+            count (from kvstage, naming the argument); before any thread starts.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -97,8 +97,10 @@ class KVStageTier(SecondaryTierManager):
         locality: str | None = None,
         backpressure_detector: Any = None,
     ) -> None:
-        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         require(isinstance(storage, str), "storage", lambda: f"must be a storage URL string, got {type(storage).__name__}", ArgumentTypeError)
+        localities = [member.value for member in Locality]
+        require(locality is None or locality in localities, "locality", lambda: f"must be one of {localities} or None, got {locality!r}")
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if locality is not None:
             self.locality = Locality(locality)
         # The primary chunks, zero-copy: row c is chunk c (vLLM pins it during a transfer).

@@ -4,10 +4,12 @@ It moves one worker's blocks between vLLM's canonical block tensors and the stor
 slot of a :class:`kvstage.kernels.KVPool` whose layers are the group's block tensors, copied by
 kvstage's :class:`kvstage.offload.Copier` and written and read on
 :class:`kvstage.offload.StoreWorkers` threads through :class:`kvstage.offload.KeyedCopies`.
+No job's failure reaches vLLM as a failed transfer (see :class:`KVStageWorker`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -21,22 +23,36 @@ from kvstage.storage.shared import release_shared_storage
 
 __all__ = ["KVStageWorker"]
 
+logger = logging.getLogger(__name__)
+
 
 class KVStageWorker(OffloadingWorker):
     """Moves one worker's blocks between vLLM's canonical block tensors and the store.
+
+    vLLM 0.33.0's connector worker asserts that every transfer succeeded
+    (``offloading/worker.py``), so a job's failure is never reported as one: a job is never
+    refused (it waits for host pages, in parts of at most ``num_host_pages`` blocks); a store
+    that could not write every page is reported done (vLLM only frees the blocks) and counted in
+    :attr:`pages_failed` (the scheduler's manager asks the store before it offers those keys);
+    a load that could not read every page is reported done with its blocks in
+    :meth:`take_block_ids_with_load_errors`, which :class:`KVStageConnector` hands to vLLM's
+    scheduler (``kv_load_failure_policy``: ``"recompute"`` computes them again). Without that
+    connector (``report_load_errors`` False) a failed load is reported failed: vLLM's own
+    ``OffloadingConnector`` has no way to take it and its worker stops the engine.
 
     Args:
         kv_caches: vLLM's ``CanonicalKVCaches`` of one KV group: each layer's tensor
             ``(num_blocks, page_size_bytes)`` int8, contiguous, unpadded.
         storage: the store; its page is one block of every layer of the group.
-        num_host_pages: host pages for blocks in flight.
+        num_host_pages: host pages for blocks in flight (a job of more blocks moves in parts).
+        report_load_errors: failed loads go to :meth:`take_block_ids_with_load_errors`.
 
     Raises:
         InvalidArgumentError: more than one group, a padded or strided layer tensor, layers of
             different page sizes, or a store of another page size; before anything is allocated.
     """
 
-    def __init__(self, kv_caches: CanonicalKVCaches, storage: Any, *, num_host_pages: int = 256) -> None:
+    def __init__(self, kv_caches: CanonicalKVCaches, storage: Any, *, num_host_pages: int = 256, report_load_errors: bool = False) -> None:
         require(len(kv_caches.group_data_refs) == 1, "kv_caches", lambda: f"must hold one KV group, got {len(kv_caches.group_data_refs)}")
         layers = []
         for index, ref in enumerate(kv_caches.group_data_refs[0]):
@@ -58,29 +74,57 @@ class KVStageWorker(OffloadingWorker):
         except InvalidArgumentError:
             self.close()
             raise
-        self._refused: list[TransferResult] = []
+        self.report_load_errors = report_load_errors
+        self.pages_failed = 0  # pages of store jobs not written (reported done to vLLM)
+        self.loads_failed = 0  # load jobs that could not read every page
+        self._load_blocks: dict[int, list[int]] = {}  # load job id -> its GPU block ids
+        self._load_errors: set[int] = set()
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: KVStageLoadStoreSpec) -> bool:
-        """Copy the GPU blocks out and write them under the spec's keys (asynchronously)."""
-        return self._submit(job_id, lambda slots: self.keyed.store(job_id, slots, dst_spec.page_keys), src_spec)
+        """Copy the GPU blocks out and write them under the spec's keys (asynchronously);
+        always accepted."""
+        self.keyed.store(job_id, self._slots(src_spec), dst_spec.page_keys)
+        return True
 
     def submit_load(self, job_id: int, src_spec: KVStageLoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
-        """Read the spec's keys and copy them into the GPU blocks (asynchronously)."""
-        return self._submit(job_id, lambda slots: self.keyed.load(job_id, src_spec.page_keys, slots), dst_spec)
-
-    def _submit(self, job_id: int, submit, gpu_spec: GPULoadStoreSpec) -> bool:
-        slots = torch.from_numpy(gpu_spec.block_ids.astype("int64")).to(self.kv_pool.device)
-        if not submit(slots):
-            # No free host pages now: the job fails (vLLM drops the store, or recomputes).
-            self._refused.append(TransferResult(job_id=job_id, success=False))
+        """Read the spec's keys and copy them into the GPU blocks (asynchronously); always
+        accepted."""
+        slots = self._slots(dst_spec)
+        self.keyed.load(job_id, src_spec.page_keys, slots)
+        self._load_blocks[job_id] = [int(block) for block in dst_spec.block_ids]
         return True
+
+    def _slots(self, gpu_spec: GPULoadStoreSpec) -> torch.Tensor:
+        return torch.from_numpy(gpu_spec.block_ids.astype("int64")).to(self.kv_pool.device)
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call; never blocks."""
-        results, self._refused = self._refused, []
+        results = []
         for result in self.keyed.poll():
-            results.append(TransferResult(result.job, result.ok, transfer_size=result.bytes, transfer_time=result.seconds))
+            ok = result.ok
+            if result.is_store:
+                block_ids = None
+                if not ok:
+                    self.pages_failed += result.num_pages - result.bytes // self.storage.page_bytes
+                    logger.warning("kvstage: store job %s wrote %d of %d pages: %r", result.job, result.bytes // self.storage.page_bytes, result.num_pages, result.error)
+                    ok = True  # vLLM only frees the blocks; the manager asks the store before a hit
+            else:
+                block_ids = self._load_blocks.pop(result.job, [])
+                if not ok:
+                    self.loads_failed += 1
+                    logger.warning("kvstage: load job %s of %d pages failed (%r); its blocks are computed again", result.job, result.num_pages, result.error)
+                    if self.report_load_errors:
+                        self._load_errors.update(block_ids)
+                        ok = True
+            results.append(TransferResult(result.job, ok, transfer_size=result.bytes, transfer_time=result.seconds))
         return results
+
+    def take_block_ids_with_load_errors(self) -> set[int]:
+        """GPU block ids of loads that failed since the last call (vLLM's
+        ``get_block_ids_with_load_errors``); a load's job is reported done in the same
+        :meth:`get_finished` call or an earlier one."""
+        block_ids, self._load_errors = self._load_errors, set()
+        return block_ids
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until the given jobs finished (their results stay for :meth:`get_finished`)."""

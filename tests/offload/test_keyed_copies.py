@@ -3,11 +3,14 @@ the real Copier (kernels on CPU), HostPool, StoreWorkers threads and a MemorySto
 
 What must hold: a stored job's pages land in the store under its keys byte for byte; a load puts
 them into other slots byte for byte; a load with a key the store lacks fails whole and writes no
-slot; host pages always go back; a job that cannot get host pages is refused with nothing
-started; bad slot counts and repeated keys raise before anything starts.
+slot; host pages always go back; a job larger than the host pool moves in parts, and a job that
+finds too few free host pages waits for them (never refused); bad slot counts and repeated keys
+raise before anything starts.
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -47,7 +50,7 @@ def finish(keyed: KeyedCopies, job) -> list:
 def test_a_store_writes_each_block_of_every_layer_under_its_key(rig):
     keyed, layers, store, host_pool = rig
     job = object()
-    assert keyed.store(job, blocks(5, 2), ["k5", "k2"])
+    keyed.store(job, blocks(5, 2), ["k5", "k2"])
     [result] = finish(keyed, job)
     assert result.job is job and result.ok and result.is_store and result.bytes == 2 * host_pool.page_bytes
     page = torch.empty(host_pool.page_bytes, dtype=torch.uint8)
@@ -62,7 +65,7 @@ def test_a_load_puts_stored_blocks_into_other_blocks_byte_for_byte(rig):
     keyed.wait()
     keyed.poll()
     expected = [layer[0:3].clone() for layer in layers]
-    assert keyed.load("l", ["a", "b", "c"], blocks(9, 10, 11))
+    keyed.load("l", ["a", "b", "c"], blocks(9, 10, 11))
     [result] = finish(keyed, "l")
     assert result.ok and not result.is_store and result.num_pages == 3
     for layer, want in zip(layers, expected):
@@ -76,18 +79,44 @@ def test_a_load_with_a_missing_key_fails_whole_and_writes_no_block(rig):
     keyed.wait()
     keyed.poll()
     before = [layer.clone() for layer in layers]
-    assert keyed.load("l", ["a", "missing"], blocks(9, 10))
+    keyed.load("l", ["a", "missing"], blocks(9, 10))
     [result] = finish(keyed, "l")
     assert not result.ok and result.bytes == 0
     assert all(torch.equal(layer, was) for layer, was in zip(layers, before))
     assert host_pool.free_pages == 4
 
 
-def test_a_job_without_enough_host_pages_is_refused_with_nothing_started(rig):
+def test_a_job_larger_than_the_host_pool_moves_in_parts_byte_for_byte(rig):
+    keyed, layers, store, host_pool = rig  # 4 host pages
+    keys = [f"k{i}" for i in range(10)]
+    keyed.store("big", blocks(*range(10)), keys)
+    [result] = finish(keyed, "big")
+    assert result.ok and result.num_pages == 10 and result.bytes == 10 * host_pool.page_bytes
+    assert store.stats.pages_stored == 10 and host_pool.free_pages == 4
+    expected = [layer[0:10].clone() for layer in layers]
+    for layer in layers:
+        layer.zero_()
+    keyed.load("back", keys, blocks(*range(10)))
+    [result] = finish(keyed, "back")
+    assert result.ok and result.bytes == 10 * host_pool.page_bytes
+    for layer, want in zip(layers, expected):
+        assert torch.equal(layer[0:10], want)
+    assert host_pool.free_pages == 4
+
+
+def test_jobs_wait_for_host_pages_in_submission_order(rig):
     keyed, layers, store, host_pool = rig
-    assert not keyed.store("big", blocks(*range(5)), [f"k{i}" for i in range(5)])
-    assert not keyed.load("big", [f"k{i}" for i in range(5)], blocks(*range(5)))
-    assert keyed.jobs_in_flight == 0 and host_pool.free_pages == 4 and keyed.poll() == []
+    gate = threading.Event()
+    keyed.workers.write(gate.wait)  # the first store's write holds its 3 host pages
+    keyed.store("first", blocks(0, 1, 2), ["a", "b", "c"])
+    keyed.store("second", blocks(3, 4), ["d", "e"])  # 2 pages; 1 is free
+    keyed.copier.synchronize()
+    assert keyed.poll() == [] and keyed.jobs_in_flight == 2 and host_pool.free_pages == 1
+    assert store.exists(["d", "e"]) == [False, False]
+    gate.set()
+    keyed.wait()
+    assert sorted((r.job, r.ok) for r in keyed.poll()) == [("first", True), ("second", True)]
+    assert store.exists(list("abcde")) == [True] * 5 and host_pool.free_pages == 4
 
 
 def test_storing_held_keys_again_succeeds_without_writing(rig):
@@ -130,8 +159,29 @@ def test_a_store_copies_the_blocks_as_the_producer_leaves_them(rig):
             for layer in layers:
                 layer[4] = 42
 
-    assert keyed.store("s", blocks(4), ["k4"], after=Producer())
+    keyed.store("s", blocks(4), ["k4"], after=Producer())
     [result] = finish(keyed, "s")
     page = torch.empty(host_pool.page_bytes, dtype=torch.uint8)
     assert result.ok and store.get(["k4"], [page]) == [True]
     assert torch.all(page.view(torch.int8) == 42)  # copied after the producer, never before
+
+
+def test_stores_whose_gathers_finish_in_one_poll_each_write_their_own_pages(rig):
+    # The copies of both jobs end before the first poll: each write must carry its own job's
+    # keys and pages (a closure made in the poll's loop would see only the last job's).
+    keyed, layers, store, host_pool = rig
+    gate = threading.Event()
+    keyed.workers.write(gate.wait)  # the writer thread runs no write until both are queued
+    keyed.store("first", blocks(1, 2), ["k1", "k2"])
+    keyed.store("second", blocks(7, 8), ["k7", "k8"])
+    keyed.copier.synchronize()
+    assert keyed.poll() == [] and keyed.jobs_in_flight == 2  # both gathers collected, both writes queued
+    gate.set()
+    keyed.wait()
+    results = {result.job: result for result in keyed.poll()}
+    assert results["first"].ok and results["second"].ok
+    page = torch.empty(host_pool.page_bytes, dtype=torch.uint8)
+    for key, block in (("k1", 1), ("k2", 2), ("k7", 7), ("k8", 8)):
+        assert store.get([key], [page]) == [True], key
+        assert torch.equal(page.view(torch.int8).view(LAYERS, BLOCK_BYTES), torch.stack([layer[block, 0] for layer in layers])), key
+    assert host_pool.free_pages == 4

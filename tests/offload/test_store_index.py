@@ -185,3 +185,21 @@ def test_reset_forgets_every_answer_and_ignores_the_refresh_in_flight(store_and_
     assert index.lookup("a1") is None  # the answer from before the clear was not taken
     settled(index)
     assert index.lookup("a1") is False and index.lookup("b1") is False
+
+
+def test_forget_makes_the_next_lookup_ask_the_store_and_ignores_the_answer_in_flight(store_and_workers):
+    store, workers = store_and_workers
+    store.put(["held"], [page(1)])
+    index = StoreIndex(store, workers)
+    index.add(["held", "never-written"])  # e.g. a store job another process reported done
+    index.discard(["gone"])
+    assert index.holds("never-written") and not index.holds("gone")
+    assert index.lookup("other") is None  # a refresh is in flight ...
+    index.forget(["held", "never-written", "gone", "other"])  # ... its answer about "other" is older
+    assert index.lookup("other") is None  # queued again for the next refresh
+    assert not index.holds("held") and not index.holds("never-written")
+    assert [index.lookup(key) for key in ("held", "never-written", "gone")] == [None, None, None]
+    settled(index)
+    assert [index.lookup(key) for key in ("held", "never-written", "gone")] == [True, False, False]
+    assert index.holds("held") and not index.holds("never-written")
+    assert index.lookup("other") is False  # answered by the refresh after forget(), not the one before

@@ -98,3 +98,32 @@ def test_the_store_command_lists_and_evicts_the_other_key_spaces(tmp_path, capsy
     assert f"evicted {OLD.prefix()}: 3 pages" in result.stdout
     assert {space.prefix for space in key_spaces(tmp_path)} == {NEW.prefix(), RANK1.prefix()}
     assert main(["store", "memory:1024"]) == 2 and "must be file:DIR" in capsys.readouterr().err
+
+
+OPAQUE = LayoutFingerprint.opaque("org/model-v2", page_bytes=256, page_format="vllm-block-v1|test")  # four '@' fields
+OPAQUE_RANK1 = LayoutFingerprint.opaque("org/model-v2", page_bytes=256, page_format="vllm-block-v1|test", tp_rank=1, tp_size=2)
+
+
+def test_key_spaces_of_opaque_formats_are_listed_and_evicted_beside_layout_ones(tmp_path):
+    fill(tmp_path)
+    opaque, rank1 = FileStore(OPAQUE, tmp_path), FileStore(OPAQUE_RANK1, tmp_path)
+    opaque.put(["e" * 64, "key/with@odd chars"], [torch.zeros(256, dtype=torch.uint8), torch.ones(256, dtype=torch.uint8)])
+    rank1.put(["f" * 64], [torch.zeros(256, dtype=torch.uint8)])
+    spaces = {space.prefix: space for space in key_spaces(tmp_path)}
+    assert spaces[OPAQUE.prefix()] == KeySpace(OPAQUE.prefix(), 2, sizes(tmp_path, opaque))
+    assert spaces[OPAQUE_RANK1.prefix()] == KeySpace(OPAQUE_RANK1.prefix(), 1, sizes(tmp_path, rank1))
+    assert spaces[OLD.prefix()].pages == 3 and spaces[NEW.prefix()].pages == 1 and spaces[RANK1.prefix()].pages == 2
+    assert FileStore(NEW, tmp_path).evict_key_space(OPAQUE.prefix()) == 2
+    assert OPAQUE.prefix() not in {space.prefix for space in key_spaces(tmp_path)}
+    assert opaque.exists(["e" * 64]) == [False] and rank1.exists(["f" * 64]) == [True]
+
+
+@pytest.mark.parametrize("fingerprint", [OLD, RANK1, OPAQUE, OPAQUE_RANK1], ids=["layout", "layout-rank1", "opaque", "opaque-rank1"])
+def test_prefix_of_finds_every_fingerprint_form(fingerprint):
+    from kvstage.storage.fingerprint import prefix_of
+
+    prefix = fingerprint.prefix()
+    assert prefix_of(prefix) == prefix
+    assert prefix_of(prefix + "0a" * 32) == prefix
+    assert prefix_of(prefix[:-1]) is None  # the last field not ended
+    assert prefix_of("model@dtype@") is None

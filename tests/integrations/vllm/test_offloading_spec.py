@@ -123,7 +123,14 @@ def test_a_hybrid_model_raises_naming_the_groups_and_the_tier_to_use():
         KVStageOffloadingSpec(two_groups)
 
 
-@pytest.mark.parametrize(("extra", "message"), [({"num_host_pages": 0}, "num_host_pages"), ({"storage": 7}, "storage")])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"storage": "memory", "num_host_pages": 0}, "^num_host_pages: must be an int >= 1, got 0"),
+        ({"storage": 7}, "^storage: must be a storage URL string, got 7"),
+        ({}, "^storage: required"),
+    ],
+)
 def test_bad_extra_config_raises_naming_the_key(extra, message):
     from vllm_rig import offloading_config
 
@@ -187,3 +194,74 @@ def test_a_second_request_loads_from_a_real_mooncake_master(tmp_path):
                     assert torch.equal(rig.kv[name][blocks[index]], expected_block(rig, PROMPT, index)[layer])
         finally:
             rig.close()
+
+
+@pytest.mark.parametrize("report_load_errors", [True, False])
+def test_the_worker_reports_a_failed_load_as_vllms_connector_can_take_it(report_load_errors):
+    # KVStageConnector: done, its blocks in take_block_ids_with_load_errors (vLLM recomputes them).
+    # vLLM's own OffloadingConnector has no such path: the load is reported failed, never done
+    # with blocks it did not write.
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
+
+    from kvstage.integrations.vllm import KVStageWorker
+    from kvstage.integrations.vllm.manager import KVStageLoadStoreSpec
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    tensors = [torch.zeros(8, 64, dtype=torch.int8) for _ in range(2)]
+    kv_caches = CanonicalKVCaches([CanonicalKVCacheTensor(t, 64) for t in tensors], [[CanonicalKVCacheRef(i, 64) for i in range(2)]])
+    store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=128, page_format="test"))
+    worker = KVStageWorker(kv_caches, store, num_host_pages=2, report_load_errors=report_load_errors)
+    try:
+        assert worker.submit_load(7, KVStageLoadStoreSpec(["aa", "bb", "cc"]), GPULoadStoreSpec([5, 6, 3], [3], [0]))  # 3 pages, 2 host pages
+        worker.wait({7})
+        [result] = worker.get_finished()
+        assert result.job_id == 7 and result.success is report_load_errors
+        assert worker.take_block_ids_with_load_errors() == ({5, 6, 3} if report_load_errors else set())
+        assert worker.take_block_ids_with_load_errors() == set() and worker.loads_failed == 1
+        assert all(not t.any() for t in tensors)  # nothing written
+    finally:
+        worker.close()
+
+
+def test_unknown_extra_config_keys_are_warned_once_naming_them(caplog):
+    import logging
+
+    from vllm_rig import offloading_config
+
+    extra = {"storage": "memory", "spec_name": "KVStageOffloadingSpec", "offload_prompt_only": True, "num_host_page": 8, "hit_ttl": 3}
+    with caplog.at_level(logging.WARNING, logger="kvstage.integrations.vllm.spec"):
+        KVStageOffloadingSpec(offloading_config(extra))
+        KVStageOffloadingSpec(offloading_config(extra))  # vLLM builds a spec per connector role
+    warnings = [record.getMessage() for record in caplog.records if record.name == "kvstage.integrations.vllm.spec"]
+    assert len(warnings) == 1 and "['hit_ttl', 'num_host_page']" in warnings[0], warnings
+
+
+@pytest.mark.parametrize(("extra", "message"), [({"block_size": 64}, r"^block_size: .*vLLM's block of 16 tokens.*got 64"), ({"blocks_per_chunk": 2}, r"^blocks_per_chunk: .*got 2")])
+def test_chunks_of_several_blocks_raise_naming_what_the_user_wrote(extra, message, tmp_path):
+    with pytest.raises(InvalidArgumentError, match=message):
+        ConnectorRig(tmp_path / "model", "memory", extra_config=extra)
+
+
+def test_the_managers_index_follows_the_stores_events_in_order():
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvstage.integrations.vllm import KVStageOffloadingManager
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=16, page_format="test"), capacity_pages=1)
+    manager = KVStageOffloadingManager(store)
+    try:
+        a, b = bytes(36), bytes(35) + b"\x01"
+        page = torch.zeros(16, dtype=torch.uint8)
+        assert manager.prepare_store([a, b], ReqContext("r")).keys_to_store == [a, b]  # a worker writes them:
+        store.put([a.hex()], [page])
+        store.put([b.hex()], [page])  # evicts a: events stored a, stored b, evicted a
+        manager.complete_store([a, b], ReqContext("r"))  # a worker reported both done
+        assert manager.lookup(b, ReqContext("r")) is LookupResult.HIT  # the store said stored
+        assert manager.lookup(a, ReqContext("r")) is LookupResult.RETRY  # not held: the store is asked
+        while manager.index.refreshing:  # the scheduler's steps until the store answered
+            manager.index.wait()
+            manager.on_schedule_end(None)
+        assert manager.lookup(a, ReqContext("r")) is LookupResult.MISS
+    finally:
+        manager.shutdown()

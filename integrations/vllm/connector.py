@@ -1,0 +1,79 @@
+"""``KVStageConnector``: vLLM 0.33.0's ``OffloadingConnector`` with a path for failed loads.
+
+vLLM's ``OffloadingConnector`` asserts that every transfer its worker reports succeeded
+(``offloading/worker.py``) and reports no block as failed to load, so a page a store cannot give
+back (corrupt, evicted by another process between lookup and load) would stop the engine. vLLM's
+scheduler itself can take such a failure: a connector's ``get_block_ids_with_load_errors`` names
+the blocks, and with ``kv_load_failure_policy`` ``"recompute"`` the scheduler computes them again
+(``"fail"``, vLLM's default, fails the requests). This connector is vLLM's own with that one
+method, fed by :class:`KVStageWorker`::
+
+    --kv-transfer-config '{"kv_connector": "KVStageConnector",
+        "kv_connector_module_path": "kvstage.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"spec_name": "KVStageOffloadingSpec",
+            "spec_module_path": "kvstage.integrations.vllm", "storage": "file:/var/cache/kv"}}'
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+from kvstage.errors import require
+from kvstage.integrations.vllm.manager import KVStageOffloadingManager
+from kvstage.integrations.vllm.spec import KVStageOffloadingSpec
+
+__all__ = ["KVStageConnector"]
+
+logger = logging.getLogger(__name__)
+
+
+class KVStageConnector(OffloadingConnector):
+    """vLLM's ``OffloadingConnector`` over :class:`KVStageOffloadingSpec` that reports the
+    blocks of failed loads to vLLM's scheduler instead of stopping the engine.
+
+    Args:
+        vllm_config, role, kv_cache_config: as vLLM's ``OffloadingConnector`` (vLLM passes them).
+
+    Raises:
+        InvalidArgumentError: ``spec_name`` names another spec than ``KVStageOffloadingSpec``.
+    """
+
+    def __init__(self, vllm_config, role, kv_cache_config) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self.connector_worker is not None:
+            spec = self.connector_worker.spec
+            require(
+                isinstance(spec, KVStageOffloadingSpec), "spec_name",
+                lambda: f"KVStageConnector runs KVStageOffloadingSpec, got {type(spec).__name__}",
+            )
+            spec.report_load_errors = True  # before vLLM asks the spec for its worker
+        else:
+            manager = self.connector_scheduler.manager
+            require(
+                isinstance(manager, KVStageOffloadingManager), "spec_name",
+                lambda: f"KVStageConnector runs KVStageOffloadingSpec, got a {type(manager).__name__}",
+            )
+        policy = vllm_config.kv_transfer_config.kv_load_failure_policy
+        if policy != "recompute":
+            logger.warning(
+                "kvstage: kv_load_failure_policy is %r: a request whose load fails (a corrupt or evicted page) fails; "
+                "'recompute' computes its blocks again", policy,
+            )
+
+    def update_connector_output(self, connector_output) -> None:
+        """vLLM's bookkeeping of the workers' output (scheduler side), then: blocks reported
+        with load errors make the manager ask the store again about the keys of the loads
+        that ended in this output, so it does not offer them again unseen."""
+        super().update_connector_output(connector_output)
+        manager = self.connector_scheduler.manager
+        with manager.lock:
+            manager.loads_reported(failed=bool(connector_output.invalid_block_ids))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of loads that failed since the last call (worker side; vLLM calls it after
+        collecting the step's finished transfers)."""
+        worker = None if self.connector_worker is None else self.connector_worker.worker
+        return set() if worker is None else worker.take_block_ids_with_load_errors()
