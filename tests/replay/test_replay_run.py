@@ -259,7 +259,8 @@ def test_the_default_memory_store_is_capped_by_available_host_memory(monkeypatch
 
 
 def test_storage_write_failures_make_the_exit_code_1(capsys):
-    # A store smaller than one put (here: smaller than one page) fails writes: the run must not
-    # report itself clean even though every missing page is explained by those failures.
-    assert main(["replay", "--requests", "3", "--backend", "torch", "--no-progress", "--storage", "memory:10"]) == 1
+    # A store smaller than one put (here: one page of 65536 bytes; a store smaller than a page is
+    # refused at open, exit 2) fails writes: the run must not report itself clean even though
+    # every missing page is explained by those failures.
+    assert main(["replay", "--requests", "3", "--backend", "torch", "--no-progress", "--storage", "memory:65536"]) == 1
     assert "storage write" in capsys.readouterr().err
