@@ -540,8 +540,6 @@ def fp8_decode_side(tmp_path, monkeypatch):
         settings.restore()
 
 
-@pytest.mark.xfail(strict=True, reason="KVStageDecodeOffloadManager ignores kv_cache_dtype: an fp8 (uint8) device pool is "
-                   "fingerprinted as uint8, KVStageStorage's as float8_e4m3fn, so decode pages never continue the prefill chain")
 def test_fp8_decode_pages_continue_the_prefill_chain(fp8_decode_side):
     url, side = fp8_decode_side({"kv_cache_dtype": "fp8_e4m3"})
     try:
@@ -562,8 +560,6 @@ def test_fp8_decode_pages_continue_the_prefill_chain(fp8_decode_side):
         side.manager.manager.close()
 
 
-@pytest.mark.xfail(strict=True, reason="KVStageDecodeOffloadManager accepts fp8 KV held as uint8 without kv_cache_dtype "
-                   "(KVStageStorage refuses it), so e4m3 and e5m2 decode pages share one key space")
 def test_an_fp8_decode_side_without_kv_cache_dtype_is_refused(fp8_decode_side):
     with pytest.raises(InvalidArgumentError, match="kv_cache_dtype"):
         _, side = fp8_decode_side({})
