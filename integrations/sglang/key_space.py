@@ -91,7 +91,9 @@ class ExtraConfig:
             pool: the pool's name for messages (e.g. ``"host pool"``).
 
         Raises:
-            InvalidArgumentError: a ``uint8`` pool without ``kv_cache_dtype``.
+            InvalidArgumentError: a ``uint8`` pool without ``kv_cache_dtype``; ``kv_cache_dtype``
+                on a pool that holds neither ``uint8`` nor that fp8 dtype (the message names
+                both).
         """
         if self.kv_cache_dtype is None:
             if pool_dtype == torch.uint8:
@@ -100,9 +102,13 @@ class ExtraConfig:
                     f"({sorted(FP8_KINDS)}) so e4m3 and e5m2 pages never share a key space"
                 )
             return pool_dtype
-        if pool_dtype != torch.uint8:
-            return pool_dtype
-        return FP8_KINDS[self.kv_cache_dtype]
+        declared = FP8_KINDS[self.kv_cache_dtype]
+        if pool_dtype not in (torch.uint8, declared):
+            raise InvalidArgumentError(
+                f"extra_config.kv_cache_dtype: {self.kv_cache_dtype!r} contradicts the {pool}'s dtype {pool_dtype} "
+                "(fp8 KV is held as uint8); drop kv_cache_dtype or serve with that --kv-cache-dtype"
+            )
+        return declared
 
     def fingerprint(
         self, layout: KVLayout, pool: str, *, page_size: int, tp_rank: int, tp_size: int, first_layer: int

@@ -566,12 +566,25 @@ def test_an_fp8_decode_side_without_kv_cache_dtype_is_refused(fp8_decode_side):
         side.manager.release_host_resources()
 
 
-@pytest.mark.xfail(strict=True, reason="KVStageStorage silently ignores kv_cache_dtype on a host pool that does not hold "
-                   "fp8 as uint8: a config saying fp8 for a bf16 server is not refused")
 def test_kv_cache_dtype_on_a_pool_that_is_not_fp8_is_refused():
     host = host_pool(mha_device_pool(), "layer_first")
     with pytest.raises(InvalidArgumentError, match="kv_cache_dtype"):
         make("memory", host, kv_cache_dtype="fp8_e5m2")
+    with pytest.raises(InvalidArgumentError, match=r"'fp8_e5m2' contradicts the host pool's dtype torch\.bfloat16"):
+        make("memory", host, kv_cache_dtype="fp8_e5m2")
+
+
+def test_kv_cache_dtype_on_a_decode_pool_that_is_not_fp8_is_refused(tmp_path, monkeypatch):
+    import decode_rig
+
+    url = f"file:{tmp_path / 'store'}"
+    monkeypatch.setattr(decode_rig, "extra_config", lambda url: {**readme_extra_config(url), "kv_cache_dtype": "fp8_e4m3"})
+    settings = install_settings(url)  # the rig's device pool: bf16
+    try:
+        with pytest.raises(InvalidArgumentError, match=r"kv_cache_dtype: 'fp8_e4m3' contradicts the device pool's dtype torch\.bfloat16"):
+            DecodeSide("mha", dist.group.WORLD)
+    finally:
+        settings.restore()
 
 
 def test_with_prefix_keys_passed_the_next_turns_extension_is_stored_after_its_prefix(tmp_path):
