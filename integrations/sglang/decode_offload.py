@@ -34,10 +34,9 @@ import torch
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
-from kvstage.kernels import KVPool
 from kvstage.integrations.sglang.key_space import ExtraConfig
+from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, OffloadManager
-from kvstage.storage import open_storage
 
 __all__ = ["ENABLE_ENV", "KVStageDecodeOffloadManager", "sglang_plugin"]
 
@@ -88,7 +87,9 @@ class KVStageDecodeOffloadManager:
         InvalidArgumentError: the extra config as
             :meth:`~kvstage.integrations.sglang.key_space.ExtraConfig.parse` and
             :meth:`~kvstage.integrations.sglang.key_space.ExtraConfig.kv_dtype` refuse it (no
-            ``url``, an unknown key, fp8 as ``uint8`` without ``kv_cache_dtype``); a device pool other than MHA or
+            ``url``, an unknown key, fp8 as ``uint8`` without ``kv_cache_dtype`` or
+            ``kv_cache_dtype`` on a pool that is not fp8) or, for a bad URL,
+            :meth:`~kvstage.integrations.sglang.key_space.ExtraConfig.open_store`; a device pool other than MHA or
             MLA (hybrid SWA/Mamba pools), or an MHA pool whose V head size differs from its K
             head size.
     """
@@ -130,7 +131,7 @@ class KVStageDecodeOffloadManager:
         )
         page_bytes = fingerprint.page_bytes
         num_pages = int(hicache_size * 1e9) // page_bytes if hicache_size else int(hicache_ratio * kv_cache.size) // page_size
-        self.storage = open_storage(config.url, fingerprint)
+        self.storage = config.open_store(fingerprint)
         self.host_pool = HostPool.like(kv_pool, num_pages=max(num_pages, 1), page_size=page_size)
         self._released_here: set[int] = set()  # id(req) of finishing requests kvstage released on this rank
         self._finishing: list[Any] = []  # finished requests, in finish order (equal on every rank)

@@ -13,6 +13,7 @@ sglang 0.5.23 holds fp8 KV (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``) in ``u
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -20,7 +21,7 @@ import torch
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.kv_layout import KVLayout
-from kvstage.storage import LayoutFingerprint
+from kvstage.storage import LayoutFingerprint, StorageBackend, open_storage
 
 __all__ = ["ExtraConfig", "FP8_KINDS"]
 
@@ -34,6 +35,9 @@ _SGLANG_KEYS = {
     "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys", "tp_lcm_size",
 }
 KNOWN_KEYS = frozenset(_KVSTAGE_KEYS | _SGLANG_KEYS)
+
+# the argument name a store factory's error starts with ("url: ...", "storage: ...")
+_FACTORY_ARGUMENT = re.compile(r"^(url|storage): ")
 
 
 
@@ -124,3 +128,16 @@ class ExtraConfig:
         return LayoutFingerprint(
             self.model_id, resolved, page_size, tp_rank=tp_rank, tp_size=tp_size, first_layer=first_layer
         )
+
+    def open_store(self, fingerprint: LayoutFingerprint) -> StorageBackend:
+        """``open_storage(url, fingerprint)``; a bad URL's error names ``extra_config.url``.
+
+        Raises:
+            InvalidArgumentError: the URL's scheme or options are bad (``extra_config.url: ...``).
+            BackendUnavailableError, StorageError: as :func:`kvstage.storage.open_storage`.
+        """
+        try:
+            return open_storage(self.url, fingerprint)
+        except InvalidArgumentError as error:
+            rule = _FACTORY_ARGUMENT.sub("", str(error))
+            raise InvalidArgumentError(f"extra_config.url: {self.url!r}: {rule}") from error

@@ -27,7 +27,7 @@ from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.integrations.sglang.host_layouts import flat_page_view, host_kv_layout, page_view
 from kvstage.integrations.sglang.key_space import ExtraConfig
 from kvstage.kv_layout import KVLayout
-from kvstage.storage import StorageBackend, open_storage
+from kvstage.storage import StorageBackend
 from kvstage.storage.backend import PutStatus
 
 __all__ = ["KVStageStorage", "CHUNK_PAGES"]
@@ -95,7 +95,8 @@ class KVStageStorage(HiCacheStorage):
         Raises:
             InvalidArgumentError: an unsupported host pool (see
                 :func:`~kvstage.integrations.sglang.host_layouts.host_kv_layout`); a ``uint8``
-                pool without ``kv_cache_dtype``; a second registration.
+                pool without ``kv_cache_dtype``, or ``kv_cache_dtype`` on a pool that is not fp8;
+                a bad URL (the message names ``extra_config.url``); a second registration.
             BackendUnavailableError, StorageError: as :func:`kvstage.storage.open_storage`.
         """
         if self.store is not None:
@@ -107,7 +108,7 @@ class KVStageStorage(HiCacheStorage):
         )
         super().register_mem_pool_host(mem_pool_host)
         self.kv_layout = fingerprint.layout
-        self.store = open_storage(self.config.url, fingerprint)
+        self.store = self.config.open_store(fingerprint)
 
     # -- v1 zero-copy interface (host indices) ------------------------------------------------
 

@@ -224,6 +224,31 @@ def test_a_bad_url_is_refused_with_a_kvstage_error_naming_the_url():
         make("s3://bucket/kv", host)
 
 
+@pytest.mark.parametrize("url,rule", [
+    ("s3://bucket/kv", "unknown storage scheme 's3'"),
+    ("file:/tmp/kv?capacity=1", "unknown option 'capacity'"),
+    ("memory:lots", ""),
+])
+def test_a_bad_url_names_the_key_the_user_typed(url, rule):
+    """Whatever part of the URL is wrong, the message starts with ``extra_config.url`` and the
+    URL (never the store factory's own argument names ``url:`` / ``storage:``)."""
+    host = host_pool(mha_device_pool(), "layer_first")
+    with pytest.raises(InvalidArgumentError) as caught:
+        make(url, host)
+    assert str(caught.value).startswith(f"extra_config.url: {url!r}: "), str(caught.value)
+    assert rule in str(caught.value)
+    assert "storage:" not in str(caught.value) and ": url:" not in str(caught.value)
+
+
+def test_a_bad_url_on_the_decode_side_names_the_same_key(tmp_path):
+    settings = install_settings("s3://bucket/kv")
+    try:
+        with pytest.raises(InvalidArgumentError, match=r"^extra_config\.url: 's3://bucket/kv': unknown storage scheme 's3'"):
+            DecodeSide("mha", dist.group.WORLD)
+    finally:
+        settings.restore()
+
+
 def test_fp8_kv_held_as_uint8_needs_kv_cache_dtype():
     host = host_pool(mha_device_pool(dtype=torch.uint8), "layer_first")
     with pytest.raises(InvalidArgumentError, match="kv_cache_dtype"):
