@@ -12,7 +12,8 @@ host pools, every host layout.
 Each figure is the median of ``rounds`` calls (after a warm-up); each ratio is the median of
 per-round ratios, the two calls timed back to back in each round. sglang must import on CPU (its
 own virtual environment, ``make .venv-sglang/.sglang``): ``python -m bench --only sglang`` runs
-this file there; ``.venv-sglang/bin/python bench/bench_sglang.py [--quick]`` prints the table.
+this file there; ``.venv-sglang/bin/python bench/bench_sglang.py [--quick] [--layouts=layer_first,...]`` prints the
+table.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _paired(baseline: Callable[[], object], call: Callable[[], object], rounds: 
     return statistics.median(base_times), statistics.median(call_times), statistics.median(ratios)
 
 
-def _measure(quick: bool, log: Callable[[str], None]) -> dict:
+def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] = LAYOUTS) -> dict:
     sys.path.insert(0, str(SGLANG_TESTS))
     from sglang_cpu import import_sglang
 
@@ -98,7 +99,7 @@ def _measure(quick: bool, log: Callable[[str], None]) -> dict:
                 "seconds": copy_seconds, "gbps": batch_bytes / copy_seconds / 1e9}]
     summary = {}
     scratch = Path(tempfile.mkdtemp(prefix="kvstage-bench-sglang-"))
-    for layout in LAYOUTS:
+    for layout in layouts:
         # Room for the pages written and the pages read back (ratio 2 of the device pool).
         # The memory store holds one call's pages: from the second call on, each put reuses an
         # evicted page's memory (the steady state; fresh memory would add page faults).
@@ -194,10 +195,15 @@ def run(quick: bool = False, log: Callable[[str], None] = print) -> dict:
 
 if __name__ == "__main__":
     quick = "--quick" in sys.argv
+    # --layouts a,b: only those host layouts (e.g. a before/after of one store change)
+    chosen = next((arg.split("=", 1)[1].split(",") for arg in sys.argv if arg.startswith("--layouts=")), LAYOUTS)
+    unknown = sorted(set(chosen) - set(LAYOUTS))
+    if unknown:
+        sys.exit(f"--layouts: unknown {unknown}; known: {list(LAYOUTS)}")
     if "--json" in sys.argv:
-        print(json.dumps(_measure(quick, lambda line: print(line, file=sys.stderr))))
+        print(json.dumps(_measure(quick, lambda line: print(line, file=sys.stderr), tuple(chosen))))
     else:
-        report = _measure(quick, print)
+        report = _measure(quick, print, tuple(chosen))
         for row in report["results"]:
             print(f"{row['layout']:>18} {row['store']:>6} {row['method']:>11} {row['op']:>12}  {row['gbps']:6.2f} GB/s")
         for name, item in report["summary"].items():

@@ -70,6 +70,11 @@ or ``EACCES``; a full disk: ``ENOSPC``) is ``FAILED`` and ``put``'s answer carri
 (:class:`kvstage.storage.PutStatuses`); pages refused because ``prior_key`` is not stored carry a
 :class:`kvstage.storage.MissingPriorError` naming it.
 
+Reading: a ``get`` reads a page's payload with one ``readinto`` into a per-thread scratch page
+(no temporary allocated per read) and copies it into its target only once the checksum matched,
+so a target never holds bytes of a corrupt page; a strided target (an sglang host page) takes
+that one copy too (:attr:`FileStore.strided_pages`).
+
 URL form for :func:`open_storage`: ``file:DIR`` or ``file:DIR?capacity_bytes=N``.
 """
 
@@ -132,6 +137,17 @@ def _checksum(key: bytes, prior: bytes, payload) -> int:
     return hasher.intdigest()
 
 
+def _read_into(handle, buffer: memoryview) -> bool:
+    """Fill ``buffer`` from ``handle`` (an unbuffered file); False when the file ends first."""
+    done = 0
+    while done < len(buffer):
+        count = handle.readinto(buffer[done:])
+        if not count:
+            return False
+        done += count
+    return True
+
+
 def _digest(full_key: str) -> bytes:
     return hashlib.sha256(full_key.encode()).digest()
 
@@ -153,9 +169,15 @@ class FileStore(StorageBackend):
 
     Thread-safe (one lock around index updates; file I/O outside it where possible; a
     :meth:`clear` waits for the puts in flight and holds new ones until it is done).
+
+    Takes strided page views (:attr:`strided_pages`): a ``get`` reads a page file's payload in
+    one read into the calling thread's scratch page (one page of memory a thread), checks its
+    checksum there, then copies it into the target, whatever its strides, in one copy; a ``put``
+    of a strided view copies it into the scratch page once, then checksums and writes it.
     """
 
     tier = "file"
+    strided_pages = True
 
     def __init__(
         self,
@@ -175,6 +197,7 @@ class FileStore(StorageBackend):
         # Names of hashed page files and of temporary files start with this tag of the prefix.
         self._owner_tag = _owner_tag(self.prefix)
         self._lock = threading.Lock()
+        self._local = threading.local()  # each thread's scratch page
         # Pages by the SHA-256 of their full key (the link a header holds): (file name, size,
         # page key without the prefix).
         self._index: ChainIndex[bytes, tuple[str, int, str]] = ChainIndex()
@@ -372,6 +395,8 @@ class FileStore(StorageBackend):
             if prior is not None and prior not in self._index:  # unreachable: its predecessor is not here
                 return PutStatus.FAILED, None if full_prior_key is None else MissingPriorError(full_prior_key[len(self.prefix) :])
         key = full_key.encode()
+        if not page.is_contiguous():  # a strided view: its row-major bytes, made contiguous once
+            page = self._scratch_as(page).copy_(page)
         payload = page_as_bytes(page)
         header = _HEADER.pack(MAGIC, len(key), len(payload), _checksum(key, prior or _NO_PRIOR, payload), prior or _NO_PRIOR)
         size = len(header) + len(key) + len(payload)
@@ -429,25 +454,50 @@ class FileStore(StorageBackend):
 
     def _read(self, full_key: str, path: Path, target: torch.Tensor | None, *, adopt: bool = False) -> bool:
         """Read and verify the key's page file and copy its payload into ``target`` (None:
-        verify only). A hit counts as a use (``adopt``: a page another process wrote is indexed
-        too); a corrupt or torn file is removed (and forgotten), only if it is still the file
-        read."""
+        verify only). The payload is read in one call into this thread's scratch page and
+        reaches ``target`` (any strides) in one copy, only once its checksum matched. A hit
+        counts as a use (``adopt``: a page another process wrote is indexed too); a corrupt or
+        torn file is removed (and forgotten), only if it is still the file read."""
         try:
-            with open(path, "rb") as handle:
-                data = handle.read()
-                payload = self._verified_payload(data, full_key.encode())
-                if payload is None:
-                    self._drop_corrupt(full_key, path, os.fstat(handle.fileno()))
+            with open(path, "rb", buffering=0) as handle:
+                status = os.fstat(handle.fileno())
+                head = handle.read(_HEADER.size + len(full_key.encode()))
+                if not self._intact(full_key, head, status.st_size, handle):
+                    self._drop_corrupt(full_key, path, status)
                     return False
         except OSError:
             return False
         if target is not None:
-            page_as_bytes(target)[:] = payload
+            target.copy_(self._scratch_as(target))
         if adopt:
             with self._lock:
                 self._adopt(full_key, path)
         self._touch(full_key, path)
         return True
+
+    def _intact(self, full_key: str, head: bytes, size: int, handle) -> bool:
+        """Whether ``head`` (header and key) is this key's page header for a file of ``size``
+        bytes, and the payload that follows in ``handle``, read into the scratch page, matches
+        its checksum."""
+        parsed = self._parse_header(head, size)
+        if parsed is None or parsed[0] != full_key:
+            return False
+        payload = page_as_bytes(self._scratch())
+        if not _read_into(handle, payload):
+            return False
+        return _checksum(full_key.encode(), parsed[1] or _NO_PRIOR, payload) == _HEADER.unpack_from(head)[3]
+
+    def _scratch(self) -> torch.Tensor:
+        """This thread's page-sized ``uint8`` buffer (reads land here before their checksum is
+        known; strided pages are made contiguous here before a write), allocated once."""
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = torch.empty(self.page_bytes, dtype=torch.uint8)
+        return scratch
+
+    def _scratch_as(self, page: torch.Tensor) -> torch.Tensor:
+        """The scratch page viewed with ``page``'s dtype and shape (row-major)."""
+        return self._scratch().view(page.dtype).view(page.shape)
 
     def _drop_corrupt(self, full_key: str, path: Path, read: os.stat_result) -> None:
         """Remove the corrupt page file ``read`` and forget it, unless a writer replaced it at
@@ -545,20 +595,6 @@ class FileStore(StorageBackend):
         self.stats.pages_removed += len(removed)
         self._events.record("removed", removed, key_space=prefix)
         return len(removed)
-
-    def _verified_payload(self, data: bytes, key: bytes) -> memoryview | None:
-        parsed = self._parse_header(data, len(data))
-        if parsed is None:
-            return None
-        full_key, prior = parsed
-        if full_key.encode() != key:
-            return None
-        checksum = _HEADER.unpack_from(data)[3]
-        view = memoryview(data)
-        payload = view[_HEADER.size + len(key) :]
-        if _checksum(key, prior or _NO_PRIOR, payload) != checksum:
-            return None
-        return payload
 
 
 def _owner_tag(prefix: str) -> str:

@@ -6,6 +6,8 @@
 - :class:`KVStageDecodeOffloadManager`: kvstage's offload manager in the place of sglang's
   decode-side ``DecodeKVCacheOffloadManager``; :func:`sglang_plugin` (sglang's plugin entry point)
   switches sglang's scheduler to it when ``KVSTAGE_SGLANG_DECODE_OFFLOAD=1``.
+- :mod:`kvstage.integrations.sglang.key_space`: the extra config both read and the key space
+  (fingerprint, fp8 kind) both store under, built one way.
 - :mod:`kvstage.integrations.sglang.host_layouts`: sglang's host pool layouts as views in
   kvstage's page byte order.
 """

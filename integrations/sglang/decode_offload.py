@@ -34,9 +34,9 @@ import torch
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
+from kvstage.integrations.sglang.key_space import ExtraConfig
 from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, OffloadManager
-from kvstage.storage import LayoutFingerprint, open_storage
 
 __all__ = ["ENABLE_ENV", "KVStageDecodeOffloadManager", "sglang_plugin"]
 
@@ -74,42 +74,49 @@ class KVStageDecodeOffloadManager:
 
     Settings, from sglang's config: the page size; the stride
     (``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``, a multiple of the page size, default one page);
-    ``--hicache-storage-backend-extra-config``'s ``url`` (any
-    :func:`kvstage.storage.open_storage` URL, the same store the prefill side's
-    :class:`~kvstage.integrations.sglang.KVStageStorage` writes) and optional ``model_id``
-    (default: the served model name); host pages: ``--hicache-size`` GB, else
+    ``--hicache-storage-backend-extra-config``, read as the prefill side's
+    :class:`~kvstage.integrations.sglang.KVStageStorage` reads it
+    (:class:`~kvstage.integrations.sglang.key_space.ExtraConfig`): ``url`` (any
+    :func:`kvstage.storage.open_storage` URL, the same store the prefill side writes), optional
+    ``model_id`` (default: the served model name) and ``kv_cache_dtype`` (``"fp8_e4m3"`` /
+    ``"fp8_e5m2"``, required when sglang holds fp8 KV as ``uint8``; the device pool is then
+    wrapped as that dtype, so its pages share the prefill side's key space); host pages: ``--hicache-size`` GB, else
     ``--hicache-ratio`` times the device pool.
 
     Raises:
-        InvalidArgumentError: no ``url`` in the extra config; a device pool other than MHA or
+        InvalidArgumentError: the extra config as
+            :meth:`~kvstage.integrations.sglang.key_space.ExtraConfig.parse` and
+            :meth:`~kvstage.integrations.sglang.key_space.ExtraConfig.kv_dtype` refuse it (no
+            ``url``, an unknown key, fp8 as ``uint8`` without ``kv_cache_dtype`` or
+            ``kv_cache_dtype`` on a pool that is not fp8) or, for a bad URL,
+            :meth:`~kvstage.integrations.sglang.key_space.ExtraConfig.open_store`; a device pool other than MHA or
             MLA (hybrid SWA/Mamba pools), or an MHA pool whose V head size differs from its K
-            head size; no model id.
+            head size.
     """
 
     def __init__(self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, tp_group: Any, tree_cache: Any) -> None:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
         page_size, stride, extra, served_model, hicache_size, hicache_ratio = _sglang_settings()
-        url = extra.get("url")
-        if not isinstance(url, str) or not url:
-            raise InvalidArgumentError("hicache_storage_backend_extra_config.url: a kvstage storage URL is required")
-        model_id = extra.get("model_id") or served_model
-        if not model_id:
-            raise InvalidArgumentError("hicache_storage_backend_extra_config.model_id: required when sglang has no served model name")
+        config = ExtraConfig.parse(extra, served_model)
         kv_cache = token_to_kv_pool_allocator.get_kvcache()
         if isinstance(kv_cache, MLATokenToKVPool):
-            kv_pool = KVPool.mla(list(kv_cache.kv_buffer))
+            wrap, parts = KVPool.mla, (list(kv_cache.kv_buffer),)
         elif isinstance(kv_cache, MHATokenToKVPool):
             if kv_cache.v_head_dim != kv_cache.head_dim:
                 raise InvalidArgumentError(
                     f"token_to_kv_pool_allocator: V head size {kv_cache.v_head_dim} differs from K head size {kv_cache.head_dim}"
                 )
-            kv_pool = KVPool.mha(list(kv_cache.k_buffer), list(kv_cache.v_buffer))
+            wrap, parts = KVPool.mha, (list(kv_cache.k_buffer), list(kv_cache.v_buffer))
         else:
             raise InvalidArgumentError(
                 f"token_to_kv_pool_allocator: {type(kv_cache).__name__} is not supported (MHA or MLA device pools only; "
                 "hybrid SWA/Mamba pools are not)"
             )
+        # fp8 held as uint8: the same bytes viewed as the fp8 kind, so the pool's layout is the
+        # prefill side's (a view, no copy).
+        dtype = config.kv_dtype(parts[0][0].dtype, "device pool")
+        kv_pool = wrap(*([buffer.view(dtype) for buffer in part] for part in parts))
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.tree_cache = tree_cache
@@ -117,14 +124,14 @@ class KVStageDecodeOffloadManager:
         self.tp_world_size = torch.distributed.get_world_size(group=tp_group)
         self.page_size = page_size
         self.offload_stride = stride
-        fingerprint = LayoutFingerprint.of(
-            kv_pool, page_size=page_size, model_id=model_id,
+        fingerprint = config.fingerprint(
+            kv_pool.layout, "device pool", page_size=page_size,
             tp_rank=torch.distributed.get_rank(group=tp_group), tp_size=self.tp_world_size,
             first_layer=getattr(kv_cache, "start_layer", 0),
         )
         page_bytes = fingerprint.page_bytes
         num_pages = int(hicache_size * 1e9) // page_bytes if hicache_size else int(hicache_ratio * kv_cache.size) // page_size
-        self.storage = open_storage(url, fingerprint)
+        self.storage = config.open_store(fingerprint)
         self.host_pool = HostPool.like(kv_pool, num_pages=max(num_pages, 1), page_size=page_size)
         self._released_here: set[int] = set()  # id(req) of finishing requests kvstage released on this rank
         self._finishing: list[Any] = []  # finished requests, in finish order (equal on every rank)

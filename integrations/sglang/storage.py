@@ -25,17 +25,14 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.integrations.sglang.host_layouts import flat_page_view, host_kv_layout, page_view
+from kvstage.integrations.sglang.key_space import ExtraConfig
 from kvstage.kv_layout import KVLayout
-from kvstage.storage import LayoutFingerprint, StorageBackend, open_storage
+from kvstage.storage import StorageBackend
 from kvstage.storage.backend import PutStatus
 
 __all__ = ["KVStageStorage", "CHUNK_PAGES"]
 
 CHUNK_PAGES = 8  # pages a call moves per store call: bounds each thread's staging memory
-
-# fp8 KV that sglang stores as uint8: the extra config names the kind, so e4m3 and e5m2 pages
-# never share a key space.
-_FP8_KINDS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 class KVStageStorage(HiCacheStorage):
@@ -63,30 +60,8 @@ class KVStageStorage(HiCacheStorage):
     own thread's buffers and the store serializes only its index updates.
     """
 
-    _KVSTAGE_EXTRA = {"url", "model_id", "kv_cache_dtype"}
-    # sglang's own keys of the same JSON (the factory's, and those its cache pops before us).
-    _SGLANG_EXTRA = {
-        "backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold", "prefetch_timeout_base",
-        "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys", "tp_lcm_size",
-    }
-    _KNOWN_EXTRA = _KVSTAGE_EXTRA | _SGLANG_EXTRA
-
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
-        extra = dict(storage_config.extra_config or {})
-        unknown = sorted(set(extra) - self._KNOWN_EXTRA)
-        if unknown:
-            raise InvalidArgumentError(f"extra_config: unknown keys {unknown}; known: {sorted(self._KNOWN_EXTRA)}")
-        url = extra.get("url")
-        if not isinstance(url, str) or not url:
-            raise InvalidArgumentError(
-                "extra_config.url: a kvstage storage URL is required (e.g. \"file:/path\", \"memory\", \"mooncake://host:port\")"
-            )
-        model_id = extra.get("model_id") or storage_config.model_name
-        if not model_id:
-            raise InvalidArgumentError("extra_config.model_id: required when sglang passes no model_name")
-        fp8_kind = extra.get("kv_cache_dtype")
-        if fp8_kind is not None and fp8_kind not in _FP8_KINDS:
-            raise InvalidArgumentError(f"extra_config.kv_cache_dtype: must be one of {sorted(_FP8_KINDS)}, got {fp8_kind!r}")
+        self.config = ExtraConfig.parse(dict(storage_config.extra_config or {}), storage_config.model_name)
         for name, value in (
             ("attn_cp_size", storage_config.attn_cp_size),
             ("dcp_size", getattr(storage_config, "dcp_size", 1)),
@@ -100,9 +75,6 @@ class KVStageStorage(HiCacheStorage):
                 "storage_config.should_split_heads: split heads (tp_lcm_size) are not in kvstage's key space yet"
             )
         self.storage_config = storage_config
-        self.url = url
-        self.model_id = model_id
-        self.fp8_kind = fp8_kind
         self.store: StorageBackend | None = None
         self.mem_pool_host: Any = None
         self.kv_layout: KVLayout | None = None
@@ -123,27 +95,20 @@ class KVStageStorage(HiCacheStorage):
         Raises:
             InvalidArgumentError: an unsupported host pool (see
                 :func:`~kvstage.integrations.sglang.host_layouts.host_kv_layout`); a ``uint8``
-                pool without ``kv_cache_dtype``; a second registration.
+                pool without ``kv_cache_dtype``, or ``kv_cache_dtype`` on a pool that is not fp8;
+                a bad URL (the message names ``extra_config.url``); a second registration.
             BackendUnavailableError, StorageError: as :func:`kvstage.storage.open_storage`.
         """
         if self.store is not None:
             raise InvalidArgumentError("mem_pool_host: a host pool is already registered")
-        layout = host_kv_layout(mem_pool_host)
-        if layout.dtype == torch.uint8:
-            if self.fp8_kind is None:
-                raise InvalidArgumentError(
-                    "extra_config.kv_cache_dtype: the host pool holds fp8 KV as uint8; name its kind "
-                    f"({sorted(_FP8_KINDS)}) so e4m3 and e5m2 pages never share a key space"
-                )
-            layout = KVLayout(layout.num_layers, layout.kv_parts, layout.num_heads, layout.head_dim, _FP8_KINDS[self.fp8_kind])
         config = self.storage_config
-        fingerprint = LayoutFingerprint(
-            self.model_id, layout, mem_pool_host.page_size,
+        fingerprint = self.config.fingerprint(
+            host_kv_layout(mem_pool_host), "host pool", page_size=mem_pool_host.page_size,
             tp_rank=config.tp_rank, tp_size=config.tp_size, first_layer=getattr(mem_pool_host, "start_layer", 0),
         )
         super().register_mem_pool_host(mem_pool_host)
-        self.kv_layout = layout
-        self.store = open_storage(self.url, fingerprint)
+        self.kv_layout = fingerprint.layout
+        self.store = self.config.open_store(fingerprint)
 
     # -- v1 zero-copy interface (host indices) ------------------------------------------------
 

@@ -65,6 +65,29 @@ def test_flipped_byte_reads_as_a_miss_and_the_page_can_be_written_again(tmp_path
     assert torch.equal(read(store, KEY_A), page(1).reshape(-1))
 
 
+def test_a_corrupt_payload_leaves_the_target_untouched(tmp_path):
+    """A payload reaches its target only once its checksum matched."""
+    store = FileStore(FP, tmp_path)
+    store.put([KEY_A], [page(1)])
+    path = store.path_of(KEY_A)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10
+    path.write_bytes(bytes(data))
+    into = torch.full((32,), -7.0)
+    assert store.get([KEY_A], [into]) == [False]
+    assert torch.all(into == -7.0), into
+
+
+def test_get_fills_a_target_that_is_a_slice_of_a_larger_buffer(tmp_path):
+    """Targets are views (a host pool's page, a staging slot): only the page's own bytes change."""
+    store = FileStore(FP, tmp_path)
+    store.put([KEY_A, KEY_B], [page(1), page(2)])
+    pool = torch.full((4, 32), -7.0)
+    assert store.get([KEY_B, KEY_A], [pool[1], pool[2]]) == [True, True]
+    assert torch.equal(pool[1], page(2).reshape(-1)) and torch.equal(pool[2], page(1).reshape(-1))
+    assert torch.all(pool[0] == -7.0) and torch.all(pool[3] == -7.0)
+
+
 @pytest.mark.parametrize("keep", [0, 10, 40, 100], ids=lambda n: f"first-{n}-bytes")
 def test_torn_file_reads_as_a_miss(tmp_path, keep):
     store = FileStore(FP, tmp_path)

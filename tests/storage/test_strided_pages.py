@@ -1,6 +1,6 @@
-"""Strided pages: a store with ``strided_pages`` (MemoryStore) takes a non-contiguous page view
-(e.g. an sglang host pool page permuted into kvstage's page order) and copies it with one copy;
-its bytes are the view's elements in row-major order. Other stores refuse such a view."""
+"""Strided pages: a store with ``strided_pages`` (MemoryStore, FileStore) takes a non-contiguous
+page view (e.g. an sglang host pool page permuted into kvstage's page order) and copies it with
+one copy; its bytes are the view's elements in row-major order. Other stores refuse such a view."""
 
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def page(host: torch.Tensor, index: int) -> torch.Tensor:
     return host[:, :, index * PAGE_SIZE:(index + 1) * PAGE_SIZE].transpose(0, 1)
 
 
-def test_memory_store_puts_and_gets_strided_views_as_their_row_major_bytes():
-    store = MemoryStore(fingerprint())
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_a_store_puts_and_gets_strided_views_as_their_row_major_bytes(tmp_path, kind):
+    store = MemoryStore(fingerprint()) if kind == "memory" else FileStore(fingerprint(), tmp_path)
     assert store.strided_pages
     source, target = host_like(3, seed=1), torch.zeros(2, 3, 3 * PAGE_SIZE, 2, 8, dtype=torch.bfloat16)
     views = [page(source, i) for i in range(3)]
@@ -51,8 +52,14 @@ def test_memory_store_puts_and_gets_strided_views_as_their_row_major_bytes():
     assert not target[:, :, PAGE_SIZE:2 * PAGE_SIZE].view(torch.int16).any()  # page 1 untouched
 
 
-def test_a_store_without_strided_pages_refuses_a_view_before_writing(tmp_path):
-    store = FileStore(fingerprint(), tmp_path)
+class ContiguousOnly(MemoryStore):
+    """A store that declares no strided pages (as the Mooncake store): the base class checks."""
+
+    strided_pages = False
+
+
+def test_a_store_without_strided_pages_refuses_a_view_before_writing():
+    store = ContiguousOnly(fingerprint())
     assert not store.strided_pages
     with pytest.raises(InvalidArgumentError, match=r"pages\[0\]: must be a contiguous CPU tensor"):
         store.put(["a"], [page(host_like(1, seed=2), 0)])

@@ -81,6 +81,7 @@ class DecodeSide:
         return list(self.device.k_buffer) + list(self.device.v_buffer)
 
     def kv_of(self, req: Req, end: int) -> list[torch.Tensor]:
+        assert not released(req), f"{req.rid} is back with sglang: its slots may hold other KV"
         slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :end].long()
         return [buffer[slots].clone() for buffer in self.buffers()]
 

@@ -32,7 +32,6 @@ def run_rank(rank: int, port: int, kind: str, url: str, out: dict) -> None:
         for req in reqs:
             if released(req) and req.rid not in released_at:
                 released_at[req.rid] = step
-    side.manager.manager.drain()  # release comes when copies end; their store writes may still run
+    side.manager.release_host_resources()  # waits for the store writes (a release comes before they land)
     out[rank] = (released_at, side.manager.manager.metrics.pages_stored)
-    side.manager.release_host_resources()
     dist.destroy_process_group()
