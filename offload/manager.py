@@ -883,9 +883,11 @@ class OffloadManager:
             try:
                 self._launch(state, self._plan(state, self.page_size, state.kv_length), None)
                 state.backlog_pages = max(state.kv_length - state.offloaded_length, 0) // self.page_size
-            except Exception:  # checked at finish; only an engine that changed the request since gets here
-                logger.exception("offload: waiting pages of rid=%r could not be launched; dropped", state.req.rid)
-                self._counters.pages_dropped += state.backlog_pages
+            except Exception:  # checked at finish: an engine that changed the request since, or a failed launch
+                # The runs launched before the one that raised stay launched: drop only the rest.
+                not_launched = max(state.kv_length - state.offloaded_length, 0) // self.page_size
+                logger.exception("offload: %d waiting pages of rid=%r could not be launched; dropped", not_launched, state.req.rid)
+                self._counters.pages_dropped += not_launched
                 state.backlog_pages = 0
             if state.backlog_pages == 0:
                 self._backlog.remove(state)

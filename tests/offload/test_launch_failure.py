@@ -95,3 +95,24 @@ def test_a_finish_whose_first_run_fails_keeps_its_pending_prefetch():
     assert handle.cancelled
     settle(rig)
     assert rig.released == [req] and rig.missing_pages(req) == []
+
+
+def test_waiting_pages_whose_second_run_fails_drop_only_the_pages_not_launched():
+    rig = make_rig(page_size=PAGE, store_prompt=True, num_host_pages=4, copy_stream=LaunchFails(3))
+    holder = decoded(rig, "holder", range(200, 216), 1)
+    assert rig.manager.offload(holder)  # submit 1: four pages, the whole host pool, in flight
+    req = decoded(rig, "a", range(8), 5)  # three whole pages with KV
+    req.done = True
+    assert rig.manager.finish(req)  # no host page free: all three wait
+    assert rig.manager.metrics.pages_launched == 4
+    rig.copy_stream.complete_all()
+    rig.manager.poll()  # frees the holder's pages; the waiting ones launch: submit 2 (two prompt pages), submit 3 fails
+    metrics = rig.manager.metrics
+    assert (metrics.pages_launched, metrics.pages_dropped) == (4 + 2, 1)
+    holder.done = True
+    rig.manager.finish(holder)
+    settle(rig)
+    assert sorted(released.rid for released in rig.released) == ["a", "holder"]
+    assert rig.missing_pages(req) == [2]
+    metrics = rig.manager.metrics
+    assert (metrics.pages_stored, metrics.pages_dropped, metrics.host_pages_used) == (4 + 2, 1, 0)
