@@ -590,10 +590,15 @@ class OffloadManager:
             # side stored, or short of a resumed request's old progress when a page of it was
             # lost (the engine recomputes from the loaded length, and those pages mend the chain).
             loaded = num_pages * self.page_size
-            resume = max(loaded, 0 if self.store_prompt else len(handle.req.origin_input_ids) // self.page_size * self.page_size)
+            prompt_end = 0 if self.store_prompt else len(handle.req.origin_input_ids) // self.page_size * self.page_size
+            resume = max(loaded, prompt_end)
             if resume != state.offloaded_length:
                 state.offloaded_length = resume
                 state.chain = RequestChain(handle.page_keys[num_pages - 1], True) if resume == loaded and num_pages else None
+            if state.chain is None and resume == prompt_end and 0 < prompt_end <= len(handle.page_keys) * self.page_size:
+                # The lookup keyed the prompt's pages from its namespace seed: its last one is
+                # where the chain continues (the prefill side's key), not hashed again.
+                state.chain = RequestChain(handle.page_keys[prompt_end // self.page_size - 1], True)
             return LoadHandle(handle.req, num_pages, self.page_size, copy_handles, self.kv_pool.num_layers, layer_by_layer)
 
     def cancel(self, handle: PrefetchHandle) -> None:
