@@ -282,6 +282,7 @@ class OffloadManager:
         self._retracted: dict[int, tuple[Any, int, RequestChain | None]] = {}
         self._unhandled: deque[CopyResult] = deque()  # copies polled from the copier, not handled yet
         self._backlog: list[_RequestState] = []
+        self._backlog_pages = 0  # sum of the backlog's backlog_pages, kept as they change
         self._counters = OffloadMetrics()
         self._closed = False
         self._prefetcher = Prefetcher(self.copier, storage, hasher, self._workers, self._counters)
@@ -831,7 +832,7 @@ class OffloadManager:
         if state.backlog_pages:  # finish()'s pages still waiting for host pages: never launched now
             self._counters.pages_dropped += state.backlog_pages
             logger.warning("offload: %s of rid=%r drops its %d pages waiting for host pages", "abort" if aborted else "retract", state.req.rid, state.backlog_pages)
-            state.backlog_pages = 0
+            self._set_backlog_pages(state, 0)
             self._backlog.remove(state)
         if aborted and state.loads:
             for load in list(state.loads):  # a queued load cannot be recalled: no slot written after abort returns
@@ -872,8 +873,8 @@ class OffloadManager:
         remaining = (length - state.offloaded_length) // self.page_size if self.writes_pages else 0
         if remaining > 0:
             limit = self.finish_backlog_pages
-            if limit is None or sum(s.backlog_pages for s in self._backlog) + remaining <= limit:
-                state.backlog_pages = remaining
+            if limit is None or self._backlog_pages + remaining <= limit:
+                self._set_backlog_pages(state, remaining)
                 self._backlog.append(state)
                 return True
             self._counters.pages_dropped += remaining
@@ -887,18 +888,22 @@ class OffloadManager:
         for state in list(self._backlog):
             try:
                 self._launch(state, self._plan(state, self.page_size, state.kv_length), None)
-                state.backlog_pages = max(state.kv_length - state.offloaded_length, 0) // self.page_size
+                self._set_backlog_pages(state, max(state.kv_length - state.offloaded_length, 0) // self.page_size)
             except Exception:  # checked at finish: an engine that changed the request since, or a failed launch
                 # The runs launched before the one that raised stay launched: drop only the rest.
                 not_launched = max(state.kv_length - state.offloaded_length, 0) // self.page_size
                 logger.exception("offload: %d waiting pages of rid=%r could not be launched; dropped", not_launched, state.req.rid)
                 self._counters.pages_dropped += not_launched
-                state.backlog_pages = 0
+                self._set_backlog_pages(state, 0)
             if state.backlog_pages == 0:
                 self._backlog.remove(state)
                 self._maybe_release(state)
             if self.copier.free_pages == 0:
                 break
+
+    def _set_backlog_pages(self, state: _RequestState, pages: int) -> None:
+        self._backlog_pages += pages - state.backlog_pages
+        state.backlog_pages = pages
 
     def _maybe_release(self, state: _RequestState) -> None:
         if not state.ending or state.copies_in_flight or state.backlog_pages:

@@ -1,7 +1,8 @@
 """A copy's launch that raises (on CUDA a kernel launch can fail; no check foresees it): a call
 whose first run fails to launch changed nothing; a call whose later run fails keeps the runs
 launched before it tracked, so their pages are stored and the release waits for their copies;
-a finished request's waiting pages count as dropped only where they were not launched."""
+a finished request's waiting pages count as dropped only where they were not launched, and
+the ``finish_backlog_pages`` limit counts only the pages still waiting."""
 
 from __future__ import annotations
 
@@ -116,3 +117,27 @@ def test_waiting_pages_whose_second_run_fails_drop_only_the_pages_not_launched()
     assert rig.missing_pages(req) == [2]
     metrics = rig.manager.metrics
     assert (metrics.pages_stored, metrics.pages_dropped, metrics.host_pages_used) == (4 + 2, 1, 0)
+
+
+def test_the_backlog_limit_counts_only_the_pages_still_waiting_after_a_partial_launch():
+    rig = make_rig(page_size=PAGE, store_prompt=True, num_host_pages=4, finish_backlog_pages=3)
+    holder = rig.new_request("holder", list(range(200, 216)), 1)
+    assert rig.manager.offload(holder, kv_length=8) and rig.manager.offload(holder, kv_length=16)  # two copies, the whole pool
+    a = decoded(rig, "a", range(8), 5)  # three whole pages
+    a.done = True
+    assert rig.manager.finish(a)  # three wait: the limit
+    rig.copy_stream.complete(0)
+    rig.manager.poll()  # the holder's first copy frees two pages: two of a's launch, one still waits
+    assert rig.manager.metrics.pages_launched == 4 + 2
+    b = decoded(rig, "b", range(300, 308), 1)  # two whole pages
+    b.done = True
+    assert rig.manager.finish(b)  # 1 + 2 pages wait: within the limit
+    c = decoded(rig, "c", range(400, 404), 1)
+    c.done = True
+    assert not rig.manager.finish(c)  # one more would pass it: dropped
+    assert rig.manager.metrics.pages_dropped == 1
+    holder.done = True
+    rig.manager.finish(holder, kv_length=16)
+    settle(rig)
+    assert rig.missing_pages(a) == [] and rig.missing_pages(b) == []
+    assert rig.manager.metrics.pages_stored == 4 + 3 + 2
