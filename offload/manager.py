@@ -54,7 +54,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from kvstage.errors import ArgumentTypeError, InvalidArgumentError, ThreadingError, is_int, require
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, ThreadingError, is_int, require, require_seconds
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.backup import Backup, RequestWrites
 from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike, PageHasherLike, StoreWorkersLike
@@ -239,10 +239,7 @@ class OffloadManager:
             stride // page_size <= host_pool.capacity, "offload_stride",
             lambda: f"{stride} tokens ({stride // page_size} pages of {page_size}) exceeds the host pool's capacity of {host_pool.capacity} pages: no stride could ever be launched",
         )
-        require(
-            isinstance(prior_wait_s, (int, float)) and not isinstance(prior_wait_s, bool) and prior_wait_s >= 0,
-            "prior_wait_s", lambda: f"must be a number of seconds >= 0, got {prior_wait_s!r}",
-        )
+        require_seconds(prior_wait_s, "prior_wait_s")
         self.copier = Copier(kv_pool, host_pool, copy_stream=copy_stream, backend=backend)
         fingerprint = getattr(storage, "fingerprint", None)
         require(fingerprint is not None, "storage", lambda: f"must be a kvstage.storage.StorageBackend, got {type(storage).__name__}", ArgumentTypeError)
