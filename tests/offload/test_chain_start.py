@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from offload_rig import make_rig
+from offload_rig import make_rig, settle
 
 PAGE = 4
 
@@ -22,15 +22,6 @@ def count_prefill_keys(hasher):
 
     hasher.prefill_keys = prefill_keys
     return calls
-
-
-def settle(rig):
-    for _ in range(100):
-        rig.copy_stream.complete_all()
-        rig.manager.poll()
-        if not (rig.copy_stream.pending or rig.manager.requests_live or rig.manager.metrics.writes_pending):
-            return
-    raise AssertionError("the manager did not settle")
 
 
 def decode_and_finish(rig, req, outputs):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvstage.offload.copy_stream import ManualCopyStream
-from offload_rig import make_rig
+from offload_rig import make_rig, settle
 
 PAGE = 4
 
@@ -27,15 +27,6 @@ class LaunchFails(ManualCopyStream):
         if self.calls == self.fail_at:
             raise RuntimeError("launch failed")
         return super().submit(copy, keep=keep, after=after)
-
-
-def settle(rig):
-    for _ in range(100):
-        rig.copy_stream.complete_all()
-        rig.manager.poll()
-        if not (rig.copy_stream.pending or rig.manager.requests_live or rig.manager.metrics.writes_pending):
-            return
-    raise AssertionError("the manager did not settle")
 
 
 def decoded(rig, rid, prompt, outputs):
