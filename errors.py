@@ -67,3 +67,20 @@ def require(
     """
     if not condition:
         raise error(f"{argument}: {rule() if callable(rule) else rule}")
+
+
+def require_seconds(value: object, argument: str) -> None:
+    """Raise unless ``value`` is a duration: an int or float of seconds >= 0 (not a bool, which
+    Python counts as an int; not NaN; infinity passes).
+
+    Args:
+        value: the duration given.
+        argument: the argument's name, as the caller spells it.
+
+    Raises:
+        InvalidArgumentError: ``"<argument>: must be a number of seconds >= 0, got <value>"``.
+    """
+    require(
+        isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+        argument, lambda: f"must be a number of seconds >= 0, got {value!r}",
+    )

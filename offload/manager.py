@@ -33,7 +33,9 @@ Decisions worth knowing:
 - Every launched page ends exactly once: stored, deduplicated, failed, or discarded (see
   :class:`~kvstage.offload.metrics.OffloadMetrics`); an abort discards nothing launched.
 - A call that raises has launched nothing and tracks nothing new: every check (arguments,
-  token ids, slot indices) runs before its first launch.
+  token ids, slot indices) runs before its first launch. Only the launch itself can fail
+  after that (on CUDA a kernel launch error): the runs launched before it stay launched and
+  tracked (stored, and the release waits for their copies).
 - NVTX ranges (domain ``kvstage``): ``offload``, ``offload.finish``, ``poll``, ``lookup``,
   ``prefetch``, ``load``, ``backup`` (a worker's store write).
 
@@ -48,11 +50,11 @@ import logging
 import threading
 import weakref
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
-from kvstage.errors import ArgumentTypeError, InvalidArgumentError, ThreadingError, is_int, require
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, ThreadingError, is_int, require, require_seconds
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.backup import Backup, RequestWrites
 from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike, PageHasherLike, StoreWorkersLike
@@ -106,6 +108,17 @@ class _Segment:
         self.state = state
         self.run = run
         self.result: CopyResult | None = None  # its copy's outcome, once polled
+
+
+class _Plan(NamedTuple):
+    """What :meth:`OffloadManager._plan` found to launch: runs (tokens, device slots) and the
+    chain they continue."""
+
+    runs: list[tuple[ChainRun, torch.Tensor]]
+    chain: RequestChain | None
+
+
+_NOTHING = _Plan([], None)
 
 
 class _Load:
@@ -226,10 +239,7 @@ class OffloadManager:
             stride // page_size <= host_pool.capacity, "offload_stride",
             lambda: f"{stride} tokens ({stride // page_size} pages of {page_size}) exceeds the host pool's capacity of {host_pool.capacity} pages: no stride could ever be launched",
         )
-        require(
-            isinstance(prior_wait_s, (int, float)) and not isinstance(prior_wait_s, bool) and prior_wait_s >= 0,
-            "prior_wait_s", lambda: f"must be a number of seconds >= 0, got {prior_wait_s!r}",
-        )
+        require_seconds(prior_wait_s, "prior_wait_s")
         self.copier = Copier(kv_pool, host_pool, copy_stream=copy_stream, backend=backend)
         fingerprint = getattr(storage, "fingerprint", None)
         require(fingerprint is not None, "storage", lambda: f"must be a kvstage.storage.StorageBackend, got {type(storage).__name__}", ArgumentTypeError)
@@ -269,6 +279,7 @@ class OffloadManager:
         self._retracted: dict[int, tuple[Any, int, RequestChain | None]] = {}
         self._unhandled: deque[CopyResult] = deque()  # copies polled from the copier, not handled yet
         self._backlog: list[_RequestState] = []
+        self._backlog_pages = 0  # sum of the backlog's backlog_pages, kept as they change
         self._counters = OffloadMetrics()
         self._closed = False
         self._prefetcher = Prefetcher(self.copier, storage, hasher, self._workers, self._counters)
@@ -315,6 +326,10 @@ class OffloadManager:
                 request that runs again); the manager is closed.
             ThreadingError: called from another thread than the manager's.
             Nothing was launched and nothing new is tracked then.
+            Whatever the copy stream raises at a launch (on CUDA a failed kernel launch, which
+                no check foresees): when a later run's launch raises, the runs before it stay
+                launched and tracked (their pages are stored, the release waits for their
+                copies); when the first run's, nothing changed.
         """
         if threading.get_ident() != self._owner_ident:
             self._check_thread("offload")
@@ -335,10 +350,12 @@ class OffloadManager:
                 state.prefetch is None, "req",
                 lambda: f"rid={req.rid!r} has a prefetch pending: load or cancel it before offloading its pages",
             )
-            runs = self._plan(state, self.offload_stride, length)
-            if new:
-                self._commit(state)
-            return self._launch(state, runs, after) > 0 if runs else False
+            plan = self._plan(state, self.offload_stride, length)
+            if not plan.runs:
+                if new:
+                    self._commit(state)
+                return False
+            return self._launch(state, plan, after, commit=new) > 0
 
     def finish(self, req: Any, *, kv_length: int | None = None, after: Any = None) -> bool:
         """``req`` has ended normally: offload its remaining whole pages, then release it.
@@ -363,9 +380,12 @@ class OffloadManager:
 
         Raises:
             As :meth:`offload`; nothing was launched, a pending prefetch is kept, and the
-            request is not released then (call :meth:`abort`). With a prefetch pending, a
-            request with too few slots for ``kv_length`` (one that never ran) gets an
-            ``InvalidArgumentError`` naming the pending prefetch.
+            request is not released then (call :meth:`abort`). When a later run's launch
+            raises, the runs before it stay launched and its prefetch is cancelled; the
+            request is not ending: :meth:`abort` it (the release waits for those copies) or
+            call ``finish`` again. With a prefetch pending, a request with too few slots for
+            ``kv_length`` (one that never ran) gets an ``InvalidArgumentError`` naming the
+            pending prefetch.
         """
         if threading.get_ident() != self._owner_ident:
             self._check_thread("finish")
@@ -568,10 +588,15 @@ class OffloadManager:
             # side stored, or short of a resumed request's old progress when a page of it was
             # lost (the engine recomputes from the loaded length, and those pages mend the chain).
             loaded = num_pages * self.page_size
-            resume = max(loaded, 0 if self.store_prompt else len(handle.req.origin_input_ids) // self.page_size * self.page_size)
+            prompt_end = 0 if self.store_prompt else len(handle.req.origin_input_ids) // self.page_size * self.page_size
+            resume = max(loaded, prompt_end)
             if resume != state.offloaded_length:
                 state.offloaded_length = resume
                 state.chain = RequestChain(handle.page_keys[num_pages - 1], True) if resume == loaded and num_pages else None
+            if state.chain is None and resume == prompt_end and 0 < prompt_end <= len(handle.page_keys) * self.page_size:
+                # The lookup keyed the prompt's pages from its namespace seed: its last one is
+                # where the chain continues (the prefill side's key), not hashed again.
+                state.chain = RequestChain(handle.page_keys[prompt_end // self.page_size - 1], True)
             return LoadHandle(handle.req, num_pages, self.page_size, copy_handles, self.kv_pool.num_layers, layer_by_layer)
 
     def cancel(self, handle: PrefetchHandle) -> None:
@@ -804,7 +829,7 @@ class OffloadManager:
         if state.backlog_pages:  # finish()'s pages still waiting for host pages: never launched now
             self._counters.pages_dropped += state.backlog_pages
             logger.warning("offload: %s of rid=%r drops its %d pages waiting for host pages", "abort" if aborted else "retract", state.req.rid, state.backlog_pages)
-            state.backlog_pages = 0
+            self._set_backlog_pages(state, 0)
             self._backlog.remove(state)
         if aborted and state.loads:
             for load in list(state.loads):  # a queued load cannot be recalled: no slot written after abort returns
@@ -820,7 +845,7 @@ class OffloadManager:
 
     def _finish_state(self, state: _RequestState, new: bool, length: int, after: Any) -> bool:
         try:
-            runs = self._plan(state, self.page_size, length)  # every check before anything changes
+            plan = self._plan(state, self.page_size, length)  # every check before anything changes
         except InvalidArgumentError as error:
             if state.prefetch is None:
                 raise
@@ -830,18 +855,23 @@ class OffloadManager:
                 f"cannot be offloaded ({error}); a request that ends before it runs: abort(req) or "
                 "finish(req, kv_length=0), which cancel the prefetch"
             ) from error
-        if new:
+        launched_before = state.launched_length
+        try:
+            self._launch(state, plan, after, commit=new)
+        finally:
+            # Never loaded: the engine computed the prompt itself. Kept when the first run's
+            # launch raised (nothing changed); cancelled once a run launched.
+            if state.prefetch is not None and (state.launched_length != launched_before or not plan.runs):
+                self._cancel(state.prefetch)
+        if new and not plan.runs:
             self._commit(state)
-        if state.prefetch is not None:  # never loaded: the engine computed the prompt itself
-            self._cancel(state.prefetch)
-        self._launch(state, runs, after)
         state.ending = True
         state.kv_length = length
         remaining = (length - state.offloaded_length) // self.page_size if self.writes_pages else 0
         if remaining > 0:
             limit = self.finish_backlog_pages
-            if limit is None or sum(s.backlog_pages for s in self._backlog) + remaining <= limit:
-                state.backlog_pages = remaining
+            if limit is None or self._backlog_pages + remaining <= limit:
+                self._set_backlog_pages(state, remaining)
                 self._backlog.append(state)
                 return True
             self._counters.pages_dropped += remaining
@@ -855,16 +885,22 @@ class OffloadManager:
         for state in list(self._backlog):
             try:
                 self._launch(state, self._plan(state, self.page_size, state.kv_length), None)
-                state.backlog_pages = max(state.kv_length - state.offloaded_length, 0) // self.page_size
-            except Exception:  # checked at finish; only an engine that changed the request since gets here
-                logger.exception("offload: waiting pages of rid=%r could not be launched; dropped", state.req.rid)
-                self._counters.pages_dropped += state.backlog_pages
-                state.backlog_pages = 0
+                self._set_backlog_pages(state, max(state.kv_length - state.offloaded_length, 0) // self.page_size)
+            except Exception:  # checked at finish: an engine that changed the request since, or a failed launch
+                # The runs launched before the one that raised stay launched: drop only the rest.
+                not_launched = max(state.kv_length - state.offloaded_length, 0) // self.page_size
+                logger.exception("offload: %d waiting pages of rid=%r could not be launched; dropped", not_launched, state.req.rid)
+                self._counters.pages_dropped += not_launched
+                self._set_backlog_pages(state, 0)
             if state.backlog_pages == 0:
                 self._backlog.remove(state)
                 self._maybe_release(state)
             if self.copier.free_pages == 0:
                 break
+
+    def _set_backlog_pages(self, state: _RequestState, pages: int) -> None:
+        self._backlog_pages += pages - state.backlog_pages
+        state.backlog_pages = pages
 
     def _maybe_release(self, state: _RequestState) -> None:
         if not state.ending or state.copies_in_flight or state.backlog_pages:
@@ -950,10 +986,11 @@ class OffloadManager:
 
     # -- internals: store path ----------------------------------------------------------------
 
-    def _plan(self, state: _RequestState, unit: int, length: int) -> list[tuple[ChainRun, torch.Tensor]]:
+    def _plan(self, state: _RequestState, unit: int, length: int) -> _Plan:
         """The runs to launch now, every one checked: the prompt's whole pages up to
         ``length`` (if not stored), then whole ``unit``s of ``[offloaded_length, length)``,
-        as many as the free host pages hold, oldest first; each run's tokens and slots.
+        as many as the free host pages hold, oldest first; each run's tokens and slots, and
+        the chain they continue (the state's, or a new one that :meth:`_launch` sets).
 
         Checks the token ids and slot indices of every whole page up to ``length`` (also those
         that do not fit now), so a call that raises has changed nothing.
@@ -964,7 +1001,7 @@ class OffloadManager:
         """
         first, page_size = state.offloaded_length, self.page_size
         if length - first < page_size or not self.writes_pages:  # most calls: nothing new
-            return []
+            return _NOTHING
         req = state.req
         prompt_end = len(req.origin_input_ids) // page_size * page_size
         free = self.copier.free_pages
@@ -972,7 +1009,7 @@ class OffloadManager:
         if first >= prompt_end:  # decode tokens go in whole units (the common case)
             units = (length - first) // unit
             if units <= 0:
-                return []
+                return _NOTHING
             wanted_end = first + units * unit
             fitting = min(units, free // (unit // page_size))
             bounds = [(first, first + fitting * unit)] if fitting else []
@@ -985,7 +1022,7 @@ class OffloadManager:
             if wanted_end >= prompt_end and length - wanted_end >= unit:
                 wanted_end += (length - wanted_end) // unit * unit
             if wanted_end <= first:
-                return []
+                return _NOTHING
             bounds = []
             start = first
             fitting = min(prompt_wanted, free)  # what fits in the free host pages now, oldest first
@@ -1008,23 +1045,36 @@ class OffloadManager:
                 raise InvalidArgumentError(f"{argument}: {slot_indices.shape[0]} slots, its first {wanted_end} tokens have KV")
             slot_indices = slot_indices[first:wanted_end]
         self.copier.check_slot_indices(slot_indices, argument)
-        if bounds and state.chain is None:  # the namespace is checked here, before anything is tracked
-            state.chain = RequestChain(*self._chain_start(req))
+        chain = state.chain
+        if bounds and chain is None:  # the namespace is checked here, before anything is tracked
+            chain = RequestChain(*self._chain_start(req))
         if rejected:
             self._counters.offloads_rejected += rejected
         if len(bounds) == 1 and bounds[0][1] == wanted_end:  # the common case: no slicing
-            return [(ChainRun(tokens), slot_indices)]
-        return [(ChainRun(tokens[begin - first : end - first]), slot_indices[begin - first : end - first]) for begin, end in bounds]
+            return _Plan([(ChainRun(tokens), slot_indices)], chain)
+        return _Plan([(ChainRun(tokens[begin - first : end - first]), slot_indices[begin - first : end - first]) for begin, end in bounds], chain)
 
-    def _launch(self, state: _RequestState, runs: list[tuple[ChainRun, torch.Tensor]], after: Any) -> int:
-        """Launch planned runs (:meth:`_plan`, with the host pages free then); pages launched."""
+    def _launch(self, state: _RequestState, plan: _Plan, after: Any, *, commit: bool = False) -> int:
+        """Launch planned runs (:meth:`_plan`, with the host pages free then); pages launched.
+        ``commit``: track the (new) state once its first run has launched.
+
+        Raises:
+            Whatever the copy stream's submit raises (on CUDA a failed kernel launch, which no
+            check can foresee). When the first run raised, nothing changed; runs launched
+            before the one that raised stay launched and accounted (in the chain, in flight,
+            tracked), so their pages are stored and the release waits for their copies.
+        """
         launched = 0
         after = self.producer if after is None else after
-        for run, slot_indices in runs:
+        for run, slot_indices in plan.runs:
             segment = _Segment(state, run)
             host_page_ids = self.copier.gather(segment, slot_indices, after=after, checked=True)
             if host_page_ids is None:  # the plan counted free pages
                 raise AssertionError("host pool changed between the plan and the allocation")
+            if not launched:
+                state.chain = plan.chain
+                if commit:
+                    self._commit(state)
             state.chain.add(run)  # only once launched: a run that raised is no part of the chain
             state.unsettled.append(segment)
             state.offloaded_length += len(run.tokens)

@@ -29,7 +29,8 @@ class OffloadRequest(Protocol):
 
     Both namespace attributes must exist, None when unused (vLLM's ``Request`` has no
     ``extra_key``: an adapter sets it): a missing one is not read as None, since a request that
-    forgot its ``cache_salt`` would share another tenant's pages (:func:`namespace`).
+    forgot its ``cache_salt`` would share another tenant's pages
+    (:func:`~kvstage.hashing.chain.request_namespace`).
 
     Positions with KV: the manager copies only token positions whose KV the engine has
     written, ``[0, kv_length)``. By default (:func:`kv_length`) that is the whole prompt and

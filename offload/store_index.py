@@ -21,7 +21,7 @@ import time
 from concurrent.futures import Future, wait
 from typing import Any, Callable, Iterable
 
-from kvstage.errors import is_int, require
+from kvstage.errors import is_int, require, require_seconds
 
 __all__ = ["StoreIndex"]
 
@@ -49,10 +49,7 @@ class StoreIndex:
         batch_keys: int = 4096, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         for name, value in (("miss_ttl_s", miss_ttl_s), ("hit_ttl_s", 0 if hit_ttl_s is None else hit_ttl_s)):
-            require(
-                isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
-                name, lambda: f"must be a number of seconds >= 0, got {value!r}",
-            )
+            require_seconds(value, name)
         require(is_int(batch_keys) and batch_keys >= 1, "batch_keys", lambda: f"must be an int >= 1, got {batch_keys!r}")
         self._storage = storage
         self._workers = workers

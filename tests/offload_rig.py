@@ -258,6 +258,21 @@ class Rig:
         return missing
 
 
+def settle(rig: Rig, *, rounds: int = 100) -> None:
+    """Run every copy of the rig's manual copy stream and poll, until no copy is pending, no
+    request is live and no store write is pending.
+
+    Raises:
+        AssertionError: still not settled after ``rounds`` rounds.
+    """
+    for _ in range(rounds):
+        rig.copy_stream.complete_all()
+        rig.manager.poll()
+        if not (rig.copy_stream.pending or rig.manager.requests_live or rig.manager.metrics.writes_pending):
+            return
+    raise AssertionError("the manager did not settle")
+
+
 def make_rig(
     *,
     page_size: int = 4,

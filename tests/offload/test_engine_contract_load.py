@@ -10,18 +10,9 @@ import torch
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.offload.testing import SimpleRequest
-from offload_rig import make_rig
+from offload_rig import make_rig, settle
 
 PAGE = 4
-
-
-def settle(rig):
-    for _ in range(100):
-        rig.copy_stream.complete_all()
-        rig.manager.poll()
-        if not (rig.copy_stream.pending or rig.manager.requests_live or rig.manager.metrics.writes_pending):
-            return
-    raise AssertionError("the manager did not settle")
 
 
 def store_prompt_of(rig, rid, prompt):

@@ -17,7 +17,7 @@ from kvstage.kv_layout import KVLayout
 from kvstage.offload import StoreWorkers
 from kvstage.offload.testing import SimpleRequest
 from kvstage.storage import LayoutFingerprint
-from offload_rig import FlakyStore, make_rig
+from offload_rig import FlakyStore, make_rig, settle
 
 PAGE = 4
 
@@ -30,16 +30,6 @@ def prefilling(rig, rid, prompt, computed, max_new_tokens=8):
     rig.stacked[:, :, rig.slots(req)] = -1
     rig._write_kv(req, 0, computed)
     return req
-
-
-def settle(rig):
-    """Run every copy and collect it, until nothing is in flight or waiting."""
-    for _ in range(100):
-        rig.copy_stream.complete_all()
-        rig.manager.poll()
-        if not (rig.copy_stream.pending or rig.manager.requests_live or rig.manager.metrics.writes_pending):
-            return
-    raise AssertionError("the manager did not settle")
 
 
 def stored_pages_equal(rig, req, num_pages):
