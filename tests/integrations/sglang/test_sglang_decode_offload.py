@@ -130,6 +130,31 @@ def test_no_url_in_the_extra_config_is_refused(tmp_path, one_rank):
         settings.restore()
 
 
+def test_a_stride_larger_than_the_host_pool_is_refused_and_the_opened_store_is_closed(one_rank, monkeypatch):
+    """The store is opened before the host pool and the manager; when they refuse, it is closed."""
+    from kvstage.integrations.sglang.key_space import ExtraConfig
+
+    opened, closed = [], []
+    real_open = ExtraConfig.open_store
+
+    def open_and_watch(self, fingerprint):
+        store = real_open(self, fingerprint)
+        real_close = store.close
+        store.close = lambda: (closed.append(store), real_close())[-1]
+        opened.append(store)
+        return store
+
+    monkeypatch.setattr(ExtraConfig, "open_store", open_and_watch)
+    # hicache_ratio 2.0 over 256 device slots: 128 host pages; a stride of 256 pages cannot fit
+    settings = install_settings("memory", stride=256 * PAGE_SIZE)
+    try:
+        with pytest.raises(InvalidArgumentError, match="offload_stride"):
+            DecodeSide("mha", one_rank)
+    finally:
+        settings.restore()
+    assert len(opened) == 1 and closed == opened
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
