@@ -39,10 +39,11 @@ def mha_host(layout="page_first"):
 
 # -- chains -------------------------------------------------------------------------------------
 
-def test_a_child_written_before_its_parent_is_stored_and_read_back():
+@pytest.mark.parametrize("store", ["memory", "file"])
+def test_a_child_written_before_its_parent_is_stored_and_read_back(tmp_path, store):
     host = mha_host()
     set_host(host, random_canonical(host, seed=1))
-    backend = kvstage_backend("memory", host)
+    backend = kvstage_backend("memory" if store == "memory" else f"file:{tmp_path / 'store'}", host)
     child = HiCacheStorageExtraInfo(prefix_keys=[key(1)])  # key(1) not stored yet
     assert backend.batch_set_v1([key(2), key(3)], slots([8, 12]), child) == [True, True]
     assert backend.batch_set_v1([key(1)], slots([4])) == [True]
@@ -98,6 +99,22 @@ def test_a_store_put_that_raises_fails_its_pages_with_a_warning_and_never_reache
         assert backend.batch_set([key(20)], [host.get_data_page(0, flat=True)]) is False
     assert "1 of 1 pages not stored" in caplog.text and "the disk went away" in caplog.text
     assert backend.batch_exists([key(20)]) == 0
+
+
+def test_batch_set_v1_with_prefix_keys_asks_the_store_no_exists_whether_the_parent_is_stored_or_not():
+    host = mha_host()
+    set_host(host, random_canonical(host, seed=4))
+    backend = kvstage_backend("memory", host)
+    store, asked = backend.store, []
+    real_exists = store.exists
+    store.exists = lambda keys: (asked.append(list(keys)), real_exists(keys))[-1]
+    orphan = HiCacheStorageExtraInfo(prefix_keys=[key(1)])  # key(1) is not stored
+    assert backend.batch_set_v1([key(2), key(3)], slots([8, 12]), orphan) == [True, True]
+    assert backend.batch_set_v1([key(1)], slots([4])) == [True]
+    assert backend.batch_set_v1([key(4)], slots([16]), HiCacheStorageExtraInfo(prefix_keys=[key(1)])) == [True]
+    assert asked == []
+    store.exists = real_exists
+    assert backend.batch_exists([key(n) for n in range(1, 5)]) == 4
 
 
 # -- legacy flat pages --------------------------------------------------------------------------
