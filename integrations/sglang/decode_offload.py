@@ -55,7 +55,7 @@ def _sglang_settings() -> tuple[int, int, dict, str | None, float, float]:
     try:
         extra = json.loads(raw) if raw else {}
     except json.JSONDecodeError as error:
-        raise InvalidArgumentError(f"hicache_storage_backend_extra_config: not JSON ({error})") from None
+        raise InvalidArgumentError(f"--hicache-storage-backend-extra-config: not JSON ({error})") from None
     return page_size, stride, extra, get_serving().served_model_name, memory.hicache_size, memory.hicache_ratio
 
 

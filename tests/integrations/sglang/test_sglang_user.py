@@ -227,16 +227,19 @@ def test_a_bad_url_is_refused_with_a_kvstage_error_naming_the_url():
 @pytest.mark.parametrize("url,rule", [
     ("s3://bucket/kv", "unknown storage scheme 's3'"),
     ("file:/tmp/kv?capacity=1", "unknown option 'capacity'"),
-    ("memory:lots", ""),
+    ("memory:lots", "the capacity must be an int number of bytes"),
+    ("memory:1", "holds no page"),
 ])
 def test_a_bad_url_names_the_key_the_user_typed(url, rule):
     """Whatever part of the URL is wrong, the message starts with ``extra_config.url`` and the
-    URL (never the store factory's own argument names ``url:`` / ``storage:``)."""
+    URL, which it names once (never the store factory's own argument names ``url:`` /
+    ``storage:``)."""
     host = host_pool(mha_device_pool(), "layer_first")
     with pytest.raises(InvalidArgumentError) as caught:
         make(url, host)
     assert str(caught.value).startswith(f"extra_config.url: {url!r}: "), str(caught.value)
     assert rule in str(caught.value)
+    assert str(caught.value).count(url) == 1, str(caught.value)
     assert "storage:" not in str(caught.value) and ": url:" not in str(caught.value)
 
 
@@ -246,6 +249,21 @@ def test_a_bad_url_on_the_decode_side_names_the_same_key(tmp_path):
         with pytest.raises(InvalidArgumentError, match=r"^extra_config\.url: 's3://bucket/kv': unknown storage scheme 's3'"):
             DecodeSide("mha", dist.group.WORLD)
     finally:
+        settings.restore()
+
+
+def test_an_extra_config_that_is_not_json_on_the_decode_side_names_the_flag_the_user_typed(tmp_path):
+    from sglang.srt.runtime_context import get_context
+
+    settings = install_settings("memory")
+    inner = get_context().override_server_args(device="cpu", page_size=PAGE_SIZE, hicache_storage_backend_extra_config="{url: memory}")
+    inner.install()
+    try:
+        with pytest.raises(InvalidArgumentError, match=r"^--hicache-storage-backend-extra-config: not JSON \(") as caught:
+            DecodeSide("mha", dist.group.WORLD)
+        assert "hicache_storage_backend_extra_config" not in str(caught.value)
+    finally:
+        inner.restore()
         settings.restore()
 
 
