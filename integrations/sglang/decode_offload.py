@@ -55,7 +55,7 @@ def _sglang_settings() -> tuple[int, int, dict, str | None, float, float]:
     try:
         extra = json.loads(raw) if raw else {}
     except json.JSONDecodeError as error:
-        raise InvalidArgumentError(f"hicache_storage_backend_extra_config: not JSON ({error})") from None
+        raise InvalidArgumentError(f"--hicache-storage-backend-extra-config: not JSON ({error})") from None
     return page_size, stride, extra, get_serving().served_model_name, memory.hicache_size, memory.hicache_ratio
 
 
@@ -131,14 +131,18 @@ class KVStageDecodeOffloadManager:
         )
         page_bytes = fingerprint.page_bytes
         num_pages = int(hicache_size * 1e9) // page_bytes if hicache_size else int(hicache_ratio * kv_cache.size) // page_size
-        self.storage = config.open_store(fingerprint)
-        self.host_pool = HostPool.like(kv_pool, num_pages=max(num_pages, 1), page_size=page_size)
         self._released_here: set[int] = set()  # id(req) of finishing requests kvstage released on this rank
         self._finishing: list[Any] = []  # finished requests, in finish order (equal on every rank)
-        self.manager = OffloadManager(
-            kv_pool, self.host_pool, self.storage, PageHasher(page_size=page_size), self._slot_indices,
-            offload_stride=stride, store_prompt=False, release=lambda req: self._released_here.add(id(req)),
-        )
+        self.storage = config.open_store(fingerprint)
+        try:
+            self.host_pool = HostPool.like(kv_pool, num_pages=max(num_pages, 1), page_size=page_size)
+            self.manager = OffloadManager(
+                kv_pool, self.host_pool, self.storage, PageHasher(page_size=page_size), self._slot_indices,
+                offload_stride=stride, store_prompt=False, release=lambda req: self._released_here.add(id(req)),
+            )
+        except BaseException:
+            self.storage.close()  # sglang never calls release_host_resources on a manager that failed to build
+            raise
 
     # -- what sglang's scheduler calls ------------------------------------------------------
 

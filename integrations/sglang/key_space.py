@@ -140,4 +140,7 @@ class ExtraConfig:
             return open_storage(self.url, fingerprint)
         except InvalidArgumentError as error:
             rule = _FACTORY_ARGUMENT.sub("", str(error))
+            # the factories quote the URL too ("'memory:x': ...", "... in 's3://...'"): named once, first
+            quoted = re.escape(repr(self.url))
+            rule = re.sub(rf"^{quoted}:? |,? (?:in|got) {quoted}", "", rule)
             raise InvalidArgumentError(f"extra_config.url: {self.url!r}: {rule}") from error

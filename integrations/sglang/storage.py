@@ -15,6 +15,7 @@ keys :class:`kvstage.hashing.PageHasher` computes).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, List, Optional, Sequence
@@ -27,10 +28,12 @@ from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.integrations.sglang.host_layouts import flat_page_view, host_kv_layout, page_view
 from kvstage.integrations.sglang.key_space import ExtraConfig
 from kvstage.kv_layout import KVLayout
-from kvstage.storage import StorageBackend
-from kvstage.storage.backend import PutStatus
+from kvstage.offload.store_io import write_pages
+from kvstage.storage import MissingPriorError, StorageBackend
 
 __all__ = ["KVStageStorage", "CHUNK_PAGES"]
+
+logger = logging.getLogger(__name__)
 
 CHUNK_PAGES = 8  # pages a call moves per store call: bounds each thread's staging memory
 
@@ -123,21 +126,14 @@ class KVStageStorage(HiCacheStorage):
         ``prefix_keys[-1]`` only when that page is stored: a child written before its parent
         (or after it was evicted) is stored as a chain's start rather than refused, so no page
         sglang hands over is lost (its parent, written later, is then not linked to it for
-        eviction).
+        eviction). The store is not asked first: a put the store refuses with
+        :class:`kvstage.storage.MissingPriorError` for that key is put again unlinked.
         """
         store, starts = self._pages_of(keys, host_indices)
-        prior = None
         prefix_keys = extra_info.prefix_keys if extra_info is not None else None
-        if prefix_keys:
-            prior = prefix_keys[-1] if store.exists([prefix_keys[-1]])[0] else None
+        prior = prefix_keys[-1] if prefix_keys else None
         started = time.perf_counter()
-        results: list[bool] = []
-        for first in range(0, len(keys), CHUNK_PAGES):
-            chunk = keys[first:first + CHUNK_PAGES]
-            pages = self._for_put(store, [page_view(self.mem_pool_host, start) for start in starts[first:first + CHUNK_PAGES]])
-            statuses = store.put(chunk, pages, prior_key=prior)
-            results += [status is not PutStatus.FAILED for status in statuses]
-            prior = chunk[-1]
+        results = self._write(store, keys, [page_view(self.mem_pool_host, start) for start in starts], prior)
         self._record("backup", sum(results), time.perf_counter() - started)
         return results
 
@@ -185,13 +181,7 @@ class KVStageStorage(HiCacheStorage):
         if len(values) != len(keys):
             raise InvalidArgumentError(f"values: {len(values)} pages for {len(keys)} keys")
         views = [flat_page_view(self.mem_pool_host, value, self.kv_layout) for value in values]
-        ok, prior = True, None
-        for first in range(0, len(keys), CHUNK_PAGES):
-            chunk = list(keys[first:first + CHUNK_PAGES])
-            statuses = store.put(chunk, self._for_put(store, views[first:first + CHUNK_PAGES]), prior_key=prior)
-            ok = ok and all(status is not PutStatus.FAILED for status in statuses)
-            prior = chunk[-1]
-        return ok
+        return all(self._write(store, list(keys), views, None))
 
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> torch.Tensor | None:
         """Read ``key`` into ``target_location`` (a flat page, e.g.
@@ -280,6 +270,31 @@ class KVStageStorage(HiCacheStorage):
                 page.copy_(view)
                 pages.append(page)
         return pages
+
+    def _write(self, store: StorageBackend, keys: list[str], views: list[torch.Tensor], prior: str | None) -> list[bool]:
+        """Store the page views under ``keys`` (one chain run after ``prior``; None: a chain's
+        start; a run refused because ``prior`` is not stored is put again as a chain's start),
+        ``CHUNK_PAGES`` at a time through :func:`kvstage.offload.store_io.write_pages`,
+        so a store that raises fails its pages rather than sglang's thread; True per page stored
+        or already there. Failed pages are logged once per call at WARNING, with the cause."""
+        results: list[bool] = []
+        cause: BaseException | None = None
+        for first in range(0, len(keys), CHUNK_PAGES):
+            chunk = keys[first:first + CHUNK_PAGES]
+            pages = self._for_put(store, views[first:first + CHUNK_PAGES])
+            outcome = write_pages(store, chunk, pages, prior_key=prior)
+            if prior is not None and isinstance(outcome.error, MissingPriorError) and outcome.error.prior_key == prior:
+                outcome = write_pages(store, chunk, pages)  # the prior is not stored: this run starts a chain
+            failed = set(outcome.failed_keys)
+            results += [key not in failed for key in chunk]
+            cause = cause or outcome.error
+            prior = chunk[-1]
+        if not all(results):
+            logger.warning(
+                "KVStageStorage: %d of %d pages not stored: %s", results.count(False), len(results),
+                repr(cause) if cause is not None else "the store refused them (no room)",
+            )
+        return results
 
     def _get_into(self, store: StorageBackend, keys: list[str], views: list[torch.Tensor]) -> list[bool]:
         """Read ``keys`` into the page views, directly where the store takes them, else through

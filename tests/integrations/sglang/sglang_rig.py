@@ -7,7 +7,9 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.storage import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 MLA_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
@@ -64,6 +66,15 @@ def kvstage_backend(url: str, host, **config):
     return backend
 
 
+def write_through(cc, host, key: RadixKey, slots: torch.Tensor | None = None, timeout: float = 30) -> torch.Tensor:
+    """Store the pages of ``key`` from ``host`` slots (fresh ones when ``slots`` is None) on
+    sglang's backup thread, as its cache's write-through does; waits for the ack, checks every
+    token of ``key`` was stored, and returns the slots."""
+    if slots is None:
+        slots = host.alloc(len(key.token_ids))
+    cc.write_storage(slots, key.token_ids, hash_value=get_storage_hash_str(key, page_size=host.page_size))
+    assert cc.ack_backup_queue.get(timeout=timeout).completed_tokens == len(key.token_ids)
+    return slots
 
 
 def page_tokens(host, starts: list[int]) -> torch.Tensor:

@@ -18,11 +18,10 @@ from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.runtime_context import get_parallel
 from sglang_rig import (
     MHA_LAYOUTS, MLA_LAYOUTS, PAGE_SIZE, canonical_of, extra_config, host_pool, mha_device_pool,
-    mla_device_pool, random_canonical, same_bytes, set_host, token_slots,
+    mla_device_pool, random_canonical, same_bytes, set_host, token_slots, write_through,
 )
 
 from kvstage.hashing import PageHasher
@@ -60,15 +59,6 @@ def controller(kind: str, layout: str, url: str, hybrid: bool):
     assert isinstance(cc.storage_backend, KVStageStorage)
     assert cc.page_set_func.__name__ == "_page_set_zero_copy"  # sglang chose the v1 calls
     return cc, host
-
-
-def write_through(cc, host, key: RadixKey) -> torch.Tensor:
-    """Store the pages of ``key`` from fresh host slots on sglang's backup thread; the slots."""
-    indices = host.alloc(len(key.token_ids))
-    cc.write_storage(indices, key.token_ids, hash_value=get_storage_hash_str(key, page_size=PAGE_SIZE))
-    operation = cc.ack_backup_queue.get(timeout=TIMEOUT)
-    assert operation.completed_tokens == len(key.token_ids)
-    return indices
 
 
 def prefetch(cc, host, key: RadixKey) -> tuple[int, torch.Tensor]:

@@ -18,8 +18,7 @@ import torch.multiprocessing as mp
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang.srt.mem_cache.utils import get_storage_hash_str
-from sglang_rig import PAGE_SIZE, canonical_of, extra_config, host_pool, token_slots
+from sglang_rig import PAGE_SIZE, canonical_of, extra_config, host_pool, token_slots, write_through
 
 import tp_rank_worker
 from decode_rig import DecodeSide, install_settings, released, run_until_released
@@ -76,8 +75,7 @@ def test_decode_pages_continue_the_prefill_chain_and_the_next_turn_prefetches_th
         prompt_slots = prefill_host.alloc(8)
         put_kv_in_host(prefill_host, side.kv_of(req, 8), prompt_slots)
         key = RadixKey(array("q", prompt[:8]), extra_key="lora-7")
-        prefill.write_storage(prompt_slots, key.token_ids, hash_value=get_storage_hash_str(key, page_size=PAGE_SIZE))
-        assert prefill.ack_backup_queue.get(timeout=30).completed_tokens == 8
+        write_through(prefill, prefill_host, key, prompt_slots)
         prefill.detach_storage_backend()
 
         for step in range(11):
@@ -128,6 +126,31 @@ def test_no_url_in_the_extra_config_is_refused(tmp_path, one_rank):
             inner.restore()
     finally:
         settings.restore()
+
+
+def test_a_stride_larger_than_the_host_pool_is_refused_and_the_opened_store_is_closed(one_rank, monkeypatch):
+    """The store is opened before the host pool and the manager; when they refuse, it is closed."""
+    from kvstage.integrations.sglang.key_space import ExtraConfig
+
+    opened, closed = [], []
+    real_open = ExtraConfig.open_store
+
+    def open_and_watch(self, fingerprint):
+        store = real_open(self, fingerprint)
+        real_close = store.close
+        store.close = lambda: (closed.append(store), real_close())[-1]
+        opened.append(store)
+        return store
+
+    monkeypatch.setattr(ExtraConfig, "open_store", open_and_watch)
+    # hicache_ratio 2.0 over 256 device slots: 128 host pages; a stride of 256 pages cannot fit
+    settings = install_settings("memory", stride=256 * PAGE_SIZE)
+    try:
+        with pytest.raises(InvalidArgumentError, match="offload_stride"):
+            DecodeSide("mha", one_rank)
+    finally:
+        settings.restore()
+    assert len(opened) == 1 and closed == opened
 
 
 def _free_port() -> int:

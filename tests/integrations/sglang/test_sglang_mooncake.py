@@ -13,11 +13,10 @@ from mooncake_master import LocalMooncakeMaster
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.runtime_context import get_parallel
 from sglang_rig import (
     PAGE_SIZE, canonical_of, extra_config, host_pool, mha_device_pool, mla_device_pool, random_canonical,
-    same_bytes, set_host, token_slots,
+    same_bytes, set_host, token_slots, write_through,
 )
 
 from kvstage.storage.mooncake.store import INSTALL_HINT, master_binary, mooncake_available
@@ -61,9 +60,7 @@ def test_write_through_then_the_next_turn_prefetches_from_mooncake(master, kind,
     try:
         set_host(writer_host, random_canonical(writer_host, seed=4))
         key = RadixKey(array("q", range(40, 40 + 3 * PAGE_SIZE)), extra_key="lora-7")
-        slots = writer_host.alloc(len(key.token_ids))
-        writer.write_storage(slots, key.token_ids, hash_value=get_storage_hash_str(key, page_size=PAGE_SIZE))
-        assert writer.ack_backup_queue.get(timeout=60).completed_tokens == len(key.token_ids)
+        slots = write_through(writer, writer_host, key, timeout=60)
         source = token_slots(writer_host, canonical_of(writer_host), slots)
         reader, reader_host = controller(device, read, url)
         reader.prefetch("turn-2", RadixKey(array("q", list(key.token_ids) + [9, 9]), extra_key="lora-7"))

@@ -39,10 +39,11 @@ def mha_host(layout="page_first"):
 
 # -- chains -------------------------------------------------------------------------------------
 
-def test_a_child_written_before_its_parent_is_stored_and_read_back():
+@pytest.mark.parametrize("store", ["memory", "file"])
+def test_a_child_written_before_its_parent_is_stored_and_read_back(tmp_path, store):
     host = mha_host()
     set_host(host, random_canonical(host, seed=1))
-    backend = kvstage_backend("memory", host)
+    backend = kvstage_backend("memory" if store == "memory" else f"file:{tmp_path / 'store'}", host)
     child = HiCacheStorageExtraInfo(prefix_keys=[key(1)])  # key(1) not stored yet
     assert backend.batch_set_v1([key(2), key(3)], slots([8, 12]), child) == [True, True]
     assert backend.batch_set_v1([key(1)], slots([4])) == [True]
@@ -65,6 +66,55 @@ def test_prefix_keys_link_a_run_to_its_stored_parent_so_eviction_takes_the_chain
     # Linked, the parent is no candidate while its child is stored: the child (the tail) goes,
     # though the parent was used longer ago.
     assert backend.exists(key(1)) and not backend.exists(key(2))
+
+
+def _put_raises_from_the_second_call(backend):
+    """The backend's store, its put raising OSError(EIO) from its second call on."""
+    store = backend.store
+    real_put, calls = store.put, []
+
+    def put(keys, pages, prior_key=None):
+        calls.append(list(keys))
+        if len(calls) > 1:
+            raise OSError(5, "Input/output error: the disk went away")
+        return real_put(keys, pages, prior_key=prior_key)
+
+    store.put = put
+    return calls
+
+
+def test_a_store_put_that_raises_fails_its_pages_with_a_warning_and_never_reaches_sglang(caplog):
+    host = mha_host()
+    set_host(host, random_canonical(host, seed=3))
+    backend = kvstage_backend("memory", host)
+    calls = _put_raises_from_the_second_call(backend)
+    keys = [key(n) for n in range(1, 11)]  # ten pages: a chunk of CHUNK_PAGES (8), then two
+    with caplog.at_level("WARNING", logger="kvstage.integrations.sglang.storage"):
+        assert backend.batch_set_v1(keys, slots(range(0, 40, 4))) == [True] * 8 + [False] * 2
+    assert len(calls) == 2
+    assert backend.batch_exists(keys) == 8
+    assert "2 of 10 pages not stored" in caplog.text and "the disk went away" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvstage.integrations.sglang.storage"):  # the legacy call: one flat page each
+        assert backend.batch_set([key(20)], [host.get_data_page(0, flat=True)]) is False
+    assert "1 of 1 pages not stored" in caplog.text and "the disk went away" in caplog.text
+    assert backend.batch_exists([key(20)]) == 0
+
+
+def test_batch_set_v1_with_prefix_keys_asks_the_store_no_exists_whether_the_parent_is_stored_or_not():
+    host = mha_host()
+    set_host(host, random_canonical(host, seed=4))
+    backend = kvstage_backend("memory", host)
+    store, asked = backend.store, []
+    real_exists = store.exists
+    store.exists = lambda keys: (asked.append(list(keys)), real_exists(keys))[-1]
+    orphan = HiCacheStorageExtraInfo(prefix_keys=[key(1)])  # key(1) is not stored
+    assert backend.batch_set_v1([key(2), key(3)], slots([8, 12]), orphan) == [True, True]
+    assert backend.batch_set_v1([key(1)], slots([4])) == [True]
+    assert backend.batch_set_v1([key(4)], slots([16]), HiCacheStorageExtraInfo(prefix_keys=[key(1)])) == [True]
+    assert asked == []
+    store.exists = real_exists
+    assert backend.batch_exists([key(n) for n in range(1, 5)]) == 4
 
 
 # -- legacy flat pages --------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.runtime_context import get_parallel
 from sglang_rig import (
     PAGE_SIZE, canonical_of, host_pool, mha_device_pool, mla_device_pool, random_canonical, same_bytes,
-    set_host, storage_config, token_slots,
+    set_host, storage_config, token_slots, write_through,
 )
 
 from decode_rig import DecodeSide, install_settings, released
@@ -74,14 +74,6 @@ def controller(url: str, layout: str = "page_first", kind: str = "mha", extra: d
         storage_backend="dynamic", model_name="org/tiny-model", storage_backend_extra_config={**readme_extra_config(url), **(extra or {})},
     )
     return cc, host
-
-
-def write_through(cc, host, key: RadixKey) -> torch.Tensor:
-    indices = host.alloc(len(key.token_ids))
-    cc.write_storage(indices, key.token_ids, hash_value=get_storage_hash_str(key, page_size=PAGE_SIZE))
-    operation = cc.ack_backup_queue.get(timeout=TIMEOUT)
-    assert operation.completed_tokens == len(key.token_ids)
-    return indices
 
 
 def prefetch(cc, key: RadixKey, rid: str = "next-turn") -> tuple[int, torch.Tensor]:
@@ -227,16 +219,19 @@ def test_a_bad_url_is_refused_with_a_kvstage_error_naming_the_url():
 @pytest.mark.parametrize("url,rule", [
     ("s3://bucket/kv", "unknown storage scheme 's3'"),
     ("file:/tmp/kv?capacity=1", "unknown option 'capacity'"),
-    ("memory:lots", ""),
+    ("memory:lots", "the capacity must be an int number of bytes"),
+    ("memory:1", "holds no page"),
 ])
 def test_a_bad_url_names_the_key_the_user_typed(url, rule):
     """Whatever part of the URL is wrong, the message starts with ``extra_config.url`` and the
-    URL (never the store factory's own argument names ``url:`` / ``storage:``)."""
+    URL, which it names once (never the store factory's own argument names ``url:`` /
+    ``storage:``)."""
     host = host_pool(mha_device_pool(), "layer_first")
     with pytest.raises(InvalidArgumentError) as caught:
         make(url, host)
     assert str(caught.value).startswith(f"extra_config.url: {url!r}: "), str(caught.value)
     assert rule in str(caught.value)
+    assert str(caught.value).count(url) == 1, str(caught.value)
     assert "storage:" not in str(caught.value) and ": url:" not in str(caught.value)
 
 
@@ -246,6 +241,21 @@ def test_a_bad_url_on_the_decode_side_names_the_same_key(tmp_path):
         with pytest.raises(InvalidArgumentError, match=r"^extra_config\.url: 's3://bucket/kv': unknown storage scheme 's3'"):
             DecodeSide("mha", dist.group.WORLD)
     finally:
+        settings.restore()
+
+
+def test_an_extra_config_that_is_not_json_on_the_decode_side_names_the_flag_the_user_typed(tmp_path):
+    from sglang.srt.runtime_context import get_context
+
+    settings = install_settings("memory")
+    inner = get_context().override_server_args(device="cpu", page_size=PAGE_SIZE, hicache_storage_backend_extra_config="{url: memory}")
+    inner.install()
+    try:
+        with pytest.raises(InvalidArgumentError, match=r"^--hicache-storage-backend-extra-config: not JSON \(") as caught:
+            DecodeSide("mha", dist.group.WORLD)
+        assert "hicache_storage_backend_extra_config" not in str(caught.value)
+    finally:
+        inner.restore()
         settings.restore()
 
 
@@ -292,8 +302,7 @@ def prefill_side_stores_prompt(side: DecodeSide, url: str, req, key: RadixKey, *
             canonical[i // host.layer_num, i % host.layer_num, slots] = rows
         set_host(host, canonical)
         page_key = RadixKey(array("q", key.token_ids[:whole]), extra_key=key.extra_key, cache_salt=key.cache_salt)
-        cc.write_storage(slots, page_key.token_ids, hash_value=get_storage_hash_str(page_key, page_size=PAGE_SIZE))
-        assert cc.ack_backup_queue.get(timeout=TIMEOUT).completed_tokens == whole
+        write_through(cc, host, page_key, slots)
     finally:
         cc.detach_storage_backend()
 
@@ -491,8 +500,7 @@ def test_a_corrupted_middle_page_stops_the_prefix_there_and_a_rewrite_mends_it(t
         tokens, _ = prefetch(cc, key)
         assert tokens == PAGE_SIZE
         # the next write-through of the same prompt stores the page again
-        cc.write_storage(slots, key.token_ids, hash_value=get_storage_hash_str(key, page_size=PAGE_SIZE))
-        assert cc.ack_backup_queue.get(timeout=TIMEOUT).completed_tokens == 3 * PAGE_SIZE
+        write_through(cc, host, key, slots)
         host.kv_buffer.zero_()
         tokens, got = prefetch(cc, key, rid="again")
         assert tokens == 3 * PAGE_SIZE
