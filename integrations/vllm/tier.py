@@ -133,7 +133,7 @@ class KVStageTier(SecondaryTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Write the job's primary chunks to the store on the writer thread: one ``put`` per
         KV group's run of keys (in the order vLLM gives them, a run of one chain)."""
-        keys = list(job_metadata.keys)
+        keys = self._checked_keys(job_metadata)
         pages = [self._primary[int(chunk)] for chunk in job_metadata.chunk_ids]
         runs = _runs_by_group(keys)
         storage = self.storage
@@ -145,21 +145,27 @@ class KVStageTier(SecondaryTierManager):
                 failed += len(outcome.failed_keys)
             return failed
 
-        self._submit(job_metadata, keys, self._workers.write(write), is_promotion=False)
+        self._track(job_metadata, keys, self._workers.write(write), is_promotion=False)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Read the job's pages from the store into its primary chunks on a reader thread; a
         page the store cannot give intact (missing, corrupted) fails that key only."""
-        keys = list(job_metadata.keys)
+        keys = self._checked_keys(job_metadata)
         pages = [self._primary[int(chunk)] for chunk in job_metadata.chunk_ids]
         storage, hex_keys = self.storage, page_keys(keys)
-        self._submit(job_metadata, keys, self._workers.read(lambda: storage.get(hex_keys, pages)), is_promotion=True)
+        self._track(job_metadata, keys, self._workers.read(lambda: storage.get(hex_keys, pages)), is_promotion=True)
 
-    def _submit(self, job_metadata: TransferJob, keys: list[bytes], future: Future, *, is_promotion: bool) -> None:
+    @staticmethod
+    def _checked_keys(job_metadata: TransferJob) -> list[bytes]:
+        """The job's keys, one per chunk id, checked before anything is submitted."""
+        keys = list(job_metadata.keys)
         require(
             len(keys) == len(job_metadata.chunk_ids), "job_metadata",
-            lambda: f"{len(keys)} keys for {len(job_metadata.chunk_ids)} chunk_ids",
+            lambda: f"must give one key per chunk id, got {len(keys)} keys for {len(job_metadata.chunk_ids)} chunk_ids",
         )
+        return keys
+
+    def _track(self, job_metadata: TransferJob, keys: list[bytes], future: Future, *, is_promotion: bool) -> None:
         self._jobs.append(_Job(job_metadata.job_id, keys, page_keys(keys), future, is_promotion, time.perf_counter()))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:

@@ -15,8 +15,10 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from kvstage.errors import InvalidArgumentError  # noqa: E402
@@ -198,6 +200,24 @@ def test_a_second_engine_finds_pages_another_stored_without_a_blocking_lookup(tm
         assert torch.equal(second.primary_bytes(keys[0]), chunks[keys[0]])
     finally:
         second.close()
+
+
+@pytest.mark.parametrize("submit", ["submit_store", "submit_load"])
+def test_a_job_of_more_keys_than_chunks_raises_naming_it_and_submits_nothing(submit):
+    rig = Rig("memory")
+    try:
+        submitted = []
+        workers = rig.tier._workers
+        for name in ("read", "write"):
+            real = getattr(workers, name)
+            setattr(workers, name, lambda fn, real=real: submitted.append(fn) or real(fn))
+        job = TransferJob(7, keys_of(0, 1), np.array([0]), is_promotion=submit == "submit_load", req_context=rig.request)
+        with pytest.raises(InvalidArgumentError, match="job_metadata"):
+            getattr(rig.tier, submit)(job)
+        assert submitted == []
+        assert not rig.tier.has_pending_work()
+    finally:
+        rig.close()
 
 
 def test_a_bad_storage_url_raises_naming_it_before_the_manager_exists():
