@@ -210,22 +210,30 @@ class KeyedCopies:
         self._in_store = waiting
         self._start_waiting()
 
-    def wait(self, jobs: Sequence[Any] | None = None) -> None:
-        """Block until the given jobs (None: every job) finished; their results stay for
-        :meth:`poll`."""
+    def wait(self, jobs: Sequence[Any] | None = None, *, timeout: float | None = None) -> bool:
+        """Block until the given jobs (None: every job) finished, or ``timeout`` seconds
+        passed (None: no limit); their results stay for :meth:`poll`.
+
+        Returns:
+            Whether every given job finished.
+        """
         wanted = None if jobs is None else list(jobs)
+        deadline = None if timeout is None else time.monotonic() + timeout
 
         def pending() -> list[_Part]:
             parts = [*self._waiting, *self._copying.values(), *self._in_store]
             return [p for p in parts if wanted is None or any(p.owner.job is job or p.owner.job == job for job in wanted)]
 
         while pending():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
             self._progress()
             running = [part.future for part in self._in_store if not part.future.done()]
             if running:
                 wait(running, timeout=0.01)
             else:
                 self.copier.synchronize()
+        return True
 
     @property
     def jobs_in_flight(self) -> int:

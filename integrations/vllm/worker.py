@@ -131,12 +131,18 @@ class KVStageWorker(OffloadingWorker):
         self.keyed.wait(list(job_ids))
 
     def shutdown(self) -> None:
+        """vLLM's worker shutdown: as :meth:`close`."""
         self.close()
 
-    def close(self) -> None:
-        """Wait for copies, stop the threads, close the store. Idempotent."""
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish the jobs in flight (at most ``timeout_s`` seconds: gathers still to be
+        written, parts waiting for host pages), then stop the threads and close the store;
+        jobs unfinished by then are dropped and logged. Idempotent."""
         if self.storage is None:
             return
+        keyed = getattr(self, "keyed", None)  # absent when construction failed
+        if keyed is not None and not keyed.wait(timeout=timeout_s):
+            logger.warning("kvstage: worker closed with %d jobs unfinished after %.1f s; their pages are dropped", keyed.jobs_in_flight, timeout_s)
         self.copier.close()
         self._workers.close()
         release_shared_storage(self.storage)

@@ -119,6 +119,20 @@ def test_jobs_wait_for_host_pages_in_submission_order(rig):
     assert store.exists(list("abcde")) == [True] * 5 and host_pool.free_pages == 4
 
 
+def test_wait_with_a_timeout_returns_false_while_a_job_runs_and_true_once_it_ends(rig):
+    keyed, layers, store, host_pool = rig
+    gate = threading.Event()
+    keyed.workers.write(gate.wait)  # holds the writer thread: the store's write cannot run yet
+    try:
+        keyed.store("held", blocks(0), ["a"])
+        assert keyed.wait(timeout=0.05) is False
+        assert keyed.jobs_in_flight == 1 and store.exists(["a"]) == [False]
+    finally:
+        gate.set()  # else the fixture's close waits for the writer thread forever
+    assert keyed.wait(timeout=30) is True
+    assert keyed.jobs_in_flight == 0 and store.exists(["a"]) == [True]
+
+
 def test_storing_held_keys_again_succeeds_without_writing(rig):
     keyed, layers, store, host_pool = rig
     keyed.store("one", blocks(0), ["a"])

@@ -265,3 +265,25 @@ def test_the_managers_index_follows_the_stores_events_in_order():
         assert manager.lookup(a, ReqContext("r")) is LookupResult.MISS
     finally:
         manager.shutdown()
+
+
+def test_closing_the_worker_writes_the_stores_it_was_never_polled_for(tmp_path):
+    # vLLM's worker may shut down right after submitting: the gathered blocks still reach the store.
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
+
+    from kvstage.integrations.vllm import KVStageWorker
+    from kvstage.integrations.vllm.manager import KVStageLoadStoreSpec
+    from kvstage.storage import LayoutFingerprint, open_storage
+
+    tensors = [torch.arange(8 * 64, dtype=torch.int64).remainder(251).to(torch.int8).view(8, 64) + i for i in range(2)]
+    kv_caches = CanonicalKVCaches([CanonicalKVCacheTensor(t, 64) for t in tensors], [[CanonicalKVCacheRef(i, 64) for i in range(2)]])
+    fingerprint = LayoutFingerprint.opaque("m", page_bytes=128, page_format="test")
+    worker = KVStageWorker(kv_caches, open_storage(f"file:{tmp_path}", fingerprint), num_host_pages=1)
+    assert worker.submit_store(3, GPULoadStoreSpec([1, 4, 6], [3], [0]), KVStageLoadStoreSpec(["k1", "k4", "k6"]))  # 3 parts of 1 page
+    worker.close()  # closes the store: a new one over the same directory reads what was written
+    store = open_storage(f"file:{tmp_path}", fingerprint)
+    assert store.exists(["k1", "k4", "k6"]) == [True, True, True]
+    for key, block in (("k1", 1), ("k4", 4), ("k6", 6)):
+        page = torch.empty(128, dtype=torch.uint8)
+        assert store.get([key], [page]) == [True]
+        assert torch.equal(page.view(torch.int8).view(2, 64), torch.stack([t[block] for t in tensors]))
