@@ -65,6 +65,7 @@ class KVStageOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] = []
         self._storing: set[str] = set()  # page keys of stores in flight
         self._clear_pending = False  # a reset waits for the jobs in flight before clearing
+        self.tracks_loads = False  # KVStageConnector sets it: it calls loads_reported each step
         self._loaded: list[str] = []  # keys of loads that ended since vLLM last passed on the workers' output
         self._lock = threading.Lock()
 
@@ -85,8 +86,10 @@ class KVStageOffloadingManager(OffloadingManager):
         return KVStageLoadStoreSpec(page_keys(keys))
 
     def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
-        """The workers finished loading ``keys`` (read, or reported as failed blocks)."""
-        self._loaded.extend(page_keys(keys))
+        """The workers finished loading ``keys`` (read, or reported as failed blocks). Kept for
+        :meth:`loads_reported` only while :attr:`tracks_loads` (else nothing would empty it)."""
+        if self.tracks_loads:
+            self._loaded.extend(page_keys(keys))
 
     def loads_reported(self, *, failed: bool) -> None:
         """vLLM passed on the workers' output of a step; with ``failed``, blocks of a load in

@@ -287,3 +287,24 @@ def test_closing_the_worker_writes_the_stores_it_was_never_polled_for(tmp_path):
         page = torch.empty(128, dtype=torch.uint8)
         assert store.get([key], [page]) == [True]
         assert torch.equal(page.view(torch.int8).view(2, 64), torch.stack([t[block] for t in tensors]))
+
+
+def test_the_manager_keeps_no_loaded_keys_unless_its_connector_reports_loads():
+    # vLLM's own OffloadingConnector never calls loads_reported: nothing may pile up for it.
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvstage.integrations.vllm import KVStageOffloadingManager
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    manager = KVStageOffloadingManager(MemoryStore(LayoutFingerprint.opaque("m", page_bytes=16, page_format="test")))
+    try:
+        keys = [index.to_bytes(36, "big") for index in range(1000)]
+        manager.complete_load(keys, ReqContext("r"))
+        assert manager._loaded == []
+        manager.tracks_loads = True  # KVStageConnector: loads_reported empties it each step
+        manager.complete_load(keys[:3], ReqContext("r"))
+        assert manager._loaded == [key.hex() for key in keys[:3]]
+        manager.loads_reported(failed=False)
+        assert manager._loaded == []
+    finally:
+        manager.shutdown()
