@@ -100,19 +100,21 @@ class StoreIndex:
 
     def add(self, keys: Iterable[str]) -> None:
         """The store holds ``keys`` now (they were written through this process)."""
+        keys = list(keys)
         now = self._clock()
         for key in keys:
             self._held[key] = now
             self._missing.pop(key, None)
-            self._changed_while_asking.add(key)
+        self._note_changed(keys)
 
     def discard(self, keys: Iterable[str]) -> None:
         """``keys`` are gone (evicted, removed, unreadable): they answer False for ``miss_ttl_s``."""
+        keys = list(keys)
         now = self._clock()
         for key in keys:
             self._held.pop(key, None)
-            self._missing[key] = now
-            self._changed_while_asking.add(key)
+            self._set_missing(key, now)
+        self._note_changed(keys)
 
     def holds(self, key: str) -> bool:
         """Whether ``key`` is known held now (no refresh is queued, unlike :meth:`lookup`)."""
@@ -121,10 +123,11 @@ class StoreIndex:
     def forget(self, keys: Iterable[str]) -> None:
         """Drop what is known of ``keys``: their next lookup asks the store (e.g. keys another
         process wrote, whose outcome this one does not know); an answer in flight is ignored."""
+        keys = list(keys)
         for key in keys:
             self._held.pop(key, None)
             self._missing.pop(key, None)
-            self._changed_while_asking.add(key)
+        self._note_changed(keys)
 
     def reset(self) -> None:
         """Forget every answer (e.g. after the store was cleared): every key is asked again;
@@ -134,13 +137,36 @@ class StoreIndex:
         self._queued.clear()
         self._changed_while_asking.update(self._asking)
 
+    def _note_changed(self, keys: Iterable[str]) -> None:
+        """Keys changed by this process: a refresh in flight must not overwrite them (nothing
+        to note while none is)."""
+        if self._refresh is not None:
+            self._changed_while_asking.update(keys)
+
+    def _set_missing(self, key: str, now: float) -> None:
+        """``_missing`` stays in the order of its times (oldest first) so expired answers are
+        pruned from its front."""
+        self._missing.pop(key, None)
+        self._missing[key] = now
+
+    def _prune_missing(self) -> None:
+        """Drop misses older than ``miss_ttl_s`` (their keys are asked again anyway)."""
+        oldest = self._clock() - self._miss_ttl_s
+        while self._missing:
+            key, found = next(iter(self._missing.items()))
+            if found >= oldest:
+                return
+            del self._missing[key]
+
     def poll(self) -> int:
-        """Take the finished refresh's answers and send the queued keys; never blocks.
+        """Take the finished refresh's answers and send the queued keys, and forget misses
+        older than ``miss_ttl_s``; never blocks.
 
         Returns:
             Keys answered by the store in this call. A refresh that raised leaves its keys
             unknown (they are asked again at their next lookup).
         """
+        self._prune_missing()
         if self._refresh is None or not self._refresh.done():
             return 0
         refresh, keys = self._refresh, self._asking
@@ -156,7 +182,7 @@ class StoreIndex:
                     self._held[key] = now
                 else:
                     self._held.pop(key, None)
-                    self._missing[key] = now
+                    self._set_missing(key, now)
         self._changed_while_asking.clear()
         if self._queued:
             self._submit()

@@ -203,3 +203,26 @@ def test_forget_makes_the_next_lookup_ask_the_store_and_ignores_the_answer_in_fl
     assert [index.lookup(key) for key in ("held", "never-written", "gone")] == [True, False, False]
     assert index.holds("held") and not index.holds("never-written")
     assert index.lookup("other") is False  # answered by the refresh after forget(), not the one before
+
+
+def test_changes_are_recorded_only_while_a_refresh_is_in_flight_and_old_misses_are_pruned(store_and_workers):
+    store, workers = store_and_workers
+    now = [0.0]
+    index = StoreIndex(store, workers, miss_ttl_s=1.0, clock=lambda: now[0])
+    keys = [f"k{i}" for i in range(100_000)]
+    index.add(keys)
+    index.discard(keys)
+    assert len(index._changed_while_asking) == 0  # no refresh in flight: nothing to protect
+    assert len(index._missing) == 100_000 and len(index) == 0
+    now[0] = 0.5
+    index.discard(["late"])
+    index.poll()
+    assert len(index._missing) == 100_001  # none older than miss_ttl_s yet
+    now[0] = 1.2
+    index.poll()
+    assert list(index._missing) == ["late"]  # the 100,000 older than miss_ttl_s are gone
+    assert index.lookup("k7") is None  # a pruned miss is asked again, as an expired one was
+    index.discard(["k8"])  # a refresh is in flight now: its answer must not undo this discard
+    assert index._changed_while_asking == {"k8"}
+    settled(index)
+    assert index.lookup("k8") is False and index.lookup("k7") is False
