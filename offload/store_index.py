@@ -17,6 +17,7 @@ the reader thread.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, wait
 from typing import Any, Callable, Iterable
@@ -24,6 +25,8 @@ from typing import Any, Callable, Iterable
 from kvstage.errors import is_int, require
 
 __all__ = ["StoreIndex"]
+
+logger = logging.getLogger(__name__)
 
 
 class StoreIndex:
@@ -66,6 +69,8 @@ class StoreIndex:
         self._asking: list[str] = []  # the keys of the refresh in flight
         self._refresh: Future | None = None
         self._changed_while_asking: set[str] = set()  # added or discarded since the refresh left
+        self._failing = False  # the last refresh raised (logged once until one succeeds)
+        self.refreshes_failed = 0  # refreshes whose exists raised
 
     def __len__(self) -> int:
         """Keys known held."""
@@ -163,8 +168,9 @@ class StoreIndex:
         older than ``miss_ttl_s``; never blocks.
 
         Returns:
-            Keys answered by the store in this call. A refresh that raised leaves its keys
-            unknown (they are asked again at their next lookup).
+            Keys answered by the store in this call. A refresh that raised is counted in
+            :attr:`refreshes_failed`, logged (once until a refresh succeeds), and its keys
+            answer False for ``miss_ttl_s``.
         """
         self._prune_missing()
         if self._refresh is None or not self._refresh.done():
@@ -172,8 +178,10 @@ class StoreIndex:
         refresh, keys = self._refresh, self._asking
         self._refresh, self._asking = None, []
         answered = 0
-        if refresh.exception() is None:
-            now = self._clock()
+        now = self._clock()
+        error = refresh.exception()
+        if error is None:
+            self._failing = False
             for key, held in zip(keys, refresh.result()):
                 if key in self._changed_while_asking:
                     continue  # what this process did since the question left is newer
@@ -182,6 +190,16 @@ class StoreIndex:
                     self._held[key] = now
                 else:
                     self._held.pop(key, None)
+                    self._set_missing(key, now)
+        else:
+            # A store that cannot answer: its keys miss for miss_ttl_s, so lookups do not
+            # send one failing exists after another.
+            self.refreshes_failed += 1
+            if not self._failing:
+                logger.warning("kvstage: the store's exists failed (%r); its %d keys miss for %.1f s", error, len(keys), self._miss_ttl_s)
+            self._failing = True
+            for key in keys:
+                if key not in self._changed_while_asking:
                     self._set_missing(key, now)
         self._changed_while_asking.clear()
         if self._queued:

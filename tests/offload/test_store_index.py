@@ -4,7 +4,8 @@ A real MemoryStore behind real StoreWorkers threads. What must hold: a key the i
 seen answers None (unknown) at once and its exists() runs on a reader thread; after poll() the
 store's answer is cached; keys added or discarded answer at once; a miss is asked again once its
 answer is older than miss_ttl_s (another process may have stored it); a discard made while a
-refresh is in flight is not undone by that refresh's stale answer; bad arguments raise.
+refresh is in flight is not undone by that refresh's stale answer; a store that cannot answer
+makes its keys miss for miss_ttl_s (logged once, counted); bad arguments raise.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def test_keys_asked_while_a_refresh_runs_go_in_the_next_one(store_and_workers):
     assert sorted(key for batch in batches for key in batch) == ["a1", "b1"]
 
 
-def test_a_store_error_leaves_the_keys_unknown_and_asks_again(store_and_workers):
+def test_a_store_error_makes_the_keys_miss_until_miss_ttl_s_then_asks_again(store_and_workers):
     store, workers = store_and_workers
     store.put(["a1"], [page(1)])
     real_exists = store.exists
@@ -127,12 +128,15 @@ def test_a_store_error_leaves_the_keys_unknown_and_asks_again(store_and_workers)
         return real_exists(keys)
 
     store.exists = flaky
-    index = StoreIndex(store, workers)
+    now = [0.0]
+    index = StoreIndex(store, workers, miss_ttl_s=1.0, clock=lambda: now[0])
     index.lookup("a1")
     settled(index)
-    assert index.lookup("a1") is None  # unknown again: asked again
+    assert index.lookup("a1") is False  # a miss while the store cannot answer
+    now[0] = 1.5
+    assert index.lookup("a1") is None  # asked again after miss_ttl_s
     settled(index)
-    assert index.lookup("a1") is True
+    assert index.lookup("a1") is True and index.refreshes_failed == 1
 
 
 @pytest.mark.parametrize(("arguments", "message"), [({"miss_ttl_s": -1}, "miss_ttl_s"), ({"batch_keys": 0}, "batch_keys")])
@@ -226,3 +230,26 @@ def test_changes_are_recorded_only_while_a_refresh_is_in_flight_and_old_misses_a
     assert index._changed_while_asking == {"k8"}
     settled(index)
     assert index.lookup("k8") is False and index.lookup("k7") is False
+
+
+def test_a_refresh_that_raises_is_logged_once_counted_and_its_keys_miss_for_miss_ttl_s(store_and_workers, caplog):
+    store, workers = store_and_workers
+    calls = []
+
+    def dead_exists(keys):
+        calls.append(list(keys))
+        raise ConnectionError("master gone")
+
+    store.exists = dead_exists
+    now = [0.0]
+    index = StoreIndex(store, workers, miss_ttl_s=1.0, clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="kvstage.offload.store_index"):
+        assert index.lookup("a") is None
+        settled(index)
+        assert index.lookup("a") is False and len(calls) == 1  # a miss: no second failing exists
+        now[0] = 1.5
+        assert index.lookup("a") is None  # asked again after miss_ttl_s
+        settled(index)
+    assert index.refreshes_failed == 2 and len(calls) == 2
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kvstage.offload.store_index"]
+    assert len(warnings) == 1 and "master gone" in warnings[0], warnings
