@@ -16,6 +16,7 @@ lookups answer from a :class:`kvstage.offload.StoreIndex`, results are polled. C
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, wait
@@ -42,6 +43,8 @@ from kvstage.offload.store_io import write_pages
 from kvstage.storage import open_storage
 
 __all__ = ["KVStageTier"]
+
+logger = logging.getLogger(__name__)
 
 _LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
 
@@ -138,12 +141,13 @@ class KVStageTier(SecondaryTierManager):
         runs = _runs_by_group(keys)
         storage = self.storage
 
-        def write() -> int:
-            failed = 0
+        def write() -> tuple[int, BaseException | None]:
+            failed, error = 0, None
             for start, stop in runs:
                 outcome = write_pages(storage, page_keys(keys[start:stop]), pages[start:stop])
                 failed += len(outcome.failed_keys)
-            return failed
+                error = error or outcome.error
+            return failed, error
 
         self._track(job_metadata, keys, self._workers.write(write), is_promotion=False)
 
@@ -183,6 +187,8 @@ class KVStageTier(SecondaryTierManager):
         seconds = time.perf_counter() - job.started
         error = job.future.exception()
         if job.is_promotion:
+            if error is not None:
+                logger.warning("kvstage: promotion job %s of %d pages failed: %r", job.job_id, len(job.keys), error)
             hits = [False] * len(job.keys) if error is not None else list(job.future.result())
             self.index.discard([key for key, hit in zip(job.page_keys, hits) if not hit])
             self.index.add([key for key, hit in zip(job.page_keys, hits) if hit])
@@ -192,9 +198,11 @@ class KVStageTier(SecondaryTierManager):
                 job.job_id, ok, successful_keys=None if ok else read,
                 transfer_time=seconds, transfer_bytes=len(read) * self.block_size_bytes,
             )
-        failed = len(job.keys) if error is not None else job.future.result()
+        failed, error = (len(job.keys), error) if error is not None else job.future.result()
         if failed == 0:
             self.index.add(job.page_keys)
+        else:
+            logger.warning("kvstage: store job %s wrote %d of %d pages: %r", job.job_id, len(job.keys) - failed, len(job.keys), error)
         return JobResult(
             job.job_id, failed == 0, transfer_time=seconds,
             transfer_bytes=(len(job.keys) - failed) * self.block_size_bytes,
