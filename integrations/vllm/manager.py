@@ -60,7 +60,12 @@ class KVStageOffloadingManager(OffloadingManager):
     def __init__(self, storage: Any, *, miss_ttl_s: float = 1.0, hit_ttl_s: float | None = 10.0, events: bool = False) -> None:
         self.storage = storage
         self._workers = StoreWorkers()
-        self.index = StoreIndex(storage, self._workers, miss_ttl_s=miss_ttl_s, hit_ttl_s=hit_ttl_s)
+        try:
+            self.index = StoreIndex(storage, self._workers, miss_ttl_s=miss_ttl_s, hit_ttl_s=hit_ttl_s)
+        except BaseException:
+            self._workers.close()  # the caller keeps the store: it is this manager's only once built
+            raise
+        self._closed = False
         self._events_enabled = events
         self._events: list[OffloadingEvent] = []
         self._storing: set[str] = set()  # page keys of stores in flight
@@ -177,5 +182,10 @@ class KVStageOffloadingManager(OffloadingManager):
             self._events.extend(offloading_events(store_events, key_space=prefix, medium=Medium.STORAGE, locality=None, ownership=None))
 
     def shutdown(self) -> None:
+        """Stop the reader thread and let go of the store (closed by its last user).
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._workers.close()
         release_shared_storage(self.storage)

@@ -308,3 +308,30 @@ def test_the_manager_keeps_no_loaded_keys_unless_its_connector_reports_loads():
         assert manager._loaded == []
     finally:
         manager.shutdown()
+
+
+def test_a_manager_or_worker_that_fails_to_build_lets_go_of_the_shared_store_and_shutdown_twice_is_harmless():
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+    from vllm_rig import offloading_config
+
+    from kvstage.storage import shared
+
+    before = dict(shared._open)
+    spec = KVStageOffloadingSpec(offloading_config({"storage": "memory", "miss_ttl_s": -1}))
+    with pytest.raises(InvalidArgumentError, match="miss_ttl_s"):
+        spec.get_manager()
+    assert shared._open == before  # the store's user was let go (closed: it had no other)
+    padded = torch.zeros(8, 80, dtype=torch.int8)[:, :64]
+    kv_caches = CanonicalKVCaches([CanonicalKVCacheTensor(padded, 64)], [[CanonicalKVCacheRef(0, 64)]])
+    with pytest.raises(InvalidArgumentError):
+        spec.get_worker(kv_caches)
+    assert shared._open == before
+
+    good = KVStageOffloadingSpec(offloading_config({"storage": "memory"}))
+    manager, other = good.get_manager(), KVStageOffloadingSpec(offloading_config({"storage": "memory"})).get_manager()
+    assert manager.storage is other.storage
+    manager.shutdown()
+    manager.shutdown()  # a second shutdown must not count the other user off
+    assert [entry[1] for entry in shared._open.values() if entry[0] is other.storage] == [1]
+    other.shutdown()
+    assert shared._open == before
