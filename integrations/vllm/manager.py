@@ -8,6 +8,7 @@ It decides for vLLM's scheduler and never waits for the store: lookups answer fr
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Collection, Iterable
 from typing import Any
@@ -28,6 +29,8 @@ from kvstage.offload import StoreIndex, StoreWorkers
 from kvstage.storage.shared import release_shared_storage
 
 __all__ = ["KVStageLoadStoreSpec", "KVStageOffloadingManager"]
+
+logger = logging.getLogger(__name__)
 
 _LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
 
@@ -149,12 +152,21 @@ class KVStageOffloadingManager(OffloadingManager):
     def on_reset_flushed(self) -> None:
         """The workers finished every job in flight at the last :meth:`reset_cache`: clear
         the store now. Blocks this thread for the clear: a rare, operator-driven call. Stores
-        in other processes (``memory``) are not reached."""
+        in other processes (``memory``) are not reached.
+
+        Raises:
+            What the store's ``clear`` raised (logged); lookups and stores resume all the same.
+        """
         if not self._clear_pending:
             return
-        self.storage.clear()
-        self.index.reset()
-        self._clear_pending = False
+        try:
+            self.storage.clear()
+        except BaseException as error:
+            logger.error("kvstage: the store's clear after a cache reset failed (%r); pages from before the reset may be found", error)
+            raise
+        finally:
+            self._clear_pending = False  # else every lookup would miss for good
+            self.index.reset()
         self._drain_store_events()
 
     def take_events(self) -> Iterable[OffloadingEvent]:

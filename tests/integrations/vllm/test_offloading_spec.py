@@ -335,3 +335,27 @@ def test_a_manager_or_worker_that_fails_to_build_lets_go_of_the_shared_store_and
     assert [entry[1] for entry in shared._open.values() if entry[0] is other.storage] == [1]
     other.shutdown()
     assert shared._open == before
+
+
+def test_a_clear_that_raises_is_logged_and_lookups_resume(caplog):
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvstage.integrations.vllm import KVStageOffloadingManager
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=16, page_format="test"))
+
+    def refuse():
+        raise OSError("read-only file system")
+
+    store.clear = refuse
+    manager = KVStageOffloadingManager(store)
+    try:
+        manager.reset_cache()
+        assert manager.lookup(bytes(36), ReqContext("r")) is LookupResult.MISS  # waiting for the clear
+        with caplog.at_level("ERROR", logger="kvstage.integrations.vllm.manager"), pytest.raises(OSError, match="read-only"):
+            manager.on_reset_flushed()
+        assert any("read-only file system" in r.getMessage() for r in caplog.records if r.name == "kvstage.integrations.vllm.manager")
+        assert manager.lookup(bytes(36), ReqContext("r")) is LookupResult.RETRY  # asked of the store again
+    finally:
+        manager.shutdown()
