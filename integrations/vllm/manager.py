@@ -113,10 +113,12 @@ class KVStageOffloadingManager(OffloadingManager):
         while a reset waits for its clear (the clear would remove them)."""
         if self._clear_pending:
             return PrepareStoreOutput(keys_to_store=[], store_spec=KVStageLoadStoreSpec([]), evicted_keys=[])
-        wanted = [key for key in keys if self.index.lookup(key.hex()) is not True and key.hex() not in self._storing]
-        hex_keys = page_keys(wanted)
-        self._storing.update(hex_keys)
-        return PrepareStoreOutput(keys_to_store=wanted, store_spec=KVStageLoadStoreSpec(hex_keys), evicted_keys=[])
+        # holds, not lookup: a key about to be written needs no exists of its own
+        keys = list(keys)
+        wanted = [(key, page_key) for key, page_key in zip(keys, page_keys(keys)) if not self.index.holds(page_key) and page_key not in self._storing]
+        wanted_page_keys = [page_key for _, page_key in wanted]
+        self._storing.update(wanted_page_keys)
+        return PrepareStoreOutput(keys_to_store=[key for key, _ in wanted], store_spec=KVStageLoadStoreSpec(wanted_page_keys), evicted_keys=[])
 
     def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
         """The workers finished the store of ``keys``. A worker reports a store done even when

@@ -359,3 +359,27 @@ def test_a_clear_that_raises_is_logged_and_lookups_resume(caplog):
         assert manager.lookup(bytes(36), ReqContext("r")) is LookupResult.RETRY  # asked of the store again
     finally:
         manager.shutdown()
+
+
+def test_prepare_store_sends_no_exists_for_the_keys_it_offers():
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvstage.integrations.vllm import KVStageOffloadingManager
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=16, page_format="test"))
+    asked = []
+    real_exists = store.exists
+    store.exists = lambda keys: asked.append(list(keys)) or real_exists(keys)
+    manager = KVStageOffloadingManager(store)
+    try:
+        held, new = bytes(36), bytes(35) + b"\x01"
+        manager.index.add([held.hex()])
+        output = manager.prepare_store([held, new], ReqContext("r"))
+        assert output.keys_to_store == [new] and output.store_spec.page_keys == [new.hex()]
+        assert not manager.index.refreshing
+        manager.index.wait()
+        assert asked == []
+        assert manager.prepare_store([new], ReqContext("r")).keys_to_store == []  # its store is in flight
+    finally:
+        manager.shutdown()
