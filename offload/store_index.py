@@ -121,6 +121,29 @@ class StoreIndex:
             self._set_missing(key, now)
         self._note_changed(keys)
 
+    def apply_events(self, events: Iterable[Any], key_space: str, *, counts_stored: Callable[[str], bool] | None = None) -> None:
+        """Keep the index in step with the store's events (:class:`kvstage.storage.StoreEvent`
+        s, from ``take_events``), in their order: a page stored then evicted ends up not held.
+
+        Args:
+            events: the store's events; those of another key space are skipped.
+            key_space: the store's ``prefix`` (the key space this index answers for).
+            counts_stored: whether a ``stored`` event of a key makes it held (e.g. only keys
+                this caller is writing); None: every one does. Other kinds always discard.
+        """
+        stored, keys = True, []
+        for event in events:  # runs of one kind, applied in order
+            if event.key_space != key_space:
+                continue
+            is_stored = event.kind == "stored"
+            if is_stored and counts_stored is not None and not counts_stored(event.key):
+                continue
+            if is_stored is not stored:
+                (self.add if stored else self.discard)(keys)
+                stored, keys = is_stored, []
+            keys.append(event.key)
+        (self.add if stored else self.discard)(keys)
+
     def holds(self, key: str) -> bool:
         """Whether ``key`` is known held now (no refresh is queued, unlike :meth:`lookup`)."""
         return key in self._held

@@ -180,18 +180,9 @@ class KVStageOffloadingManager(OffloadingManager):
     def _drain_store_events(self) -> None:
         store_events = self.storage.take_events()
         prefix = self.storage.prefix
-        storing = self._storing
-        stored, keys = True, []
-        for event in store_events:  # runs of one kind, in order: a page stored, then evicted, ends up gone
-            if event.key_space != prefix:
-                continue
-            if event.kind == "stored" and event.key not in storing:
-                continue  # held answers come from this manager's own stores; others are asked
-            if (event.kind == "stored") is not stored:
-                (self.index.add if stored else self.index.discard)(keys)
-                stored, keys = not stored, []
-            keys.append(event.key)
-        (self.index.add if stored else self.index.discard)(keys)
+        # Held answers come from this manager's own stores in flight: a page written before a
+        # reset (no longer in _storing) is not taken as held; others are asked.
+        self.index.apply_events(store_events, prefix, counts_stored=self._storing.__contains__)
         if self._events_enabled and store_events:
             self._events.extend(offloading_events(store_events, key_space=prefix, medium=Medium.STORAGE, locality=None, ownership=None))
 

@@ -236,8 +236,7 @@ class KVStageTier(SecondaryTierManager):
         if not store_events:
             return
         prefix = self.storage.prefix
-        gone = [event.key for event in store_events if event.kind != "stored" and event.key_space == prefix]
-        self.index.discard(gone)
+        self.index.apply_events(store_events, prefix)  # every stored page of this tier's store is its own write
         if self._events_enabled:
             self._events.extend(
                 offloading_events(store_events, key_space=prefix, medium=self.medium, locality=self.locality, ownership=self.tier_type)

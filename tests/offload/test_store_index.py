@@ -253,3 +253,23 @@ def test_a_refresh_that_raises_is_logged_once_counted_and_its_keys_miss_for_miss
     assert index.refreshes_failed == 2 and len(calls) == 2
     warnings = [r.getMessage() for r in caplog.records if r.name == "kvstage.offload.store_index"]
     assert len(warnings) == 1 and "master gone" in warnings[0], warnings
+
+
+def test_store_events_apply_in_order_and_only_counted_stored_keys_become_held():
+    store, workers = MemoryStore(FINGERPRINT, capacity_pages=1), StoreWorkers()
+    try:
+        store.put(["a"], [page(1)])
+        store.put(["b"], [page(2)])  # evicts a
+        store.put(["a"], [page(1)])  # evicts b: a stored, gone, stored again
+        events = store.take_events()
+        assert [(event.kind, event.key) for event in events] == [("stored", "a"), ("evicted", "a"), ("stored", "b"), ("evicted", "b"), ("stored", "a")]
+        index = StoreIndex(store, workers)
+        index.apply_events(events, "another key space")
+        assert len(index) == 0 and not index.refreshing
+        index.apply_events(events, store.prefix)
+        assert index.holds("a") and not index.holds("b") and index.lookup("b") is False
+        other = StoreIndex(store, workers)
+        other.apply_events(events, store.prefix, counts_stored=lambda key: key != "a")
+        assert not other.holds("a") and not other.holds("b") and other.lookup("b") is False
+    finally:
+        workers.close()
