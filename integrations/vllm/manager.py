@@ -126,12 +126,14 @@ class KVStageOffloadingManager(OffloadingManager):
         not taken as held: their next lookup asks the store (RETRY meanwhile), unless the
         index learned since :meth:`prepare_store` that the store holds them (this process's
         store reported them stored, or answered)."""
-        hex_keys = page_keys(keys)
+        completed = page_keys(keys)
         self._drain_store_events()  # while the keys are still in _storing
-        self._storing.difference_update(hex_keys)
-        self.index.forget([key for key in hex_keys if not self.index.holds(key)])
+        self._storing.difference_update(completed)
+        self.index.forget([key for key in completed if not self.index.holds(key)])
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """vLLM's per-request hook: kvstage keeps no per-request state here (keys are the
+        blocks' own), so an empty context."""
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context: Any) -> None:
@@ -140,6 +142,8 @@ class KVStageOffloadingManager(OffloadingManager):
         self._drain_store_events()
 
     def has_pending_work(self) -> bool:
+        """Whether lookups wait for the store's answer (a refresh in flight or queued): vLLM
+        keeps stepping until they are answered. Transfers are the workers' to report."""
         return self.index.refreshing
 
     def reset_cache(self) -> None:

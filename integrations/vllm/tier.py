@@ -156,8 +156,8 @@ class KVStageTier(SecondaryTierManager):
         page the store cannot give intact (missing, corrupted) fails that key only."""
         keys = self._checked_keys(job_metadata)
         pages = [self._primary[int(chunk)] for chunk in job_metadata.chunk_ids]
-        storage, hex_keys = self.storage, page_keys(keys)
-        self._track(job_metadata, keys, self._workers.read(lambda: storage.get(hex_keys, pages)), is_promotion=True)
+        storage, wanted = self.storage, page_keys(keys)
+        self._track(job_metadata, keys, self._workers.read(lambda: storage.get(wanted, pages)), is_promotion=True)
 
     @staticmethod
     def _checked_keys(job_metadata: TransferJob) -> list[bytes]:
