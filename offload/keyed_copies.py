@@ -134,8 +134,15 @@ class KeyedCopies:
 
     def load(self, job: Any, page_keys: Sequence[str], slot_indices: torch.Tensor) -> None:
         """Read ``page_keys`` and copy them into ``slot_indices``. The job fails when a page
-        cannot be read (missing, corrupt); a part that read every page is scattered, so on a
-        failure the slots of earlier parts may hold their pages, the others are untouched.
+        cannot be read (missing, corrupt); parts not yet read or scattered when a part fails
+        are skipped, so on a failure the slots of earlier parts may hold their pages, the
+        others are untouched.
+
+        Args:
+            job: the caller's token (distinct objects for jobs in flight together).
+            page_keys: the pages' keys, in slot order.
+            slot_indices: 1-D int tensor (int64 or int32) of ``len(page_keys) * page_size``
+                distinct slots, page by page, on the KV pool's device.
 
         Raises:
             InvalidArgumentError: as :meth:`store`, or a slot appears twice; nothing started.
@@ -167,13 +174,22 @@ class KeyedCopies:
                     return
                 part.host_page_ids = host_page_ids
                 self._copying[id(part)] = part
+            elif not part.owner.ok:  # an earlier part failed the load: the job fails whatever this one reads
+                self._waiting.popleft()
+                self._end_part(part, moved=0, error=None, ok=False)
+                continue
             else:
                 host_page_ids = self.copier.alloc(len(part.page_keys))
                 if host_page_ids is None:
                     return
                 part.host_page_ids = host_page_ids
                 pages = [self.copier.host_pool.page(page) for page in host_page_ids]
-                part.future = self.workers.read(partial(_read_all, self.storage, part.page_keys, pages))
+                try:
+                    part.future = self.workers.read(partial(_read_all, self.storage, part.page_keys, pages))
+                except BaseException as failure:  # e.g. the workers were closed: the part ends, its pages go back
+                    self._waiting.popleft()
+                    self._end_part(part, moved=0, error=failure, ok=False)
+                    continue
                 self._in_store.append(part)
             self._waiting.popleft()
 
@@ -210,22 +226,30 @@ class KeyedCopies:
         self._in_store = waiting
         self._start_waiting()
 
-    def wait(self, jobs: Sequence[Any] | None = None) -> None:
-        """Block until the given jobs (None: every job) finished; their results stay for
-        :meth:`poll`."""
+    def wait(self, jobs: Sequence[Any] | None = None, *, timeout: float | None = None) -> bool:
+        """Block until the given jobs (None: every job) finished, or ``timeout`` seconds
+        passed (None: no limit); their results stay for :meth:`poll`.
+
+        Returns:
+            Whether every given job finished.
+        """
         wanted = None if jobs is None else list(jobs)
+        deadline = None if timeout is None else time.monotonic() + timeout
 
         def pending() -> list[_Part]:
             parts = [*self._waiting, *self._copying.values(), *self._in_store]
             return [p for p in parts if wanted is None or any(p.owner.job is job or p.owner.job == job for job in wanted)]
 
         while pending():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
             self._progress()
             running = [part.future for part in self._in_store if not part.future.done()]
             if running:
                 wait(running, timeout=0.01)
             else:
                 self.copier.synchronize()
+        return True
 
     @property
     def jobs_in_flight(self) -> int:
@@ -246,8 +270,8 @@ class KeyedCopies:
 
     def _read(self, part: _Part) -> None:
         error = part.future.exception()
-        if error is not None or not part.future.result():
-            self._end_part(part, moved=0, error=error, ok=False)
+        if error is not None or not part.future.result() or not part.owner.ok:
+            self._end_part(part, moved=0, error=error, ok=False)  # never scatter a part of a failed load
             return
         self._copying[id(part)] = part
         try:

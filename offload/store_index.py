@@ -17,6 +17,7 @@ the reader thread.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, wait
 from typing import Any, Callable, Iterable
@@ -24,6 +25,8 @@ from typing import Any, Callable, Iterable
 from kvstage.errors import is_int, require, require_seconds
 
 __all__ = ["StoreIndex"]
+
+logger = logging.getLogger(__name__)
 
 
 class StoreIndex:
@@ -63,6 +66,8 @@ class StoreIndex:
         self._asking: list[str] = []  # the keys of the refresh in flight
         self._refresh: Future | None = None
         self._changed_while_asking: set[str] = set()  # added or discarded since the refresh left
+        self._failing = False  # the last refresh raised (logged once until one succeeds)
+        self.refreshes_failed = 0  # refreshes whose exists raised
 
     def __len__(self) -> int:
         """Keys known held."""
@@ -97,19 +102,44 @@ class StoreIndex:
 
     def add(self, keys: Iterable[str]) -> None:
         """The store holds ``keys`` now (they were written through this process)."""
+        keys = list(keys)
         now = self._clock()
         for key in keys:
             self._held[key] = now
             self._missing.pop(key, None)
-            self._changed_while_asking.add(key)
+        self._note_changed(keys)
 
     def discard(self, keys: Iterable[str]) -> None:
         """``keys`` are gone (evicted, removed, unreadable): they answer False for ``miss_ttl_s``."""
+        keys = list(keys)
         now = self._clock()
         for key in keys:
             self._held.pop(key, None)
-            self._missing[key] = now
-            self._changed_while_asking.add(key)
+            self._set_missing(key, now)
+        self._note_changed(keys)
+
+    def apply_events(self, events: Iterable[Any], key_space: str, *, counts_stored: Callable[[str], bool] | None = None) -> None:
+        """Keep the index in step with the store's events (:class:`kvstage.storage.StoreEvent`
+        s, from ``take_events``), in their order: a page stored then evicted ends up not held.
+
+        Args:
+            events: the store's events; those of another key space are skipped.
+            key_space: the store's ``prefix`` (the key space this index answers for).
+            counts_stored: whether a ``stored`` event of a key makes it held (e.g. only keys
+                this caller is writing); None: every one does. Other kinds always discard.
+        """
+        stored, keys = True, []
+        for event in events:  # runs of one kind, applied in order
+            if event.key_space != key_space:
+                continue
+            is_stored = event.kind == "stored"
+            if is_stored and counts_stored is not None and not counts_stored(event.key):
+                continue
+            if is_stored is not stored:
+                (self.add if stored else self.discard)(keys)
+                stored, keys = is_stored, []
+            keys.append(event.key)
+        (self.add if stored else self.discard)(keys)
 
     def holds(self, key: str) -> bool:
         """Whether ``key`` is known held now (no refresh is queued, unlike :meth:`lookup`)."""
@@ -118,10 +148,11 @@ class StoreIndex:
     def forget(self, keys: Iterable[str]) -> None:
         """Drop what is known of ``keys``: their next lookup asks the store (e.g. keys another
         process wrote, whose outcome this one does not know); an answer in flight is ignored."""
+        keys = list(keys)
         for key in keys:
             self._held.pop(key, None)
             self._missing.pop(key, None)
-            self._changed_while_asking.add(key)
+        self._note_changed(keys)
 
     def reset(self) -> None:
         """Forget every answer (e.g. after the store was cleared): every key is asked again;
@@ -131,20 +162,46 @@ class StoreIndex:
         self._queued.clear()
         self._changed_while_asking.update(self._asking)
 
+    def _note_changed(self, keys: Iterable[str]) -> None:
+        """Keys changed by this process: a refresh in flight must not overwrite them (nothing
+        to note while none is)."""
+        if self._refresh is not None:
+            self._changed_while_asking.update(keys)
+
+    def _set_missing(self, key: str, now: float) -> None:
+        """``_missing`` stays in the order of its times (oldest first) so expired answers are
+        pruned from its front."""
+        self._missing.pop(key, None)
+        self._missing[key] = now
+
+    def _prune_missing(self) -> None:
+        """Drop misses older than ``miss_ttl_s`` (their keys are asked again anyway)."""
+        oldest = self._clock() - self._miss_ttl_s
+        while self._missing:
+            key, found = next(iter(self._missing.items()))
+            if found >= oldest:
+                return
+            del self._missing[key]
+
     def poll(self) -> int:
-        """Take the finished refresh's answers and send the queued keys; never blocks.
+        """Take the finished refresh's answers and send the queued keys, and forget misses
+        older than ``miss_ttl_s``; never blocks.
 
         Returns:
-            Keys answered by the store in this call. A refresh that raised leaves its keys
-            unknown (they are asked again at their next lookup).
+            Keys answered by the store in this call. A refresh that raised is counted in
+            :attr:`refreshes_failed`, logged (once until a refresh succeeds), and its keys
+            answer False for ``miss_ttl_s``.
         """
+        self._prune_missing()
         if self._refresh is None or not self._refresh.done():
             return 0
         refresh, keys = self._refresh, self._asking
         self._refresh, self._asking = None, []
         answered = 0
-        if refresh.exception() is None:
-            now = self._clock()
+        now = self._clock()
+        error = refresh.exception()
+        if error is None:
+            self._failing = False
             for key, held in zip(keys, refresh.result()):
                 if key in self._changed_while_asking:
                     continue  # what this process did since the question left is newer
@@ -153,7 +210,17 @@ class StoreIndex:
                     self._held[key] = now
                 else:
                     self._held.pop(key, None)
-                    self._missing[key] = now
+                    self._set_missing(key, now)
+        else:
+            # A store that cannot answer: its keys miss for miss_ttl_s, so lookups do not
+            # send one failing exists after another.
+            self.refreshes_failed += 1
+            if not self._failing:
+                logger.warning("kvstage: the store's exists failed (%r); its %d keys miss for %.1f s", error, len(keys), self._miss_ttl_s)
+            self._failing = True
+            for key in keys:
+                if key not in self._changed_while_asking:
+                    self._set_missing(key, now)
         self._changed_while_asking.clear()
         if self._queued:
             self._submit()

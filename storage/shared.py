@@ -36,8 +36,9 @@ def open_shared_storage(url: str, fingerprint: LayoutFingerprint) -> StorageBack
 
 
 def release_shared_storage(storage: StorageBackend) -> None:
-    """One user is done with ``storage``; the last one closes it. Idempotent per user count;
-    a store not opened here is closed at once."""
+    """One user is done with ``storage``; the last one closes it. Call it once per
+    :func:`open_shared_storage` (each call counts one user off: a user must not release
+    twice); a store not opened here is closed at once."""
     with _lock:
         for key, entry in _open.items():
             if entry[0] is storage:

@@ -2,6 +2,34 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+
+def slow_down(storage: Any, method: str, seconds: float = 0.3) -> Any:
+    """Make ``storage.<method>`` (``put`` or ``get``) sleep ``seconds`` before each call, so a
+    transfer is still running when the test acts (shutdown, reset, abort); the real method
+    (to put back)."""
+    real = getattr(storage, method)
+
+    def slowed(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    setattr(storage, method, slowed)
+    return real
+
+
+def step_until_writes_in_flight(rig: Any, steps: int = 50) -> Any:
+    """Step a ConnectorRig until its requests are done and its worker still has jobs in
+    flight (at most ``steps`` steps); the worker (:class:`KVStageWorker`)."""
+    worker = rig.worker.connector_worker.worker
+    for _ in range(steps):
+        rig.step()
+        if not rig.scheduler.requests and worker.keyed.jobs_in_flight:
+            break
+    return worker
+
 
 CHUNK_BYTES = 4096  # one block of one worker a chunk: the page-aligned row vLLM's primary tier keeps
 

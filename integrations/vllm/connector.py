@@ -56,6 +56,7 @@ class KVStageConnector(OffloadingConnector):
                 isinstance(manager, KVStageOffloadingManager), "spec_name",
                 lambda: f"KVStageConnector runs KVStageOffloadingSpec, got a {type(manager).__name__}",
             )
+            manager.tracks_loads = True  # update_connector_output reports each step's loads
         policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         if policy != "recompute":
             logger.warning(

@@ -8,6 +8,7 @@ It decides for vLLM's scheduler and never waits for the store: lookups answer fr
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Collection, Iterable
 from typing import Any
@@ -28,6 +29,8 @@ from kvstage.offload import StoreIndex, StoreWorkers
 from kvstage.storage.shared import release_shared_storage
 
 __all__ = ["KVStageLoadStoreSpec", "KVStageOffloadingManager"]
+
+logger = logging.getLogger(__name__)
 
 _LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
 
@@ -60,11 +63,17 @@ class KVStageOffloadingManager(OffloadingManager):
     def __init__(self, storage: Any, *, miss_ttl_s: float = 1.0, hit_ttl_s: float | None = 10.0, events: bool = False) -> None:
         self.storage = storage
         self._workers = StoreWorkers()
-        self.index = StoreIndex(storage, self._workers, miss_ttl_s=miss_ttl_s, hit_ttl_s=hit_ttl_s)
+        try:
+            self.index = StoreIndex(storage, self._workers, miss_ttl_s=miss_ttl_s, hit_ttl_s=hit_ttl_s)
+        except BaseException:
+            self._workers.close()  # the caller keeps the store: it is this manager's only once built
+            raise
+        self._closed = False
         self._events_enabled = events
         self._events: list[OffloadingEvent] = []
         self._storing: set[str] = set()  # page keys of stores in flight
         self._clear_pending = False  # a reset waits for the jobs in flight before clearing
+        self.tracks_loads = False  # KVStageConnector sets it: it calls loads_reported each step
         self._loaded: list[str] = []  # keys of loads that ended since vLLM last passed on the workers' output
         self._lock = threading.Lock()
 
@@ -85,8 +94,10 @@ class KVStageOffloadingManager(OffloadingManager):
         return KVStageLoadStoreSpec(page_keys(keys))
 
     def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
-        """The workers finished loading ``keys`` (read, or reported as failed blocks)."""
-        self._loaded.extend(page_keys(keys))
+        """The workers finished loading ``keys`` (read, or reported as failed blocks). Kept for
+        :meth:`loads_reported` only while :attr:`tracks_loads` (else nothing would empty it)."""
+        if self.tracks_loads:
+            self._loaded.extend(page_keys(keys))
 
     def loads_reported(self, *, failed: bool) -> None:
         """vLLM passed on the workers' output of a step; with ``failed``, blocks of a load in
@@ -102,10 +113,12 @@ class KVStageOffloadingManager(OffloadingManager):
         while a reset waits for its clear (the clear would remove them)."""
         if self._clear_pending:
             return PrepareStoreOutput(keys_to_store=[], store_spec=KVStageLoadStoreSpec([]), evicted_keys=[])
-        wanted = [key for key in keys if self.index.lookup(key.hex()) is not True and key.hex() not in self._storing]
-        hex_keys = page_keys(wanted)
-        self._storing.update(hex_keys)
-        return PrepareStoreOutput(keys_to_store=wanted, store_spec=KVStageLoadStoreSpec(hex_keys), evicted_keys=[])
+        # holds, not lookup: a key about to be written needs no exists of its own
+        keys = list(keys)
+        wanted = [(key, page_key) for key, page_key in zip(keys, page_keys(keys)) if not self.index.holds(page_key) and page_key not in self._storing]
+        wanted_page_keys = [page_key for _, page_key in wanted]
+        self._storing.update(wanted_page_keys)
+        return PrepareStoreOutput(keys_to_store=[key for key, _ in wanted], store_spec=KVStageLoadStoreSpec(wanted_page_keys), evicted_keys=[])
 
     def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
         """The workers finished the store of ``keys``. A worker reports a store done even when
@@ -113,12 +126,14 @@ class KVStageOffloadingManager(OffloadingManager):
         not taken as held: their next lookup asks the store (RETRY meanwhile), unless the
         index learned since :meth:`prepare_store` that the store holds them (this process's
         store reported them stored, or answered)."""
-        hex_keys = page_keys(keys)
+        completed = page_keys(keys)
         self._drain_store_events()  # while the keys are still in _storing
-        self._storing.difference_update(hex_keys)
-        self.index.forget([key for key in hex_keys if not self.index.holds(key)])
+        self._storing.difference_update(completed)
+        self.index.forget([key for key in completed if not self.index.holds(key)])
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """vLLM's per-request hook: kvstage keeps no per-request state here (keys are the
+        blocks' own), so an empty context."""
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context: Any) -> None:
@@ -127,6 +142,8 @@ class KVStageOffloadingManager(OffloadingManager):
         self._drain_store_events()
 
     def has_pending_work(self) -> bool:
+        """Whether lookups wait for the store's answer (a refresh in flight or queued): vLLM
+        keeps stepping until they are answered. Transfers are the workers' to report."""
         return self.index.refreshing
 
     def reset_cache(self) -> None:
@@ -141,12 +158,21 @@ class KVStageOffloadingManager(OffloadingManager):
     def on_reset_flushed(self) -> None:
         """The workers finished every job in flight at the last :meth:`reset_cache`: clear
         the store now. Blocks this thread for the clear: a rare, operator-driven call. Stores
-        in other processes (``memory``) are not reached."""
+        in other processes (``memory``) are not reached.
+
+        Raises:
+            What the store's ``clear`` raised (logged); lookups and stores resume all the same.
+        """
         if not self._clear_pending:
             return
-        self.storage.clear()
-        self.index.reset()
-        self._clear_pending = False
+        try:
+            self.storage.clear()
+        except BaseException as error:
+            logger.error("kvstage: the store's clear after a cache reset failed (%r); pages from before the reset may be found", error)
+            raise
+        finally:
+            self._clear_pending = False  # else every lookup would miss for good
+            self.index.reset()
         self._drain_store_events()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -158,21 +184,17 @@ class KVStageOffloadingManager(OffloadingManager):
     def _drain_store_events(self) -> None:
         store_events = self.storage.take_events()
         prefix = self.storage.prefix
-        storing = self._storing
-        stored, keys = True, []
-        for event in store_events:  # runs of one kind, in order: a page stored, then evicted, ends up gone
-            if event.key_space != prefix:
-                continue
-            if event.kind == "stored" and event.key not in storing:
-                continue  # held answers come from this manager's own stores; others are asked
-            if (event.kind == "stored") is not stored:
-                (self.index.add if stored else self.index.discard)(keys)
-                stored, keys = not stored, []
-            keys.append(event.key)
-        (self.index.add if stored else self.index.discard)(keys)
+        # Held answers come from this manager's own stores in flight: a page written before a
+        # reset (no longer in _storing) is not taken as held; others are asked.
+        self.index.apply_events(store_events, prefix, counts_stored=self._storing.__contains__)
         if self._events_enabled and store_events:
             self._events.extend(offloading_events(store_events, key_space=prefix, medium=Medium.STORAGE, locality=None, ownership=None))
 
     def shutdown(self) -> None:
+        """Stop the reader thread and let go of the store (closed by its last user).
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._workers.close()
         release_shared_storage(self.storage)

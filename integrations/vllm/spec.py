@@ -29,7 +29,7 @@ from kvstage.errors import is_int, require
 from kvstage.integrations.vllm.keys import block_fingerprint
 from kvstage.integrations.vllm.manager import KVStageOffloadingManager
 from kvstage.integrations.vllm.worker import KVStageWorker
-from kvstage.storage.shared import open_shared_storage
+from kvstage.storage.shared import open_shared_storage, release_shared_storage
 
 __all__ = ["KVStageOffloadingSpec"]
 
@@ -80,17 +80,26 @@ class KVStageOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         """The scheduler-side manager (one per spec)."""
         if self._manager is None:
-            self._manager = KVStageOffloadingManager(
-                open_shared_storage(self.storage_url, self.fingerprint), miss_ttl_s=self.miss_ttl_s,
-                hit_ttl_s=self.hit_ttl_s, events=self.kv_events_config.enable_kv_cache_events,
-            )
+            storage = open_shared_storage(self.storage_url, self.fingerprint)
+            try:
+                self._manager = KVStageOffloadingManager(
+                    storage, miss_ttl_s=self.miss_ttl_s, hit_ttl_s=self.hit_ttl_s,
+                    events=self.kv_events_config.enable_kv_cache_events,
+                )
+            except BaseException:
+                release_shared_storage(storage)  # the manager owns the store only once built
+                raise
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         """This worker's mover over ``kv_caches`` (one per spec)."""
         if self._worker is None:
-            self._worker = KVStageWorker(
-                kv_caches, open_shared_storage(self.storage_url, self.fingerprint), num_host_pages=self.num_host_pages,
-                report_load_errors=self.report_load_errors,
-            )
+            storage = open_shared_storage(self.storage_url, self.fingerprint)
+            try:
+                self._worker = KVStageWorker(
+                    kv_caches, storage, num_host_pages=self.num_host_pages, report_load_errors=self.report_load_errors,
+                )
+            except BaseException:
+                release_shared_storage(storage)  # the worker owns the store only once built
+                raise
         return self._worker

@@ -16,6 +16,7 @@ lookups answer from a :class:`kvstage.offload.StoreIndex`, results are polled. C
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, wait
@@ -42,6 +43,8 @@ from kvstage.offload.store_io import write_pages
 from kvstage.storage import open_storage
 
 __all__ = ["KVStageTier"]
+
+logger = logging.getLogger(__name__)
 
 _LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
 
@@ -133,33 +136,40 @@ class KVStageTier(SecondaryTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Write the job's primary chunks to the store on the writer thread: one ``put`` per
         KV group's run of keys (in the order vLLM gives them, a run of one chain)."""
-        keys = list(job_metadata.keys)
+        keys = self._checked_keys(job_metadata)
         pages = [self._primary[int(chunk)] for chunk in job_metadata.chunk_ids]
         runs = _runs_by_group(keys)
         storage = self.storage
 
-        def write() -> int:
-            failed = 0
+        def write() -> tuple[int, BaseException | None]:
+            failed, error = 0, None
             for start, stop in runs:
                 outcome = write_pages(storage, page_keys(keys[start:stop]), pages[start:stop])
                 failed += len(outcome.failed_keys)
-            return failed
+                error = error or outcome.error
+            return failed, error
 
-        self._submit(job_metadata, keys, self._workers.write(write), is_promotion=False)
+        self._track(job_metadata, keys, self._workers.write(write), is_promotion=False)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Read the job's pages from the store into its primary chunks on a reader thread; a
         page the store cannot give intact (missing, corrupted) fails that key only."""
-        keys = list(job_metadata.keys)
+        keys = self._checked_keys(job_metadata)
         pages = [self._primary[int(chunk)] for chunk in job_metadata.chunk_ids]
-        storage, hex_keys = self.storage, page_keys(keys)
-        self._submit(job_metadata, keys, self._workers.read(lambda: storage.get(hex_keys, pages)), is_promotion=True)
+        storage, wanted = self.storage, page_keys(keys)
+        self._track(job_metadata, keys, self._workers.read(lambda: storage.get(wanted, pages)), is_promotion=True)
 
-    def _submit(self, job_metadata: TransferJob, keys: list[bytes], future: Future, *, is_promotion: bool) -> None:
+    @staticmethod
+    def _checked_keys(job_metadata: TransferJob) -> list[bytes]:
+        """The job's keys, one per chunk id, checked before anything is submitted."""
+        keys = list(job_metadata.keys)
         require(
             len(keys) == len(job_metadata.chunk_ids), "job_metadata",
-            lambda: f"{len(keys)} keys for {len(job_metadata.chunk_ids)} chunk_ids",
+            lambda: f"must give one key per chunk id, got {len(keys)} keys for {len(job_metadata.chunk_ids)} chunk_ids",
         )
+        return keys
+
+    def _track(self, job_metadata: TransferJob, keys: list[bytes], future: Future, *, is_promotion: bool) -> None:
         self._jobs.append(_Job(job_metadata.job_id, keys, page_keys(keys), future, is_promotion, time.perf_counter()))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -177,6 +187,8 @@ class KVStageTier(SecondaryTierManager):
         seconds = time.perf_counter() - job.started
         error = job.future.exception()
         if job.is_promotion:
+            if error is not None:
+                logger.warning("kvstage: promotion job %s of %d pages failed: %r", job.job_id, len(job.keys), error)
             hits = [False] * len(job.keys) if error is not None else list(job.future.result())
             self.index.discard([key for key, hit in zip(job.page_keys, hits) if not hit])
             self.index.add([key for key, hit in zip(job.page_keys, hits) if hit])
@@ -186,9 +198,11 @@ class KVStageTier(SecondaryTierManager):
                 job.job_id, ok, successful_keys=None if ok else read,
                 transfer_time=seconds, transfer_bytes=len(read) * self.block_size_bytes,
             )
-        failed = len(job.keys) if error is not None else job.future.result()
+        failed, error = (len(job.keys), error) if error is not None else job.future.result()
         if failed == 0:
             self.index.add(job.page_keys)
+        else:
+            logger.warning("kvstage: store job %s wrote %d of %d pages: %r", job.job_id, len(job.keys) - failed, len(job.keys), error)
         return JobResult(
             job.job_id, failed == 0, transfer_time=seconds,
             transfer_bytes=(len(job.keys) - failed) * self.block_size_bytes,
@@ -222,8 +236,7 @@ class KVStageTier(SecondaryTierManager):
         if not store_events:
             return
         prefix = self.storage.prefix
-        gone = [event.key for event in store_events if event.kind != "stored" and event.key_space == prefix]
-        self.index.discard(gone)
+        self.index.apply_events(store_events, prefix)  # every stored page of this tier's store is its own write
         if self._events_enabled:
             self._events.extend(
                 offloading_events(store_events, key_space=prefix, medium=self.medium, locality=self.locality, ownership=self.tier_type)

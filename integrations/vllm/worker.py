@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, OffloadingWorker, TransferResult
 
-from kvstage.errors import InvalidArgumentError, require
+from kvstage.errors import require
 from kvstage.integrations.vllm.manager import KVStageLoadStoreSpec
 from kvstage.kernels import KVPool
 from kvstage.offload import Copier, HostPool, KeyedCopies, StoreWorkers
@@ -50,6 +50,7 @@ class KVStageWorker(OffloadingWorker):
     Raises:
         InvalidArgumentError: more than one group, a padded or strided layer tensor, layers of
             different page sizes, or a store of another page size; before anything is allocated.
+            On any raise the store stays the caller's (it is this worker's once built).
     """
 
     def __init__(self, kv_caches: CanonicalKVCaches, storage: Any, *, num_host_pages: int = 256, report_load_errors: bool = False) -> None:
@@ -71,8 +72,9 @@ class KVStageWorker(OffloadingWorker):
         self.storage = storage
         try:
             self.keyed = KeyedCopies(self.copier, storage, self._workers)
-        except InvalidArgumentError:
-            self.close()
+        except BaseException:
+            self.copier.close()  # the caller keeps the store: it is this worker's only once built
+            self._workers.close()
             raise
         self.report_load_errors = report_load_errors
         self.pages_failed = 0  # pages of store jobs not written (reported done to vLLM)
@@ -131,12 +133,17 @@ class KVStageWorker(OffloadingWorker):
         self.keyed.wait(list(job_ids))
 
     def shutdown(self) -> None:
+        """vLLM's worker shutdown: as :meth:`close`."""
         self.close()
 
-    def close(self) -> None:
-        """Wait for copies, stop the threads, close the store. Idempotent."""
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish the jobs in flight (at most ``timeout_s`` seconds: gathers still to be
+        written, parts waiting for host pages), then stop the threads and close the store;
+        jobs unfinished by then are dropped and logged. Idempotent."""
         if self.storage is None:
             return
+        if not self.keyed.wait(timeout=timeout_s):
+            logger.warning("kvstage: worker closed with %d jobs unfinished after %.1f s; their pages are dropped", self.keyed.jobs_in_flight, timeout_s)
         self.copier.close()
         self._workers.close()
         release_shared_storage(self.storage)

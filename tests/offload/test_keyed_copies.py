@@ -119,6 +119,45 @@ def test_jobs_wait_for_host_pages_in_submission_order(rig):
     assert store.exists(list("abcde")) == [True] * 5 and host_pool.free_pages == 4
 
 
+def test_wait_with_a_timeout_returns_false_while_a_job_runs_and_true_once_it_ends(rig):
+    keyed, layers, store, host_pool = rig
+    gate = threading.Event()
+    keyed.workers.write(gate.wait)  # holds the writer thread: the store's write cannot run yet
+    try:
+        keyed.store("held", blocks(0), ["a"])
+        assert keyed.wait(timeout=0.05) is False
+        assert keyed.jobs_in_flight == 1 and store.exists(["a"]) == [False]
+    finally:
+        gate.set()  # else the fixture's close waits for the writer thread forever
+    assert keyed.wait(timeout=30) is True
+    assert keyed.jobs_in_flight == 0 and store.exists(["a"]) == [True]
+
+
+def test_a_failed_load_skips_its_later_parts_and_writes_none_of_their_blocks(rig):
+    keyed, layers, store, host_pool = rig
+    keyed.store("a", blocks(1, 2, 3, 8, 9, 10, 11), ["a1", "a2", "a3", "a4", "a5", "a6", "a7"])
+    keyed.wait()
+    keyed.poll()
+    before = [layer.clone() for layer in layers]
+    reads_before = store.stats.pages_read
+    keyed.load("back", ["missing", "a1", "a2", "a3", "a4", "a5", "a6", "a7"], blocks(0, 1, 2, 3, 4, 5, 6, 7))  # 2 parts of 4
+    [result] = finish(keyed, "back")
+    assert not result.ok and result.bytes == 0
+    for layer, old in zip(layers, before):
+        assert torch.equal(layer[4:8], old[4:8])  # the second part was neither read nor scattered
+    assert store.stats.pages_read - reads_before <= 3  # at most the first part's present pages
+    assert host_pool.free_pages == 4
+
+
+def test_a_load_whose_read_cannot_start_fails_and_gives_its_host_pages_back(rig):
+    keyed, layers, store, host_pool = rig
+    keyed.workers.close()  # a reader that takes no more calls (submit raises)
+    keyed.load("late", ["a"], blocks(0))
+    [result] = keyed.poll()
+    assert result.job == "late" and not result.ok and isinstance(result.error, RuntimeError)
+    assert host_pool.free_pages == 4 and keyed.jobs_in_flight == 0
+
+
 def test_storing_held_keys_again_succeeds_without_writing(rig):
     keyed, layers, store, host_pool = rig
     keyed.store("one", blocks(0), ["a"])

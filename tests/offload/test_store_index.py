@@ -4,7 +4,8 @@ A real MemoryStore behind real StoreWorkers threads. What must hold: a key the i
 seen answers None (unknown) at once and its exists() runs on a reader thread; after poll() the
 store's answer is cached; keys added or discarded answer at once; a miss is asked again once its
 answer is older than miss_ttl_s (another process may have stored it); a discard made while a
-refresh is in flight is not undone by that refresh's stale answer; bad arguments raise.
+refresh is in flight is not undone by that refresh's stale answer; a store that cannot answer
+makes its keys miss for miss_ttl_s (logged once, counted); bad arguments raise.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def test_keys_asked_while_a_refresh_runs_go_in_the_next_one(store_and_workers):
     assert sorted(key for batch in batches for key in batch) == ["a1", "b1"]
 
 
-def test_a_store_error_leaves_the_keys_unknown_and_asks_again(store_and_workers):
+def test_a_store_error_makes_the_keys_miss_until_miss_ttl_s_then_asks_again(store_and_workers):
     store, workers = store_and_workers
     store.put(["a1"], [page(1)])
     real_exists = store.exists
@@ -127,12 +128,15 @@ def test_a_store_error_leaves_the_keys_unknown_and_asks_again(store_and_workers)
         return real_exists(keys)
 
     store.exists = flaky
-    index = StoreIndex(store, workers)
+    now = [0.0]
+    index = StoreIndex(store, workers, miss_ttl_s=1.0, clock=lambda: now[0])
     index.lookup("a1")
     settled(index)
-    assert index.lookup("a1") is None  # unknown again: asked again
+    assert index.lookup("a1") is False  # a miss while the store cannot answer
+    now[0] = 1.5
+    assert index.lookup("a1") is None  # asked again after miss_ttl_s
     settled(index)
-    assert index.lookup("a1") is True
+    assert index.lookup("a1") is True and index.refreshes_failed == 1
 
 
 @pytest.mark.parametrize(("arguments", "message"), [({"miss_ttl_s": -1}, "miss_ttl_s"), ({"batch_keys": 0}, "batch_keys")])
@@ -203,3 +207,69 @@ def test_forget_makes_the_next_lookup_ask_the_store_and_ignores_the_answer_in_fl
     assert [index.lookup(key) for key in ("held", "never-written", "gone")] == [True, False, False]
     assert index.holds("held") and not index.holds("never-written")
     assert index.lookup("other") is False  # answered by the refresh after forget(), not the one before
+
+
+def test_changes_are_recorded_only_while_a_refresh_is_in_flight_and_old_misses_are_pruned(store_and_workers):
+    store, workers = store_and_workers
+    now = [0.0]
+    index = StoreIndex(store, workers, miss_ttl_s=1.0, clock=lambda: now[0])
+    keys = [f"k{i}" for i in range(100_000)]
+    index.add(keys)
+    index.discard(keys)
+    assert len(index._changed_while_asking) == 0  # no refresh in flight: nothing to protect
+    assert len(index._missing) == 100_000 and len(index) == 0
+    now[0] = 0.5
+    index.discard(["late"])
+    index.poll()
+    assert len(index._missing) == 100_001  # none older than miss_ttl_s yet
+    now[0] = 1.2
+    index.poll()
+    assert list(index._missing) == ["late"]  # the 100,000 older than miss_ttl_s are gone
+    assert index.lookup("k7") is None  # a pruned miss is asked again, as an expired one was
+    index.discard(["k8"])  # a refresh is in flight now: its answer must not undo this discard
+    assert index._changed_while_asking == {"k8"}
+    settled(index)
+    assert index.lookup("k8") is False and index.lookup("k7") is False
+
+
+def test_a_refresh_that_raises_is_logged_once_counted_and_its_keys_miss_for_miss_ttl_s(store_and_workers, caplog):
+    store, workers = store_and_workers
+    calls = []
+
+    def dead_exists(keys):
+        calls.append(list(keys))
+        raise ConnectionError("master gone")
+
+    store.exists = dead_exists
+    now = [0.0]
+    index = StoreIndex(store, workers, miss_ttl_s=1.0, clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="kvstage.offload.store_index"):
+        assert index.lookup("a") is None
+        settled(index)
+        assert index.lookup("a") is False and len(calls) == 1  # a miss: no second failing exists
+        now[0] = 1.5
+        assert index.lookup("a") is None  # asked again after miss_ttl_s
+        settled(index)
+    assert index.refreshes_failed == 2 and len(calls) == 2
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kvstage.offload.store_index"]
+    assert len(warnings) == 1 and "master gone" in warnings[0], warnings
+
+
+def test_store_events_apply_in_order_and_only_counted_stored_keys_become_held():
+    store, workers = MemoryStore(FINGERPRINT, capacity_pages=1), StoreWorkers()
+    try:
+        store.put(["a"], [page(1)])
+        store.put(["b"], [page(2)])  # evicts a
+        store.put(["a"], [page(1)])  # evicts b: a stored, gone, stored again
+        events = store.take_events()
+        assert [(event.kind, event.key) for event in events] == [("stored", "a"), ("evicted", "a"), ("stored", "b"), ("evicted", "b"), ("stored", "a")]
+        index = StoreIndex(store, workers)
+        index.apply_events(events, "another key space")
+        assert len(index) == 0 and not index.refreshing
+        index.apply_events(events, store.prefix)
+        assert index.holds("a") and not index.holds("b") and index.lookup("b") is False
+        other = StoreIndex(store, workers)
+        other.apply_events(events, store.prefix, counts_stored=lambda key: key != "a")
+        assert not other.holds("a") and not other.holds("b") and other.lookup("b") is False
+    finally:
+        workers.close()

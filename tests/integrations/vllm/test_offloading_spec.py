@@ -265,3 +265,121 @@ def test_the_managers_index_follows_the_stores_events_in_order():
         assert manager.lookup(a, ReqContext("r")) is LookupResult.MISS
     finally:
         manager.shutdown()
+
+
+def test_closing_the_worker_writes_the_stores_it_was_never_polled_for(tmp_path):
+    # vLLM's worker may shut down right after submitting: the gathered blocks still reach the store.
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
+
+    from kvstage.integrations.vllm import KVStageWorker
+    from kvstage.integrations.vllm.manager import KVStageLoadStoreSpec
+    from kvstage.storage import LayoutFingerprint, open_storage
+
+    tensors = [torch.arange(8 * 64, dtype=torch.int64).remainder(251).to(torch.int8).view(8, 64) + i for i in range(2)]
+    kv_caches = CanonicalKVCaches([CanonicalKVCacheTensor(t, 64) for t in tensors], [[CanonicalKVCacheRef(i, 64) for i in range(2)]])
+    fingerprint = LayoutFingerprint.opaque("m", page_bytes=128, page_format="test")
+    worker = KVStageWorker(kv_caches, open_storage(f"file:{tmp_path}", fingerprint), num_host_pages=1)
+    assert worker.submit_store(3, GPULoadStoreSpec([1, 4, 6], [3], [0]), KVStageLoadStoreSpec(["k1", "k4", "k6"]))  # 3 parts of 1 page
+    worker.close()  # closes the store: a new one over the same directory reads what was written
+    store = open_storage(f"file:{tmp_path}", fingerprint)
+    assert store.exists(["k1", "k4", "k6"]) == [True, True, True]
+    for key, block in (("k1", 1), ("k4", 4), ("k6", 6)):
+        page = torch.empty(128, dtype=torch.uint8)
+        assert store.get([key], [page]) == [True]
+        assert torch.equal(page.view(torch.int8).view(2, 64), torch.stack([t[block] for t in tensors]))
+
+
+def test_the_manager_keeps_no_loaded_keys_unless_its_connector_reports_loads():
+    # vLLM's own OffloadingConnector never calls loads_reported: nothing may pile up for it.
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvstage.integrations.vllm import KVStageOffloadingManager
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    manager = KVStageOffloadingManager(MemoryStore(LayoutFingerprint.opaque("m", page_bytes=16, page_format="test")))
+    try:
+        keys = [index.to_bytes(36, "big") for index in range(1000)]
+        manager.complete_load(keys, ReqContext("r"))
+        assert manager._loaded == []
+        manager.tracks_loads = True  # KVStageConnector: loads_reported empties it each step
+        manager.complete_load(keys[:3], ReqContext("r"))
+        assert manager._loaded == [key.hex() for key in keys[:3]]
+        manager.loads_reported(failed=False)
+        assert manager._loaded == []
+    finally:
+        manager.shutdown()
+
+
+def test_a_manager_or_worker_that_fails_to_build_lets_go_of_the_shared_store_and_shutdown_twice_is_harmless():
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+    from vllm_rig import offloading_config
+
+    from kvstage.storage import shared
+
+    before = dict(shared._open)
+    spec = KVStageOffloadingSpec(offloading_config({"storage": "memory", "miss_ttl_s": -1}))
+    with pytest.raises(InvalidArgumentError, match="miss_ttl_s"):
+        spec.get_manager()
+    assert shared._open == before  # the store's user was let go (closed: it had no other)
+    padded = torch.zeros(8, 80, dtype=torch.int8)[:, :64]
+    kv_caches = CanonicalKVCaches([CanonicalKVCacheTensor(padded, 64)], [[CanonicalKVCacheRef(0, 64)]])
+    with pytest.raises(InvalidArgumentError):
+        spec.get_worker(kv_caches)
+    assert shared._open == before
+
+    good = KVStageOffloadingSpec(offloading_config({"storage": "memory"}))
+    manager, other = good.get_manager(), KVStageOffloadingSpec(offloading_config({"storage": "memory"})).get_manager()
+    assert manager.storage is other.storage
+    manager.shutdown()
+    manager.shutdown()  # a second shutdown must not count the other user off
+    assert [entry[1] for entry in shared._open.values() if entry[0] is other.storage] == [1]
+    other.shutdown()
+    assert shared._open == before
+
+
+def test_a_clear_that_raises_is_logged_and_lookups_resume(caplog):
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvstage.integrations.vllm import KVStageOffloadingManager
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=16, page_format="test"))
+
+    def refuse():
+        raise OSError("read-only file system")
+
+    store.clear = refuse
+    manager = KVStageOffloadingManager(store)
+    try:
+        manager.reset_cache()
+        assert manager.lookup(bytes(36), ReqContext("r")) is LookupResult.MISS  # waiting for the clear
+        with caplog.at_level("ERROR", logger="kvstage.integrations.vllm.manager"), pytest.raises(OSError, match="read-only"):
+            manager.on_reset_flushed()
+        assert any("read-only file system" in r.getMessage() for r in caplog.records if r.name == "kvstage.integrations.vllm.manager")
+        assert manager.lookup(bytes(36), ReqContext("r")) is LookupResult.RETRY  # asked of the store again
+    finally:
+        manager.shutdown()
+
+
+def test_prepare_store_sends_no_exists_for_the_keys_it_offers():
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvstage.integrations.vllm import KVStageOffloadingManager
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=16, page_format="test"))
+    asked = []
+    real_exists = store.exists
+    store.exists = lambda keys: asked.append(list(keys)) or real_exists(keys)
+    manager = KVStageOffloadingManager(store)
+    try:
+        held, new = bytes(36), bytes(35) + b"\x01"
+        manager.index.add([held.hex()])
+        output = manager.prepare_store([held, new], ReqContext("r"))
+        assert output.keys_to_store == [new] and output.store_spec.page_keys == [new.hex()]
+        assert not manager.index.refreshing
+        manager.index.wait()
+        assert asked == []
+        assert manager.prepare_store([new], ReqContext("r")).keys_to_store == []  # its store is in flight
+    finally:
+        manager.shutdown()

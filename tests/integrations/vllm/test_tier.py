@@ -15,8 +15,10 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from kvstage.errors import InvalidArgumentError  # noqa: E402
@@ -148,6 +150,32 @@ def test_a_corrupted_page_reads_as_a_miss_and_is_removed(tmp_path):
         rig.close()
 
 
+def test_a_failed_store_and_a_failed_promotion_are_logged_with_the_stores_error(caplog):
+    rig = Rig("memory")
+    try:
+        keys = keys_of(0)
+        job = TransferJob(1, keys, np.array([0]), is_promotion=False, req_context=rig.request)
+
+        def refuse(*args, **kwargs):
+            raise OSError("disk full")
+
+        rig.tier.storage.put = refuse
+        rig.tier.storage.get = refuse
+        with caplog.at_level("WARNING", logger="kvstage.integrations.vllm.tier"):
+            rig.tier.submit_store(job)
+            rig.tier.drain_jobs()
+            [stored] = rig.tier.get_finished_jobs()
+            rig.tier.submit_load(TransferJob(2, keys, np.array([1]), is_promotion=True, req_context=rig.request))
+            rig.tier.drain_jobs()
+            [promoted] = rig.tier.get_finished_jobs()
+        assert not stored.success and not promoted.success
+        warnings = [r.getMessage() for r in caplog.records if r.name == "kvstage.integrations.vllm.tier"]
+        assert len(warnings) == 2 and all("disk full" in w for w in warnings), warnings
+        assert "store job 1 wrote 0 of 1 pages" in warnings[0] and "promotion job 2 of 1 pages" in warnings[1]
+    finally:
+        rig.close()
+
+
 def test_store_events_arrive_as_vllm_events_stored_and_evicted(tmp_path):
     # A store with room for 3 pages: the 4th and 5th evict chain tails (each chunk its own chain).
     rig = Rig(f"memory:{3 * CHUNK_BYTES}")
@@ -198,6 +226,24 @@ def test_a_second_engine_finds_pages_another_stored_without_a_blocking_lookup(tm
         assert torch.equal(second.primary_bytes(keys[0]), chunks[keys[0]])
     finally:
         second.close()
+
+
+@pytest.mark.parametrize("submit", ["submit_store", "submit_load"])
+def test_a_job_of_more_keys_than_chunks_raises_naming_it_and_submits_nothing(submit):
+    rig = Rig("memory")
+    try:
+        submitted = []
+        workers = rig.tier._workers
+        for name in ("read", "write"):
+            real = getattr(workers, name)
+            setattr(workers, name, lambda fn, real=real: submitted.append(fn) or real(fn))
+        job = TransferJob(7, keys_of(0, 1), np.array([0]), is_promotion=submit == "submit_load", req_context=rig.request)
+        with pytest.raises(InvalidArgumentError, match="job_metadata"):
+            getattr(rig.tier, submit)(job)
+        assert submitted == []
+        assert not rig.tier.has_pending_work()
+    finally:
+        rig.close()
 
 
 def test_a_bad_storage_url_raises_naming_it_before_the_manager_exists():

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_con
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
-from vllm_rig import CHUNK_BYTES, ConnectorRig, offloading_config  # noqa: E402
+from vllm_rig import CHUNK_BYTES, ConnectorRig, offloading_config, slow_down, step_until_writes_in_flight  # noqa: E402
 
 from kvstage.errors import InvalidArgumentError  # noqa: E402
 from kvstage.integrations.vllm import KVStageTier  # noqa: E402
@@ -204,14 +203,7 @@ def test_tier_pages_survive_vllms_cache_reset_and_shutdown_with_writes_in_flight
             engine.manager.reset_cache()
         more = keys_of(10, 11)
         chunks.update(chunks_for(more, seed=12))
-        storage = engine.tier.storage
-        put = storage.put
-
-        def slow_put(*args, **kwargs):
-            time.sleep(0.3)
-            return put(*args, **kwargs)
-
-        storage.put = slow_put
+        slow_down(engine.tier.storage, "put")
         engine.store(more, chunks, settle=False)
         assert engine.tier.has_pending_work()  # their cascade is still writing at shutdown
     finally:
@@ -355,20 +347,9 @@ def test_spec_many_requests_at_once_are_all_stored_and_load_byte_for_byte(tmp_pa
 
 def test_spec_shutdown_waits_for_writes_in_flight(tmp_path):
     rig = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}")
-    storage = rig.manager.storage
-    put = storage.put
-
-    def slow_put(*args, **kwargs):
-        time.sleep(0.3)
-        return put(*args, **kwargs)
-
-    storage.put = slow_put
+    slow_down(rig.manager.storage, "put")
     rig.add_request("a", PROMPT, max_tokens=1)
-    worker = rig.worker.connector_worker.worker
-    for _ in range(50):
-        rig.step()
-        if not rig.scheduler.requests and worker.keyed.jobs_in_flight:
-            break
+    worker = step_until_writes_in_flight(rig)
     assert worker.keyed.jobs_in_flight  # a write is in flight at shutdown
     rig.close()
     fresh = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}")
@@ -388,20 +369,13 @@ def test_spec_a_request_aborted_while_its_load_runs_frees_and_the_next_one_loads
         rig.run_until_idle()
         rig.scheduler.reset_prefix_cache()
         rig.backing.zero_()
-        storage = rig.manager.storage
-        get = storage.get
-
-        def slow_get(*args, **kwargs):
-            time.sleep(0.3)
-            return get(*args, **kwargs)
-
-        storage.get = slow_get
+        get = slow_down(rig.manager.storage, "get")
         rig.add_request("b", PROMPT, max_tokens=3)
         rig.step()
         assert rig.worker.connector_worker.worker.keyed.jobs_in_flight == 1  # b's load is reading
         rig.scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
         rig.run_until_idle()
-        storage.get = get
+        rig.manager.storage.get = get
         rig.backing.zero_()
         assert run_to_prompt_end(rig, "c", PROMPT) == len(PROMPT) - 4 * BLOCK
         assert_blocks_hold(rig, "c", PROMPT, 4)
@@ -474,20 +448,9 @@ def test_spec_a_prompt_longer_than_the_host_pool_does_not_kill_the_engine(tmp_pa
 def test_spec_no_page_written_before_a_reset_is_loaded_after_it(tmp_path):
     rig = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}")
     try:
-        storage = rig.manager.storage
-        put = storage.put
-
-        def slow_put(*args, **kwargs):
-            time.sleep(0.3)
-            return put(*args, **kwargs)
-
-        storage.put = slow_put
+        slow_down(rig.manager.storage, "put")
         rig.add_request("a", PROMPT, max_tokens=1)
-        worker = rig.worker.connector_worker.worker
-        for _ in range(50):
-            rig.step()
-            if not rig.scheduler.requests and worker.keyed.jobs_in_flight:
-                break
+        worker = step_until_writes_in_flight(rig)
         assert worker.keyed.jobs_in_flight  # a's store is writing ...
         assert rig.scheduler.reset_prefix_cache(reset_connector=True)  # ... when the weights change
         rig.run_until_idle()
