@@ -77,6 +77,25 @@ def write_through(cc, host, key: RadixKey, slots: torch.Tensor | None = None, ti
     return slots
 
 
+def prefetch(cc, key: RadixKey, rid: str = "next-turn", timeout: float = 30) -> tuple[int, torch.Tensor]:
+    """sglang's prefetch of ``key`` as its scheduler drives it: the hit query, host slots for the
+    hit, the I/O thread's reads; waits for the last ack. Returns (tokens prefetched, the slots).
+    A ``HybridCacheController`` takes a ``CacheRequestHandle`` where the other takes the rid."""
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    cc.prefetch(CacheRequestHandle(rid, 0) if isinstance(cc, HybridCacheController) else rid, key)
+    operation = cc.prefetch_hit_queue.get(timeout=timeout)
+    operation.host_indices = cc.alloc_prefetch_host_buffers(operation, operation.storage_hit_count)
+    cc.prefetch_buffer.put(operation)
+    completed = 0
+    while True:
+        ack = cc.ack_prefetch_queue.get(timeout=timeout)
+        if ack.completed_req:
+            return completed, operation.host_indices
+        completed = ack.completed_tokens
+
+
 def page_tokens(host, starts: list[int]) -> torch.Tensor:
     """Host slot indices of the pages starting at ``starts`` (``page_size`` slots each)."""
     return torch.cat([torch.arange(start, start + host.page_size) for start in starts])

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
@@ -21,7 +20,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.runtime_context import get_parallel
 from sglang_rig import (
     MHA_LAYOUTS, MLA_LAYOUTS, PAGE_SIZE, canonical_of, extra_config, host_pool, mha_device_pool,
-    mla_device_pool, random_canonical, same_bytes, set_host, token_slots, write_through,
+    mla_device_pool, random_canonical, same_bytes, set_host, token_slots, write_through, prefetch,
 )
 
 from kvstage.hashing import PageHasher
@@ -61,22 +60,6 @@ def controller(kind: str, layout: str, url: str, hybrid: bool):
     return cc, host
 
 
-def prefetch(cc, host, key: RadixKey) -> tuple[int, torch.Tensor]:
-    """sglang's prefetch of ``key``: its hit query, then its I/O thread into new host slots;
-    (tokens prefetched, the slots)."""
-    request = CacheRequestHandle("next-turn", 0) if isinstance(cc, HybridCacheController) else "next-turn"
-    cc.prefetch(request, key)
-    operation = cc.prefetch_hit_queue.get(timeout=TIMEOUT)
-    operation.host_indices = cc.alloc_prefetch_host_buffers(operation, operation.storage_hit_count)
-    cc.prefetch_buffer.put(operation)
-    completed = 0
-    while True:
-        ack = cc.ack_prefetch_queue.get(timeout=TIMEOUT)
-        if ack.completed_req:
-            return completed, operation.host_indices
-        completed = ack.completed_tokens
-
-
 def stop(cc) -> None:
     cc.detach_storage_backend()
 
@@ -91,7 +74,7 @@ def test_write_through_then_prefetch_through_sglangs_controller_moves_every_byte
         written = write_through(cc, host, key)
         source = token_slots(host, canonical_of(host), written)
         host.kv_buffer.zero_()
-        tokens, read = prefetch(cc, host, key)
+        tokens, read = prefetch(cc, key)
         assert tokens == len(key.token_ids)
         assert same_bytes(token_slots(host, canonical_of(host), read), source)
         kvstage_keys = PageHasher(page_size=PAGE_SIZE).prefill_keys(list(key.token_ids), extra_key="lora-7", cache_salt="tenant-a")
@@ -117,7 +100,7 @@ def test_the_next_turn_prefetches_through_another_host_layout_from_a_shared_file
     reader, reader_host = controller(kind, read, url, hybrid=True)
     try:
         next_turn = RadixKey(array("q", list(first_turn.token_ids) + [1, 2, 3, 4, 5]))  # one page more, unseen
-        tokens, got = prefetch(reader, reader_host, next_turn)
+        tokens, got = prefetch(reader, next_turn)
         assert tokens == 3 * PAGE_SIZE
         assert same_bytes(token_slots(reader_host, canonical_of(reader_host), got), source)
     finally:
@@ -131,7 +114,7 @@ def test_flush_clears_what_the_controller_stored(tmp_path):
         key = RadixKey(array("q", range(2 * PAGE_SIZE)))
         write_through(cc, host, key)
         cc.storage_backend.clear()
-        tokens, _ = prefetch(cc, host, key)
+        tokens, _ = prefetch(cc, key)
         assert tokens == 0
     finally:
         stop(cc)

@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.runtime_context import get_parallel
 from sglang_rig import (
     PAGE_SIZE, canonical_of, host_pool, mha_device_pool, mla_device_pool, random_canonical, same_bytes,
-    set_host, storage_config, token_slots, write_through,
+    set_host, storage_config, token_slots, write_through, prefetch,
 )
 
 from decode_rig import DecodeSide, install_settings, released
@@ -74,20 +74,6 @@ def controller(url: str, layout: str = "page_first", kind: str = "mha", extra: d
         storage_backend="dynamic", model_name="org/tiny-model", storage_backend_extra_config={**readme_extra_config(url), **(extra or {})},
     )
     return cc, host
-
-
-def prefetch(cc, key: RadixKey, rid: str = "next-turn") -> tuple[int, torch.Tensor]:
-    """sglang's prefetch: hit query, host slots, the I/O thread; (tokens prefetched, slots)."""
-    cc.prefetch(rid, key)
-    operation = cc.prefetch_hit_queue.get(timeout=TIMEOUT)
-    operation.host_indices = cc.alloc_prefetch_host_buffers(operation, operation.storage_hit_count)
-    cc.prefetch_buffer.put(operation)
-    completed = 0
-    while True:
-        ack = cc.ack_prefetch_queue.get(timeout=TIMEOUT)
-        if ack.completed_req:
-            return completed, operation.host_indices
-        completed = ack.completed_tokens
 
 
 def snapshot(host, slots: torch.Tensor) -> torch.Tensor:
