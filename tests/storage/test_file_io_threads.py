@@ -87,15 +87,16 @@ def test_one_read_at_a_time_stays_on_the_calling_thread(tmp_path, monkeypatch, i
     assert seen == {threading.get_ident()}
 
 
-def test_a_store_closed_still_reads_and_close_stops_its_io_threads(tmp_path):
-    before = threading.active_count()
+def test_a_store_closed_still_reads_and_close_stops_its_io_threads(tmp_path, monkeypatch):
     store = FileStore(FP, tmp_path, io_threads=2)
     store.put(KEYS, [page(i) for i in range(8)])
+    seen = threads_doing("_read", monkeypatch, meet=2)
     assert store.get(KEYS, poisoned(8)) == [True] * 8
-    assert threading.active_count() > before
+    alive = lambda: {thread.ident for thread in threading.enumerate()} & seen  # noqa: E731
+    assert len(alive()) == 2
     store.close()
     store.close()  # idempotent
-    assert threading.active_count() == before
+    assert alive() == set()
     assert store.get(KEYS[:2], poisoned(2)) == [True, True]
 
 
