@@ -7,8 +7,8 @@ host pools, every host layout.
 - file store (checksummed, crash-safe), beside sglang's own ``HiCacheFile`` on the same host pool
   and directory, through the calls sglang's controller makes for it (``batch_set`` of
   ``get_data_page`` flat pages; ``batch_get`` into flat pages then ``set_from_flat_data_page``):
-  target not slower. kvstage's get reads ``parallel_reads`` page files at once (its default);
-  the row ``kvstage 1 reader`` is the same get on one thread (``file:DIR?parallel_reads=1``).
+  target not slower. kvstage's file store reads and writes ``io_threads`` page files at once (its
+  default: 2 here); the rows ``1 thread`` are the same calls on one (``file:DIR?io_threads=1``).
   Both stores' pages are removed after each round of writes, untimed: otherwise the rounds
   pile up gigabytes of dirty page cache, and whichever write crosses the kernel's dirty limit
   waits for the disk (a figure of the disk and of the order of the calls, not of the store).
@@ -121,23 +121,35 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
         raw[:batch_bytes].copy_(source)
         written = torch.arange(0, tokens)
         read = torch.arange(tokens, 2 * tokens)
+
+        def open_backend(url: str):
+            backend = StorageBackendFactory.create_backend("dynamic", storage_config(url), host)
+            backend.register_mem_pool_host(host)
+            return backend
+
+        def kvstage_calls(backend, round_keys):
+            """(set, get): a batch_set_v1 of the written pages under fresh keys, a batch_get_v1
+            of the last keys set into the read pages; both check that every page made it."""
+            def set_v1():
+                base = next(round_keys)
+                set_v1.keys = [f"{base:032x}{i:032x}" for i in range(num_pages)]
+                assert all(backend.batch_set_v1(set_v1.keys, written))
+
+            def get_v1():
+                assert all(backend.batch_get_v1(set_v1.keys, read))
+
+            return set_v1, get_v1
         for store in ("memory", "file"):
             directory = scratch / f"{layout}-{store}"
             url = f"memory:{batch_bytes}" if store == "memory" else f"file:{directory}"
-            backend = StorageBackendFactory.create_backend("dynamic", storage_config(url), host)
-            backend.register_mem_pool_host(host)
+            backend = open_backend(url)
             round_keys = iter(range(10**6))
-
-            def set_v1():
-                base = next(round_keys)
-                keys = [f"{base:032x}{i:032x}" for i in range(num_pages)]
-                assert all(backend.batch_set_v1(keys, written))
-                set_v1.keys = keys
+            set_v1, get_v1 = kvstage_calls(backend, round_keys)
 
             if store == "memory":
                 copy = lambda: target.copy_(source)  # noqa: E731
                 _, put, put_ratio = _paired(copy, set_v1, rounds)
-                _, get, get_ratio = _paired(copy, lambda: all(backend.batch_get_v1(set_v1.keys, read)) or 1 / 0, rounds)
+                _, get, get_ratio = _paired(copy, get_v1, rounds)
                 for op, seconds in (("batch_set_v1", put), ("batch_get_v1", get)):
                     results.append({"layout": layout, "store": store, "method": "kvstage", "op": op, "pages": num_pages,
                                     "seconds": seconds, "gbps": batch_bytes / seconds / 1e9})
@@ -147,7 +159,7 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
                 # A second baseline: the same bytes as one copy_ a page, between contiguous tensors
                 # (a store holds pages apart, so no page-by-page design beats it).
                 _, _, put_ratio = _paired(copy_pages, set_v1, rounds)
-                _, _, get_ratio = _paired(copy_pages, lambda: all(backend.batch_get_v1(set_v1.keys, read)) or 1 / 0, rounds)
+                _, _, get_ratio = _paired(copy_pages, get_v1, rounds)
                 for op, ratio in (("set", put_ratio), ("get", get_ratio)):
                     summary[f"memory {op} / copy_ page by page, {layout}"] = {"value": round(ratio, 2), "target": ">= 0.8", "ok": ratio >= 0.8}
             if store == "file":
@@ -167,25 +179,29 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
                     for i, page in enumerate(got):
                         host.set_from_flat_data_page(int(read[i * PAGE_SIZE]), page)
 
-                def remove_pages():
-                    backend.clear()
-                    sglang_file.clear()
+                # kvstage's default (io_threads page files at once), then one thread.
+                for method, kvstage in (("kvstage", backend), ("1 thread", open_backend(f"{url}?io_threads=1"))):
+                    kvstage_set, kvstage_get = kvstage_calls(kvstage, round_keys)
 
-                sput, kput, set_ratio = _paired(file_set, set_v1, rounds, between=remove_pages)
-                file_set(), set_v1()  # the pages the gets read
-                sget, kget, get_ratio = _paired(file_get, lambda: all(backend.batch_get_v1(set_v1.keys, read)) or 1 / 0, rounds)
-                one_reader = StorageBackendFactory.create_backend("dynamic", storage_config(f"{url}?parallel_reads=1"), host)
-                one_reader.register_mem_pool_host(host)
-                _, kget1, get1_ratio = _paired(file_get, lambda: all(one_reader.batch_get_v1(set_v1.keys, read)) or 1 / 0, rounds)
-                one_reader.close()
-                for method, op, seconds in (("HiCacheFile", "batch_set", sput), ("HiCacheFile", "batch_get", sget),
-                                            ("kvstage", "batch_set_v1", kput), ("kvstage", "batch_get_v1", kget),
-                                            ("1 reader", "batch_get_v1", kget1)):
-                    results.append({"layout": layout, "store": "file", "method": method, "op": op, "pages": num_pages,
-                                    "seconds": seconds, "gbps": batch_bytes / seconds / 1e9})
-                for op, ratio in (("set", set_ratio), ("get", get_ratio), ("get, 1 reader", get1_ratio)):
-                    summary[f"file {op}: HiCacheFile time / kvstage time, {layout}"] = {
-                        "value": round(ratio, 2), "target": ">= 1.0", "ok": ratio >= 1.0}
+                    def remove_pages():
+                        kvstage.clear()
+                        sglang_file.clear()
+
+                    sput, kput, set_ratio = _paired(file_set, kvstage_set, rounds, between=remove_pages)
+                    file_set(), kvstage_set()  # the pages the gets read
+                    sget, kget, get_ratio = _paired(file_get, kvstage_get, rounds)
+                    remove_pages()
+                    kvstage.close()
+                    rows = (((method, "batch_set_v1", kput), (method, "batch_get_v1", kget)) if method != "kvstage" else
+                            (("HiCacheFile", "batch_set", sput), ("HiCacheFile", "batch_get", sget),
+                             (method, "batch_set_v1", kput), (method, "batch_get_v1", kget)))
+                    for name, op, seconds in rows:
+                        results.append({"layout": layout, "store": "file", "method": name, "op": op, "pages": num_pages,
+                                        "seconds": seconds, "gbps": batch_bytes / seconds / 1e9})
+                    suffix = "" if method == "kvstage" else f", {method}"
+                    for op, ratio in (("set", set_ratio), ("get", get_ratio)):
+                        summary[f"file {op}{suffix}: HiCacheFile time / kvstage time, {layout}"] = {
+                            "value": round(ratio, 2), "target": ">= 1.0", "ok": ratio >= 1.0}
             backend.close()
         log(f"  {layout}: done")
         del host
