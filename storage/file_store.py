@@ -392,7 +392,7 @@ class FileStore(StorageBackend):
             with self._lock:
                 prior_stored = prior is None or prior in self._index
             if self.io_threads > 1 and len(full_keys) > 1 and prior_stored:
-                outcomes = self._put_parallel(full_keys, digests, pages, prior)
+                outcomes = self._put_parallel(full_keys, digests, pages, prior, full_prior_key)
             else:
                 outcomes = self._put_serial(full_keys, digests, pages, prior, full_prior_key)
             for status, error in outcomes:
@@ -430,12 +430,14 @@ class FileStore(StorageBackend):
         return outcomes
 
     def _put_parallel(
-        self, full_keys: list[str], digests: list[bytes], pages: list[torch.Tensor], prior: bytes | None
+        self, full_keys: list[str], digests: list[bytes], pages: list[torch.Tensor], prior: bytes | None, full_prior_key: str | None
     ) -> list[tuple[PutStatus, OSError | MissingPriorError | None]]:
         """The pages' temporary files written ``io_threads`` at a time (each links to the
         digest before it, known up front), then renamed into place in chain order, so a page
-        whose predecessor failed is refused as in :meth:`_put_serial` (its file removed). Only
-        when the put's prior is stored (or None): a put refused at its start writes nothing."""
+        whose predecessor failed is refused as in :meth:`_put_serial` (its file removed; the
+        first page with a :class:`MissingPriorError` when the put's prior went meanwhile, e.g.
+        dropped as corrupt by a reader). Only when the put's prior is stored (or None) at the
+        start: a put refused then writes nothing."""
         priors = [prior, *digests[:-1]]
 
         def prepare(full_key: str, page: torch.Tensor, page_prior: bytes | None):
@@ -448,12 +450,14 @@ class FileStore(StorageBackend):
         for full_key, digest, page_prior, tmp in zip(full_keys, digests, priors, written):
             if tmp is None:
                 outcomes.append((PutStatus.DEDUPLICATED, None))
-            elif not self._prior_stored(page_prior):  # a page before it in this call failed
+            elif not self._prior_stored(page_prior):  # a page before it in this call failed, or the put's prior went
                 if not isinstance(tmp, OSError):
                     _unlink(tmp[0])
-                outcomes.append((PutStatus.FAILED, None))
+                missing = None if full_prior_key is None else MissingPriorError(full_prior_key[len(self.prefix) :])
+                outcomes.append((PutStatus.FAILED, missing))
             else:
                 outcomes.append(self._commit(full_key, digest, page_prior, tmp))
+            full_prior_key = None  # a later page's predecessor is in this call: refused, not missing
         return outcomes
 
     def _deduplicated(self, full_key: str) -> bool:

@@ -124,7 +124,7 @@ def test_a_put_never_holds_more_than_capacity_bytes_on_disk(tmp_path, monkeypatc
     assert not [name for name in os.listdir(tmp_path) if name.endswith(TMP_SUFFIX)]
 
 
-@pytest.mark.parametrize("io_threads", [1, pytest.param(2, marks=pytest.mark.xfail(strict=True, reason="the parallel put refuses a page whose prior vanished with no error, one thread with MissingPriorError"))])
+@pytest.mark.parametrize("io_threads", [1, 2])
 def test_a_prior_dropped_as_corrupt_during_a_put_fails_it_with_missing_prior_error(tmp_path, monkeypatch, io_threads):
     """A reader on another thread drops the put's prior (corrupt at its right size, so still
     indexed when the put starts) before the put's first page is decided: one thread refuses the
