@@ -99,7 +99,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -445,7 +445,7 @@ class FileStore(StorageBackend):
                 return None
             return self._write_tmp(full_key, page, page_prior)
 
-        written = list(self._io_pool().map(prepare, full_keys, pages, priors))
+        written = self._on_io_threads(prepare, full_keys, pages, priors)
         outcomes = []
         for full_key, digest, page_prior, tmp in zip(full_keys, digests, priors, written):
             if tmp is None:
@@ -549,19 +549,28 @@ class FileStore(StorageBackend):
 
         if self.io_threads == 1 or len(full_keys) == 1:
             return [read(full_key, target) for full_key, target in zip(full_keys, into)]
-        return list(self._io_pool().map(read, full_keys, into))
+        return self._on_io_threads(read, full_keys, into)
 
-    def _io_pool(self) -> ThreadPoolExecutor:
+    def _on_io_threads(self, function, *iterables) -> list:
+        """``function`` over ``zip(*iterables)`` on this store's I/O threads; the results in order."""
+        futures = [self._submit(function, *args) for args in zip(*iterables)]
+        return [future.result() for future in futures]
+
+    def _submit(self, function, *args) -> Future:
+        """Run ``function(*args)`` on this store's I/O threads, starting them if needed. Under the
+        lock :meth:`close` takes, so a close racing a call never shuts the threads between the
+        call finding them and handing them work (the call's later work starts them again)."""
         with self._io_lock:
             # A forked child has the pool object but not its threads: it starts its own.
             if self._io is None or self._io_pid != os.getpid():
                 self._io = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvstage-file-io")
                 self._io_pid = os.getpid()
-            return self._io
+            return self._io.submit(function, *args)
 
     def close(self) -> None:
         """Stop this store's I/O threads (after the reads and writes in flight); a later call
-        of many pages starts them again. The page files stay. Idempotent."""
+        of many pages, or one in flight on another thread, starts them again. The page files
+        stay. Idempotent."""
         with self._io_lock:
             pool, self._io = self._io, None
         if pool is not None:

@@ -205,7 +205,6 @@ def test_a_put_that_raises_leaves_no_temporary_file_and_stores_what_one_thread_d
     store.close()
 
 
-@pytest.mark.xfail(strict=True, reason="close() between a call getting the pool and submitting to it: RuntimeError cannot schedule new futures after shutdown")
 def test_close_racing_calls_in_flight_never_fails_them(tmp_path):
     """``close()`` from one thread while another gets and puts many pages: every call answers
     (close waits for the I/O in flight; a call after it starts the threads again)."""
