@@ -99,7 +99,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -447,7 +447,13 @@ class FileStore(StorageBackend):
 
         written = self._on_io_threads(prepare, full_keys, pages, priors)
         outcomes = []
-        for full_key, digest, page_prior, tmp in zip(full_keys, digests, priors, written):
+        for index, (full_key, digest, page_prior, future) in enumerate(zip(full_keys, digests, priors, written)):
+            if future.exception() is not None:  # raised as page by page would here: no later page lands
+                for later in written[index + 1 :]:
+                    if later.exception() is None and isinstance(later.result(), tuple):
+                        _unlink(later.result()[0])
+                raise future.exception()
+            tmp = future.result()
             if tmp is None:
                 outcomes.append((PutStatus.DEDUPLICATED, None))
             elif not self._prior_stored(page_prior):  # a page before it in this call failed, or the put's prior went
@@ -488,6 +494,9 @@ class FileStore(StorageBackend):
         except OSError as error:
             _unlink(tmp)
             return error
+        except BaseException:
+            _unlink(tmp)
+            raise
         return tmp, len(header) + len(key) + len(payload)
 
     def _commit(
@@ -549,12 +558,15 @@ class FileStore(StorageBackend):
 
         if self.io_threads == 1 or len(full_keys) == 1:
             return [read(full_key, target) for full_key, target in zip(full_keys, into)]
-        return self._on_io_threads(read, full_keys, into)
+        return [future.result() for future in self._on_io_threads(read, full_keys, into)]
 
-    def _on_io_threads(self, function, *iterables) -> list:
-        """``function`` over ``zip(*iterables)`` on this store's I/O threads; the results in order."""
+    def _on_io_threads(self, function, *iterables) -> list[Future]:
+        """``function`` over ``zip(*iterables)`` on this store's I/O threads, once every call
+        ended (none still writes into a caller's tensor or leaves a file behind afterwards);
+        their futures in order."""
         futures = [self._submit(function, *args) for args in zip(*iterables)]
-        return [future.result() for future in futures]
+        wait(futures)
+        return futures
 
     def _submit(self, function, *args) -> Future:
         """Run ``function(*args)`` on this store's I/O threads, starting them if needed. Under the

@@ -154,7 +154,7 @@ def test_a_prior_dropped_as_corrupt_during_a_put_fails_it_with_missing_prior_err
     assert sorted(os.listdir(tmp_path)) == []
 
 
-@pytest.mark.parametrize("io_threads", [1, pytest.param(2, marks=pytest.mark.xfail(strict=True, reason="a get that raises leaves its other reads running on the io threads, writing into the targets after it returned"))])
+@pytest.mark.parametrize("io_threads", [1, 2])
 def test_a_get_that_raises_writes_no_target_after_it_returned(tmp_path, monkeypatch, io_threads):
     """A target the copy refuses (a leaf tensor that requires grad) makes ``get`` raise; once it
     has raised, no thread of the store may still write into the caller's other targets (the
@@ -179,7 +179,7 @@ def test_a_get_that_raises_writes_no_target_after_it_returned(tmp_path, monkeypa
     store.close()
 
 
-@pytest.mark.parametrize("io_threads", [1, pytest.param(2, marks=pytest.mark.xfail(strict=True, reason="a put that raises leaves the other pages' temporary files behind (and writes in flight)"))])
+@pytest.mark.parametrize("io_threads", [1, 2])
 def test_a_put_that_raises_leaves_no_temporary_file_and_stores_what_one_thread_does(tmp_path, monkeypatch, io_threads):
     """A page whose bytes cannot be viewed (a conjugate view of a complex tensor: torch refuses
     ``view(uint8)``) makes ``put`` raise at that page: the pages before it are stored, as with
