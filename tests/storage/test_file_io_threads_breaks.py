@@ -237,3 +237,162 @@ def test_close_racing_calls_in_flight_never_fails_them(tmp_path):
     caller.join()
     store.close()
     assert errors == []
+
+
+READ_ONLY = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, torch
+    from kvstage.kv_layout import KVLayout
+    from kvstage.storage import FileStore, LayoutFingerprint
+
+    fp = LayoutFingerprint("tiny", KVLayout(2, 2, 8, 64, "float32"), 4)  # 32 KiB pages
+    keys = [f"{i:064x}" for i in range(4)]
+    page = torch.ones(fp.page_bytes // 4)
+    seen = {}
+    for io_threads in (1, 2):
+        directory = os.path.join(sys.argv[1], str(io_threads))
+        os.mkdir(directory)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", directory], check=True)
+        store = FileStore(fp, directory, io_threads=io_threads)
+        store.put(keys[:1], [page])
+        subprocess.run(["mount", "-o", "remount,ro", directory], check=True)
+        answer = store.put(keys, [page] * 4)  # the first page is there: deduplicated; the rest cannot be written
+        seen[io_threads] = dict(
+            statuses=[s.value for s in answer], errno=getattr(answer.error, "errno", None), exists=store.exists(keys),
+            files=sorted(os.listdir(directory)) == [store.file_name(keys[0])], used=store.used_bytes,
+        )
+    print(json.dumps(seen))
+    """
+)
+
+
+def test_a_read_only_directory_answers_a_parallel_put_as_one_thread(tmp_path):
+    """Holds (risky: writes in flight past a failed page): EROFS on a put of several pages, one
+    page already there, reports the same statuses, error and files with io_threads as with one."""
+    reason = namespaces_usable()
+    if reason is not None:
+        pytest.skip(reason)
+    result = subprocess.run(UNSHARE + [sys.executable, "-c", READ_ONLY, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["1"]["statuses"] == ["deduplicated", "failed", "failed", "failed"] and seen["1"]["errno"] == errno.EROFS
+    assert seen["1"]["exists"] == [True, False, False, False] and seen["1"]["files"] is True
+    assert seen["2"] == seen["1"]
+
+
+def test_a_corrupt_page_inside_a_parallel_put_is_healed_with_the_events_of_one_thread(tmp_path):
+    """Holds: a page corrupt at its right size in the middle of a put is removed and written
+    again; each key's events come in one thread's order (removed, then stored) and the put's
+    statuses, events and bytes equal one thread's."""
+    answers = {}
+    for io_threads in (1, 2):
+        store = FileStore(FP, tmp_path / str(io_threads), io_threads=io_threads)
+        store.put(KEYS[:4], [page(i) for i in range(4)])
+        corrupt = store.path_of(KEYS[2])
+        data = bytearray(corrupt.read_bytes())
+        data[-1] ^= 0x01
+        corrupt.write_bytes(bytes(data))
+        store.take_events()
+        statuses = values(store.put(KEYS, [page(i) for i in range(8)]))
+        events = [(event.kind, event.key) for event in store.take_events()]
+        into = poisoned(8)
+        hits = store.get(KEYS, into)
+        assert all(torch.equal(target, page(i)) for i, target in enumerate(into))
+        answers[io_threads] = (statuses, sorted(events), hits, store.used_bytes)
+        assert events.index(("removed", KEYS[2])) < events.index(("stored", KEYS[2]))
+        assert [key for kind, key in events if kind == "stored"] == [KEYS[2]] + KEYS[4:]  # in chain order
+    assert answers[1][0] == ["deduplicated", "deduplicated", "stored", "deduplicated"] + ["stored"] * 4
+    assert answers[2] == answers[1]
+
+
+def test_a_forked_child_puts_on_io_threads_of_its_own_and_closes(tmp_path):
+    """Holds: the parent's I/O threads started (by a put), a forked child's put of many pages
+    runs on threads of its own, lands whole, and its close() returns."""
+    import multiprocessing
+
+    store = FileStore(FP, tmp_path, io_threads=2)
+    assert values(store.put(KEYS[:4], [page(i) for i in range(4)])) == ["stored"] * 4
+
+    def child(answers):
+        statuses = values(store.put(KEYS[4:], [page(i) for i in range(4, 8)], prior_key=KEYS[3]))
+        store.close()
+        answers.put(statuses)
+
+    context = multiprocessing.get_context("fork")
+    answers = context.Queue()
+    process = context.Process(target=child, args=(answers,))
+    process.start()
+    try:
+        assert answers.get(timeout=30) == ["stored"] * 4
+    finally:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+    assert process.exitcode == 0
+    reopened = FileStore(FP, tmp_path, io_threads=2)
+    into = poisoned(8)
+    assert reopened.get(KEYS, into) == [True] * 8
+    assert all(torch.equal(target, page(i)) for i, target in enumerate(into))
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(TMP_SUFFIX)]
+
+
+def test_parallel_puts_gets_and_clears_racing_keep_every_chain_whole_and_the_bytes_counted(tmp_path):
+    """Holds (risky: room held for writes in flight, eviction, clear): four threads put chains
+    of 6 pages on io_threads into a store of 10 pages while one clears and one reads. At every
+    moment after, every page file's predecessor is stored (eviction from tails, a put landing
+    whole after a clear or not at all), the store counts exactly the bytes of its page files,
+    and no temporary file is left; a reopen sees the same pages."""
+    from kvstage.storage.file_store import _HEADER, _NO_PRIOR, _digest
+
+    probe = FileStore(FP, tmp_path / "probe", io_threads=1)
+    size = probe._file_size(probe.prefix + KEYS[0])
+    store = FileStore(FP, tmp_path / "pages", capacity_bytes=10 * size, io_threads=2)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def writer(worker: int):
+        try:
+            for round_ in range(25):
+                chain = [f"{worker:016x}{round_:016x}{i:032x}" for i in range(6)]
+                statuses = values(store.put(chain[:3], [page(i) for i in range(3)]))
+                statuses += values(store.put(chain[3:], [page(i) for i in range(3, 6)], prior_key=chain[2]))
+                assert "deduplicated" not in statuses, statuses
+                # Page by page, a failure ends the run: what follows a failed page is failed too.
+                assert "failed" not in statuses or set(statuses[statuses.index("failed") :]) == {"failed"}, statuses
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            errors.append(error)
+
+    def clearer():
+        while not done.is_set():
+            store.clear()
+            time.sleep(0.005)
+
+    def reader():
+        while not done.is_set():
+            store.get(KEYS[:4], poisoned(4))
+
+    writers = [threading.Thread(target=writer, args=(worker,)) for worker in range(4)]
+    others = [threading.Thread(target=clearer), threading.Thread(target=reader)]
+    for thread in writers + others:
+        thread.start()
+    for thread in writers:
+        thread.join()
+    done.set()
+    for thread in others:
+        thread.join()
+    assert errors == []
+    directory = tmp_path / "pages"
+    names = os.listdir(directory)
+    assert not [name for name in names if name.endswith(TMP_SUFFIX)]
+    files = [directory / name for name in names]
+    assert store.used_bytes == sum(path.stat().st_size for path in files) <= 10 * size
+    stored = {_digest(path.name[: -len(".kvpage")]) for path in files}
+    for path in files:
+        prior = _HEADER.unpack_from(path.read_bytes())[4]
+        assert prior == _NO_PRIOR or prior in stored, path.name
+    reopened = FileStore(FP, directory, capacity_bytes=10 * size, io_threads=2)
+    assert reopened.used_bytes == store.used_bytes
+    # No room is still held: a chain of the whole capacity fits (everything else evicted).
+    fresh = [f"{i + 1000:064x}" for i in range(10)]
+    assert values(store.put(fresh, [page(i) for i in range(10)])) == ["stored"] * 10
+    assert store.stats.pages_stored > 20 and store.stats.pages_evicted > 0, store.stats  # the race did evict
