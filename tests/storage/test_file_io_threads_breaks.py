@@ -396,3 +396,40 @@ def test_parallel_puts_gets_and_clears_racing_keep_every_chain_whole_and_the_byt
     fresh = [f"{i + 1000:064x}" for i in range(10)]
     assert values(store.put(fresh, [page(i) for i in range(10)])) == ["stored"] * 10
     assert store.stats.pages_stored > 20 and store.stats.pages_evicted > 0, store.stats  # the race did evict
+
+
+AT_EXIT = textwrap.dedent(
+    """
+    import json, sys, time, torch
+    from kvstage.kv_layout import KVLayout
+    from kvstage.offload.store_io import StoreWorkers, write_pages
+    from kvstage.storage import FileStore, LayoutFingerprint
+
+    fp = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
+    keys = [f"{i:064x}" for i in range(4)]
+    store = FileStore(fp, sys.argv[1], io_threads=int(sys.argv[2]))
+    workers = StoreWorkers()  # the offload manager's writer threads
+
+    def write():
+        time.sleep(0.3)  # still queued when the main thread ends
+        outcome = write_pages(store, keys, [torch.full((32,), float(i)) for i in range(4)])
+        print(json.dumps(dict(stored=outcome.stored, failed=outcome.failed_keys, error=repr(outcome.error))), flush=True)
+
+    workers.write(write)
+    # The process ends without close(): queued writes still run while the interpreter exits.
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "io_threads", [1, pytest.param(2, marks=pytest.mark.xfail(strict=True, reason="at interpreter exit concurrent.futures takes no new work: a put of many pages raises RuntimeError where one thread writes"))]
+)
+def test_a_write_queued_when_the_process_exits_lands_as_with_one_thread(tmp_path, io_threads):
+    """A process that exits without close() while a store write is queued on the manager's
+    writer threads: concurrent.futures drains the queue at exit but refuses new work, so the
+    store's own threads cannot be handed the put's pages; it must still write them."""
+    result = subprocess.run([sys.executable, "-c", AT_EXIT, str(tmp_path), str(io_threads)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"stored": 4, "failed": [], "error": "None"}
+    assert FileStore(FP, tmp_path, io_threads=1).exists(KEYS[:4]) == [True] * 4
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(TMP_SUFFIX)]
