@@ -421,9 +421,7 @@ AT_EXIT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(
-    "io_threads", [1, pytest.param(2, marks=pytest.mark.xfail(strict=True, reason="at interpreter exit concurrent.futures takes no new work: a put of many pages raises RuntimeError where one thread writes"))]
-)
+@pytest.mark.parametrize("io_threads", [1, 2])
 def test_a_write_queued_when_the_process_exits_lands_as_with_one_thread(tmp_path, io_threads):
     """A process that exits without close() while a store write is queued on the manager's
     writer threads: concurrent.futures drains the queue at exit but refuses new work, so the
