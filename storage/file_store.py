@@ -590,9 +590,16 @@ class FileStore(StorageBackend):
         def read(full_key: str, target: torch.Tensor) -> bool:
             return self._read(full_key, directory / self._name(full_key), target)
 
+        def read_untouched(full_key: str, target: torch.Tensor) -> bool:
+            return self._read(full_key, directory / self._name(full_key), target, touch=False)
+
         if self.io_threads == 1 or len(full_keys) == 1:
             return [read(full_key, target) for full_key, target in zip(full_keys, into)]
-        return [future.result() for future in self._on_io_threads(read, full_keys, into)]
+        hits = [future.result() for future in self._on_io_threads(read_untouched, full_keys, into)]
+        for full_key, hit in zip(full_keys, hits):  # uses in key order, as one thread makes them
+            if hit:
+                self._touch(full_key, directory / self._name(full_key))
+        return hits
 
     def _on_io_threads(self, function, *iterables) -> list[Future]:
         """``function`` over ``zip(*iterables)`` on this store's I/O threads, once every call
@@ -633,12 +640,15 @@ class FileStore(StorageBackend):
         if pool is not None:
             pool.shutdown(wait=True)
 
-    def _read(self, full_key: str, path: Path, target: torch.Tensor | None, *, adopt: bool = False) -> bool:
+    def _read(
+        self, full_key: str, path: Path, target: torch.Tensor | None, *, adopt: bool = False, touch: bool = True
+    ) -> bool:
         """Read and verify the key's page file and copy its payload into ``target`` (None:
         verify only). The payload is read in one call into this thread's scratch page and
         reaches ``target`` (any strides) in one copy, only once its checksum matched. A hit
-        counts as a use (``adopt``: a page another process wrote is indexed too); a corrupt or
-        torn file is removed (and forgotten), only if it is still the file read."""
+        counts as a use unless ``touch`` is False (the caller records it; ``adopt``: a page
+        another process wrote is indexed too); a corrupt or torn file is removed (and
+        forgotten), only if it is still the file read."""
         try:
             with open(path, "rb", buffering=0) as handle:
                 status = os.fstat(handle.fileno())
@@ -653,7 +663,8 @@ class FileStore(StorageBackend):
         if adopt:
             with self._lock:
                 self._adopt(full_key, path)
-        self._touch(full_key, path)
+        if touch:
+            self._touch(full_key, path)
         return True
 
     def _intact(self, full_key: str, head: bytes, size: int, handle) -> bool:

@@ -433,9 +433,7 @@ def test_a_write_queued_when_the_process_exits_lands_as_with_one_thread(tmp_path
     assert not [name for name in os.listdir(tmp_path) if name.endswith(TMP_SUFFIX)]
 
 
-@pytest.mark.parametrize(
-    "io_threads", [1, pytest.param(2, marks=pytest.mark.xfail(strict=True, reason="a parallel get marks its pages used in the order the reads end, one thread in key order: eviction picks another page"))]
-)
+@pytest.mark.parametrize("io_threads", [1, 2])
 def test_a_get_marks_its_pages_used_in_key_order_as_one_thread(tmp_path, monkeypatch, io_threads):
     """Two chains of one page, read by one get as [B, A]: one thread uses A last, so a put
     that needs room evicts B, the least recently used. The read of B is slowed (a slow disk),
