@@ -80,8 +80,10 @@ and a ``put`` of more than one page verifies the pages already there at once, th
 ``io_threads`` temporary files at a time, room made and held for each before it is written, in
 chain order (page and temporary files stay within the capacity, as one by one), and renames them
 into place one by one in chain order (each page's header links to the key before it, known
-before any is written), so what a put stores, refuses and reports is as if written one by one.
-Either call returns or raises only once all its I/O ended.
+before any is written), so what a put stores, refuses and reports is as if written one by one
+(its ``evicted`` events may come before the ``stored`` events of the up to ``io_threads - 1``
+pages written before them: room is made before a write, not at its rename). A get marks its
+hits used in key order. Either call returns or raises only once all its I/O ended.
 Threads of the store's own: reading or writing the page cache is a memory copy, and an NVMe
 drive needs more than one request in flight to reach its bandwidth. Measured on a 2-core VM
 (128 pages of 8 MiB): reads 1.4x as fast on 2 threads as on one and 1.1x on 4 (four 8 MiB
