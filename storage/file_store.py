@@ -76,9 +76,14 @@ so a target never holds bytes of a corrupt page; a strided target (an sglang hos
 that one copy too (:attr:`FileStore.strided_pages`).
 
 Several pages at once: a ``get`` of more than one page reads ``io_threads`` page files at once,
-and a ``put`` of more than one page writes ``io_threads`` temporary files at once, then renames
-them into place one by one in chain order (each page's header links to the key before it, known
-before any is written), so what a put stores, refuses and reports is as if written one by one.
+and a ``put`` of more than one page verifies the pages already there at once, then writes
+``io_threads`` temporary files at a time, room made and held for each before it is written, in
+chain order (page and temporary files stay within the capacity, as one by one), and renames them
+into place one by one in chain order (each page's header links to the key before it, known
+before any is written), so what a put stores, refuses and reports is as if written one by one
+(its ``evicted`` events may come before the ``stored`` events of the up to ``io_threads - 1``
+pages written before them: room is made before a write, not at its rename). A get marks its
+hits used in key order. Either call returns or raises only once all its I/O ended.
 Threads of the store's own: reading or writing the page cache is a memory copy, and an NVMe
 drive needs more than one request in flight to reach its bandwidth. Measured on a 2-core VM
 (128 pages of 8 MiB): reads 1.4x as fast on 2 threads as on one and 1.1x on 4 (four 8 MiB
@@ -98,8 +103,8 @@ import struct
 import threading
 import time
 import uuid
-from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,6 +234,7 @@ class FileStore(StorageBackend):
         self._index: ChainIndex[bytes, tuple[str, int, str]] = ChainIndex()
         self._pinned: Counter[bytes] = Counter()  # pages of puts in flight (and their priors)
         self._used = 0
+        self._reserved = 0  # bytes of room held for parallel writes in flight (see _put_parallel)
         # clear() waits for puts in flight and holds new ones (a put lands wholly after it).
         self._gate = threading.Condition()
         self._puts_active = 0
@@ -392,7 +398,7 @@ class FileStore(StorageBackend):
             with self._lock:
                 prior_stored = prior is None or prior in self._index
             if self.io_threads > 1 and len(full_keys) > 1 and prior_stored:
-                outcomes = self._put_parallel(full_keys, digests, pages, prior)
+                outcomes = self._put_parallel(full_keys, digests, pages, prior, full_prior_key)
             else:
                 outcomes = self._put_serial(full_keys, digests, pages, prior, full_prior_key)
             for status, error in outcomes:
@@ -430,30 +436,66 @@ class FileStore(StorageBackend):
         return outcomes
 
     def _put_parallel(
-        self, full_keys: list[str], digests: list[bytes], pages: list[torch.Tensor], prior: bytes | None
+        self, full_keys: list[str], digests: list[bytes], pages: list[torch.Tensor], prior: bytes | None, full_prior_key: str | None
     ) -> list[tuple[PutStatus, OSError | MissingPriorError | None]]:
-        """The pages' temporary files written ``io_threads`` at a time (each links to the
-        digest before it, known up front), then renamed into place in chain order, so a page
-        whose predecessor failed is refused as in :meth:`_put_serial` (its file removed). Only
-        when the put's prior is stored (or None): a put refused at its start writes nothing."""
+        """The put on ``io_threads``, with the answers of :meth:`_put_serial`: the pages already
+        there are read and verified at once; then, in chain order, room is made and held for
+        each page before its temporary file is written (so page files and temporary files stay
+        within ``capacity_bytes``, and a full disk is relieved by eviction first), with at most
+        ``io_threads`` writes in flight, each renamed into place in chain order. Each file links
+        to the digest before it, known up front; a page whose predecessor failed is refused (its
+        file removed; the first page with a :class:`MissingPriorError` when the put's prior went
+        meanwhile, e.g. dropped as corrupt by a reader). A page written beside one that then
+        fails may have evicted for room it did not need. Only when the put's prior is stored (or
+        None) at the start: a put refused then writes nothing."""
         priors = [prior, *digests[:-1]]
+        found = [future.result() for future in self._on_io_threads(self._deduplicated, full_keys)]
+        outcomes: list[tuple[PutStatus, OSError | MissingPriorError | None] | None] = [
+            (PutStatus.DEDUPLICATED, None) if there else None for there in found
+        ]
 
-        def prepare(full_key: str, page: torch.Tensor, page_prior: bytes | None):
-            if self._deduplicated(full_key):
-                return None
-            return self._write_tmp(full_key, page, page_prior)
+        def refused(index: int) -> tuple[PutStatus, MissingPriorError | None]:
+            missing = index == 0 and full_prior_key is not None
+            return PutStatus.FAILED, MissingPriorError(full_prior_key[len(self.prefix) :]) if missing else None
 
-        written = list(self._io_pool().map(prepare, full_keys, pages, priors))
-        outcomes = []
-        for full_key, digest, page_prior, tmp in zip(full_keys, digests, priors, written):
-            if tmp is None:
-                outcomes.append((PutStatus.DEDUPLICATED, None))
-            elif not self._prior_stored(page_prior):  # a page before it in this call failed
-                if not isinstance(tmp, OSError):
-                    _unlink(tmp[0])
-                outcomes.append((PutStatus.FAILED, None))
+        writes: deque[tuple[int, int, Future]] = deque()  # (page index, bytes held, its write)
+
+        def land_oldest() -> None:
+            index, size, write = writes.popleft()
+            with self._lock:
+                self._reserved -= size  # the room is the page's own now (or given back)
+            written = write.result()
+            if not self._prior_stored(priors[index]):  # a page before it failed, or the put's prior went
+                if not isinstance(written, OSError):
+                    _unlink(written[0])
+                outcomes[index] = refused(index)
             else:
-                outcomes.append(self._commit(full_key, digest, page_prior, tmp))
+                outcomes[index] = self._commit(full_keys[index], digests[index], priors[index], written)
+
+        try:
+            for index, (full_key, page) in enumerate(zip(full_keys, pages)):
+                if outcomes[index] is not None:
+                    continue
+                decided = index == 0 or outcomes[index - 1] is not None  # else its predecessor is in flight
+                size = self._file_size(full_key)
+                if decided and not self._prior_stored(priors[index]):
+                    outcomes[index] = refused(index)  # unreachable: nothing written
+                elif size > self.capacity_bytes or not self._make_room(size, hold=True):
+                    outcomes[index] = (PutStatus.FAILED, None)  # no room: nothing written
+                else:
+                    writes.append((index, size, self._submit(self._write_tmp, full_key, page, priors[index])))
+                    if len(writes) >= self.io_threads:
+                        land_oldest()
+            while writes:
+                land_oldest()
+        except BaseException:
+            # Raised as page by page would at this page: the writes after it never land.
+            for index, size, write in writes:
+                with self._lock:
+                    self._reserved -= size
+                if write.exception() is None and isinstance(write.result(), tuple):
+                    _unlink(write.result()[0])
+            raise
         return outcomes
 
     def _deduplicated(self, full_key: str) -> bool:
@@ -484,6 +526,9 @@ class FileStore(StorageBackend):
         except OSError as error:
             _unlink(tmp)
             return error
+        except BaseException:
+            _unlink(tmp)
+            raise
         return tmp, len(header) + len(key) + len(payload)
 
     def _commit(
@@ -520,12 +565,16 @@ class FileStore(StorageBackend):
         """A fresh temporary name of this key space (writes and tombstones); swept at open."""
         return self.directory / f".{self._owner_tag}{_HASHED}{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
 
-    def _make_room(self, size: int) -> bool:
-        """Evict chain tails, least recently used first, until ``size`` more bytes fit; False
-        (nothing more evicted) when only pages of puts in flight are left to evict."""
+    def _make_room(self, size: int, *, hold: bool = False) -> bool:
+        """Evict chain tails, least recently used first, until ``size`` more bytes fit beside
+        the page files and the room held for writes in flight; False (nothing more evicted)
+        when only pages of puts in flight are left to evict. ``hold``: the room is held (counted
+        in ``_reserved``) until the caller's write lands or fails."""
         while True:
             with self._lock:
-                if self._used + size <= self.capacity_bytes:
+                if self._used + self._reserved + size <= self.capacity_bytes:
+                    if hold:
+                        self._reserved += size
                     return True
                 victim = self._index.pop_victim(self._pinned)
                 if victim is None:
@@ -543,32 +592,65 @@ class FileStore(StorageBackend):
         def read(full_key: str, target: torch.Tensor) -> bool:
             return self._read(full_key, directory / self._name(full_key), target)
 
+        def read_untouched(full_key: str, target: torch.Tensor) -> bool:
+            return self._read(full_key, directory / self._name(full_key), target, touch=False)
+
         if self.io_threads == 1 or len(full_keys) == 1:
             return [read(full_key, target) for full_key, target in zip(full_keys, into)]
-        return list(self._io_pool().map(read, full_keys, into))
+        hits = [future.result() for future in self._on_io_threads(read_untouched, full_keys, into)]
+        for full_key, hit in zip(full_keys, hits):  # uses in key order, as one thread makes them
+            if hit:
+                self._touch(full_key, directory / self._name(full_key))
+        return hits
 
-    def _io_pool(self) -> ThreadPoolExecutor:
+    def _on_io_threads(self, function, *iterables) -> list[Future]:
+        """``function`` over ``zip(*iterables)`` on this store's I/O threads, once every call
+        ended (none still writes into a caller's tensor or leaves a file behind afterwards);
+        their futures in order."""
+        futures = [self._submit(function, *args) for args in zip(*iterables)]
+        wait(futures)
+        return futures
+
+    def _submit(self, function, *args) -> Future:
+        """Run ``function(*args)`` on this store's I/O threads, starting them if needed. Under the
+        lock :meth:`close` takes, so a close racing a call never shuts the threads between the
+        call finding them and handing them work (the call's later work starts them again).
+        While the interpreter exits, concurrent.futures takes no new work (a write queued on
+        another pool still runs then): the work runs on the calling thread, as with one thread."""
         with self._io_lock:
             # A forked child has the pool object but not its threads: it starts its own.
             if self._io is None or self._io_pid != os.getpid():
                 self._io = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvstage-file-io")
                 self._io_pid = os.getpid()
-            return self._io
+            try:
+                return self._io.submit(function, *args)
+            except RuntimeError:
+                pass  # "cannot schedule new futures after (interpreter) shutdown": run it here
+        done: Future = Future()
+        try:
+            done.set_result(function(*args))
+        except BaseException as error:  # raised to the caller by the future, as from a thread
+            done.set_exception(error)
+        return done
 
     def close(self) -> None:
         """Stop this store's I/O threads (after the reads and writes in flight); a later call
-        of many pages starts them again. The page files stay. Idempotent."""
+        of many pages, or one in flight on another thread, starts them again. The page files
+        stay. Idempotent."""
         with self._io_lock:
             pool, self._io = self._io, None
         if pool is not None:
             pool.shutdown(wait=True)
 
-    def _read(self, full_key: str, path: Path, target: torch.Tensor | None, *, adopt: bool = False) -> bool:
+    def _read(
+        self, full_key: str, path: Path, target: torch.Tensor | None, *, adopt: bool = False, touch: bool = True
+    ) -> bool:
         """Read and verify the key's page file and copy its payload into ``target`` (None:
         verify only). The payload is read in one call into this thread's scratch page and
         reaches ``target`` (any strides) in one copy, only once its checksum matched. A hit
-        counts as a use (``adopt``: a page another process wrote is indexed too); a corrupt or
-        torn file is removed (and forgotten), only if it is still the file read."""
+        counts as a use unless ``touch`` is False (the caller records it; ``adopt``: a page
+        another process wrote is indexed too); a corrupt or torn file is removed (and
+        forgotten), only if it is still the file read."""
         try:
             with open(path, "rb", buffering=0) as handle:
                 status = os.fstat(handle.fileno())
@@ -583,7 +665,8 @@ class FileStore(StorageBackend):
         if adopt:
             with self._lock:
                 self._adopt(full_key, path)
-        self._touch(full_key, path)
+        if touch:
+            self._touch(full_key, path)
         return True
 
     def _intact(self, full_key: str, head: bytes, size: int, handle) -> bool:

@@ -1,0 +1,459 @@
+"""FileStore ``io_threads`` > 1 against what the file store promised with one thread: the disk
+and capacity bound of a put, the error a refused put carries, a get that raises, ``close``
+racing calls in flight. Each case runs with one thread too (the baseline it must equal)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from kvstage.kv_layout import KVLayout
+from kvstage.storage import FileStore, LayoutFingerprint, MissingPriorError
+from kvstage.storage.file_store import TMP_SUFFIX
+
+
+FP = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
+KEYS = [f"{i:064x}" for i in range(8)]
+OTHER = [f"{i + 100:064x}" for i in range(8)]
+POISON = -7.0
+UNSHARE = ["unshare", "--mount", "--map-root-user"]  # as tests/storage/test_failure_causes.py
+
+
+def namespaces_usable() -> str | None:
+    """None when a mount namespace with tmpfs can be made here, else why not."""
+    if shutil.which("unshare") is None:
+        return "no unshare command"
+    probe = subprocess.run(UNSHARE + ["sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"no mount namespace here: {probe.stderr.strip()}"
+
+
+def page(value: float) -> torch.Tensor:
+    return torch.arange(32, dtype=torch.float32).add_(value).reshape(2, 2, 2, 1, 4)
+
+
+def poisoned(count: int) -> list[torch.Tensor]:
+    return [torch.full((2, 2, 2, 1, 4), POISON) for _ in range(count)]
+
+
+def values(statuses) -> list[str]:
+    return [status.value for status in statuses]
+
+
+def directory_bytes(directory) -> int:
+    """Bytes of every file in ``directory``: page files and temporary files (one renamed or
+    removed while listed is skipped)."""
+    total = 0
+    for entry in os.scandir(directory):
+        try:
+            total += entry.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
+FULL_DISK = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, torch
+    from kvstage.kv_layout import KVLayout
+    from kvstage.storage import FileStore, LayoutFingerprint
+
+    fp = LayoutFingerprint("tiny", KVLayout(2, 2, 8, 64, "float32"), 4)  # 32 KiB pages
+    old = [f"{i:064x}" for i in range(4)]
+    new = [f"{i + 100:064x}" for i in range(4)]
+    page = torch.ones(fp.page_bytes // 4)
+    seen = {}
+    for io_threads in (1, 2):
+        directory = os.path.join(sys.argv[1], str(io_threads))
+        os.mkdir(directory)
+        # Room for 4 page files (36 KiB each in tmpfs pages), not 5; the store's capacity is 4 pages.
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", directory], check=True)
+        probe = FileStore(fp, directory, io_threads=1)
+        size = probe._file_size(probe.prefix + old[0])
+        store = FileStore(fp, directory, capacity_bytes=4 * size, io_threads=io_threads)
+        first = store.put(old, [page] * 4)
+        answer = store.put(new, [page] * 4)  # a full store: each page evicts an old one first
+        seen[io_threads] = dict(
+            first=[s.value for s in first], statuses=[s.value for s in answer], errno=getattr(answer.error, "errno", None),
+            leftovers=sorted(n for n in os.listdir(directory) if n.endswith(".tmp")), exists=store.exists(new),
+        )
+    print(json.dumps(seen))
+    """
+)
+
+
+def test_a_put_into_a_full_store_on_a_disk_it_fills_stores_as_one_thread_does(tmp_path):
+    """One thread makes room before it writes a page, so a store whose capacity is its disk
+    never meets ENOSPC; io_threads must not write the pages before making room."""
+    reason = namespaces_usable()
+    if reason is not None:
+        pytest.skip(reason)
+    result = subprocess.run(UNSHARE + [sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    baseline = {"first": ["stored"] * 4, "statuses": ["stored"] * 4, "errno": None, "leftovers": [], "exists": [True] * 4}
+    assert seen["1"] == baseline
+    assert seen["2"] == baseline, f"io_threads=2 got {seen['2']} (errno {errno.ENOSPC} is ENOSPC)"
+
+
+@pytest.mark.parametrize("io_threads", [1, 2, 3])
+def test_a_put_never_holds_more_than_capacity_bytes_on_disk(tmp_path, monkeypatch, io_threads):
+    """Page files and temporary files together stay within ``capacity_bytes`` at every write,
+    as with one thread: a put of 8 pages into a store of 3 writes no more than 3 at once."""
+    store = FileStore(FP, tmp_path, io_threads=io_threads)
+    size = store._file_size(store.prefix + KEYS[0])
+    store = FileStore(FP, tmp_path, capacity_bytes=3 * size, io_threads=io_threads)
+    assert values(store.put(OTHER[:3], [page(-i) for i in range(3)])) == ["stored"] * 3  # the store is full
+    peak = []
+    original = FileStore._write_tmp
+
+    def measured(self, *args, **kwargs):
+        written = original(self, *args, **kwargs)
+        peak.append(directory_bytes(tmp_path))
+        return written
+
+    monkeypatch.setattr(FileStore, "_write_tmp", measured)
+    statuses = store.put(KEYS, [page(i) for i in range(8)])
+    # The 8 pages' chain: pages 0-2 fit (the other chain evicted); page 3 would need room held
+    # by this put's own pages, so it and the pages after it are refused, as with one thread.
+    assert values(statuses) == ["stored"] * 3 + ["failed"] * 5
+    assert peak and max(peak) <= 3 * size, (peak, 3 * size)
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(TMP_SUFFIX)]
+
+
+@pytest.mark.parametrize("io_threads", [1, 2])
+def test_a_prior_dropped_as_corrupt_during_a_put_fails_it_with_missing_prior_error(tmp_path, monkeypatch, io_threads):
+    """A reader on another thread drops the put's prior (corrupt at its right size, so still
+    indexed when the put starts) before the put's first page is decided: one thread refuses the
+    pages with a MissingPriorError naming the prior; io_threads must say the same."""
+    store = FileStore(FP, tmp_path, io_threads=io_threads)
+    store.put(KEYS[:1], [page(0)])
+    prior_file = store.path_of(KEYS[0])
+    data = bytearray(prior_file.read_bytes())
+    data[-1] ^= 0x01
+    prior_file.write_bytes(bytes(data))
+    original = FileStore._deduplicated
+    readers = []
+
+    def a_reader_first(self, full_key):
+        if not readers:  # the first page's check: another thread's get finds the prior corrupt
+            reader = threading.Thread(target=lambda: readers.append(store.get(KEYS[:1], poisoned(1))))
+            readers.append(reader)
+            reader.start()
+            reader.join()
+        return original(self, full_key)
+
+    monkeypatch.setattr(FileStore, "_deduplicated", a_reader_first)
+    statuses = store.put(KEYS[1:5], [page(i) for i in range(1, 5)], prior_key=KEYS[0])
+    assert readers[1] == [False] and not prior_file.exists()  # the reader dropped the prior
+    assert values(statuses) == ["failed"] * 4
+    assert isinstance(statuses.error, MissingPriorError) and statuses.error.prior_key == KEYS[0], statuses.error
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+@pytest.mark.parametrize("io_threads", [1, 2])
+def test_a_get_that_raises_writes_no_target_after_it_returned(tmp_path, monkeypatch, io_threads):
+    """A target the copy refuses (a leaf tensor that requires grad) makes ``get`` raise; once it
+    has raised, no thread of the store may still write into the caller's other targets (the
+    caller frees or reuses them). Reads after the first are slowed, as a slow disk would."""
+    store = FileStore(FP, tmp_path, io_threads=io_threads)
+    store.put(KEYS, [page(i) for i in range(8)])
+    original = FileStore._read
+
+    def slow(self, full_key, *args, **kwargs):
+        if not full_key.endswith(KEYS[0]):
+            time.sleep(0.05)
+        return original(self, full_key, *args, **kwargs)
+
+    monkeypatch.setattr(FileStore, "_read", slow)
+    into = poisoned(8)
+    into[0].requires_grad_(True)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        store.get(KEYS, into)
+    at_return = [target.detach().clone() for target in into]
+    time.sleep(1.0)
+    assert all(torch.equal(now.detach(), then) for now, then in zip(into, at_return))
+    store.close()
+
+
+@pytest.mark.parametrize("io_threads", [1, 2])
+def test_a_put_that_raises_leaves_no_temporary_file_and_stores_what_one_thread_does(tmp_path, monkeypatch, io_threads):
+    """A page whose bytes cannot be viewed (a conjugate view of a complex tensor: torch refuses
+    ``view(uint8)``) makes ``put`` raise at that page: the pages before it are stored, as with
+    one thread, and no temporary file of any page is left, then or later."""
+    store = FileStore(FP, tmp_path, io_threads=io_threads)
+    original = FileStore._write_tmp
+
+    def slow(self, full_key, *args, **kwargs):
+        if full_key.endswith(KEYS[7]):
+            time.sleep(0.2)  # a slow write still in flight when the bad page raises
+        return original(self, full_key, *args, **kwargs)
+
+    monkeypatch.setattr(FileStore, "_write_tmp", slow)
+    pages = [page(i) for i in range(8)]
+    pages[3] = torch.zeros(16, dtype=torch.complex64).conj()  # 128 bytes, contiguous
+    with pytest.raises(RuntimeError, match="conjugate"):
+        store.put(KEYS, pages)
+    left = lambda: sorted(name for name in os.listdir(tmp_path) if name.endswith(TMP_SUFFIX))  # noqa: E731
+    assert left() == []
+    time.sleep(0.5)
+    assert left() == []
+    assert store.exists(KEYS) == [True] * 3 + [False] * 5
+    store.close()
+
+
+def test_close_racing_calls_in_flight_never_fails_them(tmp_path):
+    """``close()`` from one thread while another gets and puts many pages: every call answers
+    (close waits for the I/O in flight; a call after it starts the threads again)."""
+    store = FileStore(FP, tmp_path, io_threads=2)
+    store.put(KEYS, [page(i) for i in range(8)])
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def calls():
+        try:
+            for round_ in range(300):
+                assert store.get(KEYS, poisoned(8)) == [True] * 8
+                chain = [f"{round_ + 1:032x}{i:032x}" for i in range(4)]
+                assert values(store.put(chain, [page(i) for i in range(4)])) == ["stored"] * 4
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            errors.append(error)
+        finally:
+            stop.set()
+
+    caller = threading.Thread(target=calls)
+    caller.start()
+    while not stop.is_set():
+        store.close()
+    caller.join()
+    store.close()
+    assert errors == []
+
+
+READ_ONLY = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, torch
+    from kvstage.kv_layout import KVLayout
+    from kvstage.storage import FileStore, LayoutFingerprint
+
+    fp = LayoutFingerprint("tiny", KVLayout(2, 2, 8, 64, "float32"), 4)  # 32 KiB pages
+    keys = [f"{i:064x}" for i in range(4)]
+    page = torch.ones(fp.page_bytes // 4)
+    seen = {}
+    for io_threads in (1, 2):
+        directory = os.path.join(sys.argv[1], str(io_threads))
+        os.mkdir(directory)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", directory], check=True)
+        store = FileStore(fp, directory, io_threads=io_threads)
+        store.put(keys[:1], [page])
+        subprocess.run(["mount", "-o", "remount,ro", directory], check=True)
+        answer = store.put(keys, [page] * 4)  # the first page is there: deduplicated; the rest cannot be written
+        seen[io_threads] = dict(
+            statuses=[s.value for s in answer], errno=getattr(answer.error, "errno", None), exists=store.exists(keys),
+            files=sorted(os.listdir(directory)) == [store.file_name(keys[0])], used=store.used_bytes,
+        )
+    print(json.dumps(seen))
+    """
+)
+
+
+def test_a_read_only_directory_answers_a_parallel_put_as_one_thread(tmp_path):
+    """Holds (risky: writes in flight past a failed page): EROFS on a put of several pages, one
+    page already there, reports the same statuses, error and files with io_threads as with one."""
+    reason = namespaces_usable()
+    if reason is not None:
+        pytest.skip(reason)
+    result = subprocess.run(UNSHARE + [sys.executable, "-c", READ_ONLY, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["1"]["statuses"] == ["deduplicated", "failed", "failed", "failed"] and seen["1"]["errno"] == errno.EROFS
+    assert seen["1"]["exists"] == [True, False, False, False] and seen["1"]["files"] is True
+    assert seen["2"] == seen["1"]
+
+
+def test_a_corrupt_page_inside_a_parallel_put_is_healed_with_the_events_of_one_thread(tmp_path):
+    """Holds: a page corrupt at its right size in the middle of a put is removed and written
+    again; each key's events come in one thread's order (removed, then stored) and the put's
+    statuses, events and bytes equal one thread's."""
+    answers = {}
+    for io_threads in (1, 2):
+        store = FileStore(FP, tmp_path / str(io_threads), io_threads=io_threads)
+        store.put(KEYS[:4], [page(i) for i in range(4)])
+        corrupt = store.path_of(KEYS[2])
+        data = bytearray(corrupt.read_bytes())
+        data[-1] ^= 0x01
+        corrupt.write_bytes(bytes(data))
+        store.take_events()
+        statuses = values(store.put(KEYS, [page(i) for i in range(8)]))
+        events = [(event.kind, event.key) for event in store.take_events()]
+        into = poisoned(8)
+        hits = store.get(KEYS, into)
+        assert all(torch.equal(target, page(i)) for i, target in enumerate(into))
+        answers[io_threads] = (statuses, sorted(events), hits, store.used_bytes)
+        assert events.index(("removed", KEYS[2])) < events.index(("stored", KEYS[2]))
+        assert [key for kind, key in events if kind == "stored"] == [KEYS[2]] + KEYS[4:]  # in chain order
+    assert answers[1][0] == ["deduplicated", "deduplicated", "stored", "deduplicated"] + ["stored"] * 4
+    assert answers[2] == answers[1]
+
+
+def test_a_forked_child_puts_on_io_threads_of_its_own_and_closes(tmp_path):
+    """Holds: the parent's I/O threads started (by a put), a forked child's put of many pages
+    runs on threads of its own, lands whole, and its close() returns."""
+    import multiprocessing
+
+    store = FileStore(FP, tmp_path, io_threads=2)
+    assert values(store.put(KEYS[:4], [page(i) for i in range(4)])) == ["stored"] * 4
+
+    def child(answers):
+        statuses = values(store.put(KEYS[4:], [page(i) for i in range(4, 8)], prior_key=KEYS[3]))
+        store.close()
+        answers.put(statuses)
+
+    context = multiprocessing.get_context("fork")
+    answers = context.Queue()
+    process = context.Process(target=child, args=(answers,))
+    process.start()
+    try:
+        assert answers.get(timeout=30) == ["stored"] * 4
+    finally:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+    assert process.exitcode == 0
+    reopened = FileStore(FP, tmp_path, io_threads=2)
+    into = poisoned(8)
+    assert reopened.get(KEYS, into) == [True] * 8
+    assert all(torch.equal(target, page(i)) for i, target in enumerate(into))
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(TMP_SUFFIX)]
+
+
+def test_parallel_puts_gets_and_clears_racing_keep_every_chain_whole_and_the_bytes_counted(tmp_path):
+    """Holds (risky: room held for writes in flight, eviction, clear): four threads put chains
+    of 6 pages on io_threads into a store of 10 pages while one clears and one reads. At every
+    moment after, every page file's predecessor is stored (eviction from tails, a put landing
+    whole after a clear or not at all), the store counts exactly the bytes of its page files,
+    and no temporary file is left; a reopen sees the same pages."""
+    from kvstage.storage.file_store import _HEADER, _NO_PRIOR, _digest
+
+    probe = FileStore(FP, tmp_path / "probe", io_threads=1)
+    size = probe._file_size(probe.prefix + KEYS[0])
+    store = FileStore(FP, tmp_path / "pages", capacity_bytes=10 * size, io_threads=2)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def writer(worker: int):
+        try:
+            for round_ in range(25):
+                chain = [f"{worker:016x}{round_:016x}{i:032x}" for i in range(6)]
+                statuses = values(store.put(chain[:3], [page(i) for i in range(3)]))
+                statuses += values(store.put(chain[3:], [page(i) for i in range(3, 6)], prior_key=chain[2]))
+                assert "deduplicated" not in statuses, statuses
+                # Page by page, a failure ends the run: what follows a failed page is failed too.
+                assert "failed" not in statuses or set(statuses[statuses.index("failed") :]) == {"failed"}, statuses
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            errors.append(error)
+
+    def clearer():
+        while not done.is_set():
+            store.clear()
+            time.sleep(0.005)
+
+    def reader():
+        while not done.is_set():
+            store.get(KEYS[:4], poisoned(4))
+
+    writers = [threading.Thread(target=writer, args=(worker,)) for worker in range(4)]
+    others = [threading.Thread(target=clearer), threading.Thread(target=reader)]
+    for thread in writers + others:
+        thread.start()
+    for thread in writers:
+        thread.join()
+    done.set()
+    for thread in others:
+        thread.join()
+    assert errors == []
+    directory = tmp_path / "pages"
+    names = os.listdir(directory)
+    assert not [name for name in names if name.endswith(TMP_SUFFIX)]
+    files = [directory / name for name in names]
+    assert store.used_bytes == sum(path.stat().st_size for path in files) <= 10 * size
+    stored = {_digest(path.name[: -len(".kvpage")]) for path in files}
+    for path in files:
+        prior = _HEADER.unpack_from(path.read_bytes())[4]
+        assert prior == _NO_PRIOR or prior in stored, path.name
+    reopened = FileStore(FP, directory, capacity_bytes=10 * size, io_threads=2)
+    assert reopened.used_bytes == store.used_bytes
+    # No room is still held: a chain of the whole capacity fits (everything else evicted).
+    fresh = [f"{i + 1000:064x}" for i in range(10)]
+    assert values(store.put(fresh, [page(i) for i in range(10)])) == ["stored"] * 10
+    assert store.stats.pages_stored > 20 and store.stats.pages_evicted > 0, store.stats  # the race did evict
+
+
+AT_EXIT = textwrap.dedent(
+    """
+    import json, sys, time, torch
+    from kvstage.kv_layout import KVLayout
+    from kvstage.offload.store_io import StoreWorkers, write_pages
+    from kvstage.storage import FileStore, LayoutFingerprint
+
+    fp = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
+    keys = [f"{i:064x}" for i in range(4)]
+    store = FileStore(fp, sys.argv[1], io_threads=int(sys.argv[2]))
+    workers = StoreWorkers()  # the offload manager's writer threads
+
+    def write():
+        time.sleep(0.3)  # still queued when the main thread ends
+        outcome = write_pages(store, keys, [torch.full((32,), float(i)) for i in range(4)])
+        print(json.dumps(dict(stored=outcome.stored, failed=outcome.failed_keys, error=repr(outcome.error))), flush=True)
+
+    workers.write(write)
+    # The process ends without close(): queued writes still run while the interpreter exits.
+    """
+)
+
+
+@pytest.mark.parametrize("io_threads", [1, 2])
+def test_a_write_queued_when_the_process_exits_lands_as_with_one_thread(tmp_path, io_threads):
+    """A process that exits without close() while a store write is queued on the manager's
+    writer threads: concurrent.futures drains the queue at exit but refuses new work, so the
+    store's own threads cannot be handed the put's pages; it must still write them."""
+    result = subprocess.run([sys.executable, "-c", AT_EXIT, str(tmp_path), str(io_threads)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"stored": 4, "failed": [], "error": "None"}
+    assert FileStore(FP, tmp_path, io_threads=1).exists(KEYS[:4]) == [True] * 4
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(TMP_SUFFIX)]
+
+
+@pytest.mark.parametrize("io_threads", [1, 2])
+def test_a_get_marks_its_pages_used_in_key_order_as_one_thread(tmp_path, monkeypatch, io_threads):
+    """Two chains of one page, read by one get as [B, A]: one thread uses A last, so a put
+    that needs room evicts B, the least recently used. The read of B is slowed (a slow disk),
+    so on io_threads it ends after A's; the recency must still follow the keys' order."""
+    a, b, c = KEYS[0], KEYS[1], KEYS[2]
+    probe = FileStore(FP, tmp_path / "probe", io_threads=1)
+    size = probe._file_size(probe.prefix + a)
+    store = FileStore(FP, tmp_path / "pages", capacity_bytes=2 * size, io_threads=io_threads)
+    store.put([a], [page(0)])
+    store.put([b], [page(1)])
+    original = FileStore._read
+
+    def slow_b(self, full_key, *args, **kwargs):
+        if full_key.endswith(b):
+            time.sleep(0.2)
+        return original(self, full_key, *args, **kwargs)
+
+    monkeypatch.setattr(FileStore, "_read", slow_b)
+    assert store.get([b, a], poisoned(2)) == [True, True]
+    monkeypatch.setattr(FileStore, "_read", original)
+    assert values(store.put([c], [page(2)])) == ["stored"]
+    assert [(event.kind, event.key) for event in store.take_events()][-2:] == [("evicted", b), ("stored", c)]
+    assert FileStore(FP, tmp_path / "pages", io_threads=1).exists([a, b, c]) == [True, False, True]
