@@ -86,9 +86,10 @@ pages written before them: room is made before a write, not at its rename). A ge
 hits used in key order. Either call returns or raises only once all its I/O ended.
 Threads of the store's own: reading or writing the page cache is a memory copy, and an NVMe
 drive needs more than one request in flight to reach its bandwidth. Measured on a 2-core VM
-(128 pages of 8 MiB): reads 1.4x as fast on 2 threads as on one and 1.1x on 4 (four 8 MiB
-scratch pages outgrow its 32 MiB L3 cache), writes 1.3x on 2. A put whose ``prior_key`` is not
-stored writes page by page (it is refused before anything is written).
+(``bench/bench_sglang.py``, 128 pages of 8 MiB, three runs): 2 threads read 1.0-1.4x and write
+1.0-1.4x as fast as one; 4 readers were slower than 2 there (four 8 MiB scratch pages outgrow its
+32 MiB L3 cache). A put whose ``prior_key`` is not stored writes page by page (it is refused
+before anything is written).
 
 URL form for :func:`open_storage`: ``file:DIR``, options ``?capacity_bytes=N&io_threads=N``.
 """
