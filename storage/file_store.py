@@ -235,7 +235,7 @@ class FileStore(StorageBackend):
         self._index: ChainIndex[bytes, tuple[str, int, str]] = ChainIndex()
         self._pinned: Counter[bytes] = Counter()  # pages of puts in flight (and their priors)
         self._used = 0
-        self._reserved = 0  # bytes of room held for parallel writes in flight (see _put_parallel)
+        self._reserved = 0  # bytes of room held for pages written, not renamed yet (see _make_room)
         # clear() waits for puts in flight and holds new ones (a put lands wholly after it).
         self._gate = threading.Condition()
         self._puts_active = 0
@@ -421,18 +421,25 @@ class FileStore(StorageBackend):
         self, full_keys: list[str], digests: list[bytes], pages: list[torch.Tensor], prior: bytes | None, full_prior_key: str | None
     ) -> list[tuple[PutStatus, OSError | MissingPriorError | None]]:
         """Each page in turn: found there (deduplicated), refused (its prior is not stored), or
-        written and renamed into place; see :meth:`_commit` for the errors."""
+        written and renamed into place, its room held from before the write until the rename;
+        see :meth:`_commit` for the errors."""
         outcomes = []
         for full_key, digest, page in zip(full_keys, digests, pages):
+            size = self._file_size(full_key)
             if self._deduplicated(full_key):
                 outcomes.append((PutStatus.DEDUPLICATED, None))
             elif not self._prior_stored(prior):  # unreachable: its predecessor is not here
                 missing = None if full_prior_key is None else MissingPriorError(full_prior_key[len(self.prefix) :])
                 outcomes.append((PutStatus.FAILED, missing))
-            elif self._file_size(full_key) > self.capacity_bytes or not self._make_room(self._file_size(full_key)):
+            elif size > self.capacity_bytes or not self._make_room(size):
                 outcomes.append((PutStatus.FAILED, None))  # no room: nothing written
             else:
-                outcomes.append(self._commit(full_key, digest, prior, self._write_tmp(full_key, page, prior)))
+                try:
+                    written = self._write_tmp(full_key, page, prior)
+                except BaseException:
+                    self._give_back(size)
+                    raise
+                outcomes.append(self._commit(full_key, digest, prior, written, held=size))
             prior, full_prior_key = digest, None  # a later key's predecessor is in this call: not missing but refused
         return outcomes
 
@@ -462,16 +469,16 @@ class FileStore(StorageBackend):
         writes: deque[tuple[int, int, Future]] = deque()  # (page index, bytes held, its write)
 
         def land_oldest() -> None:
-            index, size, write = writes.popleft()
-            with self._lock:
-                self._reserved -= size  # the room is the page's own now (or given back)
-            written = write.result()
+            index, size, write = writes[0]
+            written = write.result()  # if it raises, the write is still in ``writes``: given back below
+            writes.popleft()
             if not self._prior_stored(priors[index]):  # a page before it failed, or the put's prior went
+                self._give_back(size)
                 if not isinstance(written, OSError):
                     _unlink(written[0])
                 outcomes[index] = refused(index)
             else:
-                outcomes[index] = self._commit(full_keys[index], digests[index], priors[index], written)
+                outcomes[index] = self._commit(full_keys[index], digests[index], priors[index], written, held=size)
 
         try:
             for index, (full_key, page) in enumerate(zip(full_keys, pages)):
@@ -481,7 +488,7 @@ class FileStore(StorageBackend):
                 size = self._file_size(full_key)
                 if decided and not self._prior_stored(priors[index]):
                     outcomes[index] = refused(index)  # unreachable: nothing written
-                elif size > self.capacity_bytes or not self._make_room(size, hold=True):
+                elif size > self.capacity_bytes or not self._make_room(size):
                     outcomes[index] = (PutStatus.FAILED, None)  # no room: nothing written
                 else:
                     writes.append((index, size, self._submit(self._write_tmp, full_key, page, priors[index])))
@@ -492,8 +499,7 @@ class FileStore(StorageBackend):
         except BaseException:
             # Raised as page by page would at this page: the writes after it never land.
             for index, size, write in writes:
-                with self._lock:
-                    self._reserved -= size
+                self._give_back(size)
                 if write.exception() is None and isinstance(write.result(), tuple):
                     _unlink(write.result()[0])
             raise
@@ -533,17 +539,16 @@ class FileStore(StorageBackend):
         return tmp, len(header) + len(key) + len(payload)
 
     def _commit(
-        self, full_key: str, digest: bytes, prior: bytes | None, written: tuple[Path, int] | OSError
+        self, full_key: str, digest: bytes, prior: bytes | None, written: tuple[Path, int] | OSError, *, held: int
     ) -> tuple[PutStatus, OSError | None]:
-        """Rename a page's temporary file into place once room is made for it, and index it:
-        ``STORED``; or ``FAILED`` with the ``OSError`` that stopped the write or the rename, or
-        with None when no room could be made (the temporary file removed)."""
+        """Rename a page's temporary file into place and index it: ``STORED``, the ``held``
+        bytes of room (:meth:`_make_room`) now the page's own; or ``FAILED`` with the
+        ``OSError`` that stopped the write or the rename (the room given back, the temporary
+        file removed)."""
         if isinstance(written, OSError):
+            self._give_back(held)
             return PutStatus.FAILED, written
         tmp, size = written
-        if size > self.capacity_bytes or not self._make_room(size):
-            _unlink(tmp)
-            return PutStatus.FAILED, None
         name = self._name(full_key)
         try:
             with self._lock:
@@ -552,8 +557,10 @@ class FileStore(StorageBackend):
             os.replace(tmp, self.directory / name)
         except OSError as error:
             _unlink(tmp)
+            self._give_back(held)
             return PutStatus.FAILED, error
         with self._lock:
+            self._reserved -= held
             replaced = self._index.remove(digest)  # indexed meanwhile by a reader (adopted)
             if replaced is not None:
                 self._used -= replaced[1]
@@ -562,20 +569,26 @@ class FileStore(StorageBackend):
             self._record("stored", [full_key])
         return PutStatus.STORED, None
 
+    def _give_back(self, held: int) -> None:
+        """Return room held by :meth:`_make_room` for a page that will not land."""
+        with self._lock:
+            self._reserved -= held
+
     def _tmp_path(self) -> Path:
         """A fresh temporary name of this key space (writes and tombstones); swept at open."""
         return self.directory / f".{self._owner_tag}{_HASHED}{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
 
-    def _make_room(self, size: int, *, hold: bool = False) -> bool:
+    def _make_room(self, size: int) -> bool:
         """Evict chain tails, least recently used first, until ``size`` more bytes fit beside
-        the page files and the room held for writes in flight; False (nothing more evicted)
-        when only pages of puts in flight are left to evict. ``hold``: the room is held (counted
-        in ``_reserved``) until the caller's write lands or fails."""
+        the page files and the room held for writes in flight, and hold them (counted in
+        ``_reserved``) until :meth:`_commit` makes them the page's own or the caller gives them
+        back (:meth:`_give_back`), so no other put takes them while the page's temporary file is
+        written and renamed. False (nothing held; nothing more evicted) when only pages of puts
+        in flight are left to evict."""
         while True:
             with self._lock:
                 if self._used + self._reserved + size <= self.capacity_bytes:
-                    if hold:
-                        self._reserved += size
+                    self._reserved += size
                     return True
                 victim = self._index.pop_victim(self._pinned)
                 if victim is None:

@@ -176,11 +176,11 @@ def test_a_put_of_many_pages_dedups_and_refuses_after_a_failed_page_as_one_threa
     store.put(KEYS[2:3], [page(2)], prior_key=None)
     original = FileStore._commit
 
-    def rename_fails_for_page_4(self, full_key, digest, prior, written):
+    def rename_fails_for_page_4(self, full_key, digest, prior, written, **kwargs):
         if full_key.endswith(KEYS[4]):  # its temporary file written, then the disk is full
             os.unlink(written[0])
             written = OSError(28, "No space left on device")
-        return original(self, full_key, digest, prior, written)
+        return original(self, full_key, digest, prior, written, **kwargs)
 
     monkeypatch.setattr(FileStore, "_commit", rename_fails_for_page_4)
     statuses = store.put(KEYS[:7], [page(i) for i in range(7)])

@@ -459,7 +459,6 @@ def test_a_get_marks_its_pages_used_in_key_order_as_one_thread(tmp_path, monkeyp
     assert FileStore(FP, tmp_path / "pages", io_threads=1).exists([a, b, c]) == [True, False, True]
 
 
-@pytest.mark.xfail(strict=True, reason="a page's room is not held from its write to its rename")
 @pytest.mark.parametrize("io_threads", [1, 2])
 def test_a_page_keeps_its_room_from_its_write_to_its_rename(tmp_path, monkeypatch, io_threads):
     """Another thread's put that needs room while a page is written but not yet renamed into
