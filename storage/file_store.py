@@ -626,25 +626,35 @@ class FileStore(StorageBackend):
         return futures
 
     def _submit(self, function, *args) -> Future:
-        """Run ``function(*args)`` on this store's I/O threads, starting them if needed. Under the
-        lock :meth:`close` takes, so a close racing a call never shuts the threads between the
-        call finding them and handing them work (the call's later work starts them again).
-        While the interpreter exits, concurrent.futures takes no new work (a write queued on
-        another pool still runs then): the work runs on the calling thread, as with one thread."""
+        """Run ``function(*args)`` once, on this store's I/O threads (started if needed); a
+        future of its result. Under the lock :meth:`close` takes, so a close racing a call never
+        shuts the threads between the call finding them and handing them work (the call's later
+        work starts them again). When the threads refuse it (``RuntimeError``: while the
+        interpreter exits concurrent.futures takes no new work, though a write queued on another
+        pool still runs then; or a thread could not start, the work queued all the same), the
+        calling thread runs it unless an I/O thread took it first."""
+        done: Future = Future()
+        taken = threading.Lock()
+
+        def run() -> None:
+            if not taken.acquire(blocking=False):
+                return  # the other runner has it
+            try:
+                done.set_result(function(*args))
+            except BaseException as error:  # raised to the caller by the future, as from a thread
+                done.set_exception(error)
+
         with self._io_lock:
             # A forked child has the pool object but not its threads: it starts its own.
             if self._io is None or self._io_pid != os.getpid():
                 self._io = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvstage-file-io")
                 self._io_pid = os.getpid()
             try:
-                return self._io.submit(function, *args)
+                self._io.submit(run)
+                return done
             except RuntimeError:
-                pass  # "cannot schedule new futures after (interpreter) shutdown": run it here
-        done: Future = Future()
-        try:
-            done.set_result(function(*args))
-        except BaseException as error:  # raised to the caller by the future, as from a thread
-            done.set_exception(error)
+                pass
+        run()
         return done
 
     def close(self) -> None:

@@ -498,7 +498,6 @@ def test_a_page_keeps_its_room_from_its_write_to_its_rename(tmp_path, monkeypatc
     assert store.used_bytes == directory_bytes(directory) <= 2 * size
 
 
-@pytest.mark.xfail(strict=True, reason="work queued before a thread failed to start runs twice")
 def test_when_an_io_thread_cannot_start_each_read_and_write_runs_once(tmp_path, monkeypatch):
     """The system refuses the store's second I/O thread (``can't start new thread``: a pids
     limit). concurrent.futures queues the work before it tries to start a thread for it, so
