@@ -143,13 +143,15 @@ def test_a_prior_dropped_as_corrupt_during_a_put_fails_it_with_missing_prior_err
     prior_file.write_bytes(bytes(data))
     original = FileStore._deduplicated
     readers = []
+    once = threading.Lock()  # two I/O threads check pages at once: one starts the reader
 
     def a_reader_first(self, full_key):
-        if not readers:  # the first page's check: another thread's get finds the prior corrupt
-            reader = threading.Thread(target=lambda: readers.append(store.get(KEYS[:1], poisoned(1))))
-            readers.append(reader)
-            reader.start()
-            reader.join()
+        with once:
+            if not readers:  # the first page's check: another thread's get finds the prior corrupt
+                reader = threading.Thread(target=lambda: readers.append(store.get(KEYS[:1], poisoned(1))))
+                readers.append(reader)
+                reader.start()
+                reader.join()
         return original(self, full_key)
 
     monkeypatch.setattr(FileStore, "_deduplicated", a_reader_first)
