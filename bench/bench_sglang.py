@@ -168,6 +168,8 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
             if store == "file":
                 sglang_file = HiCacheFile(storage_config("-"), file_path=str(scratch / f"{layout}-hicachefile"))
                 sglang_file.register_mem_pool_host(host)
+                # Allocated once, untimed: sglang's controller allocates them in every get
+                # (_generic_page_get), so HiCacheFile's get is timed here without that cost.
                 dummy = [host.get_dummy_flat_data_page() for _ in range(num_pages)]
 
                 def file_set():
