@@ -9,26 +9,10 @@ import threading
 import pytest
 import torch
 
+from file_store_rig import FP, KEYS, POISON, page, poisoned, temporary_files, values
 from kvstage.errors import InvalidArgumentError
-from kvstage.kv_layout import KVLayout
-from kvstage.storage import FileStore, LayoutFingerprint, open_storage
-from kvstage.storage.file_store import DEFAULT_IO_THREADS, TMP_SUFFIX
-
-FP = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
-KEYS = [f"{i:064x}" for i in range(8)]
-POISON = -7.0
-
-
-def page(value: float) -> torch.Tensor:
-    return torch.arange(32, dtype=torch.float32).add_(value).reshape(2, 2, 2, 1, 4)
-
-
-def values(statuses) -> list[str]:
-    return [status.value for status in statuses]
-
-
-def poisoned(count: int) -> list[torch.Tensor]:
-    return [torch.full((2, 2, 2, 1, 4), POISON) for _ in range(count)]
+from kvstage.storage import FileStore, open_storage
+from kvstage.storage.file_store import DEFAULT_IO_THREADS
 
 
 def threads_doing(method: str, monkeypatch, meet: int) -> set[int]:
@@ -101,8 +85,6 @@ def test_a_store_closed_still_reads_and_close_stops_its_io_threads(tmp_path, mon
 
 
 def test_the_default_is_at_most_the_cpus_this_process_may_use(tmp_path):
-    import os
-
     store = FileStore(FP, tmp_path)
     assert store.io_threads == min(DEFAULT_IO_THREADS, len(os.sched_getaffinity(0)))
 
@@ -168,7 +150,7 @@ def test_a_put_of_many_pages_writes_on_io_threads_with_the_links_and_events_of_o
     into = poisoned(7)
     assert FileStore(FP, tmp_path / "two").get(KEYS[1:], into) == [True] * 7  # reopened: every page intact
     assert all(torch.equal(target, page.contiguous()) for target, page in zip(into, pages))
-    assert not [name for name in os.listdir(tmp_path / "two") if name.endswith(TMP_SUFFIX)]
+    assert not temporary_files(tmp_path / "two")
 
 
 def test_a_put_of_many_pages_dedups_and_refuses_after_a_failed_page_as_one_thread_does(tmp_path, monkeypatch):

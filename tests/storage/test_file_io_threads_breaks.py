@@ -1,6 +1,7 @@
 """FileStore ``io_threads`` > 1 against what the file store promised with one thread: the disk
 and capacity bound of a put, the error a refused put carries, a get that raises, ``close``
-racing calls in flight. Each case runs with one thread too (the baseline it must equal)."""
+racing calls in flight. A case parametrized on ``io_threads`` runs with one thread too (the
+baseline it must equal)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,10 @@ import time
 import pytest
 import torch
 
-from kvstage.kv_layout import KVLayout
-from kvstage.storage import FileStore, LayoutFingerprint, MissingPriorError
+from file_store_rig import FP, KEYS, OTHER, PAGE_FILE_BYTES, POISON, directory_bytes, page, poisoned, temporary_files, values
+from kvstage.storage import FileStore, MissingPriorError
 from kvstage.storage.file_store import TMP_SUFFIX
 
-
-FP = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
-KEYS = [f"{i:064x}" for i in range(8)]
-OTHER = [f"{i + 100:064x}" for i in range(8)]
-POISON = -7.0
 UNSHARE = ["unshare", "--mount", "--map-root-user"]  # as tests/storage/test_failure_causes.py
 
 
@@ -35,30 +31,6 @@ def namespaces_usable() -> str | None:
         return "no unshare command"
     probe = subprocess.run(UNSHARE + ["sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True, text=True)
     return None if probe.returncode == 0 else f"no mount namespace here: {probe.stderr.strip()}"
-
-
-def page(value: float) -> torch.Tensor:
-    return torch.arange(32, dtype=torch.float32).add_(value).reshape(2, 2, 2, 1, 4)
-
-
-def poisoned(count: int) -> list[torch.Tensor]:
-    return [torch.full((2, 2, 2, 1, 4), POISON) for _ in range(count)]
-
-
-def values(statuses) -> list[str]:
-    return [status.value for status in statuses]
-
-
-def directory_bytes(directory) -> int:
-    """Bytes of every file in ``directory``: page files and temporary files (one renamed or
-    removed while listed is skipped)."""
-    total = 0
-    for entry in os.scandir(directory):
-        try:
-            total += entry.stat().st_size
-        except FileNotFoundError:
-            pass
-    return total
 
 
 FULL_DISK = textwrap.dedent(
@@ -109,8 +81,7 @@ def test_a_put_into_a_full_store_on_a_disk_it_fills_stores_as_one_thread_does(tm
 def test_a_put_never_holds_more_than_capacity_bytes_on_disk(tmp_path, monkeypatch, io_threads):
     """Page files and temporary files together stay within ``capacity_bytes`` at every write,
     as with one thread: a put of 8 pages into a store of 3 writes no more than 3 at once."""
-    store = FileStore(FP, tmp_path, io_threads=io_threads)
-    size = store._file_size(store.prefix + KEYS[0])
+    size = PAGE_FILE_BYTES
     store = FileStore(FP, tmp_path, capacity_bytes=3 * size, io_threads=io_threads)
     assert values(store.put(OTHER[:3], [page(-i) for i in range(3)])) == ["stored"] * 3  # the store is full
     peak = []
@@ -127,7 +98,7 @@ def test_a_put_never_holds_more_than_capacity_bytes_on_disk(tmp_path, monkeypatc
     # by this put's own pages, so it and the pages after it are refused, as with one thread.
     assert values(statuses) == ["stored"] * 3 + ["failed"] * 5
     assert peak and max(peak) <= 3 * size, (peak, 3 * size)
-    assert not [name for name in os.listdir(tmp_path) if name.endswith(TMP_SUFFIX)]
+    assert not temporary_files(tmp_path)
 
 
 @pytest.mark.parametrize("io_threads", [1, 2])
@@ -205,10 +176,9 @@ def test_a_put_that_raises_leaves_no_temporary_file_and_stores_what_one_thread_d
     pages[3] = torch.zeros(16, dtype=torch.complex64).conj()  # 128 bytes, contiguous
     with pytest.raises(RuntimeError, match="conjugate"):
         store.put(KEYS, pages)
-    left = lambda: sorted(name for name in os.listdir(tmp_path) if name.endswith(TMP_SUFFIX))  # noqa: E731
-    assert left() == []
+    assert temporary_files(tmp_path) == []
     time.sleep(0.5)
-    assert left() == []
+    assert temporary_files(tmp_path) == []
     assert store.exists(KEYS) == [True] * 3 + [False] * 5
     store.close()
 
@@ -335,7 +305,7 @@ def test_a_forked_child_puts_on_io_threads_of_its_own_and_closes(tmp_path):
     into = poisoned(8)
     assert reopened.get(KEYS, into) == [True] * 8
     assert all(torch.equal(target, page(i)) for i, target in enumerate(into))
-    assert not [name for name in os.listdir(tmp_path) if name.endswith(TMP_SUFFIX)]
+    assert not temporary_files(tmp_path)
 
 
 def test_parallel_puts_gets_and_clears_racing_keep_every_chain_whole_and_the_bytes_counted(tmp_path):
@@ -346,8 +316,7 @@ def test_parallel_puts_gets_and_clears_racing_keep_every_chain_whole_and_the_byt
     and no temporary file is left; a reopen sees the same pages."""
     from kvstage.storage.file_store import _HEADER, _NO_PRIOR, _digest
 
-    probe = FileStore(FP, tmp_path / "probe", io_threads=1)
-    size = probe._file_size(probe.prefix + KEYS[0])
+    size = PAGE_FILE_BYTES
     store = FileStore(FP, tmp_path / "pages", capacity_bytes=10 * size, io_threads=2)
     errors: list[BaseException] = []
     done = threading.Event()
@@ -384,9 +353,8 @@ def test_parallel_puts_gets_and_clears_racing_keep_every_chain_whole_and_the_byt
         thread.join()
     assert errors == []
     directory = tmp_path / "pages"
-    names = os.listdir(directory)
-    assert not [name for name in names if name.endswith(TMP_SUFFIX)]
-    files = [directory / name for name in names]
+    assert not temporary_files(directory)
+    files = [directory / name for name in os.listdir(directory)]
     assert store.used_bytes == sum(path.stat().st_size for path in files) <= 10 * size
     stored = {_digest(path.name[: -len(".kvpage")]) for path in files}
     for path in files:
@@ -432,7 +400,7 @@ def test_a_write_queued_when_the_process_exits_lands_as_with_one_thread(tmp_path
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"stored": 4, "failed": [], "error": "None"}
     assert FileStore(FP, tmp_path, io_threads=1).exists(KEYS[:4]) == [True] * 4
-    assert not [name for name in os.listdir(tmp_path) if name.endswith(TMP_SUFFIX)]
+    assert not temporary_files(tmp_path)
 
 
 @pytest.mark.parametrize("io_threads", [1, 2])
@@ -441,8 +409,7 @@ def test_a_get_marks_its_pages_used_in_key_order_as_one_thread(tmp_path, monkeyp
     that needs room evicts B, the least recently used. The read of B is slowed (a slow disk),
     so on io_threads it ends after A's; the recency must still follow the keys' order."""
     a, b, c = KEYS[0], KEYS[1], KEYS[2]
-    probe = FileStore(FP, tmp_path / "probe", io_threads=1)
-    size = probe._file_size(probe.prefix + a)
+    size = PAGE_FILE_BYTES
     store = FileStore(FP, tmp_path / "pages", capacity_bytes=2 * size, io_threads=io_threads)
     store.put([a], [page(0)])
     store.put([b], [page(1)])
@@ -466,8 +433,7 @@ def test_a_page_keeps_its_room_from_its_write_to_its_rename(tmp_path, monkeypatc
     """Another thread's put that needs room while a page is written but not yet renamed into
     place must count that page's room: it evicts, or is refused, rather than adding its own
     temporary file beyond ``capacity_bytes`` (page and temporary files together)."""
-    probe = FileStore(FP, tmp_path / "probe", io_threads=1)
-    size = probe._file_size(probe.prefix + KEYS[0])
+    size = PAGE_FILE_BYTES
     directory = tmp_path / "pages"
     store = FileStore(FP, directory, capacity_bytes=2 * size, io_threads=io_threads)
     assert values(store.put(OTHER[:1], [page(-1)])) == ["stored"]
@@ -496,7 +462,7 @@ def test_a_page_keeps_its_room_from_its_write_to_its_rename(tmp_path, monkeypatc
     assert values(store.put(KEYS[:2], [page(0), page(1)])) == ["stored", "stored"]
     assert len(others) == 1
     assert max(peak) <= 2 * size, (peak, 2 * size)
-    assert not [name for name in os.listdir(directory) if name.endswith(TMP_SUFFIX)]
+    assert not temporary_files(directory)
     assert store.used_bytes == directory_bytes(directory) <= 2 * size
 
 
@@ -525,7 +491,7 @@ def test_when_an_io_thread_cannot_start_each_read_and_write_runs_once(tmp_path, 
     monkeypatch.setattr(ThreadPoolExecutor, "_adjust_thread_count", second_thread_refused)
     assert values(store.put(KEYS[:4], [page(i) for i in range(4)])) == ["stored"] * 4
     store.close()  # waits for anything still queued
-    assert not [name for name in os.listdir(tmp_path) if name.endswith(TMP_SUFFIX)]
+    assert not temporary_files(tmp_path)
     assert [(event.kind, event.key) for event in store.take_events()] == [("stored", key) for key in KEYS[:4]]
 
     monkeypatch.setattr(FileStore, "_read", slow_read)
