@@ -77,13 +77,17 @@ that one copy too (:attr:`FileStore.strided_pages`).
 
 Several pages at once: a ``get`` of more than one page reads ``io_threads`` page files at once,
 and a ``put`` of more than one page verifies the pages already there at once, then writes
-``io_threads`` temporary files at a time, room made and held for each before it is written, in
-chain order (page and temporary files stay within the capacity, as one by one), and renames them
-into place one by one in chain order (each page's header links to the key before it, known
-before any is written), so what a put stores, refuses and reports is as if written one by one
-(its ``evicted`` events may come before the ``stored`` events of the up to ``io_threads - 1``
-pages written before them: room is made before a write, not at its rename). A get marks its
-hits used in key order. Either call returns or raises only once all its I/O ended.
+``io_threads`` temporary files at a time, room made for each in chain order before it is
+written, and renames them into place one by one in chain order (each page's header links to the
+key before it, known before any is written), so what a put stores, refuses and reports is as if
+written one by one; only the order of its events differs: its ``evicted`` events may come
+before the ``stored`` events of the up to ``io_threads - 1`` pages written before them (room is
+made before a write, not at its rename), and a corrupt page's ``removed`` event before the
+``stored`` events of the pages before it (the pages already there are verified first). A get
+marks its hits used in key order. Either call returns or raises only once all its I/O ended.
+Every put, on one thread or several, holds a page's room from before its write until its
+rename, so page and temporary files stay within the capacity also while puts run on several
+threads.
 Threads of the store's own: reading or writing the page cache is a memory copy, and an NVMe
 drive needs more than one request in flight to reach its bandwidth. Measured on a 2-core VM
 (``bench/bench_sglang.py``, 128 pages of 8 MiB, three runs): 2 threads read 1.0-1.4x and write
@@ -235,7 +239,7 @@ class FileStore(StorageBackend):
         self._index: ChainIndex[bytes, tuple[str, int, str]] = ChainIndex()
         self._pinned: Counter[bytes] = Counter()  # pages of puts in flight (and their priors)
         self._used = 0
-        self._reserved = 0  # bytes of room held for pages written, not renamed yet (see _make_room)
+        self._held = 0  # bytes of room held for pages being written, not renamed yet (see _make_room)
         # clear() waits for puts in flight and holds new ones (a put lands wholly after it).
         self._gate = threading.Condition()
         self._puts_active = 0
@@ -560,7 +564,7 @@ class FileStore(StorageBackend):
             self._give_back(held)
             return PutStatus.FAILED, error
         with self._lock:
-            self._reserved -= held
+            self._held -= held
             replaced = self._index.remove(digest)  # indexed meanwhile by a reader (adopted)
             if replaced is not None:
                 self._used -= replaced[1]
@@ -572,7 +576,7 @@ class FileStore(StorageBackend):
     def _give_back(self, held: int) -> None:
         """Return room held by :meth:`_make_room` for a page that will not land."""
         with self._lock:
-            self._reserved -= held
+            self._held -= held
 
     def _tmp_path(self) -> Path:
         """A fresh temporary name of this key space (writes and tombstones); swept at open."""
@@ -581,14 +585,14 @@ class FileStore(StorageBackend):
     def _make_room(self, size: int) -> bool:
         """Evict chain tails, least recently used first, until ``size`` more bytes fit beside
         the page files and the room held for writes in flight, and hold them (counted in
-        ``_reserved``) until :meth:`_commit` makes them the page's own or the caller gives them
+        ``_held``) until :meth:`_commit` makes them the page's own or the caller gives them
         back (:meth:`_give_back`), so no other put takes them while the page's temporary file is
         written and renamed. False (nothing held; nothing more evicted) when only pages of puts
         in flight are left to evict."""
         while True:
             with self._lock:
-                if self._used + self._reserved + size <= self.capacity_bytes:
-                    self._reserved += size
+                if self._used + self._held + size <= self.capacity_bytes:
+                    self._held += size
                     return True
                 victim = self._index.pop_victim(self._pinned)
                 if victim is None:
