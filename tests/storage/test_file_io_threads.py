@@ -4,7 +4,11 @@ that many threads, with the answers, bytes, links, events and stats of one threa
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,8 +89,23 @@ def test_a_store_closed_still_reads_and_close_stops_its_io_threads(tmp_path, mon
 
 
 def test_the_default_is_at_most_the_cpus_this_process_may_use(tmp_path):
-    store = FileStore(FP, tmp_path)
-    assert store.io_threads == min(DEFAULT_IO_THREADS, len(os.sched_getaffinity(0)))
+    """Two threads by default; one in a process allowed a single CPU (its affinity)."""
+    assert DEFAULT_IO_THREADS == 2
+    assert FileStore(FP, tmp_path / "all").io_threads == min(2, len(os.sched_getaffinity(0)))
+    one_cpu = textwrap.dedent(
+        """
+        import os, sys
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        sys.path.insert(0, sys.argv[2])
+        from file_store_rig import FP
+        from kvstage.storage import FileStore
+        print(FileStore(FP, sys.argv[1]).io_threads)
+        """
+    )
+    tests = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-c", one_cpu, str(tmp_path / "one"), str(tests)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1"]
 
 
 @pytest.mark.parametrize("value", [0, -1, True, 1.5, "2"])
