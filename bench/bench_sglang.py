@@ -147,9 +147,9 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
             url = f"memory:{batch_bytes}" if store == "memory" else f"file:{directory}"
             backend = open_backend(url)
             round_keys = iter(range(10**6))
-            set_v1, get_v1 = kvstage_calls(backend, round_keys)
 
             if store == "memory":
+                set_v1, get_v1 = kvstage_calls(backend, round_keys)
                 copy = lambda: target.copy_(source)  # noqa: E731
                 _, put, put_ratio = _paired(copy, set_v1, rounds)
                 _, get, get_ratio = _paired(copy, get_v1, rounds)
