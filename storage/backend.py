@@ -170,8 +170,8 @@ class StorageBackend(abc.ABC):
 
         Raises:
             InvalidArgumentError: lengths differ, a key repeats, a page is not a contiguous
-                CPU tensor of ``page_bytes`` bytes, or ``prior_key`` is one of ``keys``.
-                Nothing is written then.
+                CPU tensor of ``page_bytes`` bytes or is a lazy conjugate or negative view, or
+                ``prior_key`` is one of ``keys``. Nothing is written then.
             ArgumentTypeError: ``prior_key`` is not a str or None.
         """
         keys = _checked_keys(keys)
@@ -211,7 +211,8 @@ class StorageBackend(abc.ABC):
 
         Raises:
             InvalidArgumentError: lengths differ or a target is not a contiguous CPU tensor
-                of ``page_bytes`` bytes.
+                of ``page_bytes`` bytes, is a lazy conjugate or negative view, or requires
+                grad. No target is written then.
         """
         keys = _checked_keys(keys)
         self._check_pages("into", keys, into)
@@ -300,6 +301,12 @@ class StorageBackend(abc.ABC):
             size = page.numel() * page.element_size()
             if size != self.page_bytes:
                 raise InvalidArgumentError(f"{argument}[{index}]: {size} bytes, the layout's page has {self.page_bytes}")
+            if page.is_conj() or page.is_neg():  # their bytes are not the values they show
+                raise InvalidArgumentError(
+                    f"{argument}[{index}]: a lazy conjugate or negative view; pass page.resolve_conj().resolve_neg()"
+                )
+            if argument == "into" and page.requires_grad:  # an in-place copy into it would raise midway
+                raise InvalidArgumentError(f"{argument}[{index}]: must not require grad (pass a detached tensor)")
 
 
 def page_as_bytes(page: torch.Tensor) -> memoryview:

@@ -458,8 +458,11 @@ class FileStore(StorageBackend):
         to the digest before it, known up front; a page whose predecessor failed is refused (its
         file removed; the first page with a :class:`MissingPriorError` when the put's prior went
         meanwhile, e.g. dropped as corrupt by a reader). A page written beside one that then
-        fails may have evicted for room it did not need. Only when the put's prior is stored (or
-        None) at the start: a put refused then writes nothing."""
+        fails may have evicted for room it did not need. A write that fails while later pages'
+        writes are in flight (whose files may hold the disk space it lacked) makes the put drop
+        those files and go on page by page from that page, so a full disk fails the pages one
+        thread would fail. Only when the put's prior is stored (or None) at the start: a put
+        refused then writes nothing."""
         priors = [prior, *digests[:-1]]
         found = [future.result() for future in self._on_io_threads(self._deduplicated, full_keys)]
         outcomes: list[tuple[PutStatus, OSError | MissingPriorError | None] | None] = [
@@ -471,11 +474,26 @@ class FileStore(StorageBackend):
             return PutStatus.FAILED, MissingPriorError(full_prior_key[len(self.prefix) :]) if missing else None
 
         writes: deque[tuple[int, int, Future]] = deque()  # (page index, bytes held, its write)
+        serial_from: int | None = None  # the page from which the put goes on page by page
+
+        def drop_writes_in_flight() -> None:
+            """Wait for the writes not landed yet, remove their files, give their room back."""
+            while writes:
+                _, size, write = writes.popleft()
+                self._give_back(size)
+                if write.exception() is None and isinstance(write.result(), tuple):
+                    _unlink(write.result()[0])
 
         def land_oldest() -> None:
+            nonlocal serial_from
             index, size, write = writes[0]
             written = write.result()  # if it raises, the write is still in ``writes``: given back below
             writes.popleft()
+            if isinstance(written, OSError) and writes:  # e.g. ENOSPC: a later page's file may hold the space
+                self._give_back(size)
+                drop_writes_in_flight()
+                serial_from = index
+                return
             if not self._prior_stored(priors[index]):  # a page before it failed, or the put's prior went
                 self._give_back(size)
                 if not isinstance(written, OSError):
@@ -498,15 +516,19 @@ class FileStore(StorageBackend):
                     writes.append((index, size, self._submit(self._write_tmp, full_key, page, priors[index])))
                     if len(writes) >= self.io_threads:
                         land_oldest()
-            while writes:
+                if serial_from is not None:
+                    break
+            while writes and serial_from is None:
                 land_oldest()
         except BaseException:
             # Raised as page by page would at this page: the writes after it never land.
-            for index, size, write in writes:
-                self._give_back(size)
-                if write.exception() is None and isinstance(write.result(), tuple):
-                    _unlink(write.result()[0])
+            drop_writes_in_flight()
             raise
+        if serial_from is not None:
+            outcomes[serial_from:] = self._put_serial(
+                full_keys[serial_from:], digests[serial_from:], pages[serial_from:], priors[serial_from],
+                full_prior_key if serial_from == 0 else None,
+            )
         return outcomes
 
     def _deduplicated(self, full_key: str) -> bool:

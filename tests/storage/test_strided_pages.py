@@ -70,3 +70,26 @@ def test_a_strided_page_of_the_wrong_size_is_refused():
     store = MemoryStore(fingerprint())
     with pytest.raises(InvalidArgumentError, match="bytes, the layout's page has"):
         store.put(["a"], [host_like(2, seed=3)[:, :, :2 * PAGE_SIZE].transpose(0, 1)])
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_a_get_into_a_target_that_requires_grad_is_refused_before_any_target_is_written(tmp_path, kind):
+    store = MemoryStore(fingerprint()) if kind == "memory" else FileStore(fingerprint(), tmp_path, io_threads=2)
+    shape = LAYOUT.page_shape(PAGE_SIZE)
+    store.put(["a", "b"], [torch.ones(shape, dtype=torch.bfloat16), torch.ones(shape, dtype=torch.bfloat16)])
+    first, second = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(InvalidArgumentError, match=r"into\[1\]: must not require grad"):
+        store.get(["a", "b"], [first, second])
+    assert not first.any() and not second.detach().any()
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_a_lazy_conjugate_page_is_refused_before_any_page_is_stored(tmp_path, kind):
+    complex_layout = LayoutFingerprint("m", KVLayout(3, 2, 2, 8, torch.complex64), PAGE_SIZE)
+    store = MemoryStore(complex_layout) if kind == "memory" else FileStore(complex_layout, tmp_path, io_threads=2)
+    shape = KVLayout(3, 2, 2, 8, torch.complex64).page_shape(PAGE_SIZE)
+    plain, conjugate = torch.ones(shape, dtype=torch.complex64), torch.ones(shape, dtype=torch.complex64).conj()
+    assert conjugate.is_conj()
+    with pytest.raises(InvalidArgumentError, match=r"pages\[1\]: .*resolve_conj"):
+        store.put(["a", "b"], [plain, conjugate])
+    assert store.exists(["a", "b"]) == [False, False]
