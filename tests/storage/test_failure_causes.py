@@ -10,21 +10,16 @@ mounts a small tmpfs (full: ``ENOSPC``) and remounts it read-only (``EROFS``), t
 from __future__ import annotations
 
 import errno
-import json
-import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from mount_namespace import run_in_mount_namespace
 from kvstage.kv_layout import KVLayout
 from kvstage.offload.store_io import write_pages
 from kvstage.errors import StorageError
 from kvstage.storage import FileStore, LayoutFingerprint, MemoryStore, MissingPriorError, PutStatus, PutStatuses
-
-UNSHARE = ["unshare", "--mount", "--map-root-user"]
 
 SCRIPT = textwrap.dedent(
     """
@@ -53,23 +48,8 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def namespaces_usable() -> str | None:
-    """None when a mount namespace with tmpfs can be made here, else why not."""
-    if shutil.which("unshare") is None:
-        return "no unshare command"
-    probe = subprocess.run(UNSHARE + ["sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True, text=True)
-    return None if probe.returncode == 0 else f"no mount namespace here: {probe.stderr.strip()}"
-
-
 def test_a_full_and_a_read_only_directory_fail_puts_with_their_errno(tmp_path):
-    reason = namespaces_usable()
-    if reason is not None:
-        pytest.skip(reason)
-    result = subprocess.run(
-        UNSHARE + [sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr
-    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    seen = run_in_mount_namespace(SCRIPT, str(tmp_path))
     assert seen["full"]["statuses"][0] == "stored" and "failed" in seen["full"]["statuses"]
     assert seen["full"]["errno"] == errno.ENOSPC
     assert seen["full_outcome"] == {"failed": ["d" * 64], "errno": errno.ENOSPC}
@@ -141,17 +121,9 @@ MANAGER_SCRIPT = textwrap.dedent(
 
 
 def test_the_managers_on_storage_failure_gets_the_errno_of_a_read_only_directory(tmp_path):
-    reason = namespaces_usable()
-    if reason is not None:
-        pytest.skip(reason)
     from support import REPO_ROOT
 
-    result = subprocess.run(
-        UNSHARE + [sys.executable, "-c", MANAGER_SCRIPT, str(tmp_path), str(REPO_ROOT / "tests")],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    seen = run_in_mount_namespace(MANAGER_SCRIPT, str(tmp_path), str(REPO_ROOT / "tests"))
     # The prompt page's write fails with EROFS; the decode pages after it are refused by the
     # chain rule (their predecessor is not stored), which is no error.
     assert seen == {"failures": [[1, errno.EROFS], [2, None]], "failed": 3}

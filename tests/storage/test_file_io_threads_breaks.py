@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,19 +18,9 @@ import pytest
 import torch
 
 from file_store_rig import FP, KEYS, OTHER, PAGE_FILE_BYTES, POISON, directory_bytes, page, poisoned, temporary_files, values
+from mount_namespace import run_in_mount_namespace
 from kvstage.storage import FileStore, MissingPriorError
 from kvstage.storage.file_store import TMP_SUFFIX
-
-UNSHARE = ["unshare", "--mount", "--map-root-user"]  # as tests/storage/test_failure_causes.py
-
-
-def namespaces_usable() -> str | None:
-    """None when a mount namespace with tmpfs can be made here, else why not."""
-    if shutil.which("unshare") is None:
-        return "no unshare command"
-    probe = subprocess.run(UNSHARE + ["sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True, text=True)
-    return None if probe.returncode == 0 else f"no mount namespace here: {probe.stderr.strip()}"
-
 
 FULL_DISK = textwrap.dedent(
     """
@@ -66,12 +55,7 @@ FULL_DISK = textwrap.dedent(
 def test_a_put_into_a_full_store_on_a_disk_it_fills_stores_as_one_thread_does(tmp_path):
     """One thread makes room before it writes a page, so a store whose capacity is its disk
     never meets ENOSPC; io_threads must not write the pages before making room."""
-    reason = namespaces_usable()
-    if reason is not None:
-        pytest.skip(reason)
-    result = subprocess.run(UNSHARE + [sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    seen = run_in_mount_namespace(FULL_DISK, str(tmp_path))
     baseline = {"first": ["stored"] * 4, "statuses": ["stored"] * 4, "errno": None, "leftovers": [], "exists": [True] * 4}
     assert seen["1"] == baseline
     assert seen["2"] == baseline, f"io_threads=2 got {seen['2']} (errno {errno.ENOSPC} is ENOSPC)"
@@ -244,12 +228,7 @@ READ_ONLY = textwrap.dedent(
 def test_a_read_only_directory_answers_a_parallel_put_as_one_thread(tmp_path):
     """Holds (risky: writes in flight past a failed page): EROFS on a put of several pages, one
     page already there, reports the same statuses, error and files with io_threads as with one."""
-    reason = namespaces_usable()
-    if reason is not None:
-        pytest.skip(reason)
-    result = subprocess.run(UNSHARE + [sys.executable, "-c", READ_ONLY, str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    seen = run_in_mount_namespace(READ_ONLY, str(tmp_path))
     assert seen["1"]["statuses"] == ["deduplicated", "failed", "failed", "failed"] and seen["1"]["errno"] == errno.EROFS
     assert seen["1"]["exists"] == [True, False, False, False] and seen["1"]["files"] is True
     assert seen["2"] == seen["1"]
@@ -547,12 +526,5 @@ def test_a_page_whose_write_met_a_disk_filled_by_a_later_page_of_its_put_is_writ
     file may take the space first: the first page is then written again once the later pages'
     temporary files are gone, and the put answers as one thread (seen flaky before: the first page
     failed too)."""
-    reason = namespaces_usable()
-    if reason is not None:
-        pytest.skip(reason)
-    result = subprocess.run(
-        UNSHARE + [sys.executable, "-c", LATER_PAGE_TAKES_THE_SPACE, str(tmp_path)], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr
-    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    seen = run_in_mount_namespace(LATER_PAGE_TAKES_THE_SPACE, str(tmp_path))
     assert seen == {"statuses": ["stored", "failed"], "errno": errno.ENOSPC, "exists": [True, False], "leftovers": []}
