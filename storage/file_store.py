@@ -92,7 +92,10 @@ Threads of the store's own: reading or writing the page cache is a memory copy, 
 drive needs more than one request in flight to reach its bandwidth. Measured on a 2-core VM
 (``bench/bench_sglang.py``, 128 pages of 8 MiB, three runs): 2 threads read 1.0-1.4x and write
 1.0-1.4x as fast as one; 4 readers were slower than 2 there (four 8 MiB scratch pages outgrow its
-32 MiB L3 cache). A put whose ``prior_key`` is not stored writes page by page (it is refused
+32 MiB L3 cache). Smaller pages gain less than handing them to a thread costs (64 pages a call,
+1 thread against 2: 4 KiB to 512 KiB pages wrote 0.44-0.94x and read 0.51-0.62x as fast on 2;
+1 MiB pages 1.15-1.21x and 0.84-1.01x; 2 MiB 1.48x and 1.06x), so by default a store uses
+threads only for pages of ``PARALLEL_MIN_PAGE_BYTES`` (2 MiB) or more. A put whose ``prior_key`` is not stored writes page by page (it is refused
 before anything is written).
 
 URL form for :func:`open_storage`: ``file:DIR``, options ``?capacity_bytes=N&io_threads=N``.
@@ -130,7 +133,8 @@ _NO_PRIOR = bytes(32)
 SUFFIX = ".kvpage"
 TMP_SUFFIX = ".tmp"
 DEFAULT_CAPACITY_BYTES = 16 << 30  # 16 GiB
-DEFAULT_IO_THREADS = 2  # capped at the CPUs this process may use; see the module doc
+DEFAULT_IO_THREADS = 2  # for pages of PARALLEL_MIN_PAGE_BYTES or more, capped at the CPUs; see the module doc
+PARALLEL_MIN_PAGE_BYTES = 2 << 20  # smaller pages: one thread by default (threads cost more than they save)
 TMP_GRACE_S = 600.0  # a temporary file younger than this may be another process's write in progress
 _MAX_NAME = 200  # file names stay well under the usual 255-byte limit
 _SAFE_KEY = frozenset(string.ascii_letters + string.digits + "._-")  # hex keys; no "@", which ends a prefix
@@ -187,7 +191,8 @@ class FileStore(StorageBackend):
         io_threads: page files one ``get`` reads, or one ``put`` writes, at once (threads of
             this store's, started at the first call of more than one page; 1: all file I/O on
             the calling thread).
-            None: ``DEFAULT_IO_THREADS``, at most the CPUs this process may use.
+            None: ``DEFAULT_IO_THREADS`` (at most the CPUs this process may use) for pages of
+            ``PARALLEL_MIN_PAGE_BYTES`` or more, else 1.
 
     Raises:
         InvalidArgumentError: capacity_bytes is negative, event_capacity is not an int >= 0, or
@@ -220,7 +225,8 @@ class FileStore(StorageBackend):
         if not is_int(capacity_bytes) or capacity_bytes < 0:
             raise InvalidArgumentError(f"capacity_bytes: must be a non-negative int, got {capacity_bytes!r}")
         if io_threads is None:
-            io_threads = min(DEFAULT_IO_THREADS, len(os.sched_getaffinity(0)))
+            big_pages = self.page_bytes >= PARALLEL_MIN_PAGE_BYTES
+            io_threads = min(DEFAULT_IO_THREADS, len(os.sched_getaffinity(0))) if big_pages else 1
         if not is_int(io_threads) or io_threads < 1:
             raise InvalidArgumentError(f"io_threads: must be an int >= 1, got {io_threads!r}")
         self.io_threads = int(io_threads)

@@ -8,15 +8,15 @@ import subprocess
 import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
 from file_store_rig import FP, KEYS, POISON, page, poisoned, temporary_files, values
 from kvstage.errors import InvalidArgumentError
-from kvstage.storage import FileStore, open_storage
-from kvstage.storage.file_store import DEFAULT_IO_THREADS
+from kvstage.kv_layout import KVLayout
+from kvstage.storage import FileStore, LayoutFingerprint, open_storage
+from kvstage.storage.file_store import DEFAULT_IO_THREADS, PARALLEL_MIN_PAGE_BYTES
 
 
 def threads_doing(method: str, monkeypatch, meet: int) -> set[int]:
@@ -88,24 +88,35 @@ def test_a_store_closed_still_reads_and_close_stops_its_io_threads(tmp_path, mon
     assert store.get(KEYS[:2], poisoned(2)) == [True, True]
 
 
-def test_the_default_is_at_most_the_cpus_this_process_may_use(tmp_path):
-    """Two threads by default; one in a process allowed a single CPU (its affinity)."""
-    assert DEFAULT_IO_THREADS == 2
-    assert FileStore(FP, tmp_path / "all").io_threads == min(2, len(os.sched_getaffinity(0)))
+BIG = LayoutFingerprint("big/model", KVLayout(32, 2, 8, 128, "bfloat16"), 16)  # 2 MiB pages
+
+
+def test_the_default_is_two_threads_for_pages_of_2_mib_and_at_most_the_cpus_this_process_may_use(tmp_path):
+    """Two threads by default for pages of PARALLEL_MIN_PAGE_BYTES or more; one in a process
+    allowed a single CPU (its affinity)."""
+    assert (DEFAULT_IO_THREADS, PARALLEL_MIN_PAGE_BYTES, BIG.page_bytes) == (2, 2 << 20, 2 << 20)
+    assert FileStore(BIG, tmp_path / "all").io_threads == min(2, len(os.sched_getaffinity(0)))
     one_cpu = textwrap.dedent(
         """
         import os, sys
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-        sys.path.insert(0, sys.argv[2])
-        from file_store_rig import FP
-        from kvstage.storage import FileStore
-        print(FileStore(FP, sys.argv[1]).io_threads)
+        from kvstage.kv_layout import KVLayout
+        from kvstage.storage import FileStore, LayoutFingerprint
+        print(FileStore(LayoutFingerprint("big/model", KVLayout(32, 2, 8, 128, "bfloat16"), 16), sys.argv[1]).io_threads)
         """
     )
-    tests = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, "-c", one_cpu, str(tmp_path / "one"), str(tests)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", one_cpu, str(tmp_path / "one")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1"]
+
+
+def test_the_default_is_one_thread_for_pages_under_2_mib_and_an_explicit_count_is_kept(tmp_path):
+    """Below PARALLEL_MIN_PAGE_BYTES, handing pages to threads cost more than it saved (see the
+    module doc); an explicit io_threads is the caller's choice, whatever the page size."""
+    small = LayoutFingerprint("big/model", KVLayout(32, 2, 8, 128, "bfloat16"), 8)  # 1 MiB pages
+    assert FileStore(small, tmp_path / "default").io_threads == 1
+    assert FileStore(FP, tmp_path / "tiny").io_threads == 1
+    assert FileStore(FP, tmp_path / "asked", io_threads=2).io_threads == 2
 
 
 @pytest.mark.parametrize("value", [0, -1, True, 1.5, "2"])
