@@ -112,9 +112,10 @@ def test_index_views_are_read_by_their_strides(device, argument, kind, op, backe
         assert all((as_bytes(staging[h]) == 0xA5).all() for h in (0, 3, 5))
 
 
+@pytest.mark.parametrize("mode", ["kernel", "staged"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("op", OPS)
-def test_staging_with_a_storage_offset_is_read_at_its_offset(device, op, backend):
+def test_staging_with_a_storage_offset_is_read_at_its_offset(device, op, backend, mode):
     pool, _ = case(device)
     shape = make_staging(pool, NUM_HOST_PAGES, PAGE, "page_first").shape
     numel = torch.Size(shape).numel()
@@ -124,7 +125,7 @@ def test_staging_with_a_storage_offset_is_read_at_its_offset(device, op, backend
         random_bytes_(staging, torch.Generator().manual_seed(2))
     slot_indices, host_page_ids = torch.tensor(SLOTS, device=device), torch.tensor(HOST_PAGE_IDS, device=device)
     want = expected(op, pool, staging, slot_indices, host_page_ids)
-    run(op, pool, staging, slot_indices, host_page_ids, backend=backend)
+    run(op, pool, staging, slot_indices, host_page_ids, backend=backend, mode=mode)
     synchronize(device)
     got = [staging] if op == "gather" else pool.tensors()
     assert all(same_bytes(a, b) for a, b in zip(got, want))
@@ -153,16 +154,27 @@ def test_pool_buffers_that_are_not_contiguous_are_rejected(device, kind):
         KVPool.mha([k], [bad])
 
 
+@pytest.mark.parametrize("mode", ["kernel", "staged"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_pool_buffers_with_storage_offsets_are_read_at_their_offsets(device, backend):
+@pytest.mark.parametrize("op", OPS)
+def test_pool_buffers_with_storage_offsets_are_used_at_their_offsets(device, op, backend, mode):
     pool = make_pool(parts=2, layers=3, num_slots=NUM_SLOTS, heads=1, dim=12, dtype=torch.float16, device=device, storage="scattered")
     assert all(t.storage_offset() > 0 for t in pool.tensors())
+    arena = pool.tensors()[0]._base  # the one allocation the buffers are carved from, gaps between them
+    gaps = torch.ones(arena.numel(), dtype=torch.bool)
+    for t in pool.tensors():
+        gaps[t.storage_offset() : t.storage_offset() + t.numel()] = False
+    gaps_before = arena.detach().cpu()[gaps].view(torch.uint8).clone()
     staging = make_staging(pool, NUM_HOST_PAGES, PAGE, "page_first")
+    if op != "gather":
+        random_bytes_(staging, torch.Generator().manual_seed(4))
     slot_indices, host_page_ids = torch.tensor(SLOTS, device=device), torch.tensor(HOST_PAGE_IDS, device=device)
-    want = expected("gather", pool, staging, slot_indices, host_page_ids)[0]
-    gather(pool, staging, slot_indices, host_page_ids, page_size=PAGE, backend=backend)
+    want = expected(op, pool, staging, slot_indices, host_page_ids)
+    run(op, pool, staging, slot_indices, host_page_ids, backend=backend, mode=mode)
     synchronize(device)
-    assert same_bytes(staging, want)
+    got = [staging] if op == "gather" else pool.tensors()
+    assert all(same_bytes(a, b) for a, b in zip(got, want))
+    assert torch.equal(arena.detach().cpu()[gaps].view(torch.uint8), gaps_before)  # nothing written between buffers
 
 
 def test_scatter_rejects_a_repeated_slot_it_can_see(device):
