@@ -18,6 +18,7 @@ import torch
 
 from kernel_helpers import (
     as_bytes,
+    changed_buffers,
     expected_pool_after_scatter,
     expected_staging,
     make_pool,
@@ -100,7 +101,7 @@ def test_index_views_are_read_by_their_strides(device, argument, kind, op, backe
         before_pool, before_staging = pool_bytes(pool), as_bytes(staging).clone()
         with pytest.raises(InvalidArgumentError, match=f"^{argument}: .*repeat"):
             run(op, pool, staging, index["slot_indices"], index["host_page_ids"], backend=backend, mode=mode)
-        assert all(torch.equal(a, b) for a, b in zip(before_pool, pool_bytes(pool)))
+        assert changed_buffers(before_pool, pool) == []
         assert torch.equal(before_staging, as_bytes(staging))
         return
     want = expected(op, pool, staging, index["slot_indices"], index["host_page_ids"])
@@ -143,7 +144,7 @@ def test_staging_that_is_not_contiguous_is_rejected(device, op, kind):
     before = pool_bytes(pool)
     with pytest.raises(InvalidArgumentError, match="^staging: must be contiguous"):
         run(op, pool, bad, torch.tensor(SLOTS, device=device), torch.tensor(HOST_PAGE_IDS, device=device))
-    assert all(torch.equal(a, b) for a, b in zip(before, pool_bytes(pool)))
+    assert changed_buffers(before, pool) == []
 
 
 @pytest.mark.parametrize("kind", ["strided", "expanded"])
@@ -185,5 +186,5 @@ def test_scatter_rejects_a_repeated_slot_it_can_see(device):
     before = pool_bytes(pool)
     with pytest.raises(InvalidArgumentError, match="^slot_indices: .*repeat"):
         scatter(staging, pool, slot_indices, torch.tensor(HOST_PAGE_IDS, device=device), page_size=PAGE, check_bounds=True)
-    assert all(torch.equal(a, b) for a, b in zip(before, pool_bytes(pool)))
+    assert changed_buffers(before, pool) == []
     gather(pool, staging, slot_indices, torch.tensor(HOST_PAGE_IDS, device=device), page_size=PAGE, check_bounds=True)  # gather may repeat
