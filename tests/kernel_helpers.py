@@ -30,6 +30,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same bytes (any dtypes, shapes and devices; NaNs compare equal)."""
     return torch.equal(as_bytes(a), as_bytes(b))
 
 
@@ -78,10 +79,13 @@ def make_pool(
 
 
 def pool_bytes(pool: KVPool) -> list[torch.Tensor]:
+    """A copy of every buffer's bytes, flat uint8 on CPU, in ``pool.tensors()`` order."""
     return [as_bytes(t).clone() for t in pool.tensors()]
 
 
 def make_staging(pool: KVPool, num_host_pages: int, page_size: int, layout: str, *, pinned: bool = False) -> torch.Tensor:
+    """A poisoned staging buffer of ``staging_shape(pool, num_host_pages, page_size, layout)`` and
+    the pool's dtype, on the pool's device (``pinned`` with a CUDA pool: pinned host memory)."""
     shape = staging_shape(pool, num_host_pages, page_size, layout)
     if pool.device.type == "cuda" and pinned:
         t = torch.empty(shape, dtype=pool.dtype, pin_memory=True)
