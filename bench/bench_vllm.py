@@ -109,14 +109,12 @@ def _worker_figures(num_blocks: int, rounds: int, log) -> list[dict]:
 
 
 def _take_events_figures(rounds: int, log) -> list[dict]:
-    import torch as _torch
-
     from kvstage.integrations.vllm.manager import KVStageOffloadingManager
     from kvstage.storage import LayoutFingerprint, MemoryStore
 
     store = MemoryStore(LayoutFingerprint.opaque("bench", page_bytes=16, page_format="bench-events"))
     manager = KVStageOffloadingManager(store, events=True)
-    page = _torch.zeros(16, dtype=_torch.uint8)
+    page = torch.zeros(16, dtype=torch.uint8)
     state = {"round": 0}
 
     def fill() -> None:  # 10,000 stored events, in 100 puts of one 100-page chain run each
@@ -180,15 +178,30 @@ def _lookup_figures(rounds: int, log) -> tuple[list[dict], float]:
 
 
 def run(quick: bool = False, *, rounds: int | None = None, log=print) -> dict:
-    """Every figure; see the module doc. ``quick``: 64 blocks, 3 rounds."""
+    """Every figure; see the module doc.
+
+    Args:
+        quick: 64 blocks instead of 256, 3 rounds instead of 7.
+        rounds: override the rounds to take the median over.
+        log: where progress lines go.
+
+    Returns:
+        ``{"machine", "cpus", "python", "torch", "quick", "rounds", "vllm", "results": [{method,
+        ...}], "summary": {"lookup_us_per_request": {value, target, ok}}}``; without vLLM
+        ``{..., "skipped": reason, "results": []}``.
+
+    Raises:
+        AssertionError: a worker job failed, or the loaded blocks differ from the stored ones.
+    """
     rounds = rounds or (3 if quick else 7)
     report = {
         "machine": platform.machine(), "cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
         "quick": quick, "rounds": rounds,
     }
     if importlib.util.find_spec("vllm") is None:
-        log("bench_vllm: vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python); skipped")
-        return {**report, "skipped": "vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)", "results": []}
+        reason = "vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)"
+        log(f"bench_vllm: {reason}; skipped")
+        return {**report, "skipped": reason, "results": []}
     import vllm
 
     report["vllm"] = vllm.__version__
