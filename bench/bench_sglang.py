@@ -22,9 +22,11 @@ table.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -214,8 +216,8 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
         gc.collect()  # the closures above hold the host pool in reference cycles
         log(f"  {layout}: done")
         for directory in scratch.iterdir():  # disk: every round wrote a call's pages
-            subprocess.run(["rm", "-rf", str(directory)], check=False)
-    subprocess.run(["rm", "-rf", str(scratch)], check=False)
+            shutil.rmtree(directory, ignore_errors=True)
+    shutil.rmtree(scratch, ignore_errors=True)
     return {"pages_per_call": num_pages, "page_bytes": page_bytes, "rounds": rounds, "results": results, "summary": summary}
 
 
@@ -236,18 +238,29 @@ def run(quick: bool = False, log: Callable[[str], None] = print) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-if __name__ == "__main__":
-    quick = "--quick" in sys.argv
-    # --layouts a,b: only those host layouts (e.g. a before/after of one store change)
-    chosen = next((arg.split("=", 1)[1].split(",") for arg in sys.argv if arg.startswith("--layouts=")), LAYOUTS)
+def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module doc); ``--json`` prints the report as one JSON line
+    (what :func:`run` reads), otherwise a table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 pages a call instead of 128")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS),
+                        help=f"comma-separated host layouts to measure (e.g. a before/after of one store change); known: {','.join(LAYOUTS)}")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON line on stdout, progress on stderr")
+    args = parser.parse_args(argv)
+    chosen = tuple(filter(None, args.layouts.split(",")))
     unknown = sorted(set(chosen) - set(LAYOUTS))
     if unknown:
-        sys.exit(f"--layouts: unknown {unknown}; known: {list(LAYOUTS)}")
-    if "--json" in sys.argv:
-        print(json.dumps(_measure(quick, lambda line: print(line, file=sys.stderr), tuple(chosen))))
-    else:
-        report = _measure(quick, print, tuple(chosen))
-        for row in report["results"]:
-            print(f"{row['layout']:>18} {row['store']:>6} {row['method']:>11} {row['op']:>12}  {row['gbps']:6.2f} GB/s")
-        for name, item in report["summary"].items():
-            print(f"{name}: {item['value']} (target {item['target']}) {'PASS' if item['ok'] else 'MISS'}")
+        parser.error(f"--layouts: unknown {unknown}; known: {list(LAYOUTS)}")
+    if args.json:
+        print(json.dumps(_measure(args.quick, lambda line: print(line, file=sys.stderr), chosen)))
+        return 0
+    report = _measure(args.quick, print, chosen)
+    for row in report["results"]:
+        print(f"{row['layout']:>18} {row['store']:>6} {row['method']:>11} {row['op']:>12}  {row['gbps']:6.2f} GB/s")
+    for name, item in report["summary"].items():
+        print(f"{name}: {item['value']} (target {item['target']}) {'PASS' if item['ok'] else 'MISS'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
