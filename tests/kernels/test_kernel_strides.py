@@ -70,11 +70,11 @@ def run(op: str, pool, staging, slot_indices, host_page_ids, **options):
         scatter(staging, pool, slot_indices, host_page_ids, page_size=PAGE, layer=1 if op.endswith("layer-1") else None, **options)
 
 
-def expected(op: str, pool, staging, slot_indices, host_page_ids):
+def expected(op: str, pool, staging, slot_indices, host_page_ids, layout: str = "page_first"):
     """The destination's bytes after ``op``, by plain Python loops over the indices' values."""
     if op == "gather":
-        return [expected_staging(pool, staging, slot_indices, host_page_ids, PAGE)]
-    return expected_pool_after_scatter(pool, staging, slot_indices, host_page_ids, PAGE, layer=1 if op.endswith("layer-1") else None)
+        return [expected_staging(pool, staging, slot_indices, host_page_ids, PAGE, layout)]
+    return expected_pool_after_scatter(pool, staging, slot_indices, host_page_ids, PAGE, layout, layer=1 if op.endswith("layer-1") else None)
 
 
 def synchronize(device):
@@ -116,17 +116,18 @@ def test_index_views_are_read_by_their_strides(device, argument, kind, op, backe
 @pytest.mark.parametrize("mode", ["kernel", "staged"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("op", OPS)
-def test_staging_with_a_storage_offset_is_read_at_its_offset(device, op, backend, mode):
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_staging_with_a_storage_offset_is_read_at_its_offset(device, layout, op, backend, mode):
     pool, _ = case(device)
-    shape = make_staging(pool, NUM_HOST_PAGES, PAGE, "page_first").shape
+    shape = make_staging(pool, NUM_HOST_PAGES, PAGE, layout).shape
     numel = torch.Size(shape).numel()
     arena = poison_(torch.empty(numel + 5, dtype=pool.dtype, device=device))
     staging = arena[1 : 1 + numel].view(shape)  # starts 2 bytes in: 2-byte words
     if op != "gather":
         random_bytes_(staging, torch.Generator().manual_seed(2))
     slot_indices, host_page_ids = torch.tensor(SLOTS, device=device), torch.tensor(HOST_PAGE_IDS, device=device)
-    want = expected(op, pool, staging, slot_indices, host_page_ids)
-    run(op, pool, staging, slot_indices, host_page_ids, backend=backend, mode=mode)
+    want = expected(op, pool, staging, slot_indices, host_page_ids, layout)
+    run(op, pool, staging, slot_indices, host_page_ids, backend=backend, mode=mode, layout=layout)
     synchronize(device)
     got = [staging] if op == "gather" else pool.tensors()
     assert all(same_bytes(a, b) for a, b in zip(got, want))
