@@ -211,9 +211,17 @@ class DevicePagePool:
 
 
 def pick_device(requested: str | None) -> torch.device:
-    """The device KV pool's device: ``requested``, else CUDA when available, else CPU."""
+    """The device KV pool's device: ``requested``, else CUDA when available, else CPU.
+
+    Raises:
+        InvalidArgumentError: ``requested`` is not a device string torch knows, or is a CUDA
+            device and CUDA is not available (names ``--device``).
+    """
     if requested is not None:
-        device = torch.device(requested)
+        try:
+            device = torch.device(requested)
+        except RuntimeError as error:
+            raise InvalidArgumentError(f"--device: {requested!r} is not a device: {error}") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise InvalidArgumentError("--device: cuda was asked for but CUDA is not available")
         return device

@@ -264,3 +264,8 @@ def test_storage_write_failures_make_the_exit_code_1(capsys):
     # every missing page is explained by those failures.
     assert main(["replay", "--requests", "3", "--backend", "torch", "--no-progress", "--storage", "memory:65536"]) == 1
     assert "storage write" in capsys.readouterr().err
+
+
+def test_a_device_torch_does_not_know_exits_2_naming_the_argument(capsys):
+    assert main(["replay", "--no-progress", "--device", "gpu0", "--requests", "2"]) == 2
+    assert "--device: 'gpu0' is not a device" in capsys.readouterr().err
