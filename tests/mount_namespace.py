@@ -4,6 +4,7 @@ where they may mount a small tmpfs (a full disk: ``ENOSPC``) and remount it read
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
@@ -14,8 +15,9 @@ import pytest
 UNSHARE = ["unshare", "--mount", "--map-root-user"]
 
 
+@functools.cache
 def namespaces_usable() -> str | None:
-    """None when a mount namespace with a tmpfs can be made here, else why not."""
+    """None when a mount namespace with a tmpfs can be made here, else why not (probed once)."""
     if shutil.which("unshare") is None:
         return "no unshare command"
     probe = subprocess.run(UNSHARE + ["sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True, text=True)
