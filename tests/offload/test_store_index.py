@@ -40,6 +40,15 @@ def settled(index: StoreIndex) -> None:
         index.poll()
 
 
+def held_exists(store: MemoryStore) -> tuple[threading.Event, object]:
+    """Make ``store.exists`` wait (up to 5 s) until the returned gate is set, so a refresh stays
+    in flight; returns the gate and the store's own ``exists``."""
+    gate = threading.Event()
+    real_exists = store.exists
+    store.exists = lambda keys: (gate.wait(5), real_exists(keys))[1]
+    return gate, real_exists
+
+
 def test_unknown_keys_answer_none_then_the_stores_answer_once_polled(store_and_workers):
     store, workers = store_and_workers
     store.put(["a1", "a2"], [page(1), page(2)])
@@ -89,9 +98,7 @@ def test_a_miss_is_asked_again_after_its_ttl(store_and_workers):
 def test_a_discard_during_a_refresh_is_not_undone_by_its_stale_answer(store_and_workers):
     store, workers = store_and_workers
     store.put(["a1"], [page(1)])
-    gate = threading.Event()
-    real_exists = store.exists
-    store.exists = lambda keys: (gate.wait(5), real_exists(keys))[1]
+    gate, _ = held_exists(store)
     index = StoreIndex(store, workers)
     assert index.lookup("a1") is None
     index.discard(["a1"])  # e.g. a read found it corrupted while exists() was on its way
@@ -174,9 +181,7 @@ def test_without_hit_ttl_held_keys_are_never_asked_again(store_and_workers):
 def test_reset_forgets_every_answer_and_ignores_the_refresh_in_flight(store_and_workers):
     store, workers = store_and_workers
     store.put(["a1"], [page(1)])
-    gate = threading.Event()
-    real_exists = store.exists
-    store.exists = lambda keys: (gate.wait(5), real_exists(keys))[1]
+    gate, real_exists = held_exists(store)
     index = StoreIndex(store, workers)
     index.add(["b1"])
     index.lookup("a1")  # in flight when the store is cleared
