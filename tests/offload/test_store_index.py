@@ -122,6 +122,21 @@ def test_keys_asked_while_a_refresh_runs_go_in_the_next_one(store_and_workers):
     assert sorted(key for batch in batches for key in batch) == ["a1", "b1"]
 
 
+def test_queued_keys_are_asked_at_most_batch_keys_at_a_time_in_lookup_order(store_and_workers):
+    store, workers = store_and_workers
+    store.put(["k1", "k3"], [page(1), page(3)])
+    gate, real_exists = held_exists(store)
+    batches = []
+    store.exists = lambda keys: (gate.wait(5), batches.append(list(keys)), real_exists(keys))[2]
+    index = StoreIndex(store, workers, batch_keys=2)
+    for key in ("k0", "k1", "k2", "k3", "k4", "k5", "k6"):
+        assert index.lookup(key) is None  # k0 leaves at once; the rest queue behind it
+    gate.set()
+    settled(index)
+    assert batches == [["k0"], ["k1", "k2"], ["k3", "k4"], ["k5", "k6"]]
+    assert [index.lookup(key) for key in ("k0", "k1", "k2", "k3", "k4")] == [False, True, False, True, False]
+
+
 def test_a_store_error_makes_the_keys_miss_until_miss_ttl_s_then_asks_again(store_and_workers):
     store, workers = store_and_workers
     store.put(["a1"], [page(1)])
