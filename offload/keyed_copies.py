@@ -29,7 +29,7 @@ import torch
 
 from kvstage.errors import InvalidArgumentError, require
 from kvstage.offload.copier import GATHER, Copier
-from kvstage.offload.store_io import write_pages
+from kvstage.offload.store_io import read_pages, write_pages
 
 __all__ = ["KeyedCopies", "KeyedResult"]
 
@@ -185,7 +185,7 @@ class KeyedCopies:
                 part.host_page_ids = host_page_ids
                 pages = [self.copier.host_pool.page(page) for page in host_page_ids]
                 try:
-                    part.future = self.workers.read(partial(_read_all, self.storage, part.page_keys, pages))
+                    part.future = self.workers.read(partial(read_pages, self.storage, part.page_keys, pages))
                 except BaseException as failure:  # e.g. the workers were closed: the part ends, its pages go back
                     self._waiting.popleft()
                     self._end_part(part, moved=0, error=failure, ok=False)
@@ -303,9 +303,3 @@ class KeyedCopies:
         if len(set(keys)) != len(keys):
             raise InvalidArgumentError("page_keys: a key appears twice in one job")
         return keys
-
-
-def _read_all(storage: Any, page_keys: list[str], pages: list[torch.Tensor]) -> bool:
-    """Read every page; whether all were read intact."""
-    hits = list(storage.get(page_keys, pages))
-    return len(hits) == len(page_keys) and all(hits)

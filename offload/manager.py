@@ -272,7 +272,8 @@ class OffloadManager:
         self._owns_workers = store_workers is None
         self._workers = StoreWorkers() if store_workers is None else store_workers
         self._states: dict[int, _RequestState] = {}
-        # Released request objects, held weakly: a late finish/abort/offload of one is ignored.
+        # Released request objects, held weakly: a late finish/abort of one is ignored, a late
+        # offload raises.
         self._ended: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         # Retracted with keep_offloaded: (the request held weakly, its offloaded length, its chain),
         # resumed when it runs again; forgotten when the engine drops the request.
@@ -760,7 +761,7 @@ class OffloadManager:
         state = self._states.get(id(req))
         if state is not None:
             return (None if state.ending else state), False
-        if self._ended.get(id(req)) is req:
+        if self._has_ended(req):
             if released_raises:
                 raise InvalidArgumentError(
                     f"req: rid={req.rid!r} was released already; a finished or aborted request object is not offloaded "
@@ -1065,7 +1066,7 @@ class OffloadManager:
             tracked), so their pages are stored and the release waits for their copies.
         """
         launched = 0
-        after = self.producer if after is None else after
+        after = self._after(after)
         for run, slot_indices in plan.runs:
             segment = _Segment(state, run)
             host_page_ids = self.copier.gather(segment, slot_indices, after=after, checked=True)

@@ -74,10 +74,7 @@ class Prefetcher:
         """One batched lookup of ``page_keys`` on the caller's thread (see :func:`leading_hits`)."""
         with nvtx_range("lookup"):
             leading = leading_hits(self.storage, page_keys)
-            counters = self._counters
-            counters.lookups += 1
-            counters.pages_looked_up += len(page_keys)
-            counters.pages_hit += leading
+            self._count_lookup(len(page_keys), leading)
             return PrefixMatch(leading, page_keys[:leading], leading * self.page_size, len(page_keys))
 
     def start(self, req: Any, keys: list[str], policy: str, timeout_s: float | None, min_pages: int | None) -> PrefetchHandle:
@@ -176,11 +173,9 @@ class Prefetcher:
         handle.accounted = True
         if handle.future is None:  # cancelled while it waited for host pages: nothing ran
             return
-        counters = self._counters
         hit = handle.pages_hit or 0
-        counters.lookups += 1
-        counters.pages_looked_up += handle.pages_wanted
-        counters.pages_hit += hit
+        self._count_lookup(handle.pages_wanted, hit)
+        counters = self._counters
         counters.pages_prefetched += handle.pages_ready
         counters.pages_truncated += max(hit - handle.num_host_pages, 0)
         if handle.error is not None or handle.hole:
@@ -190,6 +185,13 @@ class Prefetcher:
                 "evicted, removed, or a failed checksum since)"
             )
             logger.warning("offload: prefetch of rid=%r ended at page %d of %s: %s", handle.req.rid, handle.pages_ready, handle.pages_hit, why)
+
+    def _count_lookup(self, pages_wanted: int, pages_hit: int) -> None:
+        """Count one lookup (``match`` or a prefetch's): its pages asked and leading hits."""
+        counters = self._counters
+        counters.lookups += 1
+        counters.pages_looked_up += pages_wanted
+        counters.pages_hit += pages_hit
 
     def _drop(self, handle: PrefetchHandle) -> None:
         """Account a finished prefetch and free its host pages that no load took."""

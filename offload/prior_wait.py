@@ -97,10 +97,8 @@ class PriorWaitingWrite:
             self._end(outcome)
             return
         with self._lock:
-            if self._stopped:
-                stopped = True
-            else:
-                stopped = False
+            stopped = self._stopped
+            if not stopped:
                 self._last, self.parked = outcome, True
         if stopped:
             self._end(outcome)

@@ -17,6 +17,7 @@ the reader thread.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from concurrent.futures import Future, wait
@@ -237,7 +238,7 @@ class StoreIndex:
         return self._refresh is not None or bool(self._queued)
 
     def _submit(self) -> None:
-        keys = list(self._queued)[: self._batch_keys]
+        keys = list(itertools.islice(self._queued, self._batch_keys))  # not a copy of every queued key
         for key in keys:
             del self._queued[key]
         self._asking = keys

@@ -5,7 +5,8 @@ Every path that stores pages (decode strides, prompt pages, the replay) goes thr
 :func:`write_pages`, so outcomes are counted one way: each page ends ``STORED``,
 ``DEDUPLICATED`` or failed. Deduplication is asked once per page: the store's ``put`` skips a
 key it holds (no separate ``exists`` round trip). Reads go through :func:`read_leading_pages`,
-which ends a hit at the first page that cannot be read, so nothing after a hole is used.
+which ends a hit at the first page that cannot be read, so nothing after a hole is used;
+:func:`read_pages` reads pages that must all be there (``KeyedCopies``' loads).
 
 :class:`StoreWorkers` runs these calls off the engine's thread (``concurrent.futures``; one
 writer and one reader thread by default, so a long backup queue never delays a prefetch).
@@ -23,7 +24,7 @@ from kvstage.errors import StorageError, is_int, require
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.storage import PutStatus
 
-__all__ = ["ReadOutcome", "StoreWorkers", "WriteOutcome", "leading_hits", "read_leading_pages", "write_pages"]
+__all__ = ["ReadOutcome", "StoreWorkers", "WriteOutcome", "leading_hits", "read_leading_pages", "read_pages", "write_pages"]
 
 
 @dataclass
@@ -114,6 +115,17 @@ def leading_hits(storage: Any, page_keys: Sequence[str]) -> int:
         return 0
     hits = _answer(storage.exists(list(page_keys)), len(page_keys), "exists")
     return next((index for index, hit in enumerate(hits) if not hit), len(hits))
+
+
+def read_pages(storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Tensor]) -> bool:
+    """Read every page (one ``get`` call); whether all were read intact.
+
+    Raises:
+        StorageError: the store answered a different number of keys than asked.
+        Whatever the store's ``get`` raises.
+    """
+    keys = list(page_keys)
+    return all(_answer(storage.get(keys, list(pages)), len(keys), "get"))
 
 
 @dataclass

@@ -237,6 +237,11 @@ class StorageBackend(abc.ABC):
 
         Returns:
             The number of pages removed.
+
+        Raises:
+            StorageError: the store could not clear (Mooncake: the client is closed, or the
+                master answered an error code, :class:`~kvstage.storage.mooncake.status.MooncakeCodeError`);
+                ``stats.pages_removed`` is not changed then.
         """
         removed = self._clear()
         self.stats.pages_removed += removed

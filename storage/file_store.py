@@ -800,15 +800,7 @@ class FileStore(StorageBackend):
                     names.update(e.name for e in os.scandir(self.directory) if e.name.endswith(SUFFIX) and self._owns(e.name))
                 except OSError:
                     pass  # the directory is gone: its files with it
-                removed = []
-                for name in names:
-                    full_key = _full_key_of(self.directory / name)
-                    try:
-                        os.unlink(self.directory / name)
-                    except OSError:
-                        continue  # removed by another process meanwhile: not counted twice
-                    if full_key is not None:
-                        removed.append(full_key)
+                removed = _remove_page_files(self.directory, names)
                 self._index = ChainIndex()
                 self._used = 0
                 self._record("removed", removed)
@@ -928,15 +920,22 @@ def remove_key_space(directory: str | os.PathLike, prefix: str) -> list[str]:
         ]
     except OSError as error:
         raise StorageError(f"directory: cannot list {str(directory)!r}: {error}") from error
+    return [full_key[len(prefix) :] for full_key in _remove_page_files(directory, names)]
+
+
+def _remove_page_files(directory: Path, names) -> list[str]:
+    """Unlink the page files ``names`` in ``directory``; the full keys of those this call
+    removed (one removed by another process meanwhile is not counted twice; a hashed name whose
+    header cannot be read is removed but not listed)."""
     removed = []
     for name in names:
         full_key = _full_key_of(directory / name)
         try:
             os.unlink(directory / name)
         except OSError:
-            continue  # removed by another process meanwhile
+            continue
         if full_key is not None:
-            removed.append(full_key[len(prefix) :])
+            removed.append(full_key)
     return removed
 
 

@@ -35,11 +35,10 @@ from hypothesis import strategies as st
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.hashing import PageHasher, get_scheme, page_keys, prefill_page_keys, schemes
-from kvstage.hashing.schemes import SCHEMES, HashScheme
+from kvstage.hashing.schemes import SCHEMES
+from hash_chains import LIBRARIES, MODULES, chain_module, compiled_scheme
 from support import SHARED, skip_missing
 
-MODULES = {"sglang-v1": "kvstage.hashing._sha256_chain", "xxh3-128": "kvstage.hashing._xxh3_chain"}
-LIBRARIES = {"sglang-v1": "OpenSSL", "xxh3-128": "xxHash"}
 SPEC_DIGEST = {"sglang-v1": lambda data: hashlib.sha256(data).digest(), "xxh3-128": xxhash.xxh3_128_digest}
 DIGEST_SIZE = {"sglang-v1": 32, "xxh3-128": 16}
 VECTORS = {
@@ -54,21 +53,6 @@ INTEGER_DTYPES = [
     np.intp, np.uintp, np.intc, np.uintc, np.longlong, np.ulonglong,
 ]  # fmt: skip
 by_scheme = pytest.mark.parametrize("name", SCHEMES)
-
-
-def chain_module(name: str):
-    """The scheme's compiled module; skips the test where it was not built."""
-    return pytest.importorskip(
-        MODULES[name],
-        reason=f"the optional C extension {MODULES[name]} was not built (no compiler, or no "
-        f"{LIBRARIES[name]} headers at install time)",
-        exc_type=ImportError,
-    )
-
-
-def compiled_scheme(name: str) -> HashScheme:
-    """The scheme with its compiled chain, whatever the environment chose at import."""
-    return replace(get_scheme(name).pure_python(), compiled=chain_module(name), why_pure_python="")
 
 
 def spec_digests(name: str, tokens, page_size: int, prior: bytes) -> list[bytes]:

@@ -18,25 +18,15 @@ import torch
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.hashing import PageHasher, compute_prefix_hash, get_scheme, page_keys, prefill_page_keys, token_bytes
-from kvstage.hashing.schemes import SCHEMES, HashScheme
+from kvstage.hashing.schemes import SCHEMES
 from kvstage.hashing.tokens import compiled_source, token_ids
+from hash_chains import CHAINS, chain_scheme
 from support import SHARED
 
-CHAINS = ("compiled", "pure-python")
 LONG_IS_64_BIT = array.array("l").itemsize == 8
 SGLANG_VECTORS = SHARED / "reference" / "sglang_v1_vectors.json"
 SGLANG_NATIVE_VECTORS = SHARED / "reference" / "sglang_native_vectors.json"
 XXH3_VECTORS = Path(__file__).with_name("xxh3_128_vectors.json")
-
-
-def chain_scheme(name: str, chain: str) -> HashScheme:
-    """The scheme with its compiled chain (skips where it was not built) or its Python chain."""
-    pure = get_scheme(name).pure_python()
-    if chain == "pure-python":
-        return pure
-    module_name = {"sglang-v1": "kvstage.hashing._sha256_chain", "xxh3-128": "kvstage.hashing._xxh3_chain"}[name]
-    module = pytest.importorskip(module_name, reason=f"{module_name} was not built", exc_type=ImportError)
-    return replace(pure, compiled=module, why_pure_python="")
 
 
 def array_forms(tokens: list[int]) -> dict[str, object]:

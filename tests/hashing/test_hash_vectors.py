@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from kvstage.hashing import PageHasher, compute_prefix_hash, get_scheme, namespace_seed, page_keys, prefill_page_keys
-from kvstage.hashing.schemes import HashScheme
+from kvstage.hashing import PageHasher, compute_prefix_hash, namespace_seed, page_keys, prefill_page_keys
+from hash_chains import chain_scheme
 from support import SHARED, missing_mark
 
 SGLANG_VECTORS = SHARED / "reference" / "sglang_v1_vectors.json"
@@ -122,17 +121,6 @@ def test_sglang_v1_first_page_written_out_by_hand():
 
 
 # ---- sglang's native page hash: ids up to 2**63-1 -------------------------------------------
-
-
-def chain_scheme(name: str, chain: str) -> HashScheme:
-    """The scheme with its compiled chain (skips where it was not built) or its Python chain,
-    whatever KVSTAGE_PURE_PYTHON_HASH chose at import."""
-    pure = get_scheme(name).pure_python()
-    if chain == "pure-python":
-        return pure
-    module_name = {"sglang-v1": "kvstage.hashing._sha256_chain", "xxh3-128": "kvstage.hashing._xxh3_chain"}[name]
-    module = pytest.importorskip(module_name, reason=f"{module_name} was not built", exc_type=ImportError)
-    return replace(pure, compiled=module, why_pure_python="")
 
 
 def native_inputs(tokens: list[int], device: torch.device) -> dict:

@@ -9,7 +9,6 @@ reference (conftest) must agree; the encoding is chosen page by page and the cha
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,27 +18,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstage.errors import InvalidArgumentError
-from kvstage.hashing import PageHasher, compute_prefix_hash, get_scheme, page_keys, prefill_page_keys, token_bytes
-from kvstage.hashing.schemes import SCHEMES, HashScheme
+from kvstage.hashing import PageHasher, compute_prefix_hash, page_keys, prefill_page_keys, token_bytes
+from kvstage.hashing.schemes import SCHEMES
 
-MODULES = {"sglang-v1": "kvstage.hashing._sha256_chain", "xxh3-128": "kvstage.hashing._xxh3_chain"}
+from hash_chains import CHAINS, chain_module, chain_scheme
+
 DIGEST = {"sglang-v1": lambda data: hashlib.sha256(data).digest(), "xxh3-128": xxhash.xxh3_128_digest}
 U32_MAX = 2**32 - 1
 ID_MAX = 2**63 - 1
 GIL_RELEASE_MIN_BYTES = 2048  # _page_chain.c: at or above this many input bytes the loop runs without the GIL
-CHAINS = ["compiled", "pure-python"]
 by_scheme = pytest.mark.parametrize("name", SCHEMES)
 by_chain = pytest.mark.parametrize("chain", CHAINS)
-
-
-def chain_module(name: str):
-    return pytest.importorskip(MODULES[name], reason=f"{MODULES[name]} was not built", exc_type=ImportError)
-
-
-def chain_scheme(name: str, chain: str) -> HashScheme:
-    """The scheme with its compiled chain or only its Python chain, whatever the environment chose."""
-    pure = get_scheme(name).pure_python()
-    return pure if chain == "pure-python" else replace(pure, compiled=chain_module(name), why_pure_python="")
 
 
 def spec_keys(name: str, tokens, page_size: int, prior: bytes = b"") -> list[str]:

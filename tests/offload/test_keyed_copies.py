@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from kvstage.errors import InvalidArgumentError
+from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.kernels import KVPool
 from kvstage.offload import Copier, HostPool, KeyedCopies, StoreWorkers
 from kvstage.storage import LayoutFingerprint, MemoryStore
@@ -82,6 +82,22 @@ def test_a_load_with_a_missing_key_fails_whole_and_writes_no_block(rig):
     keyed.load("l", ["a", "missing"], blocks(9, 10))
     [result] = finish(keyed, "l")
     assert not result.ok and result.bytes == 0
+    assert all(torch.equal(layer, was) for layer, was in zip(layers, before))
+    assert host_pool.free_pages == 4
+
+
+def test_a_load_whose_store_answers_too_few_keys_fails_with_a_storage_error(rig):
+    keyed, layers, store, host_pool = rig
+    keyed.store("s", blocks(0, 1), ["a", "b"])
+    keyed.wait()
+    keyed.poll()
+    real_get = store.get
+    store.get = lambda keys, into: real_get(keys, into)[:-1]  # a broken store drops its last answer
+    before = [layer.clone() for layer in layers]
+    keyed.load("l", ["a", "b"], blocks(9, 10))
+    [result] = finish(keyed, "l")
+    assert not result.ok and result.bytes == 0
+    assert isinstance(result.error, StorageError) and "get() answered 1 keys of 2" in str(result.error)
     assert all(torch.equal(layer, was) for layer, was in zip(layers, before))
     assert host_pool.free_pages == 4
 

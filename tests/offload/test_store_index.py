@@ -40,6 +40,15 @@ def settled(index: StoreIndex) -> None:
         index.poll()
 
 
+def held_exists(store: MemoryStore) -> tuple[threading.Event, object]:
+    """Make ``store.exists`` wait (up to 5 s) until the returned gate is set, so a refresh stays
+    in flight; returns the gate and the store's own ``exists``."""
+    gate = threading.Event()
+    real_exists = store.exists
+    store.exists = lambda keys: (gate.wait(5), real_exists(keys))[1]
+    return gate, real_exists
+
+
 def test_unknown_keys_answer_none_then_the_stores_answer_once_polled(store_and_workers):
     store, workers = store_and_workers
     store.put(["a1", "a2"], [page(1), page(2)])
@@ -89,9 +98,7 @@ def test_a_miss_is_asked_again_after_its_ttl(store_and_workers):
 def test_a_discard_during_a_refresh_is_not_undone_by_its_stale_answer(store_and_workers):
     store, workers = store_and_workers
     store.put(["a1"], [page(1)])
-    gate = threading.Event()
-    real_exists = store.exists
-    store.exists = lambda keys: (gate.wait(5), real_exists(keys))[1]
+    gate, _ = held_exists(store)
     index = StoreIndex(store, workers)
     assert index.lookup("a1") is None
     index.discard(["a1"])  # e.g. a read found it corrupted while exists() was on its way
@@ -113,6 +120,21 @@ def test_keys_asked_while_a_refresh_runs_go_in_the_next_one(store_and_workers):
     settled(index)
     assert index.lookup("a1") is True and index.lookup("b1") is True
     assert sorted(key for batch in batches for key in batch) == ["a1", "b1"]
+
+
+def test_queued_keys_are_asked_at_most_batch_keys_at_a_time_in_lookup_order(store_and_workers):
+    store, workers = store_and_workers
+    store.put(["k1", "k3"], [page(1), page(3)])
+    gate, real_exists = held_exists(store)
+    batches = []
+    store.exists = lambda keys: (gate.wait(5), batches.append(list(keys)), real_exists(keys))[2]
+    index = StoreIndex(store, workers, batch_keys=2)
+    for key in ("k0", "k1", "k2", "k3", "k4", "k5", "k6"):
+        assert index.lookup(key) is None  # k0 leaves at once; the rest queue behind it
+    gate.set()
+    settled(index)
+    assert batches == [["k0"], ["k1", "k2"], ["k3", "k4"], ["k5", "k6"]]
+    assert [index.lookup(key) for key in ("k0", "k1", "k2", "k3", "k4")] == [False, True, False, True, False]
 
 
 def test_a_store_error_makes_the_keys_miss_until_miss_ttl_s_then_asks_again(store_and_workers):
@@ -174,9 +196,7 @@ def test_without_hit_ttl_held_keys_are_never_asked_again(store_and_workers):
 def test_reset_forgets_every_answer_and_ignores_the_refresh_in_flight(store_and_workers):
     store, workers = store_and_workers
     store.put(["a1"], [page(1)])
-    gate = threading.Event()
-    real_exists = store.exists
-    store.exists = lambda keys: (gate.wait(5), real_exists(keys))[1]
+    gate, real_exists = held_exists(store)
     index = StoreIndex(store, workers)
     index.add(["b1"])
     index.lookup("a1")  # in flight when the store is cleared
