@@ -195,7 +195,7 @@ def test_simulated_cuda_skips_a_cpu_triton_test_and_runs_the_rest():
     parameter on CPU tensors skips with the reason (it failed before), the torch one passes."""
     test = "tests/kernels/test_kernel_strides.py::test_staging_with_a_storage_offset_is_read_at_its_offset"
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", f"{test}[cpu-gather-triton]", f"{test}[cpu-gather-torch]", "-q", "-rs", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", f"{test}[cpu-page_first-gather-triton-kernel]", f"{test}[cpu-page_first-gather-torch-kernel]", "-q", "-rs", "-p", "no:cacheprovider"],
         cwd=REPO, env=clean_env(KVSTAGE_SIMULATE_CUDA="1"), capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:]
