@@ -28,7 +28,7 @@ from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.integrations.sglang.host_layouts import flat_page_view, host_kv_layout, page_view
 from kvstage.integrations.sglang.key_space import ExtraConfig
 from kvstage.kv_layout import KVLayout
-from kvstage.offload.store_io import write_pages
+from kvstage.offload.store_io import leading_hits, write_pages
 from kvstage.storage import MissingPriorError, StorageBackend
 
 __all__ = ["KVStageStorage", "CHUNK_PAGES"]
@@ -154,10 +154,13 @@ class KVStageStorage(HiCacheStorage):
         return results
 
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        """How many of ``keys``, from the first, the store holds (sglang's lookup)."""
-        store = self._store()
-        hits = store.exists(list(keys))
-        return hits.index(False) if False in hits else len(hits)
+        """How many of ``keys``, from the first, the store holds (sglang's lookup).
+
+        Raises:
+            StorageError: no host pool registered yet, or the store answered for a different
+                number of keys than asked (:func:`kvstage.offload.store_io.leading_hits`).
+        """
+        return leading_hits(self._store(), keys)
 
     # -- the legacy interface (flat pages in the host layout's order) -------------------------
 
