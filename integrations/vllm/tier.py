@@ -37,7 +37,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvstage.errors import ArgumentTypeError, require
-from kvstage.integrations.vllm.keys import offloading_events, page_keys, tier_fingerprint
+from kvstage.integrations.vllm.keys import lookup_result, offloading_events, page_keys, tier_fingerprint
 from kvstage.offload import StoreIndex, StoreWorkers
 from kvstage.offload.store_io import write_pages
 from kvstage.storage import open_storage
@@ -45,8 +45,6 @@ from kvstage.storage import open_storage
 __all__ = ["KVStageTier"]
 
 logger = logging.getLogger(__name__)
-
-_LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
 
 
 @dataclass
@@ -125,7 +123,7 @@ class KVStageTier(SecondaryTierManager):
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
         """HIT when the store is known to hold ``key``, MISS when known not to, RETRY while
         the store is being asked (never a store round trip on this thread)."""
-        return _LOOKUP[self.index.lookup(key.hex())]
+        return lookup_result(self.index, key)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """Chunk level: only newly computed chunks cascade here."""
