@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 from kvstage.errors import InvalidArgumentError  # noqa: E402
 from kvstage.integrations.vllm import KVStageTier  # noqa: E402
 from kvstage.storage import FileStore  # noqa: E402
-from vllm_rig import CHUNK_BYTES, offloading_config  # noqa: E402
+from vllm_rig import CHUNK_BYTES, chunks_for, keys_of, offloading_config  # noqa: E402
 
 NUM_CHUNKS = 4  # the CPU tier's slots
 
@@ -78,15 +78,6 @@ class Rig:
 
     def close(self) -> None:
         self.manager.shutdown()
-
-
-def keys_of(*ids: int) -> list[bytes]:
-    return [make_offload_key(f"block-{i}".encode().ljust(32, b"."), 0) for i in ids]
-
-
-def chunks_for(keys: list[bytes]) -> dict[bytes, torch.Tensor]:
-    generator = torch.Generator().manual_seed(7)
-    return {key: torch.randint(0, 256, (CHUNK_BYTES,), dtype=torch.uint8, generator=generator) for key in keys}
 
 
 @pytest.fixture(params=["memory", "file"])

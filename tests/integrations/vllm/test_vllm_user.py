@@ -23,7 +23,7 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_con
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
-from vllm_rig import CHUNK_BYTES, ConnectorRig, offloading_config, slow_down, step_until_writes_in_flight  # noqa: E402
+from vllm_rig import CHUNK_BYTES, ConnectorRig, chunks_for, keys_of, offloading_config, slow_down, step_until_writes_in_flight  # noqa: E402
 
 from kvstage.errors import InvalidArgumentError  # noqa: E402
 from kvstage.integrations.vllm import KVStageTier  # noqa: E402
@@ -114,15 +114,6 @@ class TierEngine:
 
     def close(self) -> None:
         self.manager.shutdown()
-
-
-def keys_of(*ids: int) -> list[bytes]:
-    return [make_offload_key(f"user-block-{i}".encode().ljust(32, b"."), 0) for i in ids]
-
-
-def chunks_for(keys: list[bytes], seed: int = 11) -> dict[bytes, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {key: torch.randint(0, 256, (CHUNK_BYTES,), dtype=torch.uint8, generator=generator) for key in keys}
 
 
 @pytest.fixture(params=["memory", "file"])
