@@ -34,6 +34,21 @@ def step_until_writes_in_flight(rig: Any, steps: int = 50) -> Any:
 CHUNK_BYTES = 4096  # one block of one worker a chunk: the page-aligned row vLLM's primary tier keeps
 
 
+def keys_of(*ids: int, tag: str = "block") -> list[bytes]:
+    """vLLM ``OffloadKey``s of KV group 0, one per id: ``"<tag>-<id>"`` padded to a 32-byte hash."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    return [make_offload_key(f"{tag}-{i}".encode().ljust(32, b"."), 0) for i in ids]
+
+
+def chunks_for(keys: list[bytes], seed: int = 7) -> dict:
+    """Random CHUNK_BYTES uint8 chunks (torch tensors) by key, from ``seed``."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return {key: torch.randint(0, 256, (CHUNK_BYTES,), dtype=torch.uint8, generator=generator) for key in keys}
+
+
 def offloading_config(extra_config: dict, *, events: bool = True, engine_id: str | None = None, world_size: int = 1, rank: int = 0):
     """vLLM's OffloadingConfig for a model of one KV group (2 layers, 16-token blocks) whose
     worker holds CHUNK_BYTES a block, as vLLM's connector builds it for a spec."""

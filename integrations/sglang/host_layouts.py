@@ -99,10 +99,21 @@ def page_view(host_pool: Any, index: int) -> torch.Tensor:
     page; where ``page_size, num_heads, head_dim`` are contiguous in the pool (layer_first,
     page_first_direct) they are one dimension, which lets torch copy the page in long runs."""
     view = _table(host_pool)[host_pool.layout][1](host_pool.get_data_page(index, flat=False))
-    try:
-        return view.view(view.shape[0], view.shape[1], -1)
-    except RuntimeError:  # not contiguous within a (layer, part) row: keep the 5-D view
-        return view
+    return view.view(view.shape[0], view.shape[1], -1) if _row_is_one_run(view) else view
+
+
+def _row_is_one_run(view: torch.Tensor) -> bool:
+    """Whether the last three dims of ``view`` are one strided run (torch's rule for viewing
+    them as one dim: size-1 dims aside, each stride is the next one's times its size).
+    Decided from the strides, so the per-page path never pays for a failed ``view``'s error."""
+    expected = None
+    for size, stride in zip(reversed(view.shape[2:]), reversed(view.stride()[2:])):
+        if size == 1:
+            continue
+        if expected is not None and stride != expected:
+            return False
+        expected = stride * size
+    return True
 
 
 def flat_page_view(host_pool: Any, flat_page: torch.Tensor, kv_layout: KVLayout) -> torch.Tensor:

@@ -14,7 +14,7 @@ sglang 0.5.23 holds fp8 KV (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``) in ``u
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import torch
@@ -123,8 +123,7 @@ class ExtraConfig:
         Raises:
             InvalidArgumentError: as :meth:`kv_dtype`, or as :class:`LayoutFingerprint`.
         """
-        dtype = self.kv_dtype(layout.dtype, pool)
-        resolved = KVLayout(layout.num_layers, layout.kv_parts, layout.num_heads, layout.head_dim, dtype)
+        resolved = replace(layout, dtype=self.kv_dtype(layout.dtype, pool))
         return LayoutFingerprint(
             self.model_id, resolved, page_size, tp_rank=tp_rank, tp_size=tp_size, first_layer=first_layer
         )

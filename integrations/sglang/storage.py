@@ -28,7 +28,7 @@ from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.integrations.sglang.host_layouts import flat_page_view, host_kv_layout, page_view
 from kvstage.integrations.sglang.key_space import ExtraConfig
 from kvstage.kv_layout import KVLayout
-from kvstage.offload.store_io import write_pages
+from kvstage.offload.store_io import leading_hits, write_pages
 from kvstage.storage import MissingPriorError, StorageBackend
 
 __all__ = ["KVStageStorage", "CHUNK_PAGES"]
@@ -128,6 +128,12 @@ class KVStageStorage(HiCacheStorage):
         sglang hands over is lost (its parent, written later, is then not linked to it for
         eviction). The store is not asked first: a put the store refuses with
         :class:`kvstage.storage.MissingPriorError` for that key is put again unlinked.
+
+        Raises:
+            InvalidArgumentError: ``host_indices`` is not a 1-D tensor of ``len(keys) * page_size``
+                host slots whose pages start at multiples of ``page_size`` inside the host pool;
+                raised before any page is written.
+            StorageError: no host pool registered yet.
         """
         store, starts = self._pages_of(keys, host_indices)
         prefix_keys = extra_info.prefix_keys if extra_info is not None else None
@@ -142,7 +148,11 @@ class KVStageStorage(HiCacheStorage):
     ) -> List[bool]:
         """Read the pages of ``keys`` into ``host_indices`` (as :meth:`batch_set_v1`); True per
         page found intact and written to the host pool. A missing or corrupt page is False and
-        its host slots get no bytes of a wrong page."""
+        its host slots get no bytes of a wrong page.
+
+        Raises:
+            InvalidArgumentError, StorageError: as :meth:`batch_set_v1`, before any page is read.
+        """
         store, starts = self._pages_of(keys, host_indices)
         started = time.perf_counter()
         results: list[bool] = []
@@ -154,10 +164,13 @@ class KVStageStorage(HiCacheStorage):
         return results
 
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        """How many of ``keys``, from the first, the store holds (sglang's lookup)."""
-        store = self._store()
-        hits = store.exists(list(keys))
-        return hits.index(False) if False in hits else len(hits)
+        """How many of ``keys``, from the first, the store holds (sglang's lookup).
+
+        Raises:
+            StorageError: no host pool registered yet, or the store answered for a different
+                number of keys than asked (:func:`kvstage.offload.store_io.leading_hits`).
+        """
+        return leading_hits(self._store(), keys)
 
     # -- the legacy interface (flat pages in the host layout's order) -------------------------
 

@@ -1,5 +1,6 @@
-"""vLLM's names for kvstage's: offload keys as page keys, its offload config as a layout
-fingerprint, kvstage's store events as vLLM's ``OffloadingEvent``s.
+"""vLLM's names for kvstage's: offload keys as page keys, a store index's answer as vLLM's
+``LookupResult``, its offload config as a layout fingerprint, kvstage's store events as vLLM's
+``OffloadingEvent``s.
 
 vLLM 0.33.0 (``vllm/v1/kv_offload/base.py``) keys an offloaded chunk by ``OffloadKey``: the
 block hash bytes followed by the KV cache group index as 4 big-endian bytes. kvstage's stores take
@@ -11,16 +12,33 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from vllm.v1.kv_offload.base import LookupResult, OffloadingEvent
+
 from kvstage.errors import require
+from kvstage.offload import StoreIndex
 from kvstage.storage import LayoutFingerprint
 from kvstage.storage.events import StoreEvent
 
-__all__ = ["block_fingerprint", "chunk_page_format", "offloading_events", "page_keys", "tier_fingerprint"]
+__all__ = ["block_fingerprint", "chunk_page_format", "lookup_result", "offloading_events", "page_keys", "tier_fingerprint"]
+
+_LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
 
 
 def page_keys(keys: Iterable[bytes]) -> list[str]:
     """vLLM ``OffloadKey``s (bytes) as kvstage page keys (lowercase hex), in order."""
     return [key.hex() for key in keys]
+
+
+def lookup_result(index: StoreIndex, key: bytes) -> LookupResult:
+    """``index``'s answer for the ``OffloadKey`` ``key`` as vLLM's: HIT when the store is known
+    to hold it, MISS when known not to, RETRY while the store is being asked (never a store
+    round trip on the caller's thread: see :meth:`kvstage.offload.StoreIndex.lookup`)."""
+    return _LOOKUP[index.lookup(key.hex())]
+
+
+def _world(parallel) -> str:
+    """The parallel layout of vLLM's ``OffloadingConfig.parallel`` as a page format part."""
+    return f"world=tp{parallel.tp_size}pp{parallel.pp_size}pcp{parallel.pcp_size}dcp{parallel.dcp_size}x{parallel.world_size}"
 
 
 def chunk_page_format(config) -> str:
@@ -50,7 +68,7 @@ def chunk_page_format(config) -> str:
     ]
     parallel = config.parallel
     if not parallel.is_parallelism_agnostic:
-        parts.append(f"world=tp{parallel.tp_size}pp{parallel.pp_size}pcp{parallel.pcp_size}dcp{parallel.dcp_size}x{parallel.world_size}")
+        parts.append(_world(parallel))
     return "|".join(parts)
 
 
@@ -104,7 +122,7 @@ def block_fingerprint(config, *, model_id: str | None = None) -> LayoutFingerpri
     page_format = "|".join([
         "vllm-block-v1", f"dtype={config.model.dtype}", f"g{group.group_id}:{group.tokens_per_block}tok:{','.join(group.layer_names)}",
         f"tph={config.cache.tokens_per_hash}", f"layout={config.kv_cache_layout}",
-        f"world=tp{parallel.tp_size}pp{parallel.pp_size}pcp{parallel.pcp_size}dcp{parallel.dcp_size}x{parallel.world_size}",
+        _world(parallel),
     ])
     return LayoutFingerprint.opaque(
         model_id or config.model.name, page_bytes=config.worker_kv_bytes_per_block, page_format=page_format,
@@ -123,8 +141,6 @@ def offloading_events(events: Sequence[StoreEvent], *, key_space: str, medium, l
         key_space: the store's fingerprint prefix.
         medium, locality, ownership: the ``OffloadingEvent`` fields for this tier.
     """
-    from vllm.v1.kv_offload.base import OffloadingEvent
-
     translated: list = []
     kind, keys = None, []
     for event in events:

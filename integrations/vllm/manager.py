@@ -24,15 +24,13 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
-from kvstage.integrations.vllm.keys import offloading_events, page_keys
+from kvstage.integrations.vllm.keys import lookup_result, offloading_events, page_keys
 from kvstage.offload import StoreIndex, StoreWorkers
 from kvstage.storage.shared import release_shared_storage
 
 __all__ = ["KVStageLoadStoreSpec", "KVStageOffloadingManager"]
 
 logger = logging.getLogger(__name__)
-
-_LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
 
 
 class KVStageLoadStoreSpec(LoadStoreSpec):
@@ -43,6 +41,7 @@ class KVStageLoadStoreSpec(LoadStoreSpec):
 
     def __repr__(self) -> str:
         return f"KVStageLoadStoreSpec({len(self.page_keys)} pages)"
+
 
 class KVStageOffloadingManager(OffloadingManager):
     """Decides for vLLM's scheduler: what the store holds (cached, refreshed on a reader
@@ -87,7 +86,7 @@ class KVStageOffloadingManager(OffloadingManager):
         waits for its clear (the store still holds pre-reset pages)."""
         if self._clear_pending:
             return LookupResult.MISS
-        return _LOOKUP[self.index.lookup(key.hex())]
+        return lookup_result(self.index, key)
 
     def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> LoadStoreSpec:
         """The page keys to read (the store keeps no pins: a page evicted meanwhile fails the load)."""

@@ -37,7 +37,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvstage.errors import ArgumentTypeError, require
-from kvstage.integrations.vllm.keys import offloading_events, page_keys, tier_fingerprint
+from kvstage.integrations.vllm.keys import lookup_result, offloading_events, page_keys, tier_fingerprint
 from kvstage.offload import StoreIndex, StoreWorkers
 from kvstage.offload.store_io import write_pages
 from kvstage.storage import open_storage
@@ -45,8 +45,6 @@ from kvstage.storage import open_storage
 __all__ = ["KVStageTier"]
 
 logger = logging.getLogger(__name__)
-
-_LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
 
 
 @dataclass
@@ -125,7 +123,7 @@ class KVStageTier(SecondaryTierManager):
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
         """HIT when the store is known to hold ``key``, MISS when known not to, RETRY while
         the store is being asked (never a store round trip on this thread)."""
-        return _LOOKUP[self.index.lookup(key.hex())]
+        return lookup_result(self.index, key)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """Chunk level: only newly computed chunks cascade here."""
@@ -137,6 +135,7 @@ class KVStageTier(SecondaryTierManager):
         """Write the job's primary chunks to the store on the writer thread: one ``put`` per
         KV group's run of keys (in the order vLLM gives them, a run of one chain)."""
         keys = self._checked_keys(job_metadata)
+        wanted = page_keys(keys)
         pages = [self._primary[int(chunk)] for chunk in job_metadata.chunk_ids]
         runs = _runs_by_group(keys)
         storage = self.storage
@@ -144,12 +143,12 @@ class KVStageTier(SecondaryTierManager):
         def write() -> tuple[int, BaseException | None]:
             failed, error = 0, None
             for start, stop in runs:
-                outcome = write_pages(storage, page_keys(keys[start:stop]), pages[start:stop])
+                outcome = write_pages(storage, wanted[start:stop], pages[start:stop])
                 failed += len(outcome.failed_keys)
                 error = error or outcome.error
             return failed, error
 
-        self._track(job_metadata, keys, self._workers.write(write), is_promotion=False)
+        self._track(job_metadata, keys, wanted, self._workers.write(write), is_promotion=False)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Read the job's pages from the store into its primary chunks on a reader thread; a
@@ -157,7 +156,7 @@ class KVStageTier(SecondaryTierManager):
         keys = self._checked_keys(job_metadata)
         pages = [self._primary[int(chunk)] for chunk in job_metadata.chunk_ids]
         storage, wanted = self.storage, page_keys(keys)
-        self._track(job_metadata, keys, self._workers.read(lambda: storage.get(wanted, pages)), is_promotion=True)
+        self._track(job_metadata, keys, wanted, self._workers.read(lambda: storage.get(wanted, pages)), is_promotion=True)
 
     @staticmethod
     def _checked_keys(job_metadata: TransferJob) -> list[bytes]:
@@ -169,8 +168,8 @@ class KVStageTier(SecondaryTierManager):
         )
         return keys
 
-    def _track(self, job_metadata: TransferJob, keys: list[bytes], future: Future, *, is_promotion: bool) -> None:
-        self._jobs.append(_Job(job_metadata.job_id, keys, page_keys(keys), future, is_promotion, time.perf_counter()))
+    def _track(self, job_metadata: TransferJob, keys: list[bytes], wanted: list[str], future: Future, *, is_promotion: bool) -> None:
+        self._jobs.append(_Job(job_metadata.job_id, keys, wanted, future, is_promotion, time.perf_counter()))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Jobs whose store call finished since the last call; never blocks."""

@@ -107,8 +107,9 @@ class KVStageWorker(OffloadingWorker):
             if result.is_store:
                 block_ids = None
                 if not ok:
-                    self.pages_failed += result.num_pages - result.bytes // self.storage.page_bytes
-                    logger.warning("kvstage: store job %s wrote %d of %d pages: %r", result.job, result.bytes // self.storage.page_bytes, result.num_pages, result.error)
+                    written = result.bytes // self.storage.page_bytes
+                    self.pages_failed += result.num_pages - written
+                    logger.warning("kvstage: store job %s wrote %d of %d pages: %r", result.job, written, result.num_pages, result.error)
                     ok = True  # vLLM only frees the blocks; the manager asks the store before a hit
             else:
                 block_ids = self._load_blocks.pop(result.job, [])

@@ -4,6 +4,7 @@ one decode run driven as sglang's scheduler drives it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from array import array
@@ -35,6 +36,16 @@ def install_settings(url: str, tp_rank: int = 0, tp_size: int = 1, stride: int =
         tp_rank=tp_rank, pp_rank=0, attn_tp_rank=tp_rank, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0
     )
     return override
+
+
+@contextlib.contextmanager
+def settings_installed(url: str, **settings):
+    """:func:`install_settings` for a ``with`` block, restored when it ends."""
+    override = install_settings(url, **settings)
+    try:
+        yield override
+    finally:
+        override.restore()
 
 
 class DecodeSide:

@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang_rig import PAGE_SIZE, canonical_of, extra_config, host_pool, token_slots, write_through
 
 import tp_rank_worker
-from decode_rig import DecodeSide, install_settings, released, run_until_released
+from decode_rig import DecodeSide, released, run_until_released, settings_installed
 from kvstage.errors import InvalidArgumentError
 
 
@@ -64,8 +64,7 @@ def put_kv_in_host(host, kv: list[torch.Tensor], indices: torch.Tensor) -> None:
 @pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mla", "page_first_direct")])
 def test_decode_pages_continue_the_prefill_chain_and_the_next_turn_prefetches_them_byte_equal(tmp_path, one_rank, kind, layout):
     url = f"file:{tmp_path / 'store'}"
-    settings = install_settings(url)
-    try:
+    with settings_installed(url):
         side = DecodeSide(kind, one_rank)
         prompt = list(range(300, 310))  # 2 whole pages from the prefill side, 2 tokens more
         req = side.admit("turn-1", prompt, max_tokens=11, extra_key="lora-7")
@@ -108,13 +107,10 @@ def test_decode_pages_continue_the_prefill_chain_and_the_next_turn_prefetches_th
                 layers = reader_host.layer_num
                 assert torch.equal(got[i // layers, i % layers].view(torch.uint8), rows[:whole].view(torch.uint8)), i
         reader.detach_storage_backend()
-    finally:
-        settings.restore()
 
 
 def test_no_url_in_the_extra_config_is_refused(tmp_path, one_rank):
-    settings = install_settings("memory")
-    try:
+    with settings_installed("memory"):
         from sglang.srt.runtime_context import get_context
 
         inner = get_context().override_server_args(device="cpu", page_size=PAGE_SIZE, hicache_storage_backend_extra_config="{}")
@@ -124,8 +120,6 @@ def test_no_url_in_the_extra_config_is_refused(tmp_path, one_rank):
                 DecodeSide("mha", one_rank)
         finally:
             inner.restore()
-    finally:
-        settings.restore()
 
 
 def test_a_stride_larger_than_the_host_pool_is_refused_and_the_opened_store_is_closed(one_rank, monkeypatch):
@@ -144,12 +138,9 @@ def test_a_stride_larger_than_the_host_pool_is_refused_and_the_opened_store_is_c
 
     monkeypatch.setattr(ExtraConfig, "open_store", open_and_watch)
     # hicache_ratio 2.0 over 256 device slots: 128 host pages; a stride of 256 pages cannot fit
-    settings = install_settings("memory", stride=256 * PAGE_SIZE)
-    try:
+    with settings_installed("memory", stride=256 * PAGE_SIZE):
         with pytest.raises(InvalidArgumentError, match="offload_stride"):
             DecodeSide("mha", one_rank)
-    finally:
-        settings.restore()
     assert len(opened) == 1 and closed == opened
 
 
@@ -183,8 +174,7 @@ def test_two_tp_ranks_release_the_same_requests_in_the_same_steps(tmp_path, kind
 
 
 def test_an_abort_through_finalize_release_is_released_and_retraction_drains_first(tmp_path, one_rank):
-    settings = install_settings(f"file:{tmp_path / 'store'}")
-    try:
+    with settings_installed(f"file:{tmp_path / 'store'}"):
         side = DecodeSide("mha", one_rank)
         aborted = side.admit("aborted", list(range(3)), max_tokens=20)
         running = side.admit("running", list(range(50, 53)), max_tokens=20)
@@ -205,5 +195,3 @@ def test_an_abort_through_finalize_release_is_released_and_retraction_drains_fir
         side.manager.finalize_release_on_finish(aborted)  # already back with sglang: nothing
         assert len(side.manager.ongoing_offload) == 0
         side.manager.release_host_resources()
-    finally:
-        settings.restore()

@@ -135,3 +135,24 @@ def test_with_the_memory_store_each_page_moves_with_one_copy_between_host_pool_a
     assert backend.batch_set_v1(keys, slots([0, 8])) == [True, True]
     assert backend.batch_get_v1(keys, slots([16, 24])) == [True, True]
     assert seen == [True] * 4
+
+
+@pytest.mark.parametrize("kind,layout", KINDS)
+def test_page_view_flattens_a_layer_row_exactly_when_torch_can_view_it_flat(kind, layout):
+    from kvstage.integrations.sglang import host_layouts
+
+    host = make_host(kind, layout)
+    set_host(host, random_canonical(host, seed=5))
+    table = host_layouts.MLA_LAYOUTS if kind == "mla" else host_layouts.MHA_LAYOUTS
+    five = table[layout][1](host.get_data_page(PAGE_SIZE, flat=False))
+    try:
+        flat = five.view(five.shape[0], five.shape[1], -1)
+    except RuntimeError:
+        flat = None
+    view = host_layouts.page_view(host, PAGE_SIZE)
+    assert view.data_ptr() == five.data_ptr()  # a view of the pool, never a copy
+    if flat is None:
+        assert view.shape == five.shape and view.stride() == five.stride()
+    else:
+        assert view.shape == flat.shape and view.stride() == flat.stride()
+    assert same_bytes(view.reshape(five.shape), five)

@@ -301,3 +301,10 @@ def test_sglang_factory_builds_it_from_the_dynamic_backend_config():
     assert backend.store.prefix.startswith("my-model@bfloat16@L0-2xKV2xH2xD8@P4@tp0of1@")
     mla = kvstage_backend("memory", host_pool(mla_device_pool(), "page_first"), tp_rank=1, tp_size=2)
     assert mla.store.prefix.endswith("@tp-any@") and not mla.store.fingerprint.writes_pages
+
+
+def test_a_store_that_answers_exists_for_fewer_keys_than_asked_raises_rather_than_a_short_lookup(monkeypatch):
+    backend = kvstage_backend("memory", mha_host())
+    monkeypatch.setattr(backend.store, "exists", lambda keys: [True] * (len(keys) - 1))
+    with pytest.raises(StorageError, match=r"exists\(\) answered 2 keys of 3"):
+        backend.batch_exists([key(1), key(2), key(3)])

@@ -30,7 +30,7 @@ from sglang_rig import (
     set_host, storage_config, token_slots, write_through, prefetch,
 )
 
-from decode_rig import DecodeSide, install_settings, released
+from decode_rig import DecodeSide, install_settings, released, settings_installed
 from kvstage.errors import InvalidArgumentError, KvstageError
 from kvstage.integrations.sglang import KVStageStorage
 
@@ -222,12 +222,9 @@ def test_a_bad_url_names_the_key_the_user_typed(url, rule):
 
 
 def test_a_bad_url_on_the_decode_side_names_the_same_key(tmp_path):
-    settings = install_settings("s3://bucket/kv")
-    try:
+    with settings_installed("s3://bucket/kv"):
         with pytest.raises(InvalidArgumentError, match=r"^extra_config\.url: 's3://bucket/kv': unknown storage scheme 's3'"):
             DecodeSide("mha", dist.group.WORLD)
-    finally:
-        settings.restore()
 
 
 def test_an_extra_config_that_is_not_json_on_the_decode_side_names_the_flag_the_user_typed(tmp_path):
@@ -602,12 +599,9 @@ def test_kv_cache_dtype_on_a_decode_pool_that_is_not_fp8_is_refused(tmp_path, mo
 
     url = f"file:{tmp_path / 'store'}"
     monkeypatch.setattr(decode_rig, "extra_config", lambda url: {**readme_extra_config(url), "kv_cache_dtype": "fp8_e4m3"})
-    settings = install_settings(url)  # the rig's device pool: bf16
-    try:
+    with settings_installed(url):  # the rig's device pool: bf16
         with pytest.raises(InvalidArgumentError, match=r"kv_cache_dtype: 'fp8_e4m3' contradicts the device pool's dtype torch\.bfloat16"):
             DecodeSide("mha", dist.group.WORLD)
-    finally:
-        settings.restore()
 
 
 def test_with_prefix_keys_passed_the_next_turns_extension_is_stored_after_its_prefix(tmp_path):

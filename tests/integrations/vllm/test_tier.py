@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 from kvstage.errors import InvalidArgumentError  # noqa: E402
 from kvstage.integrations.vllm import KVStageTier  # noqa: E402
 from kvstage.storage import FileStore  # noqa: E402
-from vllm_rig import CHUNK_BYTES, offloading_config  # noqa: E402
+from vllm_rig import CHUNK_BYTES, chunks_for, keys_of, offloading_config  # noqa: E402
 
 NUM_CHUNKS = 4  # the CPU tier's slots
 
@@ -61,6 +61,13 @@ class Rig:
             self.manager.complete_store(keys, self.request)
         self.step()
 
+    def store_one_at_a_time(self, keys: list[bytes], chunk_bytes: dict[bytes, torch.Tensor]) -> None:
+        """:meth:`store` each key on its own (past NUM_CHUNKS keys the CPU tier's LRU evicts the
+        oldest), then a step, whose cascade completions release the CPU chunks."""
+        for key in keys:
+            self.store([key], chunk_bytes)
+        self.step()
+
     def lookup(self, key: bytes) -> LookupResult:
         with self.manager.lock:
             return self.manager.lookup(key, self.request)
@@ -78,15 +85,6 @@ class Rig:
 
     def close(self) -> None:
         self.manager.shutdown()
-
-
-def keys_of(*ids: int) -> list[bytes]:
-    return [make_offload_key(f"block-{i}".encode().ljust(32, b"."), 0) for i in ids]
-
-
-def chunks_for(keys: list[bytes]) -> dict[bytes, torch.Tensor]:
-    generator = torch.Generator().manual_seed(7)
-    return {key: torch.randint(0, 256, (CHUNK_BYTES,), dtype=torch.uint8, generator=generator) for key in keys}
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -111,9 +109,7 @@ def test_stored_chunks_cascade_to_the_store_byte_for_byte(rig):
 def test_chunks_evicted_from_the_cpu_tier_come_back_by_promotion_with_equal_bytes(rig):
     keys = keys_of(*range(NUM_CHUNKS + 2))
     chunks = chunks_for(keys)
-    for key in keys:  # one at a time: the CPU tier's LRU evicts the oldest two
-        rig.store([key], chunks)
-    rig.step()  # the cascades' completions release the CPU chunks
+    rig.store_one_at_a_time(keys, chunks)  # the CPU tier's LRU evicts the oldest two
     evicted = keys[:2]
     assert rig.lookup(evicted[0]) is LookupResult.HIT_PENDING  # in the tier: promotion queued
     assert rig.lookup(evicted[0]) is LookupResult.HIT_PENDING
@@ -129,9 +125,7 @@ def test_a_corrupted_page_reads_as_a_miss_and_is_removed(tmp_path):
     try:
         keys = keys_of(*range(NUM_CHUNKS + 1))
         chunks = chunks_for(keys)
-        for key in keys:
-            rig.store([key], chunks)
-        rig.step()
+        rig.store_one_at_a_time(keys, chunks)
         victim = keys[0]
         store: FileStore = rig.tier.storage
         path = store.path_of(victim.hex())
@@ -255,9 +249,7 @@ def test_a_hybrid_models_chunks_of_two_groups_cascade_and_come_back(rig):
     # One job holding chunks of KV groups 0 and 1 (a hybrid model's full and sliding layers).
     keys = [make_offload_key(f"block-{i}".encode().ljust(32, b"."), i % 2) for i in range(NUM_CHUNKS + 2)]
     chunks = chunks_for(keys)
-    for key in keys:
-        rig.store([key], chunks)
-    rig.step()
+    rig.store_one_at_a_time(keys, chunks)
     assert rig.tier.storage.stats.pages_stored == len(keys)
     assert rig.lookup(keys[1]) is LookupResult.HIT_PENDING  # group 1's chunk, evicted from the CPU tier
     rig.step()
@@ -278,9 +270,7 @@ def test_the_tier_over_a_real_mooncake_master(tmp_path):
         try:
             keys = keys_of(*range(NUM_CHUNKS + 2))
             chunks = chunks_for(keys)
-            for key in keys:
-                rig.store([key], chunks)
-            rig.step()
+            rig.store_one_at_a_time(keys, chunks)
             assert rig.lookup(keys[0]) is LookupResult.HIT_PENDING
             rig.step()
             rig.step()

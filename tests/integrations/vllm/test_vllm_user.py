@@ -23,7 +23,7 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_con
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
-from vllm_rig import CHUNK_BYTES, ConnectorRig, offloading_config, slow_down, step_until_writes_in_flight  # noqa: E402
+from vllm_rig import CHUNK_BYTES, ConnectorRig, chunks_for, keys_of, offloading_config, slow_down, step_until_writes_in_flight  # noqa: E402
 
 from kvstage.errors import InvalidArgumentError  # noqa: E402
 from kvstage.integrations.vllm import KVStageTier  # noqa: E402
@@ -114,15 +114,6 @@ class TierEngine:
 
     def close(self) -> None:
         self.manager.shutdown()
-
-
-def keys_of(*ids: int) -> list[bytes]:
-    return [make_offload_key(f"user-block-{i}".encode().ljust(32, b"."), 0) for i in ids]
-
-
-def chunks_for(keys: list[bytes], seed: int = 11) -> dict[bytes, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {key: torch.randint(0, 256, (CHUNK_BYTES,), dtype=torch.uint8, generator=generator) for key in keys}
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -328,21 +319,25 @@ def test_spec_a_second_engine_loads_what_another_process_stored_byte_for_byte(ot
         rig.close()
 
 
-def test_spec_many_requests_at_once_are_all_stored_and_load_byte_for_byte(tmp_path):
+@pytest.fixture
+def rig(tmp_path):
+    """A ConnectorRig over a ``file:`` store in ``tmp_path``, closed after the test."""
     rig = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}")
-    try:
-        prompts = {f"r{i}": [1000 * i + t for t in range(1, 2 * BLOCK + 3)] for i in range(4)}
-        for request_id, prompt in prompts.items():  # one step schedules all four
-            rig.add_request(request_id, prompt, max_tokens=2)
-        rig.run_until_idle()
-        assert rig.manager.storage.stats.pages_stored == 8  # 2 full blocks each, all distinct
-        rig.scheduler.reset_prefix_cache()
-        rig.backing.zero_()
-        for request_id, prompt in prompts.items():
-            assert run_to_prompt_end(rig, request_id + "'", prompt) == 2
-            assert_blocks_hold(rig, request_id + "'", prompt, 2)
-    finally:
-        rig.close()
+    yield rig
+    rig.close()
+
+
+def test_spec_many_requests_at_once_are_all_stored_and_load_byte_for_byte(rig):
+    prompts = {f"r{i}": [1000 * i + t for t in range(1, 2 * BLOCK + 3)] for i in range(4)}
+    for request_id, prompt in prompts.items():  # one step schedules all four
+        rig.add_request(request_id, prompt, max_tokens=2)
+    rig.run_until_idle()
+    assert rig.manager.storage.stats.pages_stored == 8  # 2 full blocks each, all distinct
+    rig.scheduler.reset_prefix_cache()
+    rig.backing.zero_()
+    for request_id, prompt in prompts.items():
+        assert run_to_prompt_end(rig, request_id + "'", prompt) == 2
+        assert_blocks_hold(rig, request_id + "'", prompt, 2)
 
 
 def test_spec_shutdown_waits_for_writes_in_flight(tmp_path):
@@ -360,59 +355,47 @@ def test_spec_shutdown_waits_for_writes_in_flight(tmp_path):
         fresh.close()
 
 
-def test_spec_a_request_aborted_while_its_load_runs_frees_and_the_next_one_loads(tmp_path):
+def test_spec_a_request_aborted_while_its_load_runs_frees_and_the_next_one_loads(rig):
     from vllm.v1.request import RequestStatus
 
-    rig = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}")
-    try:
-        rig.add_request("a", PROMPT, max_tokens=1)
-        rig.run_until_idle()
-        rig.scheduler.reset_prefix_cache()
-        rig.backing.zero_()
-        get = slow_down(rig.manager.storage, "get")
-        rig.add_request("b", PROMPT, max_tokens=3)
-        rig.step()
-        assert rig.worker.connector_worker.worker.keyed.jobs_in_flight == 1  # b's load is reading
-        rig.scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
-        rig.run_until_idle()
-        rig.manager.storage.get = get
-        rig.backing.zero_()
-        assert run_to_prompt_end(rig, "c", PROMPT) == len(PROMPT) - 4 * BLOCK
-        assert_blocks_hold(rig, "c", PROMPT, 4)
-    finally:
-        rig.close()
+    rig.add_request("a", PROMPT, max_tokens=1)
+    rig.run_until_idle()
+    rig.scheduler.reset_prefix_cache()
+    rig.backing.zero_()
+    get = slow_down(rig.manager.storage, "get")
+    rig.add_request("b", PROMPT, max_tokens=3)
+    rig.step()
+    assert rig.worker.connector_worker.worker.keyed.jobs_in_flight == 1  # b's load is reading
+    rig.scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    rig.run_until_idle()
+    rig.manager.storage.get = get
+    rig.backing.zero_()
+    assert run_to_prompt_end(rig, "c", PROMPT) == len(PROMPT) - 4 * BLOCK
+    assert_blocks_hold(rig, "c", PROMPT, 4)
 
 
-def test_spec_a_corrupt_page_is_recomputed_never_loaded(tmp_path):
-    rig = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}")
-    try:
-        rig.add_request("a", PROMPT, max_tokens=1)
-        rig.run_until_idle()
-        for page in (path for path in (tmp_path / "kv").rglob("*") if path.is_file() and path.stat().st_size > 1024):
-            data = bytearray(page.read_bytes())
-            data[len(data) // 2] ^= 0xFF
-            page.write_bytes(bytes(data))
-        rig.scheduler.reset_prefix_cache()
-        rig.backing.zero_()
-        run_to_prompt_end(rig, "b", PROMPT)
-        assert_blocks_hold(rig, "b", PROMPT, 4)
-    finally:
-        rig.close()
+def test_spec_a_corrupt_page_is_recomputed_never_loaded(rig, tmp_path):
+    rig.add_request("a", PROMPT, max_tokens=1)
+    rig.run_until_idle()
+    for page in (path for path in (tmp_path / "kv").rglob("*") if path.is_file() and path.stat().st_size > 1024):
+        data = bytearray(page.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        page.write_bytes(bytes(data))
+    rig.scheduler.reset_prefix_cache()
+    rig.backing.zero_()
+    run_to_prompt_end(rig, "b", PROMPT)
+    assert_blocks_hold(rig, "b", PROMPT, 4)
 
 
-def test_spec_pages_evicted_by_another_process_are_recomputed(tmp_path):
-    rig = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}")
-    try:
-        rig.add_request("a", PROMPT, max_tokens=1)
-        rig.run_until_idle()
-        for page in (tmp_path / "kv").glob("*.kvpage"):  # another process evicts them
-            page.unlink()
-        rig.scheduler.reset_prefix_cache()
-        rig.backing.zero_()
-        assert run_to_prompt_end(rig, "b", PROMPT) == len(PROMPT)
-        assert_blocks_hold(rig, "b", PROMPT, 4)
-    finally:
-        rig.close()
+def test_spec_pages_evicted_by_another_process_are_recomputed(rig, tmp_path):
+    rig.add_request("a", PROMPT, max_tokens=1)
+    rig.run_until_idle()
+    for page in (tmp_path / "kv").glob("*.kvpage"):  # another process evicts them
+        page.unlink()
+    rig.scheduler.reset_prefix_cache()
+    rig.backing.zero_()
+    assert run_to_prompt_end(rig, "b", PROMPT) == len(PROMPT)
+    assert_blocks_hold(rig, "b", PROMPT, 4)
 
 
 def test_spec_pages_are_listed_and_evicted_by_kvstage_store(tmp_path):
@@ -445,19 +428,15 @@ def test_spec_a_prompt_longer_than_the_host_pool_does_not_kill_the_engine(tmp_pa
         rig.close()
 
 
-def test_spec_no_page_written_before_a_reset_is_loaded_after_it(tmp_path):
-    rig = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}")
-    try:
-        slow_down(rig.manager.storage, "put")
-        rig.add_request("a", PROMPT, max_tokens=1)
-        worker = step_until_writes_in_flight(rig)
-        assert worker.keyed.jobs_in_flight  # a's store is writing ...
-        assert rig.scheduler.reset_prefix_cache(reset_connector=True)  # ... when the weights change
-        rig.run_until_idle()
-        rig.backing.zero_()
-        assert run_to_prompt_end(rig, "b", PROMPT) == len(PROMPT)  # nothing of a's KV is loaded
-    finally:
-        rig.close()
+def test_spec_no_page_written_before_a_reset_is_loaded_after_it(rig):
+    slow_down(rig.manager.storage, "put")
+    rig.add_request("a", PROMPT, max_tokens=1)
+    worker = step_until_writes_in_flight(rig)
+    assert worker.keyed.jobs_in_flight  # a's store is writing ...
+    assert rig.scheduler.reset_prefix_cache(reset_connector=True)  # ... when the weights change
+    rig.run_until_idle()
+    rig.backing.zero_()
+    assert run_to_prompt_end(rig, "b", PROMPT) == len(PROMPT)  # nothing of a's KV is loaded
 
 
 def test_spec_a_store_that_cannot_write_is_reported_done_and_never_hit(tmp_path):
@@ -479,20 +458,17 @@ def test_spec_a_store_that_cannot_write_is_reported_done_and_never_hit(tmp_path)
         rig.close()
 
 
-def test_spec_a_failed_load_reports_its_blocks_and_the_keys_are_asked_again(tmp_path):
-    rig = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}")
-    try:
-        rig.add_request("a", PROMPT, max_tokens=1)
-        rig.run_until_idle()
-        for page in (tmp_path / "kv").glob("*.kvpage"):  # another process evicts them, unseen here
-            page.unlink()
-        rig.scheduler.reset_prefix_cache()
-        rig.backing.zero_()
-        worker = rig.worker.connector_worker.worker
-        assert run_to_prompt_end(rig, "b", PROMPT) == len(PROMPT)
-        assert worker.loads_failed == 1  # one load was offered from the stale index, and failed ...
-        key = rig.scheduler.requests["b"].block_hashes[0]
-        assert not rig.manager.index.holds(make_offload_key(key, 0).hex())  # ... and is not offered again
-        assert_blocks_hold(rig, "b", PROMPT, 4)
-    finally:
-        rig.close()
+def test_spec_a_failed_load_reports_its_blocks_and_the_keys_are_asked_again(rig, tmp_path):
+    rig.add_request("a", PROMPT, max_tokens=1)
+    rig.run_until_idle()
+    for page in (tmp_path / "kv").glob("*.kvpage"):  # another process evicts them, unseen here
+        page.unlink()
+    rig.scheduler.reset_prefix_cache()
+    rig.backing.zero_()
+    worker = rig.worker.connector_worker.worker
+    assert run_to_prompt_end(rig, "b", PROMPT) == len(PROMPT)
+    assert worker.loads_failed == 1  # one load was offered from the stale index, and failed ...
+    key = rig.scheduler.requests["b"].block_hashes[0]
+    assert not rig.manager.index.holds(make_offload_key(key, 0).hex())  # ... and is not offered again
+    assert_blocks_hold(rig, "b", PROMPT, 4)
+
