@@ -215,7 +215,7 @@ class StorageBackend(abc.ABC):
                 grad. No target is written then.
         """
         keys = _checked_keys(keys)
-        self._check_pages("into", keys, into)
+        self._check_pages("into", keys, into, targets=True)
         started = time.perf_counter()
         hits = self._get([self.prefix + key for key in keys], list(into))
         self.stats.get_seconds += time.perf_counter() - started
@@ -296,7 +296,8 @@ class StorageBackend(abc.ABC):
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _check_pages(self, argument: str, keys: list[str], pages: Sequence[torch.Tensor]) -> None:
+    def _check_pages(self, argument: str, keys: list[str], pages: Sequence[torch.Tensor], *, targets: bool = False) -> None:
+        """Refuse, naming ``argument[i]``, pages a put or get cannot use whole (``targets``: a get's, written in place)."""
         if len(pages) != len(keys):
             raise InvalidArgumentError(f"{argument}: {len(pages)} pages for {len(keys)} keys")
         for index, page in enumerate(pages):
@@ -310,7 +311,7 @@ class StorageBackend(abc.ABC):
                 raise InvalidArgumentError(
                     f"{argument}[{index}]: a lazy conjugate or negative view; pass page.resolve_conj().resolve_neg()"
                 )
-            if argument == "into" and page.requires_grad:  # an in-place copy into it would raise midway
+            if targets and page.requires_grad:  # an in-place copy into it would raise midway
                 raise InvalidArgumentError(f"{argument}[{index}]: must not require grad (pass a detached tensor)")
 
 
