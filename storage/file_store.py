@@ -98,7 +98,8 @@ drive needs more than one request in flight to reach its bandwidth. Measured on 
 threads only for pages of ``PARALLEL_MIN_PAGE_BYTES`` (2 MiB) or more. A put whose ``prior_key`` is not stored writes page by page (it is refused
 before anything is written).
 
-URL form for :func:`open_storage`: ``file:DIR``, options ``?capacity_bytes=N&io_threads=N``.
+URL form for :func:`open_storage`: ``file:DIR``, options ``?capacity_bytes=SIZE&io_threads=N`` (a size:
+bytes, or a number with a unit, :mod:`kvstage.storage.sizes`).
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, S
 from kvstage.storage.chain_index import ChainIndex
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint, prefix_of
+from kvstage.storage.sizes import parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -958,13 +960,15 @@ def _sweep_tmp(path: Path) -> None:
 
 
 def open_file_store(rest: str, fingerprint: LayoutFingerprint) -> FileStore:
-    """The ``file:DIR[?capacity_bytes=N&io_threads=N]`` URL (see
-    :func:`kvstage.storage.open_storage` and :class:`FileStore`).
+    """The ``file:DIR[?capacity_bytes=SIZE&io_threads=N]`` URL (see
+    :func:`kvstage.storage.open_storage` and :class:`FileStore`); ``capacity_bytes`` is a size
+    (:mod:`kvstage.storage.sizes`: ``17179869184``, ``16GB``, ``16GiB``).
 
     Raises:
-        InvalidArgumentError: no directory, an unknown option, an option that is not an int, a
-            capacity below one page (``fingerprint.page_bytes``; names ``storage``), or
-            ``io_threads`` below 1 (names it).
+        InvalidArgumentError: no directory, an unknown option, a ``capacity_bytes`` that is not
+            a size or below one page (``fingerprint.page_bytes``), an ``io_threads`` that is not
+            an int >= 1; each names ``storage``, the URL and the option.
+        StoreDirectoryError: as :class:`FileStore`.
     """
     directory, _, query = rest.partition("?")
     if not directory:
@@ -972,16 +976,18 @@ def open_file_store(rest: str, fingerprint: LayoutFingerprint) -> FileStore:
     options: dict[str, int] = {}
     for part in filter(None, query.split("&")):
         name, _, value = part.partition("=")
-        if name not in ("capacity_bytes", "io_threads"):
+        if name == "capacity_bytes":
+            options[name] = parse_size(value, f"storage: 'file:{rest}' capacity_bytes")
+        elif name == "io_threads":
+            try:
+                options[name] = int(value)
+            except ValueError:
+                raise InvalidArgumentError(f"storage: io_threads must be an int, got {value!r}") from None
+        else:
             raise InvalidArgumentError(f"storage: unknown option {name!r} in 'file:{rest}'; known: capacity_bytes, io_threads")
-        try:
-            options[name] = int(value)
-        except ValueError:
-            raise InvalidArgumentError(f"storage: {name} must be an int, got {value!r}") from None
     if options.get("capacity_bytes", fingerprint.page_bytes) < fingerprint.page_bytes:
         # A store that cannot hold one page would fail every write.
         raise InvalidArgumentError(
             f"storage: 'file:{rest}' holds no page: capacity_bytes must be at least one page, {fingerprint.page_bytes} bytes"
         )
     return FileStore(fingerprint, directory, **options)
-
