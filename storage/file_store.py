@@ -104,6 +104,7 @@ bytes, or a number with a unit, :mod:`kvstage.storage.sizes`).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -141,6 +142,26 @@ TMP_GRACE_S = 600.0  # a temporary file younger than this may be another process
 _MAX_NAME = 200  # file names stay well under the usual 255-byte limit
 _SAFE_KEY = frozenset(string.ascii_letters + string.digits + "._-")  # hex keys; no "@", which ends a prefix
 _HASHED = "~"  # separates the owner tag from the SHA-256 in a hashed name; never in a plain one
+
+
+class StoreDirectoryError(StorageError):
+    """A file store's directory cannot be made, listed or written: refused at open, naming the
+    path and the errno (a directory that exists but is read-only would otherwise fail every
+    write later, naming neither).
+
+    Attributes:
+        path: the directory, as given (``str``).
+        errno: the ``OSError``'s errno (e.g. ``errno.EACCES``, ``errno.EROFS``); the
+            ``OSError`` itself is ``__cause__``.
+    """
+
+    def __init__(self, path: str, error: OSError, message: str) -> None:
+        code = error.errno
+        name = errno.errorcode.get(code, "?") if code is not None else "?"
+        reason = f"{name} (errno {code}: {os.strerror(code) if code is not None else error})"
+        super().__init__(message.format(path=repr(path), reason=reason))
+        self.path = path
+        self.errno = code
 
 
 @dataclass(frozen=True)
@@ -199,7 +220,9 @@ class FileStore(StorageBackend):
     Raises:
         InvalidArgumentError: capacity_bytes is negative, event_capacity is not an int >= 0, or
             io_threads is not None or an int >= 1.
-        StorageError: the directory cannot be created or listed.
+        StoreDirectoryError: (a :class:`~kvstage.errors.StorageError`) the directory cannot be
+            created, listed or written (a file created in it and removed at open tells); the
+            message names the path and the errno (``EACCES``, ``EROFS``, ...).
 
     Thread-safe (one lock around index updates; file I/O outside it where possible; a
     :meth:`clear` waits for the puts in flight and holds new ones until it is done).
@@ -257,7 +280,8 @@ class FileStore(StorageBackend):
             self.directory.mkdir(parents=True, exist_ok=True)
             every = [entry.name for entry in os.scandir(self.directory)]
         except OSError as error:
-            raise StorageError(f"directory: cannot use {str(self.directory)!r}: {error}") from error
+            raise StoreDirectoryError(str(self.directory), error, "directory: cannot use {path}: {reason}") from error
+        self._require_writable()
         names = [name for name in every if self._owns(name)]
         others = sum(1 for name in every if name.endswith(SUFFIX) and not self._owns(name))
         if others:
@@ -273,6 +297,21 @@ class FileStore(StorageBackend):
             elif name.endswith(SUFFIX):
                 self._load(name)
         self._make_room(0)  # reopened with a smaller capacity: within it from the start
+
+    def _require_writable(self) -> None:
+        """Create and remove a temporary file of this key space: an existing directory that
+        this process may not write (its mode, a read-only mount, an ACL or security module:
+        whatever decides, a real write finds out) is refused now, not at every put."""
+        probe = self._tmp_path()
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except OSError as error:
+            raise StoreDirectoryError(
+                str(self.directory), error,
+                "directory: {path} is not writable: {reason}; a file store writes its pages there: "
+                "give a directory this process may write",
+            ) from error
+        _unlink(probe)
 
     @property
     def used_bytes(self) -> int:
