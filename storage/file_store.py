@@ -58,8 +58,13 @@ own capacity, counting the files it indexed; opening sweeps only temporary files
 Other key spaces in the directory (pages of an old ``model_id`` after a weight update, of other
 ranks or stages) are not this store's to count or evict: :func:`key_spaces` lists every key
 space's pages and bytes (opening a store logs how many page files of other key spaces the
-directory holds), :meth:`FileStore.evict_key_space` removes one (counted and reported as
-events), and ``kvstage store file:DIR`` (:mod:`kvstage.cli`) does both from the command line.
+directory holds and, for the largest four, which settings they differ in from this store's:
+:func:`kvstage.storage.fingerprint.prefix_differences`, e.g. ``page_size 16 (this store: 64)``),
+:meth:`FileStore.evict_key_space` removes one (counted and reported as events), and ``kvstage
+store file:DIR`` (:mod:`kvstage.cli`) does both from the command line. An opaque key space,
+whose prefix holds only a digest of its page format, leaves the format's text beside its pages
+(``.kvstage-format-TAG.json``, written once by the first store of it that opens the directory;
+no page, never counted), so that log can name the part of the format that differs.
 
 Store events (:mod:`kvstage.storage.events`, tier ``"file"``): ``stored`` for each page a put
 wrote, ``evicted`` for each page the capacity evicted, ``removed`` for each page
@@ -106,6 +111,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import logging
 import os
 import string
@@ -125,7 +131,7 @@ from kvstage.errors import InvalidArgumentError, StorageError, is_int
 from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, StorageBackend, page_as_bytes
 from kvstage.storage.chain_index import ChainIndex
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
-from kvstage.storage.fingerprint import LayoutFingerprint, prefix_of
+from kvstage.storage.fingerprint import LayoutFingerprint, prefix_differences, prefix_fields, prefix_of
 from kvstage.storage.sizes import parse_size
 
 logger = logging.getLogger(__name__)
@@ -141,6 +147,7 @@ PARALLEL_MIN_PAGE_BYTES = 2 << 20  # smaller pages: one thread by default (threa
 TMP_GRACE_S = 600.0  # a temporary file younger than this may be another process's write in progress
 _MAX_NAME = 200  # file names stay well under the usual 255-byte limit
 _SAFE_KEY = frozenset(string.ascii_letters + string.digits + "._-")  # hex keys; no "@", which ends a prefix
+FORMAT_FILE_PREFIX = ".kvstage-format-"  # an opaque key space's format description (see _describe_format)
 _HASHED = "~"  # separates the owner tag from the SHA-256 in a hashed name; never in a plain one
 
 
@@ -282,14 +289,17 @@ class FileStore(StorageBackend):
         except OSError as error:
             raise StoreDirectoryError(str(self.directory), error, "directory: cannot use {path}: {reason}") from error
         self._require_writable()
+        if fingerprint.page_format:
+            _describe_format(self.directory, self.prefix, fingerprint.page_format)
         names = [name for name in every if self._owns(name)]
-        others = sum(1 for name in every if name.endswith(SUFFIX) and not self._owns(name))
+        others = [name for name in every if name.endswith(SUFFIX) and not self._owns(name)]
         if others:
             logger.info(
                 "file store %s: %d page files of other key spaces are there, not counted in this store's "
-                "capacity; list them with kvstage.storage.file_store.key_spaces() or `kvstage store file:%s`, "
-                "remove one with FileStore.evict_key_space() or `kvstage store file:%s --evict PREFIX`",
-                self.directory, others, self.directory, self.directory,
+                "capacity nor read by it; they differ from this store's key space in: %s; list them with "
+                "kvstage.storage.file_store.key_spaces() or `kvstage store file:%s`, remove one with "
+                "FileStore.evict_key_space() or `kvstage store file:%s --evict PREFIX`",
+                self.directory, len(others), self._how_others_differ(others), self.directory, self.directory,
             )
         for name in names:
             if name.endswith(TMP_SUFFIX):
@@ -312,6 +322,23 @@ class FileStore(StorageBackend):
                 "give a directory this process may write",
             ) from error
         _unlink(probe)
+
+    def _how_others_differ(self, names: list[str], shown: int = 4) -> str:
+        """Which settings the key spaces of page files ``names`` (not this store's) differ in
+        from this store's, the largest ``shown`` key spaces (see :func:`prefix_differences`)."""
+        prefix_of_name = _prefix_finder(self.directory)
+        counts = Counter(prefix_of_name(name) for name in names)
+        counts.pop(None, None)
+        formats = {self.prefix: self.fingerprint.page_format} if self.fingerprint.page_format else {}
+        formats.update(_format_descriptions(self.directory, counts))
+        ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+        parts = [
+            f"{prefix} ({count} page files): {', '.join(prefix_differences(prefix, self.prefix, formats))}"
+            for prefix, count in ranked[:shown]
+        ]
+        if len(ranked) > shown:
+            parts.append(f"and {len(ranked) - shown} more key spaces")
+        return "; ".join(parts) or "(page files whose key space is unreadable)"
 
     @property
     def used_bytes(self) -> int:
@@ -914,23 +941,72 @@ def key_spaces(directory: str | os.PathLike) -> list[KeySpace]:
         entries = [(entry.name, entry.stat().st_size) for entry in os.scandir(directory) if entry.name.endswith(SUFFIX)]
     except OSError as error:
         raise StorageError(f"directory: cannot list {str(directory)!r}: {error}") from error
+    prefix_of_name = _prefix_finder(directory)
     totals: dict[str, list[int]] = {}
-    tags: dict[str, str | None] = {}  # owner tag of hashed names -> their prefix
     for name, size in entries:
-        if _HASHED in name:
-            tag = name.partition(_HASHED)[0]
-            if tag not in tags:
-                full_key = _full_key_of(directory / name)
-                tags[tag] = None if full_key is None else prefix_of(full_key)
-            prefix = tags[tag]
-        else:
-            prefix = prefix_of(name[: -len(SUFFIX)])
+        prefix = prefix_of_name(name)
         if prefix is None:
             continue
         total = totals.setdefault(prefix, [0, 0])
         total[0] += 1
         total[1] += size
     return sorted((KeySpace(prefix, pages, size) for prefix, (pages, size) in totals.items()), key=lambda k: (-k.bytes, k.prefix))
+
+
+def _prefix_finder(directory: Path):
+    """A function from a page file's name in ``directory`` to its key space's prefix (None: not
+    a kvstage page). A plain name holds its prefix; a hashed name's owner tag is resolved by
+    reading one header of that tag's files, once."""
+    tags: dict[str, str | None] = {}  # owner tag of hashed names -> their prefix
+
+    def prefix_of_name(name: str) -> str | None:
+        if _HASHED not in name:
+            return prefix_of(name[: -len(SUFFIX)])
+        tag = name.partition(_HASHED)[0]
+        if tag not in tags:
+            full_key = _full_key_of(directory / name)
+            tags[tag] = None if full_key is None else prefix_of(full_key)
+        return tags[tag]
+
+    return prefix_of_name
+
+
+def _format_path(directory: Path, prefix: str) -> Path:
+    """Where an opaque key space's format description lies in a file store's directory (its
+    prefix holds only a digest of it). Not a page: no page suffix, never counted or swept."""
+    return directory / f"{FORMAT_FILE_PREFIX}{_owner_tag(prefix)}.json"
+
+
+def _describe_format(directory: Path, prefix: str, page_format: str) -> None:
+    """Leave the description of an opaque key space's page format beside its pages, once
+    (written to a temporary name, then renamed), so that a process of another format opening
+    the directory can say which part of the format differs."""
+    path = _format_path(directory, prefix)
+    if path.exists():
+        return
+    tmp = directory / f".{_owner_tag(prefix)}{_HASHED}{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
+    try:
+        tmp.write_text(json.dumps({"prefix": prefix, "page_format": page_format}))
+        os.replace(tmp, path)
+    except OSError:
+        _unlink(tmp)  # a description only: the store works without it
+
+
+def _format_descriptions(directory: Path, prefixes) -> dict[str, str]:
+    """The page format descriptions found in ``directory`` of those of ``prefixes`` that are
+    opaque key spaces (see :func:`_describe_format`)."""
+    found = {}
+    for prefix in prefixes:
+        fields = prefix_fields(prefix)
+        if fields is None or "page_format" not in fields:
+            continue
+        try:
+            described = json.loads(_format_path(directory, prefix).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(described, dict) and described.get("prefix") == prefix and isinstance(described.get("page_format"), str):
+            found[prefix] = described["page_format"]
+    return found
 
 
 def remove_key_space(directory: str | os.PathLike, prefix: str) -> list[str]:
