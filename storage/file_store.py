@@ -293,7 +293,7 @@ class FileStore(StorageBackend):
             _describe_format(self.directory, self.prefix, fingerprint.page_format)
         names = [name for name in every if self._owns(name)]
         others = [name for name in every if name.endswith(SUFFIX) and not self._owns(name)]
-        if others:
+        if others and logger.isEnabledFor(logging.INFO):  # naming their settings reads a few files
             logger.info(
                 "file store %s: %d page files of other key spaces are there, not counted in this store's "
                 "capacity nor read by it; they differ from this store's key space in: %s; list them with "
