@@ -35,6 +35,7 @@ import torch
 from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
 from kvstage.integrations.sglang.key_space import ExtraConfig
+from kvstage.integrations.sglang.pool_kinds import require_stored_device_pool
 from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, OffloadManager
 
@@ -89,30 +90,26 @@ class KVStageDecodeOffloadManager:
             :meth:`~kvstage.integrations.sglang.key_space.ExtraConfig.kv_dtype` refuse it (no
             ``url``, an unknown key, fp8 as ``uint8`` without ``kv_cache_dtype`` or
             ``kv_cache_dtype`` on a pool that is not fp8) or, for a bad URL,
-            :meth:`~kvstage.integrations.sglang.key_space.ExtraConfig.open_store`; a device pool other than MHA or
-            MLA (hybrid SWA/Mamba pools), or an MHA pool whose V head size differs from its K
+            :meth:`~kvstage.integrations.sglang.key_space.ExtraConfig.open_store`; a device pool other than
+            exactly sglang's ``MHATokenToKVPool`` or ``MLATokenToKVPool`` (named by kind: DeepSeek
+            V3.2's ``DSATokenToKVPool``, an MLA subclass whose indexer keys a latent page cannot
+            hold; SWA, Mamba, FP4 pools...), or an MHA pool whose V head size differs from its K
             head size.
     """
 
     def __init__(self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, tp_group: Any, tree_cache: Any) -> None:
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-
         page_size, stride, extra, served_model, hicache_size, hicache_ratio = _sglang_settings()
         config = ExtraConfig.parse(extra, served_model)
         kv_cache = token_to_kv_pool_allocator.get_kvcache()
-        if isinstance(kv_cache, MLATokenToKVPool):
+        # Exact classes: a subclass may hold more than kvstage stores (DSA: the indexer's keys).
+        if require_stored_device_pool(kv_cache, "token_to_kv_pool_allocator"):
             wrap, parts = KVPool.mla, (list(kv_cache.kv_buffer),)
-        elif isinstance(kv_cache, MHATokenToKVPool):
+        else:
             if kv_cache.v_head_dim != kv_cache.head_dim:
                 raise InvalidArgumentError(
                     f"token_to_kv_pool_allocator: V head size {kv_cache.v_head_dim} differs from K head size {kv_cache.head_dim}"
                 )
             wrap, parts = KVPool.mha, (list(kv_cache.k_buffer), list(kv_cache.v_buffer))
-        else:
-            raise InvalidArgumentError(
-                f"token_to_kv_pool_allocator: {type(kv_cache).__name__} is not supported (MHA or MLA device pools only; "
-                "hybrid SWA/Mamba pools are not)"
-            )
         # fp8 held as uint8: the same bytes viewed as the fp8 kind, so the pool's layout is the
         # prefill side's (a view, no copy).
         dtype = config.kv_dtype(parts[0][0].dtype, "device pool")
