@@ -21,6 +21,13 @@ requests in finish order (the same on every rank) and, each step, the ranks agre
 all-reduce (MIN over ``tp_group``) on how many of the queue's head are released everywhere;
 exactly those are handed back to sglang.
 
+Retraction: sglang's decode side frees a retracted request's slots itself (``retract_all``)
+and holds the same ``Req`` for re-bootstrap; the next :meth:`check_offload_progress` sees its
+slots gone and ends its lifecycle with :meth:`kvstage.offload.OffloadManager.retract`
+(``keep_offloaded=True``: when it runs again its pages continue after those stored). The
+manager and this class then hold it weakly only, so a request sglang drops while held is
+collected with sglang's last reference.
+
 Switching sglang to it without editing sglang's source: :func:`sglang_plugin`, an sglang plugin
 enabled by ``KVSTAGE_SGLANG_DECODE_OFFLOAD=1``.
 """
@@ -28,6 +35,7 @@ enabled by ``KVSTAGE_SGLANG_DECODE_OFFLOAD=1``.
 from __future__ import annotations
 
 import json
+import weakref
 from typing import Any
 
 import torch
@@ -130,12 +138,16 @@ class KVStageDecodeOffloadManager:
         num_pages = int(hicache_size * 1e9) // page_bytes if hicache_size else int(hicache_ratio * kv_cache.size) // page_size
         self._released_here: set[int] = set()  # id(req) of finishing requests kvstage released on this rank
         self._finishing: list[Any] = []  # finished requests, in finish order (equal on every rank)
+        # Running requests handed to the manager, held weakly: sglang may retract one (free its
+        # slots, hold the Req) and drop it later without calling this class again.
+        self._running: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._retracting: set[int] = set()  # id(req) being retracted: its release is not sglang's hand-back
         self.storage = config.open_store(fingerprint)
         try:
             self.host_pool = HostPool.like(kv_pool, num_pages=max(num_pages, 1), page_size=page_size)
             self.manager = OffloadManager(
                 kv_pool, self.host_pool, self.storage, PageHasher(page_size=page_size), self._slot_indices,
-                offload_stride=stride, store_prompt=False, release=lambda req: self._released_here.add(id(req)),
+                offload_stride=stride, store_prompt=False, release=self._on_release,
             )
         except BaseException:
             self.storage.close()  # sglang never calls release_host_resources on a manager that failed to build
@@ -155,9 +167,11 @@ class KVStageDecodeOffloadManager:
         if req.kv.req_pool_idx is None or req.kv.req_pool_idx == -1:
             return False
         if req.finished():
+            self._running.pop(id(req), None)
             self.manager.finish(req)
             self._finishing.append(req)
             return True
+        self._running[id(req)] = req
         return self.manager.offload(req)
 
     def finalize_release_on_finish(self, req: Any) -> None:
@@ -165,15 +179,18 @@ class KVStageDecodeOffloadManager:
         abort): nothing more of it is stored; it is released in lockstep like any other."""
         if req.kv.req_pool_idx is None or req.kv.req_pool_idx == -1 or any(queued is req for queued in self._finishing):
             return  # released to sglang already, or queued
+        self._running.pop(id(req), None)
         self.manager.abort(req)  # releases at once when nothing of it is in flight
         if not self.manager.is_tracked(req):
             self._released_here.add(id(req))
         self._finishing.append(req)
 
     def check_offload_progress(self) -> None:
-        """Collect finished copies and store writes (never waits), then hand sglang the
-        finished requests that every TP rank has released, in finish order."""
+        """Collect finished copies and store writes (never waits), end the lifecycle of each
+        running request sglang retracted since the last step, then hand sglang the finished
+        requests that every TP rank has released, in finish order."""
         self.manager.poll()
+        self._retract_freed()
         ready = 0
         for req in self._finishing:
             if id(req) not in self._released_here:
@@ -215,6 +232,30 @@ class KVStageDecodeOffloadManager:
         self.storage.close()
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _retract_freed(self) -> None:
+        """Running requests whose slots sglang freed without finishing them: its decode-side
+        retraction (``retract_all``: slots and row freed, the same ``Req`` held for
+        re-bootstrap). Each is retracted in the manager (``keep_offloaded``: when it runs again
+        its pages continue after those stored, as sglang's own manager resumes), which then
+        holds it weakly only, so a request sglang drops while held (an abort) is not kept
+        alive. sglang drains device-to-host copies before it retracts, so nothing of it copies."""
+        for key, req in list(self._running.items()):
+            if req.kv.req_pool_idx is not None and req.kv.req_pool_idx != -1:
+                continue
+            del self._running[key]
+            if not self.manager.is_tracked(req):
+                continue
+            self._retracting.add(key)
+            self.manager.retract(req, keep_offloaded=True)
+
+    def _on_release(self, req: Any) -> None:
+        """The manager's release: a finishing request may go back to sglang; a retracted one's
+        slots are sglang's already."""
+        if id(req) in self._retracting:
+            self._retracting.discard(id(req))
+            return
+        self._released_here.add(id(req))
 
     def _slot_indices(self, req: Any) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]

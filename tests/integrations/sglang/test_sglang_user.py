@@ -360,7 +360,10 @@ def retract(side: DecodeSide, req) -> None:
     req.reset_for_retract()
 
 
-def test_a_retracted_request_that_resumes_stores_its_whole_conversation(decode_settings):
+@pytest.mark.parametrize("steps_held", [0, 2], ids=["resumed-at-once", "held-two-steps"])
+def test_a_retracted_request_that_resumes_stores_its_whole_conversation(decode_settings, steps_held):
+    """Held for scheduler steps, the retraction is seen and the manager's lifecycle ends
+    (keeping what it stored); the resumed request's pages continue after those."""
     url = decode_settings
     side = DecodeSide("mha", dist.group.WORLD)
     try:
@@ -373,6 +376,9 @@ def test_a_retracted_request_that_resumes_stores_its_whole_conversation(decode_s
                 side.manager.check_offload_progress()
         kv_before = side.kv_of(req, len(prompt) + 5)
         retract(side, req)
+        for _ in range(steps_held):
+            side.manager.check_offload_progress()
+        assert side.manager.manager.requests_live == (1 if steps_held == 0 else 0)
         # it runs again: new slots, its KV recomputed (the same values), decode goes on
         side.req_to_token_pool.alloc([req])
         total = -(-(len(prompt) + 14) // PAGE_SIZE) * PAGE_SIZE
