@@ -8,6 +8,7 @@ back by the next turn's prefetch. Defects found are ``xfail(strict=True)`` tests
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -49,12 +50,19 @@ def readme_extra_config(url: str) -> dict:
     return config
 
 
+def readme_rank_statement() -> str:
+    """The README's line stating this process's ranks for sglang built by hand on CPU."""
+    section = README.read_text()
+    section = section[section.index("## Use with sglang"):]
+    (call,) = re.findall(r"`(get_parallel\(\)\.override_permanently\([^`]*\))`", section)
+    return call
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_world(tmp_path_factory):
-    """A one-process gloo world (file rendezvous) for the controller's TP group."""
-    get_parallel().override_permanently(
-        tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0
-    )
+    """A one-process gloo world (file rendezvous) for the controller's TP group; this
+    process's ranks stated as the README says."""
+    exec(readme_rank_statement(), {"get_parallel": get_parallel})
     if dist.is_initialized():  # another module of this process made one
         yield
         return
