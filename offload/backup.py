@@ -89,6 +89,11 @@ class Backup:
         return len(self._writes)
 
     @property
+    def writes_parked(self) -> int:
+        """Store writes waiting for their prior page (no thread runs them now)."""
+        return sum(1 for _, _, future, job in self._writes if job is not None and job.parked and not future.done())
+
+    @property
     def writes_running(self) -> int:
         """Store writes not done and not parked waiting for their prior page."""
         return sum(1 for _, _, future, job in self._writes if not future.done() and not (job is not None and job.parked))

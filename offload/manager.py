@@ -725,7 +725,7 @@ class OffloadManager:
         store = self.storage.stats
         return dataclasses.replace(
             self._counters, requests_live=len(self._states), copies_in_flight=self.copies_in_flight,
-            writes_pending=self._backup.writes_pending, host_pages_used=pool.used,
+            writes_pending=self._backup.writes_pending, writes_parked=self._backup.writes_parked, host_pages_used=pool.used,
             host_pages_high_water=pool.high_water, host_pages_capacity=pool.capacity,
             store_events_stored=store.events_stored, store_events_evicted=store.events_evicted,
             store_events_removed=store.events_removed, store_events_dropped=store.events_dropped,
