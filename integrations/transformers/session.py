@@ -154,7 +154,8 @@ class KVStageSession:
             host_pool = HostPool.like(self.kv_pool, num_pages=num_pages, page_size=page_size)
             self._slots = torch.arange(self.kv_pool.num_slots, device=self.kv_pool.device)
             self._held: dict[int, int] = {}  # id(req) -> slots [0, n) it holds; one request at a time
-            self._stored: dict[int, tuple[int, int]] = {}  # id(req) -> on_stored's (pages_stored, pages_failed)
+            self._storing: _Request | None = None  # the request store() waits for
+            self._pages_stored = 0  # its on_stored's pages_stored
             self.manager = OffloadManager(
                 self.kv_pool, host_pool, self.storage, PageHasher(page_size=page_size), self._slot_indices_of,
                 release=self._release, on_stored=self._on_stored, backend=backend,
@@ -177,7 +178,8 @@ class KVStageSession:
         del self._held[id(req)]
 
     def _on_stored(self, req: _Request, pages_stored: int, pages_failed: int) -> None:
-        self._stored[id(req)] = (pages_stored, pages_failed)
+        if req is self._storing:
+            self._pages_stored = pages_stored
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -239,7 +241,7 @@ class KVStageSession:
         cache = DynamicCache(config=self.model.config)
         if load.error is not None:
             logger.warning("kvstage: loading %d stored tokens failed (%r); the model computes them", num_tokens, load.error)
-            manager.abort(req)
+            self._end(req)
             return cache
         if num_tokens:
             self._fill(cache, num_tokens)
@@ -296,10 +298,17 @@ class KVStageSession:
             self._copy_in(cache, start, end)
         self._held[id(req)] = max(kv_length, self._held.get(id(req), 0))
         req.done = True
-        self.manager.finish(req, kv_length=kv_length)
-        self.manager.drain()
-        pages_stored, _ = self._stored.pop(id(req), (0, 0))
-        return pages_stored
+        self._storing, self._pages_stored = req, 0
+        try:
+            try:
+                self.manager.finish(req, kv_length=kv_length)
+            except BaseException:
+                self._end(req)  # finish launched nothing: free its slots
+                raise
+            self.manager.drain()  # on_stored(req, ...) comes from its polls
+        finally:
+            self._storing = None
+        return self._pages_stored
 
     def generate(self, input_ids: Any, **generate_kwargs: Any) -> Any:
         """``model.generate`` on a stored prefix of ``input_ids``, then :meth:`store` of its KV.
@@ -415,9 +424,13 @@ class KVStageSession:
         """Abort the request of a load whose cache was not stored (its slots are released)."""
         loaded, self._loaded = self._loaded, None
         if loaded is not None:
-            self.manager.abort(loaded.req)
-            while id(loaded.req) in self._held:
-                self.manager.poll()
+            self._end(loaded.req)
+
+    def _end(self, req: _Request) -> None:
+        """Abort ``req`` and wait for its release (nothing of it is in flight: its load has landed)."""
+        self.manager.abort(req)
+        while id(req) in self._held:
+            self.manager.poll()
 
     def _require_open(self) -> None:
         if self._closed:

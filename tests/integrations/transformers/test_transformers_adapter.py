@@ -239,3 +239,49 @@ def test_bad_calls_name_the_argument_and_write_nothing(tmp_path):
     session.close()  # idempotent
     with pytest.raises(InvalidArgumentError, match="session: is closed"):
         session.load(ids)
+
+
+# -- a store or a copy that fails --------------------------------------------------------------
+
+
+def test_a_corrupt_page_ends_the_loaded_prefix_before_it(tmp_path):
+    from kvstage.hashing import PageHasher
+
+    model, ids = model_of("deepseek_v3"), tm.prompt_ids()
+    with tm.session_of(model, str(tmp_path), "deepseek_v3") as session:
+        session.generate(ids, **tm.GENERATE)
+    keys = PageHasher(page_size=tm.PAGE_SIZE).prefill_keys(ids[0].tolist(), "lora-7", "tenant-a")
+    (page_2,) = [path for path in (tmp_path / "deepseek_v3").rglob("*.kvpage") if keys[2] in path.name]
+    data = bytearray(page_2.read_bytes())
+    data[-1] ^= 0xFF  # one payload byte: the checksum no longer matches
+    page_2.write_bytes(bytes(data))
+    with tm.session_of(model, str(tmp_path), "deepseek_v3") as session:
+        cache = session.load(ids)
+        assert cache.get_seq_length() == 2 * tm.PAGE_SIZE  # pages 0 and 1; page 2 reads as a miss
+        out = model.generate(ids, cache=cache, **tm.GENERATE)
+    reference_cache = DynamicCache(config=model.config)
+    model.generate(ids, cache=reference_cache, **tm.GENERATE)
+    reference = continued(model, ids, reference_cache, 2 * tm.PAGE_SIZE)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, reference.logits))
+
+
+def test_a_failed_load_returns_an_empty_cache(tmp_path, monkeypatch, caplog):
+    from kvstage.offload import copier
+
+    model, ids = model_of("llama"), tm.prompt_ids()
+    with tm.session_of(model, str(tmp_path), "llama") as session:
+        plain = session.generate(ids, **tm.GENERATE)
+
+        def failing_scatter(*args, **kwargs):
+            raise RuntimeError("scatter failed")
+
+        monkeypatch.setattr(copier, "scatter", failing_scatter)
+        with caplog.at_level(logging.WARNING, logger="kvstage.integrations.transformers.session"):
+            cache = session.load(ids)
+        assert cache.get_seq_length() == 0
+        assert "loading 32 stored tokens failed (RuntimeError('scatter failed'))" in caplog.text
+        monkeypatch.undo()
+        again = session.generate(ids, **tm.GENERATE)  # the session goes on: the next load loads
+        assert session.metrics.pages_loaded == PREFIX // tm.PAGE_SIZE
+        assert torch.equal(again.sequences, plain.sequences)
