@@ -213,8 +213,9 @@ class KVStageSession:
         Returns:
             ``transformers.DynamicCache(config=model.config)``; ``get_seq_length()`` is the
             number of tokens loaded. Layers' ``keys`` / ``values`` are ``[1, heads, n, dim]``
-            on the model's device, in its dtype. A load that fails (an unreadable page) is
-            logged at WARNING and returns an empty cache: the model computes every token.
+            on the model's device, in its dtype. A page the store cannot read (missing,
+            corrupt) ends the prefix before it; a copy into the pool that fails is logged at
+            WARNING and returns an empty cache: the model computes every token.
 
         Raises:
             ArgumentTypeError / InvalidArgumentError: ``input_ids`` is not one sequence of
