@@ -44,13 +44,13 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-MODELS: dict[str, torch.nn.Module] = {}
+MODELS: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
 
 
-def model_of(arch: str) -> torch.nn.Module:
-    if arch not in MODELS:
-        MODELS[arch] = tm.build_model(arch)
-    return MODELS[arch]
+def model_of(arch: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    if (arch, dtype) not in MODELS:
+        MODELS[arch, dtype] = tm.build_model(arch, dtype)
+    return MODELS[arch, dtype]
 
 
 def continued(model, ids: torch.Tensor, cache: DynamicCache, num_tokens: int):
@@ -108,9 +108,10 @@ def test_another_process_loads_the_prompt_kv_bitwise(two_processes, arch):
     assert torch.equal(run["follow_up_logits"], torch.stack(follow_up.logits))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", tm.ARCHS)
-def test_one_session_reuses_the_prompt_it_stored(tmp_path, arch):
-    model, ids = model_of(arch), tm.prompt_ids()
+def test_one_session_reuses_the_prompt_it_stored(tmp_path, arch, dtype):
+    model, ids = model_of(arch, dtype), tm.prompt_ids()
     with tm.session_of(model, str(tmp_path), arch) as session:
         first = session.generate(ids, **tm.GENERATE)
         second = session.generate(ids, **tm.GENERATE)
@@ -122,7 +123,7 @@ def test_one_session_reuses_the_prompt_it_stored(tmp_path, arch):
         assert all(torch.equal(a, b) for a, b in zip(second.logits, reference.logits))
         # what load() hands transformers: [1, heads, tokens, dim] in the model's dtype
         loaded = session.load(ids)
-        assert loaded.get_seq_length() == PREFIX
+        assert loaded.get_seq_length() == PREFIX and loaded.layers[0].keys.dtype == dtype
         assert all(torch.equal(a.keys, b.keys[..., :PREFIX, :]) and torch.equal(a.values, b.values[..., :PREFIX, :])
                    for a, b in zip(loaded.layers, cache.layers))
 
