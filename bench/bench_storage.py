@@ -184,7 +184,7 @@ def run(
             # The segment holds every batch of both Mooncake methods, with room to spare
             # (the master evicts above 90% full).
             segment = 2 * (rounds + 1) * batch_bytes * 5 // 4 + (64 << 20)
-            store = MooncakeStore(fingerprint, master.url(segment=segment, buffer="64MB", bounce=batch_bytes))
+            store = MooncakeStore(fingerprint, master.url(segment=segment, buffer="64MiB", bounce=batch_bytes))
             store.register_host_buffers([pages, into])
             stores["mooncake"] = store
             stores["mooncake-bounce"] = store

@@ -8,19 +8,20 @@ Public API:
     StoreEvent: a page stored, evicted or removed, as ``take_events`` reports it.
     LayoutFingerprint: the key space (model, dtype, layout, page size, rank or stage).
     MemoryStore: in-process pages (the default); FileStore: one crash-safe file a page
-        (KeySpace: what ``FileStore.key_spaces()`` lists);
+        (KeySpace: what ``FileStore.key_spaces()`` lists; StoreDirectoryError: a directory it
+        cannot make, list or write, refused at open);
     MooncakeStore: the Mooncake distributed store (optional ``mooncake`` extra; imported when
         a store is built).
     open_storage, STORAGE_SCHEMES: build a store from a URL (``memory``, ``file:DIR``,
         ``mooncake://HOST:PORT?...``).
 
-Modules: ``backend``, ``events``, ``fingerprint``, ``registry``, ``memory_store``, ``file_store``,
+Modules: ``backend``, ``events``, ``fingerprint``, ``sizes`` (the size syntax of every URL), ``registry``, ``memory_store``, ``file_store``,
 ``mooncake`` (``config``, ``status``, ``store``).
 """
 
 from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, StorageBackend, StorageStats
 from kvstage.storage.events import StoreEvent
-from kvstage.storage.file_store import FileStore, KeySpace
+from kvstage.storage.file_store import FileStore, KeySpace, StoreDirectoryError
 from kvstage.storage.fingerprint import LayoutFingerprint
 from kvstage.storage.memory_store import MemoryStore
 from kvstage.storage.mooncake.config import MooncakeConfig
@@ -40,6 +41,7 @@ __all__ = [
     "PutStatuses",
     "StorageBackend",
     "StorageStats",
+    "StoreDirectoryError",
     "StoreEvent",
     "open_storage",
 ]

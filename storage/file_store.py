@@ -58,8 +58,13 @@ own capacity, counting the files it indexed; opening sweeps only temporary files
 Other key spaces in the directory (pages of an old ``model_id`` after a weight update, of other
 ranks or stages) are not this store's to count or evict: :func:`key_spaces` lists every key
 space's pages and bytes (opening a store logs how many page files of other key spaces the
-directory holds), :meth:`FileStore.evict_key_space` removes one (counted and reported as
-events), and ``kvstage store file:DIR`` (:mod:`kvstage.cli`) does both from the command line.
+directory holds and, for the largest four, which settings they differ in from this store's:
+:func:`kvstage.storage.fingerprint.prefix_differences`, e.g. ``page_size 16 (this store: 64)``),
+:meth:`FileStore.evict_key_space` removes one (counted and reported as events), and ``kvstage
+store file:DIR`` (:mod:`kvstage.cli`) does both from the command line. An opaque key space,
+whose prefix holds only a digest of its page format, leaves the format's text beside its pages
+(``.kvstage-format-TAG.json``, written once by the first store of it that opens the directory;
+no page, never counted), so that log can name the part of the format that differs.
 
 Store events (:mod:`kvstage.storage.events`, tier ``"file"``): ``stored`` for each page a put
 wrote, ``evicted`` for each page the capacity evicted, ``removed`` for each page
@@ -98,12 +103,15 @@ drive needs more than one request in flight to reach its bandwidth. Measured on 
 threads only for pages of ``PARALLEL_MIN_PAGE_BYTES`` (2 MiB) or more. A put whose ``prior_key`` is not stored writes page by page (it is refused
 before anything is written).
 
-URL form for :func:`open_storage`: ``file:DIR``, options ``?capacity_bytes=N&io_threads=N``.
+URL form for :func:`open_storage`: ``file:DIR``, options ``?capacity_bytes=SIZE&io_threads=N`` (a size:
+bytes, or a number with a unit, :mod:`kvstage.storage.sizes`).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
 import logging
 import os
 import string
@@ -123,7 +131,8 @@ from kvstage.errors import InvalidArgumentError, StorageError, is_int
 from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, StorageBackend, page_as_bytes
 from kvstage.storage.chain_index import ChainIndex
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
-from kvstage.storage.fingerprint import LayoutFingerprint, prefix_of
+from kvstage.storage.fingerprint import LayoutFingerprint, prefix_differences, prefix_fields, prefix_of
+from kvstage.storage.sizes import parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +147,28 @@ PARALLEL_MIN_PAGE_BYTES = 2 << 20  # smaller pages: one thread by default (threa
 TMP_GRACE_S = 600.0  # a temporary file younger than this may be another process's write in progress
 _MAX_NAME = 200  # file names stay well under the usual 255-byte limit
 _SAFE_KEY = frozenset(string.ascii_letters + string.digits + "._-")  # hex keys; no "@", which ends a prefix
+FORMAT_FILE_PREFIX = ".kvstage-format-"  # an opaque key space's format description (see _describe_format)
 _HASHED = "~"  # separates the owner tag from the SHA-256 in a hashed name; never in a plain one
+
+
+class StoreDirectoryError(StorageError):
+    """A file store's directory cannot be made, listed or written: refused at open, naming the
+    path and the errno (a directory that exists but is read-only would otherwise fail every
+    write later, naming neither).
+
+    Attributes:
+        path: the directory, as given (``str``).
+        errno: the ``OSError``'s errno (e.g. ``errno.EACCES``, ``errno.EROFS``); the
+            ``OSError`` itself is ``__cause__``.
+    """
+
+    def __init__(self, path: str, error: OSError, message: str) -> None:
+        code = error.errno
+        name = errno.errorcode.get(code, "?") if code is not None else "?"
+        reason = f"{name} (errno {code}: {os.strerror(code) if code is not None else error})"
+        super().__init__(message.format(path=repr(path), reason=reason))
+        self.path = path
+        self.errno = code
 
 
 @dataclass(frozen=True)
@@ -197,7 +227,9 @@ class FileStore(StorageBackend):
     Raises:
         InvalidArgumentError: capacity_bytes is negative, event_capacity is not an int >= 0, or
             io_threads is not None or an int >= 1.
-        StorageError: the directory cannot be created or listed.
+        StoreDirectoryError: (a :class:`~kvstage.errors.StorageError`) the directory cannot be
+            created, listed or written (a file created in it and removed at open tells); the
+            message names the path and the errno (``EACCES``, ``EROFS``, ...).
 
     Thread-safe (one lock around index updates; file I/O outside it where possible; a
     :meth:`clear` waits for the puts in flight and holds new ones until it is done).
@@ -255,15 +287,19 @@ class FileStore(StorageBackend):
             self.directory.mkdir(parents=True, exist_ok=True)
             every = [entry.name for entry in os.scandir(self.directory)]
         except OSError as error:
-            raise StorageError(f"directory: cannot use {str(self.directory)!r}: {error}") from error
+            raise StoreDirectoryError(str(self.directory), error, "directory: cannot use {path}: {reason}") from error
+        self._require_writable()
+        if fingerprint.page_format:
+            _describe_format(self.directory, self.prefix, fingerprint.page_format)
         names = [name for name in every if self._owns(name)]
-        others = sum(1 for name in every if name.endswith(SUFFIX) and not self._owns(name))
-        if others:
+        others = [name for name in every if name.endswith(SUFFIX) and not self._owns(name)]
+        if others and logger.isEnabledFor(logging.INFO):  # naming their settings reads a few files
             logger.info(
                 "file store %s: %d page files of other key spaces are there, not counted in this store's "
-                "capacity; list them with kvstage.storage.file_store.key_spaces() or `kvstage store file:%s`, "
-                "remove one with FileStore.evict_key_space() or `kvstage store file:%s --evict PREFIX`",
-                self.directory, others, self.directory, self.directory,
+                "capacity nor read by it; they differ from this store's key space in: %s; list them with "
+                "kvstage.storage.file_store.key_spaces() or `kvstage store file:%s`, remove one with "
+                "FileStore.evict_key_space() or `kvstage store file:%s --evict PREFIX`",
+                self.directory, len(others), self._how_others_differ(others), self.directory, self.directory,
             )
         for name in names:
             if name.endswith(TMP_SUFFIX):
@@ -271,6 +307,38 @@ class FileStore(StorageBackend):
             elif name.endswith(SUFFIX):
                 self._load(name)
         self._make_room(0)  # reopened with a smaller capacity: within it from the start
+
+    def _require_writable(self) -> None:
+        """Create and remove a temporary file of this key space: an existing directory that
+        this process may not write (its mode, a read-only mount, an ACL or security module:
+        whatever decides, a real write finds out) is refused now, not at every put."""
+        probe = self._tmp_path()
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except OSError as error:
+            raise StoreDirectoryError(
+                str(self.directory), error,
+                "directory: {path} is not writable: {reason}; a file store writes its pages there: "
+                "give a directory this process may write",
+            ) from error
+        _unlink(probe)
+
+    def _how_others_differ(self, names: list[str], shown: int = 4) -> str:
+        """Which settings the key spaces of page files ``names`` (not this store's) differ in
+        from this store's, the largest ``shown`` key spaces (see :func:`prefix_differences`)."""
+        prefix_of_name = _prefix_finder(self.directory)
+        counts = Counter(prefix_of_name(name) for name in names)
+        counts.pop(None, None)
+        formats = {self.prefix: self.fingerprint.page_format} if self.fingerprint.page_format else {}
+        formats.update(_format_descriptions(self.directory, counts))
+        ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+        parts = [
+            f"{prefix} ({count} page files): {', '.join(prefix_differences(prefix, self.prefix, formats))}"
+            for prefix, count in ranked[:shown]
+        ]
+        if len(ranked) > shown:
+            parts.append(f"and {len(ranked) - shown} more key spaces")
+        return "; ".join(parts) or "(page files whose key space is unreadable)"
 
     @property
     def used_bytes(self) -> int:
@@ -873,23 +941,72 @@ def key_spaces(directory: str | os.PathLike) -> list[KeySpace]:
         entries = [(entry.name, entry.stat().st_size) for entry in os.scandir(directory) if entry.name.endswith(SUFFIX)]
     except OSError as error:
         raise StorageError(f"directory: cannot list {str(directory)!r}: {error}") from error
+    prefix_of_name = _prefix_finder(directory)
     totals: dict[str, list[int]] = {}
-    tags: dict[str, str | None] = {}  # owner tag of hashed names -> their prefix
     for name, size in entries:
-        if _HASHED in name:
-            tag = name.partition(_HASHED)[0]
-            if tag not in tags:
-                full_key = _full_key_of(directory / name)
-                tags[tag] = None if full_key is None else prefix_of(full_key)
-            prefix = tags[tag]
-        else:
-            prefix = prefix_of(name[: -len(SUFFIX)])
+        prefix = prefix_of_name(name)
         if prefix is None:
             continue
         total = totals.setdefault(prefix, [0, 0])
         total[0] += 1
         total[1] += size
     return sorted((KeySpace(prefix, pages, size) for prefix, (pages, size) in totals.items()), key=lambda k: (-k.bytes, k.prefix))
+
+
+def _prefix_finder(directory: Path):
+    """A function from a page file's name in ``directory`` to its key space's prefix (None: not
+    a kvstage page). A plain name holds its prefix; a hashed name's owner tag is resolved by
+    reading one header of that tag's files, once."""
+    tags: dict[str, str | None] = {}  # owner tag of hashed names -> their prefix
+
+    def prefix_of_name(name: str) -> str | None:
+        if _HASHED not in name:
+            return prefix_of(name[: -len(SUFFIX)])
+        tag = name.partition(_HASHED)[0]
+        if tag not in tags:
+            full_key = _full_key_of(directory / name)
+            tags[tag] = None if full_key is None else prefix_of(full_key)
+        return tags[tag]
+
+    return prefix_of_name
+
+
+def _format_path(directory: Path, prefix: str) -> Path:
+    """Where an opaque key space's format description lies in a file store's directory (its
+    prefix holds only a digest of it). Not a page: no page suffix, never counted or swept."""
+    return directory / f"{FORMAT_FILE_PREFIX}{_owner_tag(prefix)}.json"
+
+
+def _describe_format(directory: Path, prefix: str, page_format: str) -> None:
+    """Leave the description of an opaque key space's page format beside its pages, once
+    (written to a temporary name, then renamed), so that a process of another format opening
+    the directory can say which part of the format differs."""
+    path = _format_path(directory, prefix)
+    if path.exists():
+        return
+    tmp = directory / f".{_owner_tag(prefix)}{_HASHED}{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
+    try:
+        tmp.write_text(json.dumps({"prefix": prefix, "page_format": page_format}))
+        os.replace(tmp, path)
+    except OSError:
+        _unlink(tmp)  # a description only: the store works without it
+
+
+def _format_descriptions(directory: Path, prefixes) -> dict[str, str]:
+    """The page format descriptions found in ``directory`` of those of ``prefixes`` that are
+    opaque key spaces (see :func:`_describe_format`)."""
+    found = {}
+    for prefix in prefixes:
+        fields = prefix_fields(prefix)
+        if fields is None or "page_format" not in fields:
+            continue
+        try:
+            described = json.loads(_format_path(directory, prefix).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(described, dict) and described.get("prefix") == prefix and isinstance(described.get("page_format"), str):
+            found[prefix] = described["page_format"]
+    return found
 
 
 def remove_key_space(directory: str | os.PathLike, prefix: str) -> list[str]:
@@ -958,13 +1075,15 @@ def _sweep_tmp(path: Path) -> None:
 
 
 def open_file_store(rest: str, fingerprint: LayoutFingerprint) -> FileStore:
-    """The ``file:DIR[?capacity_bytes=N&io_threads=N]`` URL (see
-    :func:`kvstage.storage.open_storage` and :class:`FileStore`).
+    """The ``file:DIR[?capacity_bytes=SIZE&io_threads=N]`` URL (see
+    :func:`kvstage.storage.open_storage` and :class:`FileStore`); ``capacity_bytes`` is a size
+    (:mod:`kvstage.storage.sizes`: ``17179869184``, ``16GB``, ``16GiB``).
 
     Raises:
-        InvalidArgumentError: no directory, an unknown option, an option that is not an int, a
-            capacity below one page (``fingerprint.page_bytes``; names ``storage``), or
-            ``io_threads`` below 1 (names it).
+        InvalidArgumentError: no directory, an unknown option, a ``capacity_bytes`` that is not
+            a size or below one page (``fingerprint.page_bytes``), an ``io_threads`` that is not
+            an int >= 1; each names ``storage``, the URL and the option.
+        StoreDirectoryError: as :class:`FileStore`.
     """
     directory, _, query = rest.partition("?")
     if not directory:
@@ -972,16 +1091,18 @@ def open_file_store(rest: str, fingerprint: LayoutFingerprint) -> FileStore:
     options: dict[str, int] = {}
     for part in filter(None, query.split("&")):
         name, _, value = part.partition("=")
-        if name not in ("capacity_bytes", "io_threads"):
+        if name == "capacity_bytes":
+            options[name] = parse_size(value, f"storage: 'file:{rest}' capacity_bytes")
+        elif name == "io_threads":
+            try:
+                options[name] = int(value)
+            except ValueError:
+                raise InvalidArgumentError(f"storage: io_threads must be an int, got {value!r}") from None
+        else:
             raise InvalidArgumentError(f"storage: unknown option {name!r} in 'file:{rest}'; known: capacity_bytes, io_threads")
-        try:
-            options[name] = int(value)
-        except ValueError:
-            raise InvalidArgumentError(f"storage: {name} must be an int, got {value!r}") from None
     if options.get("capacity_bytes", fingerprint.page_bytes) < fingerprint.page_bytes:
         # A store that cannot hold one page would fail every write.
         raise InvalidArgumentError(
             f"storage: 'file:{rest}' holds no page: capacity_bytes must be at least one page, {fingerprint.page_bytes} bytes"
         )
     return FileStore(fingerprint, directory, **options)
-

@@ -17,14 +17,16 @@ page is only ever read back as KV of the same model, dtype, layout, page size an
 from __future__ import annotations
 
 import hashlib
+import re
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
 from kvstage.kv_layout import KVLayout
 
-__all__ = ["LayoutFingerprint", "prefix_of"]
+__all__ = ["LayoutFingerprint", "prefix_differences", "prefix_fields", "prefix_of"]
 
 _MODEL_ID_RULE = (
     "the model's name or path (e.g. 'meta-llama/Llama-3.1-8B'); it is part of every page key's prefix, "
@@ -236,6 +238,98 @@ def prefix_of(full_key: str) -> str | None:
     if len(fields) <= count or any(field == "" for field in fields[:count]):
         return None
     return "@".join(fields[:count]) + "@"
+
+
+_LAYERS_AND_LAYOUT = re.compile(r"L(\d+)-(\d+)xKV(\d+)xH(\d+)xD(\d+)")
+
+
+def prefix_fields(prefix: str) -> dict[str, str] | None:
+    """A fingerprint prefix's fields, named by the settings they come from, or None when
+    ``prefix`` is no prefix (:meth:`LayoutFingerprint.prefix`).
+
+    Pages of a KV layout: ``model_id`` (as sanitized in the prefix), ``dtype``, ``layers``
+    (``"0-31"``), ``kv_parts``, ``num_heads``, ``head_dim``, ``page_size``, ``shard``
+    (``"tp0of2"``, or ``"tp-any"`` for rank-neutral pages). An opaque format: ``model_id``,
+    ``page_format`` (the format's digest: the prefix holds no more of it), ``page_bytes``,
+    ``shard``. Values are strings, in that order.
+    """
+    if not isinstance(prefix, str) or prefix_of(prefix) != prefix:
+        return None
+    fields = prefix.split("@")[:-1]
+    if fields[1].startswith(_OPAQUE):
+        model, digest, page_bytes, shard = fields
+        if not page_bytes.startswith("B"):
+            return None
+        return {"model_id": model, "page_format": digest[len(_OPAQUE) :], "page_bytes": page_bytes[1:], "shard": shard}
+    model, dtype, layout, page_size, shard = fields
+    match = _LAYERS_AND_LAYOUT.fullmatch(layout)
+    if match is None or not page_size.startswith("P"):
+        return None
+    first, last, kv_parts, heads, head_dim = match.groups()
+    return {
+        "model_id": model, "dtype": dtype, "layers": f"{first}-{last}", "kv_parts": kv_parts, "num_heads": heads,
+        "head_dim": head_dim, "page_size": page_size[1:], "shard": shard,
+    }
+
+
+def prefix_differences(theirs: str, mine: str, formats: Mapping[str, str] | None = None) -> list[str]:
+    """What makes the key space ``theirs`` another than ``mine``: one line per setting that
+    differs, e.g. ``"page_size 64 (this store: 16)"``; ``[]`` for equal prefixes.
+
+    Args:
+        theirs: another key space's prefix (e.g. from :func:`kvstage.storage.file_store.key_spaces`).
+        mine: this store's prefix.
+        formats: opaque formats' descriptions by prefix (their ``page_format``), where known:
+            the prefix holds only a digest, so two formats are compared part by part (their
+            ``|``-separated parts; ``name=value`` parts by name) only when both are described.
+
+    Returns:
+        Lines in the order of :func:`prefix_fields`; one line ``"page kind: ..."`` first when one
+        is an opaque format and the other a KV layout (then only ``model_id`` is compared besides);
+        ``["not a fingerprint prefix: ..."]`` when ``theirs`` is none.
+    """
+    a, b = prefix_fields(theirs), prefix_fields(mine)
+    if a is None or b is None:
+        return [f"not a fingerprint prefix: {theirs if a is None else mine!r}"]
+    formats = formats or {}
+    lines = []
+    if ("page_format" in a) != ("page_format" in b):
+        kinds = ("an engine's own page format", "a KV layout")
+        theirs_kind, my_kind = kinds if "page_format" in a else kinds[::-1]
+        lines.append(f"page kind: {theirs_kind} (this store: {my_kind})")
+        names = ["model_id"]
+    else:
+        names = list(a)
+    for name in names:
+        if a[name] == b[name]:
+            continue
+        if name == "page_format":
+            lines.extend(_format_differences(a[name], formats.get(theirs), formats.get(mine)))
+        else:
+            lines.append(f"{name} {a[name]} (this store: {b[name]})")
+    return lines
+
+
+def _short(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _format_differences(digest: str, theirs: str | None, mine: str | None) -> list[str]:
+    """Two opaque formats' differing parts (see :func:`prefix_differences`)."""
+    if theirs is None or mine is None:
+        return [f"page_format with digest {digest}, not described (this store: {_short(mine or 'not described')})"]
+    a, b = theirs.split("|"), mine.split("|")
+    named_a = {part.partition("=")[0]: part for part in a if "=" in part}
+    named_b = {part.partition("=")[0]: part for part in b if "=" in part}
+    lines = []
+    for name in dict.fromkeys([*named_a, *named_b]):  # name=value parts, by name, in order
+        if named_a.get(name) != named_b.get(name):
+            lines.append(f"page_format {_short(named_a.get(name, 'no ' + name))} (this store: {_short(named_b.get(name, 'no ' + name))})")
+    only_a = [part for part in a if "=" not in part and part not in b]  # the other parts, by presence
+    only_b = [part for part in b if "=" not in part and part not in a]
+    if only_a or only_b:
+        lines.append(f"page_format {_short('|'.join(only_a) or 'none')} (this store: {_short('|'.join(only_b) or 'none')})")
+    return lines or [f"page_format with digest {digest} (this store: {_short(mine)})"]
 
 
 def _safe_model_name(model_id: str) -> str:

@@ -28,7 +28,7 @@ put stored, ``evicted`` for each page its eviction dropped, ``removed`` for each
 :meth:`MemoryStore.clear` dropped.
 
 URL form for :func:`open_storage`: ``memory`` (capacity :data:`DEFAULT_CAPACITY_BYTES`) or
-``memory:CAPACITY_BYTES``.
+``memory:CAPACITY`` (a size: bytes, or a number with a unit, :mod:`kvstage.storage.sizes`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, S
 from kvstage.storage.chain_index import ChainIndex
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint
+from kvstage.storage.sizes import parse_size
 
 DEFAULT_CAPACITY_BYTES = 1 << 30  # 1 GiB
 
@@ -175,22 +176,20 @@ class MemoryStore(StorageBackend):
 
 
 def open_memory_store(rest: str, fingerprint: LayoutFingerprint) -> MemoryStore:
-    """The ``memory`` / ``memory:CAPACITY_BYTES`` URL (see :func:`kvstage.storage.open_storage`).
+    """The ``memory`` / ``memory:CAPACITY`` URL (see :func:`kvstage.storage.open_storage`); the
+    capacity is a size (:mod:`kvstage.storage.sizes`: ``memory:8589934592``, ``memory:8GB``,
+    ``memory:8GiB``).
 
     Raises:
-        InvalidArgumentError: a capacity that is not an int, or below one page
-            (``fingerprint.page_bytes``); names ``storage``.
+        InvalidArgumentError: a capacity that is not a size, or below one page
+            (``fingerprint.page_bytes``); names ``storage`` and the URL.
     """
     if not rest:
         return MemoryStore(fingerprint)
-    try:
-        capacity = int(rest)
-    except ValueError:
-        raise InvalidArgumentError(f"storage: 'memory:{rest}': the capacity must be an int number of bytes") from None
+    capacity = parse_size(rest, f"storage: 'memory:{rest}' capacity")
     if capacity < fingerprint.page_bytes:
         # A store that cannot hold one page would fail every write.
         raise InvalidArgumentError(
             f"storage: 'memory:{rest}' holds no page: the capacity must be at least one page, {fingerprint.page_bytes} bytes"
         )
     return MemoryStore(fingerprint, capacity_bytes=capacity)
-

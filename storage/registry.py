@@ -25,9 +25,11 @@ STORAGE_SCHEMES: dict[str, tuple[str, str]] = {
 def open_storage(url: str, fingerprint: LayoutFingerprint) -> StorageBackend:
     """Build a storage backend from a URL.
 
-    Forms: ``memory`` or ``memory:CAPACITY_BYTES``; ``file:DIR`` or
-    ``file:DIR?capacity_bytes=N``; ``mooncake://HOST:PORT?...`` (needs the ``mooncake`` extra;
-    see :func:`kvstage.storage.mooncake.config.parse_mooncake_url`).
+    Forms: ``memory`` or ``memory:CAPACITY``; ``file:DIR`` or
+    ``file:DIR?capacity_bytes=CAPACITY&io_threads=N``; ``mooncake://HOST:PORT?...`` (needs the
+    ``mooncake`` extra; see :func:`kvstage.storage.mooncake.config.parse_mooncake_url`). Every
+    size in a URL is bytes or a number with a unit (:mod:`kvstage.storage.sizes`: ``8GB`` is
+    8 * 1000**3 bytes, ``8GiB`` 8 * 1024**3).
 
     Raises:
         InvalidArgumentError: the URL's scheme is unknown (the message lists the known ones), its

@@ -57,9 +57,9 @@ class LocalMooncakeMaster:
         self.process: subprocess.Popen | None = None
 
     def url(self, **query: object) -> str:
-        """A ``mooncake://`` URL for this master: HTTP metadata, tcp, a 64 MB segment and a 16 MB
+        """A ``mooncake://`` URL for this master: HTTP metadata, tcp, a 64 MiB segment and a 16 MiB
         local buffer unless ``query`` overrides them (any :func:`parse_mooncake_url` name)."""
-        values = {"metadata": self.metadata, "protocol": "tcp", "segment": "64MB", "buffer": "16MB"}
+        values = {"metadata": self.metadata, "protocol": "tcp", "segment": "64MiB", "buffer": "16MiB"}
         values.update({key: str(value) for key, value in query.items()})
         return f"mooncake://{self.address}?" + "&".join(f"{key}={value}" for key, value in values.items())
 

@@ -50,3 +50,26 @@ def test_the_sglang_cpu_note_states_the_ranks_the_sglang_tests_state():
     assert names(call) == names(f"f({rig_call})") == {
         "tp_rank", "pp_rank", "attn_tp_rank", "attn_dp_rank", "attn_cp_rank", "attn_dcp_rank",
     }
+
+
+def test_the_readme_never_teaches_installing_kvstage_by_name_from_an_index():
+    """kvstage is on no package index: ``pip install "kvstage[vllm]"`` fails. Every install the
+    README teaches is from the checkout (``.`` or ``-e .``, with an extra as ``".[vllm]"``)."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    by_name = re.findall(r"""pip install [^`\n]*?["']?\bkvstage\b[^`\n]*|["'`]kvstage\[[^\]]*\]""", readme)
+    assert by_name == []
+
+
+def test_the_readme_installs_each_engine_extra_from_the_checkout_with_its_range_and_tested_version():
+    import tomllib
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    named = set(re.findall(r"""["']\.\[([a-z0-9-]+)\]["']""", readme))
+    assert {"vllm", "sglang", "mooncake", "mooncake-cuda"} <= named and named <= set(extras)
+    for engine in ("vllm", "sglang"):
+        (requirement,) = extras[engine]
+        bounds = requirement[len(engine):]
+        tested = re.fullmatch(r">=([0-9.]+),<[0-9.]+", bounds).group(1)
+        # one sentence gives the install, the range pip takes and the release the tests ran
+        assert re.search(rf"""pip install (-e )?"\.\[{engine}\]"`?\s+\([^)]*`{re.escape(bounds)}`, tested: {re.escape(tested)}\)""", readme), engine

@@ -7,12 +7,12 @@ Field names follow Mooncake's docs and JSON config: ``master_server_address``,
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 from urllib.parse import parse_qsl, urlsplit
 
 from kvstage.errors import InvalidArgumentError
+from kvstage.storage.sizes import parse_size as parse_any_size
 
 PROTOCOLS = ("tcp", "rdma")
 
@@ -24,31 +24,23 @@ _URL_ALIASES = {
     "device": "device_name",
     "bounce": "bounce_bytes",
 }
+# What a mooncake:// URL's query may name, as the README teaches it (short names first).
+URL_QUERY_NAMES = (
+    *_URL_ALIASES, "protocol", "local_hostname", "connect_timeout_s", "rpc_timeout_ms", "setup_retries",
+)
+_SIZE_FIELDS = ("global_segment_size", "local_buffer_size", "bounce_bytes")
 # Names other Mooncake APIs use for the same fields.
 _DICT_ALIASES = {"master_server_addr": "master_server_address", "rdma_devices": "device_name"}
 
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
 
 def parse_size(value: int | str, argument: str) -> int:
-    """Bytes from an int or a string such as ``"512MB"``, ``"1 GiB"``, ``"4096"``.
-
-    Units are binary whatever their spelling: K/KB/KiB = 2**10, M = 2**20, G = 2**30, T = 2**40.
+    """Bytes from an int or a size string (:func:`kvstage.storage.sizes.parse_size`: ``4096``,
+    ``"512MB"`` = 512 * 1000**2, ``"1GiB"`` = 1024**3), which must be positive.
 
     Raises:
-        InvalidArgumentError: not a positive size.
+        InvalidArgumentError: not a size, or not positive; names ``argument``.
     """
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{argument}: must be a size in bytes, got {value!r}")
-    if isinstance(value, int):
-        size = value
-    elif isinstance(value, str):
-        match = re.fullmatch(r"\s*(\d+)\s*([kmgtKMGT]?)(?:i?[bB])?\s*", value)
-        if match is None:
-            raise InvalidArgumentError(f"{argument}: not a size (e.g. 1073741824, '512MB', '1GiB'): {value!r}")
-        size = int(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
-    else:
-        raise InvalidArgumentError(f"{argument}: must be an int or a size string, got {type(value).__name__}")
+    size = parse_any_size(value, argument)
     if size < 1:
         raise InvalidArgumentError(f"{argument}: must be positive, got {value!r}")
     return size
@@ -100,7 +92,7 @@ class MooncakeConfig:
             raise InvalidArgumentError("metadata_server: must be a non-empty string (e.g. 'P2PHANDSHAKE')")
         if self.protocol not in PROTOCOLS:
             raise InvalidArgumentError(f"protocol: must be one of {PROTOCOLS}, got {self.protocol!r}")
-        for name in ("global_segment_size", "local_buffer_size", "bounce_bytes"):
+        for name in _SIZE_FIELDS:
             object.__setattr__(self, name, parse_size(getattr(self, name), name))
         timeout = float(self.connect_timeout_s)
         if not timeout > 0:
@@ -137,15 +129,19 @@ class MooncakeConfig:
 
 
 def parse_mooncake_url(url: str) -> MooncakeConfig:
-    """Parse ``mooncake://MASTER_HOST:PORT?metadata=...&protocol=tcp&segment=1GB&buffer=64MB``.
+    """Parse ``mooncake://MASTER_HOST:PORT?metadata=...&protocol=tcp&segment=1GiB&buffer=64MiB``.
 
-    Query names: the :class:`MooncakeConfig` field names, or the short ``metadata``,
-    ``segment``, ``buffer``, ``device``, ``bounce``. Values are percent-decoded, so a metadata
-    URL may be given plainly (``metadata=http://127.0.0.1:8080/metadata``) or encoded.
+    Query names (:data:`URL_QUERY_NAMES`): the short ``metadata``, ``segment``, ``buffer``,
+    ``device``, ``bounce``, and ``protocol``, ``local_hostname``, ``connect_timeout_s``,
+    ``rpc_timeout_ms``, ``setup_retries``; the :class:`MooncakeConfig` field names of the short
+    ones are accepted too. Sizes take the syntax of every storage URL
+    (:mod:`kvstage.storage.sizes`). Values are percent-decoded, so a metadata URL may be given
+    plainly (``metadata=http://127.0.0.1:8080/metadata``) or encoded.
 
     Raises:
         InvalidArgumentError: not a ``mooncake://`` URL, no master address, a repeated or
-            unknown query name, or a bad value.
+            unknown query name (the message lists the query names above), or a bad value (a
+            size's message names the query name as given, e.g. ``url: segment: ...``).
     """
     if not isinstance(url, str) or not url.startswith("mooncake://"):
         raise InvalidArgumentError(f"url: must start with 'mooncake://', got {url!r}")
@@ -153,11 +149,16 @@ def parse_mooncake_url(url: str) -> MooncakeConfig:
     if not parts.netloc:
         raise InvalidArgumentError(f"url: no master address in {url!r}; expected mooncake://HOST:PORT?...")
     values: dict[str, Any] = {"master_server_address": parts.netloc}
+    long_names = set(_URL_ALIASES.values())
     for key, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
+        if key not in URL_QUERY_NAMES and key not in long_names:
+            raise InvalidArgumentError(
+                f"url: unknown query name {key!r} in {url!r}; known: {', '.join(URL_QUERY_NAMES)}"
+            )
         name = _URL_ALIASES.get(key, key)
         if name in values:
             raise InvalidArgumentError(f"url: {key!r} given twice in {url!r}")
-        values[name] = value
+        values[name] = parse_size(value, f"url: {key}") if name in _SIZE_FIELDS else value
     return MooncakeConfig.from_mapping(values)
 
 

@@ -81,7 +81,7 @@ def _regex_literal(text: str) -> str:
 
 INSTALL_HINT = (
     "install it with `bash tools/install-mooncake.sh .venv` (Debian packages libibverbs1 librdmacm1 "
-    "libnuma1, then `pip install mooncake-transfer-engine-non-cuda`, or `kvstage[mooncake]`)"
+    "libnuma1, then `pip install mooncake-transfer-engine-non-cuda`, or `pip install '.[mooncake]'` in the kvstage checkout)"
 )
 
 def _import_mooncake_store() -> Any:

@@ -24,7 +24,7 @@ def test_replay_through_a_real_mooncake_store(tmp_path):
     master = master_module.LocalMooncakeMaster(tmp_path / "master.log").start()
     try:
         config = ReplayConfig(model=model, page_size=16, max_running=1, backend="torch",
-                              storage=master.url(segment="64MB", buffer="16MB"))
+                              storage=master.url(segment="64MiB", buffer="16MiB"))
         report, _ = replay(config, requests)
     finally:
         master.stop()

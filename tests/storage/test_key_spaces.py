@@ -127,3 +127,38 @@ def test_prefix_of_finds_every_fingerprint_form(fingerprint):
     assert prefix_of(prefix + "0a" * 32) == prefix
     assert prefix_of(prefix[:-1]) is None  # the last field not ended
     assert prefix_of("model@dtype@") is None
+
+
+def test_opening_a_store_names_the_setting_the_other_key_spaces_differ_in(tmp_path, caplog):
+    """Was: two processes sharing a directory with different page sizes got 0% hits and an INFO
+    line counting "page files of other key spaces", naming no setting."""
+    small = LayoutFingerprint("org/model", LAYOUT, 4)
+    FileStore(small, tmp_path).put(["a" * 64, "b" * 64], [page(1), page(2)])
+    with caplog.at_level(logging.INFO, logger="kvstage.storage.file_store"):
+        FileStore(LayoutFingerprint("org/model", LAYOUT, 16), tmp_path)
+    assert (
+        f"2 page files of other key spaces are there, not counted in this store's capacity nor read by it; "
+        f"they differ from this store's key space in: {small.prefix()} (2 page files): page_size 4 (this store: 16);"
+    ) in caplog.text
+
+
+def test_the_log_names_an_opaque_format_part_that_differs_from_its_description_in_the_directory(tmp_path, caplog):
+    ours = LayoutFingerprint.opaque("org/model", page_bytes=256, page_format="vllm-block-v1|dtype=bfloat16|tph=16")
+    theirs = LayoutFingerprint.opaque("org/model", page_bytes=256, page_format="vllm-block-v1|dtype=float16|tph=16")
+    FileStore(theirs, tmp_path).put(["e" * 64], [torch.zeros(256, dtype=torch.uint8)])  # another process, say
+    with caplog.at_level(logging.INFO, logger="kvstage.storage.file_store"):
+        store = FileStore(ours, tmp_path)
+    assert f"{theirs.prefix()} (1 page files): page_format dtype=float16 (this store: dtype=bfloat16);" in caplog.text
+    # the description beside the pages is no page: never counted, listed or removed as one
+    assert [space.prefix for space in key_spaces(tmp_path)] == [theirs.prefix()]
+    assert store.used_bytes == 0 and store.clear() == 0
+    assert FileStore(theirs, tmp_path).exists(["e" * 64]) == [True]
+
+
+def test_the_log_lists_at_most_four_other_key_spaces(tmp_path, caplog):
+    for rank in range(6):
+        FileStore(LayoutFingerprint("org/model", LAYOUT, 4, tp_rank=rank, tp_size=8), tmp_path).put(["a" * 64], [page(rank)])
+    with caplog.at_level(logging.INFO, logger="kvstage.storage.file_store"):
+        FileStore(LayoutFingerprint("org/model", LAYOUT, 4, tp_rank=7, tp_size=8), tmp_path)
+    assert "6 page files of other key spaces" in caplog.text
+    assert caplog.text.count("shard tp") == 4 and "and 2 more key spaces;" in caplog.text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +13,8 @@ import pytest
 import torch
 
 from kvstage.kv_layout import KVLayout
-from kvstage.errors import InvalidArgumentError
+from kvstage.errors import InvalidArgumentError, StorageError
+from mount_namespace import run_in_mount_namespace
 from kvstage.storage import FileStore, LayoutFingerprint, PutStatus, open_storage
 from kvstage.storage import file_store
 from kvstage.storage.file_store import TMP_SUFFIX
@@ -193,3 +196,79 @@ def test_open_storage_file_url(tmp_path):
         open_storage(f"file:{tmp_path}?size=1", FP)
     with pytest.raises(InvalidArgumentError, match="needs a directory"):
         open_storage("file:", FP)
+
+
+# Opening a directory this process may not write. Root ignores permission bits, so as root the
+# script runs with CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH dropped from its bounding set
+# (setpriv): the directory's mode then binds it as it binds any user.
+UNWRITABLE = textwrap.dedent(
+    """
+    import json, sys
+    from kvstage.kv_layout import KVLayout
+    from kvstage.storage import LayoutFingerprint, open_storage
+    from kvstage.storage.file_store import StoreDirectoryError
+
+    fp = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
+    try:
+        open_storage("file:" + sys.argv[1], fp)
+        print(json.dumps(None))
+    except StoreDirectoryError as error:
+        print(json.dumps(dict(message=str(error), errno=error.errno, path=error.path,
+                              cause_errno=getattr(error.__cause__, "errno", None))))
+    """
+)
+
+
+def run_without_dac_override(script: str, *args: str) -> object:
+    command = [sys.executable, "-c", script, *args]
+    if os.geteuid() == 0:
+        if subprocess.run(["which", "setpriv"], capture_output=True).returncode != 0:
+            pytest.skip("running as root and no setpriv to drop CAP_DAC_OVERRIDE: permission bits would not bind")
+        command = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps", "-all", *command]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_an_existing_directory_this_process_may_not_write_is_refused_at_open_naming_it_and_the_errno(tmp_path):
+    """Was: accepted at open; every put then failed with ``PermissionError(13, ...)`` (the
+    manager's WARNING ``4 of 4 pages not stored``), naming no path."""
+    directory = tmp_path / "kv"
+    directory.mkdir()
+    directory.chmod(0o555)  # listable, not writable
+    try:
+        seen = run_without_dac_override(UNWRITABLE, str(directory))
+    finally:
+        directory.chmod(0o755)
+    assert seen == {
+        "message": f"directory: {str(directory)!r} is not writable: EACCES (errno 13: Permission denied); "
+        "a file store writes its pages there: give a directory this process may write",
+        "errno": errno.EACCES, "path": str(directory), "cause_errno": errno.EACCES,
+    }
+    assert os.listdir(directory) == []
+
+
+def test_a_read_only_mount_is_refused_at_open_naming_it_and_erofs(tmp_path):
+    script = textwrap.dedent(
+        """
+        import subprocess, sys
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", sys.argv[1]], check=True)
+        subprocess.run(["mount", "-o", "remount,ro", sys.argv[1]], check=True)
+        """
+    ) + UNWRITABLE
+    seen = run_in_mount_namespace(script, str(tmp_path))
+    assert seen == {
+        "message": f"directory: {str(tmp_path)!r} is not writable: EROFS (errno 30: Read-only file system); "
+        "a file store writes its pages there: give a directory this process may write",
+        "errno": errno.EROFS, "path": str(tmp_path), "cause_errno": errno.EROFS,
+    }
+
+
+def test_a_directory_that_cannot_be_made_names_it_and_the_errno(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(file_store.StoreDirectoryError) as caught:
+        FileStore(FP, blocker / "kv")
+    assert caught.value.errno == errno.ENOTDIR and caught.value.path == str(blocker / "kv")
+    assert str(caught.value).startswith(f"directory: cannot use {str(blocker / 'kv')!r}: ENOTDIR (errno 20: Not a directory)")
+    assert isinstance(caught.value, StorageError)

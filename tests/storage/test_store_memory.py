@@ -76,7 +76,7 @@ def test_page_of_the_wrong_size_is_rejected_before_anything_is_written():
 def test_open_storage_memory_url():
     assert open_storage("memory", FP).capacity_pages == (1 << 30) // 128
     assert open_storage("memory:1280", FP).capacity_pages == 10
-    with pytest.raises(InvalidArgumentError, match="capacity must be an int"):
+    with pytest.raises(InvalidArgumentError, match=r"^storage: 'memory:lots' capacity: must be a size, got 'lots'"):
         open_storage("memory:lots", FP)
 
 

@@ -213,7 +213,7 @@ def test_a_bad_url_is_refused_with_a_kvstage_error_naming_the_url():
 @pytest.mark.parametrize("url,rule", [
     ("s3://bucket/kv", "unknown storage scheme 's3'"),
     ("file:/tmp/kv?capacity=1", "unknown option 'capacity'"),
-    ("memory:lots", "the capacity must be an int number of bytes"),
+    ("memory:lots", "capacity: must be a size, got 'lots'"),
     ("memory:1", "holds no page"),
 ])
 def test_a_bad_url_names_the_key_the_user_typed(url, rule):

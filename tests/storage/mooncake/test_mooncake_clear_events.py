@@ -97,7 +97,7 @@ def test_a_full_segment_fails_puts_with_their_code_and_master_evictions_show_whe
     # room fail with a Mooncake code.
     fp = fingerprint(f"full-{uuid.uuid4().hex[:8]}")
     big = LayoutFingerprint(fp.model_id, KVLayout(2, 2, 16, 128, "bfloat16"), 64)  # 1 MiB pages
-    with MooncakeStore(big, mooncake_master.url(segment="16MB", buffer="16MB")) as store:
+    with MooncakeStore(big, mooncake_master.url(segment="16MiB", buffer="16MiB")) as store:
         batches = [new_keys(8) for _ in range(40)]
         answers = [store.put(keys, pages(8, big, seed=10 + i)) for i, keys in enumerate(batches)]
         failed = [answer for answer in answers if PutStatus.FAILED in answer]

@@ -26,9 +26,9 @@ def test_url_with_every_field():
         local_hostname="10.0.0.7",
         protocol="rdma",
         device_name="mlx5_0,mlx5_1",
-        global_segment_size=4 << 30,
+        global_segment_size=4 * 10**9,  # GB: powers of 1000 (kvstage.storage.sizes)
         local_buffer_size=512 << 20,
-        bounce_bytes=16 << 20,
+        bounce_bytes=16 * 10**6,
         connect_timeout_s=0.5,
         rpc_timeout_ms=2000,
         setup_retries=3,
@@ -49,7 +49,7 @@ def test_dict_takes_mooncake_field_names_and_aliases():
         {
             "local_hostname": "node1",
             "metadata_server": "P2PHANDSHAKE",
-            "global_segment_size": "1GB",
+            "global_segment_size": "1GiB",
             "local_buffer_size": 16 << 20,
             "protocol": "tcp",
             "rdma_devices": "",
@@ -68,9 +68,10 @@ def test_dict_takes_mooncake_field_names_and_aliases():
         ("mooncake://host", "master_server_address: must be 'host:port'"),
         ("mooncake://host:70000", "port in 1..65535"),
         ("mooncake://host:1?protocol=udp", "protocol: must be one of ('tcp', 'rdma')"),
-        ("mooncake://host:1?segment=lots", "global_segment_size: not a size"),
-        ("mooncake://host:1?buffer=0", "local_buffer_size: must be positive"),
-        ("mooncake://host:1?colour=blue", "unknown key 'colour'"),
+        ("mooncake://host:1?segment=lots", "url: segment: must be a size, got 'lots'"),
+        ("mooncake://host:1?buffer=0", "url: buffer: must be positive"),
+        ("mooncake://host:1?global_segment_size=0", "url: global_segment_size: must be positive"),
+        ("mooncake://host:1?colour=blue", "unknown query name 'colour'"),
         ("mooncake://host:1?segment=1GB&global_segment_size=2GB", "given twice"),
         ("mooncake://host:1?rpc_timeout_ms=0", "rpc_timeout_ms: must be a positive int"),
     ],
@@ -85,12 +86,29 @@ def test_dict_without_master_is_refused():
         MooncakeConfig.from_mapping({"metadata_server": "P2PHANDSHAKE"})
 
 
-def test_sizes_are_binary():
-    assert [parse_size(v, "x") for v in (4096, "4096", "2k", "3MB", "1GiB", "1 TB")] == [
-        4096, 4096, 2048, 3 << 20, 1 << 30, 1 << 40,
+def test_sizes_must_be_positive_in_the_syntax_of_every_storage_url():
+    assert [parse_size(v, "x") for v in (4096, "4096", "2KiB", "3MB", "1GiB", "1 TB")] == [
+        4096, 4096, 2048, 3 * 10**6, 1 << 30, 10**12,
     ]
-    with pytest.raises(InvalidArgumentError, match="x: must be a size"):
+    with pytest.raises(InvalidArgumentError, match="x: must be an int number of bytes or a size string"):
         parse_size(True, "x")
+    with pytest.raises(InvalidArgumentError, match="x: must be positive, got '0KB'"):
+        parse_size("0KB", "x")
+
+
+def test_an_unknown_query_name_lists_the_names_the_readme_teaches():
+    """Was: ``mooncake config: unknown key 'segmnet'; known: ['bounce_bytes', ...,
+    'global_segment_size', ...]``: the long field names, not ``segment`` / ``metadata`` the
+    README's URLs use, and ``master_server_address``, which a URL gives as its host."""
+    url = "mooncake://127.0.0.1:50051?metadata=http://127.0.0.1:8080/metadata&segmnet=4GB"
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse_mooncake_url(url)
+    assert str(caught.value) == (
+        f"url: unknown query name 'segmnet' in {url!r}; known: metadata, segment, buffer, device, bounce, "
+        "protocol, local_hostname, connect_timeout_s, rpc_timeout_ms, setup_retries"
+    )
+    # the long names of the short ones still work
+    assert parse_mooncake_url("mooncake://h:1?global_segment_size=2GiB&metadata_server=P2PHANDSHAKE").global_segment_size == 2 << 30
 
 
 def test_codes_have_names_and_meanings():

@@ -55,7 +55,7 @@ def test_unreachable_master_fails_fast_at_setup(mooncake_installed, fingerprint)
     with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    url = f"mooncake://127.0.0.1:{port}?metadata=P2PHANDSHAKE&segment=16MB&buffer=16MB&connect_timeout_s=1"
+    url = f"mooncake://127.0.0.1:{port}?metadata=P2PHANDSHAKE&segment=16MiB&buffer=16MiB&connect_timeout_s=1"
     with pytest.raises(StorageError, match=f"mooncake_master at 127.0.0.1:{port} is unreachable") as caught:
         bounded(10, MooncakeStore, fingerprint, url)
     assert "start mooncake_master" in str(caught.value)
@@ -139,7 +139,7 @@ def test_a_full_store_fails_the_pages_it_cannot_hold(mooncake_master):
     # objects still under their lease).
     big = LayoutFingerprint("big-pages", KVLayout(4, 2, 8, 64, "bfloat16"), 64)
     assert big.page_bytes == 512 << 10
-    store = MooncakeStore(big, mooncake_master.url(segment="16MB"))
+    store = MooncakeStore(big, mooncake_master.url(segment="16MiB"))
     try:
         chunk = pages(40, big, seed=13)
         store.register_host_buffers([chunk])
@@ -163,4 +163,4 @@ def test_a_full_store_fails_the_pages_it_cannot_hold(mooncake_master):
 def test_a_setup_mooncake_refuses_is_a_storage_error(mooncake_master, fingerprint):
     # Mooncake refuses a 1 MiB segment (INVALID_PARAMS); the error names the sizes to check.
     with pytest.raises(StorageError, match=r"setup failed with -600 INVALID_PARAMS .*global_segment_size 1048576"):
-        bounded(30, MooncakeStore, fingerprint, mooncake_master.url(segment="1MB"))
+        bounded(30, MooncakeStore, fingerprint, mooncake_master.url(segment="1MiB"))
