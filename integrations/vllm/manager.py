@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -49,14 +50,16 @@ class KVStageOffloadingManager(OffloadingManager):
 
     Args:
         storage: the store (shared with the workers of this process, if any).
-        miss_ttl_s: seconds a "not held" answer is trusted.
+        miss_ttl_s: seconds a "not held" answer is trusted, and a key whose load failed is a
+            miss (unless stored again meanwhile).
         hit_ttl_s: seconds after which a held key is checked again in the background.
         events: collect vLLM events (vLLM publishes KV events).
 
     A store's eviction of a page is seen at once through the store's events when the workers
     share this process's store object (one process); otherwise within ``hit_ttl_s`` of the
     key's last check, or when a load of it fails (:meth:`loads_reported`, from
-    :class:`KVStageConnector`; vLLM recomputes the blocks).
+    :class:`KVStageConnector`; vLLM recomputes the blocks, and the keys miss for
+    ``miss_ttl_s``).
     """
 
     def __init__(self, storage: Any, *, miss_ttl_s: float = 1.0, hit_ttl_s: float | None = 10.0, events: bool = False) -> None:
@@ -74,6 +77,9 @@ class KVStageOffloadingManager(OffloadingManager):
         self._clear_pending = False  # a reset waits for the jobs in flight before clearing
         self.tracks_loads = False  # KVStageConnector sets it: it calls loads_reported each step
         self._loaded: list[str] = []  # keys of loads that ended since vLLM last passed on the workers' output
+        self._miss_ttl_s = miss_ttl_s
+        self._clock = time.monotonic
+        self._unreadable: dict[str, float] = {}  # key of a failed load -> when it failed (oldest first)
         self._lock = threading.Lock()
 
     @property
@@ -100,12 +106,28 @@ class KVStageOffloadingManager(OffloadingManager):
 
     def loads_reported(self, *, failed: bool) -> None:
         """vLLM passed on the workers' output of a step; with ``failed``, blocks of a load in
-        it could not be read (:class:`KVStageConnector`): the store is asked again about every
-        key of the loads that ended in it (RETRY meanwhile), since one of them is gone or
-        corrupt."""
+        it could not be read (:class:`KVStageConnector`): every key of the loads that ended in
+        it is a miss for ``miss_ttl_s``, or until this process stores it again (vLLM's output
+        names GPU blocks, not keys, so the keys of every load of that step). Not asked of the
+        store again at once: a page that exists but cannot be read (EIO, a replica whose
+        transfer fails) would be offered, fail and be offered again, and its request would
+        never finish."""
         if failed:
-            self.index.forget(self._loaded)
+            self.index.discard(self._loaded)
+            now = self._clock()
+            for key in self._loaded:
+                self._unreadable.pop(key, None)  # to the end: the dict stays oldest first
+                self._unreadable[key] = now
         self._loaded = []
+
+    def _prune_unreadable(self) -> None:
+        """Forget failed loads older than ``miss_ttl_s`` (their keys may be asked again)."""
+        oldest = self._clock() - self._miss_ttl_s
+        while self._unreadable:
+            key, failed_at = next(iter(self._unreadable.items()))
+            if failed_at >= oldest:
+                return
+            del self._unreadable[key]
 
     def prepare_store(self, keys: Collection[bytes], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Store the blocks the store does not hold and no store in flight is writing; none
@@ -128,7 +150,10 @@ class KVStageOffloadingManager(OffloadingManager):
         completed = page_keys(keys)
         self._drain_store_events()  # while the keys are still in _storing
         self._storing.difference_update(completed)
-        self.index.forget([key for key in completed if not self.index.holds(key)])
+        # A key whose load failed stays a miss: a store of it that reported no write (the
+        # store kept its unreadable page as "already held") must not make it a hit again.
+        self._prune_unreadable()
+        self.index.forget([key for key in completed if not self.index.holds(key) and key not in self._unreadable])
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """vLLM's per-request hook: kvstage keeps no per-request state here (keys are the
@@ -153,6 +178,7 @@ class KVStageOffloadingManager(OffloadingManager):
         self._clear_pending = True
         self.index.reset()
         self._storing.clear()  # vLLM reports no completion of jobs from before the reset
+        self._unreadable.clear()  # the clear removes their pages
 
     def on_reset_flushed(self) -> None:
         """The workers finished every job in flight at the last :meth:`reset_cache`: clear

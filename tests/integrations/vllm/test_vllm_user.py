@@ -458,7 +458,7 @@ def test_spec_a_store_that_cannot_write_is_reported_done_and_never_hit(tmp_path)
         rig.close()
 
 
-def test_spec_a_failed_load_reports_its_blocks_and_the_keys_are_asked_again(rig, tmp_path):
+def test_spec_a_failed_load_reports_its_blocks_and_the_keys_are_not_offered_again(rig, tmp_path):
     rig.add_request("a", PROMPT, max_tokens=1)
     rig.run_until_idle()
     for page in (tmp_path / "kv").glob("*.kvpage"):  # another process evicts them, unseen here
@@ -472,3 +472,34 @@ def test_spec_a_failed_load_reports_its_blocks_and_the_keys_are_asked_again(rig,
     assert not rig.manager.index.holds(make_offload_key(key, 0).hex())  # ... and is not offered again
     assert_blocks_hold(rig, "b", PROMPT, 4)
 
+
+
+
+def unreadable(storage, key: str) -> None:
+    """Make the page ``key`` exist but never read, as a file giving EIO or a Mooncake replica whose
+    transfer fails while the master keeps the key: ``exists`` says yes, ``get`` misses it."""
+    get = storage.get
+
+    def failing_get(keys, into):
+        return [hit and page_key != key for page_key, hit in zip(keys, get(keys, into))]
+
+    storage.get = failing_get
+
+
+def test_spec_a_page_that_exists_but_cannot_be_read_fails_one_load_then_is_recomputed(rig):
+    a = rig.add_request("a", PROMPT, max_tokens=1)
+    rig.run_until_idle()
+    first = make_offload_key(a.block_hashes[0], 0).hex()
+    assert rig.manager.storage.exists([first]) == [True]
+    unreadable(rig.manager.storage, first)
+    rig.scheduler.reset_prefix_cache()
+    rig.backing.zero_()
+    worker = rig.worker.connector_worker.worker
+    rig.add_request("b", PROMPT, max_tokens=3)
+    for _ in range(60):  # b's load fails once; then its blocks are computed (a loop: dozens of failed loads)
+        rig.step()
+        if "b" not in rig.scheduler.requests:
+            break
+    assert "b" not in rig.scheduler.requests, f"b is not done after 60 steps: {worker.loads_failed} failed loads"
+    assert worker.loads_failed == 1
+    assert rig.manager.index.lookup(first) is False  # a miss for miss_ttl_s, not asked of the store again
