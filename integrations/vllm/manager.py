@@ -25,7 +25,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
-from kvstage.integrations.vllm.keys import lookup_result, offloading_events, page_keys
+from kvstage.integrations.vllm.keys import lookup_result, offloading_events, page_keys, prior_page_keys
 from kvstage.offload import StoreIndex, StoreWorkers
 from kvstage.storage.shared import release_shared_storage
 
@@ -35,10 +35,14 @@ logger = logging.getLogger(__name__)
 
 
 class KVStageLoadStoreSpec(LoadStoreSpec):
-    """Where blocks live in kvstage: their page keys (hex ``OffloadKey``s), in block order."""
+    """Where blocks live in kvstage: their page keys (hex ``OffloadKey``s), in block order, and
+    for a store the page key of each block's predecessor in its request (None: unknown, or the
+    request's first block), so pages stored in several jobs chain (see
+    :func:`kvstage.offload.keyed_copies.chain_runs`)."""
 
-    def __init__(self, page_keys: list[str]) -> None:
+    def __init__(self, page_keys: list[str], prior_keys: list[str | None] | None = None) -> None:
         self.page_keys = page_keys
+        self.prior_keys = prior_keys
 
     def __repr__(self) -> str:
         return f"KVStageLoadStoreSpec({len(self.page_keys)} pages)"
@@ -130,8 +134,9 @@ class KVStageOffloadingManager(OffloadingManager):
             del self._unreadable[key]
 
     def prepare_store(self, keys: Collection[bytes], req_context: ReqContext) -> PrepareStoreOutput | None:
-        """Store the blocks the store does not hold and no store in flight is writing; none
-        while a reset waits for its clear (the clear would remove them)."""
+        """Store the blocks the store does not hold and no store in flight is writing, each
+        linked to its request's block before it; none while a reset waits for its clear (the
+        clear would remove them)."""
         if self._clear_pending:
             return PrepareStoreOutput(keys_to_store=[], store_spec=KVStageLoadStoreSpec([]), evicted_keys=[])
         # holds, not lookup: a key about to be written needs no exists of its own
@@ -139,7 +144,12 @@ class KVStageOffloadingManager(OffloadingManager):
         wanted = [(key, page_key) for key, page_key in zip(keys, page_keys(keys)) if not self.index.holds(page_key) and page_key not in self._storing]
         wanted_page_keys = [page_key for _, page_key in wanted]
         self._storing.update(wanted_page_keys)
-        return PrepareStoreOutput(keys_to_store=[key for key, _ in wanted], store_spec=KVStageLoadStoreSpec(wanted_page_keys), evicted_keys=[])
+        # Each block links to its request's block before it (stored by an earlier job, found in
+        # the store, or in this job), so a prefix stored over several steps is one chain.
+        priors = prior_page_keys(req_context, [key for key, _ in wanted])
+        return PrepareStoreOutput(
+            keys_to_store=[key for key, _ in wanted], store_spec=KVStageLoadStoreSpec(wanted_page_keys, priors), evicted_keys=[],
+        )
 
     def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
         """The workers finished the store of ``keys``. A worker reports a store done even when

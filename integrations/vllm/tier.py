@@ -37,8 +37,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvstage.errors import ArgumentTypeError, require
-from kvstage.integrations.vllm.keys import lookup_result, offloading_events, page_keys, tier_fingerprint
+from kvstage.integrations.vllm.keys import lookup_result, offloading_events, page_keys, prior_page_keys, tier_fingerprint
 from kvstage.offload import StoreIndex, StoreWorkers
+from kvstage.offload.keyed_copies import chain_runs
 from kvstage.offload.store_io import write_pages
 from kvstage.storage import open_storage
 
@@ -133,17 +134,25 @@ class KVStageTier(SecondaryTierManager):
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Write the job's primary chunks to the store on the writer thread: one ``put`` per
-        KV group's run of keys (in the order vLLM gives them, a run of one chain)."""
+        run of one chain of one KV group (in the order vLLM gives them), its first chunk linked
+        to its request's chunk before it (vLLM records each key's place in the request's
+        ``ReqContext``), so a prefix cascaded over several jobs stays one chain."""
         keys = self._checked_keys(job_metadata)
         wanted = page_keys(keys)
         pages = [self._primary[int(chunk)] for chunk in job_metadata.chunk_ids]
-        runs = _runs_by_group(keys)
+        # each run's first chunk links to its request's chunk before it (an earlier job's)
+        priors = prior_page_keys(job_metadata.req_context, keys)
+        runs = [
+            (group_start + start, group_start + stop, prior)
+            for group_start, group_stop in _runs_by_group(keys)
+            for start, stop, prior in chain_runs(wanted[group_start:group_stop], priors[group_start:group_stop])
+        ]
         storage = self.storage
 
         def write() -> tuple[int, BaseException | None]:
             failed, error = 0, None
-            for start, stop in runs:
-                outcome = write_pages(storage, wanted[start:stop], pages[start:stop])
+            for start, stop, prior in runs:
+                outcome = write_pages(storage, wanted[start:stop], pages[start:stop], prior_key=prior)
                 failed += len(outcome.failed_keys)
                 error = error or outcome.error
             return failed, error
