@@ -60,6 +60,10 @@ class _Job:
     started: float
 
 
+# The options of a KVStageTier's config dict (what vLLM passes on as keywords).
+TIER_OPTIONS = ("storage", "model_id", "read_threads", "miss_ttl_s", "hit_ttl_s", "locality")
+
+
 class KVStageTier(SecondaryTierManager):
     """A kvstage store below vLLM's CPU tier.
 
@@ -70,7 +74,9 @@ class KVStageTier(SecondaryTierManager):
             ``row_bytes`` bytes (padding included), the store's page size.
         tier_type: this tier's type name (``"KVStageTier"``).
         storage: a kvstage storage URL (``memory``, ``memory:BYTES``, ``file:DIR``,
-            ``mooncake://...``), see :func:`kvstage.storage.open_storage`.
+            ``mooncake://...``), see :func:`kvstage.storage.open_storage`; required, as for
+            :class:`KVStageOffloadingSpec` (a tier that fell back to a private in-process store
+            would silently share and keep nothing).
         model_id: the model's name in the key space; None: the model vLLM runs.
         read_threads: reader threads (promotions and lookups; >= 1).
         miss_ttl_s: seconds a "not held" answer is trusted before the store is asked again.
@@ -80,8 +86,9 @@ class KVStageTier(SecondaryTierManager):
         backpressure_detector: vLLM's, passed through.
 
     Raises:
-        InvalidArgumentError, ArgumentTypeError: a bad URL, ``locality``, fingerprint or thread
-            count (from kvstage, naming the argument); before any thread starts.
+        InvalidArgumentError, ArgumentTypeError: ``storage`` missing, an option not listed here
+            (naming it and the valid ones), a bad URL, ``locality``, fingerprint or thread count
+            (from kvstage, naming the argument); before any thread starts.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -91,14 +98,26 @@ class KVStageTier(SecondaryTierManager):
         offloading_spec: Any,
         primary_kv_view: memoryview,
         tier_type: str,
-        storage: str = "memory",
+        storage: str | None = None,
         model_id: str | None = None,
         read_threads: int = 2,
         miss_ttl_s: float = 1.0,
         hit_ttl_s: float | None = 10.0,
         locality: str | None = None,
         backpressure_detector: Any = None,
+        **unknown: Any,
     ) -> None:
+        # vLLM passes the tier's config dict as keywords: a misspelled option lands here, not in a TypeError
+        require(
+            not unknown, ", ".join(sorted(unknown)),
+            lambda: f"not an option of KVStageTier (its secondary_tiers config); its options are {list(TIER_OPTIONS)}, "
+            "besides vLLM's own 'type', 'module_path' and 'backpressure'",
+        )
+        require(
+            storage is not None, "storage",
+            "required in the KVStageTier config: a kvstage storage URL (file:DIR, mooncake://..., memory[:BYTES]); "
+            "write \"memory\" for an in-process store that is lost with the engine",
+        )
         require(isinstance(storage, str), "storage", lambda: f"must be a storage URL string, got {type(storage).__name__}", ArgumentTypeError)
         localities = [member.value for member in Locality]
         require(locality is None or locality in localities, "locality", lambda: f"must be one of {localities} or None, got {locality!r}")

@@ -249,6 +249,18 @@ def test_tier_a_second_engine_promotes_what_another_process_stored(other_engine_
         engine.close()
 
 
+def test_tier_a_misspelled_option_raises_naming_it_and_the_valid_ones():
+    with pytest.raises(InvalidArgumentError, match=r"^miss_tll_s: not an option of KVStageTier .*\['storage', 'model_id', 'read_threads', 'miss_ttl_s', 'hit_ttl_s', 'locality'\]"):
+        TierEngine("memory", miss_tll_s=5)
+
+
+def test_tier_without_storage_raises_naming_it_and_the_rule():
+    # the spec requires storage too; a tier that fell back to a private in-process store would
+    # silently share nothing with other engines and keep nothing across restarts
+    with pytest.raises(InvalidArgumentError, match=r'^storage: required in the KVStageTier config: .* write "memory"'):
+        TierEngine(None)
+
+
 def test_tier_a_bad_locality_raises_naming_it():
     with pytest.raises(InvalidArgumentError, match=r"^locality: must be one of \['LOCAL', 'REMOTE'\] or None, got 'far'"):
         TierEngine("memory", locality="far")
