@@ -433,3 +433,23 @@ def assert_blocks_hold(rig: ConnectorRig, request_id: str, prompt: list[int], co
     for index in range(count):
         for name, block in zip(rig.LAYERS, expected_block(rig, prompt, index)):
             assert torch.equal(rig.kv[name][blocks[index]], block), (index, name)
+
+
+def test_prior_page_keys_follow_the_positions_vllm_records_per_group_as_the_request_grows():
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+
+    from kvstage.integrations.vllm.keys import prior_page_keys
+
+    context = ReqContext(req_id="r")
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    group0 = [make_offload_key(h, 0) for h in hashes]
+    group1 = [make_offload_key(h, 1) for h in hashes]
+    for index in range(2):  # vLLM records keys as the request's block hashes grow
+        context.set_offload_key_position(group0[index], (index + 1) * 16)
+        context.set_offload_key_position(group1[index], (index + 1) * 32)
+    assert prior_page_keys(context, [group0[1], group1[1], group0[0]]) == [group0[0].hex(), group1[0].hex(), None]
+    for index in range(2, 4):
+        context.set_offload_key_position(group0[index], (index + 1) * 16)
+    assert prior_page_keys(context, group0[2:]) == [group0[1].hex(), group0[2].hex()]
+    assert prior_page_keys(context, [make_offload_key(b"x" * 32, 0)]) == [None]  # no position recorded: unknown
+    assert prior_page_keys(ReqContext(req_id="fresh"), group0[:1]) == [None]
