@@ -20,6 +20,7 @@ from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike, PageHasher
 from kvstage.offload.copier import Copier, CopyResult
 from kvstage.offload.copy_stream import CopyStream, ManualCopyStream
 from kvstage.offload.host_pool import HostPool
+from kvstage.offload.key_chain import PriorFailedError
 from kvstage.offload.keyed_copies import KeyedCopies, KeyedResult
 from kvstage.offload.load_path import PREFETCH_POLICIES, LoadHandle, PrefetchHandle, PrefixMatch
 from kvstage.offload.manager import OffloadManager
@@ -47,6 +48,7 @@ __all__ = [
     "OffloadRequest",
     "PrefetchHandle",
     "PrefixMatch",
+    "PriorFailedError",
     "StoreIndex",
     "StoreWorkers",
     "kv_length",

@@ -5,6 +5,12 @@ store in chain order); this module counts it (offloaded, failed, discarded), com
 keys, submits the store write to a worker thread (:func:`~kvstage.offload.store_io.write_pages`),
 and, when the write is done, frees the host pages, counts each page's outcome and reports
 failures. Host pages stay allocated while their write runs: they are the write's source.
+A page whose chain prior failed in this manager (its copy or its store write: the request's
+:class:`~kvstage.offload.key_chain.RequestChain` remembers) is refused at once with a
+:class:`~kvstage.offload.key_chain.PriorFailedError`, without asking the store or waiting for
+``prior_wait_s``. The check runs on the writer thread, just before the write's store call: the
+writes before it have ended by then (one writer, submission order), and the failures are
+collected and reported in chain order like any write's.
 Each request lifecycle's writes are tallied in a :class:`RequestWrites`, which the manager turns
 into its ``on_stored`` signal once the lifecycle is released and its last write has ended.
 """
@@ -12,15 +18,15 @@ into its ``on_stored`` signal once the lifecycle is released and its last write 
 from __future__ import annotations
 
 import logging
-import threading
 from collections import deque
+from concurrent.futures import wait as wait_futures
 from typing import Any, Callable
 
 from kvstage.offload.copier import Copier, CopyResult
 from kvstage.offload.key_chain import ChainRun, RequestChain
 from kvstage.offload.metrics import OffloadMetrics
 from kvstage.offload.prior_wait import PriorWaitingWrite
-from kvstage.offload.store_io import write_pages
+from kvstage.offload.store_io import WriteOutcome, write_pages
 
 __all__ = ["Backup", "RequestWrites"]
 
@@ -80,7 +86,6 @@ class Backup:
         self._stopping = False  # stop_waiting(): writes made now attempt once
         # (tally, host pages, future, the PriorWaitingWrite or None), in submission order
         self._writes: deque[tuple[RequestWrites, list[int], Any, PriorWaitingWrite | None]] = deque()
-        self._changed = threading.Condition()  # a PriorWaitingWrite parked or ended
         self.ended: list[RequestWrites] = []  # released lifecycles whose last write has ended (take_ended)
 
     @property
@@ -89,9 +94,9 @@ class Backup:
         return len(self._writes)
 
     @property
-    def writes_running(self) -> int:
-        """Store writes not done and not parked waiting for their prior page."""
-        return sum(1 for _, _, future, job in self._writes if not future.done() and not (job is not None and job.parked))
+    def writes_parked(self) -> int:
+        """Store writes waiting for their prior page (no thread runs them now)."""
+        return sum(1 for _, _, future, job in self._writes if job is not None and job.parked and not future.done())
 
     def settle(self, writes: RequestWrites, chain: RequestChain, run: ChainRun, result: CopyResult, *, discard: bool) -> None:
         """Count one finished gather of ``writes.req`` and hand its pages to a store write (or
@@ -107,7 +112,9 @@ class Backup:
                 counters.pages_failed += pages
                 writes.pages_failed += pages
                 logger.error("offload: D2H copy of %d pages of rid=%r failed: %r", pages, req.rid, result.error)
-                self.report_failure(req, self._keys_or_empty(chain, run), result.error)
+                keys = self._keys_or_empty(chain, run)
+                chain.failed(keys, result.error, "device-to-host copy")  # its successors are refused at once
+                self.report_failure(req, keys, result.error)
                 return
             counters.pages_offloaded += pages
             counters.bytes_offloaded += result.bytes
@@ -124,13 +131,14 @@ class Backup:
                 self.report_failure(req, [], error)
                 return
             host_pages = [self.copier.host_pool.page(host_page_id) for host_page_id in result.host_page_ids]
+            put = self._put(chain, keys, host_pages, run.prior_key)
             job = None
             if self.prior_wait_s > 0 and not self._stopping:
-                job = PriorWaitingWrite(self._workers.write, self.storage, keys, host_pages, run.prior_key, self.prior_wait_s, self._notify)
+                job = PriorWaitingWrite(self._workers.write, put, keys, self.prior_wait_s, chain.record_write)
                 job.start()
                 write = job.future
             else:
-                write = self._workers.write(lambda: write_pages(self.storage, keys, host_pages, prior_key=run.prior_key))
+                write = self._workers.write(lambda: chain.record_write(put()))
             self._writes.append((writes, result.host_page_ids, write, job))
             writes.writes_pending += 1
         finally:
@@ -167,16 +175,10 @@ class Backup:
         ended, self.ended = self.ended, []
         return ended
 
-    def wait(self, *, parked: bool = False) -> None:
-        """Block until every submitted write has finished or, unless ``parked``, is parked
-        waiting for its prior page (shutdown and tests)."""
-        for _, _, future, job in list(self._writes):
-            if job is None:
-                future.result()
-                continue
-            with self._changed:
-                while not future.done() and (parked or not job.parked):
-                    self._changed.wait(0.1)
+    def wait(self) -> None:
+        """Block until every submitted write has ended, parked ones too (each up to its
+        ``prior_wait_s``): drain, flush, close."""
+        wait_futures([future for _, _, future, _ in list(self._writes)])
 
     def stop_waiting(self, stopping: bool) -> None:
         """``True``: parked writes end now with their refusal, and writes made until
@@ -187,10 +189,6 @@ class Backup:
             for _, _, _, job in list(self._writes):
                 if job is not None:
                     job.stop()
-
-    def _notify(self) -> None:
-        with self._changed:
-            self._changed.notify_all()
 
     def report_failure(self, req: Any, keys: list[str], error: BaseException | None) -> None:
         """Call ``on_failure``; an exception it raises is counted and logged."""
@@ -208,24 +206,40 @@ class Backup:
         except Exception:
             return []
 
+    def _put(self, chain: RequestChain, keys: list[str], pages: list[Any], prior_key: str | None) -> Callable[[], WriteOutcome]:
+        """One attempt of a write, for the writer thread: refused without a store call when
+        its prior failed in this manager (a copy, or a write that ran before it)."""
+
+        def put() -> WriteOutcome:
+            refusal = chain.refusal(prior_key)
+            if refusal is not None:
+                return WriteOutcome(failed_keys=list(keys), error=refusal)
+            return write_pages(self.storage, keys, pages, prior_key=prior_key)
+
+        return put
+
     def _written(self, writes: RequestWrites, host_page_ids: list[int], future: Any) -> None:
-        req = writes.req
         outcome = future.result()
         self.copier.free(host_page_ids)
+        self._counters.pages_in_flight -= len(host_page_ids)
+        writes.writes_pending -= 1
+        if writes.released and writes.writes_pending == 0:
+            self.ended.append(writes)
+        self._account(writes, len(host_page_ids), outcome)
+
+    def _account(self, writes: RequestWrites, pages: int, outcome: WriteOutcome) -> None:
+        """Count a write's outcome (``pages`` host pages) and report its failed pages."""
+        req = writes.req
         counters = self._counters
-        counters.pages_in_flight -= len(host_page_ids)
         counters.pages_stored += outcome.stored
         counters.pages_deduplicated += outcome.deduplicated
         writes.pages_stored += outcome.stored + outcome.deduplicated
         writes.pages_failed += len(outcome.failed_keys)
-        writes.writes_pending -= 1
-        if writes.released and writes.writes_pending == 0:
-            self.ended.append(writes)
         if outcome.failed_keys:
             counters.pages_failed += len(outcome.failed_keys)
             counters.storage_failures += 1
             logger.warning(
                 "offload: storage write failed for %d of %d pages of rid=%r%s", len(outcome.failed_keys),
-                len(host_page_ids), req.rid, f": {outcome.error!r}" if outcome.error is not None else "",
+                pages, req.rid, f": {outcome.error!r}" if outcome.error is not None else "",
             )
             self.report_failure(req, outcome.failed_keys, outcome.error)

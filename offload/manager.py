@@ -152,7 +152,9 @@ class OffloadManager:
             keys or a store write failed for these keys (empty when keys could not be made);
             ``error`` is the exception that failed them (e.g. the store's ``OSError`` with its
             errno, or a :class:`~kvstage.storage.MissingPriorError` naming the chain page before
-            them that the store lacks) or None when the store only answered FAILED (no room).
+            them that the store lacks, a :class:`~kvstage.offload.PriorFailedError`
+            when that page failed in this manager, its ``cause`` the error that failed it) or
+            None when the store only answered FAILED (no room).
             Also logged once at WARNING.
         on_stored: ``on_stored(req, pages_stored, pages_failed)``: called from :meth:`poll`
             exactly once per request lifecycle (also aborted and retracted ones, and with
@@ -180,11 +182,14 @@ class OffloadManager:
             (:class:`~kvstage.storage.MissingPriorError`: the prefill side's last prompt page
             may land after the first decode page) is put again, after pauses of 10 ms doubling
             to 200 ms, on the writer thread; between attempts it waits off every thread, so
-            other writes go on and :meth:`drain` does not wait for it (:meth:`close` does).
-            After that long the pages fail, reported to ``on_storage_failure`` with a
-            ``MissingPriorError`` naming the missing key. 0: no retry. With
-            ``store_prompt=True`` every prior is this manager's own page or a loaded one, so a
-            refusal is final at once.
+            other writes go on and :meth:`poll` never waits for it (:meth:`drain`,
+            :meth:`close` do). After that long the pages fail, reported to
+            ``on_storage_failure`` with a ``MissingPriorError`` naming the missing key. 0: no
+            retry. With ``store_prompt=True`` every prior is this manager's own page or a
+            loaded one, so a refusal is final at once. Either way a page whose prior failed in
+            this manager (its copy or its store write) fails at once, without a store call:
+            the ``MissingPriorError`` is a :class:`~kvstage.offload.PriorFailedError`
+            naming the failed page and its cause.
 
     Raises:
         ArgumentTypeError: ``hasher`` is not a page hasher instance, ``storage`` is not a
@@ -631,8 +636,8 @@ class OffloadManager:
         """Block until every copy, store write and read in flight has completed, and finished
         requests' waiting pages are launched, polling as it goes (for shutdown and tests; never
         in the engine's step). Writes parked waiting for a prior page that another process
-        writes (``prior_wait_s``) are not waited for: they land or fail on their own, and
-        :meth:`close` waits for them.
+        writes are waited for too, each up to ``prior_wait_s``: when it returns nothing is in
+        flight and every host page of the store path is free.
 
         Raises:
             ThreadingError: called from another thread than the manager's.
@@ -667,7 +672,7 @@ class OffloadManager:
             self._cancel(handle)
         self._backup.stop_waiting(True)  # no write parked for its prior may land after clear()
         try:
-            self._drain(parked=True)
+            self._drain()
         finally:
             self._backup.stop_waiting(False)
         self._retracted.clear()
@@ -683,7 +688,7 @@ class OffloadManager:
             return
         for handle in list(self._prefetcher.active):
             self._cancel(handle)
-        self._drain(parked=True)  # writes waiting for their prior page: up to prior_wait_s
+        self._drain()  # writes waiting for their prior page: up to prior_wait_s
         self._closed = True
         if self._owns_workers:
             self._workers.close()
@@ -725,7 +730,7 @@ class OffloadManager:
         store = self.storage.stats
         return dataclasses.replace(
             self._counters, requests_live=len(self._states), copies_in_flight=self.copies_in_flight,
-            writes_pending=self._backup.writes_pending, host_pages_used=pool.used,
+            writes_pending=self._backup.writes_pending, writes_parked=self._backup.writes_parked, host_pages_used=pool.used,
             host_pages_high_water=pool.high_water, host_pages_capacity=pool.capacity,
             store_events_stored=store.events_stored, store_events_evicted=store.events_evicted,
             store_events_removed=store.events_removed, store_events_dropped=store.events_dropped,
@@ -963,16 +968,14 @@ class OffloadManager:
             self._counters.callback_errors += 1
             logger.exception("offload: on_stored callback raised for rid=%r", writes.req.rid)
 
-    def _drain(self, *, parked: bool = False) -> None:
-        """Block until copies, reads, writes and backlogs are done; writes parked waiting for
-        their prior page too when ``parked`` (close, flush)."""
+    def _drain(self) -> None:
+        """Block until copies, reads, writes (parked ones too) and backlogs are done."""
         while True:
             self.copier.synchronize()
             self._prefetcher.wait()
-            self._backup.wait(parked=parked)
+            self._backup.wait()
             self._poll()
-            writes = self._backup.writes_pending if parked else self._backup.writes_running
-            if not (self.copier.copies_in_flight or writes or self._backlog):
+            if not (self.copier.copies_in_flight or self._backup.writes_pending or self._backlog):
                 return
 
     def _cancel(self, handle: PrefetchHandle) -> None:

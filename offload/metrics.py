@@ -25,6 +25,7 @@ class OffloadMetrics:
     requests_live: int = 0  # request objects tracked (not released yet); gauge
     copies_in_flight: int = 0  # gathers and scatters launched and not polled yet; gauge
     writes_pending: int = 0  # segments whose store write runs on a worker thread (or waits for its prior page); gauge
+    writes_parked: int = 0  # of those, the ones waiting for their chain's prior page (prior_wait_s); gauge
     pages_in_flight: int = 0  # launched pages not ended yet (copying or being written); gauge
     pages_launched: int = 0
     pages_offloaded: int = 0  # pages whose D2H copy completed without error

@@ -7,7 +7,10 @@ prefill side's last prompt page, whose write may still be queued in the other pr
 refusal then means "not yet", not "never". :class:`PriorWaitingWrite` puts the pages again after
 a growing pause (10 ms doubling up to 200 ms) until the prior is stored or ``prior_wait_s`` has
 passed. Between attempts it is *parked*: no thread runs it (a :class:`threading.Timer` resubmits
-it to the writer thread), so other writes go on and the engine's thread never waits for it.
+it to the writer thread), so other writes go on and the engine's ``poll`` never waits for it
+(``drain`` and ``close`` do). A refusal that cannot change (a
+:class:`~kvstage.offload.key_chain.PriorFailedError`: the prior failed in this manager) is final
+at once.
 """
 
 from __future__ import annotations
@@ -17,9 +20,8 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
-import torch
-
-from kvstage.offload.store_io import WriteOutcome, write_pages
+from kvstage.offload.key_chain import PriorFailedError
+from kvstage.offload.store_io import WriteOutcome
 from kvstage.storage import MissingPriorError
 
 __all__ = ["PriorWaitingWrite"]
@@ -33,28 +35,28 @@ class PriorWaitingWrite:
 
     Args:
         submit: ``submit(call)`` runs ``call()`` on the writer thread (``StoreWorkers.write``).
-        storage: the store.
+        put: ``put()`` -> :class:`~kvstage.offload.store_io.WriteOutcome`: one attempt (the
+            run's pages, in host pages held until :attr:`future` is done, with its prior key).
         page_keys: the run's keys, in chain order.
-        pages: the host pages holding them (held until :attr:`future` is done).
-        prior_key: the chain key before ``page_keys[0]`` (None: no prior).
         prior_wait_s: seconds from the first refusal after which a refusal is final.
-        on_change: called (from any thread) whenever the write parks or ends.
+        on_end: ``on_end(outcome)``, called once with the final outcome before :attr:`future`
+            completes (on the thread that ends it).
 
     Attributes:
         future: completes with the last attempt's :class:`~kvstage.offload.store_io.WriteOutcome`;
-            a final refusal's ``error`` is a ``MissingPriorError`` naming the key and the wait.
+            a final refusal's ``error`` is a ``MissingPriorError`` naming the key and the wait,
+            or the attempt's ``PriorFailedError`` (the prior failed in this manager: no wait).
         parked: waiting for the next attempt (no thread runs it now).
     """
 
     def __init__(
-        self, submit: Callable[[Callable[[], Any]], Any], storage: Any, page_keys: Sequence[str],
-        pages: Sequence[torch.Tensor], prior_key: str | None, prior_wait_s: float, on_change: Callable[[], None],
+        self, submit: Callable[[Callable[[], Any]], Any], put: Callable[[], WriteOutcome], page_keys: Sequence[str],
+        prior_wait_s: float, on_end: Callable[[WriteOutcome], Any],
     ) -> None:
         self.future: Future = Future()
         self.parked = False
-        self._submit, self._storage = submit, storage
-        self._keys, self._pages, self._prior_key = page_keys, pages, prior_key
-        self._wait_s, self._on_change = prior_wait_s, on_change
+        self._submit, self._put, self._keys = submit, put, page_keys
+        self._wait_s, self._on_end = prior_wait_s, on_end
         self._first_refusal: float | None = None
         self._pause = FIRST_PAUSE_S
         self._stopped = False
@@ -75,13 +77,14 @@ class PriorWaitingWrite:
         self._end(self._last)
 
     def _attempt(self) -> None:
-        """On the writer thread: put the pages; park on a refusal for a missing prior."""
+        """On the writer thread: put the pages; park on a refusal for a missing prior that
+        another process may still write."""
         try:
-            outcome = write_pages(self._storage, self._keys, self._pages, prior_key=self._prior_key)
-        except Exception as error:  # write_pages never raises; this keeps the future from hanging
+            outcome = self._put()
+        except Exception as error:  # put never raises; this keeps the future from hanging
             outcome = WriteOutcome(failed_keys=list(self._keys), error=error)
         error = outcome.error
-        if not isinstance(error, MissingPriorError) or outcome.stored:
+        if not isinstance(error, MissingPriorError) or isinstance(error, PriorFailedError) or outcome.stored:
             self._end(outcome)
             return
         now = time.monotonic()
@@ -106,7 +109,6 @@ class PriorWaitingWrite:
         timer = threading.Timer(self._pause, self._resubmit)
         timer.daemon = True  # a process exiting without close() does not wait for it
         self._pause = min(self._pause * 2, LONGEST_PAUSE_S)
-        self._on_change()
         timer.start()
 
     def _resubmit(self) -> None:
@@ -121,6 +123,10 @@ class PriorWaitingWrite:
             self._end(self._last)
 
     def _end(self, outcome: WriteOutcome | None) -> None:
-        if not self.future.done():
-            self.future.set_result(outcome if outcome is not None else WriteOutcome(failed_keys=list(self._keys)))
-        self._on_change()
+        if self.future.done():
+            return
+        outcome = outcome if outcome is not None else WriteOutcome(failed_keys=list(self._keys))
+        try:
+            self._on_end(outcome)
+        finally:
+            self.future.set_result(outcome)

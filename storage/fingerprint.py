@@ -26,13 +26,26 @@ from kvstage.kv_layout import KVLayout
 
 __all__ = ["LayoutFingerprint", "prefix_of"]
 
+_MODEL_ID_RULE = (
+    "the model's name or path (e.g. 'meta-llama/Llama-3.1-8B'); it is part of every page key's prefix, "
+    "so that pages of different models are never shared"
+)
+_NO_MODEL_ID: Any = object()  # ``model_id`` not given: a clear error instead of Python's bare TypeError
+
+
+def _require_model_id(model_id: Any) -> None:
+    """Raises ArgumentTypeError naming ``model_id`` and what it is for when it was not given."""
+    if model_id is _NO_MODEL_ID:
+        raise ArgumentTypeError(f"model_id: required: {_MODEL_ID_RULE}")
+
 
 @dataclass(frozen=True)
 class LayoutFingerprint:
     """The key space of stored pages.
 
     Attributes:
-        model_id: the model's name or path, e.g. ``"meta-llama/Llama-3.1-8B"`` (non-empty).
+        model_id: the model's name or path, e.g. ``"meta-llama/Llama-3.1-8B"`` (non-empty; required:
+            it is part of every page key's prefix, so different models never share pages).
         layout: this process's KV layout (:class:`kvstage.kv_layout.KVLayout`); for a pipeline
             stage, ``layout.num_layers`` is the stage's layer count.
         page_size: tokens per page.
@@ -58,7 +71,10 @@ class LayoutFingerprint:
     rank_neutral_pages: bool = False
 
     def __post_init__(self) -> None:
-        require(isinstance(self.model_id, str) and self.model_id != "", "model_id", "must be a non-empty string")
+        require(
+            isinstance(self.model_id, str) and self.model_id != "", "model_id",
+            lambda: f"must be a non-empty str, {_MODEL_ID_RULE}, got {self.model_id!r}",
+        )
         require(
             isinstance(self.layout, KVLayout), "layout",
             lambda: f"must be a kvstage.kv_layout.KVLayout, got {type(self.layout).__name__}", ArgumentTypeError,
@@ -82,7 +98,7 @@ class LayoutFingerprint:
 
     @classmethod
     def opaque(
-        cls, model_id: str, *, page_bytes: int, page_format: str, tp_rank: int = 0, tp_size: int = 1,
+        cls, model_id: str = _NO_MODEL_ID, *, page_bytes: int, page_format: str, tp_rank: int = 0, tp_size: int = 1,
         rank_neutral: bool = False,
     ) -> "LayoutFingerprint":
         """The key space of pages an engine lays out itself: ``page_bytes`` bytes each.
@@ -99,9 +115,11 @@ class LayoutFingerprint:
                 ranks, written by rank 0 only.
 
         Raises:
+            ArgumentTypeError: ``model_id`` not given.
             InvalidArgumentError: an empty or non-str ``page_format``, ``page_bytes`` not a
                 positive int, or as the class.
         """
+        _require_model_id(model_id)
         require(
             isinstance(page_format, str) and page_format != "", "page_format",
             lambda: f"must be a non-empty str describing the page format, got {page_format!r}",
@@ -114,7 +132,9 @@ class LayoutFingerprint:
         )
 
     @classmethod
-    def of(cls, kv_pool: Any, *, page_size: int, model_id: str, tp_rank: int = 0, tp_size: int = 1, first_layer: int = 0) -> "LayoutFingerprint":
+    def of(
+        cls, kv_pool: Any, *, page_size: int, model_id: str = _NO_MODEL_ID, tp_rank: int = 0, tp_size: int = 1, first_layer: int = 0,
+    ) -> "LayoutFingerprint":
         """The fingerprint of a KV pool's (or host pool's, or a :class:`KVLayout`'s) layout.
 
         Args:
@@ -123,9 +143,10 @@ class LayoutFingerprint:
             page_size, model_id, tp_rank, tp_size, first_layer: as the attributes.
 
         Raises:
-            ArgumentTypeError: ``kv_pool`` has no layout.
+            ArgumentTypeError: ``kv_pool`` has no layout, or ``model_id`` was not given.
             InvalidArgumentError: as the class.
         """
+        _require_model_id(model_id)
         layout = kv_pool if isinstance(kv_pool, KVLayout) else getattr(kv_pool, "layout", None)
         require(
             isinstance(layout, KVLayout), "kv_pool",

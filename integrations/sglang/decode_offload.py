@@ -21,6 +21,13 @@ requests in finish order (the same on every rank) and, each step, the ranks agre
 all-reduce (MIN over ``tp_group``) on how many of the queue's head are released everywhere;
 exactly those are handed back to sglang.
 
+Retraction: sglang's decode side frees a retracted request's slots itself (``retract_all``)
+and holds the same ``Req`` for re-bootstrap; the next :meth:`check_offload_progress` sees its
+slots gone and ends its lifecycle with :meth:`kvstage.offload.OffloadManager.retract`
+(``keep_offloaded=True``: when it runs again its pages continue after those stored). The
+manager and this class then hold it weakly only, so a request sglang drops while held is
+collected with sglang's last reference.
+
 Switching sglang to it without editing sglang's source: :func:`sglang_plugin`, an sglang plugin
 enabled by ``KVSTAGE_SGLANG_DECODE_OFFLOAD=1``.
 """
@@ -28,6 +35,7 @@ enabled by ``KVSTAGE_SGLANG_DECODE_OFFLOAD=1``.
 from __future__ import annotations
 
 import json
+import weakref
 from typing import Any
 
 import torch
@@ -35,6 +43,7 @@ import torch
 from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
 from kvstage.integrations.sglang.key_space import ExtraConfig
+from kvstage.integrations.sglang.pool_kinds import require_stored_device_pool
 from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, OffloadManager
 
@@ -89,30 +98,26 @@ class KVStageDecodeOffloadManager:
             :meth:`~kvstage.integrations.sglang.key_space.ExtraConfig.kv_dtype` refuse it (no
             ``url``, an unknown key, fp8 as ``uint8`` without ``kv_cache_dtype`` or
             ``kv_cache_dtype`` on a pool that is not fp8) or, for a bad URL,
-            :meth:`~kvstage.integrations.sglang.key_space.ExtraConfig.open_store`; a device pool other than MHA or
-            MLA (hybrid SWA/Mamba pools), or an MHA pool whose V head size differs from its K
+            :meth:`~kvstage.integrations.sglang.key_space.ExtraConfig.open_store`; a device pool other than
+            exactly sglang's ``MHATokenToKVPool`` or ``MLATokenToKVPool`` (named by kind: DeepSeek
+            V3.2's ``DSATokenToKVPool``, an MLA subclass whose indexer keys a latent page cannot
+            hold; SWA, Mamba, FP4 pools...), or an MHA pool whose V head size differs from its K
             head size.
     """
 
     def __init__(self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, tp_group: Any, tree_cache: Any) -> None:
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-
         page_size, stride, extra, served_model, hicache_size, hicache_ratio = _sglang_settings()
         config = ExtraConfig.parse(extra, served_model)
         kv_cache = token_to_kv_pool_allocator.get_kvcache()
-        if isinstance(kv_cache, MLATokenToKVPool):
+        # Exact classes: a subclass may hold more than kvstage stores (DSA: the indexer's keys).
+        if require_stored_device_pool(kv_cache, "token_to_kv_pool_allocator"):
             wrap, parts = KVPool.mla, (list(kv_cache.kv_buffer),)
-        elif isinstance(kv_cache, MHATokenToKVPool):
+        else:
             if kv_cache.v_head_dim != kv_cache.head_dim:
                 raise InvalidArgumentError(
                     f"token_to_kv_pool_allocator: V head size {kv_cache.v_head_dim} differs from K head size {kv_cache.head_dim}"
                 )
             wrap, parts = KVPool.mha, (list(kv_cache.k_buffer), list(kv_cache.v_buffer))
-        else:
-            raise InvalidArgumentError(
-                f"token_to_kv_pool_allocator: {type(kv_cache).__name__} is not supported (MHA or MLA device pools only; "
-                "hybrid SWA/Mamba pools are not)"
-            )
         # fp8 held as uint8: the same bytes viewed as the fp8 kind, so the pool's layout is the
         # prefill side's (a view, no copy).
         dtype = config.kv_dtype(parts[0][0].dtype, "device pool")
@@ -133,12 +138,16 @@ class KVStageDecodeOffloadManager:
         num_pages = int(hicache_size * 1e9) // page_bytes if hicache_size else int(hicache_ratio * kv_cache.size) // page_size
         self._released_here: set[int] = set()  # id(req) of finishing requests kvstage released on this rank
         self._finishing: list[Any] = []  # finished requests, in finish order (equal on every rank)
+        # Running requests handed to the manager, held weakly: sglang may retract one (free its
+        # slots, hold the Req) and drop it later without calling this class again.
+        self._running: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._retracting: set[int] = set()  # id(req) being retracted: its release is not sglang's hand-back
         self.storage = config.open_store(fingerprint)
         try:
             self.host_pool = HostPool.like(kv_pool, num_pages=max(num_pages, 1), page_size=page_size)
             self.manager = OffloadManager(
                 kv_pool, self.host_pool, self.storage, PageHasher(page_size=page_size), self._slot_indices,
-                offload_stride=stride, store_prompt=False, release=lambda req: self._released_here.add(id(req)),
+                offload_stride=stride, store_prompt=False, release=self._on_release,
             )
         except BaseException:
             self.storage.close()  # sglang never calls release_host_resources on a manager that failed to build
@@ -158,9 +167,11 @@ class KVStageDecodeOffloadManager:
         if req.kv.req_pool_idx is None or req.kv.req_pool_idx == -1:
             return False
         if req.finished():
+            self._running.pop(id(req), None)
             self.manager.finish(req)
             self._finishing.append(req)
             return True
+        self._running[id(req)] = req
         return self.manager.offload(req)
 
     def finalize_release_on_finish(self, req: Any) -> None:
@@ -168,15 +179,18 @@ class KVStageDecodeOffloadManager:
         abort): nothing more of it is stored; it is released in lockstep like any other."""
         if req.kv.req_pool_idx is None or req.kv.req_pool_idx == -1 or any(queued is req for queued in self._finishing):
             return  # released to sglang already, or queued
+        self._running.pop(id(req), None)
         self.manager.abort(req)  # releases at once when nothing of it is in flight
         if not self.manager.is_tracked(req):
             self._released_here.add(id(req))
         self._finishing.append(req)
 
     def check_offload_progress(self) -> None:
-        """Collect finished copies and store writes (never waits), then hand sglang the
-        finished requests that every TP rank has released, in finish order."""
+        """Collect finished copies and store writes (never waits), end the lifecycle of each
+        running request sglang retracted since the last step, then hand sglang the finished
+        requests that every TP rank has released, in finish order."""
         self.manager.poll()
+        self._retract_freed()
         ready = 0
         for req in self._finishing:
             if id(req) not in self._released_here:
@@ -218,6 +232,30 @@ class KVStageDecodeOffloadManager:
         self.storage.close()
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _retract_freed(self) -> None:
+        """Running requests whose slots sglang freed without finishing them: its decode-side
+        retraction (``retract_all``: slots and row freed, the same ``Req`` held for
+        re-bootstrap). Each is retracted in the manager (``keep_offloaded``: when it runs again
+        its pages continue after those stored, as sglang's own manager resumes), which then
+        holds it weakly only, so a request sglang drops while held (an abort) is not kept
+        alive. sglang drains device-to-host copies before it retracts, so nothing of it copies."""
+        for key, req in list(self._running.items()):
+            if req.kv.req_pool_idx is not None and req.kv.req_pool_idx != -1:
+                continue
+            del self._running[key]
+            if not self.manager.is_tracked(req):
+                continue
+            self._retracting.add(key)
+            self.manager.retract(req, keep_offloaded=True)
+
+    def _on_release(self, req: Any) -> None:
+        """The manager's release: a finishing request may go back to sglang; a retracted one's
+        slots are sglang's already."""
+        if id(req) in self._retracting:
+            self._retracting.discard(id(req))
+            return
+        self._released_here.add(id(req))
 
     def _slot_indices(self, req: Any) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]

@@ -27,6 +27,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.integrations.sglang.host_layouts import flat_page_view, host_kv_layout, page_view
 from kvstage.integrations.sglang.key_space import ExtraConfig
+from kvstage.integrations.sglang.pool_kinds import require_stored_host_pool, require_stored_v2_pool
 from kvstage.kv_layout import KVLayout
 from kvstage.offload.store_io import leading_hits, write_pages
 from kvstage.storage import MissingPriorError, StorageBackend
@@ -96,7 +97,9 @@ class KVStageStorage(HiCacheStorage):
         ``is_storage_writer``).
 
         Raises:
-            InvalidArgumentError: an unsupported host pool (see
+            InvalidArgumentError: a host pool other than sglang's ``MHATokenToKVPoolHost`` or
+                ``MLATokenToKVPoolHost`` (exactly: Mamba, DSA indexer, K-only, MXFP8 and other
+                pools, subclasses too, named by kind), an unsupported layout (see
                 :func:`~kvstage.integrations.sglang.host_layouts.host_kv_layout`); a ``uint8``
                 pool without ``kv_cache_dtype``, or ``kv_cache_dtype`` on a pool that is not fp8;
                 a bad URL (the message names ``extra_config.url``); a second registration.
@@ -104,6 +107,7 @@ class KVStageStorage(HiCacheStorage):
         """
         if self.store is not None:
             raise InvalidArgumentError("mem_pool_host: a host pool is already registered")
+        require_stored_host_pool(mem_pool_host)
         config = self.storage_config
         fingerprint = self.config.fingerprint(
             host_kv_layout(mem_pool_host), "host pool", page_size=mem_pool_host.page_size,
@@ -112,6 +116,27 @@ class KVStageStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         self.kv_layout = fingerprint.layout
         self.store = self.config.open_store(fingerprint)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """sglang's ``HybridCacheController`` registers each pool of its host pool group here
+        (after :meth:`register_mem_pool_host`, and for sidecars added later). kvstage stores the
+        KV pool only: the anchor pool again under ``"kv"`` is accepted; any other pool (DeepSeek
+        V3.2's DSA indexer, Mamba state, SWA, DeepSeek V4, a draft model's) is refused here,
+        since sglang would then ask for it through the v2 calls kvstage does not serve and the
+        model's pages would lack that pool's data.
+
+        Raises:
+            InvalidArgumentError: any other pool, named by its pool name, kind and class; the
+                store the anchor's registration opened is closed first (this backend then
+                serves nothing: the model's pages cannot be stored whole).
+        """
+        try:
+            require_stored_v2_pool(host_pool, host_pool_name, self.mem_pool_host)
+        except InvalidArgumentError:
+            self.close()
+            self.store = None
+            raise
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     # -- v1 zero-copy interface (host indices) ------------------------------------------------
 

@@ -275,6 +275,15 @@ class Engine:
         self.manager.drain()
         self.manager.poll()
 
+    def settle_copies(self, timeout_s: float = 10.0) -> None:
+        """Test helper: the engine's idle polls until every copy is done and every request
+        released; store writes may still wait for their prior page."""
+        deadline = time.monotonic() + timeout_s
+        while self.manager.copies_in_flight or self.manager.requests_live:
+            assert time.monotonic() < deadline, "copies did not finish"
+            self.manager.poll()
+            time.sleep(0.005)
+
 
 def prompt(seed: int, length: int) -> list[int]:
     return torch.randint(1, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -703,7 +712,7 @@ def _decode_side_first(llama, failures, **manager_kwargs):
     prefill = Engine(llama, storage, prefetch=False)
     req = Req("r", prompt(20, 40), 20, **NAMESPACE)
     decode.run(req)
-    decode.settle()
+    decode.settle_copies()  # not drain(): it would wait for the decode pages' prior for prior_wait_s
     first_token = Req("r", prompt(20, 40), 1, **NAMESPACE)
     prefill.run(first_token)
     prefill.settle()
@@ -718,8 +727,8 @@ def test_decode_side_pages_that_race_ahead_of_the_prefill_side_are_kept(llama):
     predecessor yet); the manager never retried, so the request's decode pages were lost for
     good although their chain is whole a moment later (5 of 7 pages found). Now a
     ``store_prompt=False`` manager puts them again for up to ``prior_wait_s``, off the
-    engine's thread: the decode side's ``drain`` returned while they waited (the prefill side
-    ran after it), and ``close`` waits for them."""
+    engine's thread: the decode side's polls go on while they wait (the prefill side ran
+    after its copies were done), and ``close`` waits for them."""
     failures = []
     decode, prefill, req = _decode_side_first(llama, failures)
     decode.manager.close()

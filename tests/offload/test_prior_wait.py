@@ -1,9 +1,13 @@
 """A ``store_prompt=False`` manager (a disaggregated decode side) puts a decode page again while
 the store refuses it for a missing prior (the prefill side's last prompt page, written by
-another process), up to ``prior_wait_s``; the engine's thread never waits for it."""
+another process), up to ``prior_wait_s``; ``poll`` never waits for it, ``drain`` and ``close``
+do. A page whose prior failed in this same manager (its copy or its store write) will never
+have a stored prior: it fails at once, naming that page and why it failed."""
 
 from __future__ import annotations
 
+import errno
+import threading
 import time
 
 import pytest
@@ -12,9 +16,11 @@ import torch
 from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
 from kvstage.kernels import KVPool
-from kvstage.offload import HostPool, OffloadManager
+from kvstage.kv_layout import KVLayout
+from kvstage.offload import HostPool, OffloadManager, StoreWorkers
 from kvstage.offload.testing import SimpleRequest
-from kvstage.storage import LayoutFingerprint, MissingPriorError, PutStatus, open_storage
+from kvstage.storage import LayoutFingerprint, MemoryStore, MissingPriorError, PutStatus, PutStatuses, open_storage
+from offload_rig import make_rig
 
 PAGE = 4
 PROMPT = list(range(1, 9))  # two whole pages: the prefill side's
@@ -37,16 +43,23 @@ class DecodeSide:
         )
         self.prompt_keys = self.hasher.prefill_keys(PROMPT, **NAMESPACE)
 
-    def decode_one_page(self) -> SimpleRequest:
+    def decode_one_page(self, *, parked: bool = True) -> SimpleRequest:
         """A request whose first decode page (positions 8..11) is offloaded and finished; the
-        manager drained (which does not wait for a write waiting for its prior)."""
+        engine polls until its copy is done and released and (``parked``) its write waits
+        for its prior."""
         req = SimpleRequest("r", PROMPT, **NAMESPACE)
         req.output_ids.extend([20, 21, 22, 23, 24])  # KV of 8 + 4 positions: one decode page
         assert self.manager.offload(req)
         req.done = True
         self.manager.finish(req)
-        self.manager.drain()
-        return req
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the engine's idle polls
+            self.manager.poll()
+            metrics = self.manager.metrics
+            if metrics.requests_live == 0 and metrics.copies_in_flight == 0 and (not parked or metrics.writes_parked == 1):
+                return req
+            time.sleep(0.005)
+        raise AssertionError(f"the decode page did not park: {self.manager.metrics}")
 
     def prefill_side_stores_the_prompt(self) -> None:
         page = torch.zeros(self.storage.page_bytes, dtype=torch.uint8)
@@ -56,11 +69,11 @@ class DecodeSide:
         return self.hasher.prefill_keys(PROMPT + req.output_ids[:4], **NAMESPACE)[2]
 
 
-def test_drain_returns_while_the_page_waits_and_poll_reports_it_once_the_prior_lands():
+def test_poll_reports_a_parked_page_once_the_prior_lands():
     side = DecodeSide(prior_wait_s=30)
     req = side.decode_one_page()
     metrics = side.manager.metrics
-    assert (metrics.writes_pending, metrics.pages_stored, metrics.pages_in_flight) == (1, 0, 1)  # parked, host page held
+    assert (metrics.writes_pending, metrics.writes_parked, metrics.pages_stored, metrics.pages_in_flight) == (1, 1, 0, 1)  # host page held
     assert side.stored == [] and side.failures == []
     side.prefill_side_stores_the_prompt()
     deadline = time.monotonic() + 30
@@ -103,12 +116,149 @@ def test_flush_fails_a_parked_page_so_nothing_of_the_old_weights_lands_after_it(
     assert side.stored == [(0, 1)]
 
 
+def test_drain_waits_for_a_parked_page_until_its_prior_lands():
+    """``drain`` used to return at once with the page still parked (its host page held, 1 page
+    in flight); now it returns once the write has ended, here stored when the prior lands."""
+    side = DecodeSide(prior_wait_s=5)
+    req = side.decode_one_page()
+    threading.Timer(0.3, side.prefill_side_stores_the_prompt).start()
+    started = time.monotonic()
+    side.manager.drain()
+    waited = time.monotonic() - started
+    metrics = side.manager.metrics
+    assert (metrics.writes_pending, metrics.writes_parked, metrics.pages_in_flight, metrics.host_pages_used) == (0, 0, 0, 0)
+    assert (metrics.pages_stored, side.stored, side.failures) == (1, [(1, 0)], [])
+    assert side.storage.exists([side.decode_key(req)]) == [True]
+    assert 0.25 < waited < 4  # it waited for the prior, not for prior_wait_s
+    side.manager.close()
+
+
+def test_drain_waits_out_prior_wait_s_for_a_prior_that_never_lands():
+    side = DecodeSide(prior_wait_s=0.3)
+    req = side.decode_one_page()
+    side.manager.drain()
+    metrics = side.manager.metrics
+    assert (metrics.writes_pending, metrics.pages_in_flight, metrics.host_pages_used, metrics.pages_failed) == (0, 0, 0, 1)
+    ((keys, error),) = side.failures
+    assert keys == [side.decode_key(req)] and isinstance(error, MissingPriorError)
+    assert side.stored == [(0, 1)]
+    side.manager.close()
+
+
+def _decode_rig(storage, **kwargs):
+    """A decode-side rig (``store_prompt=False``) over a chain-aware store, ``prior_wait_s=5``,
+    and the failures reported with the time they came."""
+    reports = []
+    rig = make_rig(
+        page_size=2, storage=storage, prior_wait_s=5,
+        on_storage_failure=lambda req, keys, error: reports.append((time.monotonic(), keys, error)), **kwargs,
+    )
+    return rig, reports
+
+
+RIG_FINGERPRINT = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 2)
+
+
+def test_a_page_after_a_failed_copy_fails_at_once_naming_the_failed_page():
+    """A decode side: page 2's device-to-host copy fails, page 3's succeeds. Page 3's write used
+    to wait ``prior_wait_s`` for a prior this manager knows it never writes, holding a host page
+    (and ``drain`` returned with it parked). Now it fails in the same poll, with a
+    ``MissingPriorError`` naming page 2 whose cause is the copy's error."""
+    storage = MemoryStore(RIG_FINGERPRINT, capacity_pages=64)
+    rig, reports = _decode_rig(storage)
+    req = rig.new_request("r", [1, 2, 3, 4], 20)  # prompt pages 0 and 1: the prefill side's
+    decode_steps(rig, req, [5, 6, 7, 8, 9])  # KV of 8 positions: pages 2 and 3, one copy each
+    broke = RuntimeError("copy broke")
+    rig.copy_stream.complete(0, error=broke)
+    rig.copy_stream.complete(0)
+    started = time.monotonic()
+    rig.manager.poll()
+    deadline = started + 3
+    while len(reports) < 2 and time.monotonic() < deadline:
+        rig.manager.poll()
+        time.sleep(0.01)
+    keys = rig.chain(req)
+    assert [report_keys for _, report_keys, _ in reports] == [[keys[2]], [keys[3]]]
+    assert reports[0][2] is broke
+    (at, _, error) = reports[1]
+    assert at - started < 1  # at once, not after prior_wait_s=5
+    assert isinstance(error, MissingPriorError) and error.prior_key == keys[2] and error.__cause__ is broke
+    assert keys[2] in str(error) and "copy broke" in str(error)
+    metrics = rig.manager.metrics
+    assert (metrics.copy_failures, metrics.storage_failures, metrics.pages_failed, metrics.pages_stored) == (1, 1, 2, 0)
+    assert (metrics.writes_pending, metrics.pages_in_flight, metrics.host_pages_used) == (0, 0, 0)
+    assert storage.exists(keys[2:4]) == [False, False]
+    started = time.monotonic()
+    req.done = True
+    rig.manager.finish(req)
+    rig.manager.drain()
+    assert time.monotonic() - started < 1
+    assert rig.released == [req]
+    rig.manager.close()
+
+
+class GatedStore(MemoryStore):
+    """A memory store whose put of ``failing_key`` waits for ``gate`` and then fails it with
+    ``ENOSPC`` (so the next page's write is already queued behind it on the writer thread)."""
+
+    def __init__(self, fingerprint) -> None:
+        super().__init__(fingerprint, capacity_pages=64)
+        self.gate = threading.Event()
+        self.failing_key: str | None = None
+        self.error = OSError(errno.ENOSPC, "No space left on device")
+
+    def _put(self, full_keys, pages, full_prior_key=None):
+        if self.failing_key is not None and self.prefix + self.failing_key in full_keys:
+            assert self.gate.wait(10)
+            return PutStatuses([PutStatus.FAILED] * len(full_keys), error=self.error)
+        return super()._put(full_keys, pages, full_prior_key)
+
+
+def test_a_page_after_a_failed_store_write_fails_at_once_naming_the_failed_page():
+    """Page 2's store write fails (``ENOSPC``) while page 3's write waits behind it on the writer
+    thread: page 3 will never have a stored prior, so it fails at once (it used to wait
+    ``prior_wait_s``), with a ``MissingPriorError`` naming page 2 whose cause is the store's error."""
+    storage = GatedStore(RIG_FINGERPRINT)
+    workers = StoreWorkers()
+    rig, reports = _decode_rig(storage, store_workers=workers)
+    req = rig.new_request("r", [1, 2, 3, 4], 20)
+    decode_steps(rig, req, [5, 6, 7, 8, 9])
+    keys = rig.chain(req)
+    storage.failing_key = keys[2]
+    rig.copy_stream.complete_all()
+    rig.manager.poll()  # both writes submitted: page 2's waits for the gate
+    started = time.monotonic()
+    storage.gate.set()
+    deadline = started + 3
+    while len(reports) < 2 and time.monotonic() < deadline:
+        rig.manager.poll()
+        time.sleep(0.01)
+    assert [report_keys for _, report_keys, _ in reports] == [[keys[2]], [keys[3]]]
+    assert reports[0][2] is storage.error
+    (at, _, error) = reports[1]
+    assert at - started < 1  # at once, not after prior_wait_s=5
+    assert isinstance(error, MissingPriorError) and error.prior_key == keys[2] and error.__cause__ is storage.error
+    assert keys[2] in str(error) and "No space left" in str(error)
+    metrics = rig.manager.metrics
+    assert (metrics.storage_failures, metrics.pages_failed, metrics.pages_stored) == (2, 2, 0)
+    assert (metrics.writes_pending, metrics.pages_in_flight, metrics.host_pages_used) == (0, 0, 0)
+    rig.manager.close()
+    workers.close()
+
+
 def test_prior_wait_s_zero_refuses_at_once():
     side = DecodeSide(prior_wait_s=0)
-    side.decode_one_page()
+    side.decode_one_page(parked=False)
+    side.manager.drain()
     assert side.manager.metrics.writes_pending == 0 and len(side.failures) == 1
     assert isinstance(side.failures[0][1], MissingPriorError)
     side.manager.close()
+
+
+def decode_steps(rig, req, tokens):
+    for token in tokens:
+        rig.decode(req, token)
+        rig.manager.offload(req)
 
 
 @pytest.mark.parametrize("bad", [-1, True, "10", None])

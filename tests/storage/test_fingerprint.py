@@ -128,3 +128,22 @@ def test_stages_on_one_directory_count_and_evict_only_their_own_pages(tmp_path):
     assert store0.put([other], [filled(stage(0), 11)]) == [PutStatus.STORED]  # evicts stage 0's KEY
     assert store0.exists([KEY, other]) == [False, True]
     assert store1.exists([KEY]) == [True] and store1.used_bytes == page_file_bytes
+
+
+def test_a_missing_model_id_names_the_argument_and_what_it_is_for():
+    """``LayoutFingerprint.of(pool, page_size=...)`` without ``model_id`` was Python's bare
+    ``TypeError: of() missing 1 required keyword-only argument``, saying nothing of what the id
+    is for. It is now a kvstage ``ArgumentTypeError`` (still a ``TypeError``) naming the argument,
+    an example, and why it is required; ``opaque`` says the same."""
+    from kvstage.errors import ArgumentTypeError, InvalidArgumentError
+
+    rule = r"^model_id: required: the model's name or path \(e\.g\. 'meta-llama/Llama-3\.1-8B'\); it is part of every page key's prefix, so that pages of different models are never shared$"
+    with pytest.raises(ArgumentTypeError, match=rule):
+        LayoutFingerprint.of(STAGE_LAYOUT, page_size=2)
+    with pytest.raises(ArgumentTypeError, match=rule):
+        LayoutFingerprint.opaque(page_bytes=64, page_format="vllm-blocks")
+    with pytest.raises(InvalidArgumentError, match=r"^model_id: must be a non-empty str, the model.s name .*never shared, got ''$"):
+        LayoutFingerprint.of(STAGE_LAYOUT, page_size=2, model_id="")
+    with pytest.raises(InvalidArgumentError, match=r"^model_id: must be a non-empty str, the model.s name .*never shared, got None$"):
+        LayoutFingerprint(None, STAGE_LAYOUT, 2)
+    assert LayoutFingerprint.of(STAGE_LAYOUT, page_size=2, model_id="org/model") == stage(0)

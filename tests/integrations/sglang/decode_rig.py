@@ -17,18 +17,19 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.runtime_context import get_context, get_parallel
 from sglang.srt.sampling.sampling_params import SamplingParams
-from sglang_rig import PAGE_SIZE, extra_config, mha_device_pool, mla_device_pool
+from sglang_rig import PAGE_SIZE, dsa_device_pool, extra_config, mha_device_pool, mla_device_pool
 
 from kvstage.integrations.sglang import KVStageDecodeOffloadManager
 
 
-def install_settings(url: str, tp_rank: int = 0, tp_size: int = 1, stride: int = PAGE_SIZE):
-    """sglang's published config for a decode server using kvstage (restore() undoes it)."""
+def install_settings(url: str, tp_rank: int = 0, tp_size: int = 1, stride: int | None = None, page_size: int = PAGE_SIZE):
+    """sglang's published config for a decode server using kvstage (restore() undoes it);
+    the stride defaults to one page."""
     import os
 
-    os.environ["SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"] = str(stride)
+    os.environ["SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"] = str(page_size if stride is None else stride)
     override = get_context().override_server_args(
-        device="cpu", page_size=PAGE_SIZE, tp_size=tp_size, hicache_ratio=2.0, served_model_name="org/tiny-model",
+        device="cpu", page_size=page_size, tp_size=tp_size, hicache_ratio=2.0, served_model_name="org/tiny-model",
         hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(extra_config(url)),
     )
     override.install()
@@ -49,17 +50,19 @@ def settings_installed(url: str, **settings):
 
 
 class DecodeSide:
-    """One decode rank: sglang's pools and a KVStageDecodeOffloadManager over ``tp_group``."""
+    """One decode rank: sglang's pools and a KVStageDecodeOffloadManager over ``tp_group``
+    (``kind``: ``"mha"``, ``"mla"`` or ``"dsa"``, DeepSeek V3.2's pool with 64-token pages)."""
 
     def __init__(self, kind: str, tp_group) -> None:
-        self.device = mha_device_pool(size=256) if kind == "mha" else mla_device_pool(size=256)
+        self.device = {"mha": mha_device_pool, "mla": mla_device_pool, "dsa": dsa_device_pool}[kind](size=256)
+        page_size = self.device.page_size
         self.req_to_token_pool = ReqToTokenPool(size=8, max_context_len=128, device="cpu", enable_memory_saver=False)
         self.allocator = PagedTokenToKVPoolAllocator(
-            self.device.size, PAGE_SIZE, self.device.dtype, "cpu", self.device, need_sort=False
+            self.device.size, page_size, self.device.dtype, "cpu", self.device, need_sort=False
         )
         self.tree_cache = RadixCache(CacheInitParams(
             disable=True, req_to_token_pool=self.req_to_token_pool,
-            token_to_kv_pool_allocator=self.allocator, page_size=PAGE_SIZE,
+            token_to_kv_pool_allocator=self.allocator, page_size=page_size,
         ))
         self.manager = KVStageDecodeOffloadManager(
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,

@@ -31,6 +31,44 @@ def mla_device_pool(size: int = 128, dtype=torch.bfloat16) -> MLATokenToKVPool:
     )
 
 
+# DeepSeek V3.2's DSA pool: sglang requires 64-token pages (its indexer's physical page).
+DSA_PAGE_SIZE = 64
+
+
+def dsa_device_pool(size: int = 256, dtype=torch.bfloat16):
+    """sglang's ``DSATokenToKVPool`` (an ``MLATokenToKVPool`` subclass: the latent plus the
+    indexer's fp8 keys and scales per layer), 64-token pages."""
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    return DSATokenToKVPool(
+        size=size, page_size=DSA_PAGE_SIZE, kv_lora_rank=16, dtype=dtype, qk_rope_head_dim=8, layer_num=LAYERS,
+        device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=24,
+    )
+
+
+def dsa_host_pool_group(device_pool, layout: str = "page_first"):
+    """sglang's host pool set of a DSA device pool, as its ``_DsaStrategy`` builds it from
+    ``host_pool_decls()``: the MLA latent's host pool (the anchor, under ``kv``) and the
+    indexer's ``DSAIndexerPoolHost`` (under ``indexer``), pin_memory off."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+
+    kv_decl, indexer_decl = device_pool.host_pool_decls()
+    assert (kv_decl.pool_name, indexer_decl.pool_name) == (PoolName.KV, PoolName.INDEXER)
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    kv_host = MLATokenToKVPoolHost(
+        info, 2.0, 0, device_pool.page_size, layout, pin_memory=False, device_capacity_tokens=device_pool.size,
+        start_layer=device_pool.start_layer, end_layer=device_pool.end_layer, target_layer_num=device_pool.layer_num,
+        override_kv_cache_dim=device_pool.kv_cache_dim,
+    )
+    indexer_host = DSAIndexerPoolHost(indexer_decl, kv_host, pin_memory=False)
+    return HostPoolGroup([
+        PoolEntry(PoolName.KV, kv_host, device_pool, lambda layer: layer, is_primary_index_anchor=True),
+        PoolEntry(PoolName.INDEXER, indexer_host, device_pool, lambda layer: layer),
+    ])
+
+
 def host_pool(device_pool, layout: str, ratio: float = 2.0):
     """sglang's host pool for ``device_pool`` (pin_memory off: a CPU torch cannot register memory)."""
     info = device_pool.get_device_pool_infos()[0].buffer_info

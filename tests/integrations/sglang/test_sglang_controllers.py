@@ -19,10 +19,11 @@ from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.runtime_context import get_parallel
 from sglang_rig import (
-    MHA_LAYOUTS, MLA_LAYOUTS, PAGE_SIZE, canonical_of, extra_config, host_pool, mha_device_pool,
+    DSA_PAGE_SIZE, dsa_device_pool, dsa_host_pool_group, MHA_LAYOUTS, MLA_LAYOUTS, PAGE_SIZE, canonical_of, extra_config, host_pool, mha_device_pool,
     mla_device_pool, random_canonical, same_bytes, set_host, token_slots, write_through, prefetch,
 )
 
+from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
 from kvstage.integrations.sglang import KVStageStorage
 
@@ -118,3 +119,32 @@ def test_flush_clears_what_the_controller_stored(tmp_path):
         assert tokens == 0
     finally:
         stop(cc)
+
+
+def test_deepseek_v32s_dsa_pool_set_is_refused_when_sglangs_hybrid_controller_registers_it(monkeypatch):
+    """sglang's DSA stack (its _DsaStrategy): the MLA latent's host pool as the anchor and the
+    indexer's host pool beside it. kvstage stores the latent only, so it refuses the set at
+    registration (else every v2 write and prefetch fails with NotImplementedError later) and
+    closes the store the anchor's registration opened."""
+    from kvstage.integrations.sglang.key_space import ExtraConfig
+
+    opened, closed = [], []
+    real_open = ExtraConfig.open_store
+
+    def open_and_watch(self, fingerprint):
+        store = real_open(self, fingerprint)
+        real_close = store.close
+        store.close = lambda: (closed.append(store), real_close())[-1]
+        opened.append(store)
+        return store
+
+    monkeypatch.setattr(ExtraConfig, "open_store", open_and_watch)
+    device = dsa_device_pool()
+    group = dsa_host_pool_group(device)
+    allocator = PagedTokenToKVPoolAllocator(device.size, DSA_PAGE_SIZE, device.dtype, "cpu", device, need_sort=False)
+    with pytest.raises(InvalidArgumentError, match=r"host pool 'indexer': a DSA indexer .*\(DSAIndexerPoolHost\)"):
+        HybridCacheController(
+            allocator, group, DSA_PAGE_SIZE, dist.group.WORLD, threading.Event(), io_backend="direct",
+            storage_backend="dynamic", model_name="org/tiny-model", storage_backend_extra_config=extra_config("memory"),
+        )
+    assert len(opened) == 1 and closed == opened

@@ -5,10 +5,12 @@ two TP ranks (two processes, gloo on loopback) release the same requests in the 
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import threading
 import time
+import weakref
 from array import array
 
 import pytest
@@ -16,9 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.managers.schedule_batch import release_req
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang_rig import PAGE_SIZE, canonical_of, extra_config, host_pool, token_slots, write_through
+from sglang_rig import DSA_PAGE_SIZE, PAGE_SIZE, canonical_of, extra_config, host_pool, token_slots, write_through
 
 import tp_rank_worker
 from decode_rig import DecodeSide, released, run_until_released, settings_installed
@@ -194,4 +197,65 @@ def test_an_abort_through_finalize_release_is_released_and_retraction_drains_fir
         side.manager.drain_before_retraction()  # nothing copies device slots now: no error
         side.manager.finalize_release_on_finish(aborted)  # already back with sglang: nothing
         assert len(side.manager.ongoing_offload) == 0
+        side.manager.release_host_resources()
+
+
+def test_a_dsa_device_pool_is_refused_naming_it_rather_than_storing_the_latent_alone(one_rank):
+    """DeepSeek V3.2's DSATokenToKVPool is an MLATokenToKVPool subclass that also holds the
+    indexer's keys and scales; a latent page has no room for them."""
+    with settings_installed("memory", page_size=DSA_PAGE_SIZE):
+        with pytest.raises(InvalidArgumentError, match=r"token_to_kv_pool_allocator: a DSA .*\(DSATokenToKVPool\)"):
+            DecodeSide("dsa", one_rank)
+
+
+def wait_for_copies(side: DecodeSide) -> None:
+    deadline = time.monotonic() + 30
+    while side.manager.has_inflight_device_transfer():
+        assert time.monotonic() < deadline, "device-to-host copies never ended"
+        side.manager.check_offload_progress()
+        time.sleep(0.002)
+
+
+def sglang_retracts(side: DecodeSide, req) -> None:
+    """sglang's decode-side retraction of ``req`` (``Scheduler`` under memory pressure): drain,
+    then its own ``release_req`` (as ``retract_all(..., offload_kv=False)``): the slots and row
+    freed, the request reset and held for re-bootstrap."""
+    wait_for_copies(side)
+    side.manager.drain_before_retraction()
+    # The rig allocates a request's slots at admission (sglang as it decodes): counted as
+    # committed, as sglang's free path expects of what it allocated.
+    req.kv.kv_committed_len = req.kv.kv_allocated_len
+    release_req(
+        req=req, remaing_req_count=0, req_to_token_pool=side.req_to_token_pool,
+        token_to_kv_pool_allocator=side.allocator, tree_cache=side.tree_cache, hisparse_coordinator=None,
+        offload_kv=False,
+    )
+    assert released(req) and req.is_retracted
+
+
+def test_a_request_sglang_drops_while_held_after_retraction_is_not_kept_alive(tmp_path, one_rank):
+    with settings_installed(f"file:{tmp_path / 'store'}"):
+        side = DecodeSide("mha", one_rank)
+        # shorter than a page: its decode pages start the chain (no prefill page to wait for)
+        req = side.admit("held", list(range(3)), max_tokens=20)
+        for step in range(6):
+            side.decode_step(req, 600 + step)
+            side.manager.check_offload_progress()
+        assert side.manager.manager.requests_live == 1
+        sglang_retracts(side, req)
+        side.manager.check_offload_progress()  # the scheduler's next step, the request held
+        # an abort while held: sglang drops its last reference and never calls the adapter again
+        held = weakref.ref(req)
+        del req
+        deadline = time.monotonic() + 5
+        while True:  # the scheduler's steps go on; its store writes end
+            side.manager.check_offload_progress()
+            gc.collect()
+            if held() is None or time.monotonic() > deadline:
+                break
+            time.sleep(0.002)
+        assert side.manager.manager.requests_live == 0
+        assert held() is None
+        assert len(side.manager.ongoing_offload) == 0
+        assert side.manager.manager.metrics.pages_stored == 2  # what it stored before retraction stays stored
         side.manager.release_host_resources()

@@ -10,13 +10,15 @@ from array import array
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo, PoolName
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.observability.metrics_collector import StorageMetrics
 from sglang_rig import (
-    PAGE_SIZE, canonical_shape, host_buffer_of, host_pool, kvstage_backend, mha_device_pool, mla_device_pool,
+    LAYERS, PAGE_SIZE, dsa_device_pool, dsa_host_pool_group, canonical_shape, host_buffer_of, host_pool, kvstage_backend, mha_device_pool, mla_device_pool,
     random_canonical, same_bytes, set_host, storage_config, canonical_of,
 )
 
@@ -259,6 +261,55 @@ def test_v_head_size_unlike_k_head_size_is_refused_at_registration():
     with pytest.raises(InvalidArgumentError, match="V head size 4 differs from K head size 8"):
         backend.register_mem_pool_host(host)
     assert backend.store is None
+
+
+def mamba_host() -> MambaPoolHost:
+    """sglang's Mamba state host pool (a hybrid linear-attention model's SSM and conv states)."""
+    info = MambaStateBufferInfo(temporal=torch.zeros(LAYERS, 9, 2, 4), conv=(torch.zeros(LAYERS, 9, 4, 3),))
+    return MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False, layout="page_first")
+
+
+def test_a_hybrid_models_other_host_pools_are_refused_at_v2_registration_naming_their_kind():
+    """sglang's HybridCacheController registers every pool of the set through
+    register_mem_host_pool_v2, then asks for them through the v2 calls kvstage does not serve."""
+    host = mha_host()
+    backend = kvstage_backend("memory", host)
+    backend.register_mem_host_pool_v2(host, PoolName.KV)  # the anchor again, under "kv": stored
+    group = dsa_host_pool_group(dsa_device_pool())
+    for pool, name, rule in [
+        (mha_host(), PoolName.SWA, r"host pool 'swa': a SWA pool \(MHATokenToKVPoolHost\)"),
+        (mamba_host(), PoolName.MAMBA, r"host pool 'mamba': a Mamba pool \(MambaPoolHost\)"),
+        (group.get_pool(PoolName.INDEXER), PoolName.INDEXER, r"host pool 'indexer': a DSA indexer .*\(DSAIndexerPoolHost\)"),
+        (mha_host(), PoolName.KV, r"host pool 'kv' \(MHATokenToKVPoolHost\) is not the pool registered by register_mem_pool_host"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=rule):
+            backend.register_mem_host_pool_v2(pool, name)
+
+
+def test_a_v2_registration_kvstage_refuses_closes_the_store_the_anchor_opened(monkeypatch):
+    from kvstage.integrations.sglang.key_space import ExtraConfig
+
+    opened = []
+    real_open = ExtraConfig.open_store
+    monkeypatch.setattr(ExtraConfig, "open_store", lambda self, fingerprint: opened.append(real_open(self, fingerprint)) or opened[-1])
+    host = mha_host()
+    backend = kvstage_backend("memory", host)
+    with pytest.raises(InvalidArgumentError, match="'mamba'"):
+        backend.register_mem_host_pool_v2(mamba_host(), PoolName.MAMBA)
+    assert backend.store is None and len(opened) == 1
+    with pytest.raises(StorageError, match="no host pool registered"):
+        backend.batch_exists([key(1)])
+
+
+def test_a_host_pool_of_another_kind_is_refused_as_the_anchor_naming_it():
+    for pool, rule in [
+        (mamba_host(), r"mem_pool_host: a Mamba host pool \(MambaPoolHost\)"),
+        (dsa_host_pool_group(dsa_device_pool()).get_pool(PoolName.INDEXER), r"mem_pool_host: a DSA indexer .*\(DSAIndexerPoolHost\)"),
+    ]:
+        backend = KVStageStorage(storage_config("memory"))
+        with pytest.raises(InvalidArgumentError, match=rule):
+            backend.register_mem_pool_host(pool)
+        assert backend.store is None
 
 
 def test_fp8_stored_as_uint8_needs_its_kind_and_the_kind_is_in_the_key_space():

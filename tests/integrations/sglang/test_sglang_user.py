@@ -8,6 +8,7 @@ back by the next turn's prefetch. Defects found are ``xfail(strict=True)`` tests
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -49,12 +50,19 @@ def readme_extra_config(url: str) -> dict:
     return config
 
 
+def readme_rank_statement() -> str:
+    """The README's line stating this process's ranks for sglang built by hand on CPU."""
+    section = README.read_text()
+    section = section[section.index("## Use with sglang"):]
+    (call,) = re.findall(r"`(get_parallel\(\)\.override_permanently\([^`]*\))`", section)
+    return call
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_world(tmp_path_factory):
-    """A one-process gloo world (file rendezvous) for the controller's TP group."""
-    get_parallel().override_permanently(
-        tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0
-    )
+    """A one-process gloo world (file rendezvous) for the controller's TP group; this
+    process's ranks stated as the README says."""
+    exec(readme_rank_statement(), {"get_parallel": get_parallel})
     if dist.is_initialized():  # another module of this process made one
         yield
         return
@@ -360,7 +368,10 @@ def retract(side: DecodeSide, req) -> None:
     req.reset_for_retract()
 
 
-def test_a_retracted_request_that_resumes_stores_its_whole_conversation(decode_settings):
+@pytest.mark.parametrize("steps_held", [0, 2], ids=["resumed-at-once", "held-two-steps"])
+def test_a_retracted_request_that_resumes_stores_its_whole_conversation(decode_settings, steps_held):
+    """Held for scheduler steps, the retraction is seen and the manager's lifecycle ends
+    (keeping what it stored); the resumed request's pages continue after those."""
     url = decode_settings
     side = DecodeSide("mha", dist.group.WORLD)
     try:
@@ -373,6 +384,9 @@ def test_a_retracted_request_that_resumes_stores_its_whole_conversation(decode_s
                 side.manager.check_offload_progress()
         kv_before = side.kv_of(req, len(prompt) + 5)
         retract(side, req)
+        for _ in range(steps_held):
+            side.manager.check_offload_progress()
+        assert side.manager.manager.requests_live == (1 if steps_held == 0 else 0)
         # it runs again: new slots, its KV recomputed (the same values), decode goes on
         side.req_to_token_pool.alloc([req])
         total = -(-(len(prompt) + 14) // PAGE_SIZE) * PAGE_SIZE
