@@ -26,7 +26,7 @@ $(VENV)/.mooncake: $(VENV)/.installed tools/install-mooncake.sh tools/apt-instal
 # VENV's), since vLLM's pins and sglang's disagree (openai). Where vLLM cannot be installed its
 # tests skip with the reason, except under CI, where they must run.
 VLLM_VENV ?= .venv-vllm
-$(VLLM_VENV)/.installed: $(VENV)/.installed tools/install-vllm.sh
+$(VLLM_VENV)/.installed: $(VENV)/.installed tools/install-vllm.sh tools/overlay-scripts.sh
 	bash tools/install-vllm.sh $(VLLM_VENV) $(VENV) || { [ -z "$$CI" ] || exit 1; echo "make: vLLM not installed; its tests will skip"; }
 	touch $@
 

@@ -31,7 +31,35 @@ from kvstage.errors import InvalidArgumentError, require
 from kvstage.offload.copier import GATHER, Copier
 from kvstage.offload.store_io import read_pages, write_pages
 
-__all__ = ["KeyedCopies", "KeyedResult"]
+__all__ = ["KeyedCopies", "KeyedResult", "chain_runs"]
+
+
+def chain_runs(page_keys: Sequence[str], prior_keys: Sequence[str | None] | None = None) -> list[tuple[int, int, str | None]]:
+    """Split pages into runs of one chain each, for stores' ``put`` (one run a call).
+
+    Args:
+        page_keys: the pages' keys, in order.
+        prior_keys: the key of the page before each page in its chain, one per page; None at
+            ``i``: ``page_keys[i - 1]`` (or, at 0, the chain starts there). None: one run, a
+            chain start.
+
+    Returns:
+        ``(start, stop, prior_key)`` of each run, in order: ``page_keys[start:stop]`` with
+        ``prior_key`` the page before ``page_keys[start]`` (None: a chain start).
+
+    Raises:
+        InvalidArgumentError: ``prior_keys`` does not give one entry per page.
+    """
+    if prior_keys is None:
+        return [(0, len(page_keys), None)] if page_keys else []
+    if len(prior_keys) != len(page_keys):
+        raise InvalidArgumentError(f"prior_keys: must give one entry per page key, got {len(prior_keys)} for {len(page_keys)} keys")
+    runs, start = [], 0
+    for index in range(1, len(page_keys) + 1):
+        if index == len(page_keys) or (prior_keys[index] is not None and prior_keys[index] != page_keys[index - 1]):
+            runs.append((start, index, prior_keys[start]))
+            start = index
+    return runs
 
 
 @dataclass(frozen=True)
@@ -79,6 +107,7 @@ class _Part:
     owner: _Job
     page_keys: list[str]
     slot_indices: torch.Tensor
+    prior_key: str | None = None  # the stored page before page_keys[0] (None: a chain start)
     host_page_ids: list[int] = field(default_factory=list)
     future: Future | None = None
 
@@ -111,26 +140,36 @@ class KeyedCopies:
 
     # -- submission -------------------------------------------------------------------------
 
-    def store(self, job: Any, slot_indices: torch.Tensor, page_keys: Sequence[str], *, after: Any = None) -> None:
+    def store(
+        self, job: Any, slot_indices: torch.Tensor, page_keys: Sequence[str], *, after: Any = None,
+        prior_keys: Sequence[str | None] | None = None,
+    ) -> None:
         """Copy the pages at ``slot_indices`` out and write them under ``page_keys``; the
         copies start as host pages are free (the slots must keep their KV until the job ends).
+        Pages are written in order, one ``put`` per run of one chain (see :func:`chain_runs`),
+        each with the page before it as ``prior_key``, so a chain stored in several jobs stays
+        one chain for the store's eviction.
 
         Args:
             job: the caller's token (distinct objects for jobs in flight together).
             slot_indices: 1-D int tensor of ``len(page_keys) * page_size`` slots, page by page,
                 on the KV pool's device.
-            page_keys: the pages' keys, one run of a hash chain in order.
+            page_keys: the pages' keys, in chain order.
             after: the producer the copy waits for (see :meth:`CopyStream.submit`; CUDA: None
                 is the stream current when a part's copy starts, e.g. the engine's forward
                 stream).
+            prior_keys: the key before each page in its chain (as :func:`chain_runs`); None:
+                the pages are one run starting a chain.
 
         Raises:
             InvalidArgumentError: the slots are not ``len(page_keys)`` whole pages, a key
-                repeats, or as :meth:`Copier.check_slot_indices`; nothing started.
+                repeats, ``prior_keys`` is not one entry per key, or as
+                :meth:`Copier.check_slot_indices`; nothing started.
         """
         keys = self._checked_keys(page_keys, slot_indices)
+        runs = chain_runs(keys, prior_keys)
         self.copier.check_slot_indices(slot_indices, "slot_indices")
-        self._queue(_Job(job, True, len(keys), 0, after=after), keys, slot_indices)
+        self._queue(_Job(job, True, len(keys), 0, after=after), keys, slot_indices, runs)
 
     def load(self, job: Any, page_keys: Sequence[str], slot_indices: torch.Tensor) -> None:
         """Read ``page_keys`` and copy them into ``slot_indices``. The job fails when a page
@@ -151,17 +190,21 @@ class KeyedCopies:
         self.copier.check_slot_indices(slot_indices, "slot_indices", distinct=True)
         self._queue(_Job(job, False, len(keys), 0), keys, slot_indices)
 
-    def _queue(self, record: _Job, keys: list[str], slot_indices: torch.Tensor) -> None:
+    def _queue(self, record: _Job, keys: list[str], slot_indices: torch.Tensor, runs: list[tuple[int, int, str | None]] | None = None) -> None:
         per_part = self.copier.host_pool.capacity
         page_size = self.copier.page_size
-        starts = range(0, len(keys), per_part)
-        record.parts_left = len(starts)
-        if not starts:
+        # parts of at most the host pool's pages, never across runs of different chains
+        bounds = [
+            (start, min(start + per_part, stop), prior if start == run_start else keys[start - 1])
+            for run_start, stop, prior in (runs if runs is not None else chain_runs(keys))
+            for start in range(run_start, stop, per_part)
+        ]
+        record.parts_left = len(bounds)
+        if not bounds:
             self._finished.append(KeyedResult(record.job, record.is_store, True, 0, 0, 0.0))
             return
-        for start in starts:
-            stop = min(start + per_part, len(keys))
-            self._waiting.append(_Part(record, keys[start:stop], slot_indices[start * page_size : stop * page_size]))
+        for start, stop, prior in bounds:
+            self._waiting.append(_Part(record, keys[start:stop], slot_indices[start * page_size : stop * page_size], prior_key=prior))
         self._start_waiting()
 
     def _start_waiting(self) -> None:
@@ -211,7 +254,7 @@ class KeyedCopies:
                     continue
                 pages = [self.copier.host_pool.page(page) for page in part.host_page_ids]
                 # partial binds this part's keys and pages now (a lambda here would see the last part's)
-                part.future = self.workers.write(partial(write_pages, self.storage, part.page_keys, pages))
+                part.future = self.workers.write(partial(write_pages, self.storage, part.page_keys, pages, prior_key=part.prior_key))
                 self._in_store.append(part)
             else:
                 self._end_part(part, moved=result.bytes if result.ok else 0, error=result.error, ok=result.ok)

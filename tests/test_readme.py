@@ -73,3 +73,11 @@ def test_the_readme_installs_each_engine_extra_from_the_checkout_with_its_range_
         tested = re.fullmatch(r">=([0-9.]+),<[0-9.]+", bounds).group(1)
         # one sentence gives the install, the range pip takes and the release the tests ran
         assert re.search(rf"""pip install (-e )?"\.\[{engine}\]"`?\s+\([^)]*`{re.escape(bounds)}`, tested: {re.escape(tested)}\)""", readme), engine
+
+
+def test_the_vllm_section_installs_from_a_checkout_and_names_the_offloading_size_clash():
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("## Use with vLLM", 1)[1].split("\n## ", 1)[0]
+    assert 'pip install ".[vllm]"' in section and 'pip install "kvstage[vllm]"' not in section  # kvstage is on no index
+    assert "`--kv-offloading-size`" in section and "`OffloadingConnector` under kvstage's module path" in section
+    assert "`storage` (required" in section

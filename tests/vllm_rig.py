@@ -89,13 +89,14 @@ class ConnectorRig:
     position, layer)`` into the token's row of its block in each layer's KV tensor, so a block's
     bytes are a function of its tokens; a loaded block must hold exactly those bytes.
     ``extra_config`` adds keys to the connector's ``kv_connector_extra_config`` (e.g.
-    ``num_host_pages``).
+    ``num_host_pages``); ``max_num_batched_tokens`` below a prompt's length makes vLLM prefill it
+    in chunks, one store job a step.
     """
 
     BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_SIZE = 16, 32, 2, 16
     LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
-    def __init__(self, model_dir, storage: str, *, events: bool = True, extra_config: dict | None = None) -> None:
+    def __init__(self, model_dir, storage: str, *, events: bool = True, extra_config: dict | None = None, max_num_batched_tokens: int = 512) -> None:
         import uuid
 
         import torch
@@ -130,7 +131,7 @@ class ConnectorRig:
             model_config=ModelConfig(model=str(model_dir), tokenizer=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
             device_config=DeviceConfig(device="cpu"),
             cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-            scheduler_config=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=4, max_model_len=512, is_encoder_decoder=False),
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=4, max_model_len=512, is_encoder_decoder=False),
             kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null"),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KVStageConnector", kv_connector_module_path="kvstage.integrations.vllm", kv_role="kv_both",
@@ -224,7 +225,8 @@ class ConnectorRig:
         running = [request_id for request_id in output.num_scheduled_tokens if request_id in self.scheduler.requests]
         self.scheduler.update_from_output(output, ModelRunnerOutput(
             req_ids=running, req_id_to_index={request_id: index for index, request_id in enumerate(running)},
-            sampled_token_ids=[[5] for _ in running],
+            # a prefill chunk that leaves prompt tokens for later samples nothing (vLLM's model runner discards it)
+            sampled_token_ids=[[5] if self.scheduler.requests[request_id].num_computed_tokens >= self.scheduler.requests[request_id].num_tokens else [] for request_id in running],
             kv_connector_output=KVConnectorOutput(
                 finished_sending=transfers.finished_sending, finished_recving=transfers.finished_recving,
                 failed_recving=transfers.failed_recving, invalid_block_ids=invalid_block_ids,

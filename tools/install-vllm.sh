@@ -45,6 +45,7 @@ done
 check='import einops, vllm, vllm.v1.kv_offload.tiering.spec, vllm.v1.core.sched.scheduler, vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector; assert vllm.__version__ == "0.33.0", vllm.__version__'
 if "$venv/bin/python" -c "$check" 2>/dev/null; then
     echo "install-vllm: vllm 0.33.0 already importable in $venv"
+    [ -z "$base" ] || bash "$repo/tools/overlay-scripts.sh" "$venv" "$base"  # an overlay installed before the fix
     exit 0
 fi
 # pip runs from BASE_VENV's install (the overlay has none) with --prefix set to the overlay and
@@ -59,6 +60,8 @@ fi
 echo "install-vllm: pip install --no-deps -r $(basename "$base_pins") -r $(basename "$vllm_pins") einops"
 "${pip[@]}" install --no-deps "${target[@]}" -r "$base_pins"
 "${pip[@]}" install --no-deps "${target[@]}" -r "$vllm_pins" "einops==0.8.2"
+# BASE_VENV's pip wrote the console scripts (vllm, ...) for BASE_VENV's python: make them the overlay's
+[ -z "$base" ] || bash "$repo/tools/overlay-scripts.sh" "$venv" "$base"
 if ! "$venv/bin/python" -c "$check"; then
     echo "install-vllm: vllm 0.33.0 does not import in $venv (see above)" >&2
     exit 1

@@ -1,4 +1,4 @@
-"""kvstage inside vLLM 0.33.0's KV offloading (``pip install "kvstage[vllm]"``).
+"""kvstage inside vLLM 0.33.0's KV offloading (from a kvstage checkout: ``pip install ".[vllm]"``).
 
 Public API:
     KVStageTier: a kvstage store (memory, file, Mooncake) as a secondary tier of vLLM's
@@ -14,6 +14,10 @@ Public API:
 Modules: ``keys`` (offload keys as page keys, the fingerprint of vLLM's chunks, store events as
 vLLM events), ``tier`` (``KVStageTier``), ``spec`` (``KVStageOffloadingSpec``), ``manager``
 (its scheduler side), ``worker`` (its worker side), ``connector`` (``KVStageConnector``). Importing this package imports vLLM.
+
+``OffloadingConnector`` is not a name of this package: vLLM's ``--kv-offloading-size`` rewrites
+``kv_connector`` to ``"OffloadingConnector"`` and keeps kvstage's ``kv_connector_module_path``,
+so vLLM looks that name up here; the lookup raises an error saying what to do.
 """
 
 from kvstage.integrations.vllm.connector import KVStageConnector
@@ -23,3 +27,24 @@ from kvstage.integrations.vllm.worker import KVStageWorker
 from kvstage.integrations.vllm.tier import KVStageTier
 
 __all__ = ["KVStageConnector", "KVStageOffloadingManager", "KVStageOffloadingSpec", "KVStageTier", "KVStageWorker"]
+
+
+def __getattr__(name: str):
+    """Module attribute fallback: ``OffloadingConnector`` raises a clear error (see the module doc).
+
+    Raises:
+        InvalidArgumentError: for ``OffloadingConnector`` (vLLM's factory lets it through: it
+            rewraps only AttributeError).
+        AttributeError: for any other missing name.
+    """
+    if name == "OffloadingConnector":
+        from kvstage.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            "kv_connector: vLLM's --kv-offloading-size (cache_config.kv_offloading_size) replaced kvstage's connector with "
+            "'OffloadingConnector' and kept kv_connector_module_path 'kvstage.integrations.vllm'; kvstage's connector "
+            "offloads to its own store: leave out --kv-offloading-size (and --kv-offloading-backend) when "
+            "--kv-transfer-config names KVStageConnector, or for a CPU tier in front of a kvstage store use "
+            "spec_name 'TieringOffloadingSpec' with cpu_bytes_to_use and a KVStageTier secondary tier"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -66,8 +66,9 @@ class KVStageConnector(OffloadingConnector):
 
     def update_connector_output(self, connector_output) -> None:
         """vLLM's bookkeeping of the workers' output (scheduler side), then: blocks reported
-        with load errors make the manager ask the store again about the keys of the loads
-        that ended in this output, so it does not offer them again unseen."""
+        with load errors make the keys of the loads that ended in this output misses for
+        ``miss_ttl_s`` (:meth:`KVStageOffloadingManager.loads_reported`), so vLLM computes
+        them instead of loading them again."""
         super().update_connector_output(connector_output)
         manager = self.connector_scheduler.manager
         with manager.lock:

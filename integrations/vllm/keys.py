@@ -10,16 +10,20 @@ chunk of one group is one page, and groups never share a page key.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Iterable, Sequence
 
-from vllm.v1.kv_offload.base import LookupResult, OffloadingEvent
+from vllm.v1.kv_offload.base import LookupResult, OffloadingEvent, get_offload_group_idx
 
 from kvstage.errors import require
 from kvstage.offload import StoreIndex
 from kvstage.storage import LayoutFingerprint
 from kvstage.storage.events import StoreEvent
 
-__all__ = ["block_fingerprint", "chunk_page_format", "lookup_result", "offloading_events", "page_keys", "tier_fingerprint"]
+__all__ = [
+    "block_fingerprint", "chunk_page_format", "lookup_result", "offloading_events", "page_keys", "prior_page_keys", "tier_fingerprint",
+]
 
 _LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
 
@@ -27,6 +31,48 @@ _LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.
 def page_keys(keys: Iterable[bytes]) -> list[str]:
     """vLLM ``OffloadKey``s (bytes) as kvstage page keys (lowercase hex), in order."""
     return [key.hex() for key in keys]
+
+
+class _KeyOrder:
+    """A request's offload keys of each KV group in token order (a ``ReqContext`` state)."""
+
+    def __init__(self) -> None:
+        self.seen = 0  # entries of the request's positions taken in
+        self.by_group: dict[int, list[tuple[int, bytes]]] = {}  # group -> sorted (end token, key)
+
+
+def prior_page_keys(req_context, keys: Sequence[bytes]) -> list[str | None]:
+    """For each ``OffloadKey`` of a request, the page key of the request's chunk right before it
+    (same KV group), or None where vLLM recorded no position for it or it is the request's first
+    chunk.
+
+    vLLM 0.33.0's connector scheduler records each key's end token in the request's
+    ``ReqContext`` (``set_offload_key_position``) for every chunk of the request, stored or not;
+    the chunk before a key is the one with the nearest earlier end token. The reverse index is
+    kept in the context (``set_state``) and extended as the request grows.
+
+    Args:
+        req_context: vLLM's ``ReqContext`` of the request storing ``keys``.
+        keys: ``OffloadKey`` s of that request.
+    """
+    positions = getattr(req_context, "_offload_key_positions", None)  # vLLM offers no reverse lookup
+    if not positions:
+        return [None] * len(keys)
+    order = req_context.get_state(_KeyOrder)
+    if order is None:
+        order = _KeyOrder()
+        req_context.set_state(order)
+    if order.seen < len(positions):  # the dict only grows, in insertion order
+        for key, end in itertools.islice(positions.items(), order.seen, None):
+            bisect.insort(order.by_group.setdefault(get_offload_group_idx(key), []), (end, key))
+        order.seen = len(positions)
+    priors: list[str | None] = []
+    for key in keys:
+        end = positions.get(key)
+        ends = order.by_group.get(get_offload_group_idx(key), [])
+        index = bisect.bisect_left(ends, (end, b"")) if end is not None else 0
+        priors.append(ends[index - 1][1].hex() if index > 0 else None)
+    return priors
 
 
 def lookup_result(index: StoreIndex, key: bytes) -> LookupResult:

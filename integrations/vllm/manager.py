@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -24,7 +25,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
-from kvstage.integrations.vllm.keys import lookup_result, offloading_events, page_keys
+from kvstage.integrations.vllm.keys import lookup_result, offloading_events, page_keys, prior_page_keys
 from kvstage.offload import StoreIndex, StoreWorkers
 from kvstage.storage.shared import release_shared_storage
 
@@ -34,10 +35,14 @@ logger = logging.getLogger(__name__)
 
 
 class KVStageLoadStoreSpec(LoadStoreSpec):
-    """Where blocks live in kvstage: their page keys (hex ``OffloadKey``s), in block order."""
+    """Where blocks live in kvstage: their page keys (hex ``OffloadKey``s), in block order, and
+    for a store the page key of each block's predecessor in its request (None: unknown, or the
+    request's first block), so pages stored in several jobs chain (see
+    :func:`kvstage.offload.keyed_copies.chain_runs`)."""
 
-    def __init__(self, page_keys: list[str]) -> None:
+    def __init__(self, page_keys: list[str], prior_keys: list[str | None] | None = None) -> None:
         self.page_keys = page_keys
+        self.prior_keys = prior_keys
 
     def __repr__(self) -> str:
         return f"KVStageLoadStoreSpec({len(self.page_keys)} pages)"
@@ -49,14 +54,16 @@ class KVStageOffloadingManager(OffloadingManager):
 
     Args:
         storage: the store (shared with the workers of this process, if any).
-        miss_ttl_s: seconds a "not held" answer is trusted.
+        miss_ttl_s: seconds a "not held" answer is trusted, and a key whose load failed is a
+            miss (unless stored again meanwhile).
         hit_ttl_s: seconds after which a held key is checked again in the background.
         events: collect vLLM events (vLLM publishes KV events).
 
     A store's eviction of a page is seen at once through the store's events when the workers
     share this process's store object (one process); otherwise within ``hit_ttl_s`` of the
     key's last check, or when a load of it fails (:meth:`loads_reported`, from
-    :class:`KVStageConnector`; vLLM recomputes the blocks).
+    :class:`KVStageConnector`; vLLM recomputes the blocks, and the keys miss for
+    ``miss_ttl_s``).
     """
 
     def __init__(self, storage: Any, *, miss_ttl_s: float = 1.0, hit_ttl_s: float | None = 10.0, events: bool = False) -> None:
@@ -74,6 +81,9 @@ class KVStageOffloadingManager(OffloadingManager):
         self._clear_pending = False  # a reset waits for the jobs in flight before clearing
         self.tracks_loads = False  # KVStageConnector sets it: it calls loads_reported each step
         self._loaded: list[str] = []  # keys of loads that ended since vLLM last passed on the workers' output
+        self._miss_ttl_s = miss_ttl_s
+        self._clock = time.monotonic
+        self._unreadable: dict[str, float] = {}  # key of a failed load -> when it failed (oldest first)
         self._lock = threading.Lock()
 
     @property
@@ -100,16 +110,33 @@ class KVStageOffloadingManager(OffloadingManager):
 
     def loads_reported(self, *, failed: bool) -> None:
         """vLLM passed on the workers' output of a step; with ``failed``, blocks of a load in
-        it could not be read (:class:`KVStageConnector`): the store is asked again about every
-        key of the loads that ended in it (RETRY meanwhile), since one of them is gone or
-        corrupt."""
+        it could not be read (:class:`KVStageConnector`): every key of the loads that ended in
+        it is a miss for ``miss_ttl_s``, or until this process stores it again (vLLM's output
+        names GPU blocks, not keys, so the keys of every load of that step). Not asked of the
+        store again at once: a page that exists but cannot be read (EIO, a replica whose
+        transfer fails) would be offered, fail and be offered again, and its request would
+        never finish."""
         if failed:
-            self.index.forget(self._loaded)
+            self.index.discard(self._loaded)
+            now = self._clock()
+            for key in self._loaded:
+                self._unreadable.pop(key, None)  # to the end: the dict stays oldest first
+                self._unreadable[key] = now
         self._loaded = []
 
+    def _prune_unreadable(self) -> None:
+        """Forget failed loads older than ``miss_ttl_s`` (their keys may be asked again)."""
+        oldest = self._clock() - self._miss_ttl_s
+        while self._unreadable:
+            key, failed_at = next(iter(self._unreadable.items()))
+            if failed_at >= oldest:
+                return
+            del self._unreadable[key]
+
     def prepare_store(self, keys: Collection[bytes], req_context: ReqContext) -> PrepareStoreOutput | None:
-        """Store the blocks the store does not hold and no store in flight is writing; none
-        while a reset waits for its clear (the clear would remove them)."""
+        """Store the blocks the store does not hold and no store in flight is writing, each
+        linked to its request's block before it; none while a reset waits for its clear (the
+        clear would remove them)."""
         if self._clear_pending:
             return PrepareStoreOutput(keys_to_store=[], store_spec=KVStageLoadStoreSpec([]), evicted_keys=[])
         # holds, not lookup: a key about to be written needs no exists of its own
@@ -117,7 +144,12 @@ class KVStageOffloadingManager(OffloadingManager):
         wanted = [(key, page_key) for key, page_key in zip(keys, page_keys(keys)) if not self.index.holds(page_key) and page_key not in self._storing]
         wanted_page_keys = [page_key for _, page_key in wanted]
         self._storing.update(wanted_page_keys)
-        return PrepareStoreOutput(keys_to_store=[key for key, _ in wanted], store_spec=KVStageLoadStoreSpec(wanted_page_keys), evicted_keys=[])
+        # Each block links to its request's block before it (stored by an earlier job, found in
+        # the store, or in this job), so a prefix stored over several steps is one chain.
+        priors = prior_page_keys(req_context, [key for key, _ in wanted])
+        return PrepareStoreOutput(
+            keys_to_store=[key for key, _ in wanted], store_spec=KVStageLoadStoreSpec(wanted_page_keys, priors), evicted_keys=[],
+        )
 
     def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
         """The workers finished the store of ``keys``. A worker reports a store done even when
@@ -128,7 +160,10 @@ class KVStageOffloadingManager(OffloadingManager):
         completed = page_keys(keys)
         self._drain_store_events()  # while the keys are still in _storing
         self._storing.difference_update(completed)
-        self.index.forget([key for key in completed if not self.index.holds(key)])
+        # A key whose load failed stays a miss: a store of it that reported no write (the
+        # store kept its unreadable page as "already held") must not make it a hit again.
+        self._prune_unreadable()
+        self.index.forget([key for key in completed if not self.index.holds(key) and key not in self._unreadable])
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """vLLM's per-request hook: kvstage keeps no per-request state here (keys are the
@@ -153,6 +188,7 @@ class KVStageOffloadingManager(OffloadingManager):
         self._clear_pending = True
         self.index.reset()
         self._storing.clear()  # vLLM reports no completion of jobs from before the reset
+        self._unreadable.clear()  # the clear removes their pages
 
     def on_reset_flushed(self) -> None:
         """The workers finished every job in flight at the last :meth:`reset_cache`: clear

@@ -37,8 +37,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvstage.errors import ArgumentTypeError, require
-from kvstage.integrations.vllm.keys import lookup_result, offloading_events, page_keys, tier_fingerprint
+from kvstage.integrations.vllm.keys import lookup_result, offloading_events, page_keys, prior_page_keys, tier_fingerprint
 from kvstage.offload import StoreIndex, StoreWorkers
+from kvstage.offload.keyed_copies import chain_runs
 from kvstage.offload.store_io import write_pages
 from kvstage.storage import open_storage
 
@@ -59,6 +60,10 @@ class _Job:
     started: float
 
 
+# The options of a KVStageTier's config dict (what vLLM passes on as keywords).
+TIER_OPTIONS = ("storage", "model_id", "read_threads", "miss_ttl_s", "hit_ttl_s", "locality")
+
+
 class KVStageTier(SecondaryTierManager):
     """A kvstage store below vLLM's CPU tier.
 
@@ -69,7 +74,9 @@ class KVStageTier(SecondaryTierManager):
             ``row_bytes`` bytes (padding included), the store's page size.
         tier_type: this tier's type name (``"KVStageTier"``).
         storage: a kvstage storage URL (``memory``, ``memory:BYTES``, ``file:DIR``,
-            ``mooncake://...``), see :func:`kvstage.storage.open_storage`.
+            ``mooncake://...``), see :func:`kvstage.storage.open_storage`; required, as for
+            :class:`KVStageOffloadingSpec` (a tier that fell back to a private in-process store
+            would silently share and keep nothing).
         model_id: the model's name in the key space; None: the model vLLM runs.
         read_threads: reader threads (promotions and lookups; >= 1).
         miss_ttl_s: seconds a "not held" answer is trusted before the store is asked again.
@@ -79,8 +86,9 @@ class KVStageTier(SecondaryTierManager):
         backpressure_detector: vLLM's, passed through.
 
     Raises:
-        InvalidArgumentError, ArgumentTypeError: a bad URL, ``locality``, fingerprint or thread
-            count (from kvstage, naming the argument); before any thread starts.
+        InvalidArgumentError, ArgumentTypeError: ``storage`` missing, an option not listed here
+            (naming it and the valid ones), a bad URL, ``locality``, fingerprint or thread count
+            (from kvstage, naming the argument); before any thread starts.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -90,14 +98,26 @@ class KVStageTier(SecondaryTierManager):
         offloading_spec: Any,
         primary_kv_view: memoryview,
         tier_type: str,
-        storage: str = "memory",
+        storage: str | None = None,
         model_id: str | None = None,
         read_threads: int = 2,
         miss_ttl_s: float = 1.0,
         hit_ttl_s: float | None = 10.0,
         locality: str | None = None,
         backpressure_detector: Any = None,
+        **unknown: Any,
     ) -> None:
+        # vLLM passes the tier's config dict as keywords: a misspelled option lands here, not in a TypeError
+        require(
+            not unknown, ", ".join(sorted(unknown)),
+            lambda: f"not an option of KVStageTier (its secondary_tiers config); its options are {list(TIER_OPTIONS)}, "
+            "besides vLLM's own 'type', 'module_path' and 'backpressure'",
+        )
+        require(
+            storage is not None, "storage",
+            "required in the KVStageTier config: a kvstage storage URL (file:DIR, mooncake://..., memory[:BYTES]); "
+            "write \"memory\" for an in-process store that is lost with the engine",
+        )
         require(isinstance(storage, str), "storage", lambda: f"must be a storage URL string, got {type(storage).__name__}", ArgumentTypeError)
         localities = [member.value for member in Locality]
         require(locality is None or locality in localities, "locality", lambda: f"must be one of {localities} or None, got {locality!r}")
@@ -133,17 +153,25 @@ class KVStageTier(SecondaryTierManager):
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Write the job's primary chunks to the store on the writer thread: one ``put`` per
-        KV group's run of keys (in the order vLLM gives them, a run of one chain)."""
+        run of one chain of one KV group (in the order vLLM gives them), its first chunk linked
+        to its request's chunk before it (vLLM records each key's place in the request's
+        ``ReqContext``), so a prefix cascaded over several jobs stays one chain."""
         keys = self._checked_keys(job_metadata)
         wanted = page_keys(keys)
         pages = [self._primary[int(chunk)] for chunk in job_metadata.chunk_ids]
-        runs = _runs_by_group(keys)
+        # each run's first chunk links to its request's chunk before it (an earlier job's)
+        priors = prior_page_keys(job_metadata.req_context, keys)
+        runs = [
+            (group_start + start, group_start + stop, prior)
+            for group_start, group_stop in _runs_by_group(keys)
+            for start, stop, prior in chain_runs(wanted[group_start:group_stop], priors[group_start:group_stop])
+        ]
         storage = self.storage
 
         def write() -> tuple[int, BaseException | None]:
             failed, error = 0, None
-            for start, stop in runs:
-                outcome = write_pages(storage, wanted[start:stop], pages[start:stop])
+            for start, stop, prior in runs:
+                outcome = write_pages(storage, wanted[start:stop], pages[start:stop], prior_key=prior)
                 failed += len(outcome.failed_keys)
                 error = error or outcome.error
             return failed, error

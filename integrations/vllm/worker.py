@@ -83,9 +83,9 @@ class KVStageWorker(OffloadingWorker):
         self._load_errors: set[int] = set()
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: KVStageLoadStoreSpec) -> bool:
-        """Copy the GPU blocks out and write them under the spec's keys (asynchronously);
-        always accepted."""
-        self.keyed.store(job_id, self._slots(src_spec), dst_spec.page_keys)
+        """Copy the GPU blocks out and write them under the spec's keys, each chained to the
+        spec's prior key (asynchronously); always accepted."""
+        self.keyed.store(job_id, self._slots(src_spec), dst_spec.page_keys, prior_keys=dst_spec.prior_keys)
         return True
 
     def submit_load(self, job_id: int, src_spec: KVStageLoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:

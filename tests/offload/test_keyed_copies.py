@@ -240,3 +240,46 @@ def test_stores_whose_gathers_finish_in_one_poll_each_write_their_own_pages(rig)
         assert store.get([key], [page]) == [True], key
         assert torch.equal(page.view(torch.int8).view(LAYERS, BLOCK_BYTES), torch.stack([layer[block, 0] for layer in layers])), key
     assert host_pool.free_pages == 4
+
+
+def recorded_puts(store) -> list:
+    """Record each ``put``'s keys and ``prior_key`` (the call still runs)."""
+    calls, put = [], store.put
+
+    def recording(keys, pages, *, prior_key=None):
+        calls.append((list(keys), prior_key))
+        return put(keys, pages, prior_key=prior_key)
+
+    store.put = recording
+    return calls
+
+
+def test_a_job_larger_than_the_host_pool_is_written_as_one_chain(rig):
+    keyed, layers, store, host_pool = rig
+    puts = recorded_puts(store)
+    keyed.store("s", blocks(0, 1, 2, 3, 4, 5), ["a", "b", "c", "d", "e", "f"])  # parts of 4 and 2 host pages
+    assert finish(keyed, "s")[0].ok
+    assert puts == [(["a", "b", "c", "d"], None), (["e", "f"], "d")]
+
+
+def test_prior_keys_link_each_run_to_its_predecessor_in_order(rig):
+    keyed, layers, store, host_pool = rig
+    puts = recorded_puts(store)
+    keyed.store("first", blocks(0, 1), ["a", "b"])
+    assert finish(keyed, "first")[0].ok
+    # "c" follows "b" (an earlier job's page); "x" starts another chain; "y" follows "x" (None)
+    keyed.store("second", blocks(2, 3, 4, 5), ["c", "d", "x", "y"], prior_keys=["b", None, "w", None])
+    [result] = finish(keyed, "second")
+    assert puts[1:] == [(["c", "d"], "b"), (["x", "y"], "w")]
+    assert not result.ok and store.exists(["c", "d", "x", "y"]) == [True, True, False, False]  # "w" is not stored: a chain no lookup reaches
+
+
+def test_chain_runs_split_where_a_page_does_not_follow_the_one_before():
+    from kvstage.offload.keyed_copies import chain_runs
+
+    assert chain_runs(["a", "b", "c"]) == [(0, 3, None)]
+    assert chain_runs(["a", "b", "c"], ["p", None, "b"]) == [(0, 3, "p")]
+    assert chain_runs(["a", "b", "c"], [None, "q", None]) == [(0, 1, None), (1, 3, "q")]
+    assert chain_runs([], []) == []
+    with pytest.raises(InvalidArgumentError, match=r"^prior_keys: must give one entry per page key, got 1 for 2 keys"):
+        chain_runs(["a", "b"], ["p"])

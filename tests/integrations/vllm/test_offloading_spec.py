@@ -383,3 +383,73 @@ def test_prepare_store_sends_no_exists_for_the_keys_it_offers():
         assert manager.prepare_store([new], ReqContext("r")).keys_to_store == []  # its store is in flight
     finally:
         manager.shutdown()
+
+
+def store_url(kind: str, tmp_path, pages: int) -> str:
+    """A store of ``kind`` (``memory`` or ``file``) that holds ``pages`` of the rig's blocks (4096
+    bytes; a page file adds a header and its key, well under 2048 / 8 bytes)."""
+    if kind == "memory":
+        return f"memory:{pages * 4096}"
+    return f"file:{tmp_path / 'kv'}?capacity_bytes={pages * 4096 + 2048}"
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_a_prefix_stored_in_several_jobs_is_one_chain_evicted_from_its_tail(kind, tmp_path):
+    # Chunked prefill (32 tokens a step: 2 blocks) stores a's 6 blocks in 3 jobs; each job's first
+    # page must link to the block before it, or chain-aware eviction takes a's head first and no
+    # lookup of a's prefix finds anything.
+    rig = ConnectorRig(tmp_path / "model", store_url(kind, tmp_path, 8), max_num_batched_tokens=2 * BLOCK)
+    try:
+        prefix = list(range(1, 6 * BLOCK + 6))  # 6 full blocks and 5 tokens
+        run_to_prompt_end(rig, "a", prefix)
+        rig.run_until_idle()
+        storage = rig.manager.storage
+        assert storage.stats.pages_stored == 6 and rig.worker.connector_worker.worker.pages_failed == 0
+        other = [1000 + token for token in range(4 * BLOCK + 5)]  # unrelated: 4 more pages, 2 evicted
+        run_to_prompt_end(rig, "c", other)
+        rig.run_until_idle()
+        assert storage.stats.pages_stored == 10 and storage.stats.pages_evicted == 2
+        rig.scheduler.reset_prefix_cache()
+        rig.backing.zero_()
+        assert run_to_prompt_end(rig, "d", prefix) == len(prefix) - 4 * BLOCK  # blocks 0-3 loaded: a's tail went
+        assert_blocks_hold(rig, "d", prefix, 6)
+    finally:
+        rig.close()
+
+
+def run_to_prompt_end(rig: ConnectorRig, request_id: str, prompt: list[int]) -> int:
+    """Add a request and step until its prompt is computed; the prompt tokens vLLM scheduled."""
+    request = rig.add_request(request_id, prompt, max_tokens=2)
+    scheduled = 0
+    for _ in range(200):
+        scheduled += rig.step().num_scheduled_tokens.get(request_id, 0)
+        if request.num_computed_tokens >= len(prompt):
+            return scheduled
+    raise AssertionError(f"{request_id}'s prompt not computed after 200 steps")
+
+
+def assert_blocks_hold(rig: ConnectorRig, request_id: str, prompt: list[int], count: int) -> None:
+    blocks = rig.block_ids(request_id)
+    for index in range(count):
+        for name, block in zip(rig.LAYERS, expected_block(rig, prompt, index)):
+            assert torch.equal(rig.kv[name][blocks[index]], block), (index, name)
+
+
+def test_prior_page_keys_follow_the_positions_vllm_records_per_group_as_the_request_grows():
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+
+    from kvstage.integrations.vllm.keys import prior_page_keys
+
+    context = ReqContext(req_id="r")
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    group0 = [make_offload_key(h, 0) for h in hashes]
+    group1 = [make_offload_key(h, 1) for h in hashes]
+    for index in range(2):  # vLLM records keys as the request's block hashes grow
+        context.set_offload_key_position(group0[index], (index + 1) * 16)
+        context.set_offload_key_position(group1[index], (index + 1) * 32)
+    assert prior_page_keys(context, [group0[1], group1[1], group0[0]]) == [group0[0].hex(), group1[0].hex(), None]
+    for index in range(2, 4):
+        context.set_offload_key_position(group0[index], (index + 1) * 16)
+    assert prior_page_keys(context, group0[2:]) == [group0[1].hex(), group0[2].hex()]
+    assert prior_page_keys(context, [make_offload_key(b"x" * 32, 0)]) == [None]  # no position recorded: unknown
+    assert prior_page_keys(ReqContext(req_id="fresh"), group0[:1]) == [None]

@@ -52,13 +52,15 @@ class Rig:
             self.tier.index.wait()
             self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
 
-    def store(self, keys: list[bytes], chunk_bytes: dict[bytes, torch.Tensor]) -> None:
-        """GPU -> CPU tier as vLLM's worker would, then cascade to the tier; one step."""
+    def store(self, keys: list[bytes], chunk_bytes: dict[bytes, torch.Tensor], request: ReqContext | None = None) -> None:
+        """GPU -> CPU tier as vLLM's worker would, then cascade to the tier; one step.
+        ``request``: the request storing them (default: the rig's)."""
+        request = request or self.request
         with self.manager.lock:
-            output = self.manager.prepare_store(keys, self.request)
+            output = self.manager.prepare_store(keys, request)
             for key, chunk in zip(output.keys_to_store, output.store_spec.chunk_ids):
                 self.primary[int(chunk)] = chunk_bytes[key]
-            self.manager.complete_store(keys, self.request)
+            self.manager.complete_store(keys, request)
         self.step()
 
     def store_one_at_a_time(self, keys: list[bytes], chunk_bytes: dict[bytes, torch.Tensor]) -> None:
@@ -278,3 +280,27 @@ def test_the_tier_over_a_real_mooncake_master(tmp_path):
             assert torch.equal(rig.primary_bytes(keys[0]), chunks[keys[0]])
         finally:
             rig.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_a_prefix_cascaded_in_several_jobs_is_one_chain_evicted_from_its_tail(kind, tmp_path):
+    # vLLM stores a chunked prefill's chunks a job a step and records each key's end token in the
+    # request's ReqContext (its connector scheduler's update_offload_keys, as here); each job's
+    # first page must link to the request's chunk before it, or the tier store's chain-aware
+    # eviction takes the oldest job's head first.
+    url = "memory:32768" if kind == "memory" else f"file:{tmp_path / 'kv'}?capacity_bytes={8 * CHUNK_BYTES + 2048}"
+    rig = Rig(url)  # the tier store holds 8 chunks (a page file's header and key: under 256 bytes)
+    try:
+        prefix, other = keys_of(*range(6)), keys_of(*range(4), tag="other")
+        chunks = chunks_for(prefix + other)
+        for keys, request in ((prefix, rig.request), (other, ReqContext(req_id="r1"))):
+            for index, key in enumerate(keys):
+                request.set_offload_key_position(key, (index + 1) * 16)
+            rig.manager.on_new_request(request)
+            for start in range(0, len(keys), 2):  # 2 chunks a step
+                rig.store(keys[start:start + 2], chunks, request)
+        storage = rig.tier.storage
+        assert storage.stats.pages_stored == 10 and storage.stats.pages_evicted == 2
+        assert storage.exists([key.hex() for key in prefix]) == [True] * 4 + [False] * 2  # a's tail went
+    finally:
+        rig.close()

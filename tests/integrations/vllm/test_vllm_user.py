@@ -249,6 +249,18 @@ def test_tier_a_second_engine_promotes_what_another_process_stored(other_engine_
         engine.close()
 
 
+def test_tier_a_misspelled_option_raises_naming_it_and_the_valid_ones():
+    with pytest.raises(InvalidArgumentError, match=r"^miss_tll_s: not an option of KVStageTier .*\['storage', 'model_id', 'read_threads', 'miss_ttl_s', 'hit_ttl_s', 'locality'\]"):
+        TierEngine("memory", miss_tll_s=5)
+
+
+def test_tier_without_storage_raises_naming_it_and_the_rule():
+    # the spec requires storage too; a tier that fell back to a private in-process store would
+    # silently share nothing with other engines and keep nothing across restarts
+    with pytest.raises(InvalidArgumentError, match=r'^storage: required in the KVStageTier config: .* write "memory"'):
+        TierEngine(None)
+
+
 def test_tier_a_bad_locality_raises_naming_it():
     with pytest.raises(InvalidArgumentError, match=r"^locality: must be one of \['LOCAL', 'REMOTE'\] or None, got 'far'"):
         TierEngine("memory", locality="far")
@@ -458,7 +470,7 @@ def test_spec_a_store_that_cannot_write_is_reported_done_and_never_hit(tmp_path)
         rig.close()
 
 
-def test_spec_a_failed_load_reports_its_blocks_and_the_keys_are_asked_again(rig, tmp_path):
+def test_spec_a_failed_load_reports_its_blocks_and_the_keys_are_not_offered_again(rig, tmp_path):
     rig.add_request("a", PROMPT, max_tokens=1)
     rig.run_until_idle()
     for page in (tmp_path / "kv").glob("*.kvpage"):  # another process evicts them, unseen here
@@ -472,3 +484,61 @@ def test_spec_a_failed_load_reports_its_blocks_and_the_keys_are_asked_again(rig,
     assert not rig.manager.index.holds(make_offload_key(key, 0).hex())  # ... and is not offered again
     assert_blocks_hold(rig, "b", PROMPT, 4)
 
+
+
+
+def unreadable(storage, key: str) -> None:
+    """Make the page ``key`` exist but never read, as a file giving EIO or a Mooncake replica whose
+    transfer fails while the master keeps the key: ``exists`` says yes, ``get`` misses it."""
+    get = storage.get
+
+    def failing_get(keys, into):
+        return [hit and page_key != key for page_key, hit in zip(keys, get(keys, into))]
+
+    storage.get = failing_get
+
+
+def test_spec_a_page_that_exists_but_cannot_be_read_fails_one_load_then_is_recomputed(rig):
+    a = rig.add_request("a", PROMPT, max_tokens=1)
+    rig.run_until_idle()
+    first = make_offload_key(a.block_hashes[0], 0).hex()
+    assert rig.manager.storage.exists([first]) == [True]
+    unreadable(rig.manager.storage, first)
+    rig.scheduler.reset_prefix_cache()
+    rig.backing.zero_()
+    worker = rig.worker.connector_worker.worker
+    rig.add_request("b", PROMPT, max_tokens=3)
+    for _ in range(60):  # b's load fails once; then its blocks are computed (a loop: dozens of failed loads)
+        rig.step()
+        if "b" not in rig.scheduler.requests:
+            break
+    assert "b" not in rig.scheduler.requests, f"b is not done after 60 steps: {worker.loads_failed} failed loads"
+    assert worker.loads_failed == 1
+    assert rig.manager.index.lookup(first) is False  # a miss for miss_ttl_s, not asked of the store again
+
+
+def test_vllms_kv_offloading_size_with_kvstages_connector_raises_saying_what_to_do(tmp_path):
+    # vLLM's own config code rewrites kv_connector to OffloadingConnector and keeps kvstage's module
+    # path, then its factory looks that name up there while the config is validated (pydantic
+    # reports a ValueError as a ValidationError, itself a ValueError; an AttributeError went raw).
+    from transformers import LlamaConfig
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"kv_connector: vLLM's --kv-offloading-size .* leave out --kv-offloading-size"):
+        VllmConfig(
+            model_config=ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
+            device_config=DeviceConfig(device="cpu"),
+            cache_config=CacheConfig(block_size=16, enable_prefix_caching=True, kv_offloading_size=1.0),  # --kv-offloading-size 1
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KVStageConnector", kv_connector_module_path="kvstage.integrations.vllm", kv_role="kv_both",
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={"spec_name": "KVStageOffloadingSpec", "spec_module_path": "kvstage.integrations.vllm", "storage": f"file:{tmp_path / 'kv'}"},
+            ),
+        )
+
+
+def test_other_missing_names_of_the_package_are_attribute_errors():
+    import kvstage.integrations.vllm as package
+
+    assert not hasattr(package, "KVStageConector")
