@@ -228,8 +228,8 @@ class Copier:
         self._result_listeners = (*self._result_listeners, listener)
 
     def remove_result_listener(self, listener: Callable[[CopyResult], None]) -> None:
-        """Stop calling ``listener`` (added by :meth:`add_result_listener`); absent: nothing."""
-        self._result_listeners = tuple(added for added in self._result_listeners if added is not listener)
+        """Stop calling ``listener`` (added by :meth:`add_result_listener`); absent: nothing (a bound method matches an equal one)."""
+        self._result_listeners = tuple(added for added in self._result_listeners if added != listener)
 
     def synchronize(self, job: Any | None = None) -> None:
         """Block until every copy (or every copy of ``job``) in flight has completed."""

@@ -250,8 +250,8 @@ class StorageBackend(abc.ABC):
         self._timing_listeners = (*self._timing_listeners, listener)
 
     def remove_timing_listener(self, listener: Callable[[str, int, float], None]) -> None:
-        """Stop calling ``listener`` (added by :meth:`add_timing_listener`); absent: nothing."""
-        self._timing_listeners = tuple(added for added in self._timing_listeners if added is not listener)
+        """Stop calling ``listener`` (added by :meth:`add_timing_listener`); absent: nothing (a bound method matches an equal one)."""
+        self._timing_listeners = tuple(added for added in self._timing_listeners if added != listener)
 
     def clear(self) -> int:
         """Remove every page of this store's key space (its fingerprint prefix); pages of other
