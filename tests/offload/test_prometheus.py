@@ -5,9 +5,11 @@ never counted twice, its labels and arguments are checked, and close() keeps the
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 from offload_rig import make_rig
+from support import REPO_ROOT
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -174,3 +176,11 @@ def test_every_field_of_the_manager_counters_is_exported():
     covered = set(MANAGER_COUNTERS.values()) | set(GAUGES) | {"store_events_stored", "store_events_evicted", "store_events_removed", "store_events_dropped"}
     assert fields - covered == {"copy_seconds", "load_seconds"}  # the copy histograms' sums
 
+
+
+def test_the_readme_table_lists_every_metric_once_with_its_type_and_labels():
+    readme = (REPO_ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| `(kvstage_[a-z_]+)` \| (counter|gauge|histogram) \| ([^|]+) \| [^|]+ \|$", readme, flags=re.M)
+    assert [(name, kind, [label.strip(" `") for label in labels.split(",")]) for name, kind, labels in rows] == [
+        (spec.name, spec.kind, ["store", "role", *spec.labels]) for spec in METRICS
+    ]
