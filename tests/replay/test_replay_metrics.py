@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.parser import text_string_to_metric_families
 from replay_helpers import PAGE_BYTES, run_in_process, tiny_trace
 
+from kvstage.cli import build_parser
 from kvstage.offload.prometheus import METRICS
 
 LABELS = {"store": "memory", "role": "prefill_decode"}
@@ -182,10 +183,21 @@ def test_the_metrics_file_of_kvstage_replay_holds_its_json_report(tmp_path):
     assert report["pages_hit"] > 0 and report["pages_stored"] > 0
 
 
-def test_kvstage_replay_refuses_a_metrics_port_out_of_range():
-    result = run_cli("--requests", "1", "--metrics-port", "70000")
-    assert result.returncode == 2
-    assert "--metrics-port: must be a TCP port in [0, 65535], got 70000" in result.stderr
+def test_kvstage_replay_refuses_a_metrics_port_out_of_range(capsys):
+    args = build_parser().parse_args(["replay", "--requests", "1", "--no-progress", "--metrics-port", "70000"])
+    assert args.handler(args) == 2
+    assert "kvstage replay: error: --metrics-port: must be a TCP port in [0, 65535], got 70000" in capsys.readouterr().err
+
+
+def test_kvstage_replay_says_where_a_busy_metrics_port_is(capsys):
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=CollectorRegistry())
+    try:
+        args = build_parser().parse_args(["replay", "--requests", "1", "--no-progress", "--metrics-port", str(server.server_port)])
+        assert args.handler(args) == 2
+    finally:
+        server.shutdown()
+        thread.join()
+    assert f"kvstage replay: error: --metrics-port: cannot serve on 127.0.0.1:{server.server_port}: " in capsys.readouterr().err
 
 
 CHILD = textwrap.dedent("""
@@ -221,12 +233,15 @@ def test_multiprocess_mode_sums_the_processes_figures(tmp_path):
     metrics_dir = tmp_path / "multiproc"
     metrics_dir.mkdir()
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
-    reports = []
-    for seed, ending in ((0, "close"), (1, "exit")):
-        path = tmp_path / f"report{seed}.json"
-        result = subprocess.run([sys.executable, "-c", CHILD, str(seed), str(path), ending], env=env, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr
-        reports.append(json.loads(path.read_text()))
+    paths = [tmp_path / "report0.json", tmp_path / "report1.json"]
+    children = [  # at once: two processes writing one directory
+        subprocess.Popen([sys.executable, "-c", CHILD, str(seed), str(paths[seed]), ending], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for seed, ending in ((0, "close"), (1, "exit"))
+    ]
+    for child in children:
+        _, stderr = child.communicate(timeout=300)
+        assert child.returncode == 0, stderr
+    reports = [json.loads(path.read_text()) for path in paths]
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(metrics_dir))
     scrape = samples(generate_latest(registry).decode())
