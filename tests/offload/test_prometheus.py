@@ -156,19 +156,6 @@ def test_a_manager_is_required():
         PrometheusExporter({}, registry=CollectorRegistry())
 
 
-def test_a_store_timing_listener_sees_each_put_and_get():
-    rig = make_rig(store_prompt=True)  # new_request puts nothing
-    seen = []
-    rig.storage.add_timing_listener(lambda op, num_pages, seconds: seen.append((op, num_pages, seconds)))
-    page = rig.expected_page(rig.new_request("a", list(range(8)), 1), 0)
-    rig.storage.put(["k1", "k2"], [page, page.clone()])
-    rig.storage.get(["k1"], [page.clone()])
-    assert [(op, n) for op, n, _ in seen] == [("put", 2), ("get", 1)]
-    assert seen[0][2] == rig.storage.stats.put_seconds and seen[1][2] == rig.storage.stats.get_seconds
-    with pytest.raises(InvalidArgumentError, match="^listener: must be callable"):
-        rig.storage.add_timing_listener(3)
-
-
 def test_every_field_of_the_manager_counters_is_exported():
     # A counter added to OffloadMetrics without a metric would go unseen: every int counter
     # but the snapshot's own gauges and the store events is in the test's table.
