@@ -123,6 +123,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _gauge("requests_live", "requests_live", "Requests tracked and not released yet."),
     _gauge("copies_in_flight", "copies_in_flight", "Copies launched and not handled yet."),
     _gauge("writes_pending", "writes_pending", "Store writes running or waiting for their chain's prior page."),
+    _gauge("writes_parked", "writes_parked", "Of those, store writes waiting for their chain's prior page (prior_wait_s)."),
     _gauge("pages_in_flight", "pages_in_flight", "Launched pages not ended yet (copying or being written)."),
     _gauge("host_pages_used", "host_pages_used", "Host pool pages in use."),
     _gauge("host_pages_high_water", "host_pages_high_water", "Most host pool pages in use at once."),

@@ -33,7 +33,7 @@ STORE_COUNTERS = {
     "store_written_bytes": "bytes_put", "store_pages_read": "pages_read", "store_pages_missed": "pages_missed",
     "store_read_bytes": "bytes_got",
 }
-GAUGES = ("requests_live", "copies_in_flight", "writes_pending", "pages_in_flight", "host_pages_used", "host_pages_high_water", "host_pages_capacity")
+GAUGES = ("requests_live", "copies_in_flight", "writes_pending", "writes_parked", "pages_in_flight", "host_pages_used", "host_pages_high_water", "host_pages_capacity")
 
 
 def scrape(registry) -> dict[tuple[str, tuple], float]:

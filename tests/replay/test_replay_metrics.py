@@ -57,6 +57,7 @@ FROM_RUN_METRICS = {
     "kvstage_requests_live": "requests_live",
     "kvstage_copies_in_flight": "copies_in_flight",
     "kvstage_writes_pending": "writes_pending",
+    "kvstage_writes_parked": "writes_parked",
     "kvstage_pages_in_flight": "pages_in_flight",
     "kvstage_host_pages_used": "host_pages_used",
 }
@@ -127,10 +128,9 @@ def test_a_scrape_after_a_replay_holds_the_report_figures(tmp_path):
     gather_sum = value(at_run_end, "kvstage_copy_seconds_sum", direction="gather")
     assert gather_sum == pytest.approx(report["copy_seconds"], rel=1e-9, abs=1e-12)
     assert value(at_run_end, "kvstage_copy_seconds_sum", direction="scatter") == pytest.approx(report["load_seconds"], rel=1e-9, abs=1e-12)
-    # One put per segment written: every page launched and not failed before its write is in one.
+    # One put per segment written; a segment after one whose write failed fails without a put.
     puts = value(at_run_end, "kvstage_store_put_seconds_count")
-    assert 0 < puts <= report["pages_launched"]
-    assert value(at_run_end, "kvstage_copy_seconds_count", direction="gather") == puts  # each gathered segment is one put
+    assert 0 < puts <= value(at_run_end, "kvstage_copy_seconds_count", direction="gather") <= report["pages_launched"]
     # The registry after verification: the store path as the report; the loads with verification's.
     assert value(after_verify, "kvstage_pages_stored_total") == report["pages_stored"]
     assert value(after_verify, "kvstage_pages_failed_total") == report["pages_failed"]
