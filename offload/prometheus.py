@@ -235,6 +235,9 @@ class PrometheusExporter:
             registry's other exporters; another live exporter of the registry has the same
             label values; ``sync_interval_s`` is not None or a number > 0.
 
+    The ``kvstage_store_*`` metrics are the store object's own totals: a store object shared
+    by several managers reports them under each manager's labels.
+
     Use as a context manager, or call :meth:`close` (before the manager's close, or after it:
     either way the last figures are published and stay).
     """
