@@ -182,7 +182,10 @@ _families_lock = threading.Lock()
 
 def _families_of(registry: Any, extra_labels: tuple[str, ...]) -> _Families:
     with _families_lock:
-        families = _unregistered[0] if registry is None and _unregistered else _families.get(registry) if registry is not None else None
+        if registry is None:
+            families = _unregistered[0] if _unregistered else None
+        else:
+            families = _families.get(registry)
         if families is None:
             families = _Families(extra_labels)
             if registry is None:
