@@ -13,6 +13,7 @@ put again while its chain's prior page, another process's, is not stored yet), `
 reads into host pages), ``load_path`` (prefix match, prefetch and load
 handles), ``request`` (what is read from a request), ``collaborators`` (typed Protocols),
 ``keyed_copies`` (stores and loads of pages whose keys the engine names), ``metrics``,
+``prometheus`` (those counters as Prometheus metrics; imported on its own, not here),
 ``testing`` (engine stand-ins).
 """
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -85,6 +85,10 @@ class Copier:
 
     Not thread-safe: one thread (the engine's scheduler) calls it.
     """
+
+    # Called with each CopyResult as poll() returns it (see add_result_listener); a tuple,
+    # replaced whole, so the common case (none) costs one truth test a poll.
+    _result_listeners: tuple = ()
 
     def __init__(self, kv_pool: KVPoolLike, host_pool: HostPool, *, copy_stream: CopyStreamLike | None = None, backend: str = "auto") -> None:
         for name in ("num_layers", "kv_parts", "num_heads", "head_dim", "dtype"):
@@ -206,7 +210,26 @@ class Copier:
             for copy in copies:
                 (finished if copy.done() else waiting).append(copy)
             self._copies = waiting
-        return [self._result(copy) for copy in finished]
+        results = [self._result(copy) for copy in finished]
+        for listener in self._result_listeners:
+            for result in results:
+                listener(result)
+        return results
+
+    def add_result_listener(self, listener: Callable[[CopyResult], None]) -> None:
+        """Call ``listener(result)`` with each :class:`CopyResult` that :meth:`poll` returns,
+        on the polling thread, before the caller handles it (e.g. a latency histogram). It must
+        not raise: an exception propagates out of :meth:`poll`.
+
+        Raises:
+            InvalidArgumentError: ``listener`` is not callable.
+        """
+        require(callable(listener), "listener", "must be callable")
+        self._result_listeners = (*self._result_listeners, listener)
+
+    def remove_result_listener(self, listener: Callable[[CopyResult], None]) -> None:
+        """Stop calling ``listener`` (added by :meth:`add_result_listener`); absent: nothing (a bound method matches an equal one)."""
+        self._result_listeners = tuple(added for added in self._result_listeners if added != listener)
 
     def synchronize(self, job: Any | None = None) -> None:
         """Block until every copy (or every copy of ``job``) in flight has completed."""

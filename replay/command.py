@@ -60,6 +60,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--num-host-pages", type=int, metavar="N", help="host pool pages, at least the longest request's (default: twice that + 4 strides per running request)")
     p.add_argument("--threads", type=int, metavar="N", help="torch intra-op CPU threads (default 1 with a CPU KV pool, else torch's default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve kvstage's Prometheus metrics on PORT while the replay runs (0: any free port, printed)")
+    p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR", help="address --metrics-port binds (default 127.0.0.1)")
+    p.add_argument("--metrics-file", metavar="PATH", help="write kvstage's Prometheus metrics at the end of the run to PATH (text format, as the report's figures)")
     p.set_defaults(handler=run)
     return p
 
@@ -87,6 +90,8 @@ def config_from_args(args: argparse.Namespace):
     _positive("--pool-tokens", args.pool_tokens)
     _positive("--num-host-pages", args.num_host_pages)
     _positive("--threads", args.threads)
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise InvalidArgumentError(f"--metrics-port: must be a TCP port in [0, 65535], got {args.metrics_port}")
     if args.stride is not None and (args.stride < 1 or args.stride % args.page_size):
         raise InvalidArgumentError(f"--stride: must be a positive multiple of --page-size {args.page_size}, got {args.stride}")
     if not 0.0 <= args.lora_share <= 1.0:
@@ -120,6 +125,8 @@ def replay(
     on_progress: Callable[[Any], None] | None = None,
     started: float | None = None,
     keep_engine: bool = False,
+    metrics_registry: Any = None,
+    metrics_file: str | None = None,
 ):
     """Run a replay and verify it; returns ``(report, engine)`` (engine closed unless ``keep_engine``).
 
@@ -132,6 +139,12 @@ def replay(
         on_progress: the engine's progress callback.
         started: ``time.perf_counter()`` when the command started (default: now).
         keep_engine: leave the engine open (for tests that look into it; close it after).
+        metrics_registry: a ``prometheus_client.CollectorRegistry`` that gets the manager's
+            metrics (:class:`kvstage.offload.prometheus.PrometheusExporter`) for the whole
+            replay, verification's loads included (closed when it returns: the last figures
+            stay on the registry); None: no metrics.
+        metrics_file: with ``metrics_registry``: write the registry in Prometheus' text format
+            to this path when the run ends, before verification (the figures of the report).
 
     Returns:
         ``(report, engine)``: the report is :func:`kvstage.replay.report.build_report`'s dict.
@@ -143,13 +156,29 @@ def replay(
     from kvstage.replay.report import build_report
     from kvstage.replay.verify import verify_pages
 
+    if metrics_file is not None and metrics_registry is None:
+        raise InvalidArgumentError("metrics_file: needs metrics_registry (the registry whose metrics it writes)")
     started = time.perf_counter() if started is None else started
     engine = ReplayEngine(config, requests, on_progress=on_progress)
+    exporter = None
     try:
+        if metrics_registry is not None:
+            from kvstage.offload.prometheus import PrometheusExporter
+
+            exporter = PrometheusExporter(engine.manager, registry=metrics_registry)
         engine.run()
+        if metrics_file is not None and metrics_registry is not None:
+            from pathlib import Path
+
+            from prometheus_client import write_to_textfile
+
+            Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
+            write_to_textfile(metrics_file, metrics_registry)
         result = verify_pages(engine, sample=verify_sample, seed=config.seed)
         report = build_report(engine, result, trace_name=trace_name, elapsed_s=time.perf_counter() - started)
     finally:
+        if exporter is not None:
+            exporter.close()  # the last figures (verification's included) stay on the registry
         if not keep_engine:
             engine.close()
     return report, engine
@@ -183,12 +212,24 @@ def run(args: argparse.Namespace) -> int:
     except (InvalidArgumentError, BackendUnavailableError) as exc:
         print(f"kvstage replay: error: {exc}", file=sys.stderr)
         return 2
+    registry = None
+    if args.metrics_port is not None or args.metrics_file is not None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        registry = CollectorRegistry()
+        if args.metrics_port is not None:
+            try:
+                server, _ = start_http_server(args.metrics_port, addr=args.metrics_addr, registry=registry)
+            except OSError as exc:
+                print(f"kvstage replay: error: --metrics-port: cannot serve on {args.metrics_addr}:{args.metrics_port}: {exc}", file=sys.stderr)
+                return 2
+            print(f"kvstage replay: metrics on http://{args.metrics_addr}:{server.server_port}/metrics", file=sys.stderr)
     try:
         set_cpu_threads(args.threads, config.device)
         with ProgressDisplay(len(requests), enabled=not args.no_progress) as progress:
             report, _ = replay(
                 config, requests, trace_name=trace_name, verify_sample=args.verify_sample,
-                on_progress=progress.update, started=started,
+                on_progress=progress.update, started=started, metrics_registry=registry, metrics_file=args.metrics_file,
             )
     except (InvalidArgumentError, BackendUnavailableError) as exc:
         print(f"kvstage replay: error: {exc}", file=sys.stderr)

@@ -17,7 +17,7 @@ import abc
 import enum
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -119,6 +119,9 @@ class StorageBackend(abc.ABC):
     # permuted into kvstage's page order) and move them with one copy; a view's bytes are its
     # elements in row-major order. False: pages must be contiguous.
     strided_pages = False
+    # Called after each timed put and get (see add_timing_listener); a tuple, replaced whole,
+    # so threads iterate it without a lock.
+    _timing_listeners: tuple = ()
 
     def __init__(self, fingerprint: LayoutFingerprint, *, event_capacity: int = DEFAULT_EVENT_CAPACITY) -> None:
         self.fingerprint = fingerprint
@@ -185,7 +188,10 @@ class StorageBackend(abc.ABC):
         full_keys = [self.prefix + key for key in keys]
         started = time.perf_counter()
         answer = self._put(full_keys, list(pages), self.prefix + prior_key if prior_key else None)
-        self.stats.put_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.stats.put_seconds += seconds
+        for listener in self._timing_listeners:
+            listener("put", len(keys), seconds)
         statuses = PutStatuses(answer, getattr(answer, "error", None))
         for status in statuses:
             if status is PutStatus.STORED:
@@ -218,12 +224,34 @@ class StorageBackend(abc.ABC):
         self._check_pages("into", keys, into, targets=True)
         started = time.perf_counter()
         hits = self._get([self.prefix + key for key in keys], list(into))
-        self.stats.get_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.stats.get_seconds += seconds
+        for listener in self._timing_listeners:
+            listener("get", len(keys), seconds)
         found = sum(hits)
         self.stats.pages_read += found
         self.stats.pages_missed += len(hits) - found
         self.stats.bytes_got += found * self.page_bytes
         return hits
+
+    def add_timing_listener(self, listener: Callable[[str, int, float], None]) -> None:
+        """Call ``listener(op, num_pages, seconds)`` after each :meth:`put` (``op`` ``"put"``)
+        and :meth:`get` (``"get"``) that returned: ``num_pages`` keys asked, ``seconds`` the
+        wall-clock time inside the store, the same figure added to ``stats.put_seconds`` /
+        ``stats.get_seconds``. Called on the thread of the put or get (the offload manager's
+        writer or reader thread); it must be thread-safe and must not raise (an exception
+        propagates out of the put or get).
+
+        Raises:
+            InvalidArgumentError: ``listener`` is not callable.
+        """
+        if not callable(listener):
+            raise InvalidArgumentError("listener: must be callable")
+        self._timing_listeners = (*self._timing_listeners, listener)
+
+    def remove_timing_listener(self, listener: Callable[[str, int, float], None]) -> None:
+        """Stop calling ``listener`` (added by :meth:`add_timing_listener`); absent: nothing (a bound method matches an equal one)."""
+        self._timing_listeners = tuple(added for added in self._timing_listeners if added != listener)
 
     def clear(self) -> int:
         """Remove every page of this store's key space (its fingerprint prefix); pages of other

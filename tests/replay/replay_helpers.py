@@ -18,12 +18,12 @@ def tiny_trace(n=6):
     return [TraceRequest(i, float(i), n_in, n_out, tuple(ids)) for i, (n_in, n_out, ids) in enumerate(shapes[:n])]
 
 
-def run_in_process(requests, **overrides):
-    """``replay()`` of the tiny model at page size 16 (overrides: ReplayConfig fields); the engine
-    is left open: close it."""
+def run_in_process(requests, *, metrics_registry=None, metrics_file=None, **overrides):
+    """``replay()`` of the tiny model at page size 16 (overrides: ReplayConfig fields; the
+    metrics arguments are replay()'s); the engine is left open: close it."""
     settings = dict(model=TINY, page_size=16, max_running=3, backend="torch")
     settings.update(overrides)
-    return replay(ReplayConfig(**settings), requests, keep_engine=True)
+    return replay(ReplayConfig(**settings), requests, keep_engine=True, metrics_registry=metrics_registry, metrics_file=metrics_file)
 
 
 def page_identities(request, page_size):

@@ -117,3 +117,19 @@ def test_pages_of_any_dtype_and_shape_round_trip_byte_for_byte():
     into = torch.empty(64, dtype=torch.int16)
     assert store.get(["a"], [into]) == [True]
     assert torch.equal(into.view(torch.uint8), source.reshape(-1))
+
+
+def test_a_timing_listener_sees_each_put_and_get_with_the_stats_seconds():
+    store = MemoryStore(FP, capacity_pages=4)
+    seen = []
+    listener = lambda op, num_pages, seconds: seen.append((op, num_pages, seconds))  # noqa: E731
+    store.add_timing_listener(listener)
+    store.put(["a", "b"], [page(1.0), page(2.0)])
+    store.get(["a", "c"], [torch.zeros(32), torch.zeros(32)])
+    assert [(op, num_pages) for op, num_pages, _ in seen] == [("put", 2), ("get", 2)]
+    assert seen[0][2] == store.stats.put_seconds > 0 and seen[1][2] == store.stats.get_seconds > 0
+    store.remove_timing_listener(listener)
+    store.put(["d"], [page(3.0)])
+    assert len(seen) == 2
+    with pytest.raises(InvalidArgumentError, match="^listener: must be callable"):
+        store.add_timing_listener(3)
