@@ -286,3 +286,117 @@ def test_a_failed_load_returns_an_empty_cache(tmp_path, monkeypatch, caplog):
         again = session.generate(ids, **tm.GENERATE)  # the session goes on: the next load loads
         assert session.metrics.pages_loaded == PREFIX // tm.PAGE_SIZE
         assert torch.equal(again.sequences, plain.sequences)
+
+
+# -- caches filled with autograd on, a failing store, options that change the cache ------------
+
+
+def test_store_copies_a_cache_filled_with_autograd_on(tmp_path):
+    model, ids = model_of("llama"), tm.prompt_ids()
+    assert torch.is_grad_enabled()
+    with tm.session_of(model, str(tmp_path), "llama") as session:
+        cache = session.load(ids)  # nothing stored yet: empty
+        model(ids, cache=cache, use_cache=True)  # a plain forward, outside torch.no_grad()
+        assert cache.layers[0].keys.requires_grad
+        assert session.store(ids, cache) == tm.PROMPT_TOKENS // tm.PAGE_SIZE
+        fresh = DynamicCache(config=model.config)
+        model(ids, cache=fresh, use_cache=True)
+        assert session.store(ids, fresh) == tm.PROMPT_TOKENS // tm.PAGE_SIZE  # found stored already
+        loaded = session.load(ids)
+        assert loaded.get_seq_length() == PREFIX
+        assert all(torch.equal(a.keys, b.keys[..., :PREFIX, :].detach()) and torch.equal(a.values, b.values[..., :PREFIX, :].detach())
+                   for a, b in zip(loaded.layers, fresh.layers))
+        assert session.metrics.requests_live == 1  # the load's request, until its store
+
+
+@pytest.mark.parametrize("fails", ["_copy_in", "finish"])
+@pytest.mark.parametrize("loaded", [True, False], ids=["loaded cache", "own cache"])
+def test_a_failed_store_leaves_no_request_open(tmp_path, monkeypatch, fails, loaded):
+    model, ids = model_of("llama"), tm.prompt_ids()
+    with tm.session_of(model, str(tmp_path), "llama") as session:
+        def failing(*args, **kwargs):
+            raise RuntimeError(f"{fails} failed")
+
+        monkeypatch.setattr(session if fails == "_copy_in" else session.manager, fails, failing)
+        for _ in range(3):
+            cache = session.load(ids) if loaded else DynamicCache(config=model.config)
+            with torch.no_grad():
+                model(ids, cache=cache, use_cache=True)
+            with pytest.raises(RuntimeError, match=f"{fails} failed"):
+                session.store(ids, cache)
+            assert session.metrics.requests_live == 0
+        monkeypatch.undo()
+        session.generate(ids, max_new_tokens=2)  # the session goes on
+        assert session.metrics.requests_live == 0
+        assert session.load(ids).get_seq_length() == PREFIX
+
+
+def forward_calls(model):
+    """A list that grows by one per forward of ``model`` (the hook stays for the model's life:
+    the caller removes it through the returned handle)."""
+    calls = []
+    return calls, model.register_forward_hook(lambda *args: calls.append(1))
+
+
+def test_options_that_change_the_cache_are_refused_before_computing(tmp_path):
+    from transformers import GenerationConfig
+
+    model, ids = model_of("llama"), tm.prompt_ids()
+    helper = tm.build_model("llama")
+    calls, hook = forward_calls(model)
+    try:
+        with tm.session_of(model, str(tmp_path), "llama") as session:
+            for kwargs, message in [
+                ({"generation_config": GenerationConfig(num_beams=2)}, "num_beams: must be 1 (one sequence at a time), got 2"),
+                ({"generation_config": GenerationConfig(do_sample=True, num_return_sequences=2)}, "num_return_sequences: must be 1 (one sequence at a time), got 2"),
+                ({"use_cache": False}, "use_cache: must not be False"),
+                ({"generation_config": GenerationConfig(use_cache=False)}, "use_cache: must not be False"),
+                ({"assistant_model": helper}, "assistant_model: "),
+                ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens: "),
+            ]:
+                with pytest.raises(InvalidArgumentError) as raised:
+                    session.generate(ids, max_new_tokens=2, **kwargs)
+                assert message in str(raised.value), kwargs
+            model.generation_config.use_cache = False
+            try:
+                with pytest.raises(InvalidArgumentError, match="use_cache: must not be False"):
+                    session.generate(ids, max_new_tokens=2)
+                session.generate(ids, max_new_tokens=2, use_cache=True)  # the call's kwarg wins, as in transformers
+            finally:
+                model.generation_config.use_cache = True
+            assert session.metrics.requests_live == 0
+            assert len(calls) == 2  # only the accepted call computed: its prefill and one decode step
+            # a kwarg over the generation_config object, as transformers reads them
+            session.generate(ids, generation_config=GenerationConfig(num_beams=2, max_new_tokens=2), num_beams=1)
+    finally:
+        hook.remove()
+
+
+def test_falcon_multi_query_stores_its_one_kv_head(tmp_path):
+    from transformers import FalconConfig, FalconForCausalLM
+
+    ids = tm.prompt_ids() % 256
+    for fields, heads in [({}, 1), ({"new_decoder_architecture": True, "num_kv_heads": 2}, 2), ({"multi_query": False}, 4)]:
+        torch.manual_seed(0)
+        model = FalconForCausalLM(FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256, **fields)).eval()
+        with KVStageSession(model, f"file:{tmp_path}/falcon-{heads}", model_id="falcon", page_size=tm.PAGE_SIZE) as session:
+            assert (session.layout.cache_heads, session.layout.key_dim) == (heads, 16), fields
+            first = session.generate(ids, **tm.GENERATE)
+            second = session.generate(ids, **tm.GENERATE)
+            assert session.metrics.pages_loaded == PREFIX // tm.PAGE_SIZE
+        cache = DynamicCache(config=model.config)
+        model.generate(ids, cache=cache, **tm.GENERATE)
+        reference = continued(model, ids, cache, PREFIX)
+        assert torch.equal(first.sequences, second.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(second.logits, reference.logits)), fields
+
+
+def test_a_2d_list_of_token_ids_is_one_sequence(tmp_path):
+    model, ids = model_of("llama"), tm.prompt_ids()
+    with tm.session_of(model, str(tmp_path), "llama") as session:
+        session.generate(ids, max_new_tokens=2)
+        assert session.load(ids.tolist()).get_seq_length() == PREFIX  # tokenizer(text)["input_ids"]
+        out = session.generate(ids.tolist(), max_new_tokens=2, do_sample=False)
+        assert torch.equal(out, model.generate(ids, max_new_tokens=2, do_sample=False))
+        with pytest.raises(InvalidArgumentError, match=r"input_ids: must be one sequence \(batch size 1\), got a batch of 2"):
+            session.load(ids.repeat(2, 1).tolist())
