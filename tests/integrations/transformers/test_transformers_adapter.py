@@ -343,9 +343,9 @@ def test_options_that_change_the_cache_are_refused_before_computing(tmp_path):
 
     model, ids = model_of("llama"), tm.prompt_ids()
     helper = tm.build_model("llama")
-    calls, hook = forward_calls(model)
-    try:
-        with tm.session_of(model, str(tmp_path), "llama") as session:
+    with tm.session_of(model, str(tmp_path), "llama") as session:
+        calls, hook = forward_calls(model)  # after the construction's one-token probe
+        try:
             for kwargs, message in [
                 ({"generation_config": GenerationConfig(num_beams=2)}, "num_beams: must be 1 (one sequence at a time), got 2"),
                 ({"generation_config": GenerationConfig(do_sample=True, num_return_sequences=2)}, "num_return_sequences: must be 1 (one sequence at a time), got 2"),
@@ -368,18 +368,20 @@ def test_options_that_change_the_cache_are_refused_before_computing(tmp_path):
             assert len(calls) == 2  # only the accepted call computed: its prefill and one decode step
             # a kwarg over the generation_config object, as transformers reads them
             session.generate(ids, generation_config=GenerationConfig(num_beams=2, max_new_tokens=2), num_beams=1)
-    finally:
-        hook.remove()
+        finally:
+            hook.remove()
 
 
 def test_falcon_multi_query_stores_its_one_kv_head(tmp_path):
     from transformers import FalconConfig, FalconForCausalLM
 
     ids = tm.prompt_ids() % 256
-    for fields, heads in [({}, 1), ({"new_decoder_architecture": True, "num_kv_heads": 2}, 2), ({"multi_query": False}, 4)]:
+    # multi_query (FalconConfig's default): 1 KV head; new_decoder_architecture caches its num_kv_heads
+    # groups expanded to every query head (transformers' FalconAttention), so its cache holds 4
+    for case, (fields, heads) in enumerate([({}, 1), ({"new_decoder_architecture": True, "num_kv_heads": 2}, 4), ({"multi_query": False}, 4)]):
         torch.manual_seed(0)
         model = FalconForCausalLM(FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256, **fields)).eval()
-        with KVStageSession(model, f"file:{tmp_path}/falcon-{heads}", model_id="falcon", page_size=tm.PAGE_SIZE) as session:
+        with KVStageSession(model, f"file:{tmp_path}/falcon-{case}", model_id="falcon", page_size=tm.PAGE_SIZE) as session:
             assert (session.layout.cache_heads, session.layout.key_dim) == (heads, 16), fields
             first = session.generate(ids, **tm.GENERATE)
             second = session.generate(ids, **tm.GENERATE)
@@ -400,3 +402,15 @@ def test_a_2d_list_of_token_ids_is_one_sequence(tmp_path):
         assert torch.equal(out, model.generate(ids, max_new_tokens=2, do_sample=False))
         with pytest.raises(InvalidArgumentError, match=r"input_ids: must be one sequence \(batch size 1\), got a batch of 2"):
             session.load(ids.repeat(2, 1).tolist())
+
+
+def test_a_model_whose_cache_cannot_be_probed_is_refused_at_construction(tmp_path, monkeypatch):
+    model, store = tm.build_model("llama"), tmp_path / "store"
+
+    def failing_forward(*args, **kwargs):
+        raise RuntimeError("no forward here")
+
+    monkeypatch.setattr(model, "forward", failing_forward)
+    with pytest.raises(InvalidArgumentError, match=r"model: a one-token forward with a DynamicCache \(to read its KV heads and head size\) failed: RuntimeError\('no forward here'\)"):
+        KVStageSession(model, f"file:{store}", model_id="m")
+    assert not store.exists()
