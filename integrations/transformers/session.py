@@ -101,7 +101,8 @@ class KVStageSession:
             :func:`~kvstage.integrations.transformers.layout.cache_layout` for what is refused.
             Its KV pool lives on ``model.device``.
         storage: a store URL (:func:`kvstage.storage.open_storage`): ``"file:DIR"`` (shared
-            between processes), ``"memory"`` (this process), ``"mooncake://..."``.
+            between processes), ``"memory"`` (this session's own: another session, even in
+            this process, loads nothing from it), ``"mooncake://..."``.
         model_id: the name of the model's weights, e.g. ``"meta-llama/Llama-3.1-8B"``: part of
             the key space, so pages of other weights never match (required).
         page_size: tokens per stored page (a prefix loads in whole pages).
@@ -110,7 +111,8 @@ class KVStageSession:
             (``max_tokens * layout.token_bytes`` bytes each). Pages past it are not stored (a
             WARNING) and loads stop there.
         extra_key, cache_salt: the namespace (a LoRA adapter's name, a tenant's secret); pages
-            are shared only with the same namespace.
+            are shared only with the same namespace. ``""`` is a namespace of its own, not None
+            (as everywhere in kvstage).
         backend: the copy kernels' backend (``"auto"``, ``"triton"``, ``"torch"``).
 
     Raises:
@@ -215,7 +217,7 @@ class KVStageSession:
         :meth:`store`. The request stays open until that ``store`` (or the next ``load``).
 
         Args:
-            input_ids: the sequence's token ids, ``[n]`` or ``[1, n]`` int tensor or list of ints.
+            input_ids: the sequence's token ids, ``[n]`` or ``[1, n]`` int tensor, list of ints or list of one list.
 
         Returns:
             ``transformers.DynamicCache(config=model.config)``; ``get_seq_length()`` is the
@@ -269,7 +271,7 @@ class KVStageSession:
         chain). Pages past :attr:`max_tokens` are not stored (a WARNING).
 
         Args:
-            token_ids: the sequence, ``[n]`` or ``[1, n]`` int tensor or list of ints.
+            token_ids: the sequence, ``[n]`` or ``[1, n]`` int tensor, list of ints or list of one list.
             cache: a ``DynamicCache`` of this model holding the KV of the sequence's first
                 ``cache.get_seq_length() <= n`` tokens, batch size 1.
 

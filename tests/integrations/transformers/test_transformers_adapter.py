@@ -414,3 +414,17 @@ def test_a_model_whose_cache_cannot_be_probed_is_refused_at_construction(tmp_pat
     with pytest.raises(InvalidArgumentError, match=r"model: a one-token forward with a DynamicCache \(to read its KV heads and head size\) failed: RuntimeError\('no forward here'\)"):
         KVStageSession(model, f"file:{store}", model_id="m")
     assert not store.exists()
+
+
+def test_an_empty_namespace_is_not_none_and_a_memory_store_is_the_sessions_own(tmp_path):
+    model, ids = model_of("llama"), tm.prompt_ids()
+    url = f"file:{tmp_path}/store"
+    with KVStageSession(model, url, model_id="m", page_size=tm.PAGE_SIZE) as session:
+        session.generate(ids, max_new_tokens=1)
+    for kwargs, loaded in [({"cache_salt": ""}, 0), ({"extra_key": ""}, 0), ({"cache_salt": None, "extra_key": None}, PREFIX)]:
+        with KVStageSession(model, url, model_id="m", page_size=tm.PAGE_SIZE, **kwargs) as other:
+            assert other.load(ids).get_seq_length() == loaded, kwargs
+    with KVStageSession(model, "memory", model_id="m", page_size=tm.PAGE_SIZE) as first:
+        first.generate(ids, max_new_tokens=1)
+        with KVStageSession(model, "memory", model_id="m", page_size=tm.PAGE_SIZE) as second:
+            assert (first.load(ids).get_seq_length(), second.load(ids).get_seq_length()) == (PREFIX, 0)
