@@ -46,7 +46,7 @@ class CacheLayout:
 
     Attributes:
         layout: one token's layout (:class:`~kvstage.kv_layout.KVLayout`): layers, parts,
-            heads, head_dim, dtype (the model's dtype).
+            heads, head_dim, dtype (the cache's: the model's dtype, as a rule).
         key_dim: elements of a layer's ``keys`` per head (MHA: ``head_dim``; MLA:
             ``kv_lora_rank``).
         value_dim: elements of a layer's ``values`` per head (MHA: ``head_dim``; MLA:
@@ -89,7 +89,7 @@ def _refuse_layer_kinds(config: Any) -> None:
 
 
 def cache_layout(model: Any) -> CacheLayout:
-    """The KV layout of ``model``'s ``DynamicCache``, from its config and dtype.
+    """The KV layout of ``model``'s ``DynamicCache``, from its config and the cache a one-token forward fills.
 
     Args:
         model: a transformers decoder-only model (``PreTrainedModel`` with ``config``,
@@ -134,7 +134,7 @@ def cache_layout(model: Any) -> CacheLayout:
     if not isinstance(dtype, torch.dtype):
         raise ArgumentTypeError(f"model.dtype: must be a torch.dtype, got {type(dtype).__name__}")
 
-    keys, values = _probe_shapes(model, num_layers)
+    keys, values, dtype = _probe_shapes(model, num_layers)
     kv_lora_rank, rope_dim = _positive_int(text, "kv_lora_rank"), _positive_int(text, "qk_rope_head_dim")
     if kv_lora_rank is not None and rope_dim is not None:
         # MLA: the cache holds the latent [1, 1, n, kv_lora_rank] and the rope part [1, 1, n, rope_dim]
@@ -157,8 +157,8 @@ def _shape(heads_dim: tuple[int, int]) -> str:
     return f"[1, {heads_dim[0]}, n, {heads_dim[1]}]"
 
 
-def _probe_shapes(model: Any, num_layers: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """``(heads, dim)`` of the keys and of the values a one-token forward puts in every cache layer.
+def _probe_shapes(model: Any, num_layers: int) -> tuple[tuple[int, int], tuple[int, int], torch.dtype]:
+    """``(heads, dim)`` of the keys and of the values a one-token forward puts in every cache layer, and their dtype.
 
     The cache the model fills is the truth a config may not state plainly (Falcon's
     ``multi_query`` keeps one KV head while ``num_attention_heads`` says more; models set
@@ -200,11 +200,14 @@ def _probe_shapes(model: Any, num_layers: int) -> tuple[tuple[int, int], tuple[i
                 f"model: cache layer {index} holds keys {tuple(layer.keys.shape)} and values {tuple(layer.values.shape)} "
                 "for one token of one sequence; kvstage stores [batch, heads, tokens, dim] layers"
             )
-        shapes.add(((int(layer.keys.shape[1]), int(layer.keys.shape[3])), (int(layer.values.shape[1]), int(layer.values.shape[3]))))
+        shapes.add(((int(layer.keys.shape[1]), int(layer.keys.shape[3])), (int(layer.values.shape[1]), int(layer.values.shape[3])),
+                    layer.keys.dtype, layer.values.dtype))
     if len(shapes) != 1:
         raise InvalidArgumentError(
-            f"model: its cache layers differ in (heads, head size) of keys and values: {sorted(shapes)}; "
+            f"model: its cache layers differ in (heads, head size) or dtype of keys and values: {sorted(shapes, key=str)}; "
             "kvstage stores one layout for every layer"
         )
-    ((keys, values),) = shapes
-    return keys, values
+    ((keys, values, key_dtype, value_dtype),) = shapes
+    if key_dtype != value_dtype:
+        raise InvalidArgumentError(f"model: its cache holds {key_dtype} keys and {value_dtype} values; kvstage stores one dtype")
+    return keys, values, key_dtype
