@@ -174,7 +174,8 @@ def _probe_shapes(model: Any, num_layers: int) -> tuple[tuple[int, int], tuple[i
     argument = "cache" if "cache" in forward else "past_key_values"
     cache = DynamicCache(config=model.config)
     device = getattr(model, "device", torch.device("cpu"))
-    devices = [device] if device.type == "cuda" else []
+    # fork_rng saves and restores the CPU state and these CUDA devices' (by index)
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True, **{argument: cache})

@@ -12,7 +12,11 @@ Random-weight Llama (MHA/GQA) and DeepseekV3 (MLA, the cache holds the latent) m
 - a follow-up turn in the second process hits the first turn's decode page too;
 - the same within one process and one session; another namespace hits nothing;
 - bad input: models kvstage cannot store, batches, kwargs, caches that do not fit, each a
-  clear error naming the argument or config field, before anything is written.
+  clear error naming the argument or config field, before anything is written; generate
+  options that change the cache (beams, ``use_cache=False``, assisted decoding), from kwargs,
+  a ``GenerationConfig`` or ``model.generation_config``, refused before any forward;
+- caches filled with autograd on are stored; a failing store leaves no request open; Falcon's
+  ``multi_query`` cache (1 KV head, read by the construction's one-token probe) round-trips.
 """
 
 from __future__ import annotations
@@ -428,3 +432,17 @@ def test_an_empty_namespace_is_not_none_and_a_memory_store_is_the_sessions_own(t
         first.generate(ids, max_new_tokens=1)
         with KVStageSession(model, "memory", model_id="m", page_size=tm.PAGE_SIZE) as second:
             assert (first.load(ids).get_seq_length(), second.load(ids).get_seq_length()) == (PREFIX, 0)
+
+
+def test_the_construction_probe_leaves_the_random_state_as_it_was(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, vocab_size=64, attention_dropout=0.5, attn_implementation="eager"))
+    model.train()  # the probe's forward draws dropout masks
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    with KVStageSession(model, "memory", model_id="m", page_size=tm.PAGE_SIZE) as session:
+        assert session.layout.cache_heads == 1
+        assert torch.equal(torch.rand(4), expected)
