@@ -22,6 +22,7 @@ import torch
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
 from kvstage.hashing import PageHasher
+from kvstage.integrations.transformers.generation import check_generate_options
 from kvstage.integrations.transformers.layout import CacheLayout, cache_layout
 from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, OffloadManager, OffloadMetrics
@@ -57,7 +58,7 @@ class _Loaded:
 
 
 def _token_list(value: Any, argument: str) -> list[int]:
-    """Token ids of one sequence: a 1-D or ``[1, n]`` integer tensor, or a sequence of ints."""
+    """Token ids of one sequence: a 1-D or ``[1, n]`` integer tensor, a list of ints, or a list of one list of ints."""
     if isinstance(value, torch.Tensor):
         require(not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool, argument,
                 lambda: f"must hold integer token ids, got dtype {value.dtype}", ArgumentTypeError)
@@ -68,8 +69,14 @@ def _token_list(value: Any, argument: str) -> list[int]:
         require(value.dim() == 1, argument, lambda: f"must be [n] or [1, n] token ids, got shape {tuple(value.shape)}")
         tokens = value.tolist()
     else:
+        if isinstance(value, (list, tuple)) and value and all(isinstance(row, (list, tuple)) for row in value):
+            # [[ids]]: what tokenizer(text)["input_ids"] gives without return_tensors
+            require(len(value) == 1, argument, lambda: f"must be one sequence (batch size 1), got a batch of {len(value)}: "
+                    "KVStageSession runs one sequence at a time; call it once per sequence")
+            value = value[0]
         require(isinstance(value, (list, tuple)) and all(is_int(t) for t in value), argument,
-                lambda: f"must be a tensor or a list of int token ids, got {type(value).__name__}", ArgumentTypeError)
+                lambda: f"must be a tensor, a list of int token ids or a list of one such list, got {type(value).__name__}",
+                ArgumentTypeError)
         tokens = [int(t) for t in value]
     require(len(tokens) >= 1, argument, "must hold at least one token id")
     require(min(tokens) >= 0, argument, lambda: f"token ids must be >= 0, got {min(tokens)}")
@@ -94,7 +101,8 @@ class KVStageSession:
             :func:`~kvstage.integrations.transformers.layout.cache_layout` for what is refused.
             Its KV pool lives on ``model.device``.
         storage: a store URL (:func:`kvstage.storage.open_storage`): ``"file:DIR"`` (shared
-            between processes), ``"memory"`` (this process), ``"mooncake://..."``.
+            between processes), ``"memory"`` (this session's own: another session, even in
+            this process, loads nothing from it), ``"mooncake://..."``.
         model_id: the name of the model's weights, e.g. ``"meta-llama/Llama-3.1-8B"``: part of
             the key space, so pages of other weights never match (required).
         page_size: tokens per stored page (a prefix loads in whole pages).
@@ -103,7 +111,8 @@ class KVStageSession:
             (``max_tokens * layout.token_bytes`` bytes each). Pages past it are not stored (a
             WARNING) and loads stop there.
         extra_key, cache_salt: the namespace (a LoRA adapter's name, a tenant's secret); pages
-            are shared only with the same namespace.
+            are shared only with the same namespace. ``""`` is a namespace of its own, not None
+            (as everywhere in kvstage).
         backend: the copy kernels' backend (``"auto"``, ``"triton"``, ``"torch"``).
 
     Raises:
@@ -175,7 +184,7 @@ class KVStageSession:
         return self._slots[: self._held[id(req)]]
 
     def _release(self, req: _Request) -> None:
-        del self._held[id(req)]
+        self._held.pop(id(req), None)
 
     def _on_stored(self, req: _Request, pages_stored: int, pages_failed: int) -> None:
         if req is self._storing:
@@ -208,7 +217,7 @@ class KVStageSession:
         :meth:`store`. The request stays open until that ``store`` (or the next ``load``).
 
         Args:
-            input_ids: the sequence's token ids, ``[n]`` or ``[1, n]`` int tensor or list of ints.
+            input_ids: the sequence's token ids, ``[n]`` or ``[1, n]`` int tensor, list of ints or list of one list.
 
         Returns:
             ``transformers.DynamicCache(config=model.config)``; ``get_seq_length()`` is the
@@ -227,25 +236,29 @@ class KVStageSession:
         self._require_open()
         self._end_loaded()
         req = _Request(next(self._rids), tokens, self.extra_key, self.cache_salt)
-        manager = self.manager
-        handle = manager.prefetch(req, policy="wait_complete")
-        while not handle.ready_to_load():
-            handle.wait()
-            manager.poll()
-        num_tokens = handle.tokens_ready
-        self._held[id(req)] = num_tokens
-        load = manager.load(handle, self._slots[:num_tokens])
-        load.wait()
-        while not load.done():  # CUDA: the copy's event (wait() only ordered the current stream)
-            manager.poll()
-        manager.poll()  # frees the host pages
-        cache = DynamicCache(config=self.model.config)
-        if load.error is not None:
-            logger.warning("kvstage: loading %d stored tokens failed (%r); the model computes them", num_tokens, load.error)
-            self._end(req)
-            return cache
-        if num_tokens:
-            self._fill(cache, num_tokens)
+        try:
+            manager = self.manager
+            handle = manager.prefetch(req, policy="wait_complete")
+            while not handle.ready_to_load():
+                handle.wait()
+                manager.poll()
+            num_tokens = handle.tokens_ready
+            self._held[id(req)] = num_tokens
+            load = manager.load(handle, self._slots[:num_tokens])
+            load.wait()
+            while not load.done():  # CUDA: the copy's event (wait() only ordered the current stream)
+                manager.poll()
+            manager.poll()  # frees the host pages
+            cache = DynamicCache(config=self.model.config)
+            if load.error is not None:
+                logger.warning("kvstage: loading %d stored tokens failed (%r); the model computes them", num_tokens, load.error)
+                self._end(req)
+                return cache
+            if num_tokens:
+                self._fill(cache, num_tokens)
+        except BaseException:
+            self._end(req)  # a failed prefetch, load or fill leaves no request open
+            raise
         self._loaded = _Loaded(req, cache, num_tokens)
         return cache
 
@@ -258,7 +271,7 @@ class KVStageSession:
         chain). Pages past :attr:`max_tokens` are not stored (a WARNING).
 
         Args:
-            token_ids: the sequence, ``[n]`` or ``[1, n]`` int tensor or list of ints.
+            token_ids: the sequence, ``[n]`` or ``[1, n]`` int tensor, list of ints or list of one list.
             cache: a ``DynamicCache`` of this model holding the KV of the sequence's first
                 ``cache.get_seq_length() <= n`` tokens, batch size 1.
 
@@ -294,17 +307,17 @@ class KVStageSession:
         else:
             self._end_loaded()
             req, start = _Request(next(self._rids), tokens, self.extra_key, self.cache_salt), 0
-        end = kv_length // self.page_size * self.page_size  # whole pages only are stored
-        if end > start:
-            self._copy_in(cache, start, end)
         self._held[id(req)] = max(kv_length, self._held.get(id(req), 0))
-        req.done = True
+        end = kv_length // self.page_size * self.page_size  # whole pages only are stored
         self._storing, self._pages_stored = req, 0
         try:
             try:
+                if end > start:
+                    self._copy_in(cache, start, end)
+                req.done = True
                 self.manager.finish(req, kv_length=kv_length)
             except BaseException:
-                self._end(req)  # finish launched nothing: free its slots
+                self._end(req)  # nothing of it launched: abort it and free its slots
                 raise
             self.manager.drain()  # on_stored(req, ...) comes from its polls
         finally:
@@ -327,16 +340,17 @@ class KVStageSession:
 
         Raises:
             InvalidArgumentError: ``generate_kwargs`` holds a cache (``cache``,
-                ``past_key_values``: the session passes its own), ``num_beams`` or
-                ``num_return_sequences`` above 1, or an ``attention_mask`` with padding;
+                ``past_key_values``: the session passes its own) or an ``attention_mask``
+                with padding; the call's kwargs, its ``generation_config=`` or
+                ``model.generation_config`` (in that priority, as transformers reads them)
+                set ``num_beams`` or ``num_return_sequences`` above 1, ``use_cache=False``,
+                or assisted decoding (``assistant_model``, ``prompt_lookup_num_tokens``, ...;
+                see :func:`~kvstage.integrations.transformers.generation.check_generate_options`);
                 ``input_ids`` as for :meth:`load`. Raised before anything is computed.
         """
         for name in ("cache", "past_key_values"):
             require(name not in generate_kwargs, name, "is the session's: it passes the loaded cache itself (use load() and store() to pass your own)")
-        config = getattr(self.model, "generation_config", None)
-        for name in ("num_beams", "num_return_sequences"):
-            value = generate_kwargs.get(name, getattr(config, name, 1))
-            require(value in (None, 1), name, lambda: f"must be 1 (one sequence at a time), got {value!r}")
+        check_generate_options(self.model, generate_kwargs)
         mask = generate_kwargs.get("attention_mask")
         if mask is not None:
             require(isinstance(mask, torch.Tensor) and bool(mask.all()), "attention_mask", "must be all ones (one sequence, no padding)")
@@ -382,6 +396,7 @@ class KVStageSession:
                 values = self.kv_pool.layer(1, layer)[:num_tokens].transpose(0, 1)[None]
             cache.layers[layer].update(keys.contiguous(), values.contiguous())
 
+    @torch.no_grad()  # a cache filled with autograd on holds tensors that require grad: copy their values only
     def _copy_in(self, cache: Any, start: int, end: int) -> None:
         """Write ``cache``'s KV of positions ``[start, end)`` into the pool's slots of the same positions."""
         for layer, cache_layer in enumerate(cache.layers):

@@ -12,7 +12,11 @@ Random-weight Llama (MHA/GQA) and DeepseekV3 (MLA, the cache holds the latent) m
 - a follow-up turn in the second process hits the first turn's decode page too;
 - the same within one process and one session; another namespace hits nothing;
 - bad input: models kvstage cannot store, batches, kwargs, caches that do not fit, each a
-  clear error naming the argument or config field, before anything is written.
+  clear error naming the argument or config field, before anything is written; generate
+  options that change the cache (beams, ``use_cache=False``, assisted decoding), from kwargs,
+  a ``GenerationConfig`` or ``model.generation_config``, refused before any forward;
+- caches filled with autograd on are stored; a failing store leaves no request open; Falcon's
+  ``multi_query`` cache (1 KV head, read by the construction's one-token probe) round-trips.
 """
 
 from __future__ import annotations
@@ -286,3 +290,159 @@ def test_a_failed_load_returns_an_empty_cache(tmp_path, monkeypatch, caplog):
         again = session.generate(ids, **tm.GENERATE)  # the session goes on: the next load loads
         assert session.metrics.pages_loaded == PREFIX // tm.PAGE_SIZE
         assert torch.equal(again.sequences, plain.sequences)
+
+
+# -- caches filled with autograd on, a failing store, options that change the cache ------------
+
+
+def test_store_copies_a_cache_filled_with_autograd_on(tmp_path):
+    model, ids = model_of("llama"), tm.prompt_ids()
+    assert torch.is_grad_enabled()
+    with tm.session_of(model, str(tmp_path), "llama") as session:
+        cache = session.load(ids)  # nothing stored yet: empty
+        model(ids, cache=cache, use_cache=True)  # a plain forward, outside torch.no_grad()
+        assert cache.layers[0].keys.requires_grad
+        assert session.store(ids, cache) == tm.PROMPT_TOKENS // tm.PAGE_SIZE
+        fresh = DynamicCache(config=model.config)
+        model(ids, cache=fresh, use_cache=True)
+        assert session.store(ids, fresh) == tm.PROMPT_TOKENS // tm.PAGE_SIZE  # found stored already
+        loaded = session.load(ids)
+        assert loaded.get_seq_length() == PREFIX
+        assert all(torch.equal(a.keys, b.keys[..., :PREFIX, :].detach()) and torch.equal(a.values, b.values[..., :PREFIX, :].detach())
+                   for a, b in zip(loaded.layers, fresh.layers))
+        assert session.metrics.requests_live == 1  # the load's request, until its store
+
+
+@pytest.mark.parametrize("fails", ["_copy_in", "finish"])
+@pytest.mark.parametrize("loaded", [True, False], ids=["loaded cache", "own cache"])
+def test_a_failed_store_leaves_no_request_open(tmp_path, monkeypatch, fails, loaded):
+    model, ids = model_of("llama"), tm.prompt_ids()
+    with tm.session_of(model, str(tmp_path), "llama") as session:
+        def failing(*args, **kwargs):
+            raise RuntimeError(f"{fails} failed")
+
+        monkeypatch.setattr(session if fails == "_copy_in" else session.manager, fails, failing)
+        for _ in range(3):
+            cache = session.load(ids) if loaded else DynamicCache(config=model.config)
+            with torch.no_grad():
+                model(ids, cache=cache, use_cache=True)
+            with pytest.raises(RuntimeError, match=f"{fails} failed"):
+                session.store(ids, cache)
+            assert session.metrics.requests_live == 0
+        monkeypatch.undo()
+        session.generate(ids, max_new_tokens=2)  # the session goes on
+        assert session.metrics.requests_live == 0
+        assert session.load(ids).get_seq_length() == PREFIX
+
+
+def forward_calls(model):
+    """A list that grows by one per forward of ``model`` (the hook stays for the model's life:
+    the caller removes it through the returned handle)."""
+    calls = []
+    return calls, model.register_forward_hook(lambda *args: calls.append(1))
+
+
+def test_options_that_change_the_cache_are_refused_before_computing(tmp_path):
+    from transformers import GenerationConfig
+
+    model, ids = model_of("llama"), tm.prompt_ids()
+    helper = tm.build_model("llama")
+    with tm.session_of(model, str(tmp_path), "llama") as session:
+        calls, hook = forward_calls(model)  # after the construction's one-token probe
+        try:
+            for kwargs, message in [
+                ({"generation_config": GenerationConfig(num_beams=2)}, "num_beams: must be 1 (one sequence at a time), got 2"),
+                ({"generation_config": GenerationConfig(do_sample=True, num_return_sequences=2)}, "num_return_sequences: must be 1 (one sequence at a time), got 2"),
+                ({"use_cache": False}, "use_cache: must not be False"),
+                ({"generation_config": GenerationConfig(use_cache=False)}, "use_cache: must not be False"),
+                ({"assistant_model": helper}, "assistant_model: "),
+                ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens: "),
+            ]:
+                with pytest.raises(InvalidArgumentError) as raised:
+                    session.generate(ids, max_new_tokens=2, **kwargs)
+                assert message in str(raised.value), kwargs
+            model.generation_config.use_cache = False
+            try:
+                with pytest.raises(InvalidArgumentError, match="use_cache: must not be False"):
+                    session.generate(ids, max_new_tokens=2)
+                session.generate(ids, max_new_tokens=2, use_cache=True)  # the call's kwarg wins, as in transformers
+            finally:
+                model.generation_config.use_cache = True
+            assert session.metrics.requests_live == 0
+            assert len(calls) == 2  # only the accepted call computed: its prefill and one decode step
+            # a kwarg over the generation_config object, as transformers reads them
+            session.generate(ids, generation_config=GenerationConfig(num_beams=2, max_new_tokens=2), num_beams=1)
+        finally:
+            hook.remove()
+
+
+def test_falcon_multi_query_stores_its_one_kv_head(tmp_path):
+    from transformers import FalconConfig, FalconForCausalLM
+
+    ids = tm.prompt_ids() % 256
+    # multi_query (FalconConfig's default): 1 KV head; new_decoder_architecture caches its num_kv_heads
+    # groups expanded to every query head (transformers' FalconAttention), so its cache holds 4
+    for case, (fields, heads) in enumerate([({}, 1), ({"new_decoder_architecture": True, "num_kv_heads": 2}, 4), ({"multi_query": False}, 4)]):
+        torch.manual_seed(0)
+        model = FalconForCausalLM(FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256, **fields)).eval()
+        with KVStageSession(model, f"file:{tmp_path}/falcon-{case}", model_id="falcon", page_size=tm.PAGE_SIZE) as session:
+            assert (session.layout.cache_heads, session.layout.key_dim) == (heads, 16), fields
+            first = session.generate(ids, **tm.GENERATE)
+            second = session.generate(ids, **tm.GENERATE)
+            assert session.metrics.pages_loaded == PREFIX // tm.PAGE_SIZE
+        cache = DynamicCache(config=model.config)
+        model.generate(ids, cache=cache, **tm.GENERATE)
+        reference = continued(model, ids, cache, PREFIX)
+        assert torch.equal(first.sequences, second.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(second.logits, reference.logits)), fields
+
+
+def test_a_2d_list_of_token_ids_is_one_sequence(tmp_path):
+    model, ids = model_of("llama"), tm.prompt_ids()
+    with tm.session_of(model, str(tmp_path), "llama") as session:
+        session.generate(ids, max_new_tokens=2)
+        assert session.load(ids.tolist()).get_seq_length() == PREFIX  # tokenizer(text)["input_ids"]
+        out = session.generate(ids.tolist(), max_new_tokens=2, do_sample=False)
+        assert torch.equal(out, model.generate(ids, max_new_tokens=2, do_sample=False))
+        with pytest.raises(InvalidArgumentError, match=r"input_ids: must be one sequence \(batch size 1\), got a batch of 2"):
+            session.load(ids.repeat(2, 1).tolist())
+
+
+def test_a_model_whose_cache_cannot_be_probed_is_refused_at_construction(tmp_path, monkeypatch):
+    model, store = tm.build_model("llama"), tmp_path / "store"
+
+    def failing_forward(*args, **kwargs):
+        raise RuntimeError("no forward here")
+
+    monkeypatch.setattr(model, "forward", failing_forward)
+    with pytest.raises(InvalidArgumentError, match=r"model: a one-token forward with a DynamicCache \(to read its KV heads and head size\) failed: RuntimeError\('no forward here'\)"):
+        KVStageSession(model, f"file:{store}", model_id="m")
+    assert not store.exists()
+
+
+def test_an_empty_namespace_is_not_none_and_a_memory_store_is_the_sessions_own(tmp_path):
+    model, ids = model_of("llama"), tm.prompt_ids()
+    url = f"file:{tmp_path}/store"
+    with KVStageSession(model, url, model_id="m", page_size=tm.PAGE_SIZE) as session:
+        session.generate(ids, max_new_tokens=1)
+    for kwargs, loaded in [({"cache_salt": ""}, 0), ({"extra_key": ""}, 0), ({"cache_salt": None, "extra_key": None}, PREFIX)]:
+        with KVStageSession(model, url, model_id="m", page_size=tm.PAGE_SIZE, **kwargs) as other:
+            assert other.load(ids).get_seq_length() == loaded, kwargs
+    with KVStageSession(model, "memory", model_id="m", page_size=tm.PAGE_SIZE) as first:
+        first.generate(ids, max_new_tokens=1)
+        with KVStageSession(model, "memory", model_id="m", page_size=tm.PAGE_SIZE) as second:
+            assert (first.load(ids).get_seq_length(), second.load(ids).get_seq_length()) == (PREFIX, 0)
+
+
+def test_the_construction_probe_leaves_the_random_state_as_it_was(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, vocab_size=64, attention_dropout=0.5, attn_implementation="eager"))
+    model.train()  # the probe's forward draws dropout masks
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    with KVStageSession(model, "memory", model_id="m", page_size=tm.PAGE_SIZE) as session:
+        assert session.layout.cache_heads == 1
+        assert torch.equal(torch.rand(4), expected)
