@@ -1,83 +1,47 @@
 """``FileStore``: one file a page under a directory, crash-safe and checksummed.
 
-The page-file format (header, checksum, names) is :mod:`kvstage.storage.page_file`; the room
-accounting (used, held and pinned bytes, chain-aware eviction) :class:`kvstage.storage.room.Room`;
-the administration of other key spaces in the directory :mod:`kvstage.storage.key_spaces`. This
-module writes, reads and clears pages, gates a clear against puts, runs the store's I/O threads
-and adopts pages other processes wrote.
+Its parts, each a module of its own: the page-file format (header, checksum, names)
+:mod:`kvstage.storage.page_file`; the room accounting (used, held and pinned bytes, chain-aware
+eviction) :class:`kvstage.storage.room.Room`; the other key spaces in the directory
+:mod:`kvstage.storage.key_spaces`. Here: put, get and clear of pages, the gate that holds puts
+while a clear runs, the store's I/O threads, and adoption of pages other processes wrote.
 
-Why crash-safe: a page is first written to a temporary name in the same directory and then
-renamed with ``os.replace``, so a writer killed mid-write leaves at most a temporary file; a
-page whose length, key or checksum does not match reads as a miss and is removed, never as wrong
-bytes. Files of format 1 (no chain link) read as absent and are removed when their store opens.
+Crash-safe: a page is written to a temporary name and renamed into place (``os.replace``), so a
+writer killed mid-write leaves at most a temporary file; a page whose length, key or checksum
+does not match reads as a miss and is removed, never as wrong bytes (format 1 files, without a
+chain link, too). ``exists`` checks a file's size (one ``stat``): a torn page is absent, but one
+corrupted at the right size answers True until a ``get`` reads it (a miss, the file removed) or a
+``put`` of its key verifies it (intact: ``DEDUPLICATED``; corrupt: written again, ``STORED``).
 
-``exists`` means readable, at a price: ``exists`` checks the file's size (one ``stat``, the
-same cost as finding the file at all), so a torn or truncated page is absent; the payload's
-checksum would cost reading the whole page (as much as the ``get`` that follows a lookup), so a
-page corrupted at the right size still answers True until a ``get`` reads it (a miss, and the
-file is removed) or a ``put`` of its key. A ``put`` of a key whose file is there reads and
-verifies it (a read and a checksum, cheaper than the write it replaces): an intact page is
-``DEDUPLICATED``, a corrupt one is written again and ``STORED``, so offload heals it.
+Eviction (capacity in bytes) is chain-aware, as in :class:`kvstage.storage.MemoryStore`, never of
+a page of the same put nor of its ``prior_key`` page (a page that fits only that way is
+``FAILED``, and so are the pages after it in that put). ``get``, ``exists`` and a deduplicated
+``put`` count as a use. Recency and links survive a reopen without a sidecar: the recency is each
+page file's modification time (the index's nanosecond tick, set on every write and use), the
+links are in the headers; opening reads each page file's header and a torn file loses only itself.
 
-Eviction (capacity in bytes) is chain-aware, as in :class:`kvstage.storage.MemoryStore`: only
-pages with no stored successor are candidates, least recently used first; never a page of the
-same put nor its ``prior_key`` page (a page that fits only that way is ``FAILED``, and so are the
-pages after it in that put: their predecessor is missing). ``get``, ``exists`` and a
-deduplicated ``put`` count as a use. Both survive a reopen without a sidecar: the recency is
-each page file's modification time (set to the index's strictly increasing nanosecond tick on
-every write and use), the links are in the page headers, so opening reads each page file's
-header (one small read a file) and a page file that is torn loses only itself.
+Sharing a directory: a store counts, evicts, clears and sweeps only its own key space's files;
+opening logs how many page files of other key spaces are there and which settings they differ in
+(:meth:`FileStore.evict_key_space` removes one). Processes sharing one key space (prefill writes
+prompt pages, decode continues their chains): a ``put`` whose ``prior_key`` this process has not
+indexed finds the prior's file and indexes it from its header (adoption); a deduplicated page
+found there is indexed too. A reader that finds a corrupt page removes only the file it read (a
+tombstone rename and an inode compare; a page rewritten since is put back). Each process evicts
+within its own capacity; opening sweeps only temporary files older than :data:`TMP_GRACE_S`.
 
-Sharing a directory: a store counts, evicts, clears and sweeps only its own key space's files,
-so stores of different fingerprints (pipeline stages, TP ranks) may write one directory; opening
-logs how many page files of other key spaces are there and which settings they differ in
-(:mod:`kvstage.storage.key_spaces`; :meth:`FileStore.evict_key_space` removes one).
+Store events (tier ``"file"``): ``stored`` for each page a put wrote, ``evicted`` for each page
+the capacity evicted, ``removed`` for each page :meth:`FileStore.clear` removed and for each
+corrupt page a reader or a put dropped. A page not written because of an ``OSError`` (``EROFS``,
+``EACCES``, ``ENOSPC``) is ``FAILED`` and ``put``'s answer carries the error; pages refused
+because ``prior_key`` is not stored carry a :class:`kvstage.storage.MissingPriorError`.
 
-Processes sharing one key space (a prefill process stores prompt pages, a decode process
-continues their chains): a ``put`` whose ``prior_key`` this process has not indexed (written by
-another process after this one opened the directory) finds the prior's file in the directory and
-indexes it from its header before deciding; a deduplicated page found there is indexed too. A
-reader that finds a corrupt page removes only the file it read: it renames the page to a
-tombstone and compares the tombstone's inode with that of the file it still holds open; a
-different inode is a page rewritten since, which it puts back. Each process evicts within its
-own capacity, counting the files it indexed; opening sweeps only temporary files older than
-:data:`TMP_GRACE_S` (another process may be writing younger ones).
+Several pages at once: a call of more than one page reads or writes ``io_threads`` page files at
+once (a put: :func:`kvstage.storage.chain_writes.put_parallel`), answering as page by page
+would; by default only for pages of ``PARALLEL_MIN_PAGE_BYTES`` or more, since smaller pages gain
+less than handing them to a thread costs (figures: the README's "Storage" section).
 
-Store events (:mod:`kvstage.storage.events`, tier ``"file"``): ``stored`` for each page a put
-wrote, ``evicted`` for each page the capacity evicted, ``removed`` for each page
-:meth:`FileStore.clear` removed and for each corrupt page a reader or a put dropped.
-
-Failure causes: a page not written because of an ``OSError`` (a read-only directory: ``EROFS``,
-or ``EACCES``; a full disk: ``ENOSPC``) is ``FAILED`` and ``put``'s answer carries the error
-(:class:`kvstage.storage.PutStatuses`); pages refused because ``prior_key`` is not stored carry a
-:class:`kvstage.storage.MissingPriorError` naming it.
-
-Reading: a ``get`` reads a page's payload with one ``readinto`` into a per-thread scratch page
-(no temporary allocated per read) and copies it into its target only once the checksum matched,
-so a target never holds bytes of a corrupt page; a strided target (an sglang host page) takes
-that one copy too (:attr:`FileStore.strided_pages`).
-
-Several pages at once: a ``get`` of more than one page reads ``io_threads`` page files at once,
-and a ``put`` of more than one page verifies the pages already there at once, then writes
-``io_threads`` temporary files at a time, room made for each in chain order before it is
-written, and renames them into place one by one in chain order (each page's header links to the
-key before it, known before any is written), so what a put stores, refuses and reports is as if
-written one by one; only the order of its events differs: its ``evicted`` events may come
-before the ``stored`` events of the up to ``io_threads - 1`` pages written before them (room is
-made before a write, not at its rename), and a corrupt page's ``removed`` event before the
-``stored`` events of the pages before it (the pages already there are verified first). A get
-marks its hits used in key order. Either call returns or raises only once all its I/O ended.
-Every put, on one thread or several, holds a page's room from before its write until its
-rename, so page and temporary files stay within the capacity also while puts run on several
-threads.
-Threads of the store's own: reading or writing the page cache is a memory copy, and an NVMe
-drive needs more than one request in flight to reach its bandwidth; smaller pages gain less
-than handing them to a thread costs (the README's "Storage" section has the figures), so by
-default a store uses threads only for pages of ``PARALLEL_MIN_PAGE_BYTES`` or more. A put whose
-``prior_key`` is not stored writes page by page (it is refused before anything is written).
-
-URL form for :func:`open_storage`: ``file:DIR``, options ``?capacity_bytes=SIZE&io_threads=N`` (a size:
-bytes, or a number with a unit, :mod:`kvstage.storage.sizes`).
+URL form for :func:`open_storage`: ``file:DIR``, options ``?capacity_bytes=SIZE&io_threads=N`` (a
+size: bytes, or a number with a unit, :mod:`kvstage.storage.sizes`).
 """
 
 from __future__ import annotations
@@ -87,41 +51,25 @@ import logging
 import os
 import threading
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 
 from kvstage.errors import InvalidArgumentError, StorageError, is_int
 from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, StorageBackend, page_as_bytes
+from kvstage.storage.chain_writes import PutSteps, put_parallel, put_serial
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint
+from kvstage.storage.io_threads import IoThreads
 from kvstage.storage.key_spaces import KeySpace, describe_format, describe_other_key_spaces, key_spaces, remove_key_space
-from kvstage.storage.page_file import (
-    HEADER,
-    SUFFIX,
-    TMP_SUFFIX,
-    digest,
-    file_size,
-    owned,
-    owner_tag,
-    page_file_name,
-    parse_header,
-    read_page_file,
-    remove_page_files,
-    tmp_name,
-    unlink,
-    write_page_file,
-)
+from kvstage.storage.page_file import HEADER, SUFFIX, TMP_SUFFIX, digest, file_size, owned, owner_tag, page_file_name, parse_header
+from kvstage.storage.page_file import read_page_file, remove_if_read, remove_page_files, tmp_name, unlink, write_page_file
 from kvstage.storage.room import Room
 from kvstage.storage.sizes import parse_size
 
 # Re-exported: the names callers have imported from this module.
-__all__ = [
-    "DEFAULT_CAPACITY_BYTES", "DEFAULT_IO_THREADS", "PARALLEL_MIN_PAGE_BYTES", "SUFFIX", "TMP_GRACE_S", "TMP_SUFFIX",
-    "FileStore", "KeySpace", "StoreDirectoryError", "key_spaces", "open_file_store", "remove_key_space",
-]
+__all__ = ["DEFAULT_CAPACITY_BYTES", "DEFAULT_IO_THREADS", "PARALLEL_MIN_PAGE_BYTES", "SUFFIX", "TMP_GRACE_S", "TMP_SUFFIX"]
+__all__ += ["FileStore", "KeySpace", "StoreDirectoryError", "key_spaces", "open_file_store", "remove_key_space"]
 
 logger = logging.getLogger(__name__)
 
@@ -205,9 +153,7 @@ class FileStore(StorageBackend):
         if not is_int(io_threads) or io_threads < 1:
             raise InvalidArgumentError(f"io_threads: must be an int >= 1, got {io_threads!r}")
         self.io_threads = int(io_threads)
-        self._io: ThreadPoolExecutor | None = None  # started by the first call of many pages
-        self._io_pid = os.getpid()
-        self._io_lock = threading.Lock()
+        self._io = IoThreads(self.io_threads, "kvstage-file-io")  # started by the first call of many pages
         self.directory = Path(directory)
         self.fsync = fsync
         # Names of hashed page files and of temporary files start with this tag of the prefix.
@@ -303,7 +249,7 @@ class FileStore(StorageBackend):
                 if parsed is None or self._name(parsed[0]) != name:
                     # Torn, corrupt, of format 1, or renamed by hand: never a page here (unless
                     # another process has just written the page again: then kept).
-                    self._remove_file_read(path, status)
+                    remove_if_read(path, status, self._tmp_path())
                     return
         except OSError:
             return
@@ -382,9 +328,9 @@ class FileStore(StorageBackend):
             with self._lock:
                 prior_stored = prior is None or prior in self._room
             if self.io_threads > 1 and len(full_keys) > 1 and prior_stored:
-                outcomes = self._put_parallel(full_keys, digests, pages, prior, full_prior_key)
+                outcomes = put_parallel(self._put_steps(), self._io, full_keys, digests, pages, prior, full_prior_key)
             else:
-                outcomes = self._put_serial(full_keys, digests, pages, prior, full_prior_key)
+                outcomes = put_serial(self._put_steps(), full_keys, digests, pages, prior, full_prior_key)
             for status, error in outcomes:
                 statuses.append(status)
                 if statuses.error is None:
@@ -397,115 +343,13 @@ class FileStore(StorageBackend):
                 self._puts_active -= 1
                 self._gate.notify_all()
 
-    def _put_serial(
-        self, full_keys: list[str], digests: list[bytes], pages: list[torch.Tensor], prior: bytes | None, full_prior_key: str | None
-    ) -> list[tuple[PutStatus, OSError | MissingPriorError | None]]:
-        """Each page in turn: found there (deduplicated), refused (its prior is not stored), or
-        written and renamed into place, its room held from before the write until the rename;
-        see :meth:`_commit` for the errors."""
-        outcomes = []
-        for full_key, key, page in zip(full_keys, digests, pages):
-            size = file_size(full_key, self.page_bytes)
-            if self._deduplicated(full_key):
-                outcomes.append((PutStatus.DEDUPLICATED, None))
-            elif not self._prior_stored(prior):  # unreachable: its predecessor is not here
-                missing = None if full_prior_key is None else MissingPriorError(full_prior_key[len(self.prefix) :])
-                outcomes.append((PutStatus.FAILED, missing))
-            elif not self._make_room(size):
-                outcomes.append((PutStatus.FAILED, None))  # no room: nothing written
-            else:
-                try:
-                    written = self._write_tmp(full_key, page, prior)
-                except BaseException:
-                    self._give_back(size)
-                    raise
-                outcomes.append(self._commit(full_key, key, prior, written, held=size))
-            prior, full_prior_key = key, None  # a later key's predecessor is in this call: not missing but refused
-        return outcomes
-
-    def _put_parallel(
-        self, full_keys: list[str], digests: list[bytes], pages: list[torch.Tensor], prior: bytes | None, full_prior_key: str | None
-    ) -> list[tuple[PutStatus, OSError | MissingPriorError | None]]:
-        """The put on ``io_threads``, with the answers of :meth:`_put_serial`: the pages already
-        there are read and verified at once; then, in chain order, room is made and held for
-        each page before its temporary file is written (so page files and temporary files stay
-        within ``capacity_bytes``, and a full disk is relieved by eviction first), with at most
-        ``io_threads`` writes in flight, each renamed into place in chain order. Each file links
-        to the digest before it, known up front; a page whose predecessor failed is refused (its
-        file removed; the first page with a :class:`MissingPriorError` when the put's prior went
-        meanwhile, e.g. dropped as corrupt by a reader). A page written beside one that then
-        fails may have evicted for room it did not need. A write that fails while later pages'
-        writes are in flight (whose files may hold the disk space it lacked) makes the put drop
-        those files and go on page by page from that page, so a full disk fails the pages one
-        thread would fail. Only when the put's prior is stored (or None) at the start: a put
-        refused then writes nothing."""
-        priors = [prior, *digests[:-1]]
-        found = [future.result() for future in self._on_io_threads(self._deduplicated, full_keys)]
-        outcomes: list[tuple[PutStatus, OSError | MissingPriorError | None] | None] = [
-            (PutStatus.DEDUPLICATED, None) if there else None for there in found
-        ]
-
-        def refused(index: int) -> tuple[PutStatus, MissingPriorError | None]:
-            missing = index == 0 and full_prior_key is not None
-            return PutStatus.FAILED, MissingPriorError(full_prior_key[len(self.prefix) :]) if missing else None
-
-        writes: deque[tuple[int, int, Future]] = deque()  # (page index, bytes held, its write)
-        serial_from: int | None = None  # the page from which the put goes on page by page
-
-        def drop_writes_in_flight() -> None:
-            """Wait for the writes not landed yet, remove their files, give their room back."""
-            while writes:
-                _, size, write = writes.popleft()
-                self._give_back(size)
-                if write.exception() is None and isinstance(write.result(), tuple):
-                    unlink(write.result()[0])
-
-        def land_oldest() -> None:
-            nonlocal serial_from
-            index, size, write = writes[0]
-            written = write.result()  # if it raises, the write is still in ``writes``: given back below
-            writes.popleft()
-            if isinstance(written, OSError) and writes:  # e.g. ENOSPC: a later page's file may hold the space
-                self._give_back(size)
-                drop_writes_in_flight()
-                serial_from = index
-                return
-            if not self._prior_stored(priors[index]):  # a page before it failed, or the put's prior went
-                self._give_back(size)
-                if not isinstance(written, OSError):
-                    unlink(written[0])
-                outcomes[index] = refused(index)
-            else:
-                outcomes[index] = self._commit(full_keys[index], digests[index], priors[index], written, held=size)
-
-        try:
-            for index, (full_key, page) in enumerate(zip(full_keys, pages)):
-                if outcomes[index] is not None:
-                    continue
-                decided = index == 0 or outcomes[index - 1] is not None  # else its predecessor is in flight
-                size = file_size(full_key, self.page_bytes)
-                if decided and not self._prior_stored(priors[index]):
-                    outcomes[index] = refused(index)  # unreachable: nothing written
-                elif not self._make_room(size):
-                    outcomes[index] = (PutStatus.FAILED, None)  # no room: nothing written
-                else:
-                    writes.append((index, size, self._submit(self._write_tmp, full_key, page, priors[index])))
-                    if len(writes) >= self.io_threads:
-                        land_oldest()
-                if serial_from is not None:
-                    break
-            while writes and serial_from is None:
-                land_oldest()
-        except BaseException:
-            # Raised as page by page would at this page: the writes after it never land.
-            drop_writes_in_flight()
-            raise
-        if serial_from is not None:
-            outcomes[serial_from:] = self._put_serial(
-                full_keys[serial_from:], digests[serial_from:], pages[serial_from:], priors[serial_from],
-                full_prior_key if serial_from == 0 else None,
-            )
-        return outcomes
+    def _put_steps(self) -> PutSteps:
+        """This store's steps of a put (:mod:`kvstage.storage.chain_writes`), as its methods are now."""
+        return PutSteps(
+            deduplicated=self._deduplicated, prior_stored=self._prior_stored, size=lambda full_key: file_size(full_key, self.page_bytes),
+            reserve=self._make_room, give_back=self._give_back, write=self._write_tmp, commit=self._commit,
+            missing=lambda full_key: MissingPriorError(full_key[len(self.prefix) :]),
+        )
 
     def _deduplicated(self, full_key: str) -> bool:
         """Whether the key's page file is there and intact (a corrupt one is removed)."""
@@ -595,60 +439,17 @@ class FileStore(StorageBackend):
 
         if self.io_threads == 1 or len(full_keys) == 1:
             return [read(full_key, target) for full_key, target in zip(full_keys, into)]
-        hits = [future.result() for future in self._on_io_threads(read_untouched, full_keys, into)]
+        hits = [future.result() for future in self._io.map(read_untouched, full_keys, into)]
         for full_key, hit in zip(full_keys, hits):  # uses in key order, as one thread makes them
             if hit:
                 self._touch(full_key, directory / self._name(full_key))
         return hits
 
-    def _on_io_threads(self, function, *iterables) -> list[Future]:
-        """``function`` over ``zip(*iterables)`` on this store's I/O threads, once every call
-        ended (none still writes into a caller's tensor or leaves a file behind afterwards);
-        their futures in order."""
-        futures = [self._submit(function, *args) for args in zip(*iterables)]
-        wait(futures)
-        return futures
-
-    def _submit(self, function, *args) -> Future:
-        """Run ``function(*args)`` once, on this store's I/O threads (started if needed); a
-        future of its result. Under the lock :meth:`close` takes, so a close racing a call never
-        shuts the threads between the call finding them and handing them work (the call's later
-        work starts them again). When the threads refuse it (``RuntimeError``: while the
-        interpreter exits concurrent.futures takes no new work, though a write queued on another
-        pool still runs then; or a thread could not start, the work queued all the same), the
-        calling thread runs it unless an I/O thread took it first."""
-        done: Future = Future()
-        taken = threading.Lock()
-
-        def run() -> None:
-            if not taken.acquire(blocking=False):
-                return  # the other runner has it
-            try:
-                done.set_result(function(*args))
-            except BaseException as error:  # raised to the caller by the future, as from a thread
-                done.set_exception(error)
-
-        with self._io_lock:
-            # A forked child has the pool object but not its threads: it starts its own.
-            if self._io is None or self._io_pid != os.getpid():
-                self._io = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvstage-file-io")
-                self._io_pid = os.getpid()
-            try:
-                self._io.submit(run)
-                return done
-            except RuntimeError:
-                pass
-        run()
-        return done
-
     def close(self) -> None:
         """Stop this store's I/O threads (after the reads and writes in flight); a later call
         of many pages, or one in flight on another thread, starts them again. The page files
         stay. Idempotent."""
-        with self._io_lock:
-            pool, self._io = self._io, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._io.close()
 
     def _read(
         self, full_key: str, path: Path, target: torch.Tensor | None, *, adopt: bool = False, touch: bool = True
@@ -690,36 +491,13 @@ class FileStore(StorageBackend):
 
     def _drop_corrupt(self, full_key: str, path: Path, read: os.stat_result) -> None:
         """Remove the corrupt page file ``read`` and forget it, unless a writer replaced it at
-        ``path`` since (see :meth:`_remove_file_read`); a ``removed`` event when it went."""
+        ``path`` since (see :func:`kvstage.storage.page_file.remove_if_read`); a ``removed`` event when it went."""
         with self._lock:  # the index entry goes with the file, never with a fresh one
-            if not self._remove_file_read(path, read):
+            if not remove_if_read(path, read, self._tmp_path()):
                 return
             self._room.remove(digest(full_key))
             self.stats.pages_removed += 1
             self._record("removed", [full_key])
-
-    def _remove_file_read(self, path: Path, read: os.stat_result) -> bool:
-        """Remove ``path`` if it is still the file ``read`` (its stat, taken while the file is
-        held open, so its inode is not reused): rename it to a tombstone, compare inodes, put a
-        different (fresh) file back. Whether the file read was removed."""
-        tombstone = self._tmp_path()
-        try:
-            os.rename(path, tombstone)
-        except OSError:
-            return False  # gone already (another reader, a clear)
-        try:
-            moved = os.stat(tombstone)
-        except OSError:
-            return False
-        if (moved.st_ino, moved.st_dev) != (read.st_ino, read.st_dev):
-            try:
-                os.link(tombstone, path)  # the fresh page back; a newer one there wins
-            except OSError:
-                pass
-            unlink(tombstone)
-            return False
-        unlink(tombstone)
-        return True
 
     def _clear(self) -> int:
         # Every page file of this key space: indexed here or written by another process.
@@ -773,8 +551,6 @@ class FileStore(StorageBackend):
         self.stats.pages_removed += len(removed)
         self._events.record("removed", removed, key_space=prefix)
         return len(removed)
-
-
 
 
 def _sweep_tmp(path: Path) -> None:

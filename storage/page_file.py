@@ -193,6 +193,30 @@ def remove_page_files(directory: Path, names) -> list[str]:
     return removed
 
 
+def remove_if_read(path: Path, read: os.stat_result, tombstone: Path) -> bool:
+    """Remove ``path`` if it is still the file ``read`` (its stat, taken while the file is held
+    open, so its inode is not reused): rename it to ``tombstone`` (a fresh temporary name in the
+    same directory), compare inodes, put a different (fresh) file back. Whether the file read
+    was removed (False also when ``path`` is gone already: another reader, a clear)."""
+    try:
+        os.rename(path, tombstone)
+    except OSError:
+        return False
+    try:
+        moved = os.stat(tombstone)
+    except OSError:
+        return False
+    if (moved.st_ino, moved.st_dev) != (read.st_ino, read.st_dev):
+        try:
+            os.link(tombstone, path)  # the fresh page back; a newer one there wins
+        except OSError:
+            pass
+        unlink(tombstone)
+        return False
+    unlink(tombstone)
+    return True
+
+
 def unlink(path) -> None:
     """Remove ``path`` if it is there (any ``OSError`` ignored)."""
     try:
