@@ -91,7 +91,7 @@ def run_store(args: argparse.Namespace) -> int:
         listed, with the reason on stderr (nothing removed then).
     """
     from kvstage.errors import InvalidArgumentError, StorageError
-    from kvstage.storage.file_store import key_spaces, remove_key_space  # imports torch: only here
+    from kvstage.storage.key_spaces import key_spaces, remove_key_space  # imports torch (kvstage.storage): only here
 
     try:
         scheme, colon, rest = args.url.partition(":")

@@ -15,7 +15,9 @@ Public API:
     open_storage, STORAGE_SCHEMES: build a store from a URL (``memory``, ``file:DIR``,
         ``mooncake://HOST:PORT?...``).
 
-Modules: ``backend``, ``events``, ``fingerprint``, ``sizes`` (the size syntax of every URL), ``registry``, ``memory_store``, ``file_store``,
+Modules: ``backend``, ``events``, ``fingerprint``, ``sizes`` (the size syntax of every URL), ``registry``, ``memory_store``,
+``chain_index``, ``file_store`` (with ``page_file``: the page-file format; ``room``: room accounting; ``key_spaces``: the
+key spaces of a directory; ``chain_writes``: a put's write order; ``io_threads``: a store's I/O threads),
 ``mooncake`` (``config``, ``status``, ``store``).
 """
 

@@ -1,154 +1,82 @@
 """``FileStore``: one file a page under a directory, crash-safe and checksummed.
 
-File format (little-endian), written in one go::
+Its parts, each a module of its own: the page-file format (header, checksum, names)
+:mod:`kvstage.storage.page_file`; the room accounting (used, held and pinned bytes, chain-aware
+eviction) :class:`kvstage.storage.room.Room`; the other key spaces in the directory
+:mod:`kvstage.storage.key_spaces`. Here: put, get and clear of pages, the gate that holds puts
+while a clear runs, the store's I/O threads, and adoption of pages other processes wrote.
 
-    magic  b"KVSTAGE\\x02"                           8 bytes
-    key length                                       u32
-    payload length                                   u64
-    checksum xxh3_64(key + prior digest + payload)   u64
-    prior digest                                     32 bytes
-    key (UTF-8)                                      key length bytes
-    payload (the page's bytes)                       payload length bytes
+Crash-safe: a page is written to a temporary name and renamed into place (``os.replace``), so a
+writer killed mid-write leaves at most a temporary file; a page whose length, key or checksum
+does not match reads as a miss and is removed, never as wrong bytes (format 1 files, without a
+chain link, too). ``exists`` checks a file's size (one ``stat``): a torn page is absent, but one
+corrupted at the right size answers True until a ``get`` reads it (a miss, the file removed) or a
+``put`` of its key verifies it (intact: ``DEDUPLICATED``; corrupt: written again, ``STORED``).
 
-The prior digest is the SHA-256 of the full key (prefix included) of the chain's page right
-before this one (``put``'s ``prior_key`` or the call's previous key), 32 zero bytes at a chain's
-start: the chain link, fixed-size so every page file of one key length has one size. Files of
-format 1 (no link) read as absent and are removed when their store opens.
+Eviction (capacity in bytes) is chain-aware, as in :class:`kvstage.storage.MemoryStore`, never of
+a page of the same put nor of its ``prior_key`` page (a page that fits only that way is
+``FAILED``, and so are the pages after it in that put). ``get``, ``exists`` and a deduplicated
+``put`` count as a use. Recency and links survive a reopen without a sidecar: the recency is each
+page file's modification time (the index's nanosecond tick, set on every write and use), the
+links are in the headers; opening reads each page file's header and a torn file loses only itself.
 
-Why: a page is first written to a temporary name in the same directory and then renamed with
-``os.replace`` (atomic on POSIX within one file system), so a writer killed mid-write leaves at
-most a temporary file, never a half page under a page's name. The checksum covers the cases
-renaming cannot (a torn write after a power loss without ``fsync``, a flipped bit on disk, a
-file truncated or edited by hand): a page whose length, key or checksum does not match reads as
-a miss and is removed, never as wrong bytes. The key inside the file guards against two keys
-sharing a file name (long keys, or keys with characters outside ``[A-Za-z0-9._-]``, are named by
-their SHA-256).
+Sharing a directory: a store counts, evicts, clears and sweeps only its own key space's files;
+opening logs how many page files of other key spaces are there and which settings they differ in
+(:meth:`FileStore.evict_key_space` removes one). Processes sharing one key space (prefill writes
+prompt pages, decode continues their chains): a ``put`` whose ``prior_key`` this process has not
+indexed finds the prior's file and indexes it from its header (adoption); a deduplicated page
+found there is indexed too. A reader that finds a corrupt page removes only the file it read (a
+tombstone rename and an inode compare; a page rewritten since is put back). Each process evicts
+within its own capacity; opening sweeps only temporary files older than :data:`TMP_GRACE_S`.
 
-``exists`` means readable, at a price: ``exists`` checks the file's size (one ``stat``, the
-same cost as finding the file at all), so a torn or truncated page is absent; the payload's
-checksum would cost reading the whole page (as much as the ``get`` that follows a lookup), so a
-page corrupted at the right size still answers True until a ``get`` reads it (a miss, and the
-file is removed) or a ``put`` of its key. A ``put`` of a key whose file is there reads and
-verifies it (a read and a checksum, cheaper than the write it replaces): an intact page is
-``DEDUPLICATED``, a corrupt one is written again and ``STORED``, so offload heals it.
+Store events (tier ``"file"``): ``stored`` for each page a put wrote, ``evicted`` for each page
+the capacity evicted, ``removed`` for each page :meth:`FileStore.clear` removed and for each
+corrupt page a reader or a put dropped. A page not written because of an ``OSError`` (``EROFS``,
+``EACCES``, ``ENOSPC``) is ``FAILED`` and ``put``'s answer carries the error; pages refused
+because ``prior_key`` is not stored carry a :class:`kvstage.storage.MissingPriorError`.
 
-Eviction (capacity in bytes) is chain-aware, as in :class:`kvstage.storage.MemoryStore`: only
-pages with no stored successor are candidates, least recently used first; never a page of the
-same put nor its ``prior_key`` page (a page that fits only that way is ``FAILED``, and so are the
-pages after it in that put: their predecessor is missing). ``get``, ``exists`` and a
-deduplicated ``put`` count as a use. Both survive a reopen without a sidecar: the recency is
-each page file's modification time (set to the index's strictly increasing nanosecond tick on
-every write and use), the links are in the page headers, so opening reads each page file's
-header (one small read a file) and a page file that is torn loses only itself.
+Several pages at once: a call of more than one page reads or writes ``io_threads`` page files at
+once (a put: :func:`kvstage.storage.chain_writes.put_parallel`), answering as page by page
+would; by default only for pages of ``PARALLEL_MIN_PAGE_BYTES`` or more, since smaller pages gain
+less than handing them to a thread costs (figures: the README's "Storage" section).
 
-Sharing a directory: a store counts, evicts, clears and sweeps only its own key space's files
-(their names start with its fingerprint's prefix, or with a tag of it for hashed names), so
-stores of different fingerprints (pipeline stages, TP ranks) may write one directory.
-
-Processes sharing one key space (a prefill process stores prompt pages, a decode process
-continues their chains): a ``put`` whose ``prior_key`` this process has not indexed (written by
-another process after this one opened the directory) finds the prior's file in the directory and
-indexes it from its header before deciding; a deduplicated page found there is indexed too. A
-reader that finds a corrupt page removes only the file it read: it renames the page to a
-tombstone and compares the tombstone's inode with that of the file it still holds open; a
-different inode is a page rewritten since, which it puts back. Each process evicts within its
-own capacity, counting the files it indexed; opening sweeps only temporary files older than
-:data:`TMP_GRACE_S` (another process may be writing younger ones).
-
-Other key spaces in the directory (pages of an old ``model_id`` after a weight update, of other
-ranks or stages) are not this store's to count or evict: :func:`key_spaces` lists every key
-space's pages and bytes (opening a store logs how many page files of other key spaces the
-directory holds and, for the largest four, which settings they differ in from this store's:
-:func:`kvstage.storage.fingerprint.prefix_differences`, e.g. ``page_size 16 (this store: 64)``),
-:meth:`FileStore.evict_key_space` removes one (counted and reported as events), and ``kvstage
-store file:DIR`` (:mod:`kvstage.cli`) does both from the command line. An opaque key space,
-whose prefix holds only a digest of its page format, leaves the format's text beside its pages
-(``.kvstage-format-TAG.json``, written once by the first store of it that opens the directory;
-no page, never counted), so that log can name the part of the format that differs.
-
-Store events (:mod:`kvstage.storage.events`, tier ``"file"``): ``stored`` for each page a put
-wrote, ``evicted`` for each page the capacity evicted, ``removed`` for each page
-:meth:`FileStore.clear` removed and for each corrupt page a reader or a put dropped.
-
-Failure causes: a page not written because of an ``OSError`` (a read-only directory: ``EROFS``,
-or ``EACCES``; a full disk: ``ENOSPC``) is ``FAILED`` and ``put``'s answer carries the error
-(:class:`kvstage.storage.PutStatuses`); pages refused because ``prior_key`` is not stored carry a
-:class:`kvstage.storage.MissingPriorError` naming it.
-
-Reading: a ``get`` reads a page's payload with one ``readinto`` into a per-thread scratch page
-(no temporary allocated per read) and copies it into its target only once the checksum matched,
-so a target never holds bytes of a corrupt page; a strided target (an sglang host page) takes
-that one copy too (:attr:`FileStore.strided_pages`).
-
-Several pages at once: a ``get`` of more than one page reads ``io_threads`` page files at once,
-and a ``put`` of more than one page verifies the pages already there at once, then writes
-``io_threads`` temporary files at a time, room made for each in chain order before it is
-written, and renames them into place one by one in chain order (each page's header links to the
-key before it, known before any is written), so what a put stores, refuses and reports is as if
-written one by one; only the order of its events differs: its ``evicted`` events may come
-before the ``stored`` events of the up to ``io_threads - 1`` pages written before them (room is
-made before a write, not at its rename), and a corrupt page's ``removed`` event before the
-``stored`` events of the pages before it (the pages already there are verified first). A get
-marks its hits used in key order. Either call returns or raises only once all its I/O ended.
-Every put, on one thread or several, holds a page's room from before its write until its
-rename, so page and temporary files stay within the capacity also while puts run on several
-threads.
-Threads of the store's own: reading or writing the page cache is a memory copy, and an NVMe
-drive needs more than one request in flight to reach its bandwidth. Measured on a 2-core VM
-(``bench/bench_sglang.py``, 128 pages of 8 MiB, three runs): 2 threads read 1.0-1.4x and write
-1.0-1.4x as fast as one; 4 readers were slower than 2 there (four 8 MiB scratch pages outgrow its
-32 MiB L3 cache). Smaller pages gain less than handing them to a thread costs (64 pages a call,
-1 thread against 2: 4 KiB to 512 KiB pages wrote 0.44-0.94x and read 0.51-0.62x as fast on 2;
-1 MiB pages 1.15-1.21x and 0.84-1.01x; 2 MiB 1.48x and 1.06x), so by default a store uses
-threads only for pages of ``PARALLEL_MIN_PAGE_BYTES`` (2 MiB) or more. A put whose ``prior_key`` is not stored writes page by page (it is refused
-before anything is written).
-
-URL form for :func:`open_storage`: ``file:DIR``, options ``?capacity_bytes=SIZE&io_threads=N`` (a size:
-bytes, or a number with a unit, :mod:`kvstage.storage.sizes`).
+URL form for :func:`open_storage`: ``file:DIR``, options ``?capacity_bytes=SIZE&io_threads=N`` (a
+size: bytes, or a number with a unit, :mod:`kvstage.storage.sizes`).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import logging
 import os
-import string
-import struct
 import threading
 import time
-import uuid
-from collections import Counter, deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
 
 from kvstage.errors import InvalidArgumentError, StorageError, is_int
 from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, StorageBackend, page_as_bytes
-from kvstage.storage.chain_index import ChainIndex
+from kvstage.storage.chain_writes import PutSteps, put_parallel, put_serial
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
-from kvstage.storage.fingerprint import LayoutFingerprint, prefix_differences, prefix_fields, prefix_of
+from kvstage.storage.fingerprint import LayoutFingerprint
+from kvstage.storage.io_threads import IoThreads
+from kvstage.storage.key_spaces import KeySpace, describe_format, describe_other_key_spaces, key_spaces, remove_key_space
+from kvstage.storage.page_file import HEADER, SUFFIX, TMP_SUFFIX, digest, file_size, owned, owner_tag, page_file_name, parse_header
+from kvstage.storage.page_file import read_page_file, remove_if_read, remove_page_files, tmp_name, unlink, write_page_file
+from kvstage.storage.room import Room
 from kvstage.storage.sizes import parse_size
+
+# Re-exported: the names callers have imported from this module.
+__all__ = ["DEFAULT_CAPACITY_BYTES", "DEFAULT_IO_THREADS", "PARALLEL_MIN_PAGE_BYTES", "SUFFIX", "TMP_GRACE_S", "TMP_SUFFIX"]
+__all__ += ["FileStore", "KeySpace", "StoreDirectoryError", "key_spaces", "open_file_store", "remove_key_space"]
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"KVSTAGE\x02"
-_HEADER = struct.Struct("<8sIQQ32s")  # magic, key length, payload length, checksum, prior digest
-_NO_PRIOR = bytes(32)
-SUFFIX = ".kvpage"
-TMP_SUFFIX = ".tmp"
 DEFAULT_CAPACITY_BYTES = 16 << 30  # 16 GiB
 DEFAULT_IO_THREADS = 2  # for pages of PARALLEL_MIN_PAGE_BYTES or more, capped at the CPUs; see the module doc
 PARALLEL_MIN_PAGE_BYTES = 2 << 20  # smaller pages: one thread by default (threads cost more than they save)
 TMP_GRACE_S = 600.0  # a temporary file younger than this may be another process's write in progress
-_MAX_NAME = 200  # file names stay well under the usual 255-byte limit
-_SAFE_KEY = frozenset(string.ascii_letters + string.digits + "._-")  # hex keys; no "@", which ends a prefix
-FORMAT_FILE_PREFIX = ".kvstage-format-"  # an opaque key space's format description (see _describe_format)
-_HASHED = "~"  # separates the owner tag from the SHA-256 in a hashed name; never in a plain one
 
 
 class StoreDirectoryError(StorageError):
@@ -169,43 +97,6 @@ class StoreDirectoryError(StorageError):
         super().__init__(message.format(path=repr(path), reason=reason))
         self.path = path
         self.errno = code
-
-
-@dataclass(frozen=True)
-class KeySpace:
-    """The pages of one key space in a file store's directory.
-
-    Attributes:
-        prefix: the key space's fingerprint prefix (:meth:`LayoutFingerprint.prefix`).
-        pages: its page files.
-        bytes: their sizes summed, in bytes (headers included).
-    """
-
-    prefix: str
-    pages: int
-    bytes: int
-
-
-def _checksum(key: bytes, prior: bytes, payload) -> int:
-    hasher = xxhash.xxh3_64(key)
-    hasher.update(prior)
-    hasher.update(payload)
-    return hasher.intdigest()
-
-
-def _read_into(handle, buffer: memoryview) -> bool:
-    """Fill ``buffer`` from ``handle`` (an unbuffered file); False when the file ends first."""
-    done = 0
-    while done < len(buffer):
-        count = handle.readinto(buffer[done:])
-        if not count:
-            return False
-        done += count
-    return True
-
-
-def _digest(full_key: str) -> bytes:
-    return hashlib.sha256(full_key.encode()).digest()
 
 
 class FileStore(StorageBackend):
@@ -262,22 +153,16 @@ class FileStore(StorageBackend):
         if not is_int(io_threads) or io_threads < 1:
             raise InvalidArgumentError(f"io_threads: must be an int >= 1, got {io_threads!r}")
         self.io_threads = int(io_threads)
-        self._io: ThreadPoolExecutor | None = None  # started by the first call of many pages
-        self._io_pid = os.getpid()
-        self._io_lock = threading.Lock()
+        self._io = IoThreads(self.io_threads, "kvstage-file-io")  # started by the first call of many pages
         self.directory = Path(directory)
-        self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         # Names of hashed page files and of temporary files start with this tag of the prefix.
-        self._owner_tag = _owner_tag(self.prefix)
-        self._lock = threading.Lock()
+        self._owner_tag = owner_tag(self.prefix)
+        self._lock = threading.Lock()  # around every use of self._room
         self._local = threading.local()  # each thread's scratch page
-        # Pages by the SHA-256 of their full key (the link a header holds): (file name, size,
-        # page key without the prefix).
-        self._index: ChainIndex[bytes, tuple[str, int, str]] = ChainIndex()
-        self._pinned: Counter[bytes] = Counter()  # pages of puts in flight (and their priors)
-        self._used = 0
-        self._held = 0  # bytes of room held for pages being written, not renamed yet (see _make_room)
+        # Pages by the SHA-256 of their full key (the link a header holds): (file name, page key
+        # without the prefix), and their bytes against the capacity.
+        self._room: Room[bytes, tuple[str, str]] = Room(capacity_bytes)
         # clear() waits for puts in flight and holds new ones (a put lands wholly after it).
         self._gate = threading.Condition()
         self._puts_active = 0
@@ -290,16 +175,17 @@ class FileStore(StorageBackend):
             raise StoreDirectoryError(str(self.directory), error, "directory: cannot use {path}: {reason}") from error
         self._require_writable()
         if fingerprint.page_format:
-            _describe_format(self.directory, self.prefix, fingerprint.page_format)
+            describe_format(self.directory, self.prefix, fingerprint.page_format)
         names = [name for name in every if self._owns(name)]
         others = [name for name in every if name.endswith(SUFFIX) and not self._owns(name)]
         if others and logger.isEnabledFor(logging.INFO):  # naming their settings reads a few files
+            differences = describe_other_key_spaces(self.directory, others, self.prefix, fingerprint.page_format)
             logger.info(
                 "file store %s: %d page files of other key spaces are there, not counted in this store's "
                 "capacity nor read by it; they differ from this store's key space in: %s; list them with "
-                "kvstage.storage.file_store.key_spaces() or `kvstage store file:%s`, remove one with "
+                "kvstage.storage.key_spaces.key_spaces() or `kvstage store file:%s`, remove one with "
                 "FileStore.evict_key_space() or `kvstage store file:%s --evict PREFIX`",
-                self.directory, len(others), self._how_others_differ(others), self.directory, self.directory,
+                self.directory, len(others), differences, self.directory, self.directory,
             )
         for name in names:
             if name.endswith(TMP_SUFFIX):
@@ -321,29 +207,17 @@ class FileStore(StorageBackend):
                 "directory: {path} is not writable: {reason}; a file store writes its pages there: "
                 "give a directory this process may write",
             ) from error
-        _unlink(probe)
-
-    def _how_others_differ(self, names: list[str], shown: int = 4) -> str:
-        """Which settings the key spaces of page files ``names`` (not this store's) differ in
-        from this store's, the largest ``shown`` key spaces (see :func:`prefix_differences`)."""
-        prefix_of_name = _prefix_finder(self.directory)
-        counts = Counter(prefix_of_name(name) for name in names)
-        counts.pop(None, None)
-        formats = {self.prefix: self.fingerprint.page_format} if self.fingerprint.page_format else {}
-        formats.update(_format_descriptions(self.directory, counts))
-        ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
-        parts = [
-            f"{prefix} ({count} page files): {', '.join(prefix_differences(prefix, self.prefix, formats))}"
-            for prefix, count in ranked[:shown]
-        ]
-        if len(ranked) > shown:
-            parts.append(f"and {len(ranked) - shown} more key spaces")
-        return "; ".join(parts) or "(page files whose key space is unreadable)"
+        unlink(probe)
 
     @property
     def used_bytes(self) -> int:
         """Bytes of this store's page files."""
-        return self._used
+        return self._room.used
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bound on the bytes of this store's page files and of the writes in flight."""
+        return self._room.capacity_bytes
 
     def file_name(self, key: str) -> str:
         """The file name of a page key (no prefix: the fingerprint's prefix is added)."""
@@ -354,22 +228,12 @@ class FileStore(StorageBackend):
         return self.directory / self.file_name(key)
 
     def _name(self, full_key: str) -> str:
-        """``full_key`` (this store's prefix + a page key) as a file name: itself, or the owner
-        tag and its SHA-256 when it is long or the page key has a character outside
-        ``[A-Za-z0-9._-]`` (so a plain name's prefix is always exactly this store's)."""
-        key = full_key[len(self.prefix) :]
-        if len(full_key) + len(SUFFIX) > _MAX_NAME or not all(c in _SAFE_KEY for c in key):
-            return f"{self._owner_tag}{_HASHED}{hashlib.sha256(full_key.encode()).hexdigest()}{SUFFIX}"
-        return full_key + SUFFIX
+        """``full_key``'s file name (see :func:`kvstage.storage.page_file.page_file_name`)."""
+        return page_file_name(full_key, self.prefix, self._owner_tag)
 
     def _owns(self, name: str) -> bool:
         """Whether a directory entry is this fingerprint's (a page or a temporary file)."""
-        if name.endswith(TMP_SUFFIX):
-            return name.startswith(f".{self._owner_tag}{_HASHED}")
-        return name.startswith(f"{self._owner_tag}{_HASHED}") or (name.startswith(self.prefix) and _HASHED not in name)
-
-    def _file_size(self, full_key: str) -> int:
-        return _HEADER.size + len(full_key.encode()) + self.page_bytes
+        return owned(name, self.prefix, self._owner_tag)
 
     def _load(self, name: str) -> None:
         """Index a page file found at open: its link from the header, its recency from its
@@ -378,56 +242,43 @@ class FileStore(StorageBackend):
         try:
             with open(path, "rb") as handle:
                 status = os.fstat(handle.fileno())
-                head = handle.read(_HEADER.size)
-                if len(head) == _HEADER.size:
-                    head += handle.read(_HEADER.unpack_from(head)[1])
+                head = handle.read(HEADER.size)
+                if len(head) == HEADER.size:
+                    head += handle.read(HEADER.unpack_from(head)[1])
                 parsed = self._parse_header(head, status.st_size)
                 if parsed is None or self._name(parsed[0]) != name:
                     # Torn, corrupt, of format 1, or renamed by hand: never a page here (unless
                     # another process has just written the page again: then kept).
-                    self._remove_file_read(path, status)
+                    remove_if_read(path, status, self._tmp_path())
                     return
         except OSError:
             return
         full_key, prior = parsed
-        self._index.add(_digest(full_key), (name, status.st_size, full_key[len(self.prefix) :]), prior, tick=status.st_mtime_ns)
-        self._used += status.st_size
+        self._room.add(digest(full_key), (name, full_key[len(self.prefix) :]), status.st_size, prior, tick=status.st_mtime_ns)
 
     def _adopt(self, full_key: str, path: Path) -> bool:
         """Index the key's page file when another process wrote it after this store opened
         (its link from the header, used now); whether the key is indexed afterwards. Never
         removes a file (it may be another process's fresh page). Call under ``self._lock``."""
-        digest = _digest(full_key)
-        if digest in self._index:
+        key = digest(full_key)
+        if key in self._room:
             return True
         try:
             with open(path, "rb") as handle:
                 size = os.fstat(handle.fileno()).st_size
-                head = handle.read(_HEADER.size + len(full_key.encode()))
+                head = handle.read(HEADER.size + len(full_key.encode()))
         except OSError:
             return False
         parsed = self._parse_header(head, size)
         if parsed is None or parsed[0] != full_key:
             return False
-        self._index.add(digest, (path.name, size, full_key[len(self.prefix) :]), parsed[1])
-        self._used += size
+        self._room.add(key, (path.name, full_key[len(self.prefix) :]), size, parsed[1])
         return True
 
     def _parse_header(self, head: bytes, size: int) -> tuple[str, bytes | None] | None:
-        """(full key, prior digest or None) from a page file's first bytes (at least the header
-        and the key), or None when they are not the header of a page of this layout that is
-        ``size`` bytes long."""
-        if len(head) < _HEADER.size:
-            return None
-        magic, key_length, payload_length, _, prior = _HEADER.unpack_from(head)
-        key_end = _HEADER.size + key_length
-        if magic != MAGIC or payload_length != self.page_bytes or size != key_end + payload_length or len(head) < key_end:
-            return None
-        try:
-            full_key = head[_HEADER.size : key_end].decode()
-        except UnicodeDecodeError:
-            return None
-        return full_key, (None if prior == _NO_PRIOR else prior)
+        """(full key, prior digest or None) of a page file of this layout, ``size`` bytes long,
+        from its first bytes; None when it is not one (:func:`kvstage.storage.page_file.parse_header`)."""
+        return parse_header(head, size, self.page_bytes)
 
     # -- the storage interface ---------------------------------------------------------------
 
@@ -439,7 +290,7 @@ class FileStore(StorageBackend):
         doc); a hit counts as a use."""
         path = self.directory / self._name(full_key)
         try:
-            if os.stat(path).st_size != self._file_size(full_key):
+            if os.stat(path).st_size != file_size(full_key, self.page_bytes):
                 return False
         except OSError:
             return False
@@ -449,17 +300,17 @@ class FileStore(StorageBackend):
     def _touch(self, full_key: str, path: Path) -> None:
         """Record a use: in the index and as the file's modification time (for a reopen)."""
         with self._lock:
-            tick = self._index.touch(_digest(full_key))
+            tick = self._room.touch(digest(full_key))
             if tick is None:  # a page of this fingerprint written by another process
-                tick = self._index.tick()
+                tick = self._room.tick()
         try:
             os.utime(path, ns=(tick, tick))
         except OSError:
             pass  # evicted or removed meanwhile: nothing to record
 
     def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> PutStatuses:
-        digests = [_digest(key) for key in full_keys]
-        prior = None if full_prior_key is None else _digest(full_prior_key)
+        digests = [digest(key) for key in full_keys]
+        prior = None if full_prior_key is None else digest(full_prior_key)
         pinned = digests + ([] if prior is None else [prior])
         with self._gate:
             self._puts_waiting += 1
@@ -468,18 +319,18 @@ class FileStore(StorageBackend):
             self._puts_waiting -= 1
             self._puts_active += 1
         with self._lock:
-            self._pinned.update(pinned)  # never evicted while this put runs, by any thread
-            if full_prior_key is not None and prior not in self._index:
+            self._room.pin(pinned)  # never evicted while this put runs, by any thread
+            if full_prior_key is not None and prior not in self._room:
                 # Written by another process after this store opened: index it from its file.
                 self._adopt(full_prior_key, self.directory / self._name(full_prior_key))
         statuses = PutStatuses()
         try:
             with self._lock:
-                prior_stored = prior is None or prior in self._index
+                prior_stored = prior is None or prior in self._room
             if self.io_threads > 1 and len(full_keys) > 1 and prior_stored:
-                outcomes = self._put_parallel(full_keys, digests, pages, prior, full_prior_key)
+                outcomes = put_parallel(self._put_steps(), self._io, full_keys, digests, pages, prior, full_prior_key)
             else:
-                outcomes = self._put_serial(full_keys, digests, pages, prior, full_prior_key)
+                outcomes = put_serial(self._put_steps(), full_keys, digests, pages, prior, full_prior_key)
             for status, error in outcomes:
                 statuses.append(status)
                 if statuses.error is None:
@@ -487,123 +338,18 @@ class FileStore(StorageBackend):
             return statuses
         finally:
             with self._lock:
-                self._pinned.subtract(pinned)
-                for digest in pinned:
-                    if self._pinned[digest] <= 0:
-                        del self._pinned[digest]
+                self._room.unpin(pinned)
             with self._gate:
                 self._puts_active -= 1
                 self._gate.notify_all()
 
-    def _put_serial(
-        self, full_keys: list[str], digests: list[bytes], pages: list[torch.Tensor], prior: bytes | None, full_prior_key: str | None
-    ) -> list[tuple[PutStatus, OSError | MissingPriorError | None]]:
-        """Each page in turn: found there (deduplicated), refused (its prior is not stored), or
-        written and renamed into place, its room held from before the write until the rename;
-        see :meth:`_commit` for the errors."""
-        outcomes = []
-        for full_key, digest, page in zip(full_keys, digests, pages):
-            size = self._file_size(full_key)
-            if self._deduplicated(full_key):
-                outcomes.append((PutStatus.DEDUPLICATED, None))
-            elif not self._prior_stored(prior):  # unreachable: its predecessor is not here
-                missing = None if full_prior_key is None else MissingPriorError(full_prior_key[len(self.prefix) :])
-                outcomes.append((PutStatus.FAILED, missing))
-            elif size > self.capacity_bytes or not self._make_room(size):
-                outcomes.append((PutStatus.FAILED, None))  # no room: nothing written
-            else:
-                try:
-                    written = self._write_tmp(full_key, page, prior)
-                except BaseException:
-                    self._give_back(size)
-                    raise
-                outcomes.append(self._commit(full_key, digest, prior, written, held=size))
-            prior, full_prior_key = digest, None  # a later key's predecessor is in this call: not missing but refused
-        return outcomes
-
-    def _put_parallel(
-        self, full_keys: list[str], digests: list[bytes], pages: list[torch.Tensor], prior: bytes | None, full_prior_key: str | None
-    ) -> list[tuple[PutStatus, OSError | MissingPriorError | None]]:
-        """The put on ``io_threads``, with the answers of :meth:`_put_serial`: the pages already
-        there are read and verified at once; then, in chain order, room is made and held for
-        each page before its temporary file is written (so page files and temporary files stay
-        within ``capacity_bytes``, and a full disk is relieved by eviction first), with at most
-        ``io_threads`` writes in flight, each renamed into place in chain order. Each file links
-        to the digest before it, known up front; a page whose predecessor failed is refused (its
-        file removed; the first page with a :class:`MissingPriorError` when the put's prior went
-        meanwhile, e.g. dropped as corrupt by a reader). A page written beside one that then
-        fails may have evicted for room it did not need. A write that fails while later pages'
-        writes are in flight (whose files may hold the disk space it lacked) makes the put drop
-        those files and go on page by page from that page, so a full disk fails the pages one
-        thread would fail. Only when the put's prior is stored (or None) at the start: a put
-        refused then writes nothing."""
-        priors = [prior, *digests[:-1]]
-        found = [future.result() for future in self._on_io_threads(self._deduplicated, full_keys)]
-        outcomes: list[tuple[PutStatus, OSError | MissingPriorError | None] | None] = [
-            (PutStatus.DEDUPLICATED, None) if there else None for there in found
-        ]
-
-        def refused(index: int) -> tuple[PutStatus, MissingPriorError | None]:
-            missing = index == 0 and full_prior_key is not None
-            return PutStatus.FAILED, MissingPriorError(full_prior_key[len(self.prefix) :]) if missing else None
-
-        writes: deque[tuple[int, int, Future]] = deque()  # (page index, bytes held, its write)
-        serial_from: int | None = None  # the page from which the put goes on page by page
-
-        def drop_writes_in_flight() -> None:
-            """Wait for the writes not landed yet, remove their files, give their room back."""
-            while writes:
-                _, size, write = writes.popleft()
-                self._give_back(size)
-                if write.exception() is None and isinstance(write.result(), tuple):
-                    _unlink(write.result()[0])
-
-        def land_oldest() -> None:
-            nonlocal serial_from
-            index, size, write = writes[0]
-            written = write.result()  # if it raises, the write is still in ``writes``: given back below
-            writes.popleft()
-            if isinstance(written, OSError) and writes:  # e.g. ENOSPC: a later page's file may hold the space
-                self._give_back(size)
-                drop_writes_in_flight()
-                serial_from = index
-                return
-            if not self._prior_stored(priors[index]):  # a page before it failed, or the put's prior went
-                self._give_back(size)
-                if not isinstance(written, OSError):
-                    _unlink(written[0])
-                outcomes[index] = refused(index)
-            else:
-                outcomes[index] = self._commit(full_keys[index], digests[index], priors[index], written, held=size)
-
-        try:
-            for index, (full_key, page) in enumerate(zip(full_keys, pages)):
-                if outcomes[index] is not None:
-                    continue
-                decided = index == 0 or outcomes[index - 1] is not None  # else its predecessor is in flight
-                size = self._file_size(full_key)
-                if decided and not self._prior_stored(priors[index]):
-                    outcomes[index] = refused(index)  # unreachable: nothing written
-                elif size > self.capacity_bytes or not self._make_room(size):
-                    outcomes[index] = (PutStatus.FAILED, None)  # no room: nothing written
-                else:
-                    writes.append((index, size, self._submit(self._write_tmp, full_key, page, priors[index])))
-                    if len(writes) >= self.io_threads:
-                        land_oldest()
-                if serial_from is not None:
-                    break
-            while writes and serial_from is None:
-                land_oldest()
-        except BaseException:
-            # Raised as page by page would at this page: the writes after it never land.
-            drop_writes_in_flight()
-            raise
-        if serial_from is not None:
-            outcomes[serial_from:] = self._put_serial(
-                full_keys[serial_from:], digests[serial_from:], pages[serial_from:], priors[serial_from],
-                full_prior_key if serial_from == 0 else None,
-            )
-        return outcomes
+    def _put_steps(self) -> PutSteps:
+        """This store's steps of a put (:mod:`kvstage.storage.chain_writes`), as its methods are now."""
+        return PutSteps(
+            deduplicated=self._deduplicated, prior_stored=self._prior_stored, size=lambda full_key: file_size(full_key, self.page_bytes),
+            reserve=self._make_room, give_back=self._give_back, write=self._write_tmp, commit=self._commit,
+            missing=lambda full_key: MissingPriorError(full_key[len(self.prefix) :]),
+        )
 
     def _deduplicated(self, full_key: str) -> bool:
         """Whether the key's page file is there and intact (a corrupt one is removed)."""
@@ -611,35 +357,22 @@ class FileStore(StorageBackend):
 
     def _prior_stored(self, prior: bytes | None) -> bool:
         with self._lock:
-            return prior is None or prior in self._index
+            return prior is None or prior in self._room
 
     def _write_tmp(self, full_key: str, page: torch.Tensor, prior: bytes | None) -> tuple[Path, int] | OSError:
-        """The page's file (header, key, payload) under a temporary name of this key space, and
-        its size; or the ``OSError`` that stopped it (nothing left behind)."""
-        key = full_key.encode()
+        """The page's file (:func:`kvstage.storage.page_file.write_page_file`) under a temporary
+        name of this key space, and its size; or the ``OSError`` that stopped it (nothing left
+        behind)."""
         if not page.is_contiguous():  # a strided view: its row-major bytes, made contiguous once
             page = self._scratch_as(page).copy_(page)
-        payload = page_as_bytes(page)
-        header = _HEADER.pack(MAGIC, len(key), len(payload), _checksum(key, prior or _NO_PRIOR, payload), prior or _NO_PRIOR)
         tmp = self._tmp_path()
         try:
-            with open(tmp, "wb") as handle:
-                handle.write(header)
-                handle.write(key)
-                handle.write(payload)
-                handle.flush()
-                if self.fsync:
-                    os.fsync(handle.fileno())
+            return tmp, write_page_file(tmp, full_key, page_as_bytes(page), prior, fsync=self.fsync)
         except OSError as error:
-            _unlink(tmp)
             return error
-        except BaseException:
-            _unlink(tmp)
-            raise
-        return tmp, len(header) + len(key) + len(payload)
 
     def _commit(
-        self, full_key: str, digest: bytes, prior: bytes | None, written: tuple[Path, int] | OSError, *, held: int
+        self, full_key: str, key: bytes, prior: bytes | None, written: tuple[Path, int] | OSError, *, held: int
     ) -> tuple[PutStatus, OSError | None]:
         """Rename a page's temporary file into place and index it: ``STORED``, the ``held``
         bytes of room (:meth:`_make_room`) now the page's own; or ``FAILED`` with the
@@ -652,51 +385,46 @@ class FileStore(StorageBackend):
         name = self._name(full_key)
         try:
             with self._lock:
-                tick = self._index.tick()
+                tick = self._room.tick()
             os.utime(tmp, ns=(tick, tick))
             os.replace(tmp, self.directory / name)
         except OSError as error:
-            _unlink(tmp)
+            unlink(tmp)
             self._give_back(held)
             return PutStatus.FAILED, error
-        with self._lock:
-            self._held -= held
-            replaced = self._index.remove(digest)  # indexed meanwhile by a reader (adopted)
-            if replaced is not None:
-                self._used -= replaced[1]
-            self._index.add(digest, (name, size, full_key[len(self.prefix) :]), prior, tick=tick)
-            self._used += size
+        with self._lock:  # replacing an entry a reader indexed meanwhile (adopted)
+            self._room.commit(key, (name, full_key[len(self.prefix) :]), size, prior, held=held, tick=tick)
             self._record("stored", [full_key])
         return PutStatus.STORED, None
 
     def _give_back(self, held: int) -> None:
         """Return room held by :meth:`_make_room` for a page that will not land."""
         with self._lock:
-            self._held -= held
+            self._room.abort(held)
 
     def _tmp_path(self) -> Path:
         """A fresh temporary name of this key space (writes and tombstones); swept at open."""
-        return self.directory / f".{self._owner_tag}{_HASHED}{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
+        return self.directory / tmp_name(self._owner_tag)
 
     def _make_room(self, size: int) -> bool:
-        """Evict chain tails, least recently used first, until ``size`` more bytes fit beside
-        the page files and the room held for writes in flight, and hold them (counted in
-        ``_held``) until :meth:`_commit` makes them the page's own or the caller gives them
-        back (:meth:`_give_back`), so no other put takes them while the page's temporary file is
-        written and renamed. False (nothing held; nothing more evicted) when only pages of puts
-        in flight are left to evict."""
+        """Reserve ``size`` bytes in the room (:meth:`Room.reserve`), evicting chain tails,
+        least recently used first, until they fit beside the page files and the room held for
+        writes in flight; held until :meth:`_commit` makes them the page's own or the caller
+        gives them back (:meth:`_give_back`), so no other put takes them meanwhile. False
+        (nothing held) for a page larger than the capacity (nothing evicted) or when only pages
+        of puts in flight are left to evict."""
+        if size > self.capacity_bytes:
+            return False
         while True:
             with self._lock:
-                if self._used + self._held + size <= self.capacity_bytes:
-                    self._held += size
+                if self._room.reserve(size):
                     return True
-                victim = self._index.pop_victim(self._pinned)
+                victim = self._room.evict()
                 if victim is None:
                     return False
-                name, old, key = victim[1]
-                self._used -= old
+                name, key = victim[1]
                 # Unlinked under the lock: a put of the same key must not find it in between.
-                _unlink(self.directory / name)
+                unlink(self.directory / name)
                 self.stats.pages_evicted += 1
                 self._events.record("evicted", [key])
 
@@ -711,60 +439,17 @@ class FileStore(StorageBackend):
 
         if self.io_threads == 1 or len(full_keys) == 1:
             return [read(full_key, target) for full_key, target in zip(full_keys, into)]
-        hits = [future.result() for future in self._on_io_threads(read_untouched, full_keys, into)]
+        hits = [future.result() for future in self._io.map(read_untouched, full_keys, into)]
         for full_key, hit in zip(full_keys, hits):  # uses in key order, as one thread makes them
             if hit:
                 self._touch(full_key, directory / self._name(full_key))
         return hits
 
-    def _on_io_threads(self, function, *iterables) -> list[Future]:
-        """``function`` over ``zip(*iterables)`` on this store's I/O threads, once every call
-        ended (none still writes into a caller's tensor or leaves a file behind afterwards);
-        their futures in order."""
-        futures = [self._submit(function, *args) for args in zip(*iterables)]
-        wait(futures)
-        return futures
-
-    def _submit(self, function, *args) -> Future:
-        """Run ``function(*args)`` once, on this store's I/O threads (started if needed); a
-        future of its result. Under the lock :meth:`close` takes, so a close racing a call never
-        shuts the threads between the call finding them and handing them work (the call's later
-        work starts them again). When the threads refuse it (``RuntimeError``: while the
-        interpreter exits concurrent.futures takes no new work, though a write queued on another
-        pool still runs then; or a thread could not start, the work queued all the same), the
-        calling thread runs it unless an I/O thread took it first."""
-        done: Future = Future()
-        taken = threading.Lock()
-
-        def run() -> None:
-            if not taken.acquire(blocking=False):
-                return  # the other runner has it
-            try:
-                done.set_result(function(*args))
-            except BaseException as error:  # raised to the caller by the future, as from a thread
-                done.set_exception(error)
-
-        with self._io_lock:
-            # A forked child has the pool object but not its threads: it starts its own.
-            if self._io is None or self._io_pid != os.getpid():
-                self._io = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvstage-file-io")
-                self._io_pid = os.getpid()
-            try:
-                self._io.submit(run)
-                return done
-            except RuntimeError:
-                pass
-        run()
-        return done
-
     def close(self) -> None:
         """Stop this store's I/O threads (after the reads and writes in flight); a later call
         of many pages, or one in flight on another thread, starts them again. The page files
         stay. Idempotent."""
-        with self._io_lock:
-            pool, self._io = self._io, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._io.close()
 
     def _read(
         self, full_key: str, path: Path, target: torch.Tensor | None, *, adopt: bool = False, touch: bool = True
@@ -778,8 +463,7 @@ class FileStore(StorageBackend):
         try:
             with open(path, "rb", buffering=0) as handle:
                 status = os.fstat(handle.fileno())
-                head = handle.read(_HEADER.size + len(full_key.encode()))
-                if not self._intact(full_key, head, status.st_size, handle):
+                if not read_page_file(handle, status.st_size, full_key, page_as_bytes(self._scratch())):
                     self._drop_corrupt(full_key, path, status)
                     return False
         except OSError:
@@ -792,18 +476,6 @@ class FileStore(StorageBackend):
         if touch:
             self._touch(full_key, path)
         return True
-
-    def _intact(self, full_key: str, head: bytes, size: int, handle) -> bool:
-        """Whether ``head`` (header and key) is this key's page header for a file of ``size``
-        bytes, and the payload that follows in ``handle``, read into the scratch page, matches
-        its checksum."""
-        parsed = self._parse_header(head, size)
-        if parsed is None or parsed[0] != full_key:
-            return False
-        payload = page_as_bytes(self._scratch())
-        if not _read_into(handle, payload):
-            return False
-        return _checksum(full_key.encode(), parsed[1] or _NO_PRIOR, payload) == _HEADER.unpack_from(head)[3]
 
     def _scratch(self) -> torch.Tensor:
         """This thread's page-sized ``uint8`` buffer (reads land here before their checksum is
@@ -819,38 +491,13 @@ class FileStore(StorageBackend):
 
     def _drop_corrupt(self, full_key: str, path: Path, read: os.stat_result) -> None:
         """Remove the corrupt page file ``read`` and forget it, unless a writer replaced it at
-        ``path`` since (see :meth:`_remove_file_read`); a ``removed`` event when it went."""
+        ``path`` since (see :func:`kvstage.storage.page_file.remove_if_read`); a ``removed`` event when it went."""
         with self._lock:  # the index entry goes with the file, never with a fresh one
-            if not self._remove_file_read(path, read):
+            if not remove_if_read(path, read, self._tmp_path()):
                 return
-            removed = self._index.remove(_digest(full_key))
-            if removed is not None:
-                self._used -= removed[1]
+            self._room.remove(digest(full_key))
             self.stats.pages_removed += 1
             self._record("removed", [full_key])
-
-    def _remove_file_read(self, path: Path, read: os.stat_result) -> bool:
-        """Remove ``path`` if it is still the file ``read`` (its stat, taken while the file is
-        held open, so its inode is not reused): rename it to a tombstone, compare inodes, put a
-        different (fresh) file back. Whether the file read was removed."""
-        tombstone = self._tmp_path()
-        try:
-            os.rename(path, tombstone)
-        except OSError:
-            return False  # gone already (another reader, a clear)
-        try:
-            moved = os.stat(tombstone)
-        except OSError:
-            return False
-        if (moved.st_ino, moved.st_dev) != (read.st_ino, read.st_dev):
-            try:
-                os.link(tombstone, path)  # the fresh page back; a newer one there wins
-            except OSError:
-                pass
-            _unlink(tombstone)
-            return False
-        _unlink(tombstone)
-        return True
 
     def _clear(self) -> int:
         # Every page file of this key space: indexed here or written by another process.
@@ -863,14 +510,13 @@ class FileStore(StorageBackend):
                 self._gate.wait()
         try:
             with self._lock:
-                names = {value[0] for _, value in self._index.items()}
+                names = {name for name, _ in self._room.values()}
                 try:
                     names.update(e.name for e in os.scandir(self.directory) if e.name.endswith(SUFFIX) and self._owns(e.name))
                 except OSError:
                     pass  # the directory is gone: its files with it
-                removed = _remove_page_files(self.directory, names)
-                self._index = ChainIndex()
-                self._used = 0
+                removed = remove_page_files(self.directory, names)
+                self._room.clear()
                 self._record("removed", removed)
             return len(removed)
         finally:
@@ -907,162 +553,6 @@ class FileStore(StorageBackend):
         return len(removed)
 
 
-def _owner_tag(prefix: str) -> str:
-    return hashlib.sha256(prefix.encode()).hexdigest()[:16]
-
-
-def _full_key_of(path: Path) -> str | None:
-    """A page file's full key: its name, or (hashed names) its header; None when a hashed
-    file's header cannot be read."""
-    name = path.name
-    if _HASHED not in name:
-        return name[: -len(SUFFIX)]
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(_HEADER.size)
-            if len(head) < _HEADER.size:
-                return None
-            key = handle.read(_HEADER.unpack_from(head)[1])
-        return key.decode()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def key_spaces(directory: str | os.PathLike) -> list[KeySpace]:
-    """Every key space with page files (``*.kvpage``) in a file store's directory, largest
-    first. A key space's hashed names (long or unusual keys) are attributed by reading one of
-    their headers; files that are not kvstage pages are skipped.
-
-    Raises:
-        StorageError: the directory cannot be listed.
-    """
-    directory = Path(directory)
-    try:
-        entries = [(entry.name, entry.stat().st_size) for entry in os.scandir(directory) if entry.name.endswith(SUFFIX)]
-    except OSError as error:
-        raise StorageError(f"directory: cannot list {str(directory)!r}: {error}") from error
-    prefix_of_name = _prefix_finder(directory)
-    totals: dict[str, list[int]] = {}
-    for name, size in entries:
-        prefix = prefix_of_name(name)
-        if prefix is None:
-            continue
-        total = totals.setdefault(prefix, [0, 0])
-        total[0] += 1
-        total[1] += size
-    return sorted((KeySpace(prefix, pages, size) for prefix, (pages, size) in totals.items()), key=lambda k: (-k.bytes, k.prefix))
-
-
-def _prefix_finder(directory: Path):
-    """A function from a page file's name in ``directory`` to its key space's prefix (None: not
-    a kvstage page). A plain name holds its prefix; a hashed name's owner tag is resolved by
-    reading one header of that tag's files, once."""
-    tags: dict[str, str | None] = {}  # owner tag of hashed names -> their prefix
-
-    def prefix_of_name(name: str) -> str | None:
-        if _HASHED not in name:
-            return prefix_of(name[: -len(SUFFIX)])
-        tag = name.partition(_HASHED)[0]
-        if tag not in tags:
-            full_key = _full_key_of(directory / name)
-            tags[tag] = None if full_key is None else prefix_of(full_key)
-        return tags[tag]
-
-    return prefix_of_name
-
-
-def _format_path(directory: Path, prefix: str) -> Path:
-    """Where an opaque key space's format description lies in a file store's directory (its
-    prefix holds only a digest of it). Not a page: no page suffix, never counted or swept."""
-    return directory / f"{FORMAT_FILE_PREFIX}{_owner_tag(prefix)}.json"
-
-
-def _describe_format(directory: Path, prefix: str, page_format: str) -> None:
-    """Leave the description of an opaque key space's page format beside its pages, once
-    (written to a temporary name, then renamed), so that a process of another format opening
-    the directory can say which part of the format differs."""
-    path = _format_path(directory, prefix)
-    if path.exists():
-        return
-    tmp = directory / f".{_owner_tag(prefix)}{_HASHED}{uuid.uuid4().hex[:12]}{TMP_SUFFIX}"
-    try:
-        tmp.write_text(json.dumps({"prefix": prefix, "page_format": page_format}))
-        os.replace(tmp, path)
-    except OSError:
-        _unlink(tmp)  # a description only: the store works without it
-
-
-def _format_descriptions(directory: Path, prefixes) -> dict[str, str]:
-    """The page format descriptions found in ``directory`` of those of ``prefixes`` that are
-    opaque key spaces (see :func:`_describe_format`)."""
-    found = {}
-    for prefix in prefixes:
-        fields = prefix_fields(prefix)
-        if fields is None or "page_format" not in fields:
-            continue
-        try:
-            described = json.loads(_format_path(directory, prefix).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(described, dict) and described.get("prefix") == prefix and isinstance(described.get("page_format"), str):
-            found[prefix] = described["page_format"]
-    return found
-
-
-def remove_key_space(directory: str | os.PathLike, prefix: str) -> list[str]:
-    """Remove every page file of the key space ``prefix`` from a file store's directory.
-
-    Another process's write of that key space that lands after the directory is listed stays;
-    temporary files are left to their key space's next open (they may be writes in progress).
-
-    Returns:
-        The page keys (without the prefix) of the files removed; a hashed name whose header
-        cannot be read is removed but not listed.
-
-    Raises:
-        InvalidArgumentError: ``prefix`` is not a fingerprint prefix (:func:`kvstage.storage.fingerprint.prefix_of`).
-        StorageError: the directory cannot be listed.
-    """
-    if not isinstance(prefix, str) or prefix_of(prefix) != prefix:
-        raise InvalidArgumentError(
-            f"prefix: must be a fingerprint prefix such as 'model@dtype@L0-1xKV2xH1xD4@P16@tp0of1@' "
-            f"or 'model@opaque-0123456789abcdef@B4096@tp0of1@', got {prefix!r}"
-        )
-    directory = Path(directory)
-    tag = _owner_tag(prefix) + _HASHED
-    try:
-        names = [
-            entry.name for entry in os.scandir(directory)
-            if entry.name.endswith(SUFFIX) and (entry.name.startswith(tag) or (entry.name.startswith(prefix) and _HASHED not in entry.name))
-        ]
-    except OSError as error:
-        raise StorageError(f"directory: cannot list {str(directory)!r}: {error}") from error
-    return [full_key[len(prefix) :] for full_key in _remove_page_files(directory, names)]
-
-
-def _remove_page_files(directory: Path, names) -> list[str]:
-    """Unlink the page files ``names`` in ``directory``; the full keys of those this call
-    removed (one removed by another process meanwhile is not counted twice; a hashed name whose
-    header cannot be read is removed but not listed)."""
-    removed = []
-    for name in names:
-        full_key = _full_key_of(directory / name)
-        try:
-            os.unlink(directory / name)
-        except OSError:
-            continue
-        if full_key is not None:
-            removed.append(full_key)
-    return removed
-
-
-def _unlink(path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
 def _sweep_tmp(path: Path) -> None:
     """Remove a temporary file (a dead writer's, or a tombstone) unless it may be another
     process's write in progress: changed (ctime, set by a rename too) within TMP_GRACE_S."""
@@ -1071,7 +561,7 @@ def _sweep_tmp(path: Path) -> None:
             return
     except OSError:
         return
-    _unlink(path)
+    unlink(path)
 
 
 def open_file_store(rest: str, fingerprint: LayoutFingerprint) -> FileStore:

@@ -277,7 +277,7 @@ def prefix_differences(theirs: str, mine: str, formats: Mapping[str, str] | None
     differs, e.g. ``"page_size 64 (this store: 16)"``; ``[]`` for equal prefixes.
 
     Args:
-        theirs: another key space's prefix (e.g. from :func:`kvstage.storage.file_store.key_spaces`).
+        theirs: another key space's prefix (e.g. from :func:`kvstage.storage.key_spaces.key_spaces`).
         mine: this store's prefix.
         formats: opaque formats' descriptions by prefix (their ``page_format``), where known:
             the prefix holds only a digest, so two formats are compared part by part (their

@@ -9,7 +9,7 @@ import torch
 
 from kvstage.kv_layout import KVLayout
 from kvstage.storage import LayoutFingerprint
-from kvstage.storage.file_store import _HEADER, TMP_SUFFIX
+from kvstage.storage.page_file import HEADER, TMP_SUFFIX
 
 FP = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)  # 128-byte pages
 KEYS = [f"{i:064x}" for i in range(8)]  # one chain's keys, in order
@@ -17,7 +17,7 @@ OTHER = [f"{i + 100:064x}" for i in range(8)]  # another chain's
 POISON = -7.0  # what a target holds until a get writes it
 
 # A page file of FP under a key of KEYS' length: header, full key, payload (bytes).
-PAGE_FILE_BYTES = _HEADER.size + len((FP.prefix() + KEYS[0]).encode()) + FP.page_bytes
+PAGE_FILE_BYTES = HEADER.size + len((FP.prefix() + KEYS[0]).encode()) + FP.page_bytes
 
 
 def page(value: float) -> torch.Tensor:

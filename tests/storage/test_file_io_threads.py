@@ -159,9 +159,9 @@ def test_a_forked_child_reads_with_io_threads_of_its_own(tmp_path):
 
 def stored_chain(store: FileStore, keys: list[str]) -> list[bytes]:
     """Each key's page file header's prior digest (the chain link), in key order."""
-    from kvstage.storage.file_store import _HEADER
+    from kvstage.storage.page_file import HEADER
 
-    return [_HEADER.unpack_from(store.path_of(key).read_bytes())[4] for key in keys]
+    return [HEADER.unpack_from(store.path_of(key).read_bytes())[4] for key in keys]
 
 
 def test_a_put_of_many_pages_writes_on_io_threads_with_the_links_and_events_of_one_thread(tmp_path, monkeypatch):

@@ -27,6 +27,7 @@ FULL_DISK = textwrap.dedent(
     import json, os, subprocess, sys, torch
     from kvstage.kv_layout import KVLayout
     from kvstage.storage import FileStore, LayoutFingerprint
+    from kvstage.storage.page_file import file_size
 
     fp = LayoutFingerprint("tiny", KVLayout(2, 2, 8, 64, "float32"), 4)  # 32 KiB pages
     old = [f"{i:064x}" for i in range(4)]
@@ -39,7 +40,7 @@ FULL_DISK = textwrap.dedent(
         # Room for 4 page files (36 KiB each in tmpfs pages), not 5; the store's capacity is 4 pages.
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", directory], check=True)
         probe = FileStore(fp, directory, io_threads=1)
-        size = probe._file_size(probe.prefix + old[0])
+        size = file_size(probe.prefix + old[0], probe.page_bytes)
         store = FileStore(fp, directory, capacity_bytes=4 * size, io_threads=io_threads)
         first = store.put(old, [page] * 4)
         answer = store.put(new, [page] * 4)  # a full store: each page evicts an old one first
@@ -296,7 +297,7 @@ def test_parallel_puts_gets_and_clears_racing_keep_every_chain_whole_and_the_byt
     moment after, every page file's predecessor is stored (eviction from tails, a put landing
     whole after a clear or not at all), the store counts exactly the bytes of its page files,
     and no temporary file is left; a reopen sees the same pages."""
-    from kvstage.storage.file_store import _HEADER, _NO_PRIOR, _digest
+    from kvstage.storage.page_file import HEADER, NO_PRIOR, digest
 
     size = PAGE_FILE_BYTES
     store = FileStore(FP, tmp_path / "pages", capacity_bytes=10 * size, io_threads=2)
@@ -338,10 +339,10 @@ def test_parallel_puts_gets_and_clears_racing_keep_every_chain_whole_and_the_byt
     assert not temporary_files(directory)
     files = [directory / name for name in os.listdir(directory)]
     assert store.used_bytes == sum(path.stat().st_size for path in files) <= 10 * size
-    stored = {_digest(path.name[: -len(".kvpage")]) for path in files}
+    stored = {digest(path.name[: -len(".kvpage")]) for path in files}
     for path in files:
-        prior = _HEADER.unpack_from(path.read_bytes())[4]
-        assert prior == _NO_PRIOR or prior in stored, path.name
+        prior = HEADER.unpack_from(path.read_bytes())[4]
+        assert prior == NO_PRIOR or prior in stored, path.name
     reopened = FileStore(FP, directory, capacity_bytes=10 * size, io_threads=2)
     assert reopened.used_bytes == store.used_bytes
     # No room is still held: a chain of the whole capacity fits (everything else evicted).

@@ -1,5 +1,6 @@
 """Other key spaces in a file store's directory: listed with pages and bytes, never silently
-there (opening says so), evicted counted (FileStore.evict_key_space, ``kvstage store``)."""
+there (opening says so), evicted counted (FileStore.evict_key_space, ``kvstage store``); and
+kvstage.storage.key_spaces on its own, over page files written without a store."""
 
 from __future__ import annotations
 
@@ -16,6 +17,15 @@ from kvstage.errors import InvalidArgumentError
 from kvstage.kv_layout import KVLayout
 from kvstage.storage import FileStore, KeySpace, LayoutFingerprint
 from kvstage.storage.file_store import key_spaces
+from kvstage.storage.key_spaces import (
+    describe_format,
+    describe_other_key_spaces,
+    format_descriptions,
+    format_path,
+    prefix_finder,
+    remove_key_space,
+)
+from kvstage.storage.page_file import SUFFIX, owned, owner_tag, page_file_name, write_page_file
 
 LAYOUT = KVLayout(2, 2, 1, 4, "float32")
 OLD = LayoutFingerprint("org/model", LAYOUT, 4)  # before a weight update
@@ -36,7 +46,8 @@ def fill(directory) -> tuple[FileStore, FileStore, FileStore]:
 
 
 def sizes(directory, store: FileStore) -> int:
-    return sum(os.path.getsize(directory / name) for name in os.listdir(directory) if store._owns(name))
+    tag = owner_tag(store.prefix)
+    return sum(os.path.getsize(directory / name) for name in os.listdir(directory) if owned(name, store.prefix, tag))
 
 
 def test_key_spaces_lists_each_with_its_pages_and_bytes(tmp_path):
@@ -162,3 +173,52 @@ def test_the_log_lists_at_most_four_other_key_spaces(tmp_path, caplog):
         FileStore(LayoutFingerprint("org/model", LAYOUT, 4, tp_rank=7, tp_size=8), tmp_path)
     assert "6 page files of other key spaces" in caplog.text
     assert caplog.text.count("shard tp") == 4 and "and 2 more key spaces;" in caplog.text
+
+
+def write_pages(directory, fingerprint: LayoutFingerprint, keys: list[str]) -> list[str]:
+    """Page files of ``keys`` in ``fingerprint``'s key space, written without a store; their names."""
+    prefix, names = fingerprint.prefix(), []
+    for key in keys:
+        name = page_file_name(prefix + key, prefix, owner_tag(prefix))
+        write_page_file(directory / name, prefix + key, bytes(fingerprint.page_bytes), None)
+        names.append(name)
+    return names
+
+
+def test_the_module_lists_and_removes_key_spaces_of_page_files_written_without_a_store(tmp_path):
+    old = write_pages(tmp_path, OLD, ["a" * 64, "odd@key"])
+    (new,) = write_pages(tmp_path, NEW, ["b" * 64])
+    (tmp_path / ("not-a-page" + SUFFIX)).write_bytes(b"x")
+    (tmp_path / "notes.txt").write_text("not a page either")
+    old_bytes = sum(os.path.getsize(tmp_path / name) for name in old)
+    page_file = os.path.getsize(tmp_path / new)
+    assert key_spaces(tmp_path) == [KeySpace(OLD.prefix(), 2, old_bytes), KeySpace(NEW.prefix(), 1, page_file)]
+    find = prefix_finder(tmp_path)
+    assert [find(name) for name in old] == [OLD.prefix(), OLD.prefix()] and find("not-a-page" + SUFFIX) is None
+    assert sorted(remove_key_space(tmp_path, OLD.prefix())) == ["a" * 64, "odd@key"]
+    assert key_spaces(tmp_path) == [KeySpace(NEW.prefix(), 1, page_file)]
+    assert remove_key_space(tmp_path, OLD.prefix()) == []
+    with pytest.raises(InvalidArgumentError, match="prefix: must be a fingerprint prefix"):
+        remove_key_space(tmp_path, "org_model")
+
+
+def test_an_opaque_format_description_is_written_once_and_read_back_only_for_its_prefix(tmp_path):
+    opaque = LayoutFingerprint.opaque("org/model", page_bytes=256, page_format="fmt|dtype=bfloat16")
+    describe_format(tmp_path, opaque.prefix(), "fmt|dtype=bfloat16")
+    describe_format(tmp_path, opaque.prefix(), "fmt|dtype=other")  # there already: kept
+    assert format_path(tmp_path, opaque.prefix()).name.startswith(".kvstage-format-")
+    assert format_descriptions(tmp_path, [opaque.prefix(), OLD.prefix()]) == {opaque.prefix(): "fmt|dtype=bfloat16"}
+    assert [name for name in os.listdir(tmp_path) if name.endswith(".tmp")] == []
+
+
+def test_describe_other_key_spaces_names_the_largest_and_counts_the_rest(tmp_path):
+    others = []
+    for rank in range(1, 7):
+        fingerprint = LayoutFingerprint("org/model", LAYOUT, 4, tp_rank=rank, tp_size=8)
+        others += write_pages(tmp_path, fingerprint, [f"{i:064x}" for i in range(rank)])  # rank r: r pages
+    ours = LayoutFingerprint("org/model", LAYOUT, 4, tp_rank=0, tp_size=8).prefix()
+    text = describe_other_key_spaces(tmp_path, others, ours, None, shown=2)
+    rank6 = LayoutFingerprint("org/model", LAYOUT, 4, tp_rank=6, tp_size=8).prefix()
+    assert text.startswith(f"{rank6} (6 page files): shard tp6of8 (this store: tp0of8); ")
+    assert text.count("page files)") == 2 and text.endswith("; and 4 more key spaces")
+    assert describe_other_key_spaces(tmp_path, [], ours, None) == "(page files whose key space is unreadable)"
