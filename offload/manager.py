@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 
@@ -57,18 +57,19 @@ from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.backup import Backup, RequestWrites
 from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike, PageHasherLike, StoreWorkersLike
 from kvstage.offload.copier import GATHER, SCATTER, Copier, CopyResult
+from kvstage.offload.finish_backlog import FinishBacklog
 from kvstage.offload.host_pool import HostPool
 from kvstage.offload.key_chain import ChainRun, RequestChain
+from kvstage.offload.lifecycles import Lifecycles
 from kvstage.offload.load_path import LoadHandle, PrefetchHandle, PrefixMatch
 from kvstage.offload.load_plan import plan_load_resume
-from kvstage.offload.manager_arguments import check_after, check_callbacks, check_prefetch_arguments, checked_kv_length, checked_stride
+from kvstage.offload.manager_arguments import check_after, check_callbacks, check_prefetch_arguments, check_prefetch_request, checked_kv_length, checked_load_pages, checked_stride
 from kvstage.offload.metrics import OffloadMetrics
 from kvstage.offload.one_thread import OwnerThread, owner_thread_only
 from kvstage.offload.prefetcher import Prefetcher
-from kvstage.offload.released import ReleasedRequests
 from kvstage.offload.request import SlotIndicesOf, request_namespace, request_tokens
 from kvstage.offload.request import kv_length as kv_length_of
-from kvstage.offload.request_state import LoadJob, RequestState, Segment
+from kvstage.offload.request_state import NOTHING, LaunchPlan, LoadJob, RequestState, Segment
 from kvstage.offload.store_io import StoreWorkers
 from kvstage.offload.store_plan import plan_store
 from kvstage.storage import StorageBackend
@@ -78,15 +79,6 @@ __all__ = ["OffloadManager"]
 logger = logging.getLogger(__name__)
 
 
-class _Plan(NamedTuple):
-    """What :meth:`OffloadManager._plan` found to launch: runs (tokens, device slots) and the
-    chain they continue."""
-
-    runs: list[tuple[ChainRun, torch.Tensor]]
-    chain: RequestChain | None
-
-
-_NOTHING = _Plan([], None)
 
 
 class OffloadManager:
@@ -206,12 +198,11 @@ class OffloadManager:
         self._owner = OwnerThread()  # the thread of the first call
         self._owns_workers = store_workers is None
         self._workers = StoreWorkers() if store_workers is None else store_workers
-        self._states: dict[int, RequestState] = {}
-        self._released = ReleasedRequests()
-        self._retracted = self._released.retracted  # kept progress of retracted requests
+        self._lifecycles = Lifecycles(page_size, self.store_prompt)
+        self._states = self._lifecycles.states  # id(req) -> its state, while tracked
+        self._retracted = self._lifecycles.retracted  # kept progress of retracted requests
         self._unhandled: deque[CopyResult] = deque()  # copies polled from the copier, not handled yet
-        self._backlog: list[RequestState] = []
-        self._backlog_pages = 0  # sum of the backlog's backlog_pages, kept as they change
+        self._backlog = FinishBacklog(finish_backlog_pages)
         self._counters = OffloadMetrics()
         self._closed = False
         self._prefetcher = Prefetcher(self.copier, storage, hasher, self._workers, self._counters)
@@ -269,7 +260,7 @@ class OffloadManager:
         with nvtx_range("offload"):
             state, new = self._states.get(id(req)), False
             if state is None:
-                state, new = self._state_of(req, released_raises=True)
+                state, new = self._lifecycles.state_of(req, released_raises=True)
                 if state is None:
                     return False
             elif state.ending:
@@ -284,7 +275,7 @@ class OffloadManager:
             plan = self._plan(state, self.offload_stride, length)
             if not plan.runs:
                 if new:
-                    self._commit(state)
+                    self._lifecycles.commit(state)
                 return False
             return self._launch(state, plan, after, commit=new) > 0
 
@@ -322,7 +313,7 @@ class OffloadManager:
         self._require_open("finish")
         check_after(after, "after")
         with nvtx_range("offload.finish"):
-            state, new = self._state_of(req, released_raises=False)
+            state, new = self._lifecycles.state_of(req, released_raises=False)
             if state is None:
                 return True
             return self._finish_state(state, new, checked_kv_length(req, kv_length, state.launched_length), after)
@@ -344,9 +335,9 @@ class OffloadManager:
         """
         state = self._states.get(id(req))
         if state is None:
-            if self._released.has_ended(req):
+            if self._lifecycles.has_ended(req):
                 return
-            state = self._track(req)
+            state = self._lifecycles.track(req)
         self._end_state(state, aborted=True)
 
     @owner_thread_only
@@ -433,17 +424,10 @@ class OffloadManager:
         self._require_open("prefetch")
         with nvtx_range("prefetch"):
             keys = self._prefetcher.lookup_keys(req)  # placeholder ids named before anything is tracked
-            capacity = self.host_pool.capacity
-            require(
-                min_pages is None or min(min_pages, len(keys)) <= capacity, "min_pages",
-                lambda: f"{min_pages} of the {len(keys)} pages looked up can never be free: the host pool holds {capacity} pages",
-            )
             state = self._states.get(id(req))
-            require(state is not None or not self._released.has_ended(req), "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
-            require(state is None or not state.ending, "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
-            require(state is None or state.prefetch is None, "req", lambda: f"rid={req.rid!r} has a prefetch already")
-            require(state is None or (state.chain is None and state.copies_in_flight == 0), "req", lambda: f"rid={req.rid!r} has offloaded pages already; prefetch before it runs")
-            state = state if state is not None else self._track(req)
+            ended = state is None and self._lifecycles.has_ended(req)
+            check_prefetch_request(req, state, ended, len(keys), min_pages, self.host_pool.capacity)
+            state = state if state is not None else self._lifecycles.track(req)
             state.prefetch = self._prefetcher.start(req, keys, policy, timeout_s, min_pages)
             return state.prefetch
 
@@ -480,20 +464,7 @@ class OffloadManager:
         check_after(after, "after")
         with nvtx_range("load"):
             state = self._states.get(id(handle.req))
-            require(not handle.loaded, "handle", "was loaded already (a prefetch is loaded once)")
-            require(not handle.cancelled, "handle", "was cancelled (or its request aborted)")
-            require(
-                state is not None and not state.ending and state.prefetch is handle, "handle",
-                lambda: f"rid={handle.req.rid!r} has ended, or the handle is not this manager's",
-            )
-            ready = handle.pages_ready
-            count = slot_indices.shape[0] if isinstance(slot_indices, torch.Tensor) and slot_indices.dim() == 1 else None
-            require(
-                count is not None and count % self.page_size == 0 and count // self.page_size <= ready,
-                "slot_indices",
-                lambda: f"must be a 1-D tensor of at most {ready} ready pages x {self.page_size} slots, got {tuple(slot_indices.shape) if isinstance(slot_indices, torch.Tensor) else type(slot_indices).__name__}",
-            )
-            num_pages = count // self.page_size
+            num_pages = checked_load_pages(handle, state, slot_indices, self.page_size)
             copy_handles = []
             if num_pages:
                 # The copier checks the slots (and raises) before it launches; the handle is
@@ -618,7 +589,7 @@ class OffloadManager:
         state = self._states.get(id(req))
         if state is not None:
             return state.offloaded_length
-        resumed = self._released.resumed(req)
+        resumed = self._lifecycles.resumed(req)
         return None if resumed is None else resumed[0]
 
     @property
@@ -653,55 +624,15 @@ class OffloadManager:
         if self._closed:
             raise InvalidArgumentError(f"manager: {call}() after close(); make a new OffloadManager")
 
-    def _state_of(self, req: Any, *, released_raises: bool) -> tuple[RequestState | None, bool]:
-        """``req``'s state and whether it is new (built, not tracked yet: :meth:`_commit`);
-        None once it is ending, or released already (then ``released_raises`` raises)."""
-        state = self._states.get(id(req))
-        if state is not None:
-            return (None if state.ending else state), False
-        if self._released.has_ended(req):
-            if released_raises:
-                raise InvalidArgumentError(
-                    f"req: rid={req.rid!r} was released already; a finished or aborted request object is not offloaded "
-                    "again: give a new request a new object, and retract() a request that will run again"
-                )
-            return None, False
-        return self._new_state(req), True
-
-    def _new_state(self, req: Any) -> RequestState:
-        """A new lifecycle's state (not tracked yet): resumed after a retraction that kept the
-        offload progress, else from the prompt's start (or, with ``store_prompt=False``, after
-        the prompt pages the prefill side stored)."""
-        resumed = self._released.resumed(req)
-        if resumed is not None:
-            state = RequestState(req, resumed[0])
-            state.chain = resumed[1]  # every run of it was keyed before its release
-        elif self.store_prompt:
-            state = RequestState(req, 0)
-        else:  # the prefill side stored the prompt's whole pages
-            state = RequestState(req, len(req.origin_input_ids) // self.page_size * self.page_size)
-        return state
-
-    def _commit(self, state: RequestState) -> None:
-        """Track a new state (its call has passed every check)."""
-        self._released.forget_retracted(state.req)
-        self._states[id(state.req)] = state
-
-    def _track(self, req: Any) -> RequestState:
-        state = self._new_state(req)
-        self._commit(state)
-        return state
-
     def _end_state(self, state: RequestState, *, aborted: bool) -> None:
         state.ending = True
         state.aborted = state.aborted or aborted
         if state.prefetch is not None:
             self._cancel(state.prefetch)
         if state.backlog_pages:  # finish()'s pages still waiting for host pages: never launched now
-            self._counters.pages_dropped += state.backlog_pages
-            logger.warning("offload: %s of rid=%r drops its %d pages waiting for host pages", "abort" if aborted else "retract", state.req.rid, state.backlog_pages)
-            self._set_backlog_pages(state, 0)
-            self._backlog.remove(state)
+            dropped = self._backlog.remove(state)
+            self._counters.pages_dropped += dropped
+            logger.warning("offload: %s of rid=%r drops its %d pages waiting for host pages", "abort" if aborted else "retract", state.req.rid, dropped)
         if aborted and state.loads:
             for load in list(state.loads):  # a queued load cannot be recalled: no slot written after abort returns
                 self.copier.synchronize(job=load)
@@ -735,52 +666,43 @@ class OffloadManager:
             if state.prefetch is not None and (state.launched_length != launched_before or not plan.runs):
                 self._cancel(state.prefetch)
         if new and not plan.runs:
-            self._commit(state)
+            self._lifecycles.commit(state)
         state.ending = True
         state.kv_length = length
         remaining = (length - state.offloaded_length) // self.page_size if self.writes_pages else 0
         if remaining > 0:
-            limit = self.finish_backlog_pages
-            if limit is None or self._backlog_pages + remaining <= limit:
-                self._set_backlog_pages(state, remaining)
-                self._backlog.append(state)
+            if self._backlog.admit(state, remaining):
                 return True
             self._counters.pages_dropped += remaining
-            logger.warning("offload: host pool full at finish of rid=%r: %d pages not offloaded (finish_backlog_pages=%d)", state.req.rid, remaining, limit)
+            logger.warning("offload: host pool full at finish of rid=%r: %d pages not offloaded (finish_backlog_pages=%d)", state.req.rid, remaining, self.finish_backlog_pages)
             self._maybe_release(state)
             return False
         self._maybe_release(state)
         return True
 
     def _launch_backlog(self) -> None:
-        for state in list(self._backlog):
+        for state in list(self._backlog.states):
             try:
                 self._launch(state, self._plan(state, self.page_size, state.kv_length), None)
-                self._set_backlog_pages(state, max(state.kv_length - state.offloaded_length, 0) // self.page_size)
+                self._backlog.set_pages(state, max(state.kv_length - state.offloaded_length, 0) // self.page_size)
             except Exception:  # checked at finish: an engine that changed the request since, or a failed launch
                 # The runs launched before the one that raised stay launched: drop only the rest.
                 not_launched = max(state.kv_length - state.offloaded_length, 0) // self.page_size
                 logger.exception("offload: %d waiting pages of rid=%r could not be launched; dropped", not_launched, state.req.rid)
                 self._counters.pages_dropped += not_launched
-                self._set_backlog_pages(state, 0)
+                self._backlog.set_pages(state, 0)
             if state.backlog_pages == 0:
                 self._backlog.remove(state)
                 self._maybe_release(state)
             if self.copier.free_pages == 0:
                 break
 
-    def _set_backlog_pages(self, state: RequestState, pages: int) -> None:
-        self._backlog_pages += pages - state.backlog_pages
-        state.backlog_pages = pages
-
     def _maybe_release(self, state: RequestState) -> None:
         if not state.ending or state.copies_in_flight or state.backlog_pages:
             return
-        if self._states.get(id(state.req)) is not state:
+        if not self._lifecycles.release(state):
             return  # released already (a callback that called abort/finish mid-poll)
         req = state.req
-        del self._states[id(req)]
-        self._released.remember(req, state.retract_keep, state.offloaded_length, state.chain)
         self._counters.releases += 1
         self._backup.end(state.writes)
         if self._release_callback is not None:
@@ -844,7 +766,7 @@ class OffloadManager:
 
     # -- internals: store path ----------------------------------------------------------------
 
-    def _plan(self, state: RequestState, unit: int, length: int) -> _Plan:
+    def _plan(self, state: RequestState, unit: int, length: int) -> LaunchPlan:
         """The runs to launch now, every one checked: the prompt's whole pages up to
         ``length`` (if not stored), then whole ``unit``s of ``[offloaded_length, length)``,
         as many as the free host pages hold, oldest first; each run's tokens and slots, and
@@ -858,14 +780,14 @@ class OffloadManager:
                 too few slots, bad slot indices, a bad namespace (the chain starts here).
         """
         if length - state.offloaded_length < self.page_size or not self.writes_pages:  # most calls: nothing new
-            return _NOTHING
+            return NOTHING
         req = state.req
         decision = plan_store(
             offloaded_length=state.offloaded_length, kv_length=length, unit=unit, page_size=self.page_size,
             prompt_end=len(req.origin_input_ids) // self.page_size * self.page_size, free_pages=self.copier.free_pages,
         )
         if decision.nothing:
-            return _NOTHING
+            return NOTHING
         first, wanted_end, bounds = decision.first, decision.wanted_end, decision.runs
         tokens = request_tokens(req, first, wanted_end)  # raises on a placeholder id
         slot_indices = self.slot_indices_of(req)
@@ -880,10 +802,10 @@ class OffloadManager:
             chain = RequestChain(*self._chain_start(req))
         self._counters.offloads_rejected += decision.rejected
         if len(bounds) == 1 and bounds[0][1] == wanted_end:  # the common case: no slicing
-            return _Plan([(ChainRun(tokens), slot_indices)], chain)
-        return _Plan([(ChainRun(tokens[begin - first : end - first]), slot_indices[begin - first : end - first]) for begin, end in bounds], chain)
+            return LaunchPlan([(ChainRun(tokens), slot_indices)], chain)
+        return LaunchPlan([(ChainRun(tokens[begin - first : end - first]), slot_indices[begin - first : end - first]) for begin, end in bounds], chain)
 
-    def _launch(self, state: RequestState, plan: _Plan, after: Any, *, commit: bool = False) -> int:
+    def _launch(self, state: RequestState, plan: LaunchPlan, after: Any, *, commit: bool = False) -> int:
         """Launch planned runs (:meth:`_plan`, with the host pages free then); pages launched.
         ``commit``: track the (new) state once its first run has launched.
 
@@ -903,7 +825,7 @@ class OffloadManager:
             if not launched:
                 state.chain = plan.chain
                 if commit:
-                    self._commit(state)
+                    self._lifecycles.commit(state)
             state.chain.add(run)  # only once launched: a run that raised is no part of the chain
             state.unsettled.append(segment)
             state.offloaded_length += len(run.tokens)

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require, require_seconds
 from kvstage.offload.collaborators import PageHasherLike
 from kvstage.offload.load_path import PREFETCH_POLICIES
 from kvstage.offload.request import int_scalar
 from kvstage.offload.request import kv_length as kv_length_of
 
-__all__ = ["check_after", "check_callbacks", "check_prefetch_arguments", "checked_kv_length", "checked_stride"]
+__all__ = [
+    "check_after", "check_callbacks", "check_prefetch_arguments", "check_prefetch_request", "checked_kv_length",
+    "checked_load_pages", "checked_stride",
+]
 
 
 def checked_stride(hasher: Any, host_pool: Any, offload_stride: Any, prior_wait_s: Any) -> int:
@@ -124,3 +129,48 @@ def check_after(after: Any, argument: str) -> None:
     raise ArgumentTypeError(
         f"{argument}: must be None, a torch.cuda.Event or torch.cuda.Stream (CPU: anything with synchronize()), got {type(after).__name__}"
     )
+
+
+def check_prefetch_request(req: Any, state: Any, ended: bool, num_keys: int, min_pages: Any, capacity: int) -> None:
+    """A request may prefetch: ``min_pages`` fits the host pool; it has not ended, has no
+    prefetch and offloaded nothing (``state``: its tracked state or None; ``ended``: it was
+    released after a finish or abort).
+
+    Raises:
+        InvalidArgumentError: naming ``min_pages`` or ``req`` and the rule broken.
+    """
+    require(
+        min_pages is None or min(min_pages, num_keys) <= capacity, "min_pages",
+        lambda: f"{min_pages} of the {num_keys} pages looked up can never be free: the host pool holds {capacity} pages",
+    )
+    require(not ended, "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
+    if state is None:
+        return
+    require(not state.ending, "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
+    require(state.prefetch is None, "req", lambda: f"rid={req.rid!r} has a prefetch already")
+    require(state.chain is None and state.copies_in_flight == 0, "req", lambda: f"rid={req.rid!r} has offloaded pages already; prefetch before it runs")
+
+
+def checked_load_pages(handle: Any, state: Any, slot_indices: Any, page_size: int) -> int:
+    """The pages a load scatters: ``len(slot_indices) // page_size``, checked against the
+    handle (``state``: its request's tracked state or None).
+
+    Raises:
+        InvalidArgumentError: the handle was loaded or cancelled, its request has ended or it
+            is another manager's; ``slot_indices`` is not a 1-D tensor of whole pages, at most
+            the handle's ready pages.
+    """
+    require(not handle.loaded, "handle", "was loaded already (a prefetch is loaded once)")
+    require(not handle.cancelled, "handle", "was cancelled (or its request aborted)")
+    require(
+        state is not None and not state.ending and state.prefetch is handle, "handle",
+        lambda: f"rid={handle.req.rid!r} has ended, or the handle is not this manager's",
+    )
+    ready = handle.pages_ready  # read once: a read in flight grows it
+    count = slot_indices.shape[0] if isinstance(slot_indices, torch.Tensor) and slot_indices.dim() == 1 else None
+    require(
+        count is not None and count % page_size == 0 and count // page_size <= ready,
+        "slot_indices",
+        lambda: f"must be a 1-D tensor of at most {ready} ready pages x {page_size} slots, got {tuple(slot_indices.shape) if isinstance(slot_indices, torch.Tensor) else type(slot_indices).__name__}",
+    )
+    return count // page_size

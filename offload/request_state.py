@@ -1,16 +1,18 @@
-"""What the manager tracks per request lifecycle, per gather and per load (plain records)."""
+"""What the manager tracks per request lifecycle, per gather and per load, and what it plans to launch (plain records)."""
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
+
+import torch
 
 from kvstage.offload.backup import RequestWrites
 from kvstage.offload.copier import CopyResult
 from kvstage.offload.key_chain import ChainRun, RequestChain
 from kvstage.offload.load_path import PrefetchHandle
 
-__all__ = ["LoadJob", "RequestState", "Segment"]
+__all__ = ["NOTHING", "LaunchPlan", "LoadJob", "RequestState", "Segment"]
 
 
 class RequestState:
@@ -59,3 +61,14 @@ class LoadJob:
     def __init__(self, state: RequestState, num_pages: int) -> None:
         self.state = state
         self.num_pages = num_pages
+
+
+class LaunchPlan(NamedTuple):
+    """What the manager's plan found to launch: runs (tokens, device slots) and the chain
+    they continue."""
+
+    runs: list[tuple[ChainRun, torch.Tensor]]
+    chain: RequestChain | None
+
+
+NOTHING = LaunchPlan([], None)  # nothing to launch
