@@ -41,6 +41,14 @@ Decisions worth knowing:
 
 One thread: the thread of the first call owns the manager; a call from another raises
 :class:`~kvstage.errors.ThreadingError` (``close()`` excepted).
+
+Its pieces, each in its own module: what to launch (:mod:`~kvstage.offload.store_plan`) and
+where offloading resumes after a load (:mod:`~kvstage.offload.load_plan`), as pure functions;
+the tracked and released request objects (:mod:`~kvstage.offload.lifecycles`); finished
+requests' pages waiting for host pages (:mod:`~kvstage.offload.finish_backlog`); the argument
+checks (:mod:`~kvstage.offload.manager_arguments`); the one-thread guard
+(:mod:`~kvstage.offload.one_thread`); the per-request records
+(:mod:`~kvstage.offload.request_state`).
 """
 
 from __future__ import annotations
