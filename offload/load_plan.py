@@ -32,7 +32,7 @@ class LoadResume:
 
 
 def plan_load_resume(
-    *, num_pages: int, page_size: int, page_keys: Sequence[str], prompt_end: int, offloaded_length: int, has_chain: bool
+    num_pages: int, page_size: int, page_keys: Sequence[str], prompt_end: int, offloaded_length: int, has_chain: bool
 ) -> LoadResume:
     """Where offloading resumes once ``num_pages`` leading pages are loaded.
 

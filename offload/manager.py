@@ -53,7 +53,6 @@ checks (:mod:`~kvstage.offload.manager_arguments`); the one-thread guard
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import deque
 from typing import Any, Callable
@@ -72,7 +71,7 @@ from kvstage.offload.lifecycles import Lifecycles
 from kvstage.offload.load_path import LoadHandle, PrefetchHandle, PrefixMatch
 from kvstage.offload.load_plan import plan_load_resume
 from kvstage.offload.manager_arguments import check_after, check_callbacks, check_prefetch_arguments, check_prefetch_request, checked_kv_length, checked_load_pages, checked_stride
-from kvstage.offload.metrics import OffloadMetrics
+from kvstage.offload.metrics import OffloadMetrics, metrics_snapshot
 from kvstage.offload.one_thread import OwnerThread, owner_thread_only
 from kvstage.offload.prefetcher import Prefetcher
 from kvstage.offload.request import SlotIndicesOf, request_namespace, request_tokens
@@ -214,10 +213,8 @@ class OffloadManager:
         self._counters = OffloadMetrics()
         self._closed = False
         self._prefetcher = Prefetcher(self.copier, storage, hasher, self._workers, self._counters)
-        self._backup = Backup(
-            self.copier, storage, hasher, self._workers, self._counters, on_storage_failure,
-            prior_wait_s=0.0 if self.store_prompt else float(prior_wait_s),
-        )
+        prior_wait = 0.0 if self.store_prompt else float(prior_wait_s)
+        self._backup = Backup(self.copier, storage, hasher, self._workers, self._counters, on_storage_failure, prior_wait_s=prior_wait)
         storage.register_host_buffers(host_pool.buffers)
 
     # -- store path ---------------------------------------------------------------------------
@@ -487,10 +484,7 @@ class OffloadManager:
                 self._counters.loads += 1
             # Offloading resumes after the loaded pages (the prefill side's prompt pages at least).
             prompt_end = 0 if self.store_prompt else len(handle.req.origin_input_ids) // self.page_size * self.page_size
-            resume = plan_load_resume(
-                num_pages=num_pages, page_size=self.page_size, page_keys=handle.page_keys, prompt_end=prompt_end,
-                offloaded_length=state.offloaded_length, has_chain=state.chain is not None,
-            )
+            resume = plan_load_resume(num_pages, self.page_size, handle.page_keys, prompt_end, state.offloaded_length, state.chain is not None)
             state.offloaded_length = resume.offloaded_length
             if resume.new_chain:
                 state.chain = None if resume.prior_key is None else RequestChain(resume.prior_key, True)
@@ -613,14 +607,10 @@ class OffloadManager:
     @property
     def metrics(self) -> OffloadMetrics:
         """A snapshot of the counters."""
-        pool = self.host_pool
-        store = self.storage.stats
-        return dataclasses.replace(
-            self._counters, requests_live=len(self._states), copies_in_flight=self.copies_in_flight,
-            writes_pending=self._backup.writes_pending, writes_parked=self._backup.writes_parked, host_pages_used=pool.used,
-            host_pages_high_water=pool.high_water, host_pages_capacity=pool.capacity,
-            store_events_stored=store.events_stored, store_events_evicted=store.events_evicted,
-            store_events_removed=store.events_removed, store_events_dropped=store.events_dropped,
+        backup = self._backup
+        return metrics_snapshot(
+            self._counters, self.host_pool, self.storage.stats, requests_live=len(self._states), copies_in_flight=self.copies_in_flight,
+            writes_pending=backup.writes_pending, writes_parked=backup.writes_parked
         )
 
     # -- internals: lifecycle -----------------------------------------------------------------
@@ -790,10 +780,8 @@ class OffloadManager:
         if length - state.offloaded_length < self.page_size or not self.writes_pages:  # most calls: nothing new
             return NOTHING
         req = state.req
-        decision = plan_store(
-            offloaded_length=state.offloaded_length, kv_length=length, unit=unit, page_size=self.page_size,
-            prompt_end=len(req.origin_input_ids) // self.page_size * self.page_size, free_pages=self.copier.free_pages,
-        )
+        prompt_end = len(req.origin_input_ids) // self.page_size * self.page_size
+        decision = plan_store(state.offloaded_length, length, unit, self.page_size, prompt_end, self.copier.free_pages)
         if decision.nothing:
             return NOTHING
         first, wanted_end, bounds = decision.first, decision.wanted_end, decision.runs
