@@ -15,6 +15,7 @@ from kvstage.errors import ThreadingError
 __all__ = ["OwnerThread", "owner_thread_only"]
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+_get_ident = threading.get_ident  # bound once: the check runs on every call
 
 
 class OwnerThread:
@@ -55,9 +56,8 @@ def owner_thread_only(method: _Method) -> _Method:
 
     @functools.wraps(method)
     def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
-        owner = self._owner
-        if threading.get_ident() != owner.ident:
-            owner.check(call)
+        if _get_ident() != self._owner.ident:
+            self._owner.check(call)
         return method(self, *args, **kwargs)
 
     return checked  # type: ignore[return-value]
