@@ -41,32 +41,44 @@ Decisions worth knowing:
 
 One thread: the thread of the first call owns the manager; a call from another raises
 :class:`~kvstage.errors.ThreadingError` (``close()`` excepted).
+
+Its pieces, each in its own module: what to launch (:mod:`~kvstage.offload.store_plan`) and
+where offloading resumes after a load (:mod:`~kvstage.offload.load_plan`), as pure functions;
+the tracked and released request objects (:mod:`~kvstage.offload.lifecycles`); finished
+requests' pages waiting for host pages (:mod:`~kvstage.offload.finish_backlog`); the argument
+checks (:mod:`~kvstage.offload.manager_arguments`); the one-thread guard
+(:mod:`~kvstage.offload.one_thread`); the per-request records
+(:mod:`~kvstage.offload.request_state`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import threading
-import weakref
 from collections import deque
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 
-from kvstage.errors import ArgumentTypeError, InvalidArgumentError, ThreadingError, is_int, require, require_seconds
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, require
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.backup import Backup, RequestWrites
 from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike, PageHasherLike, StoreWorkersLike
 from kvstage.offload.copier import GATHER, SCATTER, Copier, CopyResult
+from kvstage.offload.finish_backlog import FinishBacklog
 from kvstage.offload.host_pool import HostPool
 from kvstage.offload.key_chain import ChainRun, RequestChain
-from kvstage.offload.load_path import PREFETCH_POLICIES, LoadHandle, PrefetchHandle, PrefixMatch
+from kvstage.offload.lifecycles import Lifecycles
+from kvstage.offload.load_path import LoadHandle, PrefetchHandle, PrefixMatch
+from kvstage.offload.load_plan import plan_load_resume
+from kvstage.offload.manager_arguments import check_after, check_callbacks, check_prefetch_arguments, check_prefetch_request, checked_kv_length, checked_load_pages, checked_stride
+from kvstage.offload.metrics import OffloadMetrics, metrics_snapshot
+from kvstage.offload.one_thread import OwnerThread, owner_thread_only
 from kvstage.offload.prefetcher import Prefetcher
-from kvstage.offload.metrics import OffloadMetrics
-from kvstage.offload.request import SlotIndicesOf, int_scalar, request_namespace, request_tokens
+from kvstage.offload.request import SlotIndicesOf, request_namespace, request_tokens
 from kvstage.offload.request import kv_length as kv_length_of
+from kvstage.offload.request_state import NOTHING, LaunchPlan, LoadJob, RequestState, Segment
 from kvstage.offload.store_io import StoreWorkers
+from kvstage.offload.store_plan import plan_store
 from kvstage.storage import StorageBackend
 
 __all__ = ["OffloadManager"]
@@ -74,61 +86,6 @@ __all__ = ["OffloadManager"]
 logger = logging.getLogger(__name__)
 
 
-class _RequestState:
-    __slots__ = (
-        "req", "offloaded_length", "launched_length", "kv_length", "chain", "unsettled", "copies_in_flight", "loads",
-        "ending", "aborted", "retract_keep", "prefetch", "backlog_pages", "writes",
-    )
-
-    def __init__(self, req: Any, offloaded_length: int) -> None:
-        self.req = req  # held: keeps id(req) from being reused while tracked
-        self.offloaded_length = offloaded_length  # tokens [0, offloaded_length) stored, loaded or launched
-        self.launched_length = 0  # tokens [0, launched_length) launched by this lifecycle's calls
-        self.kv_length = 0  # finish(): the tokens with KV its waiting pages go up to
-        self.chain: RequestChain | None = None  # None: nothing launched or loaded yet
-        # Launched segments not settled yet, in launch order: a finished one waits for those
-        # before it, so its request's writes reach the store in chain order.
-        self.unsettled: deque[_Segment] = deque()
-        self.copies_in_flight = 0  # gathers and loads of its device slots not polled yet
-        self.loads: list[_Load] = []
-        self.ending = False  # finish(), abort() or retract() was called
-        self.aborted = False
-        self.retract_keep: bool | None = None  # retract(): keep the offload progress for a rerun
-        self.prefetch: PrefetchHandle | None = None
-        self.backlog_pages = 0  # whole pages finish() is waiting for host pages for
-        self.writes = RequestWrites(req)  # this lifecycle's store writes (on_stored)
-
-
-class _Segment:
-    """One gather (the copier's job): a run of the request's chain and its copy's outcome."""
-
-    __slots__ = ("state", "run", "result")
-
-    def __init__(self, state: _RequestState, run: ChainRun) -> None:
-        self.state = state
-        self.run = run
-        self.result: CopyResult | None = None  # its copy's outcome, once polled
-
-
-class _Plan(NamedTuple):
-    """What :meth:`OffloadManager._plan` found to launch: runs (tokens, device slots) and the
-    chain they continue."""
-
-    runs: list[tuple[ChainRun, torch.Tensor]]
-    chain: RequestChain | None
-
-
-_NOTHING = _Plan([], None)
-
-
-class _Load:
-    """One load (the copier's job): the request state and the pages it scatters."""
-
-    __slots__ = ("state", "num_pages")
-
-    def __init__(self, state: _RequestState, num_pages: int) -> None:
-        self.state = state
-        self.num_pages = num_pages
 
 
 class OffloadManager:
@@ -228,36 +185,9 @@ class OffloadManager:
         prior_wait_s: float = 10.0,
     ) -> None:
         page_size = host_pool.page_size
-        require(
-            isinstance(hasher, PageHasherLike) and not isinstance(hasher, type),
-            "hasher",
-            lambda: f"must be a kvstage.hashing.PageHasher (page_size, seed, prefill_keys, continue_keys), got {type(hasher).__name__}",
-            ArgumentTypeError,
-        )
-        require(hasher.page_size == page_size, "hasher", lambda: f"page_size {hasher.page_size} must equal the host pool's page_size {page_size}")
-        stride = page_size if offload_stride is None else offload_stride
-        require(
-            is_int(stride) and stride > 0 and stride % page_size == 0,
-            "offload_stride", lambda: f"must be a positive multiple of page_size {page_size}, got {offload_stride!r}",
-        )
-        require(
-            stride // page_size <= host_pool.capacity, "offload_stride",
-            lambda: f"{stride} tokens ({stride // page_size} pages of {page_size}) exceeds the host pool's capacity of {host_pool.capacity} pages: no stride could ever be launched",
-        )
-        require_seconds(prior_wait_s, "prior_wait_s")
+        stride = checked_stride(hasher, host_pool, offload_stride, prior_wait_s)
         self.copier = Copier(kv_pool, host_pool, copy_stream=copy_stream, backend=backend)
-        fingerprint = getattr(storage, "fingerprint", None)
-        require(fingerprint is not None, "storage", lambda: f"must be a kvstage.storage.StorageBackend, got {type(storage).__name__}", ArgumentTypeError)
-        fingerprint.require_matches(host_pool.layout, page_size, "storage")
-        require(callable(slot_indices_of), "slot_indices_of", "must be callable")
-        require(release is None or callable(release), "release", "must be callable or None")
-        require(on_storage_failure is None or callable(on_storage_failure), "on_storage_failure", "must be callable or None")
-        require(on_stored is None or callable(on_stored), "on_stored", "must be callable or None")
-        _check_after(producer, "producer")
-        require(
-            finish_backlog_pages is None or (is_int(finish_backlog_pages) and finish_backlog_pages >= 0),
-            "finish_backlog_pages", lambda: f"must be None (no limit) or an int >= 0, got {finish_backlog_pages!r}",
-        )
+        fingerprint = check_callbacks(storage, host_pool, slot_indices_of, release, on_storage_failure, on_stored, producer, finish_backlog_pages)
         self.kv_pool = kv_pool
         self.host_pool = host_pool
         self.storage = storage
@@ -272,31 +202,24 @@ class OffloadManager:
         self.writes_pages = fingerprint.writes_pages
         self._release_callback = release
         self._on_stored = on_stored
-        self._owner_ident: int | None = None  # the thread of the first call
-        self._owner_name = ""
+        self._owner = OwnerThread()  # the thread of the first call
         self._owns_workers = store_workers is None
         self._workers = StoreWorkers() if store_workers is None else store_workers
-        self._states: dict[int, _RequestState] = {}
-        # Released request objects, held weakly: a late finish/abort of one is ignored, a late
-        # offload raises.
-        self._ended: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-        # Retracted with keep_offloaded: (the request held weakly, its offloaded length, its chain),
-        # resumed when it runs again; forgotten when the engine drops the request.
-        self._retracted: dict[int, tuple[Any, int, RequestChain | None]] = {}
+        self._lifecycles = Lifecycles(page_size, self.store_prompt)
+        self._states = self._lifecycles.states  # id(req) -> its state, while tracked
+        self._retracted = self._lifecycles.retracted  # kept progress of retracted requests
         self._unhandled: deque[CopyResult] = deque()  # copies polled from the copier, not handled yet
-        self._backlog: list[_RequestState] = []
-        self._backlog_pages = 0  # sum of the backlog's backlog_pages, kept as they change
+        self._backlog = FinishBacklog(finish_backlog_pages)
         self._counters = OffloadMetrics()
         self._closed = False
         self._prefetcher = Prefetcher(self.copier, storage, hasher, self._workers, self._counters)
-        self._backup = Backup(
-            self.copier, storage, hasher, self._workers, self._counters, on_storage_failure,
-            prior_wait_s=0.0 if self.store_prompt else float(prior_wait_s),
-        )
+        prior_wait = 0.0 if self.store_prompt else float(prior_wait_s)
+        self._backup = Backup(self.copier, storage, hasher, self._workers, self._counters, on_storage_failure, prior_wait_s=prior_wait)
         storage.register_host_buffers(host_pool.buffers)
 
     # -- store path ---------------------------------------------------------------------------
 
+    @owner_thread_only
     def offload(self, req: Any, *, kv_length: int | None = None, after: Any = None) -> bool:
         """Launch the D2H copy of ``req``'s pages that have KV and are not stored yet: the
         prompt's whole pages (``store_prompt``), then each new whole stride of decode tokens.
@@ -337,19 +260,17 @@ class OffloadManager:
                 launched and tracked (their pages are stored, the release waits for their
                 copies); when the first run's, nothing changed.
         """
-        if threading.get_ident() != self._owner_ident:
-            self._check_thread("offload")
         self._require_open("offload")
-        _check_after(after, "after")
+        check_after(after, "after")
         with nvtx_range("offload"):
             state, new = self._states.get(id(req)), False
             if state is None:
-                state, new = self._state_of(req, released_raises=True)
+                state, new = self._lifecycles.state_of(req, released_raises=True)
                 if state is None:
                     return False
             elif state.ending:
                 return False
-            length = kv_length_of(req) if kv_length is None else self._checked_kv_length(state, kv_length)
+            length = kv_length_of(req) if kv_length is None else checked_kv_length(req, kv_length, state.launched_length)
             if req.finished():
                 return self._finish_state(state, new, length, after)
             require(
@@ -359,10 +280,11 @@ class OffloadManager:
             plan = self._plan(state, self.offload_stride, length)
             if not plan.runs:
                 if new:
-                    self._commit(state)
+                    self._lifecycles.commit(state)
                 return False
             return self._launch(state, plan, after, commit=new) > 0
 
+    @owner_thread_only
     def finish(self, req: Any, *, kv_length: int | None = None, after: Any = None) -> bool:
         """``req`` has ended normally: offload its remaining whole pages, then release it.
 
@@ -393,16 +315,15 @@ class OffloadManager:
             ``kv_length`` (one that never ran) gets an ``InvalidArgumentError`` naming the
             pending prefetch.
         """
-        if threading.get_ident() != self._owner_ident:
-            self._check_thread("finish")
         self._require_open("finish")
-        _check_after(after, "after")
+        check_after(after, "after")
         with nvtx_range("offload.finish"):
-            state, new = self._state_of(req, released_raises=False)
+            state, new = self._lifecycles.state_of(req, released_raises=False)
             if state is None:
                 return True
-            return self._finish_state(state, new, self._checked_kv_length(state, kv_length), after)
+            return self._finish_state(state, new, checked_kv_length(req, kv_length, state.launched_length), after)
 
+    @owner_thread_only
     def abort(self, req: Any) -> None:
         """``req`` was aborted: nothing more of it is stored or loaded.
 
@@ -417,15 +338,14 @@ class OffloadManager:
         Raises:
             ThreadingError: called from another thread than the manager's.
         """
-        if threading.get_ident() != self._owner_ident:
-            self._check_thread("abort")
         state = self._states.get(id(req))
         if state is None:
-            if self._has_ended(req):
+            if self._lifecycles.has_ended(req):
                 return
-            state = self._track(req)
+            state = self._lifecycles.track(req)
         self._end_state(state, aborted=True)
 
+    @owner_thread_only
     def retract(self, req: Any, *, keep_offloaded: bool = True) -> None:
         """``req`` leaves the running batch to run again later (sglang's retraction under
         memory pressure): like :meth:`abort` (its device slots are released once nothing of
@@ -442,8 +362,6 @@ class OffloadManager:
         Raises:
             ThreadingError: called from another thread than the manager's.
         """
-        if threading.get_ident() != self._owner_ident:
-            self._check_thread("retract")
         state = self._states.get(id(req))
         if state is None:
             return
@@ -453,6 +371,7 @@ class OffloadManager:
 
     # -- load path ----------------------------------------------------------------------------
 
+    @owner_thread_only
     def match_prefix(self, req: Any = None, *, token_ids: Any = None, extra_key: str | None = None, cache_salt: str | None = None) -> PrefixMatch:
         """Lookup: how many leading whole pages of a token sequence the store holds.
 
@@ -467,11 +386,10 @@ class OffloadManager:
                 its ``exists`` raises.
             ThreadingError: called from another thread than the manager's.
         """
-        if threading.get_ident() != self._owner_ident:
-            self._check_thread("match_prefix")
         self._require_open("match_prefix")
         return self._prefetcher.match(self._prefetcher.lookup_keys(req, token_ids, extra_key, cache_salt))
 
+    @owner_thread_only
     def prefetch(
         self, req: Any, *, policy: str = "best_effort", timeout_s: float | None = None, min_pages: int | None = None
     ) -> PrefetchHandle:
@@ -507,29 +425,18 @@ class OffloadManager:
                 the prefill side stored; the chain still continues from the prompt's last page.
             ThreadingError: called from another thread than the manager's.
         """
-        if threading.get_ident() != self._owner_ident:
-            self._check_thread("prefetch")
-        require(policy in PREFETCH_POLICIES, "policy", lambda: f"must be one of {PREFETCH_POLICIES}, got {policy!r}")
-        if policy == "timeout":
-            require(isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0, "timeout_s", lambda: f"must be a positive number of seconds for policy 'timeout', got {timeout_s!r}")
-        require(min_pages is None or (is_int(min_pages) and min_pages >= 1), "min_pages", lambda: f"must be None or an int >= 1, got {min_pages!r}")
+        check_prefetch_arguments(policy, timeout_s, min_pages)
         self._require_open("prefetch")
         with nvtx_range("prefetch"):
             keys = self._prefetcher.lookup_keys(req)  # placeholder ids named before anything is tracked
-            capacity = self.host_pool.capacity
-            require(
-                min_pages is None or min(min_pages, len(keys)) <= capacity, "min_pages",
-                lambda: f"{min_pages} of the {len(keys)} pages looked up can never be free: the host pool holds {capacity} pages",
-            )
             state = self._states.get(id(req))
-            require(state is not None or not self._has_ended(req), "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
-            require(state is None or not state.ending, "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
-            require(state is None or state.prefetch is None, "req", lambda: f"rid={req.rid!r} has a prefetch already")
-            require(state is None or (state.chain is None and state.copies_in_flight == 0), "req", lambda: f"rid={req.rid!r} has offloaded pages already; prefetch before it runs")
-            state = state if state is not None else self._track(req)
+            ended = state is None and self._lifecycles.has_ended(req)
+            check_prefetch_request(req, state, ended, len(keys), min_pages, self.host_pool.capacity)
+            state = state if state is not None else self._lifecycles.track(req)
             state.prefetch = self._prefetcher.start(req, keys, policy, timeout_s, min_pages)
             return state.prefetch
 
+    @owner_thread_only
     def load(self, handle: PrefetchHandle, slot_indices: torch.Tensor, *, layer_by_layer: bool = False, after: Any = None) -> LoadHandle:
         """Scatter prefetched pages into the request's device slots, on the copy stream.
 
@@ -557,32 +464,17 @@ class OffloadManager:
         After the forward pass's ``wait_layer``/``wait``, check :attr:`LoadHandle.error`: a
         failed load leaves the slots unwritten and the engine computes those tokens itself.
         """
-        if threading.get_ident() != self._owner_ident:
-            self._check_thread("load")
         require(isinstance(handle, PrefetchHandle), "handle", lambda: f"must be a PrefetchHandle from prefetch(), got {type(handle).__name__}", ArgumentTypeError)
         self._require_open("load")
-        _check_after(after, "after")
+        check_after(after, "after")
         with nvtx_range("load"):
             state = self._states.get(id(handle.req))
-            require(not handle.loaded, "handle", "was loaded already (a prefetch is loaded once)")
-            require(not handle.cancelled, "handle", "was cancelled (or its request aborted)")
-            require(
-                state is not None and not state.ending and state.prefetch is handle, "handle",
-                lambda: f"rid={handle.req.rid!r} has ended, or the handle is not this manager's",
-            )
-            ready = handle.pages_ready
-            count = slot_indices.shape[0] if isinstance(slot_indices, torch.Tensor) and slot_indices.dim() == 1 else None
-            require(
-                count is not None and count % self.page_size == 0 and count // self.page_size <= ready,
-                "slot_indices",
-                lambda: f"must be a 1-D tensor of at most {ready} ready pages x {self.page_size} slots, got {tuple(slot_indices.shape) if isinstance(slot_indices, torch.Tensor) else type(slot_indices).__name__}",
-            )
-            num_pages = count // self.page_size
+            num_pages = checked_load_pages(handle, state, slot_indices, self.page_size)
             copy_handles = []
             if num_pages:
                 # The copier checks the slots (and raises) before it launches; the handle is
                 # taken only after, so a bad tensor changes nothing.
-                job = _Load(state, num_pages)
+                job = LoadJob(state, num_pages)
                 copy_handles = self.copier.scatter(job, handle.host_page_ids[:num_pages], slot_indices, layer_by_layer=layer_by_layer, after=self._after(after))
             self._prefetcher.take(handle, num_pages)
             state.prefetch = None
@@ -590,21 +482,15 @@ class OffloadManager:
                 state.copies_in_flight += 1
                 state.loads.append(job)
                 self._counters.loads += 1
-            # Offloading resumes after the loaded pages: further than the prompt pages a prefill
-            # side stored, or short of a resumed request's old progress when a page of it was
-            # lost (the engine recomputes from the loaded length, and those pages mend the chain).
-            loaded = num_pages * self.page_size
+            # Offloading resumes after the loaded pages (the prefill side's prompt pages at least).
             prompt_end = 0 if self.store_prompt else len(handle.req.origin_input_ids) // self.page_size * self.page_size
-            resume = max(loaded, prompt_end)
-            if resume != state.offloaded_length:
-                state.offloaded_length = resume
-                state.chain = RequestChain(handle.page_keys[num_pages - 1], True) if resume == loaded and num_pages else None
-            if state.chain is None and resume == prompt_end and 0 < prompt_end <= len(handle.page_keys) * self.page_size:
-                # The lookup keyed the prompt's pages from its namespace seed: its last one is
-                # where the chain continues (the prefill side's key), not hashed again.
-                state.chain = RequestChain(handle.page_keys[prompt_end // self.page_size - 1], True)
+            resume = plan_load_resume(num_pages, self.page_size, handle.page_keys, prompt_end, state.offloaded_length, state.chain is not None)
+            state.offloaded_length = resume.offloaded_length
+            if resume.new_chain:
+                state.chain = None if resume.prior_key is None else RequestChain(resume.prior_key, True)
             return LoadHandle(handle.req, num_pages, self.page_size, copy_handles, self.kv_pool.num_layers, layer_by_layer)
 
+    @owner_thread_only
     def cancel(self, handle: PrefetchHandle) -> None:
         """Stop a prefetch (or its wait for host pages); its host pages are freed once the
         worker is done with them. A loaded or cancelled handle: nothing happens.
@@ -612,12 +498,11 @@ class OffloadManager:
         Raises:
             ThreadingError: called from another thread than the manager's.
         """
-        if threading.get_ident() != self._owner_ident:
-            self._check_thread("cancel")
         self._cancel(handle)
 
     # -- every step ---------------------------------------------------------------------------
 
+    @owner_thread_only
     def poll(self) -> int:
         """Collect what finished: copies (page keys and store writes for gathers, host pages
         freed for loads), store writes, prefetch reads (host pages past the ready ones freed,
@@ -628,10 +513,9 @@ class OffloadManager:
         Raises:
             ThreadingError: called from another thread than the manager's.
         """
-        if threading.get_ident() != self._owner_ident:
-            self._check_thread("poll")
         return self._poll()
 
+    @owner_thread_only
     def drain(self) -> None:
         """Block until every copy, store write and read in flight has completed, and finished
         requests' waiting pages are launched, polling as it goes (for shutdown and tests; never
@@ -642,10 +526,9 @@ class OffloadManager:
         Raises:
             ThreadingError: called from another thread than the manager's.
         """
-        if threading.get_ident() != self._owner_ident:
-            self._check_thread("drain")
         self._drain()
 
+    @owner_thread_only
     def flush(self) -> int:
         """Empty the store's key space (after a weight update, its pages hold the old weights'
         KV): cancel every prefetch, wait for the copies, store writes and reads in flight (as
@@ -665,8 +548,6 @@ class OffloadManager:
             InvalidArgumentError: the manager is closed.
             Whatever the store's ``clear()`` raises.
         """
-        if threading.get_ident() != self._owner_ident:
-            self._check_thread("flush")
         self._require_open("flush")
         for handle in list(self._prefetcher.active):
             self._cancel(handle)
@@ -710,8 +591,8 @@ class OffloadManager:
         state = self._states.get(id(req))
         if state is not None:
             return state.offloaded_length
-        retracted = self._retracted.get(id(req))
-        return retracted[1] if retracted is not None and retracted[0]() is req else None
+        resumed = self._lifecycles.resumed(req)
+        return None if resumed is None else resumed[0]
 
     @property
     def requests_live(self) -> int:
@@ -726,14 +607,10 @@ class OffloadManager:
     @property
     def metrics(self) -> OffloadMetrics:
         """A snapshot of the counters."""
-        pool = self.host_pool
-        store = self.storage.stats
-        return dataclasses.replace(
-            self._counters, requests_live=len(self._states), copies_in_flight=self.copies_in_flight,
-            writes_pending=self._backup.writes_pending, writes_parked=self._backup.writes_parked, host_pages_used=pool.used,
-            host_pages_high_water=pool.high_water, host_pages_capacity=pool.capacity,
-            store_events_stored=store.events_stored, store_events_evicted=store.events_evicted,
-            store_events_removed=store.events_removed, store_events_dropped=store.events_dropped,
+        backup = self._backup
+        return metrics_snapshot(
+            self._counters, self.host_pool, self.storage.stats, requests_live=len(self._states), copies_in_flight=self.copies_in_flight,
+            writes_pending=backup.writes_pending, writes_parked=backup.writes_parked
         )
 
     # -- internals: lifecycle -----------------------------------------------------------------
@@ -745,98 +622,15 @@ class OffloadManager:
         if self._closed:
             raise InvalidArgumentError(f"manager: {call}() after close(); make a new OffloadManager")
 
-    def _check_thread(self, call: str) -> None:
-        """The first call's thread owns the manager; a call from another raises (the hot
-        methods compare :func:`threading.get_ident` first and call this only on a mismatch)."""
-        ident = threading.get_ident()
-        if self._owner_ident is None:
-            self._owner_ident, self._owner_name = ident, threading.current_thread().name
-            return
-        if ident == self._owner_ident:
-            return
-        raise ThreadingError(
-            f"{call}: called from thread {threading.current_thread().name!r} ({ident}), but thread {self._owner_name!r} "
-            f"({self._owner_ident}) made this manager's first call; call every method but close() from that one thread "
-            "(the engine's scheduler)"
-        )
-
-    def _state_of(self, req: Any, *, released_raises: bool) -> tuple[_RequestState | None, bool]:
-        """``req``'s state and whether it is new (built, not tracked yet: :meth:`_commit`);
-        None once it is ending, or released already (then ``released_raises`` raises)."""
-        state = self._states.get(id(req))
-        if state is not None:
-            return (None if state.ending else state), False
-        if self._has_ended(req):
-            if released_raises:
-                raise InvalidArgumentError(
-                    f"req: rid={req.rid!r} was released already; a finished or aborted request object is not offloaded "
-                    "again: give a new request a new object, and retract() a request that will run again"
-                )
-            return None, False
-        return self._new_state(req), True
-
-    def _new_state(self, req: Any) -> _RequestState:
-        """A new lifecycle's state (not tracked yet): resumed after a retraction that kept the
-        offload progress, else from the prompt's start (or, with ``store_prompt=False``, after
-        the prompt pages the prefill side stored)."""
-        resumed = self._retracted.get(id(req))
-        if resumed is not None and resumed[0]() is req:
-            state = _RequestState(req, resumed[1])
-            state.chain = resumed[2]  # every run of it was keyed before its release
-        elif self.store_prompt:
-            state = _RequestState(req, 0)
-        else:  # the prefill side stored the prompt's whole pages
-            state = _RequestState(req, len(req.origin_input_ids) // self.page_size * self.page_size)
-        return state
-
-    def _commit(self, state: _RequestState) -> None:
-        """Track a new state (its call has passed every check)."""
-        key = id(state.req)
-        self._retracted.pop(key, None)
-        self._states[key] = state
-
-    def _track(self, req: Any) -> _RequestState:
-        state = self._new_state(req)
-        self._commit(state)
-        return state
-
-    def _has_ended(self, req: Any) -> bool:
-        return self._ended.get(id(req)) is req
-
-    def _checked_kv_length(self, state: _RequestState, kv_length: Any) -> int:
-        """The positions with KV: ``kv_length`` checked, or the request's default.
-
-        Raises:
-            InvalidArgumentError: not an integer scalar >= 0, past the request's tokens, or
-                below what this lifecycle launched.
-        """
-        req = state.req
-        if kv_length is None:
-            return kv_length_of(req)
-        given, kv_length = kv_length, int_scalar(kv_length)
-        if kv_length is None or kv_length < 0:
-            raise InvalidArgumentError(
-                f"kv_length: must be an int >= 0 (token positions with KV; a numpy integer or 0-d integer tensor too), got {given!r}"
-            )
-        total = len(req.origin_input_ids) + len(req.output_ids)
-        if kv_length > total:
-            raise InvalidArgumentError(f"kv_length: {kv_length} exceeds the {total} tokens of rid={req.rid!r} (prompt and output)")
-        if kv_length < state.launched_length:
-            raise InvalidArgumentError(
-                f"kv_length: {kv_length} is below the {state.launched_length} tokens of rid={req.rid!r} launched already; positions with KV never shrink"
-            )
-        return kv_length
-
-    def _end_state(self, state: _RequestState, *, aborted: bool) -> None:
+    def _end_state(self, state: RequestState, *, aborted: bool) -> None:
         state.ending = True
         state.aborted = state.aborted or aborted
         if state.prefetch is not None:
             self._cancel(state.prefetch)
         if state.backlog_pages:  # finish()'s pages still waiting for host pages: never launched now
-            self._counters.pages_dropped += state.backlog_pages
-            logger.warning("offload: %s of rid=%r drops its %d pages waiting for host pages", "abort" if aborted else "retract", state.req.rid, state.backlog_pages)
-            self._set_backlog_pages(state, 0)
-            self._backlog.remove(state)
+            dropped = self._backlog.remove(state)
+            self._counters.pages_dropped += dropped
+            logger.warning("offload: %s of rid=%r drops its %d pages waiting for host pages", "abort" if aborted else "retract", state.req.rid, dropped)
         if aborted and state.loads:
             for load in list(state.loads):  # a queued load cannot be recalled: no slot written after abort returns
                 self.copier.synchronize(job=load)
@@ -849,7 +643,7 @@ class OffloadManager:
                 self._loaded(result)
         self._maybe_release(state)
 
-    def _finish_state(self, state: _RequestState, new: bool, length: int, after: Any) -> bool:
+    def _finish_state(self, state: RequestState, new: bool, length: int, after: Any) -> bool:
         try:
             plan = self._plan(state, self.page_size, length)  # every check before anything changes
         except InvalidArgumentError as error:
@@ -870,63 +664,43 @@ class OffloadManager:
             if state.prefetch is not None and (state.launched_length != launched_before or not plan.runs):
                 self._cancel(state.prefetch)
         if new and not plan.runs:
-            self._commit(state)
+            self._lifecycles.commit(state)
         state.ending = True
         state.kv_length = length
         remaining = (length - state.offloaded_length) // self.page_size if self.writes_pages else 0
         if remaining > 0:
-            limit = self.finish_backlog_pages
-            if limit is None or self._backlog_pages + remaining <= limit:
-                self._set_backlog_pages(state, remaining)
-                self._backlog.append(state)
+            if self._backlog.admit(state, remaining):
                 return True
             self._counters.pages_dropped += remaining
-            logger.warning("offload: host pool full at finish of rid=%r: %d pages not offloaded (finish_backlog_pages=%d)", state.req.rid, remaining, limit)
+            logger.warning("offload: host pool full at finish of rid=%r: %d pages not offloaded (finish_backlog_pages=%d)", state.req.rid, remaining, self.finish_backlog_pages)
             self._maybe_release(state)
             return False
         self._maybe_release(state)
         return True
 
     def _launch_backlog(self) -> None:
-        for state in list(self._backlog):
+        for state in list(self._backlog.states):
             try:
                 self._launch(state, self._plan(state, self.page_size, state.kv_length), None)
-                self._set_backlog_pages(state, max(state.kv_length - state.offloaded_length, 0) // self.page_size)
+                self._backlog.set_pages(state, max(state.kv_length - state.offloaded_length, 0) // self.page_size)
             except Exception:  # checked at finish: an engine that changed the request since, or a failed launch
                 # The runs launched before the one that raised stay launched: drop only the rest.
                 not_launched = max(state.kv_length - state.offloaded_length, 0) // self.page_size
                 logger.exception("offload: %d waiting pages of rid=%r could not be launched; dropped", not_launched, state.req.rid)
                 self._counters.pages_dropped += not_launched
-                self._set_backlog_pages(state, 0)
+                self._backlog.set_pages(state, 0)
             if state.backlog_pages == 0:
                 self._backlog.remove(state)
                 self._maybe_release(state)
             if self.copier.free_pages == 0:
                 break
 
-    def _set_backlog_pages(self, state: _RequestState, pages: int) -> None:
-        self._backlog_pages += pages - state.backlog_pages
-        state.backlog_pages = pages
-
-    def _maybe_release(self, state: _RequestState) -> None:
+    def _maybe_release(self, state: RequestState) -> None:
         if not state.ending or state.copies_in_flight or state.backlog_pages:
             return
-        if self._states.get(id(state.req)) is not state:
+        if not self._lifecycles.release(state):
             return  # released already (a callback that called abort/finish mid-poll)
         req = state.req
-        del self._states[id(req)]
-        if state.retract_keep is True:
-            key = id(req)
-            try:
-                held = weakref.ref(req, lambda _, key=key: self._retracted.pop(key, None))
-            except TypeError:  # a class without weakref support: held until it runs again
-                held = lambda req=req: req  # noqa: E731
-            self._retracted[key] = (held, state.offloaded_length, state.chain)
-        elif state.retract_keep is None:
-            try:
-                self._ended[id(req)] = req
-            except TypeError:  # a class without weakref support: not remembered
-                pass
         self._counters.releases += 1
         self._backup.end(state.writes)
         if self._release_callback is not None:
@@ -990,7 +764,7 @@ class OffloadManager:
 
     # -- internals: store path ----------------------------------------------------------------
 
-    def _plan(self, state: _RequestState, unit: int, length: int) -> _Plan:
+    def _plan(self, state: RequestState, unit: int, length: int) -> LaunchPlan:
         """The runs to launch now, every one checked: the prompt's whole pages up to
         ``length`` (if not stored), then whole ``unit``s of ``[offloaded_length, length)``,
         as many as the free host pages hold, oldest first; each run's tokens and slots, and
@@ -1003,44 +777,14 @@ class OffloadManager:
             InvalidArgumentError / ArgumentTypeError / DeviceMismatchError: a placeholder id,
                 too few slots, bad slot indices, a bad namespace (the chain starts here).
         """
-        first, page_size = state.offloaded_length, self.page_size
-        if length - first < page_size or not self.writes_pages:  # most calls: nothing new
-            return _NOTHING
+        if length - state.offloaded_length < self.page_size or not self.writes_pages:  # most calls: nothing new
+            return NOTHING
         req = state.req
-        prompt_end = len(req.origin_input_ids) // page_size * page_size
-        free = self.copier.free_pages
-        rejected = 0
-        if first >= prompt_end:  # decode tokens go in whole units (the common case)
-            units = (length - first) // unit
-            if units <= 0:
-                return _NOTHING
-            wanted_end = first + units * unit
-            fitting = min(units, free // (unit // page_size))
-            bounds = [(first, first + fitting * unit)] if fitting else []
-            rejected = 0 if fitting else 1
-        else:
-            # The prompt's whole pages, page by page as far as they have KV; once they are all
-            # wanted, whole units of decode tokens after them.
-            prompt_wanted = max((min(prompt_end, length) - first) // page_size, 0)
-            wanted_end = first + prompt_wanted * page_size
-            if wanted_end >= prompt_end and length - wanted_end >= unit:
-                wanted_end += (length - wanted_end) // unit * unit
-            if wanted_end <= first:
-                return _NOTHING
-            bounds = []
-            start = first
-            fitting = min(prompt_wanted, free)  # what fits in the free host pages now, oldest first
-            if fitting:
-                bounds.append((start, start + fitting * page_size))
-                start, free = start + fitting * page_size, free - fitting
-            else:
-                rejected += 1
-            if start >= prompt_end and wanted_end > start:
-                fitting = min((wanted_end - start) // unit, free // (unit // page_size))
-                if fitting:
-                    bounds.append((start, start + fitting * unit))
-                else:
-                    rejected += 1
+        prompt_end = len(req.origin_input_ids) // self.page_size * self.page_size
+        decision = plan_store(state.offloaded_length, length, unit, self.page_size, prompt_end, self.copier.free_pages)
+        if decision.nothing:
+            return NOTHING
+        first, wanted_end, bounds = decision.first, decision.wanted_end, decision.runs
         tokens = request_tokens(req, first, wanted_end)  # raises on a placeholder id
         slot_indices = self.slot_indices_of(req)
         argument = f"slot_indices_of(rid={req.rid!r})"
@@ -1052,13 +796,12 @@ class OffloadManager:
         chain = state.chain
         if bounds and chain is None:  # the namespace is checked here, before anything is tracked
             chain = RequestChain(*self._chain_start(req))
-        if rejected:
-            self._counters.offloads_rejected += rejected
+        self._counters.offloads_rejected += decision.rejected
         if len(bounds) == 1 and bounds[0][1] == wanted_end:  # the common case: no slicing
-            return _Plan([(ChainRun(tokens), slot_indices)], chain)
-        return _Plan([(ChainRun(tokens[begin - first : end - first]), slot_indices[begin - first : end - first]) for begin, end in bounds], chain)
+            return LaunchPlan([(ChainRun(tokens), slot_indices)], chain)
+        return LaunchPlan([(ChainRun(tokens[begin - first : end - first]), slot_indices[begin - first : end - first]) for begin, end in bounds], chain)
 
-    def _launch(self, state: _RequestState, plan: _Plan, after: Any, *, commit: bool = False) -> int:
+    def _launch(self, state: RequestState, plan: LaunchPlan, after: Any, *, commit: bool = False) -> int:
         """Launch planned runs (:meth:`_plan`, with the host pages free then); pages launched.
         ``commit``: track the (new) state once its first run has launched.
 
@@ -1071,14 +814,14 @@ class OffloadManager:
         launched = 0
         after = self._after(after)
         for run, slot_indices in plan.runs:
-            segment = _Segment(state, run)
+            segment = Segment(state, run)
             host_page_ids = self.copier.gather(segment, slot_indices, after=after, checked=True)
             if host_page_ids is None:  # the plan counted free pages
                 raise AssertionError("host pool changed between the plan and the allocation")
             if not launched:
                 state.chain = plan.chain
                 if commit:
-                    self._commit(state)
+                    self._lifecycles.commit(state)
             state.chain.add(run)  # only once launched: a run that raised is no part of the chain
             state.unsettled.append(segment)
             state.offloaded_length += len(run.tokens)
@@ -1102,7 +845,7 @@ class OffloadManager:
 
     def _gathered(self, result: CopyResult) -> None:
         """A gather finished: settle it and every finished segment after it, in launch order."""
-        segment: _Segment = result.job
+        segment: Segment = result.job
         state = segment.state
         state.copies_in_flight -= 1
         segment.result = result
@@ -1114,7 +857,7 @@ class OffloadManager:
             self._maybe_release(state)
 
     def _loaded(self, result: CopyResult) -> None:
-        load: _Load = result.job
+        load: LoadJob = result.job
         self.copier.free(result.host_page_ids)
         state = load.state
         counters = self._counters
@@ -1129,16 +872,3 @@ class OffloadManager:
         state.loads.remove(load)
         self._maybe_release(state)
 
-
-def _check_after(after: Any, argument: str) -> None:
-    """``after``/``producer`` must be None, a CUDA event or stream, or (CPU copy streams)
-    anything with ``synchronize()``.
-
-    Raises:
-        ArgumentTypeError: naming ``argument``.
-    """
-    if after is None or callable(getattr(after, "synchronize", None)):
-        return
-    raise ArgumentTypeError(
-        f"{argument}: must be None, a torch.cuda.Event or torch.cuda.Stream (CPU: anything with synchronize()), got {type(after).__name__}"
-    )

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["OffloadMetrics"]
+__all__ = ["OffloadMetrics", "metrics_snapshot"]
 
 
 @dataclass
@@ -74,3 +76,15 @@ class OffloadMetrics:
     def h2d_gbps(self) -> float:
         """H2D (load) throughput over copy time, in GB/s (1e9 bytes)."""
         return self.bytes_loaded / self.load_seconds / 1e9 if self.load_seconds > 0 else 0.0
+
+
+def metrics_snapshot(counters: OffloadMetrics, host_pool: Any, store_stats: Any, **gauges: int) -> OffloadMetrics:
+    """A copy of ``counters`` with the gauges read now: ``gauges`` (the manager's
+    ``requests_live``, ``copies_in_flight``, ``writes_pending``, ``writes_parked``), the host
+    pool's pages (``used``, ``high_water``, ``capacity``) and the store's event counts
+    (``store_stats``: the store's :class:`~kvstage.storage.backend.StorageStats`)."""
+    return dataclasses.replace(
+        counters, host_pages_used=host_pool.used, host_pages_high_water=host_pool.high_water, host_pages_capacity=host_pool.capacity,
+        store_events_stored=store_stats.events_stored, store_events_evicted=store_stats.events_evicted,
+        store_events_removed=store_stats.events_removed, store_events_dropped=store_stats.events_dropped, **gauges,
+    )

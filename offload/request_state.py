@@ -1,0 +1,74 @@
+"""What the manager tracks per request lifecycle, per gather and per load, and what it plans to launch (plain records)."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, NamedTuple
+
+import torch
+
+from kvstage.offload.backup import RequestWrites
+from kvstage.offload.copier import CopyResult
+from kvstage.offload.key_chain import ChainRun, RequestChain
+from kvstage.offload.load_path import PrefetchHandle
+
+__all__ = ["NOTHING", "LaunchPlan", "LoadJob", "RequestState", "Segment"]
+
+
+class RequestState:
+    """One request lifecycle's offload state (token counts are positions, not pages)."""
+
+    __slots__ = (
+        "req", "offloaded_length", "launched_length", "kv_length", "chain", "unsettled", "copies_in_flight", "loads",
+        "ending", "aborted", "retract_keep", "prefetch", "backlog_pages", "writes",
+    )
+
+    def __init__(self, req: Any, offloaded_length: int) -> None:
+        self.req = req  # held: keeps id(req) from being reused while tracked
+        self.offloaded_length = offloaded_length  # tokens [0, offloaded_length) stored, loaded or launched
+        self.launched_length = 0  # tokens [0, launched_length) launched by this lifecycle's calls
+        self.kv_length = 0  # finish(): the tokens with KV its waiting pages go up to
+        self.chain: RequestChain | None = None  # None: nothing launched or loaded yet
+        # Launched segments not settled yet, in launch order: a finished one waits for those
+        # before it, so its request's writes reach the store in chain order.
+        self.unsettled: deque[Segment] = deque()
+        self.copies_in_flight = 0  # gathers and loads of its device slots not polled yet
+        self.loads: list[LoadJob] = []
+        self.ending = False  # finish(), abort() or retract() was called
+        self.aborted = False
+        self.retract_keep: bool | None = None  # retract(): keep the offload progress for a rerun
+        self.prefetch: PrefetchHandle | None = None
+        self.backlog_pages = 0  # whole pages finish() is waiting for host pages for
+        self.writes = RequestWrites(req)  # this lifecycle's store writes (on_stored)
+
+
+class Segment:
+    """One gather (the copier's job): a run of the request's chain and its copy's outcome."""
+
+    __slots__ = ("state", "run", "result")
+
+    def __init__(self, state: RequestState, run: ChainRun) -> None:
+        self.state = state
+        self.run = run
+        self.result: CopyResult | None = None  # its copy's outcome, once polled
+
+
+class LoadJob:
+    """One load (the copier's job): the request state and the pages it scatters."""
+
+    __slots__ = ("state", "num_pages")
+
+    def __init__(self, state: RequestState, num_pages: int) -> None:
+        self.state = state
+        self.num_pages = num_pages
+
+
+class LaunchPlan(NamedTuple):
+    """What the manager's plan found to launch: runs (tokens, device slots) and the chain
+    they continue."""
+
+    runs: list[tuple[ChainRun, torch.Tensor]]
+    chain: RequestChain | None
+
+
+NOTHING = LaunchPlan([], None)  # nothing to launch
