@@ -286,3 +286,38 @@ def test_clear_waits_for_a_put_in_flight_and_a_put_during_clear_lands_after_it(m
         assert cleared["result"] == 0 and written["result"] == [PutStatus.STORED] * 2
         assert store.exists(late) == [True, True]  # landed after the clear, whole
         assert [(e.kind, e.key) for e in store.take_events()] == [("stored", key) for key in late]
+
+
+def test_close_unregisters_every_bounce_buffer_made_for_calls_at_once(mooncake_master, fingerprint):
+    """Guards the per-call bounce buffers: each is registered once, reused, and unregistered at close."""
+    store = MooncakeStore(fingerprint, mooncake_master.url(bounce=fingerprint.page_bytes))
+    calls: list[tuple[str, int]] = []
+    real = store._store  # wrapped to see the registrations: no public view of Mooncake's
+
+    class Recording:
+        def __getattr__(self, name):
+            method = getattr(real, name)
+            if name not in ("register_buffer", "unregister_buffer"):
+                return method
+            return lambda address, *rest: calls.append((name, address)) or method(address, *rest)
+
+    try:
+        first, second = list(random_pages(1, fingerprint, seed=15)), list(random_pages(1, fingerprint, seed=16))
+        with client_held_at(store, "batch_put_from") as client:
+            client._client = Recording()
+            writers = [in_thread(store.put, new_keys(1), pages) for pages in (first, second)]
+            deadline = time.monotonic() + 10
+            while len(calls) < 2 and time.monotonic() < deadline:  # both hold a buffer, both held
+                time.sleep(0.01)
+            client.release.set()
+            for thread, _ in writers:
+                thread.join(10)
+        store._store = Recording()
+        for _ in range(3):  # later calls reuse the buffers made: nothing more is registered
+            assert store.put(new_keys(1), first) == [PutStatus.STORED]
+    finally:
+        store.close()
+    registered = [address for name, address in calls if name == "register_buffer"]
+    assert len(registered) == 2 and len(set(registered)) == 2  # one per call bouncing at once
+    assert sorted(address for name, address in calls if name == "unregister_buffer") == sorted(registered)
+    assert [written["result"] for _, written in writers] == [[PutStatus.STORED]] * 2
