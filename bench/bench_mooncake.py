@@ -12,7 +12,9 @@ puts while its prefetch thread gets, on one store). Each round times
 The two are interleaved within each round (their order alternating), then this round's pages
 are cleared outside the timing so the segment never fills. Reported: the median of each over
 the rounds and ``concurrent / serial`` (target < 0.75: the calls overlap), plus the median of
-the per-round ratios. Pages have Llama-3-8B's KV shape per layer in bf16: ``--layers`` x K,V x
+the per-round ratios, and ``calls overlapped``: in the concurrent rounds, the median share of
+the shorter thread's time inside Mooncake's batch calls spent while the other thread was inside
+one too (0 when one lock orders them; it does not depend on how busy the machine is). Pages have Llama-3-8B's KV shape per layer in bf16: ``--layers`` x K,V x
 ``--tokens`` (default 64) x 8 KV heads x 128 x 2 bytes (default 1 layer: 256 KiB a page).
 
 Modes: ``registered`` (both chunks registered: zero-copy ``batch_put_from`` / ``batch_get_into``)
@@ -113,6 +115,41 @@ def _checked_get(store: MooncakeStore, keys: list[str], into: list[torch.Tensor]
         raise RuntimeError("get missed a stored page")
 
 
+class TimedClient:
+    """The store's Mooncake client, recording when each batch call ran and on which thread:
+    ``intervals[thread id]`` is a list of (start, end) ``perf_counter`` seconds."""
+
+    TIMED = ("batch_is_exist", "batch_put_from", "batch_get_into")
+
+    def __init__(self, client) -> None:
+        self._client = client
+        self.intervals: dict[int, list[tuple[float, float]]] = {}
+
+    def __getattr__(self, name):
+        method = getattr(self._client, name)
+        if name not in self.TIMED:
+            return method
+
+        def timed(*args):
+            started = time.perf_counter()
+            try:
+                return method(*args)
+            finally:
+                self.intervals.setdefault(threading.get_ident(), []).append((started, time.perf_counter()))
+
+        return timed
+
+    def overlap_fraction(self) -> float | None:
+        """Of the two threads' time inside Mooncake's calls, the share of the shorter one's
+        spent while the other was inside one too (0: the calls never overlapped); resets."""
+        spans, self.intervals = list(self.intervals.values()), {}
+        if len(spans) != 2:
+            return None
+        both = sum(max(0.0, min(a[1], b[1]) - max(a[0], b[0])) for a in spans[0] for b in spans[1])
+        shorter = min(sum(end - start for start, end in span) for span in spans)
+        return both / shorter if shorter > 0 else None
+
+
 class ClientCalls:
     """The put and get of the ``client`` mode: the Mooncake client's own batch calls on full
     keys, what :class:`MooncakeStore` makes for registered pages, without its code around them."""
@@ -150,6 +187,8 @@ def measure_mode(store: MooncakeStore, mode: str, num_pages: int, rounds: int, l
         put_pages = [page.clone() for page in put_chunk]
         get_pages = [page.clone() for page in get_source]
         into = [torch.empty_like(page) for page in get_source]
+    timed = TimedClient(store._store)  # the store's own client, wrapped: when its calls ran
+    real_client, store._store = store._store, timed
     if mode == "client":
         calls = ClientCalls(store)
         put, get = calls.put, calls.get
@@ -158,6 +197,7 @@ def measure_mode(store: MooncakeStore, mode: str, num_pages: int, rounds: int, l
     pair = PairOnThreads()
     serial: list[float] = []
     concurrent: list[float] = []
+    overlaps: list[float] = []
     try:
         for round_index in range(rounds + 1):  # round 0 warms up (connections, page faults, bounce buffers)
             get_keys = [uuid.uuid4().hex for _ in range(num_pages)]
@@ -170,7 +210,11 @@ def measure_mode(store: MooncakeStore, mode: str, num_pages: int, rounds: int, l
                     get(get_keys, into)
                     seconds = time.perf_counter() - started
                 else:
+                    timed.intervals = {}
                     seconds = pair.run_pair(partial(put, put_keys, put_pages), partial(get, get_keys, into))
+                    overlap = timed.overlap_fraction()
+                    if round_index > 0 and overlap is not None:
+                        overlaps.append(overlap)
                 if round_index > 0:
                     (serial if order == 0 else concurrent).append(seconds)
                 if not all(torch.equal(a, b) for a, b in zip(into, get_pages)):
@@ -180,13 +224,15 @@ def measure_mode(store: MooncakeStore, mode: str, num_pages: int, rounds: int, l
             store.clear()  # outside the timing: the segment never fills
     finally:
         pair.stop()
+        store._store = real_client
     serial_s, concurrent_s = statistics.median(serial), statistics.median(concurrent)
     per_round = statistics.median(c / s for c, s in zip(concurrent, serial))
+    overlap = statistics.median(overlaps) if overlaps else float("nan")
     log(f"  {mode:10s} serial {serial_s * 1e3:7.2f} ms  concurrent {concurrent_s * 1e3:7.2f} ms  "
-        f"ratio {concurrent_s / serial_s:.3f} (per-round median {per_round:.3f})")
+        f"ratio {concurrent_s / serial_s:.3f} (per-round median {per_round:.3f})  calls overlapped {overlap:.2f}")
     return {"mode": mode, "pages": num_pages, "page_bytes": store.page_bytes, "rounds": rounds,
             "serial_seconds": serial_s, "concurrent_seconds": concurrent_s,
-            "ratio": concurrent_s / serial_s, "per_round_ratio": per_round}
+            "ratio": concurrent_s / serial_s, "per_round_ratio": per_round, "calls_overlapped": overlap}
 
 
 def run(quick: bool = False, *, rounds: int | None = None, num_pages: int = 16, num_layers: int = 1,
