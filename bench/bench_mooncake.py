@@ -14,19 +14,21 @@ are cleared outside the timing so the segment never fills. Reported: the median 
 the rounds and ``concurrent / serial`` (target < 0.75: the calls overlap), plus the median of
 the per-round ratios, and ``calls overlapped``: in the concurrent rounds, the median share of
 the shorter thread's time inside Mooncake's batch calls spent while the other thread was inside
-one too (0 when one lock orders them; it does not depend on how busy the machine is). Pages have Llama-3-8B's KV shape per layer in bf16: ``--layers`` x K,V x
-``--tokens`` (default 64) x 8 KV heads x 128 x 2 bytes (default 1 layer: 256 KiB a page).
+one too (0 when one lock orders them, however busy the machine is). Pages have Llama-3-8B's KV
+shape per layer in bf16: ``--layers`` x K,V x ``--tokens`` (default 64) x 8 KV heads x 128 x
+2 bytes (default 1 layer and 64 tokens: 256 KiB a page).
 
-Modes: ``registered`` (both chunks registered: zero-copy ``batch_put_from`` / ``batch_get_into``)
-and ``bounce`` (pages in unregistered tensors: each call copies through a bounce buffer of its
-own), and ``client``: the same calls straight on the Mooncake client the store holds
-(``batch_is_exist`` + ``batch_put_from``, ``batch_get_into``, registered pages), no kvstage code:
-the ceiling the client itself sets (its ratio is what kvstage's can at best reach). The master runs on loopback (``tests/mooncake_master.py``), TCP, this process holding
-the segment; run it in a network namespace where the host's ports must stay closed
+Modes: ``registered`` (both chunks registered: zero-copy ``batch_put_from`` /
+``batch_get_into``), ``bounce`` (pages in unregistered tensors: each call copies through a
+bounce buffer of its own) and ``client``: the same calls straight on the Mooncake client the
+store holds (``batch_is_exist`` + ``batch_put_from``, ``batch_get_into``, registered pages), no
+kvstage code: the ceiling the client itself sets. The master runs on loopback
+(``tests/mooncake_master.py``), TCP, this process holding the segment; run it in a network
+namespace where the host's ports must stay closed
 (``bash tools/in-netns.sh python bench/bench_mooncake.py``).
 
 Run: ``python bench/bench_mooncake.py [--quick] [--rounds N] [--pages N] [--layers N]
-[--modes registered,bounce] [--json PATH]``; ``run(quick) -> dict`` for ``python -m bench``.
+[--tokens N] [--modes registered,bounce,client] [--json PATH]``; ``run(quick) -> dict`` for ``python -m bench``.
 Without Mooncake installed the benchmark reports why and measures nothing.
 """
 
