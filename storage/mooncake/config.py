@@ -63,8 +63,9 @@ class MooncakeConfig:
         global_segment_size: bytes of this process's memory given to the distributed pool;
             with one client this is the whole store's capacity.
         local_buffer_size: bytes of Mooncake's own registered transfer buffer in this process.
-        bounce_bytes: size of kvstage's bounce buffer for pages outside registered memory
-            (rounded down to whole pages, at least one).
+        bounce_bytes: size of each of kvstage's bounce buffers for pages outside registered
+            memory (rounded down to whole pages, at least one); one per call bouncing at once,
+            at most ``store.BOUNCE_BUFFERS_LIMIT`` (4), made on first use.
         connect_timeout_s: seconds to wait for a TCP connection to the master (and an HTTP
             metadata server) before setup, so an absent master fails fast.
         rpc_timeout_ms: when set, exported as ``MC_RPC_TIMEOUT_MS`` before setup: how long one

@@ -8,7 +8,16 @@ Zero-copy: :meth:`MooncakeStore.register_host_buffers` registers the host pool's
 with Mooncake once (``register_buffer``); a page that lies inside a registered buffer is moved with
 ``batch_put_from`` / ``batch_get_into`` straight from / into its memory. A page outside every
 registered buffer is copied through a registered bounce buffer (``bounce_bytes``, allocated on
-first use), so RDMA never sees unregistered memory.
+first use), so RDMA never sees unregistered memory. Each call that bounces borrows a bounce
+buffer of its own (up to ``BOUNCE_BUFFERS_LIMIT`` are made and registered, each once; a call
+finding all of them lent waits for one), so threads bouncing at once do not share bytes.
+
+Concurrency: Mooncake's calls run outside the store's lock, so one thread's get (sglang's
+prefetch) runs while another's put (its backup) is on the network. The lock covers only what
+this client keeps: the registered ranges, the keys it stored, its counters and whether the
+master is suspect. A :class:`~kvstage.storage.mooncake.gate.ClearGate` lets exists, put and get
+run together and gives ``clear`` and ``close`` the store alone: a put racing a clear lands
+whole after it or not at all.
 
 Eviction is Mooncake's own (the master evicts objects when its segments fill up), so the chain
 link ``put`` takes (``prior_key``) is accepted and ignored here.
@@ -64,6 +73,7 @@ from kvstage.storage.backend import PutStatus, PutStatuses, StorageBackend
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint
 from kvstage.storage.mooncake.config import MooncakeConfig, parse_mooncake_url, split_host_port
+from kvstage.storage.mooncake.gate import BufferPool, ClearGate
 from kvstage.storage.mooncake.status import (
     MASTER_DOWN_CODES, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, MooncakeCodeError, describe_code,
 )
@@ -71,6 +81,9 @@ from kvstage.storage.mooncake.status import (
 logger = logging.getLogger(__name__)
 
 KNOWN_KEYS_LIMIT = 1 << 20  # keys this client stored and remembers, for its evicted/removed events
+# Bounce buffers a store makes at most (each bounce_bytes, registered once, kept until close):
+# one per call bouncing at once; sglang and the offload manager run two (backup and prefetch).
+BOUNCE_BUFFERS_LIMIT = 4
 _REGEX_SYNTAX = frozenset("\\^$.|?*+()[]{}")  # ECMAScript's syntax characters (std::regex's default)
 
 
@@ -156,8 +169,9 @@ class MooncakeStore(StorageBackend):
         StorageError: the master (or the HTTP metadata server) does not answer, or Mooncake's
             ``setup`` fails; the message says which and what to do.
 
-    Calls into Mooncake are serialised by one lock (the bounce buffer is shared and ``close``
-    must not race a transfer). Every Mooncake call is bounded: an absent master answers
+    Thread-safe: exists, put and get from several threads run their Mooncake calls at once
+    (each bouncing call with a bounce buffer of its own); ``clear`` and ``close`` wait for the
+    calls in flight and hold new ones until done. Every Mooncake call is bounded: an absent master answers
     RPC_FAIL at once (later calls would each wait about 4 s on Mooncake's reconnect, so after
     a call that reached no master, operations first check the master's port and fail at once
     while it refuses connections: see ``calls_skipped``); a hung master answers RPC_TIMEOUT
@@ -178,11 +192,13 @@ class MooncakeStore(StorageBackend):
         elif not isinstance(config, MooncakeConfig):
             raise InvalidArgumentError(f"config: must be a mooncake:// URL, a dict or a MooncakeConfig, got {type(config).__name__}")
         self.config = config
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # this client's state below; never held across a Mooncake call
+        self._gate = ClearGate()  # exists/put/get shared; clear and close exclusive
+        self._register_lock = threading.Lock()  # one registration check-and-register at a time
         self._store: Any = None
         self._registered: list[tuple[int, int, torch.Tensor]] = []  # (start, end, tensor), sorted by start
-        self._bounce: torch.Tensor | None = None
         self._bounce_num_pages = max(1, config.bounce_bytes // self.page_bytes)
+        self._bounces: BufferPool[torch.Tensor] = BufferPool(self._make_bounce_buffer, BOUNCE_BUFFERS_LIMIT)
         self.pages_bounced = 0  # pages copied through the bounce buffer (not zero-copy)
         self.calls_skipped = 0  # operations failed without calling Mooncake: the master was down
         # Set when every key of a call failed with RPC_FAIL/RPC_TIMEOUT: the master is suspect.
@@ -192,7 +208,6 @@ class MooncakeStore(StorageBackend):
         self._master_suspect = False
         self._last_skip_log = 0.0
         self._known: dict[str, None] = {}  # full keys this client stored, oldest first (an ordered set)
-        self._call_error: BaseException | None = None  # what a binding call of the current put raised
 
         store_class = _import_mooncake_store()
         host, port = split_host_port(config.master_server_address, "master_server_address")
@@ -255,7 +270,7 @@ class MooncakeStore(StorageBackend):
         for index, buffer in enumerate(buffers):
             if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu" or not buffer.is_contiguous():
                 raise InvalidArgumentError(f"buffers[{index}]: must be a contiguous CPU tensor")
-        with self._lock:
+        with self._gate.shared(), self._register_lock:
             store = self._require_open()
             # Check every buffer before registering any; the largest first, so a view inside
             # another buffer of the same call is skipped rather than refused.
@@ -281,36 +296,44 @@ class MooncakeStore(StorageBackend):
                 self._register(store, buffer, start, end)
 
     def _register(self, store: Any, buffer: torch.Tensor, start: int, end: int) -> None:
+        """Register one host buffer with Mooncake and index it. Under ``self._register_lock``
+        (the overlap checks and the insertion are one step); the call itself is not under
+        ``self._lock``."""
         rc = store.register_buffer(start, end - start)
         if rc != 0:
             raise StorageError(f"mooncake: register_buffer of {end - start} bytes at {start:#x} failed with {describe_code(rc)}")
-        bisect.insort(self._registered, (start, end, buffer), key=lambda entry: entry[0])
+        with self._lock:
+            bisect.insort(self._registered, (start, end, buffer), key=lambda entry: entry[0])
 
     def _split_registered(self, indices, pages: list[torch.Tensor]) -> tuple[list[int], list[int]]:
         """``indices`` split into pages that lie in a registered buffer (zero-copy transfer)
-        and pages that must go through the bounce buffer."""
+        and pages that must go through a bounce buffer."""
         direct: list[int] = []
         bounced: list[int] = []
-        for i in indices:
-            (direct if self._inside_registered(pages[i].data_ptr(), self.page_bytes) else bounced).append(i)
+        with self._lock:
+            for i in indices:
+                (direct if self._inside_registered(pages[i].data_ptr(), self.page_bytes) else bounced).append(i)
         return direct, bounced
 
     def _inside_registered(self, start: int, size: int) -> bool:
         index = bisect.bisect_right(self._registered, start, key=lambda entry: entry[0]) - 1
         return index >= 0 and start + size <= self._registered[index][1]
 
-    def _bounce_buffer(self, store: Any) -> torch.Tensor | None:
-        """The registered bounce buffer as ``[bounce pages, page_bytes]`` uint8; None when
-        Mooncake refuses to register it (the pages that needed it then fail, logged)."""
-        if self._bounce is None:
-            bounce = torch.empty(self._bounce_num_pages * self.page_bytes, dtype=torch.uint8)
-            try:
-                self._register(store, bounce, bounce.data_ptr(), bounce.data_ptr() + bounce.numel())
-            except StorageError as error:
-                logger.warning("%s; pages outside registered buffers fail", error)
-                return None
-            self._bounce = bounce
-        return self._bounce.view(self._bounce_num_pages, self.page_bytes)
+    def _make_bounce_buffer(self) -> torch.Tensor | None:
+        """A new registered bounce buffer (for :class:`BufferPool`); None when Mooncake refuses
+        to register it (the pages that needed it then fail, logged)."""
+        bounce = torch.empty(self._bounce_num_pages * self.page_bytes, dtype=torch.uint8)
+        store = self._store
+        if store is None:  # closed meanwhile (close waits for calls in flight; kept for safety)
+            return None
+        rc = store.register_buffer(bounce.data_ptr(), bounce.numel())
+        if rc != 0:
+            logger.warning(
+                "mooncake: register_buffer of a %d-byte bounce buffer failed with %s; pages outside registered buffers fail",
+                bounce.numel(), describe_code(rc),
+            )
+            return None
+        return bounce
 
     def _require_open(self) -> Any:
         if self._store is None:
@@ -322,13 +345,14 @@ class MooncakeStore(StorageBackend):
     def _exists(self, full_keys: list[str]) -> list[bool]:
         if not full_keys:
             return []
-        with self._lock:
+        with self._gate.shared():
             store = self._require_open()
             if not self._master_reachable("exists", len(full_keys)):
                 return [False] * len(full_keys)
             codes = self._call("batch_is_exist", len(full_keys), store.batch_is_exist, full_keys)
-            self._note_master(codes)
-            self._note_gone([key for key, code in zip(full_keys, codes) if code == 0])
+            with self._lock:
+                self._note_master(codes)
+                self._note_gone([key for key, code in zip(full_keys, codes) if code == 0])
         self._log_failures("exists", full_keys, [c for c in codes if c < 0])
         return [code == 1 for code in codes]
 
@@ -339,14 +363,16 @@ class MooncakeStore(StorageBackend):
         if not full_keys:
             return statuses
         failures: list[int] = []
-        with self._lock:
+        errors: list[BaseException] = []  # what this put's binding calls raised
+        with self._gate.shared():
             store = self._require_open()
-            self._call_error = None
             if not self._master_reachable("put", len(full_keys)):
                 statuses.error = StorageError(f"mooncake: master {self.config.master_server_address} is unreachable")
                 return statuses
-            exist = self._call("batch_is_exist", len(full_keys), store.batch_is_exist, full_keys)
-            if self._note_master(exist):
+            exist = self._call("batch_is_exist", len(full_keys), store.batch_is_exist, full_keys, errors=errors)
+            with self._lock:
+                master_down = self._note_master(exist)
+            if master_down:
                 self._log_failures("put", full_keys, exist)
                 statuses.error = MooncakeCodeError("batch_is_exist", exist[0])
                 return statuses  # the master did not answer: a put would not either
@@ -362,37 +388,54 @@ class MooncakeStore(StorageBackend):
                 codes = self._call(
                     "batch_put_from", len(direct), store.batch_put_from,
                     [full_keys[i] for i in direct], [pages[i].data_ptr() for i in direct], [self.page_bytes] * len(direct),
+                    errors=errors,
                 )
-                self._note_master(codes)
+                with self._lock:
+                    self._note_master(codes)
                 failures += self._apply_put_codes(direct, codes, statuses)
+            if bounced:
+                failures += self._put_bounced(store, full_keys, pages, bounced, statuses, errors)
+            stored = [key for key, status in zip(full_keys, statuses) if status is PutStatus.STORED]
+            with self._lock:
+                self._remember(stored)
+                self._record("stored", stored)
+            if failures:
+                statuses.error = errors[0] if errors else MooncakeCodeError("put", failures[0])
+        self._log_failures("put", full_keys, failures)
+        return statuses
+
+    def _put_bounced(
+        self, store: Any, full_keys: list[str], pages: list[torch.Tensor], bounced: list[int],
+        statuses: list[PutStatus], errors: list[BaseException],
+    ) -> list[int]:
+        """Put ``pages[i]`` for ``i`` in ``bounced`` through a bounce buffer lent to this call;
+        the failed codes."""
+        failures: list[int] = []
+        with self._bounces.lend() as buffer:
             for batch in _batches(bounced, self._bounce_num_pages):
-                bounce = self._bounce_buffer(store)
-                if bounce is None:
+                if buffer is None:
                     failures += [-1] * len(batch)  # statuses stay FAILED
                     continue
+                bounce = buffer.view(self._bounce_num_pages, self.page_bytes)
                 for bounce_index, index in enumerate(batch):
                     bounce[bounce_index].copy_(pages[index].reshape(-1).view(torch.uint8))
                 codes = self._call(
                     "batch_put_from", len(batch), store.batch_put_from,
                     [full_keys[i] for i in batch], [bounce[s].data_ptr() for s in range(len(batch))], [self.page_bytes] * len(batch),
+                    errors=errors,
                 )
-                self._note_master(codes)
                 failures += self._apply_put_codes(batch, codes, statuses)
-                self.pages_bounced += len(batch)
-            stored = [key for key, status in zip(full_keys, statuses) if status is PutStatus.STORED]
-            self._remember(stored)
-            self._record("stored", stored)
-            if failures:
-                statuses.error = self._call_error or MooncakeCodeError("put", failures[0])
-        self._log_failures("put", full_keys, failures)
-        return statuses
+                with self._lock:
+                    self._note_master(codes)
+                    self.pages_bounced += len(batch)
+        return failures
 
     def _get(self, full_keys: list[str], into: list[torch.Tensor]) -> list[bool]:
         hits = [False] * len(full_keys)
         if not full_keys:
             return hits
         failures: list[int] = []
-        with self._lock:
+        with self._gate.shared():
             store = self._require_open()
             if not self._master_reachable("get", len(full_keys)):
                 return hits
@@ -402,39 +445,55 @@ class MooncakeStore(StorageBackend):
                     "batch_get_into", len(direct), store.batch_get_into,
                     [full_keys[i] for i in direct], [into[i].data_ptr() for i in direct], [self.page_bytes] * len(direct),
                 )
-                self._note_master(codes)
                 for index, code in zip(direct, codes):
                     hits[index] = self._get_ok(code, into[index], failures)
-                self._note_gone([full_keys[i] for i, code in zip(direct, codes) if code == OBJECT_NOT_FOUND])
+                with self._lock:
+                    self._note_master(codes)
+                    self._note_gone([full_keys[i] for i, code in zip(direct, codes) if code == OBJECT_NOT_FOUND])
+            if bounced:
+                failures += self._get_bounced(store, full_keys, into, bounced, hits)
+        self._log_failures("get", full_keys, failures)
+        return hits
+
+    def _get_bounced(
+        self, store: Any, full_keys: list[str], into: list[torch.Tensor], bounced: list[int], hits: list[bool],
+    ) -> list[int]:
+        """Get the pages ``bounced`` through a bounce buffer lent to this call; the failed codes."""
+        failures: list[int] = []
+        with self._bounces.lend() as buffer:
             for batch in _batches(bounced, self._bounce_num_pages):
-                bounce = self._bounce_buffer(store)
-                if bounce is None:
+                if buffer is None:
                     failures += [-1] * len(batch)  # misses
                     continue
+                bounce = buffer.view(self._bounce_num_pages, self.page_bytes)
                 codes = self._call(
                     "batch_get_into", len(batch), store.batch_get_into,
                     [full_keys[i] for i in batch], [bounce[s].data_ptr() for s in range(len(batch))], [self.page_bytes] * len(batch),
                 )
-                self._note_master(codes)
                 for bounce_index, (index, code) in enumerate(zip(batch, codes)):
                     if self._get_ok(code, None, failures):
                         into[index].reshape(-1).view(torch.uint8).copy_(bounce[bounce_index])
                         hits[index] = True
-                self._note_gone([full_keys[i] for i, code in zip(batch, codes) if code == OBJECT_NOT_FOUND])
-                self.pages_bounced += len(batch)
-        self._log_failures("get", full_keys, failures)
-        return hits
+                with self._lock:
+                    self._note_master(codes)
+                    self._note_gone([full_keys[i] for i, code in zip(batch, codes) if code == OBJECT_NOT_FOUND])
+                    self.pages_bounced += len(batch)
+        return failures
 
     def _clear(self) -> int:
         """Remove every object under this store's prefix (``remove_by_regex``, forced).
+
+        Holds the store alone (its gate): puts, gets and lookups in flight finish first, and
+        those that arrive wait until it is done.
 
         Raises:
             StorageError: the store is closed, or Mooncake answered an error (nothing is
                 known removed then; this client's pages are still reported as before).
         """
-        with self._lock:
+        with self._gate.exclusive():
             store = self._require_open()
-            known = list(self._known)
+            with self._lock:
+                known = list(self._known)
             present = self._call("batch_is_exist", len(known), store.batch_is_exist, known) if known else []
             try:
                 removed = store.remove_by_regex("^" + _regex_literal(self.prefix), True)
@@ -442,27 +501,30 @@ class MooncakeStore(StorageBackend):
                 raise StorageError(f"mooncake: remove_by_regex raised {error.__class__.__name__}: {error}") from error
             if removed < 0:
                 raise MooncakeCodeError("remove_by_regex", removed)
-            self._known.clear()
-            self._record("evicted", [key for key, code in zip(known, present) if code == 0])
-            self._record("removed", [key for key, code in zip(known, present) if code == 1])
+            with self._lock:
+                self._known.clear()
+                self._record("evicted", [key for key, code in zip(known, present) if code == 0])
+                self._record("removed", [key for key, code in zip(known, present) if code == 1])
         return removed
 
     def close(self) -> None:
-        """Unregister every buffer this store registered and close the Mooncake client.
+        """Unregister every buffer this store registered (the bounce buffers too) and close
+        the Mooncake client. Waits for the calls in flight.
 
         Idempotent. With the master gone this still returns (Mooncake gives up after its RPC
         timeouts, a few seconds); failures are logged, not raised.
         """
-        with self._lock:
-            store, self._store = self._store, None
+        with self._gate.exclusive():
+            with self._lock:
+                store, self._store = self._store, None
+                registered, self._registered = self._registered, []
             if store is None:
                 return
-            for start, end, _ in self._registered:
+            starts = [start for start, _, _ in registered] + [bounce.data_ptr() for bounce in self._bounces.drain()]
+            for start in starts:
                 rc = store.unregister_buffer(start)
                 if rc != 0:
                     logger.warning("mooncake: unregister_buffer at %#x failed with %s", start, describe_code(rc))
-            self._registered.clear()
-            self._bounce = None
             rc = store.close()
             if rc != 0:
                 logger.warning("mooncake: close failed with %s", describe_code(rc))
@@ -484,14 +546,16 @@ class MooncakeStore(StorageBackend):
         gone = [key for key in full_keys if self._known.pop(key, 0) is None]
         self._record("evicted", gone)
 
-    def _call(self, name: str, count: int, function: Any, *args: Any) -> list[int]:
-        """Run a batch call; an exception or a malformed answer becomes INTERNAL_ERROR for every
-        key (the exception is kept in ``_call_error`` for ``put``'s answer; ``put`` resets it)."""
+    def _call(self, name: str, count: int, function: Any, *args: Any, errors: list[BaseException] | None = None) -> list[int]:
+        """Run a batch call (not under ``self._lock``); an exception or a malformed answer
+        becomes INTERNAL_ERROR for every key (the exception is appended to ``errors``, the
+        calling put's, for its answer)."""
         try:
             codes = list(function(*args))
         except Exception as error:  # the binding raises on bad arguments or a broken client
             logger.warning("mooncake: %s raised %s: %s", name, error.__class__.__name__, error)
-            self._call_error = error
+            if errors is not None:
+                errors.append(error)
             return [-1] * count
         if len(codes) != count or not all(isinstance(code, int) for code in codes):
             logger.warning("mooncake: %s answered %d codes for %d keys", name, len(codes), count)
@@ -499,7 +563,7 @@ class MooncakeStore(StorageBackend):
         return codes
 
     def _note_master(self, codes: list[int]) -> bool:
-        """Track whether the master answers; True when every code says it did not."""
+        """Track whether the master answers; True when every code says it did not. Under ``self._lock``."""
         down = bool(codes) and all(code in MASTER_DOWN_CODES for code in codes)
         if down:
             self._master_suspect = True
@@ -509,17 +573,22 @@ class MooncakeStore(StorageBackend):
 
     def _master_reachable(self, operation: str, count: int) -> bool:
         """False (and the operation fails without calling Mooncake) when the master is suspect
-        and its port refuses a connection."""
-        if not self._master_suspect:
+        and its port refuses a connection. The probe runs outside ``self._lock``."""
+        with self._lock:
+            suspect = self._master_suspect
+        if not suspect:
             return True
         try:
             socket.create_connection(self._master_host_port, timeout=min(self.config.connect_timeout_s, 0.5)).close()
             return True
         except OSError as error:
-            self.calls_skipped += 1
-            now = time.monotonic()
-            if now - self._last_skip_log > 5.0:  # one line per 5 s, not one per call
-                self._last_skip_log = now
+            with self._lock:
+                self.calls_skipped += 1
+                now = time.monotonic()
+                log = now - self._last_skip_log > 5.0  # one line per 5 s, not one per call
+                if log:
+                    self._last_skip_log = now
+            if log:
                 logger.warning(
                     "mooncake: master %s:%d unreachable (%s); %s of %d pages fails without calling Mooncake",
                     *self._master_host_port, error.__class__.__name__, operation, count,

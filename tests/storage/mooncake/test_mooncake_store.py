@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.storage.mooncake.store import MooncakeStore
-from kvstage.storage import PutStatus, open_storage
+from kvstage.kv_layout import KVLayout
+from kvstage.storage import LayoutFingerprint, PutStatus, open_storage
 
 
 def new_keys(n: int) -> list[str]:
@@ -149,3 +153,171 @@ def test_overlapping_buffers_are_refused_before_any_is_registered(store, fingerp
     assert len(store._registered) == registered_before
     store.register_host_buffers([chunk[:half], chunk, chunk[half:]])  # the views lie inside chunk
     assert len(store._registered) == registered_before + 1
+
+
+class BlockingClient:
+    """The store's Mooncake client with one method held at its start: ``entered`` is set when a
+    call of ``method`` arrives, which then waits for ``release`` (at most ``hold_s``) before it
+    runs. Every other attribute is the real client's."""
+
+    def __init__(self, client, method: str, hold_s: float = 20.0) -> None:
+        self._client, self._method, self._hold_s = client, method, hold_s
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        real = getattr(self._client, name)
+        if name != self._method:
+            return real
+
+        def held(*args):
+            self.entered.set()
+            self.release.wait(self._hold_s)
+            return real(*args)
+
+        return held
+
+
+def in_thread(function, *args) -> tuple[threading.Thread, dict]:
+    """Start ``function(*args)`` in a daemon thread; its result (or error) lands in the dict."""
+    outcome: dict = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = function(*args)
+        except BaseException as error:  # handed to the test thread
+            outcome["error"] = error
+        outcome["done_at"] = time.monotonic()
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+@contextmanager
+def client_held_at(store: MooncakeStore, method: str):
+    """Swap the store's client for a :class:`BlockingClient` holding ``method``; restore it after."""
+    real = store._store  # the client object is the store's own: the only way to hold its call
+    blocking = BlockingClient(real, method)
+    store._store = blocking
+    try:
+        yield blocking
+    finally:
+        blocking.release.set()
+        store._store = real
+
+
+def test_a_get_completes_while_another_threads_put_is_inside_its_network_call(mooncake_master, fingerprint):
+    """Guards the store lock: it once covered Mooncake's calls, so sglang's prefetch waited on its backup."""
+    with MooncakeStore(fingerprint, mooncake_master.url()) as store:
+        pool = random_pages(4, fingerprint, seed=11)
+        back = torch.zeros_like(pool[:2])
+        store.register_host_buffers([pool, back])
+        stored = new_keys(2)
+        assert store.put(stored, list(pool[:2])) == [PutStatus.STORED] * 2
+        later = new_keys(2)
+        with client_held_at(store, "batch_put_from") as client:
+            writer, written = in_thread(store.put, later, list(pool[2:]))
+            assert client.entered.wait(10), "the put never reached batch_put_from"
+            reader, read = in_thread(store.get, stored, list(back))
+            reader.join(5)
+            assert not reader.is_alive(), "the get waited for the other thread's put"
+            assert "error" not in read and read["result"] == [True, True]
+            assert torch.equal(back, pool[:2])
+            assert writer.is_alive()  # still held inside its network call
+            client.release.set()
+            writer.join(10)
+        assert written["result"] == [PutStatus.STORED] * 2
+        assert written["done_at"] > read["done_at"]
+        assert store.exists(later) == [True, True]
+
+
+def test_two_threads_bouncing_at_once_each_use_their_own_bounce_buffer(mooncake_master, fingerprint):
+    """Guards the bounce buffer: one shared buffer would let a get overwrite a held put's bytes."""
+    with MooncakeStore(fingerprint, mooncake_master.url(bounce=2 * fingerprint.page_bytes)) as store:
+        first, second = list(random_pages(2, fingerprint, seed=12)), list(random_pages(2, fingerprint, seed=13))
+        first_keys, second_keys = new_keys(2), new_keys(2)
+        assert store.put(second_keys, second) == [PutStatus.STORED] * 2
+        with client_held_at(store, "batch_put_from") as client:
+            writer, written = in_thread(store.put, first_keys, first)  # bytes now in its bounce buffer
+            assert client.entered.wait(10)
+            back = [torch.zeros_like(second[0]) for _ in range(2)]
+            reader, read = in_thread(store.get, second_keys, back)  # bounced too: another buffer
+            reader.join(5)
+            assert not reader.is_alive() and read["result"] == [True, True]
+            assert all(torch.equal(a, b) for a, b in zip(back, second))
+            client.release.set()
+            writer.join(10)
+        assert written["result"] == [PutStatus.STORED] * 2
+        again = [torch.zeros_like(first[0]) for _ in range(2)]
+        assert store.get(first_keys, again) == [True, True]
+        assert all(torch.equal(a, b) for a, b in zip(again, first))  # the held put's bytes, intact
+
+
+def test_clear_waits_for_a_put_in_flight_and_a_put_during_clear_lands_after_it(mooncake_master):
+    """Guards the clear gate once puts run outside the store lock: a put racing clear lands
+    whole after it or not at all."""
+    fp = LayoutFingerprint(f"gate-{uuid.uuid4().hex[:8]}", KVLayout(2, 2, 2, 64, "bfloat16"), 16)
+    with MooncakeStore(fp, mooncake_master.url()) as store:
+        pool = random_pages(4, fp, seed=14)
+        store.register_host_buffers([pool])
+        early, late = new_keys(2), new_keys(2)
+        with client_held_at(store, "batch_put_from") as client:
+            writer, written = in_thread(store.put, early, list(pool[:2]))
+            assert client.entered.wait(10)
+            clearer, cleared = in_thread(store.clear)
+            clearer.join(0.5)
+            assert clearer.is_alive(), "clear ran while a put was inside its network call"
+            client.release.set()
+            writer.join(10)
+            clearer.join(10)
+        assert written["result"] == [PutStatus.STORED] * 2 and cleared["result"] == 2
+        assert store.exists(early) == [False, False]  # stored before the clear, removed by it
+        store.take_events()
+
+        with client_held_at(store, "remove_by_regex") as client:
+            clearer, cleared = in_thread(store.clear)
+            assert client.entered.wait(10)
+            writer, written = in_thread(store.put, late, list(pool[2:]))
+            writer.join(0.5)
+            assert writer.is_alive(), "a put ran while clear was removing"
+            client.release.set()
+            clearer.join(10)
+            writer.join(10)
+        assert cleared["result"] == 0 and written["result"] == [PutStatus.STORED] * 2
+        assert store.exists(late) == [True, True]  # landed after the clear, whole
+        assert [(e.kind, e.key) for e in store.take_events()] == [("stored", key) for key in late]
+
+
+def test_close_unregisters_every_bounce_buffer_made_for_calls_at_once(mooncake_master, fingerprint):
+    """Guards the per-call bounce buffers: each is registered once, reused, and unregistered at close."""
+    store = MooncakeStore(fingerprint, mooncake_master.url(bounce=fingerprint.page_bytes))
+    calls: list[tuple[str, int]] = []
+    real = store._store  # wrapped to see the registrations: no public view of Mooncake's
+
+    class Recording:
+        def __getattr__(self, name):
+            method = getattr(real, name)
+            if name not in ("register_buffer", "unregister_buffer"):
+                return method
+            return lambda address, *rest: calls.append((name, address)) or method(address, *rest)
+
+    try:
+        first, second = list(random_pages(1, fingerprint, seed=15)), list(random_pages(1, fingerprint, seed=16))
+        with client_held_at(store, "batch_put_from") as client:
+            client._client = Recording()
+            writers = [in_thread(store.put, new_keys(1), pages) for pages in (first, second)]
+            deadline = time.monotonic() + 10
+            while len(calls) < 2 and time.monotonic() < deadline:  # both hold a buffer, both held
+                time.sleep(0.01)
+            client.release.set()
+            for thread, _ in writers:
+                thread.join(10)
+        store._store = Recording()
+        for _ in range(3):  # later calls reuse the buffers made: nothing more is registered
+            assert store.put(new_keys(1), first) == [PutStatus.STORED]
+    finally:
+        store.close()
+    registered = [address for name, address in calls if name == "register_buffer"]
+    assert len(registered) == 2 and len(set(registered)) == 2  # one per call bouncing at once
+    assert sorted(address for name, address in calls if name == "unregister_buffer") == sorted(registered)
+    assert [written["result"] for _, written in writers] == [[PutStatus.STORED]] * 2
