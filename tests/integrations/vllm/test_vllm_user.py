@@ -542,3 +542,30 @@ def test_other_missing_names_of_the_package_are_attribute_errors():
     import kvstage.integrations.vllm as package
 
     assert not hasattr(package, "KVStageConector")
+
+
+def shm_regions() -> set[str]:
+    return {path.name for path in Path("/dev/shm").glob("vllm_offload_*")}
+
+
+def test_kvstages_connector_with_another_spec_raises_before_vllm_builds_its_shared_memory(tmp_path):
+    # vLLM's TieringOffloadingSpec with cpu_bytes_to_use maps /dev/shm/vllm_offload_<engine>.mmap
+    # as it is built: the check must come before vLLM's connector builds the spec.
+    before = shm_regions()
+    config = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 20,
+              "secondary_tiers": [{"type": "KVStageTier", "module_path": "kvstage.integrations.vllm", "storage": f"file:{tmp_path / 'kv'}"}]}
+    with pytest.raises(InvalidArgumentError, match=r"spec_name: KVStageConnector runs 'KVStageOffloadingSpec'.*got 'TieringOffloadingSpec'"):
+        ConnectorRig(tmp_path / "model", None, connector_config=config)
+    assert shm_regions() - before == set()
+
+
+@pytest.mark.parametrize("config, rule", [
+    ({}, r"spec_name: required.*'KVStageOffloadingSpec'.*spec_module_path 'kvstage.integrations.vllm'"),
+    ({"spec_name": "KVStageOffloadingSpec"}, r"spec_module_path: required.*'kvstage.integrations.vllm'"),
+    ({"spec_name": "KVStageOffloadingSpec", "spec_module_path": "kvstage.integrations.vlm"}, r"spec_module_path: cannot load 'KVStageOffloadingSpec' from 'kvstage.integrations.vlm'"),
+], ids=["no spec_name", "no spec_module_path", "misspelled spec_module_path"])
+def test_kvstages_connector_without_its_spec_raises_naming_the_key_and_the_value(tmp_path, config, rule):
+    before = shm_regions()
+    with pytest.raises(InvalidArgumentError, match=rule):
+        ConnectorRig(tmp_path / "model", None, connector_config={"storage": f"file:{tmp_path / 'kv'}", **config})
+    assert shm_regions() - before == set()
