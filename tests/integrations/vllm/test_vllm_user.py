@@ -517,7 +517,10 @@ def test_spec_a_page_that_exists_but_cannot_be_read_fails_one_load_then_is_recom
     assert rig.manager.index.lookup(first) is False  # a miss for miss_ttl_s, not asked of the store again
 
 
-def test_vllms_kv_offloading_size_with_kvstages_connector_raises_saying_what_to_do(tmp_path):
+@pytest.mark.parametrize("backend, simple, connector", [
+    ("native", "0", "OffloadingConnector"), ("native", "1", "SimpleCPUOffloadConnector"), ("lmcache", "0", "LMCacheMPConnector"),
+])  # the names vLLM's --kv-offloading-backend writes
+def test_vllms_kv_offloading_size_with_kvstages_connector_raises_saying_what_to_do(tmp_path, monkeypatch, backend, simple, connector):
     # vLLM's own config code rewrites kv_connector to OffloadingConnector and keeps kvstage's module
     # path, then its factory looks that name up there while the config is validated (pydantic
     # reports a ValueError as a ValidationError, itself a ValueError; an AttributeError went raw).
@@ -525,11 +528,12 @@ def test_vllms_kv_offloading_size_with_kvstages_connector_raises_saying_what_to_
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
 
     LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"kv_connector: vLLM's --kv-offloading-size .* leave out --kv-offloading-size"):
+    monkeypatch.setenv("VLLM_USE_SIMPLE_KV_OFFLOAD", simple)
+    with pytest.raises(ValueError, match=rf"kv_connector: vLLM's --kv-offloading-size .*'{backend}' replaced kvstage's connector with '{connector}'.* leave out --kv-offloading-size"):
         VllmConfig(
             model_config=ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
             device_config=DeviceConfig(device="cpu"),
-            cache_config=CacheConfig(block_size=16, enable_prefix_caching=True, kv_offloading_size=1.0),  # --kv-offloading-size 1
+            cache_config=CacheConfig(block_size=16, enable_prefix_caching=True, kv_offloading_size=1.0, kv_offloading_backend=backend),  # --kv-offloading-size 1
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KVStageConnector", kv_connector_module_path="kvstage.integrations.vllm", kv_role="kv_both",
                 kv_load_failure_policy="recompute",
