@@ -117,15 +117,17 @@ def leading_hits(storage: Any, page_keys: Sequence[str]) -> int:
     return next((index for index, hit in enumerate(hits) if not hit), len(hits))
 
 
-def read_pages(storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Tensor]) -> bool:
-    """Read every page (one ``get`` call); whether all were read intact.
+def read_pages(storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Tensor]) -> int:
+    """Read every page (one ``get`` call); how many leading pages were read intact (all of
+    them: ``len(page_keys)``; the first page missing or corrupt ends them).
 
     Raises:
         StorageError: the store answered a different number of keys than asked.
         Whatever the store's ``get`` raises.
     """
     keys = list(page_keys)
-    return all(_answer(storage.get(keys, list(pages)), len(keys), "get"))
+    hits = _answer(storage.get(keys, list(pages)), len(keys), "get")
+    return next((index for index, hit in enumerate(hits) if not hit), len(hits))
 
 
 @dataclass

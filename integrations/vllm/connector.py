@@ -89,6 +89,7 @@ class KVStageConnector(OffloadingConnector):
                 lambda: f"KVStageConnector runs KVStageOffloadingSpec, got {type(spec).__name__}",
             )
             spec.report_load_errors = True  # before vLLM asks the spec for its worker
+            spec.load_failure_policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         else:
             manager = self.connector_scheduler.manager
             require(
@@ -96,9 +97,7 @@ class KVStageConnector(OffloadingConnector):
                 lambda: f"KVStageConnector runs KVStageOffloadingSpec, got a {type(manager).__name__}",
             )
             manager.tracks_loads = True  # update_connector_output reports each step's loads
-        self.load_failure_policy = policy = vllm_config.kv_transfer_config.kv_load_failure_policy
-        if self.connector_worker is not None:
-            self.connector_worker.spec.load_failure_policy = policy  # the worker's warnings say what vLLM does
+        policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         if policy != "recompute":
             logger.warning(
                 "kvstage: kv_load_failure_policy is %r: a request whose load fails (a corrupt or evicted page) fails; "

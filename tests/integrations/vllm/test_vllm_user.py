@@ -573,3 +573,60 @@ def test_kvstages_connector_without_its_spec_raises_naming_the_key_and_the_value
     with pytest.raises(InvalidArgumentError, match=rule):
         ConnectorRig(tmp_path / "model", None, connector_config={"storage": f"file:{tmp_path / 'kv'}", **config})
     assert shm_regions() - before == set()
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_spec_a_corrupt_page_mid_chain_recomputes_from_it_and_keeps_the_blocks_before(rig, caplog):
+    a = rig.add_request("a", PROMPT, max_tokens=1)
+    rig.run_until_idle()
+    flip_a_byte(rig.manager.storage.path_of(make_offload_key(a.block_hashes[2], 0).hex()))  # the page at chain index 2
+    rig.scheduler.reset_prefix_cache()
+    rig.backing.zero_()
+    worker = rig.worker.connector_worker.worker
+    reported = []
+    take = worker.take_block_ids_with_load_errors
+    worker.take_block_ids_with_load_errors = lambda: _taken(take, reported)  # what vLLM's scheduler is told
+    scheduled = run_to_prompt_end(rig, "b", PROMPT)
+    assert worker.loads_failed == 1
+    assert scheduled == len(PROMPT) - 2 * BLOCK  # blocks 0 and 1 loaded, from block 2 on computed
+    assert sorted(reported) == sorted(rig.block_ids("b")[2:4])
+    assert_blocks_hold(rig, "b", PROMPT, 4)
+    assert "page missing or corrupt in the store" in caplog.text and "None" not in caplog.text
+
+
+def _taken(take, reported: list) -> set[int]:
+    blocks = take()
+    reported.extend(blocks)
+    return blocks
+
+
+def test_spec_a_store_that_is_full_warns_with_the_stores_cause(tmp_path, caplog):
+    rig = ConnectorRig(tmp_path / "model", "memory:4096")  # one page: the rest of the chain is refused
+    try:
+        rig.add_request("a", PROMPT, max_tokens=1)
+        rig.run_until_idle()
+    finally:
+        rig.close()
+    [warning] = [record.getMessage() for record in caplog.records if "store job" in record.getMessage()]
+    assert "wrote 1 of 4 pages" in warning and "None" not in warning, warning
+
+
+def test_spec_under_the_fail_policy_a_failed_load_warns_that_the_request_fails(tmp_path, caplog):
+    rig = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}", load_failure_policy="fail")
+    try:
+        rig.add_request("a", PROMPT, max_tokens=1)
+        rig.run_until_idle()
+        for page in (tmp_path / "kv").glob("*.kvpage"):  # another process evicts them, unseen here
+            page.unlink()
+        rig.scheduler.reset_prefix_cache()
+        rig.add_request("b", PROMPT, max_tokens=3)
+        rig.run_until_idle()
+    finally:
+        rig.close()
+    [warning] = [record.getMessage() for record in caplog.records if "load job" in record.getMessage()]
+    assert "computed again" not in warning and "kv_load_failure_policy 'fail'" in warning, warning
