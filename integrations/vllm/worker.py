@@ -19,6 +19,7 @@ from kvstage.errors import require
 from kvstage.integrations.vllm.manager import KVStageLoadStoreSpec
 from kvstage.kernels import KVPool
 from kvstage.offload import Copier, HostPool, KeyedCopies, StoreWorkers
+from kvstage.offload.store_io import read_failure_cause, write_failure_cause
 from kvstage.storage.shared import release_shared_storage
 
 __all__ = ["KVStageWorker"]
@@ -116,19 +117,18 @@ class KVStageWorker(OffloadingWorker):
                 if not ok:
                     written = result.bytes // self.storage.page_bytes
                     self.pages_failed += result.num_pages - written
-                    # a PutStatuses without an error: the store refused pages for want of room it may free
-                    cause = "the store had no room for them" if result.error is None else repr(result.error)
-                    logger.warning("kvstage: store job %s wrote %d of %d pages: %s", result.job, written, result.num_pages, cause)
+                    logger.warning(
+                        "kvstage: store job %s wrote %d of %d pages: %s", result.job, written, result.num_pages, write_failure_cause(result.error),
+                    )
                     ok = True  # vLLM only frees the blocks; the manager asks the store before a hit
             else:
                 block_ids = self._load_blocks.pop(result.job, [])
                 if not ok:
                     self.loads_failed += 1
                     failed = block_ids[result.loaded_pages :]  # vLLM's scheduler recomputes from the first invalid block
-                    cause = "page missing or corrupt in the store" if result.error is None else repr(result.error)
                     logger.warning(
-                        "kvstage: load job %s: page %d of %d could not be read (%s); %s",
-                        result.job, result.loaded_pages, result.num_pages, cause, self._load_failure_outcome(len(failed)),
+                        "kvstage: load job %s: page %d of %d could not be read (%s); %s", result.job, result.loaded_pages,
+                        result.num_pages, read_failure_cause(result.error), self._load_failure_outcome(len(failed)),
                     )
                     if self.report_load_errors:
                         self._load_errors.update(failed)

@@ -630,3 +630,36 @@ def test_spec_under_the_fail_policy_a_failed_load_warns_that_the_request_fails(t
         rig.close()
     [warning] = [record.getMessage() for record in caplog.records if "load job" in record.getMessage()]
     assert "computed again" not in warning and "kv_load_failure_policy 'fail'" in warning, warning
+
+
+def test_tier_a_store_that_is_full_warns_with_the_cause_not_none(caplog):
+    engine = TierEngine(f"memory:{CHUNK_BYTES}")  # one page: of a 2-chunk chain the store refuses the second
+    try:
+        keys = keys_of(0, 1)
+        engine.store(keys, chunks_for(keys))
+        engine.step()
+    finally:
+        engine.close()
+    [warning] = [record.getMessage() for record in caplog.records if "store job" in record.getMessage()]
+    assert "wrote 1 of 2 pages" in warning and "None" not in warning and "no room" in warning, warning
+
+
+def test_spec_a_store_refusing_a_chain_warns_with_the_stores_error(tmp_path, caplog):
+    # Chunked prefill stores a's chain in one job a step, each chained to the job before; when the
+    # store drops the first job's pages (another process's eviction, here a clear) the next job's
+    # put fails with the store's MissingPriorError, which the warning must carry.
+    rig = ConnectorRig(tmp_path / "model", "memory", max_num_batched_tokens=2 * BLOCK)
+    try:
+        rig.add_request("a", PROMPT, max_tokens=1)
+        storage = rig.manager.storage
+        for _ in range(20):
+            rig.step()
+            if storage.stats.pages_stored:
+                break
+        assert storage.stats.pages_stored == 2  # the first job: blocks 0 and 1
+        storage.clear()
+        rig.run_until_idle()
+    finally:
+        rig.close()
+    warnings = [record.getMessage() for record in caplog.records if "store job" in record.getMessage()]
+    assert warnings and all("MissingPriorError" in warning for warning in warnings), warnings
