@@ -45,24 +45,21 @@ def check_spec_config(extra_config) -> None:
         InvalidArgumentError: naming ``spec_name`` or ``spec_module_path`` and the value to use.
     """
     want = f"spec_name '{_SPEC_NAME}' with spec_module_path '{_SPEC_MODULE}'"
-    name = extra_config.get("spec_name")
+    name, module = extra_config.get("spec_name"), extra_config.get("spec_module_path")
     require(
-        name is not None, "spec_name",
+        isinstance(name, str), "spec_name",
         f"required in kv_connector_extra_config: KVStageConnector runs '{_SPEC_NAME}' (vLLM's default is its CPU spec); give {want}",
     )
-    require(
-        name == _SPEC_NAME or (isinstance(name, str) and name not in OffloadingSpecFactory._registry and extra_config.get("spec_module_path")),
-        "spec_name", lambda: f"KVStageConnector runs '{_SPEC_NAME}' (give {want}), got {name!r}",
-    )
-    module = extra_config.get("spec_module_path")
-    require(module is not None, "spec_module_path", f"required in kv_connector_extra_config with spec_name '{name}': give '{_SPEC_MODULE}'")
-    try:
-        spec_cls = OffloadingSpecFactory.get_spec_cls({"spec_name": name, "spec_module_path": module})  # imports, builds nothing
+    try:  # vLLM's own lookup (its registered specs by name, others from spec_module_path): imports, builds nothing
+        spec_cls = OffloadingSpecFactory.get_spec_cls({"spec_name": name, "spec_module_path": module})
     except (ImportError, AttributeError, ValueError) as error:
+        require(module is not None, "spec_module_path", f"required in kv_connector_extra_config with spec_name {name!r}: give '{_SPEC_MODULE}'")
         raise InvalidArgumentError(f"spec_module_path: cannot load {name!r} from {module!r} ({error}); give {want}") from None
+    except AssertionError:  # vLLM asserts the class is an OffloadingSpec
+        raise InvalidArgumentError(f"spec_name: KVStageConnector runs '{_SPEC_NAME}' (give {want}), got {name!r}, not an OffloadingSpec") from None
     require(
         isinstance(spec_cls, type) and issubclass(spec_cls, KVStageOffloadingSpec), "spec_name",
-        lambda: f"KVStageConnector runs '{_SPEC_NAME}' (give {want}), got {name!r} from {module!r}",
+        lambda: f"KVStageConnector runs '{_SPEC_NAME}' (give {want}), got {name!r}",
     )
 
 

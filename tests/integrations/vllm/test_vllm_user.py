@@ -567,7 +567,8 @@ def test_kvstages_connector_with_another_spec_raises_before_vllm_builds_its_shar
     ({}, r"spec_name: required.*'KVStageOffloadingSpec'.*spec_module_path 'kvstage.integrations.vllm'"),
     ({"spec_name": "KVStageOffloadingSpec"}, r"spec_module_path: required.*'kvstage.integrations.vllm'"),
     ({"spec_name": "KVStageOffloadingSpec", "spec_module_path": "kvstage.integrations.vlm"}, r"spec_module_path: cannot load 'KVStageOffloadingSpec' from 'kvstage.integrations.vlm'"),
-], ids=["no spec_name", "no spec_module_path", "misspelled spec_module_path"])
+    ({"spec_name": "KVStageTier", "spec_module_path": "kvstage.integrations.vllm"}, r"spec_name: KVStageConnector runs 'KVStageOffloadingSpec'.*got 'KVStageTier', not an OffloadingSpec"),
+], ids=["no spec_name", "no spec_module_path", "misspelled spec_module_path", "a tier as the spec"])
 def test_kvstages_connector_without_its_spec_raises_naming_the_key_and_the_value(tmp_path, config, rule):
     before = shm_regions()
     with pytest.raises(InvalidArgumentError, match=rule):
