@@ -5,8 +5,9 @@ The offload manager derives keys from a request's tokens; an engine that keys pa
 
     store:  gather the pages' slots into host pages (copy stream) -> write them under the
             given keys (writer thread) -> free the host pages
-    load:   read the keys into host pages (reader thread; a page not read fails the job)
-            -> scatter them into the slots (copy stream) -> free the host pages
+    load:   read the keys into host pages (reader thread; a page not read fails the job, the
+            pages before it still land) -> scatter them into the slots (copy stream) -> free
+            the host pages
 
 Each job is the caller's token; :meth:`KeyedCopies.poll` moves jobs along and returns the
 finished ones, never blocking. A job is never refused for want of host pages: it moves in parts
@@ -73,7 +74,11 @@ class KeyedResult:
         num_pages: pages of the job.
         bytes: bytes moved to or from the store (0 when the job failed before moving).
         seconds: wall time from submission to the end.
-        error: what a copy or the store raised, or None.
+        error: what a copy or the store raised, or None (a load that failed with None: a page
+            missing or corrupt in the store).
+        loaded_pages: a load: how many of its leading pages landed in their slots (scatter
+            done), all of them when ``ok``; the page at this index is the first one that did not
+            (the slots from it on are untouched or stale). A store: 0.
     """
 
     job: Any
@@ -83,6 +88,7 @@ class KeyedResult:
     bytes: int
     seconds: float
     error: BaseException | None = None
+    loaded_pages: int = 0
 
 
 @dataclass
@@ -97,7 +103,12 @@ class _Job:
     moved: int = 0
     ok: bool = True
     error: BaseException | None = None
+    first_failed: int | None = None  # a load: the lowest page index that did not land
     started: float = field(default_factory=time.perf_counter)
+
+    def skips(self, part: "_Part") -> bool:
+        """A load's part after a page that did not land is neither read nor scattered."""
+        return self.first_failed is not None and part.start >= self.first_failed
 
 
 @dataclass
@@ -108,6 +119,8 @@ class _Part:
     page_keys: list[str]
     slot_indices: torch.Tensor
     prior_key: str | None = None  # the stored page before page_keys[0] (None: a chain start)
+    start: int = 0  # index of page_keys[0] in the job
+    landed: int = 0  # a load: leading pages being scattered
     host_page_ids: list[int] = field(default_factory=list)
     future: Future | None = None
 
@@ -173,9 +186,9 @@ class KeyedCopies:
 
     def load(self, job: Any, page_keys: Sequence[str], slot_indices: torch.Tensor) -> None:
         """Read ``page_keys`` and copy them into ``slot_indices``. The job fails when a page
-        cannot be read (missing, corrupt); parts not yet read or scattered when a part fails
-        are skipped, so on a failure the slots of earlier parts may hold their pages, the
-        others are untouched.
+        cannot be read (missing, corrupt); the pages before it still land (the job ends after
+        their scatter) and :attr:`KeyedResult.loaded_pages` counts them; parts after it not
+        yet read are skipped, their slots untouched.
 
         Args:
             job: the caller's token (distinct objects for jobs in flight together).
@@ -204,7 +217,7 @@ class KeyedCopies:
             self._finished.append(KeyedResult(record.job, record.is_store, True, 0, 0, 0.0))
             return
         for start, stop, prior in bounds:
-            self._waiting.append(_Part(record, keys[start:stop], slot_indices[start * page_size : stop * page_size], prior_key=prior))
+            self._waiting.append(_Part(record, keys[start:stop], slot_indices[start * page_size : stop * page_size], prior_key=prior, start=start))
         self._start_waiting()
 
     def _start_waiting(self) -> None:
@@ -217,7 +230,7 @@ class KeyedCopies:
                     return
                 part.host_page_ids = host_page_ids
                 self._copying[id(part)] = part
-            elif not part.owner.ok:  # an earlier part failed the load: the job fails whatever this one reads
+            elif part.owner.skips(part):  # an earlier page did not land: the job fails whatever this part reads
                 self._waiting.popleft()
                 self._end_part(part, moved=0, error=None, ok=False)
                 continue
@@ -257,7 +270,8 @@ class KeyedCopies:
                 part.future = self.workers.write(partial(write_pages, self.storage, part.page_keys, pages, prior_key=part.prior_key))
                 self._in_store.append(part)
             else:
-                self._end_part(part, moved=result.bytes if result.ok else 0, error=result.error, ok=result.ok)
+                landed = part.landed if result.ok else 0
+                self._end_part(part, moved=result.bytes if result.ok else 0, error=result.error, ok=landed == len(part.page_keys), landed=landed)
         waiting = []
         for part in self._in_store:
             if not part.future.done():
@@ -313,27 +327,34 @@ class KeyedCopies:
 
     def _read(self, part: _Part) -> None:
         error = part.future.exception()
-        if error is not None or not part.future.result() or not part.owner.ok:
-            self._end_part(part, moved=0, error=error, ok=False)  # never scatter a part of a failed load
+        part.landed = 0 if error is not None or part.owner.skips(part) else part.future.result()
+        if part.landed == 0:
+            self._end_part(part, moved=0, error=error, ok=False, landed=0)  # never scatter past a page that did not land
             return
         self._copying[id(part)] = part
-        try:
-            self.copier.scatter(part, part.host_page_ids, part.slot_indices)
+        page_size = self.copier.page_size
+        try:  # the leading pages read; the rest of the part's slots stay untouched
+            self.copier.scatter(part, part.host_page_ids[: part.landed], part.slot_indices[: part.landed * page_size])
         except BaseException as failure:
             del self._copying[id(part)]
-            self._end_part(part, moved=0, error=failure, ok=False)
+            self._end_part(part, moved=0, error=failure, ok=False, landed=0)
 
-    def _end_part(self, part: _Part, *, moved: int, error: BaseException | None, ok: bool) -> None:
+    def _end_part(self, part: _Part, *, moved: int, error: BaseException | None, ok: bool, landed: int = 0) -> None:
         self.copier.free(part.host_page_ids)
         record = part.owner
         record.moved += moved
         record.ok = record.ok and ok
         record.error = record.error or error
+        if not record.is_store and landed < len(part.page_keys):
+            failed = part.start + landed
+            record.first_failed = failed if record.first_failed is None else min(record.first_failed, failed)
         record.parts_left -= 1
         if record.parts_left == 0:
-            self._finished.append(
-                KeyedResult(record.job, record.is_store, record.ok, record.num_pages, record.moved, time.perf_counter() - record.started, record.error)
-            )
+            loaded = 0 if record.is_store else (record.num_pages if record.first_failed is None else record.first_failed)
+            self._finished.append(KeyedResult(
+                record.job, record.is_store, record.ok, record.num_pages, record.moved, time.perf_counter() - record.started, record.error,
+                loaded_pages=loaded,
+            ))
 
     def _checked_keys(self, page_keys: Sequence[str], slot_indices: torch.Tensor) -> list[str]:
         keys = list(page_keys)

@@ -24,7 +24,10 @@ from kvstage.errors import StorageError, is_int, require
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.storage import PutStatus
 
-__all__ = ["ReadOutcome", "StoreWorkers", "WriteOutcome", "leading_hits", "read_leading_pages", "read_pages", "write_pages"]
+__all__ = [
+    "ReadOutcome", "StoreWorkers", "WriteOutcome", "leading_hits", "read_failure_cause", "read_leading_pages", "read_pages",
+    "write_failure_cause", "write_pages",
+]
 
 
 @dataclass
@@ -46,6 +49,18 @@ class WriteOutcome:
     deduplicated: int = 0
     failed_keys: list[str] = field(default_factory=list)
     error: BaseException | None = None
+
+
+def write_failure_cause(error: BaseException | None) -> str:
+    """Why pages of a write failed, for a log line: the error (:attr:`WriteOutcome.error`), or,
+    with none, what a store's FAILED without an error means (it had no room it may free)."""
+    return "the store had no room for them (capacity full of pages it may not evict)" if error is None else repr(error)
+
+
+def read_failure_cause(error: BaseException | None) -> str:
+    """Why a read of pages failed, for a log line: the error the store or a copy raised, or,
+    with none, the store's miss (a ``get`` answers False for a page absent or failing its checksum)."""
+    return "page missing or corrupt in the store" if error is None else repr(error)
 
 
 def _answer(answer: Any, expected: int, call: str) -> list:
@@ -117,15 +132,17 @@ def leading_hits(storage: Any, page_keys: Sequence[str]) -> int:
     return next((index for index, hit in enumerate(hits) if not hit), len(hits))
 
 
-def read_pages(storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Tensor]) -> bool:
-    """Read every page (one ``get`` call); whether all were read intact.
+def read_pages(storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Tensor]) -> int:
+    """Read every page (one ``get`` call); how many leading pages were read intact (all of
+    them: ``len(page_keys)``; the first page missing or corrupt ends them).
 
     Raises:
         StorageError: the store answered a different number of keys than asked.
         Whatever the store's ``get`` raises.
     """
     keys = list(page_keys)
-    return all(_answer(storage.get(keys, list(pages)), len(keys), "get"))
+    hits = _answer(storage.get(keys, list(pages)), len(keys), "get")
+    return next((index for index, hit in enumerate(hits) if not hit), len(hits))
 
 
 @dataclass

@@ -90,13 +90,16 @@ class ConnectorRig:
     bytes are a function of its tokens; a loaded block must hold exactly those bytes.
     ``extra_config`` adds keys to the connector's ``kv_connector_extra_config`` (e.g.
     ``num_host_pages``); ``max_num_batched_tokens`` below a prompt's length makes vLLM prefill it
-    in chunks, one store job a step.
+    in chunks, one store job a step; ``connector_config`` replaces the whole
+    ``kv_connector_extra_config`` (``storage`` and ``extra_config`` unused) and
+    ``load_failure_policy`` sets ``kv_load_failure_policy``.
     """
 
     BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_SIZE = 16, 32, 2, 16
     LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
-    def __init__(self, model_dir, storage: str, *, events: bool = True, extra_config: dict | None = None, max_num_batched_tokens: int = 512) -> None:
+    def __init__(self, model_dir, storage: str, *, events: bool = True, extra_config: dict | None = None, max_num_batched_tokens: int = 512,
+                 connector_config: dict | None = None, load_failure_policy: str = "recompute") -> None:
         import uuid
 
         import torch
@@ -135,8 +138,10 @@ class ConnectorRig:
             kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null"),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KVStageConnector", kv_connector_module_path="kvstage.integrations.vllm", kv_role="kv_both",
-                kv_load_failure_policy="recompute", engine_id=f"kvstage-{uuid.uuid4().hex[:12]}",
-                kv_connector_extra_config={"spec_name": "KVStageOffloadingSpec", "spec_module_path": "kvstage.integrations.vllm", "storage": storage, **(extra_config or {})},
+                kv_load_failure_policy=load_failure_policy, engine_id=f"kvstage-{uuid.uuid4().hex[:12]}",
+                kv_connector_extra_config=connector_config if connector_config is not None else {
+                    "spec_name": "KVStageOffloadingSpec", "spec_module_path": "kvstage.integrations.vllm", "storage": storage, **(extra_config or {}),
+                },
             ),
         )
         attention = FullAttentionSpec(block_size=block_size, num_kv_heads=self.NUM_KV_HEADS, head_size=self.HEAD_SIZE, dtype=torch.float16)

@@ -20,14 +20,47 @@ from __future__ import annotations
 import logging
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from kvstage.errors import require
+from kvstage.errors import InvalidArgumentError, require
 from kvstage.integrations.vllm.manager import KVStageOffloadingManager
 from kvstage.integrations.vllm.spec import KVStageOffloadingSpec
 
 __all__ = ["KVStageConnector"]
 
 logger = logging.getLogger(__name__)
+
+
+_SPEC_NAME, _SPEC_MODULE = "KVStageOffloadingSpec", "kvstage.integrations.vllm"
+
+
+def check_spec_config(extra_config) -> None:
+    """Check that ``kv_connector_extra_config`` names kvstage's spec, without building it.
+
+    The spec_name is required rather than defaulted: vLLM's own default is its CPU spec, and
+    writing a default into the config would change vLLM's config after it was validated (and
+    sent to the workers); an explicit error names what to write.
+
+    Raises:
+        InvalidArgumentError: naming ``spec_name`` or ``spec_module_path`` and the value to use.
+    """
+    want = f"spec_name '{_SPEC_NAME}' with spec_module_path '{_SPEC_MODULE}'"
+    name, module = extra_config.get("spec_name"), extra_config.get("spec_module_path")
+    require(
+        isinstance(name, str), "spec_name",
+        f"required in kv_connector_extra_config: KVStageConnector runs '{_SPEC_NAME}' (vLLM's default is its CPU spec); give {want}",
+    )
+    try:  # vLLM's own lookup (its registered specs by name, others from spec_module_path): imports, builds nothing
+        spec_cls = OffloadingSpecFactory.get_spec_cls({"spec_name": name, "spec_module_path": module})
+    except (ImportError, AttributeError, ValueError) as error:
+        require(module is not None, "spec_module_path", f"required in kv_connector_extra_config with spec_name {name!r}: give '{_SPEC_MODULE}'")
+        raise InvalidArgumentError(f"spec_module_path: cannot load {name!r} from {module!r} ({error}); give {want}") from None
+    except AssertionError:  # vLLM asserts the class is an OffloadingSpec
+        raise InvalidArgumentError(f"spec_name: KVStageConnector runs '{_SPEC_NAME}' (give {want}), got {name!r}, not an OffloadingSpec") from None
+    require(
+        isinstance(spec_cls, type) and issubclass(spec_cls, KVStageOffloadingSpec), "spec_name",
+        lambda: f"KVStageConnector runs '{_SPEC_NAME}' (give {want}), got {name!r}",
+    )
 
 
 class KVStageConnector(OffloadingConnector):
@@ -38,10 +71,13 @@ class KVStageConnector(OffloadingConnector):
         vllm_config, role, kv_cache_config: as vLLM's ``OffloadingConnector`` (vLLM passes them).
 
     Raises:
-        InvalidArgumentError: ``spec_name`` names another spec than ``KVStageOffloadingSpec``.
+        InvalidArgumentError: ``spec_name`` is missing or names another spec than
+            ``KVStageOffloadingSpec``, or ``spec_module_path`` is missing or does not give it;
+            before vLLM builds any spec (another spec may map shared memory as it is built).
     """
 
     def __init__(self, vllm_config, role, kv_cache_config) -> None:
+        check_spec_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_worker is not None:
             spec = self.connector_worker.spec
@@ -50,6 +86,7 @@ class KVStageConnector(OffloadingConnector):
                 lambda: f"KVStageConnector runs KVStageOffloadingSpec, got {type(spec).__name__}",
             )
             spec.report_load_errors = True  # before vLLM asks the spec for its worker
+            spec.load_failure_policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         else:
             manager = self.connector_scheduler.manager
             require(

@@ -74,6 +74,7 @@ class KVStageOffloadingSpec(OffloadingSpec):
         self.hit_ttl_s = extra.get("hit_ttl_s", 10.0)
         self.fingerprint = block_fingerprint(config, model_id=extra.get("model_id"))
         self.report_load_errors = False  # KVStageConnector sets it: failed loads go to vLLM's scheduler
+        self.load_failure_policy = "fail"  # KVStageConnector sets vLLM's kv_load_failure_policy (for warnings)
         self._manager: KVStageOffloadingManager | None = None
         self._worker: KVStageWorker | None = None
 
@@ -98,6 +99,7 @@ class KVStageOffloadingSpec(OffloadingSpec):
             try:
                 self._worker = KVStageWorker(
                     kv_caches, storage, num_host_pages=self.num_host_pages, report_load_errors=self.report_load_errors,
+                    load_failure_policy=self.load_failure_policy,
                 )
             except BaseException:
                 release_shared_storage(storage)  # the worker owns the store only once built

@@ -40,7 +40,7 @@ from kvstage.errors import ArgumentTypeError, require
 from kvstage.integrations.vllm.keys import lookup_result, offloading_events, page_keys, prior_page_keys, tier_fingerprint
 from kvstage.offload import StoreIndex, StoreWorkers
 from kvstage.offload.keyed_copies import chain_runs
-from kvstage.offload.store_io import write_pages
+from kvstage.offload.store_io import write_failure_cause, write_pages
 from kvstage.storage import open_storage
 
 __all__ = ["KVStageTier"]
@@ -229,7 +229,7 @@ class KVStageTier(SecondaryTierManager):
         if failed == 0:
             self.index.add(job.page_keys)
         else:
-            logger.warning("kvstage: store job %s wrote %d of %d pages: %r", job.job_id, len(job.keys) - failed, len(job.keys), error)
+            logger.warning("kvstage: store job %s wrote %d of %d pages: %s", job.job_id, len(job.keys) - failed, len(job.keys), write_failure_cause(error))
         return JobResult(
             job.job_id, failed == 0, transfer_time=seconds,
             transfer_bytes=(len(job.keys) - failed) * self.block_size_bytes,

@@ -19,6 +19,7 @@ from kvstage.errors import require
 from kvstage.integrations.vllm.manager import KVStageLoadStoreSpec
 from kvstage.kernels import KVPool
 from kvstage.offload import Copier, HostPool, KeyedCopies, StoreWorkers
+from kvstage.offload.store_io import read_failure_cause, write_failure_cause
 from kvstage.storage.shared import release_shared_storage
 
 __all__ = ["KVStageWorker"]
@@ -45,7 +46,10 @@ class KVStageWorker(OffloadingWorker):
             ``(num_blocks, page_size_bytes)`` int8, contiguous, unpadded.
         storage: the store; its page is one block of every layer of the group.
         num_host_pages: host pages for blocks in flight (a job of more blocks moves in parts).
-        report_load_errors: failed loads go to :meth:`take_block_ids_with_load_errors`.
+        report_load_errors: failed loads go to :meth:`take_block_ids_with_load_errors`: the
+            blocks from the first page that did not land on (the pages before it landed).
+        load_failure_policy: vLLM's ``kv_load_failure_policy`` (``"recompute"`` or ``"fail"``),
+            for the warnings only.
 
     Raises:
         InvalidArgumentError: more than one group, a padded or strided layer tensor, layers of
@@ -53,7 +57,10 @@ class KVStageWorker(OffloadingWorker):
             On any raise the store stays the caller's (it is this worker's once built).
     """
 
-    def __init__(self, kv_caches: CanonicalKVCaches, storage: Any, *, num_host_pages: int = 256, report_load_errors: bool = False) -> None:
+    def __init__(
+        self, kv_caches: CanonicalKVCaches, storage: Any, *, num_host_pages: int = 256, report_load_errors: bool = False,
+        load_failure_policy: str = "fail",
+    ) -> None:
         require(len(kv_caches.group_data_refs) == 1, "kv_caches", lambda: f"must hold one KV group, got {len(kv_caches.group_data_refs)}")
         layers = []
         for index, ref in enumerate(kv_caches.group_data_refs[0]):
@@ -77,6 +84,7 @@ class KVStageWorker(OffloadingWorker):
             self._workers.close()
             raise
         self.report_load_errors = report_load_errors
+        self.load_failure_policy = load_failure_policy
         self.pages_failed = 0  # pages of store jobs not written (reported done to vLLM)
         self.loads_failed = 0  # load jobs that could not read every page
         self._load_blocks: dict[int, list[int]] = {}  # load job id -> its GPU block ids
@@ -109,18 +117,32 @@ class KVStageWorker(OffloadingWorker):
                 if not ok:
                     written = result.bytes // self.storage.page_bytes
                     self.pages_failed += result.num_pages - written
-                    logger.warning("kvstage: store job %s wrote %d of %d pages: %r", result.job, written, result.num_pages, result.error)
+                    logger.warning(
+                        "kvstage: store job %s wrote %d of %d pages: %s", result.job, written, result.num_pages, write_failure_cause(result.error),
+                    )
                     ok = True  # vLLM only frees the blocks; the manager asks the store before a hit
             else:
                 block_ids = self._load_blocks.pop(result.job, [])
                 if not ok:
                     self.loads_failed += 1
-                    logger.warning("kvstage: load job %s of %d pages failed (%r); its blocks are computed again", result.job, result.num_pages, result.error)
+                    failed = block_ids[result.loaded_pages :]  # vLLM's scheduler recomputes from the first invalid block
+                    logger.warning(
+                        "kvstage: load job %s: page %d of %d could not be read (%s); %s", result.job, result.loaded_pages,
+                        result.num_pages, read_failure_cause(result.error), self._load_failure_outcome(len(failed)),
+                    )
                     if self.report_load_errors:
-                        self._load_errors.update(block_ids)
+                        self._load_errors.update(failed)
                         ok = True
             results.append(TransferResult(result.job, ok, transfer_size=result.bytes, transfer_time=result.seconds))
         return results
+
+    def _load_failure_outcome(self, num_blocks: int) -> str:
+        """What vLLM does with a failed load, by the policy in force."""
+        if not self.report_load_errors:
+            return "reported as a failed transfer (vLLM's OffloadingConnector stops the engine; use KVStageConnector)"
+        if self.load_failure_policy == "recompute":
+            return f"its {num_blocks} blocks from that page on are computed again (kv_load_failure_policy 'recompute')"
+        return f"its {num_blocks} blocks from that page on are reported invalid and vLLM fails the request (kv_load_failure_policy {self.load_failure_policy!r})"
 
     def take_block_ids_with_load_errors(self) -> set[int]:
         """GPU block ids of loads that failed since the last call (vLLM's

@@ -2,8 +2,8 @@
 the real Copier (kernels on CPU), HostPool, StoreWorkers threads and a MemoryStore.
 
 What must hold: a stored job's pages land in the store under its keys byte for byte; a load puts
-them into other slots byte for byte; a load with a key the store lacks fails whole and writes no
-slot; host pages always go back; a job larger than the host pool moves in parts, and a job that
+them into other slots byte for byte; a load with a key the store lacks fails and lands only the
+pages before it; host pages always go back; a job larger than the host pool moves in parts, and a job that
 finds too few free host pages waits for them (never refused); bad slot counts and repeated keys
 raise before anything starts.
 """
@@ -73,16 +73,32 @@ def test_a_load_puts_stored_blocks_into_other_blocks_byte_for_byte(rig):
     assert host_pool.free_pages == 4
 
 
-def test_a_load_with_a_missing_key_fails_whole_and_writes_no_block(rig):
+def test_a_load_with_a_missing_key_fails_and_lands_only_the_pages_before_it(rig):
     keyed, layers, store, host_pool = rig
-    keyed.store("s", blocks(0), ["a"])
+    keyed.store("s", blocks(0, 2), ["a", "c"])
     keyed.wait()
     keyed.poll()
     before = [layer.clone() for layer in layers]
-    keyed.load("l", ["a", "missing"], blocks(9, 10))
+    keyed.load("l", ["a", "missing", "c"], blocks(9, 10, 11))
     [result] = finish(keyed, "l")
-    assert not result.ok and result.bytes == 0
-    assert all(torch.equal(layer, was) for layer, was in zip(layers, before))
+    assert not result.ok and result.error is None and result.loaded_pages == 1 and result.bytes == host_pool.page_bytes
+    for layer, was in zip(layers, before):
+        assert torch.equal(layer[9], was[0])  # the page before the hole landed
+        assert torch.equal(layer[10:12], was[10:12])  # the hole and the page after it (read) did not
+    assert host_pool.free_pages == 4
+
+
+def test_a_load_failing_in_its_second_part_lands_the_first_part_whole(rig):
+    keyed, layers, store, host_pool = rig
+    keyed.store("s", blocks(0, 1, 2, 3, 4), ["a0", "a1", "a2", "a3", "a4"])
+    keyed.wait()
+    keyed.poll()
+    before = [layer.clone() for layer in layers]
+    keyed.load("l", ["a0", "a1", "a2", "a3", "a4", "missing"], blocks(6, 7, 8, 9, 10, 11))  # parts of 4 and 2
+    [result] = finish(keyed, "l")
+    assert not result.ok and result.loaded_pages == 5
+    for layer, was in zip(layers, before):
+        assert torch.equal(layer[6:11], was[0:5]) and torch.equal(layer[11], was[11])
     assert host_pool.free_pages == 4
 
 

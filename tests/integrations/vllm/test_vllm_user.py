@@ -517,7 +517,10 @@ def test_spec_a_page_that_exists_but_cannot_be_read_fails_one_load_then_is_recom
     assert rig.manager.index.lookup(first) is False  # a miss for miss_ttl_s, not asked of the store again
 
 
-def test_vllms_kv_offloading_size_with_kvstages_connector_raises_saying_what_to_do(tmp_path):
+@pytest.mark.parametrize("backend, simple, connector", [
+    ("native", "0", "OffloadingConnector"), ("native", "1", "SimpleCPUOffloadConnector"), ("lmcache", "0", "LMCacheMPConnector"),
+])  # the names vLLM's --kv-offloading-backend writes
+def test_vllms_kv_offloading_size_with_kvstages_connector_raises_saying_what_to_do(tmp_path, monkeypatch, backend, simple, connector):
     # vLLM's own config code rewrites kv_connector to OffloadingConnector and keeps kvstage's module
     # path, then its factory looks that name up there while the config is validated (pydantic
     # reports a ValueError as a ValidationError, itself a ValueError; an AttributeError went raw).
@@ -525,11 +528,12 @@ def test_vllms_kv_offloading_size_with_kvstages_connector_raises_saying_what_to_
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
 
     LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"kv_connector: vLLM's --kv-offloading-size .* leave out --kv-offloading-size"):
+    monkeypatch.setenv("VLLM_USE_SIMPLE_KV_OFFLOAD", simple)
+    with pytest.raises(ValueError, match=rf"kv_connector: vLLM's --kv-offloading-size .*'{backend}' replaced kvstage's connector with '{connector}'.* leave out --kv-offloading-size"):
         VllmConfig(
             model_config=ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
             device_config=DeviceConfig(device="cpu"),
-            cache_config=CacheConfig(block_size=16, enable_prefix_caching=True, kv_offloading_size=1.0),  # --kv-offloading-size 1
+            cache_config=CacheConfig(block_size=16, enable_prefix_caching=True, kv_offloading_size=1.0, kv_offloading_backend=backend),  # --kv-offloading-size 1
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KVStageConnector", kv_connector_module_path="kvstage.integrations.vllm", kv_role="kv_both",
                 kv_load_failure_policy="recompute",
@@ -542,3 +546,121 @@ def test_other_missing_names_of_the_package_are_attribute_errors():
     import kvstage.integrations.vllm as package
 
     assert not hasattr(package, "KVStageConector")
+
+
+def shm_regions() -> set[str]:
+    return {path.name for path in Path("/dev/shm").glob("vllm_offload_*")}
+
+
+def test_kvstages_connector_with_another_spec_raises_before_vllm_builds_its_shared_memory(tmp_path):
+    # vLLM's TieringOffloadingSpec with cpu_bytes_to_use maps /dev/shm/vllm_offload_<engine>.mmap
+    # as it is built: the check must come before vLLM's connector builds the spec.
+    before = shm_regions()
+    config = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 20,
+              "secondary_tiers": [{"type": "KVStageTier", "module_path": "kvstage.integrations.vllm", "storage": f"file:{tmp_path / 'kv'}"}]}
+    with pytest.raises(InvalidArgumentError, match=r"spec_name: KVStageConnector runs 'KVStageOffloadingSpec'.*got 'TieringOffloadingSpec'"):
+        ConnectorRig(tmp_path / "model", None, connector_config=config)
+    assert shm_regions() - before == set()
+
+
+@pytest.mark.parametrize("config, rule", [
+    ({}, r"spec_name: required.*'KVStageOffloadingSpec'.*spec_module_path 'kvstage.integrations.vllm'"),
+    ({"spec_name": "KVStageOffloadingSpec"}, r"spec_module_path: required.*'kvstage.integrations.vllm'"),
+    ({"spec_name": "KVStageOffloadingSpec", "spec_module_path": "kvstage.integrations.vlm"}, r"spec_module_path: cannot load 'KVStageOffloadingSpec' from 'kvstage.integrations.vlm'"),
+    ({"spec_name": "KVStageTier", "spec_module_path": "kvstage.integrations.vllm"}, r"spec_name: KVStageConnector runs 'KVStageOffloadingSpec'.*got 'KVStageTier', not an OffloadingSpec"),
+], ids=["no spec_name", "no spec_module_path", "misspelled spec_module_path", "a tier as the spec"])
+def test_kvstages_connector_without_its_spec_raises_naming_the_key_and_the_value(tmp_path, config, rule):
+    before = shm_regions()
+    with pytest.raises(InvalidArgumentError, match=rule):
+        ConnectorRig(tmp_path / "model", None, connector_config={"storage": f"file:{tmp_path / 'kv'}", **config})
+    assert shm_regions() - before == set()
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_spec_a_corrupt_page_mid_chain_recomputes_from_it_and_keeps_the_blocks_before(rig, caplog):
+    a = rig.add_request("a", PROMPT, max_tokens=1)
+    rig.run_until_idle()
+    flip_a_byte(rig.manager.storage.path_of(make_offload_key(a.block_hashes[2], 0).hex()))  # the page at chain index 2
+    rig.scheduler.reset_prefix_cache()
+    rig.backing.zero_()
+    worker = rig.worker.connector_worker.worker
+    reported = []
+    take = worker.take_block_ids_with_load_errors
+    worker.take_block_ids_with_load_errors = lambda: _taken(take, reported)  # what vLLM's scheduler is told
+    scheduled = run_to_prompt_end(rig, "b", PROMPT)
+    assert worker.loads_failed == 1
+    assert scheduled == len(PROMPT) - 2 * BLOCK  # blocks 0 and 1 loaded, from block 2 on computed
+    assert sorted(reported) == sorted(rig.block_ids("b")[2:4])
+    assert_blocks_hold(rig, "b", PROMPT, 4)
+    assert "page missing or corrupt in the store" in caplog.text and "None" not in caplog.text
+
+
+def _taken(take, reported: list) -> set[int]:
+    blocks = take()
+    reported.extend(blocks)
+    return blocks
+
+
+def test_spec_a_store_that_is_full_warns_with_the_stores_cause(tmp_path, caplog):
+    rig = ConnectorRig(tmp_path / "model", "memory:4096")  # one page: the rest of the chain is refused
+    try:
+        rig.add_request("a", PROMPT, max_tokens=1)
+        rig.run_until_idle()
+    finally:
+        rig.close()
+    [warning] = [record.getMessage() for record in caplog.records if "store job" in record.getMessage()]
+    assert "wrote 1 of 4 pages" in warning and "None" not in warning, warning
+
+
+def test_spec_under_the_fail_policy_a_failed_load_warns_that_the_request_fails(tmp_path, caplog):
+    rig = ConnectorRig(tmp_path / "model", f"file:{tmp_path / 'kv'}", load_failure_policy="fail")
+    try:
+        rig.add_request("a", PROMPT, max_tokens=1)
+        rig.run_until_idle()
+        for page in (tmp_path / "kv").glob("*.kvpage"):  # another process evicts them, unseen here
+            page.unlink()
+        rig.scheduler.reset_prefix_cache()
+        rig.add_request("b", PROMPT, max_tokens=3)
+        rig.run_until_idle()
+    finally:
+        rig.close()
+    [warning] = [record.getMessage() for record in caplog.records if "load job" in record.getMessage()]
+    assert "computed again" not in warning and "kv_load_failure_policy 'fail'" in warning, warning
+
+
+def test_tier_a_store_that_is_full_warns_with_the_cause_not_none(caplog):
+    engine = TierEngine(f"memory:{CHUNK_BYTES}")  # one page: of a 2-chunk chain the store refuses the second
+    try:
+        keys = keys_of(0, 1)
+        engine.store(keys, chunks_for(keys))
+        engine.step()
+    finally:
+        engine.close()
+    [warning] = [record.getMessage() for record in caplog.records if "store job" in record.getMessage()]
+    assert "wrote 1 of 2 pages" in warning and "None" not in warning and "no room" in warning, warning
+
+
+def test_spec_a_store_refusing_a_chain_warns_with_the_stores_error(tmp_path, caplog):
+    # Chunked prefill stores a's chain in one job a step, each chained to the job before; when the
+    # store drops the first job's pages (another process's eviction, here a clear) the next job's
+    # put fails with the store's MissingPriorError, which the warning must carry.
+    rig = ConnectorRig(tmp_path / "model", "memory", max_num_batched_tokens=2 * BLOCK)
+    try:
+        rig.add_request("a", PROMPT, max_tokens=1)
+        storage = rig.manager.storage
+        for _ in range(20):
+            rig.step()
+            if storage.stats.pages_stored:
+                break
+        assert storage.stats.pages_stored == 2  # the first job: blocks 0 and 1
+        storage.clear()
+        rig.run_until_idle()
+    finally:
+        rig.close()
+    warnings = [record.getMessage() for record in caplog.records if "store job" in record.getMessage()]
+    assert warnings and all("MissingPriorError" in warning for warning in warnings), warnings
