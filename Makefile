@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 EXTRAS ?= test,bench
 
-.PHONY: run test bench clean
+.PHONY: run test lint format bench clean
 
 # hashing/_page_chain.c: `pip install -e` compiles it in place, so an edit needs a reinstall.
 $(VENV)/.installed: pyproject.toml tools/setup-venv.sh tools/apt-install.sh hashing/_page_chain.c
@@ -53,6 +53,16 @@ test: $(VENV)/.installed $(VENV)/.mooncake $(VLLM_VENV)/.installed $(SGLANG_VENV
 	$(IN_NETNS) $(PYTHON) -m pytest
 	if [ -x $(VLLM_VENV)/bin/python ]; then $(IN_NETNS) $(VLLM_VENV)/bin/python -m pytest tests/integrations/vllm; else $(IN_NETNS) $(PYTHON) -m pytest tests/integrations/vllm; fi
 	if [ -x $(SGLANG_VENV)/bin/python ]; then $(IN_NETNS) $(SGLANG_VENV)/bin/python -m pytest $(SGLANG_TESTS); else $(IN_NETNS) $(PYTHON) -m pytest $(SGLANG_TESTS); fi
+
+# ruff's linter and formatter, as configured in pyproject.toml (the version pinned in the test
+# extra); `.ci/run` runs it before the tests. `make format` rewrites files to pass it.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 bench: $(VENV)/.installed
 	$(PYTHON) -m bench

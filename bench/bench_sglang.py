@@ -82,6 +82,7 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.storage import StorageBackendFactory
+
     from sglang_rig import storage_config
 
     num_pages = 16 if quick else 128

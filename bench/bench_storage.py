@@ -57,10 +57,10 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's client logs every s
 import torch
 
 from kvstage.kv_layout import KVLayout
+from kvstage.storage import LayoutFingerprint, StorageBackend, StorageStats
 from kvstage.storage.events import EventQueue
 from kvstage.storage.memory_store import MemoryStore
 from kvstage.storage.mooncake.store import INSTALL_HINT, MooncakeStore, mooncake_available
-from kvstage.storage import LayoutFingerprint, StorageBackend, StorageStats
 
 METHODS = ("memory", "memory-events-off", "memory-growing", "mooncake", "mooncake-bounce", "memcpy")
 EVENTS_TIMED = 10_000

@@ -32,8 +32,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels  # noqa: E402
 
-from kvstage.kernels import KVPool, gather, gather_reference, scatter, staging_shape  # noqa: E402
-from kvstage.kernels import triton_copy  # noqa: E402
+from kvstage.kernels import (  # noqa: E402
+    KVPool,
+    gather,
+    gather_reference,
+    scatter,
+    staging_shape,
+    triton_copy,  # noqa: E402
+)
 
 
 def correctness(device: torch.device) -> list[dict]:

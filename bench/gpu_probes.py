@@ -74,7 +74,16 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 
 from kvstage.hashing import PageHasher  # noqa: E402
-from kvstage.kernels import KVPool, gather, gather_async, gather_reference, scatter, scatter_async, scatter_reference, staging_shape  # noqa: E402
+from kvstage.kernels import (  # noqa: E402
+    KVPool,
+    gather,
+    gather_async,
+    gather_reference,
+    scatter,
+    scatter_async,
+    scatter_reference,
+    staging_shape,
+)
 from kvstage.kernels import warm_up as kernels_warm_up  # noqa: E402
 from kvstage.kernels.backend import triton_installed, triton_interpreter_enabled  # noqa: E402
 from kvstage.offload import HostPool, OffloadManager  # noqa: E402

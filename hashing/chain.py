@@ -176,7 +176,7 @@ def request_namespace(req) -> tuple[str | None, str | None]:
             raise ArgumentTypeError(
                 f"req: a request must have attributes extra_key and cache_salt (each a str or None); "
                 f"{kind.__module__}.{kind.__qualname__} has no attribute {name!r}"
-            )
+            ) from None  # the AttributeError says less than this
         if value is not None and not isinstance(value, str):
             raise ArgumentTypeError(f"req.{name}: must be a str or None, got {type(value).__name__}")
         values.append(value)

@@ -21,8 +21,8 @@ from kvstage.kernels.backend import BACKEND_CHOICES, describe_backend, resolve_b
 from kvstage.kernels.layout import LAYOUTS, staging_shape
 from kvstage.kernels.pool import KVPool
 from kvstage.kernels.reference import gather_reference, scatter_reference
-from kvstage.kernels.transfer import MODES, gather, scatter, warm_up
 from kvstage.kernels.streams import CopyHandle, gather_async, launch_after, scatter_async, side_stream
+from kvstage.kernels.transfer import MODES, gather, scatter, warm_up
 
 __all__ = [
     "BACKEND_CHOICES",

@@ -70,7 +70,15 @@ from kvstage.offload.key_chain import ChainRun, RequestChain
 from kvstage.offload.lifecycles import Lifecycles
 from kvstage.offload.load_path import LoadHandle, PrefetchHandle, PrefixMatch
 from kvstage.offload.load_plan import plan_load_resume
-from kvstage.offload.manager_arguments import check_after, check_callbacks, check_prefetch_arguments, check_prefetch_request, checked_kv_length, checked_load_pages, checked_stride
+from kvstage.offload.manager_arguments import (
+    check_after,
+    check_callbacks,
+    check_prefetch_arguments,
+    check_prefetch_request,
+    checked_kv_length,
+    checked_load_pages,
+    checked_stride,
+)
 from kvstage.offload.metrics import OffloadMetrics, metrics_snapshot
 from kvstage.offload.one_thread import OwnerThread, owner_thread_only
 from kvstage.offload.prefetcher import Prefetcher

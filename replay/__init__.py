@@ -11,6 +11,6 @@ Modules, one job each:
     command: the ``kvstage replay`` options and their checks.
 """
 
-from kvstage.replay.trace import TraceRequest, TraceError, load_trace, synthetic_trace
+from kvstage.replay.trace import TraceError, TraceRequest, load_trace, synthetic_trace
 
 __all__ = ["TraceError", "TraceRequest", "load_trace", "synthetic_trace"]

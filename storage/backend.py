@@ -286,10 +286,10 @@ class StorageBackend(abc.ABC):
         """
         return self._events.take(max_events)
 
-    def register_host_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+    def register_host_buffers(self, buffers: Sequence[torch.Tensor]) -> None:  # noqa: B027 (optional hook)
         """Tell a zero-copy backend which host memory pages will come from (default: no-op)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook)
         """Release what the backend holds (default: no-op). Idempotent."""
 
     def __enter__(self) -> "StorageBackend":

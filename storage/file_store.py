@@ -61,9 +61,30 @@ from kvstage.storage.chain_writes import PutSteps, put_parallel, put_serial
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint
 from kvstage.storage.io_threads import IoThreads
-from kvstage.storage.key_spaces import KeySpace, describe_format, describe_other_key_spaces, key_spaces, remove_key_space
-from kvstage.storage.page_file import HEADER, SUFFIX, TMP_SUFFIX, digest, file_size, owned, owner_tag, page_file_name, parse_header
-from kvstage.storage.page_file import read_page_file, remove_if_read, remove_page_files, tmp_name, unlink, write_page_file
+from kvstage.storage.key_spaces import (
+    KeySpace,
+    describe_format,
+    describe_other_key_spaces,
+    key_spaces,
+    remove_key_space,
+)
+from kvstage.storage.page_file import (
+    HEADER,
+    SUFFIX,
+    TMP_SUFFIX,
+    digest,
+    file_size,
+    owned,
+    owner_tag,
+    page_file_name,
+    parse_header,
+    read_page_file,
+    remove_if_read,
+    remove_page_files,
+    tmp_name,
+    unlink,
+    write_page_file,
+)
 from kvstage.storage.room import Room
 from kvstage.storage.sizes import parse_size
 

@@ -41,9 +41,9 @@ CPU_TRITON_SKIP_REASON = (
     + "; the cuda parameter and the CPU CI run cover this code"
 )
 
-from support import CI, MISSING, SHARED, skip_missing  # noqa: E402
-
 from kvstage.errors import BackendUnavailableError  # noqa: E402
+
+from support import CI, MISSING, SHARED, skip_missing  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -92,10 +92,10 @@ class LocalMooncakeMaster:
                 try:
                     socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
                     break
-                except OSError:
+                except OSError as error:
                     if time.monotonic() > deadline:
                         self.stop()
-                        raise RuntimeError(f"mooncake_master did not listen on {port} within {timeout} s; log: {self.log_tail()}")
+                        raise RuntimeError(f"mooncake_master did not listen on {port} within {timeout} s; log: {self.log_tail()}") from error
                     time.sleep(0.05)
         return self
 

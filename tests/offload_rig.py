@@ -13,8 +13,8 @@ from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.kv_layout import KVLayout
 from kvstage.offload.testing import SimpleRequest, SlotTable
 from kvstage.storage import LayoutFingerprint, MemoryStore, PutStatus
-from naive_keys import naive_prefill_keys
 
+from naive_keys import naive_prefill_keys
 
 LAYOUT_FIELDS = ("num_layers", "kv_parts", "num_heads", "head_dim", "dtype")
 

@@ -7,13 +7,13 @@ import tempfile
 import pytest
 import torch
 
-from kvstage.kv_layout import KVLayout
 from kvstage.errors import InvalidArgumentError, KvstageError, is_int
-from kvstage.storage.file_store import FileStore
+from kvstage.kv_layout import KVLayout
 from kvstage.offload.host_pool import HostPool
-from kvstage.storage.memory_store import MemoryStore
-from kvstage.storage import LayoutFingerprint
 from kvstage.replay.models import resolve_model
+from kvstage.storage import LayoutFingerprint
+from kvstage.storage.file_store import FileStore
+from kvstage.storage.memory_store import MemoryStore
 
 FINGERPRINT = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 2)
 

@@ -10,6 +10,7 @@ import zipfile
 import pytest
 
 import kvstage
+
 from support import REPO_ROOT
 
 

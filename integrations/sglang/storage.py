@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, List, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -64,7 +64,7 @@ class KVStageStorage(HiCacheStorage):
     own thread's buffers and the store serializes only its index updates.
     """
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         self.config = ExtraConfig.parse(dict(storage_config.extra_config or {}), storage_config.model_name)
         for name, value in (
             ("attn_cp_size", storage_config.attn_cp_size),
@@ -141,8 +141,8 @@ class KVStageStorage(HiCacheStorage):
     # -- v1 zero-copy interface (host indices) ------------------------------------------------
 
     def batch_set_v1(
-        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
-    ) -> List[bool]:
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         """Store the pages at ``host_indices`` (``page_size`` host slots per key, the first of each
         page a multiple of ``page_size``) under ``keys``; True per key stored or already there.
 
@@ -169,8 +169,8 @@ class KVStageStorage(HiCacheStorage):
         return results
 
     def batch_get_v1(
-        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
-    ) -> List[bool]:
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         """Read the pages of ``keys`` into ``host_indices`` (as :meth:`batch_set_v1`); True per
         page found intact and written to the host pool. A missing or corrupt page is False and
         its host slots get no bytes of a wrong page.
@@ -188,7 +188,7 @@ class KVStageStorage(HiCacheStorage):
         self._record("prefetch", sum(results), time.perf_counter() - started)
         return results
 
-    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many of ``keys``, from the first, the store holds (sglang's lookup).
 
         Raises:
@@ -203,11 +203,11 @@ class KVStageStorage(HiCacheStorage):
         """Whether the store holds ``key``."""
         return self._store().exists([key])[0]
 
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+    def set(self, key: str, value: Any | None = None, target_location: Any | None = None, target_sizes: Any | None = None) -> bool:
         """Store one flat page (``host_pool.get_data_page(index, flat=True)``) under ``key``."""
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+    def batch_set(self, keys: list[str], values: Any | None = None, target_locations: Any | None = None, target_sizes: Any | None = None) -> bool:
         """Store flat pages under ``keys`` (one chain run); True when every page is stored or was there.
 
         Raises:
@@ -221,12 +221,12 @@ class KVStageStorage(HiCacheStorage):
         views = [flat_page_view(self.mem_pool_host, value, self.kv_layout) for value in values]
         return all(self._write(store, list(keys), views, None))
 
-    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+    def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> torch.Tensor | None:
         """Read ``key`` into ``target_location`` (a flat page, e.g.
         ``host_pool.get_dummy_flat_data_page()``); it, or None on a miss."""
         return self.batch_get([key], [target_location])[0]
 
-    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+    def batch_get(self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None) -> list[torch.Tensor | None]:
         """Read ``keys`` into the flat pages ``target_locations``; each target, or None on a miss."""
         store = self._store()
         targets = list(target_locations or [])

@@ -25,8 +25,8 @@ name up here; the lookup raises an error saying what to do.
 from kvstage.integrations.vllm.connector import KVStageConnector
 from kvstage.integrations.vllm.manager import KVStageOffloadingManager
 from kvstage.integrations.vllm.spec import KVStageOffloadingSpec
-from kvstage.integrations.vllm.worker import KVStageWorker
 from kvstage.integrations.vllm.tier import KVStageTier
+from kvstage.integrations.vllm.worker import KVStageWorker
 
 __all__ = ["KVStageConnector", "KVStageOffloadingManager", "KVStageOffloadingSpec", "KVStageTier", "KVStageWorker"]
 

@@ -37,7 +37,13 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvstage.errors import ArgumentTypeError, require
-from kvstage.integrations.vllm.keys import lookup_result, offloading_events, page_keys, prior_page_keys, tier_fingerprint
+from kvstage.integrations.vllm.keys import (
+    lookup_result,
+    offloading_events,
+    page_keys,
+    prior_page_keys,
+    tier_fingerprint,
+)
 from kvstage.offload import StoreIndex, StoreWorkers
 from kvstage.offload.keyed_copies import chain_runs
 from kvstage.offload.store_io import write_failure_cause, write_pages

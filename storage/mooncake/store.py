@@ -75,7 +75,11 @@ from kvstage.storage.fingerprint import LayoutFingerprint
 from kvstage.storage.mooncake.config import MooncakeConfig, parse_mooncake_url, split_host_port
 from kvstage.storage.mooncake.gate import BufferPool, ClearGate
 from kvstage.storage.mooncake.status import (
-    MASTER_DOWN_CODES, OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, MooncakeCodeError, describe_code,
+    MASTER_DOWN_CODES,
+    OBJECT_ALREADY_EXISTS,
+    OBJECT_NOT_FOUND,
+    MooncakeCodeError,
+    describe_code,
 )
 
 logger = logging.getLogger(__name__)

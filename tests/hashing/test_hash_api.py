@@ -22,6 +22,7 @@ from kvstage.hashing import (
     page_keys,
     prefill_page_keys,
 )
+
 from support import REPO_ROOT
 
 TOKENS = [(i * 2654435761) % 152064 for i in range(40)]  # 40 ids: 2 full pages of 16, 8 left over

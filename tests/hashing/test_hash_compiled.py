@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.hashing import PageHasher, get_scheme, page_keys, prefill_page_keys, schemes
 from kvstage.hashing.schemes import SCHEMES
+
 from hash_chains import LIBRARIES, MODULES, chain_module, compiled_scheme
 from support import SHARED, skip_missing
 

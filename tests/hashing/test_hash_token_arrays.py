@@ -20,6 +20,7 @@ from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.hashing import PageHasher, compute_prefix_hash, get_scheme, page_keys, prefill_page_keys, token_bytes
 from kvstage.hashing.schemes import SCHEMES
 from kvstage.hashing.tokens import compiled_source, token_ids
+
 from hash_chains import CHAINS, chain_scheme
 from support import SHARED
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvstage.hashing import PageHasher, compute_prefix_hash, namespace_seed, page_keys, prefill_page_keys
+
 from hash_chains import chain_scheme
 from support import SHARED, missing_mark
 

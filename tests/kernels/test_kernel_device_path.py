@@ -15,6 +15,10 @@ import contextlib
 import pytest
 import torch
 
+from kvstage.errors import InvalidArgumentError
+from kvstage.kernels import gather, scatter, transfer, triton_copy
+from kvstage.kernels import layout as layout_module
+
 from kernel_helpers import (
     as_bytes,
     changed_buffers,
@@ -27,9 +31,6 @@ from kernel_helpers import (
     pool_equals,
     random_bytes_,
 )
-from kvstage.errors import InvalidArgumentError
-from kvstage.kernels import gather, scatter, transfer, triton_copy
-from kvstage.kernels import layout as layout_module
 
 HOST_READS = {
     torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__index__,

@@ -8,6 +8,11 @@ import inspect
 import pytest
 import torch
 
+from kvstage import nvtx_ranges
+from kvstage.kernels import gather, gather_async, launch_after, scatter, scatter_async, triton_copy
+from kvstage.kernels.layout import page_runs
+from kvstage.kernels.words import widest_word
+
 from kernel_helpers import (
     as_bytes,
     changed_buffers,
@@ -21,11 +26,6 @@ from kernel_helpers import (
     random_bytes_,
     same_bytes,
 )
-from kvstage import nvtx_ranges
-from kvstage.kernels import gather, gather_async, launch_after, scatter, scatter_async
-from kvstage.kernels import triton_copy
-from kvstage.kernels.words import widest_word
-from kvstage.kernels.layout import page_runs
 
 
 def test_word_is_the_widest_dividing_row_and_addresses():

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_helpers import as_bytes, make_staging, random_bytes_
 from kvstage.kernels import KVPool, gather, gather_reference, scatter
+
+from kernel_helpers import as_bytes, make_staging, random_bytes_
 
 ROW = 9
 SLOTS = (2**31) // ROW + 4096  # the last slots start past byte 2**31 of their part

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_helpers import make_pool
 from kvstage.errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError
 from kvstage.kernels import KVPool, staging_shape
 from kvstage.kv_layout import KVLayout
+
+from kernel_helpers import make_pool
 
 
 def test_mha_pool_reports_its_shape(device):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_helpers import as_bytes, expected_staging, make_pool, make_staging, poison_
 from kvstage.kernels import gather, gather_reference, scatter, scatter_reference
+
+from kernel_helpers import as_bytes, expected_staging, make_pool, make_staging, poison_
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])

@@ -16,6 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvstage.errors import InvalidArgumentError
+from kvstage.kernels import KVPool, gather, scatter
+
 from kernel_helpers import (
     as_bytes,
     changed_buffers,
@@ -23,13 +26,11 @@ from kernel_helpers import (
     expected_staging,
     make_pool,
     make_staging,
-    pool_bytes,
     poison_,
+    pool_bytes,
     random_bytes_,
     same_bytes,
 )
-from kvstage.errors import InvalidArgumentError
-from kvstage.kernels import KVPool, gather, scatter
 
 PAGE, NUM_PAGES, NUM_HOST_PAGES, NUM_SLOTS = 2, 3, 6, 16
 SLOTS = [9, 2, 14, 5, 0, 11]  # the batch's slots; the others (e.g. 7, 13) must stay untouched

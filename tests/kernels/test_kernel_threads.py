@@ -13,8 +13,18 @@ import threading
 
 import torch
 
-from kernel_helpers import expected_pool_after_scatter, expected_staging, make_indices, make_pool, make_staging, pool_equals, random_bytes_, same_bytes
 from kvstage.kernels import gather, scatter
+
+from kernel_helpers import (
+    expected_pool_after_scatter,
+    expected_staging,
+    make_indices,
+    make_pool,
+    make_staging,
+    pool_equals,
+    random_bytes_,
+    same_bytes,
+)
 
 ROUNDS = 30
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvstage.kernels import gather, gather_reference, scatter, scatter_reference
+
 from kernel_helpers import (
     as_bytes,
     changed_buffers,
@@ -22,7 +24,6 @@ from kernel_helpers import (
     pool_equals,
     random_bytes_,
 )
-from kvstage.kernels import gather, gather_reference, scatter, scatter_reference
 
 BACKEND = "triton"  # the interpreter on CPU (conftest sets TRITON_INTERPRET=1), native on CUDA
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_helpers import as_bytes, changed_buffers, make_indices, make_pool, make_staging, pool_bytes, same_bytes
 from kvstage.errors import ArgumentTypeError, BackendUnavailableError, DeviceMismatchError, InvalidArgumentError
 from kvstage.kernels import gather, scatter
+
+from kernel_helpers import as_bytes, changed_buffers, make_indices, make_pool, make_staging, pool_bytes, same_bytes
 
 PAGE = 3
 # A device that is neither the pool's nor the host: "meta" tensors (no storage) raise the same

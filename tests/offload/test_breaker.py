@@ -16,6 +16,7 @@ from kvstage.kernels import KVPool
 from kvstage.offload import CopyStream, HostPool, OffloadManager
 from kvstage.offload.testing import SimpleRequest, SlotTable
 from kvstage.storage import LayoutFingerprint, open_storage
+
 from offload_rig import make_rig
 
 PROMPT = list(range(1, 10))  # 9 tokens: 4 whole pages of 2 (a lookup asks all but the last token)

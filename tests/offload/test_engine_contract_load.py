@@ -10,6 +10,7 @@ import torch
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.offload.testing import SimpleRequest
+
 from offload_rig import make_rig, settle
 
 PAGE = 4

@@ -17,6 +17,7 @@ from kvstage.kv_layout import KVLayout
 from kvstage.offload import StoreWorkers
 from kvstage.offload.testing import SimpleRequest
 from kvstage.storage import LayoutFingerprint
+
 from offload_rig import FlakyStore, make_rig, settle
 
 PAGE = 4

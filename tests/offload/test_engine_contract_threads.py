@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from kvstage.errors import KvstageError, ThreadingError
+
 from offload_rig import make_rig
 
 PAGE = 4

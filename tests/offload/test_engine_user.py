@@ -32,6 +32,7 @@ from kvstage.hashing import PageHasher
 from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, OffloadManager
 from kvstage.storage import LayoutFingerprint, MissingPriorError, open_storage
+
 from support import REPO_ROOT
 
 PAGE = 8

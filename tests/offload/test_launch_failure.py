@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvstage.offload.copy_stream import ManualCopyStream
+
 from offload_rig import make_rig, settle
 
 PAGE = 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvstage.offload.metrics import OffloadMetrics, metrics_snapshot
+
 from offload_rig import make_rig
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvstage.errors import InvalidArgumentError
+
 from offload_rig import host_pool
 
 ARGS = dict(num_layers=1, kv_parts=2, num_heads=1, head_dim=4, dtype=torch.float32, num_pages=2, page_size=2, pin=False)

@@ -11,6 +11,7 @@ from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, ManualCopyStream, OffloadManager
 from kvstage.offload.testing import SimpleRequest
 from kvstage.storage import FileStore, LayoutFingerprint
+
 from offload_rig import InlineStoreWorkers, make_rig
 
 

@@ -12,6 +12,7 @@ from kvstage.errors import ArgumentTypeError, InvalidArgumentError, StorageError
 from kvstage.kv_layout import KVLayout
 from kvstage.offload import CopyStream, ManualCopyStream, StoreWorkers
 from kvstage.storage import LayoutFingerprint
+
 from offload_rig import FlakyStore, make_rig
 
 PAGE = 4

@@ -17,6 +17,7 @@ import torch
 from kvstage.errors import InvalidArgumentError
 from kvstage.offload import StoreWorkers
 from kvstage.offload.testing import SimpleRequest
+
 from offload_rig import make_rig
 
 PAGE = 2

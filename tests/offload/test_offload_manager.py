@@ -9,13 +9,14 @@ import threading
 import pytest
 import torch
 
-from kvstage.kv_layout import KVLayout
 from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
+from kvstage.kv_layout import KVLayout
 from kvstage.nvtx_ranges import open_ranges
 from kvstage.offload import CopyStream, HostPool, OffloadManager, OffloadRequest
-from kvstage.storage import LayoutFingerprint, MemoryStore
 from kvstage.offload.testing import SimpleRequest
+from kvstage.storage import LayoutFingerprint, MemoryStore
+
 from offload_rig import FlakyStore, make_rig
 
 NAMESPACES = [
@@ -90,7 +91,7 @@ def test_strides_start_after_the_prompt_prefix_and_stay_page_aligned():
     req = rig.new_request("r", range(10), 40)  # aligned prefix: 8 tokens
     manager = rig.manager
     launched_at = []
-    for step, token in enumerate(range(100, 125)):
+    for token in range(100, 125):
         rig.decode(req, token)
         if manager.offload(req):
             launched_at.append((req.kv_length, manager.offloaded_length(req)))

@@ -15,6 +15,7 @@ import torch
 
 import kvstage
 from kvstage.offload import StoreWorkers
+
 from offload_rig import make_rig
 
 LIBRARY = Path(kvstage.__file__).resolve().parent

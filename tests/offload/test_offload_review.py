@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstage.kv_layout import KVLayout
 from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
 from kvstage.kernels import KVPool
+from kvstage.kv_layout import KVLayout
 from kvstage.offload import HostPool, OffloadManager
 from kvstage.storage import LayoutFingerprint, MemoryStore
 
@@ -185,6 +185,7 @@ def test_bad_slot_indices_are_an_error_of_offload_itself(slots):
     # On CPU the gather runs on the copy thread: without a check here a wrong slot tensor would
     # only show up later as a failed copy (and a list as an AttributeError).
     from kvstage.errors import ArgumentTypeError
+
     from offload_rig import make_rig
 
     rig = make_rig(page_size=4)

@@ -15,17 +15,17 @@ and counts)."""
 
 from __future__ import annotations
 
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-import torch
 
 from kvstage.kv_layout import KVLayout
 from kvstage.offload import ManualCopyStream
 from kvstage.offload.copier import SCATTER
 from kvstage.offload.testing import SimpleRequest
 from kvstage.storage import LayoutFingerprint
+
 from offload_rig import FlakyStore, make_rig
 
 PAGE_SIZE = 2
@@ -400,9 +400,9 @@ class OffloadMachine(RuleBasedStateMachine):
             self.manager.cancel(handle)
             self._prefill(req, 0)
         self.prefetching = []
-        for req, _, _ in list(self.loading):
+        for _ in list(self.loading):
             self.finish_load(0)
-        for req in list(self.live):
+        for _ in list(self.live):
             self.finish(0)
         for _ in range(100):  # finished requests' waiting pages launch as host pages free
             self.stream.complete_all()

@@ -20,6 +20,7 @@ from kvstage.kv_layout import KVLayout
 from kvstage.offload import HostPool, OffloadManager, StoreWorkers
 from kvstage.offload.testing import SimpleRequest
 from kvstage.storage import LayoutFingerprint, MemoryStore, MissingPriorError, PutStatus, PutStatuses, open_storage
+
 from offload_rig import make_rig
 
 PAGE = 4

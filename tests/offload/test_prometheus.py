@@ -8,14 +8,15 @@ import dataclasses
 import re
 
 import pytest
-from offload_rig import make_rig
-from support import REPO_ROOT
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.offload.metrics import OffloadMetrics
 from kvstage.offload.prometheus import METRICS, PrometheusExporter
+
+from offload_rig import make_rig
+from support import REPO_ROOT
 
 # The test's own table: each counter's name and the OffloadMetrics or StorageStats field it is.
 MANAGER_COUNTERS = {

@@ -15,7 +15,16 @@ from kvstage.replay.models import resolve_model
 from kvstage.replay.trace import TraceRequest
 from kvstage.replay.verify import chains_to_verify, verify_pages
 from kvstage.storage.memory_store import MemoryStore
-from replay_helpers import PAGE_BYTES, TINY, distinct_pages, expected_page_count, run_in_process, serial_hits, tiny_trace
+
+from replay_helpers import (
+    PAGE_BYTES,
+    TINY,
+    distinct_pages,
+    expected_page_count,
+    run_in_process,
+    serial_hits,
+    tiny_trace,
+)
 
 # Request 1 repeats request 0's blocks: request 0's 700 prompt tokens are 43 whole pages of 16
 # (its page 43 holds output tokens), so request 1 (900 tokens, 56 pages looked up) shares 43.

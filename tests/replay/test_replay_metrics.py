@@ -13,10 +13,11 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
-from replay_helpers import PAGE_BYTES, run_in_process, tiny_trace
 
 from kvstage.cli import build_parser
 from kvstage.offload.prometheus import METRICS
+
+from replay_helpers import PAGE_BYTES, run_in_process, tiny_trace
 
 LABELS = {"store": "memory", "role": "prefill_decode"}
 # Each counter and gauge, and the report field (or, where the report has none, the manager's

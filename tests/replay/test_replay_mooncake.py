@@ -7,12 +7,14 @@ from kvstage.replay.command import replay
 from kvstage.replay.engine import ReplayConfig
 from kvstage.replay.models import resolve_model
 from kvstage.replay.trace import TraceRequest
+
 from support import skip_missing
 
 
 def test_replay_through_a_real_mooncake_store(tmp_path):
-    import mooncake_master as master_module  # tests/mooncake_master.py
     from kvstage.storage.mooncake import store as store_module
+
+    import mooncake_master as master_module  # tests/mooncake_master.py
     if not store_module.mooncake_available() or master_module.master_binary() is None:
         skip_missing(f"the Mooncake store is not usable here; {store_module.INSTALL_HINT}")
     requests = [

@@ -16,6 +16,7 @@ from kvstage.cli import main
 from kvstage.errors import InvalidArgumentError
 from kvstage.replay.models import resolve_model
 from kvstage.replay.trace import synthetic_trace
+
 from replay_helpers import PAGE_BYTES, distinct_pages, expected_page_count, run_in_process, tiny_trace
 
 

@@ -15,11 +15,12 @@ import textwrap
 import pytest
 import torch
 
-from mount_namespace import run_in_mount_namespace
+from kvstage.errors import StorageError
 from kvstage.kv_layout import KVLayout
 from kvstage.offload.store_io import write_pages
-from kvstage.errors import StorageError
 from kvstage.storage import FileStore, LayoutFingerprint, MemoryStore, MissingPriorError, PutStatus, PutStatuses
+
+from mount_namespace import run_in_mount_namespace
 
 SCRIPT = textwrap.dedent(
     """

@@ -12,11 +12,12 @@ import threading
 import pytest
 import torch
 
-from file_store_rig import FP, KEYS, POISON, page, poisoned, temporary_files, values
 from kvstage.errors import InvalidArgumentError
 from kvstage.kv_layout import KVLayout
 from kvstage.storage import FileStore, LayoutFingerprint, open_storage
 from kvstage.storage.file_store import DEFAULT_IO_THREADS, PARALLEL_MIN_PAGE_BYTES
+
+from file_store_rig import FP, KEYS, POISON, page, poisoned, temporary_files, values
 
 
 def threads_doing(method: str, monkeypatch, meet: int) -> set[int]:

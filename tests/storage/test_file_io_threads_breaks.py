@@ -17,10 +17,22 @@ import time
 import pytest
 import torch
 
-from file_store_rig import FP, KEYS, OTHER, PAGE_FILE_BYTES, POISON, directory_bytes, page, poisoned, temporary_files, values
-from mount_namespace import run_in_mount_namespace
 from kvstage.storage import FileStore, MissingPriorError
 from kvstage.storage.file_store import TMP_SUFFIX
+
+from file_store_rig import (
+    FP,
+    KEYS,
+    OTHER,
+    PAGE_FILE_BYTES,
+    POISON,
+    directory_bytes,
+    page,
+    poisoned,
+    temporary_files,
+    values,
+)
+from mount_namespace import run_in_mount_namespace
 
 FULL_DISK = textwrap.dedent(
     """

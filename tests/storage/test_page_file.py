@@ -38,8 +38,8 @@ KEY = PREFIX + "ab" * 32
 PAYLOAD = bytes(range(256)) * 2  # 512 bytes: one page
 
 
-def read(path, full_key=KEY, page_bytes=len(PAYLOAD)):
-    payload = bytearray(page_bytes)
+def read(path, full_key=KEY, page_bytes=None):
+    payload = bytearray(len(PAYLOAD) if page_bytes is None else page_bytes)
     with open(path, "rb", buffering=0) as handle:
         ok = read_page_file(handle, os.fstat(handle.fileno()).st_size, full_key, memoryview(payload))
     return ok, bytes(payload)

@@ -12,12 +12,12 @@ import textwrap
 import pytest
 import torch
 
-from kvstage.kv_layout import KVLayout
 from kvstage.errors import InvalidArgumentError, StorageError
-from mount_namespace import run_in_mount_namespace
-from kvstage.storage import FileStore, LayoutFingerprint, PutStatus, open_storage
-from kvstage.storage import file_store
+from kvstage.kv_layout import KVLayout
+from kvstage.storage import FileStore, LayoutFingerprint, PutStatus, file_store, open_storage
 from kvstage.storage.file_store import TMP_SUFFIX
+
+from mount_namespace import run_in_mount_namespace
 
 FP = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
 KEY_A = "a" * 64

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstage.kv_layout import KVLayout
 from kvstage.errors import InvalidArgumentError
+from kvstage.kv_layout import KVLayout
 from kvstage.storage import LayoutFingerprint, MemoryStore, PutStatus, open_storage
 
 FP = LayoutFingerprint("tiny", KVLayout(2, 2, 1, 4, "float32"), 2)  # 128 bytes

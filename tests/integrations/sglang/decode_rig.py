@@ -17,9 +17,10 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.runtime_context import get_context, get_parallel
 from sglang.srt.sampling.sampling_params import SamplingParams
-from sglang_rig import PAGE_SIZE, dsa_device_pool, extra_config, mha_device_pool, mla_device_pool
 
 from kvstage.integrations.sglang import KVStageDecodeOffloadManager
+
+from sglang_rig import PAGE_SIZE, dsa_device_pool, extra_config, mha_device_pool, mla_device_pool
 
 
 def install_settings(url: str, tp_rank: int = 0, tp_size: int = 1, stride: int | None = None, page_size: int = PAGE_SIZE):

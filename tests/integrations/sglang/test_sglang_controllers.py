@@ -9,7 +9,6 @@ import threading
 from array import array
 
 import pytest
-import torch
 import torch.distributed as dist
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -18,14 +17,30 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCach
 from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.runtime_context import get_parallel
-from sglang_rig import (
-    DSA_PAGE_SIZE, dsa_device_pool, dsa_host_pool_group, MHA_LAYOUTS, MLA_LAYOUTS, PAGE_SIZE, canonical_of, extra_config, host_pool, mha_device_pool,
-    mla_device_pool, random_canonical, same_bytes, set_host, token_slots, write_through, prefetch,
-)
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
 from kvstage.integrations.sglang import KVStageStorage
+
+from sglang_rig import (
+    DSA_PAGE_SIZE,
+    MHA_LAYOUTS,
+    MLA_LAYOUTS,
+    PAGE_SIZE,
+    canonical_of,
+    dsa_device_pool,
+    dsa_host_pool_group,
+    extra_config,
+    host_pool,
+    mha_device_pool,
+    mla_device_pool,
+    prefetch,
+    random_canonical,
+    same_bytes,
+    set_host,
+    token_slots,
+    write_through,
+)
 
 KINDS = [("mha", layout) for layout in MHA_LAYOUTS] + [("mla", layout) for layout in MLA_LAYOUTS]
 TIMEOUT = 30

@@ -6,7 +6,6 @@ two TP ranks (two processes, gloo on loopback) release the same requests in the 
 from __future__ import annotations
 
 import gc
-import os
 import socket
 import threading
 import time
@@ -21,11 +20,12 @@ from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.managers.schedule_batch import release_req
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang_rig import DSA_PAGE_SIZE, PAGE_SIZE, canonical_of, extra_config, host_pool, token_slots, write_through
+
+from kvstage.errors import InvalidArgumentError
 
 import tp_rank_worker
 from decode_rig import DecodeSide, released, run_until_released, settings_installed
-from kvstage.errors import InvalidArgumentError
+from sglang_rig import DSA_PAGE_SIZE, PAGE_SIZE, canonical_of, extra_config, host_pool, token_slots, write_through
 
 
 @pytest.fixture

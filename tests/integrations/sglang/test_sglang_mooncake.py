@@ -9,17 +9,27 @@ from array import array
 
 import pytest
 import torch.distributed as dist
-from mooncake_master import LocalMooncakeMaster
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.runtime_context import get_parallel
-from sglang_rig import (
-    PAGE_SIZE, canonical_of, extra_config, host_pool, mha_device_pool, mla_device_pool, random_canonical,
-    same_bytes, set_host, token_slots, write_through,
-)
 
 from kvstage.storage.mooncake.store import INSTALL_HINT, master_binary, mooncake_available
+
+from mooncake_master import LocalMooncakeMaster
+from sglang_rig import (
+    PAGE_SIZE,
+    canonical_of,
+    extra_config,
+    host_pool,
+    mha_device_pool,
+    mla_device_pool,
+    random_canonical,
+    same_bytes,
+    set_host,
+    token_slots,
+    write_through,
+)
 
 
 @pytest.fixture(scope="module")

@@ -4,20 +4,25 @@ over sglang's own MHA and MLA host pools (every host layout), with the memory an
 from __future__ import annotations
 
 import itertools
-import threading
 from pathlib import Path
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
-from sglang.srt.observability.metrics_collector import StorageMetrics
-from sglang_rig import (
-    MHA_LAYOUTS, MLA_LAYOUTS, PAGE_SIZE, canonical_shape, host_buffer_of, host_pool, kvstage_backend,
-    mha_device_pool, mla_device_pool, random_canonical, same_bytes, set_host,
-)
 
-from kvstage.errors import InvalidArgumentError, StorageError
-from kvstage.integrations.sglang import KVStageStorage
+from sglang_rig import (
+    MHA_LAYOUTS,
+    MLA_LAYOUTS,
+    PAGE_SIZE,
+    canonical_shape,
+    host_buffer_of,
+    host_pool,
+    kvstage_backend,
+    mha_device_pool,
+    mla_device_pool,
+    random_canonical,
+    same_bytes,
+    set_host,
+)
 
 KINDS = [("mha", layout) for layout in MHA_LAYOUTS] + [("mla", layout) for layout in MLA_LAYOUTS]
 

@@ -17,14 +17,27 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.observability.metrics_collector import StorageMetrics
-from sglang_rig import (
-    LAYERS, PAGE_SIZE, dsa_device_pool, dsa_host_pool_group, canonical_shape, host_buffer_of, host_pool, kvstage_backend, mha_device_pool, mla_device_pool,
-    random_canonical, same_bytes, set_host, storage_config, canonical_of,
-)
 
 from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.hashing import PageHasher
 from kvstage.integrations.sglang import KVStageStorage
+
+from sglang_rig import (
+    LAYERS,
+    PAGE_SIZE,
+    canonical_of,
+    canonical_shape,
+    dsa_device_pool,
+    dsa_host_pool_group,
+    host_pool,
+    kvstage_backend,
+    mha_device_pool,
+    mla_device_pool,
+    random_canonical,
+    same_bytes,
+    set_host,
+    storage_config,
+)
 
 
 def slots(starts) -> torch.Tensor:

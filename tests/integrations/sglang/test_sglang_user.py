@@ -26,14 +26,25 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.runtime_context import get_parallel
-from sglang_rig import (
-    PAGE_SIZE, canonical_of, host_pool, mha_device_pool, mla_device_pool, random_canonical, same_bytes,
-    set_host, storage_config, token_slots, write_through, prefetch,
-)
 
-from decode_rig import DecodeSide, install_settings, released, settings_installed
 from kvstage.errors import InvalidArgumentError, KvstageError
 from kvstage.integrations.sglang import KVStageStorage
+
+from decode_rig import DecodeSide, install_settings, released, settings_installed
+from sglang_rig import (
+    PAGE_SIZE,
+    canonical_of,
+    host_pool,
+    mha_device_pool,
+    mla_device_pool,
+    prefetch,
+    random_canonical,
+    same_bytes,
+    set_host,
+    storage_config,
+    token_slots,
+    write_through,
+)
 
 TIMEOUT = 30
 README = Path(__file__).resolve().parents[3] / "README.md"

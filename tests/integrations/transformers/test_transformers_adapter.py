@@ -31,9 +31,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import transformers_models as tm
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError
-from kvstage.integrations.transformers import KVStageSession, cache_layout
+from kvstage.integrations.transformers import KVStageSession
+
+import transformers_models as tm
 
 PREFIX = (tm.PROMPT_TOKENS - 1) // tm.PAGE_SIZE * tm.PAGE_SIZE  # 32: what a lookup of the prompt loads
 STORED_PAGES = (tm.PROMPT_TOKENS + tm.NEW_TOKENS - 1) // tm.PAGE_SIZE  # 44 tokens with KV: 5 pages
@@ -166,8 +167,16 @@ def tiny(config_class, model_class, **fields):
 
 def refused_models():
     from transformers import (
-        DeepseekV32Config, DeepseekV32ForCausalLM, MambaConfig, MambaForCausalLM, MistralConfig, MistralForCausalLM,
-        Qwen2Config, Qwen2ForCausalLM, T5Config, T5ForConditionalGeneration,
+        DeepseekV32Config,
+        DeepseekV32ForCausalLM,
+        MambaConfig,
+        MambaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        T5Config,
+        T5ForConditionalGeneration,
     )
 
     yield "sliding window", lambda: tiny(MistralConfig, MistralForCausalLM, sliding_window=16), "model.config.sliding_window: layer 0 is a 'sliding_attention' layer"

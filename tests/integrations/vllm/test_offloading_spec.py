@@ -17,10 +17,11 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_con
 
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import Medium  # noqa: E402
-from vllm_rig import ConnectorRig  # noqa: E402
 
 from kvstage.errors import InvalidArgumentError  # noqa: E402
 from kvstage.integrations.vllm import KVStageOffloadingSpec  # noqa: E402
+
+from vllm_rig import ConnectorRig  # noqa: E402
 
 BLOCK = ConnectorRig.BLOCK_SIZE
 PROMPT = list(range(1, 4 * BLOCK + 6))  # 4 full blocks and 5 tokens
@@ -169,9 +170,9 @@ def test_a_connector_cache_reset_clears_the_store_and_reports_the_removals(tmp_p
 
 
 def test_a_second_request_loads_from_a_real_mooncake_master(tmp_path):
-    from mooncake_master import LocalMooncakeMaster
-
     from kvstage.storage.mooncake.store import master_binary, mooncake_available
+
+    from mooncake_master import LocalMooncakeMaster
 
     if not (mooncake_available() and master_binary()):
         pytest.skip("the Mooncake store is not installed (make .venv/.mooncake)")
@@ -312,9 +313,10 @@ def test_the_manager_keeps_no_loaded_keys_unless_its_connector_reports_loads():
 
 def test_a_manager_or_worker_that_fails_to_build_lets_go_of_the_shared_store_and_shutdown_twice_is_harmless():
     from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
-    from vllm_rig import offloading_config
 
     from kvstage.storage import shared
+
+    from vllm_rig import offloading_config
 
     before = dict(shared._open)
     spec = KVStageOffloadingSpec(offloading_config({"storage": "memory", "miss_ttl_s": -1}))

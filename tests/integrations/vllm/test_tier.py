@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 from kvstage.errors import InvalidArgumentError  # noqa: E402
 from kvstage.integrations.vllm import KVStageTier  # noqa: E402
 from kvstage.storage import FileStore  # noqa: E402
+
 from vllm_rig import CHUNK_BYTES, chunks_for, keys_of, offloading_config  # noqa: E402
 
 NUM_CHUNKS = 4  # the CPU tier's slots
@@ -261,9 +262,9 @@ def test_a_hybrid_models_chunks_of_two_groups_cascade_and_come_back(rig):
 
 
 def test_the_tier_over_a_real_mooncake_master(tmp_path):
-    from mooncake_master import LocalMooncakeMaster
-
     from kvstage.storage.mooncake.store import master_binary, mooncake_available
+
+    from mooncake_master import LocalMooncakeMaster
 
     if not (mooncake_available() and master_binary()):
         pytest.skip("the Mooncake store is not installed (make .venv/.mooncake)")

@@ -23,10 +23,19 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_con
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
-from vllm_rig import CHUNK_BYTES, ConnectorRig, chunks_for, keys_of, offloading_config, slow_down, step_until_writes_in_flight  # noqa: E402
 
 from kvstage.errors import InvalidArgumentError  # noqa: E402
 from kvstage.integrations.vllm import KVStageTier  # noqa: E402
+
+from vllm_rig import (  # noqa: E402
+    CHUNK_BYTES,
+    ConnectorRig,
+    chunks_for,
+    keys_of,
+    offloading_config,
+    slow_down,
+    step_until_writes_in_flight,
+)
 
 BLOCK = ConnectorRig.BLOCK_SIZE
 PROMPT = list(range(1, 4 * BLOCK + 6))  # 4 full blocks and 5 tokens

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_master import LocalMooncakeMaster, master_binary
 from kvstage.kv_layout import KVLayout
-from kvstage.storage.mooncake.store import INSTALL_HINT, mooncake_available
 from kvstage.storage import LayoutFingerprint
+from kvstage.storage.mooncake.store import INSTALL_HINT, mooncake_available
+
+from mooncake_master import LocalMooncakeMaster, master_binary
 from support import REPO_ROOT, skip_missing
 
 # A small layout: 2 layers x K,V x 16 tokens x 2 heads x 64 x bf16 = 16 KiB a page.

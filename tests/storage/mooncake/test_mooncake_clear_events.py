@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import uuid
 
-import pytest
 import torch
 
 from kvstage.errors import StorageError

@@ -7,11 +7,11 @@ import sys
 import pytest
 
 from kvstage.errors import BackendUnavailableError, InvalidArgumentError
+from kvstage.storage import STORAGE_SCHEMES, open_storage
 from kvstage.storage.mooncake import store as mooncake_store
 from kvstage.storage.mooncake.config import MooncakeConfig, parse_mooncake_url, parse_size
 from kvstage.storage.mooncake.status import describe_code
 from kvstage.storage.mooncake.store import MooncakeStore
-from kvstage.storage import STORAGE_SCHEMES, open_storage
 
 
 def test_url_with_every_field():

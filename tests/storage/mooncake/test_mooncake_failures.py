@@ -10,10 +10,10 @@ import uuid
 import pytest
 import torch
 
-from kvstage.kv_layout import KVLayout
 from kvstage.errors import StorageError
-from kvstage.storage.mooncake.store import MooncakeStore
+from kvstage.kv_layout import KVLayout
 from kvstage.storage import LayoutFingerprint, PutStatus
+from kvstage.storage.mooncake.store import MooncakeStore
 
 
 def bounded(seconds: float, function, *args):

@@ -6,11 +6,12 @@ import time
 
 import torch
 
-from kvstage.kv_layout import KVLayout
 from kvstage.hashing import PageHasher
+from kvstage.kv_layout import KVLayout
 from kvstage.offload import CopyStream
 from kvstage.storage import LayoutFingerprint, PutStatus
 from kvstage.storage.mooncake.store import MooncakeStore
+
 from offload_rig import make_rig
 
 # The rig's layout (make_rig defaults): int32, 2 layers, K and V, 1 head of 4, 4-token pages.

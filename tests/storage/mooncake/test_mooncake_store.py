@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvstage.errors import InvalidArgumentError, StorageError
-from kvstage.storage.mooncake.store import MooncakeStore
 from kvstage.kv_layout import KVLayout
 from kvstage.storage import LayoutFingerprint, PutStatus, open_storage
+from kvstage.storage.mooncake.store import MooncakeStore
 
 
 def new_keys(n: int) -> list[str]:
