@@ -50,7 +50,9 @@ def _mooncake_status() -> str:
     if importlib.util.find_spec("mooncake") is None:
         return f"not installed ({INSTALL_HINT})"
     master = master_binary()
-    versions = [f"{name} {_version_of(name)}" for name in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")]
+    versions = [
+        f"{name} {_version_of(name)}" for name in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")
+    ]
     found = [v for v in versions if not v.endswith("not installed")]
     return f"installed ({', '.join(found) or 'unknown distribution'}; master: {master or 'not found'})"
 
@@ -75,9 +77,13 @@ def _add_store_parser(commands: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("url", metavar="file:DIR", help="the file store's URL (or its directory)")
-    p.add_argument("--evict", action="append", default=[], metavar="PREFIX", help="remove this key space's pages (repeatable)")
+    p.add_argument(
+        "--evict", action="append", default=[], metavar="PREFIX", help="remove this key space's pages (repeatable)"
+    )
     p.add_argument("--evict-other", action="store_true", help="remove every key space not named by --keep")
-    p.add_argument("--keep", action="append", default=[], metavar="PREFIX", help="a key space --evict-other keeps (repeatable)")
+    p.add_argument(
+        "--keep", action="append", default=[], metavar="PREFIX", help="a key space --evict-other keeps (repeatable)"
+    )
     p.set_defaults(handler=run_store)
 
 
@@ -99,7 +105,9 @@ def run_store(args: argparse.Namespace) -> int:
             raise InvalidArgumentError(f"url: must be file:DIR (or a directory), got {args.url!r}")
         directory = rest.partition("?")[0] if colon else args.url
         if args.evict_other != bool(args.keep):
-            raise InvalidArgumentError("--keep: --evict-other needs at least one --keep PREFIX, and --keep needs --evict-other")
+            raise InvalidArgumentError(
+                "--keep: --evict-other needs at least one --keep PREFIX, and --keep needs --evict-other"
+            )
         spaces = key_spaces(directory)
         for space in spaces:
             print(f"{space.prefix}  {space.pages} pages  {space.bytes} bytes")
@@ -121,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstage", description=kvstage.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvstage {kvstage.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    info = commands.add_parser("info", help="versions, CUDA, the copy backend that will run, NVTX, the hash chain that will run")
+    info = commands.add_parser(
+        "info", help="versions, CUDA, the copy backend that will run, NVTX, the hash chain that will run"
+    )
     info.set_defaults(handler=run_info)
     from kvstage.replay.command import add_parser as add_replay_parser
 

@@ -82,5 +82,6 @@ def require_seconds(value: object, argument: str) -> None:
     """
     require(
         isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
-        argument, lambda: f"must be a number of seconds >= 0, got {value!r}",
+        argument,
+        lambda: f"must be a number of seconds >= 0, got {value!r}",
     )

@@ -28,14 +28,18 @@ def canonical_dtype(value: object, argument: str = "dtype") -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
     require(
-        isinstance(value, str), argument,
-        lambda: f"must be a torch.dtype or its name, got {type(value).__name__}", ArgumentTypeError,
+        isinstance(value, str),
+        argument,
+        lambda: f"must be a torch.dtype or its name, got {type(value).__name__}",
+        ArgumentTypeError,
     )
     name = value.removeprefix("torch.")
     resolved = getattr(torch, name, None) if name.isidentifier() else None
     require(
-        isinstance(resolved, torch.dtype), argument,
-        lambda: f"{value!r} names no torch dtype (e.g. 'bfloat16', torch.float16)", ArgumentTypeError,
+        isinstance(resolved, torch.dtype),
+        argument,
+        lambda: f"{value!r} names no torch dtype (e.g. 'bfloat16', torch.float16)",
+        ArgumentTypeError,
     )
     return resolved
 
@@ -74,7 +78,8 @@ class KVLayout:
             require(is_int(value) and value >= 1, name, lambda: f"must be a positive int, got {value!r}")
         require(
             is_int(self.kv_parts) and self.kv_parts in (1, 2),
-            "kv_parts", lambda: f"must be 1 (MLA) or 2 (K and V), got {self.kv_parts!r}",
+            "kv_parts",
+            lambda: f"must be 1 (MLA) or 2 (K and V), got {self.kv_parts!r}",
         )
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
 

@@ -94,7 +94,15 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.process_time() - start
 
 
-def run(quick: bool = False, *, rounds: int | None = None, n_tokens: int | None = None, page_sizes: tuple[int, ...] = PAGE_SIZES, schemes: tuple[str, ...] = SCHEMES, log: Callable[[str], None] = print) -> dict:
+def run(
+    quick: bool = False,
+    *,
+    rounds: int | None = None,
+    n_tokens: int | None = None,
+    page_sizes: tuple[int, ...] = PAGE_SIZES,
+    schemes: tuple[str, ...] = SCHEMES,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Time every scheme x page size x method; return the results as a JSON-able dict.
 
     Args:
@@ -148,7 +156,9 @@ def run(quick: bool = False, *, rounds: int | None = None, n_tokens: int | None 
             for method in METHODS:
                 seconds = statistics.median(times[scheme][method])
                 row[method] = n_tokens / seconds
-                results.append(dict(scheme=scheme, page_size=page_size, method=method, seconds=seconds, tokens_per_s=row[method]))
+                results.append(
+                    dict(scheme=scheme, page_size=page_size, method=method, seconds=seconds, tokens_per_s=row[method])
+                )
 
             def per_round(a: str, b: str, scheme: str = scheme) -> float:
                 return statistics.median(tb / ta for ta, tb in zip(times[scheme][a], times[scheme][b]))
@@ -201,8 +211,12 @@ def summarize(ratios: list[dict], xxh3_vs_sglang: dict) -> dict:
     summary: dict[str, dict] = {}
     for r in ratios:
         if r["scheme"] == "sglang-v1" and r["page_size"] == TARGET_PAGE:
-            summary[f"sglang-v1 page {TARGET_PAGE}: kvstage / per-token"] = dict(value=r["vs_per_token"], target=10.0, ok=r["vs_per_token"] >= 10.0)
-            summary[f"sglang-v1 page {TARGET_PAGE}: kvstage / one-call ceiling"] = dict(value=r["of_ceiling"], target=0.5, ok=r["of_ceiling"] >= 0.5)
+            summary[f"sglang-v1 page {TARGET_PAGE}: kvstage / per-token"] = dict(
+                value=r["vs_per_token"], target=10.0, ok=r["vs_per_token"] >= 10.0
+            )
+            summary[f"sglang-v1 page {TARGET_PAGE}: kvstage / one-call ceiling"] = dict(
+                value=r["of_ceiling"], target=0.5, ok=r["of_ceiling"] >= 0.5
+            )
     if TARGET_PAGE in xxh3_vs_sglang:
         value = xxh3_vs_sglang[TARGET_PAGE]
         summary[f"page {TARGET_PAGE}: xxh3-128 / sglang-v1"] = dict(value=value, target=3.0, ok=value >= 3.0)
@@ -218,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     report = run(args.quick, rounds=args.rounds, n_tokens=args.tokens, page_sizes=tuple(args.page_size or PAGE_SIZES))
-    print(f"{report['n_tokens']} tokens, median of {report['rounds']} rounds; Python {report['python']}, {report['openssl']}")
+    print(
+        f"{report['n_tokens']} tokens, median of {report['rounds']} rounds; Python {report['python']}, {report['openssl']}"
+    )
     print(f"kvstage rows: {report['chains']}")
     if report["n_tokens"] < 1 << 20:
         print("(fewer than 1M tokens: per-call costs weigh more; the targets are judged on a full run)")

@@ -61,7 +61,13 @@ def make_case(name: str, page_size: int, num_tokens: int, device: torch.device, 
     shape = CASES[name]
     num_pages = num_tokens // page_size
     num_slots = 2 * num_pages * page_size
-    buffers = [[torch.empty((num_slots, shape["heads"], shape["dim"]), dtype=DTYPE, device=device) for _ in range(shape["layers"])] for _ in range(shape["parts"])]
+    buffers = [
+        [
+            torch.empty((num_slots, shape["heads"], shape["dim"]), dtype=DTYPE, device=device)
+            for _ in range(shape["layers"])
+        ]
+        for _ in range(shape["parts"])
+    ]
     for i, part in enumerate(buffers):
         for j, t in enumerate(part):
             t.fill_(float((i * 131 + j) % 97))
@@ -75,12 +81,22 @@ def make_case(name: str, page_size: int, num_tokens: int, device: torch.device, 
     return pool, staging, slot_indices, host_page_ids
 
 
-def page_loop(pool: KVPool, staging: torch.Tensor, slot_indices: torch.Tensor, host_page_ids: torch.Tensor, page_size: int, *, to_host: bool) -> Callable[[], None]:
+def page_loop(
+    pool: KVPool,
+    staging: torch.Tensor,
+    slot_indices: torch.Tensor,
+    host_page_ids: torch.Tensor,
+    page_size: int,
+    *,
+    to_host: bool,
+) -> Callable[[], None]:
     """The naive engine: one ``copy_`` per (page, layer, part) of whole page runs."""
     firsts = slot_indices.view(-1, page_size)[:, 0].tolist()
     host = host_page_ids.tolist()
     non_blocking = pool.device.type == "cuda"
-    planes = [(layer, part, pool.buffers[part][layer]) for layer in range(pool.num_layers) for part in range(pool.kv_parts)]
+    planes = [
+        (layer, part, pool.buffers[part][layer]) for layer in range(pool.num_layers) for part in range(pool.kv_parts)
+    ]
 
     def run() -> None:
         for first, h in zip(firsts, host):
@@ -104,7 +120,10 @@ def time_medians(fns: dict[str, Callable[[], None]], device: torch.device, *, qu
         import triton.testing
 
         warmup, rep = (10, 40) if quick else (25, 200)
-        return {name: triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") / 1e3 for name, fn in fns.items()}
+        return {
+            name: triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") / 1e3
+            for name, fn in fns.items()
+        }
     for fn in fns.values():
         fn()  # warm up: page faults, allocator
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -146,10 +165,16 @@ def _methods(device, pool, staging, slot_indices, host_page_ids, page_size, nbyt
     for method in methods_for(device)[1:]:
         if method == "loop":
             keep = max(1, min(host_page_ids.numel(), LOOP_MAX_COPIES[device.type] // (pool.num_layers * pool.kv_parts)))
-            fns[method] = page_loop(pool, staging, slot_indices[: keep * page_size], host_page_ids[:keep], page_size, to_host=to_host)
+            fns[method] = page_loop(
+                pool, staging, slot_indices[: keep * page_size], host_page_ids[:keep], page_size, to_host=to_host
+            )
             moved[method] = nbytes * keep // host_page_ids.numel()
             continue
-        backend, mode = ("torch", "kernel") if method == "torch" else ("triton", "staged" if method.endswith("staged") else "kernel")
+        backend, mode = (
+            ("torch", "kernel")
+            if method == "torch"
+            else ("triton", "staged" if method.endswith("staged") else "kernel")
+        )
         options = dict(page_size=page_size, backend=backend, mode=mode, max_programs=max_programs)
         if to_host:
             fns[method] = functools.partial(gather, pool, staging, slot_indices, host_page_ids, **options)
@@ -202,20 +227,45 @@ def run(
                     warm_up(pool, page_size)  # compile the kernel variants outside the timed runs
                 nbytes = staging.numel() * staging.element_size()
                 for op in ("gather", "scatter"):
-                    fns, moved = _methods(device, pool, staging, slot_indices, host_page_ids, page_size, nbytes, op=op, max_programs=max_programs)
+                    fns, moved = _methods(
+                        device,
+                        pool,
+                        staging,
+                        slot_indices,
+                        host_page_ids,
+                        page_size,
+                        nbytes,
+                        op=op,
+                        max_programs=max_programs,
+                    )
                     seconds = time_medians(fns, device, quick=quick)
                     row = {m: moved[m] / seconds[m] / 1e9 for m in fns}
                     for m in fns:
-                        results.append(dict(
-                            case=case, page_size=page_size, op=op, method=m, bytes=moved[m], seconds=seconds[m], gbps=row[m],
-                            of_ceiling=row[m] / row["ceiling"], of_loop=row[m] / row["loop"],
-                        ))
-                    log(f"{case:16s} page {page_size:3d} {op:8s} " + "  ".join(f"{m} {g:6.2f}" for m, g in row.items()) + f"  GB/s ({nbytes / 1e6:.0f} MB)")
+                        results.append(
+                            dict(
+                                case=case,
+                                page_size=page_size,
+                                op=op,
+                                method=m,
+                                bytes=moved[m],
+                                seconds=seconds[m],
+                                gbps=row[m],
+                                of_ceiling=row[m] / row["ceiling"],
+                                of_loop=row[m] / row["loop"],
+                            )
+                        )
+                    log(
+                        f"{case:16s} page {page_size:3d} {op:8s} "
+                        + "  ".join(f"{m} {g:6.2f}" for m, g in row.items())
+                        + f"  GB/s ({nbytes / 1e6:.0f} MB)"
+                    )
                 del pool, staging, slot_indices, host_page_ids
     finally:
         torch.set_num_threads(previous_threads)
     report = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()}, {threads} torch threads of {os.cpu_count()})",
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({platform.processor() or platform.machine()}, {threads} torch threads of {os.cpu_count()})",
         "torch": torch.__version__,
         "num_tokens": num_tokens,
         "threads": torch.get_num_threads() if threads is None else threads,
@@ -267,13 +317,28 @@ def plot(report: dict, path: str | Path) -> None:
         for j, case in enumerate(cases):
             ax = axes[i][j]
             for k, method in enumerate(methods):
-                values = [next((r["gbps"] for r in results if (r["case"], r["page_size"], r["op"], r["method"]) == (case, p, op, method)), 0.0) for p in page_sizes]
+                values = [
+                    next(
+                        (
+                            r["gbps"]
+                            for r in results
+                            if (r["case"], r["page_size"], r["op"], r["method"]) == (case, p, op, method)
+                        ),
+                        0.0,
+                    )
+                    for p in page_sizes
+                ]
                 ax.bar([x + k * width for x in range(len(page_sizes))], values, width, label=method)
-            ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(page_sizes))], [f"page {p}" for p in page_sizes])
+            ax.set_xticks(
+                [x + width * (len(methods) - 1) / 2 for x in range(len(page_sizes))], [f"page {p}" for p in page_sizes]
+            )
             ax.set_title(f"{op} ({'D2H' if op == 'gather' else 'H2D'}), {case}")
             ax.set_ylabel("GB/s")
             ax.legend(fontsize="small")
-    fig.suptitle(f"kvstage gather/scatter on {report['device']}" + (f"\n{report['note']}" if report.get("note") else ""), fontsize="medium")
+    fig.suptitle(
+        f"kvstage gather/scatter on {report['device']}" + (f"\n{report['note']}" if report.get("note") else ""),
+        fontsize="medium",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -291,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here")
     args = parser.parse_args(argv)
     report = run(
-        args.quick, device=args.device, cases=tuple(args.case or CASES), page_sizes=tuple(args.page_size or PAGE_SIZES), max_programs=args.max_programs,
+        args.quick,
+        device=args.device,
+        cases=tuple(args.case or CASES),
+        page_sizes=tuple(args.page_size or PAGE_SIZES),
+        max_programs=args.max_programs,
         threads=args.threads,
     )
     for name, item in report["summary"].items():

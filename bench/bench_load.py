@@ -62,7 +62,9 @@ def measure(num_layers: int, num_pages: int, rounds: int, device: torch.device, 
     host_pool = HostPool.like(kv_pool, num_pages=num_pages, page_size=PAGE_SIZE)
     page_bytes = host_pool.page_bytes
     total_bytes = num_pages * page_bytes
-    store = MemoryStore(LayoutFingerprint.of(kv_pool, page_size=PAGE_SIZE, model_id="bench-load"), capacity_pages=num_pages)
+    store = MemoryStore(
+        LayoutFingerprint.of(kv_pool, page_size=PAGE_SIZE, model_id="bench-load"), capacity_pages=num_pages
+    )
     hasher = PageHasher(page_size=PAGE_SIZE)
     generator = torch.Generator().manual_seed(0)
     # Scattered whole pages of slots, as a pool after some churn hands them out.
@@ -78,7 +80,14 @@ def measure(num_layers: int, num_pages: int, rounds: int, device: torch.device, 
     target = torch.empty(total_bytes, dtype=torch.uint8, device=device)
     staging = host_pool.buffers[0]
     staged_ids = torch.arange(num_pages)
-    results: dict[str, list[float]] = {"copy": [], "copy_one_thread": [], "scatter": [], "load": [], "first_layer": [], "layer_by_layer": []}
+    results: dict[str, list[float]] = {
+        "copy": [],
+        "copy_one_thread": [],
+        "scatter": [],
+        "load": [],
+        "first_layer": [],
+        "layer_by_layer": [],
+    }
     for round_index in range(rounds + 1):  # round 0 warms up
         started = time.perf_counter()
         target.copy_(host, non_blocking=True)
@@ -147,8 +156,16 @@ def run(quick: bool = False, device: str | None = None) -> dict:
     results = [measure(layers, pages, rounds, chosen) for layers, pages in configs]
     return {
         "benchmark": "load_path",
-        "config": {"page_size": PAGE_SIZE, "num_heads": NUM_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16",
-                   "rounds": rounds, "device": str(chosen), "python": platform.python_version(), "torch": torch.__version__},
+        "config": {
+            "page_size": PAGE_SIZE,
+            "num_heads": NUM_HEADS,
+            "head_dim": HEAD_DIM,
+            "dtype": "bfloat16",
+            "rounds": rounds,
+            "device": str(chosen),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
         "results": results,
         "target_load_over_copy": TARGET_LOAD_OVER_COPY,
         "meets_target": all(r["load_over_copy"] >= TARGET_LOAD_OVER_COPY for r in results),
@@ -156,12 +173,18 @@ def run(quick: bool = False, device: str | None = None) -> dict:
 
 
 def print_report(report: dict) -> None:
-    print(f"load path vs a same-size copy on {report['config']['device']}, GB/s (median of {report['config']['rounds']} rounds)")
-    print(f"{'layers':>6} {'pages':>6} {'MiB':>6} {'copy':>7} {'copy 1t':>8} {'scatter':>8} {'load':>7} {'load/copy':>10} {'load/1t':>8} {'first layer ms':>15} {'all layers ms':>14}")
+    print(
+        f"load path vs a same-size copy on {report['config']['device']}, GB/s (median of {report['config']['rounds']} rounds)"
+    )
+    print(
+        f"{'layers':>6} {'pages':>6} {'MiB':>6} {'copy':>7} {'copy 1t':>8} {'scatter':>8} {'load':>7} {'load/copy':>10} {'load/1t':>8} {'first layer ms':>15} {'all layers ms':>14}"
+    )
     for r in report["results"]:
         g = r["gbps"]
-        print(f"{r['num_layers']:>6} {r['num_pages']:>6} {r['bytes'] / 2**20:>6.0f} {g['copy']:>7.2f} {g['copy_one_thread']:>8.2f} {g['scatter']:>8.2f} {g['load']:>7.2f} "
-              f"{r['load_over_copy']:>10.2f} {r['load_over_one_thread_copy']:>8.2f} {r['first_layer_ms']:>15.2f} {r['layer_by_layer_ms']:>14.2f}")
+        print(
+            f"{r['num_layers']:>6} {r['num_pages']:>6} {r['bytes'] / 2**20:>6.0f} {g['copy']:>7.2f} {g['copy_one_thread']:>8.2f} {g['scatter']:>8.2f} {g['load']:>7.2f} "
+            f"{r['load_over_copy']:>10.2f} {r['load_over_one_thread_copy']:>8.2f} {r['first_layer_ms']:>15.2f} {r['layer_by_layer_ms']:>14.2f}"
+        )
     print(f"target: load >= {report['target_load_over_copy']:.0%} of copy -> {report['meets_target']}")
 
 

@@ -204,7 +204,7 @@ def measure_mode(store: MooncakeStore, mode: str, num_pages: int, rounds: int, l
         for round_index in range(rounds + 1):  # round 0 warms up (connections, page faults, bounce buffers)
             get_keys = [uuid.uuid4().hex for _ in range(num_pages)]
             put(get_keys, get_pages)
-            for order in ((0, 1) if round_index % 2 == 0 else (1, 0)):
+            for order in (0, 1) if round_index % 2 == 0 else (1, 0):
                 put_keys = [uuid.uuid4().hex for _ in range(num_pages)]
                 if order == 0:
                     started = time.perf_counter()
@@ -230,27 +230,58 @@ def measure_mode(store: MooncakeStore, mode: str, num_pages: int, rounds: int, l
     serial_s, concurrent_s = statistics.median(serial), statistics.median(concurrent)
     per_round = statistics.median(c / s for c, s in zip(concurrent, serial))
     overlap = statistics.median(overlaps) if overlaps else float("nan")
-    log(f"  {mode:10s} serial {serial_s * 1e3:7.2f} ms  concurrent {concurrent_s * 1e3:7.2f} ms  "
-        f"ratio {concurrent_s / serial_s:.3f} (per-round median {per_round:.3f})  calls overlapped {overlap:.2f}")
-    return {"mode": mode, "pages": num_pages, "page_bytes": store.page_bytes, "rounds": rounds,
-            "serial_seconds": serial_s, "concurrent_seconds": concurrent_s,
-            "ratio": concurrent_s / serial_s, "per_round_ratio": per_round, "calls_overlapped": overlap}
+    log(
+        f"  {mode:10s} serial {serial_s * 1e3:7.2f} ms  concurrent {concurrent_s * 1e3:7.2f} ms  "
+        f"ratio {concurrent_s / serial_s:.3f} (per-round median {per_round:.3f})  calls overlapped {overlap:.2f}"
+    )
+    return {
+        "mode": mode,
+        "pages": num_pages,
+        "page_bytes": store.page_bytes,
+        "rounds": rounds,
+        "serial_seconds": serial_s,
+        "concurrent_seconds": concurrent_s,
+        "ratio": concurrent_s / serial_s,
+        "per_round_ratio": per_round,
+        "calls_overlapped": overlap,
+    }
 
 
-def run(quick: bool = False, *, rounds: int | None = None, num_pages: int = 16, num_layers: int = 1,
-        page_tokens: int = 64, modes: tuple[str, ...] = MODES, log: Callable[[str], None] = print) -> dict:
+def run(
+    quick: bool = False,
+    *,
+    rounds: int | None = None,
+    num_pages: int = 16,
+    num_layers: int = 1,
+    page_tokens: int = 64,
+    modes: tuple[str, ...] = MODES,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Measure every mode; the report ``python -m bench`` writes (``results``, ``summary``)."""
     rounds = rounds or (15 if quick else 61)
-    fingerprint = LayoutFingerprint("meta-llama/Meta-Llama-3-8B", KVLayout(num_layers, 2, 8, 128, "bfloat16"), page_tokens)
-    report: dict = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
-                    "torch": torch.__version__, "quick": quick, "rounds": rounds, "pages": num_pages,
-                    "page_bytes": fingerprint.page_bytes, "protocol": "tcp, loopback, one client (this process holds the segment)",
-                    "results": [], "summary": {}}
+    fingerprint = LayoutFingerprint(
+        "meta-llama/Meta-Llama-3-8B", KVLayout(num_layers, 2, 8, 128, "bfloat16"), page_tokens
+    )
+    report: dict = {
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "quick": quick,
+        "rounds": rounds,
+        "pages": num_pages,
+        "page_bytes": fingerprint.page_bytes,
+        "protocol": "tcp, loopback, one client (this process holds the segment)",
+        "results": [],
+        "summary": {},
+    }
     if not mooncake_available():
         report["skipped"] = f"Mooncake is not installed; {INSTALL_HINT}"
         log(f"  skipped: {report['skipped']}")
         return report
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the loopback launcher lives with the tests
+    sys.path.insert(
+        0, str(Path(__file__).resolve().parent.parent / "tests")
+    )  # the loopback launcher lives with the tests
     from mooncake_master import LocalMooncakeMaster
 
     batch_bytes = num_pages * fingerprint.page_bytes
@@ -283,7 +314,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(modes) - set(MODES)
     if unknown:
         parser.error(f"--modes: unknown {sorted(unknown)}; choose from {','.join(MODES)}")
-    report = run(args.quick, rounds=args.rounds, num_pages=args.pages, num_layers=args.layers, page_tokens=args.tokens, modes=modes)
+    report = run(
+        args.quick,
+        rounds=args.rounds,
+        num_pages=args.pages,
+        num_layers=args.layers,
+        page_tokens=args.tokens,
+        modes=modes,
+    )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

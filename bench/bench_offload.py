@@ -85,8 +85,16 @@ def measure(live: int, rounds: int, poll_repeats: int, *, busy_writes: bool = Fa
     store = (_BusyStore if busy_writes else MemoryStore)(fingerprint, capacity_pages=live * (rounds + 1))
     row = torch.arange(num_slots)  # every request's slots (never read)
     stream = ManualCopyStream(run_copies=False, in_order=True)
-    manager = OffloadManager(kv, host, store, PageHasher(page_size=PAGE_SIZE), lambda req: row,
-                             release=lambda req: None, copy_stream=stream, backend="torch")
+    manager = OffloadManager(
+        kv,
+        host,
+        store,
+        PageHasher(page_size=PAGE_SIZE),
+        lambda req: row,
+        release=lambda req: None,
+        copy_stream=stream,
+        backend="torch",
+    )
     requests = [SimpleRequest(i, [(i * 7 + t) % 50000 for t in range(PROMPT)], [1]) for i in range(live)]
     for req in requests:  # first sight: the prompt's whole page is stored (not timed)
         assert manager.offload(req)
@@ -149,10 +157,18 @@ def run(quick: bool = False) -> dict:
     pending = results[-1]
     return {
         "benchmark": "offload_manager_cpu",
-        "config": {"page_size": PAGE_SIZE, "prompt_tokens": PROMPT, "rounds": rounds, "poll_repeats": poll_repeats,
-                   "hash_scheme": "sglang-v1", "copy": "no-op (ManualCopyStream run_copies=False, in_order=True)",
-                   "storage": "MemoryStore", "python": platform.python_version(), "torch": torch.__version__,
-                   "machine": platform.machine()},
+        "config": {
+            "page_size": PAGE_SIZE,
+            "prompt_tokens": PROMPT,
+            "rounds": rounds,
+            "poll_repeats": poll_repeats,
+            "hash_scheme": "sglang-v1",
+            "copy": "no-op (ManualCopyStream run_copies=False, in_order=True)",
+            "storage": "MemoryStore",
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+        },
         "results": results,
         "targets": {
             "poll_none_finished_us_at_256": TARGET_POLL_IDLE_US,
@@ -167,16 +183,25 @@ def run(quick: bool = False) -> dict:
 
 
 def print_report(report: dict) -> None:
-    columns = [("live", "live"), ("writes_pending", "writes pending"), ("offload_launch_us", "offload launch"), ("offload_launch_p90_us", "launch p90"),
-               ("offload_idle_us", "offload idle"), ("poll_none_finished_us", "poll none done"),
-               ("poll_all_finished_us", "poll all done"), ("poll_all_finished_per_copy_us", "per copy")]
+    columns = [
+        ("live", "live"),
+        ("writes_pending", "writes pending"),
+        ("offload_launch_us", "offload launch"),
+        ("offload_launch_p90_us", "launch p90"),
+        ("offload_idle_us", "offload idle"),
+        ("poll_none_finished_us", "poll none done"),
+        ("poll_all_finished_us", "poll all done"),
+        ("poll_all_finished_per_copy_us", "per copy"),
+    ]
     print("offload manager CPU time per call, microseconds (median); copies are no-ops")
     print("  ".join(f"{title:>14}" for _, title in columns))
     for result in report["results"]:
         print("  ".join(f"{result[key]:>14}" for key, _ in columns))
     targets = report["targets"]
-    print(f"targets: poll none done <= {targets['poll_none_finished_us_at_256']} us at 256 live; "
-          f"offload <= {targets['offload_us']} us -> {report['meets_targets']}")
+    print(
+        f"targets: poll none done <= {targets['poll_none_finished_us_at_256']} us at 256 live; "
+        f"offload <= {targets['offload_us']} us -> {report['meets_targets']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

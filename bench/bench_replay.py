@@ -34,9 +34,22 @@ from kvstage.replay.trace import load_trace, synthetic_trace
 CONVERSATION = Path(__file__).resolve().parent.parent.parent / "shared/data/mooncake-traces/conversation_trace.jsonl"
 TARGET_SECONDS = {"default": 60.0, "conversation-200": 300.0}
 FIGURES = (
-    "prompt_pages", "page_hit_rate", "prefill_tokens_saved", "pages_loaded", "h2d_gbps", "load_mismatches",
-    "pages_stored", "pages_deduplicated", "bytes_offloaded", "d2h_gbps", "hashing_tokens_per_s",
-    "storage_put_gbps", "storage_get_gbps", "host_pool_high_water_pages", "verify_mismatches", "lost_pages",
+    "prompt_pages",
+    "page_hit_rate",
+    "prefill_tokens_saved",
+    "pages_loaded",
+    "h2d_gbps",
+    "load_mismatches",
+    "pages_stored",
+    "pages_deduplicated",
+    "bytes_offloaded",
+    "d2h_gbps",
+    "hashing_tokens_per_s",
+    "storage_put_gbps",
+    "storage_get_gbps",
+    "host_pool_high_water_pages",
+    "verify_mismatches",
+    "lost_pages",
     "copy_backend",
 )
 
@@ -64,18 +77,33 @@ def run(quick: bool = False, *, log: Callable[[str], None] = print) -> dict:
             started = time.perf_counter()
             report, _ = replay(config, requests, trace_name=name, started=started)
             seconds = time.perf_counter() - started
-            row = {"case": name, "requests": report["requests"], "seconds": seconds, "requests_per_s": report["requests"] / seconds}
+            row = {
+                "case": name,
+                "requests": report["requests"],
+                "seconds": seconds,
+                "requests_per_s": report["requests"] / seconds,
+            }
             row.update({key: report[key] for key in FIGURES})
             results.append(row)
             target = TARGET_SECONDS[name]
             clean = report["load_mismatches"] == 0 and report["verify_mismatches"] == 0 and report["lost_pages"] == 0
-            summary[f"{name}: seconds ({'cpu' if on_cpu else 'cuda'})"] = dict(value=seconds, target=target, ok=seconds < target and clean)
-            log(f"{name:17s} {report['requests']} requests in {seconds:6.1f} s, prefix hit {report['page_hit_rate']:.1%}, "
+            summary[f"{name}: seconds ({'cpu' if on_cpu else 'cuda'})"] = dict(
+                value=seconds, target=target, ok=seconds < target and clean
+            )
+            log(
+                f"{name:17s} {report['requests']} requests in {seconds:6.1f} s, prefix hit {report['page_hit_rate']:.1%}, "
                 f"D2H {report['d2h_gbps']:.2f} GB/s, H2D {report['h2d_gbps']:.2f} GB/s, {report['pages_stored']} pages stored, "
-                f"{report['lost_pages']} lost, {report['load_mismatches'] + report['verify_mismatches']} mismatched")
+                f"{report['lost_pages']} lost, {report['load_mismatches'] + report['verify_mismatches']} mismatched"
+            )
     finally:
         torch.set_num_threads(threads)
-    return {"device": "cpu" if on_cpu else torch.cuda.get_device_name(0), "torch": torch.__version__, "quick": quick, "results": results, "summary": summary}
+    return {
+        "device": "cpu" if on_cpu else torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "quick": quick,
+        "results": results,
+        "summary": summary,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,7 +53,10 @@ def _median_seconds(call: Callable[[], object], rounds: int) -> float:
 
 
 def _paired(
-    baseline: Callable[[], object], call: Callable[[], object], rounds: int, between: Callable[[], object] = lambda: None
+    baseline: Callable[[], object],
+    call: Callable[[], object],
+    rounds: int,
+    between: Callable[[], object] = lambda: None,
 ) -> tuple[float, float, float]:
     """(median baseline seconds, median call seconds, median of the per-round ratios
     baseline/call): each round times both back to back, so a machine shared with other work
@@ -89,8 +92,14 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
     rounds = 5
     tokens = num_pages * PAGE_SIZE
     device = MHATokenToKVPool(
-        size=tokens, page_size=PAGE_SIZE, dtype=torch.bfloat16, head_num=8, head_dim=128, layer_num=32,
-        device="cpu", enable_memory_saver=False,
+        size=tokens,
+        page_size=PAGE_SIZE,
+        dtype=torch.bfloat16,
+        head_num=8,
+        head_dim=128,
+        layer_num=32,
+        device="cpu",
+        enable_memory_saver=False,
     )
     info = device.get_device_pool_infos()[0].buffer_info
     page_bytes = 2 * 32 * PAGE_SIZE * 8 * 128 * 2
@@ -106,8 +115,17 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
         for into, page in zip(target_pages, source_pages):
             into.copy_(page)
 
-    results = [{"layout": "-", "store": "-", "method": "copy_", "op": "copy", "pages": num_pages,
-                "seconds": copy_seconds, "gbps": batch_bytes / copy_seconds / 1e9}]
+    results = [
+        {
+            "layout": "-",
+            "store": "-",
+            "method": "copy_",
+            "op": "copy",
+            "pages": num_pages,
+            "seconds": copy_seconds,
+            "gbps": batch_bytes / copy_seconds / 1e9,
+        }
+    ]
     summary = {}
     scratch = Path(tempfile.mkdtemp(prefix="kvstage-bench-sglang-"))
 
@@ -117,8 +135,15 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
         # The memory store holds one call's pages: from the second call on, each put reuses an
         # evicted page's memory (the steady state; fresh memory would add page faults).
         host = MHATokenToKVPoolHost(
-            info, 2.0, 0, PAGE_SIZE, layout, pin_memory=False, device_capacity_tokens=device.size,
-            start_layer=device.start_layer, end_layer=device.end_layer,
+            info,
+            2.0,
+            0,
+            PAGE_SIZE,
+            layout,
+            pin_memory=False,
+            device_capacity_tokens=device.size,
+            start_layer=device.start_layer,
+            end_layer=device.end_layer,
         )
         # Every host page touched first (sglang pins its host pools, which faults them in), then
         # any bytes in the pages written.
@@ -136,6 +161,7 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
         def kvstage_calls(backend, round_keys):
             """(set, get): a batch_set_v1 of the written pages under fresh keys, a batch_get_v1
             of the last keys set into the read pages; both check that every page made it."""
+
             def set_v1():
                 base = next(round_keys)
                 set_v1.keys = [f"{base:032x}{i:032x}" for i in range(num_pages)]
@@ -145,6 +171,7 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
                 assert all(backend.batch_get_v1(set_v1.keys, read))
 
             return set_v1, get_v1
+
         for store in ("memory", "file"):
             directory = scratch / f"{layout}-{store}"
             url = f"memory:{batch_bytes}" if store == "memory" else f"file:{directory}"
@@ -157,17 +184,34 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
                 _, put, put_ratio = _paired(copy, set_v1, rounds)
                 _, get, get_ratio = _paired(copy, get_v1, rounds)
                 for op, seconds in (("batch_set_v1", put), ("batch_get_v1", get)):
-                    results.append({"layout": layout, "store": store, "method": "kvstage", "op": op, "pages": num_pages,
-                                    "seconds": seconds, "gbps": batch_bytes / seconds / 1e9})
+                    results.append(
+                        {
+                            "layout": layout,
+                            "store": store,
+                            "method": "kvstage",
+                            "op": op,
+                            "pages": num_pages,
+                            "seconds": seconds,
+                            "gbps": batch_bytes / seconds / 1e9,
+                        }
+                    )
             if store == "memory" and layout in ("layer_first", "page_first_direct"):
                 for op, ratio in (("set", put_ratio), ("get", get_ratio)):
-                    summary[f"memory {op} / copy_, {layout}"] = {"value": round(ratio, 2), "target": ">= 0.8", "ok": ratio >= 0.8}
+                    summary[f"memory {op} / copy_, {layout}"] = {
+                        "value": round(ratio, 2),
+                        "target": ">= 0.8",
+                        "ok": ratio >= 0.8,
+                    }
                 # A second baseline: the same bytes as one copy_ a page, between contiguous tensors
                 # (a store holds pages apart, so no page-by-page design beats it).
                 _, _, put_ratio = _paired(copy_pages, set_v1, rounds)
                 _, _, get_ratio = _paired(copy_pages, get_v1, rounds)
                 for op, ratio in (("set", put_ratio), ("get", get_ratio)):
-                    summary[f"memory {op} / copy_ page by page, {layout}"] = {"value": round(ratio, 2), "target": ">= 0.8", "ok": ratio >= 0.8}
+                    summary[f"memory {op} / copy_ page by page, {layout}"] = {
+                        "value": round(ratio, 2),
+                        "target": ">= 0.8",
+                        "ok": ratio >= 0.8,
+                    }
             if store == "file":
                 sglang_file = HiCacheFile(storage_config("-"), file_path=str(scratch / f"{layout}-hicachefile"))
                 sglang_file.register_mem_pool_host(host)
@@ -200,16 +244,35 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
                     sget, kget, get_ratio = _paired(file_get, kvstage_get, rounds)
                     remove_pages()
                     kvstage.close()
-                    rows = (((method, "batch_set_v1", kput), (method, "batch_get_v1", kget)) if method != "kvstage" else
-                            (("HiCacheFile", "batch_set", sput), ("HiCacheFile", "batch_get", sget),
-                             (method, "batch_set_v1", kput), (method, "batch_get_v1", kget)))
+                    rows = (
+                        ((method, "batch_set_v1", kput), (method, "batch_get_v1", kget))
+                        if method != "kvstage"
+                        else (
+                            ("HiCacheFile", "batch_set", sput),
+                            ("HiCacheFile", "batch_get", sget),
+                            (method, "batch_set_v1", kput),
+                            (method, "batch_get_v1", kget),
+                        )
+                    )
                     for name, op, seconds in rows:
-                        results.append({"layout": layout, "store": "file", "method": name, "op": op, "pages": num_pages,
-                                        "seconds": seconds, "gbps": batch_bytes / seconds / 1e9})
+                        results.append(
+                            {
+                                "layout": layout,
+                                "store": "file",
+                                "method": name,
+                                "op": op,
+                                "pages": num_pages,
+                                "seconds": seconds,
+                                "gbps": batch_bytes / seconds / 1e9,
+                            }
+                        )
                     suffix = "" if method == "kvstage" else f", {method}"
                     for op, ratio in (("set", set_ratio), ("get", get_ratio)):
                         summary[f"file {op}{suffix}: HiCacheFile time / kvstage time, {layout}"] = {
-                            "value": round(ratio, 2), "target": ">= 1.0", "ok": ratio >= 1.0}
+                            "value": round(ratio, 2),
+                            "target": ">= 1.0",
+                            "ok": ratio >= 1.0,
+                        }
             backend.close()
 
     for layout in layouts:
@@ -219,7 +282,13 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
         for directory in scratch.iterdir():  # disk: every round wrote a call's pages
             shutil.rmtree(directory, ignore_errors=True)
     shutil.rmtree(scratch, ignore_errors=True)
-    return {"pages_per_call": num_pages, "page_bytes": page_bytes, "rounds": rounds, "results": results, "summary": summary}
+    return {
+        "pages_per_call": num_pages,
+        "page_bytes": page_bytes,
+        "rounds": rounds,
+        "results": results,
+        "summary": summary,
+    }
 
 
 def run(quick: bool = False, log: Callable[[str], None] = print) -> dict:
@@ -244,9 +313,14 @@ def main(argv: list[str] | None = None) -> int:
     (what :func:`run` reads), otherwise a table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 pages a call instead of 128")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS),
-                        help=f"comma-separated host layouts to measure (e.g. a before/after of one store change); known: {','.join(LAYOUTS)}")
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON line on stdout, progress on stderr")
+    parser.add_argument(
+        "--layouts",
+        default=",".join(LAYOUTS),
+        help=f"comma-separated host layouts to measure (e.g. a before/after of one store change); known: {','.join(LAYOUTS)}",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the report as one JSON line on stdout, progress on stderr"
+    )
     args = parser.parse_args(argv)
     chosen = tuple(filter(None, args.layouts.split(",")))
     unknown = sorted(set(chosen) - set(LAYOUTS))

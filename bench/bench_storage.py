@@ -176,7 +176,9 @@ def run(
     if "mooncake" not in methods and "mooncake-bounce" not in methods:
         pass  # no master to start
     elif mooncake_available():
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the loopback launcher lives with the tests
+        sys.path.insert(
+            0, str(Path(__file__).resolve().parent.parent / "tests")
+        )  # the loopback launcher lives with the tests
         from mooncake_master import LocalMooncakeMaster
 
         try:
@@ -216,7 +218,11 @@ def run(
                     started = time.perf_counter()
                     hits = store.get(keys, loose_into)
                     get_seconds = time.perf_counter() - started
-                    if any(s.value != "stored" for s in statuses) or not all(hits) or not torch.equal(torch.stack(loose_into), loose_pages_t):
+                    if (
+                        any(s.value != "stored" for s in statuses)
+                        or not all(hits)
+                        or not torch.equal(torch.stack(loose_into), loose_pages_t)
+                    ):
                         raise RuntimeError("mooncake-bounce: the round trip lost pages")
                 else:
                     put_seconds, get_seconds = _round_trip(stores[method], pages, into)
@@ -238,8 +244,16 @@ def run(
         if not samples:
             continue
         seconds = statistics.median(samples)
-        results.append({"method": method, "op": op, "page_bytes": page_bytes, "pages": num_pages,
-                        "seconds": seconds, "gbps": batch_bytes / seconds / 1e9})
+        results.append(
+            {
+                "method": method,
+                "op": op,
+                "page_bytes": page_bytes,
+                "pages": num_pages,
+                "seconds": seconds,
+                "gbps": batch_bytes / seconds / 1e9,
+            }
+        )
         log(f"  {method:16s} {op}: {batch_bytes / seconds / 1e9:7.2f} GB/s  ({seconds * 1e3:8.2f} ms a batch)")
     gbps = {(r["method"], r["op"]): r["gbps"] for r in results}
     ratios = {}
@@ -285,8 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--event-repeats", type=int, default=21, help="runs of the store-event timing (0: skip)")
     args = parser.parse_args(argv)
     methods = tuple(filter(None, args.methods.split(",")))
-    report = run(args.quick, rounds=args.rounds, num_pages=args.pages, num_layers=args.layers, methods=methods,
-                 event_repeats=args.event_repeats)
+    report = run(
+        args.quick,
+        rounds=args.rounds,
+        num_pages=args.pages,
+        num_layers=args.layers,
+        methods=methods,
+        event_repeats=args.event_repeats,
+    )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -64,13 +64,19 @@ def _worker_figures(num_blocks: int, rounds: int, log) -> list[dict]:
 
     total_blocks = 2 * num_blocks  # stores read the first half, loads write the second
     generator = torch.Generator().manual_seed(0)
-    tensors = [torch.randint(-128, 128, (total_blocks, BLOCK_BYTES_PER_LAYER), dtype=torch.int8, generator=generator) for _ in range(NUM_LAYERS)]
+    tensors = [
+        torch.randint(-128, 128, (total_blocks, BLOCK_BYTES_PER_LAYER), dtype=torch.int8, generator=generator)
+        for _ in range(NUM_LAYERS)
+    ]
     kv_caches = CanonicalKVCaches(
         [CanonicalKVCacheTensor(t, BLOCK_BYTES_PER_LAYER) for t in tensors],
         [[CanonicalKVCacheRef(index, BLOCK_BYTES_PER_LAYER) for index in range(NUM_LAYERS)]],
     )
     page_bytes = NUM_LAYERS * BLOCK_BYTES_PER_LAYER
-    store = MemoryStore(LayoutFingerprint.opaque("bench", page_bytes=page_bytes, page_format="bench-vllm"), capacity_bytes=num_blocks * page_bytes)
+    store = MemoryStore(
+        LayoutFingerprint.opaque("bench", page_bytes=page_bytes, page_format="bench-vllm"),
+        capacity_bytes=num_blocks * page_bytes,
+    )
     worker = KVStageWorker(kv_caches, store, num_host_pages=num_blocks)
     batch_bytes = num_blocks * page_bytes
     source = GPULoadStoreSpec(list(range(num_blocks)), [num_blocks], [0])
@@ -104,7 +110,9 @@ def _worker_figures(num_blocks: int, rounds: int, log) -> list[dict]:
     for op, seconds in (("worker store", store_seconds), ("worker load", load_seconds), ("copy_", copy_seconds)):
         gbps = batch_bytes / seconds / 1e9
         log(f"  {op:13s} {num_blocks} blocks of {page_bytes >> 20} MiB: {gbps:6.2f} GB/s ({seconds * 1e3:8.1f} ms)")
-        results.append({"method": op, "blocks": num_blocks, "block_bytes": page_bytes, "seconds": seconds, "gbps": gbps})
+        results.append(
+            {"method": op, "blocks": num_blocks, "block_bytes": page_bytes, "seconds": seconds, "gbps": gbps}
+        )
     return results
 
 
@@ -138,8 +146,12 @@ def _take_events_figures(rounds: int, log) -> list[dict]:
     manager.shutdown()
     results = []
     for method, seconds in (("manager take_events", manager_seconds), ("store take_events", store_seconds)):
-        log(f"  {method:20s} {NUM_EVENTS} events: {seconds * 1e3:7.2f} ms ({seconds / NUM_EVENTS * 1e9:6.0f} ns an event)")
-        results.append({"method": method, "events": NUM_EVENTS, "seconds": seconds, "ns_per_event": seconds / NUM_EVENTS * 1e9})
+        log(
+            f"  {method:20s} {NUM_EVENTS} events: {seconds * 1e3:7.2f} ms ({seconds / NUM_EVENTS * 1e9:6.0f} ns an event)"
+        )
+        results.append(
+            {"method": method, "events": NUM_EVENTS, "seconds": seconds, "ns_per_event": seconds / NUM_EVENTS * 1e9}
+        )
     return results
 
 
@@ -169,8 +181,20 @@ def _lookup_figures(rounds: int, log) -> tuple[list[dict], float]:
         store.put(hex_keys, [torch.zeros(16, dtype=torch.uint8)] * len(hex_keys))
         exists_seconds = _median_seconds(lambda: store.exists(hex_keys), rounds)
     results = [
-        {"method": "manager lookup", "keys_stored": LOOKUP_KEYS, "blocks": REQUEST_BLOCKS, "seconds": lookup_seconds, "us_per_request": lookup_seconds * 1e6},
-        {"method": "file exists round trip", "keys_stored": REQUEST_BLOCKS, "blocks": REQUEST_BLOCKS, "seconds": exists_seconds, "us_per_request": exists_seconds * 1e6},
+        {
+            "method": "manager lookup",
+            "keys_stored": LOOKUP_KEYS,
+            "blocks": REQUEST_BLOCKS,
+            "seconds": lookup_seconds,
+            "us_per_request": lookup_seconds * 1e6,
+        },
+        {
+            "method": "file exists round trip",
+            "keys_stored": REQUEST_BLOCKS,
+            "blocks": REQUEST_BLOCKS,
+            "seconds": exists_seconds,
+            "us_per_request": exists_seconds * 1e6,
+        },
     ]
     for result in results:
         log(f"  {result['method']:22s} {REQUEST_BLOCKS} blocks: {result['us_per_request']:8.2f} us a request")
@@ -195,8 +219,12 @@ def run(quick: bool = False, *, rounds: int | None = None, log=print) -> dict:
     """
     rounds = rounds or (3 if quick else 7)
     report = {
-        "machine": platform.machine(), "cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
-        "quick": quick, "rounds": rounds,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "quick": quick,
+        "rounds": rounds,
     }
     if importlib.util.find_spec("vllm") is None:
         reason = "vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)"
@@ -213,7 +241,13 @@ def run(quick: bool = False, *, rounds: int | None = None, log=print) -> dict:
     lookup_results, lookup_us = _lookup_figures(rounds, log)
     results += lookup_results
     report["results"] = results
-    report["summary"] = {"lookup_us_per_request": {"value": lookup_us, "target": f"< {TARGET_LOOKUP_US:g}", "ok": lookup_us < TARGET_LOOKUP_US}}
+    report["summary"] = {
+        "lookup_us_per_request": {
+            "value": lookup_us,
+            "target": f"< {TARGET_LOOKUP_US:g}",
+            "ok": lookup_us < TARGET_LOOKUP_US,
+        }
+    }
     return report
 
 

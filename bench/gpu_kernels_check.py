@@ -49,7 +49,12 @@ def correctness(device: torch.device) -> list[dict]:
     for name, shape in bench_kernels.CASES.items():
         layers, page, num_pages, num_slots = 3, 16, 24, 64 * 16
         buffers = [
-            [torch.randint(-128, 127, (num_slots, shape["heads"], shape["dim"] * 2), dtype=torch.int8, generator=gen).view(torch.bfloat16).to(device) for _ in range(layers)]
+            [
+                torch.randint(-128, 127, (num_slots, shape["heads"], shape["dim"] * 2), dtype=torch.int8, generator=gen)
+                .view(torch.bfloat16)
+                .to(device)
+                for _ in range(layers)
+            ]
             for _ in range(shape["parts"])
         ]
         pool = KVPool.mla(buffers[0]) if shape["parts"] == 1 else KVPool.mha(*buffers)
@@ -60,17 +65,39 @@ def correctness(device: torch.device) -> list[dict]:
             gather_reference(pool, want, slot_indices, host_page_ids, page_size=page, layout=layout)
             for mode in ("kernel", "staged"):
                 staging = torch.zeros(want.shape, dtype=pool.dtype, pin_memory=True)
-                gather(pool, staging, slot_indices, host_page_ids, page_size=page, layout=layout, backend="triton", mode=mode)
+                gather(
+                    pool,
+                    staging,
+                    slot_indices,
+                    host_page_ids,
+                    page_size=page,
+                    layout=layout,
+                    backend="triton",
+                    mode=mode,
+                )
                 torch.cuda.synchronize()
                 ok_gather = torch.equal(staging.view(torch.int16), want.cpu().view(torch.int16))
                 saved = [t.clone() for t in pool.tensors()]
                 for t in pool.tensors():
                     t.view(torch.int16)[slot_indices] = 0
-                scatter(staging, pool, slot_indices, host_page_ids, page_size=page, layout=layout, backend="triton", mode=mode)
+                scatter(
+                    staging,
+                    pool,
+                    slot_indices,
+                    host_page_ids,
+                    page_size=page,
+                    layout=layout,
+                    backend="triton",
+                    mode=mode,
+                )
                 torch.cuda.synchronize()
-                ok_scatter = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(pool.tensors(), saved))
+                ok_scatter = all(
+                    torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(pool.tensors(), saved)
+                )
                 records.append(dict(case=name, layout=layout, mode=mode, gather_ok=ok_gather, scatter_ok=ok_scatter))
-                print(f"{'ok ' if ok_gather and ok_scatter else 'BAD'} {name} {layout} {mode}: gather {ok_gather} scatter {ok_scatter}")
+                print(
+                    f"{'ok ' if ok_gather and ok_scatter else 'BAD'} {name} {layout} {mode}: gather {ok_gather} scatter {ok_scatter}"
+                )
     return records
 
 
@@ -82,13 +109,19 @@ def sweep(device: torch.device, quick: bool) -> list[dict]:
     rows = []
     for programs in (4, 8, 16, 32, 64, 132, 264):
         fns = {
-            "gather": lambda: gather(pool, staging, slot_indices, host_page_ids, page_size=16, backend="triton", max_programs=programs),
-            "scatter": lambda: scatter(staging, pool, slot_indices, host_page_ids, page_size=16, backend="triton", max_programs=programs),
+            "gather": lambda: gather(
+                pool, staging, slot_indices, host_page_ids, page_size=16, backend="triton", max_programs=programs
+            ),
+            "scatter": lambda: scatter(
+                staging, pool, slot_indices, host_page_ids, page_size=16, backend="triton", max_programs=programs
+            ),
         }
         seconds = bench_kernels.time_medians(fns, device, quick=quick)
         row = dict(max_programs=programs, **{f"{op}_gbps": nbytes / s / 1e9 for op, s in seconds.items()})
         rows.append(row)
-        print(f"max_programs {programs:4d}: gather {row['gather_gbps']:6.1f} GB/s  scatter {row['scatter_gbps']:6.1f} GB/s")
+        print(
+            f"max_programs {programs:4d}: gather {row['gather_gbps']:6.1f} GB/s  scatter {row['scatter_gbps']:6.1f} GB/s"
+        )
     return rows
 
 
@@ -113,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, item in report["summary"].items():
         print(f"{'PASS' if item['ok'] else 'MISS'} {name}: {item['value']:.2f} (target {item['target']})")
     correct = all(c["gather_ok"] and c["scatter_ok"] for c in checks)
-    (out / "gpu_check.json").write_text(json.dumps(dict(correctness=checks, sweep=grid, summary=report["summary"], seconds=time.time() - began), indent=2))
+    (out / "gpu_check.json").write_text(
+        json.dumps(
+            dict(correctness=checks, sweep=grid, summary=report["summary"], seconds=time.time() - began), indent=2
+        )
+    )
     print(f"correctness {'PASS' if correct else 'FAIL'}; {time.time() - began:.0f} s; results in {out}")
     return 0 if correct else 1
 

@@ -106,7 +106,9 @@ MATRIX_ROWS = {
 }
 MATRIX = dict(layers=3, page=16, pages=5, num_host_pages=8, slots=256)
 STAGING_OFFSETS = (0, 2, 4, 8)  # bytes into a pinned buffer (torch's pinned blocks are 16-byte aligned or more)
-BIG_STAGING = dict(parts=2, layers=4, heads=1, dim=9, dtype=torch.int8, page=16, bytes=(9 << 28))  # 2.25 GiB, layer-first
+BIG_STAGING = dict(
+    parts=2, layers=4, heads=1, dim=9, dtype=torch.int8, page=16, bytes=(9 << 28)
+)  # 2.25 GiB, layer-first
 PTX_ROWS = {"llama3-8b-bf16": "2048B-bf16-llama", "deepseek-mla-fp8": "576B-fp8-mla"}
 REAL_MODEL_POOLS = (  # tests/offload/test_real_model.py's pools (PAGE_SIZE 8): Llama 4 layers x 2 KV heads x 32, MLA 2 layers x 80
     dict(parts=2, layers=4, heads=2, dim=32, page=8),
@@ -219,7 +221,18 @@ def random_bytes_(t: torch.Tensor, seed: int) -> torch.Tensor:
     return t
 
 
-def make_pool(device: torch.device, *, parts: int, layers: int, heads: int, dim: int, dtype: torch.dtype, slots: int, seed: int = 0, fill: str = "random") -> KVPool:
+def make_pool(
+    device: torch.device,
+    *,
+    parts: int,
+    layers: int,
+    heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    slots: int,
+    seed: int = 0,
+    fill: str = "random",
+) -> KVPool:
     """A pool of ``slots`` rows per (part, layer): random bytes, zeros or poison."""
     buffers = []
     for p in range(parts):
@@ -249,7 +262,10 @@ def device_rows(pool: KVPool, count: int, seed: int) -> list[torch.Tensor]:
     """Random rows for ``count`` slots of every (part, layer), on the pool's device. Made before a
     GPU sleep: a host-to-device copy from pageable memory waits for the device (CUDA runtime API,
     "API synchronization behavior"), which would end the sleep's point."""
-    return [random_bytes_(torch.empty((count, pool.row_bytes), dtype=torch.uint8), seed + i).to(pool.device) for i in range(len(pool.tensors()))]
+    return [
+        random_bytes_(torch.empty((count, pool.row_bytes), dtype=torch.uint8), seed + i).to(pool.device)
+        for i in range(len(pool.tensors()))
+    ]
 
 
 def put_rows_(pool: KVPool, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
@@ -276,13 +292,24 @@ class Rig:
 def make_rig(ctx: Ctx, *, num_slots: int = 2048, num_host_pages: int = 128, producer: Any = None, seed: int = 0) -> Rig:
     """A KV pool (``RIG``), a pinned host pool, a memory store and the manager, on ``ctx.device``."""
     page = RIG["page"]
-    pool = make_pool(ctx.device, parts=RIG["parts"], layers=RIG["layers"], heads=RIG["heads"], dim=RIG["dim"], dtype=RIG["dtype"], slots=num_slots, fill="zero")
+    pool = make_pool(
+        ctx.device,
+        parts=RIG["parts"],
+        layers=RIG["layers"],
+        heads=RIG["heads"],
+        dim=RIG["dim"],
+        dtype=RIG["dtype"],
+        slots=num_slots,
+        fill="zero",
+    )
     host_pool = HostPool.like(pool, num_pages=num_host_pages, page_size=page)  # pinned where CUDA is
     storage = open_storage("memory", LayoutFingerprint.of(pool, page_size=page, model_id="gpu-check"))
     hasher = PageHasher(page_size=page)
     slots = SlotTable(num_slots, device=ctx.device, generator=torch.Generator().manual_seed(seed))
     released: list = []
-    manager = OffloadManager(pool, host_pool, storage, hasher, slots, release=released.append, backend=ctx.backend, producer=producer)
+    manager = OffloadManager(
+        pool, host_pool, storage, hasher, slots, release=released.append, backend=ctx.backend, producer=producer
+    )
     if ctx.cuda:
         kernels_warm_up(pool, page)
     return Rig(pool, host_pool, storage, hasher, slots, manager, released, page)
@@ -294,10 +321,14 @@ def prompt(seed: int, pages: int, page: int, extra: int = 1) -> list[int]:
 
 def stored_pages_equal(rig: Rig, req: SimpleRequest, slots: torch.Tensor, pages: int) -> tuple[bool, str]:
     """Whether the store holds ``req``'s first ``pages`` pages with exactly the pool's bytes of ``slots``."""
-    keys = rig.hasher.prefill_keys(req.origin_input_ids[: pages * rig.page], extra_key=req.extra_key, cache_salt=req.cache_salt)
+    keys = rig.hasher.prefill_keys(
+        req.origin_input_ids[: pages * rig.page], extra_key=req.extra_key, cache_salt=req.cache_salt
+    )
     shape = staging_shape(rig.pool, pages, rig.page, "page_first")
     want = torch.zeros(shape, dtype=rig.pool.dtype, device=rig.pool.device)
-    gather_reference(rig.pool, want, slots[: pages * rig.page], torch.arange(pages, device=rig.pool.device), page_size=rig.page)
+    gather_reference(
+        rig.pool, want, slots[: pages * rig.page], torch.arange(pages, device=rig.pool.device), page_size=rig.page
+    )
     got = torch.zeros(shape, dtype=rig.pool.dtype)
     hits = rig.storage.get(keys, list(got.unbind(0)))
     if not all(hits):
@@ -356,26 +387,47 @@ def probe_host_stall(ctx: Ctx) -> Probe:
                     handle, calls["prefetch"] = timed_ms(lambda: rig.manager.prefetch(b, policy="best_effort"))
                     handle.wait(10.0)  # the store read runs on a worker thread; no GPU work in it
                     _, calls["poll (read done)"] = timed_ms(rig.manager.poll)
-                    load, calls["load"] = timed_ms(lambda: rig.manager.load(handle, slots_b[: handle.tokens_ready], layer_by_layer=True))
-                    _, calls["wait_layer (every layer)"] = timed_ms(lambda: [load.wait_layer(i) for i in range(rig.pool.num_layers)])
+                    load, calls["load"] = timed_ms(
+                        lambda: rig.manager.load(handle, slots_b[: handle.tokens_ready], layer_by_layer=True)
+                    )
+                    _, calls["wait_layer (every layer)"] = timed_ms(
+                        lambda: [load.wait_layer(i) for i in range(rig.pool.num_layers)]
+                    )
                     _, calls["poll (load queued)"] = timed_ms(rig.manager.poll)
             busy_after = still_sleeping(sleep)
             timings[round_name] = calls
-            probe.info(f"{round_name}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in calls.items()) + f"; GPU sleeping before {busy_before}, after {busy_after}")
+            probe.info(
+                f"{round_name}: "
+                + ", ".join(f"{k} {v:.2f} ms" for k, v in calls.items())
+                + f"; GPU sleeping before {busy_before}, after {busy_after}"
+            )
             ctx.synchronize()
             if sleep is not None:
                 timings[round_name + ": sleep ms"] = sleep[0].elapsed_time(sleep[1])
             if round_name == "timed":
                 if ctx.cuda:
-                    probe.check("the GPU still slept after the last call (the calls ran during the sleep)", busy_before and busy_after,
-                                f"sleep {timings[round_name + ': sleep ms']:.0f} ms")
+                    probe.check(
+                        "the GPU still slept after the last call (the calls ran during the sleep)",
+                        busy_before and busy_after,
+                        f"sleep {timings[round_name + ': sleep ms']:.0f} ms",
+                    )
                 slow = {k: v for k, v in calls.items() if v > STALL_LIMIT_MS}
-                probe.check(f"every call returned within {STALL_LIMIT_MS} ms while the GPU slept", not slow,
-                            ", ".join(f"{k} {v:.1f} ms" for k, v in slow.items()) or f"max {max(calls.values()):.2f} ms", enforced=ctx.cuda)
+                probe.check(
+                    f"every call returned within {STALL_LIMIT_MS} ms while the GPU slept",
+                    not slow,
+                    ", ".join(f"{k} {v:.1f} ms" for k, v in slow.items()) or f"max {max(calls.values()):.2f} ms",
+                    enforced=ctx.cuda,
+                )
             if b is not None:
-                probe.check(f"{round_name}: the prefix hit and was loaded", load.num_pages == pages, f"{load.num_pages} of {pages} pages")
-                probe.check(f"{round_name}: the loaded slots equal the stored KV",
-                            all(torch.equal(x, y) for x, y in zip(rows_of(rig.pool, slots_b), rows_of(rig.pool, previous[1]))))
+                probe.check(
+                    f"{round_name}: the prefix hit and was loaded",
+                    load.num_pages == pages,
+                    f"{load.num_pages} of {pages} pages",
+                )
+                probe.check(
+                    f"{round_name}: the loaded slots equal the stored KV",
+                    all(torch.equal(x, y) for x, y in zip(rows_of(rig.pool, slots_b), rows_of(rig.pool, previous[1]))),
+                )
                 b.done = True
                 rig.manager.finish(b)
             a.done = True
@@ -399,15 +451,33 @@ def probe_allocator_race(ctx: Ctx) -> Probe:
     memory the caller reuses on the compute stream: the results must not change."""
     probe = Probe("allocator_race")
     page, pages, num_slots = RIG["page"], 6, 1024
-    pool = make_pool(ctx.device, parts=RIG["parts"], layers=RIG["layers"], heads=RIG["heads"], dim=RIG["dim"], dtype=RIG["dtype"], slots=num_slots)
+    pool = make_pool(
+        ctx.device,
+        parts=RIG["parts"],
+        layers=RIG["layers"],
+        heads=RIG["heads"],
+        dim=RIG["dim"],
+        dtype=RIG["dtype"],
+        slots=num_slots,
+    )
     if ctx.cuda:
         kernels_warm_up(pool, page)
     gen = torch.Generator().manual_seed(3)
-    slot_values = (torch.randperm(num_slots // page - 1, generator=gen)[:pages] * page + page)[:, None].add(torch.arange(page)).reshape(-1)  # never slot 0..page-1
+    slot_values = (
+        (torch.randperm(num_slots // page - 1, generator=gen)[:pages] * page + page)[:, None]
+        .add(torch.arange(page))
+        .reshape(-1)
+    )  # never slot 0..page-1
     host_values = torch.randperm(pages + 2, generator=gen)[:pages]
     garbage_slot = 0  # what a reused index block would read: row 0, outside the batch
     results = {}
-    for variant in ("gather device int64", "gather device int32", "gather cpu int64", "scatter device int64", "manager offload"):
+    for variant in (
+        "gather device int64",
+        "gather device int32",
+        "gather cpu int64",
+        "scatter device int64",
+        "manager offload",
+    ):
         op, where, dtype_name = (variant.split() + ["int64"])[:3]
         dtype = getattr(torch, dtype_name)
         side = torch.cuda.Stream(ctx.device) if ctx.cuda else None
@@ -420,9 +490,14 @@ def probe_allocator_race(ctx: Ctx) -> Probe:
             copy_stream = getattr(rig.manager.copier.copy_stream, "_side", None)
             sleep = gpu_sleep(ctx, SLEEP_MS, copy_stream)
             rig.manager.offload(req)
-            rig.slots.assign(req, len(req.origin_input_ids) + page)  # the engine's row grows: the old row tensor is dropped
+            rig.slots.assign(
+                req, len(req.origin_input_ids) + page
+            )  # the engine's row grows: the old row tensor is dropped
             del row
-            keep += [torch.full((len(req.origin_input_ids) + k,), garbage_slot, dtype=torch.int64, device=ctx.device) for k in range(0, 2 * page, 1)]
+            keep += [
+                torch.full((len(req.origin_input_ids) + k,), garbage_slot, dtype=torch.int64, device=ctx.device)
+                for k in range(0, 2 * page, 1)
+            ]
             busy = still_sleeping(sleep)
             ok = poll_until_idle(rig)
             ok, detail = stored_pages_equal(rig, req, rig.slots(req), pages) if ok else (False, "copy still in flight")
@@ -430,7 +505,9 @@ def probe_allocator_race(ctx: Ctx) -> Probe:
             rig.manager.finish(req)
             rig.manager.close()
         else:
-            staging = pinned_empty(ctx, int(torch.Size(staging_shape(pool, pages + 2, page, "page_first")).numel()), pool.dtype).view(staging_shape(pool, pages + 2, page, "page_first"))
+            staging = pinned_empty(
+                ctx, int(torch.Size(staging_shape(pool, pages + 2, page, "page_first")).numel()), pool.dtype
+            ).view(staging_shape(pool, pages + 2, page, "page_first"))
             random_bytes_(staging, 4)
             index_device = ctx.device if where == "device" else torch.device("cpu")
             slot_indices = slot_values.to(dtype).to(index_device)
@@ -440,13 +517,23 @@ def probe_allocator_race(ctx: Ctx) -> Probe:
                 gather_reference(pool, want, slot_values.to(ctx.device), host_values.to(ctx.device), page_size=page)
             else:
                 want_pool = KVPool([[t.clone() for t in part] for part in pool.buffers])
-                scatter_reference(staging.to(ctx.device), want_pool, slot_values.to(ctx.device), host_values.to(ctx.device), page_size=page)
+                scatter_reference(
+                    staging.to(ctx.device),
+                    want_pool,
+                    slot_values.to(ctx.device),
+                    host_values.to(ctx.device),
+                    page_size=page,
+                )
             ctx.synchronize()
             sleep = gpu_sleep(ctx, SLEEP_MS, side)  # the side stream is busy: the copy is queued behind the sleep
             if op == "gather":
-                handle = gather_async(pool, staging, slot_indices, host_page_ids, stream=side, page_size=page, backend=ctx.backend)
+                handle = gather_async(
+                    pool, staging, slot_indices, host_page_ids, stream=side, page_size=page, backend=ctx.backend
+                )
             else:
-                handle = scatter_async(staging, pool, slot_indices, host_page_ids, stream=side, page_size=page, backend=ctx.backend)
+                handle = scatter_async(
+                    staging, pool, slot_indices, host_page_ids, stream=side, page_size=page, backend=ctx.backend
+                )
             sizes = [(slot_indices.numel(), slot_indices.dtype), (host_page_ids.numel(), host_page_ids.dtype)]
             del slot_indices, host_page_ids, handle  # the caller keeps nothing of the copy
             for _ in range(4):  # the same sizes again and again on the compute stream, filled with a wrong slot
@@ -485,7 +572,7 @@ def probe_ordering(ctx: Ctx) -> Probe:
         rows = device_rows(rig.pool, slots.numel(), seed=100 + len(outcomes))
         event = None
         ctx.synchronize()
-        with (torch.cuda.stream(producer) if producer is not None else contextlib.nullcontext()):
+        with torch.cuda.stream(producer) if producer is not None else contextlib.nullcontext():
             sleep = gpu_sleep(ctx, SLEEP_MS, producer)
             put_rows_(rig.pool, slots, rows)
             if producer is not None:
@@ -502,7 +589,9 @@ def probe_ordering(ctx: Ctx) -> Probe:
         outcomes[variant] = dict(stored_equal=ok, launched=launched, producer_busy_at_offload=busy, detail=detail)
         if variant.startswith("control"):
             if ctx.cuda:
-                probe.info(f"control (the copy waits for the current stream only, not the producer): stored pages {'equal (the race did not show)' if ok else 'stale, as expected'}; {detail}")
+                probe.info(
+                    f"control (the copy waits for the current stream only, not the producer): stored pages {'equal (the race did not show)' if ok else 'stale, as expected'}; {detail}"
+                )
         else:
             probe.check(f"{variant}: the offload launched while the producer was still writing", launched and busy)
             probe.check(f"{variant}: the stored bytes equal the KV the producer wrote", ok, detail)
@@ -528,7 +617,11 @@ def probe_load_layers(ctx: Ctx) -> Probe:
     handle = rig.manager.prefetch(b, policy="wait_complete")
     handle.wait(10.0)
     rig.manager.poll()
-    probe.check("the prefix is ready to load", handle.ready_to_load() and handle.pages_ready == pages, f"{handle.pages_ready} pages ready")
+    probe.check(
+        "the prefix is ready to load",
+        handle.ready_to_load() and handle.pages_ready == pages,
+        f"{handle.pages_ready} pages ready",
+    )
     slots_b = rig.slots.assign(b, handle.tokens_ready)
     for t in rig.pool.tensors():  # poison: a read before the layer's copy shows
         t.view(t.shape[0], -1).view(torch.uint8)[slots_b.long()] = POISON
@@ -538,11 +631,16 @@ def probe_load_layers(ctx: Ctx) -> Probe:
     load = rig.manager.load(handle, slots_b, layer_by_layer=True)
     forward = torch.cuda.Stream(ctx.device) if ctx.cuda else None
     seen, waited_ms = [], 0.0
-    with (torch.cuda.stream(forward) if forward is not None else contextlib.nullcontext()):
+    with torch.cuda.stream(forward) if forward is not None else contextlib.nullcontext():
         for layer in range(rig.pool.num_layers):
             _, ms = timed_ms(lambda: load.wait_layer(layer))  # the current stream (forward) waits for the layer's event
             waited_ms += ms
-            seen.append([t.view(t.shape[0], -1).view(torch.uint8)[slots_b.long()].clone() for t in (rig.pool.layer(p, layer) for p in range(rig.pool.kv_parts))])
+            seen.append(
+                [
+                    t.view(t.shape[0], -1).view(torch.uint8)[slots_b.long()].clone()
+                    for t in (rig.pool.layer(p, layer) for p in range(rig.pool.kv_parts))
+                ]
+            )
     busy = still_sleeping(sleep)
     if forward is not None:
         forward.synchronize()
@@ -556,22 +654,36 @@ def probe_load_layers(ctx: Ctx) -> Probe:
     handles = [load.layer_handle(i) for i in range(rig.pool.num_layers)]
     probe.check("one completion per layer", len({id(h) for h in handles}) == rig.pool.num_layers)
     if ctx.cuda:
-        probe.check("the wait_layer calls did not block the host", busy and waited_ms < STALL_LIMIT_MS, f"{waited_ms:.2f} ms for {rig.pool.num_layers} layers")
+        probe.check(
+            "the wait_layer calls did not block the host",
+            busy and waited_ms < STALL_LIMIT_MS,
+            f"{waited_ms:.2f} ms for {rig.pool.num_layers} layers",
+        )
         ends = [h._end for h in handles]
         order = all(ends[i].elapsed_time(ends[i + 1]) >= 0 for i in range(len(ends) - 1))
         probe.check("the layers' copies ended in layer order", order)
         probe.data["layer_copy_ms"] = [h.seconds * 1e3 for h in handles]
-    probe.check("each layer the forward stream read after wait_layer holds the stored KV (not the poison)", all(per_layer), f"per layer {per_layer}")
+    probe.check(
+        "each layer the forward stream read after wait_layer holds the stored KV (not the poison)",
+        all(per_layer),
+        f"per layer {per_layer}",
+    )
     rig.manager.poll()
     poll_until_idle(rig)
-    probe.check("the load was counted", rig.manager.metrics.pages_loaded == pages, f"pages_loaded {rig.manager.metrics.pages_loaded}")
+    probe.check(
+        "the load was counted",
+        rig.manager.metrics.pages_loaded == pages,
+        f"pages_loaded {rig.manager.metrics.pages_loaded}",
+    )
     b.done = True
     rig.manager.finish(b)
     rig.manager.close()
     return probe
 
 
-def matrix_combos(dry: bool, rows: tuple[str, ...] = tuple(MATRIX_ROWS), offsets: tuple[int, ...] = STAGING_OFFSETS) -> list[tuple]:
+def matrix_combos(
+    dry: bool, rows: tuple[str, ...] = tuple(MATRIX_ROWS), offsets: tuple[int, ...] = STAGING_OFFSETS
+) -> list[tuple]:
     """Every (row, offset, layout, index dtype, mode); in dry mode a subset that has every value of every axis."""
     axes = [rows, offsets, ("page_first", "layer_first"), (torch.int32, torch.int64), ("kernel", "staged")]
     if not dry:
@@ -605,7 +717,9 @@ def run_matrix(ctx: Ctx, probe: Probe, combos: list[tuple]) -> list[dict]:
         # gather
         want = torch.empty(shape, dtype=pool.dtype, device=ctx.device)
         want.view(-1).view(torch.uint8).fill_(POISON)
-        gather_reference(pool, want, slot_values.to(ctx.device), host_values.to(ctx.device), page_size=m["page"], layout=layout)
+        gather_reference(
+            pool, want, slot_values.to(ctx.device), host_values.to(ctx.device), page_size=m["page"], layout=layout
+        )
         gather(pool, staging, slot_indices, host_page_ids, **options)
         ctx.synchronize()
         outside = torch.cat([arena[:offset], arena[offset + nbytes :]])
@@ -618,18 +732,40 @@ def run_matrix(ctx: Ctx, probe: Probe, combos: list[tuple]) -> list[dict]:
             for t in pool.tensors():
                 t.view(t.shape[0], -1).view(torch.uint8)[slot_values.to(ctx.device)] = POISON
             want_pool = KVPool([[t.clone() for t in part] for part in pool.buffers])
-            scatter_reference(staging.to(ctx.device), want_pool, slot_values.to(ctx.device), host_values.to(ctx.device), page_size=m["page"], layout=layout, layer=layer)
+            scatter_reference(
+                staging.to(ctx.device),
+                want_pool,
+                slot_values.to(ctx.device),
+                host_values.to(ctx.device),
+                page_size=m["page"],
+                layout=layout,
+                layer=layer,
+            )
             scatter(staging, pool, slot_indices, host_page_ids, layer=layer, **options)
             ctx.synchronize()
-            results[layer] = all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(pool.tensors(), want_pool.tensors()))
+            results[layer] = all(
+                torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(pool.tensors(), want_pool.tensors())
+            )
             for t, s in zip(pool.tensors(), saved):
                 t.copy_(s)
-        record = dict(row=row_name, offset=offset, layout=layout, index=str(index_dtype).removeprefix("torch."), mode=mode,
-                      gather=gather_ok, scatter=results[None], scatter_layer_1=results[1])
+        record = dict(
+            row=row_name,
+            offset=offset,
+            layout=layout,
+            index=str(index_dtype).removeprefix("torch."),
+            mode=mode,
+            gather=gather_ok,
+            scatter=results[None],
+            scatter_layer_1=results[1],
+        )
         records.append(record)
         ok = gather_ok and results[None] and results[1]
         if not ok:
-            probe.check(f"{row_name} +{offset}B {layout} {record['index']} {mode}", False, f"gather {gather_ok}, scatter {results[None]}, layer-1 scatter {results[1]}")
+            probe.check(
+                f"{row_name} +{offset}B {layout} {record['index']} {mode}",
+                False,
+                f"gather {gather_ok}, scatter {results[None]}, layer-1 scatter {results[1]}",
+            )
     return records
 
 
@@ -638,8 +774,11 @@ def probe_pinned_matrix(ctx: Ctx) -> Probe:
     combos = matrix_combos(ctx.dry)
     records = run_matrix(ctx, probe, combos)
     bad = [r for r in records if not (r["gather"] and r["scatter"] and r["scatter_layer_1"])]
-    probe.check(f"{len(records)} combinations (rows x staging offsets x layouts x index dtypes x modes) equal the reference, gather and scatter",
-                not bad, f"{len(bad)} wrong")
+    probe.check(
+        f"{len(records)} combinations (rows x staging offsets x layouts x index dtypes x modes) equal the reference, gather and scatter",
+        not bad,
+        f"{len(bad)} wrong",
+    )
     probe.data["combinations"] = records
     return probe
 
@@ -648,7 +787,16 @@ def probe_staging_2gib(ctx: Ctx) -> Probe:
     """Layer-first pinned staging past 2 GiB, 1-byte words, host pages at its end."""
     probe = Probe("staging_2gib")
     s = BIG_STAGING
-    pool = make_pool(ctx.device, parts=s["parts"], layers=s["layers"], heads=s["heads"], dim=s["dim"], dtype=s["dtype"], slots=512, seed=9)
+    pool = make_pool(
+        ctx.device,
+        parts=s["parts"],
+        layers=s["layers"],
+        heads=s["heads"],
+        dim=s["dim"],
+        dtype=s["dtype"],
+        slots=512,
+        seed=9,
+    )
     page, row = s["page"], pool.row_bytes
     per_host_page = pool.kv_parts * pool.num_layers * page * row
     num_host_pages = (s["bytes"] if ctx.cuda else 1 << 20) // per_host_page
@@ -660,7 +808,9 @@ def probe_staging_2gib(ctx: Ctx) -> Probe:
     started = time.perf_counter()
     staging = pinned_empty(ctx, nbytes).view(pool.dtype).view(shape)
     probe.data["pin_seconds"] = time.perf_counter() - started
-    host_values = torch.tensor([num_host_pages - 1, num_host_pages - 5, num_host_pages - 3, num_host_pages // 2])  # none adjacent: each keeps a poisoned row after it
+    host_values = torch.tensor(
+        [num_host_pages - 1, num_host_pages - 5, num_host_pages - 3, num_host_pages // 2]
+    )  # none adjacent: each keeps a poisoned row after it
     pages = host_values.numel()
     slot_values = torch.randperm(pool.num_slots, generator=torch.Generator().manual_seed(2))[: pages * page]
     flat = staging.view(pool.kv_parts, pool.num_layers, num_host_pages * page, row).view(torch.uint8)
@@ -673,13 +823,22 @@ def probe_staging_2gib(ctx: Ctx) -> Probe:
         gather(pool, staging, slot_indices, host_page_ids, page_size=page, layout="layer_first", backend=ctx.backend)
         ctx.synchronize()
         small = torch.zeros(staging_shape(pool, pages, page, "layer_first"), dtype=pool.dtype, device=ctx.device)
-        gather_reference(pool, small, slot_values.to(ctx.device), torch.arange(pages, device=ctx.device), page_size=page, layout="layer_first")
+        gather_reference(
+            pool,
+            small,
+            slot_values.to(ctx.device),
+            torch.arange(pages, device=ctx.device),
+            page_size=page,
+            layout="layer_first",
+        )
         small = small.cpu().view(pool.kv_parts, pool.num_layers, pages * page, row).view(torch.uint8)
         ok = True
         for p in range(pool.kv_parts):
             for layer in range(pool.num_layers):
                 for i, h in enumerate(host_values.tolist()):
-                    ok &= torch.equal(flat[p, layer, h * page : (h + 1) * page], small[p, layer, i * page : (i + 1) * page])
+                    ok &= torch.equal(
+                        flat[p, layer, h * page : (h + 1) * page], small[p, layer, i * page : (i + 1) * page]
+                    )
                     ok &= bool((flat[p, layer, h * page + page] == POISON).all()) if h < num_host_pages - 1 else True
         dtype_name = str(index_dtype).removeprefix("torch.")
         probe.check(f"gather into the last host pages, {dtype_name} indices", ok)
@@ -688,7 +847,10 @@ def probe_staging_2gib(ctx: Ctx) -> Probe:
             t.view(t.shape[0], -1).view(torch.uint8)[slot_values.to(ctx.device)] = 0
         scatter(staging, pool, slot_indices, host_page_ids, page_size=page, layout="layer_first", backend=ctx.backend)
         ctx.synchronize()
-        probe.check(f"scatter from the last host pages, {dtype_name} indices", all(torch.equal(a, b) for a, b in zip(pool.tensors(), saved)))
+        probe.check(
+            f"scatter from the last host pages, {dtype_name} indices",
+            all(torch.equal(a, b) for a, b in zip(pool.tensors(), saved)),
+        )
     del staging, flat
     return probe
 
@@ -702,8 +864,12 @@ def count_row_accesses(ptx: str) -> dict:
     """The row copies of the kernel's PTX: evict-first loads (the source rows) and every store,
     and how many of each are 16-byte vector accesses (as ``tests/kernels/test_kernel_ptx.py``)."""
     loads, stores = PTX_LOAD.findall(ptx), PTX_STORE.findall(ptx)
-    return dict(loads=len(loads), wide_loads=sum(bool(PTX_WIDE.search(x)) for x in loads),
-                stores=len(stores), wide_stores=sum(bool(PTX_WIDE.search(x)) for x in stores))
+    return dict(
+        loads=len(loads),
+        wide_loads=sum(bool(PTX_WIDE.search(x)) for x in loads),
+        stores=len(stores),
+        wide_stores=sum(bool(PTX_WIDE.search(x)) for x in stores),
+    )
 
 
 class _LaunchSpy:
@@ -739,7 +905,9 @@ def probe_ptx(ctx: Ctx) -> Probe:
     m = MATRIX
     for name, row_name in PTX_ROWS.items():
         pool = make_pool(ctx.device, layers=m["layers"], slots=m["slots"], **MATRIX_ROWS[row_name])
-        staging = pinned_empty(ctx, int(torch.Size(staging_shape(pool, m["num_host_pages"], m["page"], "page_first")).numel()), pool.dtype).view(staging_shape(pool, m["num_host_pages"], m["page"], "page_first"))
+        staging = pinned_empty(
+            ctx, int(torch.Size(staging_shape(pool, m["num_host_pages"], m["page"], "page_first")).numel()), pool.dtype
+        ).view(staging_shape(pool, m["num_host_pages"], m["page"], "page_first"))
         slot_indices = torch.arange(m["pages"] * m["page"], device=ctx.device)
         host_page_ids = torch.arange(m["pages"])
         for op in ("gather", "scatter"):
@@ -755,13 +923,20 @@ def probe_ptx(ctx: Ctx) -> Probe:
             ctx.synchronize()
             compiled = [c for c in spy.compiled if hasattr(c, "asm")]
             if not compiled:
-                probe.skip(f"{name} {op}", f"{len(spy.compiled)} launch(es) returned no compiled kernel (the interpreter compiles nothing)")
+                probe.skip(
+                    f"{name} {op}",
+                    f"{len(spy.compiled)} launch(es) returned no compiled kernel (the interpreter compiles nothing)",
+                )
                 continue
             count = count_row_accesses(compiled[-1].asm["ptx"])
             counts[f"{name} {op}"] = count
-            probe.check(f"{name} {op}: every row access is 16 bytes", count["loads"] >= 1 and count["stores"] >= 1
-                        and (count["wide_loads"], count["wide_stores"]) == (count["loads"], count["stores"]),
-                        f"loads {count['wide_loads']}/{count['loads']} wide, stores {count['wide_stores']}/{count['stores']} wide")
+            probe.check(
+                f"{name} {op}: every row access is 16 bytes",
+                count["loads"] >= 1
+                and count["stores"] >= 1
+                and (count["wide_loads"], count["wide_stores"]) == (count["loads"], count["stores"]),
+                f"loads {count['wide_loads']}/{count['loads']} wide, stores {count['wide_stores']}/{count['stores']} wide",
+            )
     probe.data["counts"] = counts
     return probe
 
@@ -800,7 +975,9 @@ def probe_real_model(ctx: Ctx) -> Probe:
         if ctx.cuda:
             kernels_warm_up(kv_pool, rm.PAGE_SIZE)
         storage = open_storage("memory", LayoutFingerprint.of(kv_pool, page_size=rm.PAGE_SIZE, model_id=f"tiny-{arch}"))
-        first = rm.Engine(model, storage, backend=ctx.backend, seed=0, kv_pool=kv_pool, device=device, new_tokens=new_tokens)
+        first = rm.Engine(
+            model, storage, backend=ctx.backend, seed=0, kv_pool=kv_pool, device=device, new_tokens=new_tokens
+        )
         tokens = rm.prompt_tokens()
         prefix_tokens = (rm.PROMPT_TOKENS - 1) // rm.PAGE_SIZE * rm.PAGE_SIZE
         a = SimpleRequest("a", tokens, **rm.NAMESPACE)
@@ -808,15 +985,36 @@ def probe_real_model(ctx: Ctx) -> Probe:
         logits_a = first.run(a, prefix_tokens)
         first.manager.drain()
         stored = a.kv_length // rm.PAGE_SIZE
-        probe.check(f"{name}: A's pages stored", first.manager.metrics.pages_stored == stored and first.released == [a],
-                    f"{first.manager.metrics.pages_stored} of {stored}")
-        second = rm.Engine(model, storage, backend=ctx.backend, seed=1, kv_pool=device_pool(model), device=device, new_tokens=new_tokens)
+        probe.check(
+            f"{name}: A's pages stored",
+            first.manager.metrics.pages_stored == stored and first.released == [a],
+            f"{first.manager.metrics.pages_stored} of {stored}",
+        )
+        second = rm.Engine(
+            model,
+            storage,
+            backend=ctx.backend,
+            seed=1,
+            kv_pool=device_pool(model),
+            device=device,
+            new_tokens=new_tokens,
+        )
         b = SimpleRequest("b", tokens, **rm.NAMESPACE)
         load = second.load_prefix(b)
         logits_b = second.run(b, prefix_tokens, load=load)
         ctx.synchronize()
-        same_bytes = all(torch.equal(x, y) for x, y in zip(rows_of(second.kv_pool, second.slots(b)[:prefix_tokens]), rows_of(first.kv_pool, first.slots(a)[:prefix_tokens])))
-        probe.check(f"{name}: B's loaded prefix equals A's KV byte for byte", same_bytes and load.num_tokens == prefix_tokens, f"{load.num_tokens} tokens")
+        same_bytes = all(
+            torch.equal(x, y)
+            for x, y in zip(
+                rows_of(second.kv_pool, second.slots(b)[:prefix_tokens]),
+                rows_of(first.kv_pool, first.slots(a)[:prefix_tokens]),
+            )
+        )
+        probe.check(
+            f"{name}: B's loaded prefix equals A's KV byte for byte",
+            same_bytes and load.num_tokens == prefix_tokens,
+            f"{load.num_tokens} tokens",
+        )
         diffs = [float((x - y).abs().max()) for x, y in zip(logits_a, logits_b)]
         bitwise = all(torch.equal(x, y) for x, y in zip(logits_a, logits_b))
         # Bitwise logits need the GPU to repeat A's kernels exactly (CUBLAS_WORKSPACE_CONFIG is set);
@@ -826,11 +1024,23 @@ def probe_real_model(ctx: Ctx) -> Probe:
         second.manager.drain()
         metrics = second.manager.metrics
         prefix_pages = prefix_tokens // rm.PAGE_SIZE
-        probe.check(f"{name}: B's prefix loaded", metrics.pages_loaded == prefix_pages, f"{metrics.pages_loaded} of {prefix_pages} pages")
-        probe.check(f"{name}: B's decode pages continue the loaded chain (deduplicated against A's)",
-                    (metrics.pages_stored, metrics.pages_deduplicated) == (0, stored - prefix_pages),
-                    f"stored {metrics.pages_stored}, deduplicated {metrics.pages_deduplicated}", soft=b.output_ids != a.output_ids)
-        runs[name] = dict(bitwise=bitwise, max_abs_diff=max(diffs), tokens_equal=b.output_ids == a.output_ids, loaded_bytes_equal=same_bytes)
+        probe.check(
+            f"{name}: B's prefix loaded",
+            metrics.pages_loaded == prefix_pages,
+            f"{metrics.pages_loaded} of {prefix_pages} pages",
+        )
+        probe.check(
+            f"{name}: B's decode pages continue the loaded chain (deduplicated against A's)",
+            (metrics.pages_stored, metrics.pages_deduplicated) == (0, stored - prefix_pages),
+            f"stored {metrics.pages_stored}, deduplicated {metrics.pages_deduplicated}",
+            soft=b.output_ids != a.output_ids,
+        )
+        runs[name] = dict(
+            bitwise=bitwise,
+            max_abs_diff=max(diffs),
+            tokens_equal=b.output_ids == a.output_ids,
+            loaded_bytes_equal=same_bytes,
+        )
         first.close()
         second.close()
     probe.data["runs"] = runs
@@ -853,8 +1063,13 @@ PROBES: dict[str, Callable[[Ctx], Probe]] = {
 
 
 def header(ctx: Ctx) -> dict:
-    info = dict(device=torch.cuda.get_device_name(ctx.device) if ctx.cuda else f"cpu ({platform.machine()})", torch=torch.__version__,
-                dry_run=ctx.dry, backend=ctx.backend, interpreter=triton_interpreter_enabled())
+    info = dict(
+        device=torch.cuda.get_device_name(ctx.device) if ctx.cuda else f"cpu ({platform.machine()})",
+        torch=torch.__version__,
+        dry_run=ctx.dry,
+        backend=ctx.backend,
+        interpreter=triton_interpreter_enabled(),
+    )
     if triton_installed():
         import triton
 
@@ -906,12 +1121,34 @@ def warm_specs(ctx: Ctx) -> list[dict]:
     specs = []
     for case in bench_kernels.CASES.values():
         for page in bench_kernels.PAGE_SIZES:
-            specs.append(dict(parts=case["parts"], layers=case["layers"], heads=case["heads"], dim=case["dim"], dtype=str(bench_kernels.DTYPE), page=page, align=16))
+            specs.append(
+                dict(
+                    parts=case["parts"],
+                    layers=case["layers"],
+                    heads=case["heads"],
+                    dim=case["dim"],
+                    dtype=str(bench_kernels.DTYPE),
+                    page=page,
+                    align=16,
+                )
+            )
     specs.append(dict(RIG, dtype=str(RIG["dtype"]), align=16))
     for spec in MATRIX_ROWS.values():
         for offset in STAGING_OFFSETS:
-            specs.append(dict(spec, dtype=str(spec["dtype"]), layers=MATRIX["layers"], page=MATRIX["page"], align=offset or 16))
-    specs.append(dict(parts=BIG_STAGING["parts"], layers=BIG_STAGING["layers"], heads=BIG_STAGING["heads"], dim=BIG_STAGING["dim"], dtype=str(BIG_STAGING["dtype"]), page=BIG_STAGING["page"], align=16))
+            specs.append(
+                dict(spec, dtype=str(spec["dtype"]), layers=MATRIX["layers"], page=MATRIX["page"], align=offset or 16)
+            )
+    specs.append(
+        dict(
+            parts=BIG_STAGING["parts"],
+            layers=BIG_STAGING["layers"],
+            heads=BIG_STAGING["heads"],
+            dim=BIG_STAGING["dim"],
+            dtype=str(BIG_STAGING["dtype"]),
+            page=BIG_STAGING["page"],
+            align=16,
+        )
+    )
     for spec in REAL_MODEL_POOLS:
         for dtype in ("torch.bfloat16", "torch.float32"):
             specs.append(dict(spec, dtype=dtype, align=16))
@@ -926,8 +1163,17 @@ def warm_one(spec: dict, device_type: str) -> tuple[str, int, float]:
     started = time.perf_counter()
     device = torch.device(device_type)
     dtype = getattr(torch, spec["dtype"].removeprefix("torch."))
-    pool = make_pool(device, parts=spec["parts"], layers=spec["layers"], heads=spec["heads"], dim=spec["dim"], dtype=dtype, slots=4, fill="zero")
-    with (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
+    pool = make_pool(
+        device,
+        parts=spec["parts"],
+        layers=spec["layers"],
+        heads=spec["heads"],
+        dim=spec["dim"],
+        dtype=dtype,
+        slots=4,
+        fill="zero",
+    )
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         compiled = triton_copy.warm_up(pool, spec["page"], staging_alignment=spec["align"])
     return json.dumps(spec, sort_keys=True), compiled, time.perf_counter() - started
 
@@ -946,8 +1192,11 @@ def run_warm(ctx: Ctx, jobs: int) -> int:
         results = workers.starmap(warm_one, [(spec, ctx.device.type) for spec in specs], chunksize=1)
     total = sum(compiled for _, compiled, _ in results)
     slowest = max(results, key=lambda r: r[2])
-    print(f"PASS warm: {total} kernel variants compiled or loaded for {len(specs)} specs in {time.perf_counter() - started:.1f} s "
-          f"(slowest spec {slowest[2]:.1f} s: {slowest[0]})", flush=True)
+    print(
+        f"PASS warm: {total} kernel variants compiled or loaded for {len(specs)} specs in {time.perf_counter() - started:.1f} s "
+        f"(slowest spec {slowest[2]:.1f} s: {slowest[0]})",
+        flush=True,
+    )
     return 0
 
 
@@ -970,19 +1219,33 @@ def run_bench(ctx: Ctx) -> int:
     sweep = []
     for cap in programs:
         fns = {
-            "gather": lambda cap=cap: gather(pool, staging, slot_indices, host_page_ids, page_size=16, backend=ctx.backend, max_programs=cap),
-            "scatter": lambda cap=cap: scatter(staging, pool, slot_indices, host_page_ids, page_size=16, backend=ctx.backend, max_programs=cap),
+            "gather": lambda cap=cap: gather(
+                pool, staging, slot_indices, host_page_ids, page_size=16, backend=ctx.backend, max_programs=cap
+            ),
+            "scatter": lambda cap=cap: scatter(
+                staging, pool, slot_indices, host_page_ids, page_size=16, backend=ctx.backend, max_programs=cap
+            ),
         }
         seconds = bench_kernels.time_medians(fns, ctx.device, quick=True)
         row = dict(max_programs=cap, **{f"{op}_gbps": nbytes / s / 1e9 for op, s in seconds.items()})
         sweep.append(row)
-        print(f"     sweep: max_programs {cap:4d}: gather {row['gather_gbps']:7.2f} GB/s  scatter {row['scatter_gbps']:7.2f} GB/s", flush=True)
+        print(
+            f"     sweep: max_programs {cap:4d}: gather {row['gather_gbps']:7.2f} GB/s  scatter {row['scatter_gbps']:7.2f} GB/s",
+            flush=True,
+        )
     for name, item in report["summary"].items():
         status = "PASS" if item["ok"] else "MISS"
         print(f"{status} bench: {name}: {item['value']:.2f} (target {item['target']})", flush=True)
     met = sum(item["ok"] for item in report["summary"].values())
     probe.info(f"targets met: {met} of {len(report['summary'])} (reported, not enforced)")
-    out = dict(header(ctx), report=report, sweep=sweep, targets_met=met, targets=len(report["summary"]), seconds=time.perf_counter() - started)
+    out = dict(
+        header(ctx),
+        report=report,
+        sweep=sweep,
+        targets_met=met,
+        targets=len(report["summary"]),
+        seconds=time.perf_counter() - started,
+    )
     write_json(ctx.out / "bench.json", out)
     try:
         bench_kernels.plot(report, ctx.out / "bench.png")

@@ -67,7 +67,9 @@ def load(name: str, path: Path) -> ModuleType:
 
 def _git_commit() -> str | None:
     try:
-        result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=BENCH_DIR, capture_output=True, text=True, timeout=10)
+        result = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=BENCH_DIR, capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return result.stdout.strip() or None
@@ -93,7 +95,9 @@ def machine_meta(quick: bool) -> dict[str, Any]:
     return meta
 
 
-def run_benchmarks(names: list[str], paths: dict[str, Path], quick: bool, log: Callable[[str], None] = print) -> dict[str, dict]:
+def run_benchmarks(
+    names: list[str], paths: dict[str, Path], quick: bool, log: Callable[[str], None] = print
+) -> dict[str, dict]:
     """Run the named benchmarks; ``{name: {"seconds", "report"}}`` or ``{"seconds", "error", "traceback"}``."""
     outcomes: dict[str, dict] = {}
     for name in names:
@@ -174,7 +178,9 @@ def to_markdown(meta: dict, outcomes: dict[str, dict]) -> str:
         if isinstance(rows, list) and rows and all(isinstance(row, dict) for row in rows):
             lines += markdown_table(rows)
         else:
-            flat = {k: v for k, v in (report.items() if isinstance(report, dict) else []) if not isinstance(v, (dict, list))}
+            flat = {
+                k: v for k, v in (report.items() if isinstance(report, dict) else []) if not isinstance(v, (dict, list))
+            }
             lines += markdown_table([flat]) if flat else ["(no tabular results)"]
     return "\n".join(lines) + "\n"
 
@@ -206,8 +212,7 @@ def generic_plot(name: str, report: dict, path: Path) -> bool:
 
     series_key = "method" if all("method" in row for row in rows) else None
     config_keys = [
-        key for key in rows[0]
-        if key != series_key and (isinstance(rows[0][key], str) or key in CATEGORY_KEYS_ALSO)
+        key for key in rows[0] if key != series_key and (isinstance(rows[0][key], str) or key in CATEGORY_KEYS_ALSO)
     ]
     groups: list[str] = []
     series: list[str] = []
@@ -267,7 +272,9 @@ def _line_plot(name: str, rows: list[dict], path: Path, plt) -> bool:
     return True
 
 
-def write_outputs(out: Path, meta: dict, outcomes: dict[str, dict], paths: dict[str, Path], log: Callable[[str], None] = print) -> list[Path]:
+def write_outputs(
+    out: Path, meta: dict, outcomes: dict[str, dict], paths: dict[str, Path], log: Callable[[str], None] = print
+) -> list[Path]:
     """Write results.json, results.md and a PNG per benchmark into ``out``; returns the files."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -302,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="each benchmark's quick form (seconds, not minutes)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    parser.add_argument("--only", action="append", metavar="NAME", help="run only this benchmark (repeatable), e.g. kernels")
+    parser.add_argument(
+        "--only", action="append", metavar="NAME", help="run only this benchmark (repeatable), e.g. kernels"
+    )
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     args = parser.parse_args(argv)
     paths = discover()
@@ -312,7 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     names = args.only or list(paths)
     unknown = [name for name in names if name not in paths]
     if unknown:
-        print(f"python -m bench: error: --only: unknown benchmark {', '.join(unknown)}; known: {', '.join(paths)}", file=sys.stderr)
+        print(
+            f"python -m bench: error: --only: unknown benchmark {', '.join(unknown)}; known: {', '.join(paths)}",
+            file=sys.stderr,
+        )
         return 2
     meta = machine_meta(args.quick)
     outcomes = run_benchmarks(names, paths, args.quick)

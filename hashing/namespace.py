@@ -54,7 +54,9 @@ def namespace_bytes(extra_key: str | None, cache_salt: str | None) -> bytes | No
     return NAMESPACE_TAG + extra + salt
 
 
-def namespace_seed_bytes(extra_key: str | None, cache_salt: str | None, scheme: str | HashScheme = DEFAULT_SCHEME) -> bytes:
+def namespace_seed_bytes(
+    extra_key: str | None, cache_salt: str | None, scheme: str | HashScheme = DEFAULT_SCHEME
+) -> bytes:
     """The raw namespace seed digest, or ``b""`` (no prior) when both inputs are None.
 
     Raises: as :func:`namespace_bytes`, and for an unknown ``scheme``.
@@ -64,7 +66,9 @@ def namespace_seed_bytes(extra_key: str | None, cache_salt: str | None, scheme: 
     return b"" if data is None else hash_scheme.digest(data)
 
 
-def namespace_seed(extra_key: str | None, cache_salt: str | None, scheme: str | HashScheme = DEFAULT_SCHEME) -> str | None:
+def namespace_seed(
+    extra_key: str | None, cache_salt: str | None, scheme: str | HashScheme = DEFAULT_SCHEME
+) -> str | None:
     """The namespace seed as lowercase hex, or None when ``extra_key`` and ``cache_salt`` are both None.
 
     Args:

@@ -191,14 +191,24 @@ _xxh3_module, _xxh3_why = _load_compiled("_xxh3_chain")
 
 _REGISTRY = {
     "sglang-v1": HashScheme(
-        "sglang-v1", 32, _sha256_digest, _chain_hash_objects(hashlib.sha256), cryptographic=True,
-        compiled=_sha256_module, why_pure_python=_sha256_why,
+        "sglang-v1",
+        32,
+        _sha256_digest,
+        _chain_hash_objects(hashlib.sha256),
+        cryptographic=True,
+        compiled=_sha256_module,
+        why_pure_python=_sha256_why,
     ),
     # xxh3_128_digest(data) is the one-call form of xxhash.xxh3_128(data).digest() (seed 0);
     # it skips a Python hash object per page, which is most of the cost at this speed.
     "xxh3-128": HashScheme(
-        "xxh3-128", 16, xxhash.xxh3_128_digest, _chain_digest_function(xxhash.xxh3_128_digest), cryptographic=False,
-        compiled=_xxh3_module, why_pure_python=_xxh3_why,
+        "xxh3-128",
+        16,
+        xxhash.xxh3_128_digest,
+        _chain_digest_function(xxhash.xxh3_128_digest),
+        cryptographic=False,
+        compiled=_xxh3_module,
+        why_pure_python=_xxh3_why,
     ),
 }
 assert tuple(_REGISTRY) == SCHEMES

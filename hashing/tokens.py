@@ -54,7 +54,9 @@ WIDE_PAGE_TAG = b"\xff"  # hashed before a wide page's ids (after the prior)
 U32_LIMIT = 1 << 32  # ids below it fit u32
 ID_LIMIT = 1 << 63  # ids below it are hashed; from it on, an error (as sglang)
 _CHUNK = 1 << 17  # elements checked and converted at a time (1 MiB of int64: stays in L2)
-_ACCEPTED = "a list/tuple/range of ints, a numpy integer array, a torch integer tensor, or an array.array or buffer of integers"
+_ACCEPTED = (
+    "a list/tuple/range of ints, a numpy integer array, a torch integer tensor, or an array.array or buffer of integers"
+)
 # Buffer format letters of integer types (struct module syntax); the compiled chains read them too.
 _INTEGER_LETTERS = frozenset("bBhHiIlLqQnN")
 _RULE = "every token id must satisfy 0 <= id <= 2**63-1"
@@ -93,11 +95,15 @@ def _first_bad_element(seq, argument: str, limit: int, rule: str) -> Exception:
     ``0 <= id < limit`` breaking ``rule`` (error path only)."""
     for position, value in enumerate(seq):
         if _is_bool_like(value):
-            return ArgumentTypeError(f"{argument}: token ids must be integers, not bools; {argument}[{position}] = {_describe(value)}")
+            return ArgumentTypeError(
+                f"{argument}: token ids must be integers, not bools; {argument}[{position}] = {_describe(value)}"
+            )
         try:
             as_int = operator.index(value)
         except TypeError:
-            return ArgumentTypeError(f"{argument}: token ids must be integers; {argument}[{position}] = {_describe(value)}")
+            return ArgumentTypeError(
+                f"{argument}: token ids must be integers; {argument}[{position}] = {_describe(value)}"
+            )
         if not 0 <= as_int < limit:
             return out_of_range_error(argument, position, as_int, rule)
     raise AssertionError("no bad element found")  # the caller saw one; unreachable
@@ -249,10 +255,14 @@ def _buffer_array(tokens, argument: str) -> np.ndarray:
     try:
         view = memoryview(tokens)
     except TypeError:
-        raise ArgumentTypeError(f"{argument}: must be {_ACCEPTED}, got {type(tokens).__module__}.{type(tokens).__qualname__}") from None
+        raise ArgumentTypeError(
+            f"{argument}: must be {_ACCEPTED}, got {type(tokens).__module__}.{type(tokens).__qualname__}"
+        ) from None
     order, letter = _format_letter(view.format)
     if letter not in _INTEGER_LETTERS or view.itemsize not in (1, 2, 4, 8):
-        raise ArgumentTypeError(f"{argument}: token ids must be integers, got a buffer of format {view.format!r}; must be {_ACCEPTED}")
+        raise ArgumentTypeError(
+            f"{argument}: token ids must be integers, got a buffer of format {view.format!r}; must be {_ACCEPTED}"
+        )
     if view.ndim != 1:
         raise InvalidArgumentError(f"{argument}: must be 1-D, got shape {tuple(view.shape)}")
     byte_order = {"<": "<", ">": ">", "!": ">"}.get(order, "=")

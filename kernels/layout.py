@@ -21,7 +21,17 @@ import torch
 from kvstage.errors import ArgumentTypeError, DeviceMismatchError, is_int, require
 from kvstage.kernels.pool import KVPool
 
-__all__ = ["LAYOUTS", "Transfer", "check_transfer", "copy_runs", "on_host", "page_runs", "split_staged", "staging_shape", "to_device_async"]
+__all__ = [
+    "LAYOUTS",
+    "Transfer",
+    "check_transfer",
+    "copy_runs",
+    "on_host",
+    "page_runs",
+    "split_staged",
+    "staging_shape",
+    "to_device_async",
+]
 
 LAYOUTS = ("page_first", "layer_first")
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -57,7 +67,8 @@ def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _check_page_size(page_size: object) -> None:
     require(
         is_int(page_size) and page_size >= 1,
-        "page_size", lambda: f"must be a positive int, got {page_size!r}",
+        "page_size",
+        lambda: f"must be a positive int, got {page_size!r}",
     )
 
 
@@ -82,7 +93,8 @@ def staging_shape(pool: KVPool, num_host_pages: int, page_size: int, layout: str
     require(isinstance(pool, KVPool), "pool", lambda: f"must be a KVPool, got {type(pool).__name__}", ArgumentTypeError)
     require(
         is_int(num_host_pages) and num_host_pages >= 0,
-        "num_host_pages", lambda: f"must be an int >= 0, got {num_host_pages!r}",
+        "num_host_pages",
+        lambda: f"must be an int >= 0, got {num_host_pages!r}",
     )
     _check_page_size(page_size)
     _check_layout(layout)
@@ -133,30 +145,51 @@ class Transfer:
 
 
 def _check_index(name: str, t: object, pool: KVPool) -> torch.Tensor:
-    require(isinstance(t, torch.Tensor), name, lambda: f"must be a torch.Tensor, got {type(t).__name__}", ArgumentTypeError)
+    require(
+        isinstance(t, torch.Tensor), name, lambda: f"must be a torch.Tensor, got {type(t).__name__}", ArgumentTypeError
+    )
     assert isinstance(t, torch.Tensor)
     require(t.dtype in INDEX_DTYPES, name, lambda: f"dtype must be int32 or int64, got {t.dtype}", ArgumentTypeError)
     require(t.dim() == 1, name, lambda: f"must be 1-D, got shape {tuple(t.shape)}")
     require(
-        t.device == pool.device or t.device.type == "cpu", name,
-        lambda: f"must be on the pool's device ({pool.device}) or on CPU, got {t.device}", DeviceMismatchError,
+        t.device == pool.device or t.device.type == "cpu",
+        name,
+        lambda: f"must be on the pool's device ({pool.device}) or on CPU, got {t.device}",
+        DeviceMismatchError,
     )
     return t
 
 
 def _check_staging(staging: object, pool: KVPool, page_size: int, layout: str) -> int:
     """Check the staging buffer against the pool; return how many host pages it holds."""
-    require(isinstance(staging, torch.Tensor), "staging", lambda: f"must be a torch.Tensor, got {type(staging).__name__}", ArgumentTypeError)
+    require(
+        isinstance(staging, torch.Tensor),
+        "staging",
+        lambda: f"must be a torch.Tensor, got {type(staging).__name__}",
+        ArgumentTypeError,
+    )
     assert isinstance(staging, torch.Tensor)
-    require(staging.dtype == pool.dtype, "staging", lambda: f"dtype must be the pool's {pool.dtype}, got {staging.dtype}", ArgumentTypeError)
+    require(
+        staging.dtype == pool.dtype,
+        "staging",
+        lambda: f"dtype must be the pool's {pool.dtype}, got {staging.dtype}",
+        ArgumentTypeError,
+    )
     if pool.device.type == "cuda" and staging.device.type == "cpu":
         # The kernel reads/writes host memory over PCIe through its device address: only
         # page-locked memory has one; pageable memory would fault.
-        require(staging.is_pinned(), "staging", "host staging for a CUDA pool must be pinned (torch.empty(..., pin_memory=True))", DeviceMismatchError)
+        require(
+            staging.is_pinned(),
+            "staging",
+            "host staging for a CUDA pool must be pinned (torch.empty(..., pin_memory=True))",
+            DeviceMismatchError,
+        )
     else:
         require(
-            staging.device == pool.device, "staging",
-            lambda: f"must be pinned host memory or on the pool's device ({pool.device}), got {staging.device}", DeviceMismatchError,
+            staging.device == pool.device,
+            "staging",
+            lambda: f"must be pinned host memory or on the pool's device ({pool.device}), got {staging.device}",
+            DeviceMismatchError,
         )
     if layout == "page_first":
         names = ("num_host_pages", "num_layers", "kv_parts", "page_size", "num_heads", "head_dim")
@@ -164,15 +197,29 @@ def _check_staging(staging: object, pool: KVPool, page_size: int, layout: str) -
     else:
         names = ("kv_parts", "num_layers", "num_host_tokens", "num_heads", "head_dim")
         want = (pool.kv_parts, pool.num_layers, None, pool.num_heads, pool.head_dim)
-    require(staging.dim() == len(names), "staging", lambda: f"{layout} staging must be [{', '.join(names)}], got shape {tuple(staging.shape)}")
+    require(
+        staging.dim() == len(names),
+        "staging",
+        lambda: f"{layout} staging must be [{', '.join(names)}], got shape {tuple(staging.shape)}",
+    )
     for dim, (name, expected) in enumerate(zip(names, want)):
         if expected is not None:
-            require(staging.shape[dim] == expected, "staging", lambda: f"dim {dim} ({name}) must be {expected}, got {staging.shape[dim]} (shape {tuple(staging.shape)})")
+            require(
+                staging.shape[dim] == expected,
+                "staging",
+                lambda: (
+                    f"dim {dim} ({name}) must be {expected}, got {staging.shape[dim]} (shape {tuple(staging.shape)})"
+                ),
+            )
     require(staging.is_contiguous(), "staging", "must be contiguous")
     if layout == "page_first":
         return int(staging.shape[0])
     tokens = int(staging.shape[2])
-    require(tokens % page_size == 0, "staging", lambda: f"dim 2 (num_host_tokens) must be a multiple of page_size {page_size}, got {tokens}")
+    require(
+        tokens % page_size == 0,
+        "staging",
+        lambda: f"dim 2 (num_host_tokens) must be a multiple of page_size {page_size}, got {tokens}",
+    )
     return tokens // page_size
 
 
@@ -239,13 +286,21 @@ def check_transfer(
     _check_index("host_page_ids", host_page_ids, pool)
     num_pages = host_page_ids.numel()
     require(
-        slot_indices.numel() == num_pages * page_size, "slot_indices",
-        lambda: f"must hold len(host_page_ids) * page_size = {num_pages} * {page_size} = {num_pages * page_size} indices, got {slot_indices.numel()}",
+        slot_indices.numel() == num_pages * page_size,
+        "slot_indices",
+        lambda: (
+            f"must hold len(host_page_ids) * page_size = {num_pages} * {page_size} = {num_pages * page_size} indices, got {slot_indices.numel()}"
+        ),
     )
     # A stride-0 view of more than one element repeats its value: known without reading it.
-    require(num_pages <= 1 or host_page_ids.stride(0) != 0, "host_page_ids", "must not repeat a page id within one call (an expanded view repeats one)")
     require(
-        not scatter or slot_indices.numel() <= 1 or slot_indices.stride(0) != 0, "slot_indices",
+        num_pages <= 1 or host_page_ids.stride(0) != 0,
+        "host_page_ids",
+        "must not repeat a page id within one call (an expanded view repeats one)",
+    )
+    require(
+        not scatter or slot_indices.numel() <= 1 or slot_indices.stride(0) != 0,
+        "slot_indices",
         "must not repeat a slot in a scatter (an expanded view repeats one; the slot's content would be unspecified)",
     )
     if layer is None:
@@ -258,18 +313,36 @@ def check_transfer(
         check_bounds = pool.device.type == "cpu"
     if num_pages and (check_bounds or on_host(host_page_ids)):
         low, high, distinct = _range_and_distinct(host_page_ids)
-        require(0 <= low and high < num_host_pages, "host_page_ids", lambda: f"must be in [0, {num_host_pages}) (the staging buffer's pages), got min {low} max {high}")
+        require(
+            0 <= low and high < num_host_pages,
+            "host_page_ids",
+            lambda: f"must be in [0, {num_host_pages}) (the staging buffer's pages), got min {low} max {high}",
+        )
         require(distinct == num_pages, "host_page_ids", "must not repeat a page id within one call")
     if num_pages and check_bounds:
         if scatter:
             low, high, distinct = _range_and_distinct(slot_indices)
         else:
             low, high, distinct = int(slot_indices.min()), int(slot_indices.max()), slot_indices.numel()
-        require(0 <= low and high < pool.num_slots, "slot_indices", lambda: f"must be in [0, {pool.num_slots}) (the pool's slots), got min {low} max {high}")
-        require(distinct == slot_indices.numel(), "slot_indices", "must not repeat a slot in a scatter (the slot's content would be unspecified)")
+        require(
+            0 <= low and high < pool.num_slots,
+            "slot_indices",
+            lambda: f"must be in [0, {pool.num_slots}) (the pool's slots), got min {low} max {high}",
+        )
+        require(
+            distinct == slot_indices.numel(),
+            "slot_indices",
+            "must not repeat a slot in a scatter (the slot's content would be unspecified)",
+        )
     return Transfer(
-        pool, staging, to_device_async(slot_indices, pool.device), to_device_async(host_page_ids, pool.device),
-        page_size, layout, layers, num_host_pages,
+        pool,
+        staging,
+        to_device_async(slot_indices, pool.device),
+        to_device_async(host_page_ids, pool.device),
+        page_size,
+        layout,
+        layers,
+        num_host_pages,
         host_page_ids_cpu=host_page_ids if on_host(host_page_ids) else None,
         slot_indices_cpu=slot_indices if on_host(slot_indices) else None,
     )
@@ -303,11 +376,17 @@ def copy_runs(plan: Transfer, compact: torch.Tensor, *, to_staging: bool) -> Non
         if plan.layout == "page_first" and all_layers:
             pairs = [(plan.staging[start : start + length], compact[first : first + length])]
         elif plan.layout == "page_first":
-            pairs = [(plan.staging[start : start + length, layer], compact[first : first + length, layer]) for layer in plan.layers]
+            pairs = [
+                (plan.staging[start : start + length, layer], compact[first : first + length, layer])
+                for layer in plan.layers
+            ]
         else:
             pool = plan.pool
             pairs = [
-                (plan.staging[p, layer, start * ps : (start + length) * ps], compact[p, layer, first * ps : (first + length) * ps])
+                (
+                    plan.staging[p, layer, start * ps : (start + length) * ps],
+                    compact[p, layer, first * ps : (first + length) * ps],
+                )
                 for p in range(pool.kv_parts)
                 for layer in plan.layers
             ]
@@ -330,12 +409,23 @@ def split_staged(plan: Transfer) -> tuple[Transfer, Transfer]:
             their runs are found on the host, and reading device ids would sync the device.
     """
     require(
-        plan.host_page_ids_cpu is not None, "host_page_ids",
-        lambda: f"a staged copy (mode='staged', or the torch backend with host staging for a CUDA pool) needs them on CPU, got {plan.host_page_ids.device}: their runs are read on the host, and reading device ids would sync the device",
+        plan.host_page_ids_cpu is not None,
+        "host_page_ids",
+        lambda: (
+            f"a staged copy (mode='staged', or the torch backend with host staging for a CUDA pool) needs them on CPU, got {plan.host_page_ids.device}: their runs are read on the host, and reading device ids would sync the device"
+        ),
     )
     pool = plan.pool
-    compact = torch.empty(staging_shape(pool, plan.num_pages, plan.page_size, plan.layout), dtype=pool.dtype, device=pool.device)
+    compact = torch.empty(
+        staging_shape(pool, plan.num_pages, plan.page_size, plan.layout), dtype=pool.dtype, device=pool.device
+    )
     ordinal = torch.arange(plan.num_pages, dtype=torch.int64, device=pool.device)
-    inner = replace(plan, staging=compact, host_page_ids=ordinal, num_host_pages=plan.num_pages, host_page_ids_cpu=torch.arange(plan.num_pages))
+    inner = replace(
+        plan,
+        staging=compact,
+        host_page_ids=ordinal,
+        num_host_pages=plan.num_pages,
+        host_page_ids_cpu=torch.arange(plan.num_pages),
+    )
     outer = replace(plan, host_page_ids=plan.host_page_ids_cpu)
     return inner, outer

@@ -45,7 +45,13 @@ class KVPool:
         buffers: ``buffers[part][layer]`` is the tensor of that part and layer.
     """
 
-    def __init__(self, buffers: Sequence[Sequence[torch.Tensor]], *, argument: str = "buffers", part_names: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        buffers: Sequence[Sequence[torch.Tensor]],
+        *,
+        argument: str = "buffers",
+        part_names: Sequence[str] | None = None,
+    ) -> None:
         """Wrap ``buffers[part][layer]`` tensors; prefer :meth:`mha`, :meth:`mla`, :meth:`from_stacked`.
 
         ``part_names`` (one per part) names a buffer in errors as the caller passed it, e.g.
@@ -66,22 +72,58 @@ class KVPool:
             return f"{argument}[{p}][{layer}]" if part_names is None else f"{part_names[p]}[{layer}]"
 
         first = parts[0][0]
-        require(isinstance(first, torch.Tensor), buffer_name(0, 0), f"must be a torch.Tensor, got {type(first).__name__}", ArgumentTypeError)
-        require(first.dim() == 3, buffer_name(0, 0), f"must be [num_slots, num_heads, head_dim], got shape {tuple(first.shape)}")
+        require(
+            isinstance(first, torch.Tensor),
+            buffer_name(0, 0),
+            f"must be a torch.Tensor, got {type(first).__name__}",
+            ArgumentTypeError,
+        )
+        require(
+            first.dim() == 3,
+            buffer_name(0, 0),
+            f"must be [num_slots, num_heads, head_dim], got shape {tuple(first.shape)}",
+        )
         for p, part in enumerate(parts):
-            require(len(part) == num_layers, f"{argument}[{p}]", f"must hold {num_layers} layers like part 0, got {len(part)}")
+            require(
+                len(part) == num_layers,
+                f"{argument}[{p}]",
+                f"must hold {num_layers} layers like part 0, got {len(part)}",
+            )
             for layer, t in enumerate(part):
                 name = buffer_name(p, layer)
-                require(isinstance(t, torch.Tensor), name, f"must be a torch.Tensor, got {type(t).__name__}", ArgumentTypeError)
-                require(t.dtype == first.dtype, name, f"dtype must be {first.dtype} like the others, got {t.dtype}", ArgumentTypeError)
-                require(t.device == first.device, name, f"device must be {first.device} like the others, got {t.device}", DeviceMismatchError)
-                require(tuple(t.shape) == tuple(first.shape), name, f"shape must be {tuple(first.shape)} like the others, got {tuple(t.shape)}")
+                require(
+                    isinstance(t, torch.Tensor),
+                    name,
+                    f"must be a torch.Tensor, got {type(t).__name__}",
+                    ArgumentTypeError,
+                )
+                require(
+                    t.dtype == first.dtype,
+                    name,
+                    f"dtype must be {first.dtype} like the others, got {t.dtype}",
+                    ArgumentTypeError,
+                )
+                require(
+                    t.device == first.device,
+                    name,
+                    f"device must be {first.device} like the others, got {t.device}",
+                    DeviceMismatchError,
+                )
+                require(
+                    tuple(t.shape) == tuple(first.shape),
+                    name,
+                    f"shape must be {tuple(first.shape)} like the others, got {tuple(t.shape)}",
+                )
                 require(t.is_contiguous(), name, "must be contiguous (each slot one run of bytes)")
         self.buffers: list[list[torch.Tensor]] = parts
         self.kv_parts = len(parts)
         self.num_layers = num_layers
         self.num_slots, self.num_heads, self.head_dim = (int(d) for d in first.shape)
-        require(self.num_slots >= 1 and self.num_heads >= 1 and self.head_dim >= 1, argument, f"every dimension must be >= 1, got shape {tuple(first.shape)}")
+        require(
+            self.num_slots >= 1 and self.num_heads >= 1 and self.head_dim >= 1,
+            argument,
+            f"every dimension must be >= 1, got shape {tuple(first.shape)}",
+        )
         self.dtype: torch.dtype = first.dtype
         self.device: torch.device = first.device
         self._layout = KVLayout(self.num_layers, self.kv_parts, self.num_heads, self.head_dim, self.dtype)
@@ -98,7 +140,9 @@ class KVPool:
         """
         k_list, v_list = list(k_buffers), list(v_buffers)
         require(len(k_list) >= 1, "k_buffers", "must hold at least one layer")
-        require(len(v_list) == len(k_list), "v_buffers", f"must hold {len(k_list)} layers like k_buffers, got {len(v_list)}")
+        require(
+            len(v_list) == len(k_list), "v_buffers", f"must hold {len(k_list)} layers like k_buffers, got {len(v_list)}"
+        )
         return cls([k_list, v_list], argument="k_buffers/v_buffers", part_names=("k_buffers", "v_buffers"))
 
     @classmethod
@@ -113,11 +157,17 @@ class KVPool:
         require(len(latent) >= 1, "latent_buffers", "must hold at least one layer")
         for layer, t in enumerate(latent):
             if isinstance(t, torch.Tensor):
-                require(t.dim() == 3 and t.shape[1] == 1, f"latent_buffers[{layer}]", f"must be [num_slots, 1, kv_dim], got shape {tuple(t.shape)}")
+                require(
+                    t.dim() == 3 and t.shape[1] == 1,
+                    f"latent_buffers[{layer}]",
+                    f"must be [num_slots, 1, kv_dim], got shape {tuple(t.shape)}",
+                )
         return cls([latent], argument="latent_buffers", part_names=("latent_buffers",))
 
     @classmethod
-    def allocate(cls, layout: KVLayout, num_slots: int, *, device: torch.device | str = "cpu", fill: float | None = None) -> "KVPool":
+    def allocate(
+        cls, layout: KVLayout, num_slots: int, *, device: torch.device | str = "cpu", fill: float | None = None
+    ) -> "KVPool":
         """A new pool of ``layout`` with ``num_slots`` slots: one ``[num_slots, num_heads,
         head_dim]`` buffer per part and layer, uninitialized or filled with ``fill`` (e.g. NaN,
         so that a read of a slot nothing wrote shows).
@@ -126,8 +176,17 @@ class KVPool:
             ArgumentTypeError: ``layout`` is not a :class:`KVLayout`.
             InvalidArgumentError: ``num_slots`` is not a positive int.
         """
-        require(isinstance(layout, KVLayout), "layout", lambda: f"must be a KVLayout, got {type(layout).__name__}", ArgumentTypeError)
-        require(isinstance(num_slots, int) and not isinstance(num_slots, bool) and num_slots >= 1, "num_slots", lambda: f"must be a positive int, got {num_slots!r}")
+        require(
+            isinstance(layout, KVLayout),
+            "layout",
+            lambda: f"must be a KVLayout, got {type(layout).__name__}",
+            ArgumentTypeError,
+        )
+        require(
+            isinstance(num_slots, int) and not isinstance(num_slots, bool) and num_slots >= 1,
+            "num_slots",
+            lambda: f"must be a positive int, got {num_slots!r}",
+        )
         shape = (layout.kv_parts, layout.num_layers, num_slots, layout.num_heads, layout.head_dim)
         if fill is None:
             stacked = torch.empty(shape, dtype=layout.dtype, device=device)
@@ -147,7 +206,11 @@ class KVPool:
                 not contiguous.
         """
         require(isinstance(t, torch.Tensor), "t", f"must be a torch.Tensor, got {type(t).__name__}", ArgumentTypeError)
-        require(t.dim() == 5, "t", f"must be [kv_parts, num_layers, num_slots, num_heads, head_dim], got shape {tuple(t.shape)}")
+        require(
+            t.dim() == 5,
+            "t",
+            f"must be [kv_parts, num_layers, num_slots, num_heads, head_dim], got shape {tuple(t.shape)}",
+        )
         require(t.shape[0] in (1, 2), "t", f"dim 0 (kv_parts) must be 1 or 2, got {t.shape[0]}")
         require(t.is_contiguous(), "t", "must be contiguous")
         return cls([list(t[p].unbind(0)) for p in range(t.shape[0])], argument="t")

@@ -194,7 +194,9 @@ def gather_reference(
     Raises:
         The errors of :func:`kvstage.kernels.layout.check_transfer`, before anything is written.
     """
-    plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, check_bounds=check_bounds)
+    plan = check_transfer(
+        pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, check_bounds=check_bounds
+    )
     run_gather_torch(plan)
 
 
@@ -219,5 +221,15 @@ def scatter_reference(
     Raises:
         The errors of :func:`kvstage.kernels.layout.check_transfer`, before anything is written.
     """
-    plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, layer=layer, check_bounds=check_bounds, scatter=True)
+    plan = check_transfer(
+        pool,
+        staging,
+        slot_indices,
+        host_page_ids,
+        page_size=page_size,
+        layout=layout,
+        layer=layer,
+        check_bounds=check_bounds,
+        scatter=True,
+    )
     run_scatter_torch(plan)

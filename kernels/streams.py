@@ -62,7 +62,9 @@ class CopyHandle:
         self._on_wait = on_wait
 
     @classmethod
-    def recorded(cls, start: "torch.cuda.Event", end: "torch.cuda.Event", device: torch.device, keep: Iterable[Any]) -> "CopyHandle":
+    def recorded(
+        cls, start: "torch.cuda.Event", end: "torch.cuda.Event", device: torch.device, keep: Iterable[Any]
+    ) -> "CopyHandle":
         """A handle for a copy queued on a CUDA stream between the timing events ``start`` and ``end``."""
         handle = cls(keep)
         handle._start, handle._end, handle.device = start, end, device
@@ -174,7 +176,12 @@ def launch_after(
         handle = CopyHandle()
         handle.complete(seconds=0.0)
         return handle
-    require(isinstance(stream, torch.cuda.Stream), "stream", lambda: f"must be a torch.cuda.Stream or None, got {type(stream).__name__}", ArgumentTypeError)
+    require(
+        isinstance(stream, torch.cuda.Stream),
+        "stream",
+        lambda: f"must be a torch.cuda.Stream or None, got {type(stream).__name__}",
+        ArgumentTypeError,
+    )
     device = stream.device
     _prune_held()
     with torch.cuda.device(device):  # launches and events on the copy's device, whatever is current
@@ -185,7 +192,9 @@ def launch_after(
         elif isinstance(after, torch.cuda.Event):
             stream.wait_event(after)
         else:
-            raise ArgumentTypeError(f"after: must be a torch.cuda.Event, a torch.cuda.Stream or None, got {type(after).__name__}")
+            raise ArgumentTypeError(
+                f"after: must be a torch.cuda.Event, a torch.cuda.Stream or None, got {type(after).__name__}"
+            )
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
@@ -224,7 +233,9 @@ def gather_async(
     """
     return launch_after(
         lambda: gather(pool, staging, slot_indices, host_page_ids, **options),  # type: ignore[arg-type]
-        stream=stream, after=after, keep_alive=(slot_indices, host_page_ids, staging),
+        stream=stream,
+        after=after,
+        keep_alive=(slot_indices, host_page_ids, staging),
     )
 
 
@@ -245,5 +256,7 @@ def scatter_async(
     """
     return launch_after(
         lambda: scatter(staging, pool, slot_indices, host_page_ids, **options),  # type: ignore[arg-type]
-        stream=stream, after=after, keep_alive=(slot_indices, host_page_ids, staging),
+        stream=stream,
+        after=after,
+        keep_alive=(slot_indices, host_page_ids, staging),
     )

@@ -43,7 +43,8 @@ def _check_mode(mode: object, max_programs: object) -> None:
     require(mode in MODES, "mode", f"must be one of {MODES}, got {mode!r}")
     require(
         max_programs is None or (is_int(max_programs) and max_programs >= 1),
-        "max_programs", f"must be None or an int >= 1, got {max_programs!r}",
+        "max_programs",
+        f"must be None or an int >= 1, got {max_programs!r}",
     )
 
 
@@ -173,7 +174,9 @@ def gather(
     """
     _check_pool(pool)
     with _device_guard(pool.device):
-        plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, check_bounds=check_bounds)
+        plan = check_transfer(
+            pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, check_bounds=check_bounds
+        )
         _check_mode(mode, max_programs)
         chosen = resolve_backend(backend, pool.device.type == "cuda")
         if plan.num_pages == 0:
@@ -210,7 +213,17 @@ def scatter(
     """
     _check_pool(pool)
     with _device_guard(pool.device):
-        plan = check_transfer(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, layer=layer, check_bounds=check_bounds, scatter=True)
+        plan = check_transfer(
+            pool,
+            staging,
+            slot_indices,
+            host_page_ids,
+            page_size=page_size,
+            layout=layout,
+            layer=layer,
+            check_bounds=check_bounds,
+            scatter=True,
+        )
         _check_mode(mode, max_programs)
         chosen = resolve_backend(backend, pool.device.type == "cuda")
         if plan.num_pages == 0:

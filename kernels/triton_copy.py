@@ -42,7 +42,17 @@ from kvstage.kernels.layout import Transfer, to_device_async
 from kvstage.kernels.pool import KVPool
 from kvstage.kernels.words import WORD_DTYPES, as_words, widest_word
 
-__all__ = ["LaunchConfig", "choose_config", "compile_ptx", "copy_words", "launch", "set_config_hook", "warm_up", "warm_up_calls", "DEFAULT_MAX_PROGRAMS"]
+__all__ = [
+    "LaunchConfig",
+    "choose_config",
+    "compile_ptx",
+    "copy_words",
+    "launch",
+    "set_config_hook",
+    "warm_up",
+    "warm_up_calls",
+    "DEFAULT_MAX_PROGRAMS",
+]
 
 # Default grid cap on CUDA. Each program keeps one tile (8-16 KiB) per (part, layer) in flight;
 # 32 programs keep about 0.5 MiB in flight, enough to cover PCIe latency, on a quarter of an
@@ -58,8 +68,16 @@ INTERPRETER_MAX_PROGRAMS = 4
 # slice of req_to_token starts anywhere). What stays specialized is fixed per pool and page
 # size, so :func:`warm_up` can compile every variant before the first copy.
 _VARYING = (
-    "slot_indices", "host_page_ids", "slot_stride", "page_id_stride", "num_tokens", "layer_start", "layer_stop",
-    "staging_page_stride", "staging_part_stride", "staging_layer_stride",
+    "slot_indices",
+    "host_page_ids",
+    "slot_stride",
+    "page_id_stride",
+    "num_tokens",
+    "layer_start",
+    "layer_stop",
+    "staging_page_stride",
+    "staging_part_stride",
+    "staging_layer_stride",
 )
 
 
@@ -131,7 +149,9 @@ class LaunchConfig:
     num_programs: int
 
 
-def choose_config(row_words: int, word_bytes: int, num_tokens: int, *, on_cuda: bool, max_programs: int | None) -> LaunchConfig:
+def choose_config(
+    row_words: int, word_bytes: int, num_tokens: int, *, on_cuda: bool, max_programs: int | None
+) -> LaunchConfig:
     """The heuristic launch configuration (no autotuning: it needs a GPU and several configs).
 
     A tile is about 16 KiB on CUDA (whole rows where a row fits, so a token's row is read
@@ -222,8 +242,22 @@ def _launch_guard(on_cuda: bool) -> contextlib.AbstractContextManager:
 
 
 def _kernel_args(
-    pool: KVPool, staging, slot_indices, host_page_ids, *, word: int, vec: int, page_size: int, layout: str,
-    num_host_pages: int, num_tokens: int, layers: range, slot_stride: int, page_id_stride: int, gather: bool, config: LaunchConfig,
+    pool: KVPool,
+    staging,
+    slot_indices,
+    host_page_ids,
+    *,
+    word: int,
+    vec: int,
+    page_size: int,
+    layout: str,
+    num_host_pages: int,
+    num_tokens: int,
+    layers: range,
+    slot_stride: int,
+    page_id_stride: int,
+    gather: bool,
+    config: LaunchConfig,
 ) -> tuple[tuple, dict]:
     """The kernel's positional and keyword arguments: one builder for launches, warm-up and :func:`compile_ptx`."""
     words = _pool_words(pool, word)
@@ -235,10 +269,25 @@ def _kernel_args(
         tokens = num_host_pages * ps
         strides = (ps * row_vecs, num_layers * tokens * row_vecs, tokens * row_vecs)
     args = (
-        words.base, words.table, staging, slot_indices, host_page_ids, slot_stride, page_id_stride, num_tokens,
-        row_vecs, ps, num_layers, layers.start, layers.stop, parts, *strides,
+        words.base,
+        words.table,
+        staging,
+        slot_indices,
+        host_page_ids,
+        slot_stride,
+        page_id_stride,
+        num_tokens,
+        row_vecs,
+        ps,
+        num_layers,
+        layers.start,
+        layers.stop,
+        parts,
+        *strides,
     )
-    return args, dict(GATHER=gather, BLOCK_T=config.block_t, BLOCK_W=config.block_w, VEC=vec, num_warps=config.num_warps)
+    return args, dict(
+        GATHER=gather, BLOCK_T=config.block_t, BLOCK_W=config.block_w, VEC=vec, num_warps=config.num_warps
+    )
 
 
 def launch(plan: Transfer, *, gather: bool, max_programs: int | None = None) -> LaunchConfig | None:
@@ -251,12 +300,25 @@ def launch(plan: Transfer, *, gather: bool, max_programs: int | None = None) -> 
     pool = plan.pool
     word, vec = copy_words(pool, plan.staging.data_ptr())
     on_cuda = pool.device.type == "cuda"
-    config = (_config_hook or choose_config)(pool.row_bytes // word, word, plan.num_tokens, on_cuda=on_cuda, max_programs=max_programs)
+    config = (_config_hook or choose_config)(
+        pool.row_bytes // word, word, plan.num_tokens, on_cuda=on_cuda, max_programs=max_programs
+    )
     args, kwargs = _kernel_args(
-        pool, as_words(plan.staging, pool.row_bytes, word), plan.slot_indices, plan.host_page_ids,
-        word=word, vec=vec, page_size=plan.page_size, layout=plan.layout, num_host_pages=plan.num_host_pages,
-        num_tokens=plan.num_tokens, layers=plan.layers, slot_stride=plan.slot_indices.stride(0),
-        page_id_stride=plan.host_page_ids.stride(0), gather=gather, config=config,
+        pool,
+        as_words(plan.staging, pool.row_bytes, word),
+        plan.slot_indices,
+        plan.host_page_ids,
+        word=word,
+        vec=vec,
+        page_size=plan.page_size,
+        layout=plan.layout,
+        num_host_pages=plan.num_host_pages,
+        num_tokens=plan.num_tokens,
+        layers=plan.layers,
+        slot_stride=plan.slot_indices.stride(0),
+        page_id_stride=plan.host_page_ids.stride(0),
+        gather=gather,
+        config=config,
     )
     with _launch_guard(on_cuda):
         _kv_rows_copy_kernel[(config.num_programs,)](*args, **kwargs)
@@ -264,7 +326,11 @@ def launch(plan: Transfer, *, gather: bool, max_programs: int | None = None) -> 
 
 
 def warm_up_calls(
-    pool: KVPool, page_size: int, *, index_dtypes: tuple[torch.dtype, ...] = (torch.int32, torch.int64), staging_alignment: int = 16,
+    pool: KVPool,
+    page_size: int,
+    *,
+    index_dtypes: tuple[torch.dtype, ...] = (torch.int32, torch.int64),
+    staging_alignment: int = 16,
 ) -> list[tuple[tuple, dict]]:
     """The kernel arguments of every variant a native copy of ``pool`` at ``page_size`` compiles.
 
@@ -280,11 +346,25 @@ def warm_up_calls(
     for gather in (True, False):
         for slot_dtype in index_dtypes:
             for page_id_dtype in index_dtypes:
-                calls.append(_kernel_args(
-                    pool, WORD_DTYPES[word], slot_dtype, page_id_dtype, word=word, vec=vec, page_size=page_size,
-                    layout="page_first", num_host_pages=1, num_tokens=page_size, layers=range(pool.num_layers),
-                    slot_stride=1, page_id_stride=1, gather=gather, config=config,
-                ))
+                calls.append(
+                    _kernel_args(
+                        pool,
+                        WORD_DTYPES[word],
+                        slot_dtype,
+                        page_id_dtype,
+                        word=word,
+                        vec=vec,
+                        page_size=page_size,
+                        layout="page_first",
+                        num_host_pages=1,
+                        num_tokens=page_size,
+                        layers=range(pool.num_layers),
+                        slot_stride=1,
+                        page_id_stride=1,
+                        gather=gather,
+                        config=config,
+                    )
+                )
     return calls
 
 
@@ -304,7 +384,13 @@ def warm_up(pool: KVPool, page_size: int, **options) -> int:
 
 
 def compile_ptx(
-    *, row_bytes: int = 2048, page_size: int = 16, num_layers: int = 4, kv_parts: int = 2, gather: bool = True, arch: int = 90,
+    *,
+    row_bytes: int = 2048,
+    page_size: int = 16,
+    num_layers: int = 4,
+    kv_parts: int = 2,
+    gather: bool = True,
+    arch: int = 90,
 ) -> str:
     """Compile the kernel for ``sm_<arch>`` without a GPU (Triton ships ptxas) and return its PTX.
 
@@ -318,7 +404,9 @@ def compile_ptx(
     from triton.compiler import ASTSource
     from triton.runtime.jit import MockTensor, native_specialize_impl
 
-    buffers = torch.empty((kv_parts, num_layers, 1, 1, row_bytes), dtype=torch.uint8)  # on CPU: only addresses and dtypes matter
+    buffers = torch.empty(
+        (kv_parts, num_layers, 1, 1, row_bytes), dtype=torch.uint8
+    )  # on CPU: only addresses and dtypes matter
     pool = KVPool.from_stacked(buffers)
     args, kwargs = warm_up_calls(pool, page_size, index_dtypes=(torch.int64,))[0 if gather else 1]
     names = list(inspect.signature(_kv_rows_copy_kernel.fn).parameters)
@@ -337,4 +425,6 @@ def compile_ptx(
     for name in ("GATHER", "BLOCK_T", "BLOCK_W", "VEC"):
         signature[name], constexprs[(names.index(name),)] = "constexpr", kwargs[name]
     source = ASTSource(fn=_kv_rows_copy_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": kwargs["num_warps"]}).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": kwargs["num_warps"]}).asm[
+        "ptx"
+    ]

@@ -73,8 +73,14 @@ class Backup:
     """
 
     def __init__(
-        self, copier: Copier, storage: Any, hasher: Any, workers: Any, counters: OffloadMetrics,
-        on_failure: FailureCallback | None, prior_wait_s: float = 0.0,
+        self,
+        copier: Copier,
+        storage: Any,
+        hasher: Any,
+        workers: Any,
+        counters: OffloadMetrics,
+        on_failure: FailureCallback | None,
+        prior_wait_s: float = 0.0,
     ) -> None:
         self.copier = copier
         self.storage = storage
@@ -98,7 +104,9 @@ class Backup:
         """Store writes waiting for their prior page (no thread runs them now)."""
         return sum(1 for _, _, future, job in self._writes if job is not None and job.parked and not future.done())
 
-    def settle(self, writes: RequestWrites, chain: RequestChain, run: ChainRun, result: CopyResult, *, discard: bool) -> None:
+    def settle(
+        self, writes: RequestWrites, chain: RequestChain, run: ChainRun, result: CopyResult, *, discard: bool
+    ) -> None:
         """Count one finished gather of ``writes.req`` and hand its pages to a store write (or
         free them: a failed copy, pages whose keys cannot be made, or ``discard`` for a request
         retracted without keeping its offload progress)."""
@@ -206,7 +214,9 @@ class Backup:
         except Exception:
             return []
 
-    def _put(self, chain: RequestChain, keys: list[str], pages: list[Any], prior_key: str | None) -> Callable[[], WriteOutcome]:
+    def _put(
+        self, chain: RequestChain, keys: list[str], pages: list[Any], prior_key: str | None
+    ) -> Callable[[], WriteOutcome]:
         """One attempt of a write, for the writer thread: refused without a store call when
         its prior failed in this manager (a copy, or a write that ran before it)."""
 
@@ -239,7 +249,10 @@ class Backup:
             counters.pages_failed += len(outcome.failed_keys)
             counters.storage_failures += 1
             logger.warning(
-                "offload: storage write failed for %d of %d pages of rid=%r%s", len(outcome.failed_keys),
-                pages, req.rid, f": {outcome.error!r}" if outcome.error is not None else "",
+                "offload: storage write failed for %d of %d pages of rid=%r%s",
+                len(outcome.failed_keys),
+                pages,
+                req.rid,
+                f": {outcome.error!r}" if outcome.error is not None else "",
             )
             self.report_failure(req, outcome.failed_keys, outcome.error)

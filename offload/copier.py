@@ -90,7 +90,14 @@ class Copier:
     # replaced whole, so the common case (none) costs one truth test a poll.
     _result_listeners: tuple = ()
 
-    def __init__(self, kv_pool: KVPoolLike, host_pool: HostPool, *, copy_stream: CopyStreamLike | None = None, backend: str = "auto") -> None:
+    def __init__(
+        self,
+        kv_pool: KVPoolLike,
+        host_pool: HostPool,
+        *,
+        copy_stream: CopyStreamLike | None = None,
+        backend: str = "auto",
+    ) -> None:
         for name in ("num_layers", "kv_parts", "num_heads", "head_dim", "dtype"):
             mine, theirs = getattr(host_pool.layout, name), getattr(kv_pool.layout, name)
             require(mine == theirs, "host_pool", lambda: f"layout's {name} {mine} must equal the KV pool's {theirs}")
@@ -128,7 +135,13 @@ class Copier:
     # -- copies ---------------------------------------------------------------------------
 
     def gather(
-        self, job: Any, slot_indices: torch.Tensor, *, after: Any = None, argument: str = "slot_indices", checked: bool = False
+        self,
+        job: Any,
+        slot_indices: torch.Tensor,
+        *,
+        after: Any = None,
+        argument: str = "slot_indices",
+        checked: bool = False,
     ) -> list[int] | None:
         """Allocate host pages and launch the D2H copy of ``slot_indices``' pages into them.
 
@@ -149,7 +162,9 @@ class Copier:
                 a 1-D int32/int64 tensor of whole pages on the KV pool's device; nothing changed.
             Whatever the launch raises on CUDA; the host pages are freed then.
         """
-        num_pages = slot_indices.shape[0] // self.page_size if checked else self.check_slot_indices(slot_indices, argument)
+        num_pages = (
+            slot_indices.shape[0] // self.page_size if checked else self.check_slot_indices(slot_indices, argument)
+        )
         host_page_ids = self.alloc(num_pages)
         if host_page_ids is None:
             return None
@@ -161,7 +176,13 @@ class Copier:
         return host_page_ids
 
     def scatter(
-        self, job: Any, host_page_ids: Sequence[int], slot_indices: torch.Tensor, *, layer_by_layer: bool = False, after: Any = None
+        self,
+        job: Any,
+        host_page_ids: Sequence[int],
+        slot_indices: torch.Tensor,
+        *,
+        layer_by_layer: bool = False,
+        after: Any = None,
     ) -> list[CopyHandle]:
         """Launch the H2D copy of host pages into device slots.
 
@@ -186,8 +207,11 @@ class Copier:
         num_pages = self.check_slot_indices(slot_indices, "slot_indices", distinct=True)
         host_page_ids = list(host_page_ids)
         require(
-            num_pages == len(host_page_ids), "slot_indices",
-            lambda: f"must hold {len(host_page_ids)} pages of {self.page_size} slots for the host pages, got {num_pages} pages",
+            num_pages == len(host_page_ids),
+            "slot_indices",
+            lambda: (
+                f"must hold {len(host_page_ids)} pages of {self.page_size} slots for the host pages, got {num_pages} pages"
+            ),
         )
         for index, host_page_id in enumerate(host_page_ids):
             if not self.host_pool.is_allocated(host_page_id):
@@ -263,11 +287,21 @@ class Copier:
             ArgumentTypeError, DeviceMismatchError, InvalidArgumentError: naming ``argument``.
         """
         page_size = self.page_size
-        if not isinstance(slot_indices, torch.Tensor) or slot_indices.dim() != 1 or slot_indices.dtype not in (torch.int32, torch.int64):
-            described = f"{slot_indices.dtype} tensor of shape {tuple(slot_indices.shape)}" if isinstance(slot_indices, torch.Tensor) else type(slot_indices).__name__
+        if (
+            not isinstance(slot_indices, torch.Tensor)
+            or slot_indices.dim() != 1
+            or slot_indices.dtype not in (torch.int32, torch.int64)
+        ):
+            described = (
+                f"{slot_indices.dtype} tensor of shape {tuple(slot_indices.shape)}"
+                if isinstance(slot_indices, torch.Tensor)
+                else type(slot_indices).__name__
+            )
             raise ArgumentTypeError(f"{argument}: must be a 1-D int32/int64 tensor, got {described}")
         if slot_indices.device != self.device:
-            raise DeviceMismatchError(f"{argument}: must be on the KV pool's device {self.device}, got {slot_indices.device}")
+            raise DeviceMismatchError(
+                f"{argument}: must be on the KV pool's device {self.device}, got {slot_indices.device}"
+            )
         count = slot_indices.shape[0]
         if count % page_size:
             raise InvalidArgumentError(f"{argument}: {count} slots is not a whole number of pages of {page_size}")
@@ -275,19 +309,25 @@ class Copier:
             low, high = int(slot_indices.min()), int(slot_indices.max())
             num_slots = self.kv_pool.num_slots
             if low < 0 or high >= num_slots:
-                raise InvalidArgumentError(f"{argument}: every slot must be in [0, {num_slots}), got {low if low < 0 else high}")
+                raise InvalidArgumentError(
+                    f"{argument}: every slot must be in [0, {num_slots}), got {low if low < 0 else high}"
+                )
             if distinct and torch.unique(slot_indices).numel() != count:
                 raise InvalidArgumentError(f"{argument}: a slot repeats (two rows would be written into one slot)")
         return count // page_size
 
-    def _groups(self, slot_indices: torch.Tensor, host_page_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _groups(
+        self, slot_indices: torch.Tensor, host_page_ids: list[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(host buffer, its slot indices, its local host page ids) per host buffer touched."""
         page_size = self.page_size
         groups = []
         for buffer_index, positions, local_ids in self.host_pool.locate(host_page_ids):
             first, last = positions[0], positions[-1]
             if last - first + 1 != len(positions):  # not one run: host pages not in ascending order
-                raise InvalidArgumentError("host_page_ids: pages of one host buffer must be adjacent (allocate with Copier.alloc)")
+                raise InvalidArgumentError(
+                    "host_page_ids: pages of one host buffer must be adjacent (allocate with Copier.alloc)"
+                )
             slots = slot_indices[first * page_size : (last + 1) * page_size]
             start, count = local_ids[0], len(local_ids)
             if local_ids == list(range(start, start + count)):
@@ -297,20 +337,51 @@ class Copier:
             groups.append((self.host_pool.buffers[buffer_index], slots, local))
         return groups
 
-    def _submit(self, job: Any, direction: str, slot_indices: torch.Tensor, host_page_ids: list[int], *, layers: list, after: Any) -> list[CopyHandle]:
+    def _submit(
+        self,
+        job: Any,
+        direction: str,
+        slot_indices: torch.Tensor,
+        host_page_ids: list[int],
+        *,
+        layers: list,
+        after: Any,
+    ) -> list[CopyHandle]:
         groups = self._groups(slot_indices, host_page_ids)
         kv_pool, page_size, backend = self.kv_pool, self.page_size, self.backend
         keep = [tensor for group in groups for tensor in group]
         handles: list[CopyHandle] = []
         for layer in layers:
             if direction == GATHER:
+
                 def copy(groups=groups) -> None:  # slots checked on the engine's thread (check_slot_indices)
                     for staging, slots, local in groups:
-                        gather(kv_pool, staging, slots, local, page_size=page_size, layout="page_first", backend=backend, check_bounds=False)
+                        gather(
+                            kv_pool,
+                            staging,
+                            slots,
+                            local,
+                            page_size=page_size,
+                            layout="page_first",
+                            backend=backend,
+                            check_bounds=False,
+                        )
             else:
+
                 def copy(groups=groups, layer=layer) -> None:
                     for staging, slots, local in groups:
-                        scatter(staging, kv_pool, slots, local, page_size=page_size, layout="page_first", layer=layer, backend=backend, check_bounds=False)
+                        scatter(
+                            staging,
+                            kv_pool,
+                            slots,
+                            local,
+                            page_size=page_size,
+                            layout="page_first",
+                            layer=layer,
+                            backend=backend,
+                            check_bounds=False,
+                        )
+
             handles.append(self.copy_stream.submit(copy, keep=keep, after=after))
         self._copies.append(_Copy(job, direction, host_page_ids, handles))
         return handles
@@ -320,4 +391,3 @@ class Copier:
         seconds = sum(handle.seconds or 0.0 for handle in copy.handles)
         nbytes = 0 if error is not None else len(copy.host_page_ids) * self.host_pool.page_bytes
         return CopyResult(copy.job, copy.direction, copy.host_page_ids, error is None, error, nbytes, seconds)
-

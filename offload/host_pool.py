@@ -59,7 +59,12 @@ class HostPool:
         pin: bool | None = None,
         buffer_pages: int | None = None,
     ) -> None:
-        require(isinstance(layout, KVLayout), "layout", lambda: f"must be a KVLayout, got {type(layout).__name__}", ArgumentTypeError)
+        require(
+            isinstance(layout, KVLayout),
+            "layout",
+            lambda: f"must be a KVLayout, got {type(layout).__name__}",
+            ArgumentTypeError,
+        )
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             require(is_int(value) and value >= 1, name, lambda: f"must be a positive int, got {value!r}")
         self.layout = layout
@@ -69,7 +74,9 @@ class HostPool:
         if buffer_pages is None:
             buffer_pages = max(1, min(num_pages, DEFAULT_BUFFER_BYTES // self.page_bytes))
         require(
-            is_int(buffer_pages) and buffer_pages >= 1, "buffer_pages", lambda: f"must be a positive int, got {buffer_pages!r}"
+            is_int(buffer_pages) and buffer_pages >= 1,
+            "buffer_pages",
+            lambda: f"must be a positive int, got {buffer_pages!r}",
         )
         buffer_pages = min(buffer_pages, num_pages)
         self.pinned = torch.cuda.is_available() if pin is None else bool(pin)
@@ -94,7 +101,9 @@ class HostPool:
         self._high_water = 0
 
     @classmethod
-    def like(cls, kv_pool: Any, *, num_pages: int, page_size: int, pin: bool | None = None, buffer_pages: int | None = None) -> "HostPool":
+    def like(
+        cls, kv_pool: Any, *, num_pages: int, page_size: int, pin: bool | None = None, buffer_pages: int | None = None
+    ) -> "HostPool":
         """A host pool whose pages match a :class:`kvstage.kernels.KVPool`'s ``layout``.
 
         Args:
@@ -164,14 +173,21 @@ class HostPool:
                 Nothing is freed then.
         """
         # numpy integers are ids too (what an engine gets from an array); bools are not.
-        host_page_ids = [int(page) if isinstance(page, numbers.Integral) and not isinstance(page, bool) else page for page in host_page_ids]
+        host_page_ids = [
+            int(page) if isinstance(page, numbers.Integral) and not isinstance(page, bool) else page
+            for page in host_page_ids
+        ]
         in_use = self._in_use
         capacity = self._capacity
         for index, page in enumerate(host_page_ids):
             if not is_int(page) or not 0 <= page < capacity:
-                raise InvalidArgumentError(f"host_page_ids[{index}]: must be a page id in [0, {capacity}), got {page!r}")
+                raise InvalidArgumentError(
+                    f"host_page_ids[{index}]: must be a page id in [0, {capacity}), got {page!r}"
+                )
             if not in_use[page]:
-                raise InvalidArgumentError(f"host_page_ids[{index}]: page {page} is not allocated (double free or foreign id)")
+                raise InvalidArgumentError(
+                    f"host_page_ids[{index}]: page {page} is not allocated (double free or foreign id)"
+                )
         if len(set(host_page_ids)) != len(host_page_ids):
             raise InvalidArgumentError("host_page_ids: a page id repeats")
         for page in host_page_ids:

@@ -41,7 +41,10 @@ class PriorFailedError(MissingPriorError):
             reason = f"its {how} failed in this manager: {why}"
         else:
             reason = f"it follows chain page {failed_key!r}, whose {how} failed in this manager: {why}"
-        super().__init__(prior_key, f"prior_key: {prior_key!r} will never be stored ({reason}); a page after a missing one is unreachable, so it is refused")
+        super().__init__(
+            prior_key,
+            f"prior_key: {prior_key!r} will never be stored ({reason}); a page after a missing one is unreachable, so it is refused",
+        )
         self.failed_key, self.cause, self.how = failed_key, cause, how
         self.__cause__ = cause
 

@@ -35,7 +35,9 @@ from kvstage.offload.store_io import read_pages, write_pages
 __all__ = ["KeyedCopies", "KeyedResult", "chain_runs"]
 
 
-def chain_runs(page_keys: Sequence[str], prior_keys: Sequence[str | None] | None = None) -> list[tuple[int, int, str | None]]:
+def chain_runs(
+    page_keys: Sequence[str], prior_keys: Sequence[str | None] | None = None
+) -> list[tuple[int, int, str | None]]:
     """Split pages into runs of one chain each, for stores' ``put`` (one run a call).
 
     Args:
@@ -54,7 +56,9 @@ def chain_runs(page_keys: Sequence[str], prior_keys: Sequence[str | None] | None
     if prior_keys is None:
         return [(0, len(page_keys), None)] if page_keys else []
     if len(prior_keys) != len(page_keys):
-        raise InvalidArgumentError(f"prior_keys: must give one entry per page key, got {len(prior_keys)} for {len(page_keys)} keys")
+        raise InvalidArgumentError(
+            f"prior_keys: must give one entry per page key, got {len(prior_keys)} for {len(page_keys)} keys"
+        )
     runs, start = [], 0
     for index in range(1, len(page_keys) + 1):
         if index == len(page_keys) or (prior_keys[index] is not None and prior_keys[index] != page_keys[index - 1]):
@@ -140,7 +144,8 @@ class KeyedCopies:
     def __init__(self, copier: Copier, storage: Any, workers: Any) -> None:
         page_bytes = copier.host_pool.page_bytes
         require(
-            storage.page_bytes == page_bytes, "storage",
+            storage.page_bytes == page_bytes,
+            "storage",
             lambda: f"holds pages of {storage.page_bytes} bytes, the host pool's are {page_bytes}",
         )
         self.copier = copier
@@ -154,7 +159,12 @@ class KeyedCopies:
     # -- submission -------------------------------------------------------------------------
 
     def store(
-        self, job: Any, slot_indices: torch.Tensor, page_keys: Sequence[str], *, after: Any = None,
+        self,
+        job: Any,
+        slot_indices: torch.Tensor,
+        page_keys: Sequence[str],
+        *,
+        after: Any = None,
         prior_keys: Sequence[str | None] | None = None,
     ) -> None:
         """Copy the pages at ``slot_indices`` out and write them under ``page_keys``; the
@@ -203,7 +213,13 @@ class KeyedCopies:
         self.copier.check_slot_indices(slot_indices, "slot_indices", distinct=True)
         self._queue(_Job(job, False, len(keys), 0), keys, slot_indices)
 
-    def _queue(self, record: _Job, keys: list[str], slot_indices: torch.Tensor, runs: list[tuple[int, int, str | None]] | None = None) -> None:
+    def _queue(
+        self,
+        record: _Job,
+        keys: list[str],
+        slot_indices: torch.Tensor,
+        runs: list[tuple[int, int, str | None]] | None = None,
+    ) -> None:
         per_part = self.copier.host_pool.capacity
         page_size = self.copier.page_size
         # parts of at most the host pool's pages, never across runs of different chains
@@ -217,7 +233,15 @@ class KeyedCopies:
             self._finished.append(KeyedResult(record.job, record.is_store, True, 0, 0, 0.0))
             return
         for start, stop, prior in bounds:
-            self._waiting.append(_Part(record, keys[start:stop], slot_indices[start * page_size : stop * page_size], prior_key=prior, start=start))
+            self._waiting.append(
+                _Part(
+                    record,
+                    keys[start:stop],
+                    slot_indices[start * page_size : stop * page_size],
+                    prior_key=prior,
+                    start=start,
+                )
+            )
         self._start_waiting()
 
     def _start_waiting(self) -> None:
@@ -267,11 +291,19 @@ class KeyedCopies:
                     continue
                 pages = [self.copier.host_pool.page(page) for page in part.host_page_ids]
                 # partial binds this part's keys and pages now (a lambda here would see the last part's)
-                part.future = self.workers.write(partial(write_pages, self.storage, part.page_keys, pages, prior_key=part.prior_key))
+                part.future = self.workers.write(
+                    partial(write_pages, self.storage, part.page_keys, pages, prior_key=part.prior_key)
+                )
                 self._in_store.append(part)
             else:
                 landed = part.landed if result.ok else 0
-                self._end_part(part, moved=result.bytes if result.ok else 0, error=result.error, ok=landed == len(part.page_keys), landed=landed)
+                self._end_part(
+                    part,
+                    moved=result.bytes if result.ok else 0,
+                    error=result.error,
+                    ok=landed == len(part.page_keys),
+                    landed=landed,
+                )
         waiting = []
         for part in self._in_store:
             if not part.future.done():
@@ -295,7 +327,9 @@ class KeyedCopies:
 
         def pending() -> list[_Part]:
             parts = [*self._waiting, *self._copying.values(), *self._in_store]
-            return [p for p in parts if wanted is None or any(p.owner.job is job or p.owner.job == job for job in wanted)]
+            return [
+                p for p in parts if wanted is None or any(p.owner.job is job or p.owner.job == job for job in wanted)
+            ]
 
         while pending():
             if deadline is not None and time.monotonic() >= deadline:
@@ -329,7 +363,9 @@ class KeyedCopies:
         error = part.future.exception()
         part.landed = 0 if error is not None or part.owner.skips(part) else part.future.result()
         if part.landed == 0:
-            self._end_part(part, moved=0, error=error, ok=False, landed=0)  # never scatter past a page that did not land
+            self._end_part(
+                part, moved=0, error=error, ok=False, landed=0
+            )  # never scatter past a page that did not land
             return
         self._copying[id(part)] = part
         page_size = self.copier.page_size
@@ -350,16 +386,30 @@ class KeyedCopies:
             record.first_failed = failed if record.first_failed is None else min(record.first_failed, failed)
         record.parts_left -= 1
         if record.parts_left == 0:
-            loaded = 0 if record.is_store else (record.num_pages if record.first_failed is None else record.first_failed)
-            self._finished.append(KeyedResult(
-                record.job, record.is_store, record.ok, record.num_pages, record.moved, time.perf_counter() - record.started, record.error,
-                loaded_pages=loaded,
-            ))
+            loaded = (
+                0 if record.is_store else (record.num_pages if record.first_failed is None else record.first_failed)
+            )
+            self._finished.append(
+                KeyedResult(
+                    record.job,
+                    record.is_store,
+                    record.ok,
+                    record.num_pages,
+                    record.moved,
+                    time.perf_counter() - record.started,
+                    record.error,
+                    loaded_pages=loaded,
+                )
+            )
 
     def _checked_keys(self, page_keys: Sequence[str], slot_indices: torch.Tensor) -> list[str]:
         keys = list(page_keys)
         page_size = self.copier.page_size
-        if not isinstance(slot_indices, torch.Tensor) or slot_indices.dim() != 1 or slot_indices.numel() != len(keys) * page_size:
+        if (
+            not isinstance(slot_indices, torch.Tensor)
+            or slot_indices.dim() != 1
+            or slot_indices.numel() != len(keys) * page_size
+        ):
             shape = tuple(slot_indices.shape) if isinstance(slot_indices, torch.Tensor) else type(slot_indices).__name__
             raise InvalidArgumentError(
                 f"slot_indices: must be a 1-D tensor of {len(keys)} pages x {page_size} slots for the page_keys, got {shape}"

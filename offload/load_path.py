@@ -138,7 +138,9 @@ class LoadHandle:
         layer_by_layer: one copy per layer (else one for every layer).
     """
 
-    def __init__(self, req: Any, num_pages: int, page_size: int, handles: list[CopyHandle], num_layers: int, layer_by_layer: bool) -> None:
+    def __init__(
+        self, req: Any, num_pages: int, page_size: int, handles: list[CopyHandle], num_layers: int, layer_by_layer: bool
+    ) -> None:
         self.req = req
         self.num_pages = num_pages
         self.num_tokens = num_pages * page_size

@@ -94,8 +94,6 @@ __all__ = ["OffloadManager"]
 logger = logging.getLogger(__name__)
 
 
-
-
 class OffloadManager:
     """Stores requests' KV pages through a host pool to a store, and loads stored prefixes back.
 
@@ -195,7 +193,9 @@ class OffloadManager:
         page_size = host_pool.page_size
         stride = checked_stride(hasher, host_pool, offload_stride, prior_wait_s)
         self.copier = Copier(kv_pool, host_pool, copy_stream=copy_stream, backend=backend)
-        fingerprint = check_callbacks(storage, host_pool, slot_indices_of, release, on_storage_failure, on_stored, producer, finish_backlog_pages)
+        fingerprint = check_callbacks(
+            storage, host_pool, slot_indices_of, release, on_storage_failure, on_stored, producer, finish_backlog_pages
+        )
         self.kv_pool = kv_pool
         self.host_pool = host_pool
         self.storage = storage
@@ -222,7 +222,9 @@ class OffloadManager:
         self._closed = False
         self._prefetcher = Prefetcher(self.copier, storage, hasher, self._workers, self._counters)
         prior_wait = 0.0 if self.store_prompt else float(prior_wait_s)
-        self._backup = Backup(self.copier, storage, hasher, self._workers, self._counters, on_storage_failure, prior_wait_s=prior_wait)
+        self._backup = Backup(
+            self.copier, storage, hasher, self._workers, self._counters, on_storage_failure, prior_wait_s=prior_wait
+        )
         storage.register_host_buffers(host_pool.buffers)
 
     # -- store path ---------------------------------------------------------------------------
@@ -278,11 +280,14 @@ class OffloadManager:
                     return False
             elif state.ending:
                 return False
-            length = kv_length_of(req) if kv_length is None else checked_kv_length(req, kv_length, state.launched_length)
+            length = (
+                kv_length_of(req) if kv_length is None else checked_kv_length(req, kv_length, state.launched_length)
+            )
             if req.finished():
                 return self._finish_state(state, new, length, after)
             require(
-                state.prefetch is None, "req",
+                state.prefetch is None,
+                "req",
                 lambda: f"rid={req.rid!r} has a prefetch pending: load or cancel it before offloading its pages",
             )
             plan = self._plan(state, self.offload_stride, length)
@@ -380,7 +385,9 @@ class OffloadManager:
     # -- load path ----------------------------------------------------------------------------
 
     @owner_thread_only
-    def match_prefix(self, req: Any = None, *, token_ids: Any = None, extra_key: str | None = None, cache_salt: str | None = None) -> PrefixMatch:
+    def match_prefix(
+        self, req: Any = None, *, token_ids: Any = None, extra_key: str | None = None, cache_salt: str | None = None
+    ) -> PrefixMatch:
         """Lookup: how many leading whole pages of a token sequence the store holds.
 
         Give a request (every token with KV, prompt and output, but the last, which the engine
@@ -445,7 +452,9 @@ class OffloadManager:
             return state.prefetch
 
     @owner_thread_only
-    def load(self, handle: PrefetchHandle, slot_indices: torch.Tensor, *, layer_by_layer: bool = False, after: Any = None) -> LoadHandle:
+    def load(
+        self, handle: PrefetchHandle, slot_indices: torch.Tensor, *, layer_by_layer: bool = False, after: Any = None
+    ) -> LoadHandle:
         """Scatter prefetched pages into the request's device slots, on the copy stream.
 
         Loads ``len(slot_indices) // page_size`` leading pages (at most ``handle.pages_ready``);
@@ -472,7 +481,12 @@ class OffloadManager:
         After the forward pass's ``wait_layer``/``wait``, check :attr:`LoadHandle.error`: a
         failed load leaves the slots unwritten and the engine computes those tokens itself.
         """
-        require(isinstance(handle, PrefetchHandle), "handle", lambda: f"must be a PrefetchHandle from prefetch(), got {type(handle).__name__}", ArgumentTypeError)
+        require(
+            isinstance(handle, PrefetchHandle),
+            "handle",
+            lambda: f"must be a PrefetchHandle from prefetch(), got {type(handle).__name__}",
+            ArgumentTypeError,
+        )
         self._require_open("load")
         check_after(after, "after")
         with nvtx_range("load"):
@@ -483,7 +497,13 @@ class OffloadManager:
                 # The copier checks the slots (and raises) before it launches; the handle is
                 # taken only after, so a bad tensor changes nothing.
                 job = LoadJob(state, num_pages)
-                copy_handles = self.copier.scatter(job, handle.host_page_ids[:num_pages], slot_indices, layer_by_layer=layer_by_layer, after=self._after(after))
+                copy_handles = self.copier.scatter(
+                    job,
+                    handle.host_page_ids[:num_pages],
+                    slot_indices,
+                    layer_by_layer=layer_by_layer,
+                    after=self._after(after),
+                )
             self._prefetcher.take(handle, num_pages)
             state.prefetch = None
             if num_pages:
@@ -492,11 +512,15 @@ class OffloadManager:
                 self._counters.loads += 1
             # Offloading resumes after the loaded pages (the prefill side's prompt pages at least).
             prompt_end = 0 if self.store_prompt else len(handle.req.origin_input_ids) // self.page_size * self.page_size
-            resume = plan_load_resume(num_pages, self.page_size, handle.page_keys, prompt_end, state.offloaded_length, state.chain is not None)
+            resume = plan_load_resume(
+                num_pages, self.page_size, handle.page_keys, prompt_end, state.offloaded_length, state.chain is not None
+            )
             state.offloaded_length = resume.offloaded_length
             if resume.new_chain:
                 state.chain = None if resume.prior_key is None else RequestChain(resume.prior_key, True)
-            return LoadHandle(handle.req, num_pages, self.page_size, copy_handles, self.kv_pool.num_layers, layer_by_layer)
+            return LoadHandle(
+                handle.req, num_pages, self.page_size, copy_handles, self.kv_pool.num_layers, layer_by_layer
+            )
 
     @owner_thread_only
     def cancel(self, handle: PrefetchHandle) -> None:
@@ -617,8 +641,13 @@ class OffloadManager:
         """A snapshot of the counters."""
         backup = self._backup
         return metrics_snapshot(
-            self._counters, self.host_pool, self.storage.stats, requests_live=len(self._states), copies_in_flight=self.copies_in_flight,
-            writes_pending=backup.writes_pending, writes_parked=backup.writes_parked
+            self._counters,
+            self.host_pool,
+            self.storage.stats,
+            requests_live=len(self._states),
+            copies_in_flight=self.copies_in_flight,
+            writes_pending=backup.writes_pending,
+            writes_parked=backup.writes_parked,
         )
 
     # -- internals: lifecycle -----------------------------------------------------------------
@@ -638,7 +667,12 @@ class OffloadManager:
         if state.backlog_pages:  # finish()'s pages still waiting for host pages: never launched now
             dropped = self._backlog.remove(state)
             self._counters.pages_dropped += dropped
-            logger.warning("offload: %s of rid=%r drops its %d pages waiting for host pages", "abort" if aborted else "retract", state.req.rid, dropped)
+            logger.warning(
+                "offload: %s of rid=%r drops its %d pages waiting for host pages",
+                "abort" if aborted else "retract",
+                state.req.rid,
+                dropped,
+            )
         if aborted and state.loads:
             for load in list(state.loads):  # a queued load cannot be recalled: no slot written after abort returns
                 self.copier.synchronize(job=load)
@@ -680,7 +714,12 @@ class OffloadManager:
             if self._backlog.admit(state, remaining):
                 return True
             self._counters.pages_dropped += remaining
-            logger.warning("offload: host pool full at finish of rid=%r: %d pages not offloaded (finish_backlog_pages=%d)", state.req.rid, remaining, self.finish_backlog_pages)
+            logger.warning(
+                "offload: host pool full at finish of rid=%r: %d pages not offloaded (finish_backlog_pages=%d)",
+                state.req.rid,
+                remaining,
+                self.finish_backlog_pages,
+            )
             self._maybe_release(state)
             return False
         self._maybe_release(state)
@@ -694,7 +733,9 @@ class OffloadManager:
             except Exception:  # checked at finish: an engine that changed the request since, or a failed launch
                 # The runs launched before the one that raised stay launched: drop only the rest.
                 not_launched = max(state.kv_length - state.offloaded_length, 0) // self.page_size
-                logger.exception("offload: %d waiting pages of rid=%r could not be launched; dropped", not_launched, state.req.rid)
+                logger.exception(
+                    "offload: %d waiting pages of rid=%r could not be launched; dropped", not_launched, state.req.rid
+                )
                 self._counters.pages_dropped += not_launched
                 self._backlog.set_pages(state, 0)
             if state.backlog_pages == 0:
@@ -761,7 +802,12 @@ class OffloadManager:
                 return
 
     def _cancel(self, handle: PrefetchHandle) -> None:
-        require(isinstance(handle, PrefetchHandle), "handle", lambda: f"must be a PrefetchHandle, got {type(handle).__name__}", ArgumentTypeError)
+        require(
+            isinstance(handle, PrefetchHandle),
+            "handle",
+            lambda: f"must be a PrefetchHandle, got {type(handle).__name__}",
+            ArgumentTypeError,
+        )
         if handle.cancelled:
             return
         require(handle in self._prefetcher.active, "handle", "is not this manager's prefetch")
@@ -798,7 +844,9 @@ class OffloadManager:
         argument = f"slot_indices_of(rid={req.rid!r})"
         if isinstance(slot_indices, torch.Tensor) and slot_indices.dim() == 1:
             if slot_indices.shape[0] < wanted_end:
-                raise InvalidArgumentError(f"{argument}: {slot_indices.shape[0]} slots, its first {wanted_end} tokens have KV")
+                raise InvalidArgumentError(
+                    f"{argument}: {slot_indices.shape[0]} slots, its first {wanted_end} tokens have KV"
+                )
             slot_indices = slot_indices[first:wanted_end]
         self.copier.check_slot_indices(slot_indices, argument)
         chain = state.chain
@@ -807,7 +855,13 @@ class OffloadManager:
         self._counters.offloads_rejected += decision.rejected
         if len(bounds) == 1 and bounds[0][1] == wanted_end:  # the common case: no slicing
             return LaunchPlan([(ChainRun(tokens), slot_indices)], chain)
-        return LaunchPlan([(ChainRun(tokens[begin - first : end - first]), slot_indices[begin - first : end - first]) for begin, end in bounds], chain)
+        return LaunchPlan(
+            [
+                (ChainRun(tokens[begin - first : end - first]), slot_indices[begin - first : end - first])
+                for begin, end in bounds
+            ],
+            chain,
+        )
 
     def _launch(self, state: RequestState, plan: LaunchPlan, after: Any, *, commit: bool = False) -> int:
         """Launch planned runs (:meth:`_plan`, with the host pages free then); pages launched.
@@ -848,7 +902,9 @@ class OffloadManager:
         extra_key, cache_salt = request_namespace(req)
         aligned = len(req.origin_input_ids) // self.page_size * self.page_size
         if not self.store_prompt and aligned:
-            return self.hasher.prefill_keys(req.origin_input_ids[:aligned], extra_key=extra_key, cache_salt=cache_salt)[-1], True
+            return self.hasher.prefill_keys(req.origin_input_ids[:aligned], extra_key=extra_key, cache_salt=cache_salt)[
+                -1
+            ], True
         return self.hasher.seed(extra_key, cache_salt), False
 
     def _gathered(self, result: CopyResult) -> None:
@@ -860,7 +916,9 @@ class OffloadManager:
         try:
             while state.unsettled and state.unsettled[0].result is not None:
                 done = state.unsettled.popleft()
-                self._backup.settle(state.writes, state.chain, done.run, done.result, discard=state.retract_keep is False)
+                self._backup.settle(
+                    state.writes, state.chain, done.run, done.result, discard=state.retract_keep is False
+                )
         finally:
             self._maybe_release(state)
 
@@ -879,4 +937,3 @@ class OffloadManager:
         state.copies_in_flight -= 1
         state.loads.remove(load)
         self._maybe_release(state)
-

@@ -17,8 +17,13 @@ from kvstage.offload.request import int_scalar
 from kvstage.offload.request import kv_length as kv_length_of
 
 __all__ = [
-    "check_after", "check_callbacks", "check_prefetch_arguments", "check_prefetch_request", "checked_kv_length",
-    "checked_load_pages", "checked_stride",
+    "check_after",
+    "check_callbacks",
+    "check_prefetch_arguments",
+    "check_prefetch_request",
+    "checked_kv_length",
+    "checked_load_pages",
+    "checked_stride",
 ]
 
 
@@ -35,26 +40,42 @@ def checked_stride(hasher: Any, host_pool: Any, offload_stride: Any, prior_wait_
     require(
         isinstance(hasher, PageHasherLike) and not isinstance(hasher, type),
         "hasher",
-        lambda: f"must be a kvstage.hashing.PageHasher (page_size, seed, prefill_keys, continue_keys), got {type(hasher).__name__}",
+        lambda: (
+            f"must be a kvstage.hashing.PageHasher (page_size, seed, prefill_keys, continue_keys), got {type(hasher).__name__}"
+        ),
         ArgumentTypeError,
     )
-    require(hasher.page_size == page_size, "hasher", lambda: f"page_size {hasher.page_size} must equal the host pool's page_size {page_size}")
+    require(
+        hasher.page_size == page_size,
+        "hasher",
+        lambda: f"page_size {hasher.page_size} must equal the host pool's page_size {page_size}",
+    )
     stride = page_size if offload_stride is None else offload_stride
     require(
         is_int(stride) and stride > 0 and stride % page_size == 0,
-        "offload_stride", lambda: f"must be a positive multiple of page_size {page_size}, got {offload_stride!r}",
+        "offload_stride",
+        lambda: f"must be a positive multiple of page_size {page_size}, got {offload_stride!r}",
     )
     require(
-        stride // page_size <= host_pool.capacity, "offload_stride",
-        lambda: f"{stride} tokens ({stride // page_size} pages of {page_size}) exceeds the host pool's capacity of {host_pool.capacity} pages: no stride could ever be launched",
+        stride // page_size <= host_pool.capacity,
+        "offload_stride",
+        lambda: (
+            f"{stride} tokens ({stride // page_size} pages of {page_size}) exceeds the host pool's capacity of {host_pool.capacity} pages: no stride could ever be launched"
+        ),
     )
     require_seconds(prior_wait_s, "prior_wait_s")
     return stride
 
 
 def check_callbacks(
-    storage: Any, host_pool: Any, slot_indices_of: Any, release: Any, on_storage_failure: Any, on_stored: Any,
-    producer: Any, finish_backlog_pages: Any,
+    storage: Any,
+    host_pool: Any,
+    slot_indices_of: Any,
+    release: Any,
+    on_storage_failure: Any,
+    on_stored: Any,
+    producer: Any,
+    finish_backlog_pages: Any,
 ) -> Any:
     """The store's layout fingerprint, checked against the host pool; the callbacks, the
     producer and ``finish_backlog_pages`` checked.
@@ -66,16 +87,24 @@ def check_callbacks(
             int >= 0.
     """
     fingerprint = getattr(storage, "fingerprint", None)
-    require(fingerprint is not None, "storage", lambda: f"must be a kvstage.storage.StorageBackend, got {type(storage).__name__}", ArgumentTypeError)
+    require(
+        fingerprint is not None,
+        "storage",
+        lambda: f"must be a kvstage.storage.StorageBackend, got {type(storage).__name__}",
+        ArgumentTypeError,
+    )
     fingerprint.require_matches(host_pool.layout, host_pool.page_size, "storage")
     require(callable(slot_indices_of), "slot_indices_of", "must be callable")
     require(release is None or callable(release), "release", "must be callable or None")
-    require(on_storage_failure is None or callable(on_storage_failure), "on_storage_failure", "must be callable or None")
+    require(
+        on_storage_failure is None or callable(on_storage_failure), "on_storage_failure", "must be callable or None"
+    )
     require(on_stored is None or callable(on_stored), "on_stored", "must be callable or None")
     check_after(producer, "producer")
     require(
         finish_backlog_pages is None or (is_int(finish_backlog_pages) and finish_backlog_pages >= 0),
-        "finish_backlog_pages", lambda: f"must be None (no limit) or an int >= 0, got {finish_backlog_pages!r}",
+        "finish_backlog_pages",
+        lambda: f"must be None (no limit) or an int >= 0, got {finish_backlog_pages!r}",
     )
     return fingerprint
 
@@ -89,8 +118,16 @@ def check_prefetch_arguments(policy: Any, timeout_s: Any, min_pages: Any) -> Non
     """
     require(policy in PREFETCH_POLICIES, "policy", lambda: f"must be one of {PREFETCH_POLICIES}, got {policy!r}")
     if policy == "timeout":
-        require(isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0, "timeout_s", lambda: f"must be a positive number of seconds for policy 'timeout', got {timeout_s!r}")
-    require(min_pages is None or (is_int(min_pages) and min_pages >= 1), "min_pages", lambda: f"must be None or an int >= 1, got {min_pages!r}")
+        require(
+            isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0,
+            "timeout_s",
+            lambda: f"must be a positive number of seconds for policy 'timeout', got {timeout_s!r}",
+        )
+    require(
+        min_pages is None or (is_int(min_pages) and min_pages >= 1),
+        "min_pages",
+        lambda: f"must be None or an int >= 1, got {min_pages!r}",
+    )
 
 
 def checked_kv_length(req: Any, kv_length: Any, launched_length: int) -> int:
@@ -109,7 +146,9 @@ def checked_kv_length(req: Any, kv_length: Any, launched_length: int) -> int:
         )
     total = len(req.origin_input_ids) + len(req.output_ids)
     if kv_length > total:
-        raise InvalidArgumentError(f"kv_length: {kv_length} exceeds the {total} tokens of rid={req.rid!r} (prompt and output)")
+        raise InvalidArgumentError(
+            f"kv_length: {kv_length} exceeds the {total} tokens of rid={req.rid!r} (prompt and output)"
+        )
     if kv_length < launched_length:
         raise InvalidArgumentError(
             f"kv_length: {kv_length} is below the {launched_length} tokens of rid={req.rid!r} launched already; positions with KV never shrink"
@@ -140,15 +179,24 @@ def check_prefetch_request(req: Any, state: Any, ended: bool, num_keys: int, min
         InvalidArgumentError: naming ``min_pages`` or ``req`` and the rule broken.
     """
     require(
-        min_pages is None or min(min_pages, num_keys) <= capacity, "min_pages",
-        lambda: f"{min_pages} of the {num_keys} pages looked up can never be free: the host pool holds {capacity} pages",
+        min_pages is None or min(min_pages, num_keys) <= capacity,
+        "min_pages",
+        lambda: (
+            f"{min_pages} of the {num_keys} pages looked up can never be free: the host pool holds {capacity} pages"
+        ),
     )
     require(not ended, "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
     if state is None:
         return
-    require(not state.ending, "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch")
+    require(
+        not state.ending, "req", lambda: f"rid={req.rid!r} has ended (finish, abort or release); it cannot prefetch"
+    )
     require(state.prefetch is None, "req", lambda: f"rid={req.rid!r} has a prefetch already")
-    require(state.chain is None and state.copies_in_flight == 0, "req", lambda: f"rid={req.rid!r} has offloaded pages already; prefetch before it runs")
+    require(
+        state.chain is None and state.copies_in_flight == 0,
+        "req",
+        lambda: f"rid={req.rid!r} has offloaded pages already; prefetch before it runs",
+    )
 
 
 def checked_load_pages(handle: Any, state: Any, slot_indices: Any, page_size: int) -> int:
@@ -163,7 +211,8 @@ def checked_load_pages(handle: Any, state: Any, slot_indices: Any, page_size: in
     require(not handle.loaded, "handle", "was loaded already (a prefetch is loaded once)")
     require(not handle.cancelled, "handle", "was cancelled (or its request aborted)")
     require(
-        state is not None and not state.ending and state.prefetch is handle, "handle",
+        state is not None and not state.ending and state.prefetch is handle,
+        "handle",
         lambda: f"rid={handle.req.rid!r} has ended, or the handle is not this manager's",
     )
     ready = handle.pages_ready  # read once: a read in flight grows it
@@ -171,6 +220,8 @@ def checked_load_pages(handle: Any, state: Any, slot_indices: Any, page_size: in
     require(
         count is not None and count % page_size == 0 and count // page_size <= ready,
         "slot_indices",
-        lambda: f"must be a 1-D tensor of at most {ready} ready pages x {page_size} slots, got {tuple(slot_indices.shape) if isinstance(slot_indices, torch.Tensor) else type(slot_indices).__name__}",
+        lambda: (
+            f"must be a 1-D tensor of at most {ready} ready pages x {page_size} slots, got {tuple(slot_indices.shape) if isinstance(slot_indices, torch.Tensor) else type(slot_indices).__name__}"
+        ),
     )
     return count // page_size

@@ -37,7 +37,9 @@ class OffloadMetrics:
     pages_deduplicated: int = 0  # storage had the key already
     pages_failed: int = 0  # copy, page keys or storage write failed; reported
     pages_discarded: int = 0  # retracted without keep_offloaded while copying; no write
-    pages_dropped: int = 0  # never launched: finish() found no host pages within its limit, or an abort/retract ended their wait
+    pages_dropped: int = (
+        0  # never launched: finish() found no host pages within its limit, or an abort/retract ended their wait
+    )
     storage_failures: int = 0  # store writes (segments) with at least one failed page
     copy_failures: int = 0  # copies that raised
     offloads_rejected: int = 0  # offload() launched nothing because the host pool was full
@@ -84,7 +86,13 @@ def metrics_snapshot(counters: OffloadMetrics, host_pool: Any, store_stats: Any,
     pool's pages (``used``, ``high_water``, ``capacity``) and the store's event counts
     (``store_stats``: the store's :class:`~kvstage.storage.backend.StorageStats`)."""
     return dataclasses.replace(
-        counters, host_pages_used=host_pool.used, host_pages_high_water=host_pool.high_water, host_pages_capacity=host_pool.capacity,
-        store_events_stored=store_stats.events_stored, store_events_evicted=store_stats.events_evicted,
-        store_events_removed=store_stats.events_removed, store_events_dropped=store_stats.events_dropped, **gauges,
+        counters,
+        host_pages_used=host_pool.used,
+        host_pages_high_water=host_pool.high_water,
+        host_pages_capacity=host_pool.capacity,
+        store_events_stored=store_stats.events_stored,
+        store_events_evicted=store_stats.events_evicted,
+        store_events_removed=store_stats.events_removed,
+        store_events_dropped=store_stats.events_dropped,
+        **gauges,
     )

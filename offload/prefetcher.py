@@ -52,7 +52,9 @@ class Prefetcher:
         self.active: list[PrefetchHandle] = []  # not yet accounted: waiting, reading, or read and not dropped
         self._waiting: deque[PrefetchHandle] = deque()  # waiting for host pages (min_pages), oldest first
 
-    def lookup_keys(self, req: Any = None, token_ids: Any = None, extra_key: str | None = None, cache_salt: str | None = None) -> list[str]:
+    def lookup_keys(
+        self, req: Any = None, token_ids: Any = None, extra_key: str | None = None, cache_salt: str | None = None
+    ) -> list[str]:
         """The keys of the whole pages to look up: every token of a request with KV, prompt and
         output (a resumed request's too), but the last, which the engine computes anyway; or
         ``token_ids`` in their namespace.
@@ -77,7 +79,9 @@ class Prefetcher:
             self._count_lookup(len(page_keys), leading)
             return PrefixMatch(leading, page_keys[:leading], leading * self.page_size, len(page_keys))
 
-    def start(self, req: Any, keys: list[str], policy: str, timeout_s: float | None, min_pages: int | None) -> PrefetchHandle:
+    def start(
+        self, req: Any, keys: list[str], policy: str, timeout_s: float | None, min_pages: int | None
+    ) -> PrefetchHandle:
         """A prefetch of the request's lookup ``keys``: it takes as many host pages as are free
         and starts the read now, or with ``min_pages`` waits (in arrival order) until
         ``min(min_pages, len(keys))`` host pages are free (:meth:`poll` starts it)."""
@@ -124,7 +128,10 @@ class Prefetcher:
             if handle.cancelled:
                 self._drop(handle)
             elif len(handle.host_page_ids) > handle.pages_ready:
-                unused, handle.host_page_ids = handle.host_page_ids[handle.pages_ready :], handle.host_page_ids[: handle.pages_ready]
+                unused, handle.host_page_ids = (
+                    handle.host_page_ids[handle.pages_ready :],
+                    handle.host_page_ids[: handle.pages_ready],
+                )
                 self.copier.free(unused)
 
     @property
@@ -159,7 +166,13 @@ class Prefetcher:
                     handle.pages_ready = count
 
                 readable = min(leading, len(pages))
-                outcome = read_leading_pages(self.storage, keys[:readable], pages[:readable], on_progress=progress, cancelled=lambda: handle.cancelled)
+                outcome = read_leading_pages(
+                    self.storage,
+                    keys[:readable],
+                    pages[:readable],
+                    on_progress=progress,
+                    cancelled=lambda: handle.cancelled,
+                )
                 handle.error, handle.hole = outcome.error, outcome.hole
             except Exception as error:  # a store that fails as a whole: nothing more is ready
                 handle.error = error
@@ -180,11 +193,21 @@ class Prefetcher:
         counters.pages_truncated += max(hit - handle.num_host_pages, 0)
         if handle.error is not None or handle.hole:
             counters.prefetch_failures += 1
-            why = repr(handle.error) if handle.error is not None else (
-                f"the store held page {handle.pages_ready} at the lookup but did not return it (missing or corrupt: "
-                "evicted, removed, or a failed checksum since)"
+            why = (
+                repr(handle.error)
+                if handle.error is not None
+                else (
+                    f"the store held page {handle.pages_ready} at the lookup but did not return it (missing or corrupt: "
+                    "evicted, removed, or a failed checksum since)"
+                )
             )
-            logger.warning("offload: prefetch of rid=%r ended at page %d of %s: %s", handle.req.rid, handle.pages_ready, handle.pages_hit, why)
+            logger.warning(
+                "offload: prefetch of rid=%r ended at page %d of %s: %s",
+                handle.req.rid,
+                handle.pages_ready,
+                handle.pages_hit,
+                why,
+            )
 
     def _count_lookup(self, pages_wanted: int, pages_hit: int) -> None:
         """Count one lookup (``match`` or a prefetch's): its pages asked and leading hits."""

@@ -50,8 +50,12 @@ class PriorWaitingWrite:
     """
 
     def __init__(
-        self, submit: Callable[[Callable[[], Any]], Any], put: Callable[[], WriteOutcome], page_keys: Sequence[str],
-        prior_wait_s: float, on_end: Callable[[WriteOutcome], Any],
+        self,
+        submit: Callable[[Callable[[], Any]], Any],
+        put: Callable[[], WriteOutcome],
+        page_keys: Sequence[str],
+        prior_wait_s: float,
+        on_end: Callable[[WriteOutcome], Any],
     ) -> None:
         self.future: Future = Future()
         self.parked = False

@@ -33,7 +33,24 @@ __all__ = ["LATENCY_BUCKETS", "METRICS", "MetricSpec", "PrometheusExporter", "mu
 
 # Seconds: a page copy on CPU takes tens of microseconds, a Mooncake or file put of a long
 # segment up to seconds.
-LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 BASE_LABELS = ("store", "role")
 ROLE_PREFILL_DECODE = "prefill_decode"  # store_prompt=True: the manager stores prompt and decode pages
 ROLE_DECODE = "decode"  # store_prompt=False: a prefill side stored the prompt; this one decode pages
@@ -81,12 +98,26 @@ METRICS: tuple[MetricSpec, ...] = (
     _counter("offloaded_bytes", "bytes_offloaded", "Bytes of those copies."),
     _counter("pages_stored", "pages_stored", "Pages written to the store."),
     _counter("pages_deduplicated", "pages_deduplicated", "Pages the store held already (nothing written)."),
-    _counter("pages_failed", "pages_failed", "Pages whose copy, page keys or store write failed (reported to on_storage_failure)."),
-    _counter("pages_discarded", "pages_discarded", "Pages retracted without keep_offloaded while copying (not written)."),
-    _counter("pages_dropped", "pages_dropped", "Pages never launched: finish() found no host pages within finish_backlog_pages, or an abort or retract ended their wait."),
+    _counter(
+        "pages_failed",
+        "pages_failed",
+        "Pages whose copy, page keys or store write failed (reported to on_storage_failure).",
+    ),
+    _counter(
+        "pages_discarded", "pages_discarded", "Pages retracted without keep_offloaded while copying (not written)."
+    ),
+    _counter(
+        "pages_dropped",
+        "pages_dropped",
+        "Pages never launched: finish() found no host pages within finish_backlog_pages, or an abort or retract ended their wait.",
+    ),
     _counter("storage_failures", "storage_failures", "Store writes (segments) with at least one failed page."),
     _counter("copy_failures", "copy_failures", "Device-to-host copies that raised."),
-    _counter("offloads_rejected", "offloads_rejected", "offload() calls that launched nothing because the host pool was full."),
+    _counter(
+        "offloads_rejected",
+        "offloads_rejected",
+        "offload() calls that launched nothing because the host pool was full.",
+    ),
     _counter("releases", "releases", "Requests released to the engine."),
     _counter("retractions", "retractions", "Requests retracted."),
     _counter("callback_errors", "callback_errors", "release, on_storage_failure or on_stored callbacks that raised."),
@@ -96,34 +127,64 @@ METRICS: tuple[MetricSpec, ...] = (
     _counter("pages_hit", "pages_hit", "Leading pages the store held, of those asked."),
     _counter("prefetches", "prefetches", "Prefetches started."),
     _counter("pages_prefetched", "pages_prefetched", "Pages read from the store into host pages."),
-    _counter("pages_truncated", "pages_truncated", "Pages a prefetch's lookup hit but could not read for want of host pages."),
-    _counter("prefetch_failures", "prefetch_failures", "Prefetch reads that raised or hit a hole before the lookup's end."),
+    _counter(
+        "pages_truncated", "pages_truncated", "Pages a prefetch's lookup hit but could not read for want of host pages."
+    ),
+    _counter(
+        "prefetch_failures", "prefetch_failures", "Prefetch reads that raised or hit a hole before the lookup's end."
+    ),
     _counter("loads", "loads", "Loads (host-to-device scatters) launched."),
     _counter("pages_loaded", "pages_loaded", "Pages scattered into device slots without error."),
     _counter("loaded_bytes", "bytes_loaded", "Bytes of those scatters."),
     _counter("load_failures", "load_failures", "Host-to-device scatters that failed."),
     # the store
-    MetricSpec("kvstage_store_events_total", "counter", ("kind",), "store.events_<kind>",
-               "Store events recorded, by kind: stored, evicted (the store's own eviction), removed (clear() or a corrupt page)."),
-    _store_counter("events_dropped", "events_dropped", "Store events a full event queue dropped before they were taken."),
+    MetricSpec(
+        "kvstage_store_events_total",
+        "counter",
+        ("kind",),
+        "store.events_<kind>",
+        "Store events recorded, by kind: stored, evicted (the store's own eviction), removed (clear() or a corrupt page).",
+    ),
+    _store_counter(
+        "events_dropped", "events_dropped", "Store events a full event queue dropped before they were taken."
+    ),
     _store_counter("pages_evicted", "pages_evicted", "Pages the store's own eviction dropped."),
     _store_counter("pages_removed", "pages_removed", "Pages clear() or a corrupt-page cleanup removed."),
     _store_counter("written_bytes", "bytes_put", "Bytes the store wrote (pages stored x page bytes)."),
     _store_counter("pages_read", "pages_read", "Pages the store read intact."),
-    _store_counter("pages_missed", "pages_missed", "Pages asked of a store read that it did not have or could not read."),
+    _store_counter(
+        "pages_missed", "pages_missed", "Pages asked of a store read that it did not have or could not read."
+    ),
     _store_counter("read_bytes", "bytes_got", "Bytes the store read."),
     # latencies
-    MetricSpec("kvstage_copy_seconds", "histogram", ("direction",), "each copy that completed without error",
-               "Duration of each copy that completed without error, by direction: gather (device to host) or scatter (host to device); GPU time on CUDA."),
-    MetricSpec("kvstage_store_put_seconds", "histogram", (), "each store put",
-               "Wall-clock time of each store put (one segment of a request's pages)."),
-    MetricSpec("kvstage_store_get_seconds", "histogram", (), "each store get",
-               "Wall-clock time of each store get (one prefetch read)."),
+    MetricSpec(
+        "kvstage_copy_seconds",
+        "histogram",
+        ("direction",),
+        "each copy that completed without error",
+        "Duration of each copy that completed without error, by direction: gather (device to host) or scatter (host to device); GPU time on CUDA.",
+    ),
+    MetricSpec(
+        "kvstage_store_put_seconds",
+        "histogram",
+        (),
+        "each store put",
+        "Wall-clock time of each store put (one segment of a request's pages).",
+    ),
+    MetricSpec(
+        "kvstage_store_get_seconds",
+        "histogram",
+        (),
+        "each store get",
+        "Wall-clock time of each store get (one prefetch read).",
+    ),
     # gauges
     _gauge("requests_live", "requests_live", "Requests tracked and not released yet."),
     _gauge("copies_in_flight", "copies_in_flight", "Copies launched and not handled yet."),
     _gauge("writes_pending", "writes_pending", "Store writes running or waiting for their chain's prior page."),
-    _gauge("writes_parked", "writes_parked", "Of those, store writes waiting for their chain's prior page (prior_wait_s)."),
+    _gauge(
+        "writes_parked", "writes_parked", "Of those, store writes waiting for their chain's prior page (prior_wait_s)."
+    ),
     _gauge("pages_in_flight", "pages_in_flight", "Launched pages not ended yet (copying or being written)."),
     _gauge("host_pages_used", "host_pages_used", "Host pool pages in use."),
     _gauge("host_pages_high_water", "host_pages_high_water", "Most host pool pages in use at once."),
@@ -159,7 +220,9 @@ class _Families:
                 mode = _GAUGE_MODES.get(spec.name, "livesum")
                 self.metrics[spec.name] = Gauge(spec.name, spec.help, labelnames, registry=None, multiprocess_mode=mode)
             else:
-                self.metrics[spec.name] = Histogram(spec.name, spec.help, labelnames, registry=None, buckets=LATENCY_BUCKETS)
+                self.metrics[spec.name] = Histogram(
+                    spec.name, spec.help, labelnames, registry=None, buckets=LATENCY_BUCKETS
+                )
 
     def describe(self) -> Iterator[Any]:
         for metric in self.metrics.values():
@@ -254,23 +317,47 @@ class PrometheusExporter:
         labels: Mapping[str, str] | None = None,
         sync_interval_s: float | None = None,
     ) -> None:
-        require(isinstance(manager, OffloadManager), "manager", lambda: f"must be a kvstage.offload.OffloadManager, got {type(manager).__name__}", ArgumentTypeError)
-        require(registry is None or callable(getattr(registry, "register", None)), "registry",
-                lambda: f"must be a prometheus_client CollectorRegistry or None, got {type(registry).__name__}", ArgumentTypeError)
+        require(
+            isinstance(manager, OffloadManager),
+            "manager",
+            lambda: f"must be a kvstage.offload.OffloadManager, got {type(manager).__name__}",
+            ArgumentTypeError,
+        )
+        require(
+            registry is None or callable(getattr(registry, "register", None)),
+            "registry",
+            lambda: f"must be a prometheus_client CollectorRegistry or None, got {type(registry).__name__}",
+            ArgumentTypeError,
+        )
         role = (ROLE_PREFILL_DECODE if manager.store_prompt else ROLE_DECODE) if role is None else role
         require(isinstance(role, str) and role != "", "role", lambda: f"must be a non-empty str, got {role!r}")
         labels = dict(labels or {})
         reserved = {*BASE_LABELS, "kind", "direction", "le"}
         for name, value in labels.items():
-            require(isinstance(name, str) and _LABEL_NAME.match(name) is not None and not name.startswith("__"), "labels",
-                    lambda: f"{name!r} is not a Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*, not starting with __)")
-            require(name not in reserved, "labels", lambda: f"{name!r} is reserved (the exporter sets {sorted(reserved)})")
-            require(isinstance(value, str), "labels", lambda: f"the value of {name!r} must be a str, got {type(value).__name__}")
+            require(
+                isinstance(name, str) and _LABEL_NAME.match(name) is not None and not name.startswith("__"),
+                "labels",
+                lambda: f"{name!r} is not a Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*, not starting with __)",
+            )
+            require(
+                name not in reserved, "labels", lambda: f"{name!r} is reserved (the exporter sets {sorted(reserved)})"
+            )
+            require(
+                isinstance(value, str),
+                "labels",
+                lambda: f"the value of {name!r} must be a str, got {type(value).__name__}",
+            )
         if sync_interval_s is None and multiprocess_mode():
             sync_interval_s = 1.0
         require(
-            sync_interval_s is None or (isinstance(sync_interval_s, (int, float)) and not isinstance(sync_interval_s, bool) and sync_interval_s > 0),
-            "sync_interval_s", lambda: f"must be None or a number of seconds > 0, got {sync_interval_s!r}",
+            sync_interval_s is None
+            or (
+                isinstance(sync_interval_s, (int, float))
+                and not isinstance(sync_interval_s, bool)
+                and sync_interval_s > 0
+            ),
+            "sync_interval_s",
+            lambda: f"must be None or a number of seconds > 0, got {sync_interval_s!r}",
         )
         self.manager = manager
         self.storage = manager.storage
@@ -286,17 +373,27 @@ class PrometheusExporter:
         metrics = families.metrics
         self._children = {spec.name: metrics[spec.name].labels(*values_key) for spec in METRICS if not spec.labels}
         self._events = {kind: metrics["kvstage_store_events_total"].labels(*values_key, kind) for kind in _EVENT_KINDS}
-        self._copy_seconds = {direction: metrics["kvstage_copy_seconds"].labels(*values_key, direction) for direction in ("gather", "scatter")}
+        self._copy_seconds = {
+            direction: metrics["kvstage_copy_seconds"].labels(*values_key, direction)
+            for direction in ("gather", "scatter")
+        }
         with families.lock:
-            require(values_key not in families.exporters, "labels",
-                    lambda: f"another exporter on this registry has the labels {self.labels}: give each manager its own (e.g. labels={{'rank': '1'}})")
+            require(
+                values_key not in families.exporters,
+                "labels",
+                lambda: (
+                    f"another exporter on this registry has the labels {self.labels}: give each manager its own (e.g. labels={{'rank': '1'}})"
+                ),
+            )
             families.exporters[values_key] = self
         manager.copier.add_result_listener(self._copied)
         self.storage.add_timing_listener(self._timed)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if sync_interval_s is not None:
-            self._thread = threading.Thread(target=self._sync_every, args=(float(sync_interval_s),), name="kvstage-prometheus", daemon=True)
+            self._thread = threading.Thread(
+                target=self._sync_every, args=(float(sync_interval_s),), name="kvstage-prometheus", daemon=True
+            )
             self._thread.start()
 
     def update(self) -> None:

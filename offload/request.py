@@ -85,8 +85,13 @@ def int_scalar(value: Any) -> int | None:
         return int(value)
     if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
         return int(value)
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point \
-            and not value.dtype.is_complex and value.dtype is not torch.bool:
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 0
+        and not value.dtype.is_floating_point
+        and not value.dtype.is_complex
+        and value.dtype is not torch.bool
+    ):
         return int(value.item())
     return None
 
@@ -140,7 +145,9 @@ def request_tokens(req: OffloadRequest, start: int, end: int) -> Sequence[int]:
     offset = _first_negative(tokens)
     if offset is not None:
         position = start + offset
-        where = f"origin_input_ids[{position}]" if position < prompt_length else f"output_ids[{position - prompt_length}]"
+        where = (
+            f"origin_input_ids[{position}]" if position < prompt_length else f"output_ids[{position - prompt_length}]"
+        )
         raise InvalidArgumentError(
             f"{where}: rid={req.rid!r} holds the placeholder id {tokens[offset]} at token position {position}; "
             "offload a position only once its real token id is known"

@@ -19,8 +19,20 @@ class RequestState:
     """One request lifecycle's offload state (token counts are positions, not pages)."""
 
     __slots__ = (
-        "req", "offloaded_length", "launched_length", "kv_length", "chain", "unsettled", "copies_in_flight", "loads",
-        "ending", "aborted", "retract_keep", "prefetch", "backlog_pages", "writes",
+        "req",
+        "offloaded_length",
+        "launched_length",
+        "kv_length",
+        "chain",
+        "unsettled",
+        "copies_in_flight",
+        "loads",
+        "ending",
+        "aborted",
+        "retract_keep",
+        "prefetch",
+        "backlog_pages",
+        "writes",
     )
 
     def __init__(self, req: Any, offloaded_length: int) -> None:

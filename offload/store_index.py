@@ -49,12 +49,20 @@ class StoreIndex:
     """
 
     def __init__(
-        self, storage: Any, workers: Any, *, miss_ttl_s: float = 1.0, hit_ttl_s: float | None = None,
-        batch_keys: int = 4096, clock: Callable[[], float] = time.monotonic,
+        self,
+        storage: Any,
+        workers: Any,
+        *,
+        miss_ttl_s: float = 1.0,
+        hit_ttl_s: float | None = None,
+        batch_keys: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         for name, value in (("miss_ttl_s", miss_ttl_s), ("hit_ttl_s", 0 if hit_ttl_s is None else hit_ttl_s)):
             require_seconds(value, name)
-        require(is_int(batch_keys) and batch_keys >= 1, "batch_keys", lambda: f"must be an int >= 1, got {batch_keys!r}")
+        require(
+            is_int(batch_keys) and batch_keys >= 1, "batch_keys", lambda: f"must be an int >= 1, got {batch_keys!r}"
+        )
         self._storage = storage
         self._workers = workers
         self._miss_ttl_s = float(miss_ttl_s)
@@ -119,7 +127,9 @@ class StoreIndex:
             self._set_missing(key, now)
         self._note_changed(keys)
 
-    def apply_events(self, events: Iterable[Any], key_space: str, *, counts_stored: Callable[[str], bool] | None = None) -> None:
+    def apply_events(
+        self, events: Iterable[Any], key_space: str, *, counts_stored: Callable[[str], bool] | None = None
+    ) -> None:
         """Keep the index in step with the store's events (:class:`kvstage.storage.StoreEvent`
         s, from ``take_events``), in their order: a page stored then evicted ends up not held.
 
@@ -217,7 +227,12 @@ class StoreIndex:
             # send one failing exists after another.
             self.refreshes_failed += 1
             if not self._failing:
-                logger.warning("kvstage: the store's exists failed (%r); its %d keys miss for %.1f s", error, len(keys), self._miss_ttl_s)
+                logger.warning(
+                    "kvstage: the store's exists failed (%r); its %d keys miss for %.1f s",
+                    error,
+                    len(keys),
+                    self._miss_ttl_s,
+                )
             self._failing = True
             for key in keys:
                 if key not in self._changed_while_asking:

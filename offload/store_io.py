@@ -25,8 +25,15 @@ from kvstage.nvtx_ranges import nvtx_range
 from kvstage.storage import PutStatus
 
 __all__ = [
-    "ReadOutcome", "StoreWorkers", "WriteOutcome", "leading_hits", "read_failure_cause", "read_leading_pages", "read_pages",
-    "write_failure_cause", "write_pages",
+    "ReadOutcome",
+    "StoreWorkers",
+    "WriteOutcome",
+    "leading_hits",
+    "read_failure_cause",
+    "read_leading_pages",
+    "read_pages",
+    "write_failure_cause",
+    "write_pages",
 ]
 
 
@@ -72,7 +79,9 @@ def _answer(answer: Any, expected: int, call: str) -> list:
     return answer
 
 
-def write_pages(storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Tensor], *, prior_key: str | None = None) -> WriteOutcome:
+def write_pages(
+    storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Tensor], *, prior_key: str | None = None
+) -> WriteOutcome:
     """Write pages to a store under their keys and count each page's outcome; never raises.
 
     Args:
@@ -92,7 +101,9 @@ def write_pages(storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Te
         return _write_pages(storage, page_keys, pages, prior_key)
 
 
-def _write_pages(storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Tensor], prior_key: str | None) -> WriteOutcome:
+def _write_pages(
+    storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Tensor], prior_key: str | None
+) -> WriteOutcome:
     outcome = WriteOutcome()
     unique: dict[str, int] = {}
     for index, key in enumerate(page_keys):
@@ -161,8 +172,13 @@ class ReadOutcome:
 
 
 def read_leading_pages(
-    storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Tensor], *, batch_pages: int = 16,
-    on_progress: Callable[[int], None] | None = None, cancelled: Callable[[], bool] | None = None,
+    storage: Any,
+    page_keys: Sequence[str],
+    pages: Sequence[torch.Tensor],
+    *,
+    batch_pages: int = 16,
+    on_progress: Callable[[int], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> ReadOutcome:
     """Read a chain's leading pages into host pages, stopping at the first page not read.
 

@@ -38,7 +38,9 @@ class StorePlan:
         return self.wanted_end <= self.first
 
 
-def plan_store(offloaded_length: int, kv_length: int, unit: int, page_size: int, prompt_end: int, free_pages: int) -> StorePlan:
+def plan_store(
+    offloaded_length: int, kv_length: int, unit: int, page_size: int, prompt_end: int, free_pages: int
+) -> StorePlan:
     """Decide what to launch of ``[offloaded_length, kv_length)``.
 
     The prompt's whole pages go page by page, as far as they have KV; once they are all

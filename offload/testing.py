@@ -64,7 +64,9 @@ class SlotTable:
             slots, as in a real pool after some churn); None: ascending.
     """
 
-    def __init__(self, num_slots: int, device: torch.device | str = "cpu", generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self, num_slots: int, device: torch.device | str = "cpu", generator: torch.Generator | None = None
+    ) -> None:
         order = torch.randperm(num_slots, generator=generator) if generator is not None else torch.arange(num_slots)
         self._free: list[int] = order.tolist()[::-1]
         self.device = torch.device(device)

@@ -38,31 +38,82 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("trace", nargs="?", metavar="TRACE", help="JSONL trace file (default: built-in synthetic trace)")
-    p.add_argument("--requests", type=int, metavar="N", help="replay the first N requests (synthetic: make N; default 48)")
+    p.add_argument(
+        "--requests", type=int, metavar="N", help="replay the first N requests (synthetic: make N; default 48)"
+    )
     p.add_argument("--page-size", type=int, default=64, metavar="TOKENS", help="tokens per page (default 64)")
-    p.add_argument("--stride", type=int, metavar="TOKENS", help="decode offload stride, a multiple of the page size (default: one page)")
+    p.add_argument(
+        "--stride",
+        type=int,
+        metavar="TOKENS",
+        help="decode offload stride, a multiple of the page size (default: one page)",
+    )
     p.add_argument("--max-running", type=int, default=32, metavar="N", help="requests decoding at once (default 32)")
     p.add_argument("--model", choices=tuple(PRESETS), help=f"KV layout preset (default {DEFAULT_MODEL})")
     p.add_argument("--layers", type=int, help="layers (overrides the preset)")
     p.add_argument("--heads", type=int, help="KV heads (overrides the preset)")
     p.add_argument("--head-dim", type=int, help="head_dim, or kv_dim for MLA (overrides the preset)")
     p.add_argument("--dtype", choices=DTYPES, help="KV dtype (overrides the preset)")
-    p.add_argument("--storage", default="memory", metavar="URL", help="memory | memory:BYTES | file:DIR | mooncake://... (default memory, sized so nothing is evicted)")
+    p.add_argument(
+        "--storage",
+        default="memory",
+        metavar="URL",
+        help="memory | memory:BYTES | file:DIR | mooncake://... (default memory, sized so nothing is evicted)",
+    )
     p.add_argument("--hash", choices=HASH_SCHEMES, default="sglang-v1", help="page key scheme (default sglang-v1)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="copy backend of the gathers (default auto)")
     p.add_argument("--seed", type=int, default=0, help="seeds tokens, KV content, tenants, synthetic trace (default 0)")
-    p.add_argument("--tenants", type=int, default=0, metavar="N", help="give requests one of N cache_salt values (default 0: none)")
-    p.add_argument("--lora-share", type=float, default=0.0, metavar="F", help="fraction of requests with a LoRA extra_key (default 0)")
-    p.add_argument("--verify-sample", type=int, metavar="N", help="verify N random stored pages, each loaded with the pages before it in its chain (default: all)")
+    p.add_argument(
+        "--tenants", type=int, default=0, metavar="N", help="give requests one of N cache_salt values (default 0: none)"
+    )
+    p.add_argument(
+        "--lora-share",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="fraction of requests with a LoRA extra_key (default 0)",
+    )
+    p.add_argument(
+        "--verify-sample",
+        type=int,
+        metavar="N",
+        help="verify N random stored pages, each loaded with the pages before it in its chain (default: all)",
+    )
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON to PATH")
     p.add_argument("--device", choices=("cpu", "cuda"), help="device of the KV pool (default: cuda when available)")
-    p.add_argument("--pool-tokens", type=int, metavar="N", help="device KV pool slots (default: sized for the largest running requests)")
-    p.add_argument("--num-host-pages", type=int, metavar="N", help="host pool pages, at least the longest request's (default: twice that + 4 strides per running request)")
-    p.add_argument("--threads", type=int, metavar="N", help="torch intra-op CPU threads (default 1 with a CPU KV pool, else torch's default)")
+    p.add_argument(
+        "--pool-tokens",
+        type=int,
+        metavar="N",
+        help="device KV pool slots (default: sized for the largest running requests)",
+    )
+    p.add_argument(
+        "--num-host-pages",
+        type=int,
+        metavar="N",
+        help="host pool pages, at least the longest request's (default: twice that + 4 strides per running request)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch intra-op CPU threads (default 1 with a CPU KV pool, else torch's default)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve kvstage's Prometheus metrics on PORT while the replay runs (0: any free port, printed)")
-    p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR", help="address --metrics-port binds (default 127.0.0.1)")
-    p.add_argument("--metrics-file", metavar="PATH", help="write kvstage's Prometheus metrics at the end of the run to PATH (text format, as the report's figures)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve kvstage's Prometheus metrics on PORT while the replay runs (0: any free port, printed)",
+    )
+    p.add_argument(
+        "--metrics-addr", default="127.0.0.1", metavar="ADDR", help="address --metrics-port binds (default 127.0.0.1)"
+    )
+    p.add_argument(
+        "--metrics-file",
+        metavar="PATH",
+        help="write kvstage's Prometheus metrics at the end of the run to PATH (text format, as the report's figures)",
+    )
     p.set_defaults(handler=run)
     return p
 
@@ -93,13 +144,17 @@ def config_from_args(args: argparse.Namespace):
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise InvalidArgumentError(f"--metrics-port: must be a TCP port in [0, 65535], got {args.metrics_port}")
     if args.stride is not None and (args.stride < 1 or args.stride % args.page_size):
-        raise InvalidArgumentError(f"--stride: must be a positive multiple of --page-size {args.page_size}, got {args.stride}")
+        raise InvalidArgumentError(
+            f"--stride: must be a positive multiple of --page-size {args.page_size}, got {args.stride}"
+        )
     if not 0.0 <= args.lora_share <= 1.0:
         raise InvalidArgumentError(f"--lora-share: must be in [0, 1], got {args.lora_share}")
     storage = args.storage
     if not (storage == "memory" or storage.startswith(("memory:", "file:", "mooncake://"))):
-        raise InvalidArgumentError(f"--storage: must be memory, memory:BYTES, file:DIR or mooncake://..., got {storage!r}")
-    if storage.startswith("file:") and not storage[len("file:"):]:
+        raise InvalidArgumentError(
+            f"--storage: must be memory, memory:BYTES, file:DIR or mooncake://..., got {storage!r}"
+        )
+    if storage.startswith("file:") and not storage[len("file:") :]:
         raise InvalidArgumentError("--storage: file: needs a folder, e.g. file:/tmp/kvstage-pages")
     model = resolve_model(args.model, layers=args.layers, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype)
     if args.trace is None:
@@ -109,9 +164,19 @@ def config_from_args(args: argparse.Namespace):
         requests = load_trace(args.trace, args.requests)
         trace_name = args.trace
     config = ReplayConfig(
-        model=model, page_size=args.page_size, stride=args.stride, max_running=args.max_running, storage=storage,
-        hash_scheme=args.hash, backend=args.backend, seed=args.seed, tenants=args.tenants, lora_share=args.lora_share,
-        device=args.device, pool_tokens=args.pool_tokens, num_host_pages=args.num_host_pages,
+        model=model,
+        page_size=args.page_size,
+        stride=args.stride,
+        max_running=args.max_running,
+        storage=storage,
+        hash_scheme=args.hash,
+        backend=args.backend,
+        seed=args.seed,
+        tenants=args.tenants,
+        lora_share=args.lora_share,
+        device=args.device,
+        pool_tokens=args.pool_tokens,
+        num_host_pages=args.num_host_pages,
     )
     return config, requests, trace_name
 
@@ -221,15 +286,26 @@ def run(args: argparse.Namespace) -> int:
             try:
                 server, _ = start_http_server(args.metrics_port, addr=args.metrics_addr, registry=registry)
             except OSError as exc:
-                print(f"kvstage replay: error: --metrics-port: cannot serve on {args.metrics_addr}:{args.metrics_port}: {exc}", file=sys.stderr)
+                print(
+                    f"kvstage replay: error: --metrics-port: cannot serve on {args.metrics_addr}:{args.metrics_port}: {exc}",
+                    file=sys.stderr,
+                )
                 return 2
-            print(f"kvstage replay: metrics on http://{args.metrics_addr}:{server.server_port}/metrics", file=sys.stderr)
+            print(
+                f"kvstage replay: metrics on http://{args.metrics_addr}:{server.server_port}/metrics", file=sys.stderr
+            )
     try:
         set_cpu_threads(args.threads, config.device)
         with ProgressDisplay(len(requests), enabled=not args.no_progress) as progress:
             report, _ = replay(
-                config, requests, trace_name=trace_name, verify_sample=args.verify_sample,
-                on_progress=progress.update, started=started, metrics_registry=registry, metrics_file=args.metrics_file,
+                config,
+                requests,
+                trace_name=trace_name,
+                verify_sample=args.verify_sample,
+                on_progress=progress.update,
+                started=started,
+                metrics_registry=registry,
+                metrics_file=args.metrics_file,
             )
     except (InvalidArgumentError, BackendUnavailableError) as exc:
         print(f"kvstage replay: error: {exc}", file=sys.stderr)

@@ -127,7 +127,9 @@ class ReplayRequest:
         prefetch: its :class:`~kvstage.offload.PrefetchHandle` while it waits to load (else None).
     """
 
-    def __init__(self, trace: TraceRequest, prompt: np.ndarray, output: np.ndarray, extra_key: str | None, cache_salt: str | None) -> None:
+    def __init__(
+        self, trace: TraceRequest, prompt: np.ndarray, output: np.ndarray, extra_key: str | None, cache_salt: str | None
+    ) -> None:
         self.trace = trace
         self.rid = f"r{trace.index}"
         self.origin_input_ids = _int64_array(prompt)
@@ -251,7 +253,12 @@ class ReplayEngine:
         BackendUnavailableError: the copy backend cannot run here.
     """
 
-    def __init__(self, config: ReplayConfig, requests: Sequence[TraceRequest], on_progress: Callable[["ReplayEngine"], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: ReplayConfig,
+        requests: Sequence[TraceRequest],
+        on_progress: Callable[["ReplayEngine"], None] | None = None,
+    ) -> None:
         from kvstage.hashing import PageHasher
         from kvstage.kernels import KVPool
         from kvstage.kernels.backend import resolve_backend
@@ -296,11 +303,16 @@ class ReplayEngine:
             v = [torch.empty(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)]
             self.kv_pool = KVPool.mha(k, v)
         else:
-            self.kv_pool = KVPool.mla([torch.empty(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)])
+            self.kv_pool = KVPool.mla(
+                [torch.empty(shape, dtype=model.dtype, device=self.device) for _ in range(model.num_layers)]
+            )
         word, width = self.content.word, self.content.words_per_row
         # Word views of each layer and part: the engine writes and checks KV as machine words.
         self._words = [
-            [self.kv_pool.layer(part, layer).view(num_slots, -1).view(word).view(num_slots, width) for layer in range(model.num_layers)]
+            [
+                self.kv_pool.layer(part, layer).view(num_slots, -1).view(word).view(num_slots, width)
+                for layer in range(model.num_layers)
+            ]
             for part in range(model.kv_parts)
         ]
 
@@ -322,8 +334,14 @@ class ReplayEngine:
         self.storage = open_storage(self.storage_url, self.fingerprint)
         self.hasher = PageHasher(config.hash_scheme, ps)
         self.manager = OffloadManager(
-            self.kv_pool, self.host_pool, self.storage, self.hasher, lambda req: req.slot_indices,
-            offload_stride=self.stride, release=self._release, on_storage_failure=self._storage_failed,
+            self.kv_pool,
+            self.host_pool,
+            self.storage,
+            self.hasher,
+            lambda req: req.slot_indices,
+            offload_stride=self.stride,
+            release=self._release,
+            on_storage_failure=self._storage_failed,
             backend=config.backend,
         )
         self.run_metrics = self.manager.metrics
@@ -521,7 +539,11 @@ class ReplayEngine:
             self.stats.load_mismatches += int(self.mismatched_pages(slots, req.masks[:num_pages]).sum())
         self.stats.prefill_tokens_saved += load.num_tokens
         prompt_length = len(req.origin_input_ids)
-        self._write_kv(req.slot_indices[load.num_tokens : prompt_length], req.masks[load.num_pages : _pages(prompt_length, ps)], None)
+        self._write_kv(
+            req.slot_indices[load.num_tokens : prompt_length],
+            req.masks[load.num_pages : _pages(prompt_length, ps)],
+            None,
+        )
         req.sample_next()
 
     def _decode_step(self, running: list[ReplayRequest]) -> None:

@@ -147,7 +147,9 @@ class ProgressDisplay:
     def update(self, engine) -> None:
         """Refresh from the engine's counters."""
         metrics = engine.manager.metrics
-        self.progress.update(self.task, completed=engine.requests_done, gbps=metrics.d2h_gbps, pages=metrics.pages_stored)
+        self.progress.update(
+            self.task, completed=engine.requests_done, gbps=metrics.d2h_gbps, pages=metrics.pages_stored
+        )
 
 
 def _human_bytes(n: float) -> str:
@@ -174,20 +176,35 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("prefill tokens saved", f"{r['prefill_tokens_saved']:,} ({r['prompt_token_hit_rate']:.1%} of prompt tokens)"),
         ("loaded H2D", f"{r['pages_loaded']:,} pages, {_human_bytes(r['bytes_loaded'])} at {r['h2d_gbps']:.2f} GB/s"),
         ("load mismatches", f"{r['load_mismatches']:,}"),
-        ("pages offloaded D2H", f"{r['pages_offloaded']:,} of {r['pages_launched']:,} launched, "
-         f"{_human_bytes(r['bytes_offloaded'])} at {r['d2h_gbps']:.2f} GB/s"),
+        (
+            "pages offloaded D2H",
+            f"{r['pages_offloaded']:,} of {r['pages_launched']:,} launched, "
+            f"{_human_bytes(r['bytes_offloaded'])} at {r['d2h_gbps']:.2f} GB/s",
+        ),
         ("  stored / deduplicated", f"{r['pages_stored']:,} / {r['pages_deduplicated']:,}"),
         ("  failed / dropped", f"{r['pages_failed']:,} / {r['pages_dropped']:,}"),
         ("hashing", f"{r['hashing_tokens_per_s'] / 1e6:.2f} M tokens/s"),
         ("storage put / get", f"{r['storage_put_gbps']:.2f} / {r['storage_get_gbps']:.2f} GB/s"),
         ("stored by this run", f"{_human_bytes(r['stored_bytes'])}"),
-        ("host pool high-water", f"{r['host_pool_high_water_pages']:,} of {r['host_pool_capacity_pages']:,} pages ({_human_bytes(r['host_pool_high_water_bytes'])})"),
-        ("verify: pages checked", f"{r['verify_pages_checked']:,}{' (sample)' if r['verify_sampled'] else ''} "
-         f"in {r['verify_requests']:,} loads at {r['verify_h2d_gbps']:.2f} GB/s"),
+        (
+            "host pool high-water",
+            f"{r['host_pool_high_water_pages']:,} of {r['host_pool_capacity_pages']:,} pages ({_human_bytes(r['host_pool_high_water_bytes'])})",
+        ),
+        (
+            "verify: pages checked",
+            f"{r['verify_pages_checked']:,}{' (sample)' if r['verify_sampled'] else ''} "
+            f"in {r['verify_requests']:,} loads at {r['verify_h2d_gbps']:.2f} GB/s",
+        ),
         ("verify: mismatches", f"{r['verify_mismatches']:,}"),
-        ("verify: lost pages", f"{r['lost_pages']:,}" + (
-            f" ({r['verify_missing_explained']:,} more missing, explained by failures, drops or evictions)"
-            if r["verify_missing_explained"] else "")),
+        (
+            "verify: lost pages",
+            f"{r['lost_pages']:,}"
+            + (
+                f" ({r['verify_missing_explained']:,} more missing, explained by failures, drops or evictions)"
+                if r["verify_missing_explained"]
+                else ""
+            ),
+        ),
         ("verify: unreachable", f"{r['verify_pages_unreachable']:,} (stored behind a missing page of their chain)"),
         ("elapsed", f"{r['elapsed_s']:.1f} s (run {r['run_s']:.1f} s, verify {r['verify_s']:.1f} s)"),
     ]

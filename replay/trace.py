@@ -73,7 +73,11 @@ def parse_line(text: str, index: int, line: int, source: str = "trace") -> Trace
         if field not in obj:
             raise fail(field, "missing")
     timestamp = obj["timestamp"]
-    if not (isinstance(timestamp, (int, float)) and not isinstance(timestamp, bool)) or not math.isfinite(timestamp) or timestamp < 0:
+    if (
+        not (isinstance(timestamp, (int, float)) and not isinstance(timestamp, bool))
+        or not math.isfinite(timestamp)
+        or timestamp < 0
+    ):
         raise fail("timestamp", f"must be a number >= 0 (milliseconds), got {timestamp!r}")
     for field in ("input_length", "output_length"):
         value = obj[field]
@@ -172,9 +176,7 @@ def synthetic_trace(num_requests: int = 48, seed: int = 0) -> list[TraceRequest]
         history.extend(fresh(int(rng.integers(1, 3))))
         input_length = (len(history) - 1) * BLOCK_TOKENS + int(rng.integers(64, BLOCK_TOKENS + 1))
         output_length = int(rng.integers(8, 161))
-        requests.append(
-            TraceRequest(index, round(timestamp, 3), input_length, output_length, tuple(history), 0)
-        )
+        requests.append(TraceRequest(index, round(timestamp, 3), input_length, output_length, tuple(history), 0))
         # The partial last block is replaced by a fresh one when the conversation continues,
         # as a new prompt holds more tokens there (its prefix block differs).
         history.pop()

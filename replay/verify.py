@@ -134,9 +134,13 @@ def verify_pages(engine, *, sample: int | None = None, seed: int = 0) -> VerifyR
         chain = engine.request_keys[order][:pages]
         trace = engine.trace[order]
         extra_key, cache_salt = engine.namespaces[order]
-        tokens = ReplayRequest(trace, engine.tokens.prompt(trace), engine.tokens.output(trace), extra_key, cache_salt).kv_tokens
+        tokens = ReplayRequest(
+            trace, engine.tokens.prompt(trace), engine.tokens.output(trace), extra_key, cache_salt
+        ).kv_tokens
         # A lookup leaves a prompt's last token out (the engine computes it): one more, any id.
-        req = SimpleRequest(f"verify-r{trace.index}", tokens[: pages * ps] + array("q", [0]), extra_key=extra_key, cache_salt=cache_salt)
+        req = SimpleRequest(
+            f"verify-r{trace.index}", tokens[: pages * ps] + array("q", [0]), extra_key=extra_key, cache_salt=cache_salt
+        )
         handle = manager.prefetch(req, policy="wait_complete")
         if handle.num_host_pages < pages:
             manager.abort(req)
@@ -184,4 +188,3 @@ def verify_pages(engine, *, sample: int | None = None, seed: int = 0) -> VerifyR
     result.lost = result.missing - result.explained
     result.seconds = time.perf_counter() - started
     return result
-

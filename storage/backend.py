@@ -46,7 +46,10 @@ class MissingPriorError(StorageError):
     """
 
     def __init__(self, prior_key: str, message: str | None = None) -> None:
-        super().__init__(message or f"prior_key: {prior_key!r} is not stored; a page after a missing one is unreachable, so it is refused")
+        super().__init__(
+            message
+            or f"prior_key: {prior_key!r} is not stored; a page after a missing one is unreachable, so it is refused"
+        )
         self.prior_key = prior_key
 
 
@@ -142,9 +145,7 @@ class StorageBackend(abc.ABC):
         """
         return self._exists([self.prefix + key for key in _checked_keys(keys)])
 
-    def put(
-        self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, prior_key: str | None = None
-    ) -> PutStatuses:
+    def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, prior_key: str | None = None) -> PutStatuses:
         """Store ``pages[i]`` under ``keys[i]``; a key already stored is left as it is.
 
         A put's keys are one run of one chain, in order: ``keys[i - 1]`` is the page right
@@ -184,7 +185,9 @@ class StorageBackend(abc.ABC):
         if prior_key is not None and not isinstance(prior_key, str):
             raise ArgumentTypeError(f"prior_key: must be a str key or None, got {type(prior_key).__name__}")
         if prior_key in keys:
-            raise InvalidArgumentError(f"prior_key: must not be one of keys (keys[{keys.index(prior_key)}]): it precedes keys[0]")
+            raise InvalidArgumentError(
+                f"prior_key: must not be one of keys (keys[{keys.index(prior_key)}]): it precedes keys[0]"
+            )
         full_keys = [self.prefix + key for key in keys]
         started = time.perf_counter()
         answer = self._put(full_keys, list(pages), self.prefix + prior_key if prior_key else None)
@@ -304,7 +307,9 @@ class StorageBackend(abc.ABC):
     def _exists(self, full_keys: list[str]) -> list[bool]: ...
 
     @abc.abstractmethod
-    def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> list[PutStatus]:
+    def _put(
+        self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None
+    ) -> list[PutStatus]:
         """Store a run of one chain (see :meth:`put`); ``full_prior_key`` (prefix included)
         precedes ``full_keys[0]``, None at a chain's start. A :class:`PutStatuses` answer
         passes its ``error`` on. Records a ``stored`` event for each page it stored."""
@@ -324,17 +329,25 @@ class StorageBackend(abc.ABC):
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _check_pages(self, argument: str, keys: list[str], pages: Sequence[torch.Tensor], *, targets: bool = False) -> None:
+    def _check_pages(
+        self, argument: str, keys: list[str], pages: Sequence[torch.Tensor], *, targets: bool = False
+    ) -> None:
         """Refuse, naming ``argument[i]``, pages a put or get cannot use whole (``targets``: a get's, written in place)."""
         if len(pages) != len(keys):
             raise InvalidArgumentError(f"{argument}: {len(pages)} pages for {len(keys)} keys")
         for index, page in enumerate(pages):
-            if not isinstance(page, torch.Tensor) or page.device.type != "cpu" or not (self.strided_pages or page.is_contiguous()):
+            if (
+                not isinstance(page, torch.Tensor)
+                or page.device.type != "cpu"
+                or not (self.strided_pages or page.is_contiguous())
+            ):
                 kind = "CPU tensor" if self.strided_pages else "contiguous CPU tensor"
                 raise InvalidArgumentError(f"{argument}[{index}]: must be a {kind}")
             size = page.numel() * page.element_size()
             if size != self.page_bytes:
-                raise InvalidArgumentError(f"{argument}[{index}]: {size} bytes, the layout's page has {self.page_bytes}")
+                raise InvalidArgumentError(
+                    f"{argument}[{index}]: {size} bytes, the layout's page has {self.page_bytes}"
+                )
             if page.is_conj() or page.is_neg():  # their bytes are not the values they show
                 raise InvalidArgumentError(
                     f"{argument}[{index}]: a lazy conjugate or negative view; pass page.resolve_conj().resolve_neg()"

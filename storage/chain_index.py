@@ -151,7 +151,5 @@ class ChainIndex(Generic[K, V]):
         """Rebuild the candidate heap when stale entries outnumber the pages."""
         if len(self._candidates) <= 2 * len(self._entries) + 64:
             return
-        self._candidates = [
-            (entry.tick, key) for key, entry in self._entries.items() if not self._successors.get(key)
-        ]
+        self._candidates = [(entry.tick, key) for key, entry in self._entries.items() if not self._successors.get(key)]
         heapq.heapify(self._candidates)

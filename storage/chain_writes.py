@@ -53,7 +53,12 @@ class PutSteps:
 
 
 def put_serial(
-    steps: PutSteps, full_keys: list[str], digests: list[bytes], pages: list[torch.Tensor], prior: bytes | None, full_prior_key: str | None
+    steps: PutSteps,
+    full_keys: list[str],
+    digests: list[bytes],
+    pages: list[torch.Tensor],
+    prior: bytes | None,
+    full_prior_key: str | None,
 ) -> list[Outcome]:
     """Each page in turn: found there (``DEDUPLICATED``), refused (its prior is not stored:
     ``FAILED``, the first with :class:`MissingPriorError` when ``full_prior_key`` is the missing
@@ -80,7 +85,12 @@ def put_serial(
 
 
 def put_parallel(
-    steps: PutSteps, io: IoThreads, full_keys: list[str], digests: list[bytes], pages: list[torch.Tensor], prior: bytes | None,
+    steps: PutSteps,
+    io: IoThreads,
+    full_keys: list[str],
+    digests: list[bytes],
+    pages: list[torch.Tensor],
+    prior: bytes | None,
     full_prior_key: str | None,
 ) -> list[Outcome]:
     """The put on ``io``'s threads (``io.threads`` writes in flight), with the answers of
@@ -123,7 +133,11 @@ class _ParallelPut:
         start = self.serial_from
         if start is not None:
             self.outcomes[start:] = put_serial(
-                self.steps, self.full_keys[start:], self.digests[start:], self.pages[start:], self.priors[start],
+                self.steps,
+                self.full_keys[start:],
+                self.digests[start:],
+                self.pages[start:],
+                self.priors[start],
                 self.full_prior_key if start == 0 else None,
             )
         return self.outcomes
@@ -164,7 +178,9 @@ class _ParallelPut:
                 unlink(written[0])
             self.outcomes[index] = self._refused(index)
         else:
-            self.outcomes[index] = self.steps.commit(self.full_keys[index], self.digests[index], self.priors[index], written, held=size)
+            self.outcomes[index] = self.steps.commit(
+                self.full_keys[index], self.digests[index], self.priors[index], written, held=size
+            )
 
     def _drop_writes_in_flight(self) -> None:
         """Wait for the writes not landed yet, remove their files, give their room back."""

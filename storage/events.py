@@ -69,7 +69,9 @@ class EventQueue:
         InvalidArgumentError: capacity is not an int >= 0.
     """
 
-    def __init__(self, stats, *, tier: str, key_space: str, page_bytes: int, capacity: int = DEFAULT_EVENT_CAPACITY) -> None:
+    def __init__(
+        self, stats, *, tier: str, key_space: str, page_bytes: int, capacity: int = DEFAULT_EVENT_CAPACITY
+    ) -> None:
         require(is_int(capacity) and capacity >= 0, "event_capacity", lambda: f"must be an int >= 0, got {capacity!r}")
         self.capacity = capacity
         self._stats = stats
@@ -112,7 +114,8 @@ class EventQueue:
             InvalidArgumentError: max_events is not None or an int >= 0.
         """
         require(
-            max_events is None or (is_int(max_events) and max_events >= 0), "max_events",
+            max_events is None or (is_int(max_events) and max_events >= 0),
+            "max_events",
             lambda: f"must be None or an int >= 0, got {max_events!r}",
         )
         with self._lock:

@@ -89,7 +89,14 @@ from kvstage.storage.room import Room
 from kvstage.storage.sizes import parse_size
 
 # Re-exported: the names callers have imported from this module.
-__all__ = ["DEFAULT_CAPACITY_BYTES", "DEFAULT_IO_THREADS", "PARALLEL_MIN_PAGE_BYTES", "SUFFIX", "TMP_GRACE_S", "TMP_SUFFIX"]
+__all__ = [
+    "DEFAULT_CAPACITY_BYTES",
+    "DEFAULT_IO_THREADS",
+    "PARALLEL_MIN_PAGE_BYTES",
+    "SUFFIX",
+    "TMP_GRACE_S",
+    "TMP_SUFFIX",
+]
 __all__ += ["FileStore", "KeySpace", "StoreDirectoryError", "key_spaces", "open_file_store", "remove_key_space"]
 
 logger = logging.getLogger(__name__)
@@ -206,7 +213,11 @@ class FileStore(StorageBackend):
                 "capacity nor read by it; they differ from this store's key space in: %s; list them with "
                 "kvstage.storage.key_spaces.key_spaces() or `kvstage store file:%s`, remove one with "
                 "FileStore.evict_key_space() or `kvstage store file:%s --evict PREFIX`",
-                self.directory, len(others), differences, self.directory, self.directory,
+                self.directory,
+                len(others),
+                differences,
+                self.directory,
+                self.directory,
             )
         for name in names:
             if name.endswith(TMP_SUFFIX):
@@ -224,7 +235,8 @@ class FileStore(StorageBackend):
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         except OSError as error:
             raise StoreDirectoryError(
-                str(self.directory), error,
+                str(self.directory),
+                error,
                 "directory: {path} is not writable: {reason}; a file store writes its pages there: "
                 "give a directory this process may write",
             ) from error
@@ -275,7 +287,9 @@ class FileStore(StorageBackend):
         except OSError:
             return
         full_key, prior = parsed
-        self._room.add(digest(full_key), (name, full_key[len(self.prefix) :]), status.st_size, prior, tick=status.st_mtime_ns)
+        self._room.add(
+            digest(full_key), (name, full_key[len(self.prefix) :]), status.st_size, prior, tick=status.st_mtime_ns
+        )
 
     def _adopt(self, full_key: str, path: Path) -> bool:
         """Index the key's page file when another process wrote it after this store opened
@@ -367,8 +381,13 @@ class FileStore(StorageBackend):
     def _put_steps(self) -> PutSteps:
         """This store's steps of a put (:mod:`kvstage.storage.chain_writes`), as its methods are now."""
         return PutSteps(
-            deduplicated=self._deduplicated, prior_stored=self._prior_stored, size=lambda full_key: file_size(full_key, self.page_bytes),
-            reserve=self._make_room, give_back=self._give_back, write=self._write_tmp, commit=self._commit,
+            deduplicated=self._deduplicated,
+            prior_stored=self._prior_stored,
+            size=lambda full_key: file_size(full_key, self.page_bytes),
+            reserve=self._make_room,
+            give_back=self._give_back,
+            write=self._write_tmp,
+            commit=self._commit,
             missing=lambda full_key: MissingPriorError(full_key[len(self.prefix) :]),
         )
 
@@ -533,7 +552,9 @@ class FileStore(StorageBackend):
             with self._lock:
                 names = {name for name, _ in self._room.values()}
                 try:
-                    names.update(e.name for e in os.scandir(self.directory) if e.name.endswith(SUFFIX) and self._owns(e.name))
+                    names.update(
+                        e.name for e in os.scandir(self.directory) if e.name.endswith(SUFFIX) and self._owns(e.name)
+                    )
                 except OSError:
                     pass  # the directory is gone: its files with it
                 removed = remove_page_files(self.directory, names)
@@ -610,7 +631,9 @@ def open_file_store(rest: str, fingerprint: LayoutFingerprint) -> FileStore:
             except ValueError:
                 raise InvalidArgumentError(f"storage: io_threads must be an int, got {value!r}") from None
         else:
-            raise InvalidArgumentError(f"storage: unknown option {name!r} in 'file:{rest}'; known: capacity_bytes, io_threads")
+            raise InvalidArgumentError(
+                f"storage: unknown option {name!r} in 'file:{rest}'; known: capacity_bytes, io_threads"
+            )
     if options.get("capacity_bytes", fingerprint.page_bytes) < fingerprint.page_bytes:
         # A store that cannot hold one page would fail every write.
         raise InvalidArgumentError(

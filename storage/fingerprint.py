@@ -74,33 +74,49 @@ class LayoutFingerprint:
 
     def __post_init__(self) -> None:
         require(
-            isinstance(self.model_id, str) and self.model_id != "", "model_id",
+            isinstance(self.model_id, str) and self.model_id != "",
+            "model_id",
             lambda: f"must be a non-empty str, {_MODEL_ID_RULE}, got {self.model_id!r}",
         )
         require(
-            isinstance(self.layout, KVLayout), "layout",
-            lambda: f"must be a kvstage.kv_layout.KVLayout, got {type(self.layout).__name__}", ArgumentTypeError,
+            isinstance(self.layout, KVLayout),
+            "layout",
+            lambda: f"must be a kvstage.kv_layout.KVLayout, got {type(self.layout).__name__}",
+            ArgumentTypeError,
         )
         for name in ("page_size", "tp_size"):
             value = getattr(self, name)
             require(is_int(value) and value >= 1, name, lambda: f"must be a positive int, got {value!r}")
         require(
             is_int(self.tp_rank) and 0 <= self.tp_rank < self.tp_size,
-            "tp_rank", lambda: f"must be an int in [0, tp_size={self.tp_size}), got {self.tp_rank!r}",
+            "tp_rank",
+            lambda: f"must be an int in [0, tp_size={self.tp_size}), got {self.tp_rank!r}",
         )
         require(
             is_int(self.first_layer) and self.first_layer >= 0,
-            "first_layer", lambda: f"must be an int >= 0, got {self.first_layer!r}",
+            "first_layer",
+            lambda: f"must be an int >= 0, got {self.first_layer!r}",
         )
-        require(isinstance(self.page_format, str), "page_format", lambda: f"must be a str, got {type(self.page_format).__name__}")
         require(
-            not self.rank_neutral_pages or self.page_format != "", "rank_neutral_pages",
+            isinstance(self.page_format, str),
+            "page_format",
+            lambda: f"must be a str, got {type(self.page_format).__name__}",
+        )
+        require(
+            not self.rank_neutral_pages or self.page_format != "",
+            "rank_neutral_pages",
             "is for opaque page formats only (a KV layout is rank-neutral when it is MLA)",
         )
 
     @classmethod
     def opaque(
-        cls, model_id: str = _NO_MODEL_ID, *, page_bytes: int, page_format: str, tp_rank: int = 0, tp_size: int = 1,
+        cls,
+        model_id: str = _NO_MODEL_ID,
+        *,
+        page_bytes: int,
+        page_format: str,
+        tp_rank: int = 0,
+        tp_size: int = 1,
         rank_neutral: bool = False,
     ) -> "LayoutFingerprint":
         """The key space of pages an engine lays out itself: ``page_bytes`` bytes each.
@@ -123,19 +139,34 @@ class LayoutFingerprint:
         """
         _require_model_id(model_id)
         require(
-            isinstance(page_format, str) and page_format != "", "page_format",
+            isinstance(page_format, str) and page_format != "",
+            "page_format",
             lambda: f"must be a non-empty str describing the page format, got {page_format!r}",
         )
-        require(is_int(page_bytes) and page_bytes >= 1, "page_bytes", lambda: f"must be a positive int, got {page_bytes!r}")
+        require(
+            is_int(page_bytes) and page_bytes >= 1, "page_bytes", lambda: f"must be a positive int, got {page_bytes!r}"
+        )
         layout = KVLayout(num_layers=1, kv_parts=1, num_heads=1, head_dim=page_bytes, dtype="uint8")
         return cls(
-            model_id, layout, 1, tp_rank=tp_rank, tp_size=tp_size, page_format=page_format,
+            model_id,
+            layout,
+            1,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            page_format=page_format,
             rank_neutral_pages=bool(rank_neutral),
         )
 
     @classmethod
     def of(
-        cls, kv_pool: Any, *, page_size: int, model_id: str = _NO_MODEL_ID, tp_rank: int = 0, tp_size: int = 1, first_layer: int = 0,
+        cls,
+        kv_pool: Any,
+        *,
+        page_size: int,
+        model_id: str = _NO_MODEL_ID,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        first_layer: int = 0,
     ) -> "LayoutFingerprint":
         """The fingerprint of a KV pool's (or host pool's, or a :class:`KVLayout`'s) layout.
 
@@ -151,7 +182,8 @@ class LayoutFingerprint:
         _require_model_id(model_id)
         layout = kv_pool if isinstance(kv_pool, KVLayout) else getattr(kv_pool, "layout", None)
         require(
-            isinstance(layout, KVLayout), "kv_pool",
+            isinstance(layout, KVLayout),
+            "kv_pool",
             lambda: f"must be a KVPool, HostPool or KVLayout (something with a .layout), got {type(kv_pool).__name__}",
             ArgumentTypeError,
         )
@@ -218,7 +250,9 @@ class LayoutFingerprint:
             if mine != theirs:
                 raise InvalidArgumentError(f"{argument}: its layout's {name} {mine} must equal the pool's {theirs}")
         if self.page_size != page_size:
-            raise InvalidArgumentError(f"{argument}: its layout's page_size {self.page_size} must equal the pool's {page_size}")
+            raise InvalidArgumentError(
+                f"{argument}: its layout's page_size {self.page_size} must equal the pool's {page_size}"
+            )
 
 
 _SAFE = frozenset(string.ascii_letters + string.digits + "._-")
@@ -267,8 +301,14 @@ def prefix_fields(prefix: str) -> dict[str, str] | None:
         return None
     first, last, kv_parts, heads, head_dim = match.groups()
     return {
-        "model_id": model, "dtype": dtype, "layers": f"{first}-{last}", "kv_parts": kv_parts, "num_heads": heads,
-        "head_dim": head_dim, "page_size": page_size[1:], "shard": shard,
+        "model_id": model,
+        "dtype": dtype,
+        "layers": f"{first}-{last}",
+        "kv_parts": kv_parts,
+        "num_heads": heads,
+        "head_dim": head_dim,
+        "page_size": page_size[1:],
+        "shard": shard,
     }
 
 
@@ -324,11 +364,15 @@ def _format_differences(digest: str, theirs: str | None, mine: str | None) -> li
     lines = []
     for name in dict.fromkeys([*named_a, *named_b]):  # name=value parts, by name, in order
         if named_a.get(name) != named_b.get(name):
-            lines.append(f"page_format {_short(named_a.get(name, 'no ' + name))} (this store: {_short(named_b.get(name, 'no ' + name))})")
+            lines.append(
+                f"page_format {_short(named_a.get(name, 'no ' + name))} (this store: {_short(named_b.get(name, 'no ' + name))})"
+            )
     only_a = [part for part in a if "=" not in part and part not in b]  # the other parts, by presence
     only_b = [part for part in b if "=" not in part and part not in a]
     if only_a or only_b:
-        lines.append(f"page_format {_short('|'.join(only_a) or 'none')} (this store: {_short('|'.join(only_b) or 'none')})")
+        lines.append(
+            f"page_format {_short('|'.join(only_a) or 'none')} (this store: {_short('|'.join(only_b) or 'none')})"
+        )
     return lines or [f"page_format with digest {digest} (this store: {_short(mine)})"]
 
 

@@ -69,7 +69,9 @@ def key_spaces(directory: str | os.PathLike) -> list[KeySpace]:
         total = totals.setdefault(prefix, [0, 0])
         total[0] += 1
         total[1] += size
-    return sorted((KeySpace(prefix, pages, size) for prefix, (pages, size) in totals.items()), key=lambda k: (-k.bytes, k.prefix))
+    return sorted(
+        (KeySpace(prefix, pages, size) for prefix, (pages, size) in totals.items()), key=lambda k: (-k.bytes, k.prefix)
+    )
 
 
 def prefix_finder(directory: Path):
@@ -113,8 +115,10 @@ def remove_key_space(directory: str | os.PathLike, prefix: str) -> list[str]:
     tag = owner_tag(prefix) + HASHED
     try:
         names = [
-            entry.name for entry in os.scandir(directory)
-            if entry.name.endswith(SUFFIX) and (entry.name.startswith(tag) or (entry.name.startswith(prefix) and HASHED not in entry.name))
+            entry.name
+            for entry in os.scandir(directory)
+            if entry.name.endswith(SUFFIX)
+            and (entry.name.startswith(tag) or (entry.name.startswith(prefix) and HASHED not in entry.name))
         ]
     except OSError as error:
         raise StorageError(f"directory: cannot list {str(directory)!r}: {error}") from error
@@ -155,12 +159,18 @@ def format_descriptions(directory: Path, prefixes) -> dict[str, str]:
             described = json.loads(format_path(directory, prefix).read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(described, dict) and described.get("prefix") == prefix and isinstance(described.get("page_format"), str):
+        if (
+            isinstance(described, dict)
+            and described.get("prefix") == prefix
+            and isinstance(described.get("page_format"), str)
+        ):
             found[prefix] = described["page_format"]
     return found
 
 
-def describe_other_key_spaces(directory: Path, names: list[str], prefix: str, page_format: str | None, shown: int = 4) -> str:
+def describe_other_key_spaces(
+    directory: Path, names: list[str], prefix: str, page_format: str | None, shown: int = 4
+) -> str:
     """Which settings the key spaces of page files ``names`` in ``directory`` (not of
     ``prefix``) differ in from the key space ``prefix`` (whose opaque format is
     ``page_format``, or None), for the largest ``shown`` of them by page files, e.g.

@@ -76,7 +76,11 @@ class MemoryStore(StorageBackend):
     tier = "memory"
 
     def __init__(
-        self, fingerprint: LayoutFingerprint, *, capacity_bytes: int | None = None, capacity_pages: int | None = None,
+        self,
+        fingerprint: LayoutFingerprint,
+        *,
+        capacity_bytes: int | None = None,
+        capacity_pages: int | None = None,
         event_capacity: int = DEFAULT_EVENT_CAPACITY,
     ) -> None:
         super().__init__(fingerprint, event_capacity=event_capacity)
@@ -126,7 +130,9 @@ class MemoryStore(StorageBackend):
                     continue
                 if prior is not None and prior not in stored:
                     statuses.append(PutStatus.FAILED)  # unreachable: its predecessor is not here
-                    if statuses.error is None and prior == full_prior_key:  # (else the call refused its previous key, for room)
+                    if (
+                        statuses.error is None and prior == full_prior_key
+                    ):  # (else the call refused its previous key, for room)
                         statuses.error = MissingPriorError(prior[len(self.prefix) :])
                     continue
                 if len(stored) < self.capacity_pages:

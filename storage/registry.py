@@ -45,6 +45,8 @@ def open_storage(url: str, fingerprint: LayoutFingerprint) -> StorageBackend:
         scheme, rest = "mooncake", url
     entry = STORAGE_SCHEMES.get(scheme)
     if entry is None:
-        raise InvalidArgumentError(f"storage: unknown storage scheme {scheme!r} in {url!r}; known: {sorted(STORAGE_SCHEMES)}")
+        raise InvalidArgumentError(
+            f"storage: unknown storage scheme {scheme!r} in {url!r}; known: {sorted(STORAGE_SCHEMES)}"
+        )
     module, factory = entry
     return getattr(importlib.import_module(module), factory)(rest, fingerprint)

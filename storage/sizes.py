@@ -57,7 +57,9 @@ def parse_size(value: int | str, argument: str) -> int:
             raise InvalidArgumentError(f"{argument}: must be a size >= 0, got {value!r}")
         return int(value)
     if not isinstance(value, str):
-        raise InvalidArgumentError(f"{argument}: must be an int number of bytes or a size string, got {type(value).__name__}")
+        raise InvalidArgumentError(
+            f"{argument}: must be an int number of bytes or a size string, got {type(value).__name__}"
+        )
     match = _SIZE.fullmatch(value)
     if match is None:
         raise InvalidArgumentError(f"{argument}: must be a size, got {value!r}; {SIZE_RULE}")

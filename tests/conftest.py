@@ -37,7 +37,8 @@ if not (CUDA or SIMULATE_CUDA):
 CPU_TRITON_OFF = (CUDA or SIMULATE_CUDA) and os.environ.get("TRITON_INTERPRET", "0") != "1"
 CPU_TRITON_SKIP_REASON = (
     "a Triton copy on CPU tensors needs the interpreter (TRITON_INTERPRET=1), which is off where CUDA is "
-    "present" + (" (simulated: KVSTAGE_SIMULATE_CUDA=1)" if SIMULATE_CUDA and not CUDA else "")
+    "present"
+    + (" (simulated: KVSTAGE_SIMULATE_CUDA=1)" if SIMULATE_CUDA and not CUDA else "")
     + "; the cuda parameter and the CPU CI run cover this code"
 )
 
@@ -85,7 +86,12 @@ def missing_under_ci(report: pytest.TestReport) -> str | None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
-    if report.failed and call.when in ("setup", "call") and call.excinfo is not None and needs_cpu_interpreter(item, call.excinfo.value):
+    if (
+        report.failed
+        and call.when in ("setup", "call")
+        and call.excinfo is not None
+        and needs_cpu_interpreter(item, call.excinfo.value)
+    ):
         report.outcome = "skipped"
         report.longrepr = (str(item.path), (item.location[1] or 0) + 1, f"Skipped: {CPU_TRITON_SKIP_REASON}")
     reason = missing_under_ci(report)

@@ -58,7 +58,10 @@ def make_pool(
         t = random_bytes_(torch.empty((parts, layers, *shape), dtype=dtype, device=device), gen)
         return KVPool.from_stacked(t)
     if storage == "lists":
-        buffers = [[random_bytes_(torch.empty(shape, dtype=dtype, device=device), gen) for _ in range(layers)] for _ in range(parts)]
+        buffers = [
+            [random_bytes_(torch.empty(shape, dtype=dtype, device=device), gen) for _ in range(layers)]
+            for _ in range(parts)
+        ]
     elif storage == "scattered":
         numel = num_slots * heads * dim
         gap = 37  # elements: keeps every buffer's start aligned to its element but not to 16 bytes
@@ -83,7 +86,9 @@ def pool_bytes(pool: KVPool) -> list[torch.Tensor]:
     return [as_bytes(t).clone() for t in pool.tensors()]
 
 
-def make_staging(pool: KVPool, num_host_pages: int, page_size: int, layout: str, *, pinned: bool = False) -> torch.Tensor:
+def make_staging(
+    pool: KVPool, num_host_pages: int, page_size: int, layout: str, *, pinned: bool = False
+) -> torch.Tensor:
     """A poisoned staging buffer of ``staging_shape(pool, num_host_pages, page_size, layout)`` and
     the pool's dtype, on the pool's device (``pinned`` with a CUDA pool: pinned host memory)."""
     shape = staging_shape(pool, num_host_pages, page_size, layout)
@@ -95,7 +100,14 @@ def make_staging(pool: KVPool, num_host_pages: int, page_size: int, layout: str,
 
 
 def make_indices(
-    pool: KVPool, num_pages: int, page_size: int, num_host_pages: int, *, seed: int = 0, index_dtype=torch.int64, aligned: bool = False
+    pool: KVPool,
+    num_pages: int,
+    page_size: int,
+    num_host_pages: int,
+    *,
+    seed: int = 0,
+    index_dtype=torch.int64,
+    aligned: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct random slots (token order within a page) and distinct random host page ids."""
     gen = torch.Generator().manual_seed(seed + 1)
@@ -109,7 +121,14 @@ def make_indices(
     return slot_indices.to(index_dtype).to(pool.device), host_page_ids.to(index_dtype).to(pool.device)
 
 
-def expected_staging(pool: KVPool, staging: torch.Tensor, slot_indices: torch.Tensor, host_page_ids: torch.Tensor, page_size: int, layout: str = "page_first") -> torch.Tensor:
+def expected_staging(
+    pool: KVPool,
+    staging: torch.Tensor,
+    slot_indices: torch.Tensor,
+    host_page_ids: torch.Tensor,
+    page_size: int,
+    layout: str = "page_first",
+) -> torch.Tensor:
     """What ``staging`` holds after a gather, by plain Python loops over pages, tokens, parts and
     layers (no kvstage code: the oracle of the kernels and of the torch reference), as uint8
     bytes of ``staging``'s shape (its last dim times the element size)."""
@@ -128,8 +147,13 @@ def expected_staging(pool: KVPool, staging: torch.Tensor, slot_indices: torch.Te
 
 
 def expected_pool_after_scatter(
-    pool: KVPool, staging: torch.Tensor, slot_indices: torch.Tensor, host_page_ids: torch.Tensor, page_size: int,
-    layout: str = "page_first", layer: int | None = None,
+    pool: KVPool,
+    staging: torch.Tensor,
+    slot_indices: torch.Tensor,
+    host_page_ids: torch.Tensor,
+    page_size: int,
+    layout: str = "page_first",
+    layer: int | None = None,
 ) -> list[torch.Tensor]:
     """Every buffer's bytes after a scatter of ``staging`` into ``pool`` (``layer``: that layer
     only, both parts), by plain Python loops; flat uint8 tensors in ``pool.tensors()`` order
@@ -144,14 +168,20 @@ def expected_pool_after_scatter(
                 for each in range(pool.num_layers):
                     if layer is not None and each != layer:
                         continue
-                    row = host[host_page, each, p, j] if layout == "page_first" else host[p, each, host_page * page_size + j]
+                    row = (
+                        host[host_page, each, p, j]
+                        if layout == "page_first"
+                        else host[p, each, host_page * page_size + j]
+                    )
                     out[p * pool.num_layers + each][s[i * page_size + j]] = row.reshape(-1)
     return [t.view(-1) for t in out]
 
 
 def pool_equals(pool: KVPool, want: list[torch.Tensor]) -> bool:
     """Whether every buffer of ``pool`` holds the bytes of ``want`` (as :func:`expected_pool_after_scatter`)."""
-    return len(want) == len(pool.tensors()) and all(torch.equal(as_bytes(t), w.view(-1)) for t, w in zip(pool.tensors(), want))
+    return len(want) == len(pool.tensors()) and all(
+        torch.equal(as_bytes(t), w.view(-1)) for t, w in zip(pool.tensors(), want)
+    )
 
 
 def changed_buffers(before: list[torch.Tensor], pool: KVPool) -> list[int]:

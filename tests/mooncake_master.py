@@ -48,7 +48,9 @@ class LocalMooncakeMaster:
     def __init__(self, log_path: Path | str, binary: Path | str | None = None) -> None:
         found = master_binary() if binary is None else Path(binary)
         if found is None:
-            raise BackendUnavailableError(f"mooncake: no mooncake_master in the installed mooncake package; {INSTALL_HINT}")
+            raise BackendUnavailableError(
+                f"mooncake: no mooncake_master in the installed mooncake package; {INSTALL_HINT}"
+            )
         self.binary = found
         self.log_path = Path(log_path)
         self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
@@ -95,7 +97,9 @@ class LocalMooncakeMaster:
                 except OSError as error:
                     if time.monotonic() > deadline:
                         self.stop()
-                        raise RuntimeError(f"mooncake_master did not listen on {port} within {timeout} s; log: {self.log_tail()}") from error
+                        raise RuntimeError(
+                            f"mooncake_master did not listen on {port} within {timeout} s; log: {self.log_tail()}"
+                        ) from error
                     time.sleep(0.05)
         return self
 

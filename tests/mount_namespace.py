@@ -32,6 +32,8 @@ def run_in_mount_namespace(script: str, *args: str, timeout: float = 300) -> dic
     reason = namespaces_usable()
     if reason is not None:
         pytest.skip(reason)
-    result = subprocess.run(UNSHARE + [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        UNSHARE + [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -55,7 +55,9 @@ def naive_keys(tokens, page_size: int, prior: bytes = b"", scheme: str = "sglang
     return keys
 
 
-def naive_prefill_keys(tokens, page_size: int, extra_key: str | None = None, cache_salt: str | None = None, scheme: str = "sglang-v1") -> list[str]:
+def naive_prefill_keys(
+    tokens, page_size: int, extra_key: str | None = None, cache_salt: str | None = None, scheme: str = "sglang-v1"
+) -> list[str]:
     """The keys a prefill side stores for ``tokens`` in the namespace (``extra_key``, ``cache_salt``)."""
     return naive_keys(tokens, page_size, naive_seed(extra_key, cache_salt, scheme), scheme)
 

@@ -94,7 +94,9 @@ class FlakyStore(MemoryStore):
             return hits
         return [hit and not self.fail_get(key[prefix:]) for key, hit in zip(full_keys, hits)]
 
-    def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> list[PutStatus]:
+    def _put(
+        self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None
+    ) -> list[PutStatus]:
         if self.raise_on_put is not None and self.raise_on_put():
             raise StorageError("storage: injected failure of a whole put")
         statuses: list[PutStatus | None] = [None] * len(full_keys)
@@ -180,7 +182,9 @@ class Rig:
         whole pages under their prefill keys, so the decode side's chain continues from them."""
         whole = len(req.origin_input_ids) // self.page_size
         if whole:
-            keys = naive_prefill_keys(req.origin_input_ids[: whole * self.page_size], self.page_size, req.extra_key, req.cache_salt)
+            keys = naive_prefill_keys(
+                req.origin_input_ids[: whole * self.page_size], self.page_size, req.extra_key, req.cache_salt
+            )
             self.storage.put(keys, [self.expected_page(req, index) for index in range(whole)])
 
     def decode(self, req: Any, token: int) -> None:
@@ -199,7 +203,9 @@ class Rig:
         n = end - start
         pool = self.kv_pool
         rows = torch.empty((n, pool.kv_parts, pool.num_layers, 4), dtype=torch.int32)
-        rows[..., 0] = torch.tensor([t % 2**31 for t in tokens], dtype=torch.int32).view(n, 1, 1)  # ids past int32 wrap in the rig's rows
+        rows[..., 0] = torch.tensor([t % 2**31 for t in tokens], dtype=torch.int32).view(
+            n, 1, 1
+        )  # ids past int32 wrap in the rig's rows
         rows[..., 1] = torch.arange(start, end, dtype=torch.int32).view(n, 1, 1)
         rows[..., 2] = namespace_code(req.extra_key, req.cache_salt)
         marks = torch.arange(pool.kv_parts).view(-1, 1) * 16 + torch.arange(pool.num_layers).view(1, -1)
@@ -315,6 +321,12 @@ def make_rig(
     manager_kwargs.setdefault("store_prompt", False)  # most tests model a decode side whose prefill stored the prompt
     manager_kwargs.setdefault("store_workers", InlineStoreWorkers())
     return Rig(
-        kv_pool, stacked, host_pool, storage, PageHasher(page_size=page_size), SlotTable(num_slots, device, slot_generator),
-        copy_stream, manager_kwargs,
+        kv_pool,
+        stacked,
+        host_pool,
+        storage,
+        PageHasher(page_size=page_size),
+        SlotTable(num_slots, device, slot_generator),
+        copy_stream,
+        manager_kwargs,
     )

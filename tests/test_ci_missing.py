@@ -15,7 +15,7 @@ import sys
 
 from support import REPO_ROOT
 
-MODULE = '''
+MODULE = """
 import pytest
 from support import missing_mark, skip_missing
 
@@ -31,7 +31,7 @@ def test_skips_for_another_reason():
 
 def test_runs():
     pass
-'''
+"""
 
 
 def run_module(tmp_path, ci: str | None) -> subprocess.CompletedProcess:
@@ -40,8 +40,22 @@ def run_module(tmp_path, ci: str | None) -> subprocess.CompletedProcess:
     if ci is not None:
         env["CI"] = ci
     env["PYTHONPATH"] = str(REPO_ROOT / "tests")
-    command = [sys.executable, "-m", "pytest", "test_module.py", "-p", "conftest", "-c", os.devnull, "--rootdir", str(tmp_path),
-               "-p", "no:cacheprovider", "-q", "-rA"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "test_module.py",
+        "-p",
+        "conftest",
+        "-c",
+        os.devnull,
+        "--rootdir",
+        str(tmp_path),
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rA",
+    ]
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -51,7 +65,9 @@ def test_under_ci_a_missing_thing_fails_and_names_it(tmp_path):
     # A skip in the call fails the test; one at setup (a mark, a fixture) is an error: both fail the run.
     assert re.search(r"1 failed, 1 passed, 1 skipped, 1 error", result.stdout), result.stdout[-3000:]
     assert "FAILED test_module.py::test_needs_a_file - missing: /nowhere/trace.jsonl" in result.stdout
-    assert "ERROR test_module.py::test_needs_vectors[absent] - missing: /nowhere/vectors.json (CI is set" in result.stdout
+    assert (
+        "ERROR test_module.py::test_needs_vectors[absent] - missing: /nowhere/vectors.json (CI is set" in result.stdout
+    )
     assert "SKIPPED [1] test_module.py:13: not about what CI provides" in result.stdout
 
 

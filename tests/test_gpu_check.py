@@ -35,7 +35,11 @@ INTERPRETER_ERROR = "backend: 'triton' on CPU tensors needs TRITON_INTERPRET=1 s
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without what conftest set for itself (the interpreter) or $OUT."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "OUT", "KVSTAGE_SIMULATE_CUDA", "GPU_CHECK_DRY_RUN")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TRITON_INTERPRET", "OUT", "KVSTAGE_SIMULATE_CUDA", "GPU_CHECK_DRY_RUN")
+    }
     env.update(extra)
     return env
 
@@ -86,7 +90,9 @@ def test_the_script_refuses_caps_over_the_budget(tmp_path):
     assert "probes:120" in text
     bad = tmp_path / "gpu_check.sh"
     bad.write_text(text.replace("probes:120", "probes:400"))
-    result = subprocess.run(["bash", str(bad), "--dry-run", str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["bash", str(bad), "--dry-run", str(tmp_path / "out")], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2 and "must fit BUDGET_S" in result.stderr
     assert not (tmp_path / "out").exists()
 
@@ -95,8 +101,11 @@ def test_the_script_refuses_caps_over_the_budget(tmp_path):
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-check-out")
     result = subprocess.run(
-        ["bash", str(SCRIPT), "--dry-run"], env=clean_env(OUT=str(out), PYTHON=sys.executable),
-        capture_output=True, text=True, timeout=600,
+        ["bash", str(SCRIPT), "--dry-run"],
+        env=clean_env(OUT=str(out), PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     return out, result
 
@@ -195,8 +204,22 @@ def test_simulated_cuda_skips_a_cpu_triton_test_and_runs_the_rest():
     parameter on CPU tensors skips with the reason (it failed before), the torch one passes."""
     test = "tests/kernels/test_kernel_strides.py::test_staging_with_a_storage_offset_is_read_at_its_offset"
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", f"{test}[cpu-page_first-gather-triton-kernel]", f"{test}[cpu-page_first-gather-torch-kernel]", "-q", "-rs", "-p", "no:cacheprovider"],
-        cwd=REPO, env=clean_env(KVSTAGE_SIMULATE_CUDA="1"), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            f"{test}[cpu-page_first-gather-triton-kernel]",
+            f"{test}[cpu-page_first-gather-torch-kernel]",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=REPO,
+        env=clean_env(KVSTAGE_SIMULATE_CUDA="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:]
     assert re.search(r"1 passed, 1 skipped", result.stdout), result.stdout[-3000:]
@@ -220,7 +243,9 @@ def test_the_skip_takes_only_the_interpreter_refusal_off_cuda(harness):
     assert harness.needs_cpu_interpreter(item("cpu"), refusal)
     assert harness.needs_cpu_interpreter(item(None), refusal)  # an unparametrized test on CPU tensors
     assert not harness.needs_cpu_interpreter(item("cuda"), refusal)  # on the cuda parameter it is a real failure
-    assert not harness.needs_cpu_interpreter(item("cpu"), BackendUnavailableError("backend: 'triton' needs the triton package (pip install triton)"))
+    assert not harness.needs_cpu_interpreter(
+        item("cpu"), BackendUnavailableError("backend: 'triton' needs the triton package (pip install triton)")
+    )
     assert not harness.needs_cpu_interpreter(item("cpu"), AssertionError("bytes differ"))
     try:
         try:
@@ -264,8 +289,7 @@ def test_without_cuda_the_script_stops_after_setup_with_exit_3_and_says_why(tmp_
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("OUT", None)
     env.pop("GPU_CHECK_ALLOW_CPU", None)
-    result = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 3, result.stdout + result.stderr
     summary = (tmp_path / "00-summary.txt").read_text()
     assert "setup: PASS" in summary and "cuda: NONE" in summary

@@ -12,9 +12,18 @@ from kvstage.offload import HostPool
 from kvstage.storage import LayoutFingerprint
 
 
-@pytest.mark.parametrize("alias, dtype", [("float", torch.float32), ("float32", torch.float32), ("torch.float32", torch.float32),
-                                          (torch.float, torch.float32), ("half", torch.float16), ("bfloat16", torch.bfloat16),
-                                          ("float8_e4m3fn", torch.float8_e4m3fn)])
+@pytest.mark.parametrize(
+    "alias, dtype",
+    [
+        ("float", torch.float32),
+        ("float32", torch.float32),
+        ("torch.float32", torch.float32),
+        (torch.float, torch.float32),
+        ("half", torch.float16),
+        ("bfloat16", torch.bfloat16),
+        ("float8_e4m3fn", torch.float8_e4m3fn),
+    ],
+)
 def test_dtype_aliases_resolve_to_one_dtype(alias, dtype):
     assert canonical_dtype(alias) is dtype
     assert KVLayout(2, 2, 1, 4, alias).dtype is dtype
@@ -27,9 +36,16 @@ def test_aliases_give_one_key_space():
     assert a.prefix() == b.prefix() and "@float32@" in a.prefix()
 
 
-@pytest.mark.parametrize("bad, rule", [("Tensor", "'Tensor' names no torch dtype"), ("float64x", "'float64x' names no torch dtype"),
-                                       ("", "'' names no torch dtype"), (3, "must be a torch.dtype or its name, got int"),
-                                       (torch.Tensor, "must be a torch.dtype or its name")])
+@pytest.mark.parametrize(
+    "bad, rule",
+    [
+        ("Tensor", "'Tensor' names no torch dtype"),
+        ("float64x", "'float64x' names no torch dtype"),
+        ("", "'' names no torch dtype"),
+        (3, "must be a torch.dtype or its name, got int"),
+        (torch.Tensor, "must be a torch.dtype or its name"),
+    ],
+)
 def test_non_dtypes_are_rejected_naming_the_argument(bad, rule):
     with pytest.raises(ArgumentTypeError, match=f"^dtype: {rule}"):
         KVLayout(2, 2, 1, 4, bad)

@@ -34,9 +34,16 @@ def test_the_suite_runs_in_its_own_network_namespace():
 
 def test_in_netns_gives_a_command_only_its_own_interfaces():
     done = subprocess.run(
-        ["bash", str(REPO_ROOT / "tools" / "in-netns.sh"), "python3", "-c",
-         "import socket; print(sorted(n for _, n in socket.if_nameindex()))"],
-        capture_output=True, text=True, timeout=60,
+        [
+            "bash",
+            str(REPO_ROOT / "tools" / "in-netns.sh"),
+            "python3",
+            "-c",
+            "import socket; print(sorted(n for _, n in socket.if_nameindex()))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
     if "no network namespace here" in done.stderr:

@@ -27,7 +27,9 @@ def test_console_scripts_written_for_the_base_python_run_the_overlays(tmp_path):
     bin_dir = venv / "bin"
     # as BASE's pip writes them: a plain shebang, and the sh form pip uses for long paths
     (bin_dir / "vllm").write_text(f"#!{base}/bin/python\nimport sys\nprint(sys.prefix)\n")
-    (bin_dir / "long").write_text(f"#!/bin/sh\n'''exec' '{base}/bin/python3' \"$0\" \"$@\"\n' '''\nimport sys\nprint(sys.prefix)\n")
+    (bin_dir / "long").write_text(
+        f"#!/bin/sh\n'''exec' '{base}/bin/python3' \"$0\" \"$@\"\n' '''\nimport sys\nprint(sys.prefix)\n"
+    )
     (bin_dir / "other").write_text("#!/bin/sh\necho other\n")
     for name in ("vllm", "long", "other"):
         (bin_dir / name).chmod(0o755)
@@ -35,7 +37,9 @@ def test_console_scripts_written_for_the_base_python_run_the_overlays(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "2 console scripts" in done.stdout
     for name in ("vllm", "long"):
-        ran = subprocess.run([str(bin_dir / name)], capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": ""})
+        ran = subprocess.run(
+            [str(bin_dir / name)], capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": ""}
+        )
         assert ran.returncode == 0, ran.stderr
         assert Path(ran.stdout.strip()) == venv.resolve()  # the overlay's python, not the base's
     assert (bin_dir / "other").read_text() == "#!/bin/sh\necho other\n"

@@ -60,7 +60,9 @@ def test_no_command_prints_help_and_fails(tmp_path):
 def test_wheel_holds_only_the_kvstage_package(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO_ROOT)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr
     (wheel,) = tmp_path.glob("kvstage-*.whl")
@@ -81,7 +83,9 @@ def test_every_subpackage_on_disk_is_declared_in_pyproject():
     for init in REPO_ROOT.rglob("__init__.py"):
         relative = init.parent.relative_to(REPO_ROOT)
         # Dot folders are virtual environments (.venv, .venv-vllm) and tool state, never kvstage.
-        if relative.parts and (relative.parts[0] in {"tests", "bench", "tools", "build"} or relative.parts[0].startswith(".")):
+        if relative.parts and (
+            relative.parts[0] in {"tests", "bench", "tools", "build"} or relative.parts[0].startswith(".")
+        ):
             continue
         if relative.parts:
             on_disk.add("kvstage." + ".".join(relative.parts))

@@ -38,7 +38,7 @@ def test_the_sglang_cpu_note_states_the_ranks_the_sglang_tests_state():
     """Without this line sglang built by hand raises the error the README names; the sglang
     tests (tests/integrations/sglang/test_sglang_user.py) run the README's line itself."""
     readme = (REPO_ROOT / "README.md").read_text()
-    section = readme[readme.index("## Use with sglang"):]
+    section = readme[readme.index("## Use with sglang") :]
     assert "`parallel name 'tp_rank' has not been written in this process`" in " ".join(section.split())
     (call,) = re.findall(r"`(get_parallel\(\)\.override_permanently\([^`]*\))`", section)
     rig = (REPO_ROOT / "tests" / "integrations" / "sglang" / "decode_rig.py").read_text()
@@ -47,9 +47,18 @@ def test_the_sglang_cpu_note_states_the_ranks_the_sglang_tests_state():
     def names(source: str) -> set[str]:
         return {keyword.arg for keyword in ast.parse(source, mode="eval").body.keywords}
 
-    assert names(call) == names(f"f({rig_call})") == {
-        "tp_rank", "pp_rank", "attn_tp_rank", "attn_dp_rank", "attn_cp_rank", "attn_dcp_rank",
-    }
+    assert (
+        names(call)
+        == names(f"f({rig_call})")
+        == {
+            "tp_rank",
+            "pp_rank",
+            "attn_tp_rank",
+            "attn_dp_rank",
+            "attn_cp_rank",
+            "attn_dcp_rank",
+        }
+    )
 
 
 def test_the_readme_never_teaches_installing_kvstage_by_name_from_an_index():
@@ -69,10 +78,13 @@ def test_the_readme_installs_each_engine_extra_from_the_checkout_with_its_range_
     assert {"vllm", "sglang", "mooncake", "mooncake-cuda"} <= named and named <= set(extras)
     for engine in ("vllm", "sglang"):
         (requirement,) = extras[engine]
-        bounds = requirement[len(engine):]
+        bounds = requirement[len(engine) :]
         tested = re.fullmatch(r">=([0-9.]+),<[0-9.]+", bounds).group(1)
         # one sentence gives the install, the range pip takes and the release the tests ran
-        assert re.search(rf"""pip install (-e )?"\.\[{engine}\]"`?\s+\([^)]*`{re.escape(bounds)}`, tested: {re.escape(tested)}\)""", readme), engine
+        assert re.search(
+            rf"""pip install (-e )?"\.\[{engine}\]"`?\s+\([^)]*`{re.escape(bounds)}`, tested: {re.escape(tested)}\)""",
+            readme,
+        ), engine
 
 
 def test_the_vllm_section_installs_from_a_checkout_and_names_the_offloading_size_clash():

@@ -32,16 +32,39 @@ def build_model(arch: str, dtype: torch.dtype = torch.float32) -> torch.nn.Modul
 
     if arch == "llama":
         config = LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=VOCAB, max_position_embeddings=256, attn_implementation="eager",
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=VOCAB,
+            max_position_embeddings=256,
+            attn_implementation="eager",
         )
         cls = LlamaForCausalLM
     elif arch == "deepseek_v3":
         config = DeepseekV3Config(
-            hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
-            v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
-            first_k_dense_replace=1, vocab_size=VOCAB, max_position_embeddings=256, attn_implementation="eager",
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            vocab_size=VOCAB,
+            max_position_embeddings=256,
+            attn_implementation="eager",
         )
         cls = DeepseekV3ForCausalLM
     else:
@@ -64,8 +87,16 @@ def store_url(directory: str, arch: str) -> str:
 def session_of(model: torch.nn.Module, directory: str, arch: str, **kwargs):
     from kvstage.integrations.transformers import KVStageSession
 
-    return KVStageSession(model, store_url(directory, arch), model_id=f"tiny-{arch}", page_size=PAGE_SIZE, max_tokens=256,
-                          extra_key="lora-7", cache_salt="tenant-a", **kwargs)
+    return KVStageSession(
+        model,
+        store_url(directory, arch),
+        model_id=f"tiny-{arch}",
+        page_size=PAGE_SIZE,
+        max_tokens=256,
+        extra_key="lora-7",
+        cache_salt="tenant-a",
+        **kwargs,
+    )
 
 
 def second_process(directory: str) -> dict:
@@ -82,9 +113,14 @@ def second_process(directory: str) -> dict:
             follow_up = session.generate(out.sequences, **GENERATE)
             metrics = session.metrics
             results[arch] = {
-                "loaded": loaded, "stored": stored, "sequences": out.sequences, "logits": torch.stack(out.logits),
-                "follow_up_sequences": follow_up.sequences, "follow_up_logits": torch.stack(follow_up.logits),
-                "pages_loaded": metrics.pages_loaded, "pages_deduplicated": metrics.pages_deduplicated,
+                "loaded": loaded,
+                "stored": stored,
+                "sequences": out.sequences,
+                "logits": torch.stack(out.logits),
+                "follow_up_sequences": follow_up.sequences,
+                "follow_up_logits": torch.stack(follow_up.logits),
+                "pages_loaded": metrics.pages_loaded,
+                "pages_deduplicated": metrics.pages_deduplicated,
             }
     return results
 

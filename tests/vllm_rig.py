@@ -49,7 +49,9 @@ def chunks_for(keys: list[bytes], seed: int = 7) -> dict:
     return {key: torch.randint(0, 256, (CHUNK_BYTES,), dtype=torch.uint8, generator=generator) for key in keys}
 
 
-def offloading_config(extra_config: dict, *, events: bool = True, engine_id: str | None = None, world_size: int = 1, rank: int = 0):
+def offloading_config(
+    extra_config: dict, *, events: bool = True, engine_id: str | None = None, world_size: int = 1, rank: int = 0
+):
     """vLLM's OffloadingConfig for a model of one KV group (2 layers, 16-token blocks) whose
     worker holds CHUNK_BYTES a block, as vLLM's connector builds it for a spec."""
     import uuid
@@ -63,7 +65,9 @@ def offloading_config(extra_config: dict, *, events: bool = True, engine_id: str
     )
 
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0", "model.layers.1"), group_id=0),),
+        groups=(
+            OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0", "model.layers.1"), group_id=0),
+        ),
         worker_kv_bytes_per_block=CHUNK_BYTES,
         enable_kv_cache_events=events,
         extra_config=extra_config,
@@ -71,8 +75,16 @@ def offloading_config(extra_config: dict, *, events: bool = True, engine_id: str
         model=OffloadingModelConfig(name="org/tiny-llama", dtype="float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
-            rank=rank, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=False,
+            rank=rank,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
         ),
     )
 
@@ -98,8 +110,17 @@ class ConnectorRig:
     BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_SIZE = 16, 32, 2, 16
     LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
-    def __init__(self, model_dir, storage: str, *, events: bool = True, extra_config: dict | None = None, max_num_batched_tokens: int = 512,
-                 connector_config: dict | None = None, load_failure_policy: str = "recompute") -> None:
+    def __init__(
+        self,
+        model_dir,
+        storage: str,
+        *,
+        events: bool = True,
+        extra_config: dict | None = None,
+        max_num_batched_tokens: int = 512,
+        connector_config: dict | None = None,
+        load_failure_policy: str = "recompute",
+    ) -> None:
         import uuid
 
         import torch
@@ -126,41 +147,79 @@ class ConnectorRig:
 
         # A tiny Llama config (no weights: nothing runs the model) for vLLM's ModelConfig.
         LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=len(self.LAYERS), num_attention_heads=4,
-            num_key_value_heads=self.NUM_KV_HEADS, vocab_size=256, max_position_embeddings=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=len(self.LAYERS),
+            num_attention_heads=4,
+            num_key_value_heads=self.NUM_KV_HEADS,
+            vocab_size=256,
+            max_position_embeddings=512,
         ).save_pretrained(model_dir)
         block_size, num_blocks = self.BLOCK_SIZE, self.NUM_BLOCKS
         self.vllm_config = VllmConfig(
-            model_config=ModelConfig(model=str(model_dir), tokenizer=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
+            model_config=ModelConfig(
+                model=str(model_dir),
+                tokenizer=str(model_dir),
+                skip_tokenizer_init=True,
+                dtype="float16",
+                max_model_len=512,
+            ),
             device_config=DeviceConfig(device="cpu"),
             cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-            scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=4, max_model_len=512, is_encoder_decoder=False),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=4,
+                max_model_len=512,
+                is_encoder_decoder=False,
+            ),
             kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null"),
             kv_transfer_config=KVTransferConfig(
-                kv_connector="KVStageConnector", kv_connector_module_path="kvstage.integrations.vllm", kv_role="kv_both",
-                kv_load_failure_policy=load_failure_policy, engine_id=f"kvstage-{uuid.uuid4().hex[:12]}",
-                kv_connector_extra_config=connector_config if connector_config is not None else {
-                    "spec_name": "KVStageOffloadingSpec", "spec_module_path": "kvstage.integrations.vllm", "storage": storage, **(extra_config or {}),
+                kv_connector="KVStageConnector",
+                kv_connector_module_path="kvstage.integrations.vllm",
+                kv_role="kv_both",
+                kv_load_failure_policy=load_failure_policy,
+                engine_id=f"kvstage-{uuid.uuid4().hex[:12]}",
+                kv_connector_extra_config=connector_config
+                if connector_config is not None
+                else {
+                    "spec_name": "KVStageOffloadingSpec",
+                    "spec_module_path": "kvstage.integrations.vllm",
+                    "storage": storage,
+                    **(extra_config or {}),
                 },
             ),
         )
-        attention = FullAttentionSpec(block_size=block_size, num_kv_heads=self.NUM_KV_HEADS, head_size=self.HEAD_SIZE, dtype=torch.float16)
+        attention = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=self.NUM_KV_HEADS, head_size=self.HEAD_SIZE, dtype=torch.float16
+        )
         page = attention.page_size_bytes
         kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks,
-            kv_cache_tensors=[KVCacheTensor(size=len(self.LAYERS) * num_blocks * page, layers=list(self.LAYERS), layer_stride=num_blocks * page, block_stride=page)],
+            kv_cache_tensors=[
+                KVCacheTensor(
+                    size=len(self.LAYERS) * num_blocks * page,
+                    layers=list(self.LAYERS),
+                    layer_stride=num_blocks * page,
+                    block_stride=page,
+                )
+            ],
             kv_cache_groups=[KVCacheGroupSpec(list(self.LAYERS), attention)],
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(
-            vllm_config=self.vllm_config, kv_cache_config=kv_cache_config,
-            structured_output_manager=StructuredOutputManager(self.vllm_config), block_size=block_size, log_stats=True,
+            vllm_config=self.vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=block_size,
+            log_stats=True,
         )
         self.worker = KVStageConnector(self.vllm_config, KVConnectorRole.WORKER, kv_cache_config)
         # The "GPU" KV cache: one allocation, layer-outermost, as KVCacheTensor above places it.
         self.backing = torch.zeros(len(self.LAYERS), num_blocks, page, dtype=torch.int8)
         self.kv = {
-            name: self.backing[index].view(torch.float16).view(num_blocks, 2, block_size, self.NUM_KV_HEADS, self.HEAD_SIZE)
+            name: self.backing[index]
+            .view(torch.float16)
+            .view(num_blocks, 2, block_size, self.NUM_KV_HEADS, self.HEAD_SIZE)
             for index, name in enumerate(self.LAYERS)
         }
         with set_current_vllm_config(self.vllm_config):
@@ -197,7 +256,13 @@ class ConnectorRig:
 
         sampling = SamplingParams(max_tokens=max_tokens)
         sampling.update_from_generation_config({}, None)
-        request = Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling, pooling_params=None, block_hasher=self._block_hasher)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling_params=sampling,
+            pooling_params=None,
+            block_hasher=self._block_hasher,
+        )
         self.scheduler.add_request(request)
         return request
 
@@ -220,7 +285,9 @@ class ConnectorRig:
             blocks, tokens = self.block_ids(request_id), request.all_token_ids
             for position in range(request.num_computed_tokens - count, request.num_computed_tokens):
                 for layer, name in enumerate(self.LAYERS):
-                    self.kv[name][blocks[position // self.BLOCK_SIZE], :, position % self.BLOCK_SIZE] = self.kv_value(tokens[position], position, layer)
+                    self.kv[name][blocks[position // self.BLOCK_SIZE], :, position % self.BLOCK_SIZE] = self.kv_value(
+                        tokens[position], position, layer
+                    )
         if output.total_num_scheduled_tokens > 0:
             self.worker.wait_for_save()
         time.sleep(0.02)  # the copy stream and store threads run between steps, as on a GPU
@@ -228,16 +295,28 @@ class ConnectorRig:
         invalid_block_ids = self.worker.get_block_ids_with_load_errors()
         self.worker.clear_connector_metadata()
         running = [request_id for request_id in output.num_scheduled_tokens if request_id in self.scheduler.requests]
-        self.scheduler.update_from_output(output, ModelRunnerOutput(
-            req_ids=running, req_id_to_index={request_id: index for index, request_id in enumerate(running)},
-            # a prefill chunk that leaves prompt tokens for later samples nothing (vLLM's model runner discards it)
-            sampled_token_ids=[[5] if self.scheduler.requests[request_id].num_computed_tokens >= self.scheduler.requests[request_id].num_tokens else [] for request_id in running],
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=transfers.finished_sending, finished_recving=transfers.finished_recving,
-                failed_recving=transfers.failed_recving, invalid_block_ids=invalid_block_ids,
-                kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
+        self.scheduler.update_from_output(
+            output,
+            ModelRunnerOutput(
+                req_ids=running,
+                req_id_to_index={request_id: index for index, request_id in enumerate(running)},
+                # a prefill chunk that leaves prompt tokens for later samples nothing (vLLM's model runner discards it)
+                sampled_token_ids=[
+                    [5]
+                    if self.scheduler.requests[request_id].num_computed_tokens
+                    >= self.scheduler.requests[request_id].num_tokens
+                    else []
+                    for request_id in running
+                ],
+                kv_connector_output=KVConnectorOutput(
+                    finished_sending=transfers.finished_sending,
+                    finished_recving=transfers.finished_recving,
+                    failed_recving=transfers.failed_recving,
+                    invalid_block_ids=invalid_block_ids,
+                    kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
+                ),
             ),
-        ))
+        )
         return output
 
     def run(self, steps: int) -> list:
@@ -250,7 +329,11 @@ class ConnectorRig:
         outputs = []
         for _ in range(max_steps):
             outputs.append(self.step())
-            if not self.scheduler.requests and worker.worker.keyed.jobs_in_flight == 0 and not worker._unsubmitted_store_jobs:
+            if (
+                not self.scheduler.requests
+                and worker.worker.keyed.jobs_in_flight == 0
+                and not worker._unsubmitted_store_jobs
+            ):
                 outputs.append(self.step())
                 return outputs
         raise AssertionError(f"not idle after {max_steps} steps")

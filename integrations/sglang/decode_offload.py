@@ -130,12 +130,17 @@ class KVStageDecodeOffloadManager:
         self.page_size = page_size
         self.offload_stride = stride
         fingerprint = config.fingerprint(
-            kv_pool.layout, "device pool", page_size=page_size,
-            tp_rank=torch.distributed.get_rank(group=tp_group), tp_size=self.tp_world_size,
+            kv_pool.layout,
+            "device pool",
+            page_size=page_size,
+            tp_rank=torch.distributed.get_rank(group=tp_group),
+            tp_size=self.tp_world_size,
             first_layer=getattr(kv_cache, "start_layer", 0),
         )
         page_bytes = fingerprint.page_bytes
-        num_pages = int(hicache_size * 1e9) // page_bytes if hicache_size else int(hicache_ratio * kv_cache.size) // page_size
+        num_pages = (
+            int(hicache_size * 1e9) // page_bytes if hicache_size else int(hicache_ratio * kv_cache.size) // page_size
+        )
         self._released_here: set[int] = set()  # id(req) of finishing requests kvstage released on this rank
         self._finishing: list[Any] = []  # finished requests, in finish order (equal on every rank)
         # Running requests handed to the manager, held weakly: sglang may retract one (free its
@@ -146,8 +151,14 @@ class KVStageDecodeOffloadManager:
         try:
             self.host_pool = HostPool.like(kv_pool, num_pages=max(num_pages, 1), page_size=page_size)
             self.manager = OffloadManager(
-                kv_pool, self.host_pool, self.storage, PageHasher(page_size=page_size), self._slot_indices,
-                offload_stride=stride, store_prompt=False, release=self._on_release,
+                kv_pool,
+                self.host_pool,
+                self.storage,
+                PageHasher(page_size=page_size),
+                self._slot_indices,
+                offload_stride=stride,
+                store_prompt=False,
+                release=self._on_release,
             )
         except BaseException:
             self.storage.close()  # sglang never calls release_host_resources on a manager that failed to build
@@ -292,5 +303,6 @@ def sglang_plugin() -> None:
 
     HookRegistry.register(
         "sglang.srt.disaggregation.decode_kvcache_offload_manager.DecodeKVCacheOffloadManager",
-        KVStageDecodeOffloadManager, HookType.REPLACE,
+        KVStageDecodeOffloadManager,
+        HookType.REPLACE,
     )

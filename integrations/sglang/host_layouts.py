@@ -130,12 +130,16 @@ def flat_page_view(host_pool: Any, flat_page: torch.Tensor, kv_layout: KVLayout)
     shape = shape_of(kv_layout.num_layers, page_size, kv_layout.num_heads, kv_layout.head_dim)
     expected = kv_layout.page_bytes(page_size) // kv_layout.itemsize
     if (
-        not isinstance(flat_page, torch.Tensor) or flat_page.device.type != "cpu"
-        or not flat_page.is_contiguous() or flat_page.numel() != expected or flat_page.dtype != kv_layout.dtype
+        not isinstance(flat_page, torch.Tensor)
+        or flat_page.device.type != "cpu"
+        or not flat_page.is_contiguous()
+        or flat_page.numel() != expected
+        or flat_page.dtype != kv_layout.dtype
     ):
         got = (
             f"{tuple(flat_page.shape)} {flat_page.dtype} on {flat_page.device}"
-            if isinstance(flat_page, torch.Tensor) else type(flat_page).__name__
+            if isinstance(flat_page, torch.Tensor)
+            else type(flat_page).__name__
         )
         raise InvalidArgumentError(
             f"value: must be a contiguous CPU {kv_layout.dtype_name} tensor of {expected} elements "

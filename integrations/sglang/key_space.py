@@ -31,14 +31,20 @@ FP8_KINDS: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2"
 _KVSTAGE_KEYS = {"url", "model_id", "kv_cache_dtype"}
 # sglang's own keys of the same JSON (its factory's, and those its cache reads).
 _SGLANG_KEYS = {
-    "backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold", "prefetch_timeout_base",
-    "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys", "tp_lcm_size",
+    "backend_name",
+    "module_path",
+    "class_name",
+    "interface_v1",
+    "prefetch_threshold",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "hicache_storage_pass_prefix_keys",
+    "tp_lcm_size",
 }
 KNOWN_KEYS = frozenset(_KVSTAGE_KEYS | _SGLANG_KEYS)
 
 # the argument name a store factory's error starts with ("url: ...", "storage: ...")
 _FACTORY_ARGUMENT = re.compile(r"^(url|storage): ")
-
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ class ExtraConfig:
         url = extra.get("url")
         if not isinstance(url, str) or not url:
             raise InvalidArgumentError(
-                "extra_config.url: a kvstage storage URL is required (e.g. \"file:/path\", \"memory\", \"mooncake://host:port\")"
+                'extra_config.url: a kvstage storage URL is required (e.g. "file:/path", "memory", "mooncake://host:port")'
             )
         model_id = extra.get("model_id") or default_model_id
         if not model_id:

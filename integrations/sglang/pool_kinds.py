@@ -42,8 +42,12 @@ _KINDS = (
 )
 # sglang's PoolName values (register_mem_host_pool_v2) and the kind each names.
 _NAMED_KINDS = {
-    "mamba": "Mamba", "swa": "SWA", "auxiliary_swa": "SWA", "draft_swa": "SWA (draft model)",
-    "indexer": "DSA indexer (DeepSeek V3.2's index keys)", "draft_indexer": "DSA indexer (draft model)",
+    "mamba": "Mamba",
+    "swa": "SWA",
+    "auxiliary_swa": "SWA",
+    "draft_swa": "SWA (draft model)",
+    "indexer": "DSA indexer (DeepSeek V3.2's index keys)",
+    "draft_indexer": "DSA indexer (draft model)",
     "draft": "draft model KV",
 }
 

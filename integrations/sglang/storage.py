@@ -110,8 +110,12 @@ class KVStageStorage(HiCacheStorage):
         require_stored_host_pool(mem_pool_host)
         config = self.storage_config
         fingerprint = self.config.fingerprint(
-            host_kv_layout(mem_pool_host), "host pool", page_size=mem_pool_host.page_size,
-            tp_rank=config.tp_rank, tp_size=config.tp_size, first_layer=getattr(mem_pool_host, "start_layer", 0),
+            host_kv_layout(mem_pool_host),
+            "host pool",
+            page_size=mem_pool_host.page_size,
+            tp_rank=config.tp_rank,
+            tp_size=config.tp_size,
+            first_layer=getattr(mem_pool_host, "start_layer", 0),
         )
         super().register_mem_pool_host(mem_pool_host)
         self.kv_layout = fingerprint.layout
@@ -182,8 +186,8 @@ class KVStageStorage(HiCacheStorage):
         started = time.perf_counter()
         results: list[bool] = []
         for first in range(0, len(keys), CHUNK_PAGES):
-            chunk = keys[first:first + CHUNK_PAGES]
-            views = [page_view(self.mem_pool_host, start) for start in starts[first:first + CHUNK_PAGES]]
+            chunk = keys[first : first + CHUNK_PAGES]
+            views = [page_view(self.mem_pool_host, start) for start in starts[first : first + CHUNK_PAGES]]
             results += self._get_into(store, chunk, views)
         self._record("prefetch", sum(results), time.perf_counter() - started)
         return results
@@ -203,11 +207,19 @@ class KVStageStorage(HiCacheStorage):
         """Whether the store holds ``key``."""
         return self._store().exists([key])[0]
 
-    def set(self, key: str, value: Any | None = None, target_location: Any | None = None, target_sizes: Any | None = None) -> bool:
+    def set(
+        self, key: str, value: Any | None = None, target_location: Any | None = None, target_sizes: Any | None = None
+    ) -> bool:
         """Store one flat page (``host_pool.get_data_page(index, flat=True)``) under ``key``."""
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: list[str], values: Any | None = None, target_locations: Any | None = None, target_sizes: Any | None = None) -> bool:
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
         """Store flat pages under ``keys`` (one chain run); True when every page is stored or was there.
 
         Raises:
@@ -226,7 +238,9 @@ class KVStageStorage(HiCacheStorage):
         ``host_pool.get_dummy_flat_data_page()``); it, or None on a miss."""
         return self.batch_get([key], [target_location])[0]
 
-    def batch_get(self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None) -> list[torch.Tensor | None]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None
+    ) -> list[torch.Tensor | None]:
         """Read ``keys`` into the flat pages ``target_locations``; each target, or None on a miss."""
         store = self._store()
         targets = list(target_locations or [])
@@ -235,8 +249,8 @@ class KVStageStorage(HiCacheStorage):
         views = [flat_page_view(self.mem_pool_host, target, self.kv_layout) for target in targets]
         out: list[torch.Tensor | None] = []
         for first in range(0, len(keys), CHUNK_PAGES):
-            hits = self._get_into(store, list(keys[first:first + CHUNK_PAGES]), views[first:first + CHUNK_PAGES])
-            out += [target if hit else None for target, hit in zip(targets[first:first + CHUNK_PAGES], hits)]
+            hits = self._get_into(store, list(keys[first : first + CHUNK_PAGES]), views[first : first + CHUNK_PAGES])
+            out += [target if hit else None for target, hit in zip(targets[first : first + CHUNK_PAGES], hits)]
         return out
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -261,7 +275,9 @@ class KVStageStorage(HiCacheStorage):
 
     def _store(self) -> StorageBackend:
         if self.store is None:
-            raise StorageError("KVStageStorage: no host pool registered yet (sglang calls register_mem_pool_host first)")
+            raise StorageError(
+                "KVStageStorage: no host pool registered yet (sglang calls register_mem_pool_host first)"
+            )
         return self.store
 
     def _pages_of(self, keys: Sequence[str], host_indices: torch.Tensor) -> tuple[StorageBackend, list[int]]:
@@ -309,7 +325,9 @@ class KVStageStorage(HiCacheStorage):
                 pages.append(page)
         return pages
 
-    def _write(self, store: StorageBackend, keys: list[str], views: list[torch.Tensor], prior: str | None) -> list[bool]:
+    def _write(
+        self, store: StorageBackend, keys: list[str], views: list[torch.Tensor], prior: str | None
+    ) -> list[bool]:
         """Store the page views under ``keys`` (one chain run after ``prior``; None: a chain's
         start; a run refused because ``prior`` is not stored is put again as a chain's start),
         ``CHUNK_PAGES`` at a time through :func:`kvstage.offload.store_io.write_pages`,
@@ -318,8 +336,8 @@ class KVStageStorage(HiCacheStorage):
         results: list[bool] = []
         cause: BaseException | None = None
         for first in range(0, len(keys), CHUNK_PAGES):
-            chunk = keys[first:first + CHUNK_PAGES]
-            pages = self._for_put(store, views[first:first + CHUNK_PAGES])
+            chunk = keys[first : first + CHUNK_PAGES]
+            pages = self._for_put(store, views[first : first + CHUNK_PAGES])
             outcome = write_pages(store, chunk, pages, prior_key=prior)
             if prior is not None and isinstance(outcome.error, MissingPriorError) and outcome.error.prior_key == prior:
                 outcome = write_pages(store, chunk, pages)  # the prior is not stored: this run starts a chain
@@ -329,7 +347,9 @@ class KVStageStorage(HiCacheStorage):
             prior = chunk[-1]
         if not all(results):
             logger.warning(
-                "KVStageStorage: %d of %d pages not stored: %s", results.count(False), len(results),
+                "KVStageStorage: %d of %d pages not stored: %s",
+                results.count(False),
+                len(results),
                 repr(cause) if cause is not None else "the store refused them (no room)",
             )
         return results

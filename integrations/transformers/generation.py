@@ -33,7 +33,8 @@ def effective_generation_config(model: Any, generate_kwargs: dict[str, Any]) -> 
     Raises: what transformers raises for a bad generation config (before computing anything).
     """
     named = {
-        name for name, parameter in inspect.signature(model.generate).parameters.items()
+        name
+        for name, parameter in inspect.signature(model.generate).parameters.items()
         if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)
     }
     passed = generate_kwargs.get("generation_config")
@@ -62,17 +63,31 @@ def check_generate_options(model: Any, generate_kwargs: dict[str, Any]) -> None:
     for name in ("num_beams", "num_return_sequences"):
         value = getattr(config, name, None)
         require(value in (None, 1), name, lambda: f"must be 1 (one sequence at a time), got {value!r} {_WHERE}")
-    require(getattr(config, "use_cache", None) is not False, "use_cache",
-            f"must not be False {_WHERE}: the session's cache must hold the sequence's KV")
+    require(
+        getattr(config, "use_cache", None) is not False,
+        "use_cache",
+        f"must not be False {_WHERE}: the session's cache must hold the sequence's KV",
+    )
     assistant = generate_kwargs.get("assistant_model")
-    require(assistant is None, "assistant_model",
-            "is not supported: assisted decoding crops the cache to the accepted guesses; pass no assistant_model")
+    require(
+        assistant is None,
+        "assistant_model",
+        "is not supported: assisted decoding crops the cache to the accepted guesses; pass no assistant_model",
+    )
     for name in _ASSISTED:
         value = getattr(config, name, None)
-        require(value in (None, False), name,
-                lambda: f"is not supported (assisted decoding crops the cache to the accepted guesses), got {value!r} {_WHERE}")
+        require(
+            value in (None, False),
+            name,
+            lambda: (
+                f"is not supported (assisted decoding crops the cache to the accepted guesses), got {value!r} {_WHERE}"
+            ),
+        )
     mode = getattr(config, "get_generation_mode", None)
     if mode is not None:
         kind = str(getattr(mode(), "value", mode()))
-        require(kind in ("greedy_search", "sample"), "generation_mode",
-                lambda: f"must be greedy or sampled decoding, got {kind!r} {_WHERE}")
+        require(
+            kind in ("greedy_search", "sample"),
+            "generation_mode",
+            lambda: f"must be greedy or sampled decoding, got {kind!r} {_WHERE}",
+        )

@@ -80,7 +80,11 @@ def _refuse_layer_kinds(config: Any) -> None:
     for layer, kind in enumerate(layer_types):
         if kind == "full_attention":
             continue
-        field = "layer_types" if getattr(config, "layer_types", None) is not None else _LAYER_KIND_FIELDS.get(kind, "layer_types")
+        field = (
+            "layer_types"
+            if getattr(config, "layer_types", None) is not None
+            else _LAYER_KIND_FIELDS.get(kind, "layer_types")
+        )
         raise InvalidArgumentError(
             f"model.config.{field}: layer {layer} is a {kind!r} layer ({type(config).__name__}); kvstage stores only "
             "full-attention layers that keep every token's KV (transformers' 'full_attention': no sliding window, "
@@ -115,7 +119,9 @@ def cache_layout(model: Any) -> CacheLayout:
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "get_text_config"):
-        raise ArgumentTypeError(f"model: must be a transformers model (with a PretrainedConfig .config), got {type(model).__name__}")
+        raise ArgumentTypeError(
+            f"model: must be a transformers model (with a PretrainedConfig .config), got {type(model).__name__}"
+        )
     if getattr(config, "is_encoder_decoder", False):
         raise InvalidArgumentError(
             f"model.config.is_encoder_decoder: is True ({type(config).__name__}); kvstage stores a decoder-only model's KV"
@@ -129,7 +135,9 @@ def cache_layout(model: Any) -> CacheLayout:
     _refuse_layer_kinds(text)
     num_layers = _positive_int(text, "num_hidden_layers")
     if num_layers is None:
-        raise InvalidArgumentError(f"model.config.num_hidden_layers: must be a positive int, got {getattr(text, 'num_hidden_layers', None)!r}")
+        raise InvalidArgumentError(
+            f"model.config.num_hidden_layers: must be a positive int, got {getattr(text, 'num_hidden_layers', None)!r}"
+        )
     dtype = getattr(model, "dtype", None)
     if not isinstance(dtype, torch.dtype):
         raise ArgumentTypeError(f"model.dtype: must be a torch.dtype, got {type(dtype).__name__}")
@@ -175,7 +183,9 @@ def _probe_shapes(model: Any, num_layers: int) -> tuple[tuple[int, int], tuple[i
     cache = DynamicCache(config=model.config)
     device = getattr(model, "device", torch.device("cpu"))
     # fork_rng saves and restores the CPU state and these CUDA devices' (by index)
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    )
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True, **{argument: cache})
@@ -201,8 +211,14 @@ def _probe_shapes(model: Any, num_layers: int) -> tuple[tuple[int, int], tuple[i
                 f"model: cache layer {index} holds keys {tuple(layer.keys.shape)} and values {tuple(layer.values.shape)} "
                 "for one token of one sequence; kvstage stores [batch, heads, tokens, dim] layers"
             )
-        shapes.add(((int(layer.keys.shape[1]), int(layer.keys.shape[3])), (int(layer.values.shape[1]), int(layer.values.shape[3])),
-                    layer.keys.dtype, layer.values.dtype))
+        shapes.add(
+            (
+                (int(layer.keys.shape[1]), int(layer.keys.shape[3])),
+                (int(layer.values.shape[1]), int(layer.values.shape[3])),
+                layer.keys.dtype,
+                layer.values.dtype,
+            )
+        )
     if len(shapes) != 1:
         raise InvalidArgumentError(
             f"model: its cache layers differ in (heads, head size) or dtype of keys and values: {sorted(shapes, key=str)}; "
@@ -210,5 +226,7 @@ def _probe_shapes(model: Any, num_layers: int) -> tuple[tuple[int, int], tuple[i
         )
     ((keys, values, key_dtype, value_dtype),) = shapes
     if key_dtype != value_dtype:
-        raise InvalidArgumentError(f"model: its cache holds {key_dtype} keys and {value_dtype} values; kvstage stores one dtype")
+        raise InvalidArgumentError(
+            f"model: its cache holds {key_dtype} keys and {value_dtype} values; kvstage stores one dtype"
+        )
     return keys, values, key_dtype

@@ -60,23 +60,42 @@ class _Loaded:
 def _token_list(value: Any, argument: str) -> list[int]:
     """Token ids of one sequence: a 1-D or ``[1, n]`` integer tensor, a list of ints, or a list of one list of ints."""
     if isinstance(value, torch.Tensor):
-        require(not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool, argument,
-                lambda: f"must hold integer token ids, got dtype {value.dtype}", ArgumentTypeError)
+        require(
+            not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool,
+            argument,
+            lambda: f"must hold integer token ids, got dtype {value.dtype}",
+            ArgumentTypeError,
+        )
         if value.dim() == 2:
-            require(value.shape[0] == 1, argument, lambda: f"must be one sequence (batch size 1), got a batch of {value.shape[0]}: "
-                    "KVStageSession runs one sequence at a time; call it once per sequence")
+            require(
+                value.shape[0] == 1,
+                argument,
+                lambda: (
+                    f"must be one sequence (batch size 1), got a batch of {value.shape[0]}: "
+                    "KVStageSession runs one sequence at a time; call it once per sequence"
+                ),
+            )
             value = value[0]
         require(value.dim() == 1, argument, lambda: f"must be [n] or [1, n] token ids, got shape {tuple(value.shape)}")
         tokens = value.tolist()
     else:
         if isinstance(value, (list, tuple)) and value and all(isinstance(row, (list, tuple)) for row in value):
             # [[ids]]: what tokenizer(text)["input_ids"] gives without return_tensors
-            require(len(value) == 1, argument, lambda: f"must be one sequence (batch size 1), got a batch of {len(value)}: "
-                    "KVStageSession runs one sequence at a time; call it once per sequence")
+            require(
+                len(value) == 1,
+                argument,
+                lambda: (
+                    f"must be one sequence (batch size 1), got a batch of {len(value)}: "
+                    "KVStageSession runs one sequence at a time; call it once per sequence"
+                ),
+            )
             value = value[0]
-        require(isinstance(value, (list, tuple)) and all(is_int(t) for t in value), argument,
-                lambda: f"must be a tensor, a list of int token ids or a list of one such list, got {type(value).__name__}",
-                ArgumentTypeError)
+        require(
+            isinstance(value, (list, tuple)) and all(is_int(t) for t in value),
+            argument,
+            lambda: f"must be a tensor, a list of int token ids or a list of one such list, got {type(value).__name__}",
+            ArgumentTypeError,
+        )
         tokens = [int(t) for t in value]
     require(len(tokens) >= 1, argument, "must hold at least one token id")
     require(min(tokens) >= 0, argument, lambda: f"token ids must be >= 0, got {min(tokens)}")
@@ -84,7 +103,12 @@ def _token_list(value: Any, argument: str) -> list[int]:
 
 
 def _namespace_part(value: Any, argument: str) -> str | None:
-    require(value is None or isinstance(value, str), argument, lambda: f"must be a str or None, got {type(value).__name__}", ArgumentTypeError)
+    require(
+        value is None or isinstance(value, str),
+        argument,
+        lambda: f"must be a str or None, got {type(value).__name__}",
+        ArgumentTypeError,
+    )
     return value
 
 
@@ -145,11 +169,25 @@ class KVStageSession:
         backend: str = "auto",
     ) -> None:
         self._cache_layout: CacheLayout = cache_layout(model)
-        require(isinstance(storage, str), "storage", lambda: f"must be a store URL string (e.g. 'file:/tmp/kv'), got {type(storage).__name__}", ArgumentTypeError)
-        require(isinstance(model_id, str) and model_id != "", "model_id",
-                lambda: f"must name the model's weights, e.g. model.name_or_path (pages of other weights never match), got {model_id!r}")
+        require(
+            isinstance(storage, str),
+            "storage",
+            lambda: f"must be a store URL string (e.g. 'file:/tmp/kv'), got {type(storage).__name__}",
+            ArgumentTypeError,
+        )
+        require(
+            isinstance(model_id, str) and model_id != "",
+            "model_id",
+            lambda: (
+                f"must name the model's weights, e.g. model.name_or_path (pages of other weights never match), got {model_id!r}"
+            ),
+        )
         require(is_int(page_size) and page_size >= 1, "page_size", lambda: f"must be a positive int, got {page_size!r}")
-        require(is_int(max_tokens) and max_tokens >= page_size, "max_tokens", lambda: f"must be an int >= page_size ({page_size}), got {max_tokens!r}")
+        require(
+            is_int(max_tokens) and max_tokens >= page_size,
+            "max_tokens",
+            lambda: f"must be an int >= page_size ({page_size}), got {max_tokens!r}",
+        )
         self.extra_key = _namespace_part(extra_key, "extra_key")
         self.cache_salt = _namespace_part(cache_salt, "cache_salt")
         self.model = model
@@ -166,8 +204,14 @@ class KVStageSession:
             self._storing: _Request | None = None  # the request store() waits for
             self._pages_stored = 0  # its on_stored's pages_stored
             self.manager = OffloadManager(
-                self.kv_pool, host_pool, self.storage, PageHasher(page_size=page_size), self._slot_indices_of,
-                release=self._release, on_stored=self._on_stored, backend=backend,
+                self.kv_pool,
+                host_pool,
+                self.storage,
+                PageHasher(page_size=page_size),
+                self._slot_indices_of,
+                release=self._release,
+                on_stored=self._on_stored,
+                backend=backend,
             )
         except BaseException:
             self.storage.close()
@@ -175,7 +219,9 @@ class KVStageSession:
         self._rids = itertools.count()
         self._loaded: _Loaded | None = None
         # transformers 5 names the cache argument `cache` (`past_key_values` deprecated); 5.x before, the old name
-        self._cache_argument = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        self._cache_argument = (
+            "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        )
         self._closed = False
 
     # -- the manager's callbacks ---------------------------------------------------------------
@@ -251,7 +297,9 @@ class KVStageSession:
             manager.poll()  # frees the host pages
             cache = DynamicCache(config=self.model.config)
             if load.error is not None:
-                logger.warning("kvstage: loading %d stored tokens failed (%r); the model computes them", num_tokens, load.error)
+                logger.warning(
+                    "kvstage: loading %d stored tokens failed (%r); the model computes them", num_tokens, load.error
+                )
                 self._end(req)
                 return cache
             if num_tokens:
@@ -290,20 +338,28 @@ class KVStageSession:
         tokens = _token_list(token_ids, "token_ids")
         self._require_open()
         num_tokens = self._check_cache(cache)
-        require(num_tokens <= len(tokens), "cache",
-                lambda: f"holds the KV of {num_tokens} tokens, more than the {len(tokens)} token_ids")
+        require(
+            num_tokens <= len(tokens),
+            "cache",
+            lambda: f"holds the KV of {num_tokens} tokens, more than the {len(tokens)} token_ids",
+        )
         loaded = self._loaded if self._loaded is not None and self._loaded.cache() is cache else None
         if loaded is not None:
             prompt = loaded.req.origin_input_ids
-            require(tokens[: len(prompt)] == prompt, "token_ids",
-                    "must start with the token ids the cache was loaded for (its first positions hold their KV)")
+            require(
+                tokens[: len(prompt)] == prompt,
+                "token_ids",
+                "must start with the token ids the cache was loaded for (its first positions hold their KV)",
+            )
         kv_length = min(num_tokens, self.kv_pool.num_slots)
         if kv_length < num_tokens:
-            logger.warning("kvstage: %d of %d tokens' KV stored: max_tokens=%d", kv_length, num_tokens, self.kv_pool.num_slots)
+            logger.warning(
+                "kvstage: %d of %d tokens' KV stored: max_tokens=%d", kv_length, num_tokens, self.kv_pool.num_slots
+            )
         if loaded is not None:
             self._loaded = None
             req, start = loaded.req, loaded.num_tokens
-            req.output_ids = tokens[len(req.origin_input_ids):]
+            req.output_ids = tokens[len(req.origin_input_ids) :]
         else:
             self._end_loaded()
             req, start = _Request(next(self._rids), tokens, self.extra_key, self.cache_salt), 0
@@ -349,11 +405,19 @@ class KVStageSession:
                 ``input_ids`` as for :meth:`load`. Raised before anything is computed.
         """
         for name in ("cache", "past_key_values"):
-            require(name not in generate_kwargs, name, "is the session's: it passes the loaded cache itself (use load() and store() to pass your own)")
+            require(
+                name not in generate_kwargs,
+                name,
+                "is the session's: it passes the loaded cache itself (use load() and store() to pass your own)",
+            )
         check_generate_options(self.model, generate_kwargs)
         mask = generate_kwargs.get("attention_mask")
         if mask is not None:
-            require(isinstance(mask, torch.Tensor) and bool(mask.all()), "attention_mask", "must be all ones (one sequence, no padding)")
+            require(
+                isinstance(mask, torch.Tensor) and bool(mask.all()),
+                "attention_mask",
+                "must be all ones (one sequence, no padding)",
+            )
         tokens = _token_list(input_ids, "input_ids")
         ids = input_ids if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else torch.tensor([tokens])
         cache = self.load(tokens)
@@ -412,27 +476,51 @@ class KVStageSession:
         from transformers.cache_utils import DynamicLayer
 
         layers = getattr(cache, "layers", None)
-        require(isinstance(layers, list) and hasattr(cache, "get_seq_length"), "cache",
-                lambda: f"must be a transformers DynamicCache, got {type(cache).__name__}", ArgumentTypeError)
+        require(
+            isinstance(layers, list) and hasattr(cache, "get_seq_length"),
+            "cache",
+            lambda: f"must be a transformers DynamicCache, got {type(cache).__name__}",
+            ArgumentTypeError,
+        )
         layout = self._cache_layout
-        require(len(layers) == layout.layout.num_layers, "cache",
-                lambda: f"must hold {layout.layout.num_layers} layers (the model's), got {len(layers)}")
+        require(
+            len(layers) == layout.layout.num_layers,
+            "cache",
+            lambda: f"must hold {layout.layout.num_layers} layers (the model's), got {len(layers)}",
+        )
         num_tokens = None
         for index, layer in enumerate(layers):
-            require(type(layer) is DynamicLayer, f"cache.layers[{index}]",
-                    lambda: f"must be a plain DynamicLayer (every token's KV), got {type(layer).__name__}", ArgumentTypeError)
+            require(
+                type(layer) is DynamicLayer,
+                f"cache.layers[{index}]",
+                lambda: f"must be a plain DynamicLayer (every token's KV), got {type(layer).__name__}",
+                ArgumentTypeError,
+            )
             if not layer.is_initialized or layer.keys.numel() == 0:
                 length = 0
             else:
-                expected = [(1, layout.cache_heads, layer.keys.shape[2], layout.key_dim), (1, layout.cache_heads, layer.keys.shape[2], layout.value_dim)]
+                expected = [
+                    (1, layout.cache_heads, layer.keys.shape[2], layout.key_dim),
+                    (1, layout.cache_heads, layer.keys.shape[2], layout.value_dim),
+                ]
                 for name, tensor, shape in zip(("keys", "values"), (layer.keys, layer.values), expected):
-                    require(tensor.dtype == layout.layout.dtype, f"cache.layers[{index}].{name}",
-                            lambda: f"dtype must be the model's {layout.layout.dtype}, got {tensor.dtype}", ArgumentTypeError)
-                    require(tuple(tensor.shape) == shape, f"cache.layers[{index}].{name}",
-                            lambda: f"must be [batch 1, heads, tokens, dim] = {shape}, got {tuple(tensor.shape)}")
+                    require(
+                        tensor.dtype == layout.layout.dtype,
+                        f"cache.layers[{index}].{name}",
+                        lambda: f"dtype must be the model's {layout.layout.dtype}, got {tensor.dtype}",
+                        ArgumentTypeError,
+                    )
+                    require(
+                        tuple(tensor.shape) == shape,
+                        f"cache.layers[{index}].{name}",
+                        lambda: f"must be [batch 1, heads, tokens, dim] = {shape}, got {tuple(tensor.shape)}",
+                    )
                 length = int(layer.keys.shape[2])
-            require(num_tokens is None or length == num_tokens, f"cache.layers[{index}]",
-                    lambda: f"holds {length} tokens, layer 0 {num_tokens}")
+            require(
+                num_tokens is None or length == num_tokens,
+                f"cache.layers[{index}]",
+                lambda: f"holds {length} tokens, layer 0 {num_tokens}",
+            )
             num_tokens = length
         return num_tokens
 

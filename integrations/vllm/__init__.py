@@ -31,7 +31,11 @@ from kvstage.integrations.vllm.worker import KVStageWorker
 __all__ = ["KVStageConnector", "KVStageOffloadingManager", "KVStageOffloadingSpec", "KVStageTier", "KVStageWorker"]
 
 # kv_connector names vLLM 0.33.0's --kv-offloading-size writes, with the backend that writes each.
-_REWRITTEN_CONNECTORS = {"OffloadingConnector": "native", "SimpleCPUOffloadConnector": "native", "LMCacheMPConnector": "lmcache"}
+_REWRITTEN_CONNECTORS = {
+    "OffloadingConnector": "native",
+    "SimpleCPUOffloadConnector": "native",
+    "LMCacheMPConnector": "lmcache",
+}
 
 
 def __getattr__(name: str):

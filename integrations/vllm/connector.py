@@ -47,18 +47,28 @@ def check_spec_config(extra_config) -> None:
     want = f"spec_name '{_SPEC_NAME}' with spec_module_path '{_SPEC_MODULE}'"
     name, module = extra_config.get("spec_name"), extra_config.get("spec_module_path")
     require(
-        isinstance(name, str), "spec_name",
+        isinstance(name, str),
+        "spec_name",
         f"required in kv_connector_extra_config: KVStageConnector runs '{_SPEC_NAME}' (vLLM's default is its CPU spec); give {want}",
     )
     try:  # vLLM's own lookup (its registered specs by name, others from spec_module_path): imports, builds nothing
         spec_cls = OffloadingSpecFactory.get_spec_cls({"spec_name": name, "spec_module_path": module})
     except (ImportError, AttributeError, ValueError) as error:
-        require(module is not None, "spec_module_path", f"required in kv_connector_extra_config with spec_name {name!r}: give '{_SPEC_MODULE}'")
-        raise InvalidArgumentError(f"spec_module_path: cannot load {name!r} from {module!r} ({error}); give {want}") from None
+        require(
+            module is not None,
+            "spec_module_path",
+            f"required in kv_connector_extra_config with spec_name {name!r}: give '{_SPEC_MODULE}'",
+        )
+        raise InvalidArgumentError(
+            f"spec_module_path: cannot load {name!r} from {module!r} ({error}); give {want}"
+        ) from None
     except AssertionError:  # vLLM asserts the class is an OffloadingSpec
-        raise InvalidArgumentError(f"spec_name: KVStageConnector runs '{_SPEC_NAME}' (give {want}), got {name!r}, not an OffloadingSpec") from None
+        raise InvalidArgumentError(
+            f"spec_name: KVStageConnector runs '{_SPEC_NAME}' (give {want}), got {name!r}, not an OffloadingSpec"
+        ) from None
     require(
-        isinstance(spec_cls, type) and issubclass(spec_cls, KVStageOffloadingSpec), "spec_name",
+        isinstance(spec_cls, type) and issubclass(spec_cls, KVStageOffloadingSpec),
+        "spec_name",
         lambda: f"KVStageConnector runs '{_SPEC_NAME}' (give {want}), got {name!r}",
     )
 
@@ -82,7 +92,8 @@ class KVStageConnector(OffloadingConnector):
         if self.connector_worker is not None:
             spec = self.connector_worker.spec
             require(
-                isinstance(spec, KVStageOffloadingSpec), "spec_name",
+                isinstance(spec, KVStageOffloadingSpec),
+                "spec_name",
                 lambda: f"KVStageConnector runs KVStageOffloadingSpec, got {type(spec).__name__}",
             )
             spec.report_load_errors = True  # before vLLM asks the spec for its worker
@@ -90,7 +101,8 @@ class KVStageConnector(OffloadingConnector):
         else:
             manager = self.connector_scheduler.manager
             require(
-                isinstance(manager, KVStageOffloadingManager), "spec_name",
+                isinstance(manager, KVStageOffloadingManager),
+                "spec_name",
                 lambda: f"KVStageConnector runs KVStageOffloadingSpec, got a {type(manager).__name__}",
             )
             manager.tracks_loads = True  # update_connector_output reports each step's loads
@@ -98,7 +110,8 @@ class KVStageConnector(OffloadingConnector):
         if policy != "recompute":
             logger.warning(
                 "kvstage: kv_load_failure_policy is %r: a request whose load fails (a corrupt or evicted page) fails; "
-                "'recompute' computes its blocks again", policy,
+                "'recompute' computes its blocks again",
+                policy,
             )
 
     def update_connector_output(self, connector_output) -> None:

@@ -22,7 +22,13 @@ from kvstage.storage import LayoutFingerprint
 from kvstage.storage.events import StoreEvent
 
 __all__ = [
-    "block_fingerprint", "chunk_page_format", "lookup_result", "offloading_events", "page_keys", "prior_page_keys", "tier_fingerprint",
+    "block_fingerprint",
+    "chunk_page_format",
+    "lookup_result",
+    "offloading_events",
+    "page_keys",
+    "prior_page_keys",
+    "tier_fingerprint",
 ]
 
 _LOOKUP = {True: LookupResult.HIT, False: LookupResult.MISS, None: LookupResult.RETRY}
@@ -133,7 +139,9 @@ def tier_fingerprint(config, *, page_bytes: int, model_id: str | None = None) ->
         InvalidArgumentError: as :meth:`LayoutFingerprint.opaque`.
     """
     return LayoutFingerprint.opaque(
-        model_id or config.model.name, page_bytes=page_bytes, page_format=chunk_page_format(config),
+        model_id or config.model.name,
+        page_bytes=page_bytes,
+        page_format=chunk_page_format(config),
     )
 
 
@@ -153,26 +161,41 @@ def block_fingerprint(config, *, model_id: str | None = None) -> LayoutFingerpri
             ``blocks_per_chunk`` or ``block_size``, whichever the extra config gave).
     """
     require(
-        len(config.groups) == 1, "kv_cache_groups",
-        lambda: f"KVStageOffloadingSpec stores one KV cache group, this model offloads {len(config.groups)}: "
-        "for hybrid models use TieringOffloadingSpec with a KVStageTier secondary tier",
+        len(config.groups) == 1,
+        "kv_cache_groups",
+        lambda: (
+            f"KVStageOffloadingSpec stores one KV cache group, this model offloads {len(config.groups)}: "
+            "for hybrid models use TieringOffloadingSpec with a KVStageTier secondary tier"
+        ),
     )
     group, parallel = config.groups[0], config.parallel
     written = "blocks_per_chunk" if "blocks_per_chunk" in config.extra_config else "block_size"
     require(
-        config.cache.blocks_per_chunk == 1, written,
-        lambda: f"KVStageOffloadingSpec stores GPU blocks as they are: leave it out or give vLLM's block of "
-        f"{group.tokens_per_block} tokens (blocks_per_chunk 1), got {config.extra_config.get(written)!r} "
-        f"({config.cache.blocks_per_chunk} blocks a chunk)",
+        config.cache.blocks_per_chunk == 1,
+        written,
+        lambda: (
+            f"KVStageOffloadingSpec stores GPU blocks as they are: leave it out or give vLLM's block of "
+            f"{group.tokens_per_block} tokens (blocks_per_chunk 1), got {config.extra_config.get(written)!r} "
+            f"({config.cache.blocks_per_chunk} blocks a chunk)"
+        ),
     )
-    page_format = "|".join([
-        "vllm-block-v1", f"dtype={config.model.dtype}", f"g{group.group_id}:{group.tokens_per_block}tok:{','.join(group.layer_names)}",
-        f"tph={config.cache.tokens_per_hash}", f"layout={config.kv_cache_layout}",
-        _world(parallel),
-    ])
+    page_format = "|".join(
+        [
+            "vllm-block-v1",
+            f"dtype={config.model.dtype}",
+            f"g{group.group_id}:{group.tokens_per_block}tok:{','.join(group.layer_names)}",
+            f"tph={config.cache.tokens_per_hash}",
+            f"layout={config.kv_cache_layout}",
+            _world(parallel),
+        ]
+    )
     return LayoutFingerprint.opaque(
-        model_id or config.model.name, page_bytes=config.worker_kv_bytes_per_block, page_format=page_format,
-        tp_rank=parallel.rank, tp_size=parallel.world_size, rank_neutral=bool(config.replicated_layout),
+        model_id or config.model.name,
+        page_bytes=config.worker_kv_bytes_per_block,
+        page_format=page_format,
+        tp_rank=parallel.rank,
+        tp_size=parallel.world_size,
+        rank_neutral=bool(config.replicated_layout),
     )
 
 

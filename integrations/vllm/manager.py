@@ -66,7 +66,9 @@ class KVStageOffloadingManager(OffloadingManager):
     ``miss_ttl_s``).
     """
 
-    def __init__(self, storage: Any, *, miss_ttl_s: float = 1.0, hit_ttl_s: float | None = 10.0, events: bool = False) -> None:
+    def __init__(
+        self, storage: Any, *, miss_ttl_s: float = 1.0, hit_ttl_s: float | None = 10.0, events: bool = False
+    ) -> None:
         self.storage = storage
         self._workers = StoreWorkers()
         try:
@@ -141,14 +143,20 @@ class KVStageOffloadingManager(OffloadingManager):
             return PrepareStoreOutput(keys_to_store=[], store_spec=KVStageLoadStoreSpec([]), evicted_keys=[])
         # holds, not lookup: a key about to be written needs no exists of its own
         keys = list(keys)
-        wanted = [(key, page_key) for key, page_key in zip(keys, page_keys(keys)) if not self.index.holds(page_key) and page_key not in self._storing]
+        wanted = [
+            (key, page_key)
+            for key, page_key in zip(keys, page_keys(keys))
+            if not self.index.holds(page_key) and page_key not in self._storing
+        ]
         wanted_page_keys = [page_key for _, page_key in wanted]
         self._storing.update(wanted_page_keys)
         # Each block links to its request's block before it (stored by an earlier job, found in
         # the store, or in this job), so a prefix stored over several steps is one chain.
         priors = prior_page_keys(req_context, [key for key, _ in wanted])
         return PrepareStoreOutput(
-            keys_to_store=[key for key, _ in wanted], store_spec=KVStageLoadStoreSpec(wanted_page_keys, priors), evicted_keys=[],
+            keys_to_store=[key for key, _ in wanted],
+            store_spec=KVStageLoadStoreSpec(wanted_page_keys, priors),
+            evicted_keys=[],
         )
 
     def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
@@ -203,7 +211,10 @@ class KVStageOffloadingManager(OffloadingManager):
         try:
             self.storage.clear()
         except BaseException as error:
-            logger.error("kvstage: the store's clear after a cache reset failed (%r); pages from before the reset may be found", error)
+            logger.error(
+                "kvstage: the store's clear after a cache reset failed (%r); pages from before the reset may be found",
+                error,
+            )
             raise
         finally:
             self._clear_pending = False  # else every lookup would miss for good
@@ -223,7 +234,9 @@ class KVStageOffloadingManager(OffloadingManager):
         # reset (no longer in _storing) is not taken as held; others are asked.
         self.index.apply_events(store_events, prefix, counts_stored=self._storing.__contains__)
         if self._events_enabled and store_events:
-            self._events.extend(offloading_events(store_events, key_space=prefix, medium=Medium.STORAGE, locality=None, ownership=None))
+            self._events.extend(
+                offloading_events(store_events, key_space=prefix, medium=Medium.STORAGE, locality=None, ownership=None)
+            )
 
     def shutdown(self) -> None:
         """Stop the reader thread and let go of the store (closed by its last user).

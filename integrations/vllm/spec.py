@@ -38,10 +38,17 @@ logger = logging.getLogger(__name__)
 _KVSTAGE_KEYS = frozenset({"storage", "num_host_pages", "model_id", "miss_ttl_s", "hit_ttl_s"})
 # Keys vLLM 0.33.0 itself reads from kv_connector_extra_config for any spec (kv_offload/factory.py,
 # kv_offload/base.py, offloading/config.py).
-_VLLM_KEYS = frozenset({
-    "spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout",
-    "self_describing_kv_events", "offload_prompt_only",
-})
+_VLLM_KEYS = frozenset(
+    {
+        "spec_name",
+        "spec_module_path",
+        "block_size",
+        "blocks_per_chunk",
+        "canonical_layout",
+        "self_describing_kv_events",
+        "offload_prompt_only",
+    }
+)
 _warned: set[tuple[str, ...]] = set()
 
 
@@ -58,18 +65,31 @@ class KVStageOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         extra = self.extra_config
         require(
-            "storage" in extra, "storage",
+            "storage" in extra,
+            "storage",
             "required: a kvstage storage URL (file:DIR, mooncake://..., memory[:BYTES]); vLLM's scheduler and workers may run "
             "in different processes, and a memory store is its process's only",
         )
         self.storage_url = extra["storage"]
-        require(isinstance(self.storage_url, str), "storage", lambda: f"must be a storage URL string, got {self.storage_url!r}")
+        require(
+            isinstance(self.storage_url, str),
+            "storage",
+            lambda: f"must be a storage URL string, got {self.storage_url!r}",
+        )
         unknown = sorted(set(extra) - _KVSTAGE_KEYS - _VLLM_KEYS)
         if unknown and tuple(unknown) not in _warned:  # most likely a misspelled kvstage key: its default applies
             _warned.add(tuple(unknown))  # once a process, not once per connector role
-            logger.warning("kvstage: KVStageOffloadingSpec ignores kv_connector_extra_config keys %s; it reads %s", unknown, sorted(_KVSTAGE_KEYS))
+            logger.warning(
+                "kvstage: KVStageOffloadingSpec ignores kv_connector_extra_config keys %s; it reads %s",
+                unknown,
+                sorted(_KVSTAGE_KEYS),
+            )
         self.num_host_pages = extra.get("num_host_pages", 256)
-        require(is_int(self.num_host_pages) and self.num_host_pages >= 1, "num_host_pages", lambda: f"must be an int >= 1, got {self.num_host_pages!r}")
+        require(
+            is_int(self.num_host_pages) and self.num_host_pages >= 1,
+            "num_host_pages",
+            lambda: f"must be an int >= 1, got {self.num_host_pages!r}",
+        )
         self.miss_ttl_s = extra.get("miss_ttl_s", 1.0)
         self.hit_ttl_s = extra.get("hit_ttl_s", 10.0)
         self.fingerprint = block_fingerprint(config, model_id=extra.get("model_id"))
@@ -84,7 +104,9 @@ class KVStageOffloadingSpec(OffloadingSpec):
             storage = open_shared_storage(self.storage_url, self.fingerprint)
             try:
                 self._manager = KVStageOffloadingManager(
-                    storage, miss_ttl_s=self.miss_ttl_s, hit_ttl_s=self.hit_ttl_s,
+                    storage,
+                    miss_ttl_s=self.miss_ttl_s,
+                    hit_ttl_s=self.hit_ttl_s,
                     events=self.kv_events_config.enable_kv_cache_events,
                 )
             except BaseException:
@@ -98,7 +120,10 @@ class KVStageOffloadingSpec(OffloadingSpec):
             storage = open_shared_storage(self.storage_url, self.fingerprint)
             try:
                 self._worker = KVStageWorker(
-                    kv_caches, storage, num_host_pages=self.num_host_pages, report_load_errors=self.report_load_errors,
+                    kv_caches,
+                    storage,
+                    num_host_pages=self.num_host_pages,
+                    report_load_errors=self.report_load_errors,
                     load_failure_policy=self.load_failure_policy,
                 )
             except BaseException:

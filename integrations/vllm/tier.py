@@ -115,18 +115,31 @@ class KVStageTier(SecondaryTierManager):
     ) -> None:
         # vLLM passes the tier's config dict as keywords: a misspelled option lands here, not in a TypeError
         require(
-            not unknown, ", ".join(sorted(unknown)),
-            lambda: f"not an option of KVStageTier (its secondary_tiers config); its options are {list(TIER_OPTIONS)}, "
-            "besides vLLM's own 'type', 'module_path' and 'backpressure'",
+            not unknown,
+            ", ".join(sorted(unknown)),
+            lambda: (
+                f"not an option of KVStageTier (its secondary_tiers config); its options are {list(TIER_OPTIONS)}, "
+                "besides vLLM's own 'type', 'module_path' and 'backpressure'"
+            ),
         )
         require(
-            storage is not None, "storage",
+            storage is not None,
+            "storage",
             "required in the KVStageTier config: a kvstage storage URL (file:DIR, mooncake://..., memory[:BYTES]); "
-            "write \"memory\" for an in-process store that is lost with the engine",
+            'write "memory" for an in-process store that is lost with the engine',
         )
-        require(isinstance(storage, str), "storage", lambda: f"must be a storage URL string, got {type(storage).__name__}", ArgumentTypeError)
+        require(
+            isinstance(storage, str),
+            "storage",
+            lambda: f"must be a storage URL string, got {type(storage).__name__}",
+            ArgumentTypeError,
+        )
         localities = [member.value for member in Locality]
-        require(locality is None or locality in localities, "locality", lambda: f"must be one of {localities} or None, got {locality!r}")
+        require(
+            locality is None or locality in localities,
+            "locality",
+            lambda: f"must be one of {localities} or None, got {locality!r}",
+        )
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if locality is not None:
             self.locality = Locality(locality)
@@ -190,19 +203,24 @@ class KVStageTier(SecondaryTierManager):
         keys = self._checked_keys(job_metadata)
         pages = [self._primary[int(chunk)] for chunk in job_metadata.chunk_ids]
         storage, wanted = self.storage, page_keys(keys)
-        self._track(job_metadata, keys, wanted, self._workers.read(lambda: storage.get(wanted, pages)), is_promotion=True)
+        self._track(
+            job_metadata, keys, wanted, self._workers.read(lambda: storage.get(wanted, pages)), is_promotion=True
+        )
 
     @staticmethod
     def _checked_keys(job_metadata: TransferJob) -> list[bytes]:
         """The job's keys, one per chunk id, checked before anything is submitted."""
         keys = list(job_metadata.keys)
         require(
-            len(keys) == len(job_metadata.chunk_ids), "job_metadata",
+            len(keys) == len(job_metadata.chunk_ids),
+            "job_metadata",
             lambda: f"must give one key per chunk id, got {len(keys)} keys for {len(job_metadata.chunk_ids)} chunk_ids",
         )
         return keys
 
-    def _track(self, job_metadata: TransferJob, keys: list[bytes], wanted: list[str], future: Future, *, is_promotion: bool) -> None:
+    def _track(
+        self, job_metadata: TransferJob, keys: list[bytes], wanted: list[str], future: Future, *, is_promotion: bool
+    ) -> None:
         self._jobs.append(_Job(job_metadata.job_id, keys, wanted, future, is_promotion, time.perf_counter()))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -228,16 +246,27 @@ class KVStageTier(SecondaryTierManager):
             read = [key for key, hit in zip(job.keys, hits) if hit]
             ok = len(read) == len(job.keys)
             return JobResult(
-                job.job_id, ok, successful_keys=None if ok else read,
-                transfer_time=seconds, transfer_bytes=len(read) * self.block_size_bytes,
+                job.job_id,
+                ok,
+                successful_keys=None if ok else read,
+                transfer_time=seconds,
+                transfer_bytes=len(read) * self.block_size_bytes,
             )
         failed, error = (len(job.keys), error) if error is not None else job.future.result()
         if failed == 0:
             self.index.add(job.page_keys)
         else:
-            logger.warning("kvstage: store job %s wrote %d of %d pages: %s", job.job_id, len(job.keys) - failed, len(job.keys), write_failure_cause(error))
+            logger.warning(
+                "kvstage: store job %s wrote %d of %d pages: %s",
+                job.job_id,
+                len(job.keys) - failed,
+                len(job.keys),
+                write_failure_cause(error),
+            )
         return JobResult(
-            job.job_id, failed == 0, transfer_time=seconds,
+            job.job_id,
+            failed == 0,
+            transfer_time=seconds,
             transfer_bytes=(len(job.keys) - failed) * self.block_size_bytes,
         )
 
@@ -272,7 +301,9 @@ class KVStageTier(SecondaryTierManager):
         self.index.apply_events(store_events, prefix)  # every stored page of this tier's store is its own write
         if self._events_enabled:
             self._events.extend(
-                offloading_events(store_events, key_space=prefix, medium=self.medium, locality=self.locality, ownership=self.tier_type)
+                offloading_events(
+                    store_events, key_space=prefix, medium=self.medium, locality=self.locality, ownership=self.tier_type
+                )
             )
 
     def shutdown(self) -> None:

@@ -58,18 +58,29 @@ class KVStageWorker(OffloadingWorker):
     """
 
     def __init__(
-        self, kv_caches: CanonicalKVCaches, storage: Any, *, num_host_pages: int = 256, report_load_errors: bool = False,
+        self,
+        kv_caches: CanonicalKVCaches,
+        storage: Any,
+        *,
+        num_host_pages: int = 256,
+        report_load_errors: bool = False,
         load_failure_policy: str = "fail",
     ) -> None:
-        require(len(kv_caches.group_data_refs) == 1, "kv_caches", lambda: f"must hold one KV group, got {len(kv_caches.group_data_refs)}")
+        require(
+            len(kv_caches.group_data_refs) == 1,
+            "kv_caches",
+            lambda: f"must hold one KV group, got {len(kv_caches.group_data_refs)}",
+        )
         layers = []
         for index, ref in enumerate(kv_caches.group_data_refs[0]):
             tensor = kv_caches.tensors[ref.tensor_idx].tensor
             require(
                 tensor.dim() == 2 and tensor.is_contiguous() and tensor.shape[1] == ref.page_size_bytes,
                 f"kv_caches.group_data_refs[0][{index}]",
-                lambda: f"must be a contiguous (num_blocks, page bytes) tensor without padding, got shape {tuple(tensor.shape)} "
-                f"strides {tensor.stride()} for a page of {ref.page_size_bytes} bytes",
+                lambda: (
+                    f"must be a contiguous (num_blocks, page bytes) tensor without padding, got shape {tuple(tensor.shape)} "
+                    f"strides {tensor.stride()} for a page of {ref.page_size_bytes} bytes"
+                ),
             )
             layers.append(tensor.view(torch.uint8).view(tensor.shape[0], 1, tensor.shape[1]))
         self.kv_pool = KVPool.mla(layers)  # a block is a slot; a layer's page is its row
@@ -96,7 +107,9 @@ class KVStageWorker(OffloadingWorker):
         self.keyed.store(job_id, self._slots(src_spec), dst_spec.page_keys, prior_keys=dst_spec.prior_keys)
         return True
 
-    def submit_load(self, job_id: int, src_spec: KVStageLoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: KVStageLoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
         """Read the spec's keys and copy them into the GPU blocks (asynchronously); always
         accepted."""
         slots = self._slots(dst_spec)
@@ -118,17 +131,27 @@ class KVStageWorker(OffloadingWorker):
                     written = result.bytes // self.storage.page_bytes
                     self.pages_failed += result.num_pages - written
                     logger.warning(
-                        "kvstage: store job %s wrote %d of %d pages: %s", result.job, written, result.num_pages, write_failure_cause(result.error),
+                        "kvstage: store job %s wrote %d of %d pages: %s",
+                        result.job,
+                        written,
+                        result.num_pages,
+                        write_failure_cause(result.error),
                     )
                     ok = True  # vLLM only frees the blocks; the manager asks the store before a hit
             else:
                 block_ids = self._load_blocks.pop(result.job, [])
                 if not ok:
                     self.loads_failed += 1
-                    failed = block_ids[result.loaded_pages :]  # vLLM's scheduler recomputes from the first invalid block
+                    failed = block_ids[
+                        result.loaded_pages :
+                    ]  # vLLM's scheduler recomputes from the first invalid block
                     logger.warning(
-                        "kvstage: load job %s: page %d of %d could not be read (%s); %s", result.job, result.loaded_pages,
-                        result.num_pages, read_failure_cause(result.error), self._load_failure_outcome(len(failed)),
+                        "kvstage: load job %s: page %d of %d could not be read (%s); %s",
+                        result.job,
+                        result.loaded_pages,
+                        result.num_pages,
+                        read_failure_cause(result.error),
+                        self._load_failure_outcome(len(failed)),
                     )
                     if self.report_load_errors:
                         self._load_errors.update(failed)
@@ -166,7 +189,11 @@ class KVStageWorker(OffloadingWorker):
         if self.storage is None:
             return
         if not self.keyed.wait(timeout=timeout_s):
-            logger.warning("kvstage: worker closed with %d jobs unfinished after %.1f s; their pages are dropped", self.keyed.jobs_in_flight, timeout_s)
+            logger.warning(
+                "kvstage: worker closed with %d jobs unfinished after %.1f s; their pages are dropped",
+                self.keyed.jobs_in_flight,
+                timeout_s,
+            )
         self.copier.close()
         self._workers.close()
         release_shared_storage(self.storage)

@@ -26,7 +26,12 @@ _URL_ALIASES = {
 }
 # What a mooncake:// URL's query may name, as the README teaches it (short names first).
 URL_QUERY_NAMES = (
-    *_URL_ALIASES, "protocol", "local_hostname", "connect_timeout_s", "rpc_timeout_ms", "setup_retries",
+    *_URL_ALIASES,
+    "protocol",
+    "local_hostname",
+    "connect_timeout_s",
+    "rpc_timeout_ms",
+    "setup_retries",
 )
 _SIZE_FIELDS = ("global_segment_size", "local_buffer_size", "bounce_bytes")
 # Names other Mooncake APIs use for the same fields.

@@ -68,6 +68,7 @@ RPC_FAIL = -900
 RPC_TIMEOUT = -901
 MASTER_DOWN_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
 
+
 class MooncakeCodeError(StorageError):
     """A Mooncake call answered a negative return code for a page (see :func:`describe_code`).
 

@@ -96,10 +96,12 @@ def _regex_literal(text: str) -> str:
     only syntax characters escaped (escaping others is an error in some ``std::regex``s)."""
     return "".join("\\" + c if c in _REGEX_SYNTAX else c for c in text)
 
+
 INSTALL_HINT = (
     "install it with `bash tools/install-mooncake.sh .venv` (Debian packages libibverbs1 librdmacm1 "
     "libnuma1, then `pip install mooncake-transfer-engine-non-cuda`, or `pip install '.[mooncake]'` in the kvstage checkout)"
 )
+
 
 def _import_mooncake_store() -> Any:
     try:
@@ -110,7 +112,9 @@ def _import_mooncake_store() -> Any:
             raise BackendUnavailableError(
                 f"mooncake: the Mooncake wheel is installed but cannot load ({text}); {INSTALL_HINT}"
             ) from error
-        raise BackendUnavailableError(f"mooncake: the optional Mooncake store is not installed; {INSTALL_HINT}") from error
+        raise BackendUnavailableError(
+            f"mooncake: the optional Mooncake store is not installed; {INSTALL_HINT}"
+        ) from error
     return MooncakeDistributedStore
 
 
@@ -185,7 +189,10 @@ class MooncakeStore(StorageBackend):
     tier = "mooncake"
 
     def __init__(
-        self, fingerprint: LayoutFingerprint, config: str | Mapping[str, Any] | MooncakeConfig, *,
+        self,
+        fingerprint: LayoutFingerprint,
+        config: str | Mapping[str, Any] | MooncakeConfig,
+        *,
         event_capacity: int = DEFAULT_EVENT_CAPACITY,
     ) -> None:
         super().__init__(fingerprint, event_capacity=event_capacity)
@@ -194,7 +201,9 @@ class MooncakeStore(StorageBackend):
         elif isinstance(config, Mapping):
             config = MooncakeConfig.from_mapping(config)
         elif not isinstance(config, MooncakeConfig):
-            raise InvalidArgumentError(f"config: must be a mooncake:// URL, a dict or a MooncakeConfig, got {type(config).__name__}")
+            raise InvalidArgumentError(
+                f"config: must be a mooncake:// URL, a dict or a MooncakeConfig, got {type(config).__name__}"
+            )
         self.config = config
         self._lock = threading.Lock()  # this client's state below; never held across a Mooncake call
         self._gate = ClearGate()  # exists/put/get shared; clear and close exclusive
@@ -249,8 +258,11 @@ class MooncakeStore(StorageBackend):
         self._store = store
         logger.info(
             "mooncake: connected to master %s (metadata %s, %s, segment %d B, local buffer %d B)",
-            config.master_server_address, config.metadata_server, config.protocol,
-            config.global_segment_size, config.local_buffer_size,
+            config.master_server_address,
+            config.metadata_server,
+            config.protocol,
+            config.global_segment_size,
+            config.local_buffer_size,
         )
 
     # -- registration ----------------------------------------------------------------------
@@ -305,7 +317,9 @@ class MooncakeStore(StorageBackend):
         ``self._lock``."""
         rc = store.register_buffer(start, end - start)
         if rc != 0:
-            raise StorageError(f"mooncake: register_buffer of {end - start} bytes at {start:#x} failed with {describe_code(rc)}")
+            raise StorageError(
+                f"mooncake: register_buffer of {end - start} bytes at {start:#x} failed with {describe_code(rc)}"
+            )
         with self._lock:
             bisect.insort(self._registered, (start, end, buffer), key=lambda entry: entry[0])
 
@@ -334,7 +348,8 @@ class MooncakeStore(StorageBackend):
         if rc != 0:
             logger.warning(
                 "mooncake: register_buffer of a %d-byte bounce buffer failed with %s; pages outside registered buffers fail",
-                bounce.numel(), describe_code(rc),
+                bounce.numel(),
+                describe_code(rc),
             )
             return None
         return bounce
@@ -360,7 +375,9 @@ class MooncakeStore(StorageBackend):
         self._log_failures("exists", full_keys, [c for c in codes if c < 0])
         return [code == 1 for code in codes]
 
-    def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> list[PutStatus]:
+    def _put(
+        self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None
+    ) -> list[PutStatus]:
         # full_prior_key (the chain link) is not used: the master evicts on its own (by its
         # lease and high-water mark), with no notion of chains.
         statuses = PutStatuses([PutStatus.FAILED] * len(full_keys))
@@ -390,8 +407,12 @@ class MooncakeStore(StorageBackend):
             direct, bounced = self._split_registered(todo, pages)
             if direct:
                 codes = self._call(
-                    "batch_put_from", len(direct), store.batch_put_from,
-                    [full_keys[i] for i in direct], [pages[i].data_ptr() for i in direct], [self.page_bytes] * len(direct),
+                    "batch_put_from",
+                    len(direct),
+                    store.batch_put_from,
+                    [full_keys[i] for i in direct],
+                    [pages[i].data_ptr() for i in direct],
+                    [self.page_bytes] * len(direct),
                     errors=errors,
                 )
                 with self._lock:
@@ -409,8 +430,13 @@ class MooncakeStore(StorageBackend):
         return statuses
 
     def _put_bounced(
-        self, store: Any, full_keys: list[str], pages: list[torch.Tensor], bounced: list[int],
-        statuses: list[PutStatus], errors: list[BaseException],
+        self,
+        store: Any,
+        full_keys: list[str],
+        pages: list[torch.Tensor],
+        bounced: list[int],
+        statuses: list[PutStatus],
+        errors: list[BaseException],
     ) -> list[int]:
         """Put ``pages[i]`` for ``i`` in ``bounced`` through a bounce buffer lent to this call;
         the failed codes."""
@@ -424,8 +450,12 @@ class MooncakeStore(StorageBackend):
                 for bounce_index, index in enumerate(batch):
                     bounce[bounce_index].copy_(pages[index].reshape(-1).view(torch.uint8))
                 codes = self._call(
-                    "batch_put_from", len(batch), store.batch_put_from,
-                    [full_keys[i] for i in batch], [bounce[s].data_ptr() for s in range(len(batch))], [self.page_bytes] * len(batch),
+                    "batch_put_from",
+                    len(batch),
+                    store.batch_put_from,
+                    [full_keys[i] for i in batch],
+                    [bounce[s].data_ptr() for s in range(len(batch))],
+                    [self.page_bytes] * len(batch),
                     errors=errors,
                 )
                 failures += self._apply_put_codes(batch, codes, statuses)
@@ -446,8 +476,12 @@ class MooncakeStore(StorageBackend):
             direct, bounced = self._split_registered(range(len(full_keys)), into)
             if direct:
                 codes = self._call(
-                    "batch_get_into", len(direct), store.batch_get_into,
-                    [full_keys[i] for i in direct], [into[i].data_ptr() for i in direct], [self.page_bytes] * len(direct),
+                    "batch_get_into",
+                    len(direct),
+                    store.batch_get_into,
+                    [full_keys[i] for i in direct],
+                    [into[i].data_ptr() for i in direct],
+                    [self.page_bytes] * len(direct),
                 )
                 for index, code in zip(direct, codes):
                     hits[index] = self._get_ok(code, into[index], failures)
@@ -460,7 +494,12 @@ class MooncakeStore(StorageBackend):
         return hits
 
     def _get_bounced(
-        self, store: Any, full_keys: list[str], into: list[torch.Tensor], bounced: list[int], hits: list[bool],
+        self,
+        store: Any,
+        full_keys: list[str],
+        into: list[torch.Tensor],
+        bounced: list[int],
+        hits: list[bool],
     ) -> list[int]:
         """Get the pages ``bounced`` through a bounce buffer lent to this call; the failed codes."""
         failures: list[int] = []
@@ -471,8 +510,12 @@ class MooncakeStore(StorageBackend):
                     continue
                 bounce = buffer.view(self._bounce_num_pages, self.page_bytes)
                 codes = self._call(
-                    "batch_get_into", len(batch), store.batch_get_into,
-                    [full_keys[i] for i in batch], [bounce[s].data_ptr() for s in range(len(batch))], [self.page_bytes] * len(batch),
+                    "batch_get_into",
+                    len(batch),
+                    store.batch_get_into,
+                    [full_keys[i] for i in batch],
+                    [bounce[s].data_ptr() for s in range(len(batch))],
+                    [self.page_bytes] * len(batch),
                 )
                 for bounce_index, (index, code) in enumerate(zip(batch, codes)):
                     if self._get_ok(code, None, failures):
@@ -550,7 +593,9 @@ class MooncakeStore(StorageBackend):
         gone = [key for key in full_keys if self._known.pop(key, 0) is None]
         self._record("evicted", gone)
 
-    def _call(self, name: str, count: int, function: Any, *args: Any, errors: list[BaseException] | None = None) -> list[int]:
+    def _call(
+        self, name: str, count: int, function: Any, *args: Any, errors: list[BaseException] | None = None
+    ) -> list[int]:
         """Run a batch call (not under ``self._lock``); an exception or a malformed answer
         becomes INTERNAL_ERROR for every key (the exception is appended to ``errors``, the
         calling put's, for its answer)."""
@@ -595,7 +640,10 @@ class MooncakeStore(StorageBackend):
             if log:
                 logger.warning(
                     "mooncake: master %s:%d unreachable (%s); %s of %d pages fails without calling Mooncake",
-                    *self._master_host_port, error.__class__.__name__, operation, count,
+                    *self._master_host_port,
+                    error.__class__.__name__,
+                    operation,
+                    count,
                 )
             return False
 

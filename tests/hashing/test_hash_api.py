@@ -106,7 +106,10 @@ def test_full_pages_counts():
         full_pages(-1, 4)
 
 
-@pytest.mark.parametrize("bad, error", [(0, InvalidArgumentError), (-4, InvalidArgumentError), (2.0, ArgumentTypeError), (True, ArgumentTypeError)])
+@pytest.mark.parametrize(
+    "bad, error",
+    [(0, InvalidArgumentError), (-4, InvalidArgumentError), (2.0, ArgumentTypeError), (True, ArgumentTypeError)],
+)
 def test_page_size_rule(bad, error):
     with pytest.raises(error, match="page_size: must be"):
         page_keys(TOKENS, bad)
@@ -157,11 +160,20 @@ print(json.dumps(out))
 
 
 def test_keys_do_not_depend_on_pythonhashseed():
-    here = {s: [namespace_seed("lora-a", "tenant-a", s)] + prefill_page_keys(list(range(1000, 1100)), 16, extra_key="lora-a", cache_salt="tenant-a", scheme=s) for s in SCHEMES}
+    here = {
+        s: [namespace_seed("lora-a", "tenant-a", s)]
+        + prefill_page_keys(list(range(1000, 1100)), 16, extra_key="lora-a", cache_salt="tenant-a", scheme=s)
+        for s in SCHEMES
+    }
     for hash_seed in ("1", "4242"):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed)
         result = subprocess.run(
-            [sys.executable, "-c", SUBPROCESS_CODE], cwd=REPO_ROOT.parent, env=env, capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", SUBPROCESS_CODE],
+            cwd=REPO_ROOT.parent,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout) == here

@@ -20,5 +20,7 @@ def test_bench_run_returns_figures_and_targets():
     assert all(r["array_of_numpy"] > 0 for r in report["ratios"])  # the array("q") rows
     assert report["chains"].startswith("sglang-v1 ") and "; xxh3-128 " in report["chains"]
     assert set(report["xxh3_vs_sglang"]) == {16, 64}
-    assert len(report["summary"]) == 3 and all(set(item) == {"value", "target", "ok"} for item in report["summary"].values())
+    assert len(report["summary"]) == 3 and all(
+        set(item) == {"value", "target", "ok"} for item in report["summary"].values()
+    )
     assert any("xxh3-128 / sglang-v1" in line for line in lines)

@@ -167,7 +167,9 @@ def test_every_shared_vector_under_both_paths(name):
     module = chain_module(name)
     for case in vector_cases(name):
         tokens, page_size, seed = case["tokens"], case["page_size"], case["namespace_seed"]
-        assert module.page_chain(tokens, page_size, bytes.fromhex(seed or ""), True) == case["page_hashes"], case["name"]
+        assert module.page_chain(tokens, page_size, bytes.fromhex(seed or ""), True) == case["page_hashes"], case[
+            "name"
+        ]
         for scheme in (get_scheme(name).pure_python(), compiled_scheme(name)):
             for source in (tokens, np.array(tokens, dtype=np.int64)):
                 got = prefill_page_keys(
@@ -245,7 +247,9 @@ def test_page_keys_of_every_input_kind_equal_the_pure_python_keys(name, n):
     ranged = list(range(1000, 1000 + n))
     assert page_keys(range(1000, 1000 + n), 8, scheme=compiled) == spec_keys(name, ranged, 8)
     enums = [Color.RED, 5, Color.GREEN, 9] * 5
-    assert page_keys(enums, 4, scheme=compiled) == page_keys(enums, 4, scheme=pure) == spec_keys(name, [1, 5, 7, 9] * 5, 4)
+    assert (
+        page_keys(enums, 4, scheme=compiled) == page_keys(enums, 4, scheme=pure) == spec_keys(name, [1, 5, 7, 9] * 5, 4)
+    )
 
 
 class Spy:
@@ -328,7 +332,10 @@ def test_an_id_out_of_range_raises_as_the_pure_path_does(name, kind):
                 assert isinstance(error, ValueError)
                 assert error.args == (position, value), (kind, value, n, position)
                 assert type(error.args[1]) is int
-                assert raised(module.page_chain, tokens, page_size, b"\0" * DIGEST_SIZE[name], False).args == (position, value)
+                assert raised(module.page_chain, tokens, page_size, b"\0" * DIGEST_SIZE[name], False).args == (
+                    position,
+                    value,
+                )
                 for scheme in (compiled, pure):
                     error = raised(page_keys, tokens, page_size, scheme=scheme)
                     assert type(error) is InvalidArgumentError, (scheme.implementation, kind, value, position)
@@ -361,10 +368,25 @@ def test_the_boundary_ids_are_accepted(name, kind):
     [
         ([1.5, -1], ArgumentTypeError, "tokens: token ids must be integers; tokens[0] = 1.5 (float)", NotImplemented),
         ([-1, 1.5], InvalidArgumentError, range_message(0, -1), (0, -1)),
-        ([5, True], ArgumentTypeError, "tokens: token ids must be integers, not bools; tokens[1] = True (bool)", NotImplemented),
-        ([True, -1], ArgumentTypeError, "tokens: token ids must be integers, not bools; tokens[0] = True (bool)", NotImplemented),
+        (
+            [5, True],
+            ArgumentTypeError,
+            "tokens: token ids must be integers, not bools; tokens[1] = True (bool)",
+            NotImplemented,
+        ),
+        (
+            [True, -1],
+            ArgumentTypeError,
+            "tokens: token ids must be integers, not bools; tokens[0] = True (bool)",
+            NotImplemented,
+        ),
         ([7, 2**63, True], InvalidArgumentError, range_message(1, 2**63), (1, 2**63)),
-        ([7, 2**40, True], ArgumentTypeError, "tokens: token ids must be integers, not bools; tokens[2] = True (bool)", NotImplemented),
+        (
+            [7, 2**40, True],
+            ArgumentTypeError,
+            "tokens: token ids must be integers, not bools; tokens[2] = True (bool)",
+            NotImplemented,
+        ),
         ([7, np.int64(-3), 2**40], InvalidArgumentError, range_message(1, -3), NotImplemented),
         ([7, Color.RED, -3], InvalidArgumentError, range_message(2, -3), NotImplemented),
     ],
@@ -616,7 +638,8 @@ def expected_description(forced: bool) -> list[str | re.Pattern]:
 
 
 @pytest.mark.parametrize(
-    "value, forced", [("1", True), ("yes", True), ("0", False), ("", False), ("false", False), (" Off ", False), ("no", False)]
+    "value, forced",
+    [("1", True), ("yes", True), ("0", False), ("", False), ("false", False), (" Off ", False), ("no", False)],
 )
 def test_the_environment_variable_forces_the_python_chains(value, forced, tmp_path):
     env = {**os.environ, schemes.PURE_PYTHON_ENV: value}
@@ -625,7 +648,9 @@ def test_the_environment_variable_forces_the_python_chains(value, forced, tmp_pa
         "print(' '.join(str(get_scheme(n).compiled is not None) for n in SCHEMES)); print(describe_chains()); "
         "print(page_keys(list(range(8)), 4, scheme='xxh3-128')[1])"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     flags, line, key = result.stdout.splitlines()
     expected = expected_description(forced)

@@ -27,7 +27,9 @@ def test_matches_the_naive_per_token_reference(naive, tokens, page_size, extra_k
     got = prefill_page_keys(tokens, page_size, extra_key=extra_key, cache_salt=cache_salt, scheme=scheme)
     assert got == naive.prefill(tokens, page_size, extra_key, cache_salt, scheme)
     assert len(got) == len(tokens) // page_size
-    assert page_keys(np.array(tokens, dtype=np.uint64), page_size, scheme=scheme) == naive.keys(tokens, page_size, b"", scheme)
+    assert page_keys(np.array(tokens, dtype=np.uint64), page_size, scheme=scheme) == naive.keys(
+        tokens, page_size, b"", scheme
+    )
 
 
 @SETTINGS
@@ -65,8 +67,16 @@ def test_changing_one_token_changes_its_page_and_every_later_one_only(tokens, pa
 
 
 @SETTINGS
-@given(tokens=st.lists(TOKEN, min_size=1, max_size=40), page_size=PAGE_SIZE, extra_key=st.text(max_size=6), cache_salt=st.text(max_size=6), scheme=SCHEME)
-def test_no_namespace_extra_key_only_salt_only_and_both_are_four_chains(tokens, page_size, extra_key, cache_salt, scheme):
+@given(
+    tokens=st.lists(TOKEN, min_size=1, max_size=40),
+    page_size=PAGE_SIZE,
+    extra_key=st.text(max_size=6),
+    cache_salt=st.text(max_size=6),
+    scheme=SCHEME,
+)
+def test_no_namespace_extra_key_only_salt_only_and_both_are_four_chains(
+    tokens, page_size, extra_key, cache_salt, scheme
+):
     page_size = min(page_size, len(tokens))
     chains = {
         tuple(prefill_page_keys(tokens, page_size, extra_key=e, cache_salt=c, scheme=scheme))
@@ -79,7 +89,13 @@ def test_no_namespace_extra_key_only_salt_only_and_both_are_four_chains(tokens, 
 
 
 @SETTINGS
-@given(a=st.text(max_size=5), b=st.text(min_size=1, max_size=5), c=st.text(max_size=5), x=st.text(max_size=8), scheme=SCHEME)
+@given(
+    a=st.text(max_size=5),
+    b=st.text(min_size=1, max_size=5),
+    c=st.text(max_size=5),
+    x=st.text(max_size=8),
+    scheme=SCHEME,
+)
 def test_namespace_encoding_is_unambiguous(a, b, c, x, scheme):
     assert namespace_seed(a, b + c, scheme) != namespace_seed(a + b, c, scheme)
     assert namespace_seed(x, None, scheme) != namespace_seed(None, x, scheme)

@@ -97,7 +97,9 @@ def test_every_form_gives_the_keys_of_the_list(token_set, name, chain, naive):
     plain = naive.keys(tokens, page_size, b"", name)
     assert len(expected) == len(tokens) // page_size
     for form, ids in all_forms(tokens).items():
-        assert prefill_page_keys(ids, page_size, extra_key="lora-7", cache_salt="tenant-a", scheme=scheme) == expected, form
+        assert (
+            prefill_page_keys(ids, page_size, extra_key="lora-7", cache_salt="tenant-a", scheme=scheme) == expected
+        ), form
         assert hasher.prefill_keys(ids, "lora-7", "tenant-a") == expected, form
         assert page_keys(ids, page_size, scheme=scheme) == plain, form
         assert hasher.continue_keys(ids, None) == plain, form
@@ -116,7 +118,9 @@ def vector_cases(path: Path, keys: str, seed: str) -> list:
     data = json.loads(path.read_text())
     cases = data["cases"] if isinstance(data, dict) else data
     return [
-        pytest.param((c["tokens"], c["page_size"], c["extra_key"], c["cache_salt"], c[seed], c[keys]), id=f"{path.stem}-{i:02d}")
+        pytest.param(
+            (c["tokens"], c["page_size"], c["extra_key"], c["cache_salt"], c[seed], c[keys]), id=f"{path.stem}-{i:02d}"
+        )
         for i, c in enumerate(cases)
     ]
 
@@ -129,14 +133,18 @@ VECTOR_CASES = [
 
 
 @pytest.mark.parametrize("chain", CHAINS)
-@pytest.mark.parametrize("name, case", [pytest.param(name, case.values[0], id=case.id, marks=case.marks) for name, case in VECTOR_CASES])
+@pytest.mark.parametrize(
+    "name, case", [pytest.param(name, case.values[0], id=case.id, marks=case.marks) for name, case in VECTOR_CASES]
+)
 def test_reference_vectors_in_every_array_form(name, case, chain):
     """sglang's own keys (its v1 vectors and its native page hash with ids up to 2**63-1) and the
     committed xxh3-128 vectors, from every array form that holds the case's ids."""
     tokens, page_size, extra_key, cache_salt, seed, expected = case
     scheme = chain_scheme(name, chain)
     for form, ids in array_forms(tokens).items():
-        assert prefill_page_keys(ids, page_size, extra_key=extra_key, cache_salt=cache_salt, scheme=scheme) == expected, form
+        assert (
+            prefill_page_keys(ids, page_size, extra_key=extra_key, cache_salt=cache_salt, scheme=scheme) == expected
+        ), form
         assert PageHasher(scheme, page_size).continue_keys(ids, seed) == expected, form
 
 
@@ -217,16 +225,46 @@ def test_the_python_conversion_gives_the_same_bytes_for_every_form():
 
 # ---- bad input ---------------------------------------------------------------------------------
 
-ACCEPTED = "a list/tuple/range of ints, a numpy integer array, a torch integer tensor, or an array.array or buffer of integers"
+ACCEPTED = (
+    "a list/tuple/range of ints, a numpy integer array, a torch integer tensor, or an array.array or buffer of integers"
+)
 BAD_FORMATS = {
     "bytes": (lambda: b"\x01\x02\x03\x04", ArgumentTypeError, "tokens: bytes is a byte string, not token ids"),
-    "bytearray": (lambda: bytearray(b"\x01\x02\x03\x04"), ArgumentTypeError, "tokens: bytearray is a byte string, not token ids"),
-    "chars (format c)": (lambda: memoryview(b"abcd").cast("c"), ArgumentTypeError, "tokens: token ids must be integers, got a buffer of format 'c'"),
-    "array-f": (lambda: array.array("f", [1, 2, 3, 4]), ArgumentTypeError, "tokens: token ids must be integers, got a buffer of format 'f'"),
-    "array-d": (lambda: array.array("d", [1, 2, 3, 4]), ArgumentTypeError, "tokens: token ids must be integers, got a buffer of format 'd'"),
-    "bools (format ?)": (lambda: memoryview(bytes(4)).cast("?"), ArgumentTypeError, "tokens: token ids must be integers, got a buffer of format '?'"),
-    "ctypes-double (format <d)": (lambda: (ctypes.c_double * 4)(), ArgumentTypeError, "tokens: token ids must be integers, got a buffer of format '<d'"),
-    "2-D": (lambda: memoryview(np.zeros((2, 2), dtype=np.int64)), InvalidArgumentError, "tokens: must be 1-D, got shape (2, 2)"),
+    "bytearray": (
+        lambda: bytearray(b"\x01\x02\x03\x04"),
+        ArgumentTypeError,
+        "tokens: bytearray is a byte string, not token ids",
+    ),
+    "chars (format c)": (
+        lambda: memoryview(b"abcd").cast("c"),
+        ArgumentTypeError,
+        "tokens: token ids must be integers, got a buffer of format 'c'",
+    ),
+    "array-f": (
+        lambda: array.array("f", [1, 2, 3, 4]),
+        ArgumentTypeError,
+        "tokens: token ids must be integers, got a buffer of format 'f'",
+    ),
+    "array-d": (
+        lambda: array.array("d", [1, 2, 3, 4]),
+        ArgumentTypeError,
+        "tokens: token ids must be integers, got a buffer of format 'd'",
+    ),
+    "bools (format ?)": (
+        lambda: memoryview(bytes(4)).cast("?"),
+        ArgumentTypeError,
+        "tokens: token ids must be integers, got a buffer of format '?'",
+    ),
+    "ctypes-double (format <d)": (
+        lambda: (ctypes.c_double * 4)(),
+        ArgumentTypeError,
+        "tokens: token ids must be integers, got a buffer of format '<d'",
+    ),
+    "2-D": (
+        lambda: memoryview(np.zeros((2, 2), dtype=np.int64)),
+        InvalidArgumentError,
+        "tokens: must be 1-D, got shape (2, 2)",
+    ),
     "0-D": (lambda: memoryview(np.array(5, dtype=np.int64)), InvalidArgumentError, "tokens: must be 1-D, got shape ()"),
 }
 
@@ -278,7 +316,10 @@ def test_an_id_out_of_range_in_a_buffer_raises_the_range_error(form, name, chain
 
 
 def test_u32_bytes_of_a_buffer_take_ids_up_to_2_32_minus_1_only():
-    with pytest.raises(InvalidArgumentError, match=r"^tokens: every token id must satisfy 0 <= id <= 2\*\*32-1 .*tokens\[1\] = 4294967296$"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"^tokens: every token id must satisfy 0 <= id <= 2\*\*32-1 .*tokens\[1\] = 4294967296$",
+    ):
         token_bytes(array.array("Q", [1, 2**32]))
 
 

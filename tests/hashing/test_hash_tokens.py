@@ -176,9 +176,14 @@ def test_float_and_bool_arrays_are_type_errors(device):
 
 def test_unsupported_containers_are_type_errors():
     for bad in ("abc", {1: 2}, (t for t in [1, 2]), 5, None):
-        with pytest.raises(ArgumentTypeError, match="tokens: must be a list/tuple/range of ints, .* or an array.array or buffer of integers, got"):
+        with pytest.raises(
+            ArgumentTypeError,
+            match="tokens: must be a list/tuple/range of ints, .* or an array.array or buffer of integers, got",
+        ):
             token_bytes(bad)
-    with pytest.raises(ArgumentTypeError, match="tokens: bytes is a byte string, not token ids"):  # test_hash_token_arrays.py
+    with pytest.raises(
+        ArgumentTypeError, match="tokens: bytes is a byte string, not token ids"
+    ):  # test_hash_token_arrays.py
         token_bytes(b"\x01\x02")
 
 

@@ -153,11 +153,15 @@ def test_sglang_v1_matches_sglangs_native_page_hash(case, chain, device):
         # unstarted, so the second starts from the seed), then one segment per page.
         for cut in range(num_pages + 1):
             first = compute_prefix_hash(req, tokens[: cut * page_size], "", page_size=page_size, scheme=scheme)
-            rest = compute_prefix_hash(req, tokens[cut * page_size :], first[-1] if first else "", page_size=page_size, scheme=scheme)
+            rest = compute_prefix_hash(
+                req, tokens[cut * page_size :], first[-1] if first else "", page_size=page_size, scheme=scheme
+            )
             assert first + rest == expected, (kind, cut)
         keys, prior = [], ""
         for page in range(num_pages):
-            keys += compute_prefix_hash(req, tokens[page * page_size : (page + 1) * page_size], prior, page_size=page_size, scheme=scheme)
+            keys += compute_prefix_hash(
+                req, tokens[page * page_size : (page + 1) * page_size], prior, page_size=page_size, scheme=scheme
+            )
             prior = keys[-1]
         assert keys == expected, kind
 
@@ -179,7 +183,10 @@ def test_wide_pages_written_out_by_hand(chain):
     ids = [7, 2**32, 2**32 - 1, 0, 2**63 - 1, 1]
     narrow = lambda *page: b"".join(v.to_bytes(4, "little") for v in page)  # noqa: E731
     wide = lambda *page: b"\xff" + b"".join(v.to_bytes(8, "little") for v in page)  # noqa: E731
-    for name, digest in (("sglang-v1", lambda data: hashlib.sha256(data).digest()), ("xxh3-128", xxhash.xxh3_128_digest)):
+    for name, digest in (
+        ("sglang-v1", lambda data: hashlib.sha256(data).digest()),
+        ("xxh3-128", xxhash.xxh3_128_digest),
+    ):
         scheme = chain_scheme(name, chain)
         first = digest(wide(7, 2**32))
         second = digest(first + narrow(2**32 - 1, 0))
@@ -187,4 +194,6 @@ def test_wide_pages_written_out_by_hand(chain):
         assert page_keys(ids, 2, scheme=scheme) == [first.hex(), second.hex(), third.hex()]
         assert page_keys(ids[2:], 2, prior_hash=first.hex(), scheme=scheme) == [second.hex(), third.hex()]
         # A page of 2**32 ids: 1 + 8 * 2 bytes, never the 4 * 2 of a u32 page.
-        assert page_keys([2**32, 2**32], 2, scheme=scheme) == [digest(b"\xff" + (2**32).to_bytes(8, "little") * 2).hex()]
+        assert page_keys([2**32, 2**32], 2, scheme=scheme) == [
+            digest(b"\xff" + (2**32).to_bytes(8, "little") * 2).hex()
+        ]

@@ -49,7 +49,9 @@ def range_message(position: int, value: int) -> str:
 def containers(values: list[int]) -> dict:
     """``values`` in every container that can hold all of them (numpy and torch: by dtype range)."""
     kinds = {"list": list(values), "tuple": tuple(values), "object array": np.array(values, dtype=object)}
-    kinds["numpy scalars"] = [np.uint64(v) if 0 <= v < 2**64 else v for v in values]  # the compiled chain declines these
+    kinds["numpy scalars"] = [
+        np.uint64(v) if 0 <= v < 2**64 else v for v in values
+    ]  # the compiled chain declines these
     if all(-(2**63) <= v <= ID_MAX for v in values):
         kinds["numpy int64"] = np.array(values, dtype=np.int64)
         kinds["numpy int64 strided"] = np.repeat(np.array(values, dtype=np.int64), 2)[::2]
@@ -141,7 +143,9 @@ def test_a_range_past_2_63_minus_1_is_named_without_walking_it(name, chain):
         with pytest.raises(InvalidArgumentError) as info:
             page_keys(tokens, 2**70, scheme=scheme)
         assert str(info.value) == range_message(position, value)
-    assert page_keys(range(ID_MAX - 3, ID_MAX + 1), 2, scheme=scheme) == spec_keys(name, list(range(ID_MAX - 3, ID_MAX + 1)), 2)
+    assert page_keys(range(ID_MAX - 3, ID_MAX + 1), 2, scheme=scheme) == spec_keys(
+        name, list(range(ID_MAX - 3, ID_MAX + 1)), 2
+    )
 
 
 @by_scheme
@@ -184,7 +188,10 @@ def test_the_boundary_ids_in_every_container(name, chain, naive):
         assert page_keys(tokens, 2, scheme=scheme) == expected, kind
     ranged = list(range(2**32 - 3, 2**32 + 3))  # narrow, mixed, wide
     assert page_keys(range(2**32 - 3, 2**32 + 3), 2, scheme=scheme) == spec_keys(name, ranged, 2)
-    assert spec_keys(name, ranged, 2)[0] == DIGEST[name]((2**32 - 3).to_bytes(4, "little") + (2**32 - 2).to_bytes(4, "little")).hex()
+    assert (
+        spec_keys(name, ranged, 2)[0]
+        == DIGEST[name]((2**32 - 3).to_bytes(4, "little") + (2**32 - 2).to_bytes(4, "little")).hex()
+    )
 
 
 @by_scheme
@@ -205,7 +212,12 @@ def test_a_long_input_with_one_wide_id(name, wide_at, kind):
     """A list turns from u32 into u64 storage at its first wide id; only that page is wide."""
     values = np.random.default_rng(wide_at).integers(0, 2**32, 3000).tolist()
     values[wide_at] = 2**32 + wide_at
-    tokens = {"list": values, "tuple": tuple(values), "int64": np.array(values, dtype=np.int64), "uint64": np.array(values, dtype=np.uint64)}[kind]
+    tokens = {
+        "list": values,
+        "tuple": tuple(values),
+        "int64": np.array(values, dtype=np.int64),
+        "uint64": np.array(values, dtype=np.uint64),
+    }[kind]
     expected = spec_keys(name, values, 64)
     narrow = values[:]
     narrow[wide_at] = 0
@@ -242,19 +254,29 @@ def mixed_pages(draw):
 
 @by_scheme
 @settings(max_examples=120, deadline=None)
-@given(case=mixed_pages(), namespace=st.tuples(st.none() | st.text(max_size=4), st.none() | st.text(max_size=4)), data=st.data())
+@given(
+    case=mixed_pages(),
+    namespace=st.tuples(st.none() | st.text(max_size=4), st.none() | st.text(max_size=4)),
+    data=st.data(),
+)
 def test_compiled_and_python_chains_agree_on_mixed_pages(name, naive, case, namespace, data):
     ids, page_size = case
     extra_key, cache_salt = namespace
     expected = naive.prefill(ids, page_size, extra_key, cache_salt, name)
     module = chain_module(name)
     schemes = {chain: chain_scheme(name, chain) for chain in CHAINS}
-    sources = {"list": ids, "numpy int64": np.array(ids, dtype=np.int64), "torch int64": torch.tensor(ids, dtype=torch.int64)}
+    sources = {
+        "list": ids,
+        "numpy int64": np.array(ids, dtype=np.int64),
+        "torch int64": torch.tensor(ids, dtype=torch.int64),
+    }
     for chain, scheme in schemes.items():
         for kind, tokens in sources.items():
             got = prefill_page_keys(tokens, page_size, extra_key=extra_key, cache_salt=cache_salt, scheme=scheme)
             assert got == expected, (chain, kind)
-    assert module.page_chain(np.array(ids, dtype=np.uint64), page_size, b"", True) == naive.keys(ids, page_size, b"", name)
+    assert module.page_chain(np.array(ids, dtype=np.uint64), page_size, b"", True) == naive.keys(
+        ids, page_size, b"", name
+    )
     # Decode segments cut at random page boundaries give the prefill keys on both chains.
     pages = len(ids) // page_size
     cuts = sorted(data.draw(st.lists(st.integers(0, pages), max_size=4), label="cuts"))
@@ -263,7 +285,9 @@ def test_compiled_and_python_chains_agree_on_mixed_pages(name, naive, case, name
     for chain, scheme in schemes.items():
         keys = []
         for start, stop in zip(bounds, bounds[1:]):
-            keys += compute_prefix_hash(req, ids[start:stop], keys[-1] if keys else "", page_size=page_size, scheme=scheme)
+            keys += compute_prefix_hash(
+                req, ids[start:stop], keys[-1] if keys else "", page_size=page_size, scheme=scheme
+            )
         assert keys == expected, chain
 
 

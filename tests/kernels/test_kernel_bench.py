@@ -20,13 +20,19 @@ def load_bench():
 def test_bench_reports_every_method_beside_the_ceiling(tmp_path):
     bench = load_bench()
     lines = []
-    report = bench.run(True, device="cpu", cases=("deepseek-v3-mla",), page_sizes=(1, 16), num_tokens=32, log=lines.append)
+    report = bench.run(
+        True, device="cpu", cases=("deepseek-v3-mla",), page_sizes=(1, 16), num_tokens=32, log=lines.append
+    )
     methods = {(r["page_size"], r["op"], r["method"]) for r in report["results"]}
-    assert methods == {(p, op, m) for p in (1, 16) for op in ("gather", "scatter") for m in ("ceiling", "torch", "loop")}
+    assert methods == {
+        (p, op, m) for p in (1, 16) for op in ("gather", "scatter") for m in ("ceiling", "torch", "loop")
+    }
     assert all(r["gbps"] > 0 and r["seconds"] > 0 for r in report["results"])
     assert all(r["of_ceiling"] == pytest.approx(1.0) for r in report["results"] if r["method"] == "ceiling")
     assert report["note"] == bench.CPU_NOTE and lines[-1] == bench.CPU_NOTE
-    assert set(report["summary"]) == {f"torch {op} / copy_, deepseek-v3-mla page {p}" for op in ("gather", "scatter") for p in (1, 16)}
+    assert set(report["summary"]) == {
+        f"torch {op} / copy_, deepseek-v3-mla page {p}" for op in ("gather", "scatter") for p in (1, 16)
+    }
     assert all(item["target"] == 0.7 for item in report["summary"].values())
     json.dumps(report)
     bench.plot(report, tmp_path / "plot.png")

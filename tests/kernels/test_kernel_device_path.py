@@ -33,9 +33,19 @@ from kernel_helpers import (
 )
 
 HOST_READS = {
-    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__index__,
-    torch.Tensor.__float__, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.to, torch.unique, torch.Tensor.unique,
-    torch.nonzero, torch.Tensor.nonzero,
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.__float__,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+    torch.Tensor.to,
+    torch.unique,
+    torch.Tensor.unique,
+    torch.nonzero,
+    torch.Tensor.nonzero,
 }
 
 
@@ -91,12 +101,29 @@ def test_no_device_index_is_read_on_the_host(device_indices, monkeypatch, backen
     layer = 2 if op.endswith("layer-2") else None
     if op == "gather":
         want = expected_staging(pool, staging, slot_indices, host_page_ids, 2)
-        gather(pool, staging, device_indices(slot_indices), device_indices(host_page_ids), page_size=2, backend=backend, check_bounds=False)
+        gather(
+            pool,
+            staging,
+            device_indices(slot_indices),
+            device_indices(host_page_ids),
+            page_size=2,
+            backend=backend,
+            check_bounds=False,
+        )
         assert torch.equal(as_bytes(staging), want.view(-1))
     else:
         random_bytes_(staging, torch.Generator().manual_seed(1))
         want = expected_pool_after_scatter(pool, staging, slot_indices, host_page_ids, 2, layer=layer)
-        scatter(staging, pool, device_indices(slot_indices), device_indices(host_page_ids), page_size=2, layer=layer, backend=backend, check_bounds=False)
+        scatter(
+            staging,
+            pool,
+            device_indices(slot_indices),
+            device_indices(host_page_ids),
+            page_size=2,
+            layer=layer,
+            backend=backend,
+            check_bounds=False,
+        )
         assert pool_equals(pool, want)
     assert DeviceIndex.reads == []
     assert spy.reads_at_launch == ([[]] if backend == "triton" else [])
@@ -107,7 +134,15 @@ def test_the_spy_sees_a_host_read(device_indices, backend):
     """The check above can fail: check_bounds reads the indices on the host, and the spy records it."""
     pool, slot_indices, host_page_ids = case()
     staging = make_staging(pool, 5, 2, "page_first")
-    gather(pool, staging, device_indices(slot_indices), device_indices(host_page_ids), page_size=2, backend=backend, check_bounds=True)
+    gather(
+        pool,
+        staging,
+        device_indices(slot_indices),
+        device_indices(host_page_ids),
+        page_size=2,
+        backend=backend,
+        check_bounds=True,
+    )
     assert DeviceIndex.reads
 
 
@@ -117,7 +152,16 @@ def test_a_staged_copy_rejects_device_host_page_ids(device_indices, backend):
     staging = make_staging(pool, 5, 2, "page_first")
     before = as_bytes(staging).clone()
     with pytest.raises(InvalidArgumentError, match="^host_page_ids: a staged copy .* needs them on CPU"):
-        gather(pool, staging, slot_indices, device_indices(host_page_ids), page_size=2, backend=backend, mode="staged", check_bounds=False)
+        gather(
+            pool,
+            staging,
+            slot_indices,
+            device_indices(host_page_ids),
+            page_size=2,
+            backend=backend,
+            mode="staged",
+            check_bounds=False,
+        )
     assert torch.equal(before, as_bytes(staging))
 
 

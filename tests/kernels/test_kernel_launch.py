@@ -46,7 +46,9 @@ def test_one_word_rule_for_both_backends_and_none_stored_in_the_pool(device):
 
     from kvstage.kernels import reference
 
-    imported = {node.module for node in ast.walk(ast.parse(inspect.getsource(triton_copy))) if isinstance(node, ast.ImportFrom)}
+    imported = {
+        node.module for node in ast.walk(ast.parse(inspect.getsource(triton_copy))) if isinstance(node, ast.ImportFrom)
+    }
     assert "kvstage.kernels.reference" not in imported
     pool = make_pool(parts=2, layers=2, num_slots=8, heads=1, dim=16, dtype=torch.float16, device=device)
     before = set(vars(pool))
@@ -58,7 +60,11 @@ def test_one_word_rule_for_both_backends_and_none_stored_in_the_pool(device):
     assert reference.widest_word is triton_copy.widest_word
 
 
-@pytest.mark.parametrize("on_cuda, expected_cap", [(True, triton_copy.DEFAULT_MAX_PROGRAMS), (False, triton_copy.INTERPRETER_MAX_PROGRAMS)], ids=["cuda", "interpreter"])
+@pytest.mark.parametrize(
+    "on_cuda, expected_cap",
+    [(True, triton_copy.DEFAULT_MAX_PROGRAMS), (False, triton_copy.INTERPRETER_MAX_PROGRAMS)],
+    ids=["cuda", "interpreter"],
+)
 def test_grid_is_capped_by_default(on_cuda, expected_cap, monkeypatch):
     monkeypatch.delenv("KVSTAGE_MAX_PROGRAMS", raising=False)
     config = triton_copy.choose_config(256, 8, 1 << 20, on_cuda=on_cuda, max_programs=None)
@@ -67,7 +73,9 @@ def test_grid_is_capped_by_default(on_cuda, expected_cap, monkeypatch):
     monkeypatch.setenv("KVSTAGE_MAX_PROGRAMS", "3")
     assert triton_copy.choose_config(256, 8, 1 << 20, on_cuda=on_cuda, max_programs=None).num_programs == 3
     assert triton_copy.choose_config(256, 8, 1 << 20, on_cuda=on_cuda, max_programs=7).num_programs == 7
-    assert triton_copy.choose_config(256, 8, 1, on_cuda=on_cuda, max_programs=7).num_programs == 1  # never more than tiles
+    assert (
+        triton_copy.choose_config(256, 8, 1, on_cuda=on_cuda, max_programs=7).num_programs == 1
+    )  # never more than tiles
 
 
 @pytest.fixture
@@ -85,15 +93,23 @@ def tiny_tiles():
 @pytest.mark.parametrize("programs", [1, 3], ids=["1-program", "3-programs"])
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_grid_stride_loop_covers_every_tile(device, tiny_tiles, programs, layout):
-    pool = make_pool(parts=2, layers=2, num_slots=24, heads=1, dim=36, dtype=torch.float16, device=device, storage="scattered")
+    pool = make_pool(
+        parts=2, layers=2, num_slots=24, heads=1, dim=36, dtype=torch.float16, device=device, storage="scattered"
+    )
     staging = make_staging(pool, 6, 3, layout)
-    slot_indices, host_page_ids = make_indices(pool, 5, 3, 6)  # 15 tokens = 8 token tiles; 74-byte gaps -> 2-byte words, 36 a row = 5 column tiles
+    slot_indices, host_page_ids = make_indices(
+        pool, 5, 3, 6
+    )  # 15 tokens = 8 token tiles; 74-byte gaps -> 2-byte words, 36 a row = 5 column tiles
     want = expected_staging(pool, staging, slot_indices, host_page_ids, 3, layout)
-    gather(pool, staging, slot_indices, host_page_ids, page_size=3, layout=layout, backend="triton", max_programs=programs)
+    gather(
+        pool, staging, slot_indices, host_page_ids, page_size=3, layout=layout, backend="triton", max_programs=programs
+    )
     assert torch.equal(as_bytes(staging), want.view(-1))
     random_bytes_(staging, torch.Generator().manual_seed(5))
     want_pool = expected_pool_after_scatter(pool, staging, slot_indices, host_page_ids, 3, layout)
-    scatter(staging, pool, slot_indices, host_page_ids, page_size=3, layout=layout, backend="triton", max_programs=programs)
+    scatter(
+        staging, pool, slot_indices, host_page_ids, page_size=3, layout=layout, backend="triton", max_programs=programs
+    )
     assert pool_equals(pool, want_pool)
 
 
@@ -110,7 +126,9 @@ def test_staged_mode_equals_python_loops_and_kernel_mode(device, layout, backend
     pinned = device.type == "cuda"
     staging = make_staging(pool, 10, 3, layout, pinned=pinned)
     slot_indices, _ = make_indices(pool, 6, 3, 10)
-    host_page_ids = torch.tensor([5, 6, 7, 1, 2, 9])  # three runs; on CPU, as an engine's host pool would hand them over
+    host_page_ids = torch.tensor(
+        [5, 6, 7, 1, 2, 9]
+    )  # three runs; on CPU, as an engine's host pool would hand them over
     want = expected_staging(pool, staging, slot_indices, host_page_ids, 3, layout)
     kernel_staging = make_staging(pool, 10, 3, layout, pinned=pinned)  # (a clone would not be pinned)
     gather(pool, kernel_staging, slot_indices, host_page_ids, page_size=3, layout=layout, backend=backend)
@@ -121,7 +139,17 @@ def test_staged_mode_equals_python_loops_and_kernel_mode(device, layout, backend
     original = pool_bytes(pool)
     for t in pool.tensors():
         t.view(torch.uint8)[slot_indices.long()] = 0xA5
-    scatter(staging, pool, slot_indices, host_page_ids, page_size=3, layout=layout, backend=backend, mode="staged", layer=None)
+    scatter(
+        staging,
+        pool,
+        slot_indices,
+        host_page_ids,
+        page_size=3,
+        layout=layout,
+        backend=backend,
+        mode="staged",
+        layer=None,
+    )
     assert changed_buffers(original, pool) == []
 
 
@@ -134,7 +162,9 @@ def test_staged_scatter_of_one_layer_moves_only_that_layer(device, layout):
     host_page_ids = torch.tensor([4, 0, 1])
     want = expected_pool_after_scatter(pool, staging, slot_indices, host_page_ids, 2, layout, layer=1)
     before = pool_bytes(pool)
-    scatter(staging, pool, slot_indices, host_page_ids, page_size=2, layout=layout, layer=1, mode="staged", backend="triton")
+    scatter(
+        staging, pool, slot_indices, host_page_ids, page_size=2, layout=layout, layer=1, mode="staged", backend="triton"
+    )
     if device.type == "cuda":
         torch.cuda.synchronize()
     assert pool_equals(pool, want)
@@ -154,7 +184,10 @@ def test_every_launch_runs_inside_its_nvtx_range(device, backend, monkeypatch):
     from kvstage.kernels import reference
 
     real_torch = reference.run_gather_torch
-    monkeypatch.setattr("kvstage.kernels.transfer.run_gather_torch", lambda plan: (seen.append(nvtx_ranges.open_ranges()), real_torch(plan)))
+    monkeypatch.setattr(
+        "kvstage.kernels.transfer.run_gather_torch",
+        lambda plan: (seen.append(nvtx_ranges.open_ranges()), real_torch(plan)),
+    )
     pool = make_pool(parts=1, layers=2, num_slots=8, heads=1, dim=16, dtype=torch.float16, device=device)
     staging = make_staging(pool, 2, 2, "page_first")
     slot_indices, host_page_ids = make_indices(pool, 2, 2, 2)
@@ -240,7 +273,9 @@ def _specialization(args, kwargs):
     return keys, {k: kwargs[k] for k in ("GATHER", "BLOCK_T", "BLOCK_W", "VEC", "num_warps")}
 
 
-@pytest.mark.parametrize("rows", [(8, 128, torch.bfloat16), (1, 576, torch.float8_e4m3fn)], ids=["llama-rows", "mla-fp8-rows"])
+@pytest.mark.parametrize(
+    "rows", [(8, 128, torch.bfloat16), (1, 576, torch.float8_e4m3fn)], ids=["llama-rows", "mla-fp8-rows"]
+)
 def test_warm_up_compiles_the_variant_of_every_later_copy(rows, monkeypatch):
     """Batches of 1, 16 and 5 pages, both layouts, a per-layer scatter at layers 0, 1 and 2, int32
     and int64 indices: each launch's specialization (as Triton computes it on CUDA) is one
@@ -254,15 +289,31 @@ def test_warm_up_compiles_the_variant_of_every_later_copy(rows, monkeypatch):
 
     monkeypatch.setattr(triton_copy, "_kv_rows_copy_kernel", Recorder())
     real = triton_copy.choose_config
-    monkeypatch.setattr(triton_copy, "choose_config", lambda *a, **k: real(*a, **{**k, "on_cuda": True}))  # CUDA's tile shapes
-    pool = make_pool(parts=2 if heads > 1 else 1, layers=3, num_slots=96, heads=heads, dim=dim, dtype=dtype, device=torch.device("cpu"))
+    monkeypatch.setattr(
+        triton_copy, "choose_config", lambda *a, **k: real(*a, **{**k, "on_cuda": True})
+    )  # CUDA's tile shapes
+    pool = make_pool(
+        parts=2 if heads > 1 else 1,
+        layers=3,
+        num_slots=96,
+        heads=heads,
+        dim=dim,
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
     warmed = [_specialization(args, kwargs) for args, kwargs in triton_copy.warm_up_calls(pool, 4)]
-    for num_pages, layout, index_dtype in [(1, "page_first", torch.int64), (16, "layer_first", torch.int32), (5, "page_first", torch.int32)]:
+    for num_pages, layout, index_dtype in [
+        (1, "page_first", torch.int64),
+        (16, "layer_first", torch.int32),
+        (5, "page_first", torch.int32),
+    ]:
         staging = make_staging(pool, 20, 4, layout)
         slot_indices, host_page_ids = make_indices(pool, num_pages, 4, 20, index_dtype=index_dtype)
         gather(pool, staging, slot_indices, host_page_ids, page_size=4, layout=layout, backend="triton")
         for layer in (None, 0, 1, 2):
-            scatter(staging, pool, slot_indices, host_page_ids, page_size=4, layout=layout, layer=layer, backend="triton")
+            scatter(
+                staging, pool, slot_indices, host_page_ids, page_size=4, layout=layout, layer=layer, backend="triton"
+            )
     assert len(launches) == 15
     assert all(launch in warmed for launch in launches)
     assert len({repr(w) for w in warmed}) == len(warmed) == 8  # 2 directions x 2 x 2 index dtypes, all distinct

@@ -27,7 +27,9 @@ def test_gather_and_scatter_reach_slots_past_2_gib(device, layout):
     stacked = torch.empty((2, 1, SLOTS, 1, ROW), dtype=torch.int8, device=device)
     pool = KVPool.from_stacked(stacked)
     page = 4
-    slot_indices = torch.arange(SLOTS - 3 * page, SLOTS, device=device).flip(0)  # 3 pages of the highest slots, reversed
+    slot_indices = torch.arange(SLOTS - 3 * page, SLOTS, device=device).flip(
+        0
+    )  # 3 pages of the highest slots, reversed
     assert int(slot_indices.min()) * ROW > 2**31
     gen = torch.Generator().manual_seed(11)
     for part in range(2):

@@ -53,19 +53,53 @@ def test_from_stacked_views_the_tensor(device):
     [
         (lambda d: KVPool.mha([], []), "k_buffers", InvalidArgumentError),
         (lambda d: KVPool.mha([torch.zeros(4, 2, 8, device=d)], []), "v_buffers", InvalidArgumentError),
-        (lambda d: KVPool.mha([torch.zeros(4, 2, 8, device=d)], [torch.zeros(4, 2, 9, device=d)]), "v_buffers[0]", InvalidArgumentError),
-        (lambda d: KVPool.mha([torch.zeros(4, 2, 8, device=d)], [torch.zeros(4, 2, 8, dtype=torch.float16, device=d)]), "v_buffers[0]", ArgumentTypeError),
-        (lambda d: KVPool.mha([torch.zeros(4, 2, 8, device=d)], [torch.zeros(4, 8, 2, device=d).transpose(1, 2)]), "v_buffers[0]", InvalidArgumentError),
-        (lambda d: KVPool.mha([torch.zeros(4, 16, device=d)], [torch.zeros(4, 16, device=d)]), "k_buffers[0]", InvalidArgumentError),
+        (
+            lambda d: KVPool.mha([torch.zeros(4, 2, 8, device=d)], [torch.zeros(4, 2, 9, device=d)]),
+            "v_buffers[0]",
+            InvalidArgumentError,
+        ),
+        (
+            lambda d: KVPool.mha(
+                [torch.zeros(4, 2, 8, device=d)], [torch.zeros(4, 2, 8, dtype=torch.float16, device=d)]
+            ),
+            "v_buffers[0]",
+            ArgumentTypeError,
+        ),
+        (
+            lambda d: KVPool.mha([torch.zeros(4, 2, 8, device=d)], [torch.zeros(4, 8, 2, device=d).transpose(1, 2)]),
+            "v_buffers[0]",
+            InvalidArgumentError,
+        ),
+        (
+            lambda d: KVPool.mha([torch.zeros(4, 16, device=d)], [torch.zeros(4, 16, device=d)]),
+            "k_buffers[0]",
+            InvalidArgumentError,
+        ),
         (lambda d: KVPool.mha(["x"], ["y"]), "k_buffers[0]", ArgumentTypeError),
         (lambda d: KVPool.mla([torch.zeros(4, 2, 8, device=d)]), "latent_buffers[0]", InvalidArgumentError),
         (lambda d: KVPool.from_stacked(torch.zeros(3, 1, 4, 1, 8, device=d)), "t", InvalidArgumentError),
         (lambda d: KVPool.from_stacked(torch.zeros(2, 1, 4, 8, device=d)), "t", InvalidArgumentError),
-        (lambda d: KVPool.from_stacked(torch.zeros(2, 1, 8, 4, 2, device=d).transpose(2, 3)), "t", InvalidArgumentError),
+        (
+            lambda d: KVPool.from_stacked(torch.zeros(2, 1, 8, 4, 2, device=d).transpose(2, 3)),
+            "t",
+            InvalidArgumentError,
+        ),
         (lambda d: KVPool.from_stacked([1, 2]), "t", ArgumentTypeError),
     ],
-    ids=["mha-empty", "mha-layer-count", "mha-shape", "mha-dtype", "mha-not-contiguous", "mha-2d", "mha-not-tensor",
-         "mla-heads", "stacked-parts", "stacked-4d", "stacked-not-contiguous", "stacked-not-tensor"],
+    ids=[
+        "mha-empty",
+        "mha-layer-count",
+        "mha-shape",
+        "mha-dtype",
+        "mha-not-contiguous",
+        "mha-2d",
+        "mha-not-tensor",
+        "mla-heads",
+        "stacked-parts",
+        "stacked-4d",
+        "stacked-not-contiguous",
+        "stacked-not-tensor",
+    ],
 )
 def test_pool_rejects_bad_buffers(device, build, argument, error):
     with pytest.raises(error) as info:
@@ -80,7 +114,9 @@ def test_pool_rejects_buffers_on_two_devices(other):
 
 
 def test_mla_pool_names_the_latent_buffer_on_another_device():
-    with pytest.raises(DeviceMismatchError, match=r"^latent_buffers\[1\]: device must be cpu like the others, got meta"):
+    with pytest.raises(
+        DeviceMismatchError, match=r"^latent_buffers\[1\]: device must be cpu like the others, got meta"
+    ):
         KVPool.mla([torch.zeros(4, 1, 8), torch.zeros(4, 1, 8, device="meta")])
 
 

@@ -54,7 +54,13 @@ def access_counts():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    result = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(ROWS), str(NO_PTXAS)], env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(ROWS), str(NO_PTXAS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if result.returncode == NO_PTXAS:
         skip_missing(f"the ptxas binary for sm_90 ({result.stderr.strip()[-300:]}); Triton's wheel ships it")
     assert result.returncode == 0, result.stderr[-2000:]

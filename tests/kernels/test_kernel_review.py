@@ -16,7 +16,9 @@ def test_aligned_pages_of_a_pool_whose_slots_are_not_a_page_multiple(device, bac
     # 10 slots, page size 3: aligned page runs (0-2, 3-5, 6-8) onto consecutive host pages take
     # the torch path's whole-page route, which must not view the pool as [num_slots / 3, ...].
     page_size = 3
-    pool = make_pool(parts=2, layers=2, num_slots=10, heads=5, dim=72, dtype=torch.bfloat16, device=device, storage="lists", seed=3)
+    pool = make_pool(
+        parts=2, layers=2, num_slots=10, heads=5, dim=72, dtype=torch.bfloat16, device=device, storage="lists", seed=3
+    )
     staging = poison_(make_staging(pool, 4, page_size, layout))
     slot_indices = torch.tensor([6, 7, 8, 0, 1, 2], dtype=torch.int64, device=device)
     host_page_ids = torch.tensor([2, 1], dtype=torch.int64)
@@ -24,7 +26,9 @@ def test_aligned_pages_of_a_pool_whose_slots_are_not_a_page_multiple(device, bac
     gather(pool, staging, slot_indices, host_page_ids, page_size=page_size, layout=layout, backend=backend)
     assert torch.equal(as_bytes(staging), want.view(-1))
 
-    target = make_pool(parts=2, layers=2, num_slots=10, heads=5, dim=72, dtype=torch.bfloat16, device=device, storage="lists", seed=4)
+    target = make_pool(
+        parts=2, layers=2, num_slots=10, heads=5, dim=72, dtype=torch.bfloat16, device=device, storage="lists", seed=4
+    )
     before = [as_bytes(t).clone() for t in target.tensors()]
     scatter(staging, target, slot_indices, host_page_ids, page_size=page_size, layout=layout, backend=backend)
     moved = slot_indices.cpu()
@@ -35,7 +39,17 @@ def test_aligned_pages_of_a_pool_whose_slots_are_not_a_page_multiple(device, bac
 
 
 def test_reference_whole_page_route_on_a_pool_whose_slots_are_not_a_page_multiple(device):
-    pool = make_pool(parts=1, layers=1, num_slots=11, heads=1, dim=576, dtype=torch.float8_e4m3fn, device=device, storage="lists", seed=5)
+    pool = make_pool(
+        parts=1,
+        layers=1,
+        num_slots=11,
+        heads=1,
+        dim=576,
+        dtype=torch.float8_e4m3fn,
+        device=device,
+        storage="lists",
+        seed=5,
+    )
     staging = poison_(make_staging(pool, 2, 3, "page_first"))
     slot_indices = torch.tensor([3, 4, 5, 0, 1, 2], dtype=torch.int32, device=device)
     host_page_ids = torch.tensor([0, 1], dtype=torch.int32)

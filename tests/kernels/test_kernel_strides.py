@@ -68,14 +68,24 @@ def run(op: str, pool, staging, slot_indices, host_page_ids, **options):
     if op == "gather":
         gather(pool, staging, slot_indices, host_page_ids, page_size=PAGE, **options)
     else:
-        scatter(staging, pool, slot_indices, host_page_ids, page_size=PAGE, layer=1 if op.endswith("layer-1") else None, **options)
+        scatter(
+            staging,
+            pool,
+            slot_indices,
+            host_page_ids,
+            page_size=PAGE,
+            layer=1 if op.endswith("layer-1") else None,
+            **options,
+        )
 
 
 def expected(op: str, pool, staging, slot_indices, host_page_ids, layout: str = "page_first"):
     """The destination's bytes after ``op``, by plain Python loops over the indices' values."""
     if op == "gather":
         return [expected_staging(pool, staging, slot_indices, host_page_ids, PAGE, layout)]
-    return expected_pool_after_scatter(pool, staging, slot_indices, host_page_ids, PAGE, layout, layer=1 if op.endswith("layer-1") else None)
+    return expected_pool_after_scatter(
+        pool, staging, slot_indices, host_page_ids, PAGE, layout, layer=1 if op.endswith("layer-1") else None
+    )
 
 
 def synchronize(device):
@@ -152,7 +162,11 @@ def test_staging_that_is_not_contiguous_is_rejected(device, op, kind):
 @pytest.mark.parametrize("kind", ["strided", "expanded"])
 def test_pool_buffers_that_are_not_contiguous_are_rejected(device, kind):
     k = torch.zeros(NUM_SLOTS, 1, 12, dtype=torch.float16, device=device)
-    bad = torch.zeros(NUM_SLOTS * 2, 1, 12, dtype=torch.float16, device=device)[::2] if kind == "strided" else k[:1].expand(NUM_SLOTS, 1, 12)
+    bad = (
+        torch.zeros(NUM_SLOTS * 2, 1, 12, dtype=torch.float16, device=device)[::2]
+        if kind == "strided"
+        else k[:1].expand(NUM_SLOTS, 1, 12)
+    )
     with pytest.raises(InvalidArgumentError, match=r"^v_buffers\[0\]: must be contiguous"):
         KVPool.mha([k], [bad])
 
@@ -161,7 +175,9 @@ def test_pool_buffers_that_are_not_contiguous_are_rejected(device, kind):
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("op", OPS)
 def test_pool_buffers_with_storage_offsets_are_used_at_their_offsets(device, op, backend, mode):
-    pool = make_pool(parts=2, layers=3, num_slots=NUM_SLOTS, heads=1, dim=12, dtype=torch.float16, device=device, storage="scattered")
+    pool = make_pool(
+        parts=2, layers=3, num_slots=NUM_SLOTS, heads=1, dim=12, dtype=torch.float16, device=device, storage="scattered"
+    )
     assert all(t.storage_offset() > 0 for t in pool.tensors())
     arena = pool.tensors()[0]._base  # the one allocation the buffers are carved from, gaps between them
     gaps = torch.ones(arena.numel(), dtype=torch.bool)
@@ -187,6 +203,10 @@ def test_scatter_rejects_a_repeated_slot_it_can_see(device):
     slot_indices = torch.tensor([9, 2, 14, 9, 0, 11], device=device)
     before = pool_bytes(pool)
     with pytest.raises(InvalidArgumentError, match="^slot_indices: .*repeat"):
-        scatter(staging, pool, slot_indices, torch.tensor(HOST_PAGE_IDS, device=device), page_size=PAGE, check_bounds=True)
+        scatter(
+            staging, pool, slot_indices, torch.tensor(HOST_PAGE_IDS, device=device), page_size=PAGE, check_bounds=True
+        )
     assert changed_buffers(before, pool) == []
-    gather(pool, staging, slot_indices, torch.tensor(HOST_PAGE_IDS, device=device), page_size=PAGE, check_bounds=True)  # gather may repeat
+    gather(
+        pool, staging, slot_indices, torch.tensor(HOST_PAGE_IDS, device=device), page_size=PAGE, check_bounds=True
+    )  # gather may repeat

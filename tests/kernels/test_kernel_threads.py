@@ -62,4 +62,3 @@ def test_gather_on_a_worker_thread_while_the_caller_scatters(device):
     assert not failures, failures[0]
     assert len(gathered) == ROUNDS and all(same_bytes(s, want_staging) for s in gathered)
     assert pool_equals(target, want_target)
-

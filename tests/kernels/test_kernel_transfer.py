@@ -49,9 +49,21 @@ def build(device, shape, *, storage="lists", num_pages=3, seed=0, layout="page_f
     parts, layers, heads, dim, page, dtype = shape
     num_host_pages = num_pages + 2  # two host pages stay untouched: they must keep their poison
     num_slots = max(num_pages * page + 5, 8)
-    pool = make_pool(parts=parts, layers=layers, num_slots=num_slots, heads=heads, dim=dim, dtype=dtype, device=device, storage=storage, seed=seed)
+    pool = make_pool(
+        parts=parts,
+        layers=layers,
+        num_slots=num_slots,
+        heads=heads,
+        dim=dim,
+        dtype=dtype,
+        device=device,
+        storage=storage,
+        seed=seed,
+    )
     staging = make_staging(pool, num_host_pages, page, layout)
-    slot_indices, host_page_ids = make_indices(pool, num_pages, page, num_host_pages, seed=seed, index_dtype=index_dtype)
+    slot_indices, host_page_ids = make_indices(
+        pool, num_pages, page, num_host_pages, seed=seed, index_dtype=index_dtype
+    )
     return pool, staging, slot_indices, host_page_ids
 
 
@@ -76,7 +88,11 @@ def test_gather_equals_python_loops_and_leaves_other_pages_poisoned(device, shap
     # the host pages nobody asked for still hold the poison
     untouched = sorted(set(range(host_page_ids.numel() + 2)) - set(host_page_ids.tolist()))
     for host_page in untouched:
-        plane = staging[host_page] if layout == "page_first" else staging[:, :, host_page * shape[4] : (host_page + 1) * shape[4]]
+        plane = (
+            staging[host_page]
+            if layout == "page_first"
+            else staging[:, :, host_page * shape[4] : (host_page + 1) * shape[4]]
+        )
         assert (as_bytes(plane) == 0xA5).all()
 
 
@@ -94,7 +110,9 @@ def test_scatter_equals_python_loops_and_leaves_other_slots_alone(device, shape,
 @pytest.mark.parametrize("storage", ["stacked", "scattered"])
 def test_gather_then_scatter_restores_the_pool(device, storage, layout):
     shape = (2, 3, 5, 72, 3, torch.bfloat16)
-    pool, staging, slot_indices, host_page_ids = build(device, shape, storage=storage, layout=layout, index_dtype=torch.int32)
+    pool, staging, slot_indices, host_page_ids = build(
+        device, shape, storage=storage, layout=layout, index_dtype=torch.int32
+    )
     original = pool_bytes(pool)
     gather(pool, staging, slot_indices, host_page_ids, page_size=3, layout=layout, backend=BACKEND)
     for t in pool.tensors():  # wipe the slots that were gathered, then bring them back

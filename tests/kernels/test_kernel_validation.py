@@ -45,7 +45,9 @@ def _bad(case, what):
     elif what == "staging-rank":
         kw["staging"] = staging.view(4, 2, 2, PAGE, 8)
     elif what == "staging-not-contiguous":
-        kw["staging"] = torch.zeros(2, 2, 2, PAGE, 1, 8, dtype=torch.float16, device=dev)[:, :, :, :, :, :].transpose(0, 1)
+        kw["staging"] = torch.zeros(2, 2, 2, PAGE, 1, 8, dtype=torch.float16, device=dev)[:, :, :, :, :, :].transpose(
+            0, 1
+        )
     elif what == "layer-first-tokens":
         kw["staging"] = torch.zeros(2, 2, 10, 1, 8, dtype=torch.float16, device=dev)
         kw["layout"] = "layer_first"
@@ -179,7 +181,9 @@ def test_staging_on_another_device_for_a_cpu_pool_is_a_device_mismatch(other, op
     staging = torch.zeros(2, 1, 2, 1, 1, 8, dtype=torch.float16, device=other)
     slot_indices, host_page_ids = make_indices(pool, 1, 1, 2)
     before = pool_bytes(pool)
-    with pytest.raises(DeviceMismatchError, match=rf"^staging: must be pinned host memory or on the pool's device \(cpu\), got {other}"):
+    with pytest.raises(
+        DeviceMismatchError, match=rf"^staging: must be pinned host memory or on the pool's device \(cpu\), got {other}"
+    ):
         if op == "gather":
             gather(pool, staging, slot_indices, host_page_ids, page_size=1)
         else:

@@ -197,12 +197,22 @@ def test_store_then_load_is_byte_exact_for_mla_and_float8(mla, dtype):
     g = torch.Generator().manual_seed(0)
 
     def buffer(shape):
-        return torch.randint(0, 120, shape, generator=g, dtype=torch.uint8).view(dtype) if dtype.itemsize == 1 else torch.randn(shape, generator=g).to(dtype)
+        return (
+            torch.randint(0, 120, shape, generator=g, dtype=torch.uint8).view(dtype)
+            if dtype.itemsize == 1
+            else torch.randn(shape, generator=g).to(dtype)
+        )
 
-    pool = KVPool.mla([buffer((256, 1, 32)) for _ in range(2)]) if mla else KVPool.mha([buffer((256, 2, 16)) for _ in range(2)], [buffer((256, 2, 16)) for _ in range(2)])
+    pool = (
+        KVPool.mla([buffer((256, 1, 32)) for _ in range(2)])
+        if mla
+        else KVPool.mha([buffer((256, 2, 16)) for _ in range(2)], [buffer((256, 2, 16)) for _ in range(2)])
+    )
     store = open_storage("memory", LayoutFingerprint.of(pool, page_size=8, model_id="m"))
     slots = SlotTable(256, generator=torch.Generator().manual_seed(0))
-    manager = OffloadManager(pool, HostPool.like(pool, num_pages=16, page_size=8), store, PageHasher(page_size=8), slots, backend="torch")
+    manager = OffloadManager(
+        pool, HostPool.like(pool, num_pages=16, page_size=8), store, PageHasher(page_size=8), slots, backend="torch"
+    )
     a, b = SimpleRequest("a", range(25), [7]), SimpleRequest("b", range(25))
     slots.assign(a, 26)
     a.done = True

@@ -149,7 +149,9 @@ def test_min_pages_is_capped_by_the_lookup_and_waiting_prefetches_start_in_order
     rig = make_rig(page_size=2, store_prompt=True, num_host_pages=8)
     held = rig.host_pool.alloc(7)
     first = rig.manager.prefetch(newcomer(rig, "first", range(9)), min_pages=100)  # wants 4: waits for 4
-    second = rig.manager.prefetch(newcomer(rig, "second", range(5)), min_pages=1)  # wants 2, 1 is free: but waits its turn
+    second = rig.manager.prefetch(
+        newcomer(rig, "second", range(5)), min_pages=1
+    )  # wants 2, 1 is free: but waits its turn
     assert (first.num_host_pages, second.num_host_pages) == (0, 0)
     rig.host_pool.free(held)
     rig.manager.poll()
@@ -172,11 +174,14 @@ def test_a_waiting_prefetch_can_be_cancelled():
     assert rig.manager.prefetch(req).num_host_pages == 4  # no prefetch pending any more
 
 
-@pytest.mark.parametrize("bad, rule", [
-    (0, r"^min_pages: must be None or an int >= 1, got 0"),
-    (2.0, r"^min_pages: must be None or an int >= 1, got 2.0"),
-    (9, r"^min_pages: 9 of the 20 pages looked up can never be free: the host pool holds 8 pages"),
-])
+@pytest.mark.parametrize(
+    "bad, rule",
+    [
+        (0, r"^min_pages: must be None or an int >= 1, got 0"),
+        (2.0, r"^min_pages: must be None or an int >= 1, got 2.0"),
+        (9, r"^min_pages: 9 of the 20 pages looked up can never be free: the host pool holds 8 pages"),
+    ],
+)
 def test_a_bad_min_pages_raises_before_anything(bad, rule):
     rig = make_rig(page_size=2, store_prompt=True, num_host_pages=8)
     req = newcomer(rig, "b", range(41))

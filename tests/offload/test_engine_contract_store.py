@@ -99,12 +99,15 @@ def test_finish_takes_kv_length_too():
     stored_pages_equal(rig, req, 5)
 
 
-@pytest.mark.parametrize("bad, rule", [
-    (41, r"^kv_length: 41 exceeds the 40 tokens of rid='long'"),
-    (-1, r"^kv_length: must be an int >= 0"),
-    (True, r"^kv_length: must be an int >= 0"),
-    (16.0, r"^kv_length: must be an int >= 0"),
-])
+@pytest.mark.parametrize(
+    "bad, rule",
+    [
+        (41, r"^kv_length: 41 exceeds the 40 tokens of rid='long'"),
+        (-1, r"^kv_length: must be an int >= 0"),
+        (True, r"^kv_length: must be an int >= 0"),
+        (16.0, r"^kv_length: must be an int >= 0"),
+    ],
+)
 def test_a_kv_length_past_the_tokens_or_not_an_int_raises_before_anything(bad, rule):
     rig = make_rig(page_size=PAGE, store_prompt=True)
     req = prefilling(rig, "long", range(40), 40)
@@ -117,7 +120,9 @@ def test_a_kv_length_below_what_was_launched_raises_and_changes_nothing():
     rig = make_rig(page_size=PAGE, store_prompt=True)
     req = prefilling(rig, "long", range(40), 24)
     assert rig.manager.offload(req, kv_length=24)
-    with pytest.raises(InvalidArgumentError, match=r"^kv_length: 20 is below the 24 tokens of rid='long' launched already"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"^kv_length: 20 is below the 24 tokens of rid='long' launched already"
+    ):
         rig.manager.offload(req, kv_length=20)
     with pytest.raises(InvalidArgumentError, match=r"^kv_length: 8 is below"):
         rig.manager.finish(req, kv_length=8)
@@ -148,8 +153,13 @@ def test_on_stored_comes_after_the_last_write_landed_not_at_release():
     # lookup right after A's release found 0 pages, 10 a moment later.
     stored = []
     store = GatedStore(rig_fingerprint())
-    rig = make_rig(page_size=PAGE, store_prompt=True, storage=store, store_workers=StoreWorkers(),
-                   on_stored=lambda *args: stored.append(args))
+    rig = make_rig(
+        page_size=PAGE,
+        store_prompt=True,
+        storage=store,
+        store_workers=StoreWorkers(),
+        on_stored=lambda *args: stored.append(args),
+    )
     a = rig.new_request("a", range(40), 4)
     a.output_ids.append(1)
     a.done = True
@@ -265,7 +275,10 @@ def test_finish_backlog_pages_opts_into_dropping():
 
 def test_an_offload_stride_the_host_pool_can_never_hold_raises_at_construction():
     # Before: accepted, and never launched a stride.
-    with pytest.raises(InvalidArgumentError, match=r"^offload_stride: 12 tokens \(3 pages of 4\) exceeds the host pool's capacity of 2 pages"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"^offload_stride: 12 tokens \(3 pages of 4\) exceeds the host pool's capacity of 2 pages",
+    ):
         make_rig(page_size=PAGE, num_host_pages=2, offload_stride=12)
     make_rig(page_size=PAGE, num_host_pages=2, offload_stride=8)  # exactly the capacity fits
 
@@ -293,8 +306,12 @@ def test_on_storage_failure_gets_the_exception_that_failed_the_write_logged_once
         def _put(self, full_keys, pages, full_prior_key=None):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    rig = make_rig(page_size=PAGE, store_prompt=True, storage=FullDisk(rig_fingerprint()),
-                   on_storage_failure=lambda *args: reports.append(args))
+    rig = make_rig(
+        page_size=PAGE,
+        store_prompt=True,
+        storage=FullDisk(rig_fingerprint()),
+        on_storage_failure=lambda *args: reports.append(args),
+    )
     req = rig.new_request("r", range(8), 4)
     req.done = True
     rig.manager.finish(req)
@@ -314,7 +331,9 @@ def test_a_placeholder_after_the_prompt_raises_before_the_prompt_pages_launch():
     req = rig.new_request("spec", range(8), 8)
     for token in (1, 2, -1, 4, 5):
         rig.decode(req, token)
-    with pytest.raises(InvalidArgumentError, match=r"^output_ids\[2\]: rid='spec' holds the placeholder id -1 at token position 10"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"^output_ids\[2\]: rid='spec' holds the placeholder id -1 at token position 10"
+    ):
         rig.manager.offload(req)
     assert rig.copy_stream.submitted == 0 and rig.host_pool.used == 0 and not rig.manager.is_tracked(req)
     req.output_ids[2] = 3
@@ -355,8 +374,12 @@ def test_on_storage_failure_gets_the_error_a_store_answer_carries():
         def _put(self, full_keys, pages, full_prior_key=None):
             return PutStatuses([PutStatus.FAILED] * len(full_keys), OSError(errno.EROFS, "Read-only file system"))
 
-    rig = make_rig(page_size=PAGE, store_prompt=True, storage=ReadOnly(rig_fingerprint()),
-                   on_storage_failure=lambda *args: reports.append(args))
+    rig = make_rig(
+        page_size=PAGE,
+        store_prompt=True,
+        storage=ReadOnly(rig_fingerprint()),
+        on_storage_failure=lambda *args: reports.append(args),
+    )
     req = rig.new_request("r", range(8), 4)
     req.done = True
     rig.manager.finish(req)

@@ -38,7 +38,9 @@ def test_threading_error_is_a_kvstage_runtime_error():
     assert issubclass(ThreadingError, KvstageError) and issubclass(ThreadingError, RuntimeError)
 
 
-@pytest.mark.parametrize("call", ["poll", "offload", "finish", "abort", "retract", "match_prefix", "prefetch", "drain", "flush"])
+@pytest.mark.parametrize(
+    "call", ["poll", "offload", "finish", "abort", "retract", "match_prefix", "prefetch", "drain", "flush"]
+)
 def test_a_call_from_a_second_thread_raises_naming_the_method_and_both_threads(call):
     # Before: poll() from two threads raised IndexError inside the manager or failed pages
     # with chain writes out of order; nothing detected the misuse.

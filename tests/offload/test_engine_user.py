@@ -50,18 +50,44 @@ def make_model(arch: str) -> torch.nn.Module:
     with torch.random.fork_rng():
         torch.manual_seed(1)
         if arch == "llama":
-            model = LlamaForCausalLM(LlamaConfig(
-                hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=512,
-                attn_implementation="eager"))
+            model = LlamaForCausalLM(
+                LlamaConfig(
+                    hidden_size=64,
+                    intermediate_size=128,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    head_dim=16,
+                    vocab_size=VOCAB,
+                    max_position_embeddings=512,
+                    attn_implementation="eager",
+                )
+            )
         else:
-            model = DeepseekV3ForCausalLM(DeepseekV3Config(
-                hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=32,
-                qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
-                num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
-                first_k_dense_replace=1, vocab_size=VOCAB, max_position_embeddings=512,
-                attn_implementation="eager"))
+            model = DeepseekV3ForCausalLM(
+                DeepseekV3Config(
+                    hidden_size=64,
+                    intermediate_size=128,
+                    moe_intermediate_size=32,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    num_key_value_heads=2,
+                    q_lora_rank=None,
+                    kv_lora_rank=32,
+                    qk_rope_head_dim=8,
+                    qk_nope_head_dim=16,
+                    v_head_dim=16,
+                    n_routed_experts=4,
+                    num_experts_per_tok=2,
+                    n_group=1,
+                    topk_group=1,
+                    n_shared_experts=1,
+                    first_k_dense_replace=1,
+                    vocab_size=VOCAB,
+                    max_position_embeddings=512,
+                    attn_implementation="eager",
+                )
+            )
     return model.eval()
 
 
@@ -73,7 +99,9 @@ def make_pool(model: torch.nn.Module) -> KVPool:
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         return KVPool.mla([torch.full((NUM_SLOTS, 1, width), float("nan")) for _ in layers])
     shape = (NUM_SLOTS, cfg.num_key_value_heads, cfg.head_dim)
-    return KVPool.mha([torch.full(shape, float("nan")) for _ in layers], [torch.full(shape, float("nan")) for _ in layers])
+    return KVPool.mha(
+        [torch.full(shape, float("nan")) for _ in layers], [torch.full(shape, float("nan")) for _ in layers]
+    )
 
 
 class Req:
@@ -129,7 +157,7 @@ class PoolKV:
         if self.load is not None:
             self.load.wait_layer(layer_idx)
         end = self.start + first.shape[-2]
-        new, upto = self.row[self.start:end], self.row[:end]
+        new, upto = self.row[self.start : end], self.row[:end]
         if self.pool.kv_parts == 2:
             k, v = self.pool.layer(0, layer_idx), self.pool.layer(1, layer_idx)
             k[new], v[new] = first[0].transpose(0, 1), second[0].transpose(0, 1)
@@ -153,8 +181,18 @@ class Engine:
     request is prefetched (``wait_complete``) and runs once ready, with its prefix loaded.
     """
 
-    def __init__(self, model, storage=None, *, seed=0, host_pages=32, store_prompt=True,
-                 prefetch=True, min_pages=None, manager_kwargs=None) -> None:
+    def __init__(
+        self,
+        model,
+        storage=None,
+        *,
+        seed=0,
+        host_pages=32,
+        store_prompt=True,
+        prefetch=True,
+        min_pages=None,
+        manager_kwargs=None,
+    ) -> None:
         self.model, self.pool = model, make_pool(model)
         self.slots = Slots(seed)
         self.keyword = _cache_keyword(model.model.layers[0])
@@ -170,10 +208,16 @@ class Engine:
         if storage is not None:
             host = HostPool.like(self.pool, num_pages=host_pages, page_size=PAGE)
             self.manager = OffloadManager(
-                self.pool, host, storage, PageHasher(page_size=PAGE), self.slots,
-                store_prompt=store_prompt, release=self._release,
+                self.pool,
+                host,
+                storage,
+                PageHasher(page_size=PAGE),
+                self.slots,
+                store_prompt=store_prompt,
+                release=self._release,
                 on_stored=lambda req, ok, failed: self.stored.append((req, ok, failed)),
-                **(manager_kwargs or {}))
+                **(manager_kwargs or {}),
+            )
 
     def _release(self, req: Req) -> None:
         self.released.append(req)
@@ -190,7 +234,9 @@ class Engine:
         mask = torch.full((end - start, end), torch.finfo(hidden.dtype).min).triu(start + 1)[None, None]
         cache = PoolKV(self.pool, row, start, load)
         for layer in inner.layers:
-            out = layer(hidden, attention_mask=mask, position_ids=pos, position_embeddings=rope, **{self.keyword: cache})
+            out = layer(
+                hidden, attention_mask=mask, position_ids=pos, position_embeddings=rope, **{self.keyword: cache}
+            )
             hidden = out[0] if isinstance(out, tuple) else out
         logits = self.model.lm_head(inner.norm(hidden))[0]
         req.computed = end
@@ -204,7 +250,10 @@ class Engine:
         for req in list(self.waiting):
             self.waiting.remove(req)
             if self.manager is not None and self.use_prefetch:
-                self.prefetching[id(req)] = (req, self.manager.prefetch(req, policy="wait_complete", min_pages=self.min_pages))
+                self.prefetching[id(req)] = (
+                    req,
+                    self.manager.prefetch(req, policy="wait_complete", min_pages=self.min_pages),
+                )
             else:
                 self.running.append(req)
         for _, handle in list(self.prefetching.values()):
@@ -340,8 +389,10 @@ def test_other_namespace_misses(llama):
     a = Req("a", prompt(1, 37), 2, **NAMESPACE)
     engine.run(a)
     engine.settle()
-    engine.run(Req("other-tenant", a.origin_input_ids, 2, extra_key="lora-3", cache_salt="tenant-y"),
-               Req("no-namespace", a.origin_input_ids, 2))
+    engine.run(
+        Req("other-tenant", a.origin_input_ids, 2, extra_key="lora-3", cache_salt="tenant-y"),
+        Req("no-namespace", a.origin_input_ids, 2),
+    )
     assert engine.loaded == {"a": 0, "other-tenant": 0, "no-namespace": 0}
     engine.manager.close()
 
@@ -483,11 +534,12 @@ def test_a_second_thread_calling_the_manager_raises_naming_the_method(llama):
     engine.manager.close()
 
 
-
 def _corrupt_third_page(llama, directory):
     """An engine on a ``file:`` store stores A (37-token prompt: 4 pages); then one byte of
     the file of A's third page flips (a torn write, a bad disk)."""
-    engine = Engine(llama, open_storage(f"file:{directory}", LayoutFingerprint.of(make_pool(llama), page_size=PAGE, model_id="toy")))
+    engine = Engine(
+        llama, open_storage(f"file:{directory}", LayoutFingerprint.of(make_pool(llama), page_size=PAGE, model_id="toy"))
+    )
     a = Req("a", prompt(95, 37), 3, **NAMESPACE)
     engine.run(a)
     engine.settle()
@@ -526,8 +578,10 @@ def test_the_warning_for_a_prefetch_ended_by_a_corrupt_page_says_why(tmp_path, l
     engine.manager.close()
     (message,) = [r.getMessage() for r in caplog.records if "ended at page" in r.getMessage()]
     assert not message.endswith("None"), message
-    assert message.endswith("ended at page 2 of 4: the store held page 2 at the lookup but did not return it "
-                            "(missing or corrupt: evicted, removed, or a failed checksum since)"), message
+    assert message.endswith(
+        "ended at page 2 of 4: the store held page 2 at the lookup but did not return it "
+        "(missing or corrupt: evicted, removed, or a failed checksum since)"
+    ), message
 
 
 def test_a_decode_side_loads_the_prefill_sides_prompt_pages_and_continues_the_chain(llama):
@@ -554,6 +608,7 @@ def test_a_decode_side_loads_the_prefill_sides_prompt_pages_and_continues_the_ch
     reference.run(ref)
     assert req.output_ids == ref.output_ids
     decode.manager.close(), prefill.manager.close()
+
 
 # -- two processes sharing a file: store ---------------------------------------------------------
 
@@ -593,8 +648,13 @@ else:
 def _start(role: str, directory, rendezvous) -> subprocess.Popen:
     script = ROLE_SCRIPT.format(tests=str(REPO_ROOT / "tests"), offload_tests=str(REPO_ROOT / "tests" / "offload"))
     env = dict(os.environ, TRITON_INTERPRET="1")
-    return subprocess.Popen([sys.executable, "-c", script, role, str(directory), str(rendezvous)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-c", script, role, str(directory), str(rendezvous)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 @pytest.mark.slow
@@ -625,11 +685,13 @@ def test_prefill_and_decode_processes_share_a_file_store(tmp_path, llama):
     assert result["output_ids"] == list(ref.output_ids)
     assert all(torch.equal(x, y) for x, y in zip(result["logits"], ref.logits, strict=True))
 
-    reader = Engine(llama, open_storage("file:" + str(directory), LayoutFingerprint.of(make_pool(llama), page_size=PAGE, model_id="toy")))
+    reader = Engine(
+        llama,
+        open_storage("file:" + str(directory), LayoutFingerprint.of(make_pool(llama), page_size=PAGE, model_id="toy")),
+    )
     turn2 = Req("turn2", ref.all_ids() + [1, 2, 3], 1, **NAMESPACE)
     assert reader.manager.match_prefix(turn2).num_pages == 7
     reader.manager.close()
-
 
 
 EXIT_SCRIPT = """
@@ -647,11 +709,17 @@ def test_a_process_that_exits_without_close_exits_normally(tmp_path):
     """Three requests through a 4-page host pool, then exit with copies, writes and finish
     backlogs in flight and no ``close()``: exit status 0, nothing on stderr from the workers."""
     script = EXIT_SCRIPT.format(tests=str(REPO_ROOT / "tests"), offload_tests=str(REPO_ROOT / "tests" / "offload"))
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, TRITON_INTERPRET="1"))
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("live ")
     assert "terminate called" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
 
 # -- defects found this way (xfail until fixed) -------------------------------------------------
 
@@ -664,7 +732,9 @@ def _bare_manager(**kwargs):
     return OffloadManager(pool, host, storage, PageHasher(page_size=PAGE), lambda req: torch.arange(64), **kwargs)
 
 
-@pytest.mark.parametrize("namespace", [{"extra_key": 7}, {"cache_salt": b"salt"}], ids=["int-extra_key", "bytes-cache_salt"])
+@pytest.mark.parametrize(
+    "namespace", [{"extra_key": 7}, {"cache_salt": b"salt"}], ids=["int-extra_key", "bytes-cache_salt"]
+)
 def test_offload_that_raises_on_a_bad_namespace_tracks_nothing(namespace):
     """An engine keeping a LoRA adapter's int id as ``extra_key``: the README's contract says a
     call that raises changed nothing and tracks nothing new; the request stays tracked
@@ -708,8 +778,16 @@ def _decode_side_first(llama, failures, **manager_kwargs):
     """Disaggregation timing: the decode side (``store_prompt=False``) decodes 20 tokens and
     writes its 2 decode pages before the prefill side's 5 prompt pages land in the shared store."""
     storage = memory_store(make_pool(llama))
-    decode = Engine(llama, storage, store_prompt=False, prefetch=False,
-                    manager_kwargs={"on_storage_failure": lambda req, keys, error: failures.append((len(keys), error)), **manager_kwargs})
+    decode = Engine(
+        llama,
+        storage,
+        store_prompt=False,
+        prefetch=False,
+        manager_kwargs={
+            "on_storage_failure": lambda req, keys, error: failures.append((len(keys), error)),
+            **manager_kwargs,
+        },
+    )
     prefill = Engine(llama, storage, prefetch=False)
     req = Req("r", prompt(20, 40), 20, **NAMESPACE)
     decode.run(req)
@@ -811,7 +889,9 @@ def test_a_resumed_request_that_reloads_less_than_it_stored_mends_its_chain(tmp_
     page 2 is never stored again, and every later page sits behind the hole (1 of 7 reachable).
     A fresh request in the same place stores the recomputed pages again (see the corrupt-page
     test above)."""
-    engine = Engine(llama, open_storage(f"file:{tmp_path}", LayoutFingerprint.of(make_pool(llama), page_size=PAGE, model_id="toy")))
+    engine = Engine(
+        llama, open_storage(f"file:{tmp_path}", LayoutFingerprint.of(make_pool(llama), page_size=PAGE, model_id="toy"))
+    )
     req = Req("r", prompt(120, 20), 40, **NAMESPACE)
     engine.submit(req)
     while len(req.output_ids) < 20:
@@ -836,8 +916,11 @@ def test_a_resumed_request_that_reloads_less_than_it_stored_mends_its_chain(tmp_
 # -- gaps the user reported ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("length", [np.int64(16), np.int32(16), np.uint16(16), np.array(16), torch.tensor(16), torch.tensor(16, dtype=torch.int32)],
-                         ids=["np.int64", "np.int32", "np.uint16", "np-0d", "torch-0d-int64", "torch-0d-int32"])
+@pytest.mark.parametrize(
+    "length",
+    [np.int64(16), np.int32(16), np.uint16(16), np.array(16), torch.tensor(16), torch.tensor(16, dtype=torch.int32)],
+    ids=["np.int64", "np.int32", "np.uint16", "np-0d", "torch-0d-int64", "torch-0d-int32"],
+)
 def test_kv_length_takes_any_integer_scalar(length):
     """vLLM keeps ``num_computed_tokens`` as numpy; a 0-d integer tensor is the same number."""
     manager = _bare_manager()
@@ -856,8 +939,11 @@ def test_kv_length_takes_any_integer_scalar(length):
     assert manager.metrics.pages_stored == 5
 
 
-@pytest.mark.parametrize("length", [np.bool_(True), torch.tensor(True), torch.tensor(16.0), np.float64(16), torch.tensor([16]), np.array([16]), 16.0],
-                         ids=["np.bool_", "torch-bool", "torch-float", "np.float64", "torch-1d", "np-1d", "float"])
+@pytest.mark.parametrize(
+    "length",
+    [np.bool_(True), torch.tensor(True), torch.tensor(16.0), np.float64(16), torch.tensor([16]), np.array([16]), 16.0],
+    ids=["np.bool_", "torch-bool", "torch-float", "np.float64", "torch-1d", "np-1d", "float"],
+)
 def test_kv_length_that_is_no_integer_scalar_is_refused_and_tracks_nothing(length):
     manager = _bare_manager()
     req = Req("r", range(1, 41), 4)

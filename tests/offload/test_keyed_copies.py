@@ -26,7 +26,10 @@ NUM_BLOCKS, LAYERS, BLOCK_BYTES = 12, 3, 256  # vLLM-like canonical tensors: [nu
 @pytest.fixture
 def rig():
     generator = torch.Generator().manual_seed(3)
-    layers = [torch.randint(-128, 128, (NUM_BLOCKS, 1, BLOCK_BYTES), dtype=torch.int8, generator=generator) for _ in range(LAYERS)]
+    layers = [
+        torch.randint(-128, 128, (NUM_BLOCKS, 1, BLOCK_BYTES), dtype=torch.int8, generator=generator)
+        for _ in range(LAYERS)
+    ]
     kv_pool = KVPool.mla(layers)
     host_pool = HostPool.like(kv_pool, num_pages=4, page_size=1)
     store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=host_pool.page_bytes, page_format="test"))
@@ -172,7 +175,9 @@ def test_a_failed_load_skips_its_later_parts_and_writes_none_of_their_blocks(rig
     keyed.poll()
     before = [layer.clone() for layer in layers]
     reads_before = store.stats.pages_read
-    keyed.load("back", ["missing", "a1", "a2", "a3", "a4", "a5", "a6", "a7"], blocks(0, 1, 2, 3, 4, 5, 6, 7))  # 2 parts of 4
+    keyed.load(
+        "back", ["missing", "a1", "a2", "a3", "a4", "a5", "a6", "a7"], blocks(0, 1, 2, 3, 4, 5, 6, 7)
+    )  # 2 parts of 4
     [result] = finish(keyed, "back")
     assert not result.ok and result.bytes == 0
     for layer, old in zip(layers, before):
@@ -203,7 +208,11 @@ def test_storing_held_keys_again_succeeds_without_writing(rig):
 
 @pytest.mark.parametrize(
     ("keys", "slots", "message"),
-    [(["a", "b"], blocks(1), "slot_indices"), (["a", "a"], blocks(1, 2), "page_keys"), (["a"], blocks(1, 2).view(1, 2), "slot_indices")],
+    [
+        (["a", "b"], blocks(1), "slot_indices"),
+        (["a", "a"], blocks(1, 2), "page_keys"),
+        (["a"], blocks(1, 2).view(1, 2), "slot_indices"),
+    ],
 )
 def test_bad_jobs_raise_before_anything_starts(rig, keys, slots, message):
     keyed, layers, store, host_pool = rig
@@ -254,7 +263,9 @@ def test_stores_whose_gathers_finish_in_one_poll_each_write_their_own_pages(rig)
     page = torch.empty(host_pool.page_bytes, dtype=torch.uint8)
     for key, block in (("k1", 1), ("k2", 2), ("k7", 7), ("k8", 8)):
         assert store.get([key], [page]) == [True], key
-        assert torch.equal(page.view(torch.int8).view(LAYERS, BLOCK_BYTES), torch.stack([layer[block, 0] for layer in layers])), key
+        assert torch.equal(
+            page.view(torch.int8).view(LAYERS, BLOCK_BYTES), torch.stack([layer[block, 0] for layer in layers])
+        ), key
     assert host_pool.free_pages == 4
 
 
@@ -287,7 +298,12 @@ def test_prior_keys_link_each_run_to_its_predecessor_in_order(rig):
     keyed.store("second", blocks(2, 3, 4, 5), ["c", "d", "x", "y"], prior_keys=["b", None, "w", None])
     [result] = finish(keyed, "second")
     assert puts[1:] == [(["c", "d"], "b"), (["x", "y"], "w")]
-    assert not result.ok and store.exists(["c", "d", "x", "y"]) == [True, True, False, False]  # "w" is not stored: a chain no lookup reaches
+    assert not result.ok and store.exists(["c", "d", "x", "y"]) == [
+        True,
+        True,
+        False,
+        False,
+    ]  # "w" is not stored: a chain no lookup reaches
 
 
 def test_chain_runs_split_where_a_page_does_not_follow_the_one_before():

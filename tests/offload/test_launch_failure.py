@@ -54,7 +54,12 @@ def test_a_finish_whose_second_run_fails_keeps_the_first_run_until_its_pages_are
     assert rig.released == [req]
     assert rig.missing_pages(req) == [2]  # pages 0 and 1 stored, byte for byte
     metrics = rig.manager.metrics
-    assert (metrics.pages_stored, metrics.pages_in_flight, metrics.host_pages_used, metrics.pages_dropped) == (2, 0, 0, 0)
+    assert (metrics.pages_stored, metrics.pages_in_flight, metrics.host_pages_used, metrics.pages_dropped) == (
+        2,
+        0,
+        0,
+        0,
+    )
 
 
 def test_an_offload_whose_first_run_fails_tracks_nothing_and_a_retry_stores_the_right_keys():
@@ -114,7 +119,9 @@ def test_waiting_pages_whose_second_run_fails_drop_only_the_pages_not_launched()
 def test_the_backlog_limit_counts_only_the_pages_still_waiting_after_a_partial_launch():
     rig = make_rig(page_size=PAGE, store_prompt=True, num_host_pages=4, finish_backlog_pages=3)
     holder = rig.new_request("holder", list(range(200, 216)), 1)
-    assert rig.manager.offload(holder, kv_length=8) and rig.manager.offload(holder, kv_length=16)  # two copies, the whole pool
+    assert rig.manager.offload(holder, kv_length=8) and rig.manager.offload(
+        holder, kv_length=16
+    )  # two copies, the whole pool
     a = decoded(rig, "a", range(8), 5)  # three whole pages
     a.done = True
     assert rig.manager.finish(a)  # three wait: the limit

@@ -15,8 +15,12 @@ KEYS = [f"k{index}" for index in range(6)]
 
 def resume(num_pages, *, offloaded_length=0, has_chain=False, prompt_end=0, page_keys=KEYS):
     return plan_load_resume(
-        num_pages=num_pages, page_size=PAGE, page_keys=page_keys, prompt_end=prompt_end,
-        offloaded_length=offloaded_length, has_chain=has_chain,
+        num_pages=num_pages,
+        page_size=PAGE,
+        page_keys=page_keys,
+        prompt_end=prompt_end,
+        offloaded_length=offloaded_length,
+        has_chain=has_chain,
     )
 
 

@@ -65,7 +65,9 @@ def test_prefetch_arguments():
     check_prefetch_arguments("timeout", 0.5, 2)
     with pytest.raises(InvalidArgumentError, match=r"^policy: must be one of"):
         check_prefetch_arguments("eager", None, None)
-    with pytest.raises(InvalidArgumentError, match=r"^timeout_s: must be a positive number of seconds for policy 'timeout', got 0$"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"^timeout_s: must be a positive number of seconds for policy 'timeout', got 0$"
+    ):
         check_prefetch_arguments("timeout", 0, None)
     with pytest.raises(InvalidArgumentError, match=r"^min_pages: must be None or an int >= 1, got True$"):
         check_prefetch_arguments("best_effort", None, True)
@@ -75,13 +77,18 @@ def test_prefetch_request_rules():
     req = request()
     check_prefetch_request(req, None, False, 3, 3, 3)
     check_prefetch_request(req, RequestState(req, 0), False, 3, None, 3)
-    with pytest.raises(InvalidArgumentError, match=r"^min_pages: 4 of the 5 pages looked up can never be free: the host pool holds 3 pages$"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"^min_pages: 4 of the 5 pages looked up can never be free: the host pool holds 3 pages$",
+    ):
         check_prefetch_request(req, None, False, 5, 4, 3)
     with pytest.raises(InvalidArgumentError, match=r"^req: rid='r' has ended"):
         check_prefetch_request(req, None, True, 3, None, 3)
     offloaded = RequestState(req, 0)
     offloaded.copies_in_flight = 1
-    with pytest.raises(InvalidArgumentError, match=r"^req: rid='r' has offloaded pages already; prefetch before it runs$"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"^req: rid='r' has offloaded pages already; prefetch before it runs$"
+    ):
         check_prefetch_request(req, offloaded, False, 3, None, 3)
 
 
@@ -93,7 +100,10 @@ def test_load_pages_are_whole_ready_pages_of_a_live_handle():
     state.prefetch = handle
     assert checked_load_pages(handle, state, torch.arange(8), PAGE) == 2
     assert checked_load_pages(handle, state, torch.arange(0), PAGE) == 0
-    with pytest.raises(InvalidArgumentError, match=r"^slot_indices: must be a 1-D tensor of at most 2 ready pages x 4 slots, got \(12,\)$"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"^slot_indices: must be a 1-D tensor of at most 2 ready pages x 4 slots, got \(12,\)$",
+    ):
         checked_load_pages(handle, state, torch.arange(12), PAGE)
     with pytest.raises(InvalidArgumentError, match=r"^slot_indices: .*got \(6,\)$"):
         checked_load_pages(handle, state, torch.arange(6), PAGE)

@@ -15,9 +15,22 @@ def test_the_snapshot_copies_the_counters_and_reads_the_gauges():
         host_page_ids = rig.host_pool.alloc(5)
         rig.host_pool.free(host_page_ids[:2])  # used 3, high water 5
         counters = OffloadMetrics(pages_stored=7)
-        snapshot = metrics_snapshot(counters, rig.host_pool, rig.storage.stats, requests_live=2, copies_in_flight=1, writes_pending=4, writes_parked=3)
+        snapshot = metrics_snapshot(
+            counters,
+            rig.host_pool,
+            rig.storage.stats,
+            requests_live=2,
+            copies_in_flight=1,
+            writes_pending=4,
+            writes_parked=3,
+        )
         assert (snapshot.host_pages_used, snapshot.host_pages_high_water, snapshot.host_pages_capacity) == (3, 5, 16)
-        assert (snapshot.requests_live, snapshot.copies_in_flight, snapshot.writes_pending, snapshot.writes_parked) == (2, 1, 4, 3)
+        assert (snapshot.requests_live, snapshot.copies_in_flight, snapshot.writes_pending, snapshot.writes_parked) == (
+            2,
+            1,
+            4,
+            3,
+        )
         assert snapshot.pages_stored == 7 and snapshot.store_events_stored == 2 and snapshot.store_events_evicted == 0
         assert snapshot is not counters and counters.host_pages_used == 0  # the live record is not changed
     finally:

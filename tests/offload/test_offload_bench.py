@@ -24,7 +24,11 @@ def test_load_bench_loads_the_right_bytes_and_reports_each_figure():
     spec = importlib.util.spec_from_file_location("bench_load", REPO_ROOT / "bench" / "bench_load.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    result = bench.measure(num_layers=2, num_pages=2, rounds=1, device=torch.device("cpu"), backend="torch")  # checks bytes inside
+    result = bench.measure(
+        num_layers=2, num_pages=2, rounds=1, device=torch.device("cpu"), backend="torch"
+    )  # checks bytes inside
     assert result["bytes"] == 2 * 2 * 2 * 64 * 8 * 128 * 2
-    assert set(result["gbps"]) == {"copy", "copy_one_thread", "scatter", "load", "layer_by_layer"} and all(v > 0 for v in result["gbps"].values())
+    assert set(result["gbps"]) == {"copy", "copy_one_thread", "scatter", "load", "layer_by_layer"} and all(
+        v > 0 for v in result["gbps"].values()
+    )
     assert 0 < result["first_layer_ms"] <= result["layer_by_layer_ms"]

@@ -16,8 +16,16 @@ from offload_rig import host_pool
 
 def make_pool(num_pages=5, buffer_pages=2, page_size=4, **kw) -> HostPool:
     return host_pool(
-        num_layers=3, kv_parts=2, num_heads=2, head_dim=8, dtype=torch.float16,
-        num_pages=num_pages, page_size=page_size, pin=False, buffer_pages=buffer_pages, **kw,
+        num_layers=3,
+        kv_parts=2,
+        num_heads=2,
+        head_dim=8,
+        dtype=torch.float16,
+        num_pages=num_pages,
+        page_size=page_size,
+        pin=False,
+        buffer_pages=buffer_pages,
+        **kw,
     )
 
 
@@ -123,7 +131,9 @@ def test_like_copies_the_kv_pool_layout():
     ],
 )
 def test_bad_arguments_name_the_argument(change, error, rule):
-    args = dict(num_layers=1, kv_parts=2, num_heads=1, head_dim=4, dtype=torch.float32, num_pages=2, page_size=2, pin=False)
+    args = dict(
+        num_layers=1, kv_parts=2, num_heads=1, head_dim=4, dtype=torch.float32, num_pages=2, page_size=2, pin=False
+    )
     args.update(change)
     with pytest.raises(error, match=rule):
         host_pool(**args)

@@ -42,7 +42,9 @@ def test_a_retracted_request_is_released_and_offloads_again_when_it_runs_again(k
     m = rig.manager.metrics
     # keep: page 1's copy completes and is stored, only page 2 is launched after the rerun;
     # drop: page 1's copy is discarded and the offload starts over after the prompt.
-    assert (m.pages_launched, m.pages_stored, m.pages_deduplicated, m.pages_discarded) == ((2, 2, 0, 0) if keep else (3, 2, 0, 1))
+    assert (m.pages_launched, m.pages_stored, m.pages_deduplicated, m.pages_discarded) == (
+        (2, 2, 0, 0) if keep else (3, 2, 0, 1)
+    )
     req.done = True
     rig.manager.finish(req)
     rig.copy_stream.complete_all()
@@ -62,7 +64,9 @@ def test_placeholder_ids_are_an_error_naming_the_request_and_position_before_any
     rig.decode(req, 3)
     rig.decode(req, -1)  # speculative decoding: not yet known
     rig.decode(req, 5)
-    with pytest.raises(InvalidArgumentError, match=r"^output_ids\[1\]: rid='spec' holds the placeholder id -1 at token position 3"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"^output_ids\[1\]: rid='spec' holds the placeholder id -1 at token position 3"
+    ):
         rig.manager.offload(req)
     assert rig.copy_stream.pending == [] and rig.host_pool.used == 0
     req.output_ids[1] = 4  # the real token arrives
@@ -80,8 +84,16 @@ def _mla_manager(tp_rank: int, tp_size: int, directory):
     fingerprint = LayoutFingerprint.of(kv_pool, page_size=2, model_id="mla", tp_rank=tp_rank, tp_size=tp_size)
     store = FileStore(fingerprint, directory)  # one directory: the ranks share a store
     slots = torch.arange(64)
-    manager = OffloadManager(kv_pool, host_pool, store, PageHasher(page_size=2), lambda req: slots,
-                             copy_stream=ManualCopyStream(), store_workers=InlineStoreWorkers(), backend="torch")
+    manager = OffloadManager(
+        kv_pool,
+        host_pool,
+        store,
+        PageHasher(page_size=2),
+        lambda req: slots,
+        copy_stream=ManualCopyStream(),
+        store_workers=InlineStoreWorkers(),
+        backend="torch",
+    )
     return manager, store
 
 
@@ -122,7 +134,9 @@ def test_lookup_of_a_prompt_with_a_placeholder_names_the_request_and_position():
     assert rig.manager.metrics.lookups == 0
 
 
-@pytest.mark.parametrize("kwargs, name", [({"write_threads": 0}, "write_threads"), ({"read_threads": True}, "read_threads")])
+@pytest.mark.parametrize(
+    "kwargs, name", [({"write_threads": 0}, "write_threads"), ({"read_threads": True}, "read_threads")]
+)
 def test_store_worker_thread_counts_are_checked_by_name(kwargs, name):
     from kvstage.offload import StoreWorkers
 

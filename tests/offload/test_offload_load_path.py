@@ -263,7 +263,9 @@ def test_a_slow_copy_never_lets_a_layer_be_read_before_its_event():
     each layer's event and then reads that layer; it must never see an unwritten slot."""
     from kvstage.kernels import transfer
 
-    rig = make_rig(page_size=PAGE, num_layers=4, store_prompt=True, copy_stream=CopyStream("cpu"), store_workers=StoreWorkers())
+    rig = make_rig(
+        page_size=PAGE, num_layers=4, store_prompt=True, copy_stream=CopyStream("cpu"), store_workers=StoreWorkers()
+    )
     a = stored_request(rig)
     b = follow_up(rig, "b", range(18))
     handle = rig.manager.prefetch(b)

@@ -67,7 +67,12 @@ def test_decode_pages_are_stored_under_the_prefill_chain(namespace):
     assert rig.check_stored_pages(req) == (5, 5)
     assert rig.released == [req]
     metrics = rig.manager.metrics
-    assert (metrics.pages_launched, metrics.pages_stored, metrics.requests_live, metrics.host_pages_used) == (5, 5, 0, 0)
+    assert (metrics.pages_launched, metrics.pages_stored, metrics.requests_live, metrics.host_pages_used) == (
+        5,
+        5,
+        0,
+        0,
+    )
     assert metrics.bytes_offloaded == 5 * rig.host_pool.page_bytes and metrics.d2h_gbps > 0
     rig.copy_stream.close()
 
@@ -316,7 +321,12 @@ def test_storage_failures_are_counted_logged_reported_and_the_manager_goes_on(ca
     # chain-aware store refuses it too.
     assert store.exists(rig.chain(req)[1:]) == [False, False]
     metrics = rig.manager.metrics
-    assert (metrics.pages_failed, metrics.storage_failures, metrics.pages_stored, metrics.host_pages_used) == (2, 2, 0, 0)
+    assert (metrics.pages_failed, metrics.storage_failures, metrics.pages_stored, metrics.host_pages_used) == (
+        2,
+        2,
+        0,
+        0,
+    )
     assert [keys for _, keys, _ in reports] == [[key_1], [rig.chain(req)[2]]]
 
 
@@ -417,7 +427,9 @@ def test_slot_indices_too_short_raise_and_change_nothing():
 def test_mismatched_parts_are_rejected():
     rig = make_rig(page_size=4)
     args = (rig.kv_pool, rig.host_pool, rig.storage, PageHasher(page_size=4), rig.slots)
-    with pytest.raises(InvalidArgumentError, match="^offload_stride: must be a positive multiple of page_size 4, got 6"):
+    with pytest.raises(
+        InvalidArgumentError, match="^offload_stride: must be a positive multiple of page_size 4, got 6"
+    ):
         OffloadManager(*args, offload_stride=6)
     with pytest.raises(InvalidArgumentError, match="^hasher: page_size 8 must equal"):
         OffloadManager(*args[:3], PageHasher(page_size=8), rig.slots)
@@ -433,8 +445,15 @@ def test_mismatched_parts_are_rejected():
 
 def test_triton_backend_copies_the_same_pages(device):
     """One run through backend="auto" (Triton; the interpreter on CPU), multi-chunk host pool."""
-    rig = make_rig(page_size=2, num_host_pages=6, buffer_pages=2, device=device, backend="auto",
-                   copy_stream=CopyStream(device), slot_generator=torch.Generator().manual_seed(3))
+    rig = make_rig(
+        page_size=2,
+        num_host_pages=6,
+        buffer_pages=2,
+        device=device,
+        backend="auto",
+        copy_stream=CopyStream(device),
+        slot_generator=torch.Generator().manual_seed(3),
+    )
     req = rig.new_request("r", [1, 2, 3], 12, cache_salt="t")
     for token in range(10, 17):
         rig.decode(req, token)
@@ -460,7 +479,9 @@ def test_decode_keys_match_the_reference_vectors(shared_dir):
             continue
         rig = make_rig(page_size=page_size)
         prompt = page_size + 1  # one full page and a partial one
-        req = rig.new_request("v", tokens[:prompt], len(tokens), extra_key=case["extra_key"], cache_salt=case["cache_salt"])
+        req = rig.new_request(
+            "v", tokens[:prompt], len(tokens), extra_key=case["extra_key"], cache_salt=case["cache_salt"]
+        )
         decode_steps(rig, req, tokens[prompt:] + [0], poll=False)  # the trailing 0 has no KV yet
         rig.manager.finish(req)
         rig.copy_stream.complete_all()

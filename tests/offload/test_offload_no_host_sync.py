@@ -66,7 +66,11 @@ def test_the_spy_records_a_library_call_and_not_a_tests_own(monkeypatch):
     spy = DeviceConstructionSpy(monkeypatch)
     torch.tensor([0], device="cpu").to("cpu")  # this test's own: not recorded
     to_device_async(torch.zeros(2), torch.device("meta"))  # kvstage's: recorded
-    assert len(spy.calls) == 1 and spy.calls[0].startswith("kernels/layout.py:") and spy.calls[0].endswith("Tensor.to(meta)")
+    assert (
+        len(spy.calls) == 1
+        and spy.calls[0].startswith("kernels/layout.py:")
+        and spy.calls[0].endswith("Tensor.to(meta)")
+    )
 
 
 def test_engine_facing_calls_build_no_device_tensor_from_host_data(monkeypatch):

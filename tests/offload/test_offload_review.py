@@ -65,8 +65,12 @@ def test_a_backend_answering_too_few_keys_fails_the_pages_instead_of_losing_them
 
     fingerprint = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 4)
     failures = []
-    rig = make_rig(page_size=4, offload_stride=8, storage=_ShortAnswers(fingerprint, short),
-                   on_storage_failure=lambda req, keys, error: failures.append((keys, error)))
+    rig = make_rig(
+        page_size=4,
+        offload_stride=8,
+        storage=_ShortAnswers(fingerprint, short),
+        on_storage_failure=lambda req, keys, error: failures.append((keys, error)),
+    )
     req = rig.new_request("r", range(4), 16)
     for token in range(100, 110):  # 4 + 9 tokens with KV: one stride of 2 pages after the prompt
         rig.decode(req, token)

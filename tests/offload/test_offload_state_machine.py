@@ -97,14 +97,22 @@ class OffloadMachine(RuleBasedStateMachine):
         self.failure_mode = "none"
         fingerprint = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), PAGE_SIZE)
         self.store = EvictingStore(
-            fingerprint, fail=self._page_fails, raise_on_put=lambda: self.failure_mode == "raise",
+            fingerprint,
+            fail=self._page_fails,
+            raise_on_put=lambda: self.failure_mode == "raise",
             fail_get=lambda key: self.read_failures and int(key[-2], 16) % 3 == 0,
         )
         self.read_failures = False
         self.stream = OwnedCopyStream()
         self.rig = make_rig(
-            page_size=PAGE_SIZE, num_host_pages=7, buffer_pages=3, num_slots=MAX_REQUESTS * 64,
-            storage=self.store, copy_stream=self.stream, on_storage_failure=self._on_failure, store_prompt=True,
+            page_size=PAGE_SIZE,
+            num_host_pages=7,
+            buffer_pages=3,
+            num_slots=MAX_REQUESTS * 64,
+            storage=self.store,
+            copy_stream=self.stream,
+            on_storage_failure=self._on_failure,
+            store_prompt=True,
         )
         self.rig.on_release = self._on_release
         self.manager = self.rig.manager
@@ -137,11 +145,15 @@ class OffloadMachine(RuleBasedStateMachine):
             self.failed_pages_reported += len(keys)
             chain = self.rig.chain(req)
             first = min((chain.index(key) for key in keys if key in chain), default=0)
-            injected = (error is not None and "injected" in str(error)) or not self.injected_failed_keys.isdisjoint(keys)
+            injected = (error is not None and "injected" in str(error)) or not self.injected_failed_keys.isdisjoint(
+                keys
+            )
             prior_evicted = not self.store.evicted.isdisjoint(chain[:first])
             # A run whose first page follows a page that an earlier fault cost: that fault explains it.
             earlier = self.excused_from.get(id(req), len(chain)) <= first
-            assert injected or prior_evicted or earlier, f"{req!r}: storage failure of {keys} that no injected fault explains: {error!r}"
+            assert injected or prior_evicted or earlier, (
+                f"{req!r}: storage failure of {keys} that no injected fault explains: {error!r}"
+            )
             self._excuse(req, first)
         except AssertionError as failure:
             self.callback_failures.append(f"on_storage_failure: {failure}")
@@ -196,7 +208,9 @@ class OffloadMachine(RuleBasedStateMachine):
         self.live.append(req)
         self.created.append(req)
 
-    @precondition(lambda self: len(self.live) + len(self.ending) + len(self.prefetching) + len(self.loading) < MAX_REQUESTS)
+    @precondition(
+        lambda self: len(self.live) + len(self.ending) + len(self.prefetching) + len(self.loading) < MAX_REQUESTS
+    )
     @rule(source=st.integers(0, 100), cut=st.integers(0, 4), policy=st.sampled_from(["best_effort", "wait_complete"]))
     def new_request_with_prefetch(self, source, cut, policy):
         """A follow-up turn of an earlier request (its tokens, its namespace, maybe fewer) that
@@ -215,7 +229,12 @@ class OffloadMachine(RuleBasedStateMachine):
         self.rig.stacked[:, :, self.rig.slots(req)] = -1  # poisoned: nothing of it written yet
         matched = self.manager.match_prefix(req).num_pages
         handle = self.manager.prefetch(req, policy=policy)
-        assert handle.pages_ready <= (handle.pages_hit or 0) <= len(handle.page_keys) <= max(prompt_len - 1, 0) // PAGE_SIZE
+        assert (
+            handle.pages_ready
+            <= (handle.pages_hit or 0)
+            <= len(handle.page_keys)
+            <= max(prompt_len - 1, 0) // PAGE_SIZE
+        )
         assert handle.pages_hit is None or handle.pages_hit <= matched or self.store.evict_after_lookup
         self.prefetching.append((req, handle))
         self.created.append(req)
@@ -389,7 +408,9 @@ class OffloadMachine(RuleBasedStateMachine):
             assert self.manager.is_tracked(req)
         for req in released:
             assert not self.manager.is_tracked(req)
-        assert self.manager.metrics.requests_live <= len(self.live) + len(self.ending) + len(self.prefetching) + len(self.loading)
+        assert self.manager.metrics.requests_live <= len(self.live) + len(self.ending) + len(self.prefetching) + len(
+            self.loading
+        )
         # A layer-by-layer load is one copy of the manager's and one stream submission per layer.
         submissions = sum(len(copy.handles) for copy in self.manager.copier._copies)
         submissions += sum(1 for result in self.manager._unhandled)
@@ -427,7 +448,11 @@ class OffloadMachine(RuleBasedStateMachine):
         unexplained = []
         for req in self.created:
             chain, first_excused = self.rig.chain(req), self.excused_from.get(id(req), len(self.rig.chain(req)))
-            missing = [index for index in self.rig.missing_pages(req) if index < first_excused and chain[index] not in self.store.evicted]
+            missing = [
+                index
+                for index in self.rig.missing_pages(req)
+                if index < first_excused and chain[index] not in self.store.evicted
+            ]
             if missing:
                 unexplained.append(f"{req!r}: pages {missing} of {len(chain)} not stored")
         assert unexplained == []

@@ -38,9 +38,15 @@ class DecodeSide:
         self.hasher = PageHasher(page_size=PAGE)
         self.failures, self.stored = [], []
         self.manager = OffloadManager(
-            pool, HostPool.like(pool, num_pages=4, page_size=PAGE), self.storage, self.hasher, lambda req: torch.arange(64),
-            store_prompt=store_prompt, on_storage_failure=lambda req, keys, error: self.failures.append((keys, error)),
-            on_stored=lambda req, ok, failed: self.stored.append((ok, failed)), **kwargs,
+            pool,
+            HostPool.like(pool, num_pages=4, page_size=PAGE),
+            self.storage,
+            self.hasher,
+            lambda req: torch.arange(64),
+            store_prompt=store_prompt,
+            on_storage_failure=lambda req, keys, error: self.failures.append((keys, error)),
+            on_stored=lambda req, ok, failed: self.stored.append((ok, failed)),
+            **kwargs,
         )
         self.prompt_keys = self.hasher.prefill_keys(PROMPT, **NAMESPACE)
 
@@ -57,7 +63,11 @@ class DecodeSide:
         while time.monotonic() < deadline:  # the engine's idle polls
             self.manager.poll()
             metrics = self.manager.metrics
-            if metrics.requests_live == 0 and metrics.copies_in_flight == 0 and (not parked or metrics.writes_parked == 1):
+            if (
+                metrics.requests_live == 0
+                and metrics.copies_in_flight == 0
+                and (not parked or metrics.writes_parked == 1)
+            ):
                 return req
             time.sleep(0.005)
         raise AssertionError(f"the decode page did not park: {self.manager.metrics}")
@@ -74,7 +84,12 @@ def test_poll_reports_a_parked_page_once_the_prior_lands():
     side = DecodeSide(prior_wait_s=30)
     req = side.decode_one_page()
     metrics = side.manager.metrics
-    assert (metrics.writes_pending, metrics.writes_parked, metrics.pages_stored, metrics.pages_in_flight) == (1, 1, 0, 1)  # host page held
+    assert (metrics.writes_pending, metrics.writes_parked, metrics.pages_stored, metrics.pages_in_flight) == (
+        1,
+        1,
+        0,
+        1,
+    )  # host page held
     assert side.stored == [] and side.failures == []
     side.prefill_side_stores_the_prompt()
     deadline = time.monotonic() + 30
@@ -98,7 +113,12 @@ def test_a_prior_that_never_lands_fails_the_page_after_prior_wait_s_naming_it():
     assert side.prompt_keys[-1] in str(error) and "prior_wait_s=0.3" in str(error)
     assert side.stored == [(0, 1)]
     metrics = side.manager.metrics
-    assert (metrics.pages_failed, metrics.storage_failures, metrics.writes_pending, metrics.host_pages_used) == (1, 1, 0, 0)
+    assert (metrics.pages_failed, metrics.storage_failures, metrics.writes_pending, metrics.host_pages_used) == (
+        1,
+        1,
+        0,
+        0,
+    )
 
 
 def test_flush_fails_a_parked_page_so_nothing_of_the_old_weights_lands_after_it():
@@ -127,7 +147,12 @@ def test_drain_waits_for_a_parked_page_until_its_prior_lands():
     side.manager.drain()
     waited = time.monotonic() - started
     metrics = side.manager.metrics
-    assert (metrics.writes_pending, metrics.writes_parked, metrics.pages_in_flight, metrics.host_pages_used) == (0, 0, 0, 0)
+    assert (metrics.writes_pending, metrics.writes_parked, metrics.pages_in_flight, metrics.host_pages_used) == (
+        0,
+        0,
+        0,
+        0,
+    )
     assert (metrics.pages_stored, side.stored, side.failures) == (1, [(1, 0)], [])
     assert side.storage.exists([side.decode_key(req)]) == [True]
     assert 0.25 < waited < 4  # it waited for the prior, not for prior_wait_s
@@ -139,7 +164,12 @@ def test_drain_waits_out_prior_wait_s_for_a_prior_that_never_lands():
     req = side.decode_one_page()
     side.manager.drain()
     metrics = side.manager.metrics
-    assert (metrics.writes_pending, metrics.pages_in_flight, metrics.host_pages_used, metrics.pages_failed) == (0, 0, 0, 1)
+    assert (metrics.writes_pending, metrics.pages_in_flight, metrics.host_pages_used, metrics.pages_failed) == (
+        0,
+        0,
+        0,
+        1,
+    )
     ((keys, error),) = side.failures
     assert keys == [side.decode_key(req)] and isinstance(error, MissingPriorError)
     assert side.stored == [(0, 1)]
@@ -151,8 +181,11 @@ def _decode_rig(storage, **kwargs):
     and the failures reported with the time they came."""
     reports = []
     rig = make_rig(
-        page_size=2, storage=storage, prior_wait_s=5,
-        on_storage_failure=lambda req, keys, error: reports.append((time.monotonic(), keys, error)), **kwargs,
+        page_size=2,
+        storage=storage,
+        prior_wait_s=5,
+        on_storage_failure=lambda req, keys, error: reports.append((time.monotonic(), keys, error)),
+        **kwargs,
     )
     return rig, reports
 

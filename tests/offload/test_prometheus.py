@@ -20,21 +20,51 @@ from support import REPO_ROOT
 
 # The test's own table: each counter's name and the OffloadMetrics or StorageStats field it is.
 MANAGER_COUNTERS = {
-    "pages_launched": "pages_launched", "pages_offloaded": "pages_offloaded", "offloaded_bytes": "bytes_offloaded",
-    "pages_stored": "pages_stored", "pages_deduplicated": "pages_deduplicated", "pages_failed": "pages_failed",
-    "pages_discarded": "pages_discarded", "pages_dropped": "pages_dropped", "storage_failures": "storage_failures",
-    "copy_failures": "copy_failures", "offloads_rejected": "offloads_rejected", "releases": "releases",
-    "retractions": "retractions", "callback_errors": "callback_errors", "lookups": "lookups",
-    "pages_looked_up": "pages_looked_up", "pages_hit": "pages_hit", "prefetches": "prefetches",
-    "pages_prefetched": "pages_prefetched", "pages_truncated": "pages_truncated", "prefetch_failures": "prefetch_failures",
-    "loads": "loads", "pages_loaded": "pages_loaded", "loaded_bytes": "bytes_loaded", "load_failures": "load_failures",
+    "pages_launched": "pages_launched",
+    "pages_offloaded": "pages_offloaded",
+    "offloaded_bytes": "bytes_offloaded",
+    "pages_stored": "pages_stored",
+    "pages_deduplicated": "pages_deduplicated",
+    "pages_failed": "pages_failed",
+    "pages_discarded": "pages_discarded",
+    "pages_dropped": "pages_dropped",
+    "storage_failures": "storage_failures",
+    "copy_failures": "copy_failures",
+    "offloads_rejected": "offloads_rejected",
+    "releases": "releases",
+    "retractions": "retractions",
+    "callback_errors": "callback_errors",
+    "lookups": "lookups",
+    "pages_looked_up": "pages_looked_up",
+    "pages_hit": "pages_hit",
+    "prefetches": "prefetches",
+    "pages_prefetched": "pages_prefetched",
+    "pages_truncated": "pages_truncated",
+    "prefetch_failures": "prefetch_failures",
+    "loads": "loads",
+    "pages_loaded": "pages_loaded",
+    "loaded_bytes": "bytes_loaded",
+    "load_failures": "load_failures",
 }
 STORE_COUNTERS = {
-    "store_events_dropped": "events_dropped", "store_pages_evicted": "pages_evicted", "store_pages_removed": "pages_removed",
-    "store_written_bytes": "bytes_put", "store_pages_read": "pages_read", "store_pages_missed": "pages_missed",
+    "store_events_dropped": "events_dropped",
+    "store_pages_evicted": "pages_evicted",
+    "store_pages_removed": "pages_removed",
+    "store_written_bytes": "bytes_put",
+    "store_pages_read": "pages_read",
+    "store_pages_missed": "pages_missed",
     "store_read_bytes": "bytes_got",
 }
-GAUGES = ("requests_live", "copies_in_flight", "writes_pending", "writes_parked", "pages_in_flight", "host_pages_used", "host_pages_high_water", "host_pages_capacity")
+GAUGES = (
+    "requests_live",
+    "copies_in_flight",
+    "writes_pending",
+    "writes_parked",
+    "pages_in_flight",
+    "host_pages_used",
+    "host_pages_high_water",
+    "host_pages_capacity",
+)
 
 
 def scrape(registry) -> dict[tuple[str, tuple], float]:
@@ -59,7 +89,9 @@ def set_distinct(rig, base: int) -> None:
 
 
 def test_every_counter_and_gauge_is_in_the_tables():
-    named = {f"kvstage_{name}_total" for name in (*MANAGER_COUNTERS, *STORE_COUNTERS)} | {f"kvstage_{name}" for name in GAUGES}
+    named = {f"kvstage_{name}_total" for name in (*MANAGER_COUNTERS, *STORE_COUNTERS)} | {
+        f"kvstage_{name}" for name in GAUGES
+    }
     named.add("kvstage_store_events_total")
     assert named == {spec.name for spec in METRICS if spec.kind != "histogram"}
     assert len(METRICS) == len({spec.name for spec in METRICS})
@@ -77,7 +109,9 @@ def test_each_metric_reads_its_own_counter_and_grows_by_what_changed():
         for name, field in STORE_COUNTERS.items():
             assert at(first, f"kvstage_{name}_total", **labels) == getattr(rig.storage.stats, field), name
         for kind in ("stored", "evicted", "removed"):
-            assert at(first, "kvstage_store_events_total", kind=kind, **labels) == getattr(rig.storage.stats, f"events_{kind}")
+            assert at(first, "kvstage_store_events_total", kind=kind, **labels) == getattr(
+                rig.storage.stats, f"events_{kind}"
+            )
         metrics = rig.manager.metrics
         for name in GAUGES:
             assert at(first, f"kvstage_{name}", **labels) == getattr(metrics, name), name
@@ -87,8 +121,13 @@ def test_each_metric_reads_its_own_counter_and_grows_by_what_changed():
         rig.manager._counters.pages_stored += 7
         rig.storage.stats.bytes_put += 3
         second = scrape(registry)
-        assert at(second, "kvstage_pages_stored_total", **labels) == at(first, "kvstage_pages_stored_total", **labels) + 7
-        assert at(second, "kvstage_store_written_bytes_total", **labels) == at(first, "kvstage_store_written_bytes_total", **labels) + 3
+        assert (
+            at(second, "kvstage_pages_stored_total", **labels) == at(first, "kvstage_pages_stored_total", **labels) + 7
+        )
+        assert (
+            at(second, "kvstage_store_written_bytes_total", **labels)
+            == at(first, "kvstage_store_written_bytes_total", **labels) + 3
+        )
 
 
 def test_a_stored_request_is_counted_and_its_copy_and_put_are_timed():
@@ -140,8 +179,16 @@ def test_exporters_of_one_registry_need_their_own_label_values():
         (dict(labels={"__x": "a"}), InvalidArgumentError, "labels: '__x' is not a Prometheus label name"),
         (dict(labels={"store": "a"}), InvalidArgumentError, "labels: 'store' is reserved"),
         (dict(labels={"rank": 0}), InvalidArgumentError, "labels: the value of 'rank' must be a str, got int"),
-        (dict(sync_interval_s=0), InvalidArgumentError, "sync_interval_s: must be None or a number of seconds > 0, got 0"),
-        (dict(registry=object()), ArgumentTypeError, "registry: must be a prometheus_client CollectorRegistry or None, got object"),
+        (
+            dict(sync_interval_s=0),
+            InvalidArgumentError,
+            "sync_interval_s: must be None or a number of seconds > 0, got 0",
+        ),
+        (
+            dict(registry=object()),
+            ArgumentTypeError,
+            "registry: must be a prometheus_client CollectorRegistry or None, got object",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_naming_the_argument(kwargs, error, message):
@@ -161,14 +208,19 @@ def test_every_field_of_the_manager_counters_is_exported():
     # A counter added to OffloadMetrics without a metric would go unseen: every int counter
     # but the snapshot's own gauges and the store events is in the test's table.
     fields = {f.name for f in dataclasses.fields(OffloadMetrics)}
-    covered = set(MANAGER_COUNTERS.values()) | set(GAUGES) | {"store_events_stored", "store_events_evicted", "store_events_removed", "store_events_dropped"}
+    covered = (
+        set(MANAGER_COUNTERS.values())
+        | set(GAUGES)
+        | {"store_events_stored", "store_events_evicted", "store_events_removed", "store_events_dropped"}
+    )
     assert fields - covered == {"copy_seconds", "load_seconds"}  # the copy histograms' sums
-
 
 
 def test_the_readme_table_lists_every_metric_once_with_its_type_and_labels():
     readme = (REPO_ROOT / "README.md").read_text()
-    rows = re.findall(r"^\| `(kvstage_[a-z_]+)` \| (counter|gauge|histogram) \| ([^|]+) \| [^|]+ \|$", readme, flags=re.M)
+    rows = re.findall(
+        r"^\| `(kvstage_[a-z_]+)` \| (counter|gauge|histogram) \| ([^|]+) \| [^|]+ \|$", readme, flags=re.M
+    )
     assert [(name, kind, [label.strip(" `") for label in labels.split(",")]) for name, kind, labels in rows] == [
         (spec.name, spec.kind, ["store", "role", *spec.labels]) for spec in METRICS
     ]

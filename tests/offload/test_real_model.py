@@ -66,18 +66,38 @@ def build_model(arch: str, dtype: torch.dtype) -> torch.nn.Module:
     """A small model with seeded random weights (no download), eager attention, in eval mode."""
     if arch == "llama":
         config = LlamaConfig(
-            hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-            num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=256,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            vocab_size=VOCAB,
+            max_position_embeddings=256,
             attn_implementation="eager",
         )
         cls = LlamaForCausalLM
     else:
         config = DeepseekV3Config(
-            hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=64,
-            qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4,
-            num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
-            first_k_dense_replace=1, vocab_size=VOCAB, max_position_embeddings=256,
+            hidden_size=128,
+            intermediate_size=256,
+            moe_intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=64,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            vocab_size=VOCAB,
+            max_position_embeddings=256,
             attn_implementation="eager",
         )
         cls = DeepseekV3ForCausalLM
@@ -97,8 +117,10 @@ def pool_buffers(model: torch.nn.Module) -> KVPool:
     layers = range(config.num_hidden_layers)
     if isinstance(config, DeepseekV3Config):
         return KVPool.mla([buffer(1, config.kv_lora_rank + config.qk_rope_head_dim) for _ in layers])
-    return KVPool.mha([buffer(config.num_key_value_heads, config.head_dim) for _ in layers],
-                      [buffer(config.num_key_value_heads, config.head_dim) for _ in layers])
+    return KVPool.mha(
+        [buffer(config.num_key_value_heads, config.head_dim) for _ in layers],
+        [buffer(config.num_key_value_heads, config.head_dim) for _ in layers],
+    )
 
 
 class PoolCache:
@@ -119,7 +141,7 @@ class PoolCache:
         if self.load is not None:
             self.load.wait_layer(layer_idx)  # the prefix's KV of this layer has landed
         end = self.start + a.shape[-2]
-        new, rows = self.slot_indices[self.start:end], self.slot_indices[:end]
+        new, rows = self.slot_indices[self.start : end], self.slot_indices[:end]
         if self.kv_pool.kv_parts == 2:
             k_buffer, v_buffer = self.kv_pool.layer(0, layer_idx), self.kv_pool.layer(1, layer_idx)
             k_buffer[new] = a[0].transpose(0, 1)
@@ -149,8 +171,17 @@ class Engine:
     """One engine instance: a model, its KV pool, a slot table and kvstage's manager, on
     ``device`` (the model's); ``new_tokens``: how many tokens :meth:`run` decodes to."""
 
-    def __init__(self, model: torch.nn.Module, storage, *, backend: str, seed: int, kv_pool: KVPool | None = None,
-                 device: torch.device | str = "cpu", new_tokens: int = NEW_TOKENS) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        storage,
+        *,
+        backend: str,
+        seed: int,
+        kv_pool: KVPool | None = None,
+        device: torch.device | str = "cpu",
+        new_tokens: int = NEW_TOKENS,
+    ) -> None:
         self.model = model
         self.device = torch.device(device)
         self.new_tokens = new_tokens
@@ -159,8 +190,13 @@ class Engine:
         self.released: list = []
         host_pool = HostPool.like(self.kv_pool, num_pages=HOST_PAGES, page_size=PAGE_SIZE)
         self.manager = OffloadManager(
-            self.kv_pool, host_pool, storage, PageHasher(page_size=PAGE_SIZE), self.slots,
-            release=self.released.append, backend=backend,
+            self.kv_pool,
+            host_pool,
+            storage,
+            PageHasher(page_size=PAGE_SIZE),
+            self.slots,
+            release=self.released.append,
+            backend=backend,
         )
         self.cache_argument = _cache_argument(model.model.layers[0])
 
@@ -173,11 +209,18 @@ class Engine:
         positions = torch.arange(start, end, device=self.device)[None]
         hidden = inner.embed_tokens(torch.tensor([token_ids], device=self.device))
         position_embeddings = inner.rotary_emb(hidden, positions)
-        mask = torch.full((len(token_ids), end), torch.finfo(hidden.dtype).min, dtype=hidden.dtype, device=self.device).triu(start + 1)[None, None]
+        mask = torch.full(
+            (len(token_ids), end), torch.finfo(hidden.dtype).min, dtype=hidden.dtype, device=self.device
+        ).triu(start + 1)[None, None]
         cache = PoolCache(self.kv_pool, slot_indices[:end], start, load)
         for layer in inner.layers:
-            out = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=position_embeddings,
-                        **{self.cache_argument: cache})
+            out = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=positions,
+                position_embeddings=position_embeddings,
+                **{self.cache_argument: cache},
+            )
             hidden = out[0] if isinstance(out, tuple) else out
         return self.model.lm_head(inner.norm(hidden))[0].float()
 
@@ -254,7 +297,11 @@ def test_stored_prefix_continues_bitwise(arch, dtype, backend, monkeypatch):
 
     triton_launches = []
     launch = triton_copy.launch
-    monkeypatch.setattr(triton_copy, "launch", lambda *args, **kwargs: (triton_launches.append(kwargs["gather"]), launch(*args, **kwargs)))
+    monkeypatch.setattr(
+        triton_copy,
+        "launch",
+        lambda *args, **kwargs: (triton_launches.append(kwargs["gather"]), launch(*args, **kwargs)),
+    )
     model = model_of(arch, dtype)
     kv_pool = pool_buffers(model)
     storage = open_storage("memory", LayoutFingerprint.of(kv_pool, page_size=PAGE_SIZE, model_id=f"tiny-{arch}"))
@@ -294,7 +341,11 @@ def test_stored_prefix_continues_bitwise(arch, dtype, backend, monkeypatch):
     assert (metrics.pages_stored, metrics.pages_deduplicated) == (0, stored_pages - prompt_pages)
 
     # 3. Other namespaces never see A's pages.
-    for namespace in ({"extra_key": "lora-7", "cache_salt": "tenant-b"}, {"extra_key": "lora-8", "cache_salt": "tenant-a"}, {}):
+    for namespace in (
+        {"extra_key": "lora-7", "cache_salt": "tenant-b"},
+        {"extra_key": "lora-8", "cache_salt": "tenant-a"},
+        {},
+    ):
         assert second.manager.match_prefix(SimpleRequest("x", prompt, **namespace)).num_pages == 0, namespace
 
     # 4. A follow-up turn hits A's decode pages; loaded, it continues as from A's own KV.
@@ -308,7 +359,7 @@ def test_stored_prefix_continues_bitwise(arch, dtype, backend, monkeypatch):
     reference = SimpleRequest("turn-2-ref", turn, **NAMESPACE)
     tail = first.slots.assign(reference, len(turn) - load.num_tokens)
     slot_indices = torch.cat([first.slots(a)[: load.num_tokens], tail])
-    expected = first.forward(slot_indices, turn[load.num_tokens:], load.num_tokens)
+    expected = first.forward(slot_indices, turn[load.num_tokens :], load.num_tokens)
     assert torch.isfinite(loaded).all()
     assert torch.equal(loaded, expected)
 

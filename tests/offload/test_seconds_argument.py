@@ -31,6 +31,10 @@ def test_the_store_index_durations_use_the_rule(argument, bad):
     workers = StoreWorkers()
     try:
         with pytest.raises(InvalidArgumentError, match=rf"^{argument}: must be a number of seconds >= 0, got {bad!r}$"):
-            StoreIndex(MemoryStore(LayoutFingerprint.opaque("m", page_bytes=64, page_format="test")), workers, **{argument: bad})
+            StoreIndex(
+                MemoryStore(LayoutFingerprint.opaque("m", page_bytes=64, page_format="test")),
+                workers,
+                **{argument: bad},
+            )
     finally:
         workers.close()

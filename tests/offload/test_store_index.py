@@ -161,7 +161,9 @@ def test_a_store_error_makes_the_keys_miss_until_miss_ttl_s_then_asks_again(stor
     assert index.lookup("a1") is True and index.refreshes_failed == 1
 
 
-@pytest.mark.parametrize(("arguments", "message"), [({"miss_ttl_s": -1}, "miss_ttl_s"), ({"batch_keys": 0}, "batch_keys")])
+@pytest.mark.parametrize(
+    ("arguments", "message"), [({"miss_ttl_s": -1}, "miss_ttl_s"), ({"batch_keys": 0}, "batch_keys")]
+)
 def test_bad_arguments_raise_naming_them(store_and_workers, arguments, message):
     store, workers = store_and_workers
     with pytest.raises(InvalidArgumentError, match=message):
@@ -282,7 +284,13 @@ def test_store_events_apply_in_order_and_only_counted_stored_keys_become_held():
         store.put(["b"], [page(2)])  # evicts a
         store.put(["a"], [page(1)])  # evicts b: a stored, gone, stored again
         events = store.take_events()
-        assert [(event.kind, event.key) for event in events] == [("stored", "a"), ("evicted", "a"), ("stored", "b"), ("evicted", "b"), ("stored", "a")]
+        assert [(event.kind, event.key) for event in events] == [
+            ("stored", "a"),
+            ("evicted", "a"),
+            ("stored", "b"),
+            ("evicted", "b"),
+            ("stored", "a"),
+        ]
         index = StoreIndex(store, workers)
         index.apply_events(events, "another key space")
         assert len(index) == 0 and not index.refreshing

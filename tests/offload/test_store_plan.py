@@ -14,7 +14,12 @@ PAGE = 4
 
 def plan(offloaded_length, kv_length, *, unit=8, prompt_end=16, free_pages=100):
     return plan_store(
-        offloaded_length=offloaded_length, kv_length=kv_length, unit=unit, page_size=PAGE, prompt_end=prompt_end, free_pages=free_pages
+        offloaded_length=offloaded_length,
+        kv_length=kv_length,
+        unit=unit,
+        page_size=PAGE,
+        prompt_end=prompt_end,
+        free_pages=free_pages,
     )
 
 

@@ -198,11 +198,15 @@ def test_request_tokens_of_mixed_forms_give_the_same_ids_and_keys(prompt, output
 @pytest.mark.parametrize("typecode", ["q", "b"])
 def test_a_placeholder_in_an_array_is_named(typecode):
     req = Request(array(typecode, [1, 2, 3, 4]), array(typecode, [5, -1]), rid="spec")
-    with pytest.raises(InvalidArgumentError, match=r"^output_ids\[1\]: rid='spec' holds the placeholder id -1 at token position 5"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"^output_ids\[1\]: rid='spec' holds the placeholder id -1 at token position 5"
+    ):
         request_tokens(req, 2, 6)
     assert request_tokens(req, 2, 5).tolist() == [3, 4, 5]
     req = Request(array(typecode, [1, -1, 3, 4]), array(typecode, [5]), rid="p")
-    with pytest.raises(InvalidArgumentError, match=r"^origin_input_ids\[1\]: rid='p' holds the placeholder id -1 at token position 1"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"^origin_input_ids\[1\]: rid='p' holds the placeholder id -1 at token position 1"
+    ):
         request_tokens(req, 0, 5)
 
 
@@ -233,8 +237,13 @@ def test_the_replays_requests_hold_array_q_and_its_run_hashes_them_as_arrays(mon
             return _original(self, tokens, *args, **kwargs)
 
         monkeypatch.setattr(PageHasher, method, spy)
-    config = ReplayConfig(model=resolve_model(None, layers=1, heads=1, head_dim=8, dtype="float16"), page_size=16,
-                          max_running=2, backend="torch", storage=f"file:{tmp_path}")
+    config = ReplayConfig(
+        model=resolve_model(None, layers=1, heads=1, head_dim=8, dtype="float16"),
+        page_size=16,
+        max_running=2,
+        backend="torch",
+        storage=f"file:{tmp_path}",
+    )
     # The runs alone (verify_sample=0: the verify pass, whose requests are SimpleRequest lists,
     # checks nothing); each load during a run checks its bytes (load_mismatches). Within one run a
     # request hits only what an earlier one's writes landed before its lookup (timing: the CI

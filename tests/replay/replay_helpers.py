@@ -14,7 +14,14 @@ PAGE_BYTES = TINY.page_bytes(16)
 
 def tiny_trace(n=6):
     """Short requests sharing a first block; the second also shares the first's second block."""
-    shapes = [(700, 20, [0, 1]), (900, 9, [0, 1]), (300, 1, [0]), (1200, 33, [0, 2, 3]), (520, 16, [0, 4]), (64, 64, [5])]
+    shapes = [
+        (700, 20, [0, 1]),
+        (900, 9, [0, 1]),
+        (300, 1, [0]),
+        (1200, 33, [0, 2, 3]),
+        (520, 16, [0, 4]),
+        (64, 64, [5]),
+    ]
     return [TraceRequest(i, float(i), n_in, n_out, tuple(ids)) for i, (n_in, n_out, ids) in enumerate(shapes[:n])]
 
 
@@ -23,7 +30,13 @@ def run_in_process(requests, *, metrics_registry=None, metrics_file=None, **over
     metrics arguments are replay()'s); the engine is left open: close it."""
     settings = dict(model=TINY, page_size=16, max_running=3, backend="torch")
     settings.update(overrides)
-    return replay(ReplayConfig(**settings), requests, keep_engine=True, metrics_registry=metrics_registry, metrics_file=metrics_file)
+    return replay(
+        ReplayConfig(**settings),
+        requests,
+        keep_engine=True,
+        metrics_registry=metrics_registry,
+        metrics_file=metrics_file,
+    )
 
 
 def page_identities(request, page_size):

@@ -43,12 +43,19 @@ def test_writes_json_markdown_and_plots_and_records_a_failure(tmp_path):
     outcomes = run_all.run_benchmarks(list(paths), paths, quick=True, log=lambda line: None)
     assert outcomes["broken"]["error"] == "RuntimeError: no device"
     assert outcomes["fake"]["report"]["quick"] is True
-    written = run_all.write_outputs(tmp_path / "out", run_all.machine_meta(True), outcomes, paths, log=lambda line: None)
+    written = run_all.write_outputs(
+        tmp_path / "out", run_all.machine_meta(True), outcomes, paths, log=lambda line: None
+    )
     names = sorted(path.name for path in written)
     assert names == ["fake.png", "results.json", "results.md"]
     data = json.loads((tmp_path / "out/results.json").read_text())
     assert data["meta"]["quick"] is True
-    assert data["benchmarks"]["fake"]["report"]["results"][3] == {"case": "a", "page_size": 64, "method": "fast", "gbps": 128.0}
+    assert data["benchmarks"]["fake"]["report"]["results"][3] == {
+        "case": "a",
+        "page_size": 64,
+        "method": "fast",
+        "gbps": 128.0,
+    }
     markdown = (tmp_path / "out/results.md").read_text()
     assert "| fake | fast/slow | 2 | 1.5 | yes |" in markdown
     assert "| broken | (failed: RuntimeError: no device) | | | no |" in markdown

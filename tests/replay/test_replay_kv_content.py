@@ -17,13 +17,24 @@ def test_word_is_the_widest_integer_that_divides_a_row(row_bytes, word):
 def pages_of(content, keys):
     """Every layer and part of pages under ``keys``: words ``[P, num_layers, kv_parts, page_size, W]`` on CPU."""
     model, masks = content.model, content.masks(keys)
-    planes = [[content.page_words_for_layer(masks, layer, part).cpu() for part in range(model.kv_parts)] for layer in range(model.num_layers)]
-    return torch.stack([torch.stack(parts) for parts in planes]).view(model.num_layers, model.kv_parts, len(keys), content.page_size, -1).permute(2, 0, 1, 3, 4)
+    planes = [
+        [content.page_words_for_layer(masks, layer, part).cpu() for part in range(model.kv_parts)]
+        for layer in range(model.num_layers)
+    ]
+    return (
+        torch.stack([torch.stack(parts) for parts in planes])
+        .view(model.num_layers, model.kv_parts, len(keys), content.page_size, -1)
+        .permute(2, 0, 1, 3, 4)
+    )
 
 
 @pytest.mark.parametrize(
     "model",
-    [resolve_model("small"), resolve_model("deepseek-v3", layers=2), resolve_model(None, layers=1, heads=3, head_dim=5, dtype="bfloat16")],
+    [
+        resolve_model("small"),
+        resolve_model("deepseek-v3", layers=2),
+        resolve_model(None, layers=1, heads=3, head_dim=5, dtype="bfloat16"),
+    ],
     ids=["small", "mla", "odd-row"],
 )
 def test_pages_depend_on_key_and_position_only(model, device):

@@ -52,7 +52,11 @@ def test_a_request_sharing_a_prefix_loads_the_shared_whole_pages(device):
     assert report["verify_mismatches"] == report["lost_pages"] == report["verify_pages_unreachable"] == 0
 
 
-@pytest.mark.parametrize("model, stride", [(TINY, None), (resolve_model("deepseek-v3", layers=2, head_dim=32), 64)], ids=["mha", "mla-stride-64"])
+@pytest.mark.parametrize(
+    "model, stride",
+    [(TINY, None), (resolve_model("deepseek-v3", layers=2, head_dim=32), 64)],
+    ids=["mha", "mla-stride-64"],
+)
 def test_one_at_a_time_every_page_stored_before_is_hit(model, stride):
     requests = tiny_trace()
     report, engine = run_in_process(requests, model=model, stride=stride, max_running=1)
@@ -87,10 +91,41 @@ def test_a_page_corrupted_in_the_store_is_a_load_mismatch(monkeypatch, tmp_path,
 
     monkeypatch.setattr(kvstage.storage, "open_storage", open_corrupting)
     trace = tmp_path / "sharing.jsonl"
-    trace.write_text("".join(json.dumps({"timestamp": r.timestamp, "input_length": r.input_length, "output_length": r.output_length,
-                                         "hash_ids": list(r.hash_ids)}) + "\n" for r in SHARING))
-    argv = ["replay", str(trace), "--page-size", "16", "--layers", "1", "--heads", "1", "--head-dim", "8", "--dtype", "float16",
-            "--max-running", "1", "--backend", "torch", "--no-progress", "--json", str(tmp_path / "out.json")]
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": r.timestamp,
+                    "input_length": r.input_length,
+                    "output_length": r.output_length,
+                    "hash_ids": list(r.hash_ids),
+                }
+            )
+            + "\n"
+            for r in SHARING
+        )
+    )
+    argv = [
+        "replay",
+        str(trace),
+        "--page-size",
+        "16",
+        "--layers",
+        "1",
+        "--heads",
+        "1",
+        "--head-dim",
+        "8",
+        "--dtype",
+        "float16",
+        "--max-running",
+        "1",
+        "--backend",
+        "torch",
+        "--no-progress",
+        "--json",
+        str(tmp_path / "out.json"),
+    ]
     assert main(argv) == 1
     report = json.loads((tmp_path / "out.json").read_text())
     # Request 0's first page, corrupted at rest, is one of the 43 request 1 loads; verify loads it again.

@@ -112,14 +112,18 @@ def test_the_tables_name_every_counter_and_gauge_once():
 def test_a_scrape_after_a_replay_holds_the_report_figures(tmp_path):
     registry = CollectorRegistry()
     metrics_file = tmp_path / "metrics" / "replay.prom"
-    report, engine = run_in_process(tiny_trace(), storage=SMALL_STORE, max_running=1, metrics_registry=registry, metrics_file=str(metrics_file))
+    report, engine = run_in_process(
+        tiny_trace(), storage=SMALL_STORE, max_running=1, metrics_registry=registry, metrics_file=str(metrics_file)
+    )
     try:
         store_stats = engine.storage.stats
         at_run_end = samples(metrics_file.read_text())
         after_verify = samples(generate_latest(registry).decode())
     finally:
         engine.close()
-    assert report["pages_failed"] > 0 and report["storage_pages_evicted"] > 0 and report["pages_hit"] > 0  # the figures move
+    assert (
+        report["pages_failed"] > 0 and report["storage_pages_evicted"] > 0 and report["pages_hit"] > 0
+    )  # the figures move
     # The file: the end of the run, as the report.
     want = expected(report, engine.run_metrics, store_stats)
     got = scraped(at_run_end)
@@ -129,7 +133,9 @@ def test_a_scrape_after_a_replay_holds_the_report_figures(tmp_path):
     assert got == want
     gather_sum = value(at_run_end, "kvstage_copy_seconds_sum", direction="gather")
     assert gather_sum == pytest.approx(report["copy_seconds"], rel=1e-9, abs=1e-12)
-    assert value(at_run_end, "kvstage_copy_seconds_sum", direction="scatter") == pytest.approx(report["load_seconds"], rel=1e-9, abs=1e-12)
+    assert value(at_run_end, "kvstage_copy_seconds_sum", direction="scatter") == pytest.approx(
+        report["load_seconds"], rel=1e-9, abs=1e-12
+    )
     # One put per segment written; a segment after one whose write failed fails without a put.
     puts = value(at_run_end, "kvstage_store_put_seconds_count")
     assert 0 < puts <= value(at_run_end, "kvstage_copy_seconds_count", direction="gather") <= report["pages_launched"]
@@ -164,18 +170,50 @@ def test_a_scrape_over_http_holds_the_report_figures():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvstage", "replay", "--no-progress", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstage", "replay", "--no-progress", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_the_metrics_file_of_kvstage_replay_holds_its_json_report(tmp_path):
     trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(
-        json.dumps({"timestamp": r.timestamp, "input_length": r.input_length, "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n"
-        for r in tiny_trace()
-    ))
-    result = run_cli(str(trace), "--page-size", "16", "--layers", "1", "--heads", "1", "--head-dim", "8", "--dtype", "float16",
-                     "--max-running", "1", "--backend", "torch", "--storage", f"file:{tmp_path / 'pages'}",
-                     "--json", str(tmp_path / "report.json"), "--metrics-file", str(tmp_path / "replay.prom"))
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": r.timestamp,
+                    "input_length": r.input_length,
+                    "output_length": r.output_length,
+                    "hash_ids": list(r.hash_ids),
+                }
+            )
+            + "\n"
+            for r in tiny_trace()
+        )
+    )
+    result = run_cli(
+        str(trace),
+        "--page-size",
+        "16",
+        "--layers",
+        "1",
+        "--heads",
+        "1",
+        "--head-dim",
+        "8",
+        "--dtype",
+        "float16",
+        "--max-running",
+        "1",
+        "--backend",
+        "torch",
+        "--storage",
+        f"file:{tmp_path / 'pages'}",
+        "--json",
+        str(tmp_path / "report.json"),
+        "--metrics-file",
+        str(tmp_path / "replay.prom"),
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     scrape = samples((tmp_path / "replay.prom").read_text())
@@ -188,18 +226,25 @@ def test_the_metrics_file_of_kvstage_replay_holds_its_json_report(tmp_path):
 def test_kvstage_replay_refuses_a_metrics_port_out_of_range(capsys):
     args = build_parser().parse_args(["replay", "--requests", "1", "--no-progress", "--metrics-port", "70000"])
     assert args.handler(args) == 2
-    assert "kvstage replay: error: --metrics-port: must be a TCP port in [0, 65535], got 70000" in capsys.readouterr().err
+    assert (
+        "kvstage replay: error: --metrics-port: must be a TCP port in [0, 65535], got 70000" in capsys.readouterr().err
+    )
 
 
 def test_kvstage_replay_says_where_a_busy_metrics_port_is(capsys):
     server, thread = start_http_server(0, addr="127.0.0.1", registry=CollectorRegistry())
     try:
-        args = build_parser().parse_args(["replay", "--requests", "1", "--no-progress", "--metrics-port", str(server.server_port)])
+        args = build_parser().parse_args(
+            ["replay", "--requests", "1", "--no-progress", "--metrics-port", str(server.server_port)]
+        )
         assert args.handler(args) == 2
     finally:
         server.shutdown()
         thread.join()
-    assert f"kvstage replay: error: --metrics-port: cannot serve on 127.0.0.1:{server.server_port}: " in capsys.readouterr().err
+    assert (
+        f"kvstage replay: error: --metrics-port: cannot serve on 127.0.0.1:{server.server_port}: "
+        in capsys.readouterr().err
+    )
 
 
 CHILD = textwrap.dedent("""
@@ -237,7 +282,13 @@ def test_multiprocess_mode_sums_the_processes_figures(tmp_path):
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
     paths = [tmp_path / "report0.json", tmp_path / "report1.json"]
     children = [  # at once: two processes writing one directory
-        subprocess.Popen([sys.executable, "-c", CHILD, str(seed), str(paths[seed]), ending], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(seed), str(paths[seed]), ending],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for seed, ending in ((0, "close"), (1, "exit"))
     ]
     for child in children:
@@ -253,4 +304,6 @@ def test_multiprocess_mode_sums_the_processes_figures(tmp_path):
             assert value(scrape, name) == max(r[field] for r in reports)
         else:
             assert value(scrape, name) == sum(r[field] for r in reports), name
-    assert value(scrape, "kvstage_copy_seconds_sum", direction="gather") == pytest.approx(sum(r["copy_seconds"] for r in reports), rel=1e-9)
+    assert value(scrape, "kvstage_copy_seconds_sum", direction="gather") == pytest.approx(
+        sum(r["copy_seconds"] for r in reports), rel=1e-9
+    )

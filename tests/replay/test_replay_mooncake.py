@@ -15,6 +15,7 @@ def test_replay_through_a_real_mooncake_store(tmp_path):
     from kvstage.storage.mooncake import store as store_module
 
     import mooncake_master as master_module  # tests/mooncake_master.py
+
     if not store_module.mooncake_available() or master_module.master_binary() is None:
         skip_missing(f"the Mooncake store is not usable here; {store_module.INSTALL_HINT}")
     requests = [
@@ -25,8 +26,13 @@ def test_replay_through_a_real_mooncake_store(tmp_path):
     model = resolve_model(None, layers=1, heads=1, head_dim=8, dtype="float16")
     master = master_module.LocalMooncakeMaster(tmp_path / "master.log").start()
     try:
-        config = ReplayConfig(model=model, page_size=16, max_running=1, backend="torch",
-                              storage=master.url(segment="64MiB", buffer="16MiB"))
+        config = ReplayConfig(
+            model=model,
+            page_size=16,
+            max_running=1,
+            backend="torch",
+            storage=master.url(segment="64MiB", buffer="16MiB"),
+        )
         report, _ = replay(config, requests)
     finally:
         master.stop()

@@ -132,7 +132,14 @@ def test_a_host_pool_smaller_than_the_longest_request_is_refused(capsys):
     ],
 )
 def test_bad_options_exit_2_naming_the_option(capsys, argv, needle):
-    assert main(["replay", "--no-progress", "--requests", "4", *argv] if "--requests" not in argv else ["replay", "--no-progress", *argv]) == 2
+    assert (
+        main(
+            ["replay", "--no-progress", "--requests", "4", *argv]
+            if "--requests" not in argv
+            else ["replay", "--no-progress", *argv]
+        )
+        == 2
+    )
     assert needle in capsys.readouterr().err
 
 
@@ -156,8 +163,14 @@ def test_a_malformed_trace_line_exits_2_naming_the_line(tmp_path, capsys):
 
 def cli(*args, cwd):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as `make run` runs it
-    return subprocess.run([sys.executable, "-m", "kvstage", "replay", "--no-progress", *args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstage", "replay", "--no-progress", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_the_default_run_works(tmp_path):

@@ -46,7 +46,13 @@ def test_output_tokens_are_a_function_of_the_request_index():
 
 def test_presets_have_the_published_kv_shapes():
     llama = PRESETS["llama3-8b"]
-    assert (llama.num_layers, llama.kv_parts, llama.num_heads, llama.head_dim, llama.dtype) == (32, 2, 8, 128, torch.bfloat16)
+    assert (llama.num_layers, llama.kv_parts, llama.num_heads, llama.head_dim, llama.dtype) == (
+        32,
+        2,
+        8,
+        128,
+        torch.bfloat16,
+    )
     assert llama.token_bytes == 128 * 1024
     deepseek = PRESETS["deepseek-v3"]
     assert (deepseek.num_layers, deepseek.kv_parts, deepseek.num_heads, deepseek.head_dim) == (61, 1, 1, 576)
@@ -59,14 +65,25 @@ def test_explicit_fields_override_the_preset():
     assert (model.num_layers, model.num_heads, model.head_dim, model.dtype) == (4, 8, 128, torch.float16)
     assert model.name == "llama3-8b+custom"
     custom = resolve_model(None, layers=3, heads=1, head_dim=16)
-    assert (custom.name, custom.num_layers, custom.kv_parts, custom.num_heads, custom.head_dim) == ("custom", 3, 2, 1, 16)
+    assert (custom.name, custom.num_layers, custom.kv_parts, custom.num_heads, custom.head_dim) == (
+        "custom",
+        3,
+        2,
+        1,
+        16,
+    )
     assert resolve_model("deepseek-v3", layers=2).kv_parts == 1
 
 
 @pytest.mark.parametrize(
     "kwargs, option",
-    [({"preset": "gpt-5"}, "--model"), ({"layers": 0}, "--layers"), ({"heads": -1}, "--heads"),
-     ({"head_dim": 0}, "--head-dim"), ({"dtype": "int3"}, "--dtype")],
+    [
+        ({"preset": "gpt-5"}, "--model"),
+        ({"layers": 0}, "--layers"),
+        ({"heads": -1}, "--heads"),
+        ({"head_dim": 0}, "--head-dim"),
+        ({"dtype": "int3"}, "--dtype"),
+    ],
 )
 def test_bad_model_options_name_the_option(kwargs, option):
     with pytest.raises(InvalidArgumentError, match=f"^{option}:"):

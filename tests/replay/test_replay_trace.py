@@ -47,8 +47,18 @@ def test_limit_reads_only_the_first_requests(tmp_path):
         ({**GOOD, "hash_ids": "3,4,9"}, "hash_ids"),
         ({**GOOD, "hash_ids": [3, 4]}, "ceil(input_length / 512) = 3"),
     ],
-    ids=["bad-json", "not-object", "missing", "negative-time", "zero-input", "float-input", "bool-output",
-         "negative-block", "ids-not-list", "too-few-blocks"],
+    ids=[
+        "bad-json",
+        "not-object",
+        "missing",
+        "negative-time",
+        "zero-input",
+        "float-input",
+        "bool-output",
+        "negative-block",
+        "ids-not-list",
+        "too-few-blocks",
+    ],
 )
 def test_malformed_line_names_line_number_and_field(tmp_path, line, field):
     path = write_lines(tmp_path, [GOOD, GOOD, line])
@@ -85,8 +95,14 @@ def test_synthetic_trace_is_seeded_and_follows_the_format():
     assert timestamps == sorted(timestamps)
     for request in a:
         # Same validation as a file line.
-        line = json.dumps({"timestamp": request.timestamp, "input_length": request.input_length,
-                           "output_length": request.output_length, "hash_ids": list(request.hash_ids)})
+        line = json.dumps(
+            {
+                "timestamp": request.timestamp,
+                "input_length": request.input_length,
+                "output_length": request.output_length,
+                "hash_ids": list(request.hash_ids),
+            }
+        )
         assert parse_line(line, request.index, 0) == request
         # A block id is a node of one prefix tree: always at one position, after one prefix.
         for position, block in enumerate(request.hash_ids):

@@ -36,9 +36,14 @@ class Steps:
 
     def steps(self) -> PutSteps:
         return PutSteps(
-            deduplicated=lambda key: key in self.there, prior_stored=lambda d: d is None or d in self.stored,
-            size=lambda key: SIZE, reserve=self.reserve, give_back=self.give_back, write=self.write,
-            commit=self.commit, missing=lambda key: MissingPriorError(key),
+            deduplicated=lambda key: key in self.there,
+            prior_stored=lambda d: d is None or d in self.stored,
+            size=lambda key: SIZE,
+            reserve=self.reserve,
+            give_back=self.give_back,
+            write=self.write,
+            commit=self.commit,
+            missing=lambda key: MissingPriorError(key),
         )
 
     def reserve(self, size):

@@ -79,7 +79,11 @@ def test_pages_refused_for_a_missing_prior_say_which_key(kind, tmp_path):
     assert isinstance(answer.error, MissingPriorError) and isinstance(answer.error, StorageError)
     assert answer.error.prior_key == "b" * 64 and "b" * 64 in str(answer.error)
     outcome = write_pages(store, ["e"], [page], prior_key="missing")
-    assert outcome.failed_keys == ["e"] and isinstance(outcome.error, MissingPriorError) and outcome.error.prior_key == "missing"
+    assert (
+        outcome.failed_keys == ["e"]
+        and isinstance(outcome.error, MissingPriorError)
+        and outcome.error.prior_key == "missing"
+    )
     assert store.put(["b" * 64], [page]) == [PutStatus.STORED]
     assert store.put(["c", "d"], [page, page], prior_key="b" * 64) == [PutStatus.STORED, PutStatus.STORED]
 

@@ -106,7 +106,9 @@ def test_the_default_is_two_threads_for_pages_of_2_mib_and_at_most_the_cpus_this
         print(FileStore(LayoutFingerprint("big/model", KVLayout(32, 2, 8, 128, "bfloat16"), 16), sys.argv[1]).io_threads)
         """
     )
-    result = subprocess.run([sys.executable, "-c", one_cpu, str(tmp_path / "one")], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", one_cpu, str(tmp_path / "one")], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1"]
 
@@ -177,7 +179,11 @@ def test_a_put_of_many_pages_writes_on_io_threads_with_the_links_and_events_of_o
     assert len(seen) == 2 and threading.get_ident() not in seen
     assert values(one.put(KEYS[1:], pages, prior_key=KEYS[0])) == ["stored"] * 7
     assert stored_chain(two, KEYS) == stored_chain(one, KEYS) and len(set(stored_chain(two, KEYS))) == 8
-    assert [(e.kind, e.key) for e in two.take_events()] == [(e.kind, e.key) for e in one.take_events()] == [("stored", key) for key in KEYS[1:]]
+    assert (
+        [(e.kind, e.key) for e in two.take_events()]
+        == [(e.kind, e.key) for e in one.take_events()]
+        == [("stored", key) for key in KEYS[1:]]
+    )
     into = poisoned(7)
     assert FileStore(FP, tmp_path / "two").get(KEYS[1:], into) == [True] * 7  # reopened: every page intact
     assert all(torch.equal(target, page.contiguous()) for target, page in zip(into, pages))

@@ -69,7 +69,13 @@ def test_a_put_into_a_full_store_on_a_disk_it_fills_stores_as_one_thread_does(tm
     """One thread makes room before it writes a page, so a store whose capacity is its disk
     never meets ENOSPC; io_threads must not write the pages before making room."""
     seen = run_in_mount_namespace(FULL_DISK, str(tmp_path))
-    baseline = {"first": ["stored"] * 4, "statuses": ["stored"] * 4, "errno": None, "leftovers": [], "exists": [True] * 4}
+    baseline = {
+        "first": ["stored"] * 4,
+        "statuses": ["stored"] * 4,
+        "errno": None,
+        "leftovers": [],
+        "exists": [True] * 4,
+    }
     assert seen["1"] == baseline
     assert seen["2"] == baseline, f"io_threads=2 got {seen['2']} (errno {errno.ENOSPC} is ENOSPC)"
 
@@ -391,7 +397,9 @@ def test_a_write_queued_when_the_process_exits_lands_as_with_one_thread(tmp_path
     """A process that exits without close() while a store write is queued on the manager's
     writer threads: concurrent.futures drains the queue at exit but refuses new work, so the
     store's own threads cannot be handed the put's pages; it must still write them."""
-    result = subprocess.run([sys.executable, "-c", AT_EXIT, str(tmp_path), str(io_threads)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", AT_EXIT, str(tmp_path), str(io_threads)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"stored": 4, "failed": [], "error": "None"}
     assert FileStore(FP, tmp_path, io_threads=1).exists(KEYS[:4]) == [True] * 4
@@ -444,7 +452,10 @@ def test_a_page_keeps_its_room_from_its_write_to_its_rename(tmp_path, monkeypatc
         if full_key.endswith(KEYS[0]) and not others:
             written = 1 if io_threads == 1 else 2  # this put's temporary files, all written by now
             deadline = time.monotonic() + 10
-            while sum(1 for e in os.scandir(directory) if e.name.endswith(TMP_SUFFIX) and e.stat().st_size == size) < written:
+            while (
+                sum(1 for e in os.scandir(directory) if e.name.endswith(TMP_SUFFIX) and e.stat().st_size == size)
+                < written
+            ):
                 assert time.monotonic() < deadline, os.listdir(directory)
                 time.sleep(0.01)
             other = threading.Thread(target=lambda: others.append(values(store.put(OTHER[1:2], [page(-2)]))))

@@ -117,7 +117,6 @@ def test_model_ids_that_sanitize_alike_keep_distinct_prefixes():
         assert all(c.isascii() and (c.isalnum() or c in "._-@") for c in prefix), prefix
 
 
-
 def test_stages_on_one_directory_count_and_evict_only_their_own_pages(tmp_path):
     store1 = FileStore(stage(2), tmp_path)
     assert store1.put([KEY], [filled(stage(2), 12)]) == [PutStatus.STORED]
@@ -136,16 +135,28 @@ def test_stages_on_one_directory_count_and_evict_only_their_own_pages(tmp_path):
 BASE = LayoutFingerprint("org/model", KVLayout(4, 2, 8, 128, "bfloat16"), 16, tp_rank=0, tp_size=2)
 
 
-@pytest.mark.parametrize("other,said", [
-    (dataclasses.replace(BASE, page_size=64), ["page_size 64 (this store: 16)"]),
-    (dataclasses.replace(BASE, model_id="org/model-v2"), ["model_id org_model-v2-76eadac9 (this store: org_model-c87c0c64)"]),
-    (dataclasses.replace(BASE, layout=KVLayout(4, 2, 8, 128, "float16")), ["dtype float16 (this store: bfloat16)"]),
-    (dataclasses.replace(BASE, layout=KVLayout(4, 2, 4, 128, "bfloat16")), ["num_heads 4 (this store: 8)"]),
-    (dataclasses.replace(BASE, first_layer=4), ["layers 4-7 (this store: 0-3)"]),
-    (dataclasses.replace(BASE, tp_rank=1), ["shard tp1of2 (this store: tp0of2)"]),
-    (dataclasses.replace(BASE, page_size=64, tp_rank=1, tp_size=4), ["page_size 64 (this store: 16)", "shard tp1of4 (this store: tp0of2)"]),
-    (LayoutFingerprint.opaque("org/model", page_bytes=4096, page_format="f"), ["page kind: an engine's own page format (this store: a KV layout)"]),
-])
+@pytest.mark.parametrize(
+    "other,said",
+    [
+        (dataclasses.replace(BASE, page_size=64), ["page_size 64 (this store: 16)"]),
+        (
+            dataclasses.replace(BASE, model_id="org/model-v2"),
+            ["model_id org_model-v2-76eadac9 (this store: org_model-c87c0c64)"],
+        ),
+        (dataclasses.replace(BASE, layout=KVLayout(4, 2, 8, 128, "float16")), ["dtype float16 (this store: bfloat16)"]),
+        (dataclasses.replace(BASE, layout=KVLayout(4, 2, 4, 128, "bfloat16")), ["num_heads 4 (this store: 8)"]),
+        (dataclasses.replace(BASE, first_layer=4), ["layers 4-7 (this store: 0-3)"]),
+        (dataclasses.replace(BASE, tp_rank=1), ["shard tp1of2 (this store: tp0of2)"]),
+        (
+            dataclasses.replace(BASE, page_size=64, tp_rank=1, tp_size=4),
+            ["page_size 64 (this store: 16)", "shard tp1of4 (this store: tp0of2)"],
+        ),
+        (
+            LayoutFingerprint.opaque("org/model", page_bytes=4096, page_format="f"),
+            ["page kind: an engine's own page format (this store: a KV layout)"],
+        ),
+    ],
+)
 def test_prefix_differences_name_each_setting_that_differs(other, said):
     from kvstage.storage.fingerprint import prefix_differences
 
@@ -156,17 +167,26 @@ def test_prefix_differences_name_each_setting_that_differs(other, said):
 def test_opaque_formats_differ_by_the_parts_of_their_descriptions():
     from kvstage.storage.fingerprint import prefix_differences
 
-    mine = LayoutFingerprint.opaque("m", page_bytes=4096, page_format="vllm-block-v1|dtype=bfloat16|g0:16tok:l0,l1|tph=16")
-    theirs = LayoutFingerprint.opaque("m", page_bytes=4096, page_format="vllm-block-v1|dtype=float16|g0:16tok:l0,l1|tph=16")
+    mine = LayoutFingerprint.opaque(
+        "m", page_bytes=4096, page_format="vllm-block-v1|dtype=bfloat16|g0:16tok:l0,l1|tph=16"
+    )
+    theirs = LayoutFingerprint.opaque(
+        "m", page_bytes=4096, page_format="vllm-block-v1|dtype=float16|g0:16tok:l0,l1|tph=16"
+    )
     formats = {mine.prefix(): mine.page_format, theirs.prefix(): theirs.page_format}
-    assert prefix_differences(theirs.prefix(), mine.prefix(), formats) == ["page_format dtype=float16 (this store: dtype=bfloat16)"]
-    blocks = LayoutFingerprint.opaque("m", page_bytes=8192, page_format="vllm-block-v1|dtype=bfloat16|g0:32tok:l0,l1|tph=16")
+    assert prefix_differences(theirs.prefix(), mine.prefix(), formats) == [
+        "page_format dtype=float16 (this store: dtype=bfloat16)"
+    ]
+    blocks = LayoutFingerprint.opaque(
+        "m", page_bytes=8192, page_format="vllm-block-v1|dtype=bfloat16|g0:32tok:l0,l1|tph=16"
+    )
     formats[blocks.prefix()] = blocks.page_format
     assert prefix_differences(blocks.prefix(), mine.prefix(), formats) == [
-        "page_format g0:32tok:l0,l1 (this store: g0:16tok:l0,l1)", "page_bytes 8192 (this store: 4096)",
+        "page_format g0:32tok:l0,l1 (this store: g0:16tok:l0,l1)",
+        "page_bytes 8192 (this store: 4096)",
     ]
     # a format the directory does not describe: its digest, and this store's format
-    digest = theirs.prefix().split("@")[1][len("opaque-"):]
+    digest = theirs.prefix().split("@")[1][len("opaque-") :]
     assert prefix_differences(theirs.prefix(), mine.prefix(), {mine.prefix(): mine.page_format}) == [
         f"page_format with digest {digest}, not described (this store: vllm-block-v1|dtype=bfloat16|g0:16tok:l0,l1|tph=16)"
     ]
@@ -184,8 +204,12 @@ def test_a_missing_model_id_names_the_argument_and_what_it_is_for():
         LayoutFingerprint.of(STAGE_LAYOUT, page_size=2)
     with pytest.raises(ArgumentTypeError, match=rule):
         LayoutFingerprint.opaque(page_bytes=64, page_format="vllm-blocks")
-    with pytest.raises(InvalidArgumentError, match=r"^model_id: must be a non-empty str, the model.s name .*never shared, got ''$"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"^model_id: must be a non-empty str, the model.s name .*never shared, got ''$"
+    ):
         LayoutFingerprint.of(STAGE_LAYOUT, page_size=2, model_id="")
-    with pytest.raises(InvalidArgumentError, match=r"^model_id: must be a non-empty str, the model.s name .*never shared, got None$"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"^model_id: must be a non-empty str, the model.s name .*never shared, got None$"
+    ):
         LayoutFingerprint(None, STAGE_LAYOUT, 2)
     assert LayoutFingerprint.of(STAGE_LAYOUT, page_size=2, model_id="org/model") == stage(0)

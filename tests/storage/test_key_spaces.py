@@ -102,8 +102,21 @@ def test_the_store_command_lists_and_evicts_the_other_key_spaces(tmp_path, capsy
     assert "--evict-other needs at least one --keep" in capsys.readouterr().err
     assert len(os.listdir(tmp_path)) == 6  # refused before removing anything
     result = subprocess.run(
-        [sys.executable, "-m", "kvstage", "store", f"file:{tmp_path}", "--evict-other", "--keep", NEW.prefix(), "--keep", RANK1.prefix()],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "kvstage",
+            "store",
+            f"file:{tmp_path}",
+            "--evict-other",
+            "--keep",
+            NEW.prefix(),
+            "--keep",
+            RANK1.prefix(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert f"evicted {OLD.prefix()}: 3 pages" in result.stdout
@@ -112,13 +125,17 @@ def test_the_store_command_lists_and_evicts_the_other_key_spaces(tmp_path, capsy
 
 
 OPAQUE = LayoutFingerprint.opaque("org/model-v2", page_bytes=256, page_format="vllm-block-v1|test")  # four '@' fields
-OPAQUE_RANK1 = LayoutFingerprint.opaque("org/model-v2", page_bytes=256, page_format="vllm-block-v1|test", tp_rank=1, tp_size=2)
+OPAQUE_RANK1 = LayoutFingerprint.opaque(
+    "org/model-v2", page_bytes=256, page_format="vllm-block-v1|test", tp_rank=1, tp_size=2
+)
 
 
 def test_key_spaces_of_opaque_formats_are_listed_and_evicted_beside_layout_ones(tmp_path):
     fill(tmp_path)
     opaque, rank1 = FileStore(OPAQUE, tmp_path), FileStore(OPAQUE_RANK1, tmp_path)
-    opaque.put(["e" * 64, "key/with@odd chars"], [torch.zeros(256, dtype=torch.uint8), torch.ones(256, dtype=torch.uint8)])
+    opaque.put(
+        ["e" * 64, "key/with@odd chars"], [torch.zeros(256, dtype=torch.uint8), torch.ones(256, dtype=torch.uint8)]
+    )
     rank1.put(["f" * 64], [torch.zeros(256, dtype=torch.uint8)])
     spaces = {space.prefix: space for space in key_spaces(tmp_path)}
     assert spaces[OPAQUE.prefix()] == KeySpace(OPAQUE.prefix(), 2, sizes(tmp_path, opaque))
@@ -129,7 +146,9 @@ def test_key_spaces_of_opaque_formats_are_listed_and_evicted_beside_layout_ones(
     assert opaque.exists(["e" * 64]) == [False] and rank1.exists(["f" * 64]) == [True]
 
 
-@pytest.mark.parametrize("fingerprint", [OLD, RANK1, OPAQUE, OPAQUE_RANK1], ids=["layout", "layout-rank1", "opaque", "opaque-rank1"])
+@pytest.mark.parametrize(
+    "fingerprint", [OLD, RANK1, OPAQUE, OPAQUE_RANK1], ids=["layout", "layout-rank1", "opaque", "opaque-rank1"]
+)
 def test_prefix_of_finds_every_fingerprint_form(fingerprint):
     from kvstage.storage.fingerprint import prefix_of
 
@@ -168,7 +187,9 @@ def test_the_log_names_an_opaque_format_part_that_differs_from_its_description_i
 
 def test_the_log_lists_at_most_four_other_key_spaces(tmp_path, caplog):
     for rank in range(6):
-        FileStore(LayoutFingerprint("org/model", LAYOUT, 4, tp_rank=rank, tp_size=8), tmp_path).put(["a" * 64], [page(rank)])
+        FileStore(LayoutFingerprint("org/model", LAYOUT, 4, tp_rank=rank, tp_size=8), tmp_path).put(
+            ["a" * 64], [page(rank)]
+        )
     with caplog.at_level(logging.INFO, logger="kvstage.storage.file_store"):
         FileStore(LayoutFingerprint("org/model", LAYOUT, 4, tp_rank=7, tp_size=8), tmp_path)
     assert "6 page files of other key spaces" in caplog.text

@@ -13,7 +13,9 @@ FP = LayoutFingerprint.opaque("m", page_bytes=4096, page_format="test")
 
 @pytest.mark.parametrize("url", ["flie:/var/cache/kvstage", "s3://bucket"])
 def test_an_unknown_scheme_names_storage_and_the_known_schemes(url):
-    with pytest.raises(InvalidArgumentError, match=r"^storage: unknown storage scheme .*known: \['file', 'memory', 'mooncake'\]"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"^storage: unknown storage scheme .*known: \['file', 'memory', 'mooncake'\]"
+    ):
         open_storage(url, FP)
 
 

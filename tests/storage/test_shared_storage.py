@@ -25,7 +25,11 @@ def test_callers_of_one_url_and_fingerprint_share_one_store_until_the_last_relea
 
 def test_another_fingerprint_or_url_gets_its_own_store():
     other = LayoutFingerprint.opaque("m", page_bytes=16, page_format="other")
-    stores = [open_shared_storage("memory", FINGERPRINT), open_shared_storage("memory", other), open_shared_storage("memory:1024", FINGERPRINT)]
+    stores = [
+        open_shared_storage("memory", FINGERPRINT),
+        open_shared_storage("memory", other),
+        open_shared_storage("memory:1024", FINGERPRINT),
+    ]
     assert len({id(store) for store in stores}) == 3
     for store in stores:
         release_shared_storage(store)

@@ -14,12 +14,33 @@ from kvstage.storage.sizes import SIZE_RULE, parse_size
 FP = LayoutFingerprint.opaque("m", page_bytes=4096, page_format="test")
 
 
-@pytest.mark.parametrize("text,size", [
-    ("4096", 4096), (4096, 4096), ("0", 0), ("7B", 7), ("7b", 7),
-    ("2KB", 2000), ("16MB", 16 * 10**6), ("8GB", 8 * 10**9), ("8gb", 8 * 10**9), ("8Gb", 8 * 10**9), ("1TB", 10**12),
-    ("3KiB", 3 << 10), ("512MiB", 512 << 20), ("8GiB", 8 << 30), ("8gib", 8 << 30), ("8GIB", 8 << 30), ("1TiB", 1 << 40),
-    ("8 GiB", 8 << 30), (" 8GB ", 8 * 10**9), ("1.5GiB", 3 << 29), ("0.5KB", 500), ("2.25KiB", 2304),
-])
+@pytest.mark.parametrize(
+    "text,size",
+    [
+        ("4096", 4096),
+        (4096, 4096),
+        ("0", 0),
+        ("7B", 7),
+        ("7b", 7),
+        ("2KB", 2000),
+        ("16MB", 16 * 10**6),
+        ("8GB", 8 * 10**9),
+        ("8gb", 8 * 10**9),
+        ("8Gb", 8 * 10**9),
+        ("1TB", 10**12),
+        ("3KiB", 3 << 10),
+        ("512MiB", 512 << 20),
+        ("8GiB", 8 << 30),
+        ("8gib", 8 << 30),
+        ("8GIB", 8 << 30),
+        ("1TiB", 1 << 40),
+        ("8 GiB", 8 << 30),
+        (" 8GB ", 8 * 10**9),
+        ("1.5GiB", 3 << 29),
+        ("0.5KB", 500),
+        ("2.25KiB", 2304),
+    ],
+)
 def test_a_size_is_bytes_or_a_number_with_a_decimal_or_binary_unit(text, size):
     assert parse_size(text, "capacity") == size
 
@@ -31,7 +52,14 @@ def test_a_string_that_is_no_size_names_the_argument_and_the_rule(text):
     assert str(caught.value) == f"capacity: must be a size, got {text!r}; {SIZE_RULE}"
 
 
-@pytest.mark.parametrize("text,hint", [("8G", "'8GB' (8 * 1000**3) or '8GiB' (8 * 1024**3)"), ("512m", "'512MB' (512 * 1000**2) or '512MiB' (512 * 1024**2)"), ("4k", "'4KB'")])
+@pytest.mark.parametrize(
+    "text,hint",
+    [
+        ("8G", "'8GB' (8 * 1000**3) or '8GiB' (8 * 1024**3)"),
+        ("512m", "'512MB' (512 * 1000**2) or '512MiB' (512 * 1024**2)"),
+        ("4k", "'4KB'"),
+    ],
+)
 def test_a_bare_k_m_g_t_is_refused_as_ambiguous_naming_both_spellings(text, hint):
     with pytest.raises(InvalidArgumentError, match=r"^segment: .* is ambiguous") as caught:
         parse_size(text, "segment")
@@ -82,12 +110,22 @@ def test_a_bad_memory_size_names_the_url_and_the_rule():
 
 def test_a_bad_file_capacity_names_the_url_parameter_and_the_rule(tmp_path):
     url = f"file:{tmp_path / 'kv'}?capacity_bytes=8G"
-    with pytest.raises(InvalidArgumentError, match=r"^storage: '.*\?capacity_bytes=8G' capacity_bytes: '8G' is ambiguous"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"^storage: '.*\?capacity_bytes=8G' capacity_bytes: '8G' is ambiguous"
+    ):
         open_storage(url, FP)
     assert not (tmp_path / "kv").exists()  # refused before anything is made
 
 
-@pytest.mark.parametrize("key,field", [("segment", "global_segment_size"), ("buffer", "local_buffer_size"), ("bounce", "bounce_bytes"), ("global_segment_size", "global_segment_size")])
+@pytest.mark.parametrize(
+    "key,field",
+    [
+        ("segment", "global_segment_size"),
+        ("buffer", "local_buffer_size"),
+        ("bounce", "bounce_bytes"),
+        ("global_segment_size", "global_segment_size"),
+    ],
+)
 def test_a_bad_mooncake_size_names_the_query_name_the_user_typed(key, field):
     with pytest.raises(InvalidArgumentError) as caught:
         parse_mooncake_url(f"mooncake://127.0.0.1:50051?{key}=lots")

@@ -243,24 +243,31 @@ def test_an_existing_directory_this_process_may_not_write_is_refused_at_open_nam
     assert seen == {
         "message": f"directory: {str(directory)!r} is not writable: EACCES (errno 13: Permission denied); "
         "a file store writes its pages there: give a directory this process may write",
-        "errno": errno.EACCES, "path": str(directory), "cause_errno": errno.EACCES,
+        "errno": errno.EACCES,
+        "path": str(directory),
+        "cause_errno": errno.EACCES,
     }
     assert os.listdir(directory) == []
 
 
 def test_a_read_only_mount_is_refused_at_open_naming_it_and_erofs(tmp_path):
-    script = textwrap.dedent(
-        """
+    script = (
+        textwrap.dedent(
+            """
         import subprocess, sys
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", sys.argv[1]], check=True)
         subprocess.run(["mount", "-o", "remount,ro", sys.argv[1]], check=True)
         """
-    ) + UNWRITABLE
+        )
+        + UNWRITABLE
+    )
     seen = run_in_mount_namespace(script, str(tmp_path))
     assert seen == {
         "message": f"directory: {str(tmp_path)!r} is not writable: EROFS (errno 30: Read-only file system); "
         "a file store writes its pages there: give a directory this process may write",
-        "errno": errno.EROFS, "path": str(tmp_path), "cause_errno": errno.EROFS,
+        "errno": errno.EROFS,
+        "path": str(tmp_path),
+        "cause_errno": errno.EROFS,
     }
 
 
@@ -270,5 +277,7 @@ def test_a_directory_that_cannot_be_made_names_it_and_the_errno(tmp_path):
     with pytest.raises(file_store.StoreDirectoryError) as caught:
         FileStore(FP, blocker / "kv")
     assert caught.value.errno == errno.ENOTDIR and caught.value.path == str(blocker / "kv")
-    assert str(caught.value).startswith(f"directory: cannot use {str(blocker / 'kv')!r}: ENOTDIR (errno 20: Not a directory)")
+    assert str(caught.value).startswith(
+        f"directory: cannot use {str(blocker / 'kv')!r}: ENOTDIR (errno 20: Not a directory)"
+    )
     assert isinstance(caught.value, StorageError)

@@ -84,7 +84,10 @@ WRITER = PRELUDE + textwrap.dedent(
 def start(script: str, directory) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", script, str(directory), json.dumps(KEYS)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -95,7 +98,9 @@ def line(process: subprocess.Popen) -> dict:
 
 
 def run(script: str, directory) -> dict:
-    result = subprocess.run([sys.executable, "-c", script, str(directory), json.dumps(KEYS)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(directory), json.dumps(KEYS)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -152,7 +157,9 @@ def test_a_put_finds_a_prior_written_by_another_store_after_it_opened(tmp_path):
     assert decode.put(KEYS[3:4], [torch.ones(64)], prior_key=KEYS[2]) == [PutStatus.STORED]
     # A page deduplicated against the other store's file links the next one too.
     assert decode.put(KEYS[2:5], [torch.ones(64)] * 3, prior_key=KEYS[1]) == [
-        PutStatus.DEDUPLICATED, PutStatus.DEDUPLICATED, PutStatus.STORED,
+        PutStatus.DEDUPLICATED,
+        PutStatus.DEDUPLICATED,
+        PutStatus.STORED,
     ]
     assert decode.put(["f" * 64], [torch.ones(64)], prior_key="e" * 64) == [PutStatus.FAILED]  # nowhere
 

@@ -30,7 +30,7 @@ def host_like(num_pages: int, seed: int) -> torch.Tensor:
 
 def page(host: torch.Tensor, index: int) -> torch.Tensor:
     """Page ``index`` as a [L, 2, page, H, D] view (not contiguous)."""
-    return host[:, :, index * PAGE_SIZE:(index + 1) * PAGE_SIZE].transpose(0, 1)
+    return host[:, :, index * PAGE_SIZE : (index + 1) * PAGE_SIZE].transpose(0, 1)
 
 
 @pytest.mark.parametrize("kind", ["memory", "file"])
@@ -47,9 +47,9 @@ def test_a_store_puts_and_gets_strided_views_as_their_row_major_bytes(tmp_path, 
     assert torch.equal(contiguous.view(torch.int16), views[1].contiguous().view(torch.int16))
 
     assert store.get(["c", "a"], [page(target, 0), page(target, 2)]) == [True, True]
-    assert torch.equal(target[:, :, :PAGE_SIZE].view(torch.int16), source[:, :, 2 * PAGE_SIZE:].view(torch.int16))
-    assert torch.equal(target[:, :, 2 * PAGE_SIZE:].view(torch.int16), source[:, :, :PAGE_SIZE].view(torch.int16))
-    assert not target[:, :, PAGE_SIZE:2 * PAGE_SIZE].view(torch.int16).any()  # page 1 untouched
+    assert torch.equal(target[:, :, :PAGE_SIZE].view(torch.int16), source[:, :, 2 * PAGE_SIZE :].view(torch.int16))
+    assert torch.equal(target[:, :, 2 * PAGE_SIZE :].view(torch.int16), source[:, :, :PAGE_SIZE].view(torch.int16))
+    assert not target[:, :, PAGE_SIZE : 2 * PAGE_SIZE].view(torch.int16).any()  # page 1 untouched
 
 
 class ContiguousOnly(MemoryStore):
@@ -69,7 +69,7 @@ def test_a_store_without_strided_pages_refuses_a_view_before_writing():
 def test_a_strided_page_of_the_wrong_size_is_refused():
     store = MemoryStore(fingerprint())
     with pytest.raises(InvalidArgumentError, match="bytes, the layout's page has"):
-        store.put(["a"], [host_like(2, seed=3)[:, :, :2 * PAGE_SIZE].transpose(0, 1)])
+        store.put(["a"], [host_like(2, seed=3)[:, :, : 2 * PAGE_SIZE].transpose(0, 1)])
 
 
 @pytest.mark.parametrize("kind", ["memory", "file"])
@@ -77,7 +77,10 @@ def test_a_get_into_a_target_that_requires_grad_is_refused_before_any_target_is_
     store = MemoryStore(fingerprint()) if kind == "memory" else FileStore(fingerprint(), tmp_path, io_threads=2)
     shape = LAYOUT.page_shape(PAGE_SIZE)
     store.put(["a", "b"], [torch.ones(shape, dtype=torch.bfloat16), torch.ones(shape, dtype=torch.bfloat16)])
-    first, second = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True)
+    first, second = (
+        torch.zeros(shape, dtype=torch.bfloat16),
+        torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True),
+    )
     with pytest.raises(InvalidArgumentError, match=r"into\[1\]: must not require grad"):
         store.get(["a", "b"], [first, second])
     assert not first.any() and not second.detach().any()

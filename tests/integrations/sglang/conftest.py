@@ -43,7 +43,9 @@ def pytest_configure(config: pytest.Config) -> None:
     global SGLANG_MISSING
     paths = [Path(arg.split("::")[0]).resolve() for arg in config.args]
     if any(not path.is_relative_to(HERE) for path in paths):
-        SGLANG_MISSING = "sglang's tests run in a pytest process of their own: pytest tests/integrations/sglang (make test does)"
+        SGLANG_MISSING = (
+            "sglang's tests run in a pytest process of their own: pytest tests/integrations/sglang (make test does)"
+        )
     else:
         SGLANG_MISSING = import_sglang()
         if SGLANG_MISSING is not None and os.environ.get("CI") == "true":

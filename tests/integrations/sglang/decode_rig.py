@@ -23,15 +23,22 @@ from kvstage.integrations.sglang import KVStageDecodeOffloadManager
 from sglang_rig import PAGE_SIZE, dsa_device_pool, extra_config, mha_device_pool, mla_device_pool
 
 
-def install_settings(url: str, tp_rank: int = 0, tp_size: int = 1, stride: int | None = None, page_size: int = PAGE_SIZE):
+def install_settings(
+    url: str, tp_rank: int = 0, tp_size: int = 1, stride: int | None = None, page_size: int = PAGE_SIZE
+):
     """sglang's published config for a decode server using kvstage (restore() undoes it);
     the stride defaults to one page."""
     import os
 
     os.environ["SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"] = str(page_size if stride is None else stride)
     override = get_context().override_server_args(
-        device="cpu", page_size=page_size, tp_size=tp_size, hicache_ratio=2.0, served_model_name="org/tiny-model",
-        hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(extra_config(url)),
+        device="cpu",
+        page_size=page_size,
+        tp_size=tp_size,
+        hicache_ratio=2.0,
+        served_model_name="org/tiny-model",
+        hicache_storage_backend="dynamic",
+        hicache_storage_backend_extra_config=json.dumps(extra_config(url)),
     )
     override.install()
     get_parallel().override_permanently(
@@ -61,13 +68,19 @@ class DecodeSide:
         self.allocator = PagedTokenToKVPoolAllocator(
             self.device.size, page_size, self.device.dtype, "cpu", self.device, need_sort=False
         )
-        self.tree_cache = RadixCache(CacheInitParams(
-            disable=True, req_to_token_pool=self.req_to_token_pool,
-            token_to_kv_pool_allocator=self.allocator, page_size=page_size,
-        ))
+        self.tree_cache = RadixCache(
+            CacheInitParams(
+                disable=True,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.allocator,
+                page_size=page_size,
+            )
+        )
         self.manager = KVStageDecodeOffloadManager(
-            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
-            tp_group=tp_group, tree_cache=self.tree_cache,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.allocator,
+            tp_group=tp_group,
+            tree_cache=self.tree_cache,
         )
         self.generator = torch.Generator().manual_seed(0)
 

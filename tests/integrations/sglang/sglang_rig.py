@@ -17,17 +17,32 @@ PAGE_SIZE = 4
 LAYERS = 3
 
 
-def mha_device_pool(size: int = 128, dtype=torch.bfloat16, head_num: int = 2, head_dim: int = 8, **kwargs) -> MHATokenToKVPool:
+def mha_device_pool(
+    size: int = 128, dtype=torch.bfloat16, head_num: int = 2, head_dim: int = 8, **kwargs
+) -> MHATokenToKVPool:
     return MHATokenToKVPool(
-        size=size, page_size=PAGE_SIZE, dtype=dtype, head_num=head_num, head_dim=head_dim, layer_num=LAYERS,
-        device="cpu", enable_memory_saver=False, **kwargs,
+        size=size,
+        page_size=PAGE_SIZE,
+        dtype=dtype,
+        head_num=head_num,
+        head_dim=head_dim,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        **kwargs,
     )
 
 
 def mla_device_pool(size: int = 128, dtype=torch.bfloat16) -> MLATokenToKVPool:
     return MLATokenToKVPool(
-        size=size, page_size=PAGE_SIZE, dtype=dtype, kv_lora_rank=16, qk_rope_head_dim=8, layer_num=LAYERS,
-        device="cpu", enable_memory_saver=False,
+        size=size,
+        page_size=PAGE_SIZE,
+        dtype=dtype,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
     )
 
 
@@ -41,8 +56,16 @@ def dsa_device_pool(size: int = 256, dtype=torch.bfloat16):
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
     return DSATokenToKVPool(
-        size=size, page_size=DSA_PAGE_SIZE, kv_lora_rank=16, dtype=dtype, qk_rope_head_dim=8, layer_num=LAYERS,
-        device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=24,
+        size=size,
+        page_size=DSA_PAGE_SIZE,
+        kv_lora_rank=16,
+        dtype=dtype,
+        qk_rope_head_dim=8,
+        layer_num=LAYERS,
+        device="cpu",
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=24,
     )
 
 
@@ -58,28 +81,46 @@ def dsa_host_pool_group(device_pool, layout: str = "page_first"):
     assert (kv_decl.pool_name, indexer_decl.pool_name) == (PoolName.KV, PoolName.INDEXER)
     info = device_pool.get_device_pool_infos()[0].buffer_info
     kv_host = MLATokenToKVPoolHost(
-        info, 2.0, 0, device_pool.page_size, layout, pin_memory=False, device_capacity_tokens=device_pool.size,
-        start_layer=device_pool.start_layer, end_layer=device_pool.end_layer, target_layer_num=device_pool.layer_num,
+        info,
+        2.0,
+        0,
+        device_pool.page_size,
+        layout,
+        pin_memory=False,
+        device_capacity_tokens=device_pool.size,
+        start_layer=device_pool.start_layer,
+        end_layer=device_pool.end_layer,
+        target_layer_num=device_pool.layer_num,
         override_kv_cache_dim=device_pool.kv_cache_dim,
     )
     indexer_host = DSAIndexerPoolHost(indexer_decl, kv_host, pin_memory=False)
-    return HostPoolGroup([
-        PoolEntry(PoolName.KV, kv_host, device_pool, lambda layer: layer, is_primary_index_anchor=True),
-        PoolEntry(PoolName.INDEXER, indexer_host, device_pool, lambda layer: layer),
-    ])
+    return HostPoolGroup(
+        [
+            PoolEntry(PoolName.KV, kv_host, device_pool, lambda layer: layer, is_primary_index_anchor=True),
+            PoolEntry(PoolName.INDEXER, indexer_host, device_pool, lambda layer: layer),
+        ]
+    )
 
 
 def host_pool(device_pool, layout: str, ratio: float = 2.0):
     """sglang's host pool for ``device_pool`` (pin_memory off: a CPU torch cannot register memory)."""
     info = device_pool.get_device_pool_infos()[0].buffer_info
     common = dict(
-        pin_memory=False, device_capacity_tokens=device_pool.size,
-        start_layer=device_pool.start_layer, end_layer=device_pool.end_layer,
+        pin_memory=False,
+        device_capacity_tokens=device_pool.size,
+        start_layer=device_pool.start_layer,
+        end_layer=device_pool.end_layer,
     )
     if isinstance(device_pool, MLATokenToKVPool):
         return MLATokenToKVPoolHost(
-            info, ratio, 0, PAGE_SIZE, layout, target_layer_num=device_pool.layer_num,
-            override_kv_cache_dim=device_pool.kv_cache_dim, **common,
+            info,
+            ratio,
+            0,
+            PAGE_SIZE,
+            layout,
+            target_layer_num=device_pool.layer_num,
+            override_kv_cache_dim=device_pool.kv_cache_dim,
+            **common,
         )
     return MHATokenToKVPoolHost(info, ratio, 0, PAGE_SIZE, layout, **common)
 
@@ -87,11 +128,23 @@ def host_pool(device_pool, layout: str, ratio: float = 2.0):
 def storage_config(url: str, *, mla: bool = False, tp_rank: int = 0, tp_size: int = 1, **extra) -> HiCacheStorageConfig:
     """The config sglang's controller builds, with the dynamic backend's extra config."""
     return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=False, model_name="org/tiny-model",
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=False,
+        model_name="org/tiny-model",
         extra_config={
-            "backend_name": "kvstage", "module_path": "kvstage.integrations.sglang",
-            "class_name": "KVStageStorage", "interface_v1": 1, "url": url, **extra,
+            "backend_name": "kvstage",
+            "module_path": "kvstage.integrations.sglang",
+            "class_name": "KVStageStorage",
+            "interface_v1": 1,
+            "url": url,
+            **extra,
         },
     )
 
@@ -201,6 +254,9 @@ def token_slots(host, canonical: torch.Tensor, indices: torch.Tensor) -> torch.T
 
 def extra_config(url: str) -> dict:
     return {
-        "backend_name": "kvstage", "module_path": "kvstage.integrations.sglang",
-        "class_name": "KVStageStorage", "interface_v1": 1, "url": url,
+        "backend_name": "kvstage",
+        "module_path": "kvstage.integrations.sglang",
+        "class_name": "KVStageStorage",
+        "interface_v1": 1,
+        "url": url,
     }

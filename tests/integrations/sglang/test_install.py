@@ -14,5 +14,7 @@ def test_sglang_0_5_23_and_its_storage_factory_are_importable(sglang_missing):
     import kvstage.integrations.sglang as adapter
 
     assert sglang.__version__ == "0.5.23"
-    backend_class = StorageBackendFactory._load_backend_class("kvstage.integrations.sglang", "KVStageStorage", "kvstage")
+    backend_class = StorageBackendFactory._load_backend_class(
+        "kvstage.integrations.sglang", "KVStageStorage", "kvstage"
+    )
     assert backend_class is adapter.KVStageStorage

@@ -68,8 +68,15 @@ def controller(kind: str, layout: str, url: str, hybrid: bool):
         pool = HostPoolGroup([PoolEntry(PoolName.KV, host, device, lambda layer: layer, is_primary_index_anchor=True)])
         cls = HybridCacheController
     cc = cls(
-        allocator, pool, PAGE_SIZE, dist.group.WORLD, threading.Event(), io_backend="direct",
-        storage_backend="dynamic", model_name="org/tiny-model", storage_backend_extra_config=extra_config(url),
+        allocator,
+        pool,
+        PAGE_SIZE,
+        dist.group.WORLD,
+        threading.Event(),
+        io_backend="direct",
+        storage_backend="dynamic",
+        model_name="org/tiny-model",
+        storage_backend_extra_config=extra_config(url),
     )
     assert isinstance(cc.storage_backend, KVStageStorage)
     assert cc.page_set_func.__name__ == "_page_set_zero_copy"  # sglang chose the v1 calls
@@ -93,16 +100,22 @@ def test_write_through_then_prefetch_through_sglangs_controller_moves_every_byte
         tokens, read = prefetch(cc, key)
         assert tokens == len(key.token_ids)
         assert same_bytes(token_slots(host, canonical_of(host), read), source)
-        kvstage_keys = PageHasher(page_size=PAGE_SIZE).prefill_keys(list(key.token_ids), extra_key="lora-7", cache_salt="tenant-a")
+        kvstage_keys = PageHasher(page_size=PAGE_SIZE).prefill_keys(
+            list(key.token_ids), extra_key="lora-7", cache_salt="tenant-a"
+        )
         assert cc.storage_backend.store.exists(kvstage_keys) == [True] * 5
     finally:
         stop(cc)
 
 
-@pytest.mark.parametrize("kind,written,read", [
-    ("mha", "page_first", "layer_first"), ("mha", "page_head", "page_first_direct"),
-    ("mla", "page_first_direct", "page_first"),
-])
+@pytest.mark.parametrize(
+    "kind,written,read",
+    [
+        ("mha", "page_first", "layer_first"),
+        ("mha", "page_head", "page_first_direct"),
+        ("mla", "page_first_direct", "page_first"),
+    ],
+)
 def test_the_next_turn_prefetches_through_another_host_layout_from_a_shared_file_store(tmp_path, kind, written, read):
     url = f"file:{tmp_path}"
     writer, writer_host = controller(kind, written, url, hybrid=False)
@@ -159,7 +172,14 @@ def test_deepseek_v32s_dsa_pool_set_is_refused_when_sglangs_hybrid_controller_re
     allocator = PagedTokenToKVPoolAllocator(device.size, DSA_PAGE_SIZE, device.dtype, "cpu", device, need_sort=False)
     with pytest.raises(InvalidArgumentError, match=r"host pool 'indexer': a DSA indexer .*\(DSAIndexerPoolHost\)"):
         HybridCacheController(
-            allocator, group, DSA_PAGE_SIZE, dist.group.WORLD, threading.Event(), io_backend="direct",
-            storage_backend="dynamic", model_name="org/tiny-model", storage_backend_extra_config=extra_config("memory"),
+            allocator,
+            group,
+            DSA_PAGE_SIZE,
+            dist.group.WORLD,
+            threading.Event(),
+            io_backend="direct",
+            storage_backend="dynamic",
+            model_name="org/tiny-model",
+            storage_backend_extra_config=extra_config("memory"),
         )
     assert len(opened) == 1 and closed == opened

@@ -41,9 +41,17 @@ def controller_over(side: DecodeSide, url: str, layout: str):
     decode side's device pool: the prefill side's writer and the next turn's reader."""
     host = host_pool(side.device, layout)
     cc = HiCacheController(
-        PagedTokenToKVPoolAllocator(side.device.size, PAGE_SIZE, side.device.dtype, "cpu", side.device, need_sort=False),
-        host, PAGE_SIZE, dist.group.WORLD, threading.Event(), io_backend="direct",
-        storage_backend="dynamic", model_name="org/tiny-model", storage_backend_extra_config=extra_config(url),
+        PagedTokenToKVPoolAllocator(
+            side.device.size, PAGE_SIZE, side.device.dtype, "cpu", side.device, need_sort=False
+        ),
+        host,
+        PAGE_SIZE,
+        dist.group.WORLD,
+        threading.Event(),
+        io_backend="direct",
+        storage_backend="dynamic",
+        model_name="org/tiny-model",
+        storage_backend_extra_config=extra_config(url),
     )
     return cc, host
 
@@ -65,7 +73,9 @@ def put_kv_in_host(host, kv: list[torch.Tensor], indices: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mla", "page_first_direct")])
-def test_decode_pages_continue_the_prefill_chain_and_the_next_turn_prefetches_them_byte_equal(tmp_path, one_rank, kind, layout):
+def test_decode_pages_continue_the_prefill_chain_and_the_next_turn_prefetches_them_byte_equal(
+    tmp_path, one_rank, kind, layout
+):
     url = f"file:{tmp_path / 'store'}"
     with settings_installed(url):
         side = DecodeSide(kind, one_rank)
@@ -116,7 +126,9 @@ def test_no_url_in_the_extra_config_is_refused(tmp_path, one_rank):
     with settings_installed("memory"):
         from sglang.srt.runtime_context import get_context
 
-        inner = get_context().override_server_args(device="cpu", page_size=PAGE_SIZE, hicache_storage_backend_extra_config="{}")
+        inner = get_context().override_server_args(
+            device="cpu", page_size=PAGE_SIZE, hicache_storage_backend_extra_config="{}"
+        )
         inner.install()
         try:
             with pytest.raises(InvalidArgumentError, match="extra_config.url"):
@@ -160,7 +172,8 @@ def test_two_tp_ranks_release_the_same_requests_in_the_same_steps(tmp_path, kind
         out = manager.dict()
         port = _free_port()
         procs = [
-            context.Process(target=tp_rank_worker.run_rank, args=(rank, port, kind, f"file:{tmp_path / 'store'}", out)) for rank in (0, 1)
+            context.Process(target=tp_rank_worker.run_rank, args=(rank, port, kind, f"file:{tmp_path / 'store'}", out))
+            for rank in (0, 1)
         ]
         for proc in procs:
             proc.start()
@@ -226,8 +239,12 @@ def sglang_retracts(side: DecodeSide, req) -> None:
     # committed, as sglang's free path expects of what it allocated.
     req.kv.kv_committed_len = req.kv.kv_allocated_len
     release_req(
-        req=req, remaing_req_count=0, req_to_token_pool=side.req_to_token_pool,
-        token_to_kv_pool_allocator=side.allocator, tree_cache=side.tree_cache, hisparse_coordinator=None,
+        req=req,
+        remaing_req_count=0,
+        req_to_token_pool=side.req_to_token_pool,
+        token_to_kv_pool_allocator=side.allocator,
+        tree_cache=side.tree_cache,
+        hisparse_coordinator=None,
         offload_kv=False,
     )
     assert released(req) and req.is_retracted

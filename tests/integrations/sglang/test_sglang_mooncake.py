@@ -45,7 +45,9 @@ def one_rank_world(tmp_path_factory):
     get_parallel().override_permanently(
         tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0
     )
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('gloo') / 'rendezvous'}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path_factory.mktemp('gloo') / 'rendezvous'}", rank=0, world_size=1
+    )
     yield
     dist.destroy_process_group()
 
@@ -54,13 +56,22 @@ def controller(device, layout: str, url: str):
     host = host_pool(device, layout)
     allocator = PagedTokenToKVPoolAllocator(device.size, PAGE_SIZE, device.dtype, "cpu", device, need_sort=False)
     cc = HiCacheController(
-        allocator, host, PAGE_SIZE, dist.group.WORLD, threading.Event(), io_backend="direct",
-        storage_backend="dynamic", model_name="org/tiny-model", storage_backend_extra_config=extra_config(url),
+        allocator,
+        host,
+        PAGE_SIZE,
+        dist.group.WORLD,
+        threading.Event(),
+        io_backend="direct",
+        storage_backend="dynamic",
+        model_name="org/tiny-model",
+        storage_backend_extra_config=extra_config(url),
     )
     return cc, host
 
 
-@pytest.mark.parametrize("kind,written,read", [("mha", "page_first", "page_first_direct"), ("mla", "page_first_direct", "layer_first")])
+@pytest.mark.parametrize(
+    "kind,written,read", [("mha", "page_first", "page_first_direct"), ("mla", "page_first_direct", "layer_first")]
+)
 def test_write_through_then_the_next_turn_prefetches_from_mooncake(master, kind, written, read):
     device = mha_device_pool() if kind == "mha" else mla_device_pool()
     url = master.url()

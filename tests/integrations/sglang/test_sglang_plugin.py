@@ -30,7 +30,9 @@ print("kvstage" if scheduler.DecodeKVCacheOffloadManager is KVStageDecodeOffload
 """
 
 
-@pytest.mark.parametrize("enabled,expected", [("1", "kvstage"), ("", "sglang.srt.disaggregation.decode_kvcache_offload_manager")])
+@pytest.mark.parametrize(
+    "enabled,expected", [("1", "kvstage"), ("", "sglang.srt.disaggregation.decode_kvcache_offload_manager")]
+)
 def test_the_plugin_replaces_the_decode_offload_manager_only_when_enabled(enabled, expected):
     env = {**os.environ, "PYTHONPATH": str(HERE), "KVSTAGE_SGLANG_DECODE_OFFLOAD": enabled}
     result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)

@@ -54,6 +54,7 @@ def mha_host(layout="page_first"):
 
 # -- chains -------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("store", ["memory", "file"])
 def test_a_child_written_before_its_parent_is_stored_and_read_back(tmp_path, store):
     host = mha_host()
@@ -110,7 +111,9 @@ def test_a_store_put_that_raises_fails_its_pages_with_a_warning_and_never_reache
     assert backend.batch_exists(keys) == 8
     assert "2 of 10 pages not stored" in caplog.text and "the disk went away" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="kvstage.integrations.sglang.storage"):  # the legacy call: one flat page each
+    with caplog.at_level(
+        "WARNING", logger="kvstage.integrations.sglang.storage"
+    ):  # the legacy call: one flat page each
         assert backend.batch_set([key(20)], [host.get_data_page(0, flat=True)]) is False
     assert "1 of 1 pages not stored" in caplog.text and "the disk went away" in caplog.text
     assert backend.batch_exists([key(20)]) == 0
@@ -134,6 +137,7 @@ def test_batch_set_v1_with_prefix_keys_asks_the_store_no_exists_whether_the_pare
 
 # -- legacy flat pages --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("written,read", [("page_first", "layer_first"), ("page_head", "page_first_direct")])
 def test_legacy_set_and_get_of_flat_pages_cross_host_layouts(written, read):
     url = "memory"
@@ -141,7 +145,9 @@ def test_legacy_set_and_get_of_flat_pages_cross_host_layouts(written, read):
     set_host(writer_host, random_canonical(writer_host, seed=3))
     writer = kvstage_backend(url, writer_host)
     assert writer.set(key(1), writer_host.get_data_page(4, flat=True))
-    assert writer.batch_set([key(2), key(3)], [writer_host.get_data_page(8, flat=True), writer_host.get_data_page(0, flat=True)])
+    assert writer.batch_set(
+        [key(2), key(3)], [writer_host.get_data_page(8, flat=True), writer_host.get_data_page(0, flat=True)]
+    )
     assert writer.exists(key(2)) and not writer.exists(key(4))
     reader = KVStageStorage.__new__(KVStageStorage)
     reader.__dict__.update(writer.__dict__)  # same store, read through another host layout:
@@ -149,7 +155,9 @@ def test_legacy_set_and_get_of_flat_pages_cross_host_layouts(written, read):
     target = reader_host.get_dummy_flat_data_page()
     assert reader.get(key(1), target) is target
     reader_host.set_from_flat_data_page(12, target)
-    got = reader.batch_get([key(3), key(4)], [reader_host.get_dummy_flat_data_page(), reader_host.get_dummy_flat_data_page()])
+    got = reader.batch_get(
+        [key(3), key(4)], [reader_host.get_dummy_flat_data_page(), reader_host.get_dummy_flat_data_page()]
+    )
     assert got[1] is None
     reader_host.set_from_flat_data_page(16, got[0])
 
@@ -162,6 +170,7 @@ def test_legacy_set_and_get_of_flat_pages_cross_host_layouts(written, read):
 
 
 # -- clear, stats, threads ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("store", ["memory", "file"])
 def test_clear_empties_what_sglang_flush_expects(tmp_path, store):
@@ -228,10 +237,11 @@ def test_sglang_three_storage_threads_at_once_move_every_page_intact(tmp_path):
         thread.join(60)
     assert not errors and all(written)
     got = canonical_of(host)
-    assert same_bytes(got[:, :, half * PAGE_SIZE:2 * half * PAGE_SIZE], source[:, :, :half * PAGE_SIZE])
+    assert same_bytes(got[:, :, half * PAGE_SIZE : 2 * half * PAGE_SIZE], source[:, :, : half * PAGE_SIZE])
 
 
 # -- keys -----------------------------------------------------------------------------------------
+
 
 def test_sglang_namespaced_storage_keys_are_kvstages_sglang_v1_keys():
     host = mha_host()
@@ -249,6 +259,7 @@ def test_sglang_namespaced_storage_keys_are_kvstages_sglang_v1_keys():
 
 # -- what kvstage refuses, before anything is opened or written ----------------------------------
 
+
 def test_extra_config_errors_name_the_key():
     with pytest.raises(InvalidArgumentError, match="extra_config.url"):
         KVStageStorage(dataclasses.replace(storage_config("memory"), extra_config={"backend_name": "kvstage"}))
@@ -257,7 +268,9 @@ def test_extra_config_errors_name_the_key():
     with pytest.raises(InvalidArgumentError, match="kv_cache_dtype"):
         KVStageStorage(storage_config("memory", kv_cache_dtype="fp8"))
     # sglang's own keys of the same JSON are not kvstage's to refuse
-    KVStageStorage(storage_config("memory", prefetch_threshold=256, hicache_storage_pass_prefix_keys=True, tp_lcm_size=None))
+    KVStageStorage(
+        storage_config("memory", prefetch_threshold=256, hicache_storage_pass_prefix_keys=True, tp_lcm_size=None)
+    )
 
 
 def test_context_parallel_and_split_heads_are_refused_with_the_field_named():
@@ -292,8 +305,16 @@ def test_a_hybrid_models_other_host_pools_are_refused_at_v2_registration_naming_
     for pool, name, rule in [
         (mha_host(), PoolName.SWA, r"host pool 'swa': a SWA pool \(MHATokenToKVPoolHost\)"),
         (mamba_host(), PoolName.MAMBA, r"host pool 'mamba': a Mamba pool \(MambaPoolHost\)"),
-        (group.get_pool(PoolName.INDEXER), PoolName.INDEXER, r"host pool 'indexer': a DSA indexer .*\(DSAIndexerPoolHost\)"),
-        (mha_host(), PoolName.KV, r"host pool 'kv' \(MHATokenToKVPoolHost\) is not the pool registered by register_mem_pool_host"),
+        (
+            group.get_pool(PoolName.INDEXER),
+            PoolName.INDEXER,
+            r"host pool 'indexer': a DSA indexer .*\(DSAIndexerPoolHost\)",
+        ),
+        (
+            mha_host(),
+            PoolName.KV,
+            r"host pool 'kv' \(MHATokenToKVPoolHost\) is not the pool registered by register_mem_pool_host",
+        ),
     ]:
         with pytest.raises(InvalidArgumentError, match=rule):
             backend.register_mem_host_pool_v2(pool, name)
@@ -304,7 +325,9 @@ def test_a_v2_registration_kvstage_refuses_closes_the_store_the_anchor_opened(mo
 
     opened = []
     real_open = ExtraConfig.open_store
-    monkeypatch.setattr(ExtraConfig, "open_store", lambda self, fingerprint: opened.append(real_open(self, fingerprint)) or opened[-1])
+    monkeypatch.setattr(
+        ExtraConfig, "open_store", lambda self, fingerprint: opened.append(real_open(self, fingerprint)) or opened[-1]
+    )
     host = mha_host()
     backend = kvstage_backend("memory", host)
     with pytest.raises(InvalidArgumentError, match="'mamba'"):
@@ -317,7 +340,10 @@ def test_a_v2_registration_kvstage_refuses_closes_the_store_the_anchor_opened(mo
 def test_a_host_pool_of_another_kind_is_refused_as_the_anchor_naming_it():
     for pool, rule in [
         (mamba_host(), r"mem_pool_host: a Mamba host pool \(MambaPoolHost\)"),
-        (dsa_host_pool_group(dsa_device_pool()).get_pool(PoolName.INDEXER), r"mem_pool_host: a DSA indexer .*\(DSAIndexerPoolHost\)"),
+        (
+            dsa_host_pool_group(dsa_device_pool()).get_pool(PoolName.INDEXER),
+            r"mem_pool_host: a DSA indexer .*\(DSAIndexerPoolHost\)",
+        ),
     ]:
         backend = KVStageStorage(storage_config("memory"))
         with pytest.raises(InvalidArgumentError, match=rule):

@@ -53,9 +53,9 @@ README = Path(__file__).resolve().parents[3] / "README.md"
 def readme_extra_config(url: str) -> dict:
     """The extra-config JSON of the README's launch command, as written there, with ``url``."""
     text = README.read_text()
-    section = text[text.index("## Use with sglang"):]
-    start = section.index("'{\"backend_name\"")
-    raw = section[start + 1:section.index("}'", start) + 1]
+    section = text[text.index("## Use with sglang") :]
+    start = section.index('\'{"backend_name"')
+    raw = section[start + 1 : section.index("}'", start) + 1]
     config = json.loads(raw)
     config["url"] = url
     return config
@@ -64,7 +64,7 @@ def readme_extra_config(url: str) -> dict:
 def readme_rank_statement() -> str:
     """The README's line stating this process's ranks for sglang built by hand on CPU."""
     section = README.read_text()
-    section = section[section.index("## Use with sglang"):]
+    section = section[section.index("## Use with sglang") :]
     (call,) = re.findall(r"`(get_parallel\(\)\.override_permanently\([^`]*\))`", section)
     return call
 
@@ -89,8 +89,15 @@ def controller(url: str, layout: str = "page_first", kind: str = "mha", extra: d
     host = host_pool(device, layout)
     allocator = PagedTokenToKVPoolAllocator(device.size, PAGE_SIZE, device.dtype, "cpu", device, need_sort=False)
     cc = HiCacheController(
-        allocator, host, PAGE_SIZE, dist.group.WORLD, threading.Event(), io_backend="direct",
-        storage_backend="dynamic", model_name="org/tiny-model", storage_backend_extra_config={**readme_extra_config(url), **(extra or {})},
+        allocator,
+        host,
+        PAGE_SIZE,
+        dist.group.WORLD,
+        threading.Event(),
+        io_backend="direct",
+        storage_backend="dynamic",
+        model_name="org/tiny-model",
+        storage_backend_extra_config={**readme_extra_config(url), **(extra or {})},
     )
     return cc, host
 
@@ -110,7 +117,9 @@ def test_the_readme_config_loads_kvstage_and_the_next_turn_prefetches_the_first(
         turn1 = RadixKey(array("q", range(50, 50 + 4 * PAGE_SIZE)), extra_key="lora-1", cache_salt="tenant-a")
         source = snapshot(host, write_through(cc, host, turn1))
         host.kv_buffer.zero_()
-        turn2 = RadixKey(array("q", list(turn1.token_ids) + [9] * (2 * PAGE_SIZE)), extra_key="lora-1", cache_salt="tenant-a")
+        turn2 = RadixKey(
+            array("q", list(turn1.token_ids) + [9] * (2 * PAGE_SIZE)), extra_key="lora-1", cache_salt="tenant-a"
+        )
         tokens, got = prefetch(cc, turn2)
         assert tokens == 4 * PAGE_SIZE
         assert same_bytes(snapshot(host, got), source)
@@ -140,7 +149,9 @@ def test_several_requests_written_at_once_each_prefetch_their_own_bytes():
         cc.detach_storage_backend()
 
 
-@pytest.mark.parametrize("kind,written,read", [("mha", "page_head", "layer_first"), ("mla", "layer_first", "page_first_direct")])
+@pytest.mark.parametrize(
+    "kind,written,read", [("mha", "page_head", "layer_first"), ("mla", "layer_first", "page_first_direct")]
+)
 def test_a_page_written_in_one_host_layout_reads_back_in_another(tmp_path, kind, written, read):
     writer, whost = controller(f"file:{tmp_path}", layout=written, kind=kind)
     try:
@@ -221,12 +232,15 @@ def test_a_bad_url_is_refused_with_a_kvstage_error_naming_the_url():
         make("s3://bucket/kv", host)
 
 
-@pytest.mark.parametrize("url,rule", [
-    ("s3://bucket/kv", "unknown storage scheme 's3'"),
-    ("file:/tmp/kv?capacity=1", "unknown option 'capacity'"),
-    ("memory:lots", "capacity: must be a size, got 'lots'"),
-    ("memory:1", "holds no page"),
-])
+@pytest.mark.parametrize(
+    "url,rule",
+    [
+        ("s3://bucket/kv", "unknown storage scheme 's3'"),
+        ("file:/tmp/kv?capacity=1", "unknown option 'capacity'"),
+        ("memory:lots", "capacity: must be a size, got 'lots'"),
+        ("memory:1", "holds no page"),
+    ],
+)
 def test_a_bad_url_names_the_key_the_user_typed(url, rule):
     """Whatever part of the URL is wrong, the message starts with ``extra_config.url`` and the
     URL, which it names once (never the store factory's own argument names ``url:`` /
@@ -242,7 +256,9 @@ def test_a_bad_url_names_the_key_the_user_typed(url, rule):
 
 def test_a_bad_url_on_the_decode_side_names_the_same_key(tmp_path):
     with settings_installed("s3://bucket/kv"):
-        with pytest.raises(InvalidArgumentError, match=r"^extra_config\.url: 's3://bucket/kv': unknown storage scheme 's3'"):
+        with pytest.raises(
+            InvalidArgumentError, match=r"^extra_config\.url: 's3://bucket/kv': unknown storage scheme 's3'"
+        ):
             DecodeSide("mha", dist.group.WORLD)
 
 
@@ -250,10 +266,14 @@ def test_an_extra_config_that_is_not_json_on_the_decode_side_names_the_flag_the_
     from sglang.srt.runtime_context import get_context
 
     settings = install_settings("memory")
-    inner = get_context().override_server_args(device="cpu", page_size=PAGE_SIZE, hicache_storage_backend_extra_config="{url: memory}")
+    inner = get_context().override_server_args(
+        device="cpu", page_size=PAGE_SIZE, hicache_storage_backend_extra_config="{url: memory}"
+    )
     inner.install()
     try:
-        with pytest.raises(InvalidArgumentError, match=r"^--hicache-storage-backend-extra-config: not JSON \(") as caught:
+        with pytest.raises(
+            InvalidArgumentError, match=r"^--hicache-storage-backend-extra-config: not JSON \("
+        ) as caught:
             DecodeSide("mha", dist.group.WORLD)
         assert "hicache_storage_backend_extra_config" not in str(caught.value)
     finally:
@@ -345,7 +365,9 @@ def test_a_tenants_decode_pages_continue_its_prefill_chain_and_only_it_reads_the
         prompt = list(range(700, 709))  # 2 whole pages from prefill, 1 token more
         req = side.admit("t1", prompt, max_tokens=9, extra_key="lora-2")
         req.cache_salt = "tenant-a"  # what sglang's Req(cache_salt=...) holds
-        prefill_side_stores_prompt(side, url, req, RadixKey(array("q", prompt), extra_key="lora-2", cache_salt="tenant-a"))
+        prefill_side_stores_prompt(
+            side, url, req, RadixKey(array("q", prompt), extra_key="lora-2", cache_salt="tenant-a")
+        )
         for step in range(9):
             side.decode_step(req, 2000 + step)
             if not req.finished():  # once finished, sglang may get it back at the next check: its KV is read first
@@ -357,7 +379,9 @@ def test_a_tenants_decode_pages_continue_its_prefill_chain_and_only_it_reads_the
         side.manager.release_host_resources()
         conversation = prompt + [2000 + i for i in range(8)] + [5]
         whole = kv_length // PAGE_SIZE * PAGE_SIZE
-        tokens, got = next_turn_reads(url, RadixKey(array("q", conversation), extra_key="lora-2", cache_salt="tenant-a"))
+        tokens, got = next_turn_reads(
+            url, RadixKey(array("q", conversation), extra_key="lora-2", cache_salt="tenant-a")
+        )
         assert tokens == whole
         assert same_bytes(got, expected[:, :, :whole])
         other, _ = next_turn_reads(url, RadixKey(array("q", conversation), extra_key="lora-2", cache_salt="tenant-b"))
@@ -468,7 +492,9 @@ def test_three_prefetches_in_flight_at_once_each_get_their_own_pages():
     cc, host = controller("memory", layout="page_first_direct")
     try:
         set_host(host, random_canonical(host, seed=16))
-        keys = [RadixKey(array("q", range(r * 500, r * 500 + (2 + r) * PAGE_SIZE)), cache_salt=f"t{r}") for r in range(3)]
+        keys = [
+            RadixKey(array("q", range(r * 500, r * 500 + (2 + r) * PAGE_SIZE)), cache_salt=f"t{r}") for r in range(3)
+        ]
         sources = [snapshot(host, write_through(cc, host, key)) for key in keys]
         host.kv_buffer.zero_()
         for r, key in enumerate(keys):
@@ -543,7 +569,9 @@ def test_two_sglang_processes_share_one_file_directory(tmp_path):
     """Another sglang server process writes the pages; this one (another host layout) reads them,
     and writes the same pages again (deduplicated, still readable)."""
     store, out = tmp_path / "store", tmp_path / "source.pt"
-    script = WRITER.format(here=str(Path(__file__).resolve().parent), rendezvous=tmp_path / "gloo", store=store, out=out)
+    script = WRITER.format(
+        here=str(Path(__file__).resolve().parent), rendezvous=tmp_path / "gloo", store=store, out=out
+    )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     source = torch.load(out)
@@ -575,7 +603,9 @@ def fp8_decode_side(tmp_path, monkeypatch):
 
     def make(extra: dict):
         monkeypatch.setattr(decode_rig, "extra_config", lambda url: {**readme_extra_config(url), **extra})
-        monkeypatch.setattr(decode_rig, "mha_device_pool", lambda size: mha_device_pool(size=size, dtype=torch.float8_e4m3fn))
+        monkeypatch.setattr(
+            decode_rig, "mha_device_pool", lambda size: mha_device_pool(size=size, dtype=torch.float8_e4m3fn)
+        )
         installed.append(install_settings(url))
         return url, DecodeSide("mha", dist.group.WORLD)
 
@@ -623,9 +653,14 @@ def test_kv_cache_dtype_on_a_decode_pool_that_is_not_fp8_is_refused(tmp_path, mo
     import decode_rig
 
     url = f"file:{tmp_path / 'store'}"
-    monkeypatch.setattr(decode_rig, "extra_config", lambda url: {**readme_extra_config(url), "kv_cache_dtype": "fp8_e4m3"})
+    monkeypatch.setattr(
+        decode_rig, "extra_config", lambda url: {**readme_extra_config(url), "kv_cache_dtype": "fp8_e4m3"}
+    )
     with settings_installed(url):  # the rig's device pool: bf16
-        with pytest.raises(InvalidArgumentError, match=r"kv_cache_dtype: 'fp8_e4m3' contradicts the device pool's dtype torch\.bfloat16"):
+        with pytest.raises(
+            InvalidArgumentError,
+            match=r"kv_cache_dtype: 'fp8_e4m3' contradicts the device pool's dtype torch\.bfloat16",
+        ):
             DecodeSide("mha", dist.group.WORLD)
 
 
@@ -670,7 +705,9 @@ def test_a_prompt_shorter_than_a_page_is_stored_whole_by_the_decode_side(decode_
         finish_and_hand_back(side, [req])
         side.manager.release_host_resources()
         whole = kv_length // PAGE_SIZE * PAGE_SIZE
-        tokens, got = next_turn_reads(url, RadixKey(array("q", prompt + [6000 + i for i in range(10)] + [1]), extra_key="lora-3"))
+        tokens, got = next_turn_reads(
+            url, RadixKey(array("q", prompt + [6000 + i for i in range(10)] + [1]), extra_key="lora-3")
+        )
         assert tokens == whole
         assert same_bytes(got, expected[:, :, :whole])
     finally:

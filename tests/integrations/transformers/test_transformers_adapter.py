@@ -77,8 +77,13 @@ def two_processes(tmp_path_factory):
             first[arch] = (session.generate(tm.prompt_ids(), **tm.GENERATE), session.metrics.pages_stored)
     torch.set_num_threads(threads)
     out = directory / "second.pt"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(tm.__file__).parent), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, tm.__file__, str(directory), str(out)], env=env, capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(Path(tm.__file__).parent), os.environ.get("PYTHONPATH")])),
+    )
+    result = subprocess.run(
+        [sys.executable, tm.__file__, str(directory), str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr
     return directory, first, torch.load(out)
 
@@ -129,8 +134,10 @@ def test_one_session_reuses_the_prompt_it_stored(tmp_path, arch, dtype):
         # what load() hands transformers: [1, heads, tokens, dim] in the model's dtype
         loaded = session.load(ids)
         assert loaded.get_seq_length() == PREFIX and loaded.layers[0].keys.dtype == dtype
-        assert all(torch.equal(a.keys, b.keys[..., :PREFIX, :]) and torch.equal(a.values, b.values[..., :PREFIX, :])
-                   for a, b in zip(loaded.layers, cache.layers))
+        assert all(
+            torch.equal(a.keys, b.keys[..., :PREFIX, :]) and torch.equal(a.values, b.values[..., :PREFIX, :])
+            for a, b in zip(loaded.layers, cache.layers)
+        )
 
 
 def test_another_namespace_or_model_id_hits_nothing(tmp_path):
@@ -138,7 +145,13 @@ def test_another_namespace_or_model_id_hits_nothing(tmp_path):
     with tm.session_of(model, str(tmp_path), "llama") as session:
         session.generate(ids, max_new_tokens=1)
     for kwargs in ({"cache_salt": "tenant-b"}, {"extra_key": None}, {"model_id": "other-weights"}):
-        options = {"model_id": "tiny-llama", "page_size": tm.PAGE_SIZE, "extra_key": "lora-7", "cache_salt": "tenant-a", **kwargs}
+        options = {
+            "model_id": "tiny-llama",
+            "page_size": tm.PAGE_SIZE,
+            "extra_key": "lora-7",
+            "cache_salt": "tenant-a",
+            **kwargs,
+        }
         with KVStageSession(model, tm.store_url(str(tmp_path), "llama"), **options) as other:
             assert other.load(ids).get_seq_length() == 0, kwargs
     with tm.session_of(model, str(tmp_path), "llama") as same:
@@ -160,8 +173,15 @@ def test_pages_past_max_tokens_are_not_stored(tmp_path, caplog):
 
 
 def tiny(config_class, model_class, **fields):
-    config = config_class(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                          num_key_value_heads=2, vocab_size=64, **fields)
+    config = config_class(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+        **fields,
+    )
     return model_class(config).eval()
 
 
@@ -179,17 +199,62 @@ def refused_models():
         T5ForConditionalGeneration,
     )
 
-    yield "sliding window", lambda: tiny(MistralConfig, MistralForCausalLM, sliding_window=16), "model.config.sliding_window: layer 0 is a 'sliding_attention' layer"
-    yield "layer types", lambda: tiny(Qwen2Config, Qwen2ForCausalLM, layer_types=["full_attention", "sliding_attention"], sliding_window=16, use_sliding_window=True), "model.config.layer_types: layer 1 is a 'sliding_attention' layer"
-    yield "mamba", lambda: MambaForCausalLM(MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=4)), "model.config.layer_types: layer 0 is a 'linear_attention' layer"
-    yield "deepseek v3.2 indexer", lambda: DeepseekV32ForCausalLM(DeepseekV32Config(
-        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=2,
-        num_experts_per_tok=1, n_group=1, topk_group=1, vocab_size=64)), "model.config.layer_types: layer 0 is a 'indexed_attention' layer"
-    yield "encoder-decoder", lambda: T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=64)), "model.config.is_encoder_decoder: is True"
+    yield (
+        "sliding window",
+        lambda: tiny(MistralConfig, MistralForCausalLM, sliding_window=16),
+        "model.config.sliding_window: layer 0 is a 'sliding_attention' layer",
+    )
+    yield (
+        "layer types",
+        lambda: tiny(
+            Qwen2Config,
+            Qwen2ForCausalLM,
+            layer_types=["full_attention", "sliding_attention"],
+            sliding_window=16,
+            use_sliding_window=True,
+        ),
+        "model.config.layer_types: layer 1 is a 'sliding_attention' layer",
+    )
+    yield (
+        "mamba",
+        lambda: MambaForCausalLM(MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=4)),
+        "model.config.layer_types: layer 0 is a 'linear_attention' layer",
+    )
+    yield (
+        "deepseek v3.2 indexer",
+        lambda: DeepseekV32ForCausalLM(
+            DeepseekV32Config(
+                hidden_size=32,
+                intermediate_size=64,
+                moe_intermediate_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                kv_lora_rank=16,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=8,
+                n_routed_experts=2,
+                num_experts_per_tok=1,
+                n_group=1,
+                topk_group=1,
+                vocab_size=64,
+            )
+        ),
+        "model.config.layer_types: layer 0 is a 'indexed_attention' layer",
+    )
+    yield (
+        "encoder-decoder",
+        lambda: T5ForConditionalGeneration(
+            T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=64)
+        ),
+        "model.config.is_encoder_decoder: is True",
+    )
 
 
-@pytest.mark.parametrize("build, message", [case[1:] for case in refused_models()], ids=[case[0] for case in refused_models()])
+@pytest.mark.parametrize(
+    "build, message", [case[1:] for case in refused_models()], ids=[case[0] for case in refused_models()]
+)
 def test_models_it_cannot_store_are_refused_at_construction(tmp_path, build, message):
     store = tmp_path / "store"
     with pytest.raises(InvalidArgumentError) as raised:
@@ -204,7 +269,11 @@ def test_bad_constructor_arguments_name_the_argument(tmp_path):
         ({}, InvalidArgumentError, "model_id: must name the model's weights"),
         ({"model_id": ""}, InvalidArgumentError, "model_id: must name the model's weights"),
         ({"model_id": "m", "page_size": 0}, InvalidArgumentError, "page_size: must be a positive int, got 0"),
-        ({"model_id": "m", "max_tokens": 4}, InvalidArgumentError, "max_tokens: must be an int >= page_size (16), got 4"),
+        (
+            {"model_id": "m", "max_tokens": 4},
+            InvalidArgumentError,
+            "max_tokens: must be an int >= page_size (16), got 4",
+        ),
         ({"model_id": "m", "cache_salt": 7}, ArgumentTypeError, "cache_salt: must be a str or None, got int"),
     ]:
         with pytest.raises(error) as raised:
@@ -220,15 +289,23 @@ def test_bad_constructor_arguments_name_the_argument(tmp_path):
 def test_bad_calls_name_the_argument_and_write_nothing(tmp_path):
     model, ids = model_of("llama"), tm.prompt_ids()
     with tm.session_of(model, str(tmp_path), "llama") as session:
-        with pytest.raises(InvalidArgumentError, match=r"input_ids: must be one sequence \(batch size 1\), got a batch of 2"):
+        with pytest.raises(
+            InvalidArgumentError, match=r"input_ids: must be one sequence \(batch size 1\), got a batch of 2"
+        ):
             session.load(ids.repeat(2, 1))
         with pytest.raises(ArgumentTypeError, match="input_ids: must hold integer token ids, got dtype torch.float32"):
             session.load(ids.float())
         for kwargs, message in [
             ({"num_beams": 2}, "num_beams: must be 1 (one sequence at a time), got 2"),
-            ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences: must be 1 (one sequence at a time), got 2"),
+            (
+                {"num_return_sequences": 2, "do_sample": True},
+                "num_return_sequences: must be 1 (one sequence at a time), got 2",
+            ),
             ({"past_key_values": DynamicCache()}, "past_key_values: is the session's"),
-            ({"attention_mask": torch.tensor([[0] + [1] * (tm.PROMPT_TOKENS - 1)])}, "attention_mask: must be all ones"),
+            (
+                {"attention_mask": torch.tensor([[0] + [1] * (tm.PROMPT_TOKENS - 1)])},
+                "attention_mask: must be all ones",
+            ),
         ]:
             with pytest.raises(InvalidArgumentError) as raised:
                 session.generate(ids, max_new_tokens=2, **kwargs)
@@ -243,10 +320,15 @@ def test_bad_calls_name_the_argument_and_write_nothing(tmp_path):
         other = tm.build_model("deepseek_v3")
         other_cache = DynamicCache(config=other.config)
         other(ids, cache=other_cache, use_cache=True)
-        with pytest.raises(InvalidArgumentError, match=r"cache.layers\[0\].keys: must be \[batch 1, heads, tokens, dim\] = \(1, 2, 37, 16\), got \(1, 1, 37, 32\)"):
+        with pytest.raises(
+            InvalidArgumentError,
+            match=r"cache.layers\[0\].keys: must be \[batch 1, heads, tokens, dim\] = \(1, 2, 37, 16\), got \(1, 1, 37, 32\)",
+        ):
             session.store(ids, other_cache)
         loaded = session.load(ids)
-        with pytest.raises(InvalidArgumentError, match="token_ids: must start with the token ids the cache was loaded for"):
+        with pytest.raises(
+            InvalidArgumentError, match="token_ids: must start with the token ids the cache was loaded for"
+        ):
             session.store(ids.flip(-1), loaded)
         assert session.metrics.pages_launched == 0
     assert not any((tmp_path / "llama").rglob("*.kvpage"))
@@ -317,8 +399,11 @@ def test_store_copies_a_cache_filled_with_autograd_on(tmp_path):
         assert session.store(ids, fresh) == tm.PROMPT_TOKENS // tm.PAGE_SIZE  # found stored already
         loaded = session.load(ids)
         assert loaded.get_seq_length() == PREFIX
-        assert all(torch.equal(a.keys, b.keys[..., :PREFIX, :].detach()) and torch.equal(a.values, b.values[..., :PREFIX, :].detach())
-                   for a, b in zip(loaded.layers, fresh.layers))
+        assert all(
+            torch.equal(a.keys, b.keys[..., :PREFIX, :].detach())
+            and torch.equal(a.values, b.values[..., :PREFIX, :].detach())
+            for a, b in zip(loaded.layers, fresh.layers)
+        )
         assert session.metrics.requests_live == 1  # the load's request, until its store
 
 
@@ -327,6 +412,7 @@ def test_store_copies_a_cache_filled_with_autograd_on(tmp_path):
 def test_a_failed_store_leaves_no_request_open(tmp_path, monkeypatch, fails, loaded):
     model, ids = model_of("llama"), tm.prompt_ids()
     with tm.session_of(model, str(tmp_path), "llama") as session:
+
         def failing(*args, **kwargs):
             raise RuntimeError(f"{fails} failed")
 
@@ -360,8 +446,14 @@ def test_options_that_change_the_cache_are_refused_before_computing(tmp_path):
         calls, hook = forward_calls(model)  # after the construction's one-token probe
         try:
             for kwargs, message in [
-                ({"generation_config": GenerationConfig(num_beams=2)}, "num_beams: must be 1 (one sequence at a time), got 2"),
-                ({"generation_config": GenerationConfig(do_sample=True, num_return_sequences=2)}, "num_return_sequences: must be 1 (one sequence at a time), got 2"),
+                (
+                    {"generation_config": GenerationConfig(num_beams=2)},
+                    "num_beams: must be 1 (one sequence at a time), got 2",
+                ),
+                (
+                    {"generation_config": GenerationConfig(do_sample=True, num_return_sequences=2)},
+                    "num_return_sequences: must be 1 (one sequence at a time), got 2",
+                ),
                 ({"use_cache": False}, "use_cache: must not be False"),
                 ({"generation_config": GenerationConfig(use_cache=False)}, "use_cache: must not be False"),
                 ({"assistant_model": helper}, "assistant_model: "),
@@ -391,10 +483,16 @@ def test_falcon_multi_query_stores_its_one_kv_head(tmp_path):
     ids = tm.prompt_ids() % 256
     # multi_query (FalconConfig's default): 1 KV head; new_decoder_architecture caches its num_kv_heads
     # groups expanded to every query head (transformers' FalconAttention), so its cache holds 4
-    for case, (fields, heads) in enumerate([({}, 1), ({"new_decoder_architecture": True, "num_kv_heads": 2}, 4), ({"multi_query": False}, 4)]):
+    for case, (fields, heads) in enumerate(
+        [({}, 1), ({"new_decoder_architecture": True, "num_kv_heads": 2}, 4), ({"multi_query": False}, 4)]
+    ):
         torch.manual_seed(0)
-        model = FalconForCausalLM(FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256, **fields)).eval()
-        with KVStageSession(model, f"file:{tmp_path}/falcon-{case}", model_id="falcon", page_size=tm.PAGE_SIZE) as session:
+        model = FalconForCausalLM(
+            FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256, **fields)
+        ).eval()
+        with KVStageSession(
+            model, f"file:{tmp_path}/falcon-{case}", model_id="falcon", page_size=tm.PAGE_SIZE
+        ) as session:
             assert (session.layout.cache_heads, session.layout.key_dim) == (heads, 16), fields
             first = session.generate(ids, **tm.GENERATE)
             second = session.generate(ids, **tm.GENERATE)
@@ -413,7 +511,9 @@ def test_a_2d_list_of_token_ids_is_one_sequence(tmp_path):
         assert session.load(ids.tolist()).get_seq_length() == PREFIX  # tokenizer(text)["input_ids"]
         out = session.generate(ids.tolist(), max_new_tokens=2, do_sample=False)
         assert torch.equal(out, model.generate(ids, max_new_tokens=2, do_sample=False))
-        with pytest.raises(InvalidArgumentError, match=r"input_ids: must be one sequence \(batch size 1\), got a batch of 2"):
+        with pytest.raises(
+            InvalidArgumentError, match=r"input_ids: must be one sequence \(batch size 1\), got a batch of 2"
+        ):
             session.load(ids.repeat(2, 1).tolist())
 
 
@@ -424,7 +524,10 @@ def test_a_model_whose_cache_cannot_be_probed_is_refused_at_construction(tmp_pat
         raise RuntimeError("no forward here")
 
     monkeypatch.setattr(model, "forward", failing_forward)
-    with pytest.raises(InvalidArgumentError, match=r"model: a one-token forward with a DynamicCache \(to read its KV heads and head size\) failed: RuntimeError\('no forward here'\)"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"model: a one-token forward with a DynamicCache \(to read its KV heads and head size\) failed: RuntimeError\('no forward here'\)",
+    ):
         KVStageSession(model, f"file:{store}", model_id="m")
     assert not store.exists()
 
@@ -434,7 +537,11 @@ def test_an_empty_namespace_is_not_none_and_a_memory_store_is_the_sessions_own(t
     url = f"file:{tmp_path}/store"
     with KVStageSession(model, url, model_id="m", page_size=tm.PAGE_SIZE) as session:
         session.generate(ids, max_new_tokens=1)
-    for kwargs, loaded in [({"cache_salt": ""}, 0), ({"extra_key": ""}, 0), ({"cache_salt": None, "extra_key": None}, PREFIX)]:
+    for kwargs, loaded in [
+        ({"cache_salt": ""}, 0),
+        ({"extra_key": ""}, 0),
+        ({"cache_salt": None, "extra_key": None}, PREFIX),
+    ]:
         with KVStageSession(model, url, model_id="m", page_size=tm.PAGE_SIZE, **kwargs) as other:
             assert other.load(ids).get_seq_length() == loaded, kwargs
     with KVStageSession(model, "memory", model_id="m", page_size=tm.PAGE_SIZE) as first:
@@ -446,8 +553,18 @@ def test_an_empty_namespace_is_not_none_and_a_memory_store_is_the_sessions_own(t
 def test_the_construction_probe_leaves_the_random_state_as_it_was(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                         num_key_value_heads=1, vocab_size=64, attention_dropout=0.5, attn_implementation="eager"))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=64,
+            attention_dropout=0.5,
+            attn_implementation="eager",
+        )
+    )
     model.train()  # the probe's forward draws dropout masks
     torch.manual_seed(3)
     expected = torch.rand(4)

@@ -21,4 +21,3 @@ REASON = "vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run wit
 def pytest_configure(config: pytest.Config) -> None:
     if VLLM_MISSING and os.environ.get("CI"):
         raise pytest.UsageError(f"CI: {REASON}")
-

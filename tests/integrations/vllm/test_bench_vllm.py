@@ -7,7 +7,10 @@ import importlib.util
 
 import pytest
 
-pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)")
+pytest.importorskip(
+    "vllm.v1.kv_offload.base",
+    reason="vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)",
+)
 
 from support import REPO_ROOT  # noqa: E402
 
@@ -19,7 +22,13 @@ def test_the_quick_benchmark_reports_each_figure_beside_its_baseline():
     report = module.run(quick=True, rounds=1, log=lambda line: None)
     methods = {result["method"] for result in report["results"]}
     assert methods == {
-        "worker store", "worker load", "copy_", "manager take_events", "store take_events", "manager lookup", "file exists round trip",
+        "worker store",
+        "worker load",
+        "copy_",
+        "manager take_events",
+        "store take_events",
+        "manager lookup",
+        "file exists round trip",
     }
     assert all(result["seconds"] > 0 for result in report["results"])
     assert report["summary"]["lookup_us_per_request"]["target"] == "< 50"

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector", reason="vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)")
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+    reason="vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)",
+)
 
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import Medium  # noqa: E402
@@ -82,7 +85,9 @@ def test_loaded_blocks_hold_exactly_the_stored_bytes(rig):
 
 def test_take_events_reports_stored_and_evicted_blocks(tmp_path):
     # Room for 3 pages (one block of both layers each): a second prompt's 2 blocks evict one.
-    page_bytes = 2 * ConnectorRig.BLOCK_SIZE * ConnectorRig.NUM_KV_HEADS * ConnectorRig.HEAD_SIZE * 2 * len(ConnectorRig.LAYERS)
+    page_bytes = (
+        2 * ConnectorRig.BLOCK_SIZE * ConnectorRig.NUM_KV_HEADS * ConnectorRig.HEAD_SIZE * 2 * len(ConnectorRig.LAYERS)
+    )
     rig = ConnectorRig(tmp_path / "model", f"memory:{3 * page_bytes}")
     try:
         rig.add_request("a", list(range(1, 2 * BLOCK + 3)))
@@ -98,7 +103,9 @@ def test_take_events_reports_stored_and_evicted_blocks(tmp_path):
         removed = [e for e in rig.kv_events if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE"]
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-        assert [h for e in removed for h in e.block_hashes] == [maybe_convert_block_hash(evicted[0][:-4])]  # vLLM published it
+        assert [h for e in removed for h in e.block_hashes] == [
+            maybe_convert_block_hash(evicted[0][:-4])
+        ]  # vLLM published it
     finally:
         rig.close()
 
@@ -145,7 +152,9 @@ def test_a_padded_layer_tensor_raises_before_anything_is_allocated():
     from kvstage.integrations.vllm import KVStageWorker
     from kvstage.storage import LayoutFingerprint, MemoryStore
 
-    padded = CanonicalKVCaches([CanonicalKVCacheTensor(torch.zeros(4, 512, dtype=torch.int8), 512)], [[CanonicalKVCacheRef(0, 384)]])
+    padded = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(torch.zeros(4, 512, dtype=torch.int8), 512)], [[CanonicalKVCacheRef(0, 384)]]
+    )
     store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=384, page_format="t"))
     with pytest.raises(InvalidArgumentError, match=r"group_data_refs\[0\]\[0\].*padding"):
         KVStageWorker(padded, store)
@@ -209,11 +218,15 @@ def test_the_worker_reports_a_failed_load_as_vllms_connector_can_take_it(report_
     from kvstage.storage import LayoutFingerprint, MemoryStore
 
     tensors = [torch.zeros(8, 64, dtype=torch.int8) for _ in range(2)]
-    kv_caches = CanonicalKVCaches([CanonicalKVCacheTensor(t, 64) for t in tensors], [[CanonicalKVCacheRef(i, 64) for i in range(2)]])
+    kv_caches = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, 64) for t in tensors], [[CanonicalKVCacheRef(i, 64) for i in range(2)]]
+    )
     store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=128, page_format="test"))
     worker = KVStageWorker(kv_caches, store, num_host_pages=2, report_load_errors=report_load_errors)
     try:
-        assert worker.submit_load(7, KVStageLoadStoreSpec(["aa", "bb", "cc"]), GPULoadStoreSpec([5, 6, 3], [3], [0]))  # 3 pages, 2 host pages
+        assert worker.submit_load(
+            7, KVStageLoadStoreSpec(["aa", "bb", "cc"]), GPULoadStoreSpec([5, 6, 3], [3], [0])
+        )  # 3 pages, 2 host pages
         worker.wait({7})
         [result] = worker.get_finished()
         assert result.job_id == 7 and result.success is report_load_errors
@@ -229,7 +242,13 @@ def test_unknown_extra_config_keys_are_warned_once_naming_them(caplog):
 
     from vllm_rig import offloading_config
 
-    extra = {"storage": "memory", "spec_name": "KVStageOffloadingSpec", "offload_prompt_only": True, "num_host_page": 8, "hit_ttl": 3}
+    extra = {
+        "storage": "memory",
+        "spec_name": "KVStageOffloadingSpec",
+        "offload_prompt_only": True,
+        "num_host_page": 8,
+        "hit_ttl": 3,
+    }
     with caplog.at_level(logging.WARNING, logger="kvstage.integrations.vllm.spec"):
         KVStageOffloadingSpec(offloading_config(extra))
         KVStageOffloadingSpec(offloading_config(extra))  # vLLM builds a spec per connector role
@@ -237,7 +256,13 @@ def test_unknown_extra_config_keys_are_warned_once_naming_them(caplog):
     assert len(warnings) == 1 and "['hit_ttl', 'num_host_page']" in warnings[0], warnings
 
 
-@pytest.mark.parametrize(("extra", "message"), [({"block_size": 64}, r"^block_size: .*vLLM's block of 16 tokens.*got 64"), ({"blocks_per_chunk": 2}, r"^blocks_per_chunk: .*got 2")])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"block_size": 64}, r"^block_size: .*vLLM's block of 16 tokens.*got 64"),
+        ({"blocks_per_chunk": 2}, r"^blocks_per_chunk: .*got 2"),
+    ],
+)
 def test_chunks_of_several_blocks_raise_naming_what_the_user_wrote(extra, message, tmp_path):
     with pytest.raises(InvalidArgumentError, match=message):
         ConnectorRig(tmp_path / "model", "memory", extra_config=extra)
@@ -277,10 +302,14 @@ def test_closing_the_worker_writes_the_stores_it_was_never_polled_for(tmp_path):
     from kvstage.storage import LayoutFingerprint, open_storage
 
     tensors = [torch.arange(8 * 64, dtype=torch.int64).remainder(251).to(torch.int8).view(8, 64) + i for i in range(2)]
-    kv_caches = CanonicalKVCaches([CanonicalKVCacheTensor(t, 64) for t in tensors], [[CanonicalKVCacheRef(i, 64) for i in range(2)]])
+    kv_caches = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, 64) for t in tensors], [[CanonicalKVCacheRef(i, 64) for i in range(2)]]
+    )
     fingerprint = LayoutFingerprint.opaque("m", page_bytes=128, page_format="test")
     worker = KVStageWorker(kv_caches, open_storage(f"file:{tmp_path}", fingerprint), num_host_pages=1)
-    assert worker.submit_store(3, GPULoadStoreSpec([1, 4, 6], [3], [0]), KVStageLoadStoreSpec(["k1", "k4", "k6"]))  # 3 parts of 1 page
+    assert worker.submit_store(
+        3, GPULoadStoreSpec([1, 4, 6], [3], [0]), KVStageLoadStoreSpec(["k1", "k4", "k6"])
+    )  # 3 parts of 1 page
     worker.close()  # closes the store: a new one over the same directory reads what was written
     store = open_storage(f"file:{tmp_path}", fingerprint)
     assert store.exists(["k1", "k4", "k6"]) == [True, True, True]
@@ -355,9 +384,16 @@ def test_a_clear_that_raises_is_logged_and_lookups_resume(caplog):
     try:
         manager.reset_cache()
         assert manager.lookup(bytes(36), ReqContext("r")) is LookupResult.MISS  # waiting for the clear
-        with caplog.at_level("ERROR", logger="kvstage.integrations.vllm.manager"), pytest.raises(OSError, match="read-only"):
+        with (
+            caplog.at_level("ERROR", logger="kvstage.integrations.vllm.manager"),
+            pytest.raises(OSError, match="read-only"),
+        ):
             manager.on_reset_flushed()
-        assert any("read-only file system" in r.getMessage() for r in caplog.records if r.name == "kvstage.integrations.vllm.manager")
+        assert any(
+            "read-only file system" in r.getMessage()
+            for r in caplog.records
+            if r.name == "kvstage.integrations.vllm.manager"
+        )
         assert manager.lookup(bytes(36), ReqContext("r")) is LookupResult.RETRY  # asked of the store again
     finally:
         manager.shutdown()

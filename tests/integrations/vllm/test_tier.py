@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)")
+pytest.importorskip(
+    "vllm.v1.kv_offload.tiering.spec",
+    reason="vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)",
+)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -53,7 +56,9 @@ class Rig:
             self.tier.index.wait()
             self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
 
-    def store(self, keys: list[bytes], chunk_bytes: dict[bytes, torch.Tensor], request: ReqContext | None = None) -> None:
+    def store(
+        self, keys: list[bytes], chunk_bytes: dict[bytes, torch.Tensor], request: ReqContext | None = None
+    ) -> None:
         """GPU -> CPU tier as vLLM's worker would, then cascade to the tier; one step.
         ``request``: the request storing them (default: the rig's)."""
         request = request or self.request
@@ -234,7 +239,9 @@ def test_a_job_of_more_keys_than_chunks_raises_naming_it_and_submits_nothing(sub
         for name in ("read", "write"):
             real = getattr(workers, name)
             setattr(workers, name, lambda fn, real=real: submitted.append(fn) or real(fn))
-        job = TransferJob(7, keys_of(0, 1), np.array([0]), is_promotion=submit == "submit_load", req_context=rig.request)
+        job = TransferJob(
+            7, keys_of(0, 1), np.array([0]), is_promotion=submit == "submit_load", req_context=rig.request
+        )
         with pytest.raises(InvalidArgumentError, match="job_metadata"):
             getattr(rig.tier, submit)(job)
         assert submitted == []
@@ -299,7 +306,7 @@ def test_a_prefix_cascaded_in_several_jobs_is_one_chain_evicted_from_its_tail(ki
                 request.set_offload_key_position(key, (index + 1) * 16)
             rig.manager.on_new_request(request)
             for start in range(0, len(keys), 2):  # 2 chunks a step
-                rig.store(keys[start:start + 2], chunks, request)
+                rig.store(keys[start : start + 2], chunks, request)
         storage = rig.tier.storage
         assert storage.stats.pages_stored == 10 and storage.stats.pages_evicted == 2
         assert storage.exists([key.hex() for key in prefix]) == [True] * 4 + [False] * 2  # a's tail went

@@ -18,7 +18,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector", reason="vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)")
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+    reason="vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)",
+)
 
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
@@ -52,7 +55,11 @@ def readme_tier_config(storage: str | None, **more) -> dict:
     tier = {"type": "KVStageTier", "module_path": "kvstage.integrations.vllm", **more}
     if storage is not None:
         tier["storage"] = storage
-    return {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": CPU_CHUNKS * CHUNK_BYTES, "secondary_tiers": [tier]}
+    return {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": CPU_CHUNKS * CHUNK_BYTES,
+        "secondary_tiers": [tier],
+    }
 
 
 class TierEngine:
@@ -150,7 +157,10 @@ def test_tier_many_chunks_at_once_all_cascade_and_come_back(tmp_path):
     try:
         keys = keys_of(*range(24))
         chunks = chunks_for(keys)
-        waited = [engine.store(keys[start:start + CPU_CHUNKS], chunks, settle=False) for start in range(0, len(keys), CPU_CHUNKS)]
+        waited = [
+            engine.store(keys[start : start + CPU_CHUNKS], chunks, settle=False)
+            for start in range(0, len(keys), CPU_CHUNKS)
+        ]
         engine.step()
         assert sum(waited) > 0  # the CPU tier was full: vLLM waited for the cascades
         assert engine.tier.storage.stats.pages_stored == len(keys)
@@ -239,9 +249,14 @@ def prefill_engine(root: str) -> None:
 def other_engine_root(tmp_path_factory) -> Path:
     """A directory a child process's engine stored into (see :func:`prefill_engine`)."""
     root = tmp_path_factory.mktemp("shared-kv")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }
     script = "import sys, test_vllm_user; test_vllm_user.prefill_engine(sys.argv[1])"
-    done = subprocess.run([sys.executable, "-c", script, str(root)], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(root)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return root
 
@@ -259,7 +274,10 @@ def test_tier_a_second_engine_promotes_what_another_process_stored(other_engine_
 
 
 def test_tier_a_misspelled_option_raises_naming_it_and_the_valid_ones():
-    with pytest.raises(InvalidArgumentError, match=r"^miss_tll_s: not an option of KVStageTier .*\['storage', 'model_id', 'read_threads', 'miss_ttl_s', 'hit_ttl_s', 'locality'\]"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"^miss_tll_s: not an option of KVStageTier .*\['storage', 'model_id', 'read_threads', 'miss_ttl_s', 'hit_ttl_s', 'locality'\]",
+    ):
         TierEngine("memory", miss_tll_s=5)
 
 
@@ -271,7 +289,9 @@ def test_tier_without_storage_raises_naming_it_and_the_rule():
 
 
 def test_tier_a_bad_locality_raises_naming_it():
-    with pytest.raises(InvalidArgumentError, match=r"^locality: must be one of \['LOCAL', 'REMOTE'\] or None, got 'far'"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"^locality: must be one of \['LOCAL', 'REMOTE'\] or None, got 'far'"
+    ):
         TierEngine("memory", locality="far")
 
 
@@ -494,8 +514,6 @@ def test_spec_a_failed_load_reports_its_blocks_and_the_keys_are_not_offered_agai
     assert_blocks_hold(rig, "b", PROMPT, 4)
 
 
-
-
 def unreadable(storage, key: str) -> None:
     """Make the page ``key`` exist but never read, as a file giving EIO or a Mooncake replica whose
     transfer fails while the master keeps the key: ``exists`` says yes, ``get`` misses it."""
@@ -526,27 +544,58 @@ def test_spec_a_page_that_exists_but_cannot_be_read_fails_one_load_then_is_recom
     assert rig.manager.index.lookup(first) is False  # a miss for miss_ttl_s, not asked of the store again
 
 
-@pytest.mark.parametrize("backend, simple, connector", [
-    ("native", "0", "OffloadingConnector"), ("native", "1", "SimpleCPUOffloadConnector"), ("lmcache", "0", "LMCacheMPConnector"),
-])  # the names vLLM's --kv-offloading-backend writes
-def test_vllms_kv_offloading_size_with_kvstages_connector_raises_saying_what_to_do(tmp_path, monkeypatch, backend, simple, connector):
+@pytest.mark.parametrize(
+    "backend, simple, connector",
+    [
+        ("native", "0", "OffloadingConnector"),
+        ("native", "1", "SimpleCPUOffloadConnector"),
+        ("lmcache", "0", "LMCacheMPConnector"),
+    ],
+)  # the names vLLM's --kv-offloading-backend writes
+def test_vllms_kv_offloading_size_with_kvstages_connector_raises_saying_what_to_do(
+    tmp_path, monkeypatch, backend, simple, connector
+):
     # vLLM's own config code rewrites kv_connector to OffloadingConnector and keeps kvstage's module
     # path, then its factory looks that name up there while the config is validated (pydantic
     # reports a ValueError as a ValidationError, itself a ValueError; an AttributeError went raw).
     from transformers import LlamaConfig
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
 
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256).save_pretrained(tmp_path)
+    LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ).save_pretrained(tmp_path)
     monkeypatch.setenv("VLLM_USE_SIMPLE_KV_OFFLOAD", simple)
-    with pytest.raises(ValueError, match=rf"kv_connector: vLLM's --kv-offloading-size .*'{backend}' replaced kvstage's connector with '{connector}'.* leave out --kv-offloading-size"):
+    with pytest.raises(
+        ValueError,
+        match=rf"kv_connector: vLLM's --kv-offloading-size .*'{backend}' replaced kvstage's connector with '{connector}'.* leave out --kv-offloading-size",
+    ):
         VllmConfig(
-            model_config=ModelConfig(model=str(tmp_path), tokenizer=str(tmp_path), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
+            model_config=ModelConfig(
+                model=str(tmp_path),
+                tokenizer=str(tmp_path),
+                skip_tokenizer_init=True,
+                dtype="float16",
+                max_model_len=512,
+            ),
             device_config=DeviceConfig(device="cpu"),
-            cache_config=CacheConfig(block_size=16, enable_prefix_caching=True, kv_offloading_size=1.0, kv_offloading_backend=backend),  # --kv-offloading-size 1
+            cache_config=CacheConfig(
+                block_size=16, enable_prefix_caching=True, kv_offloading_size=1.0, kv_offloading_backend=backend
+            ),  # --kv-offloading-size 1
             kv_transfer_config=KVTransferConfig(
-                kv_connector="KVStageConnector", kv_connector_module_path="kvstage.integrations.vllm", kv_role="kv_both",
+                kv_connector="KVStageConnector",
+                kv_connector_module_path="kvstage.integrations.vllm",
+                kv_role="kv_both",
                 kv_load_failure_policy="recompute",
-                kv_connector_extra_config={"spec_name": "KVStageOffloadingSpec", "spec_module_path": "kvstage.integrations.vllm", "storage": f"file:{tmp_path / 'kv'}"},
+                kv_connector_extra_config={
+                    "spec_name": "KVStageOffloadingSpec",
+                    "spec_module_path": "kvstage.integrations.vllm",
+                    "storage": f"file:{tmp_path / 'kv'}",
+                },
             ),
         )
 
@@ -565,19 +614,37 @@ def test_kvstages_connector_with_another_spec_raises_before_vllm_builds_its_shar
     # vLLM's TieringOffloadingSpec with cpu_bytes_to_use maps /dev/shm/vllm_offload_<engine>.mmap
     # as it is built: the check must come before vLLM's connector builds the spec.
     before = shm_regions()
-    config = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 20,
-              "secondary_tiers": [{"type": "KVStageTier", "module_path": "kvstage.integrations.vllm", "storage": f"file:{tmp_path / 'kv'}"}]}
-    with pytest.raises(InvalidArgumentError, match=r"spec_name: KVStageConnector runs 'KVStageOffloadingSpec'.*got 'TieringOffloadingSpec'"):
+    config = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 1 << 20,
+        "secondary_tiers": [
+            {"type": "KVStageTier", "module_path": "kvstage.integrations.vllm", "storage": f"file:{tmp_path / 'kv'}"}
+        ],
+    }
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"spec_name: KVStageConnector runs 'KVStageOffloadingSpec'.*got 'TieringOffloadingSpec'",
+    ):
         ConnectorRig(tmp_path / "model", None, connector_config=config)
     assert shm_regions() - before == set()
 
 
-@pytest.mark.parametrize("config, rule", [
-    ({}, r"spec_name: required.*'KVStageOffloadingSpec'.*spec_module_path 'kvstage.integrations.vllm'"),
-    ({"spec_name": "KVStageOffloadingSpec"}, r"spec_module_path: required.*'kvstage.integrations.vllm'"),
-    ({"spec_name": "KVStageOffloadingSpec", "spec_module_path": "kvstage.integrations.vlm"}, r"spec_module_path: cannot load 'KVStageOffloadingSpec' from 'kvstage.integrations.vlm'"),
-    ({"spec_name": "KVStageTier", "spec_module_path": "kvstage.integrations.vllm"}, r"spec_name: KVStageConnector runs 'KVStageOffloadingSpec'.*got 'KVStageTier', not an OffloadingSpec"),
-], ids=["no spec_name", "no spec_module_path", "misspelled spec_module_path", "a tier as the spec"])
+@pytest.mark.parametrize(
+    "config, rule",
+    [
+        ({}, r"spec_name: required.*'KVStageOffloadingSpec'.*spec_module_path 'kvstage.integrations.vllm'"),
+        ({"spec_name": "KVStageOffloadingSpec"}, r"spec_module_path: required.*'kvstage.integrations.vllm'"),
+        (
+            {"spec_name": "KVStageOffloadingSpec", "spec_module_path": "kvstage.integrations.vlm"},
+            r"spec_module_path: cannot load 'KVStageOffloadingSpec' from 'kvstage.integrations.vlm'",
+        ),
+        (
+            {"spec_name": "KVStageTier", "spec_module_path": "kvstage.integrations.vllm"},
+            r"spec_name: KVStageConnector runs 'KVStageOffloadingSpec'.*got 'KVStageTier', not an OffloadingSpec",
+        ),
+    ],
+    ids=["no spec_name", "no spec_module_path", "misspelled spec_module_path", "a tier as the spec"],
+)
 def test_kvstages_connector_without_its_spec_raises_naming_the_key_and_the_value(tmp_path, config, rule):
     before = shm_regions()
     with pytest.raises(InvalidArgumentError, match=rule):

@@ -67,7 +67,9 @@ def test_stored_events_for_stored_pages_only(mooncake_master):
         assert store.put(keys[:2], pages(2, fp, seed=4)) == [PutStatus.STORED] * 2
         assert store.put(keys[:2], pages(2, fp, seed=4)) == [PutStatus.DEDUPLICATED] * 2
         events = store.take_events()
-        assert [(e.key, e.kind, e.tier, e.key_space) for e in events] == [(k, "stored", "mooncake", fp.prefix()) for k in keys[:2]]
+        assert [(e.key, e.kind, e.tier, e.key_space) for e in events] == [
+            (k, "stored", "mooncake", fp.prefix()) for k in keys[:2]
+        ]
         store.put(keys[2:], pages(3, fp, seed=5))
         store.put([keys[0] + "x", keys[1] + "x"], pages(2, fp, seed=6))
         assert [e.key for e in store.take_events()] == [keys[4], keys[0] + "x", keys[1] + "x"]  # the oldest dropped

@@ -88,7 +88,12 @@ def test_dict_without_master_is_refused():
 
 def test_sizes_must_be_positive_in_the_syntax_of_every_storage_url():
     assert [parse_size(v, "x") for v in (4096, "4096", "2KiB", "3MB", "1GiB", "1 TB")] == [
-        4096, 4096, 2048, 3 * 10**6, 1 << 30, 10**12,
+        4096,
+        4096,
+        2048,
+        3 * 10**6,
+        1 << 30,
+        10**12,
     ]
     with pytest.raises(InvalidArgumentError, match="x: must be an int number of bytes or a size string"):
         parse_size(True, "x")
@@ -108,7 +113,10 @@ def test_an_unknown_query_name_lists_the_names_the_readme_teaches():
         "protocol, local_hostname, connect_timeout_s, rpc_timeout_ms, setup_retries"
     )
     # the long names of the short ones still work
-    assert parse_mooncake_url("mooncake://h:1?global_segment_size=2GiB&metadata_server=P2PHANDSHAKE").global_segment_size == 2 << 30
+    assert (
+        parse_mooncake_url("mooncake://h:1?global_segment_size=2GiB&metadata_server=P2PHANDSHAKE").global_segment_size
+        == 2 << 30
+    )
 
 
 def test_codes_have_names_and_meanings():

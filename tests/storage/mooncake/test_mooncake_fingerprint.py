@@ -36,7 +36,10 @@ def test_mla_page_written_at_tp4_rank0_is_read_at_tp8_rank3(mooncake_master):
     reader = LayoutFingerprint("org/deepseek", MLA_LAYOUT, 16, tp_rank=3, tp_size=8)
     key = uuid.uuid4().hex
     page = torch.arange(writer.page_bytes, dtype=torch.int32).to(torch.uint8)
-    with MooncakeStore(writer, mooncake_master.url()) as store_w, MooncakeStore(reader, mooncake_master.url()) as store_r:
+    with (
+        MooncakeStore(writer, mooncake_master.url()) as store_w,
+        MooncakeStore(reader, mooncake_master.url()) as store_r,
+    ):
         assert writer.writes_pages and not reader.writes_pages
         assert store_w.put([key], [page]) == [PutStatus.STORED]
         into = torch.zeros_like(page)

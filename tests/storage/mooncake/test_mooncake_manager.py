@@ -27,8 +27,14 @@ def decode(rig, req, tokens) -> None:
 
 def test_manager_stores_decode_pages_in_mooncake_zero_copy(mooncake_master):
     store = MooncakeStore(RIG_FINGERPRINT, mooncake_master.url())
-    rig = make_rig(page_size=4, num_host_pages=16, buffer_pages=8, storage=store, copy_stream=CopyStream("cpu"),
-                   slot_generator=torch.Generator().manual_seed(3))
+    rig = make_rig(
+        page_size=4,
+        num_host_pages=16,
+        buffer_pages=8,
+        storage=store,
+        copy_stream=CopyStream("cpu"),
+        slot_generator=torch.Generator().manual_seed(3),
+    )
     try:
         req = rig.new_request("r1", range(500, 510), 32, cache_salt="tenant-a")  # 2 full pages + 2
         decode(rig, req, range(600, 619))
@@ -43,7 +49,9 @@ def test_manager_stores_decode_pages_in_mooncake_zero_copy(mooncake_master):
         metrics = rig.manager.metrics
         assert (metrics.pages_launched, metrics.pages_stored, metrics.pages_failed) == (5, 5, 0)
         assert (metrics.requests_live, metrics.host_pages_used, rig.released) == (0, 0, [req])
-        assert store.pages_bounced == 2  # the prefill side's 2 pages (test tensors); every manager put came straight from the registered host pool
+        assert (
+            store.pages_bounced == 2
+        )  # the prefill side's 2 pages (test tensors); every manager put came straight from the registered host pool
 
         assert rig.check_stored_pages(req) == (5, 5)  # the bytes are the KV of those tokens
 
@@ -64,8 +72,13 @@ def test_manager_stores_decode_pages_in_mooncake_zero_copy(mooncake_master):
 def test_manager_keeps_its_invariants_when_the_master_dies(private_master):
     store = MooncakeStore(RIG_FINGERPRINT, private_master.url(rpc_timeout_ms=1500))
     failures: list[list[str]] = []
-    rig = make_rig(page_size=4, num_host_pages=16, storage=store, copy_stream=CopyStream("cpu"),
-                   on_storage_failure=lambda req, keys, error: failures.append(list(keys)))
+    rig = make_rig(
+        page_size=4,
+        num_host_pages=16,
+        storage=store,
+        copy_stream=CopyStream("cpu"),
+        on_storage_failure=lambda req, keys, error: failures.append(list(keys)),
+    )
     try:
         req = rig.new_request("r1", range(10, 18), 40)  # 2 full prompt pages
         decode(rig, req, range(100, 109))  # 16 tokens with KV: pages 2, 3 offloaded
@@ -81,7 +94,10 @@ def test_manager_keeps_its_invariants_when_the_master_dies(private_master):
 
         metrics = rig.manager.metrics
         assert metrics.pages_stored == 2 and metrics.pages_failed == 3 and metrics.pages_in_flight == 0
-        assert metrics.pages_launched == metrics.pages_stored + metrics.pages_deduplicated + metrics.pages_failed + metrics.pages_discarded
+        assert (
+            metrics.pages_launched
+            == metrics.pages_stored + metrics.pages_deduplicated + metrics.pages_failed + metrics.pages_discarded
+        )
         assert metrics.host_pages_used == 0  # every host page was freed
         assert rig.released == [req]  # released once, despite the failures
         assert sum(len(keys) for keys in failures) == 3
@@ -91,7 +107,9 @@ def test_manager_keeps_its_invariants_when_the_master_dies(private_master):
         assert store.calls_skipped == 0  # the 2 later pages never reached the store, so none waited on Mooncake
         # Nothing failed is reported as present.
         assert store.exists([key for keys in failures for key in keys]) == [False] * 3
-        assert store.put(failures[0][:1], [torch.zeros(RIG_FINGERPRINT.page_bytes // 4, dtype=torch.int32)]) == [PutStatus.FAILED]
+        assert store.put(failures[0][:1], [torch.zeros(RIG_FINGERPRINT.page_bytes // 4, dtype=torch.int32)]) == [
+            PutStatus.FAILED
+        ]
         assert store.calls_skipped == 2  # that exists and put failed fast, without calling Mooncake
     finally:
         rig.copy_stream.close()
