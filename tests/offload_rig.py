@@ -330,3 +330,34 @@ def make_rig(
         copy_stream,
         manager_kwargs,
     )
+
+
+STORED_PROMPT = list(range(1, 10))  # 9 tokens: 4 whole pages of 2 (a lookup asks all but the last token)
+
+
+def make_stored_rig(**kwargs: Any) -> Rig:
+    """A rig (page 2, the manager stores prompts) whose store holds request 'a''s 4 prompt pages
+    (:data:`STORED_PROMPT`); the ``stored_rig`` fixture of tests/offload/conftest.py is one."""
+    rig = make_rig(page_size=2, store_prompt=True, **kwargs)
+    a = rig.new_request("a", STORED_PROMPT, 4)
+    rig.manager.offload(a)
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    a.done = True
+    rig.manager.finish(a)
+    rig.copy_stream.complete_all()
+    rig.manager.drain()
+    assert rig.manager.metrics.pages_stored == 4 and rig.host_pool.used == 0
+    return rig
+
+
+def prefetched(rig: Rig, rid: str = "b") -> tuple[SimpleRequest, Any]:
+    """A request with :data:`STORED_PROMPT` whose prefetch of the 4 stored pages (of
+    :func:`make_stored_rig`) has finished, and 12 slots."""
+    req = SimpleRequest(rid, STORED_PROMPT)
+    handle = rig.manager.prefetch(req, policy="wait_complete")
+    handle.wait()
+    rig.manager.poll()
+    assert handle.pages_ready == 4
+    rig.slots.assign(req, 12)
+    return req, handle

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError
+from kvstage.hashing import PageHasher
+from kvstage.offload import CopyStream, OffloadManager
 from kvstage.offload.load_path import PrefetchHandle
 from kvstage.offload.manager_arguments import (
     check_after,
@@ -17,6 +19,8 @@ from kvstage.offload.manager_arguments import (
 )
 from kvstage.offload.request_state import RequestState
 from kvstage.offload.testing import SimpleRequest
+
+from offload_rig import STORED_PROMPT, make_rig
 
 PAGE = 4
 
@@ -112,3 +116,30 @@ def test_load_pages_are_whole_ready_pages_of_a_live_handle():
     handle.loaded = True
     with pytest.raises(InvalidArgumentError, match=r"^handle: was loaded already"):
         checked_load_pages(handle, state, torch.arange(8), PAGE)
+
+
+def test_an_after_that_is_no_event_or_stream_is_an_error_of_the_call():
+    rig = make_rig(page_size=2, store_prompt=True, copy_stream=CopyStream("cpu"))
+    req = rig.new_request("a", STORED_PROMPT, 4)
+    try:
+        with pytest.raises(ArgumentTypeError, match=r"^after"):
+            rig.manager.offload(req, after="garbage")
+        assert rig.host_pool.used == 0
+    finally:
+        rig.manager.drain()
+        rig.copy_stream.close()
+
+
+def test_out_of_range_slots_are_an_error_of_offload_itself():
+    rig = make_rig(page_size=2, store_prompt=True)
+    req = rig.new_request("a", STORED_PROMPT, 4)
+    rig.manager.slot_indices_of = lambda r: torch.full((16,), 10_000)
+    with pytest.raises(InvalidArgumentError, match=r"^slot_indices_of\(rid='a'\)"):
+        rig.manager.offload(req)
+    assert rig.host_pool.used == 0 and not rig.copy_stream.pending
+
+
+def test_a_hasher_class_instead_of_an_instance_is_named_as_such():
+    rig = make_rig(page_size=2)
+    with pytest.raises(ArgumentTypeError, match=r"^hasher"):
+        OffloadManager(rig.kv_pool, rig.host_pool, rig.storage, PageHasher, rig.slots)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.kv_layout import KVLayout
 from kvstage.offload import HostPool
 
-from offload_rig import host_pool
+from offload_rig import host_pool, make_rig
 
 
 def make_pool(num_pages=5, buffer_pages=2, page_size=4, **kw) -> HostPool:
@@ -142,3 +143,10 @@ def test_bad_arguments_name_the_argument(change, error, rule):
 def test_layout_must_be_a_kv_layout():
     with pytest.raises(ArgumentTypeError, match="^layout: must be a KVLayout"):
         HostPool((1, 2, 1, 4, torch.float32), num_pages=2, page_size=2, pin=False)
+
+
+def test_host_pool_free_of_a_numpy_page_id():
+    pool = HostPool.like(make_rig(page_size=2).kv_pool, num_pages=4, page_size=2, pin=False)
+    ids = pool.alloc(1)
+    pool.free([np.int64(ids[0])])
+    assert pool.used == 0

@@ -9,11 +9,14 @@ import pytest
 import torch
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError, StorageError
+from kvstage.hashing import PageHasher
+from kvstage.kernels import KVPool
 from kvstage.kv_layout import KVLayout
-from kvstage.offload import CopyStream, ManualCopyStream, StoreWorkers
-from kvstage.storage import LayoutFingerprint
+from kvstage.offload import CopyStream, HostPool, ManualCopyStream, OffloadManager, StoreWorkers
+from kvstage.offload.testing import SimpleRequest, SlotTable
+from kvstage.storage import LayoutFingerprint, open_storage
 
-from offload_rig import FlakyStore, make_rig
+from offload_rig import FlakyStore, make_rig, make_stored_rig, prefetched
 
 PAGE = 4
 
@@ -427,3 +430,121 @@ def test_abort_collects_only_its_own_loads_and_launches_nothing_of_other_request
     rig.copy_stream.complete_all()
     rig.manager.drain()
     assert rig.released[-1] is c and rig.host_pool.used == 0
+
+
+def test_load_with_float_slot_indices_changes_nothing(stored_rig):
+    rig = stored_rig
+    req, handle = prefetched(rig)
+    with pytest.raises(ArgumentTypeError, match=r"^slot_indices"):
+        rig.manager.load(handle, rig.slots(req)[:8].float())
+    assert not handle.loaded and handle.ready_to_load()
+    rig.manager.load(handle, rig.slots(req)[:8])  # the engine retries with the right tensor
+    rig.copy_stream.complete_all()
+    req.done = True
+    rig.manager.finish(req)
+    rig.manager.drain()
+    assert rig.host_pool.used == 0
+
+
+def test_finish_of_a_request_whose_prefetch_was_never_loaded_frees_its_host_pages(stored_rig):
+    rig = stored_rig
+    req, _ = prefetched(rig)  # the engine decides to compute the prompt instead (e.g. the wait was too long)
+    req.done = True
+    rig.manager.finish(req)
+    rig.manager.drain()
+    assert rig.released[-1] is req
+    assert rig.host_pool.used == 0
+
+
+def test_offload_between_prefetch_and_load_is_refused(stored_rig):
+    rig = stored_rig
+    req, handle = prefetched(rig)
+    with pytest.raises(InvalidArgumentError):
+        rig.manager.offload(req)  # either call may refuse: the point is that not both succeed
+        rig.manager.load(handle, rig.slots(req)[:8])
+
+
+def test_cancel_of_another_managers_handle_is_refused():
+    one, two = make_stored_rig(), make_stored_rig()
+    req, handle = prefetched(one)
+    with pytest.raises(InvalidArgumentError, match=r"^handle"):
+        two.manager.cancel(handle)
+    one.manager.load(handle, one.slots(req)[:8])
+
+
+def test_a_prefetch_that_raises_leaves_the_request_untracked():
+    rig = make_rig(page_size=2, store_prompt=True)
+    req = SimpleRequest("p", [1, 2, -1, 4, 5])
+    with pytest.raises(InvalidArgumentError, match=r"^origin_input_ids\[2\]: rid='p'"):
+        rig.manager.prefetch(req)
+    assert not rig.manager.is_tracked(req) and rig.manager.requests_live == 0
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_store_then_load_is_byte_exact_for_mla_and_float8(mla, dtype):
+    g = torch.Generator().manual_seed(0)
+
+    def buffer(shape):
+        return (
+            torch.randint(0, 120, shape, generator=g, dtype=torch.uint8).view(dtype)
+            if dtype.itemsize == 1
+            else torch.randn(shape, generator=g).to(dtype)
+        )
+
+    pool = (
+        KVPool.mla([buffer((256, 1, 32)) for _ in range(2)])
+        if mla
+        else KVPool.mha([buffer((256, 2, 16)) for _ in range(2)], [buffer((256, 2, 16)) for _ in range(2)])
+    )
+    store = open_storage("memory", LayoutFingerprint.of(pool, page_size=8, model_id="m"))
+    slots = SlotTable(256, generator=torch.Generator().manual_seed(0))
+    manager = OffloadManager(
+        pool, HostPool.like(pool, num_pages=16, page_size=8), store, PageHasher(page_size=8), slots, backend="torch"
+    )
+    a, b = SimpleRequest("a", range(25), [7]), SimpleRequest("b", range(25))
+    slots.assign(a, 26)
+    a.done = True
+    manager.finish(a)
+    manager.drain()
+    handle = manager.prefetch(b, policy="wait_complete")
+    handle.wait()
+    load = manager.load(handle, slots.assign(b, handle.tokens_ready))
+    load.wait()
+    assert load.num_pages == 3 and load.error is None
+    for t in pool.tensors():
+        assert torch.equal(t[slots(a)[:24]].view(torch.uint8), t[slots(b)[:24]].view(torch.uint8))
+    manager.close()
+
+
+def test_abort_during_a_load_releases_within_the_call_with_nothing_in_flight(stored_rig):
+    rig = stored_rig
+    req, handle = prefetched(rig)
+    rig.manager.load(handle, rig.slots(req)[:8], layer_by_layer=True)
+    rig.manager.abort(req)
+    assert rig.released[-1] is req and not rig.copy_stream.pending and rig.host_pool.used == 0
+    rig.manager.abort(req)
+    rig.manager.finish(req)
+    assert sum(r is req for r in rig.released) == 1
+
+
+def test_cancel_twice_then_load_is_refused_and_frees_the_pages(stored_rig):
+    rig = stored_rig
+    req, handle = prefetched(rig)
+    rig.manager.cancel(handle)
+    rig.manager.cancel(handle)
+    with pytest.raises(InvalidArgumentError, match=r"^handle: was cancelled"):
+        rig.manager.load(handle, rig.slots(req)[:8])
+    rig.manager.poll()
+    assert rig.host_pool.used == 0
+
+
+def test_loading_more_pages_than_ready_or_another_managers_handle_is_refused():
+    one, two = make_stored_rig(), make_stored_rig()
+    req, handle = prefetched(one)
+    with pytest.raises(InvalidArgumentError, match=r"^slot_indices: must be a 1-D tensor of at most 4 ready pages"):
+        one.manager.load(handle, one.slots(req)[:10])
+    two.slots.assign(req, 12)
+    with pytest.raises(InvalidArgumentError, match=r"^handle: .*not this manager's"):
+        two.manager.load(handle, two.slots(req)[:8])
+    assert one.manager.load(handle, one.slots(req)[:8]).num_pages == 4

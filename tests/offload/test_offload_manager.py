@@ -17,7 +17,7 @@ from kvstage.offload import CopyStream, HostPool, OffloadManager, OffloadRequest
 from kvstage.offload.testing import SimpleRequest
 from kvstage.storage import LayoutFingerprint, MemoryStore
 
-from offload_rig import FlakyStore, make_rig
+from offload_rig import STORED_PROMPT, FlakyStore, make_rig
 
 NAMESPACES = [
     pytest.param({}, id="no-namespace"),
@@ -568,3 +568,64 @@ def test_live_counters_equal_the_metrics_snapshot():
     decode_steps(rig, req, [3, 4, 5, 6, 7], poll=False)  # two copies
     m = rig.manager.metrics
     assert (rig.manager.requests_live, rig.manager.copies_in_flight) == (m.requests_live, m.copies_in_flight) == (1, 2)
+
+
+def test_offload_after_close_is_a_clear_error():
+    rig = make_rig(page_size=2, store_prompt=True, copy_stream=CopyStream("cpu"), store_workers=None)
+    rig.manager.close()
+    req = rig.new_request("a", STORED_PROMPT, 4)
+    try:
+        with pytest.raises(InvalidArgumentError, match="close"):
+            rig.manager.offload(req)
+    finally:
+        rig.copy_stream.close()
+    assert rig.manager.metrics.pages_launched == 0
+
+
+@pytest.mark.parametrize("kind", ["strided", "offset", "int32"])
+def test_slot_views_from_slot_indices_of_store_the_right_bytes(kind):
+    rig = make_rig(page_size=4, store_prompt=True, slot_generator=torch.Generator().manual_seed(1))
+    req = rig.new_request("a", list(range(1, 18)), 8)
+    row = rig.slots(req)
+    if kind == "strided":
+        view = torch.stack([torch.zeros_like(row), row, torch.zeros_like(row)], 1)[:, 1]
+        assert not view.is_contiguous()
+    elif kind == "offset":
+        view = torch.cat([torch.tensor([999, 998, 997]), row])[3:]
+    else:
+        view = row.to(torch.int32)
+    rig.manager.slot_indices_of = lambda r: view
+    for token in range(100, 106):
+        rig.decode(req, token)
+        rig.manager.offload(req)
+    req.done = True
+    rig.manager.finish(req)
+    rig.copy_stream.complete_all()
+    rig.manager.drain()
+    keys = rig.chain(req)
+    page = torch.empty(rig.host_pool.page_shape, dtype=torch.int32)
+    for index, key in enumerate(keys):
+        assert rig.storage.get([key], [page]) == [True]
+        assert torch.equal(page, rig.expected_page(req, index)), index
+    assert rig.manager.metrics.pages_stored == len(keys) == 5
+
+
+def test_two_requests_with_one_rid_keep_their_keys_and_releases_apart():
+    rig = make_rig(page_size=2, store_prompt=True)
+    old = rig.new_request("x", [1, 2, 3, 4, 5], 4)
+    rig.manager.offload(old)
+    rig.manager.abort(old)  # its gather is still in flight
+    new = rig.new_request("x", [9, 8, 7, 6, 5], 4)
+    rig.manager.offload(new)
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    assert rig.released == [old]
+    new.done = True
+    rig.manager.finish(new)
+    rig.manager.drain()
+    assert rig.released == [old, new]
+    # an abort keeps what it launched (issue 17): both chains stored, apart
+    assert rig.storage.exists(rig.chain(new)) == [True, True] and rig.storage.exists(rig.chain(old)) == [True, True]
+    assert rig.chain(new) != rig.chain(old)
+    m = rig.manager.metrics
+    assert (m.pages_stored, m.pages_discarded) == (4, 0)
