@@ -8,7 +8,9 @@ import torch
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.hashing import PageHasher
-from kvstage.offload import CopyStream, OffloadManager
+from kvstage.kernels import KVPool
+from kvstage.kv_layout import KVLayout
+from kvstage.offload import CopyStream, HostPool, OffloadManager
 from kvstage.offload.load_path import PrefetchHandle
 from kvstage.offload.manager_arguments import (
     check_after,
@@ -19,6 +21,7 @@ from kvstage.offload.manager_arguments import (
 )
 from kvstage.offload.request_state import RequestState
 from kvstage.offload.testing import SimpleRequest
+from kvstage.storage import LayoutFingerprint, MemoryStore
 
 from offload_rig import STORED_PROMPT, make_rig
 
@@ -143,3 +146,60 @@ def test_a_hasher_class_instead_of_an_instance_is_named_as_such():
     rig = make_rig(page_size=2)
     with pytest.raises(ArgumentTypeError, match=r"^hasher"):
         OffloadManager(rig.kv_pool, rig.host_pool, rig.storage, PageHasher, rig.slots)
+
+
+def _pool_and_host():
+    kv_pool = KVPool.from_stacked(torch.zeros((2, 2, 16, 1, 4), dtype=torch.int32))
+    return kv_pool, HostPool.like(kv_pool, num_pages=4, page_size=4)
+
+
+@pytest.mark.parametrize(
+    "fingerprint, field",
+    [
+        (LayoutFingerprint("m", KVLayout(2, 2, 1, 4, "float32"), 4), "dtype"),  # same bytes, another dtype
+        (LayoutFingerprint("m", KVLayout(4, 2, 1, 4, "int32"), 2), "num_layers"),  # same bytes: 4 layers x page 2
+        (LayoutFingerprint("m", KVLayout(2, 2, 2, 2, "int32"), 4), "num_heads"),  # same bytes: 2 heads x dim 2
+        (LayoutFingerprint("m", KVLayout(2, 1, 2, 4, "int32"), 4), "kv_parts"),  # same bytes: MLA-shaped
+    ],
+    ids=["dtype", "layers-and-page", "heads-and-dim", "parts"],
+)
+def test_a_storage_whose_layout_differs_from_the_pools_is_rejected(fingerprint, field):
+    # Pages would be stored under another layout's prefix and read back as that layout.
+    kv_pool, host_pool = _pool_and_host()
+    assert fingerprint.page_bytes == host_pool.page_bytes
+    with pytest.raises(InvalidArgumentError, match=rf"storage: .*{field}"):
+        OffloadManager(kv_pool, host_pool, MemoryStore(fingerprint), PageHasher(page_size=4), lambda req: None)
+
+
+def test_a_storage_with_the_pools_layout_is_accepted_under_a_dtype_alias():
+    kv_pool = KVPool.from_stacked(torch.zeros((2, 2, 16, 1, 4), dtype=torch.float16))
+    host_pool = HostPool.like(kv_pool, num_pages=4, page_size=4)
+    storage = MemoryStore(LayoutFingerprint("m", KVLayout(2, 2, 1, 4, "half"), 4))
+    OffloadManager(kv_pool, host_pool, storage, PageHasher(page_size=4), lambda req: None).close()
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [list(range(32)), torch.arange(32, dtype=torch.float32), torch.arange(32).view(4, 8)],
+    ids=["list", "float-tensor", "2-d"],
+)
+def test_bad_slot_indices_are_an_error_of_offload_itself(slots):
+    # On CPU the gather runs on the copy thread: without a check here a wrong slot tensor would
+    # only show up later as a failed copy (and a list as an AttributeError).
+
+    rig = make_rig(page_size=4)
+    req = rig.new_request("r", range(4), 8)
+    for token in range(100, 106):
+        rig.decode(req, token)
+    rig.manager.slot_indices_of = lambda r: slots
+    with pytest.raises(ArgumentTypeError, match=r"^slot_indices_of\(rid='r'\): must be a 1-D int32/int64 tensor"):
+        rig.manager.offload(req)
+    # a call that raises tracks nothing new (issue 17)
+    assert rig.host_pool.used == 0 and rig.manager.offloaded_length(req) is None and not rig.copy_stream.pending
+
+
+def test_a_missing_hasher_is_named():
+    kv_pool, host_pool = _pool_and_host()
+    storage = MemoryStore(LayoutFingerprint("m", KVLayout(2, 2, 1, 4, "int32"), 4))
+    with pytest.raises(ArgumentTypeError, match=r"^hasher: must be a kvstage.hashing.PageHasher .* got NoneType"):
+        OffloadManager(kv_pool, host_pool, storage, None, lambda req: None)

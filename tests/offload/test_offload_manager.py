@@ -629,3 +629,72 @@ def test_two_requests_with_one_rid_keep_their_keys_and_releases_apart():
     assert rig.chain(new) != rig.chain(old)
     m = rig.manager.metrics
     assert (m.pages_stored, m.pages_discarded) == (4, 0)
+
+
+class _ShortAnswers(MemoryStore):
+    """A backend that breaks the interface: ``exists`` or ``put`` answers fewer keys than asked."""
+
+    def __init__(self, fingerprint, short: str) -> None:
+        super().__init__(fingerprint, capacity_pages=1000)
+        self.short = short
+
+    def _exists(self, full_keys):
+        answer = super()._exists(full_keys)
+        return answer[:-1] if self.short == "exists" else answer
+
+    def _put(self, full_keys, pages, full_prior_key=None):
+        answer = super()._put(full_keys, pages, full_prior_key)
+        return answer[:-1] if self.short == "put" else answer
+
+
+@pytest.mark.parametrize("short", ["put"])  # backups ask put alone (it deduplicates); lookups: test_offload_load_path
+def test_a_backend_answering_too_few_keys_fails_the_pages_instead_of_losing_them(short):
+    fingerprint = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 4)
+    failures = []
+    rig = make_rig(
+        page_size=4,
+        offload_stride=8,
+        storage=_ShortAnswers(fingerprint, short),
+        on_storage_failure=lambda req, keys, error: failures.append((keys, error)),
+    )
+    req = rig.new_request("r", range(4), 16)
+    for token in range(100, 110):  # 4 + 9 tokens with KV: one stride of 2 pages after the prompt
+        rig.decode(req, token)
+    assert rig.manager.offload(req)
+    assert rig.manager.finish(req)
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    m = rig.manager.metrics
+    assert m.pages_launched == 2
+    # Every launched page ends exactly once; an answer the manager cannot trust is a failure.
+    assert m.pages_stored + m.pages_deduplicated + m.pages_failed + m.pages_discarded == 2
+    assert m.pages_failed == 2 and m.storage_failures == 1 and len(failures) == 1
+    assert len(failures[0][0]) == 2 and failures[0][1] is not None
+    assert rig.released == [req] and m.host_pages_used == 0
+
+
+@pytest.mark.parametrize("action", ["abort", "finish"])
+def test_a_failure_callback_that_ends_the_request_releases_it_once_and_poll_does_not_raise(action):
+    # An engine may react to a failed backup by aborting (or finishing) the request from inside
+    # on_storage_failure; the copy being handled is no longer in flight, so that call releases.
+
+    fingerprint = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 4)
+    rigs = []
+
+    def on_failure(req, keys, error):
+        getattr(rigs[0].manager, action)(req)
+
+    rig = make_rig(page_size=4, storage=FlakyStore(fingerprint, fail=lambda key: True), on_storage_failure=on_failure)
+    rigs.append(rig)
+    req = rig.new_request("r", range(4), 16)
+    other = rig.new_request("o", range(4), 16)
+    for token in range(100, 106):
+        rig.decode(req, token)
+        rig.decode(other, token)
+    assert rig.manager.offload(req) and rig.manager.offload(other)
+    rig.copy_stream.complete_all()
+    assert rig.manager.poll() == 2  # no KeyError; the other request's copy is handled too
+    m = rig.manager.metrics
+    assert rig.released == [req, other]  # each once, by the callback's own call
+    assert m.releases == 2 and m.requests_live == 0 and m.host_pages_used == 0 and m.copies_in_flight == 0
+    assert m.pages_failed == m.pages_launched == 2

@@ -281,3 +281,38 @@ def test_a_directory_that_cannot_be_made_names_it_and_the_errno(tmp_path):
         f"directory: cannot use {str(blocker / 'kv')!r}: ENOTDIR (errno 20: Not a directory)"
     )
     assert isinstance(caught.value, StorageError)
+
+
+@pytest.mark.parametrize("keep", [0, 40, 200], ids=lambda n: f"first-{n}-bytes")
+def test_a_torn_file_store_page_is_not_reported_present_and_is_written_again(tmp_path, keep):
+    # A power loss without fsync can leave a page's name with a short file. If exists() and
+    # put() took the name for the page, the manager would deduplicate it forever: lost.
+
+    fingerprint = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
+    key = "c" * 64
+    page = torch.arange(32, dtype=torch.float32)
+    store = FileStore(fingerprint, tmp_path)
+    assert store.put([key], [page]) == [PutStatus.STORED]
+    size = store.used_bytes
+    path = store.path_of(key)
+    path.write_bytes(path.read_bytes()[:keep])
+    reopened = FileStore(fingerprint, tmp_path)
+    assert reopened.exists([key]) == [False]
+    assert reopened.put([key], [page]) == [PutStatus.STORED]
+    into = torch.zeros(32)
+    assert reopened.get([key], [into]) == [True] and torch.equal(into, page)
+    assert reopened.used_bytes == size == path.stat().st_size
+
+
+def test_a_file_store_reopened_with_a_smaller_capacity_is_within_it_at_once(tmp_path):
+    fingerprint = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
+    keys = [c * 64 for c in "abc"]
+    store = FileStore(fingerprint, tmp_path)
+    for age, key in enumerate(keys):
+        store.put([key], [torch.full((32,), float(age))])
+        os.utime(store.path_of(key), ns=(10**18 + age * 10**9,) * 2)  # a is the oldest
+    one = store.used_bytes // 3
+    reopened = FileStore(fingerprint, tmp_path, capacity_bytes=2 * one)
+    assert reopened.used_bytes == 2 * one <= reopened.capacity_bytes
+    assert reopened.exists(keys) == [False, True, True]
+    assert sorted(os.listdir(tmp_path)) == sorted(reopened.file_name(key) for key in keys[1:])
