@@ -15,6 +15,7 @@ from kvstage.kv_layout import KVLayout
 from kvstage.offload import CopyStream, HostPool, ManualCopyStream, OffloadManager, StoreWorkers
 from kvstage.offload.testing import SimpleRequest, SlotTable
 from kvstage.storage import LayoutFingerprint, open_storage
+from kvstage.storage.memory_store import MemoryStore
 
 from offload_rig import FlakyStore, make_rig, make_stored_rig, prefetched
 
@@ -548,3 +549,61 @@ def test_loading_more_pages_than_ready_or_another_managers_handle_is_refused():
     with pytest.raises(InvalidArgumentError, match=r"^handle: .*not this manager's"):
         two.manager.load(handle, two.slots(req)[:8])
     assert one.manager.load(handle, one.slots(req)[:8]).num_pages == 4
+
+
+@pytest.mark.parametrize("layer_by_layer", [True, False])
+def test_wait_layer_on_a_load_of_no_pages_returns(layer_by_layer):
+    page_size = 4
+    kv_pool = KVPool.mha([torch.zeros(64, 2, 8) for _ in range(2)], [torch.zeros(64, 2, 8) for _ in range(2)])
+    host_pool = HostPool.like(kv_pool, num_pages=8, page_size=page_size)
+    storage = open_storage("memory", LayoutFingerprint.of(kv_pool, page_size=page_size, model_id="m"))
+    slots = SlotTable(64)
+    manager = OffloadManager(kv_pool, host_pool, storage, PageHasher(page_size=page_size), slots, backend="torch")
+    req = SimpleRequest("b", list(range(18)))  # nothing stored: the lookup misses
+    handle = manager.prefetch(req, policy="wait_complete")
+    handle.wait()
+    manager.poll()
+    assert handle.ready_to_load() and handle.pages_ready == 0
+    load = manager.load(handle, slots.assign(req, handle.tokens_ready), layer_by_layer=layer_by_layer)
+    assert load.num_pages == 0 and load.done()
+    try:
+        for layer in range(kv_pool.num_layers):  # what the forward pass does before each layer's attention
+            load.wait_layer(layer)
+    finally:
+        manager.abort(req)
+        manager.close()
+
+
+class UnreadableStore(MemoryStore):
+    """A memory store whose ``get`` misses one key it holds (a page that ``exists`` but cannot be
+    read: a file store's corrupted file)."""
+
+    unreadable = ""
+
+    def _get(self, full_keys, into):
+        hits = super()._get(full_keys, into)
+        return [hit and key != self.prefix + self.unreadable for key, hit in zip(full_keys, hits)]
+
+
+def test_a_loaded_prefetch_whose_read_stopped_at_an_unreadable_page_counts_as_a_prefetch_failure():
+    kv_pool = KVPool.mha([torch.zeros(32, 1, 8, dtype=torch.float16)], [torch.zeros(32, 1, 8, dtype=torch.float16)])
+    host_pool = HostPool.like(kv_pool, num_pages=8, page_size=PAGE)
+    storage = UnreadableStore(LayoutFingerprint.of(kv_pool, page_size=PAGE, model_id="findings"), capacity_pages=8)
+    hasher = PageHasher("sglang-v1", PAGE)
+    tokens = list(range(1, 18))  # 4 whole pages looked up (the last token is left out)
+    keys = hasher.prefill_keys(tokens[:16])
+    storage.put(keys, [host_pool.page(page) for page in range(4)])
+    storage.unreadable = keys[2]
+    manager = OffloadManager(kv_pool, host_pool, storage, hasher, lambda req: torch.arange(32), backend="torch")
+    try:
+        handle = manager.prefetch(SimpleRequest("r", tokens), policy="wait_complete")
+        assert handle.wait(10.0)
+        assert (handle.pages_hit, handle.pages_ready) == (4, 2)  # the read stopped before the lookup's end
+        manager.load(handle, torch.arange(2 * PAGE))
+        manager.poll()
+        metrics = manager.metrics
+        assert (metrics.prefetches, metrics.pages_hit, metrics.pages_prefetched) == (1, 4, 2)
+        # OffloadMetrics.prefetch_failures: "reads that raised or hit a hole before the lookup's end".
+        assert metrics.prefetch_failures == 1
+    finally:
+        manager.close()
