@@ -172,8 +172,8 @@ def test_reference_paths_equal_python_loops(device, layout, host, device_slots, 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_aligned_pages_of_a_pool_whose_slots_are_not_a_page_multiple(device, backend, layout):
-    # 10 slots, page size 3: aligned page runs (0-2, 3-5, 6-8) onto consecutive host pages take
-    # the torch path's whole-page route, which must not view the pool as [num_slots / 3, ...].
+    """A pool of 10 slots at page size 3: aligned page runs (0-2, 3-5, 6-8) onto consecutive host pages
+    take the torch path's whole-page route, which must not view the pool as [num_slots / 3, ...]."""
     page_size = 3
     pool = make_pool(
         parts=2, layers=2, num_slots=10, heads=5, dim=72, dtype=torch.bfloat16, device=device, storage="lists", seed=3
@@ -198,6 +198,8 @@ def test_aligned_pages_of_a_pool_whose_slots_are_not_a_page_multiple(device, bac
 
 
 def test_reference_whole_page_route_on_a_pool_whose_slots_are_not_a_page_multiple(device):
+    """The torch reference's whole-page route on a pool of 11 slots at page size 3 (float8 MLA):
+    whole aligned pages copy exactly though the pool is no whole number of pages."""
     pool = make_pool(
         parts=1,
         layers=1,

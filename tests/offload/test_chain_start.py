@@ -81,6 +81,8 @@ def test_a_prompt_of_whole_pages_hashes_its_last_page_which_the_lookup_left_out(
 
 
 def test_prefetch_with_store_prompt_false_loads_the_prefill_sides_pages_and_the_chain_continues():
+    """A prefetch on a ``store_prompt=False`` manager (a decode side) loads the pages the prefill side
+    stored, and the request's offloaded length starts after them."""
     rig = make_rig(page_size=2)  # store_prompt=False: the rig's prefill side stores prompts
     a = rig.new_request("a", STORED_PROMPT, 4)
     b = SimpleRequest("b", STORED_PROMPT)

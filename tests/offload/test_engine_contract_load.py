@@ -241,6 +241,8 @@ def test_flush_empties_a_file_store_and_the_same_prompt_then_misses(tmp_path):
 
 
 def test_a_long_prompt_with_a_small_host_pool_prefetches_what_fits_and_the_chain_continues():
+    """A 41-token prompt (20 stored pages) with a host pool of 4 pages: the prefetch reads the 4 that
+    fit (16 counted truncated), and the request's chain continues, deduplicating the stored pages."""
     rig = make_rig(page_size=2, store_prompt=True, num_host_pages=4)
     a = rig.new_request("a", list(range(1, 42)), 4)
     a_slots = rig.slots(a)[:8].clone()  # freed at a's release

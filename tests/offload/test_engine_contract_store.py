@@ -389,9 +389,9 @@ def test_on_storage_failure_gets_the_error_a_store_answer_carries():
 
 
 def test_a_backlog_larger_than_the_free_host_pages_is_offloaded_in_the_strides_that_fit():
-    # Before: offload() was all or nothing over the whole backlog, so a request whose backlog
-    # outgrew the free host pages never progressed and finish() dropped all of it.
-
+    """A backlog of 4 pages with 2 free host pages is offloaded in the strides that fit. Before,
+    ``offload()`` was all or nothing over the whole backlog, so a request whose backlog outgrew
+    the free host pages never progressed and ``finish()`` dropped all of it."""
     rig = make_rig(page_size=4, offload_stride=4, num_host_pages=2)
     req = rig.new_request("r", range(4), 32)
     for token in range(100, 118):  # 4 + 17 tokens with KV: 4 whole pages after the prompt
@@ -413,6 +413,8 @@ def test_a_backlog_larger_than_the_free_host_pages_is_offloaded_in_the_strides_t
 
 
 def test_finish_with_a_full_host_pool_keeps_the_rest_waiting_until_pages_free():
+    """``finish`` of 5 pages with 3 host pages: 3 launch, 2 wait (the request's slots held) until a
+    ``poll`` frees pages, then all 5 are stored and the request released once."""
     rig = make_rig(page_size=4, offload_stride=4, num_host_pages=3)
     req = rig.new_request("r", range(4), 32)
     for token in range(100, 122):  # 4 + 21 tokens with KV: 5 whole pages after the prompt
@@ -431,6 +433,8 @@ def test_finish_with_a_full_host_pool_keeps_the_rest_waiting_until_pages_free():
 
 
 def test_finish_beyond_the_backlog_limit_drops_the_rest():
+    """``finish`` of 5 pages with 3 host pages and ``finish_backlog_pages=1``: the 2 that cannot wait
+    are dropped (counted), the 3 launched are stored."""
     rig = make_rig(page_size=4, offload_stride=4, num_host_pages=3, finish_backlog_pages=1)
     req = rig.new_request("r", range(4), 32)
     for token in range(100, 122):  # 5 whole pages after the prompt; 3 fit, 2 > the limit of 1

@@ -1,4 +1,4 @@
-"""HostPool: page-first host buffers, all-or-nothing alloc/free, counters, page views."""
+"""HostPool: page-first host buffers, all-or-nothing alloc/free, counters, page views, argument checks."""
 
 from __future__ import annotations
 
@@ -146,6 +146,7 @@ def test_layout_must_be_a_kv_layout():
 
 
 def test_host_pool_free_of_a_numpy_page_id():
+    """``free`` of a page id given as ``np.int64`` (as an engine's numpy bookkeeping hands it) frees it."""
     pool = HostPool.like(make_rig(page_size=2).kv_pool, num_pages=4, page_size=2, pin=False)
     ids = pool.alloc(1)
     pool.free([np.int64(ids[0])])
@@ -166,11 +167,13 @@ ARGS = dict(num_layers=1, kv_parts=2, num_heads=1, head_dim=4, dtype=torch.float
     ],
 )
 def test_bools_and_floats_are_not_sizes(change, rule):
+    """Sizes given as ``True`` or ``2.0`` are refused naming the argument (a bool is an int in Python)."""
     with pytest.raises(InvalidArgumentError, match=rule):
         host_pool(**{**ARGS, **change})
 
 
 def test_alloc_of_a_bool_is_an_error_and_changes_nothing():
+    """``alloc(True)`` raises naming ``num_pages`` and allocates nothing."""
     pool = host_pool(**ARGS)
     with pytest.raises(InvalidArgumentError, match=r"^num_pages: must be a non-negative int, got True"):
         pool.alloc(True)
@@ -179,5 +182,6 @@ def test_alloc_of_a_bool_is_an_error_and_changes_nothing():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works where CUDA is")
 def test_pin_without_an_accelerator_names_the_argument():
+    """``pin=True`` on a machine without CUDA raises naming ``pin``."""
     with pytest.raises(InvalidArgumentError, match=r"^pin: "):
         host_pool(**{**ARGS, "pin": True})

@@ -14,8 +14,7 @@ from kvstage.kernels import KVPool
 from kvstage.kv_layout import KVLayout
 from kvstage.offload import CopyStream, HostPool, ManualCopyStream, OffloadManager, StoreWorkers
 from kvstage.offload.testing import SimpleRequest, SlotTable
-from kvstage.storage import LayoutFingerprint, open_storage
-from kvstage.storage.memory_store import MemoryStore
+from kvstage.storage import LayoutFingerprint, MemoryStore, open_storage
 
 from offload_rig import FlakyStore, make_rig, make_stored_rig, prefetched
 
@@ -434,6 +433,8 @@ def test_abort_collects_only_its_own_loads_and_launches_nothing_of_other_request
 
 
 def test_load_with_float_slot_indices_changes_nothing(stored_rig):
+    """``load`` with float slot indices raises naming ``slot_indices`` and leaves the handle loadable:
+    the engine's retry with the right tensor loads and the pages are freed."""
     rig = stored_rig
     req, handle = prefetched(rig)
     with pytest.raises(ArgumentTypeError, match=r"^slot_indices"):
@@ -448,6 +449,8 @@ def test_load_with_float_slot_indices_changes_nothing(stored_rig):
 
 
 def test_finish_of_a_request_whose_prefetch_was_never_loaded_frees_its_host_pages(stored_rig):
+    """A request whose finished prefetch is never loaded (the engine computes the prompt instead):
+    ``finish`` releases it and frees the prefetch's host pages."""
     rig = stored_rig
     req, _ = prefetched(rig)  # the engine decides to compute the prompt instead (e.g. the wait was too long)
     req.done = True
@@ -458,6 +461,8 @@ def test_finish_of_a_request_whose_prefetch_was_never_loaded_frees_its_host_page
 
 
 def test_offload_between_prefetch_and_load_is_refused(stored_rig):
+    """``offload`` of a request between its prefetch and its load: refused (either call may refuse;
+    not both succeed)."""
     rig = stored_rig
     req, handle = prefetched(rig)
     with pytest.raises(InvalidArgumentError):
@@ -466,6 +471,7 @@ def test_offload_between_prefetch_and_load_is_refused(stored_rig):
 
 
 def test_cancel_of_another_managers_handle_is_refused():
+    """``cancel`` of a handle another manager made is refused naming ``handle``."""
     one, two = make_stored_rig(), make_stored_rig()
     req, handle = prefetched(one)
     with pytest.raises(InvalidArgumentError, match=r"^handle"):
@@ -474,6 +480,8 @@ def test_cancel_of_another_managers_handle_is_refused():
 
 
 def test_a_prefetch_that_raises_leaves_the_request_untracked():
+    """A prefetch of a prompt with a negative token id raises naming the token and the rid, and leaves
+    the request untracked."""
     rig = make_rig(page_size=2, store_prompt=True)
     req = SimpleRequest("p", [1, 2, -1, 4, 5])
     with pytest.raises(InvalidArgumentError, match=r"^origin_input_ids\[2\]: rid='p'"):
@@ -484,6 +492,8 @@ def test_a_prefetch_that_raises_leaves_the_request_untracked():
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_store_then_load_is_byte_exact_for_mla_and_float8(mla, dtype):
+    """MHA and MLA pools of bfloat16, float8_e4m3fn and float8_e5m2: a store then a load gives back the
+    same bytes."""
     g = torch.Generator().manual_seed(0)
 
     def buffer(shape):
@@ -519,6 +529,8 @@ def test_store_then_load_is_byte_exact_for_mla_and_float8(mla, dtype):
 
 
 def test_abort_during_a_load_releases_within_the_call_with_nothing_in_flight(stored_rig):
+    """``abort`` during a layer-by-layer load releases within the call with nothing in flight; a second
+    ``abort`` and a ``finish`` after it release nothing again."""
     rig = stored_rig
     req, handle = prefetched(rig)
     rig.manager.load(handle, rig.slots(req)[:8], layer_by_layer=True)
@@ -530,6 +542,7 @@ def test_abort_during_a_load_releases_within_the_call_with_nothing_in_flight(sto
 
 
 def test_cancel_twice_then_load_is_refused_and_frees_the_pages(stored_rig):
+    """``cancel`` twice, then ``load`` of the cancelled handle: refused naming ``handle``, its pages freed."""
     rig = stored_rig
     req, handle = prefetched(rig)
     rig.manager.cancel(handle)
@@ -541,6 +554,8 @@ def test_cancel_twice_then_load_is_refused_and_frees_the_pages(stored_rig):
 
 
 def test_loading_more_pages_than_ready_or_another_managers_handle_is_refused():
+    """``load`` of more slots than the ready pages, or of another manager's handle: each refused naming
+    the argument; the right load still works."""
     one, two = make_stored_rig(), make_stored_rig()
     req, handle = prefetched(one)
     with pytest.raises(InvalidArgumentError, match=r"^slot_indices: must be a 1-D tensor of at most 4 ready pages"):
@@ -553,6 +568,8 @@ def test_loading_more_pages_than_ready_or_another_managers_handle_is_refused():
 
 @pytest.mark.parametrize("layer_by_layer", [True, False])
 def test_wait_layer_on_a_load_of_no_pages_returns(layer_by_layer):
+    """A prefetch whose lookup missed, loaded with zero pages: ``wait_layer`` of every layer returns
+    (found integrating a real model)."""
     page_size = 4
     kv_pool = KVPool.mha([torch.zeros(64, 2, 8) for _ in range(2)], [torch.zeros(64, 2, 8) for _ in range(2)])
     host_pool = HostPool.like(kv_pool, num_pages=8, page_size=page_size)
@@ -586,6 +603,8 @@ class UnreadableStore(MemoryStore):
 
 
 def test_a_loaded_prefetch_whose_read_stopped_at_an_unreadable_page_counts_as_a_prefetch_failure():
+    """A lookup of 4 pages whose read stops at an unreadable third page (a file store's corrupted
+    file), loaded with the 2 ready: ``metrics.prefetch_failures`` counts it (found by the replay)."""
     kv_pool = KVPool.mha([torch.zeros(32, 1, 8, dtype=torch.float16)], [torch.zeros(32, 1, 8, dtype=torch.float16)])
     host_pool = HostPool.like(kv_pool, num_pages=8, page_size=PAGE)
     storage = UnreadableStore(LayoutFingerprint.of(kv_pool, page_size=PAGE, model_id="findings"), capacity_pages=8)

@@ -571,6 +571,7 @@ def test_live_counters_equal_the_metrics_snapshot():
 
 
 def test_offload_after_close_is_a_clear_error():
+    """``offload`` after ``close`` raises naming close, launching nothing."""
     rig = make_rig(page_size=2, store_prompt=True, copy_stream=CopyStream("cpu"), store_workers=None)
     rig.manager.close()
     req = rig.new_request("a", STORED_PROMPT, 4)
@@ -584,6 +585,8 @@ def test_offload_after_close_is_a_clear_error():
 
 @pytest.mark.parametrize("kind", ["strided", "offset", "int32"])
 def test_slot_views_from_slot_indices_of_store_the_right_bytes(kind):
+    """``slot_indices_of`` answering a strided view, a view at an offset, or int32: the stored pages
+    hold the right tokens' bytes."""
     rig = make_rig(page_size=4, store_prompt=True, slot_generator=torch.Generator().manual_seed(1))
     req = rig.new_request("a", list(range(1, 18)), 8)
     row = rig.slots(req)
@@ -611,6 +614,8 @@ def test_slot_views_from_slot_indices_of_store_the_right_bytes(kind):
 
 
 def test_two_requests_with_one_rid_keep_their_keys_and_releases_apart():
+    """Two request objects with one rid (the first aborted with its copy in flight): their chains and
+    releases stay apart."""
     rig = make_rig(page_size=2, store_prompt=True)
     old = rig.new_request("x", [1, 2, 3, 4, 5], 4)
     rig.manager.offload(old)
@@ -649,6 +654,8 @@ class _ShortAnswers(MemoryStore):
 
 @pytest.mark.parametrize("short", ["put"])  # backups ask put alone (it deduplicates); lookups: test_offload_load_path
 def test_a_backend_answering_too_few_keys_fails_the_pages_instead_of_losing_them(short):
+    """A backend whose ``put`` answers fewer keys than asked: the pages are counted failed (and the
+    failure callback told), never lost from the counts."""
     fingerprint = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 4)
     failures = []
     rig = make_rig(
@@ -675,9 +682,9 @@ def test_a_backend_answering_too_few_keys_fails_the_pages_instead_of_losing_them
 
 @pytest.mark.parametrize("action", ["abort", "finish"])
 def test_a_failure_callback_that_ends_the_request_releases_it_once_and_poll_does_not_raise(action):
-    # An engine may react to a failed backup by aborting (or finishing) the request from inside
-    # on_storage_failure; the copy being handled is no longer in flight, so that call releases.
-
+    """An ``on_storage_failure`` that aborts (or finishes) the request: the copy being handled is no
+    longer in flight, so that call releases it, once, and ``poll`` handles the other request's copy
+    without a KeyError."""
     fingerprint = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 4)
     rigs = []
 

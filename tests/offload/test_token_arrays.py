@@ -260,6 +260,7 @@ def test_the_replays_requests_hold_array_q_and_its_run_hashes_them_as_arrays(mon
 
 @pytest.mark.parametrize("kind", ["tuple", "numpy-output", "numpy-prompt", "tensor-prompt"])
 def test_sequence_types_of_a_request_give_the_same_keys(kind):
+    """A request's token ids as a tuple, numpy arrays or a tensor give the keys of lists."""
     rig = make_rig(page_size=4, store_prompt=True)
     req = rig.new_request("a", STORED_PROMPT, 8)
     for token in range(100, 106):

@@ -182,9 +182,9 @@ def test_many_uses_keep_the_eviction_order_exact():
 
 @pytest.mark.parametrize("kind", ["memory", "file"])
 def test_a_put_larger_than_the_capacity_never_reports_stored_a_page_it_evicted(tmp_path, kind):
-    # STORED means "readable from now on": a page evicted by a later page of the same put must
-    # not be reported STORED (the manager would count a page stored that storage does not hold).
-
+    """A put of 3 pages into a store of 2: no page is reported STORED that a later page of the same
+    put evicted (STORED means readable from now on; the manager would count a page storage does
+    not hold), and a later put evicts from the chain's tail."""
     fingerprint = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)  # 128-byte pages
     keys = [c * 64 for c in "abc"]
     pages = [torch.full((32,), float(i)) for i in range(3)]

@@ -1,5 +1,8 @@
 """FileStore ``io_threads``: one ``get`` or ``put`` of many pages reads or writes page files on
-that many threads, with the answers, bytes, links, events and stats of one thread, in key order."""
+that many threads, with the answers, bytes, links, events and stats of one thread, in key order; and what the store
+promised with one thread, kept on many: the disk and capacity bound of a put, the error a refused
+put carries, a get or put that raises, ``close`` racing calls in flight. A case parametrized on
+``io_threads`` runs with one thread too (the baseline it must equal)."""
 
 from __future__ import annotations
 

@@ -285,9 +285,9 @@ def test_a_directory_that_cannot_be_made_names_it_and_the_errno(tmp_path):
 
 @pytest.mark.parametrize("keep", [0, 40, 200], ids=lambda n: f"first-{n}-bytes")
 def test_a_torn_file_store_page_is_not_reported_present_and_is_written_again(tmp_path, keep):
-    # A power loss without fsync can leave a page's name with a short file. If exists() and
-    # put() took the name for the page, the manager would deduplicate it forever: lost.
-
+    """A page file cut short (0, 40, 200 bytes kept: a power loss without fsync): a reopened store does
+    not report it present and a put writes it again. Taken for the page, the manager would
+    deduplicate it forever: lost."""
     fingerprint = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
     key = "c" * 64
     page = torch.arange(32, dtype=torch.float32)
@@ -305,6 +305,7 @@ def test_a_torn_file_store_page_is_not_reported_present_and_is_written_again(tmp
 
 
 def test_a_file_store_reopened_with_a_smaller_capacity_is_within_it_at_once(tmp_path):
+    """A file store of 3 pages reopened with room for 2: the oldest page is evicted at open, not later."""
     fingerprint = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
     keys = [c * 64 for c in "abc"]
     store = FileStore(fingerprint, tmp_path)
