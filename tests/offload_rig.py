@@ -172,7 +172,7 @@ class Rig:
         """A request whose prompt's KV is written (prefill done), with slots for its tokens."""
         req = cls(rid, prompt, **namespace)
         self.slots.assign(req, len(req.origin_input_ids) + max_new_tokens)
-        self._write_kv(req, 0, len(req.origin_input_ids))
+        self.write_kv(req, 0, len(req.origin_input_ids))
         if not self.manager.store_prompt:
             self.store_prompt_as_prefill(req)
         return req
@@ -192,7 +192,7 @@ class Rig:
         req.output_ids.append(token)
         if len(req.output_ids) >= 2:
             position = req.kv_length - 1
-            self._write_kv(req, position, position + 1)
+            self.write_kv(req, position, position + 1)
 
     def _tokens(self, req: Any) -> list[int]:
         return (req.origin_input_ids + req.output_ids)[: req.kv_length]
@@ -212,7 +212,8 @@ class Rig:
         rows[..., 3] = marks.to(torch.int32)
         return rows
 
-    def _write_kv(self, req: Any, start: int, end: int) -> None:
+    def write_kv(self, req: Any, start: int, end: int) -> None:
+        """Write the KV rows of positions ``[start, end)`` of ``req`` into its slots (what a forward pass does)."""
         if end <= start:
             return
         rows = self.expected_rows(req, start, end).to(self.stacked.device)  # [n, parts, layers, 4]

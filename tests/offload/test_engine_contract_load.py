@@ -220,7 +220,7 @@ def test_flush_forgets_retracted_progress_so_the_request_stores_again():
     rig.manager.flush()
     assert rig.manager.offloaded_length(req) is None
     rig.slots.assign(req, 28)
-    rig._write_kv(req, 0, 8)
+    rig.write_kv(req, 0, 8)
     assert rig.manager.offload(req)
     settle_loads(rig)
     assert rig.manager.match_prefix(token_ids=list(range(8))).num_pages == 2
@@ -265,7 +265,7 @@ def test_a_long_prompt_with_a_small_host_pool_prefetches_what_fits_and_the_chain
     rig.manager.load(handle, rig.slots(b)[:8])
     rig.copy_stream.complete_all()
     assert torch.equal(rig.stacked[:, :, rig.slots(b)[:8]], a_kv)
-    rig._write_kv(b, 8, 41)
+    rig.write_kv(b, 8, 41)
     b.output_ids.append(5)
     for _ in range(10):
         rig.manager.offload(b)

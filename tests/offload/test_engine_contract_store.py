@@ -29,7 +29,7 @@ def prefilling(rig, rid, prompt, computed, max_new_tokens=8):
     req = SimpleRequest(rid, list(prompt))
     rig.slots.assign(req, len(req.origin_input_ids) + max_new_tokens)
     rig.stacked[:, :, rig.slots(req)] = -1
-    rig._write_kv(req, 0, computed)
+    rig.write_kv(req, 0, computed)
     return req
 
 
@@ -55,12 +55,12 @@ def test_chunked_prefill_stores_only_pages_whose_every_slot_has_kv_chunk_by_chun
     assert rig.manager.offload(req, kv_length=16)
     settle_copies(rig)
     stored_pages_equal(rig, req, 4)
-    rig._write_kv(req, 16, 30)  # a chunk that ends mid-page: page 7 is not whole yet
+    rig.write_kv(req, 16, 30)  # a chunk that ends mid-page: page 7 is not whole yet
     assert rig.manager.offload(req, kv_length=30)
     settle_copies(rig)
     stored_pages_equal(rig, req, 7)
     assert rig.manager.offload(req, kv_length=30) is False  # nothing new
-    rig._write_kv(req, 30, 40)
+    rig.write_kv(req, 30, 40)
     req.output_ids.append(7)  # prefill done, first token sampled: the default kv_length is 40
     assert rig.manager.offload(req)
     settle_copies(rig)

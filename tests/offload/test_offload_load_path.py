@@ -110,7 +110,7 @@ def test_the_chain_continues_after_a_load_so_only_new_pages_are_stored():
     rig.manager.load(handle, rig.slots(b)[:24])
     rig.copy_stream.complete_all()
     rig.manager.poll()
-    rig._write_kv(b, 24, len(turn))  # prefill of the rest
+    rig.write_kv(b, 24, len(turn))  # prefill of the rest
     b.output_ids.append(7)
     stored_before = rig.manager.metrics.pages_stored
     b.done = True

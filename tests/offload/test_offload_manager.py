@@ -458,6 +458,7 @@ def test_triton_backend_copies_the_same_pages(device):
     for token in range(10, 17):
         rig.decode(req, token)
     assert rig.manager.offload(req)  # kv 9 tokens: pages 1..3 in one segment over two chunks
+    # The launched copy's host pages: no public view of a copy in flight.
     assert len(rig.host_pool.locate(rig.manager.copier._copies[0].host_page_ids)) == 2
     rig.manager.finish(req)
     rig.manager.drain()

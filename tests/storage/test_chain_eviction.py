@@ -175,6 +175,7 @@ def test_many_uses_keep_the_eviction_order_exact():
     store.put(THIRD, [page(2)])
     for _ in range(300):
         store.exists(THIRD + OTHER)  # OTHER is used last each time
+    # The index's stale entries are private: their bound is what this test checks.
     assert len(store._pages._candidates) <= 2 * 2 + 64
     assert store.put(FOURTH, [page(3)]) == [STORED]
     assert store.exists(OTHER + THIRD + FOURTH) == [True, False, True]

@@ -214,6 +214,7 @@ def test_a_put_of_many_pages_writes_on_io_threads_with_the_links_and_events_of_o
 def test_a_put_of_many_pages_dedups_and_refuses_after_a_failed_page_as_one_thread_does(tmp_path, monkeypatch):
     store = FileStore(FP, tmp_path, io_threads=2)
     store.put(KEYS[2:3], [page(2)], prior_key=None)
+    # Fault injection at one page's step: FileStore has no public hook there.
     original = FileStore._commit
 
     def rename_fails_for_page_4(self, full_key, digest, prior, written, **kwargs):
@@ -294,6 +295,7 @@ def test_a_put_never_holds_more_than_capacity_bytes_on_disk(tmp_path, monkeypatc
     store = FileStore(FP, tmp_path, capacity_bytes=3 * size, io_threads=io_threads)
     assert values(store.put(OTHER[:3], [page(-i) for i in range(3)])) == ["stored"] * 3  # the store is full
     peak = []
+    # Fault injection at one page's step: FileStore has no public hook there.
     original = FileStore._write_tmp
 
     def measured(self, *args, **kwargs):
@@ -321,6 +323,7 @@ def test_a_prior_dropped_as_corrupt_during_a_put_fails_it_with_missing_prior_err
     data = bytearray(prior_file.read_bytes())
     data[-1] ^= 0x01
     prior_file.write_bytes(bytes(data))
+    # Fault injection at one page's step: FileStore has no public hook there.
     original = FileStore._deduplicated
     readers = []
     once = threading.Lock()  # two I/O threads check pages at once: one starts the reader
@@ -351,6 +354,7 @@ def test_a_get_that_raises_writes_no_target_after_it_returned(tmp_path, monkeypa
     would."""
     store = FileStore(FP, tmp_path, io_threads=io_threads)
     store.put(KEYS, [page(i) for i in range(8)])
+    # Fault injection at one page's step: FileStore has no public hook there.
     original = FileStore._read
 
     def first_raises_others_slow(self, full_key, *args, **kwargs):
@@ -376,6 +380,7 @@ def test_a_put_that_raises_leaves_no_temporary_file_and_stores_what_one_thread_d
     before it are stored, as with one thread, and no temporary file of any page is left, then
     or later."""
     store = FileStore(FP, tmp_path, io_threads=io_threads)
+    # Fault injection at one page's step: FileStore has no public hook there.
     original = FileStore._write_tmp
 
     def page_3_raises_page_7_slow(self, full_key, *args, **kwargs):
@@ -618,6 +623,7 @@ def test_a_get_marks_its_pages_used_in_key_order_as_one_thread(tmp_path, monkeyp
     store = FileStore(FP, tmp_path / "pages", capacity_bytes=2 * size, io_threads=io_threads)
     store.put([a], [page(0)])
     store.put([b], [page(1)])
+    # Fault injection at one page's step: FileStore has no public hook there.
     original = FileStore._read
 
     def slow_b(self, full_key, *args, **kwargs):
@@ -643,6 +649,7 @@ def test_a_page_keeps_its_room_from_its_write_to_its_rename(tmp_path, monkeypatc
     store = FileStore(FP, directory, capacity_bytes=2 * size, io_threads=io_threads)
     assert values(store.put(OTHER[:1], [page(-1)])) == ["stored"]
     peak, others = [], []
+    # Fault injection at one page's step: FileStore has no public hook there.
     write, commit = FileStore._write_tmp, FileStore._commit
 
     def measured(self, *args, **kwargs):
@@ -688,6 +695,7 @@ def test_when_an_io_thread_cannot_start_each_read_and_write_runs_once(tmp_path, 
             raise RuntimeError("can't start new thread")  # what threading.Thread.start raises then
         return adjust(self)
 
+    # Fault injection at one page's step: FileStore has no public hook there.
     read = FileStore._read
 
     def slow_read(self, *args, **kwargs):
@@ -721,6 +729,7 @@ LATER_PAGE_TAKES_THE_SPACE = textwrap.dedent(
     fp = LayoutFingerprint("tiny", KVLayout(2, 2, 8, 64, "float32"), 4)  # 32 KiB pages: one file fits
     keys = ["a" * 64, "b" * 64]
     later_written = threading.Event()
+    # Fault injection at one page's step: FileStore has no public hook there.
     write_tmp = FileStore._write_tmp
 
     def later_page_first(self, full_key, page, prior):

@@ -330,6 +330,7 @@ def test_the_manager_keeps_no_loaded_keys_unless_its_connector_reports_loads():
     try:
         keys = [index.to_bytes(36, "big") for index in range(1000)]
         manager.complete_load(keys, ReqContext("r"))
+        # No public view of the loads kept for the next report.
         assert manager._loaded == []
         manager.tracks_loads = True  # KVStageConnector: loads_reported empties it each step
         manager.complete_load(keys[:3], ReqContext("r"))
@@ -347,6 +348,7 @@ def test_a_manager_or_worker_that_fails_to_build_lets_go_of_the_shared_store_and
 
     from vllm_rig import offloading_config
 
+    # No public view of the shared stores open and their users.
     before = dict(shared._open)
     spec = KVStageOffloadingSpec(offloading_config({"storage": "memory", "miss_ttl_s": -1}))
     with pytest.raises(InvalidArgumentError, match="miss_ttl_s"):
