@@ -274,6 +274,7 @@ def test_the_ptx_probe_reads_the_compiled_kernel_of_each_real_launch(probes, mon
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append(grid) or SimpleNamespace(asm={"ptx": ptx["text"]})
 
+    # The kernel is private: replaced to count the probe's launches.
     monkeypatch.setattr(triton_copy, "_kv_rows_copy_kernel", Kernel())
     ctx = probes.Ctx(torch.device("cpu"), True, Path("."))
     if ctx.backend != "triton":

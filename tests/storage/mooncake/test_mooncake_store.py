@@ -135,6 +135,7 @@ def test_close_unregisters_and_is_idempotent(mooncake_master, fingerprint):
     opened.register_host_buffers([chunk])
     assert opened.put(new_keys(1), [chunk[0]]) == [PutStatus.STORED]
     opened.close()
+    # No public view of the registered buffers.
     assert opened._registered == []
     opened.close()
     with pytest.raises(StorageError, match="closed"):
@@ -146,6 +147,7 @@ def test_close_unregisters_and_is_idempotent(mooncake_master, fingerprint):
 def test_overlapping_buffers_are_refused_before_any_is_registered(store, fingerprint):
     chunk = random_pages(4, fingerprint, seed=10).view(-1)
     half = chunk.numel() // 2
+    # No public view of the registered buffers.
     registered_before = len(store._registered)
     overlapping = chunk[half // 2 : half + half // 2]  # straddles the first half's end
     with pytest.raises(InvalidArgumentError, match=r"buffers\[1\]: .* overlaps"):
