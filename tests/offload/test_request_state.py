@@ -3,6 +3,7 @@ offloading resumes after a load, and the pages a finish still has to launch (pag
 
 from __future__ import annotations
 
+from kvstage.hashing import PageHasher
 from kvstage.offload.key_chain import ChainRun, RequestChain
 from kvstage.offload.request_state import LoadJob, RequestState, Segment
 from kvstage.offload.testing import SimpleRequest
@@ -23,7 +24,10 @@ def test_a_launched_segment_joins_the_chain_in_flight_and_unsettled():
     state.launched(second)
     assert (state.offloaded_length, state.launched_length, state.copies_in_flight) == (16, 16, 2)
     assert list(state.unsettled) == [first, second]
-    assert list(state.chain._unkeyed) == [first.run, second.run]
+    # In the chain in launch order: keying the second run keys the first before it.
+    second_keys = state.chain.keys_of(second.run, PageHasher(page_size=PAGE))
+    assert first.run.keys is not None and second.run.prior_key == first.run.keys[-1]
+    assert second_keys == PageHasher(page_size=PAGE).prefill_keys(list(range(4, 16)))[2:]
 
 
 def test_a_load_is_in_flight_from_its_start_to_its_end():
