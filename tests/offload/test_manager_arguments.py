@@ -16,9 +16,11 @@ from kvstage.offload.load_path import PrefetchHandle
 from kvstage.offload.manager_arguments import (
     check_after,
     check_prefetch_arguments,
+    check_prefetch_handle,
     check_prefetch_request,
     checked_kv_length,
     checked_load_pages,
+    pending_prefetch_error,
 )
 from kvstage.offload.request_state import RequestState
 from kvstage.offload.testing import SimpleRequest
@@ -213,3 +215,20 @@ def test_a_missing_hasher_is_named():
     storage = MemoryStore(LayoutFingerprint("m", KVLayout(2, 2, 1, 4, "int32"), 4))
     with pytest.raises(ArgumentTypeError, match=r"^hasher: must be a kvstage.hashing.PageHasher .* got NoneType"):
         OffloadManager(kv_pool, host_pool, storage, None, lambda req: None)
+
+
+def test_a_prefetch_handle_check_names_the_type_it_got_and_where_handles_come_from():
+    with pytest.raises(ArgumentTypeError, match=r"^handle: must be a PrefetchHandle from prefetch\(\), got dict"):
+        check_prefetch_handle({}, " from prefetch()")
+    with pytest.raises(ArgumentTypeError, match=r"^handle: must be a PrefetchHandle, got NoneType"):
+        check_prefetch_handle(None)
+
+
+def test_the_pending_prefetch_error_names_the_request_the_length_the_cause_and_the_way_out():
+    cause = InvalidArgumentError("slot_indices_of(rid='r'): 0 slots, its first 12 tokens have KV")
+    error = pending_prefetch_error(request(), 12, cause)
+    assert isinstance(error, InvalidArgumentError)
+    assert str(error) == (
+        "req: rid='r' has a prefetch pending (never loaded), and its KV up to kv_length=12 cannot be offloaded "
+        f"({cause}); a request that ends before it runs: abort(req) or finish(req, kv_length=0), which cancel the prefetch"
+    )
