@@ -433,8 +433,10 @@ class ModelLayout:
             require(
                 isinstance(component, LayoutComponent) and component.kind in COMPONENT_KINDS,
                 f"components[{index}]",
-                lambda component=component: "must be a FullAttention, SlidingWindow, PageSidecar or RequestState, "
-                f"got {type(component).__name__}",
+                lambda component=component: (
+                    "must be a FullAttention, SlidingWindow, PageSidecar or RequestState, "
+                    f"got {type(component).__name__}"
+                ),
                 ArgumentTypeError,
             )
         names = [component.name for component in components]
@@ -455,8 +457,10 @@ class ModelLayout:
                 require(
                     other == component.name,
                     f"{component.name}.layers",
-                    lambda layer=layer, other=other: f"layer {layer} is already cached by {other!r} "
-                    f"(a layer has at most one {'KV' if group == 'kv' else group} component)",
+                    lambda layer=layer, other=other: (
+                        f"layer {layer} is already cached by {other!r} "
+                        f"(a layer has at most one {'KV' if group == 'kv' else group} component)"
+                    ),
                 )
         cached = {layer for (group, layer) in owner if group != "sidecar"}
         missing = [layer for layer in range(self.num_layers) if layer not in cached]

@@ -258,8 +258,10 @@ def snapshot_key_index(length: int, page_size: int, num_tokens: int, argument: s
     require(
         is_int(length) and length >= page_size and length % page_size == 0,
         argument,
-        lambda: f"must be a positive multiple of page_size {page_size} (a snapshot is taken at a page boundary), "
-        f"got {length!r}",
+        lambda: (
+            f"must be a positive multiple of page_size {page_size} (a snapshot is taken at a page boundary), "
+            f"got {length!r}"
+        ),
     )
     if length > num_tokens:
         raise InvalidArgumentError(

@@ -102,7 +102,9 @@ def _prefixes(model: ModelLayout, **kwargs) -> set[str]:
         pytest.param(
             lambda: ModelLayout(4, (SlidingWindow((1, 3), KV, 8), FullAttention((0, 2), KV))), id="layer-kinds"
         ),
-        pytest.param(lambda: ModelLayout(4, (FullAttention((0, 1, 2, 3), KVLayout(4, 2, 2, 16, "float32")),)), id="plain"),
+        pytest.param(
+            lambda: ModelLayout(4, (FullAttention((0, 1, 2, 3), KVLayout(4, 2, 2, 16, "float32")),)), id="plain"
+        ),
         pytest.param(lambda: qwen3_next_like(), id="state-model"),
     ],
 )

@@ -24,7 +24,9 @@ def swa_model(window: int) -> ModelLayout:
 
 STATE_MODEL = ModelLayout(2, (RequestState((0,), (CONV,)), FullAttention((1,), KV)))
 PLAIN = ModelLayout.full_attention(KV)
-DSA = ModelLayout(1, (FullAttention((0,), KV), PageSidecar((0,), (TensorSpec("index_k", (4,), "float16"),), name="indexer")))
+DSA = ModelLayout(
+    1, (FullAttention((0,), KV), PageSidecar((0,), (TensorSpec("index_k", (4,), "float16"),), name="indexer"))
+)
 
 
 def pages(text: str) -> list[bool]:
@@ -65,7 +67,9 @@ def test_a_hit_rounds_down_to_the_last_snapshot():
     ],
 )
 def test_sliding_window_needs_only_the_window_before_l(window, swa, lengths):
-    found = restorable_lengths(swa_model(window), P, len(swa) * P + 1, {"swa": pages(swa), "full": pages("x" * len(swa))})
+    found = restorable_lengths(
+        swa_model(window), P, len(swa) * P + 1, {"swa": pages(swa), "full": pages("x" * len(swa))}
+    )
     assert found.lengths == lengths
 
 
@@ -81,7 +85,12 @@ def test_at_most_picks_the_largest_length_not_past_a_limit():
 
 def test_pages_to_load_per_component():
     model = ModelLayout(
-        3, (SlidingWindow((0,), KV, 6), RequestState((1,), (CONV,)), FullAttention((1, 2), KVLayout(2, 2, 1, 4, "float16")))
+        3,
+        (
+            SlidingWindow((0,), KV, 6),
+            RequestState((1,), (CONV,)),
+            FullAttention((1, 2), KVLayout(2, 2, 1, 4, "float16")),
+        ),
     )
     assert pages_to_load(model, P, 20) == {"full": range(5), "swa": range(3, 5), "state": range(4, 5)}
     assert pages_to_load(model, P, 4) == {"full": range(1), "swa": range(0, 1), "state": range(0, 1)}
@@ -123,7 +132,11 @@ def test_snapshot_is_keyed_by_the_page_that_ends_at_l():
 @pytest.mark.parametrize(
     "length, num_tokens, message",
     [
-        (6, 10, r"length: must be a positive multiple of page_size 4 \(a snapshot is taken at a page boundary\), got 6"),
+        (
+            6,
+            10,
+            r"length: must be a positive multiple of page_size 4 \(a snapshot is taken at a page boundary\), got 6",
+        ),
         (0, 10, r"length: must be a positive multiple of page_size 4"),
         (8.0, 10, r"length: must be a positive multiple of page_size 4"),
         (12, 10, r"length: 12 is past the request's 10 tokens with KV"),
@@ -142,15 +155,31 @@ def test_snapshot_check_names_the_callers_argument():
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: restorable_lengths(PLAIN, P, 9, {}), InvalidArgumentError, r"present: has no entry for the layout's component 'full'"),
+        (
+            lambda: restorable_lengths(PLAIN, P, 9, {}),
+            InvalidArgumentError,
+            r"present: has no entry for the layout's component 'full'",
+        ),
         (
             lambda: restorable_lengths(PLAIN, P, 9, {"full": [], "swa": []}),
             InvalidArgumentError,
             r"present: names component 'swa', which the layout does not have \(it has \['full'\]\)",
         ),
-        (lambda: restorable_lengths(PLAIN, 0, 9, {"full": []}), InvalidArgumentError, r"page_size: must be a positive int"),
-        (lambda: restorable_lengths(PLAIN, P, -1, {"full": []}), InvalidArgumentError, r"num_tokens: must be an int >= 0"),
-        (lambda: restorable_lengths(KV, P, 9, {"full": []}), ArgumentTypeError, r"layout: must be a kvstage.model_layout.ModelLayout"),
+        (
+            lambda: restorable_lengths(PLAIN, 0, 9, {"full": []}),
+            InvalidArgumentError,
+            r"page_size: must be a positive int",
+        ),
+        (
+            lambda: restorable_lengths(PLAIN, P, -1, {"full": []}),
+            InvalidArgumentError,
+            r"num_tokens: must be an int >= 0",
+        ),
+        (
+            lambda: restorable_lengths(KV, P, 9, {"full": []}),
+            ArgumentTypeError,
+            r"layout: must be a kvstage.model_layout.ModelLayout",
+        ),
         (lambda: restorable_lengths(PLAIN, P, 9, [True]), ArgumentTypeError, r"present: must map component names"),
         (lambda: pages_to_load(PLAIN, P, 6), InvalidArgumentError, r"length: must be a multiple of page_size 4 >= 0"),
     ],
@@ -196,9 +225,7 @@ def hybrid_cases(draw):
         components.append(PageSidecar((0,), (CONV,), name="indexer"))
     layout = ModelLayout(2 if "swa" in kinds else 1, tuple(components))
     num_tokens = draw(st.integers(0, 12 * page_size))
-    present = {
-        c.name: draw(st.lists(st.booleans(), max_size=num_tokens // page_size + 1)) for c in layout.components
-    }
+    present = {c.name: draw(st.lists(st.booleans(), max_size=num_tokens // page_size + 1)) for c in layout.components}
     # mostly-present full pages, so longer hits are explored too
     present["full"] = [draw(st.integers(0, 9)) > 0 for _ in range(num_tokens // page_size + 1)]
     return layout, page_size, num_tokens, present
