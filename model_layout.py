@@ -15,8 +15,13 @@ pool numbers them; a pipeline stage's own layers) and the components that cache 
   recurrent / SSM state), a fixed size whatever the length; stored as a state snapshot at
   page-aligned lengths.
 
-Every component has its own key space (:meth:`ModelLayout.fingerprints`): its entries have their
-own byte size (:meth:`LayoutComponent.entry_bytes`) and a store checks one size per key space.
+Every component has its own key space (:meth:`ModelLayout.fingerprints`), and every key space
+covers the whole layout: its entries have their own byte size (:meth:`LayoutComponent.entry_bytes`)
+and a store checks one size per key space; ``clear``, eviction and the file store's key-space
+listing already work per key space. sglang instead suffixes the key in one namespace
+(``{hash}.swa``, ``.mamba``, ``.indexer``). The key within a component's space is the page's key
+``h_i`` for every component; a state snapshot after ``k`` pages takes ``h_{k-1}``
+(:mod:`kvstage.offload.restorable`).
 A model whose only component is one :class:`FullAttention` over every layer is a plain model:
 its key space is exactly the :class:`~kvstage.storage.LayoutFingerprint` of its ``KVLayout``
 (pages stored before hybrid models existed stay readable).

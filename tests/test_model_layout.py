@@ -304,3 +304,25 @@ def test_a_file_store_directory_lists_each_component(tmp_path):
             assert [s.value for s in store.put(["0a"], [entry])] == ["stored"], name
     listed = {space.prefix: space.pages for space in key_spaces(tmp_path)}
     assert listed == {spaces["state"].prefix(): 1, spaces["full"].prefix(): 1}
+
+
+def test_readme_hybrid_example_runs(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    from support import REPO_ROOT
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("\n## Hybrid models\n", 1)[1].split("\n## ", 1)[0]
+    (example,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    script = tmp_path / "example.py"
+    script.write_text(example)
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "['full', 'swa'] True",
+        "[False, False, True, True, False, False, True, True]",
+        f"{3 * (128 * 4 * 2 + 4 * 16 * 16 * 4)} bytes a snapshot",
+        "(128, 192) 192 2",
+    ]
