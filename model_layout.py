@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -155,6 +156,28 @@ def _tensors(value: object, owner: str) -> tuple[TensorSpec, ...]:
     names = [tensor.name for tensor in tensors]
     require(len(set(names)) == len(names), "tensors", lambda: f"{owner}: a tensor name repeats in {names}")
     return tensors
+
+
+def _entry_views(
+    entry: torch.Tensor, tensors: tuple[TensorSpec, ...], num_layers: int, rows: tuple[int, ...], expected: int
+) -> dict[str, list[torch.Tensor]]:
+    """Views of ``entry`` (contiguous bytes, layer by layer, tensor by tensor, each ``rows + shape``)."""
+    require(
+        isinstance(entry, torch.Tensor) and entry.is_contiguous() and entry.dtype == torch.uint8,
+        "entry",
+        "must be a contiguous uint8 tensor",
+        ArgumentTypeError,
+    )
+    require(entry.numel() == expected, "entry", lambda: f"{entry.numel()} bytes, an entry has {expected}")
+    flat = entry.reshape(-1)
+    views: dict[str, list[torch.Tensor]] = {tensor.name: [] for tensor in tensors}
+    offset = 0
+    for _ in range(num_layers):
+        for tensor in tensors:
+            size = math.prod(rows) * tensor.nbytes
+            views[tensor.name].append(flat[offset : offset + size].view(tensor.dtype).view(*rows, *tensor.shape))
+            offset += size
+    return views
 
 
 class LayoutComponent:
@@ -344,6 +367,15 @@ class PageSidecar(LayoutComponent):
     def _entry_bytes(self, page_size: int) -> int:
         return self.num_layers * page_size * self.row_bytes
 
+    def entry_views(self, entry: torch.Tensor, page_size: int) -> dict[str, list[torch.Tensor]]:
+        """A page's tensors as views of ``entry`` (``entry_bytes(page_size)`` uint8): per tensor
+        name, one ``[page_size, *shape]`` view per layer (the byte order of the module doc).
+
+        Raises:
+            ArgumentTypeError / InvalidArgumentError: ``entry`` is not contiguous uint8 of that size.
+        """
+        return _entry_views(entry, self.tensors, self.num_layers, (page_size,), self.entry_bytes(page_size))
+
     @property
     def rank_neutral(self) -> bool:
         return bool(self.replicated)
@@ -387,6 +419,77 @@ class RequestState(LayoutComponent):
 
     def _entry_bytes(self, page_size: int) -> int:
         return self.num_layers * self.layer_bytes
+
+    def entry_views(self, entry: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        """A snapshot's tensors as views of ``entry`` (``entry_bytes`` uint8): per tensor name,
+        one ``shape`` view per layer (the byte order of the module doc).
+
+        Raises:
+            ArgumentTypeError / InvalidArgumentError: ``entry`` is not contiguous uint8 of that size.
+        """
+        return _entry_views(entry, self.tensors, self.num_layers, (), self.entry_bytes(1))
+
+    def require_buffers(self, buffers: object, argument: str = "state_buffers") -> int:
+        """Check an engine's state pool against this component before anything is copied:
+        ``buffers[name][j]`` is layer ``layers[j]``'s ``[num_slots, *shape]`` tensor of the
+        tensor ``name``'s dtype, on one device.
+
+        Returns:
+            ``num_slots`` (equal for every buffer).
+
+        Raises:
+            ArgumentTypeError: not a mapping, a buffer that is no tensor, a wrong dtype.
+            InvalidArgumentError: a missing or unknown tensor name, a wrong layer count or shape,
+                slot counts or devices that differ (each naming ``argument[name][j]``).
+        """
+        require(
+            isinstance(buffers, Mapping),
+            argument,
+            lambda: f"must map tensor names to per-layer buffers, got {type(buffers).__name__}",
+            ArgumentTypeError,
+        )
+        names = [tensor.name for tensor in self.tensors]
+        for name in buffers:
+            require(name in names, argument, lambda name=name: f"names tensor {name!r}; {self.name} has {names}")
+        slots, devices = set(), set()
+        for tensor in self.tensors:
+            require(tensor.name in buffers, argument, lambda tensor=tensor: f"has no {tensor.name!r} buffers")
+            layers = buffers[tensor.name]
+            require(
+                isinstance(layers, (list, tuple)) and len(layers) == self.num_layers,
+                f"{argument}[{tensor.name!r}]",
+                lambda layers=layers: (
+                    f"must be one buffer per state layer ({self.num_layers}), got "
+                    f"{len(layers) if isinstance(layers, (list, tuple)) else type(layers).__name__}"
+                ),
+            )
+            for j, buffer in enumerate(layers):
+                where = f"{argument}[{tensor.name!r}][{j}]"
+                require(
+                    isinstance(buffer, torch.Tensor),
+                    where,
+                    lambda buffer=buffer: f"must be a tensor, got {type(buffer).__name__}",
+                    ArgumentTypeError,
+                )
+                require(
+                    buffer.dim() == 1 + len(tensor.shape) and tuple(buffer.shape[1:]) == tensor.shape,
+                    where,
+                    lambda buffer=buffer, tensor=tensor: (
+                        f"shape {tuple(buffer.shape)} must be "
+                        f"[num_slots, {', '.join(map(str, tensor.shape))}] (layer {self.layers[j]})"
+                    ),
+                )
+                require(
+                    buffer.dtype == tensor.dtype,
+                    where,
+                    lambda buffer=buffer, tensor=tensor: f"dtype {buffer.dtype} must be {tensor.dtype}",
+                    ArgumentTypeError,
+                )
+                slots.add(buffer.shape[0])
+                devices.add(buffer.device)
+        require(len(slots) == 1, argument, lambda: f"buffers hold different slot counts {sorted(slots)}")
+        require(len(devices) == 1, argument, lambda: f"buffers are on different devices {sorted(map(str, devices))}")
+        return slots.pop()
 
     @property
     def rank_neutral(self) -> bool:

@@ -326,3 +326,68 @@ def test_readme_hybrid_example_runs(tmp_path):
         f"{3 * (128 * 4 * 2 + 4 * 16 * 16 * 4)} bytes a snapshot",
         "(128, 192) 192 2",
     ]
+
+
+def test_snapshot_bytes_are_layer_by_layer_tensor_by_tensor():
+    conv, recurrent = TensorSpec("conv", (3, 2), "float16"), TensorSpec("recurrent", (2,), "float32")
+    state = RequestState((1, 4), (conv, recurrent))
+    entry = torch.zeros(state.entry_bytes(8), dtype=torch.uint8)
+    views = state.entry_views(entry)
+    values = {
+        name: [torch.randn(spec.shape).to(spec.dtype) for _ in range(2)]
+        for name, spec in (("conv", conv), ("recurrent", recurrent))
+    }
+    for name, layers in values.items():
+        for view, value in zip(views[name], layers):
+            view.copy_(value)
+    expected = b"".join(values[name][layer].numpy().tobytes() for layer in range(2) for name in ("conv", "recurrent"))
+    assert entry.numpy().tobytes() == expected and len(expected) == 2 * (12 + 8)
+
+
+def test_sidecar_page_bytes_are_layer_by_layer_tensor_by_tensor():
+    index_k, scale = TensorSpec("index_k", (4,), "uint8"), TensorSpec("scale", (), "float32")
+    sidecar = PageSidecar((0, 1), (index_k, scale), name="indexer")
+    entry = torch.arange(sidecar.entry_bytes(2), dtype=torch.uint8)
+    views = sidecar.entry_views(entry, page_size=2)
+    assert [tuple(v.shape) for v in views["index_k"]] == [(2, 4), (2, 4)] and tuple(views["scale"][1].shape) == (2,)
+    # layer 0: index_k of 2 tokens (8 bytes), scale of 2 tokens (8 bytes); then layer 1
+    assert views["index_k"][1].flatten().tolist() == list(range(16, 24))
+    assert views["scale"][0].view(torch.uint8).tolist() == list(range(8, 16))
+    with pytest.raises(InvalidArgumentError, match=r"entry: 31 bytes, an entry has 32"):
+        sidecar.entry_views(entry[:31], page_size=2)
+    with pytest.raises(ArgumentTypeError, match=r"entry: must be a contiguous uint8 tensor"):
+        sidecar.entry_views(entry.float(), page_size=2)
+
+
+def test_state_buffers_are_checked_before_any_copy():
+    state = RequestState((0, 2), (CONV, RECURRENT))
+    good = {"conv": [torch.zeros(5, 128, 4)] * 2, "recurrent": [torch.zeros(5, 4, 16, 16)] * 2}
+    assert state.require_buffers(good) == 5
+    cases = [
+        ({**good, "ssm": good["conv"]}, InvalidArgumentError, r"state_buffers: names tensor 'ssm'; state has"),
+        ({"conv": good["conv"]}, InvalidArgumentError, r"state_buffers: has no 'recurrent' buffers"),
+        (
+            {**good, "conv": good["conv"][:1]},
+            InvalidArgumentError,
+            r"state_buffers\['conv'\]: must be one buffer per state layer \(2\), got 1",
+        ),
+        (
+            {**good, "conv": [torch.zeros(5, 128, 3)] * 2},
+            InvalidArgumentError,
+            r"state_buffers\['conv'\]\[0\]: shape \(5, 128, 3\) must be \[num_slots, 128, 4\] \(layer 0\)",
+        ),
+        (
+            {**good, "recurrent": [torch.zeros(5, 4, 16, 16), torch.zeros(5, 4, 16, 16, dtype=torch.bfloat16)]},
+            ArgumentTypeError,
+            r"state_buffers\['recurrent'\]\[1\]: dtype torch.bfloat16 must be torch.float32",
+        ),
+        (
+            {**good, "recurrent": [torch.zeros(6, 4, 16, 16)] * 2},
+            InvalidArgumentError,
+            r"state_buffers: buffers hold different slot counts \[5, 6\]",
+        ),
+        ([good["conv"]], ArgumentTypeError, r"state_buffers: must map tensor names"),
+    ]
+    for buffers, error, message in cases:
+        with pytest.raises(error, match=message):
+            state.require_buffers(buffers)
