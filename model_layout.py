@@ -691,8 +691,59 @@ class ModelLayout:
             for component in self.components
         }
 
+    def require_matches(
+        self, fingerprints: Mapping[str, object], page_size: int, first_layer: int = 0, argument: str = "storage"
+    ) -> None:
+        """Raise unless ``fingerprints`` (per component name, e.g. each component's store's
+        ``fingerprint``) are this layout's key spaces at ``page_size``: one per component, each
+        of this layout (model id, shard aside: those only choose among key spaces).
+
+        Raises:
+            InvalidArgumentError: a component without a key space, a key space of a component the
+                layout does not have, or one of another layout, naming ``argument[name]`` and
+                what differs (e.g. the window: ``swa=swa L0,2 K/V 2x16 float32 W16 (the pool's:
+                ... W8)``; a plain model: the field, as :meth:`LayoutFingerprint.require_matches`).
+        """
+        require(
+            isinstance(fingerprints, Mapping),
+            argument,
+            lambda: f"must map component names to key spaces, got {type(fingerprints).__name__}",
+            ArgumentTypeError,
+        )
+        names = [component.name for component in self.components]
+        for name in fingerprints:
+            require(name in names, argument, lambda name=name: f"names component {name!r}; the layout has only {names}")
+        description = None if self.is_plain else self.description(page_size, first_layer)
+        for component in self.components:
+            require(
+                component.name in fingerprints,
+                argument,
+                lambda component=component: f"has no key space for the layout's component {component.name!r}",
+            )
+            fingerprint = fingerprints[component.name]
+            where = f"{argument}[{component.name!r}]"
+            if description is None:
+                fingerprint.require_matches(component.layout, page_size, argument=where)
+                continue
+            theirs = getattr(fingerprint, "page_format", "")
+            mine = f"component={component.name}|{description}"
+            if theirs != mine:
+                raise InvalidArgumentError(f"{where}: its layout differs from the pool's: {_differences(theirs, mine)}")
+
     def describe(self) -> str:
         """One line per component, e.g. ``4 layers: full L1,3 K/V 2x16 float32; swa L0,2 ...``."""
         return f"{self.num_layers} layers: " + "; ".join(
             f"{c.name}={c.describe()}" if c.name != c.kind else c.describe() for c in self.components
         )
+
+
+def _differences(theirs: str, mine: str) -> str:
+    """The ``name=value`` parts of two descriptions that differ, as ``theirs (the pool's: mine)``."""
+    a = dict(part.partition("=")[::2] for part in theirs.split("|")) if theirs else {}
+    b = dict(part.partition("=")[::2] for part in mine.split("|"))
+    parts = [
+        f"{name}={a.get(name, 'none')} (the pool's: {b.get(name, 'none')})"
+        for name in dict.fromkeys([*b, *a])
+        if a.get(name) != b.get(name)
+    ]
+    return "; ".join(parts) or "another description"

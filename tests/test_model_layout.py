@@ -391,3 +391,29 @@ def test_state_buffers_are_checked_before_any_copy():
     for buffers, error, message in cases:
         with pytest.raises(error, match=message):
             state.require_buffers(buffers)
+
+
+def test_stores_of_another_layout_are_refused_naming_what_differs():
+    mine = gpt_oss_like()
+    mine.require_matches(mine.fingerprints("m", page_size=8), page_size=8)
+    theirs = gpt_oss_like(window=16).fingerprints("m", page_size=8)
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"storage\['full'\]: its layout differs from the pool's: "
+        r"swa=swa L0,2 K/V 2x16 float32 W16 \(the pool's: swa L0,2 K/V 2x16 float32 W8\)",
+    ):
+        mine.require_matches(theirs, page_size=8)
+    with pytest.raises(InvalidArgumentError, match=r"storage\['swa'\]: .*page_size=16 \(the pool's: 8\)"):
+        mine.require_matches(
+            {**mine.fingerprints("m", page_size=8), "swa": gpt_oss_like().fingerprints("m", page_size=16)["swa"]},
+            page_size=8,
+        )
+    with pytest.raises(InvalidArgumentError, match=r"storage: has no key space for the layout's component 'swa'"):
+        mine.require_matches({"full": mine.fingerprints("m", page_size=8)["full"]}, page_size=8)
+    with pytest.raises(InvalidArgumentError, match=r"storage: names component 'state'; the layout has only"):
+        mine.require_matches({**mine.fingerprints("m", page_size=8), "state": theirs["swa"]}, page_size=8)
+    plain = ModelLayout.full_attention(KV)
+    with pytest.raises(
+        InvalidArgumentError, match=r"storage\['full'\]: its layout's page_size 16 must equal the pool's 8"
+    ):
+        plain.require_matches(plain.fingerprints("m", page_size=16), page_size=8)
