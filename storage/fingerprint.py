@@ -193,7 +193,10 @@ class LayoutFingerprint:
         digest is the SHA-256 of ``component={component}|{layout_description}``, so two processes
         whose layouts differ in any component (layer kinds, window, shapes, dtypes, page size,
         first layer) never share a key space of any component, and one model's components never
-        share one with each other. Entries are ``entry_bytes`` bytes (a page, or a state snapshot).
+        share one with each other. Entries are ``entry_bytes`` bytes (a page, or a state snapshot);
+        as for an opaque format, ``layout`` is then ``entry_bytes`` uint8 and ``page_size`` 1, so
+        a pool is checked against it with :meth:`ModelLayout.require_matches`, not
+        :meth:`require_matches`.
 
         Args:
             model_id, tp_rank, tp_size: as the attributes.
