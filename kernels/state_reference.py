@@ -1,0 +1,116 @@
+"""The torch reference of the state gather/scatter: per state tensor one ``index_select`` /
+``index_copy_`` (one ``copy_`` for a single slot given on CPU) between its slot rows and its
+columns of the staging buffer.
+
+Like the KV reference it moves bytes: each tensor's slot rows and its staging columns are
+viewed as words of the widest size (up to 16 bytes) dividing the row, the strides and the
+addresses, so every dtype (fp8 too, which has no CPU ``index_select``) takes one path. With
+pinned host staging for a CUDA pool (torch ops need one device) the snapshots go through a
+compact device buffer and one ``copy_``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstage.kernels.state_layout import StateTransfer, check_state_transfer
+from kvstage.kernels.state_pool import StatePool
+from kvstage.kernels.words import WORD_DTYPES, widest_word
+from kvstage.nvtx_ranges import nvtx_range
+
+__all__ = ["gather_state_reference", "scatter_state_reference"]
+
+
+def _word_view(t: torch.Tensor, byte_offset: int, rows: int, row_bytes: int, stride_bytes: int, word: int):
+    """``[rows, row_bytes // word]`` words of ``t``'s storage from ``byte_offset``, rows ``stride_bytes`` apart."""
+    view = torch.empty(0, dtype=WORD_DTYPES[word], device=t.device)
+    stride = stride_bytes // word if rows > 1 else row_bytes // word
+    return view.set_(t.untyped_storage(), byte_offset // word, (rows, row_bytes // word), (stride, 1))
+
+
+def _planes(plan: StateTransfer):
+    """Yield ``(pool_rows [num_slots, w], staging_columns [num_ids, w])`` word views per state tensor."""
+    pool, staging, n = plan.pool, plan.staging, plan.num_ids
+    stage_start = staging.untyped_storage().data_ptr()
+    stage_offset = staging.storage_offset()
+    for t, row, stride, offset in zip(pool.tensors, pool.row_bytes, pool.slot_stride_bytes, pool.offsets):
+        storage = t.untyped_storage().data_ptr()
+        addresses = [t.data_ptr(), storage, stage_start, staging.data_ptr() + offset]
+        addresses += [stride] if pool.num_slots > 1 else []
+        addresses += [pool.snapshot_bytes] if n > 1 else []
+        word = widest_word(row, addresses)
+        pool_rows = _word_view(t, t.data_ptr() - storage, pool.num_slots, row, stride, word)
+        columns = _word_view(staging, stage_offset + offset, n, row, pool.snapshot_bytes, word)
+        yield pool_rows, columns
+
+
+def _single_host_slot(plan: StateTransfer) -> int | None:
+    """The slot of a one-snapshot call whose id is readable on the host, else None."""
+    if plan.num_ids == 1 and plan.slot_ids_cpu is not None:
+        return int(plan.slot_ids_cpu[0])
+    return None
+
+
+def _compact(plan: StateTransfer) -> StateTransfer:
+    """The same call with a new staging buffer on the pool's device (for pinned host staging)."""
+    compact = torch.empty(tuple(plan.staging.shape), dtype=torch.uint8, device=plan.pool.device)
+    return StateTransfer(plan.pool, compact, plan.slot_ids, plan.slot_ids_cpu)
+
+
+def run_gather_state_torch(plan: StateTransfer) -> None:
+    """Execute a validated state gather with ``index_select`` (or ``copy_`` for one host-known slot)."""
+    if plan.num_ids == 0:
+        return
+    if plan.staging.device != plan.pool.device:
+        inner = _compact(plan)
+        run_gather_state_torch(inner)
+        plan.staging.copy_(inner.staging, non_blocking=True)
+        return
+    slot = _single_host_slot(plan)
+    index = plan.slot_ids.long()
+    with nvtx_range("gather_state_reference"):
+        for pool_rows, columns in _planes(plan):
+            if slot is not None:
+                columns.copy_(pool_rows[slot : slot + 1])
+            else:
+                columns.copy_(pool_rows.index_select(0, index))
+
+
+def run_scatter_state_torch(plan: StateTransfer) -> None:
+    """Execute a validated state scatter with ``index_copy_`` (or ``copy_`` for one host-known slot)."""
+    if plan.num_ids == 0:
+        return
+    if plan.staging.device != plan.pool.device:
+        inner = _compact(plan)
+        inner.staging.copy_(plan.staging, non_blocking=True)
+        run_scatter_state_torch(inner)
+        return
+    slot = _single_host_slot(plan)
+    index = plan.slot_ids.long()
+    with nvtx_range("scatter_state_reference"):
+        for pool_rows, columns in _planes(plan):
+            if slot is not None:
+                pool_rows[slot : slot + 1].copy_(columns)
+            else:
+                pool_rows.index_copy_(0, index, columns)
+
+
+def gather_state_reference(
+    pool: StatePool, slot_ids: torch.Tensor | list[int], staging: torch.Tensor, *, check_bounds: bool | None = None
+) -> None:
+    """State snapshots to staging, torch reference: ``staging[i]`` gets slot ``slot_ids[i]``'s snapshot.
+
+    Args and raises: as :func:`kvstage.kernels.gather_state` (errors from
+    :func:`kvstage.kernels.state_layout.check_state_transfer`, before anything is written).
+    """
+    run_gather_state_torch(check_state_transfer(pool, slot_ids, staging, check_bounds=check_bounds))
+
+
+def scatter_state_reference(
+    staging: torch.Tensor, pool: StatePool, slot_ids: torch.Tensor | list[int], *, check_bounds: bool | None = None
+) -> None:
+    """Staging to state slots, torch reference: the inverse of :func:`gather_state_reference`.
+
+    Args and raises: as :func:`kvstage.kernels.scatter_state`.
+    """
+    run_scatter_state_torch(check_state_transfer(pool, slot_ids, staging, scatter=True, check_bounds=check_bounds))
