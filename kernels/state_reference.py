@@ -11,6 +11,9 @@ compact device buffer and one ``copy_``.
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 
 from kvstage.kernels.state_layout import StateTransfer, check_state_transfer
@@ -21,27 +24,48 @@ from kvstage.nvtx_ranges import nvtx_range
 __all__ = ["gather_state_reference", "scatter_state_reference"]
 
 
-def _word_view(t: torch.Tensor, byte_offset: int, rows: int, row_bytes: int, stride_bytes: int, word: int):
-    """``[rows, row_bytes // word]`` words of ``t``'s storage from ``byte_offset``, rows ``stride_bytes`` apart."""
+def _word_view(t: torch.Tensor, rows: int, row_bytes: int, stride_bytes: int, word: int) -> torch.Tensor:
+    """``[rows, row_bytes // word]`` words of ``t``'s slot rows, ``stride_bytes`` apart."""
+    storage = t.untyped_storage()
     view = torch.empty(0, dtype=WORD_DTYPES[word], device=t.device)
     stride = stride_bytes // word if rows > 1 else row_bytes // word
-    return view.set_(t.untyped_storage(), byte_offset // word, (rows, row_bytes // word), (stride, 1))
+    return view.set_(storage, (t.data_ptr() - storage.data_ptr()) // word, (rows, row_bytes // word), (stride, 1))
+
+
+# Per pool and (staging alignment, more than one snapshot): each tensor's word and slot-row view,
+# built once: per call only the staging columns are sliced.
+_PLANS: "weakref.WeakKeyDictionary[StatePool, dict[tuple[int, bool], list[tuple[int, torch.Tensor]]]]" = (
+    weakref.WeakKeyDictionary()
+)
+_PLANS_LOCK = threading.Lock()
+
+
+def _pool_rows(pool: StatePool, alignment: int, multi: bool) -> list[tuple[int, torch.Tensor]]:
+    with _PLANS_LOCK:
+        plan = _PLANS.setdefault(pool, {}).get((alignment, multi))
+        if plan is None:
+            plan = []
+            for t, row, stride, aligned in zip(
+                pool.tensors, pool.row_bytes, pool.slot_stride_bytes, pool.word_alignment
+            ):
+                addresses = [t.untyped_storage().data_ptr()] + ([pool.snapshot_bytes] if multi else [])
+                word = widest_word(row, addresses, min(aligned, alignment))
+                plan.append((word, _word_view(t, pool.num_slots, row, stride, word)))
+            _PLANS[pool][(alignment, multi)] = plan
+        return plan
 
 
 def _planes(plan: StateTransfer):
     """Yield ``(pool_rows [num_slots, w], staging_columns [num_ids, w])`` word views per state tensor."""
-    pool, staging, n = plan.pool, plan.staging, plan.num_ids
-    stage_start = staging.untyped_storage().data_ptr()
-    stage_offset = staging.storage_offset()
-    for t, row, stride, offset in zip(pool.tensors, pool.row_bytes, pool.slot_stride_bytes, pool.offsets):
-        storage = t.untyped_storage().data_ptr()
-        addresses = [t.data_ptr(), storage, stage_start, staging.data_ptr() + offset]
-        addresses += [stride] if pool.num_slots > 1 else []
-        addresses += [pool.snapshot_bytes] if n > 1 else []
-        word = widest_word(row, addresses)
-        pool_rows = _word_view(t, t.data_ptr() - storage, pool.num_slots, row, stride, word)
-        columns = _word_view(staging, stage_offset + offset, n, row, pool.snapshot_bytes, word)
-        yield pool_rows, columns
+    pool, staging = plan.pool, plan.staging
+    alignment = widest_word(16, [staging.data_ptr(), staging.untyped_storage().data_ptr()])
+    multi = plan.num_ids > 1
+    flat = staging.view(-1)
+    for (word, pool_rows), offset, row in zip(_pool_rows(pool, alignment, multi), pool.offsets, pool.row_bytes):
+        if multi:  # the snapshot stride is a multiple of the word (the word rule counts it)
+            yield pool_rows, staging[:, offset : offset + row].view(WORD_DTYPES[word])
+        else:  # one snapshot: a flat slice (the stride of a single row is free)
+            yield pool_rows, flat[offset : offset + row].view(WORD_DTYPES[word]).view(1, -1)
 
 
 def _single_host_slot(plan: StateTransfer) -> int | None:
