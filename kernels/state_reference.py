@@ -68,10 +68,15 @@ def _planes(plan: StateTransfer):
             yield pool_rows, flat[offset : offset + row].view(WORD_DTYPES[word]).view(1, -1)
 
 
-def _single_host_slot(plan: StateTransfer) -> int | None:
-    """The slot of a one-snapshot call whose id is readable on the host, else None."""
-    if plan.num_ids == 1 and plan.slot_ids_cpu is not None:
-        return int(plan.slot_ids_cpu[0])
+# Up to this many snapshots whose ids the host can read, a gather copies row by row (one pass
+# per row); beyond, index_select then one copy (two passes, fewer Python steps).
+ROW_BY_ROW = 16
+
+
+def _host_slots(plan: StateTransfer) -> list[int] | None:
+    """The slots of a call of at most :data:`ROW_BY_ROW` ids readable on the host, else None."""
+    if plan.num_ids <= ROW_BY_ROW and plan.slot_ids_cpu is not None:
+        return plan.slot_ids_cpu.tolist()
     return None
 
 
@@ -82,7 +87,7 @@ def _compact(plan: StateTransfer) -> StateTransfer:
 
 
 def run_gather_state_torch(plan: StateTransfer) -> None:
-    """Execute a validated state gather with ``index_select`` (or ``copy_`` for one host-known slot)."""
+    """Execute a validated state gather with ``index_select`` (or a ``copy_`` per row for few host-known slots)."""
     if plan.num_ids == 0:
         return
     if plan.staging.device != plan.pool.device:
@@ -90,18 +95,19 @@ def run_gather_state_torch(plan: StateTransfer) -> None:
         run_gather_state_torch(inner)
         plan.staging.copy_(inner.staging, non_blocking=True)
         return
-    slot = _single_host_slot(plan)
+    slots = _host_slots(plan)
     index = plan.slot_ids.long()
     with nvtx_range("gather_state_reference"):
         for pool_rows, columns in _planes(plan):
-            if slot is not None:
-                columns.copy_(pool_rows[slot : slot + 1])
+            if slots is not None:
+                for i, slot in enumerate(slots):
+                    columns[i].copy_(pool_rows[slot])
             else:
                 columns.copy_(pool_rows.index_select(0, index))
 
 
 def run_scatter_state_torch(plan: StateTransfer) -> None:
-    """Execute a validated state scatter with ``index_copy_`` (or ``copy_`` for one host-known slot)."""
+    """Execute a validated state scatter with ``index_copy_`` (or a ``copy_`` for one host-known slot)."""
     if plan.num_ids == 0:
         return
     if plan.staging.device != plan.pool.device:
@@ -109,12 +115,12 @@ def run_scatter_state_torch(plan: StateTransfer) -> None:
         inner.staging.copy_(plan.staging, non_blocking=True)
         run_scatter_state_torch(inner)
         return
-    slot = _single_host_slot(plan)
+    slots = _host_slots(plan)
     index = plan.slot_ids.long()
     with nvtx_range("scatter_state_reference"):
         for pool_rows, columns in _planes(plan):
-            if slot is not None:
-                pool_rows[slot : slot + 1].copy_(columns)
+            if slots is not None and len(slots) == 1:
+                pool_rows[slots[0]].copy_(columns[0])
             else:
                 pool_rows.index_copy_(0, index, columns)
 
