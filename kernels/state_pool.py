@@ -145,6 +145,46 @@ class StatePool:
                 names.append(f"layers[{layer}][{i}]")
         return cls(tensors, names=names)
 
+    @classmethod
+    def from_stacked(cls, stacked: Sequence[torch.Tensor]) -> "StatePool":
+        """A pool from tensors ``[num_layers, num_slots, ...]`` holding one kind of state for every
+        layer, as sglang's ``MambaPool`` keeps its conv and temporal states: snapshot order layer by
+        layer (``stacked[0][0], stacked[1][0], ..., stacked[0][1], ...``), names ``stacked[i][layer]``.
+
+        Raises:
+            ArgumentTypeError: ``stacked`` is not a sequence of tensors.
+            InvalidArgumentError: none given; a tensor with fewer than 2 dims; layer counts differ;
+                and as :class:`StatePool` for the per-layer views.
+        """
+        require(
+            isinstance(stacked, Sequence) and not isinstance(stacked, (str, torch.Tensor)),
+            "stacked",
+            lambda: f"must be a sequence of [num_layers, num_slots, ...] tensors, got {type(stacked).__name__}",
+            ArgumentTypeError,
+        )
+        require(len(stacked) >= 1, "stacked", "must hold at least one tensor")
+        for i, t in enumerate(stacked):
+            require(
+                isinstance(t, torch.Tensor),
+                f"stacked[{i}]",
+                lambda: f"must be a torch.Tensor, got {type(t).__name__}",
+                ArgumentTypeError,
+            )
+            require(
+                t.dim() >= 2,
+                f"stacked[{i}]",
+                lambda: f"must be [num_layers, num_slots, ...], got shape {tuple(t.shape)}",
+            )
+            require(
+                t.shape[0] == stacked[0].shape[0],
+                f"stacked[{i}]",
+                lambda: f"must hold {stacked[0].shape[0]} layers (dim 0) like stacked[0], got {t.shape[0]}",
+            )
+        layers = range(stacked[0].shape[0])
+        tensors = [t[layer] for layer in layers for t in stacked]
+        names = [f"stacked[{i}][{layer}]" for layer in layers for i in range(len(stacked))]
+        return cls(tensors, names=names)
+
     @property
     def num_tensors(self) -> int:
         """State tensors in the pool."""

@@ -147,7 +147,9 @@ class StateTable:
         blocks: ``{word class: elements per tile}`` for the classes present.
         tiles_per_snapshot: column tiles of one snapshot, all tensors together.
         table: int64 ``[num_tensors, 8]`` on the pool's device (see the module doc).
-        pool_views: the pool's base address as int64 / int32 / int16 / uint8 tensors (no elements).
+        pool_views: the table's address as int64 / int32 / int16 / uint8 one-element tensors.
+        ready: CUDA: an event recorded after the table's H2D copy, which every launch's stream
+            waits for (the copy was queued on whichever stream built the table); None on CPU.
     """
 
     words: tuple[int, ...]
@@ -155,6 +157,7 @@ class StateTable:
     tiles_per_snapshot: int
     table: torch.Tensor
     pool_views: tuple[torch.Tensor, ...]
+    ready: "torch.cuda.Event | None"
 
 
 def _address_views(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -223,7 +226,11 @@ def state_table(pool: StatePool, staging_alignment: int, multi: bool, *, on_cuda
     if pool.device.type == "cuda":
         host = host.pin_memory()  # a non_blocking copy from pageable memory may be synchronous
     table.copy_(host, non_blocking=True)
-    entry = StateTable(words, blocks, first_tile, table, _address_views(table))
+    ready = None
+    if pool.device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(pool.device))
+    entry = StateTable(words, blocks, first_tile, table, _address_views(table), ready)
     with _TABLES_LOCK:
         return _TABLES[pool].setdefault(key, entry)
 
@@ -258,6 +265,8 @@ def launch_state(plan: StateTransfer, *, gather: bool, max_programs: int | None 
     stage_views = _address_views(staging)
     grid = _num_programs(n * table.tiles_per_snapshot, on_cuda, max_programs)
     args, kwargs = _kernel_args(pool, table, stage_views, plan.slot_ids, plan.slot_ids.stride(0), n, gather)
+    if table.ready is not None:  # no host sync: the launch's stream waits on the device
+        torch.cuda.current_stream(pool.device).wait_event(table.ready)
     with _launch_guard(on_cuda):
         _state_rows_copy_kernel[(grid,)](*args, **kwargs)
     return grid

@@ -242,3 +242,32 @@ def test_triton_without_the_interpreter_is_unavailable(monkeypatch, case):
     with pytest.raises(BackendUnavailableError, match="^backend: 'triton' on CPU tensors needs TRITON_INTERPRET=1"):
         gather_state(pool, [3, 1], staging, backend="triton")
     assert (as_bytes(staging) == 0xA5).all()
+
+
+def test_from_stacked_takes_sglang_style_per_kind_tensors(device):
+    conv = torch.arange(3 * 4 * 8 * 3, dtype=torch.float32, device=device).view(3, 4, 8, 3)
+    temporal = torch.zeros(3, 4, 2, 4, 4, dtype=torch.bfloat16, device=device)
+    pool = StatePool.from_stacked([conv, temporal])
+    assert pool.num_tensors == 6 and pool.num_slots == 4
+    assert pool.names[:3] == ["stacked[0][0]", "stacked[1][0]", "stacked[0][1]"]
+    assert pool.tensors[2].data_ptr() == conv[1].data_ptr() and pool.row_bytes[:2] == [96, 64]
+    with pytest.raises(
+        InvalidArgumentError, match=r"^stacked\[1\]: must hold 3 layers \(dim 0\) like stacked\[0\], got 2"
+    ):
+        StatePool.from_stacked([conv, temporal[:2]])
+    with pytest.raises(InvalidArgumentError, match=r"^stacked\[0\]: must be \[num_layers, num_slots, ...\]"):
+        StatePool.from_stacked([torch.zeros(3, device=device)])
+    with pytest.raises(InvalidArgumentError, match=r"^stacked\[1\]\[0\]: must have 4 slots"):
+        StatePool.from_stacked([conv, torch.zeros(3, 5, 2, device=device)])
+    with pytest.raises(ArgumentTypeError, match="^stacked: must be a sequence"):
+        StatePool.from_stacked(conv)
+
+
+def test_warm_up_builds_the_tables_and_compiles_nothing_off_cuda(device):
+    from kvstage.kernels import triton_state
+
+    pool = StatePool([torch.zeros(3, 64, device=device), torch.zeros(3, 5, dtype=torch.uint8, device=device)])
+    compiled = warm_up_state(pool)
+    assert compiled == (8 if device.type == "cuda" else 0)
+    assert warm_up_state(pool, backend="torch") == 0
+    assert {key[:2] for key in triton_state._TABLES[pool]} == {(16, False), (16, True)}
