@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.kernels import KVPool, gather, scatter
 
 from kernel_helpers import (
@@ -161,8 +162,9 @@ def test_sglang_packed_indexer_pages_move_as_one_row_per_page(device, backend, p
     ``[num_pages, 1, page_bytes]`` buffers moved at page_size 1, with the device pages as slots."""
     num_pages, layers = 9, 2
     buffers, contents = packed_indexer_pages(num_pages, page_size, index_head_dim, layers, device, seed=1)
-    pool = KVPool.mla([b.view(num_pages, 1, -1) for b in buffers])
+    pool = KVPool.from_rows(buffers)  # sglang's 2-D buffers as they are: views, no copy
     assert pool.row_bytes == page_size * (index_head_dim + 4)
+    assert [t.data_ptr() for t in pool.tensors()] == [b.data_ptr() for b in buffers]
     device_pages = torch.tensor([7, 2, 5], device=device)
     host_page_ids = torch.tensor([1, 3, 0], device=device)
     staging = make_staging(pool, 5, 1, "page_first")
@@ -177,7 +179,7 @@ def test_sglang_packed_indexer_pages_move_as_one_row_per_page(device, backend, p
         assert (as_bytes(staging[host]) == 0xA5).all()
     # back into other device pages of fresh buffers: the pages land whole, the rest stays poisoned
     fresh = [torch.full_like(b, 0xA5) for b in buffers]
-    target = KVPool.mla([b.view(num_pages, 1, -1) for b in fresh])
+    target = KVPool.from_rows(fresh)
     scatter(staging, target, torch.tensor([0, 8, 4], device=device), host_page_ids, page_size=1, backend=backend)
     for layer in range(layers):
         got = fresh[layer].cpu()
@@ -185,3 +187,21 @@ def test_sglang_packed_indexer_pages_move_as_one_row_per_page(device, backend, p
             assert torch.equal(got[dst], buffers[layer][src].cpu())
         others = [p for p in range(num_pages) if p not in (0, 8, 4)]
         assert (got[others] == 0xA5).all()
+
+
+@pytest.mark.parametrize(
+    "rows, argument, rule",
+    [
+        ([], "row_buffers", "at least one layer"),
+        ([torch.zeros(4, 1, 8)], "row_buffers[0]", "must be [num_slots, row_elems]"),
+        ([torch.zeros(4, 8), "x"], "row_buffers[1]", "must be a torch.Tensor"),
+        ([torch.zeros(4, 8), torch.zeros(8, 4).t()], "row_buffers[1]", "must be contiguous"),
+        ([torch.zeros(4, 8), torch.zeros(4, 9)], "row_buffers[1]", "shape must be (4, 1, 8)"),
+        ([torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.uint8)], "row_buffers[1]", "dtype must be torch.float32"),
+    ],
+    ids=["empty", "3-d", "not-a-tensor", "not-contiguous", "shape", "dtype"],
+)
+def test_from_rows_rejects_bad_buffers(rows, argument, rule):
+    with pytest.raises((InvalidArgumentError, ArgumentTypeError)) as info:
+        KVPool.from_rows(rows)
+    assert str(info.value).startswith(f"{argument}: ") and rule in str(info.value), str(info.value)
