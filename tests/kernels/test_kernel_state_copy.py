@@ -296,20 +296,34 @@ def test_async_without_a_stream_runs_inline(device):
 
 
 @pytest.mark.gpu
-def test_side_stream_waits_for_the_producer():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_side_stream_waits_for_the_producer_without_a_host_sync(backend):
     """On CUDA the copy runs on a side stream after the producer's event: it sees the state the
-    producer wrote just before, and the host never syncs until it asks the handle."""
-    from kvstage.kernels import side_stream
+    producer wrote just before, and nothing on the way to the launch syncs the host (after
+    ``warm_up_state``; ids given on the host)."""
+    from kvstage.kernels import side_stream, warm_up_state
 
     device = torch.device("cuda")
     pool, _ = make_state_pool("qwen3-next-3-layers", 4, device)
-    staging = poisoned_staging(pool, 1, pinned=True)
+    warm_up_state(pool, backend=backend)
+    staging = poisoned_staging(pool, 2, pinned=True)
+    stream = side_stream(device)
     torch.cuda.synchronize()
     torch.cuda._sleep(50_000_000)  # the producer's stream is busy...
     for t in pool.tensors:
         t[2].fill_(1)  # ...then writes the state the snapshot must hold
     event = torch.cuda.Event()
     event.record()
-    handle = gather_state_async(pool, [2], staging, stream=side_stream(device), after=event)
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        handle = gather_state_async(pool, [2, 0], staging, stream=stream, after=event, backend=backend)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
     handle.synchronize()
-    assert torch.equal(as_bytes(staging).view(1, -1), expected_snapshots(pool, [2]))
+    assert torch.equal(as_bytes(staging).view(2, -1), expected_snapshots(pool, [2, 0]))
+    want = expected_rows_after_scatter(pool, staging.flip(0).contiguous(), [1, 3])
+    back = scatter_state_async(staging.flip(0).contiguous().pin_memory(), pool, [1, 3], stream=stream, backend=backend)
+    back.wait()
+    torch.cuda.synchronize()
+    assert all(torch.equal(w, slot_rows(t)) for w, t in zip(want, pool.tensors))
