@@ -53,6 +53,7 @@ def _copy(
     backend: str,
     check_bounds: bool | None,
     max_programs: int | None,
+    tensors: range | None,
 ) -> None:
     require(
         isinstance(pool, StatePool),
@@ -61,7 +62,9 @@ def _copy(
         ArgumentTypeError,
     )
     with _device_guard(pool.device):
-        plan = check_state_transfer(pool, slot_ids, staging, scatter=not gather, check_bounds=check_bounds)
+        plan = check_state_transfer(
+            pool, slot_ids, staging, scatter=not gather, check_bounds=check_bounds, tensors=tensors
+        )
         _check_max_programs(max_programs)
         chosen = resolve_backend(backend, pool.device.type == "cuda")
         with nvtx_range("gather_state" if gather else "scatter_state"):
@@ -76,6 +79,7 @@ def gather_state(
     backend: str = "auto",
     check_bounds: bool | None = None,
     max_programs: int | None = None,
+    tensors: range | None = None,
 ) -> None:
     """Device to host: ``staging[i]`` gets the snapshot of state slot ``slot_ids[i]``, one launch for every tensor.
 
@@ -89,6 +93,8 @@ def gather_state(
         check_bounds: check ids that live on the device (a device sync); default on for CPU
             pools, off for CUDA pools. Ids given on CPU are always checked.
         max_programs: cap on the Triton grid (``None`` = the KV kernel's default).
+        tensors: a ``range`` of tensor indices to move alone (e.g. ``pool.layers[l]``, for
+            layer-by-layer loading), each at its columns of the full snapshot; ``None`` = all.
 
     Raises:
         ArgumentTypeError, DeviceMismatchError, InvalidArgumentError: from validation, before
@@ -96,7 +102,16 @@ def gather_state(
             InvalidArgumentError also for a bad ``backend`` or ``max_programs``.
         BackendUnavailableError: ``backend="triton"`` where Triton cannot run.
     """
-    _copy(pool, slot_ids, staging, gather=True, backend=backend, check_bounds=check_bounds, max_programs=max_programs)
+    _copy(
+        pool,
+        slot_ids,
+        staging,
+        gather=True,
+        backend=backend,
+        check_bounds=check_bounds,
+        max_programs=max_programs,
+        tensors=tensors,
+    )
 
 
 def scatter_state(
@@ -107,16 +122,27 @@ def scatter_state(
     backend: str = "auto",
     check_bounds: bool | None = None,
     max_programs: int | None = None,
+    tensors: range | None = None,
 ) -> None:
     """Host to device: state slot ``slot_ids[i]`` gets the snapshot ``staging[i]``; the inverse of :func:`gather_state`.
 
     No slot may repeat (its content would be unspecified): an expanded view is rejected, and
-    repeated values wherever the ids are checked.
+    repeated values wherever the ids are checked. ``tensors=pool.layers[l]`` loads one layer's
+    state (the rest of the snapshot is not read), so loading can overlap the forward pass.
 
     Raises:
         As :func:`gather_state`; InvalidArgumentError also for a repeated slot.
     """
-    _copy(pool, slot_ids, staging, gather=False, backend=backend, check_bounds=check_bounds, max_programs=max_programs)
+    _copy(
+        pool,
+        slot_ids,
+        staging,
+        gather=False,
+        backend=backend,
+        check_bounds=check_bounds,
+        max_programs=max_programs,
+        tensors=tensors,
+    )
 
 
 def gather_state_async(

@@ -26,12 +26,14 @@ class StateTransfer:
         staging: uint8 ``[num_ids, pool.snapshot_bytes]``, contiguous; pinned host, or on the pool's device.
         slot_ids: int32/int64 ``[num_ids]`` state slots, on the pool's device (any 1-D view).
         slot_ids_cpu: ``slot_ids`` as given when readable on the host without a sync, else None.
+        tensors: the state tensors moved (indices into ``pool.tensors``): all, or one layer's.
     """
 
     pool: StatePool
     staging: torch.Tensor
     slot_ids: torch.Tensor
     slot_ids_cpu: torch.Tensor | None
+    tensors: range
 
     @property
     def num_ids(self) -> int:
@@ -115,6 +117,7 @@ def check_state_transfer(
     *,
     scatter: bool = False,
     check_bounds: bool | None = None,
+    tensors: range | None = None,
 ) -> StateTransfer:
     """Validate a state gather/scatter before anything is written; return the :class:`StateTransfer`.
 
@@ -125,6 +128,9 @@ def check_state_transfer(
         check_bounds: check ids that live on the device (a device sync); ``None`` = on for a CPU
             pool, off for a CUDA pool. Ids given on CPU are always checked (no sync needed).
         scatter: the copy writes the pool: no slot may repeat (its content would be unspecified).
+        tensors: a ``range`` of tensor indices (step 1, non-empty, within the pool) to move alone,
+            e.g. one layer's (:attr:`StatePool.layers`); each keeps its columns of the full
+            snapshot. ``None`` = every tensor.
 
     Raises:
         ArgumentTypeError: ``pool`` not a :class:`StatePool`; ``slot_ids`` not an int32/int64
@@ -133,13 +139,20 @@ def check_state_transfer(
             device nor (CUDA pool) pinned host memory.
         InvalidArgumentError: ``slot_ids`` not 1-D, out of ``[0, num_slots)``, or repeated in a
             scatter (an expanded view repeats one); ``staging`` not ``[len(slot_ids),
-            snapshot_bytes]`` or not contiguous.
+            snapshot_bytes]`` or not contiguous; ``tensors`` not such a range.
     """
     require(
         isinstance(pool, StatePool),
         "pool",
         lambda: f"must be a StatePool, got {type(pool).__name__}",
         ArgumentTypeError,
+    )
+    if tensors is None:
+        tensors = range(pool.num_tensors)
+    require(
+        isinstance(tensors, range) and tensors.step == 1 and 0 <= tensors.start < tensors.stop <= pool.num_tensors,
+        "tensors",
+        lambda: f"must be None or a non-empty range(start, stop) within [0, {pool.num_tensors}], got {tensors!r}",
     )
     slot_ids = _as_slot_ids(slot_ids, pool)
     num_ids = slot_ids.numel()
@@ -164,4 +177,5 @@ def check_state_transfer(
             "slot_ids",
             lambda: f"must not repeat a slot in a scatter (the slot's content would be unspecified), got {values}",
         )
-    return StateTransfer(pool, staging, to_device_async(slot_ids, pool.device), slot_ids if on_host(slot_ids) else None)
+    cpu_ids = slot_ids if on_host(slot_ids) else None
+    return StateTransfer(pool, staging, to_device_async(slot_ids, pool.device), cpu_ids, tensors)

@@ -45,10 +45,19 @@ class StatePool:
         offsets: where each tensor's row starts within a snapshot, in bytes.
         snapshot_bytes: bytes of one slot's snapshot (``sum(row_bytes)``).
         device: where the tensors live.
+        layers: each layer's tensors as a ``range`` of indices (built by :meth:`from_layers` or
+            :meth:`from_stacked`; otherwise every tensor is one layer's), for ``tensors=`` of the copies.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], *, names: Sequence[str] | None = None) -> None:
-        """Wrap ``tensors`` (snapshot order); ``names`` (one per tensor) names them in errors.
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        names: Sequence[str] | None = None,
+        layers: Sequence[range] | None = None,
+    ) -> None:
+        """Wrap ``tensors`` (snapshot order); ``names`` (one per tensor) names them in errors;
+        ``layers`` (ranges of indices covering the tensors in order) groups them by layer.
 
         Raises:
             ArgumentTypeError: ``tensors`` is not a sequence of tensors.
@@ -118,6 +127,13 @@ class StatePool:
         self.slot_stride_bytes: list[int] = [t.stride(0) * t.element_size() for t in tensors]
         self.offsets: list[int] = [sum(self.row_bytes[:k]) for k in range(len(tensors))]
         self.snapshot_bytes = sum(self.row_bytes)
+        self.layers: list[range] = [range(k, k + 1) for k in range(len(tensors))] if layers is None else list(layers)
+        covered = [k for group in self.layers for k in group]
+        require(
+            covered == list(range(len(tensors))) and all(len(g) >= 1 and g.step == 1 for g in self.layers),
+            "layers",
+            lambda: f"must be non-empty ranges covering the {len(tensors)} tensors in order, got {self.layers}",
+        )
 
     @classmethod
     def from_layers(cls, layers: Sequence[Sequence[torch.Tensor]]) -> "StatePool":
@@ -133,17 +149,18 @@ class StatePool:
             "layers",
             "must be a non-empty sequence of per-layer tensor lists",
         )
-        tensors, names = [], []
+        tensors, names, ranges = [], [], []
         for layer, group in enumerate(layers):
             require(
                 isinstance(group, Sequence) and not isinstance(group, (str, torch.Tensor)) and len(group) >= 1,
                 f"layers[{layer}]",
                 "must be a non-empty sequence of the layer's state tensors",
             )
+            ranges.append(range(len(tensors), len(tensors) + len(group)))
             for i, t in enumerate(group):
                 tensors.append(t)
                 names.append(f"layers[{layer}][{i}]")
-        return cls(tensors, names=names)
+        return cls(tensors, names=names, layers=ranges)
 
     @classmethod
     def from_stacked(cls, stacked: Sequence[torch.Tensor]) -> "StatePool":
@@ -183,7 +200,8 @@ class StatePool:
         layers = range(stacked[0].shape[0])
         tensors = [t[layer] for layer in layers for t in stacked]
         names = [f"stacked[{i}][{layer}]" for layer in layers for i in range(len(stacked))]
-        return cls(tensors, names=names)
+        ranges = [range(layer * len(stacked), (layer + 1) * len(stacked)) for layer in layers]
+        return cls(tensors, names=names, layers=ranges)
 
     @property
     def num_tensors(self) -> int:

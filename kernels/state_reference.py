@@ -61,7 +61,9 @@ def _planes(plan: StateTransfer):
     alignment = widest_word(16, [staging.data_ptr(), staging.untyped_storage().data_ptr()])
     multi = plan.num_ids > 1
     flat = staging.view(-1)
-    for (word, pool_rows), offset, row in zip(_pool_rows(pool, alignment, multi), pool.offsets, pool.row_bytes):
+    rows = _pool_rows(pool, alignment, multi)
+    for k in plan.tensors:
+        (word, pool_rows), offset, row = rows[k], pool.offsets[k], pool.row_bytes[k]
         if multi:  # the snapshot stride is a multiple of the word (the word rule counts it)
             yield pool_rows, staging[:, offset : offset + row].view(WORD_DTYPES[word])
         else:  # one snapshot: a flat slice (the stride of a single row is free)
@@ -83,7 +85,7 @@ def _host_slots(plan: StateTransfer) -> list[int] | None:
 def _compact(plan: StateTransfer) -> StateTransfer:
     """The same call with a new staging buffer on the pool's device (for pinned host staging)."""
     compact = torch.empty(tuple(plan.staging.shape), dtype=torch.uint8, device=plan.pool.device)
-    return StateTransfer(plan.pool, compact, plan.slot_ids, plan.slot_ids_cpu)
+    return StateTransfer(plan.pool, compact, plan.slot_ids, plan.slot_ids_cpu, plan.tensors)
 
 
 def run_gather_state_torch(plan: StateTransfer) -> None:
@@ -126,21 +128,32 @@ def run_scatter_state_torch(plan: StateTransfer) -> None:
 
 
 def gather_state_reference(
-    pool: StatePool, slot_ids: torch.Tensor | list[int], staging: torch.Tensor, *, check_bounds: bool | None = None
+    pool: StatePool,
+    slot_ids: torch.Tensor | list[int],
+    staging: torch.Tensor,
+    *,
+    check_bounds: bool | None = None,
+    tensors: range | None = None,
 ) -> None:
     """State snapshots to staging, torch reference: ``staging[i]`` gets slot ``slot_ids[i]``'s snapshot.
 
     Args and raises: as :func:`kvstage.kernels.gather_state` (errors from
     :func:`kvstage.kernels.state_layout.check_state_transfer`, before anything is written).
     """
-    run_gather_state_torch(check_state_transfer(pool, slot_ids, staging, check_bounds=check_bounds))
+    run_gather_state_torch(check_state_transfer(pool, slot_ids, staging, check_bounds=check_bounds, tensors=tensors))
 
 
 def scatter_state_reference(
-    staging: torch.Tensor, pool: StatePool, slot_ids: torch.Tensor | list[int], *, check_bounds: bool | None = None
+    staging: torch.Tensor,
+    pool: StatePool,
+    slot_ids: torch.Tensor | list[int],
+    *,
+    check_bounds: bool | None = None,
+    tensors: range | None = None,
 ) -> None:
     """Staging to state slots, torch reference: the inverse of :func:`gather_state_reference`.
 
     Args and raises: as :func:`kvstage.kernels.scatter_state`.
     """
-    run_scatter_state_torch(check_state_transfer(pool, slot_ids, staging, scatter=True, check_bounds=check_bounds))
+    plan = check_state_transfer(pool, slot_ids, staging, scatter=True, check_bounds=check_bounds, tensors=tensors)
+    run_scatter_state_torch(plan)

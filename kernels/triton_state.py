@@ -40,7 +40,7 @@ WORD_CLASSES = (16, 8, 4, 2, 1)  # bytes
 _ELEMENT = {16: (torch.int64, 2), 8: (torch.int64, 1), 4: (torch.int32, 1), 2: (torch.int16, 1), 1: (torch.uint8, 1)}
 TABLE_COLUMNS = 8
 # Ints that vary per call are not specialized (see triton_copy._VARYING); the rest is fixed per pool.
-_VARYING = ("slot_ids", "slot_stride", "num_ids")
+_VARYING = ("slot_ids", "slot_stride", "num_ids", "tensor_start", "tensor_stop")
 
 
 @triton.jit
@@ -97,7 +97,8 @@ def _state_rows_copy_kernel(
     slot_ids,  # *int32|int64 [num_ids]: state slot of each snapshot, slot_stride elements apart
     slot_stride,
     num_ids,
-    num_tensors,
+    tensor_start,  # the tensors moved: [tensor_start, tensor_stop) of the table
+    tensor_stop,
     GATHER: tl.constexpr,
     BLOCK16: tl.constexpr,  # elements per tile of each word class; 0 = no tensor of that class
     BLOCK8: tl.constexpr,
@@ -108,7 +109,7 @@ def _state_rows_copy_kernel(
     pid = tl.program_id(0).to(tl.int64)
     num_programs = tl.num_programs(0).to(tl.int64)
     num_ids64 = tl.cast(num_ids, tl.int64)
-    for k in range(0, num_tensors):
+    for k in range(tensor_start, tensor_stop):
         entry = table + tl.cast(k, tl.int64) * 8
         word = tl.load(entry)
         if BLOCK16 > 0:
@@ -235,10 +236,12 @@ def state_table(pool: StatePool, staging_alignment: int, multi: bool, *, on_cuda
         return _TABLES[pool].setdefault(key, entry)
 
 
-def _kernel_args(pool: StatePool, table: StateTable, stage_views, slot_ids, slot_stride: int, num_ids: int, gather):
+def _kernel_args(
+    table: StateTable, stage_views, slot_ids, slot_stride: int, num_ids: int, tensors: range, gather: bool
+) -> tuple[tuple, dict]:
     """The kernel's positional and keyword arguments: one builder for launches, warm-up and :func:`compile_state_ptx`."""
     blocks = {f"BLOCK{w}": table.blocks.get(w, 0) for w in WORD_CLASSES}
-    args = (*table.pool_views, *stage_views, table.table, slot_ids, slot_stride, num_ids, pool.num_tensors)
+    args = (*table.pool_views, *stage_views, table.table, slot_ids, slot_stride, num_ids, tensors.start, tensors.stop)
     return args, dict(GATHER=gather, num_warps=4, **blocks)
 
 
@@ -264,7 +267,7 @@ def launch_state(plan: StateTransfer, *, gather: bool, max_programs: int | None 
     table = state_table(pool, alignment, n > 1, on_cuda=on_cuda)
     stage_views = _address_views(staging)
     grid = _num_programs(n * table.tiles_per_snapshot, on_cuda, max_programs)
-    args, kwargs = _kernel_args(pool, table, stage_views, plan.slot_ids, plan.slot_ids.stride(0), n, gather)
+    args, kwargs = _kernel_args(table, stage_views, plan.slot_ids, plan.slot_ids.stride(0), n, plan.tensors, gather)
     if table.ready is not None:  # no host sync: the launch's stream waits on the device
         torch.cuda.current_stream(pool.device).wait_event(table.ready)
     with _launch_guard(on_cuda):
@@ -286,7 +289,11 @@ def warm_up_state_calls(
         stage_views = tuple(MockTensor(v.dtype) for v in table.pool_views)
         for gather in (True, False):
             for dtype in index_dtypes:
-                calls.append(_kernel_args(pool, table, stage_views, MockTensor(dtype), 1, 2 if multi else 1, gather))
+                calls.append(
+                    _kernel_args(
+                        table, stage_views, MockTensor(dtype), 1, 2 if multi else 1, range(pool.num_tensors), gather
+                    )
+                )
     return calls
 
 

@@ -327,3 +327,36 @@ def test_side_stream_waits_for_the_producer_without_a_host_sync(backend):
     back.wait()
     torch.cuda.synchronize()
     assert all(torch.equal(w, slot_rows(t)) for w, t in zip(want, pool.tensors))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_layer_moves_alone_at_its_columns(device, backend):
+    """Layer-by-layer loading: ``tensors=pool.layers[l]`` reads and writes that layer's rows only,
+    at their columns of the full snapshot."""
+    gen = torch.Generator().manual_seed(11)
+    per_layer = [
+        [
+            random_bytes_(torch.empty(5, 16, 4, dtype=torch.bfloat16, device=device), gen),
+            random_bytes_(torch.empty(5, 3, dtype=torch.uint8, device=device), gen),
+        ]
+        for _ in range(3)
+    ]
+    pool = StatePool.from_layers(per_layer)
+    assert pool.layers == [range(0, 2), range(2, 4), range(4, 6)]
+    staging = poisoned_staging(pool, 2)
+    gather_state(pool, [4, 1], staging, backend=backend, tensors=pool.layers[1])
+    synchronize(device)
+    full = expected_snapshots(pool, [4, 1])
+    got = as_bytes(staging).view(2, -1)
+    columns = slice(pool.offsets[2], pool.offsets[4])
+    assert torch.equal(got[:, columns], full[:, columns])
+    outside = torch.ones(pool.snapshot_bytes, dtype=torch.bool)
+    outside[columns] = False
+    assert (got[:, outside] == 0xA5).all()
+    random_bytes_(staging, torch.Generator().manual_seed(12))
+    want = expected_rows_after_scatter(pool, staging, [0, 3])
+    before = [slot_rows(t) for t in pool.tensors]
+    scatter_state(staging, pool, [0, 3], backend=backend, tensors=pool.layers[2])
+    synchronize(device)
+    for k, t in enumerate(pool.tensors):
+        assert torch.equal(slot_rows(t), want[k] if k in pool.layers[2] else before[k]), k

@@ -166,6 +166,9 @@ def _bad(case, what):
         return ids, staging, {"backend": "cuda"}
     if what == "max-programs":
         return ids, staging, {"max_programs": 0}
+    if what.startswith("tensors-"):
+        bad = {"tensors-empty": range(1, 1), "tensors-past-the-end": range(1, 3), "tensors-step": range(0, 2, 2)}
+        return ids, staging, {"tensors": bad.get(what, slice(0, 1))}
     raise ValueError(what)
 
 
@@ -185,6 +188,10 @@ BAD = {
     "staging-not-tensor": ("staging", ArgumentTypeError, "torch.Tensor"),
     "backend": ("backend", InvalidArgumentError, "one of"),
     "max-programs": ("max_programs", InvalidArgumentError, ">= 1"),
+    "tensors-empty": ("tensors", InvalidArgumentError, "non-empty range(start, stop) within [0, 2]"),
+    "tensors-past-the-end": ("tensors", InvalidArgumentError, "got range(1, 3)"),
+    "tensors-step": ("tensors", InvalidArgumentError, "range(0, 2, 2)"),
+    "tensors-slice": ("tensors", InvalidArgumentError, "got slice(0, 1, None)"),
 }
 
 
@@ -271,3 +278,14 @@ def test_warm_up_builds_the_tables_and_compiles_nothing_off_cuda(device):
     assert compiled == (8 if device.type == "cuda" else 0)
     assert warm_up_state(pool, backend="torch") == 0
     assert {key[:2] for key in triton_state._TABLES[pool]} == {(16, False), (16, True)}
+
+
+def test_layers_must_cover_the_tensors_in_order(device):
+    a, b = torch.zeros(2, 3, device=device), torch.zeros(2, 4, device=device)
+    assert StatePool([a, b]).layers == [range(0, 1), range(1, 2)]
+    assert StatePool([a, b], layers=[range(0, 2)]).layers == [range(0, 2)]
+    for bad in ([range(1, 2)], [range(0, 1), range(0, 2)], [range(0, 0), range(0, 2)]):
+        with pytest.raises(InvalidArgumentError, match="^layers: must be non-empty ranges covering the 2 tensors"):
+            StatePool([a, b], layers=bad)
+    stacked = StatePool.from_stacked([torch.zeros(3, 2, 4, device=device), torch.zeros(3, 2, 1, device=device)])
+    assert stacked.layers == [range(0, 2), range(2, 4), range(4, 6)]
