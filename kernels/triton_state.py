@@ -4,9 +4,10 @@ One kernel serves both directions (``GATHER``: pool -> staging; else staging -> 
 state tensor of the pool: it reads a per-tensor table (int64 ``[num_tensors, 8]``) giving each
 tensor's word class (16, 8, 4, 2 or 1 bytes: the widest word dividing its row, slot stride,
 address and snapshot offset, and the staging buffer's address), then, in units of that word,
-the tensor's offset from the pool's base pointer (may be negative: the tensors are separate
-allocations), its slot stride, row length, offset within a snapshot, the snapshot stride, and
-the tensor's first column tile. Each word class present in the pool compiles one branch
+the tensor's offset from the base pointer (the table's own address, a valid pointer on the
+pool's device whatever the tensors' sizes; offsets may be negative), its slot stride, row
+length, offset within a snapshot, the snapshot stride, and the tensor's first column tile
+(the 8th column pads rows to 64 bytes). Each word class present in the pool compiles one branch
 (``BLOCK<w>`` is 0 for a class no tensor uses), so a pool whose rows all allow 16 bytes compiles
 to 16-byte accesses only (``.v2.b64``), and a tensor of 3-byte rows costs byte accesses for its
 own rows alone.
@@ -85,7 +86,7 @@ def _tensor_rows(
 
 @triton.jit(do_not_specialize=_VARYING)
 def _state_rows_copy_kernel(
-    pool8,  # the pool's base address as int64 / int32 / int16 / uint8 pointers (one address)
+    pool8,  # the base (the table's address) as int64 / int32 / int16 / uint8 pointers
     pool4,
     pool2,
     pool1,
