@@ -242,6 +242,40 @@ def _start_mooncake(
     return store
 
 
+def summarize(
+    times: dict[tuple[str, str], list[float]], page_bytes: int, num_pages: int, log: Callable[[str], None]
+) -> tuple[list[dict], dict[str, float]]:
+    """The result row of each timed (method, op), from the median of its rounds, and the ratios of
+    :data:`RATIOS` whose two methods were timed; both logged."""
+    batch_bytes = num_pages * page_bytes
+    results = []
+    for (method, op), samples in times.items():
+        if not samples:
+            continue
+        seconds = statistics.median(samples)
+        results.append(
+            {
+                "method": method,
+                "op": op,
+                "page_bytes": page_bytes,
+                "pages": num_pages,
+                "seconds": seconds,
+                "gbps": batch_bytes / seconds / 1e9,
+            }
+        )
+        log(f"  {method:16s} {op}: {batch_bytes / seconds / 1e9:7.2f} GB/s  ({seconds * 1e3:8.2f} ms a batch)")
+    gbps = {(r["method"], r["op"]): r["gbps"] for r in results}
+    ratios = {
+        name.format(op=op): gbps[(top, op)] / gbps[(bottom, op)]
+        for op in ("put", "get")
+        for name, top, bottom in RATIOS
+        if (top, op) in gbps and (bottom, op) in gbps
+    }
+    for name, value in ratios.items():
+        log(f"  {name}: {value:.2f}")
+    return results, ratios
+
+
 def run(
     quick: bool = False,
     *,
@@ -278,7 +312,6 @@ def run(
     num_pages = num_pages or (8 if quick else 16)
     fingerprint = llama3_8b_fingerprint(num_layers or (8 if quick else 32))
     page_bytes = fingerprint.page_bytes
-    batch_bytes = num_pages * page_bytes
     log(f"storage bench: {num_pages} pages of {page_bytes / 2**20:.1f} MiB a batch, {rounds} rounds (+1 warm-up)")
     batch = Batch.random(num_pages, page_bytes)
     skipped = {case.method: "not asked for (--methods)" for case in CASES if case.method not in methods}
@@ -299,31 +332,7 @@ def run(
                     times[(case.method, "put")].append(put_seconds)
                     times[(case.method, "get")].append(get_seconds)
 
-    results = []
-    for (method, op), samples in times.items():
-        if not samples:
-            continue
-        seconds = statistics.median(samples)
-        results.append(
-            {
-                "method": method,
-                "op": op,
-                "page_bytes": page_bytes,
-                "pages": num_pages,
-                "seconds": seconds,
-                "gbps": batch_bytes / seconds / 1e9,
-            }
-        )
-        log(f"  {method:16s} {op}: {batch_bytes / seconds / 1e9:7.2f} GB/s  ({seconds * 1e3:8.2f} ms a batch)")
-    gbps = {(r["method"], r["op"]): r["gbps"] for r in results}
-    ratios = {
-        name.format(op=op): gbps[(top, op)] / gbps[(bottom, op)]
-        for op in ("put", "get")
-        for name, top, bottom in RATIOS
-        if (top, op) in gbps and (bottom, op) in gbps
-    }
-    for name, value in ratios.items():
-        log(f"  {name}: {value:.2f}")
+    results, ratios = summarize(times, page_bytes, num_pages, log)
     events = time_events(event_repeats, log) if event_repeats else {}
     return {
         "machine": platform.machine(),
