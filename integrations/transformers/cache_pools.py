@@ -94,9 +94,13 @@ class CachePools:
             lambda: f"must be a kvstage.model_layout.ModelLayout, got {type(layout).__name__}",
             ArgumentTypeError,
         )
-        require(is_int(max_tokens) and max_tokens >= 1, "max_tokens", lambda: f"must be a positive int, got {max_tokens!r}")
         require(
-            is_int(state_slots) and state_slots >= 1, "state_slots", lambda: f"must be a positive int, got {state_slots!r}"
+            is_int(max_tokens) and max_tokens >= 1, "max_tokens", lambda: f"must be a positive int, got {max_tokens!r}"
+        )
+        require(
+            is_int(state_slots) and state_slots >= 1,
+            "state_slots",
+            lambda: f"must be a positive int, got {state_slots!r}",
         )
         self.layout = layout
         self.max_tokens = max_tokens
@@ -162,8 +166,10 @@ class CachePools:
         require(
             is_int(start) and is_int(end) and 0 <= start <= end <= min(length, self.max_tokens),
             "start/end",
-            lambda: f"must satisfy 0 <= start <= end <= min(cache length {length}, max_tokens {self.max_tokens}), "
-            f"got {start!r}, {end!r}",
+            lambda: (
+                f"must satisfy 0 <= start <= end <= min(cache length {length}, max_tokens {self.max_tokens}), "
+                f"got {start!r}, {end!r}"
+            ),
         )
         for component in self._of_kind("swa"):
             for layer in component.layers:
@@ -222,9 +228,7 @@ class CachePools:
                 for tensor in component.tensors:
                     value = _state_tensor(cache.layers[layer], tensor.name)
                     require(
-                        value is not None
-                        and tuple(value.shape) == (1, *tensor.shape)
-                        and value.dtype == tensor.dtype,
+                        value is not None and tuple(value.shape) == (1, *tensor.shape) and value.dtype == tensor.dtype,
                         f"cache.layers[{layer}]",
                         lambda value=value, tensor=tensor: (
                             f"{tensor.name} state is "
