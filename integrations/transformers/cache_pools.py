@@ -224,7 +224,7 @@ class CachePools:
             buffers = self.state_buffers[component.name]
             slots = next(iter(buffers.values()))[0].shape[0]
             require(is_int(slot) and 0 <= slot < slots, "slot", lambda: f"must be in [0, {slots}), got {slot!r}")
-            for j, layer in enumerate(component.layers):
+            for layer in component.layers:
                 for tensor in component.tensors:
                     value = _state_tensor(cache.layers[layer], tensor.name)
                     require(
