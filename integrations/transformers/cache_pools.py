@@ -111,7 +111,15 @@ class CachePools:
             if component.kind in ("full", "swa"):
                 self.pools[component.name] = KVPool.allocate(component.layout, max_tokens, device=device, fill=fill)
             elif component.kind == "sidecar":
-                (tensor,) = component.tensors  # transformers' one sidecar tensor, indexer_keys
+                require(
+                    len(component.tensors) == 1,
+                    "layout",
+                    lambda component=component: (
+                        f"sidecar {component.name!r} has {len(component.tensors)} tensors; a transformers cache "
+                        "holds one (indexer_keys)"
+                    ),
+                )
+                (tensor,) = component.tensors
                 rows = [
                     torch.full((max_tokens, *tensor.shape), fill, dtype=tensor.dtype, device=device)
                     for _ in component.layers
@@ -276,7 +284,7 @@ class CachePools:
             for j, layer in enumerate(component.layers):
                 if pool.kv_parts == 1:
                     rows = pool.layer(0, j)[first:num_tokens].transpose(0, 1)[None]  # [1, 1, n, latent + rope]
-                    split = _latent_dim(cache.layers[layer], config)
+                    split = _latent_dim(config)
                     keys, values = rows[..., :split], rows[..., split:]
                 else:
                     keys = pool.layer(0, j)[first:num_tokens].transpose(0, 1)[None]
@@ -325,26 +333,27 @@ def _state_tensor(layer: Any, name: str) -> torch.Tensor | None:
     return states.get(index)
 
 
-def _latent_dim(layer: Any, config: Any) -> int:
-    text = config.get_text_config(decoder=True)
-    return int(text.kv_lora_rank)
+def _latent_dim(config: Any) -> int:
+    """Elements of an MLA cache layer's ``keys`` (the latent; ``values`` are the rope part)."""
+    return int(config.get_text_config(decoder=True).kv_lora_rank)
 
 
 def _require_kind(layer: Any, component: LayoutComponent, index: int) -> None:
-    from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
+    """Refuse a fresh cache layer that is not of the kind ``component`` caches (another config)."""
+    from transformers.cache_utils import (
+        DynamicIndexedLayer,
+        DynamicLayer,
+        DynamicSlidingWindowLayer,
+        LinearAttentionCacheLayerMixin,
+    )
 
     wanted = {
         "full": DynamicLayer,
         "swa": DynamicSlidingWindowLayer,
         "sidecar": DynamicIndexedLayer,
-        "state": None,
+        "state": LinearAttentionCacheLayerMixin,
     }[component.kind]
-    if component.kind == "state":
-        from transformers.cache_utils import LinearAttentionCacheLayerMixin
-
-        wanted = LinearAttentionCacheLayerMixin
-    ok = isinstance(layer, wanted) and not (component.kind == "full" and isinstance(layer, DynamicSlidingWindowLayer))
-    if not ok:
+    if not isinstance(layer, wanted) or (component.kind == "full" and isinstance(layer, DynamicSlidingWindowLayer)):
         raise InvalidArgumentError(
             f"config: cache layer {index} is a {type(layer).__name__}; the layout's {component.name!r} component "
             f"caches it as {component.kind}"
