@@ -173,3 +173,122 @@ def load_direct(layout: ModelLayout, stores: dict, keys: list[str], num_tokens: 
             scatter(staging, pool, slots, torch.arange(len(pages)), page_size=PAGE)
         if not failed:
             return pools, length
+
+
+# -- the manager's store and load paths -------------------------------------------------------------
+
+
+def _slots(req) -> torch.Tensor:
+    return torch.arange(req.max_tokens)
+
+
+def manager_of(pools: CachePools, stores: dict):
+    """An :class:`OffloadManager` over ``pools`` (the full component's pool as its KV pool, the
+    others as its components; every pool indexed by position) and one store per component."""
+    from kvstage.offload import HostPool, OffloadManager
+    from kvstage.offload.components import ComponentPools
+
+    layout = pools.layout
+    (full,) = layout.of_kind("full")
+    kv_pool = pools.pools[full.name]
+    others = {name: pool for name, pool in pools.pools.items() if name != full.name}
+    return OffloadManager(
+        kv_pool,
+        HostPool.like(kv_pool, num_pages=pools.max_tokens // PAGE, page_size=PAGE),
+        stores,
+        PageHasher(page_size=PAGE),
+        _slots,
+        components=ComponentPools(layout, others, slots_of={c.name: _slots for c in layout.of_kind("swa")}),
+        backend="torch",
+    )
+
+
+def request(tokens: torch.Tensor, max_tokens: int, rid: int = 0, **namespace):
+    from kvstage.offload.testing import SimpleRequest
+
+    req = SimpleRequest(rid, tokens[0].tolist(), **namespace)
+    req.max_tokens = max_tokens
+    return req
+
+
+def store_with_manager(
+    model,
+    layout: ModelLayout,
+    tokens: torch.Tensor,
+    length: int,
+    stores: dict,
+    *,
+    max_tokens: int,
+    snapshots=(),
+    offload_at=(),
+    late_snapshots: bool = False,
+    **namespace,
+) -> None:
+    """The engine's run through the manager: a page-by-page prefill of ``length`` tokens into
+    fresh pools, ``manager.offload`` at each length of ``offload_at`` (a resume point: the window
+    before it is stored), ``manager.snapshot`` of the state after each length of ``snapshots``
+    (one state slot each: when the prefill reaches it, or with ``late_snapshots`` after the
+    prefill, in the order given), then ``finish`` (every whole page to ``length``) and ``drain``."""
+    snapshots = tuple(snapshots) if layout.has_state else ()
+    pools = CachePools(layout, max_tokens=max_tokens, state_slots=max(len(snapshots), 1))
+    manager = manager_of(pools, stores)
+    req = request(tokens, max_tokens, **namespace)
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    try:
+        for start in range(0, length, PAGE):
+            end = min(start + PAGE, length)
+            forward(model, cache, tokens[:, start:end])
+            pools.copy_in(cache, start, end)
+            if end in offload_at:
+                manager.offload(req, kv_length=end)
+            if end in snapshots:
+                slot = snapshots.index(end)
+                pools.save_state(cache, slot)
+                if not late_snapshots:
+                    manager.snapshot(req, end, slot, kv_length=end)
+        if late_snapshots:
+            for slot, end in enumerate(snapshots):
+                manager.snapshot(req, end, slot, kv_length=length)
+        req.done = True
+        manager.finish(req, kv_length=length)
+        manager.drain()
+    finally:
+        manager.close()
+
+
+def load_with_manager(model, layout: ModelLayout, tokens: torch.Tensor, stores: dict, *, max_tokens: int, **namespace):
+    """A fresh engine's load through the manager: prefetch the restorable prefix of ``tokens``,
+    load it into fresh pools (the window pages at their positions, the snapshot in state slot 0)
+    and rebuild the cache. Returns ``(cache or None, loaded length, the lookup's PrefixMatch)``."""
+    pools = CachePools(layout, max_tokens=max_tokens)
+    manager = manager_of(pools, stores)
+    req = request(tokens, max_tokens, rid=1, **namespace)
+    try:
+        found = manager.match_prefix(req)
+        handle = manager.prefetch(req, policy="wait_complete")
+        while not handle.ready_to_load():
+            handle.wait()
+            manager.poll()
+        length = handle.pages_ready * PAGE
+        windows = {
+            c.name: _slots(req)[max(length - c.window_pages(PAGE) * PAGE, 0) : length] for c in layout.of_kind("swa")
+        }
+        loaded = manager.load(
+            handle,
+            _slots(req)[:length],
+            state_slot=0 if layout.has_state else None,
+            component_slots=windows or None,
+        )
+        loaded.wait()
+        while not loaded.done():
+            manager.poll()
+        assert loaded.error is None, loaded.error
+        cache = pools.to_cache(model.config, length, state_slot=0 if layout.has_state else None) if length else None
+        req.done = True
+        manager.abort(req)
+        manager.drain()
+    finally:
+        manager.close()
+    return cache, length, found
