@@ -10,6 +10,7 @@ wrong shows in either); logits are compared with ``torch.equal``."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -69,8 +70,9 @@ def open_stores(layout: ModelLayout, url: str, *, model_id: str = "tiny") -> dic
 
 
 def close_stores(stores: dict) -> None:
-    for store in stores.values():
-        store.close()
+    """Close every store at once (a Mooncake client takes about 2 s to close)."""
+    with ThreadPoolExecutor(max_workers=max(len(stores), 1)) as pool:
+        list(pool.map(lambda store: store.close(), stores.values()))
 
 
 def page_keys(tokens: torch.Tensor, *, extra_key=None, cache_salt=None) -> list[str]:
