@@ -36,13 +36,16 @@ raised, or a :class:`kvstage.errors.StorageError` when the master was unreachabl
 ``remove_by_regex(..., force=True)`` (force: an object read within its lease is removed too),
 so pages of this key space that other clients stored go as well, and other key spaces stay.
 
-Store events (tier ``"mooncake"``), what a client can see: ``stored`` for each page this client
-stored; ``removed`` for each page of this client that ``clear`` removed; ``evicted`` for a page
-this client stored that a later ``exists``, ``get`` or ``clear`` found gone (the master evicted
-it; it tells no client when). Not seen: pages other clients stored or that the master evicted
-and nobody asked for since; ``clear`` counts the other clients' pages it removed but has no key
-to report them by. The client remembers the keys it stored, at most ``KNOWN_KEYS_LIMIT`` (the
-oldest are forgotten first; their eviction then goes unreported).
+Store events (tier ``"mooncake"``): ``stored`` for each page this client stored; ``removed`` for
+each page ``clear`` removed: with ``admin_address`` (the master's admin HTTP server,
+:mod:`kvstage.storage.mooncake.admin`) every page of the key space it listed there just before,
+other clients' included, else only this client's; ``evicted`` for a page this client stored that
+a later ``exists``, ``get`` or ``clear`` found gone (the master evicted it; it tells no client
+when), and with ``watch_s`` for any page of the key space, other clients' included, that one
+listing showed and the next did not (a page stored and evicted between two listings goes
+unseen; one another client's ``clear`` removed also reads as evicted here). Each disappearance
+is announced once per client. The client remembers the keys it stored, at most
+``KNOWN_KEYS_LIMIT`` (the oldest are forgotten first; their eviction then goes unreported).
 
 Configuration: :mod:`kvstage.storage.mooncake.config`; return codes:
 :mod:`kvstage.storage.mooncake.status`.
@@ -72,6 +75,7 @@ from kvstage.errors import BackendUnavailableError, InvalidArgumentError, Storag
 from kvstage.storage.backend import PutStatus, PutStatuses, StorageBackend
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint
+from kvstage.storage.mooncake.admin import PeriodicThread, list_keys
 from kvstage.storage.mooncake.config import MooncakeConfig, parse_mooncake_url, split_host_port
 from kvstage.storage.mooncake.gate import BufferPool, ClearGate
 from kvstage.storage.mooncake.status import (
@@ -221,6 +225,9 @@ class MooncakeStore(StorageBackend):
         self._master_suspect = False
         self._last_skip_log = 0.0
         self._known: dict[str, None] = {}  # full keys this client stored, oldest first (an ordered set)
+        self._seen: set[str] = set()  # full keys of this key space the watcher's last listing showed
+        self.watch_rounds = 0  # listings the watcher compared (for tests and logs)
+        self._watcher: PeriodicThread | None = None
 
         store_class = _import_mooncake_store()
         host, port = split_host_port(config.master_server_address, "master_server_address")
@@ -264,6 +271,8 @@ class MooncakeStore(StorageBackend):
             config.global_segment_size,
             config.local_buffer_size,
         )
+        if config.watch_s is not None:
+            self._watcher = PeriodicThread(config.watch_s, self._watch_once, "kvstage-mooncake-watch").start()
 
     # -- registration ----------------------------------------------------------------------
 
@@ -539,6 +548,7 @@ class MooncakeStore(StorageBackend):
         """
         with self._gate.exclusive():
             store = self._require_open()
+            listed = self._list_key_space("clear") if self.config.admin_address else []
             with self._lock:
                 known = list(self._known)
             present = self._call("batch_is_exist", len(known), store.batch_is_exist, known) if known else []
@@ -548,11 +558,46 @@ class MooncakeStore(StorageBackend):
                 raise StorageError(f"mooncake: remove_by_regex raised {error.__class__.__name__}: {error}") from error
             if removed < 0:
                 raise MooncakeCodeError("remove_by_regex", removed)
+            named = dict.fromkeys(listed or ())
+            named.update((key, None) for key, code in zip(known, present) if code == 1)
             with self._lock:
                 self._known.clear()
-                self._record("evicted", [key for key, code in zip(known, present) if code == 0])
-                self._record("removed", [key for key, code in zip(known, present) if code == 1])
+                self._seen.clear()  # all gone: the watcher must not announce them again
+                self._record("evicted", [key for key, code in zip(known, present) if code == 0 and key not in named])
+                self._record("removed", list(named))
+        if removed > len(named):  # put by another client after the listing, or no listing
+            logger.info(
+                "mooncake: clear removed %d pages, %d of them unnamed in its events", removed, removed - len(named)
+            )
         return removed
+
+    def _list_key_space(self, operation: str) -> list[str] | None:
+        """Full keys of this key space on the master's admin server; None (logged) when it
+        does not answer. Not under ``self._lock``."""
+        try:
+            return list_keys(self.config.admin_address, self.prefix)
+        except StorageError as error:
+            logger.warning("mooncake: %s: %s; announcing only this client's pages", operation, error)
+            return None
+
+    def _watch_once(self) -> None:
+        """One watcher round: list the key space and announce as ``evicted`` the keys of the
+        last listing that are gone. Holds the gate shared, so no ``clear`` of this client
+        runs between the listing and the comparison."""
+        with self._gate.shared():
+            if self._store is None:
+                return
+            listed = self._list_key_space("watch")
+            if listed is None:
+                return
+            now = set(listed)
+            with self._lock:
+                gone = sorted(self._seen - now)
+                self._seen = now
+                for key in gone:
+                    self._known.pop(key, None)  # announced here: not again when this client asks
+                self._record("evicted", gone)
+                self.watch_rounds += 1
 
     def close(self) -> None:
         """Unregister every buffer this store registered (the bounce buffers too) and close
@@ -561,6 +606,8 @@ class MooncakeStore(StorageBackend):
         Idempotent. With the master gone this still returns (Mooncake gives up after its RPC
         timeouts, a few seconds); failures are logged, not raised.
         """
+        if self._watcher is not None:
+            self._watcher.stop()  # before the gate: a round waiting for it would never end
         with self._gate.exclusive():
             with self._lock:
                 store, self._store = self._store, None
@@ -588,9 +635,14 @@ class MooncakeStore(StorageBackend):
             del known[next(iter(known))]
 
     def _note_gone(self, full_keys: list[str]) -> None:
-        """Keys Mooncake answered absent: those this client stored were evicted by the master
-        (an ``evicted`` event each, once). Under ``self._lock``."""
-        gone = [key for key in full_keys if self._known.pop(key, 0) is None]
+        """Keys Mooncake answered absent: those this client stored or its watcher saw listed
+        were evicted by the master (an ``evicted`` event each, once). Under ``self._lock``."""
+        gone = []
+        for key in full_keys:
+            stored = self._known.pop(key, 0) is None
+            if stored or key in self._seen:
+                self._seen.discard(key)  # announced here: not again by the watcher
+                gone.append(key)
         self._record("evicted", gone)
 
     def _call(
