@@ -127,7 +127,10 @@ class MooncakeConfig:
             host, port = split_host_port(self.admin_address, "admin_address")
             object.__setattr__(self, "admin_address", f"{host}:{port}")
         if self.watch_s is not None:
-            watch = float(self.watch_s)
+            try:
+                watch = float(self.watch_s)
+            except (TypeError, ValueError):
+                watch = float("nan")
             if not watch > 0:
                 raise InvalidArgumentError(f"watch_s: must be positive seconds, got {self.watch_s!r}")
             if self.admin_address is None:
