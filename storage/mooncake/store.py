@@ -32,14 +32,16 @@ Failure causes: ``put``'s answer (:class:`kvstage.storage.PutStatuses`) carries 
 failed page's cause: a :class:`MooncakeCodeError` (``.code``), the exception a binding call
 raised, or a :class:`kvstage.errors.StorageError` when the master was unreachable.
 
-``clear`` removes every object whose key starts with this store's prefix with the client's
-``remove_by_regex(..., force=True)`` (force: an object read within its lease is removed too),
-so pages of this key space that other clients stored go as well, and other key spaces stay.
+``clear`` removes every object whose key starts with this store's prefix, so pages of this key
+space that other clients stored go as well, and other key spaces stay: by name
+(``batch_remove(..., force=True)``) the keys the master's admin server listed, with
+``admin_address``; else with ``remove_by_regex(..., force=True)`` (force: an object read within
+its lease is removed too).
 
 Store events (tier ``"mooncake"``): ``stored`` for each page this client stored; ``removed`` for
 each page ``clear`` removed: with ``admin_address`` (the master's admin HTTP server,
-:mod:`kvstage.storage.mooncake.admin`) every page of the key space it listed there just before,
-other clients' included, else only this client's; ``evicted`` for a page this client stored that
+:mod:`kvstage.storage.mooncake.admin`) every one, other clients' included (it removes them by
+name), else only this client's; ``evicted`` for a page this client stored that
 a later ``exists``, ``get`` or ``clear`` found gone (the master evicted it; it tells no client
 when), and with ``watch_s`` for any page of the key space, other clients' included, that one
 listing showed and the next did not (a page stored and evicted between two listings goes
@@ -537,7 +539,14 @@ class MooncakeStore(StorageBackend):
         return failures
 
     def _clear(self) -> int:
-        """Remove every object under this store's prefix (``remove_by_regex``, forced).
+        """Remove every object under this store's prefix.
+
+        With ``admin_address``: the keys listed on the master's admin server (and those this
+        client stored) are removed by name (``batch_remove``, forced), so each removed page is
+        announced, whoever stored it; a page another client puts after the listing lands after
+        the clear. Without one, or when the listing fails: ``remove_by_regex`` on the prefix
+        (forced), announcing only this client's pages. Forced: an object read within its lease
+        is removed too.
 
         Holds the store alone (its gate): puts, gets and lookups in flight finish first, and
         those that arrive wait until it is done.
@@ -548,27 +557,50 @@ class MooncakeStore(StorageBackend):
         """
         with self._gate.exclusive():
             store = self._require_open()
-            listed = self._list_key_space("clear") if self.config.admin_address else []
+            listed = self._list_key_space("clear") if self.config.admin_address else None
             with self._lock:
                 known = list(self._known)
             present = self._call("batch_is_exist", len(known), store.batch_is_exist, known) if known else []
-            try:
-                removed = store.remove_by_regex("^" + _regex_literal(self.prefix), True)
-            except Exception as error:  # the binding raises on a broken client
-                raise StorageError(f"mooncake: remove_by_regex raised {error.__class__.__name__}: {error}") from error
-            if removed < 0:
-                raise MooncakeCodeError("remove_by_regex", removed)
-            named = dict.fromkeys(listed or ())
-            named.update((key, None) for key, code in zip(known, present) if code == 1)
+            if listed is None:
+                removed = self._remove_by_regex(store)
+                with self._lock:
+                    self._known.clear()
+                    self._seen.clear()  # all gone: the watcher must not announce them again
+                    self._record("evicted", [key for key, code in zip(known, present) if code == 0])
+                    self._record("removed", [key for key, code in zip(known, present) if code == 1])
+                return removed
+            names = list(dict.fromkeys(listed + [key for key, code in zip(known, present) if code == 1]))
+            codes = self._call("batch_remove", len(names), store.batch_remove, names, True) if names else []
+            if codes and all(code in MASTER_DOWN_CODES for code in codes):
+                raise MooncakeCodeError("batch_remove", codes[0])
+            gone = [key for key, code in zip(known, present) if code == 0]
+            gone += [key for key, code in zip(names, codes) if code == OBJECT_NOT_FOUND]  # evicted meanwhile
+            failed = [code for code in codes if code not in (0, OBJECT_NOT_FOUND)]
+            swept = self._remove_by_regex(store) if failed else 0  # what batch_remove left, unnamed
+            named = [key for key, code in zip(names, codes) if code == 0]
             with self._lock:
-                self._known.clear()
-                self._seen.clear()  # all gone: the watcher must not announce them again
-                self._record("evicted", [key for key, code in zip(known, present) if code == 0 and key not in named])
-                self._record("removed", list(named))
-        if removed > len(named):  # put by another client after the listing, or no listing
-            logger.info(
-                "mooncake: clear removed %d pages, %d of them unnamed in its events", removed, removed - len(named)
-            )
+                for key in named:
+                    self._known.pop(key, None)
+                    self._seen.discard(key)
+                self._note_gone(gone)
+                self._record("removed", named)
+        if failed:
+            self._log_failures("clear's batch_remove", names, failed)
+            logger.warning("mooncake: clear swept %d more pages by regex, unnamed in its events", swept)
+        return len(named) + swept
+
+    def _remove_by_regex(self, store: Any) -> int:
+        """``remove_by_regex`` (forced) of every key under this store's prefix; how many went.
+
+        Raises:
+            StorageError: the binding raised, or Mooncake answered an error code.
+        """
+        try:
+            removed = store.remove_by_regex("^" + _regex_literal(self.prefix), True)
+        except Exception as error:  # the binding raises on a broken client
+            raise StorageError(f"mooncake: remove_by_regex raised {error.__class__.__name__}: {error}") from error
+        if removed < 0:
+            raise MooncakeCodeError("remove_by_regex", removed)
         return removed
 
     def _list_key_space(self, operation: str) -> list[str] | None:

@@ -85,7 +85,7 @@ def test_two_engines_b_clearing_announces_the_pages_a_stored(mooncake_master):
         assert b.clear() == 9
         events = b.take_events()
         assert sorted(e.key for e in events) == sorted(a_keys + b_keys + shared)  # each once
-        assert {e.kind for e in events} == {"removed"} and b.stats.events_removed == 9
+        assert {e.kind for e in events} == {"removed"} and b.stats.events_removed == 9 == b.stats.pages_removed
         assert a.take_events() == [] and other.exists(a_keys) == [True] * 5
         assert b.clear() == 0 and b.take_events() == []
 
@@ -114,6 +114,35 @@ def test_clear_without_an_admin_server_names_this_clients_pages_only(mooncake_ma
             "get_all_keys" in r.getMessage() and "only this client's pages" in r.getMessage() for r in caplog.records
         )
         assert a.exists(a_keys) == [False] * 3
+
+
+class FailingRemoves:
+    """A Mooncake client whose ``batch_remove`` removes only the first ``n`` keys and answers
+    OBJECT_HAS_LEASE (-706) for the rest (a lease a forced remove should not meet)."""
+
+    def __init__(self, inner, n: int) -> None:
+        self._inner, self._n = inner, n
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def batch_remove(self, keys, force):
+        return list(self._inner.batch_remove(keys[: self._n], force)) + [-706] * len(keys[self._n :])
+
+
+def test_clear_sweeps_what_batch_remove_left_and_names_what_it_removed(mooncake_master, caplog):
+    fp = fingerprint(f"sweep-{uuid.uuid4().hex[:8]}")
+    with MooncakeStore(fp, mooncake_master.url()) as a, MooncakeStore(fp, mooncake_master.url()) as b:
+        keys = new_keys(6)
+        a.put(keys, pages(6, fp, seed=17))
+        b._store = FailingRemoves(b._store, 4)  # the client object: no public seam for its calls
+        with caplog.at_level(logging.WARNING, logger="kvstage.storage.mooncake.store"):
+            assert b.clear() == 6
+        named = [e.key for e in b.take_events()]
+        assert len(named) == 4 and set(named) <= set(keys)
+        assert a.exists(keys) == [False] * 6
+        assert any("swept 2 more pages by regex" in r.getMessage() for r in caplog.records)
+        assert any("failed for 2 of 6 pages: -706 OBJECT_HAS_LEASE" in r.getMessage() for r in caplog.records)
 
 
 def test_stored_events_for_stored_pages_only(mooncake_master):
