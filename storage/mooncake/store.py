@@ -189,7 +189,9 @@ class MooncakeStore(StorageBackend):
     RPC_FAIL at once (later calls would each wait about 4 s on Mooncake's reconnect, so after
     a call that reached no master, operations first check the master's port and fail at once
     while it refuses connections: see ``calls_skipped``); a hung master answers RPC_TIMEOUT
-    after ``rpc_timeout_ms`` (30 s by default).
+    after ``rpc_timeout_ms`` (30 s by default). With ``watch_s`` a daemon thread lists the key
+    space on the admin server every ``watch_s`` seconds (holding the gate shared, so a ``clear``
+    waits for a listing in progress); ``close`` stops it.
     """
 
     tier = "mooncake"
@@ -229,6 +231,7 @@ class MooncakeStore(StorageBackend):
         self._known: dict[str, None] = {}  # full keys this client stored, oldest first (an ordered set)
         self._seen: set[str] = set()  # full keys of this key space the watcher's last listing showed
         self.watch_rounds = 0  # listings the watcher compared (for tests and logs)
+        self._watch_failing = False  # the watcher's last listing failed (logged once)
         self._watcher: PeriodicThread | None = None
 
         store_class = _import_mooncake_store()
@@ -557,7 +560,7 @@ class MooncakeStore(StorageBackend):
         """
         with self._gate.exclusive():
             store = self._require_open()
-            listed = self._list_key_space("clear") if self.config.admin_address else None
+            listed = self._list_key_space() if self.config.admin_address else None
             with self._lock:
                 known = list(self._known)
             present = self._call("batch_is_exist", len(known), store.batch_is_exist, known) if known else []
@@ -603,13 +606,13 @@ class MooncakeStore(StorageBackend):
             raise MooncakeCodeError("remove_by_regex", removed)
         return removed
 
-    def _list_key_space(self, operation: str) -> list[str] | None:
-        """Full keys of this key space on the master's admin server; None (logged) when it
-        does not answer. Not under ``self._lock``."""
+    def _list_key_space(self) -> list[str] | None:
+        """Full keys of this key space on the master's admin server, for ``clear``; None
+        (logged) when it does not answer. Not under ``self._lock``."""
         try:
             return list_keys(self.config.admin_address, self.prefix)
         except StorageError as error:
-            logger.warning("mooncake: %s: %s; announcing only this client's pages", operation, error)
+            logger.warning("mooncake: clear: %s; announcing only this client's pages", error)
             return None
 
     def _watch_once(self) -> None:
@@ -619,9 +622,16 @@ class MooncakeStore(StorageBackend):
         with self._gate.shared():
             if self._store is None:
                 return
-            listed = self._list_key_space("watch")
-            if listed is None:
+            try:
+                listed = list_keys(self.config.admin_address, self.prefix)
+            except StorageError as error:
+                if not self._watch_failing:  # once per outage, not once per round
+                    logger.warning("mooncake: watch: %s; evictions are announced once it answers again", error)
+                self._watch_failing = True
                 return
+            if self._watch_failing:
+                logger.info("mooncake: watch: the admin server %s answers again", self.config.admin_address)
+                self._watch_failing = False
             now = set(listed)
             with self._lock:
                 gone = sorted(self._seen - now)
