@@ -179,7 +179,7 @@ class CachePools:
                 f"got {start!r}, {end!r}"
             ),
         )
-        for component in self._of_kind("swa"):
+        for component in self._of_kind("swa") if end > start else ():
             for layer in component.layers:
                 kept = cache.layers[layer].keys.shape[-2]
                 first = cache.layers[layer].cumulative_length - kept

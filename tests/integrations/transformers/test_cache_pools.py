@@ -12,6 +12,7 @@ import torch
 from kvstage.errors import InvalidArgumentError
 from kvstage.integrations.transformers import model_layout
 from kvstage.integrations.transformers.cache_pools import CachePools, record_window
+from kvstage.kernels import KVPool
 
 import hybrid_models as hm
 import hybrid_rig as rig
@@ -147,6 +148,31 @@ def test_a_window_layer_refuses_positions_it_no_longer_holds_and_record_window_k
     assert recorded.layers[0].keys.shape[-2] == 7  # trimmed back to W - 1
     rebuilt = pools.to_cache(model.config, 12)
     assert rig.same(rig.continuation(model, rebuilt, tokens, 12), rig.continuation(model, cache, tokens, 12))
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "jamba", "deepseek_v32"])
+def test_bfloat16_caches_round_trip_through_the_pools(arch):
+    model = hm.build_model(arch, torch.bfloat16)
+    layout = model_layout(model)
+    tokens = following(prompt())
+    pools = CachePools(layout, max_tokens=MAX_TOKENS, state_slots=1)
+    rig.prefill(model, tokens, 16, pools, (16,) if layout.has_state else ())
+    assert all(pool.dtype == torch.bfloat16 for pool in pools.pools.values() if isinstance(pool, KVPool))
+    cache = pools.to_cache(model.config, 16, state_slot=0 if layout.has_state else None)
+    assert rig.same(rig.continuation(model, cache, tokens, 16), rig.oracle(model, tokens, 16))
+
+
+def test_a_state_of_another_shape_is_refused_before_anything_is_copied():
+    jamba, layout = model_of("jamba")
+    falcon, _ = model_of("falcon_h1")
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=falcon.config)
+    rig.forward(falcon, cache, prompt()[:, :4])
+    pools = CachePools(layout, max_tokens=8)
+    with pytest.raises(InvalidArgumentError, match=r"cache.layers\[0\]: conv state is \(\(1, 80, 4\)"):
+        pools.save_state(cache, 0)
+    assert all(t.isnan().all() for t in pools.pools["state"].tensors)  # nothing written
 
 
 def test_bad_arguments_are_named():
