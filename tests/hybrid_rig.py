@@ -26,6 +26,31 @@ PAGE = 4  # tokens per page: the window (8) spans ceil(7 / 4) = 2 pages
 CONTINUE = 3  # tokens of the continuation's first forward (then one decode step)
 
 
+_MODELS: dict[str, tuple] = {}
+
+
+def model_of(arch: str):
+    """``(model, layout)`` of ``hybrid_models``' ``arch``, built once per process (the tests share them)."""
+    if arch not in _MODELS:
+        from kvstage.integrations.transformers import model_layout
+
+        import hybrid_models
+
+        model = hybrid_models.build_model(arch)
+        _MODELS[arch] = (model, model_layout(model))
+    return _MODELS[arch]
+
+
+def prompt(length: int, seed: int = 1) -> torch.Tensor:
+    """``[1, length]`` random token ids (vocabulary 128), seeded."""
+    return torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def following(tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens`` and 8 more: the continuation may run past the prompt (the same tokens on both sides)."""
+    return torch.cat([tokens, prompt(8, seed=2)], dim=1)
+
+
 def forward(model, cache, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=ids, cache=cache, use_cache=True).logits

@@ -34,24 +34,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-_MODELS: dict[str, tuple] = {}
-
-
-def model_of(arch: str):
-    """``(model, layout)``, built once per arch."""
-    if arch not in _MODELS:
-        model = hm.build_model(arch)
-        _MODELS[arch] = (model, model_layout(model))
-    return _MODELS[arch]
+model_of = rig.model_of
 
 
 def prompt(length: int = PROMPT, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(seed))
+    return rig.prompt(length, seed)
 
 
-def following(tokens: torch.Tensor) -> torch.Tensor:
-    """``tokens`` and 8 more: the continuation may run past the prompt (the same tokens on both sides)."""
-    return torch.cat([tokens, prompt(8, seed=2)], dim=1)
+following = rig.following
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +258,7 @@ def test_an_evicted_snapshot_rounds_the_hit_down(arch):
     assert stores["state"].exists([keys[5], keys[3], keys[1]]) == [False, True, True]
     loaded, at = rig.load_direct(layout, stores, keys, PROMPT, MAX_TOKENS)
     rig.close_stores(stores)
-    assert at == 20
+    assert at == 16
     assert rig.same(resumed(arch, loaded, following(tokens), at), rig.oracle(model, following(tokens), at))
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstage.integrations.transformers import model_layout
 from kvstage.storage import open_storage
 
 import hybrid_models as hm
@@ -27,7 +26,6 @@ MAX_TOKENS = 32
 PROMPT = 27  # 6 whole pages and 3 tokens: 24 tokens restorable at most
 STATE_ARCHS = ("qwen3_next", "jamba", "falcon_h1")
 SWA_ARCHS = ("gpt_oss", "gemma3")
-_MODELS: dict[str, tuple] = {}
 
 
 @pytest.fixture(autouse=True)
@@ -38,21 +36,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def model_of(arch: str):
-    """``(model, layout)``, built once per arch."""
-    if arch not in _MODELS:
-        model = hm.build_model(arch)
-        _MODELS[arch] = (model, model_layout(model))
-    return _MODELS[arch]
+model_of = rig.model_of
 
 
 def prompt(length: int = PROMPT, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(seed))
+    return rig.prompt(length, seed)
 
 
-def following(tokens: torch.Tensor) -> torch.Tensor:
-    """``tokens`` and 8 more: the continuation may run past the prompt (the same tokens on both sides)."""
-    return torch.cat([tokens, prompt(8, seed=2)], dim=1)
+following = rig.following
 
 
 @pytest.fixture(scope="module")
