@@ -86,9 +86,7 @@ def stored_and_loaded(arch, url, tokens, length, *, snapshots, resume_lengths=No
             readers = rig.open_stores(layout, url)
         loaded, at = rig.load_direct(layout, readers, load_keys or keys, tokens.shape[1], MAX_TOKENS)
     finally:
-        rig.close_stores(writers)
-        if readers is not writers:
-            rig.close_stores(readers)
+        rig.close_stores(writers, readers)
     return loaded, at, stored
 
 

@@ -89,10 +89,7 @@ def round_trip(
             **(load_namespace or {}),
         )
     finally:
-        if stores is None:
-            rig.close_stores(writers)
-        if readers is not writers:
-            rig.close_stores(readers)
+        rig.close_stores(*([writers] if stores is None else []), *([readers] if readers is not writers else []))
 
 
 def continues_bitwise(arch, cache, tokens, length) -> bool:
