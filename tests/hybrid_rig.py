@@ -211,22 +211,17 @@ def _slots(req) -> torch.Tensor:
 
 
 def manager_of(pools: CachePools, stores: dict):
-    """An :class:`OffloadManager` over ``pools`` (the full component's pool as its KV pool, the
-    others as its components; every pool indexed by position) and one store per component."""
+    """An :class:`OffloadManager` over ``pools`` (:attr:`CachePools.kv_pool` and
+    :meth:`CachePools.components`, every pool indexed by position) and one store per component."""
     from kvstage.offload import HostPool, OffloadManager
-    from kvstage.offload.components import ComponentPools
 
-    layout = pools.layout
-    (full,) = layout.of_kind("full")
-    kv_pool = pools.pools[full.name]
-    others = {name: pool for name, pool in pools.pools.items() if name != full.name}
     return OffloadManager(
-        kv_pool,
-        HostPool.like(kv_pool, num_pages=pools.max_tokens // PAGE, page_size=PAGE),
+        pools.kv_pool,
+        HostPool.like(pools.kv_pool, num_pages=pools.max_tokens // PAGE, page_size=PAGE),
         stores,
         PageHasher(page_size=PAGE),
         _slots,
-        components=ComponentPools(layout, others, slots_of={c.name: _slots for c in layout.of_kind("swa")}),
+        components=pools.components(),
         backend="torch",
     )
 

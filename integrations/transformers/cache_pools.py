@@ -139,6 +139,33 @@ class CachePools:
                     [[buffers[tensor.name][j] for tensor in component.tensors] for j in range(component.num_layers)]
                 )
 
+    @property
+    def kv_pool(self) -> KVPool:
+        """The full-attention component's pool: the ``OffloadManager``'s ``kv_pool``.
+
+        Raises:
+            InvalidArgumentError: the layout has no (or more than one) full-attention component.
+        """
+        fulls = self._of_kind("full")
+        require(len(fulls) == 1, "layout", lambda: f"has {len(fulls)} full-attention components; the manager needs one")
+        return self.pools[fulls[0].name]
+
+    def components(self, slots_of: Any = None) -> Any:
+        """The manager's :class:`~kvstage.offload.components.ComponentPools`: every pool but
+        :attr:`kv_pool`'s, a sliding window's slots of a request being ``slots_of(req)`` (default:
+        positions ``[0, max_tokens)``, one sequence per pools).
+
+        Raises:
+            InvalidArgumentError: as :attr:`kv_pool`.
+        """
+        from kvstage.offload.components import ComponentPools
+
+        full = self.kv_pool
+        positions = torch.arange(self.max_tokens, device=self.device)
+        slots_of = slots_of if slots_of is not None else (lambda req: positions)
+        others = {name: pool for name, pool in self.pools.items() if pool is not full}
+        return ComponentPools(self.layout, others, slots_of={c.name: slots_of for c in self._of_kind("swa")})
+
     def _of_kind(self, kind: str) -> tuple[LayoutComponent, ...]:
         return self.layout.of_kind(kind)
 
