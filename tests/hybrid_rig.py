@@ -281,34 +281,46 @@ def store_with_manager(
         manager.close()
 
 
+def load_into(manager, pools: CachePools, model, req, *, layer_by_layer: bool = False):
+    """Prefetch ``req``'s restorable prefix with ``manager`` and load it into ``pools`` (the window
+    pages at their positions, the snapshot in state slot 0; with ``layer_by_layer``, waiting for
+    each layer in turn); ``(cache rebuilt at the loaded length or None, loaded length)``."""
+    layout = pools.layout
+    handle = manager.prefetch(req, policy="wait_complete")
+    while not handle.ready_to_load():
+        handle.wait()
+        manager.poll()
+    length = handle.pages_ready * PAGE
+    windows = {
+        c.name: _slots(req)[max(length - c.window_pages(PAGE) * PAGE, 0) : length] for c in layout.of_kind("swa")
+    }
+    loaded = manager.load(
+        handle,
+        _slots(req)[:length],
+        layer_by_layer=layer_by_layer,
+        state_slot=0 if layout.has_state else None,
+        component_slots=windows or None,
+    )
+    if layer_by_layer:
+        for layer in range(layout.num_layers):
+            loaded.wait_layer(layer)
+    loaded.wait()
+    while not loaded.done():
+        manager.poll()
+    assert loaded.error is None, loaded.error
+    state_slot = 0 if layout.has_state else None
+    return (pools.to_cache(model.config, length, state_slot=state_slot) if length else None), length
+
+
 def load_with_manager(model, layout: ModelLayout, tokens: torch.Tensor, stores: dict, *, max_tokens: int, **namespace):
-    """A fresh engine's load through the manager: prefetch the restorable prefix of ``tokens``,
-    load it into fresh pools (the window pages at their positions, the snapshot in state slot 0)
-    and rebuild the cache. Returns ``(cache or None, loaded length, the lookup's PrefixMatch)``."""
+    """A fresh engine's load through the manager (:func:`load_into` with fresh pools and manager):
+    ``(cache or None, loaded length, the lookup's PrefixMatch)``."""
     pools = CachePools(layout, max_tokens=max_tokens)
     manager = manager_of(pools, stores)
     req = request(tokens, max_tokens, rid=1, **namespace)
     try:
         found = manager.match_prefix(req)
-        handle = manager.prefetch(req, policy="wait_complete")
-        while not handle.ready_to_load():
-            handle.wait()
-            manager.poll()
-        length = handle.pages_ready * PAGE
-        windows = {
-            c.name: _slots(req)[max(length - c.window_pages(PAGE) * PAGE, 0) : length] for c in layout.of_kind("swa")
-        }
-        loaded = manager.load(
-            handle,
-            _slots(req)[:length],
-            state_slot=0 if layout.has_state else None,
-            component_slots=windows or None,
-        )
-        loaded.wait()
-        while not loaded.done():
-            manager.poll()
-        assert loaded.error is None, loaded.error
-        cache = pools.to_cache(model.config, length, state_slot=0 if layout.has_state else None) if length else None
+        cache, length = load_into(manager, pools, model, req)
         req.done = True
         manager.abort(req)
         manager.drain()

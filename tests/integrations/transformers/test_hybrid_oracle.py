@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvstage.integrations.transformers import CachePools
 from kvstage.storage import open_storage
 
 import hybrid_models as hm
@@ -217,4 +218,36 @@ def test_a_corrupt_window_page_is_a_miss_never_wrong_kv(arch, tmp_path):
     finally:
         rig.close_stores(readers)
     assert max(found.lengths) == 24 and at == 20
+    assert continues_bitwise(arch, cache, tokens, at)
+
+
+@pytest.mark.parametrize("arch", hm.ARCHS)
+def test_a_loaded_request_computes_and_stores_the_rest_then_loads_whole(arch):
+    """A stores 16 tokens (snapshots at 8 and 16); B loads 16 layer by layer, computes pages
+    16 .. 23 on the rebuilt cache and stores them (the chain goes on from the loaded prefix, its
+    snapshot at 24); C loads 24 and continues bitwise."""
+    model, layout = model_of(arch)
+    tokens = prompt()
+    stores = rig.open_stores(layout, "memory")
+    rig.store_with_manager(model, layout, tokens, 16, stores, max_tokens=MAX_TOKENS, snapshots=(8, 16), offload_at=(8,))
+    pools = CachePools(layout, max_tokens=MAX_TOKENS, state_slots=2)
+    manager = rig.manager_of(pools, stores)
+    req = rig.request(tokens, MAX_TOKENS)
+    try:
+        cache, at = rig.load_into(manager, pools, model, req, layer_by_layer=True)
+        assert at == 16
+        for start in range(16, 24, PAGE):
+            rig.forward(model, cache, tokens[:, start : start + PAGE])
+            pools.copy_in(cache, start, start + PAGE)
+        manager.offload(req, kv_length=24)
+        if layout.has_state:
+            pools.save_state(cache, 1)
+            manager.snapshot(req, 24, 1, kv_length=24)
+        req.done = True
+        manager.finish(req, kv_length=24)
+        manager.drain()
+    finally:
+        manager.close()
+    cache, at, _ = rig.load_with_manager(model, layout, tokens, stores, max_tokens=MAX_TOKENS)
+    assert at == 24
     assert continues_bitwise(arch, cache, tokens, at)
