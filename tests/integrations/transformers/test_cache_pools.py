@@ -118,6 +118,21 @@ def test_a_cache_rebuilt_from_the_pools_continues_bitwise(arch):
         )
 
 
+@pytest.mark.parametrize("arch", hm.ARCHS)
+def test_generate_on_a_rebuilt_cache_is_generate_on_the_engines_own(arch):
+    """``model.generate(prompt, cache=rebuilt)`` computes the prompt's last 3 tokens and 6 more:
+    the same tokens and logits as on the cache the prefill of 24 tokens left."""
+    model, layout = model_of(arch)
+    tokens = prompt()
+    pools = CachePools(layout, max_tokens=MAX_TOKENS, state_slots=1)
+    own = rig.prefill(model, tokens, 24, pools, (24,) if layout.has_state else ())
+    rebuilt = pools.to_cache(model.config, 24, state_slot=0 if layout.has_state else None)
+    options = {"max_new_tokens": 6, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    ours, theirs = (model.generate(tokens, cache=cache, **options) for cache in (rebuilt, own))
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert rig.same(list(ours.logits), list(theirs.logits))
+
+
 def test_a_window_layer_refuses_positions_it_no_longer_holds_and_record_window_keeps_them():
     model, layout = model_of("gpt_oss")
     tokens = prompt()
