@@ -45,7 +45,7 @@ class KVEventAnnouncer:
     Attributes:
         pages_announced, pages_removed: pages published as stored / removed.
         pages_unanchored, pages_without_tokens: pages not announced (see the module).
-        errors: writes whose announcement raised (logged; the write is unaffected).
+        errors: announcements that raised (logged; the write or poll is unaffected).
 
     Thread-safe: :meth:`written` runs on the store's writer thread, :meth:`poll` on the engine's.
     """
@@ -117,18 +117,25 @@ class KVEventAnnouncer:
                     self._add_removed(events, event.key)
             if not placed:  # every page was held already (or the store records no events)
                 self._add_stored(events, keys[:held], tokens, prior_key, namespace)
-            self.publisher.publish(events)
+            if events:
+                self.publisher.publish(events)
 
     def poll(self) -> None:
-        """Publish the store's events since the last call (removals between writes)."""
-        with self._lock:
-            events: list = []
-            for event in self.storage.take_events():
-                if event.kind == "stored":
-                    self.pages_without_tokens += 1
-                else:
-                    self._add_removed(events, event.key)
-            self.publisher.publish(events)
+        """Publish the store's events since the last call (removals between writes). Never
+        raises (it runs in the manager's ``poll``): an error is logged and counted."""
+        try:
+            with self._lock:
+                events: list = []
+                for event in self.storage.take_events():
+                    if event.kind == "stored":
+                        self.pages_without_tokens += 1
+                    else:
+                        self._add_removed(events, event.key)
+                if events:
+                    self.publisher.publish(events)
+        except Exception:
+            self.errors += 1
+            logger.exception("kv events: announcing the store's removals failed")
 
     def close(self) -> None:
         """Publish what is left (:meth:`poll`), then close the publisher if owned."""
