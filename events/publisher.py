@@ -5,18 +5,22 @@ counter from 0, ``payload`` a :func:`~kvstage.events.wire.encode_batch` batch. T
 (ZMQ ROUTER) answers a request ``[b"", start_seq]`` with ``[b"", topic, seq, payload]`` for each
 buffered batch from ``start_seq`` on, then the end marker ``[b"", b"", seq=-1, b""]``.
 
+Batches: :meth:`KVEventPublisher.publish` only queues its events; the sending thread takes what
+is queued (up to ``max_batch`` publish calls' worth) as one batch, a chain's consecutive
+``BlockStored`` joined (:func:`~kvstage.events.wire.merge_stored`), so a burst of writes costs one
+encoding and one message, and the caller never waits for the network.
+
 Bounds: the last ``buffer_steps`` batches are kept for replay (older ones are gone: a subscriber
-that fell further behind counts them as gaps); batches handed to :meth:`KVEventPublisher.publish`
-wait for the sending thread in a queue of at most ``max_pending`` batches, beyond which a batch
-is dropped (its seq is taken, so subscribers see the gap) and counted in ``dropped``. The PUB
-socket's own high-water mark (``hwm``) drops messages to a slow subscriber, which replay refills.
+that fell further behind counts them as gaps); publish calls waiting for the sending thread are
+at most ``max_pending``, beyond which a call's events are dropped, counted in ``dropped``, and a
+seq is skipped so that subscribers see the gap. The PUB socket's own high-water mark (``hwm``)
+drops messages to a slow subscriber, which replay refills.
 """
 
 from __future__ import annotations
 
-import itertools
+import collections
 import logging
-import queue
 import threading
 import time
 from typing import Any
@@ -24,7 +28,7 @@ from typing import Any
 import zmq
 
 from kvstage.errors import InvalidArgumentError, is_int, require
-from kvstage.events.wire import KVEventBatch, encode_batch
+from kvstage.events.wire import KVEventBatch, encode_batch, merge_stored
 
 __all__ = ["END_SEQ", "KVEventPublisher"]
 
@@ -45,11 +49,13 @@ class KVEventPublisher:
         buffer_steps: batches kept for replay (>= 1).
         data_parallel_rank: the third field of every batch.
         hwm: the PUB socket's send high-water mark, messages (>= 1).
-        max_pending: batches waiting for the sending thread at most (>= 1).
+        max_pending: publish calls waiting for the sending thread at most (>= 1).
+        max_batch: publish calls the sending thread joins into one batch at most (>= 1).
 
     Attributes:
         endpoint / replay_endpoint: the bound addresses (the port chosen for ``:0``).
-        published: batches sent. dropped: batches dropped from a full pending queue.
+        published: batches sent. events_published: events in them.
+        dropped: publish calls whose events were dropped (a full pending queue).
 
     Raises:
         InvalidArgumentError: a bound is not a positive int, an endpoint or the topic is not a
@@ -68,8 +74,10 @@ class KVEventPublisher:
         data_parallel_rank: int = 0,
         hwm: int = 100000,
         max_pending: int = 100000,
+        max_batch: int = 1024,
     ) -> None:
-        for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm), ("max_pending", max_pending)):
+        bounds = (("buffer_steps", buffer_steps), ("hwm", hwm), ("max_pending", max_pending), ("max_batch", max_batch))
+        for name, value in bounds:
             require(is_int(value) and value >= 1, name, lambda: f"must be an int >= 1, got {value!r}")
         require(isinstance(endpoint, str), "endpoint", lambda: f"must be a str, got {endpoint!r}")
         require(
@@ -83,8 +91,9 @@ class KVEventPublisher:
         self.buffer_steps = buffer_steps
         self.data_parallel_rank = data_parallel_rank
         self.max_pending = max_pending
-        self.published = 0
-        self.dropped = 0
+        self.max_batch = max_batch
+        self.published = self.events_published = self.dropped = 0
+        self._calls = self._calls_done = 0  # publish calls queued or dropped / sent or dropped
         self._topic = topic.encode()
         self._context = zmq.Context.instance()
         self._pub = self._context.socket(zmq.PUB)
@@ -102,19 +111,21 @@ class KVEventPublisher:
         except BaseException:
             self._close_sockets()
             raise
-        self._seq = itertools.count()
-        self._order = threading.Lock()  # a seq and its place in the queue are taken together
-        self._pending: queue.SimpleQueue[tuple[int, KVEventBatch] | None] = queue.SimpleQueue()
+        self._seq = 0  # the next batch's (the sending thread's alone)
+        self._pending: collections.deque[list] = collections.deque()  # publish calls' events, oldest first
+        self._gap = False  # events were dropped since the last batch: skip a seq
+        self._full = threading.Lock()  # the pending bound and the gap flag, checked together
+        self._wake = threading.Event()  # set: the sending thread has something to do
         self._buffer: list[tuple[int, bytes]] = []  # the last buffer_steps (seq, payload), oldest first
         self._closed = False
         self._thread = threading.Thread(target=self._send_loop, name="kvstage-kv-events", daemon=True)
         self._thread.start()
 
-    def publish(self, events: list) -> int:
-        """Queue one batch of ``events`` (:class:`~kvstage.events.BlockStored`,
-        :class:`~kvstage.events.BlockRemoved`, :class:`~kvstage.events.AllBlocksCleared`),
-        stamped now; the sending thread encodes and sends it. Returns its seq (-1: nothing to
-        send). Never blocks on the network.
+    def publish(self, events: list) -> None:
+        """Queue ``events`` (:class:`~kvstage.events.BlockStored`,
+        :class:`~kvstage.events.BlockRemoved`, :class:`~kvstage.events.AllBlocksCleared`) for
+        the next batch, in call order; the sending thread encodes and sends it. Never blocks on
+        the network; an empty list sends nothing.
 
         Raises:
             InvalidArgumentError: the publisher is closed, or ``events`` is not a list.
@@ -124,15 +135,29 @@ class KVEventPublisher:
         if not isinstance(events, list):
             raise InvalidArgumentError(f"events: must be a list of KV events, got {type(events).__name__}")
         if not events:
-            return -1
-        batch = KVEventBatch(time.time(), events, self.data_parallel_rank)
-        with self._order:
-            seq = next(self._seq)
-            if self._pending.qsize() >= self.max_pending:
+            return
+        with self._full:
+            self._calls += 1
+            if len(self._pending) >= self.max_pending:
                 self.dropped += 1
+                self._calls_done += 1
+                self._gap = True
             else:
-                self._pending.put((seq, batch))
-        return seq
+                self._pending.append(events)
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until the events of every publish call made before this one are sent (or
+        dropped); True when they are, False after ``timeout_s`` seconds."""
+        with self._full:
+            target = self._calls
+        deadline = time.monotonic() + timeout_s
+        while self._calls_done < target:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.0005)
+        return True
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send what is queued (up to ``timeout_s`` seconds), stop the thread, close the
@@ -140,7 +165,7 @@ class KVEventPublisher:
         if self._closed:
             return
         self._closed = True
-        self._pending.put(None)
+        self._wake.set()
         self._thread.join(timeout_s)
         if self._thread.is_alive():  # it closes the sockets itself when it ends
             logger.warning("kv events: the sending thread did not stop within %.1f s", timeout_s)
@@ -157,29 +182,44 @@ class KVEventPublisher:
                 sock.close(linger=0)
 
     def _send_loop(self) -> None:
-        """The sockets' only thread once started: sends queued batches, answers replay."""
+        """The sockets' only thread once started: sends queued events, answers replay."""
+        pending = self._pending
         while True:
             if self._replay is not None:
                 while self._replay.poll(0):
                     self._answer_replay()
-            try:
-                item = self._pending.get(timeout=_IDLE_S)
-            except queue.Empty:
-                continue
-            if item is None:
-                break
-            seq, batch = item
-            try:
-                payload = encode_batch(batch)
-            except Exception:
-                logger.exception("kv events: batch %d cannot be encoded; it is skipped (a gap)", seq)
-                continue
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
-            self.published += 1
-            self._buffer.append((seq, payload))
-            if len(self._buffer) > 2 * self.buffer_steps:  # trimmed in steps: amortized O(1)
-                del self._buffer[: -self.buffer_steps]
+            if not pending:
+                if self._closed:
+                    break
+                self._wake.wait(_IDLE_S)
+            self._wake.clear()  # before taking: a publish from now on wakes the next round
+            while pending:
+                with self._full:
+                    take = min(len(pending), self.max_batch)
+                    calls = [pending.popleft() for _ in range(take)]
+                    gap, self._gap = self._gap, False
+                if gap:
+                    self._seq += 1  # dropped events: subscribers see the hole
+                events = calls[0] if take == 1 else merge_stored([event for call in calls for event in call])
+                self._send(KVEventBatch(time.time(), events, self.data_parallel_rank))
+                with self._full:
+                    self._calls_done += take
         self._close_sockets()
+
+    def _send(self, batch: KVEventBatch) -> None:
+        seq = self._seq
+        self._seq += 1
+        try:
+            payload = encode_batch(batch)
+        except Exception:
+            logger.exception("kv events: batch %d cannot be encoded; it is skipped (a gap)", seq)
+            return
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+        self.published += 1
+        self.events_published += len(batch.events)
+        self._buffer.append((seq, payload))
+        if len(self._buffer) > 2 * self.buffer_steps:  # trimmed in steps: amortized O(1)
+            del self._buffer[: -self.buffer_steps]
 
     def _answer_replay(self) -> None:
         frames = self._replay.recv_multipart()

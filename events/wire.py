@@ -32,6 +32,7 @@ __all__ = [
     "block_hash",
     "decode_batch",
     "encode_batch",
+    "merge_stored",
 ]
 
 MEDIUM_STORAGE = "STORAGE"  # vLLM's MEDIUM_STORAGE; Dynamo counts it at its disk tier
@@ -105,6 +106,37 @@ class KVEventBatch:
     ts: float
     events: list[KVEvent] = field(default_factory=list)
     data_parallel_rank: int | None = 0
+
+
+def merge_stored(events: list[KVEvent]) -> list[KVEvent]:
+    """``events`` with each ``BlockStored`` that continues the one just before it (its parent is
+    that one's last hash; same block size, medium, LoRA name and kind of ``extra_keys``) joined
+    into it: the same pages in fewer, longer events (a consumer indexes them alike). The input
+    events are not changed."""
+    out: list[KVEvent] = []
+    for event in events:
+        last = out[-1] if out else None
+        if (
+            isinstance(event, BlockStored)
+            and isinstance(last, BlockStored)
+            and event.parent_block_hash is not None
+            and event.parent_block_hash == last.block_hashes[-1]
+            and (event.block_size, event.medium, event.lora_name) == (last.block_size, last.medium, last.lora_name)
+            and (event.extra_keys is None) == (last.extra_keys is None)
+        ):
+            joined = BlockStored(
+                last.block_hashes + event.block_hashes,
+                last.parent_block_hash,
+                last.token_ids + event.token_ids,
+                last.block_size,
+                last.lora_name,
+                last.medium,
+                None if last.extra_keys is None else last.extra_keys + event.extra_keys,
+            )
+            out[-1] = joined
+        else:
+            out.append(event)
+    return out
 
 
 def _event_map(event: KVEvent) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import pytest
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_hash
-from kvstage.events.wire import decode_batch, encode_batch
+from kvstage.events.wire import decode_batch, encode_batch, merge_stored
 
 
 def sample_batch() -> KVEventBatch:
@@ -101,3 +101,17 @@ def test_a_bad_payload_raises_naming_what_is_wrong(payload, message):
 def test_encoding_refuses_an_object_that_is_no_event():
     with pytest.raises(InvalidArgumentError, match=r"^events: each must be"):
         encode_batch(KVEventBatch(1.0, ["BlockStored"], 0))
+
+
+def test_merge_stored_joins_a_chains_consecutive_runs_and_nothing_else():
+    a = BlockStored([1, 2], None, [0] * 8, 4)
+    b = BlockStored([3], 2, [1] * 4, 4)  # continues a
+    c = BlockStored([4], 3, [2] * 4, 4, lora_name="x")  # continues b, another namespace
+    d = BlockStored([5], 9, [3] * 4, 4)  # another chain
+    removed = BlockRemoved([1])
+    e = BlockStored([6], 5, [4] * 4, 4)  # continues d, after a removal
+    merged = merge_stored([a, b, c, d, removed, e])
+    assert merged == [BlockStored([1, 2, 3], None, [0] * 8 + [1] * 4, 4), c, d, removed, e]
+    assert a == BlockStored([1, 2], None, [0] * 8, 4)  # inputs unchanged
+    salted = [BlockStored([1], None, [0] * 4, 4, extra_keys=[("s",)]), BlockStored([2], 1, [1] * 4, 4, extra_keys=[("s",)])]
+    assert merge_stored(salted) == [BlockStored([1, 2], None, [0] * 4 + [1] * 4, 4, extra_keys=[("s",)] * 2)]
