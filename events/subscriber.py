@@ -140,7 +140,11 @@ class KVEventSubscriber:
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0 or not self._replay.poll(left_ms):
-                logger.warning("kv events: replay from %s gave no end marker in %.1f s", self.replay_endpoint, self.replay_timeout_s)
+                logger.warning(
+                    "kv events: replay from %s gave no end marker in %.1f s",
+                    self.replay_endpoint,
+                    self.replay_timeout_s,
+                )
                 break
             frames = self._replay.recv_multipart()
             if len(frames) != 4 or frames[2] == END_SEQ:

@@ -16,7 +16,7 @@ low 64 bits of its block hash, unsigned, and Dynamo cannot read byte-string hash
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import msgpack
 
@@ -95,7 +95,7 @@ class AllBlocksCleared:
     """Every page of this stream (this batch's data-parallel rank) is gone."""
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass(slots=True)

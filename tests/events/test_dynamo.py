@@ -89,7 +89,9 @@ class Indexer:
 @pytest.fixture
 def indexer_and_publisher():
     if importlib.util.find_spec("dynamo") is None or importlib.util.find_spec("dynamo.indexer") is None:
-        skip_missing("the ai-dynamo-runtime package (bash tools/install-dynamo.sh, or pip install ai-dynamo-runtime==1.6.1)")
+        skip_missing(
+            "the ai-dynamo-runtime package (bash tools/install-dynamo.sh, or pip install ai-dynamo-runtime==1.6.1)"
+        )
     publisher = KVEventPublisher("tcp://127.0.0.1:0", topic="engine-1")
     indexer = Indexer(publisher.endpoint, PAGE)
     try:

@@ -113,5 +113,8 @@ def test_merge_stored_joins_a_chains_consecutive_runs_and_nothing_else():
     merged = merge_stored([a, b, c, d, removed, e])
     assert merged == [BlockStored([1, 2, 3], None, [0] * 8 + [1] * 4, 4), c, d, removed, e]
     assert a == BlockStored([1, 2], None, [0] * 8, 4)  # inputs unchanged
-    salted = [BlockStored([1], None, [0] * 4, 4, extra_keys=[("s",)]), BlockStored([2], 1, [1] * 4, 4, extra_keys=[("s",)])]
+    salted = [
+        BlockStored([1], None, [0] * 4, 4, extra_keys=[("s",)]),
+        BlockStored([2], 1, [1] * 4, 4, extra_keys=[("s",)]),
+    ]
     assert merge_stored(salted) == [BlockStored([1, 2], None, [0] * 4 + [1] * 4, 4, extra_keys=[("s",)] * 2)]
