@@ -36,13 +36,14 @@ def _free_port() -> int:
 
 
 class Indexer:
-    """``python -m dynamo.indexer`` on a free port, one worker: ``WORKER=endpoint``."""
+    """``python -m dynamo.indexer`` on a free port; with ``endpoint``, one worker:
+    ``WORKER=endpoint`` (without replay: Dynamo replays only for registered workers)."""
 
-    def __init__(self, endpoint: str, block_size: int) -> None:
+    def __init__(self, endpoint: str | None, block_size: int) -> None:
         self.port = _free_port()
+        workers = [] if endpoint is None else ["--block-size", str(block_size), "--workers", f"{WORKER}={endpoint}"]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "dynamo.indexer", "--port", str(self.port), "--block-size", str(block_size),
-             "--threads", "1", "--workers", f"{WORKER}={endpoint}"],
+            [sys.executable, "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1", *workers],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         deadline = time.monotonic() + 30
@@ -56,6 +57,14 @@ class Indexer:
             except OSError:
                 time.sleep(0.05)
         raise AssertionError("dynamo.indexer not healthy within 30 s")
+
+    def post(self, path: str, body: dict) -> int:
+        """POST ``body`` as JSON; the HTTP status."""
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}", json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return answer.status
 
     def disk_overlap(self, token_ids: list[int]) -> int:
         """Tokens of ``token_ids`` the indexer finds for the worker at its disk tier (0: none)."""
@@ -86,12 +95,17 @@ class Indexer:
         return out
 
 
-@pytest.fixture
-def indexer_and_publisher():
+def require_dynamo() -> None:
+    """Skip (fail under CI) where ai-dynamo-runtime is not installed."""
     if importlib.util.find_spec("dynamo") is None or importlib.util.find_spec("dynamo.indexer") is None:
         skip_missing(
             "the ai-dynamo-runtime package (bash tools/install-dynamo.sh, or pip install ai-dynamo-runtime==1.6.1)"
         )
+
+
+@pytest.fixture
+def indexer_and_publisher():
+    require_dynamo()
     publisher = KVEventPublisher("tcp://127.0.0.1:0", topic="engine-1")
     indexer = Indexer(publisher.endpoint, PAGE)
     try:
@@ -154,3 +168,27 @@ def test_dynamo_indexer_sees_the_managers_stored_prefix_and_its_eviction_and_cle
     assert indexer.wait_for(first, 0) == 0
     assert indexer.wait_for(second, 0) == 0
     rig.manager.close()
+
+
+def test_dynamo_replays_what_a_registered_worker_published_before_it_connected():
+    require_dynamo()
+    publisher = KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", topic="engine-1")
+    rig = make_rig(page_size=PAGE, store_prompt=True, kv_events=publisher)
+    prompt = list(range(40, 40 + 3 * PAGE + 1))
+    store_prefix(rig, "a", prompt)  # no subscriber yet: only the replay buffer holds it
+    assert publisher.flush() and publisher.published >= 1
+    indexer = Indexer(None, PAGE)
+    try:
+        registration = {
+            "instance_id": int(WORKER), "endpoint": publisher.endpoint, "model_name": "default",
+            "block_size": PAGE, "replay_endpoint": publisher.replay_endpoint,
+        }  # fmt: skip
+        assert indexer.post("/register", registration) == 201
+        # Its first live batch (a probe) has a seq above 0: the indexer asks the replay socket for the rest.
+        _until_connected(indexer, publisher)
+        assert indexer.wait_for(prompt, 3 * PAGE) == 3 * PAGE
+    finally:
+        log = indexer.stop()
+        rig.manager.close()
+        publisher.close()
+        print(log[-4000:])
