@@ -61,7 +61,9 @@ class Indexer:
     def post(self, path: str, body: dict) -> int:
         """POST ``body`` as JSON; the HTTP status."""
         request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{path}", json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+            f"http://127.0.0.1:{self.port}{path}",
+            json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(request, timeout=5) as answer:
             return answer.status
