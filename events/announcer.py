@@ -95,28 +95,25 @@ class KVEventAnnouncer:
             logger.exception("kv events: announcing a write of %d pages failed", len(keys))
 
     def _written(self, keys, tokens, prior_key, namespace, failed_keys) -> None:
-        failed = set(failed_keys)
-        held = next((index for index, key in enumerate(keys) if key in failed), len(keys))
+        if failed_keys:
+            failed = set(failed_keys)
+            keys = keys[: next((index for index, key in enumerate(keys) if key in failed), len(keys))]
         with self._lock:
             store_events = self.storage.take_events()
-            mine = set(keys[:held])
             events: list = []
             placed = False
-            for event in store_events:
-                if event.kind == "stored":
-                    if event.key in mine:
-                        if not placed:
-                            placed = True
-                            self._add_stored(events, keys[:held], tokens, prior_key, namespace)
-                    else:
-                        self.pages_without_tokens += 1
-                else:
-                    if event.key in mine and not placed:  # stored, then evicted within this write
+            if store_events:
+                mine = set(keys)
+                for event in store_events:
+                    if event.key in mine and not placed:  # its first event: stored (or evicted within this write)
                         placed = True
-                        self._add_stored(events, keys[:held], tokens, prior_key, namespace)
-                    self._add_removed(events, event.key)
+                        self._add_stored(events, keys, tokens, prior_key, namespace)
+                    if event.kind != "stored":
+                        self._add_removed(events, event.key)
+                    elif event.key not in mine:
+                        self.pages_without_tokens += 1
             if not placed:  # every page was held already (or the store records no events)
-                self._add_stored(events, keys[:held], tokens, prior_key, namespace)
+                self._add_stored(events, keys, tokens, prior_key, namespace)
             if events:
                 self.publisher.publish(events)
 
@@ -147,28 +144,30 @@ class KVEventAnnouncer:
         if not keys:
             return
         hashes = [block_hash(key) for key in keys]
-        size = self.block_size
+        size, live, count = self.block_size, self._live, len(hashes)
         start = 0
         parent = None if prior_key is None else block_hash(prior_key)
-        while start < len(hashes) and hashes[start] in self._live:  # announced already: continue after them
+        while start < count and hashes[start] in live:  # announced already: continue after them
             parent = hashes[start]
             start += 1
-        if start == len(hashes):
+        if start == count:
             return
-        if parent is not None and parent not in self._live:
-            self.pages_unanchored += len(hashes) - start
+        if parent is not None and parent not in live:
+            self.pages_unanchored += count - start
             return
         extra_key, cache_salt = namespace
-        extra = tuple(value for value in (extra_key, cache_salt) if value is not None)
-        token_list = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        extra = None
+        if extra_key is not None or cache_salt is not None:
+            extra = tuple(value for value in (extra_key, cache_salt) if value is not None)
+        token_list = tokens if type(tokens) is list else (tokens.tolist() if hasattr(tokens, "tolist") else list(tokens))
         stored = BlockStored(
-            hashes[start:],
+            hashes[start:] if start else hashes,
             parent,
-            token_list[start * size : len(hashes) * size],
+            token_list[start * size : count * size] if start or len(token_list) != count * size else token_list,
             size,
-            lora_name=extra_key,
-            medium=self.medium,
-            extra_keys=[extra] * (len(hashes) - start) if extra else None,
+            extra_key,
+            self.medium,
+            None if extra is None else [extra] * (count - start),
         )
         self._live.update(stored.block_hashes)
         self.pages_announced += len(stored.block_hashes)
