@@ -159,7 +159,9 @@ class KVEventAnnouncer:
         extra = None
         if extra_key is not None or cache_salt is not None:
             extra = tuple(value for value in (extra_key, cache_salt) if value is not None)
-        token_list = tokens if type(tokens) is list else (tokens.tolist() if hasattr(tokens, "tolist") else list(tokens))
+        token_list = (
+            tokens if type(tokens) is list else (tokens.tolist() if hasattr(tokens, "tolist") else list(tokens))
+        )
         stored = BlockStored(
             hashes[start:] if start else hashes,
             parent,
