@@ -39,18 +39,28 @@ WRITE_PAGES = (1, 16)
 CHAIN_WRITES = 8
 TARGET_US = 2.0
 
-# A SUB socket that counts messages; it prints the count after 5 s without one.
+# A SUB socket that counts messages until it has the number the parent writes to its stdin (or
+# 10 s passed without a message after that), then prints the count.
 _SUBSCRIBER = """
 import sys, zmq
 sock = zmq.Context.instance().socket(zmq.SUB)
 sock.setsockopt(zmq.SUBSCRIBE, b"")
 sock.setsockopt(zmq.RCVHWM, 0)
 sock.connect(sys.argv[1])
+poller = zmq.Poller()
+poller.register(sock, zmq.POLLIN)
+poller.register(sys.stdin, zmq.POLLIN)
 print("ready", flush=True)
-count = 0
-while sock.poll(5000 if count else 60000):
-    sock.recv_multipart()
-    count += 1
+count, expected = 0, None
+while expected is None or count < expected:
+    ready = dict(poller.poll(10000 if expected is not None else None))
+    if not ready:
+        break
+    if sock in ready:
+        sock.recv_multipart()
+        count += 1
+    if expected is None and any(key is not sock for key in ready):
+        expected = int(sys.stdin.readline())
 print(count, flush=True)
 """
 
@@ -60,14 +70,14 @@ class Subscriber:
 
     def __init__(self, endpoint: str) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _SUBSCRIBER, endpoint], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", _SUBSCRIBER, endpoint], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         assert self.process.stdout.readline().strip() == "ready"
         time.sleep(0.5)  # its SUB socket connects (a message sent before is lost to it)
 
-    def count(self) -> int:
-        """Messages received, once the stream has been quiet for 5 s."""
-        out, _ = self.process.communicate(timeout=120)
+    def count(self, expected: int) -> int:
+        """Messages received, once ``expected`` came or 10 s passed without one."""
+        out, _ = self.process.communicate(f"{expected}\n", timeout=300)
         return int(out.strip().splitlines()[-1])
 
 
@@ -140,7 +150,7 @@ def cost_per_page(quick: bool, log: Callable[[str], None]) -> list[dict]:
                 walls[which].append(wall / pages * 1e6)
                 cpus[which].append(cpu / pages * 1e6)
         publisher.close()
-        received = subscriber.count()
+        received = subscriber.count(publisher.published)
         added_wall = statistics.median(w - b for b, w in zip(walls[0], walls[1]))
         added_cpu = statistics.median(w - b for b, w in zip(cpus[0], cpus[1]))
         row = {
@@ -191,7 +201,7 @@ def events_per_second(quick: bool, log: Callable[[str], None]) -> list[dict]:
             assert publisher.flush(300), "the publisher did not send its events within 300 s"
             seconds = time.perf_counter() - started
             publisher.close()
-            received = subscriber.count()
+            received = subscriber.count(publisher.published)
             row = {
                 "method": "events per second",
                 "write_pages": write_pages,
