@@ -61,6 +61,7 @@ while expected is None or count < expected:
         count += 1
     if expected is None and any(key is not sock for key in ready):
         expected = int(sys.stdin.readline())
+        poller.unregister(sys.stdin)  # at its end it would stay readable
 print(count, flush=True)
 """
 
