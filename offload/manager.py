@@ -61,6 +61,7 @@ from typing import Any, Callable
 import torch
 
 from kvstage.errors import InvalidArgumentError, require
+from kvstage.events.announcer import announcer_for
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.backup import Backup, RequestWrites
 from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike, PageHasherLike, StoreWorkersLike
@@ -154,6 +155,10 @@ class OffloadManager:
             this manager (its copy or its store write) fails at once, without a store call:
             the ``MissingPriorError`` is a :class:`~kvstage.offload.PriorFailedError`
             naming the failed page and its cause.
+        kv_events: router-facing KV events of what this manager stores and its store evicts
+            or removes (:mod:`kvstage.events`): None (off), a
+            :class:`~kvstage.events.KVEventPublisher`, or an endpoint str to bind one at
+            (closed with the manager). The manager then takes the store's events.
 
     Raises:
         ArgumentTypeError: ``hasher`` is not a page hasher instance, ``storage`` is not a
@@ -190,6 +195,7 @@ class OffloadManager:
         finish_backlog_pages: int | None = None,
         store_workers: StoreWorkersLike | None = None,
         prior_wait_s: float = 10.0,
+        kv_events: Any = None,
     ) -> None:
         page_size = host_pool.page_size
         stride = checked_stride(hasher, host_pool, offload_stride, prior_wait_s)
@@ -227,6 +233,7 @@ class OffloadManager:
         self._backup = Backup(
             self.copier, storage, hasher, self._workers, self._counters, on_storage_failure, prior_wait_s=prior_wait
         )
+        self._backup.announcer = self._announcer = announcer_for(kv_events, storage, page_size)
         storage.register_host_buffers(host_pool.buffers)
 
     # -- store path ---------------------------------------------------------------------------
@@ -596,6 +603,8 @@ class OffloadManager:
         self._closed = True
         if self._owns_workers:
             self._workers.close()
+        if self._announcer is not None:
+            self._announcer.close()
         self.copier.close()
 
     # -- what the engine may inspect ----------------------------------------------------------
@@ -760,6 +769,8 @@ class OffloadManager:
                 else:
                     self._loaded(result)
             self._backup.poll()
+            if self._announcer is not None:  # removals between writes (clear, a corrupt page dropped)
+                self._announcer.poll()
             self._prefetcher.poll()
             if self._backlog:
                 self._launch_backlog()
