@@ -95,6 +95,7 @@ class KVStageOffloadingSpec(OffloadingSpec):
         self.fingerprint = block_fingerprint(config, model_id=extra.get("model_id"))
         self.report_load_errors = False  # KVStageConnector sets it: failed loads go to vLLM's scheduler
         self.load_failure_policy = "fail"  # KVStageConnector sets vLLM's kv_load_failure_policy (for warnings)
+        self.reports_stores = False  # KVStageConnector sets it: workers report their stores to the scheduler
         self._manager: KVStageOffloadingManager | None = None
         self._worker: KVStageWorker | None = None
 
@@ -125,6 +126,7 @@ class KVStageOffloadingSpec(OffloadingSpec):
                     num_host_pages=self.num_host_pages,
                     report_load_errors=self.report_load_errors,
                     load_failure_policy=self.load_failure_policy,
+                    reports_stores=self.reports_stores,
                 )
             except BaseException:
                 release_shared_storage(storage)  # the worker owns the store only once built
