@@ -2,7 +2,8 @@
 
 It decides for vLLM's scheduler and never waits for the store: lookups answer from a
 :class:`kvstage.offload.StoreIndex`, loads and stores are handed to the workers as
-:class:`KVStageLoadStoreSpec` (the blocks' page keys), the store's events become vLLM's
+:class:`KVStageLoadStoreSpec` (the blocks' page keys); the blocks stored (as vLLM completes
+their jobs) and lost (as the workers or this process's store report them) become vLLM's
 ``OffloadingEvent``s.
 """
 
@@ -200,7 +201,11 @@ class KVStageOffloadingManager(OffloadingManager):
             new = [key for key in held if key not in self._announced]
             if new:
                 self._announced.update(new)
-                self._events.append(OffloadingEvent([bytes.fromhex(key) for key in new], Medium.STORAGE, False))
+                # removal_expected: this manager announces the removals (vLLM's tracker keeps the payload for them)
+                event = OffloadingEvent(
+                    [bytes.fromhex(key) for key in new], Medium.STORAGE, False, removal_expected=True
+                )
+                self._events.append(event)
 
     def stores_reported(self, unwritten: Iterable[str], removed: Iterable[str]) -> None:
         """The workers' report of a step (:meth:`KVStageWorker.take_store_report`, from every

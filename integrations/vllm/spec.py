@@ -7,7 +7,7 @@ vLLM's ``OffloadingConnector`` loads a spec by name (``vllm/v1/kv_offload/factor
             "spec_module_path": "kvstage.integrations.vllm", "storage": "file:/var/cache/kv"}}'
 
 and asks it for a scheduler-side manager (:class:`KVStageOffloadingManager`: decides, answers
-lookups from a :class:`kvstage.offload.StoreIndex`, reports store events) and, in each worker, a
+lookups from a :class:`kvstage.offload.StoreIndex`, announces stored and lost blocks) and, in each worker, a
 worker (:class:`KVStageWorker`: moves vLLM's canonical block tensors to and from the store with
 :class:`kvstage.offload.KeyedCopies`). A page is one block of one worker across the KV group's
 layers; its key is the block's ``OffloadKey`` in hex.
