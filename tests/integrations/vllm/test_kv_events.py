@@ -326,6 +326,12 @@ def test_tp2_every_stored_block_is_announced_once_with_its_tokens(tp_rig):
     assert len(tp_rig.subscriber.storage(BlockStored)) == 4
     assert tp_rig.subscriber.storage(BlockRemoved) == []
 
+    assert tp_rig.scheduler.reset_prefix_cache(reset_connector=True)  # e.g. after a weight update: the store cleared
+    tp_rig.step()  # vLLM publishes the connector's events of a step
+    tp_rig.subscriber.drain()
+    removed = [h for event in tp_rig.subscriber.storage(BlockRemoved) for h in event.block_hashes]
+    assert sorted(removed) == sorted(h for event in stored for h in event.block_hashes)
+
 
 def test_tp2_a_block_a_ranks_store_evicts_is_announced_removed_once(tmp_path):
     # Each rank's file store holds 3 of its pages: a second prompt's 2 blocks evict from the first's.
