@@ -8,7 +8,9 @@ What must hold, with the workers in the scheduler's process (``ConnectorRig``) a
 their ``KVConnectorOutput`` aggregated by vLLM's ``KVOutputAggregator``): every block stored is
 announced ``BlockStored`` medium ``STORAGE`` exactly once, with its token ids, parent and block
 size when ``self_describing_kv_events`` is set; a block a rank's store evicts is announced
-``BlockRemoved`` once (not once per rank); a page a worker could not write is not announced.
+``BlockRemoved`` once (not once per rank), and every stored block after a connector cache
+reset; a page a worker could not write, or a store lost while its job ran, is not announced. The
+manager's own rules (the order, once, left out) are also checked on the manager alone.
 """
 
 from __future__ import annotations
@@ -395,3 +397,70 @@ def test_a_page_the_store_could_not_write_is_not_announced(tmp_path):
         assert [h for event in stored for h in event.block_hashes] == gpu_hashes(rig.kv_events)[:1]
     finally:
         rig.close()
+
+
+def _manager(reports: bool):
+    from kvstage.integrations.vllm import KVStageOffloadingManager
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=16, page_format="test"))
+    manager = KVStageOffloadingManager(store, events=True)
+    manager.workers_report_stores = reports
+    return manager, store
+
+
+def _announced(manager) -> list[tuple[bool, list[bytes]]]:
+    return [(event.removed, list(event.keys)) for event in manager.take_events()]
+
+
+def test_the_manager_announces_what_the_workers_report_once_in_the_order_prepared():
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    manager, _store = _manager(reports=True)
+    try:
+        a, b, c = (bytes([i]) * 32 + bytes(4) for i in (1, 2, 3))
+        context = ReqContext("r")
+        assert manager.prepare_store([a, b, c], context).keys_to_store == [a, b, c]
+        manager.stores_reported(unwritten=[b.hex()], removed=[])  # one rank could not write b
+        manager.complete_store({c, b, a}, context)  # vLLM passes a set
+        assert _announced(manager) == [(False, [a, c])]  # prepared order, b left out
+        assert manager.lookup(a, context) is LookupResult.HIT  # held at once: no store round trip
+        assert manager.lookup(b, context) is LookupResult.RETRY  # asked of the store
+        manager.stores_reported(unwritten=[], removed=[a.hex(), a.hex(), b.hex()])  # two ranks evicted a
+        assert _announced(manager) == [(True, [a])]  # once; b was never announced
+        assert manager.lookup(a, context) is LookupResult.MISS
+    finally:
+        manager.shutdown()
+
+
+def test_a_page_lost_while_its_store_job_runs_is_not_announced():
+    from vllm.v1.kv_offload.base import ReqContext
+
+    manager, _store = _manager(reports=True)
+    try:
+        a, b = (bytes([i]) * 32 + bytes(4) for i in (1, 2))
+        context = ReqContext("r")
+        manager.prepare_store([a, b], context)
+        manager.stores_reported(unwritten=[], removed=[a.hex()])  # rank 0 wrote a, then evicted it; rank 1 not done
+        manager.complete_store({a, b}, context)
+        assert _announced(manager) == [(False, [b])]
+    finally:
+        manager.shutdown()
+
+
+def test_without_worker_reports_a_block_is_announced_once_the_stores_own_event_said_stored():
+    import torch
+    from vllm.v1.kv_offload.base import ReqContext
+
+    manager, store = _manager(reports=False)  # vLLM's plain OffloadingConnector, the store in this process
+    try:
+        a, b = (bytes([i]) * 32 + bytes(4) for i in (1, 2))
+        context = ReqContext("r")
+        manager.prepare_store([a, b], context)
+        store.put([a.hex()], [torch.zeros(16, dtype=torch.uint8)])  # b's page never reached the store
+        manager.complete_store({a, b}, context)
+        assert _announced(manager) == [(False, [a])]
+        store.clear()
+        assert _announced(manager) == [(True, [a])]  # the store's removal, from its own events
+    finally:
+        manager.shutdown()
