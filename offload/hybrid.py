@@ -1,0 +1,514 @@
+"""The store and load of a hybrid model's components beside its full-attention pages (the
+manager's collaborator; the manager moves the full pages as for a plain model).
+
+Key rule (:mod:`kvstage.offload.restorable`): every component's entry for page ``i`` is stored
+under the page's key ``h_i`` in the component's own store; a state snapshot after ``k`` pages
+under ``h_{k-1}``. Entries of other components are put as chain starts (``prior_key=None``):
+their key spaces have no chain of their own, and a chain-aware store refuses a put whose prior
+is missing.
+
+- Store: with every run of full pages the manager launches, each sidecar's pages of the same
+  slots and each sliding window's pages that :func:`swa_store_mask` allows for a resume at the
+  run's end are gathered (one launch per component, on the copy stream after the same
+  producer) into host memory; once the run's keys are known and the copy is done, they are
+  put on the writer thread, after the run's full pages.
+- Snapshots (:meth:`Hybrid.snapshot`): the request's state slot is gathered in one launch
+  (every state layer) on the copy stream after ``after``; its put waits until the request's
+  pages ``0 .. k-1`` were handed to the writer (or loaded), and on the writer thread it is put
+  only when the full store holds ``h_{k-1}``.
+- Lookup and prefetch: every store is asked for the keys; the answer is the restorable length
+  (:func:`restorable_lengths`). A prefetch reads the full pages and every component's entries
+  for the largest restorable length it has host pages for; an entry that cannot be read
+  (evicted, corrupt) drops it to the next restorable length below, never to a length that
+  cannot be resumed.
+- Load: sidecar pages into the full slots, window pages into the sliding window's slots, the
+  snapshot into the request's state slot, one launch per component; a layer's wait covers every
+  component of that layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import torch
+
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
+from kvstage.hashing.chain import request_namespace
+from kvstage.kernels import gather, scatter
+from kvstage.kernels.state_copy import gather_state, scatter_state
+from kvstage.kernels.streams import CopyHandle
+from kvstage.offload.components import ComponentPools
+from kvstage.offload.load_path import LoadHandle, PrefixMatch
+from kvstage.offload.request import request_tokens
+from kvstage.offload.restorable import pages_to_load, restorable_lengths, snapshot_key_index, swa_store_mask
+from kvstage.offload.store_io import WriteOutcome, read_leading_pages, write_pages
+from kvstage.storage import MissingPriorError
+
+__all__ = ["Hybrid", "HybridLoadHandle", "PlainModel", "split_storage"]
+
+logger = logging.getLogger(__name__)
+
+
+def split_storage(storage: Any, components: ComponentPools | None, kv_pool: Any, page_size: int) -> tuple[Any, Any]:
+    """``(full store, Hybrid or None)`` from the manager's ``storage`` and ``components``: a
+    store and no components is a plain model; a mapping of stores needs ``components``.
+
+    Raises:
+        InvalidArgumentError / ArgumentTypeError: components without a mapping of stores (or
+            the reverse), a pool that does not fit its component, a store of another layout.
+    """
+    if not isinstance(storage, Mapping):
+        require(components is None, "components", "needs storage={component name: store}, one per component")
+        return storage, PlainModel()
+    require(
+        isinstance(components, ComponentPools),
+        "components",
+        lambda: (
+            f"must be a kvstage.offload.ComponentPools for storage={{name: store}}, got {type(components).__name__}"
+        ),
+        ArgumentTypeError,
+    )
+    components.check(kv_pool, page_size)
+    components.layout.require_matches(
+        {name: getattr(store, "fingerprint", None) for name, store in storage.items()}, page_size
+    )
+    return storage[components.full.name], Hybrid(components, dict(storage), page_size)
+
+
+class _Entries:
+    """One component's entries in host memory: a gather's (store path) or a read's (load path)."""
+
+    __slots__ = ("name", "state", "staging", "keys", "indices", "handle", "req", "run", "first", "length", "counted")
+
+    def __init__(self, name: str, state: Any, staging: torch.Tensor, indices: list[int]) -> None:
+        self.name, self.state, self.staging, self.indices = name, state, staging, indices
+        self.keys: list[str] | None = None  # known once the run is keyed (store) or read (load)
+        self.handle: CopyHandle | None = None
+        self.req: Any = None  # a snapshot's request and length
+        self.run: Any = None  # a page gather's run and its first page
+        self.first = 0
+        self.length = 0
+        self.counted = False  # its copy's end was counted off the request's copies in flight
+
+
+class Hybrid:
+    """The components of one manager's hybrid model (module doc); built by :func:`split_storage`."""
+
+    def __init__(self, components: ComponentPools, stores: dict[str, Any], page_size: int) -> None:
+        self.layout = components.layout
+        self.components = components
+        self.stores = stores
+        self.page_size = page_size
+        self.full = components.full
+        self.others = [c for c in self.layout.components if c.kind != "full"]
+        self.state = next(iter(self.layout.of_kind("state")), None)
+        self.stored = {c.name: 0 for c in self.layout.components}  # entries put (stored or deduplicated)
+        self.failed = {c.name: 0 for c in self.layout.components}
+        self._copies: list[_Entries] = []  # gathers whose copy or keys are pending
+        self._writes: list[tuple[_Entries, Any]] = []
+        self._loads: list[tuple[Any, CopyHandle]] = []  # component scatters: (request state, handle)
+        self.lookup = self  # what the prefetcher reads through
+
+    def attach(self, copy_stream: Any, workers: Any, hasher: Any, backend: str, pinned: bool) -> None:
+        """The manager's copy stream, store workers, hasher, kernel backend, host pinning."""
+        self.copy_stream, self.workers, self.hasher, self.backend, self.pinned = (
+            copy_stream,
+            workers,
+            hasher,
+            backend,
+            pinned,
+        )
+
+    # -- store path -----------------------------------------------------------------------
+
+    def gather_pages(self, state: Any, run: Any, start: int, slots: torch.Tensor, after: Any) -> None:
+        """Launch the gathers of a full run's sidecar pages and the window pages worth storing
+        (``run`` covers tokens ``[start, start + len(slots))``); one launch per component."""
+        page_size = self.page_size
+        first, end = start // page_size, (start + slots.shape[0]) // page_size
+        for component in self.others:
+            if component.kind == "sidecar":
+                indices, device_slots = list(range(first, end)), slots
+            elif component.kind == "swa":
+                mask = swa_store_mask(component, page_size, [end * page_size], end_page=end, first_page=first)
+                indices = [first + i for i, keep in enumerate(mask) if keep]
+                if not indices:
+                    continue
+                table = self.components.slots_of[component.name](state.req)
+                device_slots = table[indices[0] * page_size : (indices[-1] + 1) * page_size]
+            else:
+                continue
+            pool = self.components.pools[component.name]
+            entries = self._staging(component.name, state, pool, len(indices))
+            entries.indices, entries.run, entries.first = indices, run, first
+            entries.handle = self._submit_pages(gather, pool, entries.staging, device_slots, after)
+            state.copies_in_flight += 1
+            self._copies.append(entries)
+
+    def settled(self, run: Any) -> None:
+        """The manager settled ``run`` (its keys are known when its copy succeeded)."""
+        for entries in self._copies:
+            if entries.run is run and entries.keys is None:  # no keys: the full copy failed, so do these
+                entries.keys = [] if run.keys is None else [run.keys[i - entries.first] for i in entries.indices]
+
+    def snapshot(self, req: Any, state: Any, length: int, state_slot: Any, num_tokens: int, after: Any) -> CopyHandle:
+        """Launch the gather of ``req``'s state slot (the state after exactly ``length`` tokens)
+        into host memory; its put follows (module doc). Every check runs before the launch.
+
+        Raises:
+            InvalidArgumentError: no state component; ``length`` not a positive multiple of the
+                page size or past ``num_tokens``; ``state_slot`` not an int in the pool's range.
+        """
+        require(self.state is not None, "snapshot", "the layout has no request-state component")
+        index = snapshot_key_index(length, self.page_size, num_tokens)
+        pool = self.components.pools[self.state.name]
+        require(
+            is_int(state_slot) and 0 <= state_slot < pool.num_slots,
+            "state_slot",
+            lambda: f"must be an int in [0, {pool.num_slots}) (a slot of the state pool), got {state_slot!r}",
+        )
+        extra_key, cache_salt = request_namespace(req)
+        keys = self.hasher.prefill_keys(request_tokens(req, 0, length), extra_key=extra_key, cache_salt=cache_salt)
+        entries = self._staging(self.state.name, state, pool, 1)
+        entries.keys, entries.req, entries.length, entries.indices = [keys[index]], req, length, [index]
+        staging, backend, slot = entries.staging, self.backend, int(state_slot)
+        entries.handle = self.copy_stream.submit(
+            lambda: gather_state(pool, [slot], staging, backend=backend), keep=[staging], after=after
+        )
+        if state is not None:
+            state.copies_in_flight += 1
+        self._copies.append(entries)
+        return entries.handle
+
+    def poll(self, states: Mapping[int, Any]) -> list[Any]:
+        """Hand finished gathers to the writer (a snapshot once its pages are settled), collect
+        finished writes; returns the request states whose copies ended (for their release)."""
+        ended, waiting = [], []
+        for entries in self._copies:
+            done = entries.handle.query()
+            if done and not entries.counted:
+                entries.counted = True
+                if entries.state is not None:
+                    entries.state.copies_in_flight -= 1
+                    ended.append(entries.state)
+            if not done or entries.keys is None or not self._ready(entries, states):
+                waiting.append(entries)
+                continue
+            if entries.handle.error is not None or not entries.keys:
+                self.failed[entries.name] += len(entries.indices)
+                continue
+            self._writes.append((entries, self.workers.write(lambda e=entries: self._put(e))))
+        self._copies = waiting
+        for state, handle in [load for load in self._loads if load[1].query()]:
+            self._loads.remove((state, handle))
+            state.copies_in_flight -= 1
+            ended.append(state)
+        pending = []
+        for entries, future in self._writes:
+            if not future.done():
+                pending.append((entries, future))
+                continue
+            outcome = future.result()
+            self.failed[entries.name] += len(outcome.failed_keys)
+            self.stored[entries.name] += outcome.stored + outcome.deduplicated
+            if outcome.failed_keys:
+                logger.warning("offload: %s entries failed: %r", entries.name, outcome.error)
+        self._writes = pending
+        return ended
+
+    def _ready(self, entries: _Entries, states: Mapping[int, Any]) -> bool:
+        """A snapshot waits until its request's pages before it were handed to the writer."""
+        if entries.name != getattr(self.state, "name", None):
+            return True
+        state = entries.state
+        if state is None or states.get(id(entries.req)) is not state:
+            return True  # ended: the put's check of the full page decides
+        unsettled = sum(
+            len(segment.run.tokens) if segment.run.tokens is not None else len(segment.run.keys) * self.page_size
+            for segment in state.unsettled
+        )
+        return state.offloaded_length - unsettled >= entries.length
+
+    def _put(self, entries: _Entries) -> Any:
+        """On the writer thread: put the entries; a snapshot only when its full page is stored."""
+        pages = [entries.staging[i] for i in range(len(entries.keys))]
+        if entries.name == getattr(self.state, "name", None):
+            key = entries.keys[0]
+            if not self.stores[self.full.name].exists([key])[0]:
+                return WriteOutcome(failed_keys=[key], error=MissingPriorError(key))
+        return write_pages(self.stores[entries.name], entries.keys, pages, prior_key=None)
+
+    def wait(self) -> None:
+        """Block until every gather and write of the components has ended (drain)."""
+        for entries in self._copies:
+            entries.handle.synchronize()
+        for _, future in self._writes:
+            future.result()
+        for _, handle in self._loads:
+            handle.synchronize()
+
+    @property
+    def in_flight(self) -> int:
+        """Gathers, scatters and writes not collected yet."""
+        return len(self._copies) + len(self._writes) + len(self._loads)
+
+    def clear(self) -> int:
+        """Empty every component's store but the full one (the manager clears that); entries removed."""
+        return sum(store.clear() for name, store in self.stores.items() if name != self.full.name)
+
+    # -- load path ------------------------------------------------------------------------
+
+    def present(self, keys: list[str]) -> dict[str, list[bool]]:
+        """Per component, which of ``keys`` its store holds (state: the snapshot at ``h_i``);
+        the others are asked only for the keys before the full store's first miss."""
+        full = list(self.stores[self.full.name].exists(list(keys))) if keys else []
+        leading = next((i for i, hit in enumerate(full) if not hit), len(full))
+        present = {self.full.name: full}
+        for component in self.others:
+            asked = keys[:leading]
+            present[component.name] = list(self.stores[component.name].exists(asked)) if asked else []
+        return present
+
+    def match(self, keys: list[str], num_tokens: int) -> PrefixMatch:
+        """The lookup's answer: the restorable length and every restorable length."""
+        found = restorable_lengths(self.layout, self.page_size, num_tokens, self.present(keys))
+        pages = found.num_pages
+        return PrefixMatch(pages, keys[:pages], pages * self.page_size, len(keys), found.lengths)
+
+    def read(self, handle: Any, pages: list[torch.Tensor]) -> None:
+        """On a reader thread: the lookup, then the full pages and every component's entries of
+        the largest restorable length that fits the host pages and reads whole (module doc)."""
+        keys, page_size = handle.page_keys, self.page_size
+        found = restorable_lengths(self.layout, page_size, len(keys) * page_size + 1, self.present(keys))
+        handle.lengths = found.lengths
+        handle.pages_hit = found.num_pages
+        fits = [length for length in found.lengths if length // page_size <= len(pages)]
+        if not fits or handle.cancelled:
+            return
+        count = fits[-1] // page_size
+        outcome = read_leading_pages(self.stores[self.full.name], keys[:count], pages[:count])
+        handle.error = outcome.error
+        for length in reversed(fits):
+            if length // page_size <= outcome.pages_read:
+                entries = self._read_entries(keys, length)
+                if entries is not None:
+                    handle.entries = entries
+                    handle.pages_ready = length // page_size
+                    break
+        handle.hole = handle.pages_ready < found.num_pages and handle.error is None
+
+    def _read_entries(self, keys: list[str], length: int) -> dict[str, _Entries] | None:
+        """Every component's entries for a resume at ``length``, or None when one is not read whole."""
+        plan, read = pages_to_load(self.layout, self.page_size, length), {}
+        for component in self.others:
+            indices = list(plan[component.name])
+            entries = self._staging(component.name, None, self.components.pools[component.name], len(indices))
+            entries.indices, entries.keys, entries.length = indices, [keys[i] for i in indices], length
+            into = [entries.staging[i] for i in range(len(indices))]
+            try:
+                hits = list(self.stores[component.name].get(entries.keys, into)) if indices else []
+            except Exception:  # a store that fails: this length cannot be resumed
+                logger.exception("offload: read of %s entries failed", component.name)
+                return None
+            if not all(hits):
+                return None
+            read[component.name] = entries
+        return read
+
+    def check_load(self, handle: Any, num_pages: int, component_slots: Any, state_slot: Any) -> dict[str, torch.Tensor]:
+        """Every check of :meth:`load` before anything is copied; the window slots by component.
+
+        Raises:
+            InvalidArgumentError: ``num_pages`` pages is no restorable length of the handle; a
+                window's slots missing or not ``window pages * page_size`` long; ``state_slot``
+                not an int in the state pool's range.
+        """
+        length = num_pages * self.page_size
+        if num_pages == 0:
+            return {}
+        require(
+            length in handle.lengths and handle.entries is not None and length == handle.pages_ready * self.page_size,
+            "slot_indices",
+            lambda: (
+                f"{length} tokens is not the prefetched restorable length {handle.pages_ready * self.page_size} "
+                f"(restorable: {handle.lengths}); load all of it or nothing"
+            ),
+        )
+        slots = {}
+        for component in self.layout.of_kind("swa"):
+            want = len(handle.entries[component.name].indices) * self.page_size
+            given = (component_slots or {}).get(component.name)
+            require(
+                isinstance(given, torch.Tensor) and given.dim() == 1 and given.shape[0] == want,
+                f"component_slots[{component.name!r}]",
+                lambda given=given, want=want: (
+                    f"must be a 1-D tensor of the window's {want} slots (its pages before the length), got "
+                    f"{tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__}"
+                ),
+            )
+            slots[component.name] = given
+        if self.state is not None:
+            pool = self.components.pools[self.state.name]
+            require(
+                is_int(state_slot) and 0 <= state_slot < pool.num_slots,
+                "state_slot",
+                lambda: f"must be an int in [0, {pool.num_slots}) (the request's state slot), got {state_slot!r}",
+            )
+        return slots
+
+    def load(
+        self,
+        state: Any,
+        handle: Any,
+        num_pages: int,
+        slot_indices: torch.Tensor,
+        window_slots: dict,
+        state_slot: Any,
+        after: Any,
+    ) -> dict[str, CopyHandle]:
+        """Launch every component's scatter (checked by :meth:`check_load`); handles by component."""
+        if num_pages == 0:
+            return {}
+        launched = {}
+        for component in self.others:
+            entries = handle.entries[component.name]
+            pool = self.components.pools[component.name]
+            if component.kind == "state":
+                staging, backend, slot = entries.staging, self.backend, int(state_slot)
+                launched[component.name] = self.copy_stream.submit(
+                    lambda pool=pool, staging=staging, slot=slot: scatter_state(staging, pool, [slot], backend=backend),
+                    keep=[staging],
+                    after=after,
+                )
+            else:
+                slots = (
+                    slot_indices[: num_pages * self.page_size]
+                    if component.kind == "sidecar"
+                    else window_slots[component.name]
+                )
+                launched[component.name] = self._submit_pages(scatter, pool, entries.staging, slots, after)
+        for copy in launched.values():
+            state.copies_in_flight += 1
+            self._loads.append((state, copy))
+        return launched
+
+    def load_handle(self, base: LoadHandle, launched: dict[str, CopyHandle]) -> LoadHandle:
+        """The engine's handle: its layers are the model's."""
+        return HybridLoadHandle(base, self.layout, launched)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _staging(self, name: str, state: Any, pool: Any, count: int) -> _Entries:
+        if hasattr(pool, "snapshot_bytes"):
+            staging = torch.empty((count, pool.snapshot_bytes), dtype=torch.uint8, pin_memory=self.pinned)
+        else:
+            shape = (count, *pool.layout.page_shape(self.page_size))
+            staging = torch.empty(shape, dtype=pool.layout.dtype, pin_memory=self.pinned)
+        return _Entries(name, state, staging, [])
+
+    def _submit_pages(self, copy: Any, pool: Any, staging: torch.Tensor, slots: torch.Tensor, after: Any) -> CopyHandle:
+        local = torch.arange(staging.shape[0], dtype=torch.int64)
+        page_size, backend = self.page_size, self.backend
+        if copy is gather:
+
+            def run() -> None:
+                gather(pool, staging, slots, local, page_size=page_size, backend=backend, check_bounds=False)
+        else:
+
+            def run() -> None:
+                scatter(staging, pool, slots, local, page_size=page_size, backend=backend, check_bounds=False)
+
+        return self.copy_stream.submit(run, keep=[staging, slots, local], after=after)
+
+
+class HybridLoadHandle(LoadHandle):
+    """A :class:`LoadHandle` whose layers are the model's (``0 .. layout.num_layers - 1``): a
+    layer's wait covers its full-attention copy and the copy of every other component with that
+    layer (one per component: the state of every state layer in one launch)."""
+
+    def __init__(self, base: LoadHandle, layout: Any, launched: dict[str, CopyHandle]) -> None:
+        super().__init__(base.req, base.num_pages, 1, base._handles, base._num_layers, base.layer_by_layer)
+        self.num_tokens = base.num_tokens
+        self._layout, self._launched = layout, launched
+        self._all = [*base._handles, *launched.values()]
+
+    def layer_handles(self, layer: int) -> list[CopyHandle]:
+        """Every copy ``layer`` waits for.
+
+        Raises:
+            InvalidArgumentError: ``layer`` is not in ``[0, num_layers)`` of the model.
+        """
+        if not is_int(layer) or not 0 <= layer < self._layout.num_layers:
+            raise InvalidArgumentError(f"layer: must be an int in [0, {self._layout.num_layers}), got {layer!r}")
+        handles = []
+        for component in self._layout.components:
+            if layer not in component.layers:
+                continue
+            if component.kind == "full" and self._handles:
+                index = component.layers.index(layer)
+                handles.append(self._handles[index] if self.layer_by_layer else self._handles[0])
+            elif component.name in self._launched:
+                handles.append(self._launched[component.name])
+        return handles
+
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        for handle in self.layer_handles(layer):
+            handle.wait(stream)
+
+    def wait(self, stream: Any = None) -> None:
+        for handle in self._all:
+            handle.wait(stream)
+
+    def done(self) -> bool:
+        return all(handle.query() for handle in self._all)
+
+    @property
+    def error(self) -> BaseException | None:
+        return next((h.error for h in self._all if h.query() and h.error is not None), None)
+
+
+class PlainModel:
+    """A plain model's stand-in for :class:`Hybrid`: one full-attention component, nothing more
+    to move (the manager behaves exactly as before hybrid models)."""
+
+    lookup = None
+    in_flight = 0
+
+    def attach(self, *_: Any) -> None:
+        """Nothing to attach."""
+
+    def gather_pages(self, *_: Any) -> None:
+        """No other component's pages."""
+
+    def settled(self, _run: Any) -> None:
+        """Nothing waits for keys."""
+
+    def poll(self, _states: Any) -> list:
+        """Nothing in flight."""
+        return []
+
+    def wait(self) -> None:
+        """Nothing in flight."""
+
+    def clear(self) -> int:
+        """No other store."""
+        return 0
+
+    def snapshot(self, *_: Any) -> CopyHandle:
+        """Raises: InvalidArgumentError: a plain model has no request state."""
+        raise InvalidArgumentError("snapshot: the model has no request-state component (a plain model)")
+
+    def check_load(self, handle: Any, num_pages: int, component_slots: Any, state_slot: Any) -> dict:
+        """Raises: InvalidArgumentError: component arguments for a plain model."""
+        require(component_slots is None, "component_slots", "a plain model has no other component")
+        require(state_slot is None, "state_slot", "a plain model has no request state")
+        return {}
+
+    def load(self, *_: Any) -> dict:
+        """Nothing more to load."""
+        return {}
+
+    def load_handle(self, base: LoadHandle, _launched: Any) -> LoadHandle:
+        """The full pages' handle itself."""
+        return base

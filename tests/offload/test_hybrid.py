@@ -1,0 +1,300 @@
+"""A hybrid model's components through the manager: sliding-window and sidecar pages with the
+full pages, state snapshots, restorable lengths, loads into poisoned pools (bytes exact)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstage.errors import InvalidArgumentError
+from kvstage.kernels import KVPool
+from kvstage.kernels.state_pool import StatePool
+from kvstage.kv_layout import KVLayout
+from kvstage.model_layout import FullAttention, ModelLayout, PageSidecar, RequestState, SlidingWindow, TensorSpec
+from kvstage.offload import HostPool
+from kvstage.offload.components import ComponentPools, component_stores
+from kvstage.offload.copy_stream import ManualCopyStream
+from kvstage.offload.manager import OffloadManager
+from kvstage.offload.testing import SimpleRequest, SlotTable
+from kvstage.storage import MemoryStore
+
+from offload_rig import InlineStoreWorkers
+
+PAGE = 2
+SLOTS = 64
+POISON = -7.0
+
+
+class HidingStore(MemoryStore):
+    """A memory store that can lose entries (evicted) or fail their reads (corrupt)."""
+
+    def __init__(self, fingerprint) -> None:
+        super().__init__(fingerprint)
+        self.evicted: set[str] = set()
+        self.corrupt: set[str] = set()
+
+    def _exists(self, full_keys):
+        return [
+            hit and not any(k.endswith(e) for e in self.evicted)
+            for k, hit in zip(full_keys, super()._exists(full_keys))
+        ]
+
+    def _get(self, full_keys, into):
+        hits = super()._get(full_keys, into)
+        return [hit and not any(k.endswith(e) for e in self.evicted | self.corrupt) for k, hit in zip(full_keys, hits)]
+
+
+def kv(layers: int, parts: int = 2) -> KVLayout:
+    return KVLayout(layers, parts, 1, 4, "float32")
+
+
+STATE = (TensorSpec("conv", (3, 2), "bfloat16"), TensorSpec("recurrent", (2, 5), "float32"))
+LAYOUTS = {
+    # gpt-oss-like: sliding window (W=5: 2 pages of 2 before a length) beside full attention
+    "swa": ModelLayout(4, (SlidingWindow((0, 2), kv(2), window=5), FullAttention((1, 3), kv(2)))),
+    # DeepSeek V3.2-like: an MLA latent and an indexer sidecar on the same layers
+    "sidecar": ModelLayout(
+        2, (FullAttention((0, 1), kv(2, 1)), PageSidecar((0, 1), (TensorSpec("index", (6,), "uint8"),), name="indexer"))
+    ),
+    # Qwen3-Next-like: linear-attention state beside full attention
+    "state": ModelLayout(3, (RequestState((0, 1), STATE), FullAttention((2,), kv(1)))),
+}
+
+
+class Engine:
+    """Random device pools of a layout, a slot table per pool, and a manager over them."""
+
+    def __init__(self, layout: ModelLayout, seed: int = 0, stores=None) -> None:
+        torch.manual_seed(seed)
+        self.layout = layout
+        full = layout.of_kind("full")[0]
+        self.full = KVPool.from_stacked(torch.randn(full.layout.kv_parts, full.layout.num_layers, SLOTS, 1, 4))
+        self.slots = SlotTable(SLOTS)
+        self.window_slots = SlotTable(SLOTS)
+        pools = {}
+        for component in layout.components:
+            if component.kind == "swa":
+                shape = (component.layout.kv_parts, component.layout.num_layers, SLOTS, 1, 4)
+                pools[component.name] = KVPool.from_stacked(torch.randn(shape))
+            elif component.kind == "sidecar":
+                row = component.row_bytes
+                pools[component.name] = KVPool.from_rows(
+                    [torch.randint(0, 255, (SLOTS, row), dtype=torch.uint8) for _ in component.layers]
+                )
+            elif component.kind == "state":
+                pools[component.name] = StatePool.from_layers(
+                    [
+                        [torch.randn(4, *spec.shape).to(spec.dtype) for spec in component.tensors]
+                        for _ in component.layers
+                    ]
+                )
+        self.pools = pools
+        self.stores = stores or component_stores(layout, "m", PAGE, HidingStore)
+        self.stream = ManualCopyStream()
+        self.released = []
+        self.manager = OffloadManager(
+            self.full,
+            HostPool.like(self.full, num_pages=32, page_size=PAGE),
+            self.stores,
+            __import__("kvstage.hashing", fromlist=["PageHasher"]).PageHasher(page_size=PAGE),
+            self.slots,
+            components=ComponentPools(layout, pools, slots_of={"swa": self.window_slots}),
+            copy_stream=self.stream,
+            store_workers=InlineStoreWorkers(),
+            backend="torch",
+            release=self.released.append,
+        )
+
+    def settle(self) -> None:
+        for _ in range(20):
+            self.stream.complete_all()
+            self.manager.poll()
+        self.manager.drain()
+
+    def request(self, rid: str, prompt, extra: int = 4, **namespace) -> SimpleRequest:
+        req = SimpleRequest(rid, prompt, **namespace)
+        self.slots.assign(req, len(prompt) + extra)
+        self.window_slots.assign(req, len(prompt) + extra)
+        return req
+
+    def state_of(self, slot: int) -> list[torch.Tensor]:
+        return [t[slot].clone() for t in self.pools["state"].tensors]
+
+
+def store(engine: Engine, req, *, chunks=(), snapshots=()) -> dict[int, list[torch.Tensor]]:
+    """Offload ``req`` (prefill chunk ends ``chunks``, then all), snapshots at ``snapshots``
+    (state slot 0, fresh random state each); returns each snapshot's tensors."""
+    saved = {}
+    for end in chunks:
+        engine.manager.offload(req, kv_length=end)
+    engine.manager.offload(req)
+    for length in snapshots:
+        for t in engine.pools["state"].tensors:
+            t[0] = torch.randn(t.shape[1:]).to(t.dtype)
+        saved[length] = engine.state_of(0)
+        engine.manager.snapshot(req, length, 0)
+        engine.stream.complete_all()  # the slot's state stays until its copy is done
+    req.done = True
+    engine.manager.finish(req)
+    engine.settle()
+    return saved
+
+
+PROMPT = list(range(100, 113))  # 13 tokens: 6 whole pages of 2
+
+
+def test_window_pages_stored_only_before_resume_lengths_and_restorable():
+    engine = Engine(LAYOUTS["swa"])
+    a = engine.request("a", PROMPT)
+    store(engine, a, chunks=(8,))  # runs end at 8 and 12: the window before each is stored
+    keys = engine.manager.hasher.prefill_keys(PROMPT[:12])
+    assert engine.stores["full"].exists(keys) == [True] * 6
+    assert engine.stores["swa"].exists(keys) == [False, False, True, True, True, True]
+    found = engine.manager.match_prefix(token_ids=PROMPT)
+    assert (found.num_tokens, found.lengths) == (12, (8, 10, 12))  # 10: pages 3, 4 are stored too
+    assert engine.manager.match_prefix(token_ids=PROMPT[:12]).lengths == (8, 10)  # one token left to compute
+
+
+def test_window_only_at_run_end_rounds_down():
+    engine = Engine(LAYOUTS["swa"])
+    store(engine, engine.request("a", PROMPT))  # one run to 12: pages 4, 5 of the window only
+    assert engine.manager.match_prefix(token_ids=PROMPT).lengths == (12,)
+    assert engine.manager.match_prefix(token_ids=PROMPT[:12]).lengths == ()  # 8 would need pages 2, 3
+
+
+def load(engine: Engine, req, **kwargs):
+    handle = engine.manager.prefetch(req, policy="wait_complete")
+    handle.wait()
+    engine.manager.poll()
+    pages = handle.pages_ready
+    loaded = engine.manager.load(handle, engine.slots(req)[: pages * PAGE], **kwargs)
+    engine.stream.complete_all()
+    loaded.wait()
+    return loaded
+
+
+def poison(engine: Engine, req) -> None:
+    slots = engine.slots(req)
+    for part in engine.full.buffers:
+        for buffer in part:
+            buffer[slots] = POISON
+    for name, pool in engine.pools.items():
+        if isinstance(pool, KVPool):
+            where = engine.slots(req) if name != "swa" else engine.window_slots(req)
+            for part in pool.buffers:
+                for buffer in part:
+                    buffer[where] = 0 if buffer.dtype == torch.uint8 else POISON
+
+
+def rows(pool: KVPool, slots: torch.Tensor) -> list[torch.Tensor]:
+    return [buffer[slots].clone() for part in pool.buffers for buffer in part]
+
+
+@pytest.mark.parametrize("name", ["swa", "sidecar"])
+def test_pages_of_every_component_load_exactly(name):
+    engine = Engine(LAYOUTS[name], seed=1)
+    a = engine.request("a", PROMPT)
+    store(engine, a, chunks=(8,))
+    b = engine.request("b", PROMPT + [5, 6])
+    poison(engine, b)
+    loaded = load(engine, b, component_slots={"swa": engine.window_slots(b)[4:8]} if name == "swa" else None)
+    assert loaded.num_tokens == 12 and loaded.error is None
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(rows(engine.full, engine.slots(b)[:12]), rows(engine.full, engine.slots(a)[:12]))
+    )
+    if name == "swa":  # the window before 12: positions 8 .. 11
+        pool, mine, theirs = engine.pools["swa"], engine.window_slots(b)[8:12], engine.window_slots(a)[8:12]
+        assert all(torch.equal(x, y) for x, y in zip(rows(pool, engine.window_slots(b)[4:8]), rows(pool, theirs)))
+        assert all((r == POISON).all() for r in rows(pool, mine))  # never written: the window went to [4:8]
+    else:
+        pool = engine.pools["indexer"]
+        assert all(
+            torch.equal(x, y) for x, y in zip(rows(pool, engine.slots(b)[:12]), rows(pool, engine.slots(a)[:12]))
+        )
+    for layer in range(engine.layout.num_layers):
+        loaded.wait_layer(layer)
+
+
+def test_snapshot_restores_to_the_last_snapshot_and_loads_into_the_state_slot():
+    engine = Engine(LAYOUTS["state"], seed=2)
+    a = engine.request("a", PROMPT)
+    saved = store(engine, a, snapshots=(4, 8))  # pages to 12 stored, snapshots at 4 and 8 only
+    assert engine.manager.match_prefix(token_ids=PROMPT).lengths == (4, 8)  # 12 has no snapshot: rounds down
+    assert engine.manager.match_prefix(token_ids=PROMPT[:8]).num_tokens == 4  # a prompt of exactly 8
+    b = engine.request("b", PROMPT)
+    poison(engine, b)
+    for t in engine.pools["state"].tensors:
+        t[3] = POISON
+    loaded = load(engine, b, state_slot=3)
+    assert loaded.num_tokens == 8
+    assert all(torch.equal(x, y) for x, y in zip(engine.state_of(3), saved[8]))
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(rows(engine.full, engine.slots(b)[:8]), rows(engine.full, engine.slots(a)[:8]))
+    )
+    assert (rows(engine.full, engine.slots(b)[8:12])[0] == POISON).all()
+
+
+def test_evicted_snapshot_and_corrupt_window_page_are_misses():
+    engine = Engine(LAYOUTS["state"], seed=3)
+    store(engine, engine.request("a", PROMPT), snapshots=(4, 8))
+    keys = engine.manager.hasher.prefill_keys(PROMPT[:12])
+    engine.stores["state"].evicted.add(keys[3])  # the snapshot at 8
+    assert engine.manager.match_prefix(token_ids=PROMPT).lengths == (4,)
+    b = engine.request("b", PROMPT)
+    assert load(engine, b, state_slot=1).num_tokens == 4
+
+    swa = Engine(LAYOUTS["swa"], seed=4)
+    a = swa.request("a", PROMPT)
+    store(swa, a, chunks=(8,))
+    swa.stores["swa"].corrupt.add(keys[4])  # the lookup sees it, its read fails: neither 12 nor 10 is resumed
+    c = swa.request("c", PROMPT)
+    poison(swa, c)
+    loaded = load(swa, c, component_slots={"swa": swa.window_slots(c)[4:8]})
+    assert loaded.num_tokens == 8  # the window before 8 (positions 4 .. 7), never the corrupt page
+    pool = swa.pools["swa"]
+    assert all(
+        torch.equal(x, y) for x, y in zip(rows(pool, swa.window_slots(c)[4:8]), rows(pool, swa.window_slots(a)[4:8]))
+    )
+
+
+@pytest.mark.parametrize("namespace", [{"cache_salt": "tenant-b"}, {"extra_key": "lora-1"}])
+def test_tenants_and_extra_keys_separate_every_component(namespace):
+    for name in ("swa", "state", "sidecar"):
+        engine = Engine(LAYOUTS[name])
+        a = engine.request("a", PROMPT)
+        store(engine, a, chunks=(8,), snapshots=(4, 8) if name == "state" else ())
+        assert engine.manager.match_prefix(token_ids=PROMPT).num_tokens == (8 if name == "state" else 12)
+        assert engine.manager.match_prefix(token_ids=PROMPT, **namespace).num_tokens == 0
+        other = engine.manager.hasher.prefill_keys(PROMPT[:12], **namespace)
+        assert not any(any(store.exists(other)) for store in engine.stores.values())
+
+
+def test_bad_input_raises_before_anything_is_copied():
+    engine = Engine(LAYOUTS["state"])
+    a = engine.request("a", PROMPT)
+    submitted = engine.stream.submitted
+    with pytest.raises(InvalidArgumentError, match="^length: .*multiple of page_size"):
+        engine.manager.snapshot(a, 3, 0)
+    with pytest.raises(InvalidArgumentError, match="^length: 14 is past"):
+        engine.manager.snapshot(a, 14, 0)
+    with pytest.raises(InvalidArgumentError, match=r"^state_slot: must be an int in \[0, 4\)"):
+        engine.manager.snapshot(a, 4, 4)
+    assert engine.stream.submitted == submitted
+    plain = Engine(LAYOUTS["swa"])
+    with pytest.raises(InvalidArgumentError, match="^snapshot: the layout has no request-state"):
+        plain.manager.snapshot(plain.request("a", PROMPT), 4, 0)
+
+
+def test_construction_checks_pools_and_stores():
+    layout = LAYOUTS["state"]
+    wider = ModelLayout(
+        4, (RequestState((0, 1), STATE), FullAttention((2,), kv(1)), SlidingWindow((3,), kv(1), window=3))
+    )
+    stores = component_stores(wider, "m", PAGE, MemoryStore)
+    with pytest.raises(InvalidArgumentError, match=r"^storage: names component 'swa'"):
+        Engine(layout, stores=stores)
+    other = ModelLayout(3, (RequestState((0, 1), STATE[:1]), FullAttention((2,), kv(1))))
+    with pytest.raises(InvalidArgumentError, match=r"^storage\['full'\]: its layout differs"):
+        Engine(layout, stores=component_stores(other, "m", PAGE, MemoryStore))
