@@ -122,6 +122,30 @@ class Hybrid:
 
     # -- store path -----------------------------------------------------------------------
 
+    def check_runs(self, state: Any, runs: list) -> None:
+        """Check each sliding window's slots for the planned runs before anything is launched.
+
+        Raises:
+            InvalidArgumentError: ``slots_of[name](req)`` is no 1-D int tensor on the pool's
+                device with a slot for every position of the runs.
+        """
+        end = state.offloaded_length + sum(slots.shape[0] for _, slots in runs)
+        for component in self.layout.of_kind("swa"):
+            table = self.components.slots_of[component.name](state.req)
+            device = self.components.pools[component.name].device
+            require(
+                isinstance(table, torch.Tensor)
+                and table.dim() == 1
+                and table.dtype in (torch.int32, torch.int64)
+                and table.device == device
+                and table.shape[0] >= end,
+                f"slots_of[{component.name!r}]",
+                lambda table=table, device=device: (
+                    f"must give a 1-D int32/int64 tensor on {device} with a slot for each of the {end} positions, got "
+                    f"{tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__}"
+                ),
+            )
+
     def gather_pages(self, state: Any, run: Any, start: int, slots: torch.Tensor, after: Any) -> None:
         """Launch the gathers of a full run's sidecar pages and the window pages worth storing
         (``run`` covers tokens ``[start, start + len(slots))``); one launch per component."""
@@ -146,11 +170,14 @@ class Hybrid:
             state.copies_in_flight += 1
             self._copies.append(entries)
 
-    def settled(self, run: Any) -> None:
-        """The manager settled ``run`` (its keys are known when its copy succeeded)."""
+    def settled(self, segment: Any) -> None:
+        """The manager settled ``segment``: its run's keys are known; its pages' entries are put
+        only when its full copy succeeded and the request keeps its progress."""
+        run = segment.run
+        keep = segment.result.ok and run.keys is not None and segment.state.retract_keep is not False
         for entries in self._copies:
-            if entries.run is run and entries.keys is None:  # no keys: the full copy failed, so do these
-                entries.keys = [] if run.keys is None else [run.keys[i - entries.first] for i in entries.indices]
+            if entries.run is run and entries.keys is None:  # no keys: never put (counted failed)
+                entries.keys = [run.keys[i - entries.first] for i in entries.indices] if keep else []
 
     def snapshot(self, req: Any, state: Any, length: int, state_slot: Any, num_tokens: int, after: Any) -> CopyHandle:
         """Launch the gather of ``req``'s state slot (the state after exactly ``length`` tokens)
@@ -238,6 +265,13 @@ class Hybrid:
             if not self.stores[self.full.name].exists([key])[0]:
                 return WriteOutcome(failed_keys=[key], error=MissingPriorError(key))
         return write_pages(self.stores[entries.name], entries.keys, pages, prior_key=None)
+
+    def wait_loads(self, state: Any) -> None:
+        """Block until ``state``'s component scatters are done and count them ended (an abort)."""
+        for load in [load for load in self._loads if load[0] is state]:
+            load[1].synchronize()
+            self._loads.remove(load)
+            state.copies_in_flight -= 1
 
     def wait(self) -> None:
         """Block until every gather and write of the components has ended (drain)."""
@@ -478,8 +512,14 @@ class PlainModel:
     def attach(self, *_: Any) -> None:
         """Nothing to attach."""
 
+    def check_runs(self, *_: Any) -> None:
+        """No window slots to check."""
+
     def gather_pages(self, *_: Any) -> None:
         """No other component's pages."""
+
+    def wait_loads(self, _state: Any) -> None:
+        """No other component's scatters."""
 
     def settled(self, _run: Any) -> None:
         """Nothing waits for keys."""

@@ -19,6 +19,7 @@ class ManagerInspection:
     _unhandled: Any
     _counters: OffloadMetrics
     _backup: Any
+    _hybrid: Any
     copier: Any
     host_pool: Any
     storage: Any
@@ -63,3 +64,13 @@ class ManagerInspection:
             writes_pending=backup.writes_pending,
             writes_parked=backup.writes_parked,
         )
+
+    @property
+    def entries_stored(self) -> dict[str, tuple[int, int]]:
+        """A hybrid model's entries of each component but the full one (whose pages
+        :attr:`metrics` counts): ``(stored, failed)``, stored counting deduplicated ones; ``{}``
+        for a plain model."""
+        hybrid = self._hybrid
+        if hybrid.lookup is None:
+            return {}
+        return {c.name: (hybrid.stored[c.name], hybrid.failed[c.name]) for c in hybrid.others}

@@ -649,6 +649,7 @@ class OffloadManager(HybridCalls, ManagerInspection):
         if aborted and state.loads:
             for load in list(state.loads):  # a queued load cannot be recalled: no slot written after abort returns
                 self.copier.synchronize(job=load)
+            self._hybrid.wait_loads(state)
             # Collect those loads alone (so the release comes within this call); every other
             # finished copy waits for the next poll, which owns launches and callbacks.
             self._unhandled.extend(self.copier.poll())
@@ -798,6 +799,7 @@ class OffloadManager(HybridCalls, ManagerInspection):
         """
         launched = 0
         after = self._after(after)
+        self._hybrid.check_runs(state, plan.runs)  # a window's slots, before any launch
         for run, slot_indices in plan.runs:
             segment = Segment(state, run)
             host_page_ids = self.copier.gather(segment, slot_indices, after=after, checked=True)
@@ -827,7 +829,7 @@ class OffloadManager(HybridCalls, ManagerInspection):
                 self._backup.settle(
                     state.writes, state.chain, done.run, done.result, discard=state.retract_keep is False
                 )
-                self._hybrid.settled(done.run)
+                self._hybrid.settled(done)
         finally:
             self._maybe_release(state)
 

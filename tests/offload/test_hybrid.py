@@ -298,3 +298,88 @@ def test_construction_checks_pools_and_stores():
     other = ModelLayout(3, (RequestState((0, 1), STATE[:1]), FullAttention((2,), kv(1))))
     with pytest.raises(InvalidArgumentError, match=r"^storage\['full'\]: its layout differs"):
         Engine(layout, stores=component_stores(other, "m", PAGE, MemoryStore))
+
+
+def test_store_events_name_the_component_and_flush_clears_every_store():
+    engine = Engine(LAYOUTS["state"])
+    store(engine, engine.request("a", PROMPT), snapshots=(4, 8))
+    assert engine.manager.entries_stored == {"state": (2, 0)}
+    events = engine.stores["state"].take_events()
+    assert [e.kind for e in events] == ["stored", "stored"] and all("@state-" in e.key_space for e in events)
+    assert all("@full-" in e.key_space for e in engine.stores["full"].take_events())
+    assert engine.manager.flush() == 6 + 2
+    assert not any(any(s.exists(engine.manager.hasher.prefill_keys(PROMPT[:12]))) for s in engine.stores.values())
+    assert engine.manager.match_prefix(token_ids=PROMPT).lengths == ()
+
+
+def test_a_snapshot_whose_page_failed_is_not_stored():
+    engine = Engine(LAYOUTS["state"])
+    a = engine.request("a", PROMPT)
+    engine.manager.offload(a, kv_length=4)
+    engine.stream.complete(0, error=RuntimeError("copy failed"))  # pages 0, 1 never reach the store
+    engine.manager.poll()
+    engine.manager.snapshot(a, 4, 0)
+    a.done = True
+    engine.manager.finish(a, kv_length=4)
+    engine.settle()
+    assert engine.manager.entries_stored == {"state": (0, 1)}
+    assert engine.stores["state"].exists(engine.manager.hasher.prefill_keys(PROMPT[:4])) == [False, False]
+
+
+def test_a_failed_full_copy_puts_none_of_its_window_pages():
+    engine = Engine(LAYOUTS["swa"])
+    a = engine.request("a", PROMPT)
+    engine.manager.offload(a)
+    engine.stream.complete(0, error=RuntimeError("copy failed"))
+    a.done = True
+    engine.manager.finish(a)
+    engine.settle()
+    assert engine.manager.entries_stored == {"swa": (0, 2)}
+    assert not any(engine.stores["swa"].exists(engine.manager.hasher.prefill_keys(PROMPT[:12])))
+
+
+def test_bad_window_slots_raise_before_any_launch():
+    engine = Engine(LAYOUTS["swa"])
+    a = engine.request("a", PROMPT)
+    engine.window_slots.release(a)
+    engine.window_slots.assign(a, 6)  # 6 slots: positions 0 .. 5 only
+    with pytest.raises(InvalidArgumentError, match=r"^slots_of\['swa'\]: must give .* each of the 12 positions"):
+        engine.manager.offload(a)
+    assert engine.stream.submitted == 0 and not engine.manager.is_tracked(a)
+
+
+def test_abort_waits_for_component_loads():
+    engine = Engine(LAYOUTS["state"], seed=5)
+    saved = store(engine, engine.request("a", PROMPT), snapshots=(4, 8))
+    b = engine.request("b", PROMPT)
+    handle = engine.manager.prefetch(b, policy="wait_complete")
+    handle.wait()
+    engine.manager.poll()
+    engine.manager.load(handle, engine.slots(b)[:8], state_slot=2)
+    engine.manager.abort(b)  # the queued copies run now: nothing of b is written after abort returns
+    assert not engine.stream.pending and engine.released[-1] is b
+    assert all(torch.equal(x, y) for x, y in zip(engine.state_of(2), saved[8]))
+
+
+def test_load_refuses_a_partial_hybrid_length_and_a_missing_state_slot():
+    engine = Engine(LAYOUTS["state"])
+    store(engine, engine.request("a", PROMPT), snapshots=(4, 8))
+    b = engine.request("b", PROMPT)
+    handle = engine.manager.prefetch(b, policy="wait_complete")
+    handle.wait()
+    submitted = engine.stream.submitted
+    with pytest.raises(InvalidArgumentError, match="^slot_indices: 4 tokens is not the prefetched restorable length 8"):
+        engine.manager.load(handle, engine.slots(b)[:4], state_slot=0)
+    with pytest.raises(InvalidArgumentError, match=r"^state_slot: must be an int in \[0, 4\)"):
+        engine.manager.load(handle, engine.slots(b)[:8])
+    assert engine.stream.submitted == submitted
+
+
+def test_a_state_pool_of_another_shape_is_refused():
+    layout = LAYOUTS["state"]
+    engine = Engine(layout)
+    bad = StatePool.from_layers([[torch.zeros(4, 3, 2), torch.zeros(4, 2, 5)] for _ in range(2)])  # conv in float32
+    with pytest.raises(
+        InvalidArgumentError, match=r"^components.pools\['state'\]: layers\[0\]\[0\] is \(3, 2\) torch.float32"
+    ):
+        ComponentPools(layout, {"state": bad}).check(engine.full, PAGE)
