@@ -383,3 +383,20 @@ def test_a_state_pool_of_another_shape_is_refused():
         InvalidArgumentError, match=r"^components.pools\['state'\]: layers\[0\]\[0\] is \(3, 2\) torch.float32"
     ):
         ComponentPools(layout, {"state": bad}).check(engine.full, PAGE)
+
+
+def test_readme_manager_example_runs(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    from support import REPO_ROOT
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("\n## Hybrid models in the manager\n", 1)[1].split("\n## ", 1)[0]
+    (example,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    script = tmp_path / "example.py"
+    script.write_text(example)
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["(32, 64)", "64 True"]
