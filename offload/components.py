@@ -90,7 +90,7 @@ class ComponentPools:
             require(component.name in self.pools, "components.pools", lambda c=component: f"has no pool for {c.name!r}")
             pool = self.pools[component.name]
             if component.kind == "state":
-                _check_state_pool(component, pool, where)
+                _check_state_pool(component, pool, where, kv_pool.device)
                 continue
             require(isinstance(pool, KVPool), where, "must be a kvstage.kernels.KVPool", ArgumentTypeError)
             require(pool.device == kv_pool.device, where, lambda: f"must be on {kv_pool.device}, got {pool.device}")
@@ -115,8 +115,9 @@ class ComponentPools:
                 )
 
 
-def _check_state_pool(component: Any, pool: Any, where: str) -> None:
+def _check_state_pool(component: Any, pool: Any, where: str, device: Any) -> None:
     require(isinstance(pool, StatePool), where, "must be a kvstage.kernels.StatePool", ArgumentTypeError)
+    require(pool.device == device, where, lambda: f"must be on the KV pool's device {device}, got {pool.device}")
     specs = [spec for _ in component.layers for spec in component.tensors]
     require(
         pool.num_tensors == len(specs),

@@ -284,11 +284,18 @@ class Hybrid:
 
     @property
     def in_flight(self) -> int:
-        """Gathers, scatters and writes not collected yet."""
-        return len(self._copies) + len(self._writes) + len(self._loads)
+        """Copies not done and writes not collected (a snapshot whose copy is done and whose
+        pages are not stored yet waits outside: a drain does not wait for pages that may never
+        come)."""
+        return sum(not e.handle.query() for e in self._copies) + len(self._writes) + len(self._loads)
 
     def clear(self) -> int:
-        """Empty every component's store but the full one (the manager clears that); entries removed."""
+        """Empty every component's store but the full one (the manager clears that) and drop the
+        snapshots still waiting for their pages (counted failed: they hold the old weights' state);
+        entries removed."""
+        for entries in self._copies:
+            self.failed[entries.name] += len(entries.indices)
+        self._copies = []
         return sum(store.clear() for name, store in self.stores.items() if name != self.full.name)
 
     # -- load path ------------------------------------------------------------------------

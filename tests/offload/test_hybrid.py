@@ -58,6 +58,16 @@ LAYOUTS = {
     ),
     # Qwen3-Next-like: linear-attention state beside full attention
     "state": ModelLayout(3, (RequestState((0, 1), STATE), FullAttention((2,), kv(1)))),
+    # every kind at once; layer 1 has KV, a sidecar and state (Falcon-H1 keeps KV and state in a layer)
+    "all": ModelLayout(
+        4,
+        (
+            SlidingWindow((0,), kv(1), window=5),
+            FullAttention((1, 3), kv(2)),
+            PageSidecar((1, 3), (TensorSpec("index", (6,), "uint8"),), name="indexer"),
+            RequestState((1, 2), STATE),
+        ),
+    ),
 }
 
 
@@ -400,3 +410,41 @@ def test_readme_manager_example_runs(tmp_path):
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["(32, 64)", "64 True"]
+
+
+def test_every_component_at_once_loads_exactly():
+    engine = Engine(LAYOUTS["all"], seed=6)
+    a = engine.request("a", PROMPT)
+    saved = store(engine, a, chunks=(8,), snapshots=(8,))  # windows before 8 and 12, a snapshot at 8
+    assert engine.manager.match_prefix(token_ids=PROMPT).lengths == (8,)
+    b = engine.request("b", PROMPT)
+    poison(engine, b)
+    for t in engine.pools["state"].tensors:
+        t[1] = POISON
+    loaded = load(engine, b, state_slot=1, component_slots={"swa": engine.window_slots(b)[4:8]})
+    assert loaded.num_tokens == 8
+    same = [
+        (engine.full, engine.slots(b)[:8], engine.slots(a)[:8]),
+        (engine.pools["indexer"], engine.slots(b)[:8], engine.slots(a)[:8]),
+        (engine.pools["swa"], engine.window_slots(b)[4:8], engine.window_slots(a)[4:8]),
+    ]
+    for pool, mine, theirs in same:
+        assert all(torch.equal(x, y) for x, y in zip(rows(pool, mine), rows(pool, theirs)))
+    assert all(torch.equal(x, y) for x, y in zip(engine.state_of(1), saved[8]))
+    assert len(loaded.layer_handles(1)) == 3 and len(loaded.layer_handles(2)) == 1  # full, sidecar, state; state
+
+
+def test_drain_does_not_wait_for_pages_that_never_come_and_flush_drops_the_snapshot():
+    engine = Engine(LAYOUTS["state"])
+    a = engine.request("a", PROMPT)
+    engine.manager.offload(a, kv_length=4)
+    engine.manager.snapshot(a, 8, 0)  # pages 2, 3 are not offloaded yet
+    engine.settle()  # returns: the snapshot's copy is done, it waits for its pages outside the drain
+    assert engine.manager.entries_stored == {"state": (0, 0)}
+    engine.manager.flush()
+    assert engine.manager.entries_stored == {"state": (0, 1)}
+    engine.manager.offload(a)
+    a.done = True
+    engine.manager.finish(a)
+    engine.settle()
+    assert not any(engine.stores["state"].exists(engine.manager.hasher.prefill_keys(PROMPT[:12])))
