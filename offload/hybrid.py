@@ -22,8 +22,8 @@ is missing.
   (evicted, corrupt) drops it to the next restorable length below, never to a length that
   cannot be resumed.
 - Load: sidecar pages into the full slots, window pages into the sliding window's slots, the
-  snapshot into the request's state slot, one launch per component; a layer's wait covers every
-  component of that layer.
+  snapshot into the request's state slot, one launch per component (layer by layer: one per
+  component layer); a layer's wait covers every component of that layer.
 """
 
 from __future__ import annotations
@@ -407,34 +407,47 @@ class Hybrid:
         window_slots: dict,
         state_slot: Any,
         after: Any,
-    ) -> dict[str, CopyHandle]:
-        """Launch every component's scatter (checked by :meth:`check_load`); handles by component."""
+        layer_by_layer: bool = False,
+    ) -> dict[str, list[CopyHandle]]:
+        """Launch every component's scatter (checked by :meth:`check_load`): one launch per
+        component (the state of every state layer in one), or with ``layer_by_layer`` one per
+        component layer (the state layer's tensors alone, ``scatter_state(tensors=...)``);
+        the handles by component, in its layers' order."""
         if num_pages == 0:
             return {}
         launched = {}
         for component in self.others:
             entries = handle.entries[component.name]
             pool = self.components.pools[component.name]
+            layers = list(range(component.num_layers)) if layer_by_layer else [None]
             if component.kind == "state":
                 staging, backend, slot = entries.staging, self.backend, int(state_slot)
-                launched[component.name] = self.copy_stream.submit(
-                    lambda pool=pool, staging=staging, slot=slot: scatter_state(staging, pool, [slot], backend=backend),
-                    keep=[staging],
-                    after=after,
-                )
+                launched[component.name] = [
+                    self.copy_stream.submit(
+                        lambda pool=pool, tensors=(None if j is None else pool.layers[j]): scatter_state(
+                            staging, pool, [slot], backend=backend, tensors=tensors
+                        ),
+                        keep=[staging],
+                        after=after,
+                    )
+                    for j in layers
+                ]
             else:
                 slots = (
                     slot_indices[: num_pages * self.page_size]
                     if component.kind == "sidecar"
                     else window_slots[component.name]
                 )
-                launched[component.name] = self._submit_pages(scatter, pool, entries.staging, slots, after)
-        for copy in launched.values():
-            state.copies_in_flight += 1
-            self._loads.append((state, copy))
+                launched[component.name] = [
+                    self._submit_pages(scatter, pool, entries.staging, slots, after, layer=j) for j in layers
+                ]
+        for copies in launched.values():
+            for copy in copies:
+                state.copies_in_flight += 1
+                self._loads.append((state, copy))
         return launched
 
-    def load_handle(self, base: LoadHandle, launched: dict[str, CopyHandle]) -> LoadHandle:
+    def load_handle(self, base: LoadHandle, launched: dict[str, list[CopyHandle]]) -> LoadHandle:
         """The engine's handle: its layers are the model's."""
         return HybridLoadHandle(base, self.layout, launched)
 
@@ -448,7 +461,9 @@ class Hybrid:
             staging = torch.empty(shape, dtype=pool.layout.dtype, pin_memory=self.pinned)
         return _Entries(name, state, staging, [])
 
-    def _submit_pages(self, copy: Any, pool: Any, staging: torch.Tensor, slots: torch.Tensor, after: Any) -> CopyHandle:
+    def _submit_pages(
+        self, copy: Any, pool: Any, staging: torch.Tensor, slots: torch.Tensor, after: Any, layer: int | None = None
+    ) -> CopyHandle:
         local = torch.arange(staging.shape[0], dtype=torch.int64)
         page_size, backend = self.page_size, self.backend
         if copy is gather:
@@ -458,7 +473,9 @@ class Hybrid:
         else:
 
             def run() -> None:
-                scatter(staging, pool, slots, local, page_size=page_size, backend=backend, check_bounds=False)
+                scatter(
+                    staging, pool, slots, local, page_size=page_size, layer=layer, backend=backend, check_bounds=False
+                )
 
         return self.copy_stream.submit(run, keep=[staging, slots, local], after=after)
 
@@ -466,13 +483,13 @@ class Hybrid:
 class HybridLoadHandle(LoadHandle):
     """A :class:`LoadHandle` whose layers are the model's (``0 .. layout.num_layers - 1``): a
     layer's wait covers its full-attention copy and the copy of every other component with that
-    layer (one per component: the state of every state layer in one launch)."""
+    layer (its layer's own copy when loaded layer by layer, else the component's one copy)."""
 
-    def __init__(self, base: LoadHandle, layout: Any, launched: dict[str, CopyHandle]) -> None:
+    def __init__(self, base: LoadHandle, layout: Any, launched: dict[str, list[CopyHandle]]) -> None:
         super().__init__(base.req, base.num_pages, 1, base._handles, base._num_layers, base.layer_by_layer)
         self.num_tokens = base.num_tokens
         self._layout, self._launched = layout, launched
-        self._all = [*base._handles, *launched.values()]
+        self._all = [*base._handles, *(copy for copies in launched.values() for copy in copies)]
 
     def layer_handles(self, layer: int) -> list[CopyHandle]:
         """Every copy ``layer`` waits for.
@@ -486,11 +503,9 @@ class HybridLoadHandle(LoadHandle):
         for component in self._layout.components:
             if layer not in component.layers:
                 continue
-            if component.kind == "full" and self._handles:
-                index = component.layers.index(layer)
-                handles.append(self._handles[index] if self.layer_by_layer else self._handles[0])
-            elif component.name in self._launched:
-                handles.append(self._launched[component.name])
+            copies = self._handles if component.kind == "full" else self._launched.get(component.name, [])
+            if copies:  # one per component layer (layer by layer) or one for them all
+                handles.append(copies[component.layers.index(layer)] if len(copies) > 1 else copies[0])
         return handles
 
     def wait_layer(self, layer: int, stream: Any = None) -> None:

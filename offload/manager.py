@@ -523,7 +523,7 @@ class OffloadManager(HybridCalls, ManagerInspection):
                     after=self._after(after),
                 )
             components = self._hybrid.load(
-                state, handle, num_pages, slot_indices, windows, state_slot, self._after(after)
+                state, handle, num_pages, slot_indices, windows, state_slot, self._after(after), layer_by_layer
             )
             self._prefetcher.take(handle, num_pages)
             state.prefetch = None

@@ -448,3 +448,33 @@ def test_drain_does_not_wait_for_pages_that_never_come_and_flush_drops_the_snaps
     engine.manager.finish(a)
     engine.settle()
     assert not any(engine.stores["state"].exists(engine.manager.hasher.prefill_keys(PROMPT[:12])))
+
+
+def test_layer_by_layer_a_layer_waits_for_its_own_copy_of_every_component():
+    engine = Engine(LAYOUTS["all"], seed=7)
+    a = engine.request("a", PROMPT)
+    saved = store(engine, a, chunks=(8,), snapshots=(8,))
+    b = engine.request("b", PROMPT)
+    for t in engine.pools["state"].tensors:
+        t[1] = POISON
+    handle = engine.manager.prefetch(b, policy="wait_complete")
+    handle.wait()
+    before = engine.stream.submitted
+    loaded = engine.manager.load(
+        handle,
+        engine.slots(b)[:8],
+        layer_by_layer=True,
+        state_slot=1,
+        component_slots={"swa": engine.window_slots(b)[4:8]},
+    )
+    assert engine.stream.submitted - before == 2 + 1 + 2 + 2  # full, window, sidecar, state: one per layer
+    mine = loaded.layer_handles(1)  # full layer 0, indexer layer 0, state layer 0 (model layer 1)
+    assert len(mine) == 3 and len(set(map(id, mine))) == 3
+    for copy in mine:
+        engine.stream.complete(copy)
+    layer1, layer2 = engine.state_of(1)[:2], engine.state_of(1)[2:]
+    assert all(torch.equal(x, y) for x, y in zip(layer1, saved[8][:2]))  # its state is in
+    assert all((t.float() == POISON).all() for t in layer2)  # layer 2's state copy has not run
+    engine.stream.complete_all()
+    loaded.wait()
+    assert all(torch.equal(x, y) for x, y in zip(engine.state_of(1), saved[8]))
