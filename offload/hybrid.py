@@ -508,6 +508,20 @@ class HybridLoadHandle(LoadHandle):
                 handles.append(copies[component.layers.index(layer)] if len(copies) > 1 else copies[0])
         return handles
 
+    def layer_handle(self, layer: int) -> CopyHandle:
+        """The one copy ``layer`` waits for; a layer of several components has several
+        (:meth:`layer_handles`, :meth:`wait_layer`).
+
+        Raises:
+            InvalidArgumentError: ``layer`` is out of range, or waits for more than one copy.
+        """
+        handles = self.layer_handles(layer)
+        if len(handles) > 1:
+            raise InvalidArgumentError(
+                f"layer: {layer} waits for {len(handles)} copies (one per component); use layer_handles() or wait_layer()"
+            )
+        return handles[0] if handles else super().layer_handle(0)
+
     def wait_layer(self, layer: int, stream: Any = None) -> None:
         for handle in self.layer_handles(layer):
             handle.wait(stream)

@@ -432,6 +432,11 @@ def test_every_component_at_once_loads_exactly():
         assert all(torch.equal(x, y) for x, y in zip(rows(pool, mine), rows(pool, theirs)))
     assert all(torch.equal(x, y) for x, y in zip(engine.state_of(1), saved[8]))
     assert len(loaded.layer_handles(1)) == 3 and len(loaded.layer_handles(2)) == 1  # full, sidecar, state; state
+    assert loaded.layer_handle(2) is loaded.layer_handles(2)[0]
+    with pytest.raises(InvalidArgumentError, match="^layer: 1 waits for 3 copies"):
+        loaded.layer_handle(1)
+    with pytest.raises(InvalidArgumentError, match=r"^layer: must be an int in \[0, 4\)"):
+        loaded.wait_layer(4)
 
 
 def test_drain_does_not_wait_for_pages_that_never_come_and_flush_drops_the_snapshot():
