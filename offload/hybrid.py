@@ -109,6 +109,7 @@ class Hybrid:
         self._writes: list[tuple[_Entries, Any]] = []
         self._loads: list[tuple[Any, CopyHandle]] = []  # component scatters: (request state, handle)
         self.lookup = self  # what the prefetcher reads through
+        self._spare: list[torch.Tensor] = []  # snapshots' host staging, reused (a pinned allocation is slow)
 
     def attach(self, copy_stream: Any, workers: Any, hasher: Any, backend: str, pinned: bool) -> None:
         """The manager's copy stream, store workers, hasher, kernel backend, host pinning."""
@@ -197,7 +198,9 @@ class Hybrid:
         )
         extra_key, cache_salt = request_namespace(req)
         keys = self.hasher.prefill_keys(request_tokens(req, 0, length), extra_key=extra_key, cache_salt=cache_salt)
-        entries = self._staging(self.state.name, state, pool, 1)
+        entries = _Entries(self.state.name, state, self._spare.pop() if self._spare else None, [])
+        if entries.staging is None:
+            entries.staging = self._staging(self.state.name, state, pool, 1).staging
         entries.keys, entries.req, entries.length, entries.indices = [keys[index]], req, length, [index]
         staging, backend, slot = entries.staging, self.backend, int(state_slot)
         entries.handle = self.copy_stream.submit(
@@ -224,6 +227,7 @@ class Hybrid:
                 continue
             if entries.handle.error is not None or not entries.keys:
                 self.failed[entries.name] += len(entries.indices)
+                self._reuse(entries)
                 continue
             self._writes.append((entries, self.workers.write(lambda e=entries: self._put(e))))
         self._copies = waiting
@@ -237,6 +241,7 @@ class Hybrid:
                 pending.append((entries, future))
                 continue
             outcome = future.result()
+            self._reuse(entries)
             self.failed[entries.name] += len(outcome.failed_keys)
             self.stored[entries.name] += outcome.stored + outcome.deduplicated
             if outcome.failed_keys:
@@ -460,6 +465,11 @@ class Hybrid:
             shape = (count, *pool.layout.page_shape(self.page_size))
             staging = torch.empty(shape, dtype=pool.layout.dtype, pin_memory=self.pinned)
         return _Entries(name, state, staging, [])
+
+    def _reuse(self, entries: _Entries) -> None:
+        """A store-path snapshot's staging is free again (its write ended or never ran)."""
+        if entries.req is not None and entries.run is None and len(self._spare) < 16:
+            self._spare.append(entries.staging)
 
     def _submit_pages(
         self, copy: Any, pool: Any, staging: torch.Tensor, slots: torch.Tensor, after: Any, layer: int | None = None

@@ -483,3 +483,26 @@ def test_layer_by_layer_a_layer_waits_for_its_own_copy_of_every_component():
     engine.stream.complete_all()
     loaded.wait()
     assert all(torch.equal(x, y) for x, y in zip(engine.state_of(1), saved[8]))
+
+
+def test_snapshots_taken_one_after_another_keep_their_own_bytes():
+    engine = Engine(LAYOUTS["state"], seed=8)
+    a = engine.request("a", PROMPT)
+    engine.manager.offload(a, kv_length=8)
+    saved = {}
+    for length in (4, 8):  # the second snapshot's host staging is the first's, reused once its write ended
+        for t in engine.pools["state"].tensors:
+            t[0] = torch.randn(t.shape[1:]).to(t.dtype)
+        saved[length] = engine.state_of(0)
+        engine.manager.snapshot(a, length, 0)
+        engine.stream.complete_all()
+        engine.manager.poll()
+        engine.manager.poll()
+    a.done = True
+    engine.manager.finish(a, kv_length=8)
+    engine.settle()
+    assert engine.manager.entries_stored == {"state": (2, 0)}
+    for length, slot in ((4, 1), (8, 2)):
+        b = engine.request(f"b{length}", PROMPT[: length + 1])
+        assert load(engine, b, state_slot=slot).num_tokens == length
+        assert all(torch.equal(x, y) for x, y in zip(engine.state_of(slot), saved[length]))
