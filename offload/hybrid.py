@@ -51,8 +51,8 @@ logger = logging.getLogger(__name__)
 
 
 def split_storage(storage: Any, components: ComponentPools | None, kv_pool: Any, page_size: int) -> tuple[Any, Any]:
-    """``(full store, Hybrid or None)`` from the manager's ``storage`` and ``components``: a
-    store and no components is a plain model; a mapping of stores needs ``components``.
+    """``(full store, Hybrid or PlainModel)`` from the manager's ``storage`` and ``components``:
+    a store and no components is a plain model; a mapping of stores needs ``components``.
 
     Raises:
         InvalidArgumentError / ArgumentTypeError: components without a mapping of stores (or
@@ -130,6 +130,8 @@ class Hybrid:
             InvalidArgumentError: ``slots_of[name](req)`` is no 1-D int tensor on the pool's
                 device with a slot for every position of the runs.
         """
+        if not runs:
+            return
         end = state.offloaded_length + sum(slots.shape[0] for _, slots in runs)
         for component in self.layout.of_kind("swa"):
             table = self.components.slots_of[component.name](state.req)
