@@ -506,3 +506,33 @@ def test_snapshots_taken_one_after_another_keep_their_own_bytes():
         b = engine.request(f"b{length}", PROMPT[: length + 1])
         assert load(engine, b, state_slot=slot).num_tokens == length
         assert all(torch.equal(x, y) for x, y in zip(engine.state_of(slot), saved[length]))
+
+
+def test_every_component_over_one_file_store_directory(tmp_path):
+    from kvstage.storage.file_store import FileStore
+
+    layout = LAYOUTS["all"]
+    stores = component_stores(layout, "m", PAGE, lambda fingerprint: FileStore(fingerprint, tmp_path))
+    engine = Engine(layout, seed=9, stores=stores)
+    a = engine.request("a", PROMPT)
+    saved = store(engine, a, chunks=(8,), snapshots=(8,))
+    assert engine.manager.entries_stored == {"swa": (4, 0), "indexer": (6, 0), "state": (1, 0)}
+    reopened = component_stores(layout, "m", PAGE, lambda fingerprint: FileStore(fingerprint, tmp_path))
+    fresh = Engine(layout, seed=10, stores=reopened)  # another process: other pools, the same directory
+    b = fresh.request("b", PROMPT)
+    loaded = load(fresh, b, state_slot=0, component_slots={"swa": fresh.window_slots(b)[4:8]})
+    assert loaded.num_tokens == 8
+    assert all(
+        torch.equal(x, y) for x, y in zip(rows(fresh.full, fresh.slots(b)[:8]), rows(engine.full, engine.slots(a)[:8]))
+    )
+    pools = [(fresh.pools[n], engine.pools[n]) for n in ("indexer", "swa")]
+    assert all(
+        torch.equal(x, y) for x, y in zip(rows(pools[0][0], fresh.slots(b)[:8]), rows(pools[0][1], engine.slots(a)[:8]))
+    )
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(rows(pools[1][0], fresh.window_slots(b)[4:8]), rows(pools[1][1], engine.window_slots(a)[4:8]))
+    )
+    assert all(torch.equal(x, y) for x, y in zip(fresh.state_of(0), saved[8]))
+    for s in [*stores.values(), *reopened.values()]:
+        s.close()
