@@ -109,6 +109,7 @@ class Hybrid:
         self._writes: list[tuple[_Entries, Any]] = []
         self._loads: list[tuple[Any, CopyHandle]] = []  # component scatters: (request state, handle)
         self.lookup = self  # what the prefetcher reads through
+        self._keyed: dict[int, tuple[Any, int, str]] = {}  # id(req) -> (req, length, key) of its last snapshot
         self._spare: list[torch.Tensor] = []  # snapshots' host staging, reused (a pinned allocation is slow)
 
     def attach(self, copy_stream: Any, workers: Any, hasher: Any, backend: str, pinned: bool) -> None:
@@ -198,12 +199,11 @@ class Hybrid:
             "state_slot",
             lambda: f"must be an int in [0, {pool.num_slots}) (a slot of the state pool), got {state_slot!r}",
         )
-        extra_key, cache_salt = request_namespace(req)
-        keys = self.hasher.prefill_keys(request_tokens(req, 0, length), extra_key=extra_key, cache_salt=cache_salt)
+        key = self._snapshot_key(req, length, index)
         entries = _Entries(self.state.name, state, self._spare.pop() if self._spare else None, [])
         if entries.staging is None:
             entries.staging = self._staging(self.state.name, state, pool, 1).staging
-        entries.keys, entries.req, entries.length, entries.indices = [keys[index]], req, length, [index]
+        entries.keys, entries.req, entries.length, entries.indices = [key], req, length, [index]
         staging, backend, slot = entries.staging, self.backend, int(state_slot)
         entries.handle = self.copy_stream.submit(
             lambda: gather_state(pool, [slot], staging, backend=backend), keep=[staging], after=after
@@ -213,9 +213,25 @@ class Hybrid:
         self._copies.append(entries)
         return entries.handle
 
+    def _snapshot_key(self, req: Any, length: int, index: int) -> str:
+        """``h_{index}`` of ``req``'s tokens, hashed on from the request's last snapshot's key
+        (a decode snapshot every few pages does not hash the whole prefix again)."""
+        cached = self._keyed.get(id(req))
+        if cached is not None and cached[0] is req and cached[1] <= length:
+            keys = self.hasher.continue_keys(request_tokens(req, cached[1], length), cached[2])
+            key = keys[-1] if keys else cached[2]
+        else:
+            extra_key, cache_salt = request_namespace(req)
+            tokens = request_tokens(req, 0, length)
+            key = self.hasher.prefill_keys(tokens, extra_key=extra_key, cache_salt=cache_salt)[index]
+        self._keyed[id(req)] = (req, length, key)
+        return key
+
     def poll(self, states: Mapping[int, Any]) -> list[Any]:
         """Hand finished gathers to the writer (a snapshot once its pages are settled), collect
         finished writes; returns the request states whose copies ended (for their release)."""
+        if len(self._keyed) > len(states) + 64:  # forget the keys of requests no longer tracked
+            self._keyed = {i: cached for i, cached in self._keyed.items() if i in states}
         ended, waiting = [], []
         for entries in self._copies:
             done = entries.handle.query()

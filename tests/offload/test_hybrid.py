@@ -536,3 +536,23 @@ def test_every_component_over_one_file_store_directory(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(fresh.state_of(0), saved[8]))
     for s in [*stores.values(), *reopened.values()]:
         s.close()
+
+
+@pytest.mark.parametrize("namespace", [{}, {"cache_salt": "t"}])
+def test_decode_snapshots_key_as_the_prefix_hashed_from_the_start(namespace):
+    engine = Engine(LAYOUTS["state"])
+    a = engine.request("a", PROMPT[:4], extra=12, **namespace)
+    engine.manager.offload(a)
+    for token in range(200, 211):  # decode 11 tokens: KV up to 14, snapshots at 6, 8, 12 and again 12
+        a.output_ids.append(token)
+        length = a.kv_length // PAGE * PAGE
+        if length in (6, 8, 12):
+            engine.manager.snapshot(a, length, 0)
+            engine.stream.complete_all()
+        engine.manager.offload(a)
+    engine.manager.snapshot(a, 12, 0)
+    a.done = True
+    engine.manager.finish(a)
+    engine.settle()
+    keys = engine.manager.hasher.prefill_keys((PROMPT[:4] + list(range(200, 211)))[:12], **namespace)
+    assert engine.stores["state"].exists(keys) == [False, False, True, True, False, True]
