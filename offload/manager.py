@@ -49,7 +49,8 @@ the tracked and released request objects (:mod:`~kvstage.offload.lifecycles`); f
 requests' pages waiting for host pages (:mod:`~kvstage.offload.finish_backlog`); the argument
 checks (:mod:`~kvstage.offload.manager_arguments`); the one-thread guard
 (:mod:`~kvstage.offload.one_thread`); the per-request records
-(:mod:`~kvstage.offload.request_state`).
+(:mod:`~kvstage.offload.request_state`). A hybrid model's other components (sliding window,
+sidecars, request state) move beside the full pages through :mod:`~kvstage.offload.hybrid`.
 """
 
 from __future__ import annotations
