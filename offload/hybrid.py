@@ -289,9 +289,9 @@ class Hybrid:
                 return WriteOutcome(failed_keys=[key], error=MissingPriorError(key))
         return write_pages(self.stores[entries.name], entries.keys, pages, prior_key=None)
 
-    def wait_loads(self, state: Any) -> None:
-        """Block until ``state``'s component scatters are done and count them ended (an abort)."""
-        for load in [load for load in self._loads if load[0] is state]:
+    def wait_loads(self, state: Any, aborted: bool) -> None:
+        """An abort (``aborted``): block until ``state``'s component scatters are done, counted ended."""
+        for load in [load for load in self._loads if aborted and load[0] is state]:
             load[1].synchronize()
             self._loads.remove(load)
             state.copies_in_flight -= 1
@@ -582,7 +582,7 @@ class PlainModel:
     def gather_pages(self, *_: Any) -> None:
         """No other component's pages."""
 
-    def wait_loads(self, _state: Any) -> None:
+    def wait_loads(self, _state: Any, _aborted: bool) -> None:
         """No other component's scatters."""
 
     def settled(self, _run: Any) -> None:

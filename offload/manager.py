@@ -647,10 +647,10 @@ class OffloadManager(HybridCalls, ManagerInspection):
                 state.req.rid,
                 dropped,
             )
+        self._hybrid.wait_loads(state, aborted)  # a component's load outlives its full pages' load
         if aborted and state.loads:
             for load in list(state.loads):  # a queued load cannot be recalled: no slot written after abort returns
                 self.copier.synchronize(job=load)
-            self._hybrid.wait_loads(state)
             # Collect those loads alone (so the release comes within this call); every other
             # finished copy waits for the next poll, which owns launches and callbacks.
             self._unhandled.extend(self.copier.poll())

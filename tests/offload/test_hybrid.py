@@ -556,3 +556,18 @@ def test_decode_snapshots_key_as_the_prefix_hashed_from_the_start(namespace):
     engine.settle()
     keys = engine.manager.hasher.prefill_keys((PROMPT[:4] + list(range(200, 211)))[:12], **namespace)
     assert engine.stores["state"].exists(keys) == [False, False, True, True, False, True]
+
+
+def test_abort_waits_for_a_component_load_that_outlives_the_full_load():
+    engine = Engine(LAYOUTS["state"], seed=11)
+    saved = store(engine, engine.request("a", PROMPT), snapshots=(4, 8))
+    b = engine.request("b", PROMPT)
+    handle = engine.manager.prefetch(b, policy="wait_complete")
+    handle.wait()
+    engine.manager.load(handle, engine.slots(b)[:8], state_slot=2)
+    engine.stream.complete(0)  # the full pages' copy only; the manager polls it
+    engine.manager.poll()
+    assert len(engine.stream.pending) == 1 and engine.released[-1] is not b
+    engine.manager.abort(b)
+    assert not engine.stream.pending and engine.released[-1] is b
+    assert all(torch.equal(x, y) for x, y in zip(engine.state_of(2), saved[8]))
