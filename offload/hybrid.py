@@ -360,7 +360,7 @@ class Hybrid:
                     handle.entries = entries
                     handle.pages_ready = length // page_size
                     break
-        handle.hole = handle.pages_ready < found.num_pages and handle.error is None
+        handle.hole = handle.pages_ready < count and handle.error is None  # too few host pages is no hole
 
     def _read_entries(self, keys: list[str], length: int) -> dict[str, _Entries] | None:
         """Every component's entries for a resume at ``length``, or None when one is not read whole."""

@@ -571,3 +571,20 @@ def test_abort_waits_for_a_component_load_that_outlives_the_full_load():
     engine.manager.abort(b)
     assert not engine.stream.pending and engine.released[-1] is b
     assert all(torch.equal(x, y) for x, y in zip(engine.state_of(2), saved[8]))
+
+
+def test_a_prefetch_with_too_few_host_pages_reads_the_restorable_length_that_fits():
+    engine = Engine(LAYOUTS["state"], seed=12)
+    saved = store(engine, engine.request("a", PROMPT), snapshots=(4, 8))
+    taken = engine.manager.host_pool.alloc(engine.manager.host_pool.free_pages - 3)  # 3 host pages left
+    b = engine.request("b", PROMPT)
+    handle = engine.manager.prefetch(b, policy="wait_complete")
+    handle.wait()
+    assert (handle.pages_hit, handle.pages_ready, handle.hole) == (4, 2, False)  # 8 needs 4 pages: 4 fits
+    engine.manager.poll()
+    assert engine.manager.metrics.pages_truncated == 1 and engine.manager.metrics.prefetch_failures == 0
+    loaded = engine.manager.load(handle, engine.slots(b)[:4], state_slot=1)
+    engine.stream.complete_all()
+    loaded.wait()
+    assert all(torch.equal(x, y) for x, y in zip(engine.state_of(1), saved[4]))
+    engine.manager.host_pool.free(taken)
