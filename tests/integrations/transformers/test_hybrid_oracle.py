@@ -20,9 +20,6 @@ from hybrid_rig import PAGE
 from mooncake_master import LocalMooncakeMaster
 from support import skip_missing
 
-# the manager's component store and load (branch hyman27); until it is merged, nothing to drive
-pytest.importorskip("kvstage.offload.components")
-
 MAX_TOKENS = 32
 PROMPT = 27  # 6 whole pages and 3 tokens: 24 tokens restorable at most
 STATE_ARCHS = ("qwen3_next", "jamba", "falcon_h1")
