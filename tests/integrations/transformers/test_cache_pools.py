@@ -2,7 +2,8 @@
 prefill, store every component (kvstage gather, one key space per component), drop every cache,
 load the restorable prefix into fresh pools (get, scatter), rebuild a ``DynamicCache`` at ``L`` and
 continue: logits ``torch.equal`` to transformers continuing its own cache after the same chunked
-prefill of ``L`` tokens. Over the memory and file stores and a real Mooncake master."""
+prefill of ``L`` tokens. Over the memory and file stores and a real Mooncake master. The cases of
+the manager's path (round-down, exact length, namespaces, eviction) are test_hybrid_oracle's."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from support import skip_missing
 
 MAX_TOKENS = 32
 PROMPT = 27  # 6 whole pages and 3 tokens: 24 tokens restorable at most
-STATE_ARCHS = ("qwen3_next", "jamba", "falcon_h1")
 SWA_ARCHS = ("gpt_oss", "gemma3")
 
 
@@ -71,12 +71,12 @@ def engine_run(arch: str, tokens: torch.Tensor, length: int, snapshots=()):
     return pools
 
 
-def stored_and_loaded(arch, url, tokens, length, *, snapshots, resume_lengths=None, keys=None, load_keys=None):
+def stored_and_loaded(arch, url, tokens, length, *, snapshots, resume_lengths=None):
     """Store ``length`` tokens' pages and the snapshots, drop the pools and caches, open the stores
     again (other clients) and load the restorable prefix: ``(pools, loaded length, stored)``."""
     model, layout = model_of(arch)
     pools = engine_run(arch, tokens, length, snapshots)
-    keys = keys or rig.page_keys(tokens)
+    keys = rig.page_keys(tokens)
     writers = rig.open_stores(layout, url)
     readers = writers
     try:
@@ -84,7 +84,7 @@ def stored_and_loaded(arch, url, tokens, length, *, snapshots, resume_lengths=No
         del pools
         if url != "memory":  # a memory store is its client's own; Mooncake's pages live in the writer's segment
             readers = rig.open_stores(layout, url)
-        loaded, at = rig.load_direct(layout, readers, load_keys or keys, tokens.shape[1], MAX_TOKENS)
+        loaded, at = rig.load_direct(layout, readers, keys, tokens.shape[1], MAX_TOKENS)
     finally:
         rig.close_stores(writers, readers)
     return loaded, at, stored
@@ -211,67 +211,6 @@ def test_stored_and_loaded_prefix_continues_bitwise(arch, store_url):
     assert at == 24  # every component restorable at the last page (26 tokens could not go further)
     if arch in SWA_ARCHS:
         assert stored.pages["swa"] == [4, 5]  # only the window before 24: ceil(7 / 4) = 2 pages
-    assert rig.same(resumed(arch, loaded, following(tokens), at), rig.oracle(model, following(tokens), at))
-
-
-@pytest.mark.parametrize("arch", hm.ARCHS)
-def test_a_hit_rounds_down_to_the_last_snapshot(arch):
-    """Pages to 24 stored, snapshots (and the window's pages) only at 8: a model with state or a
-    window resumes at 8, one with neither at 24."""
-    model, layout = model_of(arch)
-    tokens = prompt()
-    loaded, at, _ = stored_and_loaded(arch, "memory", tokens, 24, snapshots=(8,), resume_lengths=[8])
-    assert at == (8 if arch in STATE_ARCHS + SWA_ARCHS else 24)
-    assert rig.same(resumed(arch, loaded, following(tokens), at), rig.oracle(model, following(tokens), at))
-
-
-@pytest.mark.parametrize("arch", hm.ARCHS)
-def test_a_prompt_of_exactly_the_stored_length_recomputes_its_last_page(arch):
-    model, layout = model_of(arch)
-    tokens = prompt(16)
-    loaded, at, _ = stored_and_loaded(arch, "memory", tokens, 16, snapshots=(8, 12, 16), resume_lengths=[12, 16])
-    assert at == 12  # 16 would leave no token to compute
-    assert rig.same(resumed(arch, loaded, following(tokens), at), rig.oracle(model, following(tokens), at))
-
-
-@pytest.mark.parametrize("arch", hm.ARCHS)
-def test_tenants_and_adapters_share_no_entry_of_any_component(arch):
-    model, layout = model_of(arch)
-    tokens = prompt()
-    mine = rig.page_keys(tokens, extra_key="lora-a", cache_salt="tenant-1")
-    for other in (
-        rig.page_keys(tokens, extra_key="lora-a", cache_salt="tenant-2"),
-        rig.page_keys(tokens, extra_key="lora-b", cache_salt="tenant-1"),
-        rig.page_keys(tokens),
-    ):
-        assert not set(mine) & set(other)
-        _, at, _ = stored_and_loaded(arch, "memory", tokens, 24, snapshots=(8, 16, 24), keys=mine, load_keys=other)
-        assert at == 0
-    loaded, at, stored = stored_and_loaded(arch, "memory", tokens, 24, snapshots=(8, 16, 24), keys=mine)
-    assert at == 24 and set(stored.pages) == {c.name for c in layout.components}
-    assert rig.same(resumed(arch, loaded, following(tokens), at), rig.oracle(model, following(tokens), at))
-
-
-@pytest.mark.parametrize("arch", STATE_ARCHS)
-def test_an_evicted_snapshot_rounds_the_hit_down(arch):
-    """A state store with room for two snapshots: the one at 24 (stored first, used least) is
-    evicted by the ones at 16 and 8; the hit resumes at 16."""
-    model, layout = model_of(arch)
-    tokens = prompt()
-    snapshot = layout.component("state").entry_bytes(PAGE)
-    url = f"memory:{2 * snapshot}"
-    pools = engine_run(arch, tokens, 24, (24, 16, 8))
-    keys = rig.page_keys(tokens)
-    stores = rig.open_stores(layout, "memory")
-    stores["state"].close()
-    from kvstage.storage import open_storage
-
-    stores["state"] = open_storage(url, layout.fingerprints("tiny", page_size=PAGE)["state"])
-    rig.store_direct(pools, stores, keys, 6, (24, 16, 8))
-    assert stores["state"].exists([keys[5], keys[3], keys[1]]) == [False, True, True]
-    loaded, at = rig.load_direct(layout, stores, keys, PROMPT, MAX_TOKENS)
-    rig.close_stores(stores)
-    assert at == 16
     assert rig.same(resumed(arch, loaded, following(tokens), at), rig.oracle(model, following(tokens), at))
 
 
