@@ -8,14 +8,27 @@ Public API:
         kvstage cannot store: sliding-window, chunked, indexed, Mamba / linear-attention,
         hybrid, shared-KV layers).
     model_layout, model_layout_of_config: a (hybrid) model's :class:`~kvstage.model_layout.ModelLayout`
-        read from the cache a short prefill fills (the store and load of hybrid models are next).
+        read from the cache a short prefill fills.
+    CachePools, record_window: a hybrid model's ``DynamicCache`` layers as kvstage pools (full
+        attention, sliding window, sidecar rows, state slots) and a fresh cache positioned at
+        ``L`` rebuilt from them.
 
-Modules: ``layout`` (config -> layout), ``model_layout`` (cache -> ModelLayout), ``session`` (``KVStageSession``). Importing this
-package does not import transformers; building a session does.
+Modules: ``layout`` (config -> layout), ``model_layout`` (cache -> ModelLayout), ``cache_pools``
+(cache <-> pools), ``session`` (``KVStageSession``). Importing this package does not import
+transformers; building a session does.
 """
 
+from kvstage.integrations.transformers.cache_pools import CachePools, record_window
 from kvstage.integrations.transformers.layout import CacheLayout, cache_layout
 from kvstage.integrations.transformers.model_layout import model_layout, model_layout_of_config
 from kvstage.integrations.transformers.session import KVStageSession
 
-__all__ = ["CacheLayout", "KVStageSession", "cache_layout", "model_layout", "model_layout_of_config"]
+__all__ = [
+    "CacheLayout",
+    "CachePools",
+    "KVStageSession",
+    "cache_layout",
+    "model_layout",
+    "model_layout_of_config",
+    "record_window",
+]
