@@ -145,6 +145,7 @@ class ReplayRequest:
         self.slot_indices: torch.Tensor | None = None
         self.prefetch: Any = None
         self.order = -1  # its position in the engine's timestamp-sorted trace
+        self.loaded_pages = 0  # leading pages loaded from the store rather than prefilled
 
     @property
     def output_length(self) -> int:
@@ -199,15 +200,18 @@ class RequestFeed(Protocol):
     assignments, as orders into the engine's timestamp-sorted trace.
 
     ``take(wait)`` returns newly assigned orders (``wait``: the engine is idle, block briefly for
-    some); ``exhausted`` is True once no more will come; ``finished(order)`` is told when a
-    request is handed to ``OffloadManager.finish``.
+    some); ``exhausted`` is True once no more will come; ``admitted(req)`` is told when a
+    request (a :class:`ReplayRequest`, its page keys made) is admitted, ``stored(req)`` when it
+    has finished and its last store write has ended (the manager's ``on_stored``).
     """
 
     exhausted: bool
 
     def take(self, wait: bool) -> list[int]: ...
 
-    def finished(self, order: int) -> None: ...
+    def admitted(self, req: "ReplayRequest") -> None: ...
+
+    def stored(self, req: "ReplayRequest") -> None: ...
 
 
 class DevicePagePool:
@@ -366,6 +370,7 @@ class ReplayEngine:
             offload_stride=self.stride,
             release=self._release,
             on_storage_failure=self._storage_failed,
+            on_stored=self._stored,
             backend=config.backend,
         )
         self.run_metrics = self.manager.metrics
@@ -413,6 +418,10 @@ class ReplayEngine:
         req.device_pages = []
         req.slot_indices = None
 
+    def _stored(self, req: Any, pages_stored: int, pages_failed: int) -> None:
+        if self.feed is not None and isinstance(req, ReplayRequest):
+            self.feed.stored(req)
+
     def _storage_failed(self, req: Any, keys: list[str], error: BaseException | None) -> None:
         self.stats.storage_failure_keys.extend(keys)
 
@@ -434,6 +443,7 @@ class ReplayEngine:
                 pending.extend((order, self.trace[order]) for order in feed.take(wait=not busy))
                 busy = busy or bool(pending)
                 if not busy and not feed.exhausted:
+                    self.manager.poll()  # released requests' last writes end: on_stored
                     continue
             if not busy:
                 break
@@ -487,6 +497,8 @@ class ReplayEngine:
                 break  # wait for released device pages
             pending.popleft()
             req = self._make_request(order, trace)
+            if self.feed is not None:
+                self.feed.admitted(req)
             req.device_pages = pages
             device_page_ids = torch.tensor(pages, dtype=torch.int64)
             req.slot_indices = (device_page_ids.view(-1, 1) * ps + torch.arange(ps)).view(-1).to(self.device)
@@ -588,6 +600,7 @@ class ReplayEngine:
             load.wait()
             self.stats.load_mismatches += int(self.mismatched_pages(slots, req.masks[:num_pages]).sum())
         self.stats.prefill_tokens_saved += load.num_tokens
+        req.loaded_pages = load.num_pages
         prompt_length = len(req.origin_input_ids)
         self._write_kv(
             req.slot_indices[load.num_tokens : prompt_length],
@@ -627,8 +640,6 @@ class ReplayEngine:
             return False
         self.manager.finish(req)
         self.requests_done += 1
-        if self.feed is not None:
-            self.feed.finished(req.order)
         return True
 
     def close(self) -> None:

@@ -1,0 +1,206 @@
+"""One engine process of a replay fleet (``kvstage replay --engines N``).
+
+The process builds a :class:`~kvstage.replay.engine.ReplayEngine` over the whole trace (so that
+every engine makes the same tokens, namespaces and page keys for a request) with a
+:class:`~kvstage.replay.local_tier.LocalTier` in front of the shared store, and runs its loop on
+the requests the router assigns (a :class:`~kvstage.replay.engine.RequestFeed` over a pipe).
+
+Pipe messages, router to engine: ``("assign", [orders])``, ``("stop",)`` (no more requests:
+finish, store, report, exit). Engine to router: ``("ready",)``; ``("done", order, time_s,
+prompt_tokens, loaded_tokens, counters)`` per request finished with every store write ended, with
+the engine's cumulative counters (so a killed engine's figures survive it); ``("final",
+counters)``; ``("error", text)``. ``counters`` includes ``storage_failure_keys``: the keys
+whose store write failed since the previous message.
+
+KV events (vLLM's wire format, :mod:`kvstage.replay.fleet_events`) on the engine's endpoint:
+``BlockStored``/``BlockRemoved`` medium ``CPU`` as pages enter and leave its local tier,
+medium ``STORAGE`` for the pages its writes stored and the shared store's evictions and
+removals it saw; each ``BlockStored`` carries the page's token ids and parent hash, the
+request's ``extra_key`` as ``lora_name`` and ``cache_salt`` in ``extra_keys``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from collections import OrderedDict
+from typing import Any
+
+from kvstage.replay.fleet_events import MEDIUM_CPU, MEDIUM_STORAGE, FleetPublisher, block_removed, block_stored
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """What an engine process needs (pickled to it).
+
+    Attributes:
+        index: the engine's number (its events' topic is ``engine-<index>``).
+        config: the :class:`~kvstage.replay.engine.ReplayConfig` (its ``storage`` the engine's URL).
+        requests: the whole trace.
+        endpoint: where its KV event publisher binds.
+        local_pages: its local tier's capacity in pages.
+    """
+
+    index: int
+    config: Any
+    requests: list
+    endpoint: str
+    local_pages: int
+
+
+class _Announcer:
+    """Turns local-tier changes and store events into KV events with token ids."""
+
+    def __init__(self, engine, tier, publisher: FleetPublisher) -> None:
+        self.engine, self.tier, self.publisher = engine, tier, publisher
+        self.where: dict[str, tuple[int, int]] = {}  # page key -> (order, position in its chain)
+        self._tokens: OrderedDict[int, Any] = OrderedDict()  # order -> its tokens with KV (a few kept)
+
+    def learn(self, orders: list[int]) -> None:
+        for order in orders:
+            for position, key in enumerate(self.engine.request_keys[order]):
+                self.where.setdefault(key, (order, position))
+
+    def _page_tokens(self, order: int, position: int) -> list[int]:
+        from kvstage.replay.engine import ReplayRequest
+
+        tokens = self._tokens.get(order)
+        if tokens is None:
+            engine = self.engine
+            trace = engine.trace[order]
+            extra, salt = engine.namespaces[order]
+            tokens = ReplayRequest(trace, engine.tokens.prompt(trace), engine.tokens.output(trace), extra, salt)
+            tokens = self._tokens[order] = tokens.kv_tokens
+            while len(self._tokens) > 16:
+                self._tokens.popitem(last=False)
+        ps = self.engine.page_size
+        return list(tokens[position * ps : (position + 1) * ps])
+
+    def _stored(self, key: str, medium: str) -> dict[str, Any] | None:
+        found = self.where.get(key)
+        if found is None:
+            return None
+        order, position = found
+        chain = self.engine.request_keys[order]
+        extra, salt = self.engine.namespaces[order]
+        event = block_stored(
+            [key],
+            chain[position - 1] if position else None,
+            self._page_tokens(order, position),
+            self.engine.page_size,
+            medium,
+            extra,
+        )
+        if salt is not None:
+            event["extra_keys"] = [salt]
+        return event
+
+    def publish(self) -> None:
+        events: list[dict[str, Any]] = []
+        for kind, key in self.tier.take_changes():
+            event = self._stored(key, MEDIUM_CPU) if kind == "stored" else block_removed([key], MEDIUM_CPU)
+            if event is not None:
+                events.append(event)
+        for store_event in self.tier.inner.take_events():
+            if store_event.kind == "stored":
+                event = self._stored(store_event.key, MEDIUM_STORAGE)
+            else:
+                event = block_removed([store_event.key], MEDIUM_STORAGE)
+            if event is not None:
+                events.append(event)
+        self.publisher.publish(events)
+
+
+class _PipeFeed:
+    """The engine loop's :class:`~kvstage.replay.engine.RequestFeed` over the router's pipe."""
+
+    def __init__(self, conn, engine, tier, announcer: _Announcer) -> None:
+        self.conn, self.engine, self.tier, self.announcer = conn, engine, tier, announcer
+        self.exhausted = False
+        self._failures_sent = 0
+
+    def take(self, wait: bool) -> list[int]:
+        self.announcer.publish()
+        orders: list[int] = []
+        timeout = 0.01 if wait else 0.0
+        while self.conn.poll(timeout):
+            message = self.conn.recv()
+            if message[0] == "assign":
+                orders.extend(message[1])
+            elif message[0] == "stop":
+                self.exhausted = True
+            timeout = 0.0
+        return orders
+
+    def counters(self) -> dict[str, Any]:
+        engine = self.engine
+        metrics = engine.manager.metrics
+        failures = engine.stats.storage_failure_keys
+        new_failures, self._failures_sent = failures[self._failures_sent :], len(failures)
+        return {
+            "pages_looked_up": metrics.pages_looked_up,
+            "pages_hit": metrics.pages_hit,
+            "pages_stored": metrics.pages_stored,
+            "pages_deduplicated": metrics.pages_deduplicated,
+            "pages_failed": metrics.pages_failed,
+            "pages_dropped": metrics.pages_dropped,
+            "load_mismatches": engine.stats.load_mismatches,
+            "local_reads": self.tier.tier_stats.local_reads,
+            "store_reads": self.tier.tier_stats.store_reads,
+            "storage_failure_keys": list(new_failures),
+        }
+
+    def admitted(self, req) -> None:
+        # Its prompt pages are stored (and announced) before it finishes.
+        self.announcer.learn([req.order])
+
+    def stored(self, req) -> None:
+        loaded = req.loaded_pages * self.engine.page_size
+        self.conn.send(("done", req.order, time.time(), len(req.origin_input_ids), loaded, self.counters()))
+
+
+def engine_main(spec: EngineSpec, conn) -> None:
+    """The engine process: build, say ready, run the router's requests, report, exit."""
+    try:
+        import torch
+
+        from kvstage.replay.engine import ReplayEngine
+        from kvstage.replay.local_tier import LocalTier
+
+        torch.set_num_threads(1)
+        tiers: list[LocalTier] = []
+
+        def wrap(store):
+            tiers.append(LocalTier(store, spec.local_pages))
+            return tiers[0]
+
+        engine = ReplayEngine(spec.config, spec.requests, wrap_storage=wrap)
+        tier = tiers[0]
+        publisher = FleetPublisher(spec.endpoint, topic=f"engine-{spec.index}")
+        announcer = _Announcer(engine, tier, publisher)
+        feed = _PipeFeed(conn, engine, tier, announcer)
+        conn.send(("ready",))
+        engine.run(feed)
+        announcer.publish()
+        conn.send(("final", feed.counters()))
+        publisher.close()
+        engine.close()
+    except BaseException:  # reported to the router, which fails the run naming the engine
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvstage.replay.fleet_engine FD``: FD is the router's pipe; the spec comes first on it."""
+    import sys
+    from multiprocessing.connection import Connection
+
+    conn = Connection(int((argv or sys.argv[1:])[0]))
+    engine_main(conn.recv(), conn)
+
+
+if __name__ == "__main__":
+    main()
