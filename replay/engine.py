@@ -263,9 +263,8 @@ class ReplayEngine:
         config: the replay's settings.
         requests: the trace (any order; replayed in timestamp order, ties in trace order).
         on_progress: ``on_progress(engine)`` called about every 0.1 s while running.
-        wrap_storage: ``wrap_storage(store)`` -> the store the manager uses (a fleet engine's
-            local tier in front of the shared store, :class:`kvstage.replay.local_tier.LocalTier`);
-            None: the opened store itself.
+        open_store: ``open_store(url, fingerprint)`` -> the store the manager uses (a fleet
+            engine's local tier in front of the shared store); None: ``open_storage``.
 
     Attributes:
         run_metrics: the manager's counters when :meth:`run` returned (verification loads
@@ -283,7 +282,7 @@ class ReplayEngine:
         config: ReplayConfig,
         requests: Sequence[TraceRequest],
         on_progress: Callable[["ReplayEngine"], None] | None = None,
-        wrap_storage: Callable[[Any], Any] | None = None,
+        open_store: Callable[[str, Any], Any] | None = None,
     ) -> None:
         from kvstage.hashing import PageHasher
         from kvstage.kernels import KVPool
@@ -357,9 +356,7 @@ class ReplayEngine:
             (r.input_length + r.output_length - 1) // ps for r in self.trace
         )  # every whole page any request will have: a store this large never evicts
         self.storage_url = self._storage_url(config.storage)
-        self.storage = open_storage(self.storage_url, self.fingerprint)
-        if wrap_storage is not None:
-            self.storage = wrap_storage(self.storage)
+        self.storage = (open_store or open_storage)(self.storage_url, self.fingerprint)
         self.hasher = PageHasher(config.hash_scheme, ps)
         self.manager = OffloadManager(
             self.kv_pool,

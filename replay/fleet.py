@@ -60,16 +60,16 @@ class FleetConfig:
         kill_at: SIGKILL one engine right after this many requests were routed (>= 1), and
             restart it; None: no kill.
         local_pages: each engine's local tier, in pages (>= 0).
-        engine_storage: the URL the engines open (default: the replay's ``storage``); the
-            router process opens the replay's own (a Mooncake client there can hold the pool's
-            memory, so that no engine's death takes stored pages with it).
+
+    The router process opens the replay's ``storage`` too (to verify); with Mooncake its client
+    brings the URL's segment, and the engines bring none
+    (:func:`kvstage.replay.fleet_engine.open_engine_store`).
     """
 
     engines: int = 2
     policy: str = "round-robin"
     kill_at: int | None = None
     local_pages: int = DEFAULT_LOCAL_PAGES
-    engine_storage: str | None = None
 
 
 @dataclass
@@ -91,7 +91,9 @@ def _check(fleet: FleetConfig, num_requests: int) -> None:
             f"got {fleet.kill_at}"
         )
     if fleet.kill_at is not None and fleet.engines < 2:
-        raise InvalidArgumentError("--kill-engine-at: needs --engines >= 2 (survivors take the killed engine's requests)")
+        raise InvalidArgumentError(
+            "--kill-engine-at: needs --engines >= 2 (survivors take the killed engine's requests)"
+        )
     if fleet.local_pages < 0:
         raise InvalidArgumentError(f"--local-pages: must be >= 0, got {fleet.local_pages}")
 
@@ -136,10 +138,7 @@ class Fleet:
     def _start(self, index: int, endpoint: str) -> _Engine:
         """Start engine ``index``: ``python -m kvstage.replay.fleet_engine FD``, its pipe a socket pair."""
         parent, child = socket.socketpair()
-        engine_config = self.config
-        if self.fleet.engine_storage is not None:
-            engine_config = dataclasses.replace(self.config, storage=self.fleet.engine_storage)
-        spec = EngineSpec(index, engine_config, self.requests, endpoint, self.fleet.local_pages)
+        spec = EngineSpec(index, self.config, self.requests, endpoint, self.fleet.local_pages)
         process = subprocess.Popen(
             [sys.executable, "-m", "kvstage.replay.fleet_engine", str(child.fileno())], pass_fds=(child.fileno(),)
         )
@@ -307,7 +306,9 @@ class Fleet:
                 counters[name] = counters.get(name, 0) + value
         # The engines' failures and drops explain missing pages, as a single engine's do.
         checker.stats.storage_failure_keys = list(self._failure_keys)
-        checker.run_metrics = dataclasses.replace(checker.manager.metrics, pages_dropped=counters.get("pages_dropped", 0))
+        checker.run_metrics = dataclasses.replace(
+            checker.manager.metrics, pages_dropped=counters.get("pages_dropped", 0)
+        )
         result = verify_pages(checker, seed=self.config.seed)
         done = sorted(self.completions)
         prompt = sum(c[3] for c in done)
@@ -326,7 +327,8 @@ class Fleet:
             "local_pages_read": local_reads,
             "store_pages_read": store_reads,
             "local_read_share": local_reads / (local_reads + store_reads) if local_reads + store_reads else 0.0,
-            "pages_stored": counters.get("pages_stored", 0),
+            "pages_stored": result.pages_matched,
+            "engine_pages_stored": counters.get("pages_stored", 0),
             "pages_deduplicated": counters.get("pages_deduplicated", 0),
             "pages_failed": counters.get("pages_failed", 0),
             "load_mismatches": counters.get("load_mismatches", 0),

@@ -160,6 +160,25 @@ class _PipeFeed:
         self.conn.send(("done", req.order, time.time(), len(req.origin_input_ids), loaded, self.counters()))
 
 
+def open_engine_store(url: str, fingerprint):
+    """The shared store as an engine opens it: ``url`` itself, except that a Mooncake engine
+    brings no memory to the pool (``global_segment_size`` 0, which Mooncake accepts: its pages
+    then live in the other clients' segments, the router process's here). In Mooncake's
+    embedded mode each object lives in one client's segment, so a killed engine that brought
+    memory would take the pages placed there with it, other engines' pages included, and
+    until the master drops its segment every put placed there fails (seen: TRANSFER_FAIL).
+    kvstage's :class:`~kvstage.storage.MooncakeConfig` refuses a zero segment (a lone client
+    without memory has no store), so it is set here after the URL is checked."""
+    from kvstage.storage import MooncakeStore, open_storage
+    from kvstage.storage.mooncake.config import parse_mooncake_url
+
+    if not url.startswith("mooncake://"):
+        return open_storage(url, fingerprint)
+    config = parse_mooncake_url(url)
+    object.__setattr__(config, "global_segment_size", 0)
+    return MooncakeStore(fingerprint, config)
+
+
 def engine_main(spec: EngineSpec, conn) -> None:
     """The engine process: build, say ready, run the router's requests, report, exit."""
     try:
@@ -169,14 +188,12 @@ def engine_main(spec: EngineSpec, conn) -> None:
         from kvstage.replay.local_tier import LocalTier
 
         torch.set_num_threads(1)
-        tiers: list[LocalTier] = []
-
-        def wrap(store):
-            tiers.append(LocalTier(store, spec.local_pages))
-            return tiers[0]
-
-        engine = ReplayEngine(spec.config, spec.requests, wrap_storage=wrap)
-        tier = tiers[0]
+        engine = ReplayEngine(
+            spec.config,
+            spec.requests,
+            open_store=lambda url, fp: LocalTier(open_engine_store(url, fp), spec.local_pages),
+        )
+        tier = engine.storage
         publisher = FleetPublisher(spec.endpoint, topic=f"engine-{spec.index}")
         announcer = _Announcer(engine, tier, publisher)
         feed = _PipeFeed(conn, engine, tier, announcer)
