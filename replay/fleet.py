@@ -292,7 +292,13 @@ class Fleet:
         self.router.index.forget_local(victim)
         engine.conn.close()
         engines[victim] = self._start(victim, endpoints[victim])
-        self.kill = {"engine": victim, "time_s": when, "after_requests": self.fleet.kill_at, "rerouted": len(orphans)}
+        self.kill = {
+            "engine": victim,
+            "time_s": when,
+            "after_requests": self.fleet.kill_at,
+            "rerouted": len(orphans),
+            "rerouted_orders": orphans,
+        }
         return victim
 
     # -- verification and figures ---------------------------------------------------------------
@@ -346,5 +352,6 @@ class Fleet:
             "verify_s": result.seconds,
             "ready_s": self.ready_s,
             "wall_s": wall_s,
-            "timeline": [[round(c[0], 4), c[2], c[3], c[4]] for c in done],
+            # Per request, in completion order: [seconds, order, engine, prompt tokens, tokens loaded].
+            "timeline": [[round(c[0], 4), c[1], c[2], c[3], c[4]] for c in done],
         }

@@ -61,7 +61,7 @@ def print_fleet_summary(reports: Sequence[dict[str, Any]], console=None) -> None
 def hit_rate_series(report: dict[str, Any]) -> tuple[list[float], list[float]]:
     """(times, cumulative fleet prefix hit rate) at each request's completion."""
     times, rates, prompt, saved = [], [], 0, 0
-    for when, _engine, tokens, loaded in report["timeline"]:
+    for when, _order, _engine, tokens, loaded in report["timeline"]:
         prompt += tokens
         saved += loaded
         times.append(when)
