@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from kvstage.errors import BackendUnavailableError, InvalidArgumentError, KvstageError
 from kvstage.replay.models import DEFAULT_MODEL, DTYPES, PRESETS, resolve_model
-from kvstage.replay.trace import TraceRequest, load_trace, synthetic_trace
+from kvstage.replay.trace import TraceRequest, load_trace, multi_tenant_trace, synthetic_trace
 
 DEFAULT_SYNTHETIC_REQUESTS = 48
 DEFAULT_LOCAL_PAGES = 4096  # as kvstage.replay.fleet.DEFAULT_LOCAL_PAGES (a test keeps them equal)
@@ -41,6 +41,12 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("trace", nargs="?", metavar="TRACE", help="JSONL trace file (default: built-in synthetic trace)")
     p.add_argument(
         "--requests", type=int, metavar="N", help="replay the first N requests (synthetic: make N; default 48)"
+    )
+    p.add_argument(
+        "--multi-tenant",
+        type=int,
+        metavar="TENANTS",
+        help="without TRACE: the built-in multi-tenant trace (TENANTS system prompts that recur) instead",
     )
     p.add_argument("--page-size", type=int, default=64, metavar="TOKENS", help="tokens per page (default 64)")
     p.add_argument(
@@ -186,7 +192,13 @@ def config_from_args(args: argparse.Namespace):
     if storage.startswith("file:") and not storage[len("file:") :]:
         raise InvalidArgumentError("--storage: file: needs a folder, e.g. file:/tmp/kvstage-pages")
     model = resolve_model(args.model, layers=args.layers, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype)
-    if args.trace is None:
+    _positive("--multi-tenant", args.multi_tenant)
+    if args.multi_tenant is not None and args.trace is not None:
+        raise InvalidArgumentError("--multi-tenant: makes a built-in trace; give it without TRACE")
+    if args.multi_tenant is not None:
+        requests = multi_tenant_trace(args.requests or DEFAULT_SYNTHETIC_REQUESTS, args.multi_tenant, seed=args.seed)
+        trace_name = f"built-in multi-tenant ({args.multi_tenant} tenants)"
+    elif args.trace is None:
         requests = synthetic_trace(args.requests or DEFAULT_SYNTHETIC_REQUESTS, seed=args.seed)
         trace_name = "built-in synthetic"
     else:

@@ -280,6 +280,8 @@ class Fleet:
 
     def _kill(self, engines: list[_Engine], endpoints: list[str], queue: deque, started: float) -> int:
         """SIGKILL the engine with the most unfinished requests, requeue them, start its successor."""
+        for i, running in enumerate(engines):
+            self._receive(i, running, started)  # count what has finished, so the victim is really busy
         victim = max(range(len(engines)), key=lambda i: (len(engines[i].unfinished), -i))
         engine = engines[victim]
         when = time.time() - started
@@ -319,6 +321,11 @@ class Fleet:
         done = sorted(self.completions)
         prompt = sum(c[3] for c in done)
         saved = sum(c[4] for c in done)
+        # A re-routed request reloads the pages the killed engine stored for it: savings of the
+        # kill, not of the policy, so the policies compare on the other requests.
+        rerouted = set(self.kill["rerouted_orders"]) if self.kill else set()
+        kept = [c for c in done if c[1] not in rerouted]
+        kept_prompt, kept_saved = sum(c[3] for c in kept), sum(c[4] for c in kept)
         local_reads, store_reads = counters.get("local_reads", 0), counters.get("store_reads", 0)
         lags = self.router.index.lags_s
         return {
@@ -330,6 +337,8 @@ class Fleet:
             "prompt_tokens": prompt,
             "prefill_tokens_saved": saved,
             "fleet_hit_rate": saved / prompt if prompt else 0.0,
+            "hit_rate_not_rerouted": kept_saved / kept_prompt if kept_prompt else 0.0,
+            "rerouted_tokens_saved": saved - kept_saved,
             "local_pages_read": local_reads,
             "store_pages_read": store_reads,
             "local_read_share": local_reads / (local_reads + store_reads) if local_reads + store_reads else 0.0,

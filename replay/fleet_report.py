@@ -25,7 +25,14 @@ def _kill(report: dict[str, Any]) -> str:
 ROWS = (
     ("requests completed", lambda r: f"{r['requests_completed']:,} of {r['requests']:,}"),
     ("fleet prefix hit rate", lambda r: f"{r['fleet_hit_rate']:.1%}"),
-    ("prefill tokens saved", lambda r: f"{r['prefill_tokens_saved']:,} of {r['prompt_tokens']:,}"),
+    ("  requests not re-routed", lambda r: f"{r['hit_rate_not_rerouted']:.1%}"),
+    (
+        "prefill tokens saved",
+        lambda r: (
+            f"{r['prefill_tokens_saved']:,} of {r['prompt_tokens']:,} "
+            f"({r['rerouted_tokens_saved']:,} by re-routed requests)"
+        ),
+    ),
     ("hit pages read locally", lambda r: f"{r['local_read_share']:.1%} ({r['local_pages_read']:,})"),
     ("hit pages read from the store", lambda r: f"{r['store_pages_read']:,}"),
     ("pages stored (verified)", lambda r: f"{r['pages_stored']:,} of {r['verify_pages_checked']:,} checked"),

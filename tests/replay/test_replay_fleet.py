@@ -109,6 +109,7 @@ def test_the_command_line_runs_each_policy_on_its_own_store(tmp_path, capsys):
         (["--engines", "0"], "--engines: must be >= 1"),
         (["--local-pages", "-1"], "--local-pages: must be >= 0"),
         (["--metrics-file", "x.prom"], "--metrics-file: not available with --engines"),
+        (["--multi-tenant", "0"], "--multi-tenant: must be >= 1"),
     ],
 )
 def test_bad_fleet_options_are_named_before_anything_runs(tmp_path, capsys, extra, message):
@@ -255,3 +256,20 @@ def test_two_engines_on_a_real_mooncake_master_survive_a_kill(tmp_path):
         master.stop()
     _check_clean(report, 16)
     assert report["kill"]["rerouted"] >= 1
+
+
+def test_the_multi_tenant_trace_recurs_and_keeps_the_prefix_rule():
+    from kvstage.replay.trace import BLOCK_TOKENS, multi_tenant_trace
+
+    trace = multi_tenant_trace(120, tenants=4, seed=1)
+    assert trace == multi_tenant_trace(120, tenants=4, seed=1) != multi_tenant_trace(120, tenants=4, seed=2)
+    parents: dict[int, tuple[int, ...]] = {}
+    for request in trace:
+        assert len(request.hash_ids) == -(-request.input_length // BLOCK_TOKENS)
+        for i, block in enumerate(request.hash_ids):  # equal ids mean an equal prefix
+            assert parents.setdefault(block, request.hash_ids[:i]) == request.hash_ids[:i]
+    firsts = [r.hash_ids[0] for r in trace]
+    assert len(set(firsts)) == 4  # one system prompt per tenant, each recurring
+    assert max(firsts.count(f) for f in set(firsts)) > 120 / 4  # Zipf: the first tenant is busiest
+    with pytest.raises(InvalidArgumentError, match="tenants: must be an int >= 1"):
+        multi_tenant_trace(10, tenants=0)
