@@ -126,7 +126,7 @@ class Fleet:
         _check(fleet, len(requests))
         self.config, self.requests, self.fleet = config, list(requests), fleet
         self.on_progress = on_progress
-        self.router = Router(fleet.policy, fleet.engines, seed=config.seed, load_cap=config.max_running + 1)
+        self.router = Router(fleet.policy, fleet.engines, seed=config.seed, load_slack=config.max_running)
         self.completions: list[tuple[float, int, int, int, int]] = []  # (t_s, order, engine, prompt, loaded tokens)
         self.kill: dict[str, Any] | None = None
         self.report: dict[str, Any] = {}
@@ -162,7 +162,9 @@ class Fleet:
             elif kind == "done":
                 _, order, when, prompt, loaded, counters = message
                 self._counters(engine, counters)
-                engine.unfinished.discard(order)
+                if order in engine.unfinished:
+                    engine.unfinished.discard(order)
+                    self.router.index.finish(index, self._hashes[order])
                 if order not in self._done:
                     self._done.add(order)
                     self.completions.append((when - started, order, index, prompt, loaded))
@@ -190,6 +192,7 @@ class Fleet:
         checker = ReplayEngine(self.config, self.requests)  # the router's hasher, then the verifier
         n = len(checker.trace)
         hashes: list[list[int] | None] = [None] * n
+        self._hashes = hashes
         self._done: set[int] = set()
         workdir = tempfile.mkdtemp(prefix="kvstage-fleet-")
         endpoints = [f"ipc://{workdir}/engine-{i}.ipc" for i in range(self.fleet.engines)]
@@ -218,6 +221,7 @@ class Fleet:
                         hashes[order] = [block_hash(k) for k in checker.expect(order)]
                     index = self.router.pick(hashes[order], live, unfinished)
                     engines[index].conn.send(("assign", [order]))
+                    self.router.index.route(index, hashes[order])
                     engines[index].unfinished.add(order)
                     unfinished[index] += 1
                     routed += 1

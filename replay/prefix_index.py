@@ -7,6 +7,9 @@ count of a request's leading block hashes found in that engine's set. Two kinds 
 - *local* (medium ``GPU`` or ``CPU``): pages in an engine's own memory; only that engine reads
   them without the store. Dropped whole when the engine restarts (its publisher's sequence
   starts again at 0, or the router saw it die): a dead engine's memory is gone.
+- *routed* (no event: the router's own record): the pages of requests routed to an engine and
+  not finished yet, which that engine is computing and will hold (as Dynamo's router counts the
+  blocks of the requests it routed before any event says so).
 - *stored* (medium ``STORAGE``): pages in the shared store, readable by every engine, so one
   fleet-wide set: added by whichever engine wrote, removed by whichever engine announces the
   removal. An engine's restart leaves them.
@@ -49,6 +52,7 @@ class PrefixIndex:
 
     def __init__(self, num_engines: int) -> None:
         self.local: list[set[int]] = [set() for _ in range(num_engines)]
+        self.routed: list[dict[int, int]] = [{} for _ in range(num_engines)]  # hash -> requests routed with it
         self.stored: set[int] = set()
         self.lags_s: list[float] = []
         self.gaps = [0] * num_engines
@@ -56,9 +60,26 @@ class PrefixIndex:
         self._last_seq: list[int | None] = [None] * num_engines
 
     def forget_local(self, engine: int) -> None:
-        """Drop what ``engine`` held in its own memory (it died or restarted)."""
+        """Drop what ``engine`` held in its own memory or was computing (it died or restarted)."""
         self.local[engine].clear()
+        self.routed[engine].clear()
         self._last_seq[engine] = None
+
+    def route(self, engine: int, hashes: Sequence[int]) -> None:
+        """A request with these page hashes was routed to ``engine``."""
+        routed = self.routed[engine]
+        for h in hashes:
+            routed[h] = routed.get(h, 0) + 1
+
+    def finish(self, engine: int, hashes: Sequence[int]) -> None:
+        """A request routed to ``engine`` finished (its pages are announced by events now)."""
+        routed = self.routed[engine]
+        for h in hashes:
+            left = routed.get(h, 0) - 1
+            if left > 0:
+                routed[h] = left
+            else:
+                routed.pop(h, None)
 
     def apply(self, engine: int, seq: int, batch: Any) -> None:
         """Apply one batch of ``engine``'s events (as a subscriber's ``poll`` returns it)."""
@@ -85,11 +106,12 @@ class PrefixIndex:
         self.lags_s.append(time.time() - ts)
 
     def local_match(self, engine: int, hashes: Sequence[int]) -> int:
-        """Leading ``hashes`` (a request's page chain) held in ``engine``'s own memory."""
-        held = self.local[engine]
+        """Leading ``hashes`` (a request's page chain) held in ``engine``'s own memory, or
+        being computed there by a request routed to it."""
+        held, routed = self.local[engine], self.routed[engine]
         n = 0
         for h in hashes:
-            if h not in held:
+            if h not in held and h not in routed:
                 break
             n += 1
         return n

@@ -3,11 +3,12 @@
 - ``round-robin``: engines in turn (a dead one skipped);
 - ``random``: uniformly among live engines (seeded);
 - ``kv``: the live engine with the longest prefix of the request's pages in its own memory
-  (medium GPU/CPU, :class:`kvstage.replay.prefix_index.PrefixIndex`); ties, and requests no
-  engine holds any of, go to the engine with the fewest unfinished requests. An engine with
-  ``load_cap`` or more unfinished requests is passed over while another is below it (a prefix
-  is not worth a queue). Pages in the shared store count for no engine: every engine reads
-  them alike.
+  (medium GPU/CPU) or being computed there by a request routed to it
+  (:class:`kvstage.replay.prefix_index.PrefixIndex`); ties, and requests no engine holds any
+  of, go to the engine with the fewest unfinished requests. An engine with ``load_slack`` or
+  more unfinished requests than the least loaded one is passed over (a prefix is worth a
+  short queue, not a long one). Pages in the shared store count for no engine: every engine
+  reads them alike.
 """
 
 from __future__ import annotations
@@ -29,23 +30,24 @@ class Router:
         policy: one of :data:`POLICIES`.
         num_engines: engines 0 .. N-1.
         seed: seeds ``random``.
-        load_cap: ``kv``: unfinished requests beyond which an engine is passed over (>= 1).
+        load_slack: ``kv``: unfinished requests above the least loaded engine's at which an
+            engine is passed over (>= 1).
 
     Attributes:
         index: the :class:`PrefixIndex` (fed by the fleet's subscribers; used by ``kv``).
 
     Raises:
-        InvalidArgumentError: an unknown policy (names ``--router``) or ``load_cap`` < 1.
+        InvalidArgumentError: an unknown policy (names ``--router``) or ``load_slack`` < 1.
     """
 
-    def __init__(self, policy: str, num_engines: int, *, seed: int = 0, load_cap: int = 64) -> None:
+    def __init__(self, policy: str, num_engines: int, *, seed: int = 0, load_slack: int = 8) -> None:
         if policy not in POLICIES:
             raise InvalidArgumentError(f"--router: unknown policy {policy!r}; known: {', '.join(POLICIES)}")
-        if load_cap < 1:
-            raise InvalidArgumentError(f"load_cap: must be >= 1, got {load_cap}")
+        if load_slack < 1:
+            raise InvalidArgumentError(f"load_slack: must be >= 1, got {load_slack}")
         self.policy = policy
         self.index = PrefixIndex(num_engines)
-        self.load_cap = load_cap
+        self.load_slack = load_slack
         self._rng = np.random.default_rng([seed, 0x2047])
         self._next = 0
 
@@ -66,5 +68,6 @@ class Router:
                     return engine
         if self.policy == "random":
             return int(live[int(self._rng.integers(len(live)))])
-        under = [e for e in live if unfinished[e] < self.load_cap] or list(live)
-        return max(under, key=lambda e: (self.index.local_match(e, hashes), -unfinished[e], -e))
+        least = min(unfinished[e] for e in live)
+        near = [e for e in live if unfinished[e] < least + self.load_slack]
+        return max(near, key=lambda e: (self.index.local_match(e, hashes), -unfinished[e], -e))

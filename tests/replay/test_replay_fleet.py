@@ -156,12 +156,21 @@ def test_the_index_matches_local_prefixes_and_forgets_them_on_a_restart():
 
 
 def test_the_kv_router_prefers_the_longest_local_prefix_then_the_least_loaded():
-    router = Router("kv", 3, load_cap=4)
+    router = Router("kv", 3, load_slack=4)
     router.index.apply(2, 0, _batch([block_stored(KEYS[:2], None, list(range(32)), 16, "CPU", None)]))
     router.index.apply(0, 0, _batch([block_stored(KEYS, None, list(range(80)), 16, "STORAGE", None)]))
     assert router.pick(HASHES, [0, 1, 2], [0, 0, 3]) == 2
     assert router.pick(HASHES, [0, 1], [1, 0, 0]) == 1  # engine 2 not live; no local prefix: least loaded
-    assert router.pick(HASHES, [0, 1, 2], [0, 0, 4]) == 0  # engine 2 at its cap: passed over
+    assert router.pick(HASHES, [0, 1, 2], [0, 1, 4]) == 0  # engine 2 four above the least loaded: passed over
+    # A request routed to engine 1 and not finished: its pages count there before any event.
+    router.index.route(1, HASHES[:3])
+    assert router.index.local_match(1, HASHES) == 3
+    assert router.pick(HASHES, [0, 1, 2], [0, 1, 1]) == 1
+    router.index.finish(1, HASHES[:3])
+    assert router.index.local_match(1, HASHES) == 0
+    router.index.route(1, HASHES[:3])
+    router.index.forget_local(1)  # it died: what it was computing is gone too
+    assert router.index.local_match(1, HASHES) == 0
     rr = Router("round-robin", 3)
     assert [rr.pick(HASHES, [0, 2], [0, 0, 0]) for _ in range(4)] == [0, 2, 0, 2]
     picks = {Router("random", 3, seed=s).pick(HASHES, [0, 1, 2], [0, 0, 0]) for s in range(20)}
