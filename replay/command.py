@@ -446,7 +446,10 @@ def run_fleet(args: argparse.Namespace, config, requests: Sequence[TraceRequest]
             report["trace"] = trace_name
             reports.append(report)
         if args.plot:
-            plot_hit_rates(reports, args.plot)
+            store = config.storage.split(":")[0]
+            plot_hit_rates(
+                reports, args.plot, title=f"{args.engines} engines on a {store} store: {trace_name.rsplit('/', 1)[-1]}"
+            )
     except (InvalidArgumentError, BackendUnavailableError) as exc:
         print(f"kvstage replay: error: {exc}", file=sys.stderr)
         return 2

@@ -90,19 +90,21 @@ def plot_hit_rates(reports: Sequence[dict[str, Any]], path: str | Path, title: s
     except ImportError:
         raise BackendUnavailableError("--plot: needs matplotlib: pip install 'kvstage[bench]'") from None
     figure, axes = plt.subplots(figsize=(7, 4))
+    top = 0.0
     for report in reports:
         times, rates = hit_rate_series(report)
         (line,) = axes.plot(times, rates, label=report["policy"])
+        top = max([top, *rates])
         if report["kill"] is not None:
             axes.axvline(report["kill"]["time_s"], color=line.get_color(), linestyle="--", linewidth=1)
     if any(r["kill"] for r in reports):
         axes.plot([], [], color="grey", linestyle="--", label="engine killed")
     axes.set_xlabel("seconds since the first request was routed")
     axes.set_ylabel("fleet prefix hit rate (cumulative)")
-    axes.set_ylim(0, 1)
+    axes.set_ylim(0, min(1.0, max(0.05, 1.2 * top)))
     axes.grid(alpha=0.3)
     axes.legend()
-    axes.set_title(title or f"{reports[0]['engines']} engines, {reports[0]['storage'].split('?')[0]}")
+    axes.set_title(title or f"{reports[0]['engines']} engines, {reports[0]['storage'].split(':')[0]} store")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
