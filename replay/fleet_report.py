@@ -38,6 +38,7 @@ ROWS = (
     ("pages stored (verified)", lambda r: f"{r['pages_stored']:,} of {r['verify_pages_checked']:,} checked"),
     ("engine writes: stored / dedup", lambda r: f"{r['engine_pages_stored']:,} / {r['pages_deduplicated']:,}"),
     ("lost / mismatched", lambda r: f"{r['lost']:,} / {r['mismatched']:,}"),
+    ("absent: killed engine's writes", lambda r: f"{r['absent_killed_writes']:,} ({r['unreachable']:,} behind them)"),
     ("router lag p50 / p99", lambda r: f"{r['router_lag_p50_ms']:.2f} / {r['router_lag_p99_ms']:.2f} ms"),
     ("kill", _kill),
     ("run / verify / wall", lambda r: f"{r['run_s']:.1f} / {r['verify_s']:.1f} / {r['wall_s']:.1f} s"),
