@@ -78,7 +78,8 @@ def hit_rate_series(report: dict[str, Any]) -> tuple[list[float], list[float]]:
 
 
 def plot_hit_rates(reports: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
-    """Draw each policy's cumulative hit rate over time, the kill as a dashed line; write PNG.
+    """Draw each policy's cumulative hit rate over time and over requests completed (runs differ
+    in speed), the kill as a dashed line; write PNG.
 
     Raises:
         BackendUnavailableError: matplotlib is not installed (names the ``bench`` extra).
@@ -90,22 +91,28 @@ def plot_hit_rates(reports: Sequence[dict[str, Any]], path: str | Path, title: s
         import matplotlib.pyplot as plt
     except ImportError:
         raise BackendUnavailableError("--plot: needs matplotlib: pip install 'kvstage[bench]'") from None
-    figure, axes = plt.subplots(figsize=(7, 4))
+    figure, (by_time, by_count) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     top = 0.0
     for report in reports:
         times, rates = hit_rate_series(report)
-        (line,) = axes.plot(times, rates, label=report["policy"])
+        (line,) = by_time.plot(times, rates, label=report["policy"])
+        by_count.plot(range(1, len(rates) + 1), rates, color=line.get_color(), label=report["policy"])
         top = max([top, *rates])
-        if report["kill"] is not None:
-            axes.axvline(report["kill"]["time_s"], color=line.get_color(), linestyle="--", linewidth=1)
+        kill = report["kill"]
+        if kill is not None:
+            by_time.axvline(kill["time_s"], color=line.get_color(), linestyle="--", linewidth=1)
+            done_before = sum(1 for when in times if when <= kill["time_s"])
+            by_count.axvline(done_before, color=line.get_color(), linestyle="--", linewidth=1)
     if any(r["kill"] for r in reports):
-        axes.plot([], [], color="grey", linestyle="--", label="engine killed")
-    axes.set_xlabel("seconds since the first request was routed")
-    axes.set_ylabel("fleet prefix hit rate (cumulative)")
-    axes.set_ylim(0, min(1.0, max(0.05, 1.2 * top)))
-    axes.grid(alpha=0.3)
-    axes.legend()
-    axes.set_title(title or f"{reports[0]['engines']} engines, {reports[0]['storage'].split(':')[0]} store")
+        by_time.plot([], [], color="grey", linestyle="--", label="engine killed")
+    by_time.set_xlabel("seconds since the first request was routed")
+    by_count.set_xlabel("requests completed")
+    by_time.set_ylabel("fleet prefix hit rate (cumulative)")
+    by_time.set_ylim(0, min(1.0, max(0.05, 1.2 * top)))
+    for axes in (by_time, by_count):
+        axes.grid(alpha=0.3)
+    by_time.legend()
+    figure.suptitle(title or f"{reports[0]['engines']} engines, {reports[0]['storage'].split(':')[0]} store")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()

@@ -34,12 +34,16 @@ def _config(storage: str) -> ReplayConfig:
     return ReplayConfig(model=TINY, page_size=16, max_running=3, backend="torch", storage=storage)
 
 
-def _check_clean(report, n):
+def _check_clean(report, n, *, rewritable=True):
     assert report["requests_completed"] == report["requests"] == n
-    assert report["lost"] == 0 and report["mismatched"] == 0 and report["unreachable"] == 0
+    assert report["lost"] == 0 and report["mismatched"] == 0
     assert report["pages_failed"] == 0
-    # Every whole page of every request is in the shared store, whole: checked byte for byte.
-    assert report["pages_stored"] == report["verify_pages_checked"] > 0
+    # Every whole page of every request is in the shared store, whole (checked byte for byte),
+    # or, where the store cannot take a page a dead writer had started (Mooncake), absent.
+    absent = report["absent_killed_writes"] + report["unreachable"]
+    assert report["pages_stored"] + absent == report["verify_pages_checked"] > 0
+    if rewritable:  # a file store: the survivors stored every page the killed engine had not
+        assert absent == 0
     assert len(report["timeline"]) == n
     assert 0.0 < report["fleet_hit_rate"] < 1.0
     assert report["event_batches"] > 0 and report["event_gaps"] == 0
@@ -263,7 +267,7 @@ def test_two_engines_on_a_real_mooncake_master_survive_a_kill(tmp_path):
         report = Fleet(_config(master.url(segment="256MiB", buffer="16MiB")), requests, fleet).run()
     finally:
         master.stop()
-    _check_clean(report, 16)
+    _check_clean(report, 16, rewritable=False)
     assert report["kill"]["rerouted"] >= 1
 
 
