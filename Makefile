@@ -21,6 +21,13 @@ $(VENV)/.mooncake: $(VENV)/.installed tools/install-mooncake.sh tools/apt-instal
 	bash tools/install-mooncake.sh $(VENV) || { [ -z "$$CI" ] || exit 1; echo "make: Mooncake not installed; its tests will skip"; }
 	touch $@
 
+# Dynamo's standalone KV indexer (ai-dynamo-runtime, Linux x86_64) so tests/events/test_dynamo.py
+# feeds a real router's index; where it cannot be installed that test skips with the reason,
+# except under CI, where it must run.
+$(VENV)/.dynamo: $(VENV)/.installed tools/install-dynamo.sh
+	bash tools/install-dynamo.sh $(VENV) || { [ -z "$$CI" ] || exit 1; echo "make: ai-dynamo-runtime not installed; its test will skip"; }
+	touch $@
+
 # vLLM 0.33.0's KV offloading code on CPU (tools/install-vllm.sh, pins from ../shared/reference)
 # for the vLLM adapter's tests, in VLLM_VENV: an overlay of VENV (its own packages first, then
 # VENV's), since vLLM's pins and sglang's disagree (openai). Where vLLM cannot be installed its
@@ -49,7 +56,7 @@ $(SGLANG_VENV)/.sglang: pyproject.toml tools/setup-venv.sh tools/install-sglang.
 # Each engine's tests run in their own pytest process, in the venv holding its pinned packages.
 IN_NETNS := bash tools/in-netns.sh
 
-test: $(VENV)/.installed $(VENV)/.mooncake $(VLLM_VENV)/.installed $(SGLANG_VENV)/.sglang
+test: $(VENV)/.installed $(VENV)/.mooncake $(VENV)/.dynamo $(VLLM_VENV)/.installed $(SGLANG_VENV)/.sglang
 	$(IN_NETNS) $(PYTHON) -m pytest
 	if [ -x $(VLLM_VENV)/bin/python ]; then $(IN_NETNS) $(VLLM_VENV)/bin/python -m pytest tests/integrations/vllm; else $(IN_NETNS) $(PYTHON) -m pytest tests/integrations/vllm; fi
 	if [ -x $(SGLANG_VENV)/bin/python ]; then $(IN_NETNS) $(SGLANG_VENV)/bin/python -m pytest $(SGLANG_TESTS); else $(IN_NETNS) $(PYTHON) -m pytest $(SGLANG_TESTS); fi

@@ -35,7 +35,6 @@ Without Mooncake installed the benchmark reports why and measures nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -55,6 +54,9 @@ import torch
 from kvstage.kv_layout import KVLayout
 from kvstage.storage import LayoutFingerprint, PutStatus
 from kvstage.storage.mooncake.store import INSTALL_HINT, MooncakeStore, mooncake_available
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/'s shared modules: these scripts run as files
+from reporting import write_report  # noqa: E402
 
 MODES = ("registered", "bounce", "client")
 TARGET_RATIO = 0.75
@@ -322,10 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         page_tokens=args.tokens,
         modes=modes,
     )
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_report(report, args.json)
     return 0
 
 

@@ -41,7 +41,6 @@ Mooncake methods are skipped (reported, with what to install).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -49,6 +48,8 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -62,7 +63,9 @@ from kvstage.storage.events import EventQueue
 from kvstage.storage.memory_store import MemoryStore
 from kvstage.storage.mooncake.store import INSTALL_HINT, MooncakeStore, mooncake_available
 
-METHODS = ("memory", "memory-events-off", "memory-growing", "mooncake", "mooncake-bounce", "memcpy")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/'s shared modules: these scripts run as files
+from reporting import write_report  # noqa: E402
+
 EVENTS_TIMED = 10_000
 
 
@@ -100,21 +103,185 @@ def llama3_8b_fingerprint(num_layers: int = 32) -> LayoutFingerprint:
     return LayoutFingerprint("meta-llama/Meta-Llama-3-8B", KVLayout(num_layers, 2, 8, 128, "bfloat16"), 64)
 
 
-def _round_trip(store: StorageBackend, pages: torch.Tensor, into: torch.Tensor) -> tuple[float, float]:
-    """put then get one batch under fresh keys; (put seconds, get seconds). Checks the bytes."""
-    keys = [uuid.uuid4().hex for _ in range(pages.shape[0])]
+@dataclass(frozen=True)
+class Case:
+    """One timed method: the store it goes through and how that store is built.
+
+    Attributes:
+        method: the name in the report (:data:`METHODS`).
+        store: ``"memory"``, ``"mooncake"`` or ``"none"`` (a plain ``copy_`` of the batch).
+        capacity_batches: memory: the batches the store holds; None: one per round and the
+            warm-up (a store that is still filling up).
+        event_capacity: memory: the store's event queue (None: its default; 0: events off).
+        registered: mooncake: pages and targets sit in registered chunks (False: separate
+            allocations, copied through kvstage's bounce buffer).
+    """
+
+    method: str
+    store: str
+    capacity_batches: int | None = 1
+    event_capacity: int | None = None
+    registered: bool = True
+
+
+CASES = (
+    Case("memory", "memory"),
+    Case("memory-events-off", "memory", event_capacity=0),
+    Case("memory-growing", "memory", capacity_batches=None),
+    Case("mooncake", "mooncake"),
+    Case("mooncake-bounce", "mooncake", registered=False),
+    Case("memcpy", "none"),
+)
+METHODS = tuple(case.method for case in CASES)
+# Ratios of GB/s, per op: (name, numerator method, denominator method), in report order.
+RATIOS = (
+    ("memory_{op}_events_on_vs_off", "memory", "memory-events-off"),
+    ("memory_{op}_vs_memcpy", "memory", "memcpy"),
+    ("memory_growing_{op}_vs_memcpy", "memory-growing", "memcpy"),
+    ("mooncake_{op}_vs_memory", "mooncake", "memory"),
+    ("mooncake_{op}_vs_bounce", "mooncake", "mooncake-bounce"),
+)
+
+
+@dataclass
+class Batch:
+    """The pages of a round: in one host-pool-like chunk, its target chunk, and loose copies."""
+
+    pages: torch.Tensor  # [pages, page elements] bf16, each row one contiguous page
+    into: torch.Tensor
+    loose_pages: list[torch.Tensor]  # separate allocations, never registered
+
+    @classmethod
+    def random(cls, num_pages: int, page_bytes: int) -> Batch:
+        generator = torch.Generator().manual_seed(0)
+        pages = torch.randn(num_pages, page_bytes // 2, generator=generator).to(torch.bfloat16)
+        return cls(pages, torch.empty_like(pages), [p.clone() for p in pages])
+
+
+def _round_trip(
+    method: str,
+    store: StorageBackend,
+    pages: list[torch.Tensor],
+    into: list[torch.Tensor],
+    clear: torch.Tensor | None = None,
+) -> tuple[float, float]:
+    """put ``pages`` under fresh keys, then get them into ``into``; (put seconds, get seconds).
+    ``clear`` (the chunk ``into`` views) is zeroed between the two, so the get is seen to write.
+    Checks the statuses and the bytes (outside the timing)."""
+    keys = [uuid.uuid4().hex for _ in pages]
     started = time.perf_counter()
-    statuses = store.put(keys, list(pages))
+    statuses = store.put(keys, pages)
     put_seconds = time.perf_counter() - started
     if any(status.value != "stored" for status in statuses):
-        raise RuntimeError(f"{type(store).__name__}: put answered {[s.value for s in statuses]}")
-    into.zero_()
+        raise RuntimeError(f"{method}: put answered {[s.value for s in statuses]}")
+    if clear is not None:
+        clear.zero_()
     started = time.perf_counter()
-    hits = store.get(keys, list(into))
+    hits = store.get(keys, into)
     get_seconds = time.perf_counter() - started
-    if not all(hits) or not torch.equal(into, pages):
-        raise RuntimeError(f"{type(store).__name__}: get did not return the pages put ({sum(hits)} hits)")
+    if not all(hits) or not all(torch.equal(got, want) for got, want in zip(into, pages)):
+        raise RuntimeError(f"{method}: get did not return the pages put ({sum(hits)} hits)")
     return put_seconds, get_seconds
+
+
+def time_round(case: Case, store: StorageBackend | None, batch: Batch) -> tuple[float, float]:
+    """One round of ``case``: (put seconds, get seconds); memcpy's one copy counts as both."""
+    if store is None:
+        started = time.perf_counter()
+        batch.into.copy_(batch.pages)
+        seconds = time.perf_counter() - started
+        return seconds, seconds
+    if case.registered:
+        return _round_trip(case.method, store, list(batch.pages), list(batch.into), clear=batch.into)
+    return _round_trip(case.method, store, batch.loose_pages, [torch.empty_like(p) for p in batch.loose_pages])
+
+
+def open_stores(
+    cases: list[Case], fingerprint: LayoutFingerprint, rounds: int, batch: Batch, workdir: Path, stack: ExitStack
+) -> tuple[dict[str, StorageBackend | None], dict[str, str]]:
+    """The store of every case (None: none needed), closed by ``stack``; and the cases that cannot
+    run, with why (a Mooncake that is not installed or does not start)."""
+    batch_bytes = batch.pages.numel() * batch.pages.element_size()
+    stores: dict[str, StorageBackend | None] = {}
+    skipped: dict[str, str] = {}
+    mooncake: StorageBackend | str | None = None  # the store both Mooncake cases share, or why there is none
+    for case in cases:
+        if case.store == "none":
+            stores[case.method] = None
+        elif case.store == "memory":
+            batches = case.capacity_batches or rounds + 1
+            options = {} if case.event_capacity is None else {"event_capacity": case.event_capacity}
+            stores[case.method] = stack.enter_context(
+                MemoryStore(fingerprint, capacity_bytes=batches * batch_bytes, **options)
+            )
+        else:
+            if mooncake is None:
+                mooncake = _start_mooncake(fingerprint, rounds, batch, workdir, stack)
+            if isinstance(mooncake, str):
+                skipped[case.method] = mooncake
+            else:
+                stores[case.method] = mooncake
+    return stores, skipped
+
+
+def _start_mooncake(
+    fingerprint: LayoutFingerprint, rounds: int, batch: Batch, workdir: Path, stack: ExitStack
+) -> StorageBackend | str:
+    """A MooncakeStore on a ``mooncake_master`` started on loopback, both chunks registered; or why not."""
+    if not mooncake_available():
+        return f"Mooncake is not installed; {INSTALL_HINT}"
+    sys.path.insert(
+        0, str(Path(__file__).resolve().parent.parent / "tests")
+    )  # the loopback launcher lives with the tests
+    from mooncake_master import LocalMooncakeMaster
+
+    batch_bytes = batch.pages.numel() * batch.pages.element_size()
+    try:
+        master = stack.enter_context(LocalMooncakeMaster(workdir / "master.log"))
+        # The segment holds every batch of both Mooncake methods, with room to spare
+        # (the master evicts above 90% full).
+        segment = 2 * (rounds + 1) * batch_bytes * 5 // 4 + (64 << 20)
+        store = stack.enter_context(
+            MooncakeStore(fingerprint, master.url(segment=segment, buffer="64MiB", bounce=batch_bytes))
+        )
+        store.register_host_buffers([batch.pages, batch.into])
+    except Exception as error:  # reported, the other methods still run
+        return f"{error.__class__.__name__}: {error}"
+    return store
+
+
+def summarize(
+    times: dict[tuple[str, str], list[float]], page_bytes: int, num_pages: int, log: Callable[[str], None]
+) -> tuple[list[dict], dict[str, float]]:
+    """The result row of each timed (method, op), from the median of its rounds, and the ratios of
+    :data:`RATIOS` whose two methods were timed; both logged."""
+    batch_bytes = num_pages * page_bytes
+    results = []
+    for (method, op), samples in times.items():
+        if not samples:
+            continue
+        seconds = statistics.median(samples)
+        results.append(
+            {
+                "method": method,
+                "op": op,
+                "page_bytes": page_bytes,
+                "pages": num_pages,
+                "seconds": seconds,
+                "gbps": batch_bytes / seconds / 1e9,
+            }
+        )
+        log(f"  {method:16s} {op}: {batch_bytes / seconds / 1e9:7.2f} GB/s  ({seconds * 1e3:8.2f} ms a batch)")
+    gbps = {(r["method"], r["op"]): r["gbps"] for r in results}
+    ratios = {
+        name.format(op=op): gbps[(top, op)] / gbps[(bottom, op)]
+        for op in ("put", "get")
+        for name, top, bottom in RATIOS
+        if (top, op) in gbps and (bottom, op) in gbps
+    }
+    for name, value in ratios.items():
+        log(f"  {name}: {value:.2f}")
+    return results, ratios
 
 
 def run(
@@ -153,121 +320,27 @@ def run(
     num_pages = num_pages or (8 if quick else 16)
     fingerprint = llama3_8b_fingerprint(num_layers or (8 if quick else 32))
     page_bytes = fingerprint.page_bytes
-    batch_bytes = num_pages * page_bytes
     log(f"storage bench: {num_pages} pages of {page_bytes / 2**20:.1f} MiB a batch, {rounds} rounds (+1 warm-up)")
-
-    generator = torch.Generator().manual_seed(0)
-    # Host-pool-like chunks: [pages, page elements] bf16, each row one contiguous page.
-    pages = torch.randn(num_pages, page_bytes // 2, generator=generator).to(torch.bfloat16)
-    into = torch.empty_like(pages)
-    loose_pages = [p.clone() for p in pages]  # separate allocations, never registered
-    loose_pages_t = torch.stack(loose_pages)  # for the byte check only
-
-    skipped: dict[str, str] = {}
-    stores: dict[str, StorageBackend] = {}
-    master = None
-    workdir = tempfile.TemporaryDirectory(prefix="kvstage-bench-storage-")
-    for method in METHODS:
-        if method not in methods:
-            skipped[method] = "not asked for (--methods)"
-    stores["memory"] = MemoryStore(fingerprint, capacity_bytes=batch_bytes)
-    stores["memory-events-off"] = MemoryStore(fingerprint, capacity_bytes=batch_bytes, event_capacity=0)
-    stores["memory-growing"] = MemoryStore(fingerprint, capacity_bytes=(rounds + 1) * batch_bytes)
-    if "mooncake" not in methods and "mooncake-bounce" not in methods:
-        pass  # no master to start
-    elif mooncake_available():
-        sys.path.insert(
-            0, str(Path(__file__).resolve().parent.parent / "tests")
-        )  # the loopback launcher lives with the tests
-        from mooncake_master import LocalMooncakeMaster
-
-        try:
-            master = LocalMooncakeMaster(Path(workdir.name) / "master.log").start()
-            # The segment holds every batch of both Mooncake methods, with room to spare
-            # (the master evicts above 90% full).
-            segment = 2 * (rounds + 1) * batch_bytes * 5 // 4 + (64 << 20)
-            store = MooncakeStore(fingerprint, master.url(segment=segment, buffer="64MiB", bounce=batch_bytes))
-            store.register_host_buffers([pages, into])
-            stores["mooncake"] = store
-            stores["mooncake-bounce"] = store
-        except Exception as error:  # reported, the other methods still run
-            skipped["mooncake"] = skipped["mooncake-bounce"] = f"{error.__class__.__name__}: {error}"
-    else:
-        skipped["mooncake"] = skipped["mooncake-bounce"] = f"Mooncake is not installed; {INSTALL_HINT}"
-    for method, reason in skipped.items():
-        log(f"  {method}: skipped ({reason})")
-
+    batch = Batch.random(num_pages, page_bytes)
+    skipped = {case.method: "not asked for (--methods)" for case in CASES if case.method not in methods}
     times: dict[tuple[str, str], list[float]] = {(m, op): [] for m in METHODS for op in ("put", "get")}
-    try:
-        for round_index in range(rounds + 1):
-            for method in METHODS:
-                if method in skipped:
-                    continue
-                if method == "memcpy":
-                    started = time.perf_counter()
-                    into.copy_(pages)
-                    seconds = time.perf_counter() - started
-                    put_seconds = get_seconds = seconds
-                elif method == "mooncake-bounce":
-                    loose_into = [torch.empty_like(p) for p in loose_pages]
-                    keys = [uuid.uuid4().hex for _ in loose_pages]
-                    store = stores[method]
-                    started = time.perf_counter()
-                    statuses = store.put(keys, loose_pages)
-                    put_seconds = time.perf_counter() - started
-                    started = time.perf_counter()
-                    hits = store.get(keys, loose_into)
-                    get_seconds = time.perf_counter() - started
-                    if (
-                        any(s.value != "stored" for s in statuses)
-                        or not all(hits)
-                        or not torch.equal(torch.stack(loose_into), loose_pages_t)
-                    ):
-                        raise RuntimeError("mooncake-bounce: the round trip lost pages")
-                else:
-                    put_seconds, get_seconds = _round_trip(stores[method], pages, into)
-                if round_index > 0:  # round 0 warms up (page faults, connections)
-                    times[(method, "put")].append(put_seconds)
-                    times[(method, "get")].append(get_seconds)
-    finally:
-        closed = set()
-        for store in stores.values():
-            if id(store) not in closed:
-                closed.add(id(store))
-                store.close()
-        if master is not None:
-            master.stop()
-        workdir.cleanup()
-
-    results = []
-    for (method, op), samples in times.items():
-        if not samples:
-            continue
-        seconds = statistics.median(samples)
-        results.append(
-            {
-                "method": method,
-                "op": op,
-                "page_bytes": page_bytes,
-                "pages": num_pages,
-                "seconds": seconds,
-                "gbps": batch_bytes / seconds / 1e9,
-            }
+    with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstage-bench-storage-")))
+        stores, failed = open_stores(
+            [case for case in CASES if case.method in methods], fingerprint, rounds, batch, workdir, stack
         )
-        log(f"  {method:16s} {op}: {batch_bytes / seconds / 1e9:7.2f} GB/s  ({seconds * 1e3:8.2f} ms a batch)")
-    gbps = {(r["method"], r["op"]): r["gbps"] for r in results}
-    ratios = {}
-    for op in ("put", "get"):
-        if ("memory", op) in gbps and ("memory-events-off", op) in gbps:
-            ratios[f"memory_{op}_events_on_vs_off"] = gbps[("memory", op)] / gbps[("memory-events-off", op)]
-        for method in ("memory", "memory-growing"):
-            if (method, op) in gbps and ("memcpy", op) in gbps:
-                ratios[f"{method.replace('-', '_')}_{op}_vs_memcpy"] = gbps[(method, op)] / gbps[("memcpy", op)]
-        if ("mooncake", op) in gbps and ("memory", op) in gbps and ("mooncake-bounce", op) in gbps:
-            ratios[f"mooncake_{op}_vs_memory"] = gbps[("mooncake", op)] / gbps[("memory", op)]
-            ratios[f"mooncake_{op}_vs_bounce"] = gbps[("mooncake", op)] / gbps[("mooncake-bounce", op)]
-    for name, value in ratios.items():
-        log(f"  {name}: {value:.2f}")
+        skipped.update(failed)
+        for method, reason in skipped.items():
+            log(f"  {method}: skipped ({reason})")
+        timed = [case for case in CASES if case.method not in skipped]
+        for round_index in range(rounds + 1):  # methods interleaved within each round
+            for case in timed:
+                put_seconds, get_seconds = time_round(case, stores[case.method], batch)
+                if round_index > 0:  # round 0 warms up (page faults, connections)
+                    times[(case.method, "put")].append(put_seconds)
+                    times[(case.method, "get")].append(get_seconds)
+
+    results, ratios = summarize(times, page_bytes, num_pages, log)
     events = time_events(event_repeats, log) if event_repeats else {}
     return {
         "machine": platform.machine(),
@@ -307,10 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         methods=methods,
         event_repeats=args.event_repeats,
     )
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_report(report, args.json)
     return 0
 
 

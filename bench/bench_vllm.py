@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import platform
 import statistics
@@ -38,6 +37,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/'s shared modules: these scripts run as files
+from reporting import write_report  # noqa: E402
 
 BLOCK_BYTES_PER_LAYER = 1 << 20  # 2 layers: a 2 MiB block
 NUM_LAYERS = 2
@@ -258,10 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
     report = run(args.quick, rounds=args.rounds)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_report(report, args.json)
     return 0
 
 

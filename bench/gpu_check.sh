@@ -15,11 +15,12 @@
 #                    5 ms), allocator race, producer ordering (after=event, producer=), the
 #                    layer-by-layer load, the pinned matrix (layouts x int32/int64 x kernel/
 #                    staged x staging +0/+2/+4/+8 B x rows of 9, 92, 576, 2048 B, per-layer
-#                    scatter), layer-first pinned staging over 2 GiB, PTX of the real launches
-#                    (16-byte accesses), the real-model flow on CUDA -> probes.json
+#                    scatter), layer-first pinned staging over 2 GiB, the real-model flow on
+#                    CUDA -> probes.json
 #   tests     135 s  pytest tests/kernels tests/offload natively (test_kernel_strides.py's
-#                    strided/offset/expanded index views, the gpu-marked tests, the real-model
-#                    test; cpu-parametrized Triton tests skip, see tests/conftest.py) -> pytest.xml
+#                    strided/offset/expanded index views, test_kernel_ptx.py's 16-byte row
+#                    accesses, the gpu-marked tests, the real-model test; cpu-parametrized
+#                    Triton tests skip, see tests/conftest.py) -> pytest.xml
 #   bench      60 s  python bench/gpu_probes.py bench: gather/scatter vs a same-size pinned
 #                    cudaMemcpyAsync (target >= 90%) and a per-page loop (>= 3x at page 16),
 #                    triton.testing.do_bench, the max_programs sweep -> bench.json, bench.png
@@ -82,7 +83,7 @@ for arg in "$@"; do
             echo "budget $BUDGET_S"
             echo "limit $LIMIT_S"
             exit 0 ;;
-        -h | --help) sed -n '2,49p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        -h | --help) sed -n '2,50p' "${BASH_SOURCE[0]}"; exit 0 ;;
         -*) echo "gpu_check: unknown option $arg" >&2; exit 2 ;;
         *) outdir=$arg ;;
     esac

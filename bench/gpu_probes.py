@@ -28,8 +28,6 @@ Commands (``python bench/gpu_probes.py [--dry-run] [--out DIR] [--only NAMES] CO
     scatter and a per-layer scatter against the torch reference, bytes outside untouched.
   - ``staging_2gib``: layer-first pinned staging of more than 2 GiB with 1-byte words (9-byte
     rows), host pages at its end, int32 and int64 indices: the kernel's offsets must be 64-bit.
-  - ``ptx``: the PTX of the real launches (Llama bf16 rows, fp8 576-byte MLA rows) and the
-    count of their 16-byte row accesses (``.v2.b64`` / ``.v4.b32``): all of them must be.
   - ``real_model``: ``tests/offload/test_real_model.py``'s engine on the GPU: a tiny Llama and
     DeepseekV3 run A, store its pages; a second engine loads the prefix layer by layer and
     continues; loaded bytes equal A's, tokens equal, logits bitwise (a difference there is
@@ -59,7 +57,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import sys
 import time
 import traceback
@@ -72,6 +69,7 @@ import torch
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(REPO / "tests"))  # the tests' pool and byte helpers (tests/kernel_helpers.py)
 
 from kvstage.hashing import PageHasher  # noqa: E402
 from kvstage.kernels import (  # noqa: E402
@@ -90,10 +88,11 @@ from kvstage.offload import HostPool, OffloadManager  # noqa: E402
 from kvstage.offload.testing import SimpleRequest, SlotTable  # noqa: E402
 from kvstage.storage import LayoutFingerprint, open_storage  # noqa: E402
 
+from kernel_helpers import POISON, as_bytes, make_pool, poison_, random_bytes_  # noqa: E402
+
 STALL_LIMIT_MS = 5.0  # a host call that returns later than this while the GPU sleeps waited for it
 SLEEP_MS = 200  # the GPU sleeps this long (at least) in the stall, race, ordering and load probes
 SLEEP_CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep counts SM clocks; 2 GHz is above the H200's 1.98 GHz boost
-POISON = 0xA5
 PROBE_TIMEOUT_S = 90  # faulthandler dumps every thread's stack when one probe runs longer (a hang)
 
 # The shapes, shared by the probes and the warm-up (so warm-up compiles exactly what they launch).
@@ -109,7 +108,6 @@ STAGING_OFFSETS = (0, 2, 4, 8)  # bytes into a pinned buffer (torch's pinned blo
 BIG_STAGING = dict(
     parts=2, layers=4, heads=1, dim=9, dtype=torch.int8, page=16, bytes=(9 << 28)
 )  # 2.25 GiB, layer-first
-PTX_ROWS = {"llama3-8b-bf16": "2048B-bf16-llama", "deepseek-mla-fp8": "576B-fp8-mla"}
 REAL_MODEL_POOLS = (  # tests/offload/test_real_model.py's pools (PAGE_SIZE 8): Llama 4 layers x 2 KV heads x 32, MLA 2 layers x 80
     dict(parts=2, layers=4, heads=2, dim=32, page=8),
     dict(parts=1, layers=2, heads=1, dim=80, page=8),
@@ -210,42 +208,16 @@ def timed_ms(fn: Callable[[], Any]) -> tuple[Any, float]:
     return value, (time.perf_counter() - start) * 1e3
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(-1).view(torch.uint8).cpu()
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
 
 
-def random_bytes_(t: torch.Tensor, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=gen)
-    t.view(-1).view(torch.uint8).copy_(raw.to(t.device))
-    return t
-
-
-def make_pool(
-    device: torch.device,
-    *,
-    parts: int,
-    layers: int,
-    heads: int,
-    dim: int,
-    dtype: torch.dtype,
-    slots: int,
-    seed: int = 0,
-    fill: str = "random",
-) -> KVPool:
-    """A pool of ``slots`` rows per (part, layer): random bytes, zeros or poison."""
-    buffers = []
-    for p in range(parts):
-        row = []
-        for layer in range(layers):
-            t = torch.empty((slots, heads, dim), dtype=dtype, device=device)
-            if fill == "random":
-                random_bytes_(t, seed * 1000 + p * 100 + layer)
-            else:
-                t.view(-1).view(torch.uint8).fill_(POISON if fill == "poison" else 0)
-            row.append(t)
-        buffers.append(row)
-    return KVPool.mla(buffers[0]) if parts == 1 else KVPool.mha(buffers[0], buffers[1])
+def zero_pool(device: torch.device, **shape: Any) -> KVPool:
+    """``tests/kernel_helpers.make_pool``'s pool (``parts, layers, num_slots, heads, dim, dtype``), zeroed."""
+    pool = make_pool(device=device, **shape)
+    for t in pool.tensors():
+        t.zero_()
+    return pool
 
 
 def pinned_empty(ctx: Ctx, numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -263,7 +235,7 @@ def device_rows(pool: KVPool, count: int, seed: int) -> list[torch.Tensor]:
     GPU sleep: a host-to-device copy from pageable memory waits for the device (CUDA runtime API,
     "API synchronization behavior"), which would end the sleep's point."""
     return [
-        random_bytes_(torch.empty((count, pool.row_bytes), dtype=torch.uint8), seed + i).to(pool.device)
+        random_bytes_(torch.empty((count, pool.row_bytes), dtype=torch.uint8), seeded(seed + i)).to(pool.device)
         for i in range(len(pool.tensors()))
     ]
 
@@ -290,17 +262,21 @@ class Rig:
 
 
 def make_rig(ctx: Ctx, *, num_slots: int = 2048, num_host_pages: int = 128, producer: Any = None, seed: int = 0) -> Rig:
-    """A KV pool (``RIG``), a pinned host pool, a memory store and the manager, on ``ctx.device``."""
+    """A KV pool (``RIG``), a pinned host pool, a memory store and the manager, on ``ctx.device``.
+
+    Not ``tests/offload_rig.make_rig``: that rig is the tests' CPU engine (an int32 pool whose
+    rows name their tokens, a manual copy stream, inline store workers, slots freed on release);
+    the probes need the manager's real side stream and store threads, and slots that stay put
+    after a request finishes (a later round reads them back)."""
     page = RIG["page"]
-    pool = make_pool(
+    pool = zero_pool(
         ctx.device,
         parts=RIG["parts"],
         layers=RIG["layers"],
         heads=RIG["heads"],
         dim=RIG["dim"],
         dtype=RIG["dtype"],
-        slots=num_slots,
-        fill="zero",
+        num_slots=num_slots,
     )
     host_pool = HostPool.like(pool, num_pages=num_host_pages, page_size=page)  # pinned where CUDA is
     storage = open_storage("memory", LayoutFingerprint.of(pool, page_size=page, model_id="gpu-check"))
@@ -452,13 +428,13 @@ def probe_allocator_race(ctx: Ctx) -> Probe:
     probe = Probe("allocator_race")
     page, pages, num_slots = RIG["page"], 6, 1024
     pool = make_pool(
-        ctx.device,
+        device=ctx.device,
         parts=RIG["parts"],
         layers=RIG["layers"],
         heads=RIG["heads"],
         dim=RIG["dim"],
         dtype=RIG["dtype"],
-        slots=num_slots,
+        num_slots=num_slots,
     )
     if ctx.cuda:
         kernels_warm_up(pool, page)
@@ -508,7 +484,7 @@ def probe_allocator_race(ctx: Ctx) -> Probe:
             staging = pinned_empty(
                 ctx, int(torch.Size(staging_shape(pool, pages + 2, page, "page_first")).numel()), pool.dtype
             ).view(staging_shape(pool, pages + 2, page, "page_first"))
-            random_bytes_(staging, 4)
+            random_bytes_(staging, seeded(4))
             index_device = ctx.device if where == "device" else torch.device("cpu")
             slot_indices = slot_values.to(dtype).to(index_device)
             host_page_ids = host_values.to(dtype).to(index_device)
@@ -701,7 +677,9 @@ def run_matrix(ctx: Ctx, probe: Probe, combos: list[tuple]) -> list[dict]:
     for row_name, offset, layout, index_dtype, mode in combos:
         spec = MATRIX_ROWS[row_name]
         if row_name not in pools:
-            pools[row_name] = make_pool(ctx.device, layers=m["layers"], slots=m["slots"], seed=len(pools), **spec)
+            pools[row_name] = make_pool(
+                device=ctx.device, layers=m["layers"], num_slots=m["slots"], seed=len(pools), **spec
+            )
         pool = pools[row_name]
         shape = staging_shape(pool, m["num_host_pages"], m["page"], layout)
         nbytes = int(torch.Size(shape).numel()) * pool.itemsize
@@ -716,7 +694,7 @@ def run_matrix(ctx: Ctx, probe: Probe, combos: list[tuple]) -> list[dict]:
         options = dict(page_size=m["page"], layout=layout, backend=ctx.backend, mode=mode)
         # gather
         want = torch.empty(shape, dtype=pool.dtype, device=ctx.device)
-        want.view(-1).view(torch.uint8).fill_(POISON)
+        poison_(want)
         gather_reference(
             pool, want, slot_values.to(ctx.device), host_values.to(ctx.device), page_size=m["page"], layout=layout
         )
@@ -725,7 +703,7 @@ def run_matrix(ctx: Ctx, probe: Probe, combos: list[tuple]) -> list[dict]:
         outside = torch.cat([arena[:offset], arena[offset + nbytes :]])
         gather_ok = torch.equal(as_bytes(staging), as_bytes(want)) and bool((outside == POISON).all())
         # scatter of every layer, then of layer 1, into poisoned target slots
-        random_bytes_(staging, 1000 + len(records))
+        random_bytes_(staging, seeded(1000 + len(records)))
         results = {}
         for layer in (None, 1):
             saved = [t.clone() for t in pool.tensors()]
@@ -788,13 +766,13 @@ def probe_staging_2gib(ctx: Ctx) -> Probe:
     probe = Probe("staging_2gib")
     s = BIG_STAGING
     pool = make_pool(
-        ctx.device,
+        device=ctx.device,
         parts=s["parts"],
         layers=s["layers"],
         heads=s["heads"],
         dim=s["dim"],
         dtype=s["dtype"],
-        slots=512,
+        num_slots=512,
         seed=9,
     )
     page, row = s["page"], pool.row_bytes
@@ -852,92 +830,6 @@ def probe_staging_2gib(ctx: Ctx) -> Probe:
             all(torch.equal(a, b) for a, b in zip(pool.tensors(), saved)),
         )
     del staging, flat
-    return probe
-
-
-PTX_LOAD = re.compile(r"ld\.global\.L1::evict_first[.a-zA-Z0-9:_]*")
-PTX_STORE = re.compile(r"st\.global[.a-zA-Z0-9:_]*")
-PTX_WIDE = re.compile(r"\.v2\.b64|\.v4\.b32")
-
-
-def count_row_accesses(ptx: str) -> dict:
-    """The row copies of the kernel's PTX: evict-first loads (the source rows) and every store,
-    and how many of each are 16-byte vector accesses (as ``tests/kernels/test_kernel_ptx.py``)."""
-    loads, stores = PTX_LOAD.findall(ptx), PTX_STORE.findall(ptx)
-    return dict(
-        loads=len(loads),
-        wide_loads=sum(bool(PTX_WIDE.search(x)) for x in loads),
-        stores=len(stores),
-        wide_stores=sum(bool(PTX_WIDE.search(x)) for x in stores),
-    )
-
-
-class _LaunchSpy:
-    """Stands in for the kernel object: forwards each launch and keeps what it returns (the compiled kernel)."""
-
-    def __init__(self, real: Any) -> None:
-        self.real = real
-        self.compiled: list = []
-
-    def __getitem__(self, grid: Any) -> Callable:
-        run = self.real[grid]
-
-        def launch(*args: Any, **kwargs: Any) -> Any:
-            result = run(*args, **kwargs)
-            self.compiled.append(result)
-            return result
-
-        return launch
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
-
-
-def probe_ptx(ctx: Ctx) -> Probe:
-    """The PTX of the real launches: every row load and store of Llama and fp8-576 rows is 16 bytes."""
-    probe = Probe("ptx")
-    if ctx.backend != "triton":
-        probe.skip("PTX of the real launches", "Triton does not run here")
-        return probe
-    from kvstage.kernels import triton_copy
-
-    counts = {}
-    m = MATRIX
-    for name, row_name in PTX_ROWS.items():
-        pool = make_pool(ctx.device, layers=m["layers"], slots=m["slots"], **MATRIX_ROWS[row_name])
-        staging = pinned_empty(
-            ctx, int(torch.Size(staging_shape(pool, m["num_host_pages"], m["page"], "page_first")).numel()), pool.dtype
-        ).view(staging_shape(pool, m["num_host_pages"], m["page"], "page_first"))
-        slot_indices = torch.arange(m["pages"] * m["page"], device=ctx.device)
-        host_page_ids = torch.arange(m["pages"])
-        for op in ("gather", "scatter"):
-            spy = _LaunchSpy(triton_copy._kv_rows_copy_kernel)
-            triton_copy._kv_rows_copy_kernel = spy
-            try:
-                if op == "gather":
-                    gather(pool, staging, slot_indices, host_page_ids, page_size=m["page"], backend="triton")
-                else:
-                    scatter(staging, pool, slot_indices, host_page_ids, page_size=m["page"], backend="triton")
-            finally:
-                triton_copy._kv_rows_copy_kernel = spy.real
-            ctx.synchronize()
-            compiled = [c for c in spy.compiled if hasattr(c, "asm")]
-            if not compiled:
-                probe.skip(
-                    f"{name} {op}",
-                    f"{len(spy.compiled)} launch(es) returned no compiled kernel (the interpreter compiles nothing)",
-                )
-                continue
-            count = count_row_accesses(compiled[-1].asm["ptx"])
-            counts[f"{name} {op}"] = count
-            probe.check(
-                f"{name} {op}: every row access is 16 bytes",
-                count["loads"] >= 1
-                and count["stores"] >= 1
-                and (count["wide_loads"], count["wide_stores"]) == (count["loads"], count["stores"]),
-                f"loads {count['wide_loads']}/{count['loads']} wide, stores {count['wide_stores']}/{count['stores']} wide",
-            )
-    probe.data["counts"] = counts
     return probe
 
 
@@ -1054,7 +946,6 @@ PROBES: dict[str, Callable[[Ctx], Probe]] = {
     "load_layers": probe_load_layers,
     "pinned_matrix": probe_pinned_matrix,
     "staging_2gib": probe_staging_2gib,
-    "ptx": probe_ptx,
     "real_model": probe_real_model,
 }
 
@@ -1164,14 +1055,13 @@ def warm_one(spec: dict, device_type: str) -> tuple[str, int, float]:
     device = torch.device(device_type)
     dtype = getattr(torch, spec["dtype"].removeprefix("torch."))
     pool = make_pool(
-        device,
+        device=device,
         parts=spec["parts"],
         layers=spec["layers"],
         heads=spec["heads"],
         dim=spec["dim"],
         dtype=dtype,
-        slots=4,
-        fill="zero",
+        num_slots=4,
     )
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         compiled = triton_copy.warm_up(pool, spec["page"], staging_alignment=spec["align"])

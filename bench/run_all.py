@@ -60,6 +60,7 @@ def load(name: str, path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"kvstage_bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
+    sys.modules[spec.name] = module  # where dataclasses (bench_storage's cases) look their module up
     spec.loader.exec_module(module)
     _LOADED[path] = module
     return module

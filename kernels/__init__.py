@@ -10,9 +10,13 @@ Public API:
     launch_after, gather_async, scatter_async, CopyHandle, side_stream: run a copy on a side
         stream after the producer's queued work (:mod:`kvstage.kernels.streams`).
     MODES, LAYOUTS: the accepted ``mode`` and ``layout`` values.
+    StatePool: per-request state tensors (Mamba / linear attention) indexed by state slot.
+    gather_state / scatter_state (and ``_async``): a state snapshot of every state tensor in one launch.
+    gather_state_reference / scatter_state_reference: their torch reference; warm_up_state.
 
 Modules: ``pool`` (KVPool), ``layout`` (staging layouts, validation, staged-mode helpers),
-``words`` (the copy-word rule), ``reference`` (torch path), ``triton_copy`` (the kernel, its launch
+``words`` (the copy-word rule), ``reference`` (torch path), ``state_pool`` / ``state_layout`` /
+``state_copy`` / ``state_reference`` / ``triton_state`` (the state snapshot copies, likewise), ``triton_copy`` (the kernel, its launch
 heuristic ``choose_config``, the autotune hook ``set_config_hook``, ``warm_up``, ``compile_ptx``; imports triton, so
 it is imported only when a Triton launch happens), ``transfer`` (gather/scatter), ``streams``.
 """
@@ -21,6 +25,15 @@ from kvstage.kernels.backend import BACKEND_CHOICES, describe_backend, resolve_b
 from kvstage.kernels.layout import LAYOUTS, staging_shape
 from kvstage.kernels.pool import KVPool
 from kvstage.kernels.reference import gather_reference, scatter_reference
+from kvstage.kernels.state_copy import (
+    gather_state,
+    gather_state_async,
+    scatter_state,
+    scatter_state_async,
+    warm_up_state,
+)
+from kvstage.kernels.state_pool import StatePool
+from kvstage.kernels.state_reference import gather_state_reference, scatter_state_reference
 from kvstage.kernels.streams import CopyHandle, gather_async, launch_after, scatter_async, side_stream
 from kvstage.kernels.transfer import MODES, gather, scatter, warm_up
 
@@ -30,16 +43,24 @@ __all__ = [
     "KVPool",
     "LAYOUTS",
     "MODES",
+    "StatePool",
     "describe_backend",
     "gather",
     "gather_async",
     "gather_reference",
+    "gather_state",
+    "gather_state_async",
+    "gather_state_reference",
     "launch_after",
     "resolve_backend",
     "scatter",
     "scatter_async",
     "scatter_reference",
+    "scatter_state",
+    "scatter_state_async",
+    "scatter_state_reference",
     "side_stream",
     "staging_shape",
     "warm_up",
+    "warm_up_state",
 ]

@@ -165,6 +165,35 @@ class KVPool:
         return cls([latent], argument="latent_buffers", part_names=("latent_buffers",))
 
     @classmethod
+    def from_rows(cls, row_buffers: Sequence[torch.Tensor]) -> "KVPool":
+        """A one-part pool from per-layer 2-D buffers ``[num_slots, row_elems]``, e.g. a DSA indexer
+        sidecar: per-token rows (fp8 index K plus its fp32 scale as uint8, 132 bytes), or sglang's
+        ``index_k_with_scale_buffer`` pages (``[num_pages, page_size * (index_head_dim + 4)]`` uint8:
+        move them at ``page_size=1`` with device page ids as slots). Buffers are viewed as
+        ``[num_slots, 1, row_elems]`` (no copy).
+
+        Raises:
+            InvalidArgumentError: empty list; a buffer that is not 2-D; shapes differ; not contiguous.
+            ArgumentTypeError / DeviceMismatchError: as :class:`KVPool`.
+        """
+        rows = list(row_buffers)
+        require(len(rows) >= 1, "row_buffers", "must hold at least one layer")
+        for layer, t in enumerate(rows):
+            require(
+                isinstance(t, torch.Tensor),
+                f"row_buffers[{layer}]",
+                lambda: f"must be a torch.Tensor, got {type(t).__name__}",
+                ArgumentTypeError,
+            )
+            require(
+                t.dim() == 2,
+                f"row_buffers[{layer}]",
+                lambda: f"must be [num_slots, row_elems], got shape {tuple(t.shape)}",
+            )
+            require(t.is_contiguous(), f"row_buffers[{layer}]", "must be contiguous (each slot one run of bytes)")
+        return cls([[t.unsqueeze(1) for t in rows]], argument="row_buffers", part_names=("row_buffers",))
+
+    @classmethod
     def allocate(
         cls, layout: KVLayout, num_slots: int, *, device: torch.device | str = "cpu", fill: float | None = None
     ) -> "KVPool":

@@ -26,6 +26,7 @@ from kvstage.offload.copier import Copier, CopyResult
 from kvstage.offload.key_chain import ChainRun, RequestChain
 from kvstage.offload.metrics import OffloadMetrics
 from kvstage.offload.prior_wait import PriorWaitingWrite
+from kvstage.offload.request import request_namespace
 from kvstage.offload.store_io import WriteOutcome, write_pages
 
 __all__ = ["Backup", "RequestWrites"]
@@ -93,6 +94,7 @@ class Backup:
         # (tally, host pages, future, the PriorWaitingWrite or None), in submission order
         self._writes: deque[tuple[RequestWrites, list[int], Any, PriorWaitingWrite | None]] = deque()
         self.ended: list[RequestWrites] = []  # released lifecycles whose last write has ended (take_ended)
+        self.announcer: Any = None  # a kvstage.events.KVEventAnnouncer: told each write's pages and tokens
 
     @property
     def writes_pending(self) -> int:
@@ -130,6 +132,7 @@ class Backup:
             if discard:
                 counters.pages_discarded += pages
                 return
+            tokens = run.tokens  # keys_of drops them
             try:
                 keys = chain.keys_of(run, self.hasher)
             except Exception as error:  # e.g. a token id the hash scheme cannot encode
@@ -139,7 +142,8 @@ class Backup:
                 self.report_failure(req, [], error)
                 return
             host_pages = [self.copier.host_pool.page(host_page_id) for host_page_id in result.host_page_ids]
-            put = self._put(chain, keys, host_pages, run.prior_key)
+            announce = None if self.announcer is None or tokens is None else (tokens, request_namespace(req))
+            put = self._put(chain, keys, host_pages, run.prior_key, announce)
             job = None
             if self.prior_wait_s > 0 and not self._stopping:
                 job = PriorWaitingWrite(self._workers.write, put, keys, self.prior_wait_s, chain.record_write)
@@ -215,16 +219,20 @@ class Backup:
             return []
 
     def _put(
-        self, chain: RequestChain, keys: list[str], pages: list[Any], prior_key: str | None
+        self, chain: RequestChain, keys: list[str], pages: list[Any], prior_key: str | None, announce: Any = None
     ) -> Callable[[], WriteOutcome]:
         """One attempt of a write, for the writer thread: refused without a store call when
-        its prior failed in this manager (a copy, or a write that ran before it)."""
+        its prior failed in this manager (a copy, or a write that ran before it). ``announce``:
+        ``(tokens, namespace)`` for the announcer, told the outcome."""
 
         def put() -> WriteOutcome:
             refusal = chain.refusal(prior_key)
             if refusal is not None:
                 return WriteOutcome(failed_keys=list(keys), error=refusal)
-            return write_pages(self.storage, keys, pages, prior_key=prior_key)
+            outcome = write_pages(self.storage, keys, pages, prior_key=prior_key)
+            if announce is not None:
+                self.announcer.written(keys, announce[0], prior_key, announce[1], outcome.failed_keys)
+            return outcome
 
         return put
 

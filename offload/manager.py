@@ -44,6 +44,7 @@ One thread: the thread of the first call owns the manager; a call from another r
 
 Its pieces, each in its own module: what to launch (:mod:`~kvstage.offload.store_plan`) and
 where offloading resumes after a load (:mod:`~kvstage.offload.load_plan`), as pure functions;
+the checked tokens and slots of each run to launch (:mod:`~kvstage.offload.launch_plan`);
 the tracked and released request objects (:mod:`~kvstage.offload.lifecycles`); finished
 requests' pages waiting for host pages (:mod:`~kvstage.offload.finish_backlog`); the argument
 checks (:mod:`~kvstage.offload.manager_arguments`); the one-thread guard
@@ -59,34 +60,35 @@ from typing import Any, Callable
 
 import torch
 
-from kvstage.errors import ArgumentTypeError, InvalidArgumentError, require
+from kvstage.errors import InvalidArgumentError, require
+from kvstage.events.announcer import announcer_for
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.backup import Backup, RequestWrites
 from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike, PageHasherLike, StoreWorkersLike
 from kvstage.offload.copier import GATHER, SCATTER, Copier, CopyResult
 from kvstage.offload.finish_backlog import FinishBacklog
 from kvstage.offload.host_pool import HostPool
-from kvstage.offload.key_chain import ChainRun, RequestChain
+from kvstage.offload.launch_plan import NOTHING, LaunchPlan, LaunchPlanner
 from kvstage.offload.lifecycles import Lifecycles
 from kvstage.offload.load_path import LoadHandle, PrefetchHandle, PrefixMatch
-from kvstage.offload.load_plan import plan_load_resume
 from kvstage.offload.manager_arguments import (
     check_after,
     check_callbacks,
     check_prefetch_arguments,
+    check_prefetch_handle,
     check_prefetch_request,
     checked_kv_length,
     checked_load_pages,
     checked_stride,
+    pending_prefetch_error,
 )
 from kvstage.offload.metrics import OffloadMetrics, metrics_snapshot
 from kvstage.offload.one_thread import OwnerThread, owner_thread_only
 from kvstage.offload.prefetcher import Prefetcher
-from kvstage.offload.request import SlotIndicesOf, request_namespace, request_tokens
+from kvstage.offload.request import SlotIndicesOf
 from kvstage.offload.request import kv_length as kv_length_of
-from kvstage.offload.request_state import NOTHING, LaunchPlan, LoadJob, RequestState, Segment
+from kvstage.offload.request_state import LoadJob, RequestState, Segment
 from kvstage.offload.store_io import StoreWorkers
-from kvstage.offload.store_plan import plan_store
 from kvstage.storage import StorageBackend
 
 __all__ = ["OffloadManager"]
@@ -153,6 +155,10 @@ class OffloadManager:
             this manager (its copy or its store write) fails at once, without a store call:
             the ``MissingPriorError`` is a :class:`~kvstage.offload.PriorFailedError`
             naming the failed page and its cause.
+        kv_events: router-facing KV events of what this manager stores and its store evicts
+            or removes (:mod:`kvstage.events`): None (off), a
+            :class:`~kvstage.events.KVEventPublisher`, or an endpoint str to bind one at
+            (closed with the manager). The manager then takes the store's events.
 
     Raises:
         ArgumentTypeError: ``hasher`` is not a page hasher instance, ``storage`` is not a
@@ -189,6 +195,7 @@ class OffloadManager:
         finish_backlog_pages: int | None = None,
         store_workers: StoreWorkersLike | None = None,
         prior_wait_s: float = 10.0,
+        kv_events: Any = None,
     ) -> None:
         page_size = host_pool.page_size
         stride = checked_stride(hasher, host_pool, offload_stride, prior_wait_s)
@@ -214,6 +221,7 @@ class OffloadManager:
         self._owns_workers = store_workers is None
         self._workers = StoreWorkers() if store_workers is None else store_workers
         self._lifecycles = Lifecycles(page_size, self.store_prompt)
+        self._planner = LaunchPlanner(page_size, hasher, self.store_prompt, self.copier.check_slot_indices)
         self._states = self._lifecycles.states  # id(req) -> its state, while tracked
         self._retracted = self._lifecycles.retracted  # kept progress of retracted requests
         self._unhandled: deque[CopyResult] = deque()  # copies polled from the copier, not handled yet
@@ -225,6 +233,7 @@ class OffloadManager:
         self._backup = Backup(
             self.copier, storage, hasher, self._workers, self._counters, on_storage_failure, prior_wait_s=prior_wait
         )
+        self._backup.announcer = self._announcer = announcer_for(kv_events, storage, page_size)
         storage.register_host_buffers(host_pool.buffers)
 
     # -- store path ---------------------------------------------------------------------------
@@ -481,12 +490,7 @@ class OffloadManager:
         After the forward pass's ``wait_layer``/``wait``, check :attr:`LoadHandle.error`: a
         failed load leaves the slots unwritten and the engine computes those tokens itself.
         """
-        require(
-            isinstance(handle, PrefetchHandle),
-            "handle",
-            lambda: f"must be a PrefetchHandle from prefetch(), got {type(handle).__name__}",
-            ArgumentTypeError,
-        )
+        check_prefetch_handle(handle, " from prefetch()")
         self._require_open("load")
         check_after(after, "after")
         with nvtx_range("load"):
@@ -507,17 +511,11 @@ class OffloadManager:
             self._prefetcher.take(handle, num_pages)
             state.prefetch = None
             if num_pages:
-                state.copies_in_flight += 1
-                state.loads.append(job)
+                state.load_started(job)
                 self._counters.loads += 1
             # Offloading resumes after the loaded pages (the prefill side's prompt pages at least).
             prompt_end = 0 if self.store_prompt else len(handle.req.origin_input_ids) // self.page_size * self.page_size
-            resume = plan_load_resume(
-                num_pages, self.page_size, handle.page_keys, prompt_end, state.offloaded_length, state.chain is not None
-            )
-            state.offloaded_length = resume.offloaded_length
-            if resume.new_chain:
-                state.chain = None if resume.prior_key is None else RequestChain(resume.prior_key, True)
+            state.resume_after_load(num_pages, self.page_size, handle.page_keys, prompt_end)
             return LoadHandle(
                 handle.req, num_pages, self.page_size, copy_handles, self.kv_pool.num_layers, layer_by_layer
             )
@@ -605,6 +603,8 @@ class OffloadManager:
         self._closed = True
         if self._owns_workers:
             self._workers.close()
+        if self._announcer is not None:
+            self._announcer.close()
         self.copier.close()
 
     # -- what the engine may inspect ----------------------------------------------------------
@@ -691,12 +691,7 @@ class OffloadManager:
         except InvalidArgumentError as error:
             if state.prefetch is None:
                 raise
-            # Most likely the request never ran (it was still prefetching): say so, not only the slots.
-            raise InvalidArgumentError(
-                f"req: rid={state.req.rid!r} has a prefetch pending (never loaded), and its KV up to kv_length={length} "
-                f"cannot be offloaded ({error}); a request that ends before it runs: abort(req) or "
-                "finish(req, kv_length=0), which cancel the prefetch"
-            ) from error
+            raise pending_prefetch_error(state.req, length, error) from error
         launched_before = state.launched_length
         try:
             self._launch(state, plan, after, commit=new)
@@ -709,7 +704,7 @@ class OffloadManager:
             self._lifecycles.commit(state)
         state.ending = True
         state.kv_length = length
-        remaining = (length - state.offloaded_length) // self.page_size if self.writes_pages else 0
+        remaining = state.pages_to_launch(self.page_size) if self.writes_pages else 0
         if remaining > 0:
             if self._backlog.admit(state, remaining):
                 return True
@@ -729,10 +724,10 @@ class OffloadManager:
         for state in list(self._backlog.states):
             try:
                 self._launch(state, self._plan(state, self.page_size, state.kv_length), None)
-                self._backlog.set_pages(state, max(state.kv_length - state.offloaded_length, 0) // self.page_size)
+                self._backlog.set_pages(state, state.pages_to_launch(self.page_size))
             except Exception:  # checked at finish: an engine that changed the request since, or a failed launch
                 # The runs launched before the one that raised stay launched: drop only the rest.
-                not_launched = max(state.kv_length - state.offloaded_length, 0) // self.page_size
+                not_launched = state.pages_to_launch(self.page_size)
                 logger.exception(
                     "offload: %d waiting pages of rid=%r could not be launched; dropped", not_launched, state.req.rid
                 )
@@ -774,6 +769,8 @@ class OffloadManager:
                 else:
                     self._loaded(result)
             self._backup.poll()
+            if self._announcer is not None:  # removals between writes (clear, a corrupt page dropped)
+                self._announcer.poll()
             self._prefetcher.poll()
             if self._backlog:
                 self._launch_backlog()
@@ -802,12 +799,7 @@ class OffloadManager:
                 return
 
     def _cancel(self, handle: PrefetchHandle) -> None:
-        require(
-            isinstance(handle, PrefetchHandle),
-            "handle",
-            lambda: f"must be a PrefetchHandle, got {type(handle).__name__}",
-            ArgumentTypeError,
-        )
+        check_prefetch_handle(handle)
         if handle.cancelled:
             return
         require(handle in self._prefetcher.active, "handle", "is not this manager's prefetch")
@@ -819,49 +811,13 @@ class OffloadManager:
     # -- internals: store path ----------------------------------------------------------------
 
     def _plan(self, state: RequestState, unit: int, length: int) -> LaunchPlan:
-        """The runs to launch now, every one checked: the prompt's whole pages up to
-        ``length`` (if not stored), then whole ``unit``s of ``[offloaded_length, length)``,
-        as many as the free host pages hold, oldest first; each run's tokens and slots, and
-        the chain they continue (the state's, or a new one that :meth:`_launch` sets).
-
-        Checks the token ids and slot indices of every whole page up to ``length`` (also those
-        that do not fit now), so a call that raises has changed nothing.
-
-        Raises:
-            InvalidArgumentError / ArgumentTypeError / DeviceMismatchError: a placeholder id,
-                too few slots, bad slot indices, a bad namespace (the chain starts here).
-        """
-        if length - state.offloaded_length < self.page_size or not self.writes_pages:  # most calls: nothing new
+        """:meth:`LaunchPlanner.plan <kvstage.offload.launch_plan.LaunchPlanner.plan>` with the
+        host pages free now (nothing on an MLA rank that writes no pages); counts its rejections."""
+        if not self.writes_pages:
             return NOTHING
-        req = state.req
-        prompt_end = len(req.origin_input_ids) // self.page_size * self.page_size
-        decision = plan_store(state.offloaded_length, length, unit, self.page_size, prompt_end, self.copier.free_pages)
-        if decision.nothing:
-            return NOTHING
-        first, wanted_end, bounds = decision.first, decision.wanted_end, decision.runs
-        tokens = request_tokens(req, first, wanted_end)  # raises on a placeholder id
-        slot_indices = self.slot_indices_of(req)
-        argument = f"slot_indices_of(rid={req.rid!r})"
-        if isinstance(slot_indices, torch.Tensor) and slot_indices.dim() == 1:
-            if slot_indices.shape[0] < wanted_end:
-                raise InvalidArgumentError(
-                    f"{argument}: {slot_indices.shape[0]} slots, its first {wanted_end} tokens have KV"
-                )
-            slot_indices = slot_indices[first:wanted_end]
-        self.copier.check_slot_indices(slot_indices, argument)
-        chain = state.chain
-        if bounds and chain is None:  # the namespace is checked here, before anything is tracked
-            chain = RequestChain(*self._chain_start(req))
-        self._counters.offloads_rejected += decision.rejected
-        if len(bounds) == 1 and bounds[0][1] == wanted_end:  # the common case: no slicing
-            return LaunchPlan([(ChainRun(tokens), slot_indices)], chain)
-        return LaunchPlan(
-            [
-                (ChainRun(tokens[begin - first : end - first]), slot_indices[begin - first : end - first])
-                for begin, end in bounds
-            ],
-            chain,
-        )
+        plan = self._planner.plan(state, length, unit, self.copier.free_pages, self.slot_indices_of)
+        self._counters.offloads_rejected += plan.rejected
+        return plan
 
     def _launch(self, state: RequestState, plan: LaunchPlan, after: Any, *, commit: bool = False) -> int:
         """Launch planned runs (:meth:`_plan`, with the host pages free then); pages launched.
@@ -884,28 +840,12 @@ class OffloadManager:
                 state.chain = plan.chain
                 if commit:
                     self._lifecycles.commit(state)
-            state.chain.add(run)  # only once launched: a run that raised is no part of the chain
-            state.unsettled.append(segment)
-            state.offloaded_length += len(run.tokens)
-            state.launched_length = state.offloaded_length
-            state.copies_in_flight += 1
+            state.launched(segment)
             pages = len(host_page_ids)
             launched += pages
             self._counters.pages_launched += pages
             self._counters.pages_in_flight += pages
         return launched
-
-    def _chain_start(self, req: Any) -> tuple[str | None, bool]:
-        """The prior of the request's first launched page, and whether it is a stored page's
-        key: the namespace seed (not a page), or with ``store_prompt=False`` the last key of the
-        prompt's whole pages (stored by the prefill side)."""
-        extra_key, cache_salt = request_namespace(req)
-        aligned = len(req.origin_input_ids) // self.page_size * self.page_size
-        if not self.store_prompt and aligned:
-            return self.hasher.prefill_keys(req.origin_input_ids[:aligned], extra_key=extra_key, cache_salt=cache_salt)[
-                -1
-            ], True
-        return self.hasher.seed(extra_key, cache_salt), False
 
     def _gathered(self, result: CopyResult) -> None:
         """A gather finished: settle it and every finished segment after it, in launch order."""
@@ -934,6 +874,5 @@ class OffloadManager:
         else:
             counters.load_failures += 1
             logger.error("offload: load of %d pages of rid=%r failed: %r", load.num_pages, state.req.rid, result.error)
-        state.copies_in_flight -= 1
-        state.loads.remove(load)
+        state.load_ended(load)
         self._maybe_release(state)

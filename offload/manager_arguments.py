@@ -12,18 +12,20 @@ import torch
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require, require_seconds
 from kvstage.offload.collaborators import PageHasherLike
-from kvstage.offload.load_path import PREFETCH_POLICIES
+from kvstage.offload.load_path import PREFETCH_POLICIES, PrefetchHandle
 from kvstage.offload.request import int_scalar
 from kvstage.offload.request import kv_length as kv_length_of
 
 __all__ = [
     "check_after",
+    "check_prefetch_handle",
     "check_callbacks",
     "check_prefetch_arguments",
     "check_prefetch_request",
     "checked_kv_length",
     "checked_load_pages",
     "checked_stride",
+    "pending_prefetch_error",
 ]
 
 
@@ -225,3 +227,29 @@ def checked_load_pages(handle: Any, state: Any, slot_indices: Any, page_size: in
         ),
     )
     return count // page_size
+
+
+def check_prefetch_handle(handle: Any, whence: str = "") -> None:
+    """``handle`` is a :class:`~kvstage.offload.load_path.PrefetchHandle` (``whence``: where
+    one comes from, for the message).
+
+    Raises:
+        ArgumentTypeError: it is not.
+    """
+    require(
+        isinstance(handle, PrefetchHandle),
+        "handle",
+        lambda: f"must be a PrefetchHandle{whence}, got {type(handle).__name__}",
+        ArgumentTypeError,
+    )
+
+
+def pending_prefetch_error(req: Any, kv_length: int, error: InvalidArgumentError) -> InvalidArgumentError:
+    """The error for a request with a prefetch pending whose KV up to ``kv_length`` cannot be
+    offloaded (``error``: why): most likely it never ran, so the message says so and how to
+    end it, not only what was wrong with its slots."""
+    return InvalidArgumentError(
+        f"req: rid={req.rid!r} has a prefetch pending (never loaded), and its KV up to kv_length={kv_length} "
+        f"cannot be offloaded ({error}); a request that ends before it runs: abort(req) or "
+        "finish(req, kv_length=0), which cancel the prefetch"
+    )

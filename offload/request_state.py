@@ -1,18 +1,17 @@
-"""What the manager tracks per request lifecycle, per gather and per load, and what it plans to launch (plain records)."""
+"""What the manager tracks per request lifecycle, per gather and per load (records and their bookkeeping)."""
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, NamedTuple
-
-import torch
+from typing import Any, Sequence
 
 from kvstage.offload.backup import RequestWrites
 from kvstage.offload.copier import CopyResult
 from kvstage.offload.key_chain import ChainRun, RequestChain
 from kvstage.offload.load_path import PrefetchHandle
+from kvstage.offload.load_plan import LoadResume, plan_load_resume
 
-__all__ = ["NOTHING", "LaunchPlan", "LoadJob", "RequestState", "Segment"]
+__all__ = ["LoadJob", "RequestState", "Segment"]
 
 
 class RequestState:
@@ -53,6 +52,44 @@ class RequestState:
         self.backlog_pages = 0  # whole pages finish() is waiting for host pages for
         self.writes = RequestWrites(req)  # this lifecycle's store writes (on_stored)
 
+    def launched(self, segment: Segment) -> None:
+        """``segment``'s gather launched: its run joins the chain (only once launched: a run
+        whose launch raised is no part of it), in flight and unsettled."""
+        self.chain.add(segment.run)
+        self.unsettled.append(segment)
+        self.offloaded_length += len(segment.run.tokens)
+        self.launched_length = self.offloaded_length
+        self.copies_in_flight += 1
+
+    def load_started(self, load: LoadJob) -> None:
+        """``load``'s scatter launched: in flight until :meth:`load_ended`."""
+        self.copies_in_flight += 1
+        self.loads.append(load)
+
+    def load_ended(self, load: LoadJob) -> None:
+        """``load``'s scatter was polled (done or failed)."""
+        self.copies_in_flight -= 1
+        self.loads.remove(load)
+
+    def resume_after_load(
+        self, num_pages: int, page_size: int, page_keys: Sequence[str], prompt_end: int
+    ) -> LoadResume:
+        """``num_pages`` leading pages were loaded: offloading resumes where
+        :func:`~kvstage.offload.load_plan.plan_load_resume` says (arguments as there), the chain
+        replaced when it says so (by one from its stored prior key, or by none). Returns its
+        decision."""
+        resume = plan_load_resume(
+            num_pages, page_size, page_keys, prompt_end, self.offloaded_length, self.chain is not None
+        )
+        self.offloaded_length = resume.offloaded_length
+        if resume.new_chain:
+            self.chain = None if resume.prior_key is None else RequestChain(resume.prior_key, True)
+        return resume
+
+    def pages_to_launch(self, page_size: int) -> int:
+        """Whole pages of ``[offloaded_length, kv_length)``: what a finish still has to launch."""
+        return max(self.kv_length - self.offloaded_length, 0) // page_size
+
 
 class Segment:
     """One gather (the copier's job): a run of the request's chain and its copy's outcome."""
@@ -73,14 +110,3 @@ class LoadJob:
     def __init__(self, state: RequestState, num_pages: int) -> None:
         self.state = state
         self.num_pages = num_pages
-
-
-class LaunchPlan(NamedTuple):
-    """What the manager's plan found to launch: runs (tokens, device slots) and the chain
-    they continue."""
-
-    runs: list[tuple[ChainRun, torch.Tensor]]
-    chain: RequestChain | None
-
-
-NOTHING = LaunchPlan([], None)  # nothing to launch

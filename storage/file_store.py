@@ -3,7 +3,8 @@
 Its parts, each a module of its own: the page-file format (header, checksum, names)
 :mod:`kvstage.storage.page_file`; the room accounting (used, held and pinned bytes, chain-aware
 eviction) :class:`kvstage.storage.room.Room`; the other key spaces in the directory
-:mod:`kvstage.storage.key_spaces`. Here: put, get and clear of pages, the gate that holds puts
+:mod:`kvstage.storage.key_spaces`; the directory at open (made, proven writable, swept)
+:mod:`kvstage.storage.store_directory`. Here: put, get and clear of pages, the gate that holds puts
 while a clear runs, the store's I/O threads, and adoption of pages other processes wrote.
 
 Crash-safe: a page is written to a temporary name and renamed into place (``os.replace``), so a
@@ -46,16 +47,14 @@ size: bytes, or a number with a unit, :mod:`kvstage.storage.sizes`).
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 
 import torch
 
-from kvstage.errors import InvalidArgumentError, StorageError, is_int
+from kvstage.errors import InvalidArgumentError, is_int
 from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, StorageBackend, page_as_bytes
 from kvstage.storage.chain_writes import PutSteps, put_parallel, put_serial
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
@@ -87,6 +86,7 @@ from kvstage.storage.page_file import (
 )
 from kvstage.storage.room import Room
 from kvstage.storage.sizes import parse_size
+from kvstage.storage.store_directory import StoreDirectoryError, list_directory, require_writable, sweep_tmp
 
 # Re-exported: the names callers have imported from this module.
 __all__ = [
@@ -105,26 +105,6 @@ DEFAULT_CAPACITY_BYTES = 16 << 30  # 16 GiB
 DEFAULT_IO_THREADS = 2  # for pages of PARALLEL_MIN_PAGE_BYTES or more, capped at the CPUs; see the module doc
 PARALLEL_MIN_PAGE_BYTES = 2 << 20  # smaller pages: one thread by default (threads cost more than they save)
 TMP_GRACE_S = 600.0  # a temporary file younger than this may be another process's write in progress
-
-
-class StoreDirectoryError(StorageError):
-    """A file store's directory cannot be made, listed or written: refused at open, naming the
-    path and the errno (a directory that exists but is read-only would otherwise fail every
-    write later, naming neither).
-
-    Attributes:
-        path: the directory, as given (``str``).
-        errno: the ``OSError``'s errno (e.g. ``errno.EACCES``, ``errno.EROFS``); the
-            ``OSError`` itself is ``__cause__``.
-    """
-
-    def __init__(self, path: str, error: OSError, message: str) -> None:
-        code = error.errno
-        name = errno.errorcode.get(code, "?") if code is not None else "?"
-        reason = f"{name} (errno {code}: {os.strerror(code) if code is not None else error})"
-        super().__init__(message.format(path=repr(path), reason=reason))
-        self.path = path
-        self.errno = code
 
 
 class FileStore(StorageBackend):
@@ -196,12 +176,8 @@ class FileStore(StorageBackend):
         self._puts_active = 0
         self._puts_waiting = 0  # a clear lets these in first, so repeated clears never starve puts
         self._clearing = False
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            every = [entry.name for entry in os.scandir(self.directory)]
-        except OSError as error:
-            raise StoreDirectoryError(str(self.directory), error, "directory: cannot use {path}: {reason}") from error
-        self._require_writable()
+        every = list_directory(self.directory)
+        require_writable(self.directory, self._tmp_path())
         if fingerprint.page_format:
             describe_format(self.directory, self.prefix, fingerprint.page_format)
         names = [name for name in every if self._owns(name)]
@@ -221,26 +197,10 @@ class FileStore(StorageBackend):
             )
         for name in names:
             if name.endswith(TMP_SUFFIX):
-                _sweep_tmp(self.directory / name)
+                sweep_tmp(self.directory / name, TMP_GRACE_S)
             elif name.endswith(SUFFIX):
                 self._load(name)
         self._make_room(0)  # reopened with a smaller capacity: within it from the start
-
-    def _require_writable(self) -> None:
-        """Create and remove a temporary file of this key space: an existing directory that
-        this process may not write (its mode, a read-only mount, an ACL or security module:
-        whatever decides, a real write finds out) is refused now, not at every put."""
-        probe = self._tmp_path()
-        try:
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        except OSError as error:
-            raise StoreDirectoryError(
-                str(self.directory),
-                error,
-                "directory: {path} is not writable: {reason}; a file store writes its pages there: "
-                "give a directory this process may write",
-            ) from error
-        unlink(probe)
 
     @property
     def used_bytes(self) -> int:
@@ -593,17 +553,6 @@ class FileStore(StorageBackend):
         self.stats.pages_removed += len(removed)
         self._events.record("removed", removed, key_space=prefix)
         return len(removed)
-
-
-def _sweep_tmp(path: Path) -> None:
-    """Remove a temporary file (a dead writer's, or a tombstone) unless it may be another
-    process's write in progress: changed (ctime, set by a rename too) within TMP_GRACE_S."""
-    try:
-        if time.time_ns() - os.stat(path).st_ctime_ns < TMP_GRACE_S * 1e9:
-            return
-    except OSError:
-        return
-    unlink(path)
 
 
 def open_file_store(rest: str, fingerprint: LayoutFingerprint) -> FileStore:

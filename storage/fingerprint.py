@@ -11,7 +11,10 @@ page is only ever read back as KV of the same model, dtype, layout, page size an
   (stage 1 never deduplicates against, or reads, stage 0's pages);
 - opaque pages (:meth:`LayoutFingerprint.opaque`): an engine that lays its pages out itself
   (vLLM's offload blocks) names the format with a string; the key space is the model, that
-  format, the page's bytes and the shard, and the engine says whether ranks share pages.
+  format, the page's bytes and the shard, and the engine says whether ranks share pages;
+- a hybrid model's components (:meth:`LayoutFingerprint.of_component`, built by
+  :meth:`kvstage.model_layout.ModelLayout.fingerprints`): one key space per component, named
+  by it and covering the whole model layout, e.g. ``"m@swa-0123456789abcdef@B4096@tp0of1@"``.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class LayoutFingerprint:
         page_format: ``""`` for pages of ``layout``; else the description of an engine's own page
             format (built by :meth:`opaque`, whose ``layout`` is then ``page_bytes`` uint8).
         rank_neutral_pages: opaque formats only: every rank holds the same page bytes.
+        component: ``""``, or a hybrid model's component name (:meth:`of_component`): the
+            marker of its prefix in place of ``opaque``; ``page_format`` then describes the
+            component and the whole model layout.
 
     Raises:
         InvalidArgumentError: an empty model id, a size or rank out of range (bools are not ints).
@@ -71,6 +77,7 @@ class LayoutFingerprint:
     first_layer: int = 0
     page_format: str = ""
     rank_neutral_pages: bool = False
+    component: str = ""
 
     def __post_init__(self) -> None:
         require(
@@ -106,6 +113,16 @@ class LayoutFingerprint:
             not self.rank_neutral_pages or self.page_format != "",
             "rank_neutral_pages",
             "is for opaque page formats only (a KV layout is rank-neutral when it is MLA)",
+        )
+        require(
+            self.component == "" or (isinstance(self.component, str) and _MARKER.fullmatch(self.component) is not None),
+            "component",
+            lambda: f"must be '' or a component name matching [a-z][a-z0-9_]* (not 'opaque'), got {self.component!r}",
+        )
+        require(
+            self.component == "" or self.page_format != "",
+            "component",
+            "needs page_format, the component's and model layout's description (use LayoutFingerprint.of_component)",
         )
 
     @classmethod
@@ -155,6 +172,71 @@ class LayoutFingerprint:
             tp_size=tp_size,
             page_format=page_format,
             rank_neutral_pages=bool(rank_neutral),
+        )
+
+    @classmethod
+    def of_component(
+        cls,
+        model_id: str = _NO_MODEL_ID,
+        *,
+        component: str,
+        layout_description: str,
+        entry_bytes: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        rank_neutral: bool = False,
+    ) -> "LayoutFingerprint":
+        """The key space of one component of a hybrid model (see
+        :meth:`kvstage.model_layout.ModelLayout.fingerprints`, which passes these).
+
+        The prefix is ``"{model}@{component}-{16 hex digits}@B{entry_bytes}@{shard}@"``: the
+        digest is the SHA-256 of ``component={component}|{layout_description}``, so two processes
+        whose layouts differ in any component (layer kinds, window, shapes, dtypes, page size,
+        first layer) never share a key space of any component, and one model's components never
+        share one with each other. Entries are ``entry_bytes`` bytes (a page, or a state snapshot);
+        as for an opaque format, ``layout`` is then ``entry_bytes`` uint8 and ``page_size`` 1, so
+        a pool is checked against it with :meth:`ModelLayout.require_matches`, not
+        :meth:`require_matches`.
+
+        Args:
+            model_id, tp_rank, tp_size: as the attributes.
+            component: the component's name (``[a-z][a-z0-9_]*``, not ``opaque``).
+            layout_description: :meth:`ModelLayout.description` (``|``-separated ``name=value``
+                parts; the file store leaves it beside the pages, so differences can be named).
+            entry_bytes: bytes stored under one key (>= 1).
+            rank_neutral: every rank holds the same bytes (MLA, a replicated sidecar).
+
+        Raises:
+            ArgumentTypeError: ``model_id`` not given.
+            InvalidArgumentError: a bad ``component``, an empty ``layout_description``,
+                ``entry_bytes`` not a positive int, or as the class.
+        """
+        _require_model_id(model_id)
+        require(
+            isinstance(component, str) and _MARKER.fullmatch(component) is not None,
+            "component",
+            lambda: f"must be a component name matching [a-z][a-z0-9_]* (not 'opaque'), got {component!r}",
+        )
+        require(
+            isinstance(layout_description, str) and layout_description != "",
+            "layout_description",
+            lambda: f"must be a non-empty str (ModelLayout.description), got {layout_description!r}",
+        )
+        require(
+            is_int(entry_bytes) and entry_bytes >= 1,
+            "entry_bytes",
+            lambda: f"must be a positive int, got {entry_bytes!r}",
+        )
+        layout = KVLayout(num_layers=1, kv_parts=1, num_heads=1, head_dim=entry_bytes, dtype="uint8")
+        return cls(
+            model_id,
+            layout,
+            1,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            page_format=f"component={component}|{layout_description}",
+            rank_neutral_pages=bool(rank_neutral),
+            component=component,
         )
 
     @classmethod
@@ -216,7 +298,8 @@ class LayoutFingerprint:
     def prefix(self) -> str:
         """The key prefix, e.g. ``"llama3-8b@bfloat16@L0-31xKV2xH8xD128@P64@tp0of1@"``
         (MLA: ``...@tp-any@``); an opaque format: ``"{model}@opaque-{16 hex digits of the
-        format's SHA-256}@B{page_bytes}@{shard}@"``.
+        format's SHA-256}@B{page_bytes}@{shard}@"``; a hybrid model's component: the same with
+        the component's name for ``opaque`` (:meth:`of_component`).
 
         A model id made only of ``[A-Za-z0-9._-]`` is used as it is. Any other character
         becomes ``_`` (so the prefix is safe as a file name and as a Mooncake key) and the id
@@ -230,7 +313,7 @@ class LayoutFingerprint:
         shard = "tp-any" if self.rank_neutral else f"tp{self.tp_rank}of{self.tp_size}"
         if self.page_format:
             digest = hashlib.sha256(self.page_format.encode()).hexdigest()[:16]
-            return f"{model}@{_OPAQUE}{digest}@B{self.page_bytes}@{shard}@"
+            return f"{model}@{self.component or _OPAQUE_NAME}-{digest}@B{self.page_bytes}@{shard}@"
         return (
             f"{model}@{layout.dtype_name}@L{layers.start}-{layers.stop - 1}xKV{layout.kv_parts}"
             f"xH{layout.num_heads}xD{layout.head_dim}@P{self.page_size}@{shard}@"
@@ -256,7 +339,12 @@ class LayoutFingerprint:
 
 
 _SAFE = frozenset(string.ascii_letters + string.digits + "._-")
-_OPAQUE = "opaque-"  # the second field of an opaque format's prefix
+_OPAQUE_NAME = "opaque"
+_OPAQUE = _OPAQUE_NAME + "-"  # the second field of an opaque format's prefix
+# A component's name: the marker of a described key space's second field, ``NAME-DIGEST``
+# (no dtype name holds ``-``); "opaque" is an engine's page format.
+_MARKER = re.compile(r"(?!opaque$)[a-z][a-z0-9_]{0,31}")
+_DESCRIBED = re.compile(r"([a-z][a-z0-9_]{0,31})-([0-9a-f]{16})")
 
 
 def prefix_of(full_key: str) -> str | None:
@@ -265,13 +353,19 @@ def prefix_of(full_key: str) -> str | None:
 
     A prefix is ``@``-ended fields, and no field holds ``@`` (model ids are sanitized): five for
     pages of a KV layout (model, dtype, layers and layout, page size, shard), four for an opaque
-    format (model, ``opaque-DIGEST``, page bytes, shard), told apart by the second field.
+    format or a hybrid model's component (model, ``opaque-DIGEST`` or ``COMPONENT-DIGEST``, page
+    bytes, shard), told apart by the second field.
     """
     fields = full_key.split("@", 5)
-    count = 4 if len(fields) > 1 and fields[1].startswith(_OPAQUE) else 5
+    count = 4 if len(fields) > 1 and _is_described(fields[1]) else 5
     if len(fields) <= count or any(field == "" for field in fields[:count]):
         return None
     return "@".join(fields[:count]) + "@"
+
+
+def _is_described(field: str) -> bool:
+    """Whether a prefix's second field names a described key space (opaque or a component)."""
+    return field.startswith(_OPAQUE) or _DESCRIBED.fullmatch(field) is not None
 
 
 _LAYERS_AND_LAYOUT = re.compile(r"L(\d+)-(\d+)xKV(\d+)xH(\d+)xD(\d+)")
@@ -285,16 +379,32 @@ def prefix_fields(prefix: str) -> dict[str, str] | None:
     (``"0-31"``), ``kv_parts``, ``num_heads``, ``head_dim``, ``page_size``, ``shard``
     (``"tp0of2"``, or ``"tp-any"`` for rank-neutral pages). An opaque format: ``model_id``,
     ``page_format`` (the format's digest: the prefix holds no more of it), ``page_bytes``,
-    ``shard``. Values are strings, in that order.
+    ``shard``. A hybrid model's component: ``model_id``, ``component``, ``page_format`` (the
+    digest of the component and model layout), ``page_bytes`` (its entry bytes), ``shard``.
+    Values are strings, in that order.
     """
     if not isinstance(prefix, str) or prefix_of(prefix) != prefix:
         return None
     fields = prefix.split("@")[:-1]
-    if fields[1].startswith(_OPAQUE):
-        model, digest, page_bytes, shard = fields
+    if _is_described(fields[1]):
+        model, marker, page_bytes, shard = fields
         if not page_bytes.startswith("B"):
             return None
-        return {"model_id": model, "page_format": digest[len(_OPAQUE) :], "page_bytes": page_bytes[1:], "shard": shard}
+        if marker.startswith(_OPAQUE):
+            return {
+                "model_id": model,
+                "page_format": marker[len(_OPAQUE) :],
+                "page_bytes": page_bytes[1:],
+                "shard": shard,
+            }
+        component, _, digest = marker.rpartition("-")
+        return {
+            "model_id": model,
+            "component": component,
+            "page_format": digest,
+            "page_bytes": page_bytes[1:],
+            "shard": shard,
+        }
     model, dtype, layout, page_size, shard = fields
     match = _LAYERS_AND_LAYOUT.fullmatch(layout)
     if match is None or not page_size.startswith("P"):
@@ -324,19 +434,18 @@ def prefix_differences(theirs: str, mine: str, formats: Mapping[str, str] | None
             ``|``-separated parts; ``name=value`` parts by name) only when both are described.
 
     Returns:
-        Lines in the order of :func:`prefix_fields`; one line ``"page kind: ..."`` first when one
-        is an opaque format and the other a KV layout (then only ``model_id`` is compared besides);
-        ``["not a fingerprint prefix: ..."]`` when ``theirs`` is none.
+        Lines in the order of :func:`prefix_fields`; one line ``"page kind: ..."`` first when
+        they are of two kinds (a KV layout, an engine's own page format, a hybrid model's
+        component; then only ``model_id`` is compared besides); ``["not a fingerprint prefix:
+        ..."]`` when ``theirs`` is none.
     """
     a, b = prefix_fields(theirs), prefix_fields(mine)
     if a is None or b is None:
         return [f"not a fingerprint prefix: {theirs if a is None else mine!r}"]
     formats = formats or {}
     lines = []
-    if ("page_format" in a) != ("page_format" in b):
-        kinds = ("an engine's own page format", "a KV layout")
-        theirs_kind, my_kind = kinds if "page_format" in a else kinds[::-1]
-        lines.append(f"page kind: {theirs_kind} (this store: {my_kind})")
+    if _kind(a) != _kind(b):
+        lines.append(f"page kind: {_kind(a)} (this store: {_kind(b)})")
         names = ["model_id"]
     else:
         names = list(a)
@@ -348,6 +457,12 @@ def prefix_differences(theirs: str, mine: str, formats: Mapping[str, str] | None
         else:
             lines.append(f"{name} {a[name]} (this store: {b[name]})")
     return lines
+
+
+def _kind(fields: dict[str, str]) -> str:
+    if "component" in fields:
+        return "a hybrid model's component"
+    return "an engine's own page format" if "page_format" in fields else "a KV layout"
 
 
 def _short(text: str, limit: int = 120) -> str:

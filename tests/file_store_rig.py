@@ -1,5 +1,6 @@
-"""Helpers of the file store's ``io_threads`` tests (``tests/storage/test_file_io_threads*.py``):
-a tiny layout, its pages and keys, and what a test checks in a store's directory."""
+"""Helpers of the file store's tests (tests/storage: test_store_file.py, test_file_io_threads.py and
+the ``file_store`` fixture): a tiny layout, its pages and keys, and what a test checks in a
+store's directory."""
 
 from __future__ import annotations
 

@@ -39,7 +39,8 @@ class LocalMooncakeMaster:
     Attributes:
         rpc_port, http_port, metrics_port: the master's RPC port, its metadata server's port
             and its admin/metrics port.
-        address: ``127.0.0.1:<rpc_port>``; metadata: ``http://127.0.0.1:<http_port>/metadata``.
+        address: ``127.0.0.1:<rpc_port>``; metadata: ``http://127.0.0.1:<http_port>/metadata``;
+            admin_address: ``127.0.0.1:<metrics_port>`` (the store's ``admin=``).
 
     Raises:
         BackendUnavailableError: no ``mooncake_master`` is installed (names the install command).
@@ -56,17 +57,27 @@ class LocalMooncakeMaster:
         self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.address = f"127.0.0.1:{self.rpc_port}"
         self.metadata = f"http://127.0.0.1:{self.http_port}/metadata"
+        self.admin_address = f"127.0.0.1:{self.metrics_port}"  # its admin HTTP server (/get_all_keys)
         self.process: subprocess.Popen | None = None
 
     def url(self, **query: object) -> str:
-        """A ``mooncake://`` URL for this master: HTTP metadata, tcp, a 64 MiB segment and a 16 MiB
-        local buffer unless ``query`` overrides them (any :func:`parse_mooncake_url` name)."""
-        values = {"metadata": self.metadata, "protocol": "tcp", "segment": "64MiB", "buffer": "16MiB"}
-        values.update({key: str(value) for key, value in query.items()})
-        return f"mooncake://{self.address}?" + "&".join(f"{key}={value}" for key, value in values.items())
+        """A ``mooncake://`` URL for this master: HTTP metadata, its admin server (``admin``), tcp,
+        a 64 MiB segment and a 16 MiB local buffer unless ``query`` overrides them (any
+        :func:`parse_mooncake_url` name; None leaves a name out)."""
+        values: dict[str, object] = {
+            "metadata": self.metadata,
+            "admin": self.admin_address,
+            "protocol": "tcp",
+            "segment": "64MiB",
+            "buffer": "16MiB",
+        }
+        values.update(query)
+        return f"mooncake://{self.address}?" + "&".join(
+            f"{key}={value}" for key, value in values.items() if value is not None
+        )
 
     def start(self, timeout: float = 15.0) -> "LocalMooncakeMaster":
-        """Start the master and wait until its RPC and HTTP ports accept connections.
+        """Start the master and wait until its RPC, HTTP metadata and admin ports accept connections.
 
         Raises:
             RuntimeError: it exited or did not listen within ``timeout`` seconds (with its log).
@@ -87,7 +98,7 @@ class LocalMooncakeMaster:
         self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
         deadline = time.monotonic() + timeout
-        for port in (self.rpc_port, self.http_port):
+        for port in (self.rpc_port, self.http_port, self.metrics_port):
             while True:
                 if self.process.poll() is not None:
                     raise RuntimeError(f"mooncake_master exited with {self.process.returncode}; log: {self.log_tail()}")

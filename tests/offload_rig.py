@@ -172,7 +172,7 @@ class Rig:
         """A request whose prompt's KV is written (prefill done), with slots for its tokens."""
         req = cls(rid, prompt, **namespace)
         self.slots.assign(req, len(req.origin_input_ids) + max_new_tokens)
-        self._write_kv(req, 0, len(req.origin_input_ids))
+        self.write_kv(req, 0, len(req.origin_input_ids))
         if not self.manager.store_prompt:
             self.store_prompt_as_prefill(req)
         return req
@@ -192,7 +192,7 @@ class Rig:
         req.output_ids.append(token)
         if len(req.output_ids) >= 2:
             position = req.kv_length - 1
-            self._write_kv(req, position, position + 1)
+            self.write_kv(req, position, position + 1)
 
     def _tokens(self, req: Any) -> list[int]:
         return (req.origin_input_ids + req.output_ids)[: req.kv_length]
@@ -212,7 +212,8 @@ class Rig:
         rows[..., 3] = marks.to(torch.int32)
         return rows
 
-    def _write_kv(self, req: Any, start: int, end: int) -> None:
+    def write_kv(self, req: Any, start: int, end: int) -> None:
+        """Write the KV rows of positions ``[start, end)`` of ``req`` into its slots (what a forward pass does)."""
         if end <= start:
             return
         rows = self.expected_rows(req, start, end).to(self.stacked.device)  # [n, parts, layers, 4]
@@ -330,3 +331,34 @@ def make_rig(
         copy_stream,
         manager_kwargs,
     )
+
+
+STORED_PROMPT = list(range(1, 10))  # 9 tokens: 4 whole pages of 2 (a lookup asks all but the last token)
+
+
+def make_stored_rig(**kwargs: Any) -> Rig:
+    """A rig (page 2, the manager stores prompts) whose store holds request 'a''s 4 prompt pages
+    (:data:`STORED_PROMPT`); the ``stored_rig`` fixture of tests/offload/conftest.py is one."""
+    rig = make_rig(page_size=2, store_prompt=True, **kwargs)
+    a = rig.new_request("a", STORED_PROMPT, 4)
+    rig.manager.offload(a)
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    a.done = True
+    rig.manager.finish(a)
+    rig.copy_stream.complete_all()
+    rig.manager.drain()
+    assert rig.manager.metrics.pages_stored == 4 and rig.host_pool.used == 0
+    return rig
+
+
+def prefetched(rig: Rig, rid: str = "b") -> tuple[SimpleRequest, Any]:
+    """A request with :data:`STORED_PROMPT` whose prefetch of the 4 stored pages (of
+    :func:`make_stored_rig`) has finished, and 12 slots."""
+    req = SimpleRequest(rid, STORED_PROMPT)
+    handle = rig.manager.prefetch(req, policy="wait_complete")
+    handle.wait()
+    rig.manager.poll()
+    assert handle.pages_ready == 4
+    rig.slots.assign(req, 12)
+    return req, handle

@@ -152,17 +152,6 @@ def test_dry_run_runs_every_probe_and_the_benchmark(dry_run, probes):
 # -- the probes' teeth -------------------------------------------------------------------------
 
 
-def test_ptx_counter_counts_row_accesses_and_their_width(probes):
-    ptx = """
-        ld.global.b64 %rd7, [%rd8];
-        ld.global.L1::evict_first.v2.b64 {%rd1, %rd2}, [%rd3];
-        ld.global.L1::evict_first.b64 %rd4, [%rd5];
-        st.global.v4.b32 [%rd6], {%r1, %r2, %r3, %r4};
-        st.global.b16 [%rd9], %rs1;
-    """
-    assert probes.count_row_accesses(ptx) == dict(loads=2, wide_loads=1, stores=2, wide_stores=1)
-
-
 def test_the_matrix_sees_a_copy_that_writes_nothing(probes, monkeypatch):
     ctx = probes.Ctx(torch.device("cpu"), True, Path("."))
     probe = probes.Probe("pinned_matrix")
@@ -259,30 +248,6 @@ def test_the_skip_takes_only_the_interpreter_refusal_off_cuda(harness):
 def test_without_cuda_the_interpreter_runs_and_nothing_is_skipped(harness, monkeypatch):
     monkeypatch.setattr(harness, "CPU_TRITON_OFF", False)
     assert not harness.needs_cpu_interpreter(item("cpu"), BackendUnavailableError(INTERPRETER_ERROR))
-
-
-def test_the_ptx_probe_reads_the_compiled_kernel_of_each_real_launch(probes, monkeypatch):
-    """The native path of the PTX probe (a launch returns the compiled kernel, its PTX is read),
-    with a stand-in kernel: one PTX whose row accesses are 16 bytes, then one where a store is not."""
-    from kvstage.kernels import triton_copy
-
-    wide = "ld.global.L1::evict_first.v2.b64 {%rd1, %rd2}, [%rd3];\nst.global.v2.b64 [%rd4], {%rd1, %rd2};"
-    ptx = {"text": wide}
-    launches = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(grid) or SimpleNamespace(asm={"ptx": ptx["text"]})
-
-    monkeypatch.setattr(triton_copy, "_kv_rows_copy_kernel", Kernel())
-    ctx = probes.Ctx(torch.device("cpu"), True, Path("."))
-    if ctx.backend != "triton":
-        pytest.skip("Triton does not run here")
-    probe = probes.probe_ptx(ctx)
-    assert probe.ok and len(probe.data["counts"]) == 4 and len(launches) == 4, probe.checks
-    assert isinstance(triton_copy._kv_rows_copy_kernel, Kernel)  # the spy put the kernel back
-    ptx["text"] = wide + "\nst.global.b16 [%rd9], %rs1;"
-    assert not probes.probe_ptx(ctx).ok
 
 
 def test_without_cuda_the_script_stops_after_setup_with_exit_3_and_says_why(tmp_path):

@@ -341,3 +341,40 @@ class ConnectorRig:
     def close(self) -> None:
         self.worker.shutdown()
         self.scheduler.connector.shutdown()
+
+
+def expected_block(rig: ConnectorRig, prompt: list[int], block_index: int) -> list[Any]:
+    """Each layer's block ``block_index`` (a float16 tensor [2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE])
+    as the rig's stand-in model writes it for ``prompt``."""
+    import torch
+
+    blocks = []
+    for layer in range(len(rig.LAYERS)):
+        block = torch.empty(2, rig.BLOCK_SIZE, rig.NUM_KV_HEADS, rig.HEAD_SIZE, dtype=torch.float16)
+        for offset in range(rig.BLOCK_SIZE):
+            position = block_index * rig.BLOCK_SIZE + offset
+            block[:, offset] = rig.kv_value(prompt[position], position, layer)
+        blocks.append(block)
+    return blocks
+
+
+def run_to_prompt_end(rig: ConnectorRig, request_id: str, prompt: list[int], max_tokens: int = 50) -> int:
+    """Add a request and step until its prompt is computed; the prompt tokens vLLM scheduled."""
+    request = rig.add_request(request_id, prompt, max_tokens=max_tokens)
+    scheduled = 0
+    for _ in range(200):
+        scheduled += rig.step().num_scheduled_tokens.get(request_id, 0)
+        if request.num_computed_tokens >= len(prompt):
+            return scheduled
+    raise AssertionError(f"{request_id}'s prompt not computed after 200 steps")
+
+
+def assert_blocks_hold(rig: ConnectorRig, request_id: str, prompt: list[int], count: int) -> None:
+    """The first ``count`` blocks of ``request_id`` hold what the stand-in model writes for ``prompt``."""
+    import torch
+
+    blocks = rig.block_ids(request_id)
+    assert len(blocks) >= count, (request_id, len(blocks), count)
+    for index in range(count):
+        for name, block in zip(rig.LAYERS, expected_block(rig, prompt, index)):
+            assert torch.equal(rig.kv[name][blocks[index]], block), (index, name)

@@ -7,12 +7,15 @@ Public API:
     cache_layout, CacheLayout: a model's KV layout from its config (and the refusal of models
         kvstage cannot store: sliding-window, chunked, indexed, Mamba / linear-attention,
         hybrid, shared-KV layers).
+    model_layout, model_layout_of_config: a (hybrid) model's :class:`~kvstage.model_layout.ModelLayout`
+        read from the cache a short prefill fills (the store and load of hybrid models are next).
 
-Modules: ``layout`` (config -> layout), ``session`` (``KVStageSession``). Importing this
+Modules: ``layout`` (config -> layout), ``model_layout`` (cache -> ModelLayout), ``session`` (``KVStageSession``). Importing this
 package does not import transformers; building a session does.
 """
 
 from kvstage.integrations.transformers.layout import CacheLayout, cache_layout
+from kvstage.integrations.transformers.model_layout import model_layout, model_layout_of_config
 from kvstage.integrations.transformers.session import KVStageSession
 
-__all__ = ["CacheLayout", "KVStageSession", "cache_layout"]
+__all__ = ["CacheLayout", "KVStageSession", "cache_layout", "model_layout", "model_layout_of_config"]

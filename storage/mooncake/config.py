@@ -2,7 +2,8 @@
 
 Field names follow Mooncake's docs and JSON config: ``master_server_address``,
 ``metadata_server``, ``local_hostname``, ``protocol``, ``device_name``, ``global_segment_size``,
-``local_buffer_size``.
+``local_buffer_size``; ``admin_address`` and ``watch_s`` are kvstage's (the master's admin
+HTTP server, for announcing other clients' pages).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ _URL_ALIASES = {
     "buffer": "local_buffer_size",
     "device": "device_name",
     "bounce": "bounce_bytes",
+    "admin": "admin_address",
+    "watch": "watch_s",
 }
 # What a mooncake:// URL's query may name, as the README teaches it (short names first).
 URL_QUERY_NAMES = (
@@ -77,6 +80,13 @@ class MooncakeConfig:
             RPC to the master may take (Mooncake's default is 30 s). Process-wide.
         setup_retries: when set, exported as ``MC_STORE_CLIENT_SETUP_RETRIES`` (Mooncake's
             default 20, about 4.5 s each when the master does not answer). Process-wide.
+        admin_address: ``host:port`` of the master's admin HTTP server (its ``-metrics_host`` and
+            ``-metrics_port``, 9003 by default), or None. Set, ``clear`` lists the key space
+            there first (``GET /get_all_keys``) and announces every page it removes, other
+            clients' included; None: only the pages this client stored.
+        watch_s: seconds between listings of the key space on the admin server by a background
+            thread that announces pages which vanished (the master evicted them) as
+            ``evicted``, other clients' included; None: no watcher. Needs ``admin_address``.
     """
 
     master_server_address: str
@@ -90,6 +100,8 @@ class MooncakeConfig:
     connect_timeout_s: float = 2.0
     rpc_timeout_ms: int | None = None
     setup_retries: int | None = None
+    admin_address: str | None = None
+    watch_s: float | None = None
 
     def __post_init__(self) -> None:
         host, port = split_host_port(self.master_server_address, "master_server_address")
@@ -111,6 +123,19 @@ class MooncakeConfig:
                 if value < 1:
                     raise InvalidArgumentError(f"{name}: must be a positive int, got {value}")
                 object.__setattr__(self, name, value)
+        if self.admin_address is not None:
+            host, port = split_host_port(self.admin_address, "admin_address")
+            object.__setattr__(self, "admin_address", f"{host}:{port}")
+        if self.watch_s is not None:
+            try:
+                watch = float(self.watch_s)
+            except (TypeError, ValueError):
+                watch = float("nan")
+            if not watch > 0:
+                raise InvalidArgumentError(f"watch_s: must be positive seconds, got {self.watch_s!r}")
+            if self.admin_address is None:
+                raise InvalidArgumentError("watch_s: needs admin_address (the master's admin HTTP server, host:port)")
+            object.__setattr__(self, "watch_s", watch)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "MooncakeConfig":
@@ -129,8 +154,9 @@ class MooncakeConfig:
             kwargs[name] = value
         if "master_server_address" not in kwargs:
             raise InvalidArgumentError("master_server_address: required (host:port of mooncake_master)")
-        if kwargs.get("local_hostname") == "":
-            kwargs["local_hostname"] = None
+        for name in ("local_hostname", "admin_address", "watch_s"):
+            if kwargs.get(name) == "":
+                kwargs[name] = None
         return cls(**kwargs)
 
 
@@ -138,7 +164,7 @@ def parse_mooncake_url(url: str) -> MooncakeConfig:
     """Parse ``mooncake://MASTER_HOST:PORT?metadata=...&protocol=tcp&segment=1GiB&buffer=64MiB``.
 
     Query names (:data:`URL_QUERY_NAMES`): the short ``metadata``, ``segment``, ``buffer``,
-    ``device``, ``bounce``, and ``protocol``, ``local_hostname``, ``connect_timeout_s``,
+    ``device``, ``bounce``, ``admin``, ``watch``, and ``protocol``, ``local_hostname``, ``connect_timeout_s``,
     ``rpc_timeout_ms``, ``setup_retries``; the :class:`MooncakeConfig` field names of the short
     ones are accepted too. Sizes take the syntax of every storage URL
     (:mod:`kvstage.storage.sizes`). Values are percent-decoded, so a metadata URL may be given

@@ -32,17 +32,22 @@ Failure causes: ``put``'s answer (:class:`kvstage.storage.PutStatuses`) carries 
 failed page's cause: a :class:`MooncakeCodeError` (``.code``), the exception a binding call
 raised, or a :class:`kvstage.errors.StorageError` when the master was unreachable.
 
-``clear`` removes every object whose key starts with this store's prefix with the client's
-``remove_by_regex(..., force=True)`` (force: an object read within its lease is removed too),
-so pages of this key space that other clients stored go as well, and other key spaces stay.
+``clear`` removes every object whose key starts with this store's prefix, so pages of this key
+space that other clients stored go as well, and other key spaces stay: by name
+(``batch_remove(..., force=True)``) the keys the master's admin server listed, with
+``admin_address``; else with ``remove_by_regex(..., force=True)`` (force: an object read within
+its lease is removed too).
 
-Store events (tier ``"mooncake"``), what a client can see: ``stored`` for each page this client
-stored; ``removed`` for each page of this client that ``clear`` removed; ``evicted`` for a page
-this client stored that a later ``exists``, ``get`` or ``clear`` found gone (the master evicted
-it; it tells no client when). Not seen: pages other clients stored or that the master evicted
-and nobody asked for since; ``clear`` counts the other clients' pages it removed but has no key
-to report them by. The client remembers the keys it stored, at most ``KNOWN_KEYS_LIMIT`` (the
-oldest are forgotten first; their eviction then goes unreported).
+Store events (tier ``"mooncake"``): ``stored`` for each page this client stored; ``removed`` for
+each page ``clear`` removed: with ``admin_address`` (the master's admin HTTP server,
+:mod:`kvstage.storage.mooncake.admin`) every one, other clients' included (it removes them by
+name), else only this client's; ``evicted`` for a page this client stored that
+a later ``exists``, ``get`` or ``clear`` found gone (the master evicted it; it tells no client
+when), and with ``watch_s`` for any page of the key space, other clients' included, that one
+listing showed and the next did not (a page stored and evicted between two listings goes
+unseen; one another client's ``clear`` removed also reads as evicted here). Each disappearance
+is announced once per client. The client remembers the keys it stored, at most
+``KNOWN_KEYS_LIMIT`` (the oldest are forgotten first; their eviction then goes unreported).
 
 Configuration: :mod:`kvstage.storage.mooncake.config`; return codes:
 :mod:`kvstage.storage.mooncake.status`.
@@ -72,6 +77,7 @@ from kvstage.errors import BackendUnavailableError, InvalidArgumentError, Storag
 from kvstage.storage.backend import PutStatus, PutStatuses, StorageBackend
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint
+from kvstage.storage.mooncake.admin import PeriodicThread, list_keys
 from kvstage.storage.mooncake.config import MooncakeConfig, parse_mooncake_url, split_host_port
 from kvstage.storage.mooncake.gate import BufferPool, ClearGate
 from kvstage.storage.mooncake.status import (
@@ -183,7 +189,9 @@ class MooncakeStore(StorageBackend):
     RPC_FAIL at once (later calls would each wait about 4 s on Mooncake's reconnect, so after
     a call that reached no master, operations first check the master's port and fail at once
     while it refuses connections: see ``calls_skipped``); a hung master answers RPC_TIMEOUT
-    after ``rpc_timeout_ms`` (30 s by default).
+    after ``rpc_timeout_ms`` (30 s by default). With ``watch_s`` a daemon thread lists the key
+    space on the admin server every ``watch_s`` seconds (holding the gate shared, so a ``clear``
+    waits for a listing in progress); ``close`` stops it.
     """
 
     tier = "mooncake"
@@ -221,6 +229,10 @@ class MooncakeStore(StorageBackend):
         self._master_suspect = False
         self._last_skip_log = 0.0
         self._known: dict[str, None] = {}  # full keys this client stored, oldest first (an ordered set)
+        self._seen: set[str] = set()  # full keys of this key space the watcher's last listing showed
+        self.watch_rounds = 0  # listings the watcher compared (for tests and logs)
+        self._watch_failing = False  # the watcher's last listing failed (logged once)
+        self._watcher: PeriodicThread | None = None
 
         store_class = _import_mooncake_store()
         host, port = split_host_port(config.master_server_address, "master_server_address")
@@ -264,6 +276,8 @@ class MooncakeStore(StorageBackend):
             config.global_segment_size,
             config.local_buffer_size,
         )
+        if config.watch_s is not None:
+            self._watcher = PeriodicThread(config.watch_s, self._watch_once, "kvstage-mooncake-watch").start()
 
     # -- registration ----------------------------------------------------------------------
 
@@ -528,7 +542,14 @@ class MooncakeStore(StorageBackend):
         return failures
 
     def _clear(self) -> int:
-        """Remove every object under this store's prefix (``remove_by_regex``, forced).
+        """Remove every object under this store's prefix.
+
+        With ``admin_address``: the keys listed on the master's admin server (and those this
+        client stored) are removed by name (``batch_remove``, forced), so each removed page is
+        announced, whoever stored it; a page another client puts after the listing lands after
+        the clear. Without one, or when the listing fails: ``remove_by_regex`` on the prefix
+        (forced), announcing only this client's pages. Forced: an object read within its lease
+        is removed too.
 
         Holds the store alone (its gate): puts, gets and lookups in flight finish first, and
         those that arrive wait until it is done.
@@ -539,20 +560,86 @@ class MooncakeStore(StorageBackend):
         """
         with self._gate.exclusive():
             store = self._require_open()
+            listed = self._list_key_space() if self.config.admin_address else None
             with self._lock:
                 known = list(self._known)
             present = self._call("batch_is_exist", len(known), store.batch_is_exist, known) if known else []
-            try:
-                removed = store.remove_by_regex("^" + _regex_literal(self.prefix), True)
-            except Exception as error:  # the binding raises on a broken client
-                raise StorageError(f"mooncake: remove_by_regex raised {error.__class__.__name__}: {error}") from error
-            if removed < 0:
-                raise MooncakeCodeError("remove_by_regex", removed)
+            if listed is None:
+                removed = self._remove_by_regex(store)
+                with self._lock:
+                    self._known.clear()
+                    self._seen.clear()  # all gone: the watcher must not announce them again
+                    self._record("evicted", [key for key, code in zip(known, present) if code == 0])
+                    self._record("removed", [key for key, code in zip(known, present) if code == 1])
+                return removed
+            names = list(dict.fromkeys(listed + [key for key, code in zip(known, present) if code == 1]))
+            codes = self._call("batch_remove", len(names), store.batch_remove, names, True) if names else []
+            if codes and all(code in MASTER_DOWN_CODES for code in codes):
+                raise MooncakeCodeError("batch_remove", codes[0])
+            gone = [key for key, code in zip(known, present) if code == 0]
+            gone += [key for key, code in zip(names, codes) if code == OBJECT_NOT_FOUND]  # evicted meanwhile
+            failed = [code for code in codes if code not in (0, OBJECT_NOT_FOUND)]
+            swept = self._remove_by_regex(store) if failed else 0  # what batch_remove left, unnamed
+            named = [key for key, code in zip(names, codes) if code == 0]
             with self._lock:
-                self._known.clear()
-                self._record("evicted", [key for key, code in zip(known, present) if code == 0])
-                self._record("removed", [key for key, code in zip(known, present) if code == 1])
+                for key in named:
+                    self._known.pop(key, None)
+                    self._seen.discard(key)
+                self._note_gone(gone)
+                self._record("removed", named)
+        if failed:
+            self._log_failures("clear's batch_remove", names, failed)
+            logger.warning("mooncake: clear swept %d more pages by regex, unnamed in its events", swept)
+        return len(named) + swept
+
+    def _remove_by_regex(self, store: Any) -> int:
+        """``remove_by_regex`` (forced) of every key under this store's prefix; how many went.
+
+        Raises:
+            StorageError: the binding raised, or Mooncake answered an error code.
+        """
+        try:
+            removed = store.remove_by_regex("^" + _regex_literal(self.prefix), True)
+        except Exception as error:  # the binding raises on a broken client
+            raise StorageError(f"mooncake: remove_by_regex raised {error.__class__.__name__}: {error}") from error
+        if removed < 0:
+            raise MooncakeCodeError("remove_by_regex", removed)
         return removed
+
+    def _list_key_space(self) -> list[str] | None:
+        """Full keys of this key space on the master's admin server, for ``clear``; None
+        (logged) when it does not answer. Not under ``self._lock``."""
+        try:
+            return list_keys(self.config.admin_address, self.prefix)
+        except StorageError as error:
+            logger.warning("mooncake: clear: %s; announcing only this client's pages", error)
+            return None
+
+    def _watch_once(self) -> None:
+        """One watcher round: list the key space and announce as ``evicted`` the keys of the
+        last listing that are gone. Holds the gate shared, so no ``clear`` of this client
+        runs between the listing and the comparison."""
+        with self._gate.shared():
+            if self._store is None:
+                return
+            try:
+                listed = list_keys(self.config.admin_address, self.prefix)
+            except StorageError as error:
+                if not self._watch_failing:  # once per outage, not once per round
+                    logger.warning("mooncake: watch: %s; evictions are announced once it answers again", error)
+                self._watch_failing = True
+                return
+            if self._watch_failing:
+                logger.info("mooncake: watch: the admin server %s answers again", self.config.admin_address)
+                self._watch_failing = False
+            now = set(listed)
+            with self._lock:
+                gone = sorted(self._seen - now)
+                self._seen = now
+                for key in gone:
+                    self._known.pop(key, None)  # announced here: not again when this client asks
+                self._record("evicted", gone)
+                self.watch_rounds += 1
 
     def close(self) -> None:
         """Unregister every buffer this store registered (the bounce buffers too) and close
@@ -561,6 +648,8 @@ class MooncakeStore(StorageBackend):
         Idempotent. With the master gone this still returns (Mooncake gives up after its RPC
         timeouts, a few seconds); failures are logged, not raised.
         """
+        if self._watcher is not None:
+            self._watcher.stop()  # before the gate: a round waiting for it would never end
         with self._gate.exclusive():
             with self._lock:
                 store, self._store = self._store, None
@@ -588,9 +677,14 @@ class MooncakeStore(StorageBackend):
             del known[next(iter(known))]
 
     def _note_gone(self, full_keys: list[str]) -> None:
-        """Keys Mooncake answered absent: those this client stored were evicted by the master
-        (an ``evicted`` event each, once). Under ``self._lock``."""
-        gone = [key for key in full_keys if self._known.pop(key, 0) is None]
+        """Keys Mooncake answered absent: those this client stored or its watcher saw listed
+        were evicted by the master (an ``evicted`` event each, once). Under ``self._lock``."""
+        gone = []
+        for key in full_keys:
+            stored = self._known.pop(key, 0) is None
+            if stored or key in self._seen:
+                self._seen.discard(key)  # announced here: not again by the watcher
+                gone.append(key)
         self._record("evicted", gone)
 
     def _call(

@@ -10,6 +10,7 @@ import pytest
 from kvstage.hashing import SCHEMES, get_scheme, schemes
 
 
+# Private: the same check the schemes make, so this test skips where they take the Python chains.
 @pytest.mark.skipif(not os.environ.get("CI"), reason="only CI requires the optional extensions to be built")
 @pytest.mark.skipif(schemes._pure_python_forced(), reason=f"{schemes.PURE_PYTHON_ENV} forces the Python chains")
 @pytest.mark.parametrize("name", SCHEMES)

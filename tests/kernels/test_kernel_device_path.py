@@ -95,6 +95,7 @@ def case():
 @pytest.mark.parametrize("op", ["gather", "scatter", "scatter-layer-2"])
 def test_no_device_index_is_read_on_the_host(device_indices, monkeypatch, backend, op):
     pool, slot_indices, host_page_ids = case()
+    # The kernel is private: spied on to see its launch arguments.
     spy = SpyKernel(triton_copy._kv_rows_copy_kernel)
     monkeypatch.setattr(triton_copy, "_kv_rows_copy_kernel", spy)
     staging = make_staging(pool, 5, 2, "page_first")
@@ -198,6 +199,7 @@ def test_every_copy_runs_under_the_pools_device(device, monkeypatch, backend, op
 
 
 def test_device_guard_selects_the_pools_cuda_device_and_nothing_on_cpu():
+    # The guard is private: checked alone since no CPU copy can show which device it selects.
     guard = transfer._device_guard(torch.device("cuda", 1))  # built without touching CUDA
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
     assert isinstance(transfer._device_guard(torch.device("cpu")), contextlib.nullcontext)

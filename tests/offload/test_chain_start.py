@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from offload_rig import make_rig, settle
+from kvstage.offload.testing import SimpleRequest
+
+from offload_rig import STORED_PROMPT, make_rig, settle
 
 PAGE = 4
 
@@ -76,3 +78,20 @@ def test_a_prompt_of_whole_pages_hashes_its_last_page_which_the_lookup_left_out(
     decode_and_finish(rig, req, 9)
     assert calls == [12, 16]  # the lookup, then the chain's start
     assert rig.missing_pages(req) == []
+
+
+def test_prefetch_with_store_prompt_false_loads_the_prefill_sides_pages_and_the_chain_continues():
+    """A prefetch on a ``store_prompt=False`` manager (a decode side) loads the pages the prefill side
+    stored, and the request's offloaded length starts after them."""
+    rig = make_rig(page_size=2)  # store_prompt=False: the rig's prefill side stores prompts
+    a = rig.new_request("a", STORED_PROMPT, 4)
+    b = SimpleRequest("b", STORED_PROMPT)
+    rig.slots.assign(b, len(STORED_PROMPT) + 4)
+    handle = rig.manager.prefetch(b)
+    assert handle.wait(5.0)
+    assert handle.pages_ready == (len(STORED_PROMPT) - 1) // 2 and rig.manager.is_tracked(b)
+    rig.manager.load(handle, rig.slots(b)[: handle.tokens_ready])
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    assert rig.manager.offloaded_length(b) == len(STORED_PROMPT) // 2 * 2  # the prefill side's pages
+    assert torch.equal(rig.stacked[:, :, rig.slots(b)[:4]], rig.stacked[:, :, rig.slots(a)[:4]])

@@ -10,6 +10,7 @@ import torch
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.offload.testing import SimpleRequest
+from kvstage.storage import LayoutFingerprint
 
 from offload_rig import make_rig, settle
 
@@ -219,7 +220,7 @@ def test_flush_forgets_retracted_progress_so_the_request_stores_again():
     rig.manager.flush()
     assert rig.manager.offloaded_length(req) is None
     rig.slots.assign(req, 28)
-    rig._write_kv(req, 0, 8)
+    rig.write_kv(req, 0, 8)
     assert rig.manager.offload(req)
     settle_loads(rig)
     assert rig.manager.match_prefix(token_ids=list(range(8))).num_pages == 2
@@ -227,7 +228,7 @@ def test_flush_forgets_retracted_progress_so_the_request_stores_again():
 
 def test_flush_empties_a_file_store_and_the_same_prompt_then_misses(tmp_path):
     from kvstage.kv_layout import KVLayout
-    from kvstage.storage import FileStore, LayoutFingerprint
+    from kvstage.storage import FileStore
 
     store = FileStore(LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), PAGE), tmp_path)
     rig = make_rig(page_size=PAGE, store_prompt=True, storage=store)
@@ -237,3 +238,41 @@ def test_flush_empties_a_file_store_and_the_same_prompt_then_misses(tmp_path):
     assert rig.manager.match_prefix(token_ids=list(range(20))).num_pages == 0
     reopened = FileStore(LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), PAGE), tmp_path)
     assert reopened.exists(rig.hasher.prefill_keys(list(range(20)))) == [False] * 5  # gone from disk too
+
+
+def test_a_long_prompt_with_a_small_host_pool_prefetches_what_fits_and_the_chain_continues():
+    """A 41-token prompt (20 stored pages) with a host pool of 4 pages: the prefetch reads the 4 that
+    fit (16 counted truncated), and the request's chain continues, deduplicating the stored pages."""
+    rig = make_rig(page_size=2, store_prompt=True, num_host_pages=4)
+    a = rig.new_request("a", list(range(1, 42)), 4)
+    a_slots = rig.slots(a)[:8].clone()  # freed at a's release
+    a_kv = rig.stacked[:, :, a_slots].clone()
+    for _ in range(10):
+        rig.manager.offload(a)
+        rig.copy_stream.complete_all()
+        rig.manager.poll()
+    a.done = True
+    rig.manager.finish(a)
+    rig.copy_stream.complete_all()
+    rig.manager.drain()
+    assert rig.manager.metrics.pages_stored == 20
+    b = SimpleRequest("b", list(range(1, 42)))
+    handle = rig.manager.prefetch(b, policy="wait_complete")
+    handle.wait()
+    # the lookup wants 20, the host pool holds 4: 4 read, 16 counted truncated (issue 17)
+    assert (handle.pages_wanted, handle.num_host_pages, handle.pages_ready) == (20, 4, 4)
+    rig.slots.assign(b, 45)
+    rig.manager.load(handle, rig.slots(b)[:8])
+    rig.copy_stream.complete_all()
+    assert torch.equal(rig.stacked[:, :, rig.slots(b)[:8]], a_kv)
+    rig.write_kv(b, 8, 41)
+    b.output_ids.append(5)
+    for _ in range(10):
+        rig.manager.offload(b)
+        rig.copy_stream.complete_all()
+        rig.manager.poll()
+    b.done = True
+    rig.manager.finish(b)
+    rig.manager.drain()
+    m = rig.manager.metrics
+    assert (m.pages_stored, m.pages_deduplicated, m.pages_failed, m.host_pages_used) == (20, 16, 0, 0)

@@ -29,7 +29,7 @@ def prefilling(rig, rid, prompt, computed, max_new_tokens=8):
     req = SimpleRequest(rid, list(prompt))
     rig.slots.assign(req, len(req.origin_input_ids) + max_new_tokens)
     rig.stacked[:, :, rig.slots(req)] = -1
-    rig._write_kv(req, 0, computed)
+    rig.write_kv(req, 0, computed)
     return req
 
 
@@ -55,12 +55,12 @@ def test_chunked_prefill_stores_only_pages_whose_every_slot_has_kv_chunk_by_chun
     assert rig.manager.offload(req, kv_length=16)
     settle_copies(rig)
     stored_pages_equal(rig, req, 4)
-    rig._write_kv(req, 16, 30)  # a chunk that ends mid-page: page 7 is not whole yet
+    rig.write_kv(req, 16, 30)  # a chunk that ends mid-page: page 7 is not whole yet
     assert rig.manager.offload(req, kv_length=30)
     settle_copies(rig)
     stored_pages_equal(rig, req, 7)
     assert rig.manager.offload(req, kv_length=30) is False  # nothing new
-    rig._write_kv(req, 30, 40)
+    rig.write_kv(req, 30, 40)
     req.output_ids.append(7)  # prefill done, first token sampled: the default kv_length is 40
     assert rig.manager.offload(req)
     settle_copies(rig)
@@ -386,3 +386,62 @@ def test_on_storage_failure_gets_the_error_a_store_answer_carries():
     settle(rig)
     [(who, keys, error)] = reports
     assert who is req and len(keys) == 2 and isinstance(error, OSError) and error.errno == errno.EROFS
+
+
+def test_a_backlog_larger_than_the_free_host_pages_is_offloaded_in_the_strides_that_fit():
+    """A backlog of 4 pages with 2 free host pages is offloaded in the strides that fit. Before,
+    ``offload()`` was all or nothing over the whole backlog, so a request whose backlog outgrew
+    the free host pages never progressed and ``finish()`` dropped all of it."""
+    rig = make_rig(page_size=4, offload_stride=4, num_host_pages=2)
+    req = rig.new_request("r", range(4), 32)
+    for token in range(100, 118):  # 4 + 17 tokens with KV: 4 whole pages after the prompt
+        rig.decode(req, token)
+    assert rig.manager.offload(req)  # 2 of the 4 pages fit
+    assert rig.manager.metrics.pages_launched == 2 and rig.host_pool.free_pages == 0
+    assert not rig.manager.offload(req)  # full: nothing changes
+    assert rig.manager.metrics.pages_launched == 2
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    assert rig.manager.offload(req)  # the other 2 fit now
+    req.done = True
+    assert rig.manager.finish(req)
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    m = rig.manager.metrics
+    assert (m.pages_launched, m.pages_stored, m.pages_dropped, m.releases) == (4, 4, 0, 1)
+    assert rig.host_pool.used == 0
+
+
+def test_finish_with_a_full_host_pool_keeps_the_rest_waiting_until_pages_free():
+    """``finish`` of 5 pages with 3 host pages: 3 launch, 2 wait (the request's slots held) until a
+    ``poll`` frees pages, then all 5 are stored and the request released once."""
+    rig = make_rig(page_size=4, offload_stride=4, num_host_pages=3)
+    req = rig.new_request("r", range(4), 32)
+    for token in range(100, 122):  # 4 + 21 tokens with KV: 5 whole pages after the prompt
+        rig.decode(req, token)
+    req.done = True
+    assert rig.manager.finish(req)  # 3 launched, 2 wait for host pages (its slots stay held)
+    assert rig.manager.metrics.pages_launched == 3 and rig.released == []
+    rig.copy_stream.complete_all()
+    rig.manager.poll()  # frees 3 pages, launches the 2 waiting ones
+    assert rig.manager.metrics.pages_launched == 5 and rig.released == []
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    m = rig.manager.metrics
+    assert (m.pages_launched, m.pages_stored, m.pages_dropped, m.releases) == (5, 5, 0, 1)
+    assert rig.check_stored_pages(req) == (5, 5) and rig.host_pool.used == 0
+
+
+def test_finish_beyond_the_backlog_limit_drops_the_rest():
+    """``finish`` of 5 pages with 3 host pages and ``finish_backlog_pages=1``: the 2 that cannot wait
+    are dropped (counted), the 3 launched are stored."""
+    rig = make_rig(page_size=4, offload_stride=4, num_host_pages=3, finish_backlog_pages=1)
+    req = rig.new_request("r", range(4), 32)
+    for token in range(100, 122):  # 5 whole pages after the prompt; 3 fit, 2 > the limit of 1
+        rig.decode(req, token)
+    req.done = True
+    assert not rig.manager.finish(req)
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    m = rig.manager.metrics
+    assert (m.pages_launched, m.pages_stored, m.pages_dropped, m.releases) == (3, 3, 2, 1)

@@ -1,9 +1,10 @@
-"""HostPool: page-first host buffers, all-or-nothing alloc/free, counters, page views."""
+"""HostPool: page-first host buffers, all-or-nothing alloc/free, counters, page views, argument checks."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.kv_layout import KVLayout
 from kvstage.offload import HostPool
 
-from offload_rig import host_pool
+from offload_rig import host_pool, make_rig
 
 
 def make_pool(num_pages=5, buffer_pages=2, page_size=4, **kw) -> HostPool:
@@ -142,3 +143,45 @@ def test_bad_arguments_name_the_argument(change, error, rule):
 def test_layout_must_be_a_kv_layout():
     with pytest.raises(ArgumentTypeError, match="^layout: must be a KVLayout"):
         HostPool((1, 2, 1, 4, torch.float32), num_pages=2, page_size=2, pin=False)
+
+
+def test_host_pool_free_of_a_numpy_page_id():
+    """``free`` of a page id given as ``np.int64`` (as an engine's numpy bookkeeping hands it) frees it."""
+    pool = HostPool.like(make_rig(page_size=2).kv_pool, num_pages=4, page_size=2, pin=False)
+    ids = pool.alloc(1)
+    pool.free([np.int64(ids[0])])
+    assert pool.used == 0
+
+
+ARGS = dict(num_layers=1, kv_parts=2, num_heads=1, head_dim=4, dtype=torch.float32, num_pages=2, page_size=2, pin=False)
+
+
+@pytest.mark.parametrize(
+    "change, rule",
+    [
+        ({"num_layers": True}, r"^num_layers: must be a positive int"),
+        ({"num_pages": True}, r"^num_pages: must be a positive int"),
+        ({"kv_parts": 2.0}, r"^kv_parts: must be 1 \(MLA\) or 2"),
+        ({"kv_parts": True}, r"^kv_parts: must be 1 \(MLA\) or 2"),
+        ({"buffer_pages": True}, r"^buffer_pages: must be a positive int"),
+    ],
+)
+def test_bools_and_floats_are_not_sizes(change, rule):
+    """Sizes given as ``True`` or ``2.0`` are refused naming the argument (a bool is an int in Python)."""
+    with pytest.raises(InvalidArgumentError, match=rule):
+        host_pool(**{**ARGS, **change})
+
+
+def test_alloc_of_a_bool_is_an_error_and_changes_nothing():
+    """``alloc(True)`` raises naming ``num_pages`` and allocates nothing."""
+    pool = host_pool(**ARGS)
+    with pytest.raises(InvalidArgumentError, match=r"^num_pages: must be a non-negative int, got True"):
+        pool.alloc(True)
+    assert pool.used == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works where CUDA is")
+def test_pin_without_an_accelerator_names_the_argument():
+    """``pin=True`` on a machine without CUDA raises naming ``pin``."""
+    with pytest.raises(InvalidArgumentError, match=r"^pin: "):
+        host_pool(**{**ARGS, "pin": True})

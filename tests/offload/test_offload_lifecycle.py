@@ -34,7 +34,7 @@ def test_a_retracted_request_is_released_and_offloads_again_when_it_runs_again(k
     assert rig.manager.metrics.retractions == 1
     # Under memory pressure its slots were freed; it runs again later: prefill again, decode on.
     rig.slots.assign(req, 22)
-    rig._write_kv(req, 0, req.kv_length)
+    rig.write_kv(req, 0, req.kv_length)
     decode(rig, req, [6, 7])  # kv 6 tokens: page 2 is new
     assert rig.manager.is_tracked(req)
     rig.copy_stream.complete_all()
@@ -119,6 +119,7 @@ def test_a_retracted_request_the_engine_drops_is_forgotten():
     rig.manager.retract(req, keep_offloaded=True)
     rig.copy_stream.complete_all()
     rig.manager.poll()
+    # No public view of the retracted requests' kept progress: it must go with the object.
     assert rig.manager.offloaded_length(req) == 4 and len(rig.manager._retracted) == 1
     del req
     rig.released.clear()

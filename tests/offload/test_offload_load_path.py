@@ -9,11 +9,14 @@ import pytest
 import torch
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError, StorageError
+from kvstage.hashing import PageHasher
+from kvstage.kernels import KVPool
 from kvstage.kv_layout import KVLayout
-from kvstage.offload import CopyStream, ManualCopyStream, StoreWorkers
-from kvstage.storage import LayoutFingerprint
+from kvstage.offload import CopyStream, HostPool, ManualCopyStream, OffloadManager, StoreWorkers
+from kvstage.offload.testing import SimpleRequest, SlotTable
+from kvstage.storage import LayoutFingerprint, MemoryStore, open_storage
 
-from offload_rig import FlakyStore, make_rig
+from offload_rig import FlakyStore, make_rig, make_stored_rig, prefetched
 
 PAGE = 4
 
@@ -107,7 +110,7 @@ def test_the_chain_continues_after_a_load_so_only_new_pages_are_stored():
     rig.manager.load(handle, rig.slots(b)[:24])
     rig.copy_stream.complete_all()
     rig.manager.poll()
-    rig._write_kv(b, 24, len(turn))  # prefill of the rest
+    rig.write_kv(b, 24, len(turn))  # prefill of the rest
     b.output_ids.append(7)
     stored_before = rig.manager.metrics.pages_stored
     b.done = True
@@ -427,3 +430,199 @@ def test_abort_collects_only_its_own_loads_and_launches_nothing_of_other_request
     rig.copy_stream.complete_all()
     rig.manager.drain()
     assert rig.released[-1] is c and rig.host_pool.used == 0
+
+
+def test_load_with_float_slot_indices_changes_nothing(stored_rig):
+    """``load`` with float slot indices raises naming ``slot_indices`` and leaves the handle loadable:
+    the engine's retry with the right tensor loads and the pages are freed."""
+    rig = stored_rig
+    req, handle = prefetched(rig)
+    with pytest.raises(ArgumentTypeError, match=r"^slot_indices"):
+        rig.manager.load(handle, rig.slots(req)[:8].float())
+    assert not handle.loaded and handle.ready_to_load()
+    rig.manager.load(handle, rig.slots(req)[:8])  # the engine retries with the right tensor
+    rig.copy_stream.complete_all()
+    req.done = True
+    rig.manager.finish(req)
+    rig.manager.drain()
+    assert rig.host_pool.used == 0
+
+
+def test_finish_of_a_request_whose_prefetch_was_never_loaded_frees_its_host_pages(stored_rig):
+    """A request whose finished prefetch is never loaded (the engine computes the prompt instead):
+    ``finish`` releases it and frees the prefetch's host pages."""
+    rig = stored_rig
+    req, _ = prefetched(rig)  # the engine decides to compute the prompt instead (e.g. the wait was too long)
+    req.done = True
+    rig.manager.finish(req)
+    rig.manager.drain()
+    assert rig.released[-1] is req
+    assert rig.host_pool.used == 0
+
+
+def test_offload_between_prefetch_and_load_is_refused(stored_rig):
+    """``offload`` of a request between its prefetch and its load: refused (either call may refuse;
+    not both succeed)."""
+    rig = stored_rig
+    req, handle = prefetched(rig)
+    with pytest.raises(InvalidArgumentError):
+        rig.manager.offload(req)  # either call may refuse: the point is that not both succeed
+        rig.manager.load(handle, rig.slots(req)[:8])
+
+
+def test_cancel_of_another_managers_handle_is_refused():
+    """``cancel`` of a handle another manager made is refused naming ``handle``."""
+    one, two = make_stored_rig(), make_stored_rig()
+    req, handle = prefetched(one)
+    with pytest.raises(InvalidArgumentError, match=r"^handle"):
+        two.manager.cancel(handle)
+    one.manager.load(handle, one.slots(req)[:8])
+
+
+def test_a_prefetch_that_raises_leaves_the_request_untracked():
+    """A prefetch of a prompt with a negative token id raises naming the token and the rid, and leaves
+    the request untracked."""
+    rig = make_rig(page_size=2, store_prompt=True)
+    req = SimpleRequest("p", [1, 2, -1, 4, 5])
+    with pytest.raises(InvalidArgumentError, match=r"^origin_input_ids\[2\]: rid='p'"):
+        rig.manager.prefetch(req)
+    assert not rig.manager.is_tracked(req) and rig.manager.requests_live == 0
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_store_then_load_is_byte_exact_for_mla_and_float8(mla, dtype):
+    """MHA and MLA pools of bfloat16, float8_e4m3fn and float8_e5m2: a store then a load gives back the
+    same bytes."""
+    g = torch.Generator().manual_seed(0)
+
+    def buffer(shape):
+        return (
+            torch.randint(0, 120, shape, generator=g, dtype=torch.uint8).view(dtype)
+            if dtype.itemsize == 1
+            else torch.randn(shape, generator=g).to(dtype)
+        )
+
+    pool = (
+        KVPool.mla([buffer((256, 1, 32)) for _ in range(2)])
+        if mla
+        else KVPool.mha([buffer((256, 2, 16)) for _ in range(2)], [buffer((256, 2, 16)) for _ in range(2)])
+    )
+    store = open_storage("memory", LayoutFingerprint.of(pool, page_size=8, model_id="m"))
+    slots = SlotTable(256, generator=torch.Generator().manual_seed(0))
+    manager = OffloadManager(
+        pool, HostPool.like(pool, num_pages=16, page_size=8), store, PageHasher(page_size=8), slots, backend="torch"
+    )
+    a, b = SimpleRequest("a", range(25), [7]), SimpleRequest("b", range(25))
+    slots.assign(a, 26)
+    a.done = True
+    manager.finish(a)
+    manager.drain()
+    handle = manager.prefetch(b, policy="wait_complete")
+    handle.wait()
+    load = manager.load(handle, slots.assign(b, handle.tokens_ready))
+    load.wait()
+    assert load.num_pages == 3 and load.error is None
+    for t in pool.tensors():
+        assert torch.equal(t[slots(a)[:24]].view(torch.uint8), t[slots(b)[:24]].view(torch.uint8))
+    manager.close()
+
+
+def test_abort_during_a_load_releases_within_the_call_with_nothing_in_flight(stored_rig):
+    """``abort`` during a layer-by-layer load releases within the call with nothing in flight; a second
+    ``abort`` and a ``finish`` after it release nothing again."""
+    rig = stored_rig
+    req, handle = prefetched(rig)
+    rig.manager.load(handle, rig.slots(req)[:8], layer_by_layer=True)
+    rig.manager.abort(req)
+    assert rig.released[-1] is req and not rig.copy_stream.pending and rig.host_pool.used == 0
+    rig.manager.abort(req)
+    rig.manager.finish(req)
+    assert sum(r is req for r in rig.released) == 1
+
+
+def test_cancel_twice_then_load_is_refused_and_frees_the_pages(stored_rig):
+    """``cancel`` twice, then ``load`` of the cancelled handle: refused naming ``handle``, its pages freed."""
+    rig = stored_rig
+    req, handle = prefetched(rig)
+    rig.manager.cancel(handle)
+    rig.manager.cancel(handle)
+    with pytest.raises(InvalidArgumentError, match=r"^handle: was cancelled"):
+        rig.manager.load(handle, rig.slots(req)[:8])
+    rig.manager.poll()
+    assert rig.host_pool.used == 0
+
+
+def test_loading_more_pages_than_ready_or_another_managers_handle_is_refused():
+    """``load`` of more slots than the ready pages, or of another manager's handle: each refused naming
+    the argument; the right load still works."""
+    one, two = make_stored_rig(), make_stored_rig()
+    req, handle = prefetched(one)
+    with pytest.raises(InvalidArgumentError, match=r"^slot_indices: must be a 1-D tensor of at most 4 ready pages"):
+        one.manager.load(handle, one.slots(req)[:10])
+    two.slots.assign(req, 12)
+    with pytest.raises(InvalidArgumentError, match=r"^handle: .*not this manager's"):
+        two.manager.load(handle, two.slots(req)[:8])
+    assert one.manager.load(handle, one.slots(req)[:8]).num_pages == 4
+
+
+@pytest.mark.parametrize("layer_by_layer", [True, False])
+def test_wait_layer_on_a_load_of_no_pages_returns(layer_by_layer):
+    """A prefetch whose lookup missed, loaded with zero pages: ``wait_layer`` of every layer returns
+    (found integrating a real model)."""
+    page_size = 4
+    kv_pool = KVPool.mha([torch.zeros(64, 2, 8) for _ in range(2)], [torch.zeros(64, 2, 8) for _ in range(2)])
+    host_pool = HostPool.like(kv_pool, num_pages=8, page_size=page_size)
+    storage = open_storage("memory", LayoutFingerprint.of(kv_pool, page_size=page_size, model_id="m"))
+    slots = SlotTable(64)
+    manager = OffloadManager(kv_pool, host_pool, storage, PageHasher(page_size=page_size), slots, backend="torch")
+    req = SimpleRequest("b", list(range(18)))  # nothing stored: the lookup misses
+    handle = manager.prefetch(req, policy="wait_complete")
+    handle.wait()
+    manager.poll()
+    assert handle.ready_to_load() and handle.pages_ready == 0
+    load = manager.load(handle, slots.assign(req, handle.tokens_ready), layer_by_layer=layer_by_layer)
+    assert load.num_pages == 0 and load.done()
+    try:
+        for layer in range(kv_pool.num_layers):  # what the forward pass does before each layer's attention
+            load.wait_layer(layer)
+    finally:
+        manager.abort(req)
+        manager.close()
+
+
+class UnreadableStore(MemoryStore):
+    """A memory store whose ``get`` misses one key it holds (a page that ``exists`` but cannot be
+    read: a file store's corrupted file)."""
+
+    unreadable = ""
+
+    def _get(self, full_keys, into):
+        hits = super()._get(full_keys, into)
+        return [hit and key != self.prefix + self.unreadable for key, hit in zip(full_keys, hits)]
+
+
+def test_a_loaded_prefetch_whose_read_stopped_at_an_unreadable_page_counts_as_a_prefetch_failure():
+    """A lookup of 4 pages whose read stops at an unreadable third page (a file store's corrupted
+    file), loaded with the 2 ready: ``metrics.prefetch_failures`` counts it (found by the replay)."""
+    kv_pool = KVPool.mha([torch.zeros(32, 1, 8, dtype=torch.float16)], [torch.zeros(32, 1, 8, dtype=torch.float16)])
+    host_pool = HostPool.like(kv_pool, num_pages=8, page_size=PAGE)
+    storage = UnreadableStore(LayoutFingerprint.of(kv_pool, page_size=PAGE, model_id="findings"), capacity_pages=8)
+    hasher = PageHasher("sglang-v1", PAGE)
+    tokens = list(range(1, 18))  # 4 whole pages looked up (the last token is left out)
+    keys = hasher.prefill_keys(tokens[:16])
+    storage.put(keys, [host_pool.page(page) for page in range(4)])
+    storage.unreadable = keys[2]
+    manager = OffloadManager(kv_pool, host_pool, storage, hasher, lambda req: torch.arange(32), backend="torch")
+    try:
+        handle = manager.prefetch(SimpleRequest("r", tokens), policy="wait_complete")
+        assert handle.wait(10.0)
+        assert (handle.pages_hit, handle.pages_ready) == (4, 2)  # the read stopped before the lookup's end
+        manager.load(handle, torch.arange(2 * PAGE))
+        manager.poll()
+        metrics = manager.metrics
+        assert (metrics.prefetches, metrics.pages_hit, metrics.pages_prefetched) == (1, 4, 2)
+        # OffloadMetrics.prefetch_failures: "reads that raised or hit a hole before the lookup's end".
+        assert metrics.prefetch_failures == 1
+    finally:
+        manager.close()

@@ -88,7 +88,7 @@ def test_loading_one_page_more_than_ready_while_the_read_runs_writes_nothing_pas
 
     # The engine prefills the rest of the prompt: b's pages after the loaded ones are b's own
     # KV under the prefill chain (page 16 onward deduplicates against a's equal pages).
-    rig._write_kv(b, 16 * PAGE, len(PROMPT))
+    rig.write_kv(b, 16 * PAGE, len(PROMPT))
     rig.decode(b, 100)
     b.done = True
     manager.finish(b)

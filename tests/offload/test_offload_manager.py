@@ -17,7 +17,7 @@ from kvstage.offload import CopyStream, HostPool, OffloadManager, OffloadRequest
 from kvstage.offload.testing import SimpleRequest
 from kvstage.storage import LayoutFingerprint, MemoryStore
 
-from offload_rig import FlakyStore, make_rig
+from offload_rig import STORED_PROMPT, FlakyStore, make_rig
 
 NAMESPACES = [
     pytest.param({}, id="no-namespace"),
@@ -458,6 +458,7 @@ def test_triton_backend_copies_the_same_pages(device):
     for token in range(10, 17):
         rig.decode(req, token)
     assert rig.manager.offload(req)  # kv 9 tokens: pages 1..3 in one segment over two chunks
+    # The launched copy's host pages: no public view of a copy in flight.
     assert len(rig.host_pool.locate(rig.manager.copier._copies[0].host_page_ids)) == 2
     rig.manager.finish(req)
     rig.manager.drain()
@@ -568,3 +569,140 @@ def test_live_counters_equal_the_metrics_snapshot():
     decode_steps(rig, req, [3, 4, 5, 6, 7], poll=False)  # two copies
     m = rig.manager.metrics
     assert (rig.manager.requests_live, rig.manager.copies_in_flight) == (m.requests_live, m.copies_in_flight) == (1, 2)
+
+
+def test_offload_after_close_is_a_clear_error():
+    """``offload`` after ``close`` raises naming close, launching nothing."""
+    rig = make_rig(page_size=2, store_prompt=True, copy_stream=CopyStream("cpu"), store_workers=None)
+    rig.manager.close()
+    req = rig.new_request("a", STORED_PROMPT, 4)
+    try:
+        with pytest.raises(InvalidArgumentError, match="close"):
+            rig.manager.offload(req)
+    finally:
+        rig.copy_stream.close()
+    assert rig.manager.metrics.pages_launched == 0
+
+
+@pytest.mark.parametrize("kind", ["strided", "offset", "int32"])
+def test_slot_views_from_slot_indices_of_store_the_right_bytes(kind):
+    """``slot_indices_of`` answering a strided view, a view at an offset, or int32: the stored pages
+    hold the right tokens' bytes."""
+    rig = make_rig(page_size=4, store_prompt=True, slot_generator=torch.Generator().manual_seed(1))
+    req = rig.new_request("a", list(range(1, 18)), 8)
+    row = rig.slots(req)
+    if kind == "strided":
+        view = torch.stack([torch.zeros_like(row), row, torch.zeros_like(row)], 1)[:, 1]
+        assert not view.is_contiguous()
+    elif kind == "offset":
+        view = torch.cat([torch.tensor([999, 998, 997]), row])[3:]
+    else:
+        view = row.to(torch.int32)
+    rig.manager.slot_indices_of = lambda r: view
+    for token in range(100, 106):
+        rig.decode(req, token)
+        rig.manager.offload(req)
+    req.done = True
+    rig.manager.finish(req)
+    rig.copy_stream.complete_all()
+    rig.manager.drain()
+    keys = rig.chain(req)
+    page = torch.empty(rig.host_pool.page_shape, dtype=torch.int32)
+    for index, key in enumerate(keys):
+        assert rig.storage.get([key], [page]) == [True]
+        assert torch.equal(page, rig.expected_page(req, index)), index
+    assert rig.manager.metrics.pages_stored == len(keys) == 5
+
+
+def test_two_requests_with_one_rid_keep_their_keys_and_releases_apart():
+    """Two request objects with one rid (the first aborted with its copy in flight): their chains and
+    releases stay apart."""
+    rig = make_rig(page_size=2, store_prompt=True)
+    old = rig.new_request("x", [1, 2, 3, 4, 5], 4)
+    rig.manager.offload(old)
+    rig.manager.abort(old)  # its gather is still in flight
+    new = rig.new_request("x", [9, 8, 7, 6, 5], 4)
+    rig.manager.offload(new)
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    assert rig.released == [old]
+    new.done = True
+    rig.manager.finish(new)
+    rig.manager.drain()
+    assert rig.released == [old, new]
+    # an abort keeps what it launched (issue 17): both chains stored, apart
+    assert rig.storage.exists(rig.chain(new)) == [True, True] and rig.storage.exists(rig.chain(old)) == [True, True]
+    assert rig.chain(new) != rig.chain(old)
+    m = rig.manager.metrics
+    assert (m.pages_stored, m.pages_discarded) == (4, 0)
+
+
+class _ShortAnswers(MemoryStore):
+    """A backend that breaks the interface: ``exists`` or ``put`` answers fewer keys than asked."""
+
+    def __init__(self, fingerprint, short: str) -> None:
+        super().__init__(fingerprint, capacity_pages=1000)
+        self.short = short
+
+    def _exists(self, full_keys):
+        answer = super()._exists(full_keys)
+        return answer[:-1] if self.short == "exists" else answer
+
+    def _put(self, full_keys, pages, full_prior_key=None):
+        answer = super()._put(full_keys, pages, full_prior_key)
+        return answer[:-1] if self.short == "put" else answer
+
+
+@pytest.mark.parametrize("short", ["put"])  # backups ask put alone (it deduplicates); lookups: test_offload_load_path
+def test_a_backend_answering_too_few_keys_fails_the_pages_instead_of_losing_them(short):
+    """A backend whose ``put`` answers fewer keys than asked: the pages are counted failed (and the
+    failure callback told), never lost from the counts."""
+    fingerprint = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 4)
+    failures = []
+    rig = make_rig(
+        page_size=4,
+        offload_stride=8,
+        storage=_ShortAnswers(fingerprint, short),
+        on_storage_failure=lambda req, keys, error: failures.append((keys, error)),
+    )
+    req = rig.new_request("r", range(4), 16)
+    for token in range(100, 110):  # 4 + 9 tokens with KV: one stride of 2 pages after the prompt
+        rig.decode(req, token)
+    assert rig.manager.offload(req)
+    assert rig.manager.finish(req)
+    rig.copy_stream.complete_all()
+    rig.manager.poll()
+    m = rig.manager.metrics
+    assert m.pages_launched == 2
+    # Every launched page ends exactly once; an answer the manager cannot trust is a failure.
+    assert m.pages_stored + m.pages_deduplicated + m.pages_failed + m.pages_discarded == 2
+    assert m.pages_failed == 2 and m.storage_failures == 1 and len(failures) == 1
+    assert len(failures[0][0]) == 2 and failures[0][1] is not None
+    assert rig.released == [req] and m.host_pages_used == 0
+
+
+@pytest.mark.parametrize("action", ["abort", "finish"])
+def test_a_failure_callback_that_ends_the_request_releases_it_once_and_poll_does_not_raise(action):
+    """An ``on_storage_failure`` that aborts (or finishes) the request: the copy being handled is no
+    longer in flight, so that call releases it, once, and ``poll`` handles the other request's copy
+    without a KeyError."""
+    fingerprint = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 4)
+    rigs = []
+
+    def on_failure(req, keys, error):
+        getattr(rigs[0].manager, action)(req)
+
+    rig = make_rig(page_size=4, storage=FlakyStore(fingerprint, fail=lambda key: True), on_storage_failure=on_failure)
+    rigs.append(rig)
+    req = rig.new_request("r", range(4), 16)
+    other = rig.new_request("o", range(4), 16)
+    for token in range(100, 106):
+        rig.decode(req, token)
+        rig.decode(other, token)
+    assert rig.manager.offload(req) and rig.manager.offload(other)
+    rig.copy_stream.complete_all()
+    assert rig.manager.poll() == 2  # no KeyError; the other request's copy is handled too
+    m = rig.manager.metrics
+    assert rig.released == [req, other]  # each once, by the callback's own call
+    assert m.releases == 2 and m.requests_live == 0 and m.host_pages_used == 0 and m.copies_in_flight == 0
+    assert m.pages_failed == m.pages_launched == 2

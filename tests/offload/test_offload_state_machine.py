@@ -272,7 +272,7 @@ class OffloadMachine(RuleBasedStateMachine):
         self._prefill(req, tokens)
 
     def _prefill(self, req, start):
-        self.rig._write_kv(req, start, len(req.origin_input_ids))
+        self.rig.write_kv(req, start, len(req.origin_input_ids))
         self.rig.decode(req, 0)
         self.live.append(req)
 
@@ -387,6 +387,7 @@ class OffloadMachine(RuleBasedStateMachine):
     def host_pages_are_accounted(self):
         pool, metrics = self.rig.host_pool, self.manager.metrics
         assert pool.used + pool.free_pages == pool.capacity
+        # Internals: no public figure splits the host pages held by prefetches and loads.
         prefetched = sum(len(handle.host_page_ids) for handle in self.manager._prefetcher.active)
         loading = sum(len(copy.host_page_ids) for copy in self.manager.copier._copies if copy.direction == SCATTER)
         loading += sum(len(r.host_page_ids) for r in self.manager._unhandled if r.direction == SCATTER)
@@ -412,6 +413,7 @@ class OffloadMachine(RuleBasedStateMachine):
             self.loading
         )
         # A layer-by-layer load is one copy of the manager's and one stream submission per layer.
+        # Internals: the stream submissions of the copies in flight have no public count.
         submissions = sum(len(copy.handles) for copy in self.manager.copier._copies)
         submissions += sum(1 for result in self.manager._unhandled)
         assert submissions >= len(self.stream.pending)
@@ -433,6 +435,7 @@ class OffloadMachine(RuleBasedStateMachine):
         metrics = self.manager.metrics
         assert (metrics.requests_live, metrics.copies_in_flight, metrics.pages_in_flight) == (0, 0, 0)
         self.manager.poll()
+        # Internals: no public view of the prefetches still held.
         assert self.rig.host_pool.used == 0 and self.manager._prefetcher.active == []
         released = self.rig.released
         assert len(released) == len(self.created)

@@ -39,6 +39,7 @@ def run_in_thread(call, name):
 def test_the_first_callers_thread_owns_it_and_another_thread_raises_naming_both():
     owned = Owned()
     assert owned.step(3, twice=True) == 6  # this (the main) thread owns it now
+    # The owner is private: nothing public says which thread owns the object.
     assert owned._owner.name == threading.current_thread().name == "MainThread"
     error = run_in_thread(lambda: owned.step(1), "intruder")["error"]
     assert isinstance(error, ThreadingError)
@@ -50,6 +51,7 @@ def test_the_first_callers_thread_owns_it_and_another_thread_raises_naming_both(
 def test_a_first_call_from_another_thread_makes_that_thread_the_owner():
     owned = Owned()
     assert run_in_thread(lambda: owned.step(3), "engine") == {"value": 3}
+    # The owner is private: nothing public says which thread owns the object.
     assert owned._owner.name == "engine"
     # The engine thread has exited; its ident may be reused by a later thread, so only the
     # main thread (alive throughout) is certain to be another.
@@ -60,6 +62,7 @@ def test_a_first_call_from_another_thread_makes_that_thread_the_owner():
 def test_the_owner_keeps_calling():
     owned = Owned()
     assert [owned.step(value) for value in range(3)] == [0, 1, 2]
+    # The owner is private: nothing public says which thread owns the object.
     assert owned._owner.ident == threading.get_ident()
 
 

@@ -190,6 +190,14 @@ def _decode_rig(storage, **kwargs):
     return rig, reports
 
 
+def poll_until_reported(rig, reports, count: int, *, deadline: float) -> None:
+    """Poll ``rig``'s manager until ``reports`` holds ``count`` failures or ``time.monotonic()``
+    passes ``deadline``."""
+    while len(reports) < count and time.monotonic() < deadline:
+        rig.manager.poll()
+        time.sleep(0.01)
+
+
 RIG_FINGERPRINT = LayoutFingerprint("rig", KVLayout(2, 2, 1, 4, "int32"), 2)
 
 
@@ -207,10 +215,7 @@ def test_a_page_after_a_failed_copy_fails_at_once_naming_the_failed_page():
     rig.copy_stream.complete(0)
     started = time.monotonic()
     rig.manager.poll()
-    deadline = started + 3
-    while len(reports) < 2 and time.monotonic() < deadline:
-        rig.manager.poll()
-        time.sleep(0.01)
+    poll_until_reported(rig, reports, 2, deadline=started + 3)
     keys = rig.chain(req)
     assert [report_keys for _, report_keys, _ in reports] == [[keys[2]], [keys[3]]]
     assert reports[0][2] is broke
@@ -263,10 +268,7 @@ def test_a_page_after_a_failed_store_write_fails_at_once_naming_the_failed_page(
     rig.manager.poll()  # both writes submitted: page 2's waits for the gate
     started = time.monotonic()
     storage.gate.set()
-    deadline = started + 3
-    while len(reports) < 2 and time.monotonic() < deadline:
-        rig.manager.poll()
-        time.sleep(0.01)
+    poll_until_reported(rig, reports, 2, deadline=started + 3)
     assert [report_keys for _, report_keys, _ in reports] == [[keys[2]], [keys[3]]]
     assert reports[0][2] is storage.error
     (at, _, error) = reports[1]

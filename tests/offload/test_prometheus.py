@@ -105,7 +105,7 @@ def test_each_metric_reads_its_own_counter_and_grows_by_what_changed():
         first = scrape(registry)
         labels = {"store": "memory", "role": "decode"}
         for name, field in MANAGER_COUNTERS.items():
-            assert at(first, f"kvstage_{name}_total", **labels) == getattr(rig.manager._counters, field), name
+            assert at(first, f"kvstage_{name}_total", **labels) == getattr(rig.manager.metrics, field), name
         for name, field in STORE_COUNTERS.items():
             assert at(first, f"kvstage_{name}_total", **labels) == getattr(rig.storage.stats, field), name
         for kind in ("stored", "evicted", "removed"):
@@ -118,6 +118,7 @@ def test_each_metric_reads_its_own_counter_and_grows_by_what_changed():
         assert at(first, "kvstage_host_pages_capacity", **labels) == 16
         # A second scrape adds nothing; a change shows as itself.
         assert scrape(registry) == first
+        # A counter moves: set on the manager's live record (``metrics`` is a copy, nothing public writes it).
         rig.manager._counters.pages_stored += 7
         rig.storage.stats.bytes_put += 3
         second = scrape(registry)
@@ -150,6 +151,7 @@ def test_a_stored_request_is_counted_and_its_copy_and_put_are_timed():
     assert at(samples, "kvstage_store_put_seconds_count", **labels) == 1
     assert at(samples, "kvstage_store_put_seconds_sum", **labels) == rig.storage.stats.put_seconds
     exporter.close()
+    # No public view of the listeners: the exporter must have removed its own.
     assert rig.manager.copier._result_listeners == () and rig.storage._timing_listeners == ()
     rig.manager._counters.pages_stored += 5  # after close: not published, the last figures stay
     assert at(scrape(registry), "kvstage_pages_stored_total", **labels) == 3
@@ -165,6 +167,7 @@ def test_exporters_of_one_registry_need_their_own_label_values():
     with pytest.raises(InvalidArgumentError, match=r"^labels: must have the label names \['rank'\]"):
         PrometheusExporter(second.manager, registry=registry, labels={"tp": "1"})
     PrometheusExporter(second.manager, registry=registry, labels={"rank": "1"}, role="prefill")
+    # Set on the live records: nothing public writes a counter.
     first.manager._counters.pages_hit, second.manager._counters.pages_hit = 4, 9
     samples = scrape(registry)
     assert at(samples, "kvstage_pages_hit_total", store="memory", role="decode", rank="0") == 4
@@ -196,6 +199,7 @@ def test_bad_arguments_are_refused_naming_the_argument(kwargs, error, message):
     with pytest.raises(error) as raised:
         PrometheusExporter(rig.manager, **{"registry": CollectorRegistry(), **kwargs})
     assert str(raised.value).startswith(message)
+    # No public view of the listeners: the exporter must have removed its own.
     assert rig.manager.copier._result_listeners == () and rig.storage._timing_listeners == ()
 
 

@@ -238,6 +238,7 @@ def test_changes_are_recorded_only_while_a_refresh_is_in_flight_and_old_misses_a
     keys = [f"k{i}" for i in range(100_000)]
     index.add(keys)
     index.discard(keys)
+    # The index's memory of misses is private: its bound is what this test checks.
     assert len(index._changed_while_asking) == 0  # no refresh in flight: nothing to protect
     assert len(index._missing) == 100_000 and len(index) == 0
     now[0] = 0.5

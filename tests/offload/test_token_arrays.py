@@ -16,8 +16,10 @@ from kvstage.hashing import PageHasher
 from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, OffloadManager
 from kvstage.offload.request import kv_length, request_tokens
-from kvstage.offload.testing import SlotTable
+from kvstage.offload.testing import SimpleRequest, SlotTable
 from kvstage.storage import LayoutFingerprint, open_storage
+
+from offload_rig import STORED_PROMPT, make_rig
 
 LAYERS, HEADS, HEAD_DIM, PAGE_SIZE = 2, 2, 16, 16
 # 40 prompt ids; page 1 holds an id above 2**32-1, so its key hashes u64 ids (array('q') holds it).
@@ -254,3 +256,27 @@ def test_the_replays_requests_hold_array_q_and_its_run_hashes_them_as_arrays(mon
     assert report["pages_loaded"] > 0
     assert report["load_mismatches"] == report["pages_failed"] == report["pages_dropped"] == 0
     assert seen and set(seen) == {array}
+
+
+@pytest.mark.parametrize("kind", ["tuple", "numpy-output", "numpy-prompt", "tensor-prompt"])
+def test_sequence_types_of_a_request_give_the_same_keys(kind):
+    """A request's token ids as a tuple, numpy arrays or a tensor give the keys of lists."""
+    rig = make_rig(page_size=4, store_prompt=True)
+    req = rig.new_request("a", STORED_PROMPT, 8)
+    for token in range(100, 106):
+        rig.decode(req, token)
+    expected = rig.chain(req)
+    if kind == "tuple":
+        req.output_ids = tuple(req.output_ids)
+    elif kind == "numpy-output":
+        req.output_ids = np.array(req.output_ids, dtype=np.int64)
+    elif kind == "numpy-prompt":
+        req.origin_input_ids = np.array(req.origin_input_ids)
+    else:
+        req.origin_input_ids = torch.tensor(req.origin_input_ids)
+    req.done = True
+    rig.manager.finish(req)
+    rig.copy_stream.complete_all()
+    rig.manager.drain()
+    assert rig.storage.exists(expected) == [True, True, True]
+    assert rig.manager.match_prefix(SimpleRequest("b", STORED_PROMPT)).num_pages == 2

@@ -175,6 +175,31 @@ def test_many_uses_keep_the_eviction_order_exact():
     store.put(THIRD, [page(2)])
     for _ in range(300):
         store.exists(THIRD + OTHER)  # OTHER is used last each time
+    # The index's stale entries are private: their bound is what this test checks.
     assert len(store._pages._candidates) <= 2 * 2 + 64
     assert store.put(FOURTH, [page(3)]) == [STORED]
     assert store.exists(OTHER + THIRD + FOURTH) == [True, False, True]
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_a_put_larger_than_the_capacity_never_reports_stored_a_page_it_evicted(tmp_path, kind):
+    """A put of 3 pages into a store of 2: no page is reported STORED that a later page of the same
+    put evicted (STORED means readable from now on; the manager would count a page storage does
+    not hold), and a later put evicts from the chain's tail."""
+    fingerprint = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)  # 128-byte pages
+    keys = [c * 64 for c in "abc"]
+    pages = [torch.full((32,), float(i)) for i in range(3)]
+    if kind == "memory":
+        store = MemoryStore(fingerprint, capacity_pages=2)
+    else:
+        probe = FileStore(fingerprint, tmp_path / "probe")
+        probe.put(keys[:1], pages[:1])
+        store = FileStore(fingerprint, tmp_path / "store", capacity_bytes=2 * probe.used_bytes)
+    statuses = store.put(keys, pages)
+    present = store.exists(keys)
+    for key, status, here in zip(keys, statuses, present):
+        assert (status is PutStatus.STORED) == here, (key[0], status, here)
+    assert statuses[:2] == [PutStatus.STORED, PutStatus.STORED] and statuses[2] is PutStatus.FAILED
+    # A later call still evicts for a new page, from the chain's tail (b), never its start (a).
+    assert store.put([keys[2]], [pages[2]]) == [PutStatus.STORED]
+    assert store.exists(keys) == [True, False, True]

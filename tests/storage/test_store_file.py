@@ -14,18 +14,15 @@ import torch
 
 from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.kv_layout import KVLayout
-from kvstage.storage import FileStore, LayoutFingerprint, PutStatus, file_store, open_storage
+from kvstage.storage import FileStore, LayoutFingerprint, PutStatus, open_storage
+from kvstage.storage import file_store as file_store_module
 from kvstage.storage.file_store import TMP_SUFFIX
 
+from file_store_rig import FP, page
 from mount_namespace import run_in_mount_namespace
 
-FP = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
 KEY_A = "a" * 64
 KEY_B = "b" * 64
-
-
-def page(value: float) -> torch.Tensor:
-    return torch.arange(32, dtype=torch.float32).add_(value).reshape(2, 2, 2, 1, 4)
 
 
 def read(store: FileStore, key: str) -> torch.Tensor | None:
@@ -33,8 +30,8 @@ def read(store: FileStore, key: str) -> torch.Tensor | None:
     return into if store.get([key], [into]) == [True] else None
 
 
-def test_roundtrip_and_dedup_and_reopen(tmp_path):
-    store = FileStore(FP, tmp_path)
+def test_roundtrip_and_dedup_and_reopen(tmp_path, file_store):
+    store = file_store
     assert store.put([KEY_A, KEY_B], [page(1), page(2)]) == [PutStatus.STORED, PutStatus.STORED]
     assert store.put([KEY_A], [page(9)]) == [PutStatus.DEDUPLICATED]
     assert torch.equal(read(store, KEY_A), page(1).reshape(-1))
@@ -55,8 +52,8 @@ def test_another_layout_never_reads_the_page(tmp_path):
     assert store.get([KEY_A], [into]) == [False]
 
 
-def test_flipped_byte_reads_as_a_miss_and_the_page_can_be_written_again(tmp_path):
-    store = FileStore(FP, tmp_path)
+def test_flipped_byte_reads_as_a_miss_and_the_page_can_be_written_again(tmp_path, file_store):
+    store = file_store
     store.put([KEY_A], [page(1)])
     path = store.path_of(KEY_A)
     data = bytearray(path.read_bytes())
@@ -68,9 +65,9 @@ def test_flipped_byte_reads_as_a_miss_and_the_page_can_be_written_again(tmp_path
     assert torch.equal(read(store, KEY_A), page(1).reshape(-1))
 
 
-def test_a_corrupt_payload_leaves_the_target_untouched(tmp_path):
+def test_a_corrupt_payload_leaves_the_target_untouched(tmp_path, file_store):
     """A payload reaches its target only once its checksum matched."""
-    store = FileStore(FP, tmp_path)
+    store = file_store
     store.put([KEY_A], [page(1)])
     path = store.path_of(KEY_A)
     data = bytearray(path.read_bytes())
@@ -81,9 +78,9 @@ def test_a_corrupt_payload_leaves_the_target_untouched(tmp_path):
     assert torch.all(into == -7.0), into
 
 
-def test_get_fills_a_target_that_is_a_slice_of_a_larger_buffer(tmp_path):
+def test_get_fills_a_target_that_is_a_slice_of_a_larger_buffer(tmp_path, file_store):
     """Targets are views (a host pool's page, a staging slot): only the page's own bytes change."""
-    store = FileStore(FP, tmp_path)
+    store = file_store
     store.put([KEY_A, KEY_B], [page(1), page(2)])
     pool = torch.full((4, 32), -7.0)
     assert store.get([KEY_B, KEY_A], [pool[1], pool[2]]) == [True, True]
@@ -92,8 +89,8 @@ def test_get_fills_a_target_that_is_a_slice_of_a_larger_buffer(tmp_path):
 
 
 @pytest.mark.parametrize("keep", [0, 10, 40, 100], ids=lambda n: f"first-{n}-bytes")
-def test_torn_file_reads_as_a_miss(tmp_path, keep):
-    store = FileStore(FP, tmp_path)
+def test_torn_file_reads_as_a_miss(tmp_path, keep, file_store):
+    store = file_store
     store.put([KEY_A], [page(1)])
     path = store.path_of(KEY_A)
     path.write_bytes(path.read_bytes()[:keep])  # a writer without rename, killed mid-write
@@ -102,8 +99,8 @@ def test_torn_file_reads_as_a_miss(tmp_path, keep):
     assert torch.all(into == -7.0)
 
 
-def test_file_of_another_key_under_this_name_reads_as_a_miss(tmp_path):
-    store = FileStore(FP, tmp_path)
+def test_file_of_another_key_under_this_name_reads_as_a_miss(tmp_path, file_store):
+    store = file_store
     store.put([KEY_B], [page(2)])
     store.path_of(KEY_B).rename(store.path_of(KEY_A))
     assert read(store, KEY_A) is None
@@ -128,7 +125,7 @@ def test_writer_killed_between_write_and_rename_leaves_nothing_visible(tmp_path,
     assert len(leftovers) == 1 and leftovers[0].endswith(TMP_SUFFIX)
     FileStore(FP, tmp_path)  # a young temporary file may be another process's write: kept
     assert os.listdir(tmp_path) == leftovers
-    monkeypatch.setattr(file_store, "TMP_GRACE_S", 0.0)  # as if TMP_GRACE_S had passed
+    monkeypatch.setattr(file_store_module, "TMP_GRACE_S", 0.0)  # as if TMP_GRACE_S had passed
     store = FileStore(FP, tmp_path)  # opening sweeps the dead writer's temporary file
     assert os.listdir(tmp_path) == []
     assert store.exists([KEY_A]) == [False] and read(store, KEY_A) is None
@@ -150,8 +147,8 @@ def test_capacity_evicts_the_least_recently_used_file(tmp_path):
     assert tiny.put([KEY_A], [page(1)]) == [PutStatus.FAILED] and tiny.exists([KEY_A]) == [False]
 
 
-def test_page_corrupted_at_its_size_is_rewritten_by_the_next_put(tmp_path):
-    store = FileStore(FP, tmp_path)
+def test_page_corrupted_at_its_size_is_rewritten_by_the_next_put(tmp_path, file_store):
+    store = file_store
     store.put([KEY_A], [page(1)])
     path = store.path_of(KEY_A)
     data = bytearray(path.read_bytes())
@@ -164,8 +161,8 @@ def test_page_corrupted_at_its_size_is_rewritten_by_the_next_put(tmp_path):
     assert store.put([KEY_A], [page(1)]) == [PutStatus.DEDUPLICATED]  # intact now
 
 
-def test_exists_is_false_for_a_page_file_of_the_wrong_size(tmp_path):
-    store = FileStore(FP, tmp_path)
+def test_exists_is_false_for_a_page_file_of_the_wrong_size(tmp_path, file_store):
+    store = file_store
     store.put([KEY_A], [page(1)])
     path = store.path_of(KEY_A)
     path.write_bytes(path.read_bytes() + b"x")
@@ -274,10 +271,46 @@ def test_a_read_only_mount_is_refused_at_open_naming_it_and_erofs(tmp_path):
 def test_a_directory_that_cannot_be_made_names_it_and_the_errno(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with pytest.raises(file_store.StoreDirectoryError) as caught:
+    with pytest.raises(file_store_module.StoreDirectoryError) as caught:
         FileStore(FP, blocker / "kv")
     assert caught.value.errno == errno.ENOTDIR and caught.value.path == str(blocker / "kv")
     assert str(caught.value).startswith(
         f"directory: cannot use {str(blocker / 'kv')!r}: ENOTDIR (errno 20: Not a directory)"
     )
     assert isinstance(caught.value, StorageError)
+
+
+@pytest.mark.parametrize("keep", [0, 40, 200], ids=lambda n: f"first-{n}-bytes")
+def test_a_torn_file_store_page_is_not_reported_present_and_is_written_again(tmp_path, keep):
+    """A page file cut short (0, 40, 200 bytes kept: a power loss without fsync): a reopened store does
+    not report it present and a put writes it again. Taken for the page, the manager would
+    deduplicate it forever: lost."""
+    fingerprint = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
+    key = "c" * 64
+    page = torch.arange(32, dtype=torch.float32)
+    store = FileStore(fingerprint, tmp_path)
+    assert store.put([key], [page]) == [PutStatus.STORED]
+    size = store.used_bytes
+    path = store.path_of(key)
+    path.write_bytes(path.read_bytes()[:keep])
+    reopened = FileStore(fingerprint, tmp_path)
+    assert reopened.exists([key]) == [False]
+    assert reopened.put([key], [page]) == [PutStatus.STORED]
+    into = torch.zeros(32)
+    assert reopened.get([key], [into]) == [True] and torch.equal(into, page)
+    assert reopened.used_bytes == size == path.stat().st_size
+
+
+def test_a_file_store_reopened_with_a_smaller_capacity_is_within_it_at_once(tmp_path):
+    """A file store of 3 pages reopened with room for 2: the oldest page is evicted at open, not later."""
+    fingerprint = LayoutFingerprint("tiny/model", KVLayout(2, 2, 1, 4, "float32"), 2)
+    keys = [c * 64 for c in "abc"]
+    store = FileStore(fingerprint, tmp_path)
+    for age, key in enumerate(keys):
+        store.put([key], [torch.full((32,), float(age))])
+        os.utime(store.path_of(key), ns=(10**18 + age * 10**9,) * 2)  # a is the oldest
+    one = store.used_bytes // 3
+    reopened = FileStore(fingerprint, tmp_path, capacity_bytes=2 * one)
+    assert reopened.used_bytes == 2 * one <= reopened.capacity_bytes
+    assert reopened.exists(keys) == [False, True, True]
+    assert sorted(os.listdir(tmp_path)) == sorted(reopened.file_name(key) for key in keys[1:])

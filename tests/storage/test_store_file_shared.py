@@ -62,6 +62,7 @@ DECODE = PRELUDE + textwrap.dedent(
 # A reader that stops between reading a corrupt page and cleaning it up, until told to go on.
 READER = PRELUDE + textwrap.dedent(
     """
+    # Fault injection before a corrupt page's cleanup: FileStore has no public hook there.
     drop = store._drop_corrupt
     def paused(*args):
         say(read_corrupt=True)
@@ -169,6 +170,7 @@ def test_opening_never_removes_a_torn_page_another_writer_has_just_healed(tmp_pa
     writer.put([KEYS[0]], [torch.zeros(64)])
     path = writer.path_of(KEYS[0])
     path.write_bytes(path.read_bytes()[:40])  # torn
+    # Fault injection between a header's read and its parse: FileStore has no public hook there.
     parse = FileStore._parse_header
 
     def healed_meanwhile(self, head, size):

@@ -260,3 +260,48 @@ def extra_config(url: str) -> dict:
         "interface_v1": 1,
         "url": url,
     }
+
+
+def watch_opened_stores(monkeypatch) -> tuple[list, list]:
+    """Record every store the sglang adapter opens (``ExtraConfig.open_store``) and every one closed:
+    the two lists, filled as it happens."""
+    from kvstage.integrations.sglang.key_space import ExtraConfig
+
+    opened, closed = [], []
+    real_open = ExtraConfig.open_store
+
+    def open_and_watch(self, fingerprint):
+        store = real_open(self, fingerprint)
+        real_close = store.close
+        store.close = lambda: (closed.append(store), real_close())[-1]
+        opened.append(store)
+        return store
+
+    monkeypatch.setattr(ExtraConfig, "open_store", open_and_watch)
+    return opened, closed
+
+
+def hicache_controller(device_pool, pool, url: str, *, cls=None, page_size: int = PAGE_SIZE):
+    """sglang's ``HiCacheController`` (or ``cls``, e.g. ``HybridCacheController``) over ``pool`` (a
+    host pool of ``device_pool``, or a ``HostPoolGroup``) with KVStageStorage on ``url``, on the
+    default process group (one rank)."""
+    import threading
+
+    import torch.distributed as dist
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    allocator = PagedTokenToKVPoolAllocator(
+        device_pool.size, page_size, device_pool.dtype, "cpu", device_pool, need_sort=False
+    )
+    return (HiCacheController if cls is None else cls)(
+        allocator,
+        pool,
+        page_size,
+        dist.group.WORLD,
+        threading.Event(),
+        io_backend="direct",
+        storage_backend="dynamic",
+        model_name="org/tiny-model",
+        storage_backend_extra_config=extra_config(url),
+    )

@@ -5,13 +5,11 @@ test (take the hit, allocate host slots, hand the operation to the I/O thread)."
 
 from __future__ import annotations
 
-import threading
 from array import array
 
 import pytest
 import torch.distributed as dist
 from sglang.srt.managers.cache_controller import HiCacheController
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
@@ -30,7 +28,7 @@ from sglang_rig import (
     canonical_of,
     dsa_device_pool,
     dsa_host_pool_group,
-    extra_config,
+    hicache_controller,
     host_pool,
     mha_device_pool,
     mla_device_pool,
@@ -39,6 +37,7 @@ from sglang_rig import (
     same_bytes,
     set_host,
     token_slots,
+    watch_opened_stores,
     write_through,
 )
 
@@ -61,23 +60,12 @@ def one_rank_world(tmp_path_factory):
 def controller(kind: str, layout: str, url: str, hybrid: bool):
     device = mha_device_pool() if kind == "mha" else mla_device_pool()
     host = host_pool(device, layout)
-    allocator = PagedTokenToKVPoolAllocator(device.size, PAGE_SIZE, device.dtype, "cpu", device, need_sort=False)
     pool = host
     cls = HiCacheController
     if hybrid:
         pool = HostPoolGroup([PoolEntry(PoolName.KV, host, device, lambda layer: layer, is_primary_index_anchor=True)])
         cls = HybridCacheController
-    cc = cls(
-        allocator,
-        pool,
-        PAGE_SIZE,
-        dist.group.WORLD,
-        threading.Event(),
-        io_backend="direct",
-        storage_backend="dynamic",
-        model_name="org/tiny-model",
-        storage_backend_extra_config=extra_config(url),
-    )
+    cc = hicache_controller(device, pool, url, cls=cls)
     assert isinstance(cc.storage_backend, KVStageStorage)
     assert cc.page_set_func.__name__ == "_page_set_zero_copy"  # sglang chose the v1 calls
     return cc, host
@@ -154,32 +142,9 @@ def test_deepseek_v32s_dsa_pool_set_is_refused_when_sglangs_hybrid_controller_re
     indexer's host pool beside it. kvstage stores the latent only, so it refuses the set at
     registration (else every v2 write and prefetch fails with NotImplementedError later) and
     closes the store the anchor's registration opened."""
-    from kvstage.integrations.sglang.key_space import ExtraConfig
-
-    opened, closed = [], []
-    real_open = ExtraConfig.open_store
-
-    def open_and_watch(self, fingerprint):
-        store = real_open(self, fingerprint)
-        real_close = store.close
-        store.close = lambda: (closed.append(store), real_close())[-1]
-        opened.append(store)
-        return store
-
-    monkeypatch.setattr(ExtraConfig, "open_store", open_and_watch)
+    opened, closed = watch_opened_stores(monkeypatch)
     device = dsa_device_pool()
     group = dsa_host_pool_group(device)
-    allocator = PagedTokenToKVPoolAllocator(device.size, DSA_PAGE_SIZE, device.dtype, "cpu", device, need_sort=False)
     with pytest.raises(InvalidArgumentError, match=r"host pool 'indexer': a DSA indexer .*\(DSAIndexerPoolHost\)"):
-        HybridCacheController(
-            allocator,
-            group,
-            DSA_PAGE_SIZE,
-            dist.group.WORLD,
-            threading.Event(),
-            io_backend="direct",
-            storage_backend="dynamic",
-            model_name="org/tiny-model",
-            storage_backend_extra_config=extra_config("memory"),
-        )
+        hicache_controller(device, group, "memory", cls=HybridCacheController, page_size=DSA_PAGE_SIZE)
     assert len(opened) == 1 and closed == opened

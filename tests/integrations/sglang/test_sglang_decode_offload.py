@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import socket
-import threading
 import time
 import weakref
 from array import array
@@ -16,16 +15,23 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.managers.schedule_batch import release_req
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from kvstage.errors import InvalidArgumentError
 
 import tp_rank_worker
 from decode_rig import DecodeSide, released, run_until_released, settings_installed
-from sglang_rig import DSA_PAGE_SIZE, PAGE_SIZE, canonical_of, extra_config, host_pool, token_slots, write_through
+from sglang_rig import (
+    DSA_PAGE_SIZE,
+    PAGE_SIZE,
+    canonical_of,
+    hicache_controller,
+    host_pool,
+    token_slots,
+    watch_opened_stores,
+    write_through,
+)
 
 
 @pytest.fixture
@@ -40,19 +46,7 @@ def controller_over(side: DecodeSide, url: str, layout: str):
     """sglang's HiCacheController with KVStageStorage on ``url``, over a host pool of the
     decode side's device pool: the prefill side's writer and the next turn's reader."""
     host = host_pool(side.device, layout)
-    cc = HiCacheController(
-        PagedTokenToKVPoolAllocator(
-            side.device.size, PAGE_SIZE, side.device.dtype, "cpu", side.device, need_sort=False
-        ),
-        host,
-        PAGE_SIZE,
-        dist.group.WORLD,
-        threading.Event(),
-        io_backend="direct",
-        storage_backend="dynamic",
-        model_name="org/tiny-model",
-        storage_backend_extra_config=extra_config(url),
-    )
+    cc = hicache_controller(side.device, host, url)
     return cc, host
 
 
@@ -139,19 +133,7 @@ def test_no_url_in_the_extra_config_is_refused(tmp_path, one_rank):
 
 def test_a_stride_larger_than_the_host_pool_is_refused_and_the_opened_store_is_closed(one_rank, monkeypatch):
     """The store is opened before the host pool and the manager; when they refuse, it is closed."""
-    from kvstage.integrations.sglang.key_space import ExtraConfig
-
-    opened, closed = [], []
-    real_open = ExtraConfig.open_store
-
-    def open_and_watch(self, fingerprint):
-        store = real_open(self, fingerprint)
-        real_close = store.close
-        store.close = lambda: (closed.append(store), real_close())[-1]
-        opened.append(store)
-        return store
-
-    monkeypatch.setattr(ExtraConfig, "open_store", open_and_watch)
+    opened, closed = watch_opened_stores(monkeypatch)
     # hicache_ratio 2.0 over 256 device slots: 128 host pages; a stride of 256 pages cannot fit
     with settings_installed("memory", stride=256 * PAGE_SIZE):
         with pytest.raises(InvalidArgumentError, match="offload_stride"):

@@ -4,13 +4,10 @@ prefetches the pages back through another host layout, bytes equal."""
 
 from __future__ import annotations
 
-import threading
 from array import array
 
 import pytest
 import torch.distributed as dist
-from sglang.srt.managers.cache_controller import HiCacheController
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.runtime_context import get_parallel
 
@@ -20,7 +17,7 @@ from mooncake_master import LocalMooncakeMaster
 from sglang_rig import (
     PAGE_SIZE,
     canonical_of,
-    extra_config,
+    hicache_controller,
     host_pool,
     mha_device_pool,
     mla_device_pool,
@@ -54,18 +51,7 @@ def one_rank_world(tmp_path_factory):
 
 def controller(device, layout: str, url: str):
     host = host_pool(device, layout)
-    allocator = PagedTokenToKVPoolAllocator(device.size, PAGE_SIZE, device.dtype, "cpu", device, need_sort=False)
-    cc = HiCacheController(
-        allocator,
-        host,
-        PAGE_SIZE,
-        dist.group.WORLD,
-        threading.Event(),
-        io_backend="direct",
-        storage_backend="dynamic",
-        model_name="org/tiny-model",
-        storage_backend_extra_config=extra_config(url),
-    )
+    cc = hicache_controller(device, host, url)
     return cc, host
 
 

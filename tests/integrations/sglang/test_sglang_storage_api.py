@@ -151,6 +151,7 @@ def test_legacy_set_and_get_of_flat_pages_cross_host_layouts(written, read):
     assert writer.exists(key(2)) and not writer.exists(key(4))
     reader = KVStageStorage.__new__(KVStageStorage)
     reader.__dict__.update(writer.__dict__)  # same store, read through another host layout:
+    # A second reader of the same store: its per-thread state is private, made fresh here.
     reader.mem_pool_host, reader._local = reader_host, threading.local()
     target = reader_host.get_dummy_flat_data_page()
     assert reader.get(key(1), target) is target

@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.base import Medium  # noqa: E402
 from kvstage.errors import InvalidArgumentError  # noqa: E402
 from kvstage.integrations.vllm import KVStageOffloadingSpec  # noqa: E402
 
-from vllm_rig import ConnectorRig  # noqa: E402
+from vllm_rig import ConnectorRig, assert_blocks_hold, expected_block, run_to_prompt_end  # noqa: E402
 
 BLOCK = ConnectorRig.BLOCK_SIZE
 PROMPT = list(range(1, 4 * BLOCK + 6))  # 4 full blocks and 5 tokens
@@ -35,18 +35,6 @@ def rig(request, tmp_path):
     rig = ConnectorRig(tmp_path / "model", "memory" if request.param == "memory" else f"file:{tmp_path / 'kv'}")
     yield rig
     rig.close()
-
-
-def expected_block(rig: ConnectorRig, prompt: list[int], block_index: int) -> list[torch.Tensor]:
-    """Each layer's block as the stand-in model writes it for ``prompt``."""
-    blocks = []
-    for layer in range(len(rig.LAYERS)):
-        block = torch.empty(2, BLOCK, rig.NUM_KV_HEADS, rig.HEAD_SIZE, dtype=torch.float16)
-        for offset in range(BLOCK):
-            position = block_index * BLOCK + offset
-            block[:, offset] = rig.kv_value(prompt[position], position, layer)
-        blocks.append(block)
-    return blocks
 
 
 def test_a_second_request_loads_the_first_ones_blocks_from_the_store(rig):
@@ -330,6 +318,7 @@ def test_the_manager_keeps_no_loaded_keys_unless_its_connector_reports_loads():
     try:
         keys = [index.to_bytes(36, "big") for index in range(1000)]
         manager.complete_load(keys, ReqContext("r"))
+        # No public view of the loads kept for the next report.
         assert manager._loaded == []
         manager.tracks_loads = True  # KVStageConnector: loads_reported empties it each step
         manager.complete_load(keys[:3], ReqContext("r"))
@@ -347,6 +336,7 @@ def test_a_manager_or_worker_that_fails_to_build_lets_go_of_the_shared_store_and
 
     from vllm_rig import offloading_config
 
+    # No public view of the shared stores open and their users.
     before = dict(shared._open)
     spec = KVStageOffloadingSpec(offloading_config({"storage": "memory", "miss_ttl_s": -1}))
     with pytest.raises(InvalidArgumentError, match="miss_ttl_s"):
@@ -439,38 +429,21 @@ def test_a_prefix_stored_in_several_jobs_is_one_chain_evicted_from_its_tail(kind
     rig = ConnectorRig(tmp_path / "model", store_url(kind, tmp_path, 8), max_num_batched_tokens=2 * BLOCK)
     try:
         prefix = list(range(1, 6 * BLOCK + 6))  # 6 full blocks and 5 tokens
-        run_to_prompt_end(rig, "a", prefix)
+        run_to_prompt_end(rig, "a", prefix, max_tokens=2)
         rig.run_until_idle()
         storage = rig.manager.storage
         assert storage.stats.pages_stored == 6 and rig.worker.connector_worker.worker.pages_failed == 0
         other = [1000 + token for token in range(4 * BLOCK + 5)]  # unrelated: 4 more pages, 2 evicted
-        run_to_prompt_end(rig, "c", other)
+        run_to_prompt_end(rig, "c", other, max_tokens=2)
         rig.run_until_idle()
         assert storage.stats.pages_stored == 10 and storage.stats.pages_evicted == 2
         rig.scheduler.reset_prefix_cache()
         rig.backing.zero_()
-        assert run_to_prompt_end(rig, "d", prefix) == len(prefix) - 4 * BLOCK  # blocks 0-3 loaded: a's tail went
+        # blocks 0-3 loaded: a's tail went
+        assert run_to_prompt_end(rig, "d", prefix, max_tokens=2) == len(prefix) - 4 * BLOCK
         assert_blocks_hold(rig, "d", prefix, 6)
     finally:
         rig.close()
-
-
-def run_to_prompt_end(rig: ConnectorRig, request_id: str, prompt: list[int]) -> int:
-    """Add a request and step until its prompt is computed; the prompt tokens vLLM scheduled."""
-    request = rig.add_request(request_id, prompt, max_tokens=2)
-    scheduled = 0
-    for _ in range(200):
-        scheduled += rig.step().num_scheduled_tokens.get(request_id, 0)
-        if request.num_computed_tokens >= len(prompt):
-            return scheduled
-    raise AssertionError(f"{request_id}'s prompt not computed after 200 steps")
-
-
-def assert_blocks_hold(rig: ConnectorRig, request_id: str, prompt: list[int], count: int) -> None:
-    blocks = rig.block_ids(request_id)
-    for index in range(count):
-        for name, block in zip(rig.LAYERS, expected_block(rig, prompt, index)):
-            assert torch.equal(rig.kv[name][blocks[index]], block), (index, name)
 
 
 def test_prior_page_keys_follow_the_positions_vllm_records_per_group_as_the_request_grows():

@@ -235,6 +235,7 @@ def test_a_job_of_more_keys_than_chunks_raises_naming_it_and_submits_nothing(sub
     rig = Rig("memory")
     try:
         submitted = []
+        # The tier's workers are private: wrapped to see what a job submits.
         workers = rig.tier._workers
         for name in ("read", "write"):
             real = getattr(workers, name)

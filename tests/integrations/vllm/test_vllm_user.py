@@ -33,9 +33,11 @@ from kvstage.integrations.vllm import KVStageTier  # noqa: E402
 from vllm_rig import (  # noqa: E402
     CHUNK_BYTES,
     ConnectorRig,
+    assert_blocks_hold,
     chunks_for,
     keys_of,
     offloading_config,
+    run_to_prompt_end,
     slow_down,
     step_until_writes_in_flight,
 )
@@ -314,39 +316,6 @@ def test_a_store_that_cannot_hold_one_page_raises_at_construction(where, tmp_pat
 
 
 # -- KVStageOffloadingSpec through KVStageConnector (vLLM's OffloadingConnector) ---------------
-
-
-def expected_blocks(rig: ConnectorRig, prompt: list[int], count: int) -> list[dict[str, torch.Tensor]]:
-    """Each of the first ``count`` blocks per layer as the rig's stand-in model writes them."""
-    blocks = []
-    for index in range(count):
-        per_layer = {}
-        for layer, name in enumerate(rig.LAYERS):
-            block = torch.empty(2, BLOCK, rig.NUM_KV_HEADS, rig.HEAD_SIZE, dtype=torch.float16)
-            for offset in range(BLOCK):
-                position = index * BLOCK + offset
-                block[:, offset] = rig.kv_value(prompt[position], position, layer)
-            per_layer[name] = block
-        blocks.append(per_layer)
-    return blocks
-
-
-def run_to_prompt_end(rig: ConnectorRig, request_id: str, prompt: list[int], max_tokens: int = 50) -> int:
-    """Add a request and step until its prompt is computed; the prompt tokens vLLM scheduled."""
-    request = rig.add_request(request_id, prompt, max_tokens=max_tokens)
-    scheduled = 0
-    for _ in range(200):
-        scheduled += rig.step().num_scheduled_tokens.get(request_id, 0)
-        if request.num_computed_tokens >= len(prompt):
-            return scheduled
-    raise AssertionError(f"{request_id}'s prompt not computed after 200 steps")
-
-
-def assert_blocks_hold(rig: ConnectorRig, request_id: str, prompt: list[int], count: int) -> None:
-    blocks = rig.block_ids(request_id)
-    for index, expected in enumerate(expected_blocks(rig, prompt, count)):
-        for name, block in expected.items():
-            assert torch.equal(rig.kv[name][blocks[index]], block), (index, name)
 
 
 def test_spec_a_second_engine_loads_what_another_process_stored_byte_for_byte(other_engine_root):

@@ -3,6 +3,7 @@ the cause of a failed put."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import torch
@@ -12,6 +13,8 @@ from kvstage.kv_layout import KVLayout
 from kvstage.storage import LayoutFingerprint, PutStatus
 from kvstage.storage.mooncake.status import MooncakeCodeError
 from kvstage.storage.mooncake.store import MooncakeStore
+
+from mooncake_master import free_port
 
 LAYOUT = KVLayout(2, 2, 2, 64, "bfloat16")  # 16 KiB pages of 16 tokens
 
@@ -48,8 +51,10 @@ def test_clear_removes_this_key_space_only_also_what_other_clients_stored(moonca
         assert store.exists(mine) == [False] * 4 and peer.exists(theirs) == [False] * 3
         assert other.exists(mine) == [True] * 4
         events = store.take_events()
-        assert sorted(e.key for e in events) == sorted(mine)  # the keys this client can name
-        assert {(e.kind, e.tier, e.page_bytes) for e in events} == {("removed", "mooncake", fp.page_bytes)}
+        assert sorted(e.key for e in events) == sorted(mine + theirs)  # named through the admin listing
+        assert {(e.kind, e.tier, e.page_bytes, e.key_space) for e in events} == {
+            ("removed", "mooncake", fp.page_bytes, fp.prefix())
+        }
         assert store.stats.pages_removed == 7
         # The peer asked for its pages and found them gone: it reports them evicted (it cannot
         # tell who removed them).
@@ -58,6 +63,86 @@ def test_clear_removes_this_key_space_only_also_what_other_clients_stored(moonca
         assert store.put(mine, data) == [PutStatus.STORED] * 4  # written again, not deduplicated
         back = [torch.zeros_like(p) for p in data]
         assert store.get(mine, back) == [True] * 4 and all(torch.equal(a, b) for a, b in zip(back, data))
+
+
+def test_two_engines_b_clearing_announces_the_pages_a_stored(mooncake_master):
+    # Two engines (two clients) on one master: A stores, B stores, B clears. B's events name
+    # every page it removed, A's included, each once; A's stream has only what it stored.
+    fp = fingerprint(f"two-{uuid.uuid4().hex[:8]}")
+    other_fp = fingerprint(f"keep-{uuid.uuid4().hex[:8]}")
+    with (
+        MooncakeStore(fp, mooncake_master.url()) as a,
+        MooncakeStore(fp, mooncake_master.url()) as b,
+        MooncakeStore(other_fp, mooncake_master.url()) as other,
+    ):
+        a_keys, b_keys, shared = new_keys(5), new_keys(2), new_keys(2)
+        assert a.put(a_keys + shared, pages(7, fp, seed=11)) == [PutStatus.STORED] * 7
+        assert b.put(b_keys + shared, pages(4, fp, seed=12)) == [PutStatus.STORED] * 2 + [PutStatus.DEDUPLICATED] * 2
+        assert other.put(a_keys, pages(5, other_fp, seed=13)) == [PutStatus.STORED] * 5
+        assert [e.kind for e in b.take_events()] == ["stored"] * 2
+        a.take_events()
+
+        assert b.clear() == 9
+        events = b.take_events()
+        assert sorted(e.key for e in events) == sorted(a_keys + b_keys + shared)  # each once
+        assert {e.kind for e in events} == {"removed"} and b.stats.events_removed == 9 == b.stats.pages_removed
+        assert a.take_events() == [] and other.exists(a_keys) == [True] * 5
+        assert b.clear() == 0 and b.take_events() == []
+
+
+def test_clear_without_an_admin_server_names_this_clients_pages_only(mooncake_master, caplog):
+    fp = fingerprint(f"noadmin-{uuid.uuid4().hex[:8]}")
+    with (
+        MooncakeStore(fp, mooncake_master.url()) as a,
+        MooncakeStore(fp, mooncake_master.url(admin=None)) as b,  # no admin server given
+        MooncakeStore(fp, mooncake_master.url(admin=f"127.0.0.1:{free_port()}")) as c,  # nothing listens
+    ):
+        a_keys, b_keys, c_keys = new_keys(3), new_keys(2), new_keys(2)
+        a.put(a_keys, pages(3, fp, seed=14))
+        b.put(b_keys, pages(2, fp, seed=15))
+        b.take_events()
+        assert b.clear() == 5
+        assert sorted(e.key for e in b.take_events()) == sorted(b_keys)
+
+        a.put(a_keys, pages(3, fp, seed=14))
+        c.put(c_keys, pages(2, fp, seed=16))
+        c.take_events()
+        with caplog.at_level(logging.WARNING, logger="kvstage.storage.mooncake.store"):
+            assert c.clear() == 5  # the clear itself does not need the admin server
+        assert sorted(e.key for e in c.take_events()) == sorted(c_keys)
+        assert any(
+            "get_all_keys" in r.getMessage() and "only this client's pages" in r.getMessage() for r in caplog.records
+        )
+        assert a.exists(a_keys) == [False] * 3
+
+
+class FailingRemoves:
+    """A Mooncake client whose ``batch_remove`` removes only the first ``n`` keys and answers
+    OBJECT_HAS_LEASE (-706) for the rest (a lease a forced remove should not meet)."""
+
+    def __init__(self, inner, n: int) -> None:
+        self._inner, self._n = inner, n
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def batch_remove(self, keys, force):
+        return list(self._inner.batch_remove(keys[: self._n], force)) + [-706] * len(keys[self._n :])
+
+
+def test_clear_sweeps_what_batch_remove_left_and_names_what_it_removed(mooncake_master, caplog):
+    fp = fingerprint(f"sweep-{uuid.uuid4().hex[:8]}")
+    with MooncakeStore(fp, mooncake_master.url()) as a, MooncakeStore(fp, mooncake_master.url()) as b:
+        keys = new_keys(6)
+        a.put(keys, pages(6, fp, seed=17))
+        b._store = FailingRemoves(b._store, 4)  # the client object: no public seam for its calls
+        with caplog.at_level(logging.WARNING, logger="kvstage.storage.mooncake.store"):
+            assert b.clear() == 6
+        named = [e.key for e in b.take_events()]
+        assert len(named) == 4 and set(named) <= set(keys)
+        assert a.exists(keys) == [False] * 6
+        assert any("swept 2 more pages by regex" in r.getMessage() for r in caplog.records)
+        assert any("failed for 2 of 6 pages: -706 OBJECT_HAS_LEASE" in r.getMessage() for r in caplog.records)
 
 
 def test_stored_events_for_stored_pages_only(mooncake_master):

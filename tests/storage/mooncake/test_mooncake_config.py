@@ -18,7 +18,7 @@ def test_url_with_every_field():
     config = parse_mooncake_url(
         "mooncake://10.0.0.5:50051?metadata=http://10.0.0.5:8080/metadata&protocol=rdma&segment=4GB"
         "&buffer=512MiB&local_hostname=10.0.0.7&device=mlx5_0,mlx5_1&bounce=16MB&rpc_timeout_ms=2000"
-        "&setup_retries=3&connect_timeout_s=0.5"
+        "&setup_retries=3&connect_timeout_s=0.5&admin=10.0.0.5:9003&watch=2.5"
     )
     assert config == MooncakeConfig(
         master_server_address="10.0.0.5:50051",
@@ -32,6 +32,8 @@ def test_url_with_every_field():
         connect_timeout_s=0.5,
         rpc_timeout_ms=2000,
         setup_retries=3,
+        admin_address="10.0.0.5:9003",
+        watch_s=2.5,
     )
 
 
@@ -42,6 +44,7 @@ def test_url_defaults_and_percent_encoded_metadata():
     assert (config.protocol, config.device_name, config.local_hostname) == ("tcp", "", None)
     assert config.global_segment_size == 1 << 30 and config.local_buffer_size == 64 << 20
     assert parse_mooncake_url("mooncake://master:7000").metadata_server == "P2PHANDSHAKE"
+    assert (config.admin_address, config.watch_s) == (None, None)  # clear names this client's pages only
 
 
 def test_dict_takes_mooncake_field_names_and_aliases():
@@ -74,6 +77,10 @@ def test_dict_takes_mooncake_field_names_and_aliases():
         ("mooncake://host:1?colour=blue", "unknown query name 'colour'"),
         ("mooncake://host:1?segment=1GB&global_segment_size=2GB", "given twice"),
         ("mooncake://host:1?rpc_timeout_ms=0", "rpc_timeout_ms: must be a positive int"),
+        ("mooncake://host:1?admin=9003", "admin_address: must be 'host:port'"),
+        ("mooncake://host:1?watch=2", "watch_s: needs admin_address"),
+        ("mooncake://host:1?admin=h:9003&watch=0", "watch_s: must be positive seconds, got '0'"),
+        ("mooncake://host:1?admin=h:9003&watch=soon", "watch_s: must be positive seconds, got 'soon'"),
     ],
 )
 def test_bad_urls_name_the_field(url, message):
@@ -110,7 +117,7 @@ def test_an_unknown_query_name_lists_the_names_the_readme_teaches():
         parse_mooncake_url(url)
     assert str(caught.value) == (
         f"url: unknown query name 'segmnet' in {url!r}; known: metadata, segment, buffer, device, bounce, "
-        "protocol, local_hostname, connect_timeout_s, rpc_timeout_ms, setup_retries"
+        "admin, watch, protocol, local_hostname, connect_timeout_s, rpc_timeout_ms, setup_retries"
     )
     # the long names of the short ones still work
     assert (

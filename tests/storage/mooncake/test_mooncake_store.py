@@ -135,6 +135,7 @@ def test_close_unregisters_and_is_idempotent(mooncake_master, fingerprint):
     opened.register_host_buffers([chunk])
     assert opened.put(new_keys(1), [chunk[0]]) == [PutStatus.STORED]
     opened.close()
+    # No public view of the registered buffers.
     assert opened._registered == []
     opened.close()
     with pytest.raises(StorageError, match="closed"):
@@ -146,6 +147,7 @@ def test_close_unregisters_and_is_idempotent(mooncake_master, fingerprint):
 def test_overlapping_buffers_are_refused_before_any_is_registered(store, fingerprint):
     chunk = random_pages(4, fingerprint, seed=10).view(-1)
     half = chunk.numel() // 2
+    # No public view of the registered buffers.
     registered_before = len(store._registered)
     overlapping = chunk[half // 2 : half + half // 2]  # straddles the first half's end
     with pytest.raises(InvalidArgumentError, match=r"buffers\[1\]: .* overlaps"):
@@ -253,11 +255,13 @@ def test_two_threads_bouncing_at_once_each_use_their_own_bounce_buffer(mooncake_
         assert all(torch.equal(a, b) for a, b in zip(again, first))  # the held put's bytes, intact
 
 
-def test_clear_waits_for_a_put_in_flight_and_a_put_during_clear_lands_after_it(mooncake_master):
+@pytest.mark.parametrize("admin, removal", [(True, "batch_remove"), (False, "remove_by_regex")])
+def test_clear_waits_for_a_put_in_flight_and_a_put_during_clear_lands_after_it(mooncake_master, admin, removal):
     """Guards the clear gate once puts run outside the store lock: a put racing clear lands
-    whole after it or not at all."""
+    whole after it or not at all. With the admin server clear removes by name, else by regex."""
     fp = LayoutFingerprint(f"gate-{uuid.uuid4().hex[:8]}", KVLayout(2, 2, 2, 64, "bfloat16"), 16)
-    with MooncakeStore(fp, mooncake_master.url()) as store:
+    url = mooncake_master.url() if admin else mooncake_master.url(admin=None)
+    with MooncakeStore(fp, url) as store, MooncakeStore(fp, url) as peer:
         pool = random_pages(4, fp, seed=14)
         store.register_host_buffers([pool])
         early, late = new_keys(2), new_keys(2)
@@ -273,8 +277,10 @@ def test_clear_waits_for_a_put_in_flight_and_a_put_during_clear_lands_after_it(m
         assert written["result"] == [PutStatus.STORED] * 2 and cleared["result"] == 2
         assert store.exists(early) == [False, False]  # stored before the clear, removed by it
         store.take_events()
+        peer_key = new_keys(1)
+        peer.put(peer_key, list(random_pages(1, fp, seed=17)))  # something for the removal call to remove
 
-        with client_held_at(store, "remove_by_regex") as client:
+        with client_held_at(store, removal) as client:
             clearer, cleared = in_thread(store.clear)
             assert client.entered.wait(10)
             writer, written = in_thread(store.put, late, list(pool[2:]))
@@ -283,9 +289,12 @@ def test_clear_waits_for_a_put_in_flight_and_a_put_during_clear_lands_after_it(m
             client.release.set()
             clearer.join(10)
             writer.join(10)
-        assert cleared["result"] == 0 and written["result"] == [PutStatus.STORED] * 2
-        assert store.exists(late) == [True, True]  # landed after the clear, whole
-        assert [(e.kind, e.key) for e in store.take_events()] == [("stored", key) for key in late]
+        assert cleared["result"] == 1 and written["result"] == [PutStatus.STORED] * 2
+        assert store.exists(late) == [True, True] and peer.exists(peer_key) == [False]  # landed after the clear
+        # The peer's page is named only where the admin server listed it.
+        assert [(e.kind, e.key) for e in store.take_events()] == [("removed", k) for k in peer_key if admin] + [
+            ("stored", key) for key in late
+        ]
 
 
 def test_close_unregisters_every_bounce_buffer_made_for_calls_at_once(mooncake_master, fingerprint):

@@ -1,0 +1,208 @@
+"""``KVEventAnnouncer``: what a manager stored (with its token ids) and what its store evicted
+or removed, as one ordered KV event stream on a :class:`~kvstage.events.KVEventPublisher`.
+
+The join: a store knows keys and bytes only; the manager knows, for every page it writes, the
+chain run it belongs to (token ids, the page before it, the request's namespace). After each
+store write the writer thread calls :meth:`KVEventAnnouncer.written`, which takes the store's
+events (:meth:`~kvstage.storage.StorageBackend.take_events`) and publishes, in the store's
+order, a self-describing ``BlockStored`` for the run's pages that reached the store (written or
+already held) and a ``BlockRemoved`` for each eviction or removal; :meth:`KVEventAnnouncer.poll`
+(the manager's ``poll``) publishes the removals that happen between writes (``clear``, a corrupt
+page dropped on a read). The announcer is then the store's only event consumer.
+
+What it does not announce, counted instead: pages whose chain parent is not live on this stream
+(``pages_unanchored``: a run continuing a loaded prefix, or the prefill side's prompt pages with
+``store_prompt=False``, which this stream never announced; routers drop a block with an unknown
+parent), and pages a store reports stored without a manager write (``pages_without_tokens``:
+another writer of the same store object; a router cannot index a block without token ids).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Sequence
+
+from kvstage.errors import ArgumentTypeError, require
+from kvstage.events.publisher import KVEventPublisher
+from kvstage.events.wire import MEDIUM_STORAGE, BlockRemoved, BlockStored, block_hash
+
+__all__ = ["KVEventAnnouncer", "announcer_for"]
+
+logger = logging.getLogger(__name__)
+
+
+class KVEventAnnouncer:
+    """Publishes one store's pages as a manager writes them, and their removals.
+
+    Args:
+        publisher: where the events go.
+        storage: the store whose events are taken (``take_events()``).
+        block_size: tokens per page (the host pool's page size).
+        medium: the events' tier (default ``"STORAGE"``).
+        owns_publisher: :meth:`close` closes ``publisher`` too.
+
+    Attributes:
+        pages_announced, pages_removed: pages published as stored / removed.
+        pages_unanchored, pages_without_tokens: pages not announced (see the module).
+        errors: announcements that raised (logged; the write or poll is unaffected).
+
+    Thread-safe: :meth:`written` runs on the store's writer thread, :meth:`poll` on the engine's.
+    """
+
+    def __init__(
+        self,
+        publisher: KVEventPublisher,
+        storage: Any,
+        *,
+        block_size: int,
+        medium: str = MEDIUM_STORAGE,
+        owns_publisher: bool = False,
+    ) -> None:
+        self.publisher = publisher
+        self.storage = storage
+        self.block_size = block_size
+        self.medium = medium
+        self.owns_publisher = owns_publisher
+        self.pages_announced = self.pages_removed = self.pages_unanchored = self.pages_without_tokens = 0
+        self.errors = 0
+        self._live: set[int] = set()  # hashes announced stored on this stream and not removed since
+        self._lock = threading.Lock()  # one taker of store events at a time: the stream keeps their order
+
+    def written(
+        self,
+        keys: Sequence[str],
+        tokens: Sequence[int],
+        prior_key: str | None,
+        namespace: tuple[str | None, str | None],
+        failed_keys: Sequence[str],
+    ) -> None:
+        """One store write of a chain run ended: announce its pages that reached the store.
+
+        Args:
+            keys: the run's page keys, chain order. tokens: its token ids (``block_size`` per key).
+            prior_key: the stored page before the run (None: the run starts the chain).
+            namespace: ``(extra_key, cache_salt)`` of the request.
+            failed_keys: the keys the write did not store; the run is announced up to the first.
+
+        Never raises (it runs inside the store write): an error is logged and counted in
+        ``errors``.
+        """
+        try:
+            self._written(keys, tokens, prior_key, namespace, failed_keys)
+        except Exception:
+            self.errors += 1
+            logger.exception("kv events: announcing a write of %d pages failed", len(keys))
+
+    def _written(self, keys, tokens, prior_key, namespace, failed_keys) -> None:
+        if failed_keys:
+            failed = set(failed_keys)
+            keys = keys[: next((index for index, key in enumerate(keys) if key in failed), len(keys))]
+        with self._lock:
+            store_events = self.storage.take_events()
+            events: list = []
+            placed = False
+            if store_events:
+                mine = set(keys)
+                for event in store_events:
+                    if event.key in mine and not placed:  # its first event: stored (or evicted within this write)
+                        placed = True
+                        self._add_stored(events, keys, tokens, prior_key, namespace)
+                    if event.kind != "stored":
+                        self._add_removed(events, event.key)
+                    elif event.key not in mine:
+                        self.pages_without_tokens += 1
+            if not placed:  # every page was held already (or the store records no events)
+                self._add_stored(events, keys, tokens, prior_key, namespace)
+            if events:
+                self.publisher.publish(events)
+
+    def poll(self) -> None:
+        """Publish the store's events since the last call (removals between writes). Never
+        raises (it runs in the manager's ``poll``): an error is logged and counted."""
+        try:
+            with self._lock:
+                events: list = []
+                for event in self.storage.take_events():
+                    if event.kind == "stored":
+                        self.pages_without_tokens += 1
+                    else:
+                        self._add_removed(events, event.key)
+                if events:
+                    self.publisher.publish(events)
+        except Exception:
+            self.errors += 1
+            logger.exception("kv events: announcing the store's removals failed")
+
+    def close(self) -> None:
+        """Publish what is left (:meth:`poll`), then close the publisher if owned."""
+        self.poll()
+        if self.owns_publisher:
+            self.publisher.close()
+
+    def _add_stored(self, events: list, keys: Sequence[str], tokens: Sequence[int], prior_key, namespace) -> None:
+        if not keys:
+            return
+        hashes = [block_hash(key) for key in keys]
+        size, live, count = self.block_size, self._live, len(hashes)
+        start = 0
+        parent = None if prior_key is None else block_hash(prior_key)
+        while start < count and hashes[start] in live:  # announced already: continue after them
+            parent = hashes[start]
+            start += 1
+        if start == count:
+            return
+        if parent is not None and parent not in live:
+            self.pages_unanchored += count - start
+            return
+        extra_key, cache_salt = namespace
+        extra = None
+        if extra_key is not None or cache_salt is not None:
+            extra = tuple(value for value in (extra_key, cache_salt) if value is not None)
+        token_list = (
+            tokens if type(tokens) is list else (tokens.tolist() if hasattr(tokens, "tolist") else list(tokens))
+        )
+        stored = BlockStored(
+            hashes[start:] if start else hashes,
+            parent,
+            token_list[start * size : count * size] if start or len(token_list) != count * size else token_list,
+            size,
+            extra_key,
+            self.medium,
+            None if extra is None else [extra] * (count - start),
+        )
+        self._live.update(stored.block_hashes)
+        self.pages_announced += len(stored.block_hashes)
+        events.append(stored)
+
+    def _add_removed(self, events: list, key: str) -> None:
+        value = block_hash(key)
+        self._live.discard(value)
+        self.pages_removed += 1
+        last = events[-1] if events else None
+        if isinstance(last, BlockRemoved):  # consecutive removals: one event
+            last.block_hashes.append(value)
+        else:
+            events.append(BlockRemoved([value], self.medium))
+
+
+def announcer_for(kv_events: Any, storage: Any, block_size: int) -> KVEventAnnouncer | None:
+    """The announcer for a manager's ``kv_events`` argument: None (off), a
+    :class:`KVEventPublisher`, or an endpoint str (a publisher bound there, without replay,
+    closed with the manager).
+
+    Raises:
+        ArgumentTypeError: ``kv_events`` is none of these.
+        InvalidArgumentError: the endpoint cannot be bound.
+    """
+    if kv_events is None:
+        return None
+    require(
+        isinstance(kv_events, (KVEventPublisher, str)),
+        "kv_events",
+        lambda: f"must be None, a KVEventPublisher or an endpoint str, got {type(kv_events).__name__}",
+        ArgumentTypeError,
+    )
+    if isinstance(kv_events, KVEventPublisher):
+        return KVEventAnnouncer(kv_events, storage, block_size=block_size)
+    return KVEventAnnouncer(KVEventPublisher(kv_events), storage, block_size=block_size, owns_publisher=True)

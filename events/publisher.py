@@ -1,0 +1,252 @@
+"""``KVEventPublisher``: KV event batches on a ZMQ PUB socket, vLLM's framing, with replay.
+
+Frames (vLLM's ``ZmqEventPublisher``): ``[topic, seq, payload]``, ``seq`` an 8-byte big-endian
+counter from 0, ``payload`` a :func:`~kvstage.events.wire.encode_batch` batch. The replay socket
+(ZMQ ROUTER) answers a request ``[b"", start_seq]`` with ``[b"", topic, seq, payload]`` for each
+buffered batch from ``start_seq`` on, then the end marker ``[b"", b"", seq=-1, b""]``.
+
+Batches: :meth:`KVEventPublisher.publish` only queues its events; the sending thread takes what
+is queued (up to ``max_batch`` publish calls' worth) as one batch, a chain's consecutive
+``BlockStored`` joined (:func:`~kvstage.events.wire.merge_stored`), so a burst of writes costs one
+encoding and one message, and the caller never waits for the network.
+
+Bounds: the last ``buffer_steps`` batches are kept for replay (older ones are gone: a subscriber
+that fell further behind counts them as gaps); publish calls waiting for the sending thread are
+at most ``max_pending``, beyond which a call's events are dropped, counted in ``dropped``, and a
+seq is skipped so that subscribers see the gap. The PUB socket's own high-water mark (``hwm``)
+drops messages to a slow subscriber, which replay refills.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from kvstage.errors import InvalidArgumentError, is_int, require, require_seconds
+from kvstage.events.wire import KVEventBatch, encode_batch, merge_stored
+
+__all__ = ["END_SEQ", "KVEventPublisher"]
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
+_IDLE_S = 0.01  # the sender checks replay requests at least this often
+
+
+class KVEventPublisher:
+    """Publishes KV event batches (vLLM's format) from a background thread.
+
+    Args:
+        endpoint: where the PUB socket binds, e.g. ``"tcp://127.0.0.1:5557"`` or
+            ``"tcp://127.0.0.1:0"`` (a free port: read :attr:`endpoint`); subscribers connect.
+        replay_endpoint: where the replay ROUTER socket binds (None: no replay).
+        topic: the first frame of every message (routers key a stream by it: one per engine).
+        buffer_steps: batches kept for replay (>= 1).
+        data_parallel_rank: the third field of every batch.
+        hwm: the PUB socket's send high-water mark, messages (>= 1).
+        max_pending: publish calls waiting for the sending thread at most (>= 1).
+        max_batch: publish calls the sending thread joins into one batch at most (>= 1).
+        linger_s: seconds the sending thread waits after a publish call woke it, gathering more
+            calls into the batch (>= 0; 0: send at once). Fewer wake-ups and messages for a
+            burst of writes, at that much added latency.
+
+    Attributes:
+        endpoint / replay_endpoint: the bound addresses (the port chosen for ``:0``).
+        published: batches sent. events_published: events in them.
+        dropped: publish calls whose events were dropped (a full pending queue).
+
+    Raises:
+        InvalidArgumentError: a bound is not a positive int, an endpoint or the topic is not a
+            str, or an endpoint cannot be bound (zmq's error as the cause).
+
+    :meth:`publish` may be called from any thread and never blocks on the network.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_steps: int = 10000,
+        data_parallel_rank: int = 0,
+        hwm: int = 100000,
+        max_pending: int = 100000,
+        max_batch: int = 1024,
+        linger_s: float = 0.001,
+    ) -> None:
+        bounds = (("buffer_steps", buffer_steps), ("hwm", hwm), ("max_pending", max_pending), ("max_batch", max_batch))
+        for name, value in bounds:
+            require(is_int(value) and value >= 1, name, lambda: f"must be an int >= 1, got {value!r}")
+        require(isinstance(endpoint, str), "endpoint", lambda: f"must be a str, got {endpoint!r}")
+        require(
+            replay_endpoint is None or isinstance(replay_endpoint, str),
+            "replay_endpoint",
+            lambda: f"must be None or a str, got {replay_endpoint!r}",
+        )
+        require(isinstance(topic, str), "topic", lambda: f"must be a str, got {topic!r}")
+        require(is_int(data_parallel_rank), "data_parallel_rank", lambda: f"must be an int, got {data_parallel_rank!r}")
+        self.topic = topic
+        self.buffer_steps = buffer_steps
+        self.data_parallel_rank = data_parallel_rank
+        self.max_pending = max_pending
+        self.max_batch = max_batch
+        require_seconds(linger_s, "linger_s")
+        self.linger_s = float(linger_s)
+        self.published = self.events_published = self.dropped = 0
+        self._calls = self._calls_done = 0  # publish calls queued or dropped / sent or dropped
+        self._topic = topic.encode()
+        self._context = zmq.Context.instance()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._replay = None
+        try:
+            self.endpoint = _bind(self._pub, endpoint, "endpoint")
+            self.replay_endpoint = None
+            if replay_endpoint is not None:
+                self._replay = self._context.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))  # a whole replay and its marker
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self.replay_endpoint = _bind(self._replay, replay_endpoint, "replay_endpoint")
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._seq = 0  # the next batch's (the sending thread's alone)
+        self._pending: collections.deque[list] = collections.deque()  # publish calls' events, oldest first
+        self._gap = False  # events were dropped since the last batch: skip a seq
+        self._full = threading.Lock()  # the pending bound and the gap flag, checked together
+        self._wake = threading.Event()  # set: the sending thread has something to do
+        self._buffer: list[tuple[int, bytes]] = []  # the last buffer_steps (seq, payload), oldest first
+        self._closed = False
+        self._thread = threading.Thread(target=self._send_loop, name="kvstage-kv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, events: list) -> None:
+        """Queue ``events`` (:class:`~kvstage.events.BlockStored`,
+        :class:`~kvstage.events.BlockRemoved`, :class:`~kvstage.events.AllBlocksCleared`) for
+        the next batch, in call order; the sending thread encodes and sends it. Never blocks on
+        the network; an empty list sends nothing.
+
+        Raises:
+            InvalidArgumentError: the publisher is closed, or ``events`` is not a list.
+        """
+        if self._closed:
+            raise InvalidArgumentError("publisher: publish() after close()")
+        if not isinstance(events, list):
+            raise InvalidArgumentError(f"events: must be a list of KV events, got {type(events).__name__}")
+        if not events:
+            return
+        with self._full:
+            self._calls += 1
+            if len(self._pending) >= self.max_pending:
+                self.dropped += 1
+                self._calls_done += 1
+                self._gap = True
+            else:
+                self._pending.append(events)
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until the events of every publish call made before this one are sent (or
+        dropped); True when they are, False after ``timeout_s`` seconds."""
+        with self._full:
+            target = self._calls
+        deadline = time.monotonic() + timeout_s
+        while self._calls_done < target:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.0005)
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued (up to ``timeout_s`` seconds), stop the thread, close the
+        sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():  # it closes the sockets itself when it ends
+            logger.warning("kv events: the sending thread did not stop within %.1f s", timeout_s)
+
+    def __enter__(self) -> KVEventPublisher:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None and not sock.closed:
+                sock.close(linger=0)
+
+    def _send_loop(self) -> None:
+        """The sockets' only thread once started: sends queued events, answers replay."""
+        pending = self._pending
+        while True:
+            if self._replay is not None:
+                while self._replay.poll(0):
+                    self._answer_replay()
+            if not pending:
+                if self._closed:
+                    break
+                if self._wake.wait(_IDLE_S) and self.linger_s and not self._closed:
+                    time.sleep(self.linger_s)  # let a burst of calls join this batch
+            self._wake.clear()  # before taking: a publish from now on wakes the next round
+            while pending:
+                with self._full:
+                    take = min(len(pending), self.max_batch)
+                    calls = [pending.popleft() for _ in range(take)]
+                    gap, self._gap = self._gap, False
+                if gap:
+                    self._seq += 1  # dropped events: subscribers see the hole
+                events = calls[0] if take == 1 else merge_stored([event for call in calls for event in call])
+                self._send(KVEventBatch(time.time(), events, self.data_parallel_rank))
+                with self._full:
+                    self._calls_done += take
+        self._close_sockets()
+
+    def _send(self, batch: KVEventBatch) -> None:
+        seq = self._seq
+        self._seq += 1
+        try:
+            payload = encode_batch(batch)
+        except Exception:
+            logger.exception("kv events: batch %d cannot be encoded; it is skipped (a gap)", seq)
+            return
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+        self.published += 1
+        self.events_published += len(batch.events)
+        self._buffer.append((seq, payload))
+        if len(self._buffer) > 2 * self.buffer_steps:  # trimmed in steps: amortized O(1)
+            del self._buffer[: -self.buffer_steps]
+
+    def _answer_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            logger.warning(
+                "kv events: a replay request must be [identity, b'', start_seq 8 bytes], got %d frames", len(frames)
+            )
+            return
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in self._buffer[-self.buffer_steps :]:
+            if seq >= start_seq:
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+
+def _bind(sock: zmq.Socket, endpoint: str, name: str) -> str:
+    """Bind ``sock`` to ``endpoint``; returns the bound address (the OS's port for ``:0``)."""
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as error:
+        raise InvalidArgumentError(f"{name}: cannot bind {endpoint!r}: {error}") from error
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -1,0 +1,214 @@
+"""KV events as vLLM 0.33 writes them: the records, their msgpack encoding, and page keys as
+block hashes.
+
+The format (``vllm/distributed/kv_events.py``), which Dynamo's indexer, llm-d and sglang's
+consumers read: a batch is a msgpack **array** ``[ts, events, data_parallel_rank]``; each event
+a tagged **map** ``{"type": "BlockStored", ...}`` with vLLM's field names and order.
+``BlockStored`` always carries ``block_hashes, parent_block_hash, token_ids, block_size,
+lora_id, medium, lora_name`` and ``extra_keys`` only when set (vLLM omits defaults);
+``BlockRemoved`` carries ``block_hashes, medium``; ``AllBlocksCleared`` nothing.
+
+Block hashes are ints: vLLM's default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) sends the
+low 64 bits of its block hash, unsigned, and Dynamo cannot read byte-string hashes.
+:func:`block_hash` is the one place a kvstage page key (hex) becomes one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from kvstage.errors import InvalidArgumentError
+
+__all__ = [
+    "MEDIUM_STORAGE",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEvent",
+    "KVEventBatch",
+    "block_hash",
+    "decode_batch",
+    "encode_batch",
+    "merge_stored",
+]
+
+MEDIUM_STORAGE = "STORAGE"  # vLLM's MEDIUM_STORAGE; Dynamo counts it at its disk tier
+_LOW_64 = (1 << 64) - 1
+
+
+def block_hash(page_key: str) -> int:
+    """The int block hash of a kvstage page key: its low 64 bits, unsigned (as vLLM's
+    ``maybe_convert_block_hash`` takes the low 64 bits of its own hash).
+
+    Args:
+        page_key: a hex page key (no fingerprint prefix), at least 16 hex digits.
+
+    Raises:
+        InvalidArgumentError: ``page_key`` is not a hex string of 16 digits or more.
+    """
+    if not isinstance(page_key, str) or len(page_key) < 16:
+        raise InvalidArgumentError(f"page_key: must be a hex key of >= 16 digits, got {page_key!r}")
+    try:
+        return int(page_key[-16:], 16)
+    except ValueError:
+        raise InvalidArgumentError(f"page_key: must be hexadecimal, got {page_key!r}") from None
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """Pages stored: one chain run, self-describing.
+
+    Attributes:
+        block_hashes: one int per page (:func:`block_hash`), in chain order.
+        parent_block_hash: the hash of the page before the first one (already announced on this
+            stream), or None: the run starts at the root.
+        token_ids: every page's token ids, concatenated (``len == block_size * len(block_hashes)``).
+        block_size: tokens per page.
+        lora_name: the namespace's ``extra_key`` (vLLM's LoRA name slot), or None.
+        medium: the tier: ``"STORAGE"`` for a store (vLLM's name; ``"GPU"``, ``"CPU"`` its others).
+        extra_keys: None, or one tuple per page of what else seeds its hash (vLLM: the LoRA
+            name, then multimodal pairs, then ``cache_salt``).
+    """
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_name: str | None = None
+    medium: str = MEDIUM_STORAGE
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """Pages gone from ``medium`` (evicted, removed, corrupt). ``block_hashes``: ints."""
+
+    block_hashes: list[int]
+    medium: str = MEDIUM_STORAGE
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    """Every page of this stream (this batch's data-parallel rank) is gone."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class KVEventBatch:
+    """One published message: ``ts`` (``time.time()`` seconds), ``events`` in order, and the
+    publisher's ``data_parallel_rank``."""
+
+    ts: float
+    events: list[KVEvent] = field(default_factory=list)
+    data_parallel_rank: int | None = 0
+
+
+def merge_stored(events: list[KVEvent]) -> list[KVEvent]:
+    """``events`` with each ``BlockStored`` that continues the one just before it (its parent is
+    that one's last hash; same block size, medium, LoRA name and kind of ``extra_keys``) joined
+    into it: the same pages in fewer, longer events (a consumer indexes them alike). The input
+    events are not changed."""
+    out: list[KVEvent] = []
+    for event in events:
+        last = out[-1] if out else None
+        if (
+            isinstance(event, BlockStored)
+            and isinstance(last, BlockStored)
+            and event.parent_block_hash is not None
+            and event.parent_block_hash == last.block_hashes[-1]
+            and (event.block_size, event.medium, event.lora_name) == (last.block_size, last.medium, last.lora_name)
+            and (event.extra_keys is None) == (last.extra_keys is None)
+        ):
+            joined = BlockStored(
+                last.block_hashes + event.block_hashes,
+                last.parent_block_hash,
+                last.token_ids + event.token_ids,
+                last.block_size,
+                last.lora_name,
+                last.medium,
+                None if last.extra_keys is None else last.extra_keys + event.extra_keys,
+            )
+            out[-1] = joined
+        else:
+            out.append(event)
+    return out
+
+
+def _event_map(event: KVEvent) -> dict[str, Any]:
+    if isinstance(event, BlockStored):
+        out = {
+            "type": "BlockStored",
+            "block_hashes": event.block_hashes,
+            "parent_block_hash": event.parent_block_hash,
+            "token_ids": event.token_ids,
+            "block_size": event.block_size,
+            "lora_id": None,  # deprecated in vLLM, still always written
+            "medium": event.medium,
+            "lora_name": event.lora_name,
+        }
+        if event.extra_keys is not None:
+            out["extra_keys"] = event.extra_keys
+        return out
+    if isinstance(event, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium}
+    if isinstance(event, AllBlocksCleared):
+        return {"type": "AllBlocksCleared"}
+    raise InvalidArgumentError(
+        f"events: each must be a BlockStored, BlockRemoved or AllBlocksCleared, got {type(event).__name__}"
+    )
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    """``batch`` as vLLM's msgpack payload (array of 3, events as tagged maps).
+
+    Raises:
+        InvalidArgumentError: an event is none of the three kinds.
+    """
+    return msgpack.packb([batch.ts, [_event_map(event) for event in batch.events], batch.data_parallel_rank])
+
+
+def _event(item: Any) -> KVEvent:
+    if not isinstance(item, dict):
+        raise InvalidArgumentError(f"payload: an event must be a tagged map, got {type(item).__name__}")
+    kind = item.get("type")
+    if kind == "BlockStored":
+        extra = item.get("extra_keys")
+        return BlockStored(
+            list(item["block_hashes"]),
+            item["parent_block_hash"],
+            list(item["token_ids"]),
+            item["block_size"],
+            item.get("lora_name"),
+            item.get("medium"),
+            None if extra is None else [None if keys is None else tuple(keys) for keys in extra],
+        )
+    if kind == "BlockRemoved":
+        return BlockRemoved(list(item["block_hashes"]), item.get("medium"))
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise InvalidArgumentError(f"payload: unknown event type {kind!r} (BlockStored, BlockRemoved, AllBlocksCleared)")
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """The :class:`KVEventBatch` of a vLLM-format payload (map events; unknown fields are ignored).
+
+    Raises:
+        InvalidArgumentError: not msgpack, not an array of 2 or 3, or an event of an unknown type
+            or missing a field.
+    """
+    try:
+        items = msgpack.unpackb(payload, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as error:
+        raise InvalidArgumentError(f"payload: not a msgpack KV event batch: {error!r}") from error
+    if not isinstance(items, list) or len(items) not in (2, 3):
+        raise InvalidArgumentError(f"payload: a batch is an array [ts, events, data_parallel_rank], got {items!r:.80}")
+    rank = items[2] if len(items) == 3 else None
+    try:
+        return KVEventBatch(items[0], [_event(item) for item in items[1]], rank)
+    except KeyError as error:
+        raise InvalidArgumentError(f"payload: an event lacks the field {error.args[0]!r}") from None

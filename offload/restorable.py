@@ -1,0 +1,271 @@
+"""Restorable lengths of a hybrid model's token sequence, which sliding-window pages to store, and
+where a state snapshot goes (pure arithmetic over a :class:`~kvstage.model_layout.ModelLayout`).
+
+The key rule (every component): the entry of component ``C`` for page ``i`` (tokens
+``[i * page_size, (i + 1) * page_size)``) is stored under the page's key ``h_i`` in ``C``'s key
+space (:meth:`ModelLayout.fingerprints`); a state snapshot after exactly ``L = k * page_size``
+tokens is stored under ``h_{k-1}``, the key of the page that ends at ``L``. So a lookup hashes a
+sequence once and asks each component's store for the same keys.
+
+A length ``L = k * page_size`` is restorable when, with ``w = ceil((W - 1) / page_size)`` for a
+sliding window of ``W`` tokens:
+
+- every full-attention and sidecar component holds pages ``0 .. k-1`` (sglang's ``ALL_PAGES``);
+- every sliding-window component holds pages ``k-w .. k-1`` (from 0 when ``k < w``): the window
+  before ``L``, and no more (sglang's ``TRAILING_PAGES``);
+- every state component holds the snapshot at ``L`` (key ``h_{k-1}``);
+- ``L <= num_tokens - 1``: the engine computes at least the last token (a hit of the whole
+  prompt would leave it no logits; vLLM #44599 served wrong ones at exact block boundaries).
+
+Why ``W - 1``: the token at position ``L`` attends to ``[L - W + 1, L]``, so resuming at ``L``
+needs the ``W - 1`` tokens before it, exactly what transformers' ``DynamicSlidingWindowLayer``
+keeps; sglang keeps ``ceil(W / page_size)`` pages, one more whenever ``page_size`` divides
+``W - 1``; vLLM's offload keeps ``cdiv(W - 1 + extra_retained, block)`` chunks, as here when it
+retains no extra tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
+from kvstage.model_layout import LayoutComponent, ModelLayout, SlidingWindow
+
+__all__ = ["Restorable", "pages_to_load", "restorable_lengths", "snapshot_key_index", "swa_store_mask"]
+
+
+@dataclass(frozen=True)
+class Restorable:
+    """What :func:`restorable_lengths` found.
+
+    Attributes:
+        lengths: the restorable lengths in tokens, ascending (each a positive multiple of
+            ``page_size``, at most ``num_tokens - 1``); sglang's ``restorable_prefix_pages``
+            counts the same points in pages.
+        page_size: tokens per page.
+        pages_asked: whole pages considered, ``(num_tokens - 1) // page_size``.
+    """
+
+    lengths: tuple[int, ...]
+    page_size: int
+    pages_asked: int
+
+    @property
+    def max_length(self) -> int:
+        """The restorable length: the largest of :attr:`lengths`, or 0 (nothing to load)."""
+        return self.lengths[-1] if self.lengths else 0
+
+    @property
+    def num_pages(self) -> int:
+        """Pages before :attr:`max_length`."""
+        return self.max_length // self.page_size
+
+    def at_most(self, length: int) -> int:
+        """The largest restorable length ``<= length`` (e.g. the pages a prefetch could read),
+        or 0."""
+        best = 0
+        for candidate in self.lengths:
+            if candidate > length:
+                break
+            best = candidate
+        return best
+
+
+def _page_size(page_size: object) -> int:
+    require(is_int(page_size) and page_size >= 1, "page_size", lambda: f"must be a positive int, got {page_size!r}")
+    return page_size
+
+
+def _layout(layout: object) -> ModelLayout:
+    require(
+        isinstance(layout, ModelLayout),
+        "layout",
+        lambda: f"must be a kvstage.model_layout.ModelLayout, got {type(layout).__name__}",
+        ArgumentTypeError,
+    )
+    return layout
+
+
+def restorable_lengths(
+    layout: ModelLayout, page_size: int, num_tokens: int, present: Mapping[str, Sequence[bool]]
+) -> Restorable:
+    """The lengths of a ``num_tokens`` sequence that the stored entries can restore (module doc).
+
+    Args:
+        layout: the model's layout.
+        page_size: tokens per page.
+        num_tokens: the sequence's tokens (>= 0), e.g. a prompt's.
+        present: per component name, ``present[name][i]``: whether that component's key space
+            holds key ``h_i`` (a page; for a state component, the snapshot after
+            ``(i + 1) * page_size`` tokens). A sequence shorter than the pages asked counts as
+            absent past its end. One entry per component of ``layout``.
+
+    Returns:
+        :class:`Restorable`.
+
+    Raises:
+        ArgumentTypeError: ``layout`` is not a ModelLayout, ``present`` not a mapping.
+        InvalidArgumentError: ``page_size`` or ``num_tokens`` out of range; ``present`` misses a
+            component of ``layout`` or names one it does not have.
+    """
+    layout = _layout(layout)
+    page_size = _page_size(page_size)
+    require(is_int(num_tokens) and num_tokens >= 0, "num_tokens", lambda: f"must be an int >= 0, got {num_tokens!r}")
+    require(
+        isinstance(present, Mapping),
+        "present",
+        lambda: f"must map component names to presence sequences, got {type(present).__name__}",
+        ArgumentTypeError,
+    )
+    names = {component.name for component in layout.components}
+    for name in present:
+        require(
+            name in names,
+            "present",
+            lambda name=name: f"names component {name!r}, which the layout does not have (it has {sorted(names)})",
+        )
+    for name in sorted(names):
+        require(name in present, "present", lambda name=name: f"has no entry for the layout's component {name!r}")
+    pages_asked = max(num_tokens - 1, 0) // page_size
+
+    def held(component: LayoutComponent, index: int) -> bool:
+        entries = present[component.name]
+        return index < len(entries) and bool(entries[index])
+
+    limit = pages_asked  # pages every full-attention and sidecar component holds from the start
+    for component in layout.components:
+        if component.kind in ("full", "sidecar"):
+            leading = 0
+            while leading < limit and held(component, leading):
+                leading += 1
+            limit = leading
+    windows = [(component, component.window_pages(page_size)) for component in layout.of_kind("swa")]
+    runs = [0] * len(windows)  # held pages ending at page k - 1, per sliding-window component
+    states = layout.of_kind("state")
+    lengths = []
+    for k in range(1, limit + 1):
+        restorable = True
+        for index, (component, window_pages) in enumerate(windows):
+            runs[index] = runs[index] + 1 if held(component, k - 1) else 0
+            restorable = restorable and runs[index] >= min(window_pages, k)
+        if restorable and all(held(component, k - 1) for component in states):
+            lengths.append(k * page_size)
+    return Restorable(tuple(lengths), page_size, pages_asked)
+
+
+def pages_to_load(layout: ModelLayout, page_size: int, length: int) -> dict[str, range]:
+    """The page indices (keys ``h_i``) each component reads to restore ``length`` tokens: all
+    pages before it (full, sidecar), the window's (sliding window), the snapshot's key
+    (state). ``length`` 0: nothing.
+
+    Raises:
+        InvalidArgumentError: ``length`` is not a multiple of ``page_size`` >= 0.
+    """
+    layout = _layout(layout)
+    page_size = _page_size(page_size)
+    require(
+        is_int(length) and length >= 0 and length % page_size == 0,
+        "length",
+        lambda: f"must be a multiple of page_size {page_size} >= 0, got {length!r}",
+    )
+    k = length // page_size
+    plan = {}
+    for component in layout.components:
+        if k == 0:
+            plan[component.name] = range(0)
+        elif component.kind == "swa":
+            plan[component.name] = range(max(0, k - component.window_pages(page_size)), k)
+        elif component.kind == "state":
+            plan[component.name] = range(k - 1, k)
+        else:
+            plan[component.name] = range(k)
+    return plan
+
+
+def swa_store_mask(
+    component: SlidingWindow, page_size: int, resume_lengths: Iterable[int], end_page: int, first_page: int = 0
+) -> list[bool]:
+    """Which sliding-window pages ``first_page .. end_page - 1`` can serve a hit: those within the
+    window before a length the engine may resume at (vLLM's reachable-store mask). The others
+    are never stored.
+
+    Args:
+        component: the sliding-window component.
+        page_size: tokens per page.
+        resume_lengths: lengths (tokens) a later request may resume at, each a positive multiple
+            of ``page_size``: where the model's state snapshots are, or for a model without state
+            the lengths kvstage stores to (a segment's end); any order, repeats allowed.
+        end_page, first_page: the pages asked, ``0 <= first_page <= end_page``.
+
+    Returns:
+        ``mask[i - first_page]``: whether page ``i`` is stored.
+
+    Raises:
+        ArgumentTypeError: ``component`` is not a :class:`SlidingWindow`.
+        InvalidArgumentError: a length not a positive multiple of ``page_size`` (named by its
+            index), or pages out of range.
+    """
+    require(
+        isinstance(component, SlidingWindow),
+        "component",
+        lambda: f"must be a kvstage.model_layout.SlidingWindow, got {type(component).__name__}",
+        ArgumentTypeError,
+    )
+    page_size = _page_size(page_size)
+    require(
+        is_int(first_page) and is_int(end_page) and 0 <= first_page <= end_page,
+        "first_page",
+        lambda: f"must be ints with 0 <= first_page <= end_page, got first_page={first_page!r}, end_page={end_page!r}",
+    )
+    window_pages = component.window_pages(page_size)
+    marks = [0] * (end_page - first_page + 1)  # +1 at a window's first page, -1 after its last
+    for index, length in enumerate(resume_lengths):
+        require(
+            is_int(length) and length >= page_size and length % page_size == 0,
+            f"resume_lengths[{index}]",
+            lambda length=length: f"must be a positive multiple of page_size {page_size}, got {length!r}",
+        )
+        k = length // page_size
+        begin, end = max(k - window_pages, first_page), min(k, end_page)
+        if begin < end:
+            marks[begin - first_page] += 1
+            marks[end - first_page] -= 1
+    mask, covering = [], 0
+    for mark in marks[:-1]:
+        covering += mark
+        mask.append(covering > 0)
+    return mask
+
+
+def snapshot_key_index(length: int, page_size: int, num_tokens: int, argument: str = "length") -> int:
+    """The page index ``k - 1`` whose key ``h_{k-1}`` keys a state snapshot taken after
+    ``length = k * page_size`` tokens, checked before anything is copied.
+
+    Args:
+        length: tokens the state has consumed (``[0, length)``).
+        page_size: tokens per page.
+        num_tokens: tokens the request has with KV (``kv_length``): a snapshot cannot be of a
+            state after more tokens than were computed.
+        argument: the caller's name for ``length`` in the error.
+
+    Raises:
+        InvalidArgumentError: ``length`` is not a positive multiple of ``page_size``, or exceeds
+            ``num_tokens`` (named ``argument``).
+    """
+    page_size = _page_size(page_size)
+    require(is_int(num_tokens) and num_tokens >= 0, "num_tokens", lambda: f"must be an int >= 0, got {num_tokens!r}")
+    require(
+        is_int(length) and length >= page_size and length % page_size == 0,
+        argument,
+        lambda: (
+            f"must be a positive multiple of page_size {page_size} (a snapshot is taken at a page boundary), "
+            f"got {length!r}"
+        ),
+    )
+    if length > num_tokens:
+        raise InvalidArgumentError(
+            f"{argument}: {length} is past the request's {num_tokens} tokens with KV; a snapshot holds the state "
+            "after exactly that many tokens"
+        )
+    return length // page_size - 1

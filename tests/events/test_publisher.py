@@ -1,0 +1,204 @@
+"""KVEventPublisher: vLLM's frames on PUB, a monotonic seq, replay over ROUTER with its end
+marker, the bounded replay buffer and pending queue, and bad arguments."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from kvstage.errors import InvalidArgumentError
+from kvstage.events import BlockRemoved, BlockStored, KVEventPublisher
+from kvstage.events.wire import decode_batch
+
+
+def publish_each(pub: KVEventPublisher, calls: list[list]) -> None:
+    """Publish each call's events as a batch of its own: wait for it to be sent before the next."""
+    for events in calls:
+        sent = pub.published
+        pub.publish(events)
+        deadline = time.monotonic() + 10
+        while pub.published == sent:
+            assert time.monotonic() < deadline, "the sending thread sent nothing"
+            time.sleep(0.001)
+
+
+def raw_subscriber(endpoint: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    return sock
+
+
+def replay(endpoint: str, start_seq: int, timeout_ms: int = 5000) -> list[list[bytes]]:
+    """The replies to one replay request, the end marker included."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        replies = []
+        while sock.poll(timeout_ms):
+            replies.append(sock.recv_multipart())
+            if replies[-1][2] == (-1).to_bytes(8, "big", signed=True):
+                return replies
+        raise AssertionError(f"no end marker after {replies!r}")
+    finally:
+        sock.close()
+
+
+def test_binding_port_zero_exposes_the_bound_ports():
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        assert pub.endpoint.startswith("tcp://127.0.0.1:") and not pub.endpoint.endswith(":0")
+        assert pub.replay_endpoint.startswith("tcp://127.0.0.1:") and pub.replay_endpoint != pub.endpoint
+
+
+def test_frames_are_topic_seq_payload_with_seq_counting_up_by_one():
+    with KVEventPublisher("tcp://127.0.0.1:0", topic="engine-7", data_parallel_rank=2) as pub:
+        sub = raw_subscriber(pub.endpoint)
+        try:
+            deadline = time.monotonic() + 10
+            while not sub.poll(20):  # slow joiner: publish until the SUB socket is connected
+                assert time.monotonic() < deadline
+                pub.publish([BlockRemoved([0])])
+            while sub.poll(100):
+                first = sub.recv_multipart()
+            sent = [BlockStored([10 + i], None, [i] * 4, 4) for i in range(5)]
+            publish_each(pub, [[event] for event in sent])
+            frames = []
+            while len(frames) < 5 and sub.poll(5000):
+                frames.append(sub.recv_multipart())
+        finally:
+            sub.close()
+    assert [len(f) for f in frames] == [3] * 5 and {f[0] for f in frames} == {b"engine-7"}
+    assert all(len(f[1]) == 8 for f in frames)
+    start = int.from_bytes(first[1], "big") + 1
+    assert [int.from_bytes(f[1], "big") for f in frames] == list(range(start, start + 5))
+    batches = [decode_batch(f[2]) for f in frames]
+    assert [batch.events for batch in batches] == [[event] for event in sent]
+    assert {batch.data_parallel_rank for batch in batches} == {2}
+
+
+def test_calls_queued_while_the_sender_is_busy_go_out_as_one_batch_in_call_order(monkeypatch):
+    release, encoding = stall_encoding(monkeypatch)
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        pub.publish([BlockRemoved([0])])
+        assert encoding.wait(10)  # the sender holds batch 0
+        for i in range(1, 4):
+            pub.publish([BlockRemoved([i]), BlockRemoved([10 + i])])
+        release.set()
+        time.sleep(0.2)
+        replies = replay(pub.replay_endpoint, 0)
+        assert pub.published == 2 and pub.events_published == 7
+    assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [0, 1]
+    assert decode_batch(replies[1][3]).events == [BlockRemoved([n]) for i in range(1, 4) for n in (i, 10 + i)]
+
+
+def stall_encoding(monkeypatch):
+    """Make the sending thread wait in its first encoding until ``release`` is set; ``encoding``
+    is set once it waits."""
+    import threading
+
+    import kvstage.events.publisher as publisher_module
+
+    release, encoding = threading.Event(), threading.Event()
+    real_encode = publisher_module.encode_batch
+
+    def stalled_encode(batch):
+        encoding.set()
+        release.wait(10)
+        return real_encode(batch)
+
+    monkeypatch.setattr(publisher_module, "encode_batch", stalled_encode)
+    return release, encoding
+
+
+def test_replay_sends_buffered_batches_from_start_seq_then_the_end_marker():
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", topic="t") as pub:
+        publish_each(pub, [[BlockRemoved([i])] for i in range(6)])
+        replies = replay(pub.replay_endpoint, 2)
+    assert [r[0] for r in replies] == [b""] * 5
+    assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [2, 3, 4, 5]
+    assert [decode_batch(r[3]).events for r in replies[:-1]] == [[BlockRemoved([i])] for i in range(2, 6)]
+    assert {r[1] for r in replies[:-1]} == {b"t"}
+    assert replies[-1] == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+
+
+def test_the_replay_buffer_keeps_the_last_buffer_steps_batches():
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", buffer_steps=3) as pub:
+        publish_each(pub, [[BlockRemoved([i])] for i in range(20)])
+        replies = replay(pub.replay_endpoint, 0)
+    assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [17, 18, 19]
+    assert [decode_batch(r[3]).events for r in replies[:-1]] == [[BlockRemoved([i])] for i in (17, 18, 19)]
+
+
+def test_a_full_pending_queue_drops_the_events_and_skips_a_seq(monkeypatch):
+    release, encoding = stall_encoding(monkeypatch)
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", max_pending=1) as pub:
+        pub.publish([BlockRemoved([0])])
+        assert encoding.wait(10)  # the sender holds batch 0
+        started = time.perf_counter()
+        for i in range(1, 4):  # 1 waits; 2 and 3 find the queue full
+            pub.publish([BlockRemoved([i])])
+        assert time.perf_counter() - started < 0.5  # publish did not wait for the stalled sender
+        release.set()
+        time.sleep(0.2)
+        replies = replay(pub.replay_endpoint, 0)
+        assert pub.dropped == 2 and pub.published == 2
+    assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [0, 2]  # seq 1 stands for the dropped
+    assert [decode_batch(r[3]).events for r in replies[:-1]] == [[BlockRemoved([0])], [BlockRemoved([1])]]
+
+
+def test_an_empty_list_is_not_sent():
+    with KVEventPublisher("tcp://127.0.0.1:0") as pub:
+        pub.publish([])
+        publish_each(pub, [[BlockRemoved([1])]])
+        assert pub.published == 1 and pub.events_published == 1
+
+
+def test_a_subscriber_gets_what_was_published_before_close(publisher, connected):
+    from kvstage.events import KVEventSubscriber
+
+    with KVEventSubscriber(publisher.endpoint, replay_endpoint=publisher.replay_endpoint) as sub:
+        connected(publisher, sub)
+        publisher.publish([BlockRemoved([42])])
+        publisher.close()
+        got = sub.poll(2.0)
+    assert got and got[-1][1].events == [BlockRemoved([42])]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"buffer_steps": 0}, r"^buffer_steps: must be an int >= 1"),
+        ({"hwm": 1.5}, r"^hwm: must be an int >= 1"),
+        ({"max_pending": True}, r"^max_pending: must be an int >= 1"),
+        ({"max_batch": 0}, r"^max_batch: must be an int >= 1"),
+        ({"topic": b"x"}, r"^topic: must be a str"),
+        ({"replay_endpoint": 5}, r"^replay_endpoint: must be None or a str"),
+        ({"data_parallel_rank": "0"}, r"^data_parallel_rank: must be an int"),
+    ],
+)
+def test_bad_arguments_raise_naming_them(kwargs, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        KVEventPublisher("tcp://127.0.0.1:0", **kwargs)
+
+
+def test_an_endpoint_that_cannot_be_bound_is_named():
+    with KVEventPublisher("tcp://127.0.0.1:0") as pub:
+        with pytest.raises(InvalidArgumentError, match=r"^endpoint: cannot bind 'tcp://127.0.0.1:\d+'"):
+            KVEventPublisher(pub.endpoint)
+    with pytest.raises(InvalidArgumentError, match=r"^replay_endpoint: cannot bind 'nope'"):
+        KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="nope")
+
+
+def test_publish_after_close_raises_and_close_is_idempotent():
+    pub = KVEventPublisher("tcp://127.0.0.1:0")
+    pub.close()
+    pub.close()
+    with pytest.raises(InvalidArgumentError, match=r"^publisher: publish\(\) after close\(\)"):
+        pub.publish([BlockRemoved([1])])
+    with pytest.raises(InvalidArgumentError, match=r"^events: must be a list"):
+        KVEventPublisher("tcp://127.0.0.1:0").publish(BlockRemoved([1]))
