@@ -11,8 +11,8 @@ Modules, one job each:
     command: the ``kvstage replay`` options and their checks.
     fleet: ``--engines N``: engine processes on one store, the router, the kill, the verify;
     fleet_engine: one engine process; local_tier: an engine's own memory tier in front of the
-    shared store; fleet_events: its KV events on the wire (vLLM's format); prefix_index, router:
-    the kv router's index and the policies; fleet_report: the table and the plot.
+    shared store; prefix_index, router: the kv router's index (fed by :mod:`kvstage.events`)
+    and the policies; fleet_report: the table and the plot.
 """
 
 from kvstage.replay.trace import TraceError, TraceRequest, load_trace, synthetic_trace

@@ -265,6 +265,8 @@ class ReplayEngine:
         on_progress: ``on_progress(engine)`` called about every 0.1 s while running.
         open_store: ``open_store(url, fingerprint)`` -> the store the manager uses (a fleet
             engine's local tier in front of the shared store); None: ``open_storage``.
+        kv_events: the manager's ``kv_events`` (a :class:`kvstage.events.KVEventPublisher`:
+            what it stores, as router-facing KV events); None: none.
 
     Attributes:
         run_metrics: the manager's counters when :meth:`run` returned (verification loads
@@ -283,6 +285,7 @@ class ReplayEngine:
         requests: Sequence[TraceRequest],
         on_progress: Callable[["ReplayEngine"], None] | None = None,
         open_store: Callable[[str, Any], Any] | None = None,
+        kv_events: Any = None,
     ) -> None:
         from kvstage.hashing import PageHasher
         from kvstage.kernels import KVPool
@@ -369,6 +372,7 @@ class ReplayEngine:
             on_storage_failure=self._storage_failed,
             on_stored=self._stored,
             backend=config.backend,
+            kv_events=kv_events,
         )
         self.run_metrics = self.manager.metrics
 

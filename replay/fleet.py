@@ -38,8 +38,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from kvstage.errors import InvalidArgumentError, KvstageError
+from kvstage.events import KVEventSubscriber, block_hash
 from kvstage.replay.fleet_engine import EngineSpec
-from kvstage.replay.fleet_events import FleetSubscriber, block_hash
 from kvstage.replay.router import Router
 
 READY_TIMEOUT_S = 300.0  # an engine process imports torch and builds its pools (slow on a busy CPU)
@@ -136,10 +136,10 @@ class Fleet:
 
     # -- processes ----------------------------------------------------------------------------
 
-    def _start(self, index: int, endpoint: str) -> _Engine:
+    def _start(self, index: int, endpoint: str, replay_endpoint: str) -> _Engine:
         """Start engine ``index``: ``python -m kvstage.replay.fleet_engine FD``, its pipe a socket pair."""
         parent, child = socket.socketpair()
-        spec = EngineSpec(index, self.config, self.requests, endpoint, self.fleet.local_pages)
+        spec = EngineSpec(index, self.config, self.requests, endpoint, replay_endpoint, self.fleet.local_pages)
         process = subprocess.Popen(
             [sys.executable, "-m", "kvstage.replay.fleet_engine", str(child.fileno())], pass_fds=(child.fileno(),)
         )
@@ -196,9 +196,12 @@ class Fleet:
         self._hashes = hashes
         self._done: set[int] = set()
         workdir = tempfile.mkdtemp(prefix="kvstage-fleet-")
-        endpoints = [f"ipc://{workdir}/engine-{i}.ipc" for i in range(self.fleet.engines)]
-        subscribers = [FleetSubscriber(e) for e in endpoints]
-        engines = [self._start(i, e) for i, e in enumerate(endpoints)]
+        endpoints = [
+            (f"ipc://{workdir}/engine-{i}.ipc", f"ipc://{workdir}/engine-{i}-replay.ipc")
+            for i in range(self.fleet.engines)
+        ]
+        subscribers = [KVEventSubscriber(e, replay_endpoint=r) for e, r in endpoints]
+        engines = [self._start(i, e, r) for i, (e, r) in enumerate(endpoints)]
         try:
             self._await_ready(engines, time.perf_counter())
             started = time.time()
@@ -283,7 +286,7 @@ class Fleet:
                     raise FleetError(f"engine {i} exited (code {engine.process.returncode}) before it was ready")
             time.sleep(0.01)
 
-    def _kill(self, engines: list[_Engine], endpoints: list[str], queue: deque, started: float) -> int:
+    def _kill(self, engines: list[_Engine], endpoints: list[tuple[str, str]], queue: deque, started: float) -> int:
         """SIGKILL the engine with the most unfinished requests, requeue them, start its successor."""
         for i, running in enumerate(engines):
             self._receive(i, running, started)  # count what has finished, so the victim is really busy
@@ -299,7 +302,7 @@ class Fleet:
         self._retired.append(engine.counters)
         self.router.index.forget_local(victim)
         engine.conn.close()
-        engines[victim] = self._start(victim, endpoints[victim])
+        engines[victim] = self._start(victim, *endpoints[victim])
         self.kill = {
             "engine": victim,
             "time_s": when,
@@ -370,6 +373,8 @@ class Fleet:
             "router_lag_p99_ms": _percentile_ms(lags, 99),
             "event_batches": len(lags),
             "event_gaps": sum(self.router.index.gaps),
+            "index_stored_pages": len(self.router.index.stored),
+            "index_local_pages": sum(len(held) for held in self.router.index.local),
             "kill": self.kill,
             "run_s": run_s,
             "drain_s": drain_s,

@@ -12,11 +12,12 @@ the engine's cumulative counters (so a killed engine's figures survive it); ``("
 counters)``; ``("error", text)``. ``counters`` includes ``storage_failure_keys``: the keys
 whose store write failed since the previous message.
 
-KV events (vLLM's wire format, :mod:`kvstage.replay.fleet_events`) on the engine's endpoint:
-``BlockStored``/``BlockRemoved`` medium ``CPU`` as pages enter and leave its local tier,
-medium ``STORAGE`` for the pages its writes stored and the shared store's evictions and
-removals it saw; each ``BlockStored`` carries the page's token ids and parent hash, the
-request's ``extra_key`` as ``lora_name`` and ``cache_salt`` in ``extra_keys``.
+KV events (vLLM's wire format, :class:`kvstage.events.KVEventPublisher` with a replay socket,
+topic ``engine-<index>``): medium ``STORAGE`` from the manager itself
+(``OffloadManager(kv_events=...)``: what its writes stored, and the shared store's evictions and
+removals it saw), and medium ``CPU`` from here as pages enter and leave the engine's local tier;
+each ``BlockStored`` carries the page's token ids and parent hash, the request's ``extra_key``
+as ``lora_name`` and ``(extra_key, cache_salt)`` in ``extra_keys``, as the manager's do.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import traceback
 from collections import OrderedDict
 from typing import Any
 
-from kvstage.replay.fleet_events import MEDIUM_CPU, MEDIUM_STORAGE, FleetPublisher, block_removed, block_stored
+from kvstage.events import BlockRemoved, BlockStored, KVEventPublisher, block_hash
+
+MEDIUM_CPU = "CPU"  # vLLM's name of a host-memory tier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +41,7 @@ class EngineSpec:
         index: the engine's number (its events' topic is ``engine-<index>``).
         config: the :class:`~kvstage.replay.engine.ReplayConfig` (its ``storage`` the engine's URL).
         requests: the whole trace.
-        endpoint: where its KV event publisher binds.
+        endpoint: where its KV event publisher binds; ``replay_endpoint``: its replay socket.
         local_pages: its local tier's capacity in pages.
     """
 
@@ -46,13 +49,14 @@ class EngineSpec:
     config: Any
     requests: list
     endpoint: str
+    replay_endpoint: str
     local_pages: int
 
 
 class _Announcer:
-    """Turns local-tier changes and store events into KV events with token ids."""
+    """Turns the local tier's changes into KV events with token ids (medium ``CPU``)."""
 
-    def __init__(self, engine, tier, publisher: FleetPublisher) -> None:
+    def __init__(self, engine, tier, publisher: KVEventPublisher) -> None:
         self.engine, self.tier, self.publisher = engine, tier, publisher
         self.where: dict[str, tuple[int, int]] = {}  # page key -> (order, position in its chain)
         self._tokens: OrderedDict[int, Any] = OrderedDict()  # order -> its tokens with KV (a few kept)
@@ -77,39 +81,32 @@ class _Announcer:
         ps = self.engine.page_size
         return list(tokens[position * ps : (position + 1) * ps])
 
-    def _stored(self, key: str, medium: str) -> dict[str, Any] | None:
+    def _stored(self, key: str) -> BlockStored | None:
         found = self.where.get(key)
         if found is None:
             return None
         order, position = found
         chain = self.engine.request_keys[order]
         extra, salt = self.engine.namespaces[order]
-        event = block_stored(
-            [key],
-            chain[position - 1] if position else None,
+        namespace = tuple(value for value in (extra, salt) if value is not None)
+        return BlockStored(
+            [block_hash(key)],
+            block_hash(chain[position - 1]) if position else None,
             self._page_tokens(order, position),
             self.engine.page_size,
-            medium,
             extra,
+            MEDIUM_CPU,
+            [namespace] if namespace else None,
         )
-        if salt is not None:
-            event["extra_keys"] = [salt]
-        return event
 
     def publish(self) -> None:
-        events: list[dict[str, Any]] = []
+        events: list = []
         for kind, key in self.tier.take_changes():
-            event = self._stored(key, MEDIUM_CPU) if kind == "stored" else block_removed([key], MEDIUM_CPU)
+            event = self._stored(key) if kind == "stored" else BlockRemoved([block_hash(key)], MEDIUM_CPU)
             if event is not None:
                 events.append(event)
-        for store_event in self.tier.inner.take_events():
-            if store_event.kind == "stored":
-                event = self._stored(store_event.key, MEDIUM_STORAGE)
-            else:
-                event = block_removed([store_event.key], MEDIUM_STORAGE)
-            if event is not None:
-                events.append(event)
-        self.publisher.publish(events)
+        if events:
+            self.publisher.publish(events)
 
 
 class _PipeFeed:
@@ -188,21 +185,23 @@ def engine_main(spec: EngineSpec, conn) -> None:
         from kvstage.replay.local_tier import LocalTier
 
         torch.set_num_threads(1)
+        publisher = KVEventPublisher(spec.endpoint, replay_endpoint=spec.replay_endpoint, topic=f"engine-{spec.index}")
         engine = ReplayEngine(
             spec.config,
             spec.requests,
             open_store=lambda url, fp: LocalTier(open_engine_store(url, fp), spec.local_pages),
+            kv_events=publisher,  # the manager announces what it stores (medium STORAGE)
         )
         tier = engine.storage
-        publisher = FleetPublisher(spec.endpoint, topic=f"engine-{spec.index}")
         announcer = _Announcer(engine, tier, publisher)
         feed = _PipeFeed(conn, engine, tier, announcer)
         conn.send(("ready",))
         engine.run(feed)
         announcer.publish()
-        conn.send(("final", feed.counters()))
+        counters = feed.counters()
+        engine.close()  # the manager's announcer publishes what is left
         publisher.close()
-        engine.close()
+        conn.send(("final", counters))
     except BaseException:  # reported to the router, which fails the run naming the engine
         try:
             conn.send(("error", traceback.format_exc()))

@@ -44,7 +44,8 @@ class LocalTier(StorageBackend):
     Pages enter on a put that ``inner`` answered STORED or DEDUPLICATED (the page is in the
     shared store either way) and on a read from ``inner``; the least recently used leaves.
     :meth:`take_changes` returns ``("stored" | "removed", key)`` for each entry and exit, in
-    order. ``exists`` is true for a kept page without asking ``inner``; ``clear`` empties both.
+    order; :meth:`take_events` is ``inner``'s. ``exists`` is true for a kept page without asking
+    ``inner``; ``clear`` empties both.
     Thread-safe (the manager reads and writes from its worker threads).
 
     Raises:
@@ -135,6 +136,11 @@ class LocalTier(StorageBackend):
             self._changes.extend(("removed", key) for key in self._pages)
             self._pages.clear()
         return self.inner.clear()
+
+    def take_events(self, max_events: int | None = None):
+        """The shared store's events (what this engine's writes stored, what it saw evicted or
+        removed): the tier's own changes are :meth:`take_changes`."""
+        return self.inner.take_events(max_events)
 
     def register_host_buffers(self, buffers) -> None:
         """Passed to the shared store (a zero-copy store registers the host pool)."""

@@ -1,6 +1,6 @@
 """The kv router's index: which pages each engine announced, from its KV events.
 
-Keyed by block hash (:func:`kvstage.replay.fleet_events.block_hash` of a page key), which is a
+Keyed by block hash (:func:`kvstage.events.block_hash` of a page key), which is a
 chain hash: a hash fixes every page before it, so "the longest prefix an engine holds" is the
 count of a request's leading block hashes found in that engine's set. Two kinds of holdings:
 
@@ -14,8 +14,8 @@ count of a request's leading block hashes found in that engine's set. Two kinds 
   fleet-wide set: added by whichever engine wrote, removed by whichever engine announces the
   removal. An engine's restart leaves them.
 
-Events are vLLM's tagged maps (dicts) or objects with the same field names (``kvstage.events``
-records); batches ``(ts, events, rank)`` tuples or objects with ``ts`` and ``events``.
+Events are :mod:`kvstage.events` records (or vLLM's tagged maps, dicts with the same field
+names); batches :class:`kvstage.events.KVEventBatch` (or ``(ts, events, rank)`` tuples).
 """
 
 from __future__ import annotations

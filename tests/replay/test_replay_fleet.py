@@ -4,20 +4,17 @@ an engine killed mid-run, the local tier, the KV events' wire format."""
 from __future__ import annotations
 
 import json
-import struct
 import time
 
-import msgpack
 import pytest
 import torch
-import zmq
 
 from kvstage.cli import main
 from kvstage.errors import InvalidArgumentError
+from kvstage.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_hash
 from kvstage.replay import command
 from kvstage.replay.engine import ReplayConfig
 from kvstage.replay.fleet import DEFAULT_LOCAL_PAGES, Fleet, FleetConfig
-from kvstage.replay.fleet_events import FleetPublisher, FleetSubscriber, block_hash, block_removed, block_stored
 from kvstage.replay.local_tier import LocalTier
 from kvstage.replay.models import resolve_model
 from kvstage.replay.prefix_index import PrefixIndex
@@ -61,6 +58,8 @@ def test_two_engines_on_a_file_store_survive_a_kill(tmp_path):
     assert sorted(finished_on) == list(range(24))
     assert all(finished_on[order] != kill["engine"] for order in kill["rerouted_orders"])  # on the survivor
     assert report["local_pages_read"] + report["store_pages_read"] > 0
+    # The router heard both: the managers' STORAGE pages and the local tiers' CPU pages.
+    assert report["index_stored_pages"] > 0 and report["index_local_pages"] > 0
 
 
 def test_the_command_line_runs_each_policy_on_its_own_store(tmp_path, capsys):
@@ -132,12 +131,22 @@ def test_the_default_local_tier_is_the_fleet_default():
     assert command.DEFAULT_LOCAL_PAGES == DEFAULT_LOCAL_PAGES
 
 
-KEYS = [f"{i:016x}" + "ab" * 24 for i in range(1, 6)]  # a chain of five page keys
+KEYS = ["ab" * 24 + f"{i:016x}" for i in range(1, 6)]  # a chain of five page keys
 HASHES = [block_hash(k) for k in KEYS]
 
 
-def _batch(events, ts=None):
-    return (time.time() if ts is None else ts, events, 0)
+def _batch(events):
+    return KVEventBatch(time.time(), events)
+
+
+def block_stored(keys, parent, tokens, block_size, medium, lora_name):
+    return BlockStored(
+        [block_hash(k) for k in keys], parent and block_hash(parent), tokens, block_size, lora_name, medium
+    )
+
+
+def block_removed(keys, medium):
+    return BlockRemoved([block_hash(k) for k in keys], medium)
 
 
 def test_the_index_matches_local_prefixes_and_forgets_them_on_a_restart():
@@ -154,7 +163,7 @@ def test_the_index_matches_local_prefixes_and_forgets_them_on_a_restart():
     index.apply(1, 0, _batch([]))  # its sequence went back: a restarted engine holds nothing
     assert index.resets[1] == 1 and index.local_match(1, HASHES) == 0
     assert index.stored_match(HASHES) == 5  # stored pages outlive the engine that wrote them
-    index.apply(2, 1, _batch([{"type": "AllBlocksCleared"}]))
+    index.apply(2, 1, _batch([AllBlocksCleared()]))
     assert index.local_match(2, HASHES) == 0
     assert len(index.lags_s) == 7 and all(lag >= 0 for lag in index.lags_s)
 
@@ -212,43 +221,11 @@ def test_the_local_tier_serves_its_pages_and_reports_what_enters_and_leaves():
         LocalTier(inner, -1)
 
 
-def test_events_go_out_in_vllm_wire_format(tmp_path):
-    endpoint = f"ipc://{tmp_path}/events.ipc"
-    publisher = FleetPublisher(endpoint, topic="engine-0")
-    context = zmq.Context()
-    raw = context.socket(zmq.SUB)
-    raw.setsockopt(zmq.SUBSCRIBE, b"")
-    raw.connect(endpoint)
-    subscriber = FleetSubscriber(endpoint)
-    time.sleep(0.3)  # SUB sockets join late
-    event = block_stored(KEYS[1:3], KEYS[0], list(range(32)), 16, "CPU", "lora-a")
-    publisher.publish([event])
-    publisher.publish([block_removed(KEYS[1:2], "CPU")])
-    topic, seq, payload = raw.recv_multipart()
-    assert topic == b"engine-0" and seq == struct.pack(">Q", 0)
-    ts, events, rank = msgpack.unpackb(payload)
-    assert rank == 0 and abs(ts - time.time()) < 5
-    assert events == [
-        {
-            "type": "BlockStored",
-            "block_hashes": HASHES[1:3],
-            "parent_block_hash": HASHES[0],
-            "token_ids": list(range(32)),
-            "block_size": 16,
-            "lora_name": "lora-a",
-            "medium": "CPU",
-        }
-    ]
-    got = []
-    deadline = time.time() + 5
-    while len(got) < 2 and time.time() < deadline:
-        got += subscriber.poll(0.1)
-    assert [seq for seq, _ in got] == [0, 1]
-    assert got[1][1][1] == [{"type": "BlockRemoved", "block_hashes": HASHES[1:2], "medium": "CPU"}]
-    for closing in (subscriber, publisher):
-        closing.close()
-    raw.close()
-    context.term()
+def test_the_index_reads_vllm_tagged_maps_too():
+    index = PrefixIndex(1)
+    stored = {"type": "BlockStored", "block_hashes": HASHES[:2], "parent_block_hash": None, "medium": "CPU"}
+    index.apply(0, 0, (time.time(), [stored], 0))
+    assert index.local_match(0, HASHES) == 2
 
 
 def test_two_engines_on_a_real_mooncake_master_survive_a_kill(tmp_path):
