@@ -21,11 +21,13 @@ $(VENV)/.mooncake: $(VENV)/.installed tools/install-mooncake.sh tools/apt-instal
 	bash tools/install-mooncake.sh $(VENV) || { [ -z "$$CI" ] || exit 1; echo "make: Mooncake not installed; its tests will skip"; }
 	touch $@
 
-# Dynamo's standalone KV indexer (ai-dynamo-runtime, Linux x86_64) so tests/events/test_dynamo.py
-# feeds a real router's index; where it cannot be installed that test skips with the reason,
-# except under CI, where it must run.
-$(VENV)/.dynamo: $(VENV)/.installed tools/install-dynamo.sh
-	bash tools/install-dynamo.sh $(VENV) || { [ -z "$$CI" ] || exit 1; echo "make: ai-dynamo-runtime not installed; its test will skip"; }
+# Dynamo's standalone KV indexer (ai-dynamo-runtime, Linux x86_64) in DYNAMO_VENV, a venv of its
+# own (its pydantic pin is older than the engines'), so tests/events/test_dynamo.py feeds a real
+# router's index, started as its own process; where it cannot be installed that test skips with
+# the reason, except under CI, where it must run.
+DYNAMO_VENV ?= .venv-dynamo
+$(DYNAMO_VENV)/.installed: tools/install-dynamo.sh
+	bash tools/install-dynamo.sh $(DYNAMO_VENV) || { [ -z "$$CI" ] || exit 1; echo "make: ai-dynamo-runtime not installed; its test will skip"; }
 	touch $@
 
 # vLLM 0.33.0's KV offloading code on CPU (tools/install-vllm.sh, pins from ../shared/reference)
@@ -56,7 +58,7 @@ $(SGLANG_VENV)/.sglang: pyproject.toml tools/setup-venv.sh tools/install-sglang.
 # Each engine's tests run in their own pytest process, in the venv holding its pinned packages.
 IN_NETNS := bash tools/in-netns.sh
 
-test: $(VENV)/.installed $(VENV)/.mooncake $(VENV)/.dynamo $(VLLM_VENV)/.installed $(SGLANG_VENV)/.sglang
+test: $(VENV)/.installed $(VENV)/.mooncake $(DYNAMO_VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.sglang
 	$(IN_NETNS) $(PYTHON) -m pytest
 	if [ -x $(VLLM_VENV)/bin/python ]; then $(IN_NETNS) $(VLLM_VENV)/bin/python -m pytest tests/integrations/vllm; else $(IN_NETNS) $(PYTHON) -m pytest tests/integrations/vllm; fi
 	if [ -x $(SGLANG_VENV)/bin/python ]; then $(IN_NETNS) $(SGLANG_VENV)/bin/python -m pytest $(SGLANG_TESTS); else $(IN_NETNS) $(PYTHON) -m pytest $(SGLANG_TESTS); fi
@@ -75,4 +77,4 @@ bench: $(VENV)/.installed
 	$(PYTHON) -m bench
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info hashing/_*_chain*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(DYNAMO_VENV) build *.egg-info hashing/_*_chain*.so

@@ -9,9 +9,10 @@ Three figures, each beside its baseline in the same run:
   ``submit_store`` / ``submit_load`` / ``wait`` / ``get_finished`` calls vLLM makes. A store is a
   gather into host pages plus a put (two copies of every byte), a load a get plus a scatter.
   Baseline: one ``copy_`` of the same bytes between two host tensors.
-* ``take_events``: the scheduler-side manager's ``take_events()`` turning 10,000 store events
-  (pages stored) into vLLM ``OffloadingEvent``s and updating its index; baseline: the store's own
-  ``take_events()`` of 10,000 events (the drain alone).
+* ``take_events``: the scheduler-side manager announcing 10,000 stored blocks: vLLM completing
+  100 store jobs of 100 blocks each (``complete_store``, the workers' reports taken, the index
+  updated) and its ``take_events()`` giving them as vLLM ``OffloadingEvent``s; baseline: the
+  store's own ``take_events()`` of 10,000 events (the drain alone).
 * ``lookup``: the manager's ``lookup`` of a request's 32 blocks (a 512-token prompt) with 100,000
   keys stored (target: < 50 us a request, answered from the index, no store round trip);
   baseline: one batched ``exists`` round trip to a ``FileStore`` for the same 32 keys, what a
@@ -119,13 +120,17 @@ def _worker_figures(num_blocks: int, rounds: int, log) -> list[dict]:
 
 
 def _take_events_figures(rounds: int, log) -> list[dict]:
+    from vllm.v1.kv_offload.base import ReqContext
+
     from kvstage.integrations.vllm.manager import KVStageOffloadingManager
     from kvstage.storage import LayoutFingerprint, MemoryStore
 
     store = MemoryStore(LayoutFingerprint.opaque("bench", page_bytes=16, page_format="bench-events"))
     manager = KVStageOffloadingManager(store, events=True)
+    manager.workers_report_stores = True  # as KVStageConnector runs it
     page = torch.zeros(16, dtype=torch.uint8)
-    state = {"round": 0}
+    state = {"round": 0, "jobs": []}
+    context = ReqContext("bench")
 
     def fill() -> None:  # 10,000 stored events, in 100 puts of one 100-page chain run each
         state["round"] += 1
@@ -133,18 +138,32 @@ def _take_events_figures(rounds: int, log) -> list[dict]:
             keys = [f"{state['round']:06x}{run:04x}{i:04x}" for i in range(100)]
             store.put(keys, [page] * 100)
 
-    def timed(call) -> float:
+    def prepare() -> None:  # 100 store jobs of 100 blocks in flight (OffloadKeys: 32-byte hash, group 0)
+        state["round"] += 1
+        state["jobs"] = [
+            [state["round"].to_bytes(24, "big") + run.to_bytes(4, "big") + i.to_bytes(8, "big") for i in range(100)]
+            for run in range(NUM_EVENTS // 100)
+        ]
+        for job in state["jobs"]:
+            manager.prepare_store(job, context)
+
+    def announce() -> list:
+        for job in state["jobs"]:
+            manager.complete_store(set(job), context)  # vLLM passes a job's keys as a set
+        return list(manager.take_events())
+
+    def timed(setup, call) -> float:
         samples = []
         for _ in range(rounds + 1):
-            fill()
+            setup()
             started = time.perf_counter()
             taken = call()
             samples.append(time.perf_counter() - started)
             assert sum(len(getattr(e, "keys", [e])) for e in taken) == NUM_EVENTS
         return statistics.median(samples[1:])
 
-    manager_seconds = timed(lambda: list(manager.take_events()))
-    store_seconds = timed(store.take_events)
+    manager_seconds = timed(prepare, announce)
+    store_seconds = timed(fill, store.take_events)
     manager.shutdown()
     results = []
     for method, seconds in (("manager take_events", manager_seconds), ("store take_events", store_seconds)):

@@ -14,13 +14,17 @@ reads into host pages), ``load_path`` (prefix match, prefetch and load
 handles), ``request`` (what is read from a request), ``collaborators`` (typed Protocols),
 ``keyed_copies`` (stores and loads of pages whose keys the engine names), ``metrics``,
 ``prometheus`` (those counters as Prometheus metrics; imported on its own, not here),
-``testing`` (engine stand-ins).
+``testing`` (engine stand-ins), ``components`` (a hybrid model's pools and stores per
+component), ``hybrid`` (their store and load beside the full pages), ``restorable`` (restorable
+lengths), ``hybrid_calls`` and ``inspection`` (the manager's snapshot call and its inspectors).
 """
 
 from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike, PageHasherLike, StoreWorkersLike
+from kvstage.offload.components import ComponentPools, component_stores
 from kvstage.offload.copier import Copier, CopyResult
 from kvstage.offload.copy_stream import CopyStream, ManualCopyStream
 from kvstage.offload.host_pool import HostPool
+from kvstage.offload.hybrid import HybridLoadHandle
 from kvstage.offload.key_chain import PriorFailedError
 from kvstage.offload.keyed_copies import KeyedCopies, KeyedResult
 from kvstage.offload.load_path import PREFETCH_POLICIES, LoadHandle, PrefetchHandle, PrefixMatch
@@ -32,6 +36,7 @@ from kvstage.offload.store_io import StoreWorkers, write_pages
 
 __all__ = [
     "PREFETCH_POLICIES",
+    "ComponentPools",
     "Copier",
     "CopyResult",
     "CopyStream",
@@ -40,6 +45,7 @@ __all__ = [
     "PageHasherLike",
     "StoreWorkersLike",
     "HostPool",
+    "HybridLoadHandle",
     "KeyedCopies",
     "KeyedResult",
     "LoadHandle",
@@ -52,6 +58,7 @@ __all__ = [
     "PriorFailedError",
     "StoreIndex",
     "StoreWorkers",
+    "component_stores",
     "kv_length",
     "write_pages",
 ]

@@ -202,6 +202,17 @@ class Backup:
                 if job is not None:
                     job.stop()
 
+    def report_stored(self, on_stored: Callable[[Any, int, int], None] | None, writes: RequestWrites) -> None:
+        """Call ``on_stored(req, pages_stored, pages_failed)`` for an ended lifecycle (the
+        manager's callback, or None); an exception it raises is counted and logged."""
+        if on_stored is None:
+            return
+        try:
+            on_stored(writes.req, writes.pages_stored, writes.pages_failed)
+        except Exception:
+            self._counters.callback_errors += 1
+            logger.exception("offload: on_stored callback raised for rid=%r", writes.req.rid)
+
     def report_failure(self, req: Any, keys: list[str], error: BaseException | None) -> None:
         """Call ``on_failure``; an exception it raises is counted and logged."""
         if self._on_failure is None:

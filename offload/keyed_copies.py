@@ -83,6 +83,8 @@ class KeyedResult:
         loaded_pages: a load: how many of its leading pages landed in their slots (scatter
             done), all of them when ``ok``; the page at this index is the first one that did not
             (the slots from it on are untouched or stale). A store: 0.
+        failed_keys: a store: the keys not written (the store refused or failed them, or the
+            write raised), in job order; empty when ``ok``. A load: empty.
     """
 
     job: Any
@@ -93,6 +95,7 @@ class KeyedResult:
     seconds: float
     error: BaseException | None = None
     loaded_pages: int = 0
+    failed_keys: tuple[str, ...] = ()
 
 
 @dataclass
@@ -108,6 +111,7 @@ class _Job:
     ok: bool = True
     error: BaseException | None = None
     first_failed: int | None = None  # a load: the lowest page index that did not land
+    failed_keys: list[tuple[int, list[str]]] = field(default_factory=list)  # a store: (part start, keys not written)
     started: float = field(default_factory=time.perf_counter)
 
     def skips(self, part: "_Part") -> bool:
@@ -354,10 +358,10 @@ class KeyedCopies:
     def _written(self, part: _Part) -> None:
         error = part.future.exception()
         outcome = None if error is not None else part.future.result()
-        failed = len(part.page_keys) if outcome is None else len(outcome.failed_keys)
+        failed = list(part.page_keys) if outcome is None else list(outcome.failed_keys)
         error = error if outcome is None else outcome.error
-        moved = (len(part.page_keys) - failed) * self.storage.page_bytes
-        self._end_part(part, moved=moved, error=error, ok=failed == 0)
+        moved = (len(part.page_keys) - len(failed)) * self.storage.page_bytes
+        self._end_part(part, moved=moved, error=error, ok=not failed, failed_keys=failed)
 
     def _read(self, part: _Part) -> None:
         error = part.future.exception()
@@ -375,9 +379,21 @@ class KeyedCopies:
             del self._copying[id(part)]
             self._end_part(part, moved=0, error=failure, ok=False, landed=0)
 
-    def _end_part(self, part: _Part, *, moved: int, error: BaseException | None, ok: bool, landed: int = 0) -> None:
+    def _end_part(
+        self,
+        part: _Part,
+        *,
+        moved: int,
+        error: BaseException | None,
+        ok: bool,
+        landed: int = 0,
+        failed_keys: list[str] | None = None,
+    ) -> None:
+        """``failed_keys``: a store part's keys not written (None: all of them unless ``ok``)."""
         self.copier.free(part.host_page_ids)
         record = part.owner
+        if record.is_store and not ok:
+            record.failed_keys.append((part.start, list(part.page_keys) if failed_keys is None else failed_keys))
         record.moved += moved
         record.ok = record.ok and ok
         record.error = record.error or error
@@ -399,6 +415,7 @@ class KeyedCopies:
                     time.perf_counter() - record.started,
                     record.error,
                     loaded_pages=loaded,
+                    failed_keys=tuple(key for _, keys in sorted(record.failed_keys) for key in keys),
                 )
             )
 

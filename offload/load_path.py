@@ -38,12 +38,16 @@ class PrefixMatch:
         page_keys: the keys of those pages, in order.
         num_tokens: ``num_pages * page_size``.
         pages_asked: whole pages looked up.
+        lengths: a hybrid model's restorable lengths in tokens, ascending (``num_tokens`` the
+            largest; :func:`~kvstage.offload.restorable.restorable_lengths`); ``()`` for a plain
+            model, where every page boundary up to ``num_tokens`` is one.
     """
 
     num_pages: int
     page_keys: list[str]
     num_tokens: int
     pages_asked: int
+    lengths: tuple[int, ...] = ()
 
 
 class PrefetchHandle:
@@ -93,6 +97,8 @@ class PrefetchHandle:
         self.loaded = False  # load() took it
         self.future: Any = None  # the read, once started
         self.accounted = False  # the manager counted its finished read
+        self.lengths: tuple[int, ...] = ()  # a hybrid model's restorable lengths, once looked up
+        self.entries: Any = None  # a hybrid model's component entries read, by component name
 
     @property
     def tokens_ready(self) -> int:

@@ -49,7 +49,8 @@ the tracked and released request objects (:mod:`~kvstage.offload.lifecycles`); f
 requests' pages waiting for host pages (:mod:`~kvstage.offload.finish_backlog`); the argument
 checks (:mod:`~kvstage.offload.manager_arguments`); the one-thread guard
 (:mod:`~kvstage.offload.one_thread`); the per-request records
-(:mod:`~kvstage.offload.request_state`).
+(:mod:`~kvstage.offload.request_state`). A hybrid model's other components (sliding window,
+sidecars, request state) move beside the full pages through :mod:`~kvstage.offload.hybrid`.
 """
 
 from __future__ import annotations
@@ -63,11 +64,15 @@ import torch
 from kvstage.errors import InvalidArgumentError, require
 from kvstage.events.announcer import announcer_for
 from kvstage.nvtx_ranges import nvtx_range
-from kvstage.offload.backup import Backup, RequestWrites
+from kvstage.offload.backup import Backup
 from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike, PageHasherLike, StoreWorkersLike
+from kvstage.offload.components import ComponentPools
 from kvstage.offload.copier import GATHER, SCATTER, Copier, CopyResult
 from kvstage.offload.finish_backlog import FinishBacklog
 from kvstage.offload.host_pool import HostPool
+from kvstage.offload.hybrid import split_storage
+from kvstage.offload.hybrid_calls import HybridCalls
+from kvstage.offload.inspection import ManagerInspection
 from kvstage.offload.launch_plan import NOTHING, LaunchPlan, LaunchPlanner
 from kvstage.offload.lifecycles import Lifecycles
 from kvstage.offload.load_path import LoadHandle, PrefetchHandle, PrefixMatch
@@ -82,7 +87,7 @@ from kvstage.offload.manager_arguments import (
     checked_stride,
     pending_prefetch_error,
 )
-from kvstage.offload.metrics import OffloadMetrics, metrics_snapshot
+from kvstage.offload.metrics import OffloadMetrics
 from kvstage.offload.one_thread import OwnerThread, owner_thread_only
 from kvstage.offload.prefetcher import Prefetcher
 from kvstage.offload.request import SlotIndicesOf
@@ -96,7 +101,7 @@ __all__ = ["OffloadManager"]
 logger = logging.getLogger(__name__)
 
 
-class OffloadManager:
+class OffloadManager(HybridCalls, ManagerInspection):
     """Stores requests' KV pages through a host pool to a store, and loads stored prefixes back.
 
     Args:
@@ -196,9 +201,11 @@ class OffloadManager:
         store_workers: StoreWorkersLike | None = None,
         prior_wait_s: float = 10.0,
         kv_events: Any = None,
+        components: ComponentPools | None = None,
     ) -> None:
         page_size = host_pool.page_size
         stride = checked_stride(hasher, host_pool, offload_stride, prior_wait_s)
+        storage, self._hybrid = split_storage(storage, components, kv_pool, page_size)
         self.copier = Copier(kv_pool, host_pool, copy_stream=copy_stream, backend=backend)
         fingerprint = check_callbacks(
             storage, host_pool, slot_indices_of, release, on_storage_failure, on_stored, producer, finish_backlog_pages
@@ -228,7 +235,8 @@ class OffloadManager:
         self._backlog = FinishBacklog(finish_backlog_pages)
         self._counters = OffloadMetrics()
         self._closed = False
-        self._prefetcher = Prefetcher(self.copier, storage, hasher, self._workers, self._counters)
+        self._prefetcher = Prefetcher(self.copier, storage, hasher, self._workers, self._counters, self._hybrid.lookup)
+        self._hybrid.attach(self.copier.copy_stream, self._workers, hasher, backend, host_pool.pinned)
         prior_wait = 0.0 if self.store_prompt else float(prior_wait_s)
         self._backup = Backup(
             self.copier, storage, hasher, self._workers, self._counters, on_storage_failure, prior_wait_s=prior_wait
@@ -411,7 +419,8 @@ class OffloadManager:
             ThreadingError: called from another thread than the manager's.
         """
         self._require_open("match_prefix")
-        return self._prefetcher.match(self._prefetcher.lookup_keys(req, token_ids, extra_key, cache_salt))
+        keys = self._prefetcher.lookup_keys(req, token_ids, extra_key, cache_salt)
+        return self._prefetcher.match(keys, None if token_ids is None else len(token_ids))
 
     @owner_thread_only
     def prefetch(
@@ -462,7 +471,14 @@ class OffloadManager:
 
     @owner_thread_only
     def load(
-        self, handle: PrefetchHandle, slot_indices: torch.Tensor, *, layer_by_layer: bool = False, after: Any = None
+        self,
+        handle: PrefetchHandle,
+        slot_indices: torch.Tensor,
+        *,
+        layer_by_layer: bool = False,
+        after: Any = None,
+        state_slot: int | None = None,
+        component_slots: dict[str, torch.Tensor] | None = None,
     ) -> LoadHandle:
         """Scatter prefetched pages into the request's device slots, on the copy stream.
 
@@ -479,6 +495,11 @@ class OffloadManager:
             layer_by_layer: one copy (and completion) per layer, so layer ``i`` of the forward
                 pass waits only for its own KV (:meth:`LoadHandle.wait_layer`).
             after: the event or stream after which the slots may be written.
+            state_slot, component_slots: a hybrid model's (:mod:`~kvstage.offload.hybrid`): the
+                request's state slot the snapshot goes to, and per sliding-window component the
+                slots of its window pages before the loaded length; a hybrid load is of the
+                prefetched restorable length (``handle.pages_ready`` pages) or nothing, and its
+                handle's layers are the model's.
 
         Raises:
             ArgumentTypeError: ``handle`` is not a :class:`PrefetchHandle`.
@@ -496,6 +517,7 @@ class OffloadManager:
         with nvtx_range("load"):
             state = self._states.get(id(handle.req))
             num_pages = checked_load_pages(handle, state, slot_indices, self.page_size)
+            windows = self._hybrid.check_load(handle, num_pages, component_slots, state_slot)
             copy_handles = []
             if num_pages:
                 # The copier checks the slots (and raises) before it launches; the handle is
@@ -508,6 +530,9 @@ class OffloadManager:
                     layer_by_layer=layer_by_layer,
                     after=self._after(after),
                 )
+            components = self._hybrid.load(
+                state, handle, num_pages, slot_indices, windows, state_slot, self._after(after), layer_by_layer
+            )
             self._prefetcher.take(handle, num_pages)
             state.prefetch = None
             if num_pages:
@@ -516,9 +541,10 @@ class OffloadManager:
             # Offloading resumes after the loaded pages (the prefill side's prompt pages at least).
             prompt_end = 0 if self.store_prompt else len(handle.req.origin_input_ids) // self.page_size * self.page_size
             state.resume_after_load(num_pages, self.page_size, handle.page_keys, prompt_end)
-            return LoadHandle(
+            loaded = LoadHandle(
                 handle.req, num_pages, self.page_size, copy_handles, self.kv_pool.num_layers, layer_by_layer
             )
+            return self._hybrid.load_handle(loaded, components)
 
     @owner_thread_only
     def cancel(self, handle: PrefetchHandle) -> None:
@@ -587,7 +613,7 @@ class OffloadManager:
         finally:
             self._backup.stop_waiting(False)
         self._retracted.clear()
-        return self.storage.clear()
+        return self.storage.clear() + self._hybrid.clear()
 
     def close(self) -> None:
         """Cancel prefetches, :meth:`drain`, then stop the worker threads and the copy stream if
@@ -606,49 +632,6 @@ class OffloadManager:
         if self._announcer is not None:
             self._announcer.close()
         self.copier.close()
-
-    # -- what the engine may inspect ----------------------------------------------------------
-
-    def is_tracked(self, req: Any) -> bool:
-        """Whether the manager holds state for this request object (not released yet)."""
-        return id(req) in self._states
-
-    def in_flight(self, req: Any) -> int:
-        """Copies of this request's device slots in flight (0 when untracked)."""
-        state = self._states.get(id(req))
-        return 0 if state is None else state.copies_in_flight
-
-    def offloaded_length(self, req: Any) -> int | None:
-        """Tokens of this request stored, loaded or launched so far (None when untracked)."""
-        state = self._states.get(id(req))
-        if state is not None:
-            return state.offloaded_length
-        resumed = self._lifecycles.resumed(req)
-        return None if resumed is None else resumed[0]
-
-    @property
-    def requests_live(self) -> int:
-        """Requests tracked and not yet released."""
-        return len(self._states)
-
-    @property
-    def copies_in_flight(self) -> int:
-        """Copies launched and not yet handled by :meth:`poll`."""
-        return self.copier.copies_in_flight + len(self._unhandled)
-
-    @property
-    def metrics(self) -> OffloadMetrics:
-        """A snapshot of the counters."""
-        backup = self._backup
-        return metrics_snapshot(
-            self._counters,
-            self.host_pool,
-            self.storage.stats,
-            requests_live=len(self._states),
-            copies_in_flight=self.copies_in_flight,
-            writes_pending=backup.writes_pending,
-            writes_parked=backup.writes_parked,
-        )
 
     # -- internals: lifecycle -----------------------------------------------------------------
 
@@ -673,6 +656,7 @@ class OffloadManager:
                 state.req.rid,
                 dropped,
             )
+        self._hybrid.wait_loads(state, aborted)  # a component's load outlives its full pages' load
         if aborted and state.loads:
             for load in list(state.loads):  # a queued load cannot be recalled: no slot written after abort returns
                 self.copier.synchronize(job=load)
@@ -774,19 +758,12 @@ class OffloadManager:
             self._prefetcher.poll()
             if self._backlog:
                 self._launch_backlog()
+            for state in self._hybrid.poll(self._states):
+                self._maybe_release(state)
             if self._backup.ended:
                 for writes in self._backup.take_ended():
-                    self._stored(writes)
+                    self._backup.report_stored(self._on_stored, writes)
             return handled
-
-    def _stored(self, writes: RequestWrites) -> None:
-        if self._on_stored is None:
-            return
-        try:
-            self._on_stored(writes.req, writes.pages_stored, writes.pages_failed)
-        except Exception:
-            self._counters.callback_errors += 1
-            logger.exception("offload: on_stored callback raised for rid=%r", writes.req.rid)
 
     def _drain(self) -> None:
         """Block until copies, reads, writes (parked ones too) and backlogs are done."""
@@ -794,8 +771,11 @@ class OffloadManager:
             self.copier.synchronize()
             self._prefetcher.wait()
             self._backup.wait()
+            self._hybrid.wait()
             self._poll()
-            if not (self.copier.copies_in_flight or self._backup.writes_pending or self._backlog):
+            if not (
+                self.copier.copies_in_flight or self._backup.writes_pending or self._backlog or self._hybrid.in_flight
+            ):
                 return
 
     def _cancel(self, handle: PrefetchHandle) -> None:
@@ -831,6 +811,7 @@ class OffloadManager:
         """
         launched = 0
         after = self._after(after)
+        self._hybrid.check_runs(state, plan.runs)  # a window's slots, before any launch
         for run, slot_indices in plan.runs:
             segment = Segment(state, run)
             host_page_ids = self.copier.gather(segment, slot_indices, after=after, checked=True)
@@ -840,6 +821,7 @@ class OffloadManager:
                 state.chain = plan.chain
                 if commit:
                     self._lifecycles.commit(state)
+            self._hybrid.gather_pages(state, run, state.offloaded_length, slot_indices, after)  # sidecar, window
             state.launched(segment)
             pages = len(host_page_ids)
             launched += pages
@@ -859,6 +841,7 @@ class OffloadManager:
                 self._backup.settle(
                     state.writes, state.chain, done.run, done.result, discard=state.retract_keep is False
                 )
+                self._hybrid.settled(done)
         finally:
             self._maybe_release(state)
 

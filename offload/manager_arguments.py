@@ -95,7 +95,8 @@ def check_callbacks(
         lambda: f"must be a kvstage.storage.StorageBackend, got {type(storage).__name__}",
         ArgumentTypeError,
     )
-    fingerprint.require_matches(host_pool.layout, host_pool.page_size, "storage")
+    if not getattr(fingerprint, "component", None):  # a hybrid component's: ModelLayout.require_matches checked it
+        fingerprint.require_matches(host_pool.layout, host_pool.page_size, "storage")
     require(callable(slot_indices_of), "slot_indices_of", "must be callable")
     require(release is None or callable(release), "release", "must be callable or None")
     require(

@@ -42,8 +42,11 @@ class Prefetcher:
     Not thread-safe but for the reader thread's writes into each handle's progress fields.
     """
 
-    def __init__(self, copier: Copier, storage: Any, hasher: Any, workers: Any, counters: OffloadMetrics) -> None:
+    def __init__(
+        self, copier: Copier, storage: Any, hasher: Any, workers: Any, counters: OffloadMetrics, hybrid: Any = None
+    ) -> None:
         self.copier = copier
+        self.hybrid = hybrid  # a hybrid model's components (kvstage.offload.hybrid.Hybrid): restorable lengths
         self.storage = storage
         self.hasher = hasher
         self.page_size = copier.page_size
@@ -72,9 +75,16 @@ class Prefetcher:
             return self.hasher.prefill_keys(request_tokens(req, 0, usable), extra_key=extra_key, cache_salt=cache_salt)
         return self.hasher.prefill_keys(token_ids, extra_key=extra_key, cache_salt=cache_salt)
 
-    def match(self, page_keys: list[str]) -> PrefixMatch:
-        """One batched lookup of ``page_keys`` on the caller's thread (see :func:`leading_hits`)."""
+    def match(self, page_keys: list[str], num_tokens: int | None = None) -> PrefixMatch:
+        """One batched lookup of ``page_keys`` on the caller's thread (see :func:`leading_hits`);
+        a hybrid model's answers its restorable length of ``num_tokens`` tokens (default: one
+        more than the keys' pages, as a request's lookup)."""
         with nvtx_range("lookup"):
+            if self.hybrid is not None:
+                tokens = len(page_keys) * self.page_size + 1 if num_tokens is None else num_tokens
+                found = self.hybrid.match(page_keys, tokens)
+                self._count_lookup(len(page_keys), found.num_pages)
+                return found
             leading = leading_hits(self.storage, page_keys)
             self._count_lookup(len(page_keys), leading)
             return PrefixMatch(leading, page_keys[:leading], leading * self.page_size, len(page_keys))
@@ -158,6 +168,9 @@ class Prefetcher:
         have host pages into them."""
         with nvtx_range("prefetch.read"):
             try:
+                if self.hybrid is not None:
+                    self.hybrid.read(handle, pages)
+                    return
                 keys = handle.page_keys
                 leading = 0 if handle.cancelled else leading_hits(self.storage, keys)
                 handle.pages_hit = leading

@@ -1,4 +1,5 @@
-"""``KVStageConnector``: vLLM 0.33.0's ``OffloadingConnector`` with a path for failed loads.
+"""``KVStageConnector``: vLLM 0.33.0's ``OffloadingConnector`` with a path for failed loads, and
+the workers' stores reported to the scheduler.
 
 vLLM's ``OffloadingConnector`` asserts that every transfer its worker reports succeeded
 (``offloading/worker.py``) and reports no block as failed to load, so a page a store cannot give
@@ -6,7 +7,14 @@ back (corrupt, evicted by another process between lookup and load) would stop th
 scheduler itself can take such a failure: a connector's ``get_block_ids_with_load_errors`` names
 the blocks, and with ``kv_load_failure_policy`` ``"recompute"`` the scheduler computes them again
 (``"fail"``, vLLM's default, fails the requests). This connector is vLLM's own with that one
-method, fed by :class:`KVStageWorker`::
+method, fed by :class:`KVStageWorker`.
+
+Its workers also report, through vLLM's own worker-to-scheduler metadata
+(``KVConnectorOutput.kv_connector_worker_meta``, which vLLM's executors carry from worker
+processes and aggregate across ranks), which pages their store jobs could not write and what
+their stores evicted or removed (:class:`KVStageWorkerMetadata`), so the scheduler's manager
+announces every stored and evicted block on vLLM's KV-event path whatever process the worker
+runs in::
 
     --kv-transfer-config '{"kv_connector": "KVStageConnector",
         "kv_connector_module_path": "kvstage.integrations.vllm", "kv_role": "kv_both",
@@ -18,7 +26,9 @@ method, fed by :class:`KVStageWorker`::
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
@@ -26,7 +36,7 @@ from kvstage.errors import InvalidArgumentError, require
 from kvstage.integrations.vllm.manager import KVStageOffloadingManager
 from kvstage.integrations.vllm.spec import KVStageOffloadingSpec
 
-__all__ = ["KVStageConnector"]
+__all__ = ["KVStageConnector", "KVStageWorkerMetadata"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +83,32 @@ def check_spec_config(extra_config) -> None:
     )
 
 
+@dataclass
+class KVStageWorkerMetadata(OffloadingWorkerMetadata):
+    """vLLM's worker-to-scheduler metadata of the offloading connector (completed jobs,
+    transfer stats) plus what the workers' stores did, summed over workers by
+    :meth:`aggregate` as vLLM's ``KVOutputAggregator`` does.
+
+    Attributes:
+        unwritten_keys: page keys (hex ``OffloadKey``) store jobs reported done could not write.
+        removed_keys: page keys the workers' stores evicted or removed, in order per worker.
+    """
+
+    unwritten_keys: list[str] = field(default_factory=list)
+    removed_keys: list[str] = field(default_factory=list)
+
+    def aggregate(self, other) -> "KVStageWorkerMetadata":
+        """This worker's metadata and ``other``'s (a plain ``OffloadingWorkerMetadata`` adds
+        no keys)."""
+        merged = OffloadingWorkerMetadata.aggregate(self, other)
+        return KVStageWorkerMetadata(
+            completed_jobs=merged.completed_jobs,
+            transfer_stats=merged.transfer_stats,
+            unwritten_keys=self.unwritten_keys + getattr(other, "unwritten_keys", []),
+            removed_keys=self.removed_keys + getattr(other, "removed_keys", []),
+        )
+
+
 class KVStageConnector(OffloadingConnector):
     """vLLM's ``OffloadingConnector`` over :class:`KVStageOffloadingSpec` that reports the
     blocks of failed loads to vLLM's scheduler instead of stopping the engine.
@@ -97,6 +133,7 @@ class KVStageConnector(OffloadingConnector):
                 lambda: f"KVStageConnector runs KVStageOffloadingSpec, got {type(spec).__name__}",
             )
             spec.report_load_errors = True  # before vLLM asks the spec for its worker
+            spec.reports_stores = True
             spec.load_failure_policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         else:
             manager = self.connector_scheduler.manager
@@ -106,6 +143,7 @@ class KVStageConnector(OffloadingConnector):
                 lambda: f"KVStageConnector runs KVStageOffloadingSpec, got a {type(manager).__name__}",
             )
             manager.tracks_loads = True  # update_connector_output reports each step's loads
+            manager.workers_report_stores = True  # and the workers' stores
         policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         if policy != "recompute":
             logger.warning(
@@ -114,13 +152,36 @@ class KVStageConnector(OffloadingConnector):
                 policy,
             )
 
+    def build_connector_worker_meta(self) -> KVStageWorkerMetadata | None:
+        """vLLM's metadata of this worker's step (completed jobs, transfer stats) with the
+        worker's store report (:meth:`KVStageWorker.take_store_report`); None when there is
+        nothing to report."""
+        meta = super().build_connector_worker_meta()
+        worker = None if self.connector_worker is None else self.connector_worker.worker
+        unwritten, removed = worker.take_store_report() if worker is not None else ([], [])
+        if meta is None and not unwritten and not removed:
+            return None
+        base = meta or OffloadingWorkerMetadata()
+        return KVStageWorkerMetadata(
+            completed_jobs=base.completed_jobs,
+            transfer_stats=base.transfer_stats,
+            unwritten_keys=unwritten,
+            removed_keys=removed,
+        )
+
     def update_connector_output(self, connector_output) -> None:
-        """vLLM's bookkeeping of the workers' output (scheduler side), then: blocks reported
-        with load errors make the keys of the loads that ended in this output misses for
-        ``miss_ttl_s`` (:meth:`KVStageOffloadingManager.loads_reported`), so vLLM computes
-        them instead of loading them again."""
-        super().update_connector_output(connector_output)
+        """The workers' store report first (:meth:`KVStageOffloadingManager.stores_reported`:
+        before vLLM completes the store jobs of this output, so a page a worker did not write
+        is not announced), then vLLM's bookkeeping of the workers' output (scheduler side),
+        then: blocks reported with load errors make the keys of the loads that ended in this
+        output misses for ``miss_ttl_s`` (:meth:`KVStageOffloadingManager.loads_reported`),
+        so vLLM computes them instead of loading them again."""
         manager = self.connector_scheduler.manager
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVStageWorkerMetadata) and (meta.unwritten_keys or meta.removed_keys):
+            with manager.lock:
+                manager.stores_reported(meta.unwritten_keys, meta.removed_keys)
+        super().update_connector_output(connector_output)
         with manager.lock:
             manager.loads_reported(failed=bool(connector_output.invalid_block_ids))
 

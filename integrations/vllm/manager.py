@@ -2,7 +2,8 @@
 
 It decides for vLLM's scheduler and never waits for the store: lookups answer from a
 :class:`kvstage.offload.StoreIndex`, loads and stores are handed to the workers as
-:class:`KVStageLoadStoreSpec` (the blocks' page keys), the store's events become vLLM's
+:class:`KVStageLoadStoreSpec` (the blocks' page keys); the blocks stored (as vLLM completes
+their jobs) and lost (as the workers or this process's store report them) become vLLM's
 ``OffloadingEvent``s.
 """
 
@@ -25,7 +26,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
-from kvstage.integrations.vllm.keys import lookup_result, offloading_events, page_keys, prior_page_keys
+from kvstage.integrations.vllm.keys import lookup_result, page_keys, prior_page_keys
 from kvstage.offload import StoreIndex, StoreWorkers
 from kvstage.storage.shared import release_shared_storage
 
@@ -50,7 +51,7 @@ class KVStageLoadStoreSpec(LoadStoreSpec):
 
 class KVStageOffloadingManager(OffloadingManager):
     """Decides for vLLM's scheduler: what the store holds (cached, refreshed on a reader
-    thread), which blocks to store, and the store's events as vLLM's.
+    thread), which blocks to store, and what the store gained and lost as vLLM's events.
 
     Args:
         storage: the store (shared with the workers of this process, if any).
@@ -59,8 +60,17 @@ class KVStageOffloadingManager(OffloadingManager):
         hit_ttl_s: seconds after which a held key is checked again in the background.
         events: collect vLLM events (vLLM publishes KV events).
 
-    A store's eviction of a page is seen at once through the store's events when the workers
-    share this process's store object (one process); otherwise within ``hit_ttl_s`` of the
+    Events (``take_events``, medium ``STORAGE``): a block is announced stored once, when vLLM
+    reports its store job done by every worker and no worker failed to write it (known when
+    the workers report their stores: :attr:`workers_report_stores`, set by
+    :class:`KVStageConnector`; otherwise only when this process's store reported it stored);
+    an announced block is announced removed once, when any worker's store (or this process's)
+    evicts or removes it, and every announced block when a cache reset's ``clear`` ran.
+    vLLM's connector adds the token ids, parent and block size when
+    ``self_describing_kv_events`` is set.
+
+    A store's eviction of a page is seen at once when the workers report their stores (any
+    process) or share this process's store object; otherwise within ``hit_ttl_s`` of the
     key's last check, or when a load of it fails (:meth:`loads_reported`, from
     :class:`KVStageConnector`; vLLM recomputes the blocks, and the keys miss for
     ``miss_ttl_s``).
@@ -79,7 +89,11 @@ class KVStageOffloadingManager(OffloadingManager):
         self._closed = False
         self._events_enabled = events
         self._events: list[OffloadingEvent] = []
-        self._storing: set[str] = set()  # page keys of stores in flight
+        self._storing: dict[str, int] = {}  # page keys of stores in flight -> order prepared (announced in it)
+        self._stores_prepared = 0
+        self._unwritten: set[str] = set()  # keys in _storing a worker did not write, or a store lost meanwhile
+        self._announced: set[str] = set()  # page keys announced stored and not removed since (events only)
+        self.workers_report_stores = False  # KVStageConnector sets it: stores_reported each step
         self._clear_pending = False  # a reset waits for the jobs in flight before clearing
         self.tracks_loads = False  # KVStageConnector sets it: it calls loads_reported each step
         self._loaded: list[str] = []  # keys of loads that ended since vLLM last passed on the workers' output
@@ -149,7 +163,9 @@ class KVStageOffloadingManager(OffloadingManager):
             if not self.index.holds(page_key) and page_key not in self._storing
         ]
         wanted_page_keys = [page_key for _, page_key in wanted]
-        self._storing.update(wanted_page_keys)
+        for order, page_key in enumerate(wanted_page_keys, self._stores_prepared):
+            self._storing[page_key] = order
+        self._stores_prepared += len(wanted_page_keys)
         # Each block links to its request's block before it (stored by an earlier job, found in
         # the store, or in this job), so a prefix stored over several steps is one chain.
         priors = prior_page_keys(req_context, [key for key, _ in wanted])
@@ -160,18 +176,61 @@ class KVStageOffloadingManager(OffloadingManager):
         )
 
     def complete_store(self, keys: Collection[bytes], req_context: ReqContext, success: bool = True) -> None:
-        """The workers finished the store of ``keys``. A worker reports a store done even when
-        the store could not write a page (vLLM's worker takes no failure), so the keys are
-        not taken as held: their next lookup asks the store (RETRY meanwhile), unless the
-        index learned since :meth:`prepare_store` that the store holds them (this process's
-        store reported them stored, or answered)."""
-        completed = page_keys(keys)
+        """Every worker finished the store of ``keys``. A worker reports a store done even when
+        the store could not write a page (vLLM's worker takes no failure). With
+        :attr:`workers_report_stores` the keys no worker reported unwritten (nor a store lost
+        since) are held and announced stored; otherwise only those the index learned are held
+        (this process's store reported them stored), and the others are asked of the store at
+        their next lookup (RETRY meanwhile). A key whose load failed stays a miss."""
         self._drain_store_events()  # while the keys are still in _storing
-        self._storing.difference_update(completed)
+        # vLLM passes a job's keys as a set: back to the order they were prepared in (a parent first)
+        completed = sorted(page_keys(keys), key=lambda key: self._storing.get(key, -1))
+        for key in completed:
+            self._storing.pop(key, None)
         # A key whose load failed stays a miss: a store of it that reported no write (the
         # store kept its unreadable page as "already held") must not make it a hit again.
         self._prune_unreadable()
+        if self.workers_report_stores:
+            held = [key for key in completed if key not in self._unwritten and key not in self._unreadable]
+            self.index.add(held)
+        else:
+            held = [key for key in completed if self.index.holds(key) and key not in self._unreadable]
+        self._unwritten.difference_update(completed)
         self.index.forget([key for key in completed if not self.index.holds(key) and key not in self._unreadable])
+        if self._events_enabled:
+            new = [key for key in held if key not in self._announced]
+            if new:
+                self._announced.update(new)
+                # removal_expected: this manager announces the removals (vLLM's tracker keeps the payload for them)
+                event = OffloadingEvent(
+                    [bytes.fromhex(key) for key in new], Medium.STORAGE, False, removal_expected=True
+                )
+                self._events.append(event)
+
+    def stores_reported(self, unwritten: Iterable[str], removed: Iterable[str]) -> None:
+        """The workers' report of a step (:meth:`KVStageWorker.take_store_report`, from every
+        worker, any process), before vLLM passes on the store jobs it completed:
+        ``unwritten``, page keys a store job could not write; ``removed``, page keys their
+        stores evicted or removed. Neither is held; an announced one is announced removed."""
+        unwritten = [key for key in unwritten if key in self._storing]
+        self._unwritten.update(unwritten)
+        removed = list(removed)
+        if removed:
+            self.index.discard(removed)
+            self._removed(removed)
+
+    def _removed(self, keys: list[str]) -> None:
+        """Pages a store evicted or removed (in order, maybe twice: one per worker)."""
+        self._unwritten.update(key for key in keys if key in self._storing)  # lost before its job ended
+        if not self._events_enabled:
+            return
+        gone = []
+        for key in keys:
+            if key in self._announced:
+                self._announced.discard(key)
+                gone.append(key)
+        if gone:
+            self._events.append(OffloadingEvent([bytes.fromhex(key) for key in gone], Medium.STORAGE, True))
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """vLLM's per-request hook: kvstage keeps no per-request state here (keys are the
@@ -196,6 +255,7 @@ class KVStageOffloadingManager(OffloadingManager):
         self._clear_pending = True
         self.index.reset()
         self._storing.clear()  # vLLM reports no completion of jobs from before the reset
+        self._unwritten.clear()
         self._unreadable.clear()  # the clear removes their pages
 
     def on_reset_flushed(self) -> None:
@@ -219,24 +279,29 @@ class KVStageOffloadingManager(OffloadingManager):
         finally:
             self._clear_pending = False  # else every lookup would miss for good
             self.index.reset()
+        self._removed(list(self._announced))  # the clear reached every rank's key space only here: all are gone
         self._drain_store_events()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """The store's stored / evicted / removed pages since the last call, as vLLM events."""
+        """Blocks announced stored and removed since the last call, as vLLM events (see the
+        class doc), in order."""
         self._drain_store_events()
         events, self._events = self._events, []
         return events
 
     def _drain_store_events(self) -> None:
+        """This process's store's events: the index follows them; its evictions and removals
+        are announced (its stores are announced by :meth:`complete_store`)."""
         store_events = self.storage.take_events()
+        if not store_events:
+            return
         prefix = self.storage.prefix
         # Held answers come from this manager's own stores in flight: a page written before a
         # reset (no longer in _storing) is not taken as held; others are asked.
         self.index.apply_events(store_events, prefix, counts_stored=self._storing.__contains__)
-        if self._events_enabled and store_events:
-            self._events.extend(
-                offloading_events(store_events, key_space=prefix, medium=Medium.STORAGE, locality=None, ownership=None)
-            )
+        removed = [event.key for event in store_events if event.kind != "stored" and event.key_space == prefix]
+        if removed:
+            self._removed(removed)
 
     def shutdown(self) -> None:
         """Stop the reader thread and let go of the store (closed by its last user).

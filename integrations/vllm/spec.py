@@ -7,7 +7,7 @@ vLLM's ``OffloadingConnector`` loads a spec by name (``vllm/v1/kv_offload/factor
             "spec_module_path": "kvstage.integrations.vllm", "storage": "file:/var/cache/kv"}}'
 
 and asks it for a scheduler-side manager (:class:`KVStageOffloadingManager`: decides, answers
-lookups from a :class:`kvstage.offload.StoreIndex`, reports store events) and, in each worker, a
+lookups from a :class:`kvstage.offload.StoreIndex`, announces stored and lost blocks) and, in each worker, a
 worker (:class:`KVStageWorker`: moves vLLM's canonical block tensors to and from the store with
 :class:`kvstage.offload.KeyedCopies`). A page is one block of one worker across the KV group's
 layers; its key is the block's ``OffloadKey`` in hex.
@@ -95,6 +95,7 @@ class KVStageOffloadingSpec(OffloadingSpec):
         self.fingerprint = block_fingerprint(config, model_id=extra.get("model_id"))
         self.report_load_errors = False  # KVStageConnector sets it: failed loads go to vLLM's scheduler
         self.load_failure_policy = "fail"  # KVStageConnector sets vLLM's kv_load_failure_policy (for warnings)
+        self.reports_stores = False  # KVStageConnector sets it: workers report their stores to the scheduler
         self._manager: KVStageOffloadingManager | None = None
         self._worker: KVStageWorker | None = None
 
@@ -125,6 +126,7 @@ class KVStageOffloadingSpec(OffloadingSpec):
                     num_host_pages=self.num_host_pages,
                     report_load_errors=self.report_load_errors,
                     load_failure_policy=self.load_failure_policy,
+                    reports_stores=self.reports_stores,
                 )
             except BaseException:
                 release_shared_storage(storage)  # the worker owns the store only once built

@@ -50,6 +50,10 @@ class KVStageWorker(OffloadingWorker):
             blocks from the first page that did not land on (the pages before it landed).
         load_failure_policy: vLLM's ``kv_load_failure_policy`` (``"recompute"`` or ``"fail"``),
             for the warnings only.
+        reports_stores: keep for :meth:`take_store_report` the keys each store job could not
+            write and the store's evictions and removals of this worker's key space
+            (:class:`KVStageConnector` hands them to the scheduler's manager; without it the
+            store's events stay with the store, for a manager sharing this process).
 
     Raises:
         InvalidArgumentError: more than one group, a padded or strided layer tensor, layers of
@@ -65,6 +69,7 @@ class KVStageWorker(OffloadingWorker):
         num_host_pages: int = 256,
         report_load_errors: bool = False,
         load_failure_policy: str = "fail",
+        reports_stores: bool = False,
     ) -> None:
         require(
             len(kv_caches.group_data_refs) == 1,
@@ -100,6 +105,9 @@ class KVStageWorker(OffloadingWorker):
         self.loads_failed = 0  # load jobs that could not read every page
         self._load_blocks: dict[int, list[int]] = {}  # load job id -> its GPU block ids
         self._load_errors: set[int] = set()
+        self.reports_stores = reports_stores
+        self._unwritten: list[str] = []  # keys of store jobs not written, since the last report
+        self._removed: list[str] = []  # keys the store evicted or removed, in order
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: KVStageLoadStoreSpec) -> bool:
         """Copy the GPU blocks out and write them under the spec's keys, each chained to the
@@ -137,7 +145,9 @@ class KVStageWorker(OffloadingWorker):
                         result.num_pages,
                         write_failure_cause(result.error),
                     )
-                    ok = True  # vLLM only frees the blocks; the manager asks the store before a hit
+                    ok = True  # vLLM only frees the blocks; the manager learns which pages are missing
+                    if self.reports_stores:
+                        self._unwritten.extend(result.failed_keys)
             else:
                 block_ids = self._load_blocks.pop(result.job, [])
                 if not ok:
@@ -157,7 +167,26 @@ class KVStageWorker(OffloadingWorker):
                         self._load_errors.update(failed)
                         ok = True
             results.append(TransferResult(result.job, ok, transfer_size=result.bytes, transfer_time=result.seconds))
+        if self.reports_stores:  # after the jobs: a put's eviction is reported with the job that made it
+            self._take_store_events()
         return results
+
+    def _take_store_events(self) -> None:
+        prefix = self.storage.prefix
+        self._removed.extend(
+            event.key
+            for event in self.storage.take_events()
+            if event.kind != "stored" and event.key_space == prefix  # stores are the scheduler's to announce
+        )
+
+    def take_store_report(self) -> tuple[list[str], list[str]]:
+        """What the scheduler's manager must know of this worker's stores since the last call
+        (with ``reports_stores``): the page keys store jobs reported done could not write, and
+        the page keys the store evicted or removed in this worker's key space, in order. Each
+        is taken by the :meth:`get_finished` call that reports its job done, or a later one."""
+        report = self._unwritten, self._removed
+        self._unwritten, self._removed = [], []
+        return report
 
     def _load_failure_outcome(self, num_blocks: int) -> str:
         """What vLLM does with a failed load, by the policy in force."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +25,7 @@ from kvstage.events import BlockRemoved, BlockStored, KVEventPublisher, block_ha
 from kvstage.storage import MemoryStore
 
 from offload_rig import make_rig
-from support import skip_missing
+from support import REPO_ROOT, skip_missing
 
 PAGE = 4
 WORKER = "1"
@@ -43,7 +45,7 @@ class Indexer:
         self.port = _free_port()
         workers = [] if endpoint is None else ["--block-size", str(block_size), "--workers", f"{WORKER}={endpoint}"]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1", *workers],
+            [require_dynamo(), "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1", *workers],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         deadline = time.monotonic() + 30
@@ -97,12 +99,29 @@ class Indexer:
         return out
 
 
-def require_dynamo() -> None:
-    """Skip (fail under CI) where ai-dynamo-runtime is not installed."""
-    if importlib.util.find_spec("dynamo") is None or importlib.util.find_spec("dynamo.indexer") is None:
+def dynamo_python() -> str | None:
+    """The Python whose ``dynamo.indexer`` runs: ``$KVSTAGE_DYNAMO_PYTHON``, the repository's
+    ``.venv-dynamo`` (``tools/install-dynamo.sh``), or this one; None where none has it."""
+    candidates = [os.environ.get("KVSTAGE_DYNAMO_PYTHON"), str(REPO_ROOT / ".venv-dynamo" / "bin" / "python")]
+    for python in filter(None, candidates):
+        if Path(python).is_file() and _has_indexer(python):
+            return python
+    return sys.executable if importlib.util.find_spec("dynamo") and importlib.util.find_spec("dynamo.indexer") else None
+
+
+def _has_indexer(python: str) -> bool:
+    check = "import importlib.util, sys; sys.exit(importlib.util.find_spec('dynamo.indexer') is None)"
+    return subprocess.run([python, "-c", check], capture_output=True).returncode == 0
+
+
+def require_dynamo() -> str:
+    """The indexer's Python; skip (fail under CI) where ai-dynamo-runtime is not installed."""
+    python = dynamo_python()
+    if python is None:
         skip_missing(
             "the ai-dynamo-runtime package (bash tools/install-dynamo.sh, or pip install ai-dynamo-runtime==1.6.1)"
         )
+    return python
 
 
 @pytest.fixture
@@ -203,6 +222,8 @@ def test_without_ai_dynamo_runtime_the_test_skips_naming_the_package(monkeypatch
         "find_spec",
         lambda name, *args: None if name.startswith("dynamo") else real_find_spec(name, *args),
     )
+    monkeypatch.setenv("KVSTAGE_DYNAMO_PYTHON", "/nonexistent/python")
+    monkeypatch.setitem(globals(), "REPO_ROOT", Path("/nonexistent"))
     # A "missing: " skip, which tests/conftest.py turns into a failure under CI=true.
     with pytest.raises(
         pytest.skip.Exception, match=r"^missing: the ai-dynamo-runtime package \(bash tools/install-dynamo"

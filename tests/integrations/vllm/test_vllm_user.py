@@ -694,18 +694,25 @@ def test_spec_a_store_refusing_a_chain_warns_with_the_stores_error(tmp_path, cap
     # Chunked prefill stores a's chain in one job a step, each chained to the job before; when the
     # store drops the first job's pages (another process's eviction, here a clear) the next job's
     # put fails with the store's MissingPriorError, which the warning must carry.
+    # The clear runs just before the second job's put (not after a step that may already have seen
+    # that put land, as on a loaded machine).
     rig = ConnectorRig(tmp_path / "model", "memory", max_num_batched_tokens=2 * BLOCK)
     try:
-        rig.add_request("a", PROMPT, max_tokens=1)
         storage = rig.manager.storage
-        for _ in range(20):
-            rig.step()
-            if storage.stats.pages_stored:
-                break
-        assert storage.stats.pages_stored == 2  # the first job: blocks 0 and 1
-        storage.clear()
+        real_put, priors = storage.put, []
+
+        def put(keys, pages, *, prior_key=None):
+            priors.append(prior_key)
+            if len(priors) == 2:
+                assert storage.stats.pages_stored == 2  # the first job: blocks 0 and 1
+                storage.clear()
+            return real_put(keys, pages, prior_key=prior_key)
+
+        storage.put = put
+        rig.add_request("a", PROMPT, max_tokens=1)
         rig.run_until_idle()
     finally:
         rig.close()
+    assert len(priors) >= 2 and priors[0] is None and priors[1] is not None, priors
     warnings = [record.getMessage() for record in caplog.records if "store job" in record.getMessage()]
     assert warnings and all("MissingPriorError" in warning for warning in warnings), warnings

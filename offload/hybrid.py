@@ -1,0 +1,618 @@
+"""The store and load of a hybrid model's components beside its full-attention pages (the
+manager's collaborator; the manager moves the full pages as for a plain model).
+
+Key rule (:mod:`kvstage.offload.restorable`): every component's entry for page ``i`` is stored
+under the page's key ``h_i`` in the component's own store; a state snapshot after ``k`` pages
+under ``h_{k-1}``. Entries of other components are put as chain starts (``prior_key=None``):
+their key spaces have no chain of their own, and a chain-aware store refuses a put whose prior
+is missing.
+
+- Store: with every run of full pages the manager launches, each sidecar's pages of the same
+  slots and each sliding window's pages that :func:`swa_store_mask` allows for a resume at the
+  run's end are gathered (one launch per component, on the copy stream after the same
+  producer) into host memory; once the run's keys are known and the copy is done, they are
+  put on the writer thread, after the run's full pages.
+- Snapshots (:meth:`Hybrid.snapshot`): the request's state slot is gathered in one launch
+  (every state layer) on the copy stream after ``after``; its put waits until the request's
+  pages ``0 .. k-1`` were handed to the writer (or loaded), and on the writer thread it is put
+  only when the full store holds ``h_{k-1}``.
+- Lookup and prefetch: every store is asked for the keys; the answer is the restorable length
+  (:func:`restorable_lengths`). A prefetch reads the full pages and every component's entries
+  for the largest restorable length it has host pages for; an entry that cannot be read
+  (evicted, corrupt) drops it to the next restorable length below, never to a length that
+  cannot be resumed.
+- Load: sidecar pages into the full slots, window pages into the sliding window's slots, the
+  snapshot into the request's state slot, one launch per component (layer by layer: one per
+  component layer); a layer's wait covers every component of that layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import torch
+
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
+from kvstage.hashing.chain import request_namespace
+from kvstage.kernels import gather, scatter
+from kvstage.kernels.state_copy import gather_state, scatter_state
+from kvstage.kernels.streams import CopyHandle
+from kvstage.offload.components import ComponentPools
+from kvstage.offload.load_path import LoadHandle, PrefixMatch
+from kvstage.offload.request import request_tokens
+from kvstage.offload.restorable import pages_to_load, restorable_lengths, snapshot_key_index, swa_store_mask
+from kvstage.offload.store_io import WriteOutcome, read_leading_pages, write_pages
+from kvstage.storage import MissingPriorError
+
+__all__ = ["Hybrid", "HybridLoadHandle", "PlainModel", "split_storage"]
+
+logger = logging.getLogger(__name__)
+
+
+def split_storage(storage: Any, components: ComponentPools | None, kv_pool: Any, page_size: int) -> tuple[Any, Any]:
+    """``(full store, Hybrid or PlainModel)`` from the manager's ``storage`` and ``components``:
+    a store and no components is a plain model; a mapping of stores needs ``components``.
+
+    Raises:
+        InvalidArgumentError / ArgumentTypeError: components without a mapping of stores (or
+            the reverse), a pool that does not fit its component, a store of another layout.
+    """
+    if not isinstance(storage, Mapping):
+        require(components is None, "components", "needs storage={component name: store}, one per component")
+        return storage, PlainModel()
+    require(
+        isinstance(components, ComponentPools),
+        "components",
+        lambda: (
+            f"must be a kvstage.offload.ComponentPools for storage={{name: store}}, got {type(components).__name__}"
+        ),
+        ArgumentTypeError,
+    )
+    components.check(kv_pool, page_size)
+    components.layout.require_matches(
+        {name: getattr(store, "fingerprint", None) for name, store in storage.items()}, page_size
+    )
+    return storage[components.full.name], Hybrid(components, dict(storage), page_size)
+
+
+class _Entries:
+    """One component's entries in host memory: a gather's (store path) or a read's (load path)."""
+
+    __slots__ = ("name", "state", "staging", "keys", "indices", "handle", "req", "run", "first", "length", "counted")
+
+    def __init__(self, name: str, state: Any, staging: torch.Tensor, indices: list[int]) -> None:
+        self.name, self.state, self.staging, self.indices = name, state, staging, indices
+        self.keys: list[str] | None = None  # known once the run is keyed (store) or read (load)
+        self.handle: CopyHandle | None = None
+        self.req: Any = None  # a snapshot's request and length
+        self.run: Any = None  # a page gather's run and its first page
+        self.first = 0
+        self.length = 0
+        self.counted = False  # its copy's end was counted off the request's copies in flight
+
+
+class Hybrid:
+    """The components of one manager's hybrid model (module doc); built by :func:`split_storage`."""
+
+    def __init__(self, components: ComponentPools, stores: dict[str, Any], page_size: int) -> None:
+        self.layout = components.layout
+        self.components = components
+        self.stores = stores
+        self.page_size = page_size
+        self.full = components.full
+        self.others = [c for c in self.layout.components if c.kind != "full"]
+        self.state = next(iter(self.layout.of_kind("state")), None)
+        self.stored = {c.name: 0 for c in self.layout.components}  # entries put (stored or deduplicated)
+        self.failed = {c.name: 0 for c in self.layout.components}
+        self._copies: list[_Entries] = []  # gathers whose copy or keys are pending
+        self._writes: list[tuple[_Entries, Any]] = []
+        self._loads: list[tuple[Any, CopyHandle]] = []  # component scatters: (request state, handle)
+        self.lookup = self  # what the prefetcher reads through
+        self._keyed: dict[int, tuple[Any, int, str]] = {}  # id(req) -> (req, length, key) of its last snapshot
+        self._spare: list[torch.Tensor] = []  # snapshots' host staging, reused (a pinned allocation is slow)
+
+    def attach(self, copy_stream: Any, workers: Any, hasher: Any, backend: str, pinned: bool) -> None:
+        """The manager's copy stream, store workers, hasher, kernel backend, host pinning."""
+        self.copy_stream, self.workers, self.hasher, self.backend, self.pinned = (
+            copy_stream,
+            workers,
+            hasher,
+            backend,
+            pinned,
+        )
+
+    # -- store path -----------------------------------------------------------------------
+
+    def check_runs(self, state: Any, runs: list) -> None:
+        """Check each sliding window's slots for the planned runs before anything is launched.
+
+        Raises:
+            InvalidArgumentError: ``slots_of[name](req)`` is no 1-D int tensor on the pool's
+                device with a slot for every position of the runs.
+        """
+        if not runs:
+            return
+        end = state.offloaded_length + sum(slots.shape[0] for _, slots in runs)
+        for component in self.layout.of_kind("swa"):
+            table = self.components.slots_of[component.name](state.req)
+            device = self.components.pools[component.name].device
+            require(
+                isinstance(table, torch.Tensor)
+                and table.dim() == 1
+                and table.dtype in (torch.int32, torch.int64)
+                and table.device == device
+                and table.shape[0] >= end,
+                f"slots_of[{component.name!r}]",
+                lambda table=table, device=device: (
+                    f"must give a 1-D int32/int64 tensor on {device} with a slot for each of the {end} positions, got "
+                    f"{tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__}"
+                ),
+            )
+
+    def gather_pages(self, state: Any, run: Any, start: int, slots: torch.Tensor, after: Any) -> None:
+        """Launch the gathers of a full run's sidecar pages and the window pages worth storing
+        (``run`` covers tokens ``[start, start + len(slots))``); one launch per component."""
+        page_size = self.page_size
+        first, end = start // page_size, (start + slots.shape[0]) // page_size
+        for component in self.others:
+            if component.kind == "sidecar":
+                indices, device_slots = list(range(first, end)), slots
+            elif component.kind == "swa":
+                mask = swa_store_mask(component, page_size, [end * page_size], end_page=end, first_page=first)
+                indices = [first + i for i, keep in enumerate(mask) if keep]
+                if not indices:
+                    continue
+                table = self.components.slots_of[component.name](state.req)
+                device_slots = table[indices[0] * page_size : (indices[-1] + 1) * page_size]
+            else:
+                continue
+            pool = self.components.pools[component.name]
+            entries = self._staging(component.name, state, pool, len(indices))
+            entries.indices, entries.run, entries.first = indices, run, first
+            entries.handle = self._submit_pages(gather, pool, entries.staging, device_slots, after)
+            state.copies_in_flight += 1
+            self._copies.append(entries)
+
+    def settled(self, segment: Any) -> None:
+        """The manager settled ``segment``: its run's keys are known; its pages' entries are put
+        only when its full copy succeeded and the request keeps its progress."""
+        run = segment.run
+        keep = segment.result.ok and run.keys is not None and segment.state.retract_keep is not False
+        for entries in self._copies:
+            if entries.run is run and entries.keys is None:  # no keys: never put (counted failed)
+                entries.keys = [run.keys[i - entries.first] for i in entries.indices] if keep else []
+
+    def snapshot(self, req: Any, state: Any, length: int, state_slot: Any, num_tokens: int, after: Any) -> CopyHandle:
+        """Launch the gather of ``req``'s state slot (the state after exactly ``length`` tokens)
+        into host memory; its put follows (module doc). Every check runs before the launch.
+
+        Raises:
+            InvalidArgumentError: no state component; ``length`` not a positive multiple of the
+                page size or past ``num_tokens``; ``state_slot`` not an int in the pool's range.
+        """
+        require(self.state is not None, "snapshot", "the layout has no request-state component")
+        index = snapshot_key_index(length, self.page_size, num_tokens)
+        pool = self.components.pools[self.state.name]
+        require(
+            is_int(state_slot) and 0 <= state_slot < pool.num_slots,
+            "state_slot",
+            lambda: f"must be an int in [0, {pool.num_slots}) (a slot of the state pool), got {state_slot!r}",
+        )
+        key = self._snapshot_key(req, length, index)
+        entries = _Entries(self.state.name, state, self._spare.pop() if self._spare else None, [])
+        if entries.staging is None:
+            entries.staging = self._staging(self.state.name, state, pool, 1).staging
+        entries.keys, entries.req, entries.length, entries.indices = [key], req, length, [index]
+        staging, backend, slot = entries.staging, self.backend, int(state_slot)
+        entries.handle = self.copy_stream.submit(
+            lambda: gather_state(pool, [slot], staging, backend=backend), keep=[staging], after=after
+        )
+        if state is not None:
+            state.copies_in_flight += 1
+        self._copies.append(entries)
+        return entries.handle
+
+    def _snapshot_key(self, req: Any, length: int, index: int) -> str:
+        """``h_{index}`` of ``req``'s tokens, hashed on from the request's last snapshot's key
+        (a decode snapshot every few pages does not hash the whole prefix again)."""
+        cached = self._keyed.get(id(req))
+        if cached is not None and cached[0] is req and cached[1] <= length:
+            keys = self.hasher.continue_keys(request_tokens(req, cached[1], length), cached[2])
+            key = keys[-1] if keys else cached[2]
+        else:
+            extra_key, cache_salt = request_namespace(req)
+            tokens = request_tokens(req, 0, length)
+            key = self.hasher.prefill_keys(tokens, extra_key=extra_key, cache_salt=cache_salt)[index]
+        self._keyed[id(req)] = (req, length, key)
+        return key
+
+    def poll(self, states: Mapping[int, Any]) -> list[Any]:
+        """Hand finished gathers to the writer (a snapshot once its pages are settled), collect
+        finished writes; returns the request states whose copies ended (for their release)."""
+        if len(self._keyed) > len(states) + 64:  # forget the keys of requests no longer tracked
+            self._keyed = {i: cached for i, cached in self._keyed.items() if i in states}
+        ended, waiting = [], []
+        for entries in self._copies:
+            done = entries.handle.query()
+            if done and not entries.counted:
+                entries.counted = True
+                if entries.state is not None:
+                    entries.state.copies_in_flight -= 1
+                    ended.append(entries.state)
+            if not done or entries.keys is None or not self._ready(entries, states):
+                waiting.append(entries)
+                continue
+            if entries.handle.error is not None or not entries.keys:
+                self.failed[entries.name] += len(entries.indices)
+                self._reuse(entries)
+                continue
+            self._writes.append((entries, self.workers.write(lambda e=entries: self._put(e))))
+        self._copies = waiting
+        for state, handle in [load for load in self._loads if load[1].query()]:
+            self._loads.remove((state, handle))
+            state.copies_in_flight -= 1
+            ended.append(state)
+        pending = []
+        for entries, future in self._writes:
+            if not future.done():
+                pending.append((entries, future))
+                continue
+            outcome = future.result()
+            self._reuse(entries)
+            self.failed[entries.name] += len(outcome.failed_keys)
+            self.stored[entries.name] += outcome.stored + outcome.deduplicated
+            if outcome.failed_keys:
+                logger.warning("offload: %s entries failed: %r", entries.name, outcome.error)
+        self._writes = pending
+        return ended
+
+    def _ready(self, entries: _Entries, states: Mapping[int, Any]) -> bool:
+        """A snapshot waits until its request's pages before it were handed to the writer."""
+        if entries.name != getattr(self.state, "name", None):
+            return True
+        state = entries.state
+        if state is None or states.get(id(entries.req)) is not state:
+            return True  # ended: the put's check of the full page decides
+        unsettled = sum(
+            len(segment.run.tokens) if segment.run.tokens is not None else len(segment.run.keys) * self.page_size
+            for segment in state.unsettled
+        )
+        return state.offloaded_length - unsettled >= entries.length
+
+    def _put(self, entries: _Entries) -> Any:
+        """On the writer thread: put the entries; a snapshot only when its full page is stored."""
+        pages = [entries.staging[i] for i in range(len(entries.keys))]
+        if entries.name == getattr(self.state, "name", None):
+            key = entries.keys[0]
+            if not self.stores[self.full.name].exists([key])[0]:
+                return WriteOutcome(failed_keys=[key], error=MissingPriorError(key))
+        return write_pages(self.stores[entries.name], entries.keys, pages, prior_key=None)
+
+    def wait_loads(self, state: Any, aborted: bool) -> None:
+        """An abort (``aborted``): block until ``state``'s component scatters are done, counted ended."""
+        for load in [load for load in self._loads if aborted and load[0] is state]:
+            load[1].synchronize()
+            self._loads.remove(load)
+            state.copies_in_flight -= 1
+
+    def wait(self) -> None:
+        """Block until every gather and write of the components has ended (drain)."""
+        for entries in self._copies:
+            entries.handle.synchronize()
+        for _, future in self._writes:
+            future.result()
+        for _, handle in self._loads:
+            handle.synchronize()
+
+    @property
+    def in_flight(self) -> int:
+        """Copies not done and writes not collected (a snapshot whose copy is done and whose
+        pages are not stored yet waits outside: a drain does not wait for pages that may never
+        come)."""
+        return sum(not e.handle.query() for e in self._copies) + len(self._writes) + len(self._loads)
+
+    def clear(self) -> int:
+        """Empty every component's store but the full one (the manager clears that) and drop the
+        snapshots still waiting for their pages (counted failed: they hold the old weights' state);
+        entries removed."""
+        for entries in self._copies:
+            self.failed[entries.name] += len(entries.indices)
+        self._copies = []
+        return sum(store.clear() for name, store in self.stores.items() if name != self.full.name)
+
+    # -- load path ------------------------------------------------------------------------
+
+    def present(self, keys: list[str]) -> dict[str, list[bool]]:
+        """Per component, which of ``keys`` its store holds (state: the snapshot at ``h_i``);
+        the others are asked only for the keys before the full store's first miss."""
+        full = list(self.stores[self.full.name].exists(list(keys))) if keys else []
+        leading = next((i for i, hit in enumerate(full) if not hit), len(full))
+        present = {self.full.name: full}
+        for component in self.others:
+            asked = keys[:leading]
+            present[component.name] = list(self.stores[component.name].exists(asked)) if asked else []
+        return present
+
+    def match(self, keys: list[str], num_tokens: int) -> PrefixMatch:
+        """The lookup's answer: the restorable length and every restorable length."""
+        found = restorable_lengths(self.layout, self.page_size, num_tokens, self.present(keys))
+        pages = found.num_pages
+        return PrefixMatch(pages, keys[:pages], pages * self.page_size, len(keys), found.lengths)
+
+    def read(self, handle: Any, pages: list[torch.Tensor]) -> None:
+        """On a reader thread: the lookup, then the full pages and every component's entries of
+        the largest restorable length that fits the host pages and reads whole (module doc)."""
+        keys, page_size = handle.page_keys, self.page_size
+        found = restorable_lengths(self.layout, page_size, len(keys) * page_size + 1, self.present(keys))
+        handle.lengths = found.lengths
+        handle.pages_hit = found.num_pages
+        fits = [length for length in found.lengths if length // page_size <= len(pages)]
+        if not fits or handle.cancelled:
+            return
+        count = fits[-1] // page_size
+        outcome = read_leading_pages(self.stores[self.full.name], keys[:count], pages[:count])
+        handle.error = outcome.error
+        for length in reversed(fits):
+            if length // page_size <= outcome.pages_read:
+                entries = self._read_entries(keys, length)
+                if entries is not None:
+                    handle.entries = entries
+                    handle.pages_ready = length // page_size
+                    break
+        handle.hole = handle.pages_ready < count and handle.error is None  # too few host pages is no hole
+
+    def _read_entries(self, keys: list[str], length: int) -> dict[str, _Entries] | None:
+        """Every component's entries for a resume at ``length``, or None when one is not read whole."""
+        plan, read = pages_to_load(self.layout, self.page_size, length), {}
+        for component in self.others:
+            indices = list(plan[component.name])
+            entries = self._staging(component.name, None, self.components.pools[component.name], len(indices))
+            entries.indices, entries.keys, entries.length = indices, [keys[i] for i in indices], length
+            into = [entries.staging[i] for i in range(len(indices))]
+            try:
+                hits = list(self.stores[component.name].get(entries.keys, into)) if indices else []
+            except Exception:  # a store that fails: this length cannot be resumed
+                logger.exception("offload: read of %s entries failed", component.name)
+                return None
+            if not all(hits):
+                return None
+            read[component.name] = entries
+        return read
+
+    def check_load(self, handle: Any, num_pages: int, component_slots: Any, state_slot: Any) -> dict[str, torch.Tensor]:
+        """Every check of :meth:`load` before anything is copied; the window slots by component.
+
+        Raises:
+            InvalidArgumentError: ``num_pages`` pages is no restorable length of the handle; a
+                window's slots missing or not ``window pages * page_size`` long; ``state_slot``
+                not an int in the state pool's range.
+        """
+        length = num_pages * self.page_size
+        if num_pages == 0:
+            return {}
+        require(
+            length in handle.lengths and handle.entries is not None and length == handle.pages_ready * self.page_size,
+            "slot_indices",
+            lambda: (
+                f"{length} tokens is not the prefetched restorable length {handle.pages_ready * self.page_size} "
+                f"(restorable: {handle.lengths}); load all of it or nothing"
+            ),
+        )
+        slots = {}
+        for component in self.layout.of_kind("swa"):
+            want = len(handle.entries[component.name].indices) * self.page_size
+            given = (component_slots or {}).get(component.name)
+            require(
+                isinstance(given, torch.Tensor) and given.dim() == 1 and given.shape[0] == want,
+                f"component_slots[{component.name!r}]",
+                lambda given=given, want=want: (
+                    f"must be a 1-D tensor of the window's {want} slots (its pages before the length), got "
+                    f"{tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__}"
+                ),
+            )
+            slots[component.name] = given
+        if self.state is not None:
+            pool = self.components.pools[self.state.name]
+            require(
+                is_int(state_slot) and 0 <= state_slot < pool.num_slots,
+                "state_slot",
+                lambda: f"must be an int in [0, {pool.num_slots}) (the request's state slot), got {state_slot!r}",
+            )
+        return slots
+
+    def load(
+        self,
+        state: Any,
+        handle: Any,
+        num_pages: int,
+        slot_indices: torch.Tensor,
+        window_slots: dict,
+        state_slot: Any,
+        after: Any,
+        layer_by_layer: bool = False,
+    ) -> dict[str, list[CopyHandle]]:
+        """Launch every component's scatter (checked by :meth:`check_load`): one launch per
+        component (the state of every state layer in one), or with ``layer_by_layer`` one per
+        component layer (the state layer's tensors alone, ``scatter_state(tensors=...)``);
+        the handles by component, in its layers' order."""
+        if num_pages == 0:
+            return {}
+        launched = {}
+        for component in self.others:
+            entries = handle.entries[component.name]
+            pool = self.components.pools[component.name]
+            layers = list(range(component.num_layers)) if layer_by_layer else [None]
+            if component.kind == "state":
+                staging, backend, slot = entries.staging, self.backend, int(state_slot)
+                launched[component.name] = [
+                    self.copy_stream.submit(
+                        lambda pool=pool, tensors=(None if j is None else pool.layers[j]): scatter_state(
+                            staging, pool, [slot], backend=backend, tensors=tensors
+                        ),
+                        keep=[staging],
+                        after=after,
+                    )
+                    for j in layers
+                ]
+            else:
+                slots = (
+                    slot_indices[: num_pages * self.page_size]
+                    if component.kind == "sidecar"
+                    else window_slots[component.name]
+                )
+                launched[component.name] = [
+                    self._submit_pages(scatter, pool, entries.staging, slots, after, layer=j) for j in layers
+                ]
+        for copies in launched.values():
+            for copy in copies:
+                state.copies_in_flight += 1
+                self._loads.append((state, copy))
+        return launched
+
+    def load_handle(self, base: LoadHandle, launched: dict[str, list[CopyHandle]]) -> LoadHandle:
+        """The engine's handle: its layers are the model's."""
+        return HybridLoadHandle(base, self.layout, launched)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _staging(self, name: str, state: Any, pool: Any, count: int) -> _Entries:
+        if hasattr(pool, "snapshot_bytes"):
+            staging = torch.empty((count, pool.snapshot_bytes), dtype=torch.uint8, pin_memory=self.pinned)
+        else:
+            shape = (count, *pool.layout.page_shape(self.page_size))
+            staging = torch.empty(shape, dtype=pool.layout.dtype, pin_memory=self.pinned)
+        return _Entries(name, state, staging, [])
+
+    def _reuse(self, entries: _Entries) -> None:
+        """A store-path snapshot's staging is free again (its write ended or never ran)."""
+        if entries.req is not None and entries.run is None and len(self._spare) < 16:
+            self._spare.append(entries.staging)
+
+    def _submit_pages(
+        self, copy: Any, pool: Any, staging: torch.Tensor, slots: torch.Tensor, after: Any, layer: int | None = None
+    ) -> CopyHandle:
+        local = torch.arange(staging.shape[0], dtype=torch.int64)
+        page_size, backend = self.page_size, self.backend
+        if copy is gather:
+
+            def run() -> None:
+                gather(pool, staging, slots, local, page_size=page_size, backend=backend, check_bounds=False)
+        else:
+
+            def run() -> None:
+                scatter(
+                    staging, pool, slots, local, page_size=page_size, layer=layer, backend=backend, check_bounds=False
+                )
+
+        return self.copy_stream.submit(run, keep=[staging, slots, local], after=after)
+
+
+class HybridLoadHandle(LoadHandle):
+    """A :class:`LoadHandle` whose layers are the model's (``0 .. layout.num_layers - 1``): a
+    layer's wait covers its full-attention copy and the copy of every other component with that
+    layer (its layer's own copy when loaded layer by layer, else the component's one copy)."""
+
+    def __init__(self, base: LoadHandle, layout: Any, launched: dict[str, list[CopyHandle]]) -> None:
+        super().__init__(base.req, base.num_pages, 1, base._handles, base._num_layers, base.layer_by_layer)
+        self.num_tokens = base.num_tokens
+        self._layout, self._launched = layout, launched
+        self._all = [*base._handles, *(copy for copies in launched.values() for copy in copies)]
+
+    def layer_handles(self, layer: int) -> list[CopyHandle]:
+        """Every copy ``layer`` waits for.
+
+        Raises:
+            InvalidArgumentError: ``layer`` is not in ``[0, num_layers)`` of the model.
+        """
+        if not is_int(layer) or not 0 <= layer < self._layout.num_layers:
+            raise InvalidArgumentError(f"layer: must be an int in [0, {self._layout.num_layers}), got {layer!r}")
+        handles = []
+        for component in self._layout.components:
+            if layer not in component.layers:
+                continue
+            copies = self._handles if component.kind == "full" else self._launched.get(component.name, [])
+            if copies:  # one per component layer (layer by layer) or one for them all
+                handles.append(copies[component.layers.index(layer)] if len(copies) > 1 else copies[0])
+        return handles
+
+    def layer_handle(self, layer: int) -> CopyHandle:
+        """The one copy ``layer`` waits for; a layer of several components has several
+        (:meth:`layer_handles`, :meth:`wait_layer`).
+
+        Raises:
+            InvalidArgumentError: ``layer`` is out of range, or waits for more than one copy.
+        """
+        handles = self.layer_handles(layer)
+        if len(handles) > 1:
+            raise InvalidArgumentError(
+                f"layer: {layer} waits for {len(handles)} copies (one per component); use layer_handles() or wait_layer()"
+            )
+        return handles[0] if handles else super().layer_handle(0)
+
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        for handle in self.layer_handles(layer):
+            handle.wait(stream)
+
+    def wait(self, stream: Any = None) -> None:
+        for handle in self._all:
+            handle.wait(stream)
+
+    def done(self) -> bool:
+        return all(handle.query() for handle in self._all)
+
+    @property
+    def error(self) -> BaseException | None:
+        return next((h.error for h in self._all if h.query() and h.error is not None), None)
+
+
+class PlainModel:
+    """A plain model's stand-in for :class:`Hybrid`: one full-attention component, nothing more
+    to move (the manager behaves exactly as before hybrid models)."""
+
+    lookup = None
+    in_flight = 0
+
+    def attach(self, *_: Any) -> None:
+        """Nothing to attach."""
+
+    def check_runs(self, *_: Any) -> None:
+        """No window slots to check."""
+
+    def gather_pages(self, *_: Any) -> None:
+        """No other component's pages."""
+
+    def wait_loads(self, _state: Any, _aborted: bool) -> None:
+        """No other component's scatters."""
+
+    def settled(self, _run: Any) -> None:
+        """Nothing waits for keys."""
+
+    def poll(self, _states: Any) -> list:
+        """Nothing in flight."""
+        return []
+
+    def wait(self) -> None:
+        """Nothing in flight."""
+
+    def clear(self) -> int:
+        """No other store."""
+        return 0
+
+    def snapshot(self, *_: Any) -> CopyHandle:
+        """Raises: InvalidArgumentError: a plain model has no request state."""
+        raise InvalidArgumentError("snapshot: the model has no request-state component (a plain model)")
+
+    def check_load(self, handle: Any, num_pages: int, component_slots: Any, state_slot: Any) -> dict:
+        """Raises: InvalidArgumentError: component arguments for a plain model."""
+        require(component_slots is None, "component_slots", "a plain model has no other component")
+        require(state_slot is None, "state_slot", "a plain model has no request state")
+        return {}
+
+    def load(self, *_: Any) -> dict:
+        """Nothing more to load."""
+        return {}
+
+    def load_handle(self, base: LoadHandle, _launched: Any) -> LoadHandle:
+        """The full pages' handle itself."""
+        return base

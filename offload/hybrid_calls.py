@@ -1,0 +1,46 @@
+"""The calls a hybrid model adds to :class:`~kvstage.offload.OffloadManager` (its state
+snapshots), kept apart so the manager's module stays the plain model's lifecycle; the work is
+:class:`~kvstage.offload.hybrid.Hybrid`'s."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstage.kernels.streams import CopyHandle
+from kvstage.offload.manager_arguments import check_after, checked_kv_length
+from kvstage.offload.one_thread import owner_thread_only
+
+__all__ = ["HybridCalls"]
+
+
+class HybridCalls:
+    """A mixin of :class:`~kvstage.offload.OffloadManager`: :meth:`snapshot`."""
+
+    _hybrid: Any
+    _states: dict
+
+    @owner_thread_only
+    def snapshot(
+        self, req: Any, length: int, state_slot: int, *, kv_length: int | None = None, after: Any = None
+    ) -> CopyHandle:
+        """A hybrid model's state snapshot: ``state_slot`` holds ``req``'s state after exactly
+        ``length`` tokens (page-aligned). Its every state layer is gathered in one launch on the
+        copy stream after ``after`` (default ``producer``) into host memory, and stored under
+        ``h_{length/page_size - 1}`` once the pages before it are (:mod:`~kvstage.offload.hybrid`).
+
+        Args:
+            kv_length: the request's tokens with KV (as :meth:`offload`; default: all but the last).
+
+        Returns:
+            The copy's handle: keep the slot's state unchanged until it completes.
+
+        Raises:
+            InvalidArgumentError: no state component; ``length`` not a positive multiple of the
+                page size or past ``kv_length``; ``state_slot`` outside the state pool; the
+                manager is closed. Nothing is copied then.
+            ThreadingError: called from another thread than the manager's.
+        """
+        self._require_open("snapshot")
+        check_after(after, "after")
+        tokens = checked_kv_length(req, kv_length, 0)
+        return self._hybrid.snapshot(req, self._states.get(id(req)), length, state_slot, tokens, self._after(after))

@@ -1,0 +1,590 @@
+"""A hybrid model's components through the manager: sliding-window and sidecar pages with the
+full pages, state snapshots, restorable lengths, loads into poisoned pools (bytes exact)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstage.errors import InvalidArgumentError
+from kvstage.kernels import KVPool
+from kvstage.kernels.state_pool import StatePool
+from kvstage.kv_layout import KVLayout
+from kvstage.model_layout import FullAttention, ModelLayout, PageSidecar, RequestState, SlidingWindow, TensorSpec
+from kvstage.offload import HostPool
+from kvstage.offload.components import ComponentPools, component_stores
+from kvstage.offload.copy_stream import ManualCopyStream
+from kvstage.offload.manager import OffloadManager
+from kvstage.offload.testing import SimpleRequest, SlotTable
+from kvstage.storage import MemoryStore
+
+from offload_rig import InlineStoreWorkers
+
+PAGE = 2
+SLOTS = 64
+POISON = -7.0
+
+
+class HidingStore(MemoryStore):
+    """A memory store that can lose entries (evicted) or fail their reads (corrupt)."""
+
+    def __init__(self, fingerprint) -> None:
+        super().__init__(fingerprint)
+        self.evicted: set[str] = set()
+        self.corrupt: set[str] = set()
+
+    def _exists(self, full_keys):
+        return [
+            hit and not any(k.endswith(e) for e in self.evicted)
+            for k, hit in zip(full_keys, super()._exists(full_keys))
+        ]
+
+    def _get(self, full_keys, into):
+        hits = super()._get(full_keys, into)
+        return [hit and not any(k.endswith(e) for e in self.evicted | self.corrupt) for k, hit in zip(full_keys, hits)]
+
+
+def kv(layers: int, parts: int = 2) -> KVLayout:
+    return KVLayout(layers, parts, 1, 4, "float32")
+
+
+STATE = (TensorSpec("conv", (3, 2), "bfloat16"), TensorSpec("recurrent", (2, 5), "float32"))
+LAYOUTS = {
+    # gpt-oss-like: sliding window (W=5: 2 pages of 2 before a length) beside full attention
+    "swa": ModelLayout(4, (SlidingWindow((0, 2), kv(2), window=5), FullAttention((1, 3), kv(2)))),
+    # DeepSeek V3.2-like: an MLA latent and an indexer sidecar on the same layers
+    "sidecar": ModelLayout(
+        2, (FullAttention((0, 1), kv(2, 1)), PageSidecar((0, 1), (TensorSpec("index", (6,), "uint8"),), name="indexer"))
+    ),
+    # Qwen3-Next-like: linear-attention state beside full attention
+    "state": ModelLayout(3, (RequestState((0, 1), STATE), FullAttention((2,), kv(1)))),
+    # every kind at once; layer 1 has KV, a sidecar and state (Falcon-H1 keeps KV and state in a layer)
+    "all": ModelLayout(
+        4,
+        (
+            SlidingWindow((0,), kv(1), window=5),
+            FullAttention((1, 3), kv(2)),
+            PageSidecar((1, 3), (TensorSpec("index", (6,), "uint8"),), name="indexer"),
+            RequestState((1, 2), STATE),
+        ),
+    ),
+}
+
+
+class Engine:
+    """Random device pools of a layout, a slot table per pool, and a manager over them."""
+
+    def __init__(self, layout: ModelLayout, seed: int = 0, stores=None) -> None:
+        torch.manual_seed(seed)
+        self.layout = layout
+        full = layout.of_kind("full")[0]
+        self.full = KVPool.from_stacked(torch.randn(full.layout.kv_parts, full.layout.num_layers, SLOTS, 1, 4))
+        self.slots = SlotTable(SLOTS)
+        self.window_slots = SlotTable(SLOTS)
+        pools = {}
+        for component in layout.components:
+            if component.kind == "swa":
+                shape = (component.layout.kv_parts, component.layout.num_layers, SLOTS, 1, 4)
+                pools[component.name] = KVPool.from_stacked(torch.randn(shape))
+            elif component.kind == "sidecar":
+                row = component.row_bytes
+                pools[component.name] = KVPool.from_rows(
+                    [torch.randint(0, 255, (SLOTS, row), dtype=torch.uint8) for _ in component.layers]
+                )
+            elif component.kind == "state":
+                pools[component.name] = StatePool.from_layers(
+                    [
+                        [torch.randn(4, *spec.shape).to(spec.dtype) for spec in component.tensors]
+                        for _ in component.layers
+                    ]
+                )
+        self.pools = pools
+        self.stores = stores or component_stores(layout, "m", PAGE, HidingStore)
+        self.stream = ManualCopyStream()
+        self.released = []
+        self.manager = OffloadManager(
+            self.full,
+            HostPool.like(self.full, num_pages=32, page_size=PAGE),
+            self.stores,
+            __import__("kvstage.hashing", fromlist=["PageHasher"]).PageHasher(page_size=PAGE),
+            self.slots,
+            components=ComponentPools(layout, pools, slots_of={"swa": self.window_slots}),
+            copy_stream=self.stream,
+            store_workers=InlineStoreWorkers(),
+            backend="torch",
+            release=self.released.append,
+        )
+
+    def settle(self) -> None:
+        for _ in range(20):
+            self.stream.complete_all()
+            self.manager.poll()
+        self.manager.drain()
+
+    def request(self, rid: str, prompt, extra: int = 4, **namespace) -> SimpleRequest:
+        req = SimpleRequest(rid, prompt, **namespace)
+        self.slots.assign(req, len(prompt) + extra)
+        self.window_slots.assign(req, len(prompt) + extra)
+        return req
+
+    def state_of(self, slot: int) -> list[torch.Tensor]:
+        return [t[slot].clone() for t in self.pools["state"].tensors]
+
+
+def store(engine: Engine, req, *, chunks=(), snapshots=()) -> dict[int, list[torch.Tensor]]:
+    """Offload ``req`` (prefill chunk ends ``chunks``, then all), snapshots at ``snapshots``
+    (state slot 0, fresh random state each); returns each snapshot's tensors."""
+    saved = {}
+    for end in chunks:
+        engine.manager.offload(req, kv_length=end)
+    engine.manager.offload(req)
+    for length in snapshots:
+        for t in engine.pools["state"].tensors:
+            t[0] = torch.randn(t.shape[1:]).to(t.dtype)
+        saved[length] = engine.state_of(0)
+        engine.manager.snapshot(req, length, 0)
+        engine.stream.complete_all()  # the slot's state stays until its copy is done
+    req.done = True
+    engine.manager.finish(req)
+    engine.settle()
+    return saved
+
+
+PROMPT = list(range(100, 113))  # 13 tokens: 6 whole pages of 2
+
+
+def test_window_pages_stored_only_before_resume_lengths_and_restorable():
+    engine = Engine(LAYOUTS["swa"])
+    a = engine.request("a", PROMPT)
+    store(engine, a, chunks=(8,))  # runs end at 8 and 12: the window before each is stored
+    keys = engine.manager.hasher.prefill_keys(PROMPT[:12])
+    assert engine.stores["full"].exists(keys) == [True] * 6
+    assert engine.stores["swa"].exists(keys) == [False, False, True, True, True, True]
+    found = engine.manager.match_prefix(token_ids=PROMPT)
+    assert (found.num_tokens, found.lengths) == (12, (8, 10, 12))  # 10: pages 3, 4 are stored too
+    assert engine.manager.match_prefix(token_ids=PROMPT[:12]).lengths == (8, 10)  # one token left to compute
+
+
+def test_window_only_at_run_end_rounds_down():
+    engine = Engine(LAYOUTS["swa"])
+    store(engine, engine.request("a", PROMPT))  # one run to 12: pages 4, 5 of the window only
+    assert engine.manager.match_prefix(token_ids=PROMPT).lengths == (12,)
+    assert engine.manager.match_prefix(token_ids=PROMPT[:12]).lengths == ()  # 8 would need pages 2, 3
+
+
+def load(engine: Engine, req, **kwargs):
+    handle = engine.manager.prefetch(req, policy="wait_complete")
+    handle.wait()
+    engine.manager.poll()
+    pages = handle.pages_ready
+    loaded = engine.manager.load(handle, engine.slots(req)[: pages * PAGE], **kwargs)
+    engine.stream.complete_all()
+    loaded.wait()
+    return loaded
+
+
+def poison(engine: Engine, req) -> None:
+    slots = engine.slots(req)
+    for part in engine.full.buffers:
+        for buffer in part:
+            buffer[slots] = POISON
+    for name, pool in engine.pools.items():
+        if isinstance(pool, KVPool):
+            where = engine.slots(req) if name != "swa" else engine.window_slots(req)
+            for part in pool.buffers:
+                for buffer in part:
+                    buffer[where] = 0 if buffer.dtype == torch.uint8 else POISON
+
+
+def rows(pool: KVPool, slots: torch.Tensor) -> list[torch.Tensor]:
+    return [buffer[slots].clone() for part in pool.buffers for buffer in part]
+
+
+@pytest.mark.parametrize("name", ["swa", "sidecar"])
+def test_pages_of_every_component_load_exactly(name):
+    engine = Engine(LAYOUTS[name], seed=1)
+    a = engine.request("a", PROMPT)
+    store(engine, a, chunks=(8,))
+    b = engine.request("b", PROMPT + [5, 6])
+    poison(engine, b)
+    loaded = load(engine, b, component_slots={"swa": engine.window_slots(b)[4:8]} if name == "swa" else None)
+    assert loaded.num_tokens == 12 and loaded.error is None
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(rows(engine.full, engine.slots(b)[:12]), rows(engine.full, engine.slots(a)[:12]))
+    )
+    if name == "swa":  # the window before 12: positions 8 .. 11
+        pool, mine, theirs = engine.pools["swa"], engine.window_slots(b)[8:12], engine.window_slots(a)[8:12]
+        assert all(torch.equal(x, y) for x, y in zip(rows(pool, engine.window_slots(b)[4:8]), rows(pool, theirs)))
+        assert all((r == POISON).all() for r in rows(pool, mine))  # never written: the window went to [4:8]
+    else:
+        pool = engine.pools["indexer"]
+        assert all(
+            torch.equal(x, y) for x, y in zip(rows(pool, engine.slots(b)[:12]), rows(pool, engine.slots(a)[:12]))
+        )
+    for layer in range(engine.layout.num_layers):
+        loaded.wait_layer(layer)
+
+
+def test_snapshot_restores_to_the_last_snapshot_and_loads_into_the_state_slot():
+    engine = Engine(LAYOUTS["state"], seed=2)
+    a = engine.request("a", PROMPT)
+    saved = store(engine, a, snapshots=(4, 8))  # pages to 12 stored, snapshots at 4 and 8 only
+    assert engine.manager.match_prefix(token_ids=PROMPT).lengths == (4, 8)  # 12 has no snapshot: rounds down
+    assert engine.manager.match_prefix(token_ids=PROMPT[:8]).num_tokens == 4  # a prompt of exactly 8
+    b = engine.request("b", PROMPT)
+    poison(engine, b)
+    for t in engine.pools["state"].tensors:
+        t[3] = POISON
+    loaded = load(engine, b, state_slot=3)
+    assert loaded.num_tokens == 8
+    assert all(torch.equal(x, y) for x, y in zip(engine.state_of(3), saved[8]))
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(rows(engine.full, engine.slots(b)[:8]), rows(engine.full, engine.slots(a)[:8]))
+    )
+    assert (rows(engine.full, engine.slots(b)[8:12])[0] == POISON).all()
+
+
+def test_evicted_snapshot_and_corrupt_window_page_are_misses():
+    engine = Engine(LAYOUTS["state"], seed=3)
+    store(engine, engine.request("a", PROMPT), snapshots=(4, 8))
+    keys = engine.manager.hasher.prefill_keys(PROMPT[:12])
+    engine.stores["state"].evicted.add(keys[3])  # the snapshot at 8
+    assert engine.manager.match_prefix(token_ids=PROMPT).lengths == (4,)
+    b = engine.request("b", PROMPT)
+    assert load(engine, b, state_slot=1).num_tokens == 4
+
+    swa = Engine(LAYOUTS["swa"], seed=4)
+    a = swa.request("a", PROMPT)
+    store(swa, a, chunks=(8,))
+    swa.stores["swa"].corrupt.add(keys[4])  # the lookup sees it, its read fails: neither 12 nor 10 is resumed
+    c = swa.request("c", PROMPT)
+    poison(swa, c)
+    loaded = load(swa, c, component_slots={"swa": swa.window_slots(c)[4:8]})
+    assert loaded.num_tokens == 8  # the window before 8 (positions 4 .. 7), never the corrupt page
+    pool = swa.pools["swa"]
+    assert all(
+        torch.equal(x, y) for x, y in zip(rows(pool, swa.window_slots(c)[4:8]), rows(pool, swa.window_slots(a)[4:8]))
+    )
+
+
+@pytest.mark.parametrize("namespace", [{"cache_salt": "tenant-b"}, {"extra_key": "lora-1"}])
+def test_tenants_and_extra_keys_separate_every_component(namespace):
+    for name in ("swa", "state", "sidecar"):
+        engine = Engine(LAYOUTS[name])
+        a = engine.request("a", PROMPT)
+        store(engine, a, chunks=(8,), snapshots=(4, 8) if name == "state" else ())
+        assert engine.manager.match_prefix(token_ids=PROMPT).num_tokens == (8 if name == "state" else 12)
+        assert engine.manager.match_prefix(token_ids=PROMPT, **namespace).num_tokens == 0
+        other = engine.manager.hasher.prefill_keys(PROMPT[:12], **namespace)
+        assert not any(any(store.exists(other)) for store in engine.stores.values())
+
+
+def test_bad_input_raises_before_anything_is_copied():
+    engine = Engine(LAYOUTS["state"])
+    a = engine.request("a", PROMPT)
+    submitted = engine.stream.submitted
+    with pytest.raises(InvalidArgumentError, match="^length: .*multiple of page_size"):
+        engine.manager.snapshot(a, 3, 0)
+    with pytest.raises(InvalidArgumentError, match="^length: 14 is past"):
+        engine.manager.snapshot(a, 14, 0)
+    with pytest.raises(InvalidArgumentError, match=r"^state_slot: must be an int in \[0, 4\)"):
+        engine.manager.snapshot(a, 4, 4)
+    assert engine.stream.submitted == submitted
+    plain = Engine(LAYOUTS["swa"])
+    with pytest.raises(InvalidArgumentError, match="^snapshot: the layout has no request-state"):
+        plain.manager.snapshot(plain.request("a", PROMPT), 4, 0)
+
+
+def test_construction_checks_pools_and_stores():
+    layout = LAYOUTS["state"]
+    wider = ModelLayout(
+        4, (RequestState((0, 1), STATE), FullAttention((2,), kv(1)), SlidingWindow((3,), kv(1), window=3))
+    )
+    stores = component_stores(wider, "m", PAGE, MemoryStore)
+    with pytest.raises(InvalidArgumentError, match=r"^storage: names component 'swa'"):
+        Engine(layout, stores=stores)
+    other = ModelLayout(3, (RequestState((0, 1), STATE[:1]), FullAttention((2,), kv(1))))
+    with pytest.raises(InvalidArgumentError, match=r"^storage\['full'\]: its layout differs"):
+        Engine(layout, stores=component_stores(other, "m", PAGE, MemoryStore))
+
+
+def test_store_events_name_the_component_and_flush_clears_every_store():
+    engine = Engine(LAYOUTS["state"])
+    store(engine, engine.request("a", PROMPT), snapshots=(4, 8))
+    assert engine.manager.entries_stored == {"state": (2, 0)}
+    events = engine.stores["state"].take_events()
+    assert [e.kind for e in events] == ["stored", "stored"] and all("@state-" in e.key_space for e in events)
+    assert all("@full-" in e.key_space for e in engine.stores["full"].take_events())
+    assert engine.manager.flush() == 6 + 2
+    assert not any(any(s.exists(engine.manager.hasher.prefill_keys(PROMPT[:12]))) for s in engine.stores.values())
+    assert engine.manager.match_prefix(token_ids=PROMPT).lengths == ()
+
+
+def test_a_snapshot_whose_page_failed_is_not_stored():
+    engine = Engine(LAYOUTS["state"])
+    a = engine.request("a", PROMPT)
+    engine.manager.offload(a, kv_length=4)
+    engine.stream.complete(0, error=RuntimeError("copy failed"))  # pages 0, 1 never reach the store
+    engine.manager.poll()
+    engine.manager.snapshot(a, 4, 0)
+    a.done = True
+    engine.manager.finish(a, kv_length=4)
+    engine.settle()
+    assert engine.manager.entries_stored == {"state": (0, 1)}
+    assert engine.stores["state"].exists(engine.manager.hasher.prefill_keys(PROMPT[:4])) == [False, False]
+
+
+def test_a_failed_full_copy_puts_none_of_its_window_pages():
+    engine = Engine(LAYOUTS["swa"])
+    a = engine.request("a", PROMPT)
+    engine.manager.offload(a)
+    engine.stream.complete(0, error=RuntimeError("copy failed"))
+    a.done = True
+    engine.manager.finish(a)
+    engine.settle()
+    assert engine.manager.entries_stored == {"swa": (0, 2)}
+    assert not any(engine.stores["swa"].exists(engine.manager.hasher.prefill_keys(PROMPT[:12])))
+
+
+def test_bad_window_slots_raise_before_any_launch():
+    engine = Engine(LAYOUTS["swa"])
+    a = engine.request("a", PROMPT)
+    engine.window_slots.release(a)
+    engine.window_slots.assign(a, 6)  # 6 slots: positions 0 .. 5 only
+    with pytest.raises(InvalidArgumentError, match=r"^slots_of\['swa'\]: must give .* each of the 12 positions"):
+        engine.manager.offload(a)
+    assert engine.stream.submitted == 0 and not engine.manager.is_tracked(a)
+
+
+def test_abort_waits_for_component_loads():
+    engine = Engine(LAYOUTS["state"], seed=5)
+    saved = store(engine, engine.request("a", PROMPT), snapshots=(4, 8))
+    b = engine.request("b", PROMPT)
+    handle = engine.manager.prefetch(b, policy="wait_complete")
+    handle.wait()
+    engine.manager.poll()
+    engine.manager.load(handle, engine.slots(b)[:8], state_slot=2)
+    engine.manager.abort(b)  # the queued copies run now: nothing of b is written after abort returns
+    assert not engine.stream.pending and engine.released[-1] is b
+    assert all(torch.equal(x, y) for x, y in zip(engine.state_of(2), saved[8]))
+
+
+def test_load_refuses_a_partial_hybrid_length_and_a_missing_state_slot():
+    engine = Engine(LAYOUTS["state"])
+    store(engine, engine.request("a", PROMPT), snapshots=(4, 8))
+    b = engine.request("b", PROMPT)
+    handle = engine.manager.prefetch(b, policy="wait_complete")
+    handle.wait()
+    submitted = engine.stream.submitted
+    with pytest.raises(InvalidArgumentError, match="^slot_indices: 4 tokens is not the prefetched restorable length 8"):
+        engine.manager.load(handle, engine.slots(b)[:4], state_slot=0)
+    with pytest.raises(InvalidArgumentError, match=r"^state_slot: must be an int in \[0, 4\)"):
+        engine.manager.load(handle, engine.slots(b)[:8])
+    assert engine.stream.submitted == submitted
+
+
+def test_a_state_pool_of_another_shape_is_refused():
+    layout = LAYOUTS["state"]
+    engine = Engine(layout)
+    bad = StatePool.from_layers([[torch.zeros(4, 3, 2), torch.zeros(4, 2, 5)] for _ in range(2)])  # conv in float32
+    with pytest.raises(
+        InvalidArgumentError, match=r"^components.pools\['state'\]: layers\[0\]\[0\] is \(3, 2\) torch.float32"
+    ):
+        ComponentPools(layout, {"state": bad}).check(engine.full, PAGE)
+
+
+def test_readme_manager_example_runs(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    from support import REPO_ROOT
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("\n## Hybrid models in the manager\n", 1)[1].split("\n## ", 1)[0]
+    (example,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    script = tmp_path / "example.py"
+    script.write_text(example)
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["(32, 64)", "64 True"]
+
+
+def test_every_component_at_once_loads_exactly():
+    engine = Engine(LAYOUTS["all"], seed=6)
+    a = engine.request("a", PROMPT)
+    saved = store(engine, a, chunks=(8,), snapshots=(8,))  # windows before 8 and 12, a snapshot at 8
+    assert engine.manager.match_prefix(token_ids=PROMPT).lengths == (8,)
+    b = engine.request("b", PROMPT)
+    poison(engine, b)
+    for t in engine.pools["state"].tensors:
+        t[1] = POISON
+    loaded = load(engine, b, state_slot=1, component_slots={"swa": engine.window_slots(b)[4:8]})
+    assert loaded.num_tokens == 8
+    same = [
+        (engine.full, engine.slots(b)[:8], engine.slots(a)[:8]),
+        (engine.pools["indexer"], engine.slots(b)[:8], engine.slots(a)[:8]),
+        (engine.pools["swa"], engine.window_slots(b)[4:8], engine.window_slots(a)[4:8]),
+    ]
+    for pool, mine, theirs in same:
+        assert all(torch.equal(x, y) for x, y in zip(rows(pool, mine), rows(pool, theirs)))
+    assert all(torch.equal(x, y) for x, y in zip(engine.state_of(1), saved[8]))
+    assert len(loaded.layer_handles(1)) == 3 and len(loaded.layer_handles(2)) == 1  # full, sidecar, state; state
+    assert loaded.layer_handle(2) is loaded.layer_handles(2)[0]
+    with pytest.raises(InvalidArgumentError, match="^layer: 1 waits for 3 copies"):
+        loaded.layer_handle(1)
+    with pytest.raises(InvalidArgumentError, match=r"^layer: must be an int in \[0, 4\)"):
+        loaded.wait_layer(4)
+
+
+def test_drain_does_not_wait_for_pages_that_never_come_and_flush_drops_the_snapshot():
+    engine = Engine(LAYOUTS["state"])
+    a = engine.request("a", PROMPT)
+    engine.manager.offload(a, kv_length=4)
+    engine.manager.snapshot(a, 8, 0)  # pages 2, 3 are not offloaded yet
+    engine.settle()  # returns: the snapshot's copy is done, it waits for its pages outside the drain
+    assert engine.manager.entries_stored == {"state": (0, 0)}
+    engine.manager.flush()
+    assert engine.manager.entries_stored == {"state": (0, 1)}
+    engine.manager.offload(a)
+    a.done = True
+    engine.manager.finish(a)
+    engine.settle()
+    assert not any(engine.stores["state"].exists(engine.manager.hasher.prefill_keys(PROMPT[:12])))
+
+
+def test_layer_by_layer_a_layer_waits_for_its_own_copy_of_every_component():
+    engine = Engine(LAYOUTS["all"], seed=7)
+    a = engine.request("a", PROMPT)
+    saved = store(engine, a, chunks=(8,), snapshots=(8,))
+    b = engine.request("b", PROMPT)
+    for t in engine.pools["state"].tensors:
+        t[1] = POISON
+    handle = engine.manager.prefetch(b, policy="wait_complete")
+    handle.wait()
+    before = engine.stream.submitted
+    loaded = engine.manager.load(
+        handle,
+        engine.slots(b)[:8],
+        layer_by_layer=True,
+        state_slot=1,
+        component_slots={"swa": engine.window_slots(b)[4:8]},
+    )
+    assert engine.stream.submitted - before == 2 + 1 + 2 + 2  # full, window, sidecar, state: one per layer
+    mine = loaded.layer_handles(1)  # full layer 0, indexer layer 0, state layer 0 (model layer 1)
+    assert len(mine) == 3 and len(set(map(id, mine))) == 3
+    for copy in mine:
+        engine.stream.complete(copy)
+    layer1, layer2 = engine.state_of(1)[:2], engine.state_of(1)[2:]
+    assert all(torch.equal(x, y) for x, y in zip(layer1, saved[8][:2]))  # its state is in
+    assert all((t.float() == POISON).all() for t in layer2)  # layer 2's state copy has not run
+    engine.stream.complete_all()
+    loaded.wait()
+    assert all(torch.equal(x, y) for x, y in zip(engine.state_of(1), saved[8]))
+
+
+def test_snapshots_taken_one_after_another_keep_their_own_bytes():
+    engine = Engine(LAYOUTS["state"], seed=8)
+    a = engine.request("a", PROMPT)
+    engine.manager.offload(a, kv_length=8)
+    saved = {}
+    for length in (4, 8):  # the second snapshot's host staging is the first's, reused once its write ended
+        for t in engine.pools["state"].tensors:
+            t[0] = torch.randn(t.shape[1:]).to(t.dtype)
+        saved[length] = engine.state_of(0)
+        engine.manager.snapshot(a, length, 0)
+        engine.stream.complete_all()
+        engine.manager.poll()
+        engine.manager.poll()
+    a.done = True
+    engine.manager.finish(a, kv_length=8)
+    engine.settle()
+    assert engine.manager.entries_stored == {"state": (2, 0)}
+    for length, slot in ((4, 1), (8, 2)):
+        b = engine.request(f"b{length}", PROMPT[: length + 1])
+        assert load(engine, b, state_slot=slot).num_tokens == length
+        assert all(torch.equal(x, y) for x, y in zip(engine.state_of(slot), saved[length]))
+
+
+def test_every_component_over_one_file_store_directory(tmp_path):
+    from kvstage.storage.file_store import FileStore
+
+    layout = LAYOUTS["all"]
+    stores = component_stores(layout, "m", PAGE, lambda fingerprint: FileStore(fingerprint, tmp_path))
+    engine = Engine(layout, seed=9, stores=stores)
+    a = engine.request("a", PROMPT)
+    saved = store(engine, a, chunks=(8,), snapshots=(8,))
+    assert engine.manager.entries_stored == {"swa": (4, 0), "indexer": (6, 0), "state": (1, 0)}
+    reopened = component_stores(layout, "m", PAGE, lambda fingerprint: FileStore(fingerprint, tmp_path))
+    fresh = Engine(layout, seed=10, stores=reopened)  # another process: other pools, the same directory
+    b = fresh.request("b", PROMPT)
+    loaded = load(fresh, b, state_slot=0, component_slots={"swa": fresh.window_slots(b)[4:8]})
+    assert loaded.num_tokens == 8
+    assert all(
+        torch.equal(x, y) for x, y in zip(rows(fresh.full, fresh.slots(b)[:8]), rows(engine.full, engine.slots(a)[:8]))
+    )
+    pools = [(fresh.pools[n], engine.pools[n]) for n in ("indexer", "swa")]
+    assert all(
+        torch.equal(x, y) for x, y in zip(rows(pools[0][0], fresh.slots(b)[:8]), rows(pools[0][1], engine.slots(a)[:8]))
+    )
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(rows(pools[1][0], fresh.window_slots(b)[4:8]), rows(pools[1][1], engine.window_slots(a)[4:8]))
+    )
+    assert all(torch.equal(x, y) for x, y in zip(fresh.state_of(0), saved[8]))
+    for s in [*stores.values(), *reopened.values()]:
+        s.close()
+
+
+@pytest.mark.parametrize("namespace", [{}, {"cache_salt": "t"}])
+def test_decode_snapshots_key_as_the_prefix_hashed_from_the_start(namespace):
+    engine = Engine(LAYOUTS["state"])
+    a = engine.request("a", PROMPT[:4], extra=12, **namespace)
+    engine.manager.offload(a)
+    for token in range(200, 211):  # decode 11 tokens: KV up to 14, snapshots at 6, 8, 12 and again 12
+        a.output_ids.append(token)
+        length = a.kv_length // PAGE * PAGE
+        if length in (6, 8, 12):
+            engine.manager.snapshot(a, length, 0)
+            engine.stream.complete_all()
+        engine.manager.offload(a)
+    engine.manager.snapshot(a, 12, 0)
+    a.done = True
+    engine.manager.finish(a)
+    engine.settle()
+    keys = engine.manager.hasher.prefill_keys((PROMPT[:4] + list(range(200, 211)))[:12], **namespace)
+    assert engine.stores["state"].exists(keys) == [False, False, True, True, False, True]
+
+
+def test_abort_waits_for_a_component_load_that_outlives_the_full_load():
+    engine = Engine(LAYOUTS["state"], seed=11)
+    saved = store(engine, engine.request("a", PROMPT), snapshots=(4, 8))
+    b = engine.request("b", PROMPT)
+    handle = engine.manager.prefetch(b, policy="wait_complete")
+    handle.wait()
+    engine.manager.load(handle, engine.slots(b)[:8], state_slot=2)
+    engine.stream.complete(0)  # the full pages' copy only; the manager polls it
+    engine.manager.poll()
+    assert len(engine.stream.pending) == 1 and engine.released[-1] is not b
+    engine.manager.abort(b)
+    assert not engine.stream.pending and engine.released[-1] is b
+    assert all(torch.equal(x, y) for x, y in zip(engine.state_of(2), saved[8]))
+
+
+def test_a_prefetch_with_too_few_host_pages_reads_the_restorable_length_that_fits():
+    engine = Engine(LAYOUTS["state"], seed=12)
+    saved = store(engine, engine.request("a", PROMPT), snapshots=(4, 8))
+    taken = engine.manager.host_pool.alloc(engine.manager.host_pool.free_pages - 3)  # 3 host pages left
+    b = engine.request("b", PROMPT)
+    handle = engine.manager.prefetch(b, policy="wait_complete")
+    handle.wait()
+    assert (handle.pages_hit, handle.pages_ready, handle.hole) == (4, 2, False)  # 8 needs 4 pages: 4 fits
+    engine.manager.poll()
+    assert engine.manager.metrics.pages_truncated == 1 and engine.manager.metrics.prefetch_failures == 0
+    loaded = engine.manager.load(handle, engine.slots(b)[:4], state_slot=1)
+    engine.stream.complete_all()
+    loaded.wait()
+    assert all(torch.equal(x, y) for x, y in zip(engine.state_of(1), saved[4]))
+    engine.manager.host_pool.free(taken)
