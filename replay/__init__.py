@@ -9,6 +9,10 @@ Modules, one job each:
     verify: read stored pages back and compare their bytes; load some back into the device pool.
     report: progress bar, summary table and JSON.
     command: the ``kvstage replay`` options and their checks.
+    fleet: ``--engines N``: engine processes on one store, the router, the kill, the verify;
+    fleet_engine: one engine process; local_tier: an engine's own memory tier in front of the
+    shared store; prefix_index, router: the kv router's index (fed by :mod:`kvstage.events`)
+    and the policies; fleet_report: the table and the plot.
 """
 
 from kvstage.replay.trace import TraceError, TraceRequest, load_trace, synthetic_trace

@@ -15,9 +15,10 @@ from typing import Any, Callable, Sequence
 
 from kvstage.errors import BackendUnavailableError, InvalidArgumentError, KvstageError
 from kvstage.replay.models import DEFAULT_MODEL, DTYPES, PRESETS, resolve_model
-from kvstage.replay.trace import TraceRequest, load_trace, synthetic_trace
+from kvstage.replay.trace import TraceRequest, load_trace, multi_tenant_trace, synthetic_trace
 
 DEFAULT_SYNTHETIC_REQUESTS = 48
+DEFAULT_LOCAL_PAGES = 4096  # as kvstage.replay.fleet.DEFAULT_LOCAL_PAGES (a test keeps them equal)
 # As kvstage.hashing.SCHEMES and kvstage.kernels.backend.BACKEND_CHOICES (a test keeps them
 # equal); listed here so that --help imports neither (kvstage.kernels imports torch).
 HASH_SCHEMES = ("sglang-v1", "xxh3-128")
@@ -40,6 +41,12 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("trace", nargs="?", metavar="TRACE", help="JSONL trace file (default: built-in synthetic trace)")
     p.add_argument(
         "--requests", type=int, metavar="N", help="replay the first N requests (synthetic: make N; default 48)"
+    )
+    p.add_argument(
+        "--multi-tenant",
+        type=int,
+        metavar="TENANTS",
+        help="without TRACE: the built-in multi-tenant trace (TENANTS system prompts that recur) instead",
     )
     p.add_argument("--page-size", type=int, default=64, metavar="TOKENS", help="tokens per page (default 64)")
     p.add_argument(
@@ -114,6 +121,34 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         metavar="PATH",
         help="write kvstage's Prometheus metrics at the end of the run to PATH (text format, as the report's figures)",
     )
+    fleet = p.add_argument_group("fleet (several engine processes on one store)")
+    fleet.add_argument(
+        "--engines",
+        type=int,
+        metavar="N",
+        help="run N engine processes on one shared store (file:DIR or mooncake://...) behind a router",
+    )
+    fleet.add_argument(
+        "--router",
+        default="round-robin",
+        metavar="POLICY[,POLICY...]",
+        help="with --engines: kv, round-robin or random; several (comma-separated) run one after another, "
+        "each on a fresh store (default round-robin)",
+    )
+    fleet.add_argument(
+        "--kill-engine-at",
+        type=int,
+        metavar="K",
+        help="with --engines: SIGKILL the busiest engine right after the K-th request is routed, and restart it",
+    )
+    fleet.add_argument(
+        "--local-pages",
+        type=int,
+        default=DEFAULT_LOCAL_PAGES,
+        metavar="N",
+        help=f"with --engines: pages each engine keeps in its own memory tier (default {DEFAULT_LOCAL_PAGES})",
+    )
+    fleet.add_argument("--plot", metavar="PNG", help="with --engines: plot hit rate over time per policy to PNG")
     p.set_defaults(handler=run)
     return p
 
@@ -157,7 +192,13 @@ def config_from_args(args: argparse.Namespace):
     if storage.startswith("file:") and not storage[len("file:") :]:
         raise InvalidArgumentError("--storage: file: needs a folder, e.g. file:/tmp/kvstage-pages")
     model = resolve_model(args.model, layers=args.layers, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype)
-    if args.trace is None:
+    _positive("--multi-tenant", args.multi_tenant)
+    if args.multi_tenant is not None and args.trace is not None:
+        raise InvalidArgumentError("--multi-tenant: makes a built-in trace; give it without TRACE")
+    if args.multi_tenant is not None:
+        requests = multi_tenant_trace(args.requests or DEFAULT_SYNTHETIC_REQUESTS, args.multi_tenant, seed=args.seed)
+        trace_name = f"built-in multi-tenant ({args.multi_tenant} tenants)"
+    elif args.trace is None:
         requests = synthetic_trace(args.requests or DEFAULT_SYNTHETIC_REQUESTS, seed=args.seed)
         trace_name = "built-in synthetic"
     else:
@@ -277,6 +318,8 @@ def run(args: argparse.Namespace) -> int:
     except (InvalidArgumentError, BackendUnavailableError) as exc:
         print(f"kvstage replay: error: {exc}", file=sys.stderr)
         return 2
+    if args.engines is not None:
+        return run_fleet(args, config, requests, trace_name)
     registry = None
     if args.metrics_port is not None or args.metrics_file is not None:
         from prometheus_client import CollectorRegistry, start_http_server
@@ -332,3 +375,106 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0 if verified and not report["pages_failed"] else 1
+
+
+def fleet_plan(args: argparse.Namespace, config) -> list[tuple[Any, Any]]:
+    """The ``(ReplayConfig, FleetConfig)`` of each policy of ``--router``, checked.
+
+    With several policies each gets a fresh store: ``file:DIR`` becomes ``file:DIR/POLICY``; a
+    Mooncake store is cleared before each (see :func:`run_fleet`).
+
+    Raises:
+        InvalidArgumentError: a fleet option breaks a rule (the message names it).
+    """
+    import dataclasses
+
+    from kvstage.replay.fleet import FleetConfig
+    from kvstage.replay.router import POLICIES
+
+    _positive("--engines", args.engines)
+    _positive("--local-pages", args.local_pages, 0)
+    policies = [p.strip() for p in args.router.split(",")]
+    for policy in policies:
+        if policy not in POLICIES:
+            raise InvalidArgumentError(f"--router: unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+    if len(set(policies)) != len(policies):
+        raise InvalidArgumentError(f"--router: a policy appears twice in {args.router!r}")
+    if not config.storage.startswith(("file:", "mooncake://")):
+        raise InvalidArgumentError(
+            f"--storage: --engines needs a store processes share, file:DIR or mooncake://..., got {config.storage!r}"
+        )
+    for option in ("metrics_port", "metrics_file"):
+        if getattr(args, option) is not None:
+            raise InvalidArgumentError(f"--{option.replace('_', '-')}: not available with --engines")
+    plan = []
+    for policy in policies:
+        storage = config.storage
+        if len(policies) > 1 and storage.startswith("file:"):
+            directory, sep, query = storage[len("file:") :].partition("?")
+            storage = f"file:{directory.rstrip('/')}/{policy}{sep}{query}"
+        fleet = FleetConfig(
+            engines=args.engines,
+            policy=policy,
+            kill_at=args.kill_engine_at,
+            local_pages=args.local_pages,
+        )
+        plan.append((dataclasses.replace(config, storage=storage), fleet))
+    return plan
+
+
+def run_fleet(args: argparse.Namespace, config, requests: Sequence[TraceRequest], trace_name: str) -> int:
+    """``kvstage replay --engines N``: each policy's fleet run, the table, the plot, the JSON.
+
+    Exit codes as :func:`run`: 1 when a policy's run lost or mismatched pages, left a request
+    incomplete, or an engine failed.
+    """
+    from kvstage.replay.fleet import Fleet, FleetError
+    from kvstage.replay.fleet_report import plot_hit_rates, print_fleet_summary
+    from kvstage.replay.report import write_json
+
+    try:
+        plan = fleet_plan(args, config)
+        set_cpu_threads(args.threads, config.device)
+        reports = []
+        for policy_config, fleet in plan:
+            if len(plan) > 1 and policy_config.storage.startswith("mooncake://"):
+                _clear_store(policy_config)
+            runner = Fleet(policy_config, requests, fleet)
+            if not args.no_progress:
+                print(f"kvstage replay: {fleet.engines} engines, router {fleet.policy} ...", file=sys.stderr)
+            report = runner.run()
+            report["trace"] = trace_name
+            reports.append(report)
+        if args.plot:
+            store = config.storage.split(":")[0]
+            plot_hit_rates(
+                reports, args.plot, title=f"{args.engines} engines on a {store} store: {trace_name.rsplit('/', 1)[-1]}"
+            )
+    except (InvalidArgumentError, BackendUnavailableError) as exc:
+        print(f"kvstage replay: error: {exc}", file=sys.stderr)
+        return 2
+    except (KvstageError, FleetError) as exc:
+        print(f"kvstage replay: failed: {exc}", file=sys.stderr)
+        return 1
+    print_fleet_summary(reports)
+    if args.json:
+        write_json({"trace": trace_name, "policies": reports}, args.json)
+    bad = [
+        r["policy"]
+        for r in reports
+        if r["lost"] or r["mismatched"] or r["requests_completed"] != r["requests"] or r["pages_failed"]
+    ]
+    if bad:
+        print(f"kvstage replay: lost, mismatched or failed pages, or requests not completed: {bad}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _clear_store(config) -> None:
+    """Empty the replay's key space in the store (a fresh store for the next policy)."""
+    from kvstage.replay.engine import ReplayEngine
+
+    engine = ReplayEngine(config, [TraceRequest(0, 0.0, 1, 1, (0,))])
+    try:
+        engine.storage.clear()
+    finally:
+        engine.close()

@@ -35,7 +35,7 @@ import time
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -125,6 +125,7 @@ class ReplayRequest:
         page_keys: the keys of every full page the request will have KV for (prompt then decode).
         device_pages: the device pool pages it holds; ``slots``: its slot of each token position.
         prefetch: its :class:`~kvstage.offload.PrefetchHandle` while it waits to load (else None).
+        order: its position in the engine's timestamp-sorted trace (set by the engine).
     """
 
     def __init__(
@@ -143,6 +144,8 @@ class ReplayRequest:
         self.device_pages: list[int] = []
         self.slot_indices: torch.Tensor | None = None
         self.prefetch: Any = None
+        self.order = -1  # its position in the engine's timestamp-sorted trace
+        self.loaded_pages = 0  # leading pages loaded from the store rather than prefilled
 
     @property
     def output_length(self) -> int:
@@ -190,6 +193,25 @@ class ReplayStats:
     decode_steps: int = 0
     run_seconds: float = 0.0
     storage_failure_keys: list[str] = field(default_factory=list)
+
+
+class RequestFeed(Protocol):
+    """Where a fleet engine's requests come from (``kvstage replay --engines``): the router's
+    assignments, as orders into the engine's timestamp-sorted trace.
+
+    ``take(wait)`` returns newly assigned orders (``wait``: the engine is idle, block briefly for
+    some); ``exhausted`` is True once no more will come; ``admitted(req)`` is told when a
+    request (a :class:`ReplayRequest`, its page keys made) is admitted, ``stored(req)`` when it
+    has finished and its last store write has ended (the manager's ``on_stored``).
+    """
+
+    exhausted: bool
+
+    def take(self, wait: bool) -> list[int]: ...
+
+    def admitted(self, req: "ReplayRequest") -> None: ...
+
+    def stored(self, req: "ReplayRequest") -> None: ...
 
 
 class DevicePagePool:
@@ -241,6 +263,10 @@ class ReplayEngine:
         config: the replay's settings.
         requests: the trace (any order; replayed in timestamp order, ties in trace order).
         on_progress: ``on_progress(engine)`` called about every 0.1 s while running.
+        open_store: ``open_store(url, fingerprint)`` -> the store the manager uses (a fleet
+            engine's local tier in front of the shared store); None: ``open_storage``.
+        kv_events: the manager's ``kv_events`` (a :class:`kvstage.events.KVEventPublisher`:
+            what it stores, as router-facing KV events); None: none.
 
     Attributes:
         run_metrics: the manager's counters when :meth:`run` returned (verification loads
@@ -258,6 +284,8 @@ class ReplayEngine:
         config: ReplayConfig,
         requests: Sequence[TraceRequest],
         on_progress: Callable[["ReplayEngine"], None] | None = None,
+        open_store: Callable[[str, Any], Any] | None = None,
+        kv_events: Any = None,
     ) -> None:
         from kvstage.hashing import PageHasher
         from kvstage.kernels import KVPool
@@ -331,7 +359,7 @@ class ReplayEngine:
             (r.input_length + r.output_length - 1) // ps for r in self.trace
         )  # every whole page any request will have: a store this large never evicts
         self.storage_url = self._storage_url(config.storage)
-        self.storage = open_storage(self.storage_url, self.fingerprint)
+        self.storage = (open_store or open_storage)(self.storage_url, self.fingerprint)
         self.hasher = PageHasher(config.hash_scheme, ps)
         self.manager = OffloadManager(
             self.kv_pool,
@@ -342,7 +370,9 @@ class ReplayEngine:
             offload_stride=self.stride,
             release=self._release,
             on_storage_failure=self._storage_failed,
+            on_stored=self._stored,
             backend=config.backend,
+            kv_events=kv_events,
         )
         self.run_metrics = self.manager.metrics
 
@@ -359,6 +389,7 @@ class ReplayEngine:
         self.request_keys: list[list[str]] = [[] for _ in self.trace]
         self.requests_done = 0
         self.started = 0.0
+        self.feed: RequestFeed | None = None
 
     # -- setup helpers ------------------------------------------------------------------------
 
@@ -388,20 +419,35 @@ class ReplayEngine:
         req.device_pages = []
         req.slot_indices = None
 
+    def _stored(self, req: Any, pages_stored: int, pages_failed: int) -> None:
+        if self.feed is not None and isinstance(req, ReplayRequest):
+            self.feed.stored(req)
+
     def _storage_failed(self, req: Any, keys: list[str], error: BaseException | None) -> None:
         self.stats.storage_failure_keys.extend(keys)
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def run(self) -> ReplayStats:
-        """Replay every request; returns the counters (the manager's are in :attr:`run_metrics`)."""
+    def run(self, feed: RequestFeed | None = None) -> ReplayStats:
+        """Replay every request (``feed`` None), or the requests ``feed`` assigns until it is
+        exhausted; returns the counters (the manager's are in :attr:`run_metrics`)."""
         self.started = time.perf_counter()
-        pending = deque(enumerate(self.trace))
+        self.feed = feed
+        pending = deque(enumerate(self.trace)) if feed is None else deque()
         prefetching: list[ReplayRequest] = []  # admitted, reading their stored prefix
         running: list[ReplayRequest] = []
         finishing: list[ReplayRequest] = []  # finished, waiting for host pages to offload their tail
         last_progress = 0.0
-        while pending or prefetching or running or finishing or self.manager.requests_live:
+        while True:
+            busy = bool(pending or prefetching or running or finishing or self.manager.requests_live)
+            if feed is not None:
+                pending.extend((order, self.trace[order]) for order in feed.take(wait=not busy))
+                busy = busy or bool(pending)
+                if not busy and not feed.exhausted:
+                    self.manager.poll()  # released requests' last writes end: on_stored
+                    continue
+            if not busy:
+                break
             admitted = self._admit(pending, prefetching, len(running))
             ready = [req for req in prefetching if req.prefetch.ready_to_load()]
             if ready:
@@ -452,6 +498,8 @@ class ReplayEngine:
                 break  # wait for released device pages
             pending.popleft()
             req = self._make_request(order, trace)
+            if self.feed is not None:
+                self.feed.admitted(req)
             req.device_pages = pages
             device_page_ids = torch.tensor(pages, dtype=torch.int64)
             req.slot_indices = (device_page_ids.view(-1, 1) * ps + torch.arange(ps)).view(-1).to(self.device)
@@ -463,18 +511,10 @@ class ReplayEngine:
     def _make_request(self, order: int, trace: TraceRequest) -> ReplayRequest:
         extra, salt = self.namespaces[order]
         req = ReplayRequest(trace, self.tokens.prompt(trace), self.tokens.output(trace), extra, salt)
+        req.order = order
         ps = self.page_size
         tokens = req.kv_tokens
-        full = len(tokens) // ps * ps
-        started = time.perf_counter()
-        keys = self.hasher.prefill_keys(tokens[:full], extra_key=extra, cache_salt=salt) if full else []
-        self.stats.hash_seconds += time.perf_counter() - started
-        self.stats.hashed_tokens += full
-        req.page_keys = list(keys)
-        self.request_keys[order] = req.page_keys
-        namespace = req.namespace
-        for key in keys:
-            self.expected_keys.setdefault(key, set()).add(namespace)
+        keys = req.page_keys = self._expect(order, tokens)
         # The partial last page has no key; its content only needs to be deterministic.
         mask_keys = req.page_keys + [f"partial:{req.rid}"] * (_pages(len(tokens), ps) - len(keys))
         req.mask_values = [self.content.mask(key) for key in mask_keys]
@@ -484,6 +524,29 @@ class ReplayEngine:
         self.stats.prompt_pages += len(req.origin_input_ids) // ps
         self.stats.output_tokens += req.output_length
         return req
+
+    def _expect(self, order: int, tokens: array) -> list[str]:
+        """Hash the whole pages of ``tokens`` (the request at ``order``'s tokens with KV) and
+        record their keys as ones verify must find; returns the keys."""
+        extra, salt = self.namespaces[order]
+        full = len(tokens) // self.page_size * self.page_size
+        started = time.perf_counter()
+        keys = list(self.hasher.prefill_keys(tokens[:full], extra_key=extra, cache_salt=salt)) if full else []
+        self.stats.hash_seconds += time.perf_counter() - started
+        self.stats.hashed_tokens += full
+        self.request_keys[order] = keys
+        for key in keys:
+            self.expected_keys.setdefault(key, set()).add((extra, salt))
+        return keys
+
+    def expect(self, order: int) -> list[str]:
+        """Record the page keys of the request at ``order`` (timestamp order) as ones verify must
+        find, without running it: a fleet verifies, in one process, what its engines stored.
+        Returns the keys."""
+        trace = self.trace[order]
+        extra, salt = self.namespaces[order]
+        tokens = ReplayRequest(trace, self.tokens.prompt(trace), self.tokens.output(trace), extra, salt).kv_tokens
+        return self._expect(order, tokens)
 
     def _write_kv(self, slot_indices: torch.Tensor, masks: torch.Tensor, offsets: torch.Tensor | None) -> None:
         """Write KV words: whole pages (``offsets`` None: masks per page, slot indices per token) or single tokens."""
@@ -538,6 +601,7 @@ class ReplayEngine:
             load.wait()
             self.stats.load_mismatches += int(self.mismatched_pages(slots, req.masks[:num_pages]).sum())
         self.stats.prefill_tokens_saved += load.num_tokens
+        req.loaded_pages = load.num_pages
         prompt_length = len(req.origin_input_ids)
         self._write_kv(
             req.slot_indices[load.num_tokens : prompt_length],

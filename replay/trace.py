@@ -181,3 +181,59 @@ def synthetic_trace(num_requests: int = 48, seed: int = 0) -> list[TraceRequest]
         # as a new prompt holds more tokens there (its prefix block differs).
         history.pop()
     return requests
+
+
+def multi_tenant_trace(num_requests: int = 200, tenants: int = 8, seed: int = 0) -> list[TraceRequest]:
+    """A seeded synthetic trace of tenants whose prefixes recur: ``kvstage replay --multi-tenant N``.
+
+    Each tenant has its own system prompt (4-8 blocks of 512 tokens) and up to 4 open
+    sessions; tenants are picked with Zipf weights (tenant t: 1 / (t + 1)), so a few are busy
+    and recur everywhere a router spreads them. A request continues one of its tenant's
+    sessions (half the time, its history as prefix plus 1-2 new blocks) or opens a new one (the
+    system prompt plus one block); the last block is partial. Poisson arrivals (mean gap 20 ms),
+    outputs of 8-160 tokens. Block ids follow the trace rule (equal ids, equal prefix).
+
+    Args:
+        num_requests: requests to make, >= 1.
+        tenants: tenants, >= 1.
+        seed: the numpy generator's seed.
+
+    Raises:
+        InvalidArgumentError: ``num_requests`` or ``tenants`` is not an int >= 1.
+    """
+    for name, value in (("num_requests", num_requests), ("tenants", tenants)):
+        if not is_int(value) or value < 1:
+            raise InvalidArgumentError(f"{name}: must be an int >= 1, got {value!r}")
+    rng = np.random.default_rng([seed, 0x7E7A])
+    next_id = 0
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + n))
+        next_id += n
+        return ids
+
+    system = [fresh(int(rng.integers(4, 9))) for _ in range(tenants)]
+    sessions: list[list[list[int]]] = [[] for _ in range(tenants)]
+    weights = 1.0 / np.arange(1, tenants + 1)
+    weights /= weights.sum()
+    requests: list[TraceRequest] = []
+    timestamp = 0.0
+    for index in range(num_requests):
+        timestamp += float(rng.exponential(20.0))
+        tenant = int(rng.choice(tenants, p=weights))
+        open_sessions = sessions[tenant]
+        if open_sessions and rng.random() < 0.5:
+            history = open_sessions[int(rng.integers(len(open_sessions)))]
+            history.extend(fresh(int(rng.integers(1, 3))))
+        else:
+            history = list(system[tenant]) + fresh(1)
+            open_sessions.append(history)
+            if len(open_sessions) > 4:
+                open_sessions.pop(0)
+        input_length = (len(history) - 1) * BLOCK_TOKENS + int(rng.integers(64, BLOCK_TOKENS + 1))
+        output_length = int(rng.integers(8, 161))
+        requests.append(TraceRequest(index, round(timestamp, 3), input_length, output_length, tuple(history), 0))
+        history.pop()  # the partial last block: a continuing turn replaces it with a whole one
+        history.extend(fresh(1))  # ... which holds the previous turn's prompt end and output
+    return requests

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -48,6 +48,7 @@ class VerifyResult:
         load_seconds: the loads' copy time, in seconds (GPU time on CUDA).
         seconds: wall-clock time of the whole verification.
         sampled: whether a sample (``--verify-sample``) was checked rather than every key.
+        missing_keys: the missing pages' keys (a fleet tells the killed engine's writes apart).
     """
 
     pages_checked: int = 0
@@ -63,6 +64,7 @@ class VerifyResult:
     load_seconds: float = 0.0
     seconds: float = 0.0
     sampled: bool = False
+    missing_keys: list[str] = field(default_factory=list)
 
     @property
     def h2d_gbps(self) -> float:
@@ -182,6 +184,7 @@ def verify_pages(engine, *, sample: int | None = None, seed: int = 0) -> VerifyR
             result.unreachable += 1
         else:
             result.missing += 1
+            result.missing_keys.append(key)
             missing_failed += key in failed
     allowance = engine.run_metrics.pages_dropped + engine.storage.stats.pages_evicted
     result.explained = min(result.missing, missing_failed + allowance)

@@ -1,0 +1,265 @@
+"""``kvstage replay --engines N``: engine processes on one store, the router's policies and index,
+an engine killed mid-run, the local tier, the KV events' wire format."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from kvstage.cli import main
+from kvstage.errors import InvalidArgumentError
+from kvstage.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_hash
+from kvstage.replay import command
+from kvstage.replay.engine import ReplayConfig
+from kvstage.replay.fleet import DEFAULT_LOCAL_PAGES, Fleet, FleetConfig
+from kvstage.replay.local_tier import LocalTier
+from kvstage.replay.models import resolve_model
+from kvstage.replay.prefix_index import PrefixIndex
+from kvstage.replay.router import Router
+from kvstage.replay.trace import synthetic_trace
+from kvstage.storage import LayoutFingerprint, MemoryStore, PutStatus
+
+from support import skip_missing
+
+TINY = resolve_model(None, layers=1, heads=1, head_dim=8, dtype="float16")
+
+
+def _config(storage: str) -> ReplayConfig:
+    return ReplayConfig(model=TINY, page_size=16, max_running=3, backend="torch", storage=storage)
+
+
+def _check_clean(report, n, *, rewritable=True):
+    assert report["requests_completed"] == report["requests"] == n
+    assert report["lost"] == 0 and report["mismatched"] == 0
+    assert report["pages_failed"] == 0
+    # Every whole page of every request is in the shared store, whole (checked byte for byte),
+    # or, where the store cannot take a page a dead writer had started (Mooncake), absent.
+    absent = report["absent_killed_writes"] + report["unreachable"]
+    assert report["pages_stored"] + absent == report["verify_pages_checked"] > 0
+    if rewritable:  # a file store: the survivors stored every page the killed engine had not
+        assert absent == 0
+    assert len(report["timeline"]) == n
+    assert 0.0 < report["fleet_hit_rate"] < 1.0
+    assert report["event_batches"] > 0 and report["event_gaps"] == 0
+
+
+def test_two_engines_on_a_file_store_survive_a_kill(tmp_path):
+    requests = synthetic_trace(24, seed=3)
+    fleet = FleetConfig(engines=2, policy="kv", kill_at=8, local_pages=64)
+    report = Fleet(_config(f"file:{tmp_path / 'store'}"), requests, fleet).run()
+    _check_clean(report, 24)
+    kill = report["kill"]
+    assert kill["after_requests"] == 8 and kill["engine"] in (0, 1)
+    assert kill["rerouted"] == len(kill["rerouted_orders"]) >= 1  # the busiest engine had unfinished requests
+    finished_on = {order: engine for _, order, engine, _, _ in report["timeline"]}
+    assert sorted(finished_on) == list(range(24))
+    assert all(finished_on[order] != kill["engine"] for order in kill["rerouted_orders"])  # on the survivor
+    assert report["local_pages_read"] + report["store_pages_read"] > 0
+    # The router heard both: the managers' STORAGE pages and the local tiers' CPU pages.
+    assert report["index_stored_pages"] > 0 and report["index_local_pages"] > 0
+
+
+def test_the_command_line_runs_each_policy_on_its_own_store(tmp_path, capsys):
+    out = tmp_path / "fleet.json"
+    code = main(
+        [
+            "replay",
+            "--requests",
+            "10",
+            "--layers",
+            "1",
+            "--heads",
+            "1",
+            "--head-dim",
+            "8",
+            "--page-size",
+            "16",
+            "--max-running",
+            "2",
+            "--backend",
+            "torch",
+            "--no-progress",
+            "--storage",
+            f"file:{tmp_path / 'store'}",
+            "--engines",
+            "2",
+            "--router",
+            "round-robin,random",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    reports = json.loads(out.read_text())["policies"]
+    assert [r["policy"] for r in reports] == ["round-robin", "random"]
+    assert [r["storage"] for r in reports] == [f"file:{tmp_path / 'store'}/{p}" for p in ("round-robin", "random")]
+    for report in reports:
+        _check_clean(report, 10)
+    # Round-robin alternates: the first two requests went to engines 0 and 1.
+    assert "fleet prefix hit rate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--storage", "memory"], "--storage: --engines needs a store processes share"),
+        (["--router", "nearest"], "--router: unknown policy 'nearest'"),
+        (["--router", "kv,kv"], "--router: a policy appears twice"),
+        (["--kill-engine-at", "10"], "--kill-engine-at: must be a request count in [1, 9]"),
+        (["--engines", "0"], "--engines: must be >= 1"),
+        (["--local-pages", "-1"], "--local-pages: must be >= 0"),
+        (["--metrics-file", "x.prom"], "--metrics-file: not available with --engines"),
+        (["--multi-tenant", "0"], "--multi-tenant: must be >= 1"),
+    ],
+)
+def test_bad_fleet_options_are_named_before_anything_runs(tmp_path, capsys, extra, message):
+    args = ["replay", "--requests", "10", "--no-progress", "--storage", f"file:{tmp_path / 's'}", "--engines", "2"]
+    assert main(args + extra) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+def test_the_kill_needs_a_survivor():
+    with pytest.raises(InvalidArgumentError, match="--kill-engine-at: needs --engines >= 2"):
+        Fleet(_config("file:/nonexistent"), synthetic_trace(4), FleetConfig(engines=1, kill_at=2))
+
+
+def test_the_default_local_tier_is_the_fleet_default():
+    assert command.DEFAULT_LOCAL_PAGES == DEFAULT_LOCAL_PAGES
+
+
+KEYS = ["ab" * 24 + f"{i:016x}" for i in range(1, 6)]  # a chain of five page keys
+HASHES = [block_hash(k) for k in KEYS]
+
+
+def _batch(events):
+    return KVEventBatch(time.time(), events)
+
+
+def block_stored(keys, parent, tokens, block_size, medium, lora_name):
+    return BlockStored(
+        [block_hash(k) for k in keys], parent and block_hash(parent), tokens, block_size, lora_name, medium
+    )
+
+
+def block_removed(keys, medium):
+    return BlockRemoved([block_hash(k) for k in keys], medium)
+
+
+def test_the_index_matches_local_prefixes_and_forgets_them_on_a_restart():
+    index = PrefixIndex(3)
+    index.apply(1, 0, _batch([block_stored(KEYS[:3], None, list(range(48)), 16, "CPU", None)]))
+    index.apply(2, 0, _batch([block_stored(KEYS[:1], None, list(range(16)), 16, "GPU", None)]))
+    index.apply(0, 0, _batch([block_stored(KEYS, None, list(range(80)), 16, "STORAGE", None)]))
+    assert [index.local_match(e, HASHES) for e in range(3)] == [0, 3, 1]
+    assert index.stored_match(HASHES) == 5  # the shared store: every engine's
+    index.apply(1, 1, _batch([block_removed(KEYS[1:2], "CPU")]))
+    assert index.local_match(1, HASHES) == 1  # a chain breaks at its first missing page
+    index.apply(1, 3, _batch([]))
+    assert index.gaps == [0, 2 - 1, 0]
+    index.apply(1, 0, _batch([]))  # its sequence went back: a restarted engine holds nothing
+    assert index.resets[1] == 1 and index.local_match(1, HASHES) == 0
+    assert index.stored_match(HASHES) == 5  # stored pages outlive the engine that wrote them
+    index.apply(2, 1, _batch([AllBlocksCleared()]))
+    assert index.local_match(2, HASHES) == 0
+    assert len(index.lags_s) == 7 and all(lag >= 0 for lag in index.lags_s)
+
+
+def test_the_kv_router_prefers_the_longest_local_prefix_then_the_least_loaded():
+    router = Router("kv", 3, load_slack=4)
+    router.index.apply(2, 0, _batch([block_stored(KEYS[:2], None, list(range(32)), 16, "CPU", None)]))
+    router.index.apply(0, 0, _batch([block_stored(KEYS, None, list(range(80)), 16, "STORAGE", None)]))
+    assert router.pick(HASHES, [0, 1, 2], [0, 0, 3]) == 2
+    assert router.pick(HASHES, [0, 1], [1, 0, 0]) == 1  # engine 2 not live; no local prefix: least loaded
+    assert router.pick(HASHES, [0, 1, 2], [0, 1, 4]) == 0  # engine 2 four above the least loaded: passed over
+    # A request routed to engine 1 and not finished: its pages count there before any event.
+    router.index.route(1, HASHES[:3])
+    assert router.index.local_match(1, HASHES) == 3
+    assert router.pick(HASHES, [0, 1, 2], [0, 1, 1]) == 1
+    router.index.finish(1, HASHES[:3])
+    assert router.index.local_match(1, HASHES) == 0
+    router.index.route(1, HASHES[:3])
+    router.index.forget_local(1)  # it died: what it was computing is gone too
+    assert router.index.local_match(1, HASHES) == 0
+    rr = Router("round-robin", 3)
+    assert [rr.pick(HASHES, [0, 2], [0, 0, 0]) for _ in range(4)] == [0, 2, 0, 2]
+    picks = {Router("random", 3, seed=s).pick(HASHES, [0, 1, 2], [0, 0, 0]) for s in range(20)}
+    assert picks == {0, 1, 2}
+    with pytest.raises(InvalidArgumentError, match="--router: unknown policy"):
+        Router("nearest", 2)
+
+
+def _fingerprint(page_bytes_tokens=4):
+    pool = torch.zeros(page_bytes_tokens * 2, 1, 8, dtype=torch.float16)
+    from kvstage.kernels import KVPool
+
+    return LayoutFingerprint.of(KVPool.mha([pool], [pool.clone()]), page_size=page_bytes_tokens, model_id="t")
+
+
+def test_the_local_tier_serves_its_pages_and_reports_what_enters_and_leaves():
+    fingerprint = _fingerprint()
+    inner = MemoryStore(fingerprint, capacity_bytes=1 << 20)
+    tier = LocalTier(inner, capacity_pages=2)
+    pages = [torch.full((fingerprint.page_bytes,), i, dtype=torch.uint8) for i in range(3)]
+    assert tier.put(KEYS[:3], pages) == [PutStatus.STORED] * 3
+    assert tier.take_changes() == [
+        ("stored", KEYS[0]),
+        ("stored", KEYS[1]),
+        ("stored", KEYS[2]),
+        ("removed", KEYS[0]),
+    ]
+    into = [torch.empty(fingerprint.page_bytes, dtype=torch.uint8) for _ in range(3)]
+    assert tier.get(KEYS[:3], into) == [True] * 3
+    assert all(torch.equal(got, want) for got, want in zip(into, pages))
+    assert (tier.tier_stats.local_reads, tier.tier_stats.store_reads) == (2, 1)  # key 0 came from the store
+    assert tier.take_changes() == [("stored", KEYS[0]), ("removed", KEYS[1])]  # and re-entered the tier
+    assert tier.exists(KEYS[:4]) == [True, True, True, False]
+    with pytest.raises(InvalidArgumentError, match="capacity_pages"):
+        LocalTier(inner, -1)
+
+
+def test_the_index_reads_vllm_tagged_maps_too():
+    index = PrefixIndex(1)
+    stored = {"type": "BlockStored", "block_hashes": HASHES[:2], "parent_block_hash": None, "medium": "CPU"}
+    index.apply(0, 0, (time.time(), [stored], 0))
+    assert index.local_match(0, HASHES) == 2
+
+
+def test_two_engines_on_a_real_mooncake_master_survive_a_kill(tmp_path):
+    from kvstage.storage.mooncake import store as store_module
+
+    import mooncake_master as master_module  # tests/mooncake_master.py
+
+    if not store_module.mooncake_available() or master_module.master_binary() is None:
+        skip_missing(f"the Mooncake store is not usable here; {store_module.INSTALL_HINT}")
+    master = master_module.LocalMooncakeMaster(tmp_path / "master.log").start()
+    try:
+        requests = synthetic_trace(16, seed=4)
+        # The router's client holds the pool's memory; the engines bring none, so a killed
+        # engine takes no stored page with it.
+        fleet = FleetConfig(engines=2, policy="round-robin", kill_at=6, local_pages=64)
+        report = Fleet(_config(master.url(segment="256MiB", buffer="16MiB")), requests, fleet).run()
+    finally:
+        master.stop()
+    _check_clean(report, 16, rewritable=False)
+    assert report["kill"]["rerouted"] >= 1
+
+
+def test_the_multi_tenant_trace_recurs_and_keeps_the_prefix_rule():
+    from kvstage.replay.trace import BLOCK_TOKENS, multi_tenant_trace
+
+    trace = multi_tenant_trace(120, tenants=4, seed=1)
+    assert trace == multi_tenant_trace(120, tenants=4, seed=1) != multi_tenant_trace(120, tenants=4, seed=2)
+    parents: dict[int, tuple[int, ...]] = {}
+    for request in trace:
+        assert len(request.hash_ids) == -(-request.input_length // BLOCK_TOKENS)
+        for i, block in enumerate(request.hash_ids):  # equal ids mean an equal prefix
+            assert parents.setdefault(block, request.hash_ids[:i]) == request.hash_ids[:i]
+    firsts = [r.hash_ids[0] for r in trace]
+    assert len(set(firsts)) == 4  # one system prompt per tenant, each recurring
+    assert max(firsts.count(f) for f in set(firsts)) > 120 / 4  # Zipf: the first tenant is busiest
+    with pytest.raises(InvalidArgumentError, match="tenants: must be an int >= 1"):
+        multi_tenant_trace(10, tenants=0)
