@@ -164,16 +164,13 @@ def open_engine_store(url: str, fingerprint):
     embedded mode each object lives in one client's segment, so a killed engine that brought
     memory would take the pages placed there with it, other engines' pages included, and
     until the master drops its segment every put placed there fails (seen: TRANSFER_FAIL).
-    kvstage's :class:`~kvstage.storage.MooncakeConfig` refuses a zero segment (a lone client
-    without memory has no store), so it is set here after the URL is checked."""
+    """
     from kvstage.storage import MooncakeStore, open_storage
     from kvstage.storage.mooncake.config import parse_mooncake_url
 
     if not url.startswith("mooncake://"):
         return open_storage(url, fingerprint)
-    config = parse_mooncake_url(url)
-    object.__setattr__(config, "global_segment_size", 0)
-    return MooncakeStore(fingerprint, config)
+    return MooncakeStore(fingerprint, dataclasses.replace(parse_mooncake_url(url), global_segment_size=0))
 
 
 def engine_main(spec: EngineSpec, conn) -> None:

@@ -37,19 +37,25 @@ URL_QUERY_NAMES = (
     "setup_retries",
 )
 _SIZE_FIELDS = ("global_segment_size", "local_buffer_size", "bounce_bytes")
+# A client may bring no memory to the pool (its pages then live in other clients' segments).
+_ZERO_ALLOWED = ("global_segment_size",)
 # Names other Mooncake APIs use for the same fields.
 _DICT_ALIASES = {"master_server_addr": "master_server_address", "rdma_devices": "device_name"}
 
 
-def parse_size(value: int | str, argument: str) -> int:
+def _minimum(field: str) -> int:
+    return 0 if field in _ZERO_ALLOWED else 1
+
+
+def parse_size(value: int | str, argument: str, *, minimum: int = 1) -> int:
     """Bytes from an int or a size string (:func:`kvstage.storage.sizes.parse_size`: ``4096``,
-    ``"512MB"`` = 512 * 1000**2, ``"1GiB"`` = 1024**3), which must be positive.
+    ``"512MB"`` = 512 * 1000**2, ``"1GiB"`` = 1024**3), at least ``minimum`` (0 or 1).
 
     Raises:
-        InvalidArgumentError: not a size, or not positive; names ``argument``.
+        InvalidArgumentError: not a size, or below ``minimum``; names ``argument``.
     """
     size = parse_any_size(value, argument)
-    if size < 1:
+    if size < minimum:
         raise InvalidArgumentError(f"{argument}: must be positive, got {value!r}")
     return size
 
@@ -69,7 +75,9 @@ class MooncakeConfig:
         device_name: RDMA devices, comma-separated (e.g. ``"mlx5_0,mlx5_1"``); ``""`` lets
             Mooncake discover them.
         global_segment_size: bytes of this process's memory given to the distributed pool;
-            with one client this is the whole store's capacity.
+            with one client this is the whole store's capacity. 0: this client brings none, its
+            pages are placed in other clients' segments (an engine that may die without taking
+            pages with it: in Mooncake's embedded mode an object lives in one client's segment).
         local_buffer_size: bytes of Mooncake's own registered transfer buffer in this process.
         bounce_bytes: size of each of kvstage's bounce buffers for pages outside registered
             memory (rounded down to whole pages, at least one); one per call bouncing at once,
@@ -111,7 +119,7 @@ class MooncakeConfig:
         if self.protocol not in PROTOCOLS:
             raise InvalidArgumentError(f"protocol: must be one of {PROTOCOLS}, got {self.protocol!r}")
         for name in _SIZE_FIELDS:
-            object.__setattr__(self, name, parse_size(getattr(self, name), name))
+            object.__setattr__(self, name, parse_size(getattr(self, name), name, minimum=_minimum(name)))
         timeout = float(self.connect_timeout_s)
         if not timeout > 0:
             raise InvalidArgumentError(f"connect_timeout_s: must be positive, got {self.connect_timeout_s!r}")
@@ -190,7 +198,7 @@ def parse_mooncake_url(url: str) -> MooncakeConfig:
         name = _URL_ALIASES.get(key, key)
         if name in values:
             raise InvalidArgumentError(f"url: {key!r} given twice in {url!r}")
-        values[name] = parse_size(value, f"url: {key}") if name in _SIZE_FIELDS else value
+        values[name] = parse_size(value, f"url: {key}", minimum=_minimum(name)) if name in _SIZE_FIELDS else value
     return MooncakeConfig.from_mapping(values)
 
 

@@ -73,7 +73,7 @@ def test_dict_takes_mooncake_field_names_and_aliases():
         ("mooncake://host:1?protocol=udp", "protocol: must be one of ('tcp', 'rdma')"),
         ("mooncake://host:1?segment=lots", "url: segment: must be a size, got 'lots'"),
         ("mooncake://host:1?buffer=0", "url: buffer: must be positive"),
-        ("mooncake://host:1?global_segment_size=0", "url: global_segment_size: must be positive"),
+        ("mooncake://host:1?global_segment_size=-1", "url: global_segment_size: must be a size, got '-1'"),
         ("mooncake://host:1?colour=blue", "unknown query name 'colour'"),
         ("mooncake://host:1?segment=1GB&global_segment_size=2GB", "given twice"),
         ("mooncake://host:1?rpc_timeout_ms=0", "rpc_timeout_ms: must be a positive int"),
@@ -145,3 +145,12 @@ def test_missing_mooncake_names_the_install_command(monkeypatch, fingerprint):
     with pytest.raises(BackendUnavailableError, match="not installed"):
         open_storage("mooncake://127.0.0.1:1", fingerprint)
     assert mooncake_store.mooncake_available() is False
+
+
+def test_a_client_may_bring_no_memory_to_the_pool():
+    """``segment=0``: a client (a fleet engine that may die) whose pages live in other clients'
+    segments; the other sizes stay positive."""
+    assert parse_mooncake_url("mooncake://host:1?segment=0").global_segment_size == 0
+    assert MooncakeConfig("host:1", global_segment_size=0).global_segment_size == 0
+    with pytest.raises(InvalidArgumentError, match=r"^local_buffer_size: must be positive"):
+        MooncakeConfig("host:1", local_buffer_size=0)
