@@ -15,6 +15,7 @@ capacity, so each put reuses an evicted page's memory, the steady state):
 
 - ``copy``: one contiguous ``Tensor.copy_`` of the bytes the path moves (every full page, the
   window pages, the snapshot), source and target already touched (the baseline);
+  ``two_copies``: two such copies one after the other (the two hops below, a reference);
 - ``store``: ``offload`` + ``snapshot`` (Qwen3-Next: the state after the prompt's whole pages)
   + ``finish``, then ``poll`` (with 0.2 ms sleeps, as an engine's steps) until ``on_stored``
   ran and every component's entries were counted stored;
@@ -87,12 +88,18 @@ def gpt_oss(quick: bool = False) -> ModelLayout:
     num_layers = 4 if quick else 24
     kv = KVLayout(num_layers // 2, 2, 8, 64, "bfloat16")
     return ModelLayout(
-        num_layers, (SlidingWindow(tuple(range(0, num_layers, 2)), kv, window=128), FullAttention(tuple(range(1, num_layers, 2)), kv))
+        num_layers,
+        (
+            SlidingWindow(tuple(range(0, num_layers, 2)), kv, window=128),
+            FullAttention(tuple(range(1, num_layers, 2)), kv),
+        ),
     )
 
 
 def _kv_pool(layout: KVLayout, num_slots: int) -> KVPool:
-    t = torch.empty((layout.kv_parts, layout.num_layers, num_slots, layout.num_heads, layout.head_dim), dtype=layout.dtype)
+    t = torch.empty(
+        (layout.kv_parts, layout.num_layers, num_slots, layout.num_heads, layout.head_dim), dtype=layout.dtype
+    )
     return KVPool.from_stacked(t.view(torch.uint8).random_(0, 256).view(layout.dtype))
 
 
@@ -189,7 +196,9 @@ class _Rig:
         req = SimpleRequest(rid, prompt)
         kwargs = {}
         if self.window is not None:
-            kwargs["component_slots"] = {self.window.name: self.window_load[length - self.window_pages * PAGE_SIZE : length]}
+            kwargs["component_slots"] = {
+                self.window.name: self.window_load[length - self.window_pages * PAGE_SIZE : length]
+            }
         if self.state is not None:
             kwargs["state_slot"] = 1
         started = time.perf_counter()
@@ -226,20 +235,29 @@ def measure_paths(name: str, layout: ModelLayout, num_pages: int, rounds: int, w
     """Store, load and the same-size copy of one request of ``num_pages`` pages, ``rounds`` times."""
     rig = _Rig(name, layout, num_pages)
     source = torch.ones(rig.bytes, dtype=torch.uint8)
-    target = torch.zeros_like(source)
-    times: dict[str, list[float]] = {"copy": [], "store": [], "load": []}
+    middle, target = torch.zeros_like(source), torch.zeros_like(source)
+    times: dict[str, list[float]] = {"copy": [], "two_copies": [], "store": [], "load": []}
     try:
         for index in range(warm_up + rounds):
             prompt = [(index * 7919 + t) % 150_000 for t in range(num_pages * PAGE_SIZE + 1)]
             started = time.perf_counter()
             target.copy_(source)
             copy_s = time.perf_counter() - started
+            started = time.perf_counter()
+            middle.copy_(source)
+            target.copy_(middle)
+            two_copies_s = time.perf_counter() - started
             store_s = rig.store(prompt, f"s{index}")
             if index == warm_up + rounds - 1:
                 rig.poison_load_targets()
             load_s = rig.load(prompt, f"l{index}")
             if index >= warm_up:
-                for key, seconds in (("copy", copy_s), ("store", store_s), ("load", load_s)):
+                for key, seconds in (
+                    ("copy", copy_s),
+                    ("two_copies", two_copies_s),
+                    ("store", store_s),
+                    ("load", load_s),
+                ):
                     times[key].append(seconds)
         rig.check_loaded()
     finally:
@@ -254,6 +272,8 @@ def measure_paths(name: str, layout: ModelLayout, num_pages: int, rounds: int, w
         **{f"{key}_gbps": round(rig.bytes / seconds / 1e9, 2) for key, seconds in medians.items()},
         "copy_over_store": round(medians["copy"] / medians["store"], 3),
         "copy_over_load": round(medians["copy"] / medians["load"], 3),
+        "two_copies_over_store": round(medians["two_copies"] / medians["store"], 3),
+        "two_copies_over_load": round(medians["two_copies"] / medians["load"], 3),
     }
 
 
@@ -358,7 +378,9 @@ def run(quick: bool = False) -> dict:
     for r in paths:
         for path in ("store", "load"):
             value = r[f"copy_over_{path}"]
-            summary[f"copy / {path}, {r['model']}"] = dict(value=value, target=TARGET_OVER_COPY, ok=value >= TARGET_OVER_COPY)
+            summary[f"copy / {path}, {r['model']}"] = dict(
+                value=value, target=TARGET_OVER_COPY, ok=value >= TARGET_OVER_COPY
+            )
     for r in lookups:
         value = r["match_prefix_us"]
         summary[f"match_prefix us at {r['keys_per_store']} keys a store, {r['model']}"] = dict(
@@ -384,12 +406,18 @@ def run(quick: bool = False) -> dict:
 
 def print_report(report: dict) -> None:
     config = report["config"]
-    print(f"hybrid store/load vs one copy_ of the same bytes, CPU, median of {config['rounds']} rounds, load {config['load_average']}")
-    print(f"{'model':>10} {'MiB':>6} {'copy ms':>8} {'store ms':>9} {'load ms':>8} {'copy/store':>11} {'copy/load':>10}")
+    print(
+        f"hybrid store/load vs one copy_ of the same bytes, CPU, median of {config['rounds']} rounds, load {config['load_average']}"
+    )
+    print(
+        f"{'model':>10} {'MiB':>6} {'copy ms':>8} {'2 copies':>9} {'store ms':>9} {'load ms':>8} {'copy/store':>11} "
+        f"{'copy/load':>10} {'2 copies/store':>15} {'2 copies/load':>14}"
+    )
     for r in report["results"]:
         print(
-            f"{r['model']:>10} {r['mib']:>6} {r['copy_ms']:>8} {r['store_ms']:>9} {r['load_ms']:>8} "
-            f"{r['copy_over_store']:>11} {r['copy_over_load']:>10}"
+            f"{r['model']:>10} {r['mib']:>6} {r['copy_ms']:>8} {r['two_copies_ms']:>9} {r['store_ms']:>9} "
+            f"{r['load_ms']:>8} {r['copy_over_store']:>11} {r['copy_over_load']:>10} "
+            f"{r['two_copies_over_store']:>15} {r['two_copies_over_load']:>14}"
         )
     print("restorable-length lookup per request, us (median)")
     print(f"{'model':>10} {'keys/store':>10} {'match_prefix':>13} {'hash':>7} {'exists':>7} {'restorable':>11}")

@@ -282,7 +282,9 @@ def many_component_cases(draw):
     num_tokens = draw(st.integers(0, 16 * page_size))
     size = num_tokens // page_size + 1
     present = {
-        c.name: draw(st.lists(st.sampled_from([True, False, 1, 0]) if c.kind != "full" else st.booleans(), max_size=size))
+        c.name: draw(
+            st.lists(st.sampled_from([True, False, 1, 0]) if c.kind != "full" else st.booleans(), max_size=size)
+        )
         for c in layout.components
     }
     present["full"] = [draw(st.integers(0, 15)) > 0 for _ in range(size)]
