@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
 from kvstage.model_layout import LayoutComponent, ModelLayout, SlidingWindow
@@ -129,29 +130,30 @@ def restorable_lengths(
         require(name in present, "present", lambda name=name: f"has no entry for the layout's component {name!r}")
     pages_asked = max(num_tokens - 1, 0) // page_size
 
-    def held(component: LayoutComponent, index: int) -> bool:
-        entries = present[component.name]
-        return index < len(entries) and bool(entries[index])
+    def held(component: LayoutComponent, count: int) -> list[bool]:  # entries 0 .. count-1, absent past the end
+        marks = list(map(bool, present[component.name][:count]))
+        return marks + [False] * (count - len(marks))
 
     limit = pages_asked  # pages every full-attention and sidecar component holds from the start
     for component in layout.components:
         if component.kind in ("full", "sidecar"):
-            leading = 0
-            while leading < limit and held(component, leading):
-                leading += 1
-            limit = leading
-    windows = [(component, component.window_pages(page_size)) for component in layout.of_kind("swa")]
-    runs = [0] * len(windows)  # held pages ending at page k - 1, per sliding-window component
-    states = layout.of_kind("state")
-    lengths = []
-    for k in range(1, limit + 1):
-        restorable = True
-        for index, (component, window_pages) in enumerate(windows):
-            runs[index] = runs[index] + 1 if held(component, k - 1) else 0
-            restorable = restorable and runs[index] >= min(window_pages, k)
-        if restorable and all(held(component, k - 1) for component in states):
-            lengths.append(k * page_size)
-    return Restorable(tuple(lengths), page_size, pages_asked)
+            marks = held(component, limit)
+            limit = marks.index(False) if False in marks else limit
+    restorable = [True] * limit  # restorable[k - 1]: whether k pages can be resumed from
+    for component in layout.components:
+        if component.kind == "state":
+            restorable = [ok and mark for ok, mark in zip(restorable, held(component, limit))]
+        elif component.kind == "swa":
+            marks = held(component, limit)
+            if False not in marks:
+                continue  # every window is held
+            window_pages, run = component.window_pages(page_size), 0  # run: held pages ending at page k - 1
+            for index, mark in enumerate(marks):
+                run = run + 1 if mark else 0
+                if run < window_pages and run <= index:  # fewer than min(window_pages, k) held
+                    restorable[index] = False
+    lengths = tuple(compress(range(page_size, (limit + 1) * page_size, page_size), restorable))
+    return Restorable(lengths, page_size, pages_asked)
 
 
 def pages_to_load(layout: ModelLayout, page_size: int, length: int) -> dict[str, range]:

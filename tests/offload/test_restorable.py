@@ -260,3 +260,42 @@ def test_storing_the_mask_restores_every_resume_length_and_no_page_is_spare(page
             without = {"full": present["full"], "swa": [s and i != page for i, s in enumerate(mask)]}
             after = set(restorable_lengths(layout, page_size, num_pages * page_size + 1, without).lengths)
             assert not set(resume_lengths) <= after
+
+
+@st.composite
+def many_component_cases(draw):
+    """Two sliding windows, two states and a sidecar beside the full pages; presence as the ints
+    and bools a store's ``exists`` may answer."""
+    page_size = draw(st.integers(1, 4))
+    kv2 = KVLayout(1, 2, 1, 4, "float16")
+    layout = ModelLayout(
+        4,
+        (
+            FullAttention((0,), kv2),
+            SlidingWindow((1,), kv2, draw(st.integers(1, 10)), name="swa"),
+            SlidingWindow((2,), kv2, draw(st.integers(1, 10)), name="swa_b"),
+            RequestState((3,), (CONV,), name="state"),
+            RequestState((0,), (CONV,), name="state_b"),
+            PageSidecar((0,), (CONV,), name="indexer"),
+        ),
+    )
+    num_tokens = draw(st.integers(0, 16 * page_size))
+    size = num_tokens // page_size + 1
+    present = {
+        c.name: draw(
+            st.lists(st.sampled_from([True, False, 1, 0]) if c.kind != "full" else st.booleans(), max_size=size)
+        )
+        for c in layout.components
+    }
+    present["full"] = [draw(st.integers(0, 15)) > 0 for _ in range(size)]
+    present["indexer"] = [draw(st.integers(0, 15)) > 0 for _ in range(draw(st.integers(0, size)))]
+    return layout, page_size, num_tokens, present
+
+
+@settings(max_examples=300, deadline=None)
+@given(many_component_cases())
+def test_restorable_lengths_of_several_windows_and_states_equal_the_definition(case):
+    layout, page_size, num_tokens, present = case
+    assert restorable_lengths(layout, page_size, num_tokens, present).lengths == naive_lengths(
+        layout, page_size, num_tokens, present
+    )
