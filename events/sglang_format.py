@@ -5,7 +5,9 @@
 - A batch: msgpack array ``[ts, events, attn_dp_rank]``.
 - ``BlockStored``: a tagged map that always carries ``block_hashes, parent_block_hash,
   token_ids, block_size, lora_id`` and then ``medium, cache_salt, session_id, lora_name``
-  only when set (sglang's msgspec structs omit defaults); no ``extra_keys``.
+  only when set (sglang's msgspec structs omit defaults); kvstage writes ``medium`` and
+  ``cache_salt``, not ``extra_keys`` (vLLM's), ``session_id`` or ``lora_name`` (sglang's is an
+  adapter's public name, which kvstage does not know: a namespace is in the page hashes).
 - ``BlockRemoved``: ``block_hashes`` and ``medium``; ``AllBlocksCleared``: nothing.
 - Block hashes: sglang's ``hash_str_to_int64``, the first 16 hex digits of the page hash as a
   signed int64, so a page kvstage announces has the hash sglang's own GPU / host events give the
@@ -54,10 +56,11 @@ def _event_map(event: KVEvent) -> dict[str, Any]:
             "block_size": event.block_size,
             "lora_id": None,
         }
-        for name in ("medium", "cache_salt", "lora_name"):  # sglang's order, session_id (never known here) between
-            value = getattr(event, name)
-            if value is not None:
-                out[name] = value
+        # sglang's order; session_id and lora_name (an adapter's public name) are not known here
+        if event.medium is not None:
+            out["medium"] = event.medium
+        if event.cache_salt is not None:
+            out["cache_salt"] = event.cache_salt
         return out
     if isinstance(event, BlockRemoved):
         out = {"type": "BlockRemoved", "block_hashes": event.block_hashes}
