@@ -29,7 +29,14 @@ __all__ = ["ExtraConfig", "FP8_KINDS"]
 # sglang's --kv-cache-dtype names of the fp8 kinds it holds as uint8.
 FP8_KINDS: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
-_KVSTAGE_KEYS = {"url", "model_id", "kv_cache_dtype", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic"}
+_KVSTAGE_KEYS = {
+    "url",
+    "model_id",
+    "kv_cache_dtype",
+    "kv_events_endpoint",
+    "kv_events_replay_endpoint",
+    "kv_events_topic",
+}
 # sglang's own keys of the same JSON (its factory's, and those its cache reads).
 _SGLANG_KEYS = {
     "backend_name",

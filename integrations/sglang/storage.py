@@ -20,7 +20,10 @@ never announces. sglang 0.5.23 hands this backend keys and host slots only
 empty; the token ids stay in its ``StorageOperation``), so each ``BlockStored`` carries the page
 hashes (equal to sglang's own GPU / host event hashes), the parent and ``block_size``, with
 ``token_ids`` empty: a router that links blocks by sglang's hashes (llm-d) can place them; one
-that hashes tokens itself (Dynamo) drops them.
+that hashes tokens itself (Dynamo) drops them. The parent is ``prefix_keys[-1]``, which sglang
+passes only with ``"hicache_storage_pass_prefix_keys": true``: without it (``prefix_keys``
+None, or the legacy ``batch_set``) a run's place in its chain is unknown and its pages are not
+announced (counted in ``kv_events_unannounced``).
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ class KVStageStorage(HiCacheStorage):
         self.mem_pool_host: Any = None
         self.kv_layout: KVLayout | None = None
         self.announcer: KVEventAnnouncer | None = None  # set with the store when KV events are on
+        self.kv_events_unannounced = 0  # pages written without a known parent (no prefix_keys)
         self._local = threading.local()
         self._metrics_lock = threading.Lock()
         self._metrics = StorageMetrics()
@@ -192,7 +196,8 @@ class KVStageStorage(HiCacheStorage):
         prefix_keys = extra_info.prefix_keys if extra_info is not None else None
         prior = prefix_keys[-1] if prefix_keys else None
         started = time.perf_counter()
-        results = self._write(store, keys, [page_view(self.mem_pool_host, start) for start in starts], prior)
+        views = [page_view(self.mem_pool_host, start) for start in starts]
+        results = self._write(store, keys, views, prior, announce=prefix_keys is not None)
         self._record("backup", sum(results), time.perf_counter() - started)
         return results
 
@@ -257,7 +262,7 @@ class KVStageStorage(HiCacheStorage):
         if len(values) != len(keys):
             raise InvalidArgumentError(f"values: {len(values)} pages for {len(keys)} keys")
         views = [flat_page_view(self.mem_pool_host, value, self.kv_layout) for value in values]
-        return all(self._write(store, list(keys), views, None))
+        return all(self._write(store, list(keys), views, None, announce=False))  # no parent known
 
     def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> torch.Tensor | None:
         """Read ``key`` into ``target_location`` (a flat page, e.g.
@@ -359,13 +364,15 @@ class KVStageStorage(HiCacheStorage):
         return pages
 
     def _write(
-        self, store: StorageBackend, keys: list[str], views: list[torch.Tensor], prior: str | None
+        self, store: StorageBackend, keys: list[str], views: list[torch.Tensor], prior: str | None, announce: bool
     ) -> list[bool]:
         """Store the page views under ``keys`` (one chain run after ``prior``; None: a chain's
         start; a run refused because ``prior`` is not stored is put again as a chain's start),
         ``CHUNK_PAGES`` at a time through :func:`kvstage.offload.store_io.write_pages`,
         so a store that raises fails its pages rather than sglang's thread; True per page stored
-        or already there. Failed pages are logged once per call at WARNING, with the cause."""
+        or already there. Failed pages are logged once per call at WARNING, with the cause.
+        KV events on: the pages are announced when ``announce`` (the run's parent is known),
+        else only the store's removals are (the pages count in ``kv_events_unannounced``)."""
         results: list[bool] = []
         cause: BaseException | None = None
         for first in range(0, len(keys), CHUNK_PAGES):
@@ -374,8 +381,11 @@ class KVStageStorage(HiCacheStorage):
             outcome = write_pages(store, chunk, pages, prior_key=prior)
             if prior is not None and isinstance(outcome.error, MissingPriorError) and outcome.error.prior_key == prior:
                 outcome = write_pages(store, chunk, pages)  # the prior is not stored: this run starts a chain
-            if self.announcer is not None:  # no token ids from sglang (see the module); the page's real parent
+            if self.announcer is not None and announce:  # no token ids from sglang (see the module)
                 self.announcer.written(chunk, (), prior, (None, None), outcome.failed_keys)
+            elif self.announcer is not None:
+                self.kv_events_unannounced += len(chunk)
+                self.announcer.poll()
             failed = set(outcome.failed_keys)
             results += [key not in failed for key in chunk]
             cause = cause or outcome.error

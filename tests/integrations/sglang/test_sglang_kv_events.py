@@ -131,7 +131,8 @@ def test_sglangs_controller_writing_to_kvstage_storage_announces_l3_pages_remova
         set_host(host, random_canonical(host, seed=4))
         first = RadixKey(array("q", range(50, 50 + 3 * PAGE_SIZE)))
         first_hashes = get_storage_hash_str(first, page_size=PAGE_SIZE)
-        cc.write_storage(host.alloc(3 * PAGE_SIZE), first.token_ids, hash_value=first_hashes)
+        # sglang passes prefix_keys with hicache_storage_pass_prefix_keys: [] at the root
+        cc.write_storage(host.alloc(3 * PAGE_SIZE), first.token_ids, hash_value=first_hashes, prefix_keys=[])
         assert cc.ack_backup_queue.get(timeout=30).completed_tokens == 3 * PAGE_SIZE
         # the next turn continues the chain: sglang passes the pages before it as prefix_keys
         tokens = list(first.token_ids) + list(range(900, 900 + 2 * PAGE_SIZE))
@@ -147,10 +148,18 @@ def test_sglangs_controller_writing_to_kvstage_storage_announces_l3_pages_remova
             # no token ids: sglang 0.5.23 hands its L3 backend keys and host slots only
             assert (event.token_ids, event.block_size, event.medium) == ([], PAGE_SIZE, "DISK")
         assert backend.announcer.pages_announced == 5
+        # without prefix_keys a run's parent is unknown: stored, not announced
+        other = RadixKey(array("q", range(700, 700 + 2 * PAGE_SIZE)))
+        cc.write_storage(
+            host.alloc(2 * PAGE_SIZE), other.token_ids, hash_value=get_storage_hash_str(other, page_size=PAGE_SIZE)
+        )
+        assert cc.ack_backup_queue.get(timeout=30).completed_tokens == 2 * PAGE_SIZE
+        assert (backend.kv_events_unannounced, backend.announcer.pages_announced) == (2, 5)
 
         backend.clear()  # sglang's flush_cache
-        removed = sub.events(lambda got: sum(len(e.block_hashes) for e in got if isinstance(e, SglBlockRemoved)) >= 5)
-        assert sorted(h for e in removed for h in e.block_hashes) == sorted(ints)
+        removed = sub.events(lambda got: sum(len(e.block_hashes) for e in got if isinstance(e, SglBlockRemoved)) >= 7)
+        other_ints = [hash_str_to_int64(value) for value in get_storage_hash_str(other, page_size=PAGE_SIZE)]
+        assert sorted(h for e in removed for h in e.block_hashes) == sorted(ints + other_ints)  # every page removed
         assert {e.medium for e in removed} == {"DISK"}
         assert sub.seqs == list(range(len(sub.seqs)))  # one stream, no gap
     finally:
