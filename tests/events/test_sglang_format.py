@@ -89,3 +89,37 @@ def test_a_manager_publishing_in_sglangs_flavour_names_pages_by_sglangs_hashes_a
     assert [t for e in events for t in e.token_ids] == [11, 12, 13, 14]
     assert {(e.medium, e.cache_salt, e.block_size) for e in events} == {("DISK", "tenant-a", PAGE)}
     assert events[0].parent_block_hash is None
+
+
+def _dynamo_helpers():
+    """test_dynamo.py's indexer helpers (this suite imports test files by path, not by name)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("dynamo_helpers", Path(__file__).with_name("test_dynamo.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dynamos_indexer_reads_the_sglang_flavour_at_its_disk_tier_and_drops_it_after_clear():
+    dynamo = _dynamo_helpers()
+    Indexer, _until_connected, store_prefix = dynamo.Indexer, dynamo._until_connected, dynamo.store_prefix
+    dynamo.require_dynamo()
+    publisher = KVEventPublisher("tcp://127.0.0.1:0", topic="engine-1", event_format=SGLANG_FORMAT)
+    indexer = Indexer(publisher.endpoint, 4)
+    try:
+        _until_connected(indexer, publisher)
+        rig = make_rig(page_size=4, store_prompt=True, kv_events=publisher)
+        prompt = list(range(100, 100 + 4 * 4 + 1))
+        req = store_prefix(rig, "a", prompt)
+        assert rig.manager.metrics.pages_stored == 4
+        assert min(sglang_block_hash(key) for key in rig.chain(req)) < 0  # a signed hash among them
+        assert indexer.wait_for(prompt, 16) == 16
+        assert rig.manager.flush() == 4
+        rig.manager.poll()
+        assert indexer.wait_for(prompt, 0) == 0
+        rig.manager.close()
+    finally:
+        indexer.stop()
+        publisher.close()
