@@ -3,6 +3,8 @@ format (ZMQ PUB ``[topic, seq, payload]``, msgpack batches, a replay socket), wh
 indexer, llm-d and sglang's consumers read.
 
 - :mod:`~kvstage.events.wire`: the records and their encoding; :func:`block_hash`.
+- :mod:`~kvstage.events.sglang_format`: sglang's flavour (:data:`SGLANG_FORMAT`: its fields,
+  block hashes and L3 tier), for ``KVEventPublisher(..., event_format=SGLANG_FORMAT)``.
 - :mod:`~kvstage.events.publisher`: :class:`KVEventPublisher` (PUB + replay ROUTER).
 - :mod:`~kvstage.events.subscriber`: :class:`KVEventSubscriber`, a reference consumer that
   checks seq gaps and replays them.
@@ -13,12 +15,15 @@ indexer, llm-d and sglang's consumers read.
 
 from kvstage.events.announcer import KVEventAnnouncer, announcer_for
 from kvstage.events.publisher import KVEventPublisher
+from kvstage.events.sglang_format import SGLANG_FORMAT, sglang_block_hash
 from kvstage.events.subscriber import KVEventSubscriber
 from kvstage.events.wire import (
     MEDIUM_STORAGE,
+    VLLM_FORMAT,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventFormat,
     KVEventBatch,
     block_hash,
     decode_batch,
@@ -27,9 +32,12 @@ from kvstage.events.wire import (
 
 __all__ = [
     "MEDIUM_STORAGE",
+    "SGLANG_FORMAT",
+    "VLLM_FORMAT",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "EventFormat",
     "KVEventAnnouncer",
     "KVEventBatch",
     "KVEventPublisher",
@@ -38,4 +46,5 @@ __all__ = [
     "block_hash",
     "decode_batch",
     "encode_batch",
+    "sglang_block_hash",
 ]

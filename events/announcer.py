@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 from kvstage.errors import ArgumentTypeError, require
 from kvstage.events.publisher import KVEventPublisher
-from kvstage.events.wire import MEDIUM_STORAGE, BlockRemoved, BlockStored, block_hash
+from kvstage.events.wire import VLLM_FORMAT, BlockRemoved, BlockStored
 
 __all__ = ["KVEventAnnouncer", "announcer_for"]
 
@@ -39,8 +39,11 @@ class KVEventAnnouncer:
         publisher: where the events go.
         storage: the store whose events are taken (``take_events()``).
         block_size: tokens per page (the host pool's page size).
-        medium: the events' tier (default ``"STORAGE"``).
+        medium: the events' tier (default: the publisher's ``event_format.medium``, ``"STORAGE"``
+            for vLLM's).
         owns_publisher: :meth:`close` closes ``publisher`` too.
+
+    Block hashes: the publisher's ``event_format.block_hash`` of each page key.
 
     Attributes:
         pages_announced, pages_removed: pages published as stored / removed.
@@ -56,13 +59,15 @@ class KVEventAnnouncer:
         storage: Any,
         *,
         block_size: int,
-        medium: str = MEDIUM_STORAGE,
+        medium: str | None = None,
         owns_publisher: bool = False,
     ) -> None:
         self.publisher = publisher
         self.storage = storage
         self.block_size = block_size
-        self.medium = medium
+        event_format = getattr(publisher, "event_format", VLLM_FORMAT)
+        self.medium = event_format.medium if medium is None else medium
+        self._hash = event_format.block_hash
         self.owns_publisher = owns_publisher
         self.pages_announced = self.pages_removed = self.pages_unanchored = self.pages_without_tokens = 0
         self.errors = 0
@@ -143,6 +148,7 @@ class KVEventAnnouncer:
     def _add_stored(self, events: list, keys: Sequence[str], tokens: Sequence[int], prior_key, namespace) -> None:
         if not keys:
             return
+        block_hash = self._hash
         hashes = [block_hash(key) for key in keys]
         size, live, count = self.block_size, self._live, len(hashes)
         start = 0
@@ -170,13 +176,14 @@ class KVEventAnnouncer:
             extra_key,
             self.medium,
             None if extra is None else [extra] * (count - start),
+            cache_salt,
         )
         self._live.update(stored.block_hashes)
         self.pages_announced += len(stored.block_hashes)
         events.append(stored)
 
     def _add_removed(self, events: list, key: str) -> None:
-        value = block_hash(key)
+        value = self._hash(key)
         self._live.discard(value)
         self.pages_removed += 1
         last = events[-1] if events else None

@@ -1,7 +1,8 @@
 """``KVEventPublisher``: KV event batches on a ZMQ PUB socket, vLLM's framing, with replay.
 
-Frames (vLLM's ``ZmqEventPublisher``): ``[topic, seq, payload]``, ``seq`` an 8-byte big-endian
-counter from 0, ``payload`` a :func:`~kvstage.events.wire.encode_batch` batch. The replay socket
+Frames (vLLM's ``ZmqEventPublisher``, sglang's alike): ``[topic, seq, payload]``, ``seq`` an
+8-byte big-endian counter from 0, ``payload`` a batch in the publisher's ``event_format``
+(vLLM's :func:`~kvstage.events.wire.encode_batch` by default). The replay socket
 (ZMQ ROUTER) answers a request ``[b"", start_seq]`` with ``[b"", topic, seq, payload]`` for each
 buffered batch from ``start_seq`` on, then the end marker ``[b"", b"", seq=-1, b""]``.
 
@@ -28,7 +29,7 @@ from typing import Any
 import zmq
 
 from kvstage.errors import InvalidArgumentError, is_int, require, require_seconds
-from kvstage.events.wire import KVEventBatch, encode_batch, merge_stored
+from kvstage.events.wire import VLLM_FORMAT, EventFormat, KVEventBatch, encode_batch, merge_stored
 
 __all__ = ["END_SEQ", "KVEventPublisher"]
 
@@ -54,6 +55,9 @@ class KVEventPublisher:
         linger_s: seconds the sending thread waits after a publish call woke it, gathering more
             calls into the batch (>= 0; 0: send at once). Fewer wake-ups and messages for a
             burst of writes, at that much added latency.
+        event_format: the engine flavour batches are encoded in and announcers name pages by:
+            :data:`~kvstage.events.wire.VLLM_FORMAT` (default) or
+            :data:`~kvstage.events.sglang_format.SGLANG_FORMAT`.
 
     Attributes:
         endpoint / replay_endpoint: the bound addresses (the port chosen for ``:0``).
@@ -79,6 +83,7 @@ class KVEventPublisher:
         max_pending: int = 100000,
         max_batch: int = 1024,
         linger_s: float = 0.001,
+        event_format: EventFormat = VLLM_FORMAT,
     ) -> None:
         bounds = (("buffer_steps", buffer_steps), ("hwm", hwm), ("max_pending", max_pending), ("max_batch", max_batch))
         for name, value in bounds:
@@ -90,6 +95,12 @@ class KVEventPublisher:
             lambda: f"must be None or a str, got {replay_endpoint!r}",
         )
         require(isinstance(topic, str), "topic", lambda: f"must be a str, got {topic!r}")
+        require(
+            isinstance(event_format, EventFormat),
+            "event_format",
+            lambda: f"must be an EventFormat (VLLM_FORMAT, SGLANG_FORMAT), got {event_format!r}",
+        )
+        self.event_format = event_format
         require(is_int(data_parallel_rank), "data_parallel_rank", lambda: f"must be an int, got {data_parallel_rank!r}")
         self.topic = topic
         self.buffer_steps = buffer_steps
@@ -217,7 +228,8 @@ class KVEventPublisher:
         seq = self._seq
         self._seq += 1
         try:
-            payload = encode_batch(batch)
+            # vLLM's through this module's name (looked up per call), another flavour's its own
+            payload = encode_batch(batch) if self.event_format is VLLM_FORMAT else self.event_format.encode(batch)
         except Exception:
             logger.exception("kv events: batch %d cannot be encoded; it is skipped (a gap)", seq)
             return

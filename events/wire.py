@@ -16,7 +16,7 @@ low 64 bits of its block hash, unsigned, and Dynamo cannot read byte-string hash
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 
@@ -27,12 +27,14 @@ __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "EventFormat",
     "KVEvent",
     "KVEventBatch",
     "block_hash",
     "decode_batch",
     "encode_batch",
     "merge_stored",
+    "VLLM_FORMAT",
 ]
 
 MEDIUM_STORAGE = "STORAGE"  # vLLM's MEDIUM_STORAGE; Dynamo counts it at its disk tier
@@ -71,6 +73,8 @@ class BlockStored:
         medium: the tier: ``"STORAGE"`` for a store (vLLM's name; ``"GPU"``, ``"CPU"`` its others).
         extra_keys: None, or one tuple per page of what else seeds its hash (vLLM: the LoRA
             name, then multimodal pairs, then ``cache_salt``).
+        cache_salt: the tenant's salt, or None (sglang's field; vLLM's format carries it in
+            ``extra_keys`` and does not write this one).
     """
 
     block_hashes: list[int]
@@ -80,6 +84,7 @@ class BlockStored:
     lora_name: str | None = None
     medium: str = MEDIUM_STORAGE
     extra_keys: list[tuple[Any, ...] | None] | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -110,7 +115,7 @@ class KVEventBatch:
 
 def merge_stored(events: list[KVEvent]) -> list[KVEvent]:
     """``events`` with each ``BlockStored`` that continues the one just before it (its parent is
-    that one's last hash; same block size, medium, LoRA name and kind of ``extra_keys``) joined
+    that one's last hash; same block size, medium, LoRA name, salt and kind of ``extra_keys``) joined
     into it: the same pages in fewer, longer events (a consumer indexes them alike). The input
     events are not changed."""
     out: list[KVEvent] = []
@@ -121,7 +126,8 @@ def merge_stored(events: list[KVEvent]) -> list[KVEvent]:
             and isinstance(last, BlockStored)
             and event.parent_block_hash is not None
             and event.parent_block_hash == last.block_hashes[-1]
-            and (event.block_size, event.medium, event.lora_name) == (last.block_size, last.medium, last.lora_name)
+            and (event.block_size, event.medium, event.lora_name, event.cache_salt)
+            == (last.block_size, last.medium, last.lora_name, last.cache_salt)
             and (event.extra_keys is None) == (last.extra_keys is None)
         ):
             joined = BlockStored(
@@ -132,6 +138,7 @@ def merge_stored(events: list[KVEvent]) -> list[KVEvent]:
                 last.lora_name,
                 last.medium,
                 None if last.extra_keys is None else last.extra_keys + event.extra_keys,
+                last.cache_salt,
             )
             out[-1] = joined
         else:
@@ -186,6 +193,7 @@ def _event(item: Any) -> KVEvent:
             item.get("lora_name"),
             item.get("medium"),
             None if extra is None else [None if keys is None else tuple(keys) for keys in extra],
+            item.get("cache_salt"),
         )
     if kind == "BlockRemoved":
         return BlockRemoved(list(item["block_hashes"]), item.get("medium"))
@@ -195,7 +203,8 @@ def _event(item: Any) -> KVEvent:
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    """The :class:`KVEventBatch` of a vLLM-format payload (map events; unknown fields are ignored).
+    """The :class:`KVEventBatch` of a vLLM-format or sglang-format payload (map events; unknown
+    fields are ignored; sglang's ``cache_salt`` is read).
 
     Raises:
         InvalidArgumentError: not msgpack, not an array of 2 or 3, or an event of an unknown type
@@ -212,3 +221,24 @@ def decode_batch(payload: bytes) -> KVEventBatch:
         return KVEventBatch(items[0], [_event(item) for item in items[1]], rank)
     except KeyError as error:
         raise InvalidArgumentError(f"payload: an event lacks the field {error.args[0]!r}") from None
+
+
+@dataclass(frozen=True)
+class EventFormat:
+    """An engine's flavour of the KV event format: what a publisher encodes with and what an
+    announcer names pages and their tier by.
+
+    Attributes:
+        name: ``"vllm"`` or ``"sglang"``.
+        medium: the tier a store's pages are announced at.
+        block_hash: a page key (hex) to its int block hash.
+        encode: a :class:`KVEventBatch` to its payload bytes.
+    """
+
+    name: str
+    medium: str
+    block_hash: Callable[[str], int]
+    encode: Callable[[KVEventBatch], bytes]
+
+
+VLLM_FORMAT = EventFormat("vllm", MEDIUM_STORAGE, block_hash, encode_batch)

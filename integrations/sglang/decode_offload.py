@@ -90,7 +90,12 @@ class KVStageDecodeOffloadManager:
     ``model_id`` (default: the served model name) and ``kv_cache_dtype`` (``"fp8_e4m3"`` /
     ``"fp8_e5m2"``, required when sglang holds fp8 KV as ``uint8``; the device pool is then
     wrapped as that dtype, so its pages share the prefill side's key space); host pages: ``--hicache-size`` GB, else
-    ``--hicache-ratio`` times the device pool.
+    ``--hicache-ratio`` times the device pool. ``kv_events_endpoint`` (optional
+    ``kv_events_replay_endpoint``, ``kv_events_topic``) turns on KV events in sglang's format,
+    bound by TP rank 0: the decode pages the manager stores, with their token ids, and the
+    store's evictions and removals (:class:`~kvstage.events.KVEventAnnouncer`; a run whose
+    parent this stream never announced, such as the prefill side's prompt pages, is counted as
+    unanchored rather than announced); the publisher is :attr:`kv_event_publisher`.
 
     Raises:
         InvalidArgumentError: the extra config as
@@ -148,7 +153,9 @@ class KVStageDecodeOffloadManager:
         self._running: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._retracting: set[int] = set()  # id(req) being retracted: its release is not sglang's hand-back
         self.storage = config.open_store(fingerprint)
+        publisher = None
         try:
+            publisher = self.kv_event_publisher = config.kv_event_publisher(torch.distributed.get_rank(group=tp_group))
             self.host_pool = HostPool.like(kv_pool, num_pages=max(num_pages, 1), page_size=page_size)
             self.manager = OffloadManager(
                 kv_pool,
@@ -159,8 +166,11 @@ class KVStageDecodeOffloadManager:
                 offload_stride=stride,
                 store_prompt=False,
                 release=self._on_release,
+                kv_events=publisher,
             )
         except BaseException:
+            if publisher is not None:
+                publisher.close()
             self.storage.close()  # sglang never calls release_host_resources on a manager that failed to build
             raise
 
@@ -238,8 +248,11 @@ class KVStageDecodeOffloadManager:
             )
 
     def release_host_resources(self) -> None:
-        """Shut down: wait for what is in flight, close the manager and the store."""
+        """Shut down: wait for what is in flight, close the manager (its last events published),
+        the KV event publisher and the store."""
         self.manager.close()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
         self.storage.close()
 
     # -- helpers ------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from kvstage.errors import InvalidArgumentError
+from kvstage.events import SGLANG_FORMAT, KVEventPublisher
 from kvstage.kv_layout import KVLayout
 from kvstage.storage import LayoutFingerprint, StorageBackend, open_storage
 
@@ -28,7 +29,14 @@ __all__ = ["ExtraConfig", "FP8_KINDS"]
 # sglang's --kv-cache-dtype names of the fp8 kinds it holds as uint8.
 FP8_KINDS: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
-_KVSTAGE_KEYS = {"url", "model_id", "kv_cache_dtype"}
+_KVSTAGE_KEYS = {
+    "url",
+    "model_id",
+    "kv_cache_dtype",
+    "kv_events_endpoint",
+    "kv_events_replay_endpoint",
+    "kv_events_topic",
+}
 # sglang's own keys of the same JSON (its factory's, and those its cache reads).
 _SGLANG_KEYS = {
     "backend_name",
@@ -57,11 +65,18 @@ class ExtraConfig:
         model_id: the model's key-space name (the extra config's ``model_id``, else sglang's
             model name).
         kv_cache_dtype: ``"fp8_e4m3"``, ``"fp8_e5m2"`` or None: the fp8 kind of a ``uint8`` pool.
+        kv_events_endpoint: where to bind a KV event publisher in sglang's format (e.g.
+            ``"tcp://*:5560"``), or None: no events.
+        kv_events_replay_endpoint: its replay socket's address, or None (no replay).
+        kv_events_topic: its topic (default ``""``; routers key a stream by it).
     """
 
     url: str
     model_id: str
     kv_cache_dtype: str | None
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any], default_model_id: str | None) -> "ExtraConfig":
@@ -90,7 +105,39 @@ class ExtraConfig:
         kind = extra.get("kv_cache_dtype")
         if kind is not None and kind not in FP8_KINDS:
             raise InvalidArgumentError(f"extra_config.kv_cache_dtype: must be one of {sorted(FP8_KINDS)}, got {kind!r}")
-        return cls(url, model_id, kind)
+        events = {}
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic"):
+            value = extra.get(name)
+            if value is not None:
+                if not isinstance(value, str) or (not value and name != "kv_events_topic"):
+                    raise InvalidArgumentError(f"extra_config.{name}: must be a non-empty str, got {value!r}")
+                events[name] = value
+        if "kv_events_endpoint" not in events and len(events):
+            raise InvalidArgumentError(
+                f"extra_config.kv_events_endpoint: required with {sorted(events)} (it turns KV events on)"
+            )
+        return cls(url, model_id, kind, **events)
+
+    def kv_event_publisher(self, tp_rank: int) -> KVEventPublisher | None:
+        """A KV event publisher in sglang's format
+        (:data:`~kvstage.events.sglang_format.SGLANG_FORMAT`) bound at ``kv_events_endpoint``,
+        on TP rank 0 only (one stream per engine, as sglang's ``is_kv_publisher_rank``); None
+        on other ranks or without the key.
+
+        Raises:
+            InvalidArgumentError: an endpoint cannot be bound (``extra_config.kv_events_...: ...``).
+        """
+        if self.kv_events_endpoint is None or tp_rank != 0:
+            return None
+        try:
+            return KVEventPublisher(
+                self.kv_events_endpoint,
+                replay_endpoint=self.kv_events_replay_endpoint,
+                topic=self.kv_events_topic,
+                event_format=SGLANG_FORMAT,
+            )
+        except InvalidArgumentError as error:
+            raise InvalidArgumentError(f"extra_config.kv_events_{error}") from error
 
     def kv_dtype(self, pool_dtype: torch.dtype, pool: str) -> torch.dtype:
         """The dtype of the KV a pool of ``pool_dtype`` holds: the named fp8 kind for a ``uint8``

@@ -11,6 +11,19 @@ A page is stored in kvstage's byte order, whatever the host layout
 reads back right through another, and a store's checksum turns a corrupted page into a miss.
 Keys are sglang's page hashes as given (with the default ``sglang-v1`` scheme they equal the
 keys :class:`kvstage.hashing.PageHasher` computes).
+
+KV events (``kv_events_endpoint`` in the extra config): what this backend stores, what its store
+evicts or removes, and a ``clear``, published in sglang's format at sglang's L3 tier
+(:data:`~kvstage.events.sglang_format.SGLANG_FORMAT`, medium ``"DISK"``), which sglang itself
+never announces. sglang 0.5.23 hands this backend keys and host slots only
+(``HiCacheStorageExtraInfo`` holds ``prefix_keys`` and an ``extra_info`` the controller leaves
+empty; the token ids stay in its ``StorageOperation``), so each ``BlockStored`` carries the page
+hashes (equal to sglang's own GPU / host event hashes), the parent and ``block_size``, with
+``token_ids`` empty: a router that links blocks by sglang's hashes (llm-d) can place them; one
+that hashes tokens itself (Dynamo) drops them. The parent is ``prefix_keys[-1]``, which sglang
+passes only with ``"hicache_storage_pass_prefix_keys": true``: without it (``prefix_keys``
+None, or the legacy ``batch_set``) a run's place in its chain is unknown and its pages are not
+announced (counted in ``kv_events_unannounced``).
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvstage.errors import InvalidArgumentError, StorageError
+from kvstage.events import KVEventAnnouncer
 from kvstage.integrations.sglang.host_layouts import flat_page_view, host_kv_layout, page_view
 from kvstage.integrations.sglang.key_space import ExtraConfig
 from kvstage.integrations.sglang.pool_kinds import require_stored_host_pool, require_stored_v2_pool
@@ -46,9 +60,11 @@ class KVStageStorage(HiCacheStorage):
         storage_config: sglang's ``HiCacheStorageConfig``. Its ``extra_config`` (the JSON of
             ``--hicache-storage-backend-extra-config``) holds ``url`` (required: a storage URL,
             e.g. ``"file:/var/cache/kv"``, ``"memory:8589934592"``, ``"mooncake://host:port?..."``),
-            optionally ``model_id`` (default: ``storage_config.model_name``) and
+            optionally ``model_id`` (default: ``storage_config.model_name``),
             ``kv_cache_dtype`` (``"fp8_e4m3"`` or ``"fp8_e5m2"``: required when the host pool
-            holds fp8 KV as ``uint8``); sglang's own keys (``backend_name``, ``module_path``,
+            holds fp8 KV as ``uint8``) and ``kv_events_endpoint`` (KV events on, bound there by
+            TP rank 0; with optional ``kv_events_replay_endpoint``, ``kv_events_topic``: see the
+            module); sglang's own keys (``backend_name``, ``module_path``,
             ``class_name``, ``interface_v1``, the prefetch knobs,
             ``hicache_storage_pass_prefix_keys``, ``tp_lcm_size``) are ignored here.
         kwargs: what sglang's factory passes along (unused).
@@ -82,6 +98,8 @@ class KVStageStorage(HiCacheStorage):
         self.store: StorageBackend | None = None
         self.mem_pool_host: Any = None
         self.kv_layout: KVLayout | None = None
+        self.announcer: KVEventAnnouncer | None = None  # set with the store when KV events are on
+        self.kv_events_unannounced = 0  # pages written without a known parent (no prefix_keys)
         self._local = threading.local()
         self._metrics_lock = threading.Lock()
         self._metrics = StorageMetrics()
@@ -120,6 +138,16 @@ class KVStageStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         self.kv_layout = fingerprint.layout
         self.store = self.config.open_store(fingerprint)
+        try:
+            publisher = self.config.kv_event_publisher(config.tp_rank)
+        except BaseException:
+            self.store.close()
+            self.store = None
+            raise
+        if publisher is not None:
+            self.announcer = KVEventAnnouncer(
+                publisher, self.store, block_size=mem_pool_host.page_size, owns_publisher=True
+            )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """sglang's ``HybridCacheController`` registers each pool of its host pool group here
@@ -138,7 +166,7 @@ class KVStageStorage(HiCacheStorage):
             require_stored_v2_pool(host_pool, host_pool_name, self.mem_pool_host)
         except InvalidArgumentError:
             self.close()
-            self.store = None
+            self.store = self.announcer = None
             raise
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
@@ -168,7 +196,8 @@ class KVStageStorage(HiCacheStorage):
         prefix_keys = extra_info.prefix_keys if extra_info is not None else None
         prior = prefix_keys[-1] if prefix_keys else None
         started = time.perf_counter()
-        results = self._write(store, keys, [page_view(self.mem_pool_host, start) for start in starts], prior)
+        views = [page_view(self.mem_pool_host, start) for start in starts]
+        results = self._write(store, keys, views, prior, announce=prefix_keys is not None)
         self._record("backup", sum(results), time.perf_counter() - started)
         return results
 
@@ -190,6 +219,8 @@ class KVStageStorage(HiCacheStorage):
             views = [page_view(self.mem_pool_host, start) for start in starts[first : first + CHUNK_PAGES]]
             results += self._get_into(store, chunk, views)
         self._record("prefetch", sum(results), time.perf_counter() - started)
+        if self.announcer is not None and not all(results):  # a corrupt page the store dropped
+            self.announcer.poll()
         return results
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -231,7 +262,7 @@ class KVStageStorage(HiCacheStorage):
         if len(values) != len(keys):
             raise InvalidArgumentError(f"values: {len(values)} pages for {len(keys)} keys")
         views = [flat_page_view(self.mem_pool_host, value, self.kv_layout) for value in values]
-        return all(self._write(store, list(keys), views, None))
+        return all(self._write(store, list(keys), views, None, announce=False))  # no parent known
 
     def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> torch.Tensor | None:
         """Read ``key`` into ``target_location`` (a flat page, e.g.
@@ -256,8 +287,11 @@ class KVStageStorage(HiCacheStorage):
     # -- lifecycle ----------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Remove every page of this key space (sglang's ``flush_cache``)."""
+        """Remove every page of this key space (sglang's ``flush_cache``); with KV events on,
+        each page removed is announced (``BlockRemoved``)."""
         self._store().clear()
+        if self.announcer is not None:
+            self.announcer.poll()
 
     def get_stats(self) -> StorageMetrics:
         """sglang's ``StorageMetrics`` since the last call: pages and GB/s of each v1 backup
@@ -267,7 +301,11 @@ class KVStageStorage(HiCacheStorage):
         return metrics
 
     def close(self) -> None:
-        """Close the store. Idempotent."""
+        """Publish the store's last events and close the publisher (KV events on), then close
+        the store. Idempotent."""
+        if self.announcer is not None:
+            self.announcer.close()
+            self.announcer = None
         if self.store is not None:
             self.store.close()
 
@@ -326,13 +364,15 @@ class KVStageStorage(HiCacheStorage):
         return pages
 
     def _write(
-        self, store: StorageBackend, keys: list[str], views: list[torch.Tensor], prior: str | None
+        self, store: StorageBackend, keys: list[str], views: list[torch.Tensor], prior: str | None, announce: bool
     ) -> list[bool]:
         """Store the page views under ``keys`` (one chain run after ``prior``; None: a chain's
         start; a run refused because ``prior`` is not stored is put again as a chain's start),
         ``CHUNK_PAGES`` at a time through :func:`kvstage.offload.store_io.write_pages`,
         so a store that raises fails its pages rather than sglang's thread; True per page stored
-        or already there. Failed pages are logged once per call at WARNING, with the cause."""
+        or already there. Failed pages are logged once per call at WARNING, with the cause.
+        KV events on: the pages are announced when ``announce`` (the run's parent is known),
+        else only the store's removals are (the pages count in ``kv_events_unannounced``)."""
         results: list[bool] = []
         cause: BaseException | None = None
         for first in range(0, len(keys), CHUNK_PAGES):
@@ -341,6 +381,11 @@ class KVStageStorage(HiCacheStorage):
             outcome = write_pages(store, chunk, pages, prior_key=prior)
             if prior is not None and isinstance(outcome.error, MissingPriorError) and outcome.error.prior_key == prior:
                 outcome = write_pages(store, chunk, pages)  # the prior is not stored: this run starts a chain
+            if self.announcer is not None and announce:  # no token ids from sglang (see the module)
+                self.announcer.written(chunk, (), prior, (None, None), outcome.failed_keys)
+            elif self.announcer is not None:
+                self.kv_events_unannounced += len(chunk)
+                self.announcer.poll()
             failed = set(outcome.failed_keys)
             results += [key not in failed for key in chunk]
             cause = cause or outcome.error

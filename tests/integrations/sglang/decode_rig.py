@@ -24,10 +24,15 @@ from sglang_rig import PAGE_SIZE, dsa_device_pool, extra_config, mha_device_pool
 
 
 def install_settings(
-    url: str, tp_rank: int = 0, tp_size: int = 1, stride: int | None = None, page_size: int = PAGE_SIZE
+    url: str,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    stride: int | None = None,
+    page_size: int = PAGE_SIZE,
+    extra: dict | None = None,
 ):
     """sglang's published config for a decode server using kvstage (restore() undoes it);
-    the stride defaults to one page."""
+    the stride defaults to one page; ``extra``: more keys of the storage extra config."""
     import os
 
     os.environ["SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"] = str(page_size if stride is None else stride)
@@ -38,7 +43,7 @@ def install_settings(
         hicache_ratio=2.0,
         served_model_name="org/tiny-model",
         hicache_storage_backend="dynamic",
-        hicache_storage_backend_extra_config=json.dumps(extra_config(url)),
+        hicache_storage_backend_extra_config=json.dumps(extra_config(url, **(extra or {}))),
     )
     override.install()
     get_parallel().override_permanently(

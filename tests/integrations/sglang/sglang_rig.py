@@ -252,8 +252,9 @@ def token_slots(host, canonical: torch.Tensor, indices: torch.Tensor) -> torch.T
     return canonical.index_select(1 if hasattr(host, "kv_cache_dim") else 2, indices)
 
 
-def extra_config(url: str) -> dict:
+def extra_config(url: str, **extra) -> dict:
     return {
+        **extra,
         "backend_name": "kvstage",
         "module_path": "kvstage.integrations.sglang",
         "class_name": "KVStageStorage",
@@ -281,10 +282,10 @@ def watch_opened_stores(monkeypatch) -> tuple[list, list]:
     return opened, closed
 
 
-def hicache_controller(device_pool, pool, url: str, *, cls=None, page_size: int = PAGE_SIZE):
+def hicache_controller(device_pool, pool, url: str, *, cls=None, page_size: int = PAGE_SIZE, extra: dict | None = None):
     """sglang's ``HiCacheController`` (or ``cls``, e.g. ``HybridCacheController``) over ``pool`` (a
     host pool of ``device_pool``, or a ``HostPoolGroup``) with KVStageStorage on ``url``, on the
-    default process group (one rank)."""
+    default process group (one rank); ``extra``: more keys of the extra config."""
     import threading
 
     import torch.distributed as dist
@@ -303,5 +304,5 @@ def hicache_controller(device_pool, pool, url: str, *, cls=None, page_size: int 
         io_backend="direct",
         storage_backend="dynamic",
         model_name="org/tiny-model",
-        storage_backend_extra_config=extra_config(url),
+        storage_backend_extra_config=extra_config(url, **(extra or {})),
     )
