@@ -13,6 +13,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from kvstage.hashing import PageHasher
@@ -21,6 +22,9 @@ from kvstage.kernels import gather, gather_state, scatter, scatter_state, stagin
 from kvstage.model_layout import ModelLayout
 from kvstage.offload.restorable import pages_to_load, restorable_lengths, snapshot_key_index, swa_store_mask
 from kvstage.storage import open_storage
+
+from mooncake_master import LocalMooncakeMaster
+from support import skip_missing
 
 PAGE = 4  # tokens per page: the window (8) spans ceil(7 / 4) = 2 pages
 CONTINUE = 3  # tokens of the continuation's first forward (then one decode step)
@@ -327,3 +331,31 @@ def load_with_manager(model, layout: ModelLayout, tokens: torch.Tensor, stores: 
     finally:
         manager.close()
     return cache, length, found
+
+
+# Fixtures of the hybrid-model tests (test_cache_pools.py, test_hybrid_oracle.py import them).
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    from kvstage.storage.mooncake.store import INSTALL_HINT, master_binary, mooncake_available
+
+    if not mooncake_available() or master_binary() is None:
+        skip_missing(f"the Mooncake store is not usable here; {INSTALL_HINT}")
+    with LocalMooncakeMaster(tmp_path_factory.mktemp("mooncake") / "master.log") as running:
+        yield running
+
+
+@pytest.fixture(params=["memory", "file", "mooncake"])
+def store_url(request, tmp_path):
+    if request.param == "memory":
+        return "memory"
+    if request.param == "file":
+        return f"file:{tmp_path}"
+    return request.getfixturevalue("master").url()

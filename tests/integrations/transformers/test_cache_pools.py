@@ -17,21 +17,11 @@ from kvstage.kernels import KVPool
 
 import hybrid_models as hm
 import hybrid_rig as rig
-from hybrid_rig import PAGE
-from mooncake_master import LocalMooncakeMaster
-from support import skip_missing
+from hybrid_rig import PAGE, one_thread  # noqa: F401 (an autouse fixture of these files)
 
 MAX_TOKENS = 32
 PROMPT = 27  # 6 whole pages and 3 tokens: 24 tokens restorable at most
 SWA_ARCHS = ("gpt_oss", "gemma3")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 model_of = rig.model_of
@@ -42,25 +32,6 @@ def prompt(length: int = PROMPT, seed: int = 1) -> torch.Tensor:
 
 
 following = rig.following
-
-
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    from kvstage.storage.mooncake.store import INSTALL_HINT, master_binary, mooncake_available
-
-    if not mooncake_available() or master_binary() is None:
-        skip_missing(f"the Mooncake store is not usable here; {INSTALL_HINT}")
-    with LocalMooncakeMaster(tmp_path_factory.mktemp("mooncake") / "master.log") as running:
-        yield running
-
-
-@pytest.fixture(params=["memory", "file", "mooncake"])
-def store_url(request, tmp_path):
-    if request.param == "memory":
-        return "memory"
-    if request.param == "file":
-        return f"file:{tmp_path}"
-    return request.getfixturevalue("master").url()
 
 
 def engine_run(arch: str, tokens: torch.Tensor, length: int, snapshots=()):
