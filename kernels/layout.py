@@ -144,7 +144,14 @@ class Transfer:
         return self.slot_indices.numel()
 
 
-def _check_index(name: str, t: object, pool: KVPool) -> torch.Tensor:
+def check_index(name: str, t: object, device: torch.device) -> torch.Tensor:
+    """Check an index tensor argument: int32/int64, 1-D, on ``device`` or on CPU; return it.
+
+    Raises:
+        ArgumentTypeError: not a tensor, or another dtype.
+        InvalidArgumentError: not 1-D.
+        DeviceMismatchError: on another device than ``device`` and not on CPU.
+    """
     require(
         isinstance(t, torch.Tensor), name, lambda: f"must be a torch.Tensor, got {type(t).__name__}", ArgumentTypeError
     )
@@ -152,16 +159,23 @@ def _check_index(name: str, t: object, pool: KVPool) -> torch.Tensor:
     require(t.dtype in INDEX_DTYPES, name, lambda: f"dtype must be int32 or int64, got {t.dtype}", ArgumentTypeError)
     require(t.dim() == 1, name, lambda: f"must be 1-D, got shape {tuple(t.shape)}")
     require(
-        t.device == pool.device or t.device.type == "cpu",
+        t.device == device or t.device.type == "cpu",
         name,
-        lambda: f"must be on the pool's device ({pool.device}) or on CPU, got {t.device}",
+        lambda: f"must be on the pool's device ({device}) or on CPU, got {t.device}",
         DeviceMismatchError,
     )
     return t
 
 
-def _check_staging(staging: object, pool: KVPool, page_size: int, layout: str) -> int:
-    """Check the staging buffer against the pool; return how many host pages it holds."""
+def check_staging_buffer(staging: object, device: torch.device, dtype: torch.dtype, dtype_rule: str) -> torch.Tensor:
+    """Check a staging argument: a tensor of ``dtype``, pinned host memory for a CUDA pool, else on ``device``.
+
+    ``dtype_rule`` names the rule in the error (e.g. "the pool's torch.bfloat16").
+
+    Raises:
+        ArgumentTypeError: not a tensor, or another dtype.
+        DeviceMismatchError: pageable host memory for a CUDA pool, or another device.
+    """
     require(
         isinstance(staging, torch.Tensor),
         "staging",
@@ -170,12 +184,12 @@ def _check_staging(staging: object, pool: KVPool, page_size: int, layout: str) -
     )
     assert isinstance(staging, torch.Tensor)
     require(
-        staging.dtype == pool.dtype,
+        staging.dtype == dtype,
         "staging",
-        lambda: f"dtype must be the pool's {pool.dtype}, got {staging.dtype}",
+        lambda: f"dtype must be {dtype_rule}, got {staging.dtype}",
         ArgumentTypeError,
     )
-    if pool.device.type == "cuda" and staging.device.type == "cpu":
+    if device.type == "cuda" and staging.device.type == "cpu":
         # The kernel reads/writes host memory over PCIe through its device address: only
         # page-locked memory has one; pageable memory would fault.
         require(
@@ -186,11 +200,17 @@ def _check_staging(staging: object, pool: KVPool, page_size: int, layout: str) -
         )
     else:
         require(
-            staging.device == pool.device,
+            staging.device == device,
             "staging",
-            lambda: f"must be pinned host memory or on the pool's device ({pool.device}), got {staging.device}",
+            lambda: f"must be pinned host memory or on the pool's device ({device}), got {staging.device}",
             DeviceMismatchError,
         )
+    return staging
+
+
+def _check_staging(staging: object, pool: KVPool, page_size: int, layout: str) -> int:
+    """Check the staging buffer against the pool; return how many host pages it holds."""
+    staging = check_staging_buffer(staging, pool.device, pool.dtype, f"the pool's {pool.dtype}")
     if layout == "page_first":
         names = ("num_host_pages", "num_layers", "kv_parts", "page_size", "num_heads", "head_dim")
         want = (None, pool.num_layers, pool.kv_parts, page_size, pool.num_heads, pool.head_dim)
@@ -282,8 +302,8 @@ def check_transfer(
     _check_page_size(page_size)
     _check_layout(layout)
     num_host_pages = _check_staging(staging, pool, page_size, layout)
-    _check_index("slot_indices", slot_indices, pool)
-    _check_index("host_page_ids", host_page_ids, pool)
+    check_index("slot_indices", slot_indices, pool.device)
+    check_index("host_page_ids", host_page_ids, pool.device)
     num_pages = host_page_ids.numel()
     require(
         slot_indices.numel() == num_pages * page_size,

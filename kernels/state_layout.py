@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstage.errors import ArgumentTypeError, DeviceMismatchError, is_int, require
-from kvstage.kernels.layout import INDEX_DTYPES, on_host, to_device_async
+from kvstage.errors import ArgumentTypeError, is_int, require
+from kvstage.kernels.layout import check_index, check_staging_buffer, on_host, to_device_async
 from kvstage.kernels.state_pool import StatePool
 
 __all__ = ["StateTransfer", "check_state_transfer"]
@@ -56,51 +56,11 @@ def _as_slot_ids(slot_ids: object, pool: StatePool) -> torch.Tensor:
         lambda: f"must be a torch.Tensor or a list of ints, got {type(slot_ids).__name__}",
         ArgumentTypeError,
     )
-    assert isinstance(slot_ids, torch.Tensor)
-    require(
-        slot_ids.dtype in INDEX_DTYPES,
-        "slot_ids",
-        lambda: f"dtype must be int32 or int64, got {slot_ids.dtype}",
-        ArgumentTypeError,
-    )
-    require(slot_ids.dim() == 1, "slot_ids", lambda: f"must be 1-D, got shape {tuple(slot_ids.shape)}")
-    require(
-        slot_ids.device == pool.device or slot_ids.device.type == "cpu",
-        "slot_ids",
-        lambda: f"must be on the pool's device ({pool.device}) or on CPU, got {slot_ids.device}",
-        DeviceMismatchError,
-    )
-    return slot_ids
+    return check_index("slot_ids", slot_ids, pool.device)
 
 
 def _check_staging(staging: object, pool: StatePool, num_ids: int) -> None:
-    require(
-        isinstance(staging, torch.Tensor),
-        "staging",
-        lambda: f"must be a torch.Tensor, got {type(staging).__name__}",
-        ArgumentTypeError,
-    )
-    assert isinstance(staging, torch.Tensor)
-    require(
-        staging.dtype == torch.uint8,
-        "staging",
-        lambda: f"dtype must be torch.uint8 (a snapshot is bytes), got {staging.dtype}",
-        ArgumentTypeError,
-    )
-    if pool.device.type == "cuda" and staging.device.type == "cpu":
-        require(
-            staging.is_pinned(),
-            "staging",
-            "host staging for a CUDA state pool must be pinned (torch.empty(..., pin_memory=True))",
-            DeviceMismatchError,
-        )
-    else:
-        require(
-            staging.device == pool.device,
-            "staging",
-            lambda: f"must be pinned host memory or on the pool's device ({pool.device}), got {staging.device}",
-            DeviceMismatchError,
-        )
+    staging = check_staging_buffer(staging, pool.device, torch.uint8, "torch.uint8 (a snapshot is bytes)")
     want = pool.staging_shape(num_ids)
     require(
         tuple(staging.shape) == want,

@@ -4,6 +4,11 @@ kvstage's planning, ``check_transfer``, that the Triton path and the torch refer
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import torch
 
 from kvstage.kernels import KVPool, staging_shape
@@ -187,3 +192,33 @@ def pool_equals(pool: KVPool, want: list[torch.Tensor]) -> bool:
 def changed_buffers(before: list[torch.Tensor], pool: KVPool) -> list[int]:
     """Indices (``pool.tensors()`` order) of the buffers whose bytes differ from ``before`` (:func:`pool_bytes`)."""
     return [i for i, (old, t) in enumerate(zip(before, pool.tensors())) if not torch.equal(old, as_bytes(t))]
+
+
+NO_PTXAS = 3  # a PTX script's exit status when Triton finds no ptxas binary for the target
+
+
+def run_ptx_script(script: str, cases: dict) -> dict:
+    """Run ``script`` (argv: the JSON ``cases``, :data:`NO_PTXAS`) in a subprocess; return its last JSON line.
+
+    The native compiler needs ``TRITON_INTERPRET`` unset when triton is imported, hence the
+    subprocess. A missing ptxas binary skips (under ``CI`` it fails: :func:`support.skip_missing`);
+    any other error fails the test.
+    """
+    import pytest
+
+    from support import skip_missing
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    result = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(cases), str(NO_PTXAS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if result.returncode == NO_PTXAS:
+        skip_missing(f"the ptxas binary for sm_90 ({result.stderr.strip()[-300:]}); Triton's wheel ships it")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.splitlines()[-1])

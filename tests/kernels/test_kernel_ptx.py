@@ -15,16 +15,10 @@ error fails the test.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from support import skip_missing
+from kernel_helpers import run_ptx_script
 
-NO_PTXAS = 3  # the script's exit status when Triton finds no ptxas binary for the target
 ROWS = {"llama3-8b-bf16": 2048, "deepseek-mla-fp8": 576, "odd-18-bytes": 18}
 
 SCRIPT = """
@@ -51,20 +45,7 @@ print(json.dumps(counts))
 
 @pytest.fixture(scope="module")
 def access_counts():
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(ROWS), str(NO_PTXAS)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if result.returncode == NO_PTXAS:
-        skip_missing(f"the ptxas binary for sm_90 ({result.stderr.strip()[-300:]}); Triton's wheel ships it")
-    assert result.returncode == 0, result.stderr[-2000:]
-    return json.loads(result.stdout.splitlines()[-1])
+    return run_ptx_script(SCRIPT, ROWS)
 
 
 @pytest.mark.parametrize("op", ["gather", "scatter"])

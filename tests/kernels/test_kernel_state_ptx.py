@@ -10,16 +10,10 @@ Qwen3-Next-like pool (1024- and 4096-byte rows) has 16-byte accesses only, a poo
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from support import skip_missing
+from kernel_helpers import run_ptx_script
 
-NO_PTXAS = 3
 POOLS = {
     "qwen3-next-conv-and-recurrent": [1024, 4096],
     "jamba-conv-and-ssm-fp32": [2048, 4096],
@@ -55,20 +49,7 @@ print(json.dumps(counts))
 
 @pytest.fixture(scope="module")
 def widths():
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(POOLS), str(NO_PTXAS)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if result.returncode == NO_PTXAS:
-        skip_missing(f"the ptxas binary for sm_90 ({result.stderr.strip()[-300:]}); Triton's wheel ships it")
-    assert result.returncode == 0, result.stderr[-2000:]
-    return json.loads(result.stdout.splitlines()[-1])
+    return run_ptx_script(SCRIPT, POOLS)
 
 
 EXPECTED = {
