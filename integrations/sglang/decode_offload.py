@@ -42,8 +42,9 @@ import torch
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
+from kvstage.integrations.sglang.draft_layers import DRAFT_PLAN_HOOK_TARGET, packed_drafts_of, record_packed_drafts
 from kvstage.integrations.sglang.key_space import ExtraConfig
-from kvstage.integrations.sglang.pool_kinds import require_stored_device_pool
+from kvstage.integrations.sglang.pool_kinds import pool_kind, require_stored_device_pool
 from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, OffloadManager
 
@@ -66,6 +67,25 @@ def _sglang_settings() -> tuple[int, int, dict, str | None, float, float]:
     except json.JSONDecodeError as error:
         raise InvalidArgumentError(f"--hicache-storage-backend-extra-config: not JSON ({error})") from None
     return page_size, stride, extra, get_serving().served_model_name, memory.hicache_size, memory.hicache_ratio
+
+
+def _pool_parts(kv_cache: Any, drafts: tuple[Any, ...]) -> tuple[Any, tuple[list[torch.Tensor], ...]]:
+    """(``KVPool.mla`` or ``KVPool.mha``, its per-layer buffer lists): the target pool's layers,
+    then each packed draft pool's (sglang's host page order), each pool checked alike."""
+    pools = (kv_cache, *drafts)
+    names = ["token_to_kv_pool_allocator"] + [f"packed draft pool {i}" for i in range(len(drafts))]
+    # Exact classes: a subclass may hold more than kvstage stores (DSA: the indexer's keys).
+    mla = [require_stored_device_pool(pool, name) for pool, name in zip(pools, names)]
+    if any(kind != mla[0] for kind in mla):
+        raise InvalidArgumentError(f"packed draft pools: must be of the target pool's kind ({pool_kind(kv_cache)})")
+    if mla[0]:
+        return KVPool.mla, ([buffer for pool in pools for buffer in pool.kv_buffer],)
+    for pool, name in zip(pools, names):
+        if pool.v_head_dim != pool.head_dim:
+            raise InvalidArgumentError(
+                f"{name}: V head size {pool.v_head_dim} differs from K head size {pool.head_dim}"
+            )
+    return KVPool.mha, ([b for pool in pools for b in pool.k_buffer], [b for pool in pools for b in pool.v_buffer])
 
 
 class KVStageDecodeOffloadManager:
@@ -114,15 +134,7 @@ class KVStageDecodeOffloadManager:
         page_size, stride, extra, served_model, hicache_size, hicache_ratio = _sglang_settings()
         config = ExtraConfig.parse(extra, served_model)
         kv_cache = token_to_kv_pool_allocator.get_kvcache()
-        # Exact classes: a subclass may hold more than kvstage stores (DSA: the indexer's keys).
-        if require_stored_device_pool(kv_cache, "token_to_kv_pool_allocator"):
-            wrap, parts = KVPool.mla, (list(kv_cache.kv_buffer),)
-        else:
-            if kv_cache.v_head_dim != kv_cache.head_dim:
-                raise InvalidArgumentError(
-                    f"token_to_kv_pool_allocator: V head size {kv_cache.v_head_dim} differs from K head size {kv_cache.head_dim}"
-                )
-            wrap, parts = KVPool.mha, (list(kv_cache.k_buffer), list(kv_cache.v_buffer))
+        wrap, parts = _pool_parts(kv_cache, packed_drafts_of(kv_cache))
         # fp8 held as uint8: the same bytes viewed as the fp8 kind, so the pool's layout is the
         # prefill side's (a view, no copy).
         dtype = config.kv_dtype(parts[0][0].dtype, "device pool")
@@ -319,3 +331,4 @@ def sglang_plugin() -> None:
         KVStageDecodeOffloadManager,
         HookType.REPLACE,
     )
+    HookRegistry.register(DRAFT_PLAN_HOOK_TARGET, record_packed_drafts, HookType.AFTER)
