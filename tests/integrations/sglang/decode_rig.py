@@ -40,9 +40,11 @@ def install_settings(
     stride: int | None = None,
     page_size: int = PAGE_SIZE,
     extra: dict | None = None,
+    speculative_algorithm: str | None = None,
 ):
     """sglang's published config for a decode server using kvstage (restore() undoes it);
-    the stride defaults to one page; ``extra``: more keys of the storage extra config."""
+    the stride defaults to one page; ``extra``: more keys of the storage extra config;
+    ``speculative_algorithm``: sglang's ``--speculative-algorithm`` (e.g. ``"EAGLE"``)."""
     import os
 
     os.environ["SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"] = str(page_size if stride is None else stride)
@@ -54,6 +56,7 @@ def install_settings(
         served_model_name="org/tiny-model",
         hicache_storage_backend="dynamic",
         hicache_storage_backend_extra_config=json.dumps(extra_config(url, **(extra or {}))),
+        speculative_algorithm=speculative_algorithm,
     )
     override.install()
     get_parallel().override_permanently(

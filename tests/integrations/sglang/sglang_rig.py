@@ -163,11 +163,12 @@ def kvstage_backend(url: str, host, **config):
 def write_through(cc, host, key: RadixKey, slots: torch.Tensor | None = None, timeout: float = 30) -> torch.Tensor:
     """Store the pages of ``key`` from ``host`` slots (fresh ones when ``slots`` is None) on
     sglang's backup thread, as its cache's write-through does; waits for the ack, checks every
-    token of ``key`` was stored, and returns the slots."""
+    position of ``key`` was stored (a bigram key's last token only pairs with the one before
+    it), and returns the slots."""
     if slots is None:
-        slots = host.alloc(len(key.token_ids))
+        slots = host.alloc(len(key))
     cc.write_storage(slots, key.token_ids, hash_value=get_storage_hash_str(key, page_size=host.page_size))
-    assert cc.ack_backup_queue.get(timeout=timeout).completed_tokens == len(key.token_ids)
+    assert cc.ack_backup_queue.get(timeout=timeout).completed_tokens == len(key)
     return slots
 
 

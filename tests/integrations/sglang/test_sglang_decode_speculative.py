@@ -135,6 +135,42 @@ def test_an_mtp_draft_of_another_pool_kind_is_refused_naming_it(one_rank):
         DecodeSide("mha", one_rank, before_manager=pack_an_mla_draft)
 
 
+@pytest.mark.parametrize("prompt_length", [10, 8])  # a partial last prompt page, and a whole one
+def test_eagle_bigram_decode_pages_continue_the_prefill_sides_bigram_chain(tmp_path, one_rank, prompt_length):
+    url = f"file:{tmp_path / 'store'}"
+    with settings_installed(url, speculative_algorithm="EAGLE"):
+        side = DecodeSide("mha", one_rank)
+        assert side.manager.bigram_keys
+        prompt = list(range(300, 300 + prompt_length))
+        expected, tokens, kv_length = run_a_turn(side, url, "page_first", prompt, outputs=11, bigram=True)
+        assert side.manager.manager.metrics.pages_stored == kv_length // PAGE_SIZE - prompt_length // PAGE_SIZE
+        assert_next_turn_finds_every_page(side, url, "page_first", expected, tokens, kv_length, bigram=True)
+
+
+def test_eagle_with_a_packed_mtp_draft_layer_stores_bigram_pages_of_every_layer(tmp_path, one_rank):
+    url = f"file:{tmp_path / 'store'}"
+    with settings_installed(url, speculative_algorithm="NEXTN"):  # sglang runs NEXTN as EAGLE
+        side = DecodeSide("mha", one_rank, draft_layers=1, before_manager=draft_plan_hook("EAGLE", 1))
+        assert side.manager.bigram_keys and side.manager.manager.kv_pool.num_layers == 4
+        expected, tokens, kv_length = run_a_turn(
+            side, url, "page_first", list(range(300, 310)), outputs=11, bigram=True
+        )
+        assert_next_turn_finds_every_page(side, url, "page_first", expected, tokens, kv_length, bigram=True)
+
+
+def test_eagle_with_kv_events_is_refused_before_a_store_opens(one_rank, monkeypatch):
+    from kvstage.errors import InvalidArgumentError
+
+    from sglang_rig import watch_opened_stores
+
+    opened, _ = watch_opened_stores(monkeypatch)
+    extra = {"kv_events_endpoint": "tcp://127.0.0.1:5999"}
+    with settings_installed("memory", speculative_algorithm="EAGLE", extra=extra):
+        with pytest.raises(InvalidArgumentError, match="kv_events_endpoint: KV events of EAGLE bigram pages"):
+            DecodeSide("mha", one_rank)
+    assert opened == []
+
+
 PLUGIN_CHECK = """
 from sglang_cpu import import_sglang
 assert import_sglang() is None
