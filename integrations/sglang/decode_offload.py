@@ -121,6 +121,11 @@ class KVStageDecodeOffloadManager:
     store's evictions and removals (:class:`~kvstage.events.KVEventAnnouncer`; a run whose
     parent this stream never announced, such as the prefill side's prompt pages, is counted as
     unanchored rather than announced); the publisher is :attr:`kv_event_publisher`.
+    Speculative decoding: with an EAGLE-family ``--speculative-algorithm`` (sglang's tree keys
+    token pairs) pages are keyed as EAGLE bigrams (:mod:`~kvstage.integrations.sglang.bigram_requests`,
+    :attr:`bigram_keys`); the MTP draft pools sglang packs after the target's layers
+    (:mod:`~kvstage.integrations.sglang.draft_layers`) are stored with them, in the prefill
+    side's host-page layout.
 
     Raises:
         InvalidArgumentError: the extra config as
@@ -132,7 +137,8 @@ class KVStageDecodeOffloadManager:
             exactly sglang's ``MHATokenToKVPool`` or ``MLATokenToKVPool`` (named by kind: DeepSeek
             V3.2's ``DSATokenToKVPool``, an MLA subclass whose indexer keys a latent page cannot
             hold; SWA, Mamba, FP4 pools...), or an MHA pool whose V head size differs from its K
-            head size.
+            head size; a packed draft pool of another kind than the target's; KV events with
+            bigram keys.
     """
 
     def __init__(self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, tp_group: Any, tree_cache: Any) -> None:
