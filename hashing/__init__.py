@@ -13,24 +13,29 @@ Scheme ``sglang-v1`` (SHA-256, the default) matches sglang's keys byte for byte;
 (the same bytes fed to XXH3-128) is several times faster but not cryptographic.
 
 Modules: ``tokens`` (ids -> bytes), ``schemes`` (hash functions by name), ``namespace`` (the
-seed), ``chain`` (keys, the decode form, :class:`PageHasher`).
+seed), ``chain`` (keys, the decode form, :class:`PageHasher`), ``bigram`` (EAGLE's token-pair
+keys, :class:`BigramPageHasher`).
 """
 
+from kvstage.hashing.bigram import BigramPageHasher, bigram_pages, pair_ids
 from kvstage.hashing.chain import PageHasher, compute_prefix_hash, full_pages, page_keys, prefill_page_keys
 from kvstage.hashing.namespace import namespace_seed
 from kvstage.hashing.schemes import DEFAULT_SCHEME, SCHEMES, HashScheme, get_scheme
 from kvstage.hashing.tokens import token_buffer, token_bytes
 
 __all__ = [
+    "BigramPageHasher",
     "DEFAULT_SCHEME",
     "SCHEMES",
     "HashScheme",
     "PageHasher",
     "compute_prefix_hash",
     "full_pages",
+    "bigram_pages",
     "get_scheme",
     "namespace_seed",
     "page_keys",
+    "pair_ids",
     "prefill_page_keys",
     "token_buffer",
     "token_bytes",

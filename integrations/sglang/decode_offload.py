@@ -42,19 +42,24 @@ import torch
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
+from kvstage.integrations.sglang.bigram_requests import BigramRequest, PairUnitHasher
+from kvstage.integrations.sglang.draft_layers import DRAFT_PLAN_HOOK_TARGET, packed_drafts_of, record_packed_drafts
 from kvstage.integrations.sglang.key_space import ExtraConfig
-from kvstage.integrations.sglang.pool_kinds import require_stored_device_pool
+from kvstage.integrations.sglang.pool_kinds import pool_kind, require_stored_device_pool
 from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, OffloadManager
 
 __all__ = ["ENABLE_ENV", "KVStageDecodeOffloadManager", "sglang_plugin"]
 
 
-def _sglang_settings() -> tuple[int, int, dict, str | None, float, float]:
+def _sglang_settings() -> tuple[int, int, dict, str | None, float, float, bool]:
     """(page_size, offload_stride, storage extra config, served model name, hicache_size GB,
-    hicache_ratio), read from sglang's published config as its own decode manager reads them."""
+    hicache_ratio, bigram keys), read from sglang's published config as its own decode manager
+    reads them; bigram keys where its tree is an EAGLE one (``CacheInitParams.is_eagle``:
+    ``SpeculativeAlgorithm.is_eagle()`` of ``--speculative-algorithm``)."""
     from sglang.srt.environ import envs
-    from sglang.srt.runtime_context import get_memory, get_schedule, get_serving
+    from sglang.srt.runtime_context import get_memory, get_schedule, get_serving, get_spec
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     page_size = get_schedule().page_size
     env_stride = envs.SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE.get()
@@ -65,7 +70,27 @@ def _sglang_settings() -> tuple[int, int, dict, str | None, float, float]:
         extra = json.loads(raw) if raw else {}
     except json.JSONDecodeError as error:
         raise InvalidArgumentError(f"--hicache-storage-backend-extra-config: not JSON ({error})") from None
-    return page_size, stride, extra, get_serving().served_model_name, memory.hicache_size, memory.hicache_ratio
+    bigram = SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm).is_eagle()
+    return page_size, stride, extra, get_serving().served_model_name, memory.hicache_size, memory.hicache_ratio, bigram
+
+
+def _pool_parts(kv_cache: Any, drafts: tuple[Any, ...]) -> tuple[Any, tuple[list[torch.Tensor], ...]]:
+    """(``KVPool.mla`` or ``KVPool.mha``, its per-layer buffer lists): the target pool's layers,
+    then each packed draft pool's (sglang's host page order), each pool checked alike."""
+    pools = (kv_cache, *drafts)
+    names = ["token_to_kv_pool_allocator"] + [f"packed draft pool {i}" for i in range(len(drafts))]
+    # Exact classes: a subclass may hold more than kvstage stores (DSA: the indexer's keys).
+    mla = [require_stored_device_pool(pool, name) for pool, name in zip(pools, names)]
+    if any(kind != mla[0] for kind in mla):
+        raise InvalidArgumentError(f"packed draft pools: must be of the target pool's kind ({pool_kind(kv_cache)})")
+    if mla[0]:
+        return KVPool.mla, ([buffer for pool in pools for buffer in pool.kv_buffer],)
+    for pool, name in zip(pools, names):
+        if pool.v_head_dim != pool.head_dim:
+            raise InvalidArgumentError(
+                f"{name}: V head size {pool.v_head_dim} differs from K head size {pool.head_dim}"
+            )
+    return KVPool.mha, ([b for pool in pools for b in pool.k_buffer], [b for pool in pools for b in pool.v_buffer])
 
 
 class KVStageDecodeOffloadManager:
@@ -96,6 +121,11 @@ class KVStageDecodeOffloadManager:
     store's evictions and removals (:class:`~kvstage.events.KVEventAnnouncer`; a run whose
     parent this stream never announced, such as the prefill side's prompt pages, is counted as
     unanchored rather than announced); the publisher is :attr:`kv_event_publisher`.
+    Speculative decoding: with an EAGLE-family ``--speculative-algorithm`` (sglang's tree keys
+    token pairs) pages are keyed as EAGLE bigrams (:mod:`~kvstage.integrations.sglang.bigram_requests`,
+    :attr:`bigram_keys`); the MTP draft pools sglang packs after the target's layers
+    (:mod:`~kvstage.integrations.sglang.draft_layers`) are stored with them, in the prefill
+    side's host-page layout.
 
     Raises:
         InvalidArgumentError: the extra config as
@@ -107,22 +137,20 @@ class KVStageDecodeOffloadManager:
             exactly sglang's ``MHATokenToKVPool`` or ``MLATokenToKVPool`` (named by kind: DeepSeek
             V3.2's ``DSATokenToKVPool``, an MLA subclass whose indexer keys a latent page cannot
             hold; SWA, Mamba, FP4 pools...), or an MHA pool whose V head size differs from its K
-            head size.
+            head size; a packed draft pool of another kind than the target's; KV events with
+            bigram keys.
     """
 
     def __init__(self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, tp_group: Any, tree_cache: Any) -> None:
-        page_size, stride, extra, served_model, hicache_size, hicache_ratio = _sglang_settings()
+        page_size, stride, extra, served_model, hicache_size, hicache_ratio, bigram = _sglang_settings()
         config = ExtraConfig.parse(extra, served_model)
+        if bigram and config.kv_events_endpoint is not None:
+            raise InvalidArgumentError(
+                "kv_events_endpoint: KV events of EAGLE bigram pages are not supported by the decode drop-in"
+            )
+        self.bigram_keys = bigram
         kv_cache = token_to_kv_pool_allocator.get_kvcache()
-        # Exact classes: a subclass may hold more than kvstage stores (DSA: the indexer's keys).
-        if require_stored_device_pool(kv_cache, "token_to_kv_pool_allocator"):
-            wrap, parts = KVPool.mla, (list(kv_cache.kv_buffer),)
-        else:
-            if kv_cache.v_head_dim != kv_cache.head_dim:
-                raise InvalidArgumentError(
-                    f"token_to_kv_pool_allocator: V head size {kv_cache.v_head_dim} differs from K head size {kv_cache.head_dim}"
-                )
-            wrap, parts = KVPool.mha, (list(kv_cache.k_buffer), list(kv_cache.v_buffer))
+        wrap, parts = _pool_parts(kv_cache, packed_drafts_of(kv_cache))
         # fp8 held as uint8: the same bytes viewed as the fp8 kind, so the pool's layout is the
         # prefill side's (a view, no copy).
         dtype = config.kv_dtype(parts[0][0].dtype, "device pool")
@@ -161,7 +189,7 @@ class KVStageDecodeOffloadManager:
                 kv_pool,
                 self.host_pool,
                 self.storage,
-                PageHasher(page_size=page_size),
+                PairUnitHasher(page_size=page_size) if bigram else PageHasher(page_size=page_size),
                 self._slot_indices,
                 offload_stride=stride,
                 store_prompt=False,
@@ -187,13 +215,15 @@ class KVStageDecodeOffloadManager:
         True: sglang gets it back from :meth:`check_offload_progress`)."""
         if req.kv.req_pool_idx is None or req.kv.req_pool_idx == -1:
             return False
+        if self.bigram_keys and not req.output_ids:
+            return False  # the prompt's last bigram pairs it with the first output token
         if req.finished():
             self._running.pop(id(req), None)
-            self.manager.finish(req)
+            self.manager.finish(self._seen(req))
             self._finishing.append(req)
             return True
         self._running[id(req)] = req
-        return self.manager.offload(req)
+        return self.manager.offload(self._seen(req))
 
     def finalize_release_on_finish(self, req: Any) -> None:
         """``req`` ends without :meth:`offload_kv_cache` taking it (e.g. sglang's sampling-mask
@@ -201,8 +231,8 @@ class KVStageDecodeOffloadManager:
         if req.kv.req_pool_idx is None or req.kv.req_pool_idx == -1 or any(queued is req for queued in self._finishing):
             return  # released to sglang already, or queued
         self._running.pop(id(req), None)
-        self.manager.abort(req)  # releases at once when nothing of it is in flight
-        if not self.manager.is_tracked(req):
+        self.manager.abort(self._seen(req))  # releases at once when nothing of it is in flight
+        if not self.manager.is_tracked(self._seen(req)):
             self._released_here.add(id(req))
         self._finishing.append(req)
 
@@ -268,14 +298,19 @@ class KVStageDecodeOffloadManager:
             if req.kv.req_pool_idx is not None and req.kv.req_pool_idx != -1:
                 continue
             del self._running[key]
-            if not self.manager.is_tracked(req):
+            if not self.manager.is_tracked(self._seen(req)):
                 continue
             self._retracting.add(key)
-            self.manager.retract(req, keep_offloaded=True)
+            self.manager.retract(self._seen(req), keep_offloaded=True)
+
+    def _seen(self, req: Any) -> Any:
+        """``req`` as the manager sees it: itself, or with bigram keys its pair-unit view."""
+        return BigramRequest.of(req) if self.bigram_keys else req
 
     def _on_release(self, req: Any) -> None:
         """The manager's release: a finishing request may go back to sglang; a retracted one's
         slots are sglang's already."""
+        req = req.req if isinstance(req, BigramRequest) else req
         if id(req) in self._retracting:
             self._retracting.discard(id(req))
             return
@@ -319,3 +354,4 @@ def sglang_plugin() -> None:
         KVStageDecodeOffloadManager,
         HookType.REPLACE,
     )
+    HookRegistry.register(DRAFT_PLAN_HOOK_TARGET, record_packed_drafts, HookType.AFTER)

@@ -20,7 +20,17 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 
 from kvstage.integrations.sglang import KVStageDecodeOffloadManager
 
-from sglang_rig import PAGE_SIZE, dsa_device_pool, extra_config, mha_device_pool, mla_device_pool
+from sglang_rig import (
+    PAGE_SIZE,
+    canonical_of,
+    dsa_device_pool,
+    extra_config,
+    hicache_controller,
+    host_buffer_of,
+    host_pool,
+    mha_device_pool,
+    mla_device_pool,
+)
 
 
 def install_settings(
@@ -30,9 +40,11 @@ def install_settings(
     stride: int | None = None,
     page_size: int = PAGE_SIZE,
     extra: dict | None = None,
+    speculative_algorithm: str | None = None,
 ):
     """sglang's published config for a decode server using kvstage (restore() undoes it);
-    the stride defaults to one page; ``extra``: more keys of the storage extra config."""
+    the stride defaults to one page; ``extra``: more keys of the storage extra config;
+    ``speculative_algorithm``: sglang's ``--speculative-algorithm`` (e.g. ``"EAGLE"``)."""
     import os
 
     os.environ["SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"] = str(page_size if stride is None else stride)
@@ -44,6 +56,7 @@ def install_settings(
         served_model_name="org/tiny-model",
         hicache_storage_backend="dynamic",
         hicache_storage_backend_extra_config=json.dumps(extra_config(url, **(extra or {}))),
+        speculative_algorithm=speculative_algorithm,
     )
     override.install()
     get_parallel().override_permanently(
@@ -64,10 +77,15 @@ def settings_installed(url: str, **settings):
 
 class DecodeSide:
     """One decode rank: sglang's pools and a KVStageDecodeOffloadManager over ``tp_group``
-    (``kind``: ``"mha"``, ``"mla"`` or ``"dsa"``, DeepSeek V3.2's pool with 64-token pages)."""
+    (``kind``: ``"mha"``, ``"mla"`` or ``"dsa"``, DeepSeek V3.2's pool with 64-token pages).
+    ``draft_layers``: one-layer draft device pools over the same slots (an MTP draft model's
+    KV), made before the manager; ``before_manager(side)`` runs then (what sglang's speculative
+    worker does before the scheduler builds the offload manager)."""
 
-    def __init__(self, kind: str, tp_group) -> None:
+    def __init__(self, kind: str, tp_group, draft_layers: int = 0, before_manager=None) -> None:
         self.device = {"mha": mha_device_pool, "mla": mla_device_pool, "dsa": dsa_device_pool}[kind](size=256)
+        make_draft = {"mha": mha_device_pool, "mla": mla_device_pool}.get(kind)
+        self.drafts = [make_draft(size=256, layer_num=1) for _ in range(draft_layers)]
         page_size = self.device.page_size
         self.req_to_token_pool = ReqToTokenPool(size=8, max_context_len=128, device="cpu", enable_memory_saver=False)
         self.allocator = PagedTokenToKVPoolAllocator(
@@ -81,6 +99,8 @@ class DecodeSide:
                 page_size=page_size,
             )
         )
+        if before_manager is not None:
+            before_manager(self)
         self.manager = KVStageDecodeOffloadManager(
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=self.allocator,
@@ -109,9 +129,11 @@ class DecodeSide:
             buffer[slots] = values
 
     def buffers(self) -> list[torch.Tensor]:
+        """Every layer's buffer, the drafts' after the target's: MLA latents, or K layers then V layers."""
+        pools = [self.device, *self.drafts]
         if hasattr(self.device, "kv_buffer"):
-            return list(self.device.kv_buffer)
-        return list(self.device.k_buffer) + list(self.device.v_buffer)
+            return [buffer for pool in pools for buffer in pool.kv_buffer]
+        return [b for pool in pools for b in pool.k_buffer] + [b for pool in pools for b in pool.v_buffer]
 
     def kv_of(self, req: Req, end: int) -> list[torch.Tensor]:
         assert not released(req), f"{req.rid} is back with sglang: its slots may hold other KV"
@@ -148,3 +170,26 @@ def run_until_released(side: DecodeSide, reqs: list[Req], timeout: float = 30.0)
         steps += 1
         time.sleep(0.002)
     return steps
+
+
+def controller_over(side: DecodeSide, url: str, layout: str):
+    """sglang's HiCacheController with KVStageStorage on ``url``, over a host pool of the
+    decode side's device pool (its draft pools packed as tail layers): the prefill side's
+    writer and the next turn's reader."""
+    host = host_pool(side.device, layout, drafts=tuple(side.drafts))
+    cc = hicache_controller(side.device, host, url)
+    return cc, host
+
+
+def put_kv_in_host(host, kv: list[torch.Tensor], indices: torch.Tensor) -> None:
+    """The device KV rows ``kv`` (per buffer: K layers then V layers, or MLA latents) into
+    host slots ``indices``, through the canonical order."""
+    canonical = canonical_of(host)
+    mla = hasattr(host, "kv_cache_dim")
+    layers = host.layer_num
+    for i, rows in enumerate(kv):
+        if mla:
+            canonical[i, indices] = rows.view(len(indices), -1)
+        else:
+            canonical[i // layers, i % layers, indices] = rows
+    host.kv_buffer.copy_(host_buffer_of(host.layout, canonical, mla))

@@ -18,7 +18,7 @@ LAYERS = 3
 
 
 def mha_device_pool(
-    size: int = 128, dtype=torch.bfloat16, head_num: int = 2, head_dim: int = 8, **kwargs
+    size: int = 128, dtype=torch.bfloat16, head_num: int = 2, head_dim: int = 8, layer_num: int = LAYERS, **kwargs
 ) -> MHATokenToKVPool:
     return MHATokenToKVPool(
         size=size,
@@ -26,21 +26,21 @@ def mha_device_pool(
         dtype=dtype,
         head_num=head_num,
         head_dim=head_dim,
-        layer_num=LAYERS,
+        layer_num=layer_num,
         device="cpu",
         enable_memory_saver=False,
         **kwargs,
     )
 
 
-def mla_device_pool(size: int = 128, dtype=torch.bfloat16) -> MLATokenToKVPool:
+def mla_device_pool(size: int = 128, dtype=torch.bfloat16, layer_num: int = LAYERS) -> MLATokenToKVPool:
     return MLATokenToKVPool(
         size=size,
         page_size=PAGE_SIZE,
         dtype=dtype,
         kv_lora_rank=16,
         qk_rope_head_dim=8,
-        layer_num=LAYERS,
+        layer_num=layer_num,
         device="cpu",
         enable_memory_saver=False,
     )
@@ -102,14 +102,17 @@ def dsa_host_pool_group(device_pool, layout: str = "page_first"):
     )
 
 
-def host_pool(device_pool, layout: str, ratio: float = 2.0):
-    """sglang's host pool for ``device_pool`` (pin_memory off: a CPU torch cannot register memory)."""
+def host_pool(device_pool, layout: str, ratio: float = 2.0, drafts: tuple = ()):
+    """sglang's host pool for ``device_pool`` (pin_memory off: a CPU torch cannot register memory);
+    ``drafts``: one-layer draft device pools packed as its tail layers, as sglang packs an MTP
+    draft (``draft_buffer_infos``)."""
     info = device_pool.get_device_pool_infos()[0].buffer_info
     common = dict(
         pin_memory=False,
         device_capacity_tokens=device_pool.size,
         start_layer=device_pool.start_layer,
         end_layer=device_pool.end_layer,
+        draft_buffer_infos=tuple(draft.get_device_pool_infos()[0].buffer_info for draft in drafts),
     )
     if isinstance(device_pool, MLATokenToKVPool):
         return MLATokenToKVPoolHost(
@@ -160,11 +163,12 @@ def kvstage_backend(url: str, host, **config):
 def write_through(cc, host, key: RadixKey, slots: torch.Tensor | None = None, timeout: float = 30) -> torch.Tensor:
     """Store the pages of ``key`` from ``host`` slots (fresh ones when ``slots`` is None) on
     sglang's backup thread, as its cache's write-through does; waits for the ack, checks every
-    token of ``key`` was stored, and returns the slots."""
+    position of ``key`` was stored (a bigram key's last token only pairs with the one before
+    it), and returns the slots."""
     if slots is None:
-        slots = host.alloc(len(key.token_ids))
+        slots = host.alloc(len(key))
     cc.write_storage(slots, key.token_ids, hash_value=get_storage_hash_str(key, page_size=host.page_size))
-    assert cc.ack_backup_queue.get(timeout=timeout).completed_tokens == len(key.token_ids)
+    assert cc.ack_backup_queue.get(timeout=timeout).completed_tokens == len(key)
     return slots
 
 

@@ -21,13 +21,11 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from kvstage.errors import InvalidArgumentError
 
 import tp_rank_worker
-from decode_rig import DecodeSide, released, run_until_released, settings_installed
+from decode_rig import DecodeSide, controller_over, put_kv_in_host, released, run_until_released, settings_installed
 from sglang_rig import (
     DSA_PAGE_SIZE,
     PAGE_SIZE,
     canonical_of,
-    hicache_controller,
-    host_pool,
     token_slots,
     watch_opened_stores,
     write_through,
@@ -40,30 +38,6 @@ def one_rank(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
-
-
-def controller_over(side: DecodeSide, url: str, layout: str):
-    """sglang's HiCacheController with KVStageStorage on ``url``, over a host pool of the
-    decode side's device pool: the prefill side's writer and the next turn's reader."""
-    host = host_pool(side.device, layout)
-    cc = hicache_controller(side.device, host, url)
-    return cc, host
-
-
-def put_kv_in_host(host, kv: list[torch.Tensor], indices: torch.Tensor) -> None:
-    """The device KV rows ``kv`` (per buffer: K layers then V layers, or MLA latents) into
-    host slots ``indices``, through the canonical order."""
-    from sglang_rig import host_buffer_of
-
-    canonical = canonical_of(host)
-    mla = hasattr(host, "kv_cache_dim")
-    layers = host.layer_num
-    for i, rows in enumerate(kv):
-        if mla:
-            canonical[i, indices] = rows.view(len(indices), -1)
-        else:
-            canonical[i // layers, i % layers, indices] = rows
-    host.kv_buffer.copy_(host_buffer_of(host.layout, canonical, mla))
 
 
 @pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mla", "page_first_direct")])
