@@ -23,6 +23,7 @@ from kvstage.errors import InvalidArgumentError
 from kvstage.events import SGLANG_FORMAT, KVEventPublisher
 from kvstage.kv_layout import KVLayout
 from kvstage.storage import LayoutFingerprint, StorageBackend, open_storage
+from kvstage.storage.head_groups import HeadGroups
 
 __all__ = ["ExtraConfig", "FP8_KINDS"]
 
@@ -168,17 +169,36 @@ class ExtraConfig:
         return declared
 
     def fingerprint(
-        self, layout: KVLayout, pool: str, *, page_size: int, tp_rank: int, tp_size: int, first_layer: int
+        self,
+        layout: KVLayout,
+        pool: str,
+        *,
+        page_size: int,
+        tp_rank: int,
+        tp_size: int,
+        first_layer: int,
+        head_groups: HeadGroups | None = None,
     ) -> LayoutFingerprint:
         """The key space of pages of ``layout`` (a pool's layout, its dtype as sglang holds it),
-        with the dtype resolved by :meth:`kv_dtype`.
+        with the dtype resolved by :meth:`kv_dtype`; with ``head_groups`` (sglang's
+        ``tp_lcm_size``), that of their entries (:mod:`kvstage.storage.head_groups`), shared by
+        every TP size.
 
         Raises:
             InvalidArgumentError: as :meth:`kv_dtype`, or as :class:`LayoutFingerprint`.
         """
         resolved = replace(layout, dtype=self.kv_dtype(layout.dtype, pool))
+        groups = 0
+        if head_groups is not None:
+            resolved, groups = head_groups.entry_layout(resolved), head_groups.tp_lcm_size
         return LayoutFingerprint(
-            self.model_id, resolved, page_size, tp_rank=tp_rank, tp_size=tp_size, first_layer=first_layer
+            self.model_id,
+            resolved,
+            page_size,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            first_layer=first_layer,
+            head_groups=groups,
         )
 
     def open_store(self, fingerprint: LayoutFingerprint) -> StorageBackend:
