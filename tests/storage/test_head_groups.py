@@ -11,6 +11,7 @@ import torch
 from kvstage.errors import InvalidArgumentError
 from kvstage.kv_layout import KVLayout
 from kvstage.storage import FileStore, LayoutFingerprint, PutStatus
+from kvstage.storage.fingerprint import prefix_differences
 from kvstage.storage.head_groups import HeadGroups, head_group_key
 
 HEADS, LAYERS, PAGE, DIM = 4, 2, 2, 3
@@ -49,6 +50,11 @@ def test_the_key_space_is_the_same_for_every_tp_size_and_rank_and_names_the_grou
         .endswith("xH2xD3@P2@tp1of2@")
     )
     assert fingerprint(groups_of(0, 2, lcm=2)).prefix().endswith("xH2xD3@P2@hg2@")  # lcm 2: another key space
+    per_rank = LayoutFingerprint("org/model", rank_layout(2), PAGE, tp_rank=0, tp_size=2).prefix()
+    assert prefix_differences(fingerprint(groups_of(0, 2)).prefix(), per_rank) == [
+        "num_heads 1 (this store: 2)",
+        "shard hg4 (this store: tp0of2)",
+    ]
 
 
 @pytest.mark.parametrize("writers,readers", list(itertools.product([1, 2, 4], repeat=2)))
