@@ -13,8 +13,10 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.runtime_context import get_parallel
 
+from kvstage.errors import InvalidArgumentError
 from kvstage.storage.mooncake.store import INSTALL_HINT, master_binary, mooncake_available
 
+from decode_rig import DecodeSide, settings_installed
 from mooncake_master import LocalMooncakeMaster
 from sglang_rig import (
     PAGE_SIZE,
@@ -132,3 +134,10 @@ def test_what_tp2_ranks_store_a_tp1_servers_prefetch_reads(tmp_path, request, st
             cc.detach_storage_backend()
         for writer in writers:
             writer.close()
+
+
+def test_the_decode_side_offload_refuses_tp_lcm_size_rather_than_write_pages_of_another_key_space():
+    """The decode side keeps per-rank keys: its pages would not continue the prefill side's chain."""
+    with settings_installed("memory", extra={"tp_lcm_size": 2}):
+        with pytest.raises(InvalidArgumentError, match=r"^extra_config.tp_lcm_size: the device pool's pages"):
+            DecodeSide("mha", dist.group.WORLD)
