@@ -9,6 +9,9 @@ page is only ever read back as KV of the same model, dtype, layout, page size an
   TP 8 share pages) and only rank 0 writes (:attr:`LayoutFingerprint.writes_pages`);
 - pipeline parallel: stages hold different layers, so the layer range is part of the key space
   (stage 1 never deduplicates against, or reads, stage 0's pages);
+- head groups (``head_groups = G``, :mod:`kvstage.storage.head_groups`): K/V pages split into
+  ``G`` entries of ``num_heads / G`` KV heads each, one key space (shard ``hg{G}``) that every
+  TP size dividing ``G`` reads and writes, each rank its own groups;
 - opaque pages (:meth:`LayoutFingerprint.opaque`): an engine that lays its pages out itself
   (vLLM's offload blocks) names the format with a string; the key space is the model, that
   format, the page's bytes and the shard, and the engine says whether ranks share pages;
@@ -63,6 +66,9 @@ class LayoutFingerprint:
         component: ``""``, or a hybrid model's component name (:meth:`of_component`): the
             marker of its prefix in place of ``opaque``; ``page_format`` then describes the
             component and the whole model layout.
+        head_groups: 0 (pages per TP rank), or ``G``: the key space of head groups of ``G``
+            (:mod:`kvstage.storage.head_groups`), ``layout`` being one group's (``num_heads``
+            the heads of one group); a multiple of ``tp_size``, K/V layouts only.
 
     Raises:
         InvalidArgumentError: an empty model id, a size or rank out of range (bools are not ints).
@@ -78,6 +84,7 @@ class LayoutFingerprint:
     page_format: str = ""
     rank_neutral_pages: bool = False
     component: str = ""
+    head_groups: int = 0
 
     def __post_init__(self) -> None:
         require(
@@ -123,6 +130,16 @@ class LayoutFingerprint:
             self.component == "" or self.page_format != "",
             "component",
             "needs page_format, the component's and model layout's description (use LayoutFingerprint.of_component)",
+        )
+        require(
+            is_int(self.head_groups) and self.head_groups >= 0 and self.head_groups % self.tp_size == 0,
+            "head_groups",
+            lambda: f"must be 0 or a positive multiple of tp_size {self.tp_size}, got {self.head_groups!r}",
+        )
+        require(
+            self.head_groups == 0 or (self.page_format == "" and self.layout.kv_parts == 2),
+            "head_groups",
+            "splits K/V heads: not for MLA (one KV part, the same on every rank) or opaque page formats",
         )
 
     @classmethod
@@ -297,7 +314,7 @@ class LayoutFingerprint:
 
     def prefix(self) -> str:
         """The key prefix, e.g. ``"llama3-8b@bfloat16@L0-31xKV2xH8xD128@P64@tp0of1@"``
-        (MLA: ``...@tp-any@``); an opaque format: ``"{model}@opaque-{16 hex digits of the
+        (MLA: ``...@tp-any@``; head groups of 4: ``...xH2xD128@P64@hg4@``, whatever the rank); an opaque format: ``"{model}@opaque-{16 hex digits of the
         format's SHA-256}@B{page_bytes}@{shard}@"``; a hybrid model's component: the same with
         the component's name for ``opaque`` (:meth:`of_component`).
 
@@ -311,6 +328,8 @@ class LayoutFingerprint:
         layout = self.layout
         layers = self.layers
         shard = "tp-any" if self.rank_neutral else f"tp{self.tp_rank}of{self.tp_size}"
+        if self.head_groups:
+            shard = f"hg{self.head_groups}"
         if self.page_format:
             digest = hashlib.sha256(self.page_format.encode()).hexdigest()[:16]
             return f"{model}@{self.component or _OPAQUE_NAME}-{digest}@B{self.page_bytes}@{shard}@"

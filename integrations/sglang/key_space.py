@@ -23,6 +23,7 @@ from kvstage.errors import InvalidArgumentError
 from kvstage.events import SGLANG_FORMAT, KVEventPublisher
 from kvstage.kv_layout import KVLayout
 from kvstage.storage import LayoutFingerprint, StorageBackend, open_storage
+from kvstage.storage.head_groups import HeadGroups
 
 __all__ = ["ExtraConfig", "FP8_KINDS"]
 
@@ -69,6 +70,9 @@ class ExtraConfig:
             ``"tcp://*:5560"``), or None: no events.
         kv_events_replay_endpoint: its replay socket's address, or None (no replay).
         kv_events_topic: its topic (default ``""``; routers key a stream by it).
+        tp_lcm_size: sglang's ``tp_lcm_size`` where the JSON still holds it (sglang's cache
+            controller takes it out before the storage backend sees it; the decode side reads
+            the raw JSON), else None.
     """
 
     url: str
@@ -77,6 +81,7 @@ class ExtraConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
+    tp_lcm_size: int | None = None
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any], default_model_id: str | None) -> "ExtraConfig":
@@ -116,7 +121,10 @@ class ExtraConfig:
             raise InvalidArgumentError(
                 f"extra_config.kv_events_endpoint: required with {sorted(events)} (it turns KV events on)"
             )
-        return cls(url, model_id, kind, **events)
+        lcm = extra.get("tp_lcm_size")
+        if lcm is not None and (not isinstance(lcm, int) or isinstance(lcm, bool) or lcm < 1):
+            raise InvalidArgumentError(f"extra_config.tp_lcm_size: must be a positive int, got {lcm!r}")
+        return cls(url, model_id, kind, **events, tp_lcm_size=lcm)
 
     def kv_event_publisher(self, tp_rank: int) -> KVEventPublisher | None:
         """A KV event publisher in sglang's format
@@ -168,17 +176,43 @@ class ExtraConfig:
         return declared
 
     def fingerprint(
-        self, layout: KVLayout, pool: str, *, page_size: int, tp_rank: int, tp_size: int, first_layer: int
+        self,
+        layout: KVLayout,
+        pool: str,
+        *,
+        page_size: int,
+        tp_rank: int,
+        tp_size: int,
+        first_layer: int,
+        head_groups: HeadGroups | None = None,
     ) -> LayoutFingerprint:
         """The key space of pages of ``layout`` (a pool's layout, its dtype as sglang holds it),
-        with the dtype resolved by :meth:`kv_dtype`.
+        with the dtype resolved by :meth:`kv_dtype`; with ``head_groups`` (sglang's
+        ``tp_lcm_size``), that of their entries (:mod:`kvstage.storage.head_groups`), shared by
+        every TP size.
 
         Raises:
-            InvalidArgumentError: as :meth:`kv_dtype`, or as :class:`LayoutFingerprint`.
+            InvalidArgumentError: ``tp_lcm_size`` in the JSON but no ``head_groups`` (the
+                decode-side offload, which keeps per-rank keys: its pages would not continue a
+                head-group chain); as :meth:`kv_dtype`, or as :class:`LayoutFingerprint`.
         """
+        if self.tp_lcm_size is not None and head_groups is None:
+            raise InvalidArgumentError(
+                f"extra_config.tp_lcm_size: the {pool}'s pages would be keyed per TP rank, not in the head-group "
+                "key space tp_lcm_size opts in to (the decode-side offload does not split heads yet); drop tp_lcm_size"
+            )
         resolved = replace(layout, dtype=self.kv_dtype(layout.dtype, pool))
+        groups = 0
+        if head_groups is not None:
+            resolved, groups = head_groups.entry_layout(resolved), head_groups.tp_lcm_size
         return LayoutFingerprint(
-            self.model_id, resolved, page_size, tp_rank=tp_rank, tp_size=tp_size, first_layer=first_layer
+            self.model_id,
+            resolved,
+            page_size,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            first_layer=first_layer,
+            head_groups=groups,
         )
 
     def open_store(self, fingerprint: LayoutFingerprint) -> StorageBackend:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -45,6 +46,7 @@ from kvstage.integrations.sglang.pool_kinds import require_stored_host_pool, req
 from kvstage.kv_layout import KVLayout
 from kvstage.offload.store_io import leading_hits, write_pages
 from kvstage.storage import MissingPriorError, StorageBackend
+from kvstage.storage.head_groups import HeadGroups
 
 __all__ = ["KVStageStorage", "CHUNK_PAGES"]
 
@@ -66,14 +68,18 @@ class KVStageStorage(HiCacheStorage):
             TP rank 0; with optional ``kv_events_replay_endpoint``, ``kv_events_topic``: see the
             module); sglang's own keys (``backend_name``, ``module_path``,
             ``class_name``, ``interface_v1``, the prefetch knobs,
-            ``hicache_storage_pass_prefix_keys``, ``tp_lcm_size``) are ignored here.
+            ``hicache_storage_pass_prefix_keys``) are ignored here. sglang's ``tp_lcm_size``
+            (``storage_config.tp_lcm_size``; sglang takes it out of the extra config) opts in
+            to pages split by KV head groups, shared by servers of every TP size dividing it
+            (:mod:`kvstage.storage.head_groups`; MHA only).
         kwargs: what sglang's factory passes along (unused).
 
     Raises:
         InvalidArgumentError: no ``url``; an unknown key in ``extra_config``; no model id; a
             storage config kvstage's key space cannot describe yet: attention context
-            parallel (``attn_cp_size > 1``), decode context parallel (``dcp_size > 1``) or
-            split heads (``should_split_heads``), whose pages hold a shard of a page.
+            parallel (``attn_cp_size > 1``) or decode context parallel (``dcp_size > 1``), whose
+            pages hold a shard of a page; ``tp_lcm_size`` not a multiple of ``tp_size``, with an
+            MLA model, or with KV events.
 
     Thread-safety: sglang calls ``batch_set_v1`` (backup thread), ``batch_exists`` (prefetch
     thread) and ``batch_get_v1`` (prefetch I/O thread) at once; each call stages pages in its
@@ -90,10 +96,12 @@ class KVStageStorage(HiCacheStorage):
                 raise InvalidArgumentError(
                     f"storage_config.{name}: {value}; context-parallel shards of a page are not in kvstage's key space yet (must be 1)"
                 )
-        if getattr(storage_config, "should_split_heads", False):
-            raise InvalidArgumentError(
-                "storage_config.should_split_heads: split heads (tp_lcm_size) are not in kvstage's key space yet"
-            )
+        self.tp_lcm_size = getattr(storage_config, "tp_lcm_size", None) or (storage_config.extra_config or {}).get(
+            "tp_lcm_size"
+        )
+        self.head_groups: HeadGroups | None = None  # set at registration with tp_lcm_size
+        if self.tp_lcm_size is not None:
+            _require_head_groups(storage_config, self.tp_lcm_size, self.config)
         self.storage_config = storage_config
         self.store: StorageBackend | None = None
         self.mem_pool_host: Any = None
@@ -127,16 +135,28 @@ class KVStageStorage(HiCacheStorage):
             raise InvalidArgumentError("mem_pool_host: a host pool is already registered")
         require_stored_host_pool(mem_pool_host)
         config = self.storage_config
+        layout = host_kv_layout(mem_pool_host)
+        if self.tp_lcm_size is not None:
+            self.head_groups = HeadGroups.for_layout(
+                layout,
+                tp_lcm_size=self.tp_lcm_size,
+                tp_rank=config.tp_rank,
+                tp_size=config.tp_size,
+                argument="storage_config.tp_lcm_size",
+            )
         fingerprint = self.config.fingerprint(
-            host_kv_layout(mem_pool_host),
+            layout,
             "host pool",
             page_size=mem_pool_host.page_size,
             tp_rank=config.tp_rank,
             tp_size=config.tp_size,
             first_layer=getattr(mem_pool_host, "start_layer", 0),
+            head_groups=self.head_groups,
         )
         super().register_mem_pool_host(mem_pool_host)
-        self.kv_layout = fingerprint.layout
+        self.kv_layout = replace(layout, dtype=fingerprint.layout.dtype)
+        self._entry_shape = fingerprint.layout.page_shape(mem_pool_host.page_size)
+        self._per_page = 1 if self.head_groups is None else self.head_groups.per_rank
         self.store = self.config.open_store(fingerprint)
         try:
             publisher = self.config.kv_event_publisher(config.tp_rank)
@@ -230,13 +250,17 @@ class KVStageStorage(HiCacheStorage):
             StorageError: no host pool registered yet, or the store answered for a different
                 number of keys than asked (:func:`kvstage.offload.store_io.leading_hits`).
         """
-        return leading_hits(self._store(), keys)
+        store = self._store()
+        if self.head_groups is None:
+            return leading_hits(store, keys)
+        return leading_hits(store, self.head_groups.entry_keys(keys)) // self._per_page
 
     # -- the legacy interface (flat pages in the host layout's order) -------------------------
 
     def exists(self, key: str) -> bool:
         """Whether the store holds ``key``."""
-        return self._store().exists([key])[0]
+        store = self._store()
+        return all(store.exists([key] if self.head_groups is None else self.head_groups.entry_keys([key])))
 
     def set(
         self, key: str, value: Any | None = None, target_location: Any | None = None, target_sizes: Any | None = None
@@ -338,11 +362,11 @@ class KVStageStorage(HiCacheStorage):
         return store, starts
 
     def _staging(self, num_pages: int) -> list[torch.Tensor]:
-        """This thread's ``num_pages`` (<= CHUNK_PAGES) page buffers in kvstage's order."""
+        """This thread's ``num_pages`` (<= CHUNK_PAGES store entries per page) buffers of store
+        entries (pages, or head groups of pages) in kvstage's order."""
         buffers = getattr(self._local, "buffers", None)
         if buffers is None:
-            shape = self.kv_layout.page_shape(self.mem_pool_host.page_size)
-            buffers = torch.empty((CHUNK_PAGES, *shape), dtype=self.mem_pool_host.dtype)
+            buffers = torch.empty((CHUNK_PAGES * self._per_page, *self._entry_shape), dtype=self.mem_pool_host.dtype)
             self._local.buffers = buffers
         return list(buffers[:num_pages])
 
@@ -372,12 +396,20 @@ class KVStageStorage(HiCacheStorage):
         so a store that raises fails its pages rather than sglang's thread; True per page stored
         or already there. Failed pages are logged once per call at WARNING, with the cause.
         KV events on: the pages are announced when ``announce`` (the run's parent is known),
-        else only the store's removals are (the pages count in ``kv_events_unannounced``)."""
+        else only the store's removals are (the pages count in ``kv_events_unannounced``).
+        With head groups each page is this rank's entries, chained page by page and group by group."""
         results: list[bool] = []
         cause: BaseException | None = None
-        for first in range(0, len(keys), CHUNK_PAGES):
-            chunk = keys[first : first + CHUNK_PAGES]
-            pages = self._for_put(store, views[first : first + CHUNK_PAGES])
+        if self.head_groups is not None:
+            keys, views = (
+                self.head_groups.entry_keys(keys),
+                self.head_groups.entry_views(views, self.kv_layout.page_shape(self.mem_pool_host.page_size)),
+            )
+            prior = None if prior is None else self.head_groups.entry_keys([prior])[-1]
+        step = CHUNK_PAGES * self._per_page
+        for first in range(0, len(keys), step):
+            chunk = keys[first : first + step]
+            pages = self._for_put(store, views[first : first + step])
             outcome = write_pages(store, chunk, pages, prior_key=prior)
             if prior is not None and isinstance(outcome.error, MissingPriorError) and outcome.error.prior_key == prior:
                 outcome = write_pages(store, chunk, pages)  # the prior is not stored: this run starts a chain
@@ -390,6 +422,8 @@ class KVStageStorage(HiCacheStorage):
             results += [key not in failed for key in chunk]
             cause = cause or outcome.error
             prior = chunk[-1]
+        if self.head_groups is not None:
+            results = self.head_groups.page_hits(results)
         if not all(results):
             logger.warning(
                 "KVStageStorage: %d of %d pages not stored: %s",
@@ -401,7 +435,13 @@ class KVStageStorage(HiCacheStorage):
 
     def _get_into(self, store: StorageBackend, keys: list[str], views: list[torch.Tensor]) -> list[bool]:
         """Read ``keys`` into the page views, directly where the store takes them, else through
-        this thread's staging (copied on a hit only, so a miss writes nothing)."""
+        this thread's staging (copied on a hit only, so a miss writes nothing). With head groups,
+        a page is a hit when all its entries are; a page with some missing has its found heads
+        written (the right page's bytes) and reads False."""
+        groups = self.head_groups
+        if groups is not None:
+            shape = self.kv_layout.page_shape(self.mem_pool_host.page_size)
+            keys, views = groups.entry_keys(keys), groups.entry_views(views, shape)
         direct = [store.strided_pages or view.is_contiguous() for view in views]
         spare = iter(self._staging(sum(not d for d in direct)))
         into = [view if is_direct else next(spare) for view, is_direct in zip(views, direct)]
@@ -409,10 +449,31 @@ class KVStageStorage(HiCacheStorage):
         for view, target, hit in zip(views, into, hits):
             if hit and target is not view:
                 view.copy_(target.view(view.shape))
-        return hits
+        return hits if groups is None else groups.page_hits(hits)
 
     def _record(self, direction: str, num_pages: int, seconds: float) -> None:
-        gigabytes = num_pages * self.store.page_bytes / 1e9
+        gigabytes = num_pages * self._per_page * self.store.page_bytes / 1e9
         with self._metrics_lock:
             getattr(self._metrics, f"{direction}_pgs").append(num_pages)
             getattr(self._metrics, f"{direction}_bandwidth").append(gigabytes / seconds if seconds > 0 else 0.0)
+
+
+def _require_head_groups(storage_config: HiCacheStorageConfig, tp_lcm_size: Any, config: ExtraConfig) -> None:
+    """Refuse a ``tp_lcm_size`` kvstage cannot split pages by, before anything is opened."""
+    argument = "storage_config.tp_lcm_size"
+    if not isinstance(tp_lcm_size, int) or isinstance(tp_lcm_size, bool) or tp_lcm_size < 1:
+        raise InvalidArgumentError(f"{argument}: must be a positive int, got {tp_lcm_size!r}")
+    if tp_lcm_size % storage_config.tp_size != 0:
+        raise InvalidArgumentError(
+            f"{argument}: {tp_lcm_size} must be a multiple of tp_size {storage_config.tp_size} "
+            "(a common multiple of every TP size sharing the store)"
+        )
+    if storage_config.is_mla_model:
+        raise InvalidArgumentError(
+            f"{argument}: an MLA latent has no KV heads to split and is the same on every TP rank "
+            "(its pages are shared by every TP size already); drop tp_lcm_size"
+        )
+    if config.kv_events_endpoint is not None:
+        raise InvalidArgumentError(
+            f"{argument}: KV events (extra_config.kv_events_endpoint) do not announce pages split by head groups yet"
+        )

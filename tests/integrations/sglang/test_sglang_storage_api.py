@@ -277,8 +277,9 @@ def test_extra_config_errors_name_the_key():
 def test_context_parallel_and_split_heads_are_refused_with_the_field_named():
     with pytest.raises(InvalidArgumentError, match="attn_cp_size"):
         KVStageStorage(dataclasses.replace(storage_config("memory"), attn_cp_size=2, attn_cp_rank=1))
-    with pytest.raises(InvalidArgumentError, match="should_split_heads"):
-        KVStageStorage(dataclasses.replace(storage_config("memory"), should_split_heads=True, tp_lcm_size=4))
+    # split heads are kvstage's head groups (test_sglang_tp_split.py); a tp_lcm_size no TP size divides is refused
+    with pytest.raises(InvalidArgumentError, match="storage_config.tp_lcm_size"):
+        KVStageStorage(dataclasses.replace(storage_config("memory", tp_size=2), should_split_heads=True, tp_lcm_size=3))
 
 
 def test_v_head_size_unlike_k_head_size_is_refused_at_registration():
