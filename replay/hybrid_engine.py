@@ -217,13 +217,17 @@ class HybridReplayEngine(ReplayEngine):
             targets["state_slot"] = LOAD_STATE_SLOT
         return targets
 
-    def check_load(self, slots: torch.Tensor, keys: list[str], num_pages: int) -> dict[str, list[tuple[str, bool]]]:
+    def check_load(
+        self, slots: torch.Tensor, keys: list[str], num_pages: int, full: bool = True
+    ) -> dict[str, list[tuple[str, bool]]]:
         """After a load of ``num_pages`` pages (positions at ``slots``, keys ``keys``): per component,
-        ``(key, matches)`` of each entry the load wrote."""
+        ``(key, matches)`` of each entry the load wrote (``full`` False: not the full pages)."""
         ps = self.page_size
         masks = self.content.masks(keys[:num_pages])
-        full = _mismatches(self._words, self.content, slots[: num_pages * ps], masks, self.device).tolist()
-        checked = {"full": [(key, not bad) for key, bad in zip(keys, full)]}
+        checked = {}
+        if full:
+            wrong = _mismatches(self._words, self.content, slots[: num_pages * ps], masks, self.device).tolist()
+            checked["full"] = [(key, not bad) for key, bad in zip(keys, wrong)]
         if self.swa is not None:
             window = self.window_range(num_pages)
             wslots = slots[window.start * ps : window.stop * ps]

@@ -225,7 +225,11 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
                 else ""
             ),
         ),
-        ("verify: unreachable", f"{r['verify_pages_unreachable']:,} (stored behind a missing page of their chain)"),
+        (
+            "verify: unreachable",
+            f"{r['verify_pages_unreachable']:,} (stored behind a missing page of their chain"
+            + (", or past its last restorable length)" if "requests_hit" in r else ")"),
+        ),
         *_hybrid_rows(r),
         ("elapsed", f"{r['elapsed_s']:.1f} s (run {r['run_s']:.1f} s, verify {r['verify_s']:.1f} s)"),
     ]
