@@ -176,3 +176,18 @@ def test_hybrid_presets_describe_their_layouts():
     qwen = resolve_model("qwen3-next-like").model_layout
     assert qwen.component("state").layers == tuple(i for i in range(48) if i % 4 != 3)
     assert qwen.component("state").layer_bytes == 8192 * 4 * 2 + 32 * 128 * 128 * 4
+
+
+def test_the_command_runs_a_hybrid_model_and_prints_its_restorable_lengths(tmp_path, capsys):
+    from kvstage.cli import main
+
+    trace()
+    argv = ["replay", str(TRACE), "--requests", "3", "--page-size", str(PAGE), "--model", "small-linear"]
+    argv += ["--snapshot-every", str(EVERY), "--max-running", "1", "--backend", "torch", "--no-progress"]
+    argv += ["--json", str(tmp_path / "r.json")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "restorable: tokens" in out and "verify: state entries" in out
+    report = __import__("json").loads((tmp_path / "r.json").read_text())
+    assert (report["tokens_restored"], report["tokens_stored_prefix"]) == (2 * EVERY * PAGE, 2 * 4 * PAGE)
+    assert report["snapshot_every_pages"] == EVERY and report["verify_components"]["state"]["mismatched"] == 0
