@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from kvstage.offload.request import kv_length
-from kvstage.replay.engine import POISON_WORD, ReplayEngine, ReplayRequest
+from kvstage.replay.engine import MEMORY_STORE_SHARE, POISON_WORD, ReplayEngine, ReplayRequest, _available_host_bytes
 from kvstage.replay.kv_content import KVContent, StateContent
 from kvstage.replay.models import HybridShape, ModelShape
 
@@ -145,14 +145,34 @@ class HybridReplayEngine(ReplayEngine):
         fingerprints = layout.fingerprints(model.name, page_size=ps)
         self.fingerprint = fingerprints["full"]
         self.stores = {}
+        sizes = self._memory_sizes()
         for component in layout.components:
-            url = self.config.storage
-            if url == "memory":  # sized so nothing is evicted: every whole page's entry
-                url = f"memory:{max(self.expected_pages_bound, 1) * component.entry_bytes(ps)}"
+            url = self.config.storage if sizes is None else f"memory:{sizes[component.name]}"
             self.stores[component.name] = open_store(url, fingerprints[component.name])
         self.storage = self.stores["full"]
         self.storage_url = self.config.storage
         return self.stores, ComponentPools(layout, pools, slots_of)
+
+    def _memory_sizes(self) -> dict[str, int] | None:
+        """With ``--storage memory``: each component's store bytes, an entry for every whole page
+        (nothing evicted), all of them together at most :data:`MEMORY_STORE_SHARE` of the host
+        memory available (then scaled down, and :attr:`notes` says so)."""
+        if self.config.storage != "memory":
+            return None
+        entries = {c.name: c.entry_bytes(self.page_size) for c in self.layout.components}
+        need = {name: max(self.expected_pages_bound, 1) * size for name, size in entries.items()}
+        total, available = sum(need.values()), _available_host_bytes()
+        if available is not None and total > available * MEMORY_STORE_SHARE:
+            share = available * MEMORY_STORE_SHARE / total
+            need = {
+                name: max(entries[name], int(n * share) // entries[name] * entries[name]) for name, n in need.items()
+            }
+            self.notes.append(
+                f"storage: the trace may store {total / 2**30:.1f} GiB over its components, more than "
+                f"{MEMORY_STORE_SHARE:.0%} of the {available / 2**30:.1f} GiB of host memory available; the memory "
+                f"stores are capped at {sum(need.values()) / 2**30:.1f} GiB and may evict (use file:DIR to keep all)"
+            )
+        return need
 
     def close(self) -> None:
         """Close the manager and every component's store."""

@@ -101,6 +101,15 @@ class HybridShape(ModelShape):
     window: int = 0
     state: tuple[tuple[str, tuple[int, ...], str], ...] = ()
 
+    @property
+    def token_bytes(self) -> int:
+        """Device KV bytes of one token over the full and the sliding-window layers (both pools)."""
+        return self.layout.token_bytes * len(self.layers_of("swa") + self.layers_of("full")) // self.num_layers
+
+    def page_bytes(self, page_size: int) -> int:
+        """Device KV bytes of one page over the full and the sliding-window layers (sizes the pools)."""
+        return self.token_bytes * page_size
+
     def layers_of(self, kind: str) -> tuple[int, ...]:
         """The layers of one type, ascending."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == kind)

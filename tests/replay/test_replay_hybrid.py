@@ -191,3 +191,8 @@ def test_the_command_runs_a_hybrid_model_and_prints_its_restorable_lengths(tmp_p
     report = __import__("json").loads((tmp_path / "r.json").read_text())
     assert (report["tokens_restored"], report["tokens_stored_prefix"]) == (2 * EVERY * PAGE, 2 * 4 * PAGE)
     assert report["snapshot_every_pages"] == EVERY and report["verify_components"]["state"]["mismatched"] == 0
+
+
+def test_a_sliding_window_model_sizes_its_pools_by_both_kv_components():
+    assert resolve_model("gpt-oss-like").token_bytes == 24 * 2 * 8 * 64 * 2  # 12 full + 12 sliding layers
+    assert resolve_model("qwen3-next-like").token_bytes == 12 * 2 * 2 * 256 * 2  # the full layers only
