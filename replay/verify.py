@@ -114,7 +114,8 @@ def verify_pages(engine, *, sample: int | None = None, seed: int = 0) -> VerifyR
     holds them then) and the manager's host pages.
 
     Args:
-        engine: the :class:`kvstage.replay.engine.ReplayEngine` after ``run()``.
+        engine: the :class:`kvstage.replay.engine.ReplayEngine` after ``run()`` (a hybrid
+            model's: :func:`kvstage.replay.hybrid_verify.verify_hybrid`, every component).
         sample: verify this many keys chosen at random (seeded), each with the pages before it
             in its chain; None or >= the number of keys: all.
         seed: the sample's seed.
@@ -127,7 +128,9 @@ def verify_pages(engine, *, sample: int | None = None, seed: int = 0) -> VerifyR
         InvalidArgumentError: the host pool could not take a chain's pages (it is smaller than
             the longest request, or not idle).
     """
-    if hasattr(engine, "stores"):  # a hybrid model: every component
+    from kvstage.replay.models import HybridShape
+
+    if isinstance(engine.model, HybridShape):  # every component (kvstage.replay.hybrid_verify)
         from kvstage.replay.hybrid_verify import verify_hybrid
 
         return verify_hybrid(engine, sample=sample, seed=seed)
