@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from kvstage.errors import BackendUnavailableError, InvalidArgumentError, KvstageError
-from kvstage.replay.models import DEFAULT_MODEL, DTYPES, PRESETS, resolve_model
+from kvstage.replay.models import DEFAULT_MODEL, DTYPES, HYBRID_PRESETS, PRESETS, resolve_model
 from kvstage.replay.trace import TraceRequest, load_trace, multi_tenant_trace, synthetic_trace
 
 DEFAULT_SYNTHETIC_REQUESTS = 48
@@ -56,7 +56,18 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="decode offload stride, a multiple of the page size (default: one page)",
     )
     p.add_argument("--max-running", type=int, default=32, metavar="N", help="requests decoding at once (default 32)")
-    p.add_argument("--model", choices=tuple(PRESETS), help=f"KV layout preset (default {DEFAULT_MODEL})")
+    p.add_argument(
+        "--model",
+        choices=tuple(PRESETS),
+        help=f"KV layout preset (default {DEFAULT_MODEL}); hybrid: {', '.join(HYBRID_PRESETS)}",
+    )
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=1,
+        metavar="PAGES",
+        help="hybrid models: a resume point (state snapshot, sliding-window run end) every PAGES pages (default 1)",
+    )
     p.add_argument("--layers", type=int, help="layers (overrides the preset)")
     p.add_argument("--heads", type=int, help="KV heads (overrides the preset)")
     p.add_argument("--head-dim", type=int, help="head_dim, or kv_dim for MLA (overrides the preset)")
@@ -176,6 +187,7 @@ def config_from_args(args: argparse.Namespace):
     _positive("--pool-tokens", args.pool_tokens)
     _positive("--num-host-pages", args.num_host_pages)
     _positive("--threads", args.threads)
+    _positive("--snapshot-every", getattr(args, "snapshot_every", 1))
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise InvalidArgumentError(f"--metrics-port: must be a TCP port in [0, 65535], got {args.metrics_port}")
     if args.stride is not None and (args.stride < 1 or args.stride % args.page_size):
@@ -218,7 +230,10 @@ def config_from_args(args: argparse.Namespace):
         device=args.device,
         pool_tokens=args.pool_tokens,
         num_host_pages=args.num_host_pages,
+        snapshot_every=getattr(args, "snapshot_every", 1),
     )
+    if args.engines is not None and args.model in HYBRID_PRESETS:
+        raise InvalidArgumentError(f"--engines: a fleet replays plain models only, not the hybrid {args.model}")
     return config, requests, trace_name
 
 
@@ -265,7 +280,14 @@ def replay(
     if metrics_file is not None and metrics_registry is None:
         raise InvalidArgumentError("metrics_file: needs metrics_registry (the registry whose metrics it writes)")
     started = time.perf_counter() if started is None else started
-    engine = ReplayEngine(config, requests, on_progress=on_progress)
+    from kvstage.replay.models import HybridShape
+
+    if isinstance(config.model, HybridShape):
+        from kvstage.replay.hybrid_engine import HybridReplayEngine
+
+        engine = HybridReplayEngine(config, requests, on_progress=on_progress)
+    else:
+        engine = ReplayEngine(config, requests, on_progress=on_progress)
     exporter = None
     try:
         if metrics_registry is not None:

@@ -89,6 +89,8 @@ class ReplayConfig:
         num_host_pages: host pool pages, at least the longest request's whole pages (a prefetch and
             a verify load take a whole prefix at once); None: twice that plus four strides per
             running request.
+        snapshot_every: a hybrid model's resume points, every this many pages (state
+            snapshots, sliding-window runs; :mod:`kvstage.replay.hybrid_engine`).
     """
 
     model: ModelShape
@@ -104,6 +106,7 @@ class ReplayConfig:
     device: str | None = None
     pool_tokens: int | None = None
     num_host_pages: int | None = None
+    snapshot_every: int = 1
 
 
 def _int64_array(ids: np.ndarray) -> array:
@@ -358,13 +361,12 @@ class ReplayEngine:
         self.expected_pages_bound = sum(
             (r.input_length + r.output_length - 1) // ps for r in self.trace
         )  # every whole page any request will have: a store this large never evicts
-        self.storage_url = self._storage_url(config.storage)
-        self.storage = (open_store or open_storage)(self.storage_url, self.fingerprint)
         self.hasher = PageHasher(config.hash_scheme, ps)
+        storage, components = self._open_storage(open_store or open_storage)
         self.manager = OffloadManager(
             self.kv_pool,
             self.host_pool,
-            self.storage,
+            storage,
             self.hasher,
             lambda req: req.slot_indices,
             offload_stride=self.stride,
@@ -373,6 +375,7 @@ class ReplayEngine:
             on_stored=self._stored,
             backend=config.backend,
             kv_events=kv_events,
+            components=components,
         )
         self.run_metrics = self.manager.metrics
 
@@ -392,6 +395,12 @@ class ReplayEngine:
         self.feed: RequestFeed | None = None
 
     # -- setup helpers ------------------------------------------------------------------------
+
+    def _open_storage(self, open_store: Callable[[str, Any], Any]) -> tuple[Any, Any]:
+        """Open :attr:`storage`; ``(the manager's storage, its components)`` (a hybrid engine's differ)."""
+        self.storage_url = self._storage_url(self.config.storage)
+        self.storage = open_store(self.storage_url, self.fingerprint)
+        return self.storage, None
 
     def _storage_url(self, url: str) -> str:
         """``memory`` becomes ``memory:BYTES``: the trace's every whole page, but at most

@@ -48,13 +48,17 @@ class KVContent:
         seed: seeds the base page (a ``torch.Generator`` on CPU) and the key masks.
         device: where :meth:`page_words_for_layer` and :meth:`token_rows` build tensors
             (the KV pool's device).
+        salt: changes the base page only (a hybrid model's sliding-window layers: other
+            bytes, the same masks).
 
     Attributes:
         word: the integer dtype words are made of; ``words_per_row`` of them a token row
             (one layer and part: ``num_heads * head_dim`` elements).
     """
 
-    def __init__(self, model: ModelShape, page_size: int, seed: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, model: ModelShape, page_size: int, seed: int = 0, device: torch.device | str = "cpu", salt: int = 0
+    ) -> None:
         self.model = model
         self.page_size = page_size
         self.seed = int(seed)
@@ -62,7 +66,7 @@ class KVContent:
         self.word = word_dtype(row_bytes)
         self.word_bytes = torch.empty((), dtype=self.word).element_size()
         self.words_per_row = row_bytes // self.word_bytes
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 17)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 17 + 7919 * salt)
         shape = (model.num_layers, model.kv_parts, page_size, self.words_per_row)
         raw = torch.randint(0, 256, (int(np.prod(shape)) * self.word_bytes,), dtype=torch.uint8, generator=generator)
         self.device = torch.device(device)
@@ -95,3 +99,31 @@ class KVContent:
     def token_rows(self, masks: torch.Tensor, offsets: torch.Tensor, layer: int, part: int) -> torch.Tensor:
         """Words of single tokens: token i at position ``offsets[i]`` of a page with ``masks[i]``: ``[R, W]``."""
         return self.base[layer, part].index_select(0, offsets) ^ masks.view(-1, 1)
+
+
+class StateContent:
+    """The expected bytes of a state snapshot: the state after ``L`` tokens is a function of the key
+    of the page ending at ``L`` (which fixes every token before it and the namespace)::
+
+        snapshot(key) = base XOR tile(mask(key))   (bytes; the mask's 8 little-endian bytes repeated)
+
+    Args:
+        entry_bytes: bytes of one snapshot (``RequestState.entry_bytes``), every layer's tensors
+            in the component's byte order.
+        seed: seeds the base (the masks are :meth:`KVContent.mask`'s, from ``masks_from``).
+        masks_from: the :class:`KVContent` whose :meth:`KVContent.mask` keys the snapshots.
+        device: where :meth:`snapshot` builds its tensor.
+    """
+
+    def __init__(self, entry_bytes: int, seed: int, masks_from: KVContent, device: torch.device | str = "cpu") -> None:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + 29)
+        self.device = torch.device(device)
+        self.base = torch.randint(0, 256, (entry_bytes,), dtype=torch.uint8, generator=generator).to(self.device)
+        self.masks_from = masks_from
+
+    def snapshot(self, key: str) -> torch.Tensor:
+        """``[entry_bytes]`` uint8: the snapshot stored under ``key``."""
+        mask = self.masks_from.mask(key) & ((1 << (8 * self.masks_from.word_bytes)) - 1)
+        word = torch.tensor(list(mask.to_bytes(8, "little")), dtype=torch.uint8, device=self.device)
+        reps = -(-self.base.numel() // 8)
+        return self.base ^ word.repeat(reps)[: self.base.numel()]

@@ -9,6 +9,16 @@ Presets (shapes from the models' published configs):
     small        2 layers, MHA, 2 KV heads, head_dim 64, float16   (1 KiB a token; the CPU default)
     llama3-8b    32 layers, GQA, 8 KV heads, head_dim 128, bfloat16 (128 KiB a token)
     deepseek-v3  61 layers, MLA, kv_dim 576 (512 latent + 64 rope), bfloat16 (70272 B a token)
+
+Hybrid presets (:class:`HybridShape`: the KV fields are the full-attention layers'; the other
+layers are sliding-window KV of the same head shape, or linear-attention state):
+
+    small-swa        4 layers: sliding window (W 128) and full alternating, MHA 2x64, float16
+    small-linear     4 layers: 3 linear attention (conv 64x4 float16, recurrent 2x16x16 float32)
+                     then 1 full, MHA 2x64, float16
+    gpt-oss-like     24 layers alternating sliding (W 128) and full, GQA 8x64, bfloat16 (gpt-oss-20b)
+    qwen3-next-like  48 layers, 3 linear attention then 1 full, full GQA 2x256 bfloat16; linear:
+                     conv 8192x4 bfloat16, recurrent 32x128x128 float32 (Qwen3-Next-80B-A3B)
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvstage.kv_layout import KVLayout
+    from kvstage.model_layout import ModelLayout
 
 # By name, so that `kvstage --help` builds its parser without importing torch (~2 s).
 DTYPES = ("float16", "bfloat16", "float32")
@@ -74,10 +85,92 @@ class ModelShape:
         return f"{self.name} ({self.num_layers} layers, {kind}, {self.dtype_name}, {self.token_bytes / 1024:.1f} KiB/token)"
 
 
+@dataclass(frozen=True)
+class HybridShape(ModelShape):
+    """A hybrid model: the :class:`ModelShape` fields are its full-attention layers' KV (the
+    manager's own pool); ``layer_types`` says what each layer caches.
+
+    Attributes:
+        layer_types: per layer, ``"full"``, ``"swa"`` (sliding-window KV of the full layers'
+            head shape and dtype) or ``"linear"`` (per-request state, no KV).
+        window: the sliding window in tokens (``SlidingWindow.window``), for ``"swa"`` layers.
+        state: one linear layer's state tensors, ``(name, shape, dtype name)`` each.
+    """
+
+    layer_types: tuple[str, ...] = ()
+    window: int = 0
+    state: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+
+    @property
+    def token_bytes(self) -> int:
+        """Device KV bytes of one token over the full and the sliding-window layers (both pools)."""
+        return self.layout.token_bytes * len(self.layers_of("swa") + self.layers_of("full")) // self.num_layers
+
+    def page_bytes(self, page_size: int) -> int:
+        """Device KV bytes of one page over the full and the sliding-window layers (sizes the pools)."""
+        return self.token_bytes * page_size
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        """The layers of one type, ascending."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == kind)
+
+    @property
+    def model_layout(self) -> ModelLayout:
+        """The :class:`~kvstage.model_layout.ModelLayout`: components ``full``, and ``swa`` or ``state``."""
+        from kvstage.kv_layout import KVLayout
+        from kvstage.model_layout import FullAttention, ModelLayout, RequestState, SlidingWindow, TensorSpec
+
+        components = [FullAttention(self.layers_of("full"), self.layout)]
+        if self.layers_of("swa"):
+            kv = KVLayout(len(self.layers_of("swa")), self.kv_parts, self.num_heads, self.head_dim, self.dtype_name)
+            components.append(SlidingWindow(self.layers_of("swa"), kv, window=self.window))
+        if self.layers_of("linear"):
+            specs = tuple(TensorSpec(name, shape, dtype) for name, shape, dtype in self.state)
+            components.append(RequestState(self.layers_of("linear"), specs))
+        return ModelLayout(len(self.layer_types), tuple(components))
+
+    def describe(self) -> str:
+        """One line, e.g. ``gpt-oss-like (24 layers: 12 full + 12 sliding W128, MHA 8x64, bfloat16)``."""
+        swa, linear = len(self.layers_of("swa")), len(self.layers_of("linear"))
+        other = f"{swa} sliding W{self.window}" if swa else f"{linear} linear attention"
+        state = " (state " + ", ".join(f"{n} {'x'.join(map(str, s))} {d}" for n, s, d in self.state) + ")"
+        return (
+            f"{self.name} ({len(self.layer_types)} layers: {self.num_layers} full + {other}, "
+            f"MHA {self.num_heads}x{self.head_dim}, {self.dtype_name}{state if linear else ''})"
+        )
+
+
+def _hybrid(name, types, heads, head_dim, dtype, window=0, state=()) -> HybridShape:
+    full = sum(t == "full" for t in types)
+    return HybridShape(name, full, 2, heads, head_dim, dtype, tuple(types), window, tuple(state))
+
+
+HYBRID_PRESETS = {
+    "small-swa": _hybrid("small-swa", ["swa", "full"] * 2, 2, 64, "float16", window=128),
+    "small-linear": _hybrid(
+        "small-linear",
+        ["linear"] * 3 + ["full"],
+        2,
+        64,
+        "float16",
+        state=(("conv", (64, 4), "float16"), ("recurrent", (2, 16, 16), "float32")),
+    ),
+    "gpt-oss-like": _hybrid("gpt-oss-like", ["swa", "full"] * 12, 8, 64, "bfloat16", window=128),
+    "qwen3-next-like": _hybrid(
+        "qwen3-next-like",
+        (["linear"] * 3 + ["full"]) * 12,
+        2,
+        256,
+        "bfloat16",
+        state=(("conv", (8192, 4), "bfloat16"), ("recurrent", (32, 128, 128), "float32")),
+    ),
+}
+
 PRESETS = {
     "small": ModelShape("small", 2, 2, 2, 64, "float16"),
     "llama3-8b": ModelShape("llama3-8b", 32, 2, 8, 128, "bfloat16"),
     "deepseek-v3": ModelShape("deepseek-v3", 61, 1, 1, 576, "bfloat16"),
+    **HYBRID_PRESETS,
 }
 DEFAULT_MODEL = "small"
 
@@ -103,6 +196,17 @@ def resolve_model(
     if preset is not None and preset not in PRESETS:
         raise InvalidArgumentError(f"--model: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     base = PRESETS[preset or DEFAULT_MODEL]
+    if isinstance(base, HybridShape):
+        given = [
+            o
+            for o, v in (("--layers", layers), ("--heads", heads), ("--head-dim", head_dim), ("--dtype", dtype))
+            if v is not None
+        ]
+        if given or mla:
+            raise InvalidArgumentError(
+                f"{given[0] if given else '--mla'}: a hybrid preset ({preset}) takes no shape overrides"
+            )
+        return base
     for option, value in (("--layers", layers), ("--heads", heads), ("--head-dim", head_dim)):
         if value is not None and (not is_int(value) or value < 1):
             raise InvalidArgumentError(f"{option}: must be a positive int, got {value!r}")

@@ -104,6 +104,26 @@ def build_report(engine, verify, *, trace_name: str, elapsed_s: float) -> dict[s
         "verify_s": verify.seconds,
         "elapsed_s": elapsed_s,
         "notes": list(engine.notes),
+        **_hybrid_fields(engine, verify),
+    }
+
+
+def _hybrid_fields(engine, verify) -> dict[str, Any]:
+    """A hybrid model's restorable lengths (tokens) and its other components' verify counts."""
+    hybrid = getattr(engine, "hybrid", None)
+    if hybrid is None:
+        return {}
+    return {
+        "snapshot_every_pages": engine.config.snapshot_every,
+        "requests_hit": hybrid.requests_hit,
+        "hits_rounded_down": hybrid.hits_rounded_down,
+        "tokens_stored_prefix": hybrid.tokens_stored_prefix,
+        "tokens_restored": hybrid.tokens_restored,
+        "snapshots_taken": hybrid.snapshots_taken,
+        "resume_offloads": hybrid.resume_offloads,
+        "entries_stored_failed": {name: list(counts) for name, counts in engine.manager.entries_stored.items()},
+        "verify_components": verify.components,
+        "verify_rounded_loads": verify.rounded_loads,
     }
 
 
@@ -205,9 +225,37 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
                 else ""
             ),
         ),
-        ("verify: unreachable", f"{r['verify_pages_unreachable']:,} (stored behind a missing page of their chain)"),
+        (
+            "verify: unreachable",
+            f"{r['verify_pages_unreachable']:,} (stored behind a missing page of their chain"
+            + (", or past its last restorable length)" if "requests_hit" in r else ")"),
+        ),
+        *_hybrid_rows(r),
         ("elapsed", f"{r['elapsed_s']:.1f} s (run {r['run_s']:.1f} s, verify {r['verify_s']:.1f} s)"),
     ]
+
+
+def _hybrid_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    if "requests_hit" not in r:
+        return []
+    rows = [
+        (
+            "restorable: hits",
+            f"{r['requests_hit']:,} requests, {r['hits_rounded_down']:,} rounded down "
+            f"(resume point every {r['snapshot_every_pages']} pages)",
+        ),
+        ("restorable: tokens", f"{r['tokens_restored']:,} restored of {r['tokens_stored_prefix']:,} stored prefix"),
+    ]
+    for name, counts in r["verify_components"].items():
+        extra = f", {counts['missing']:,} missing" if "missing" in counts else ""
+        rows.append(
+            (
+                f"verify: {name} entries",
+                f"{counts['matched']:,} matched of {counts['checked']:,} checked, {counts['mismatched']:,} mismatched, "
+                f"{counts['unreachable']:,} unreachable{extra}",
+            )
+        )
+    return rows
 
 
 def print_summary(report: dict[str, Any], console: Console | None = None) -> None:

@@ -49,6 +49,10 @@ class VerifyResult:
         seconds: wall-clock time of the whole verification.
         sampled: whether a sample (``--verify-sample``) was checked rather than every key.
         missing_keys: the missing pages' keys (a fleet tells the killed engine's writes apart).
+        components: a hybrid model's other components, by name: entries ``checked``,
+            ``matched``, ``mismatched`` (also counted in ``mismatches``), ``unreachable``, and
+            for state ``missing`` (:mod:`kvstage.replay.hybrid_verify`); empty for a plain model.
+        rounded_loads: a hybrid model's verify loads that brought less than the length asked.
     """
 
     pages_checked: int = 0
@@ -65,6 +69,8 @@ class VerifyResult:
     seconds: float = 0.0
     sampled: bool = False
     missing_keys: list[str] = field(default_factory=list)
+    components: dict[str, dict[str, int]] = field(default_factory=dict)
+    rounded_loads: int = 0
 
     @property
     def h2d_gbps(self) -> float:
@@ -108,7 +114,8 @@ def verify_pages(engine, *, sample: int | None = None, seed: int = 0) -> VerifyR
     holds them then) and the manager's host pages.
 
     Args:
-        engine: the :class:`kvstage.replay.engine.ReplayEngine` after ``run()``.
+        engine: the :class:`kvstage.replay.engine.ReplayEngine` after ``run()`` (a hybrid
+            model's: :func:`kvstage.replay.hybrid_verify.verify_hybrid`, every component).
         sample: verify this many keys chosen at random (seeded), each with the pages before it
             in its chain; None or >= the number of keys: all.
         seed: the sample's seed.
@@ -121,6 +128,12 @@ def verify_pages(engine, *, sample: int | None = None, seed: int = 0) -> VerifyR
         InvalidArgumentError: the host pool could not take a chain's pages (it is smaller than
             the longest request, or not idle).
     """
+    from kvstage.replay.models import HybridShape
+
+    if isinstance(engine.model, HybridShape):  # every component (kvstage.replay.hybrid_verify)
+        from kvstage.replay.hybrid_verify import verify_hybrid
+
+        return verify_hybrid(engine, sample=sample, seed=seed)
     started = time.perf_counter()
     manager, content, ps = engine.manager, engine.content, engine.page_size
     keys = list(engine.expected_keys)
