@@ -42,7 +42,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from kvstage.errors import ArgumentTypeError, StorageError, require
+from kvstage.errors import ArgumentTypeError, StorageError, is_int, require
 from kvstage.model_layout import ModelLayout
 
 __all__ = ["LinkedStores"]
@@ -60,6 +60,8 @@ class LinkedStores:
         stores: one store per component name (:func:`~kvstage.offload.components.component_stores`),
             each a :class:`~kvstage.storage.StorageBackend`.
         page_size: tokens per page (a sliding window's pages before a length).
+        max_links: full keys whose chain link is kept at most (the oldest are forgotten first:
+            a Mooncake store tells an eviction only when a page is asked for again).
 
     Attributes:
         dependents_removed: per component name, entries removed as dependents (or as stored
@@ -73,7 +75,9 @@ class LinkedStores:
     Thread-safe. :meth:`close` unlinks the stores (they stay open).
     """
 
-    def __init__(self, layout: ModelLayout, stores: Mapping[str, Any], page_size: int) -> None:
+    def __init__(
+        self, layout: ModelLayout, stores: Mapping[str, Any], page_size: int, *, max_links: int = 1 << 20
+    ) -> None:
         require(
             isinstance(layout, ModelLayout),
             "layout",
@@ -95,7 +99,9 @@ class LinkedStores:
                 "must be a kvstage.storage.StorageBackend (it has no add_change_listener)",
                 ArgumentTypeError,
             )
+        require(is_int(max_links) and max_links >= 1, "max_links", lambda: f"must be an int >= 1, got {max_links!r}")
         self.layout = layout
+        self.max_links = max_links
         self.stores = dict(stores)
         self._full = fulls[0].name
         self._kinds = {component.name: component.kind for component in layout.components}
@@ -146,6 +152,8 @@ class LinkedStores:
                     self._prior[key] = prior
                     if prior is not None:
                         self._next.setdefault(prior, set()).add(key)
+                while len(self._prior) > self.max_links:
+                    self._forget([next(iter(self._prior))])
             return
         with self._lock:
             unknown = [key for key in keys if key not in self._prior]

@@ -14,8 +14,8 @@ from a URL.
 from __future__ import annotations
 
 import abc
+import collections
 import enum
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -133,7 +133,7 @@ class StorageBackend(abc.ABC):
         self.prefix = fingerprint.prefix()
         self.page_bytes = fingerprint.page_bytes
         self.stats = StorageStats()
-        self._changes = threading.local()  # each thread's evictions and removals not told yet
+        self._changes: collections.deque = collections.deque()  # evictions and removals not told yet
         self._events = EventQueue(
             self.stats,
             tier=self.tier,
@@ -408,20 +408,18 @@ class StorageBackend(abc.ABC):
     def _note_change(self, kind: str, keys: list[str], key_space: str | None) -> None:
         """The event queue's hook: note this store's evictions and removals for the change
         listeners (told by :meth:`_tell_changes`, outside the store's locks)."""
-        if kind == "stored" or key_space is not None or not self._change_listeners:
-            return
-        pending = getattr(self._changes, "pending", None)
-        if pending is None:
-            pending = self._changes.pending = []
-        pending.append((kind, list(keys)))
+        if kind != "stored" and key_space is None and self._change_listeners:
+            self._changes.append((kind, list(keys)))
 
     def _tell_changes(self) -> None:
-        """Tell the change listeners what this thread's calls evicted and removed so far."""
-        pending = getattr(self._changes, "pending", None)
-        if not pending:
-            return
-        self._changes.pending = []
-        for kind, keys in pending:
+        """Tell the change listeners what this store evicted and removed so far, on any thread
+        (a corrupt page an I/O thread dropped is told by the call that waited for it)."""
+        changes = self._changes
+        while changes:
+            try:
+                kind, keys = changes.popleft()
+            except IndexError:  # another thread took the last one
+                return
             self._tell(kind, keys, None)
 
     def _tell(self, kind: str, keys: list[str], priors: list | None) -> None:

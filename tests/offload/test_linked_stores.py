@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.hashing import prefill_page_keys
 from kvstage.kv_layout import KVLayout
 from kvstage.model_layout import FullAttention, ModelLayout, PageSidecar, RequestState, SlidingWindow, TensorSpec
@@ -162,3 +163,26 @@ def test_clear_covers_every_component_and_an_orphan_entry_is_removed_when_stored
     total = sum(len(held(store)) for store in stores.values())
     assert total > len(keys) and linked.clear() == total
     assert all(not held(store) for store in stores.values())
+
+
+def test_bad_arguments_are_named_before_any_store_is_linked(tmp_path):
+    stores = open_stores("memory", tmp_path)
+    with pytest.raises(InvalidArgumentError, match=r"^stores: must map every component of the layout"):
+        LinkedStores(LAYOUT, {name: stores[name] for name in ("full", "swa")}, PAGE)
+    with pytest.raises(InvalidArgumentError, match=r"^max_links: must be an int >= 1, got 0"):
+        LinkedStores(LAYOUT, stores, PAGE, max_links=0)
+    with pytest.raises(ArgumentTypeError, match=r"^layout: must be a kvstage.model_layout.ModelLayout"):
+        LinkedStores("all", stores, PAGE)
+    assert all(not store._change_listeners for store in stores.values())
+
+
+def test_with_few_links_kept_a_chain_still_loses_what_follows_its_gap(tmp_path):
+    # The memory store's own chains take the full pages after a removed one even when the
+    # linker forgot their links; the other components' entries after it are removed with them.
+    stores = open_stores("memory", tmp_path)
+    LinkedStores(LAYOUT, stores, PAGE, max_links=1)
+    tokens = list(range(9))
+    keys = write(stores, tokens)
+    stores["indexer"].remove([keys[1]])
+    assert stores["full"].exists(keys) == [True, False, False, False]
+    assert check(stores, [(tokens, keys)]) == 0  # nothing restorable past page 1 (no snapshot at 1)
