@@ -39,7 +39,7 @@ space that other clients stored go as well, and other key spaces stay: by name
 its lease is removed too).
 
 Store events (tier ``"mooncake"``): ``stored`` for each page this client stored; ``removed`` for
-each page ``clear`` removed: with ``admin_address`` (the master's admin HTTP server,
+each page ``remove`` removed (by name, :mod:`kvstage.storage.mooncake.removal`) and each page ``clear`` removed: with ``admin_address`` (the master's admin HTTP server,
 :mod:`kvstage.storage.mooncake.admin`) every one, other clients' included (it removes them by
 name), else only this client's; ``evicted`` for a page this client stored that
 a later ``exists``, ``get`` or ``clear`` found gone (the master evicted it; it tells no client
