@@ -133,7 +133,7 @@ class StorageBackend(abc.ABC):
         self.prefix = fingerprint.prefix()
         self.page_bytes = fingerprint.page_bytes
         self.stats = StorageStats()
-        self._changes: collections.deque = collections.deque()  # evictions and removals not told yet
+        self._untold_changes: collections.deque = collections.deque()  # evictions and removals not told yet
         self._events = EventQueue(
             self.stats,
             tier=self.tier,
@@ -409,12 +409,12 @@ class StorageBackend(abc.ABC):
         """The event queue's hook: note this store's evictions and removals for the change
         listeners (told by :meth:`_tell_changes`, outside the store's locks)."""
         if kind != "stored" and key_space is None and self._change_listeners:
-            self._changes.append((kind, list(keys)))
+            self._untold_changes.append((kind, list(keys)))
 
     def _tell_changes(self) -> None:
         """Tell the change listeners what this store evicted and removed so far, on any thread
         (a corrupt page an I/O thread dropped is told by the call that waited for it)."""
-        changes = self._changes
+        changes = self._untold_changes
         while changes:
             try:
                 kind, keys = changes.popleft()
