@@ -104,8 +104,8 @@ class StorageBackend(abc.ABC):
     """A key-value store of whole KV pages.
 
     Subclasses implement :meth:`_exists`, :meth:`_put`, :meth:`_get`, :meth:`_clear` (and, to
-    support :meth:`remove`, :meth:`_remove`) on full keys (prefix included); this class checks arguments, adds the prefix, counts and
-    times. Subclasses record a :class:`StoreEvent` for each page stored, evicted and removed,
+    support :meth:`remove`, :meth:`_remove`) on full keys (prefix included); this class
+    checks arguments, adds the prefix, counts and times. Subclasses record a :class:`StoreEvent` for each page stored, evicted and removed,
     under the lock that orders their index changes, so a consumer sees events in the order of
     the changes (a page stored after a ``clear`` is never reported before its removal).
 
@@ -320,8 +320,8 @@ class StorageBackend(abc.ABC):
 
         Raises:
             InvalidArgumentError: a key is not a non-empty str (nothing is removed then).
-            StorageError: the store cannot remove (Mooncake: the client is closed or every
-                key's answer was an error code; a store without removal).
+            StorageError: the store cannot remove (Mooncake: the client is closed, or every
+                key's answer said the master is down; a store without removal).
         """
         full_keys = list(dict.fromkeys(self.prefix + key for key in _checked_keys(keys)))
         if not full_keys:
