@@ -31,7 +31,9 @@ when everything it depends on is stored at the time it asks, so only a lookup ra
 eviction can see one, and its load then reads fewer pages and falls to the next restorable
 length (:mod:`kvstage.offload.hybrid`). A Mooncake store learns of the master's evictions when a
 lookup, read or its watcher finds a page gone; the dependents go then (a lookup asks the full
-store first, so before it asks the others).
+store first, so before it asks the others). An entry put on one thread while another thread's
+cascade removes its key may land just after that removal: it stays, never advertised (its full
+page is gone), until its own store evicts it.
 """
 
 from __future__ import annotations

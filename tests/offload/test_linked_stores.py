@@ -5,6 +5,8 @@ entry is left whose chain before it is gone."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -186,3 +188,29 @@ def test_with_few_links_kept_a_chain_still_loses_what_follows_its_gap(tmp_path):
     stores["indexer"].remove([keys[1]])
     assert stores["full"].exists(keys) == [True, False, False, False]
     assert check(stores, [(tokens, keys)]) == 0  # nothing restorable past page 1 (no snapshot at 1)
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_threads_evicting_in_every_store_at_once_never_deadlock(kind, tmp_path):
+    # Each thread's puts evict in every component and remove dependents from the others while
+    # the other threads hold those stores' locks in turn: the cascades run off every lock.
+    stores = open_stores(kind, tmp_path)
+    linked = LinkedStores(LAYOUT, stores, PAGE)
+    failures = []
+
+    def writer(seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        try:
+            for _ in range(25):
+                write(stores, torch.randint(0, 10**6, (11,), generator=generator).tolist())
+        except BaseException as error:  # reported below
+            failures.append(error)
+
+    threads = [threading.Thread(target=writer, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads) and not failures
+    assert sum(linked.dependents_removed.values()) > 0
+    assert all(len(held(store)) <= CAPACITY[name] for name, store in stores.items())
