@@ -14,6 +14,7 @@ from a URL.
 from __future__ import annotations
 
 import abc
+import collections
 import enum
 import time
 from dataclasses import dataclass
@@ -84,7 +85,7 @@ class StorageStats:
     bytes_got: int = 0
     get_seconds: float = 0.0
     pages_evicted: int = 0  # by the store's own eviction
-    pages_removed: int = 0  # by clear(), a corrupt page dropped, FileStore.evict_key_space
+    pages_removed: int = 0  # by clear(), remove(), a corrupt page dropped, FileStore.evict_key_space
     events_stored: int = 0  # store events recorded, by kind (taken or not)
     events_evicted: int = 0
     events_removed: int = 0
@@ -102,9 +103,9 @@ class StorageStats:
 class StorageBackend(abc.ABC):
     """A key-value store of whole KV pages.
 
-    Subclasses implement :meth:`_exists`, :meth:`_put`, :meth:`_get` and :meth:`_clear` on
-    full keys (prefix included); this class checks arguments, adds the prefix, counts and
-    times. Subclasses record a :class:`StoreEvent` for each page stored, evicted and removed,
+    Subclasses implement :meth:`_exists`, :meth:`_put`, :meth:`_get`, :meth:`_clear` (and, to
+    support :meth:`remove`, :meth:`_remove`) on full keys (prefix included); this class
+    checks arguments, adds the prefix, counts and times. Subclasses record a :class:`StoreEvent` for each page stored, evicted and removed,
     under the lock that orders their index changes, so a consumer sees events in the order of
     the changes (a page stored after a ``clear`` is never reported before its removal).
 
@@ -125,14 +126,21 @@ class StorageBackend(abc.ABC):
     # Called after each timed put and get (see add_timing_listener); a tuple, replaced whole,
     # so threads iterate it without a lock.
     _timing_listeners: tuple = ()
+    _change_listeners: tuple = ()  # see add_change_listener; replaced whole, as _timing_listeners
 
     def __init__(self, fingerprint: LayoutFingerprint, *, event_capacity: int = DEFAULT_EVENT_CAPACITY) -> None:
         self.fingerprint = fingerprint
         self.prefix = fingerprint.prefix()
         self.page_bytes = fingerprint.page_bytes
         self.stats = StorageStats()
+        self._untold_changes: collections.deque = collections.deque()  # evictions and removals not told yet
         self._events = EventQueue(
-            self.stats, tier=self.tier, key_space=self.prefix, page_bytes=self.page_bytes, capacity=event_capacity
+            self.stats,
+            tier=self.tier,
+            key_space=self.prefix,
+            page_bytes=self.page_bytes,
+            capacity=event_capacity,
+            on_record=self._note_change,
         )
 
     # -- the public interface -------------------------------------------------------------
@@ -143,7 +151,10 @@ class StorageBackend(abc.ABC):
         "Readable" as far as a store can tell cheaply (the file store checks the size, not the
         checksum; see each store). A key found counts as a use for the store's eviction.
         """
-        return self._exists([self.prefix + key for key in _checked_keys(keys)])
+        try:
+            return self._exists([self.prefix + key for key in _checked_keys(keys)])
+        finally:
+            self._tell_changes()
 
     def put(self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, prior_key: str | None = None) -> PutStatuses:
         """Store ``pages[i]`` under ``keys[i]``; a key already stored is left as it is.
@@ -190,7 +201,10 @@ class StorageBackend(abc.ABC):
             )
         full_keys = [self.prefix + key for key in keys]
         started = time.perf_counter()
-        answer = self._put(full_keys, list(pages), self.prefix + prior_key if prior_key else None)
+        try:
+            answer = self._put(full_keys, list(pages), self.prefix + prior_key if prior_key else None)
+        finally:
+            self._tell_changes()
         seconds = time.perf_counter() - started
         self.stats.put_seconds += seconds
         for listener in self._timing_listeners:
@@ -204,6 +218,11 @@ class StorageBackend(abc.ABC):
                 self.stats.pages_deduplicated += 1
             else:
                 self.stats.pages_failed += 1
+        if self._change_listeners:
+            links = [prior_key or None, *keys[:-1]]
+            held = [(key, prior) for key, prior, status in zip(keys, links, statuses) if status is not PutStatus.FAILED]
+            if held:
+                self._tell("stored", [key for key, _ in held], [prior for _, prior in held])
         return statuses
 
     def get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
@@ -226,7 +245,10 @@ class StorageBackend(abc.ABC):
         keys = _checked_keys(keys)
         self._check_pages("into", keys, into, targets=True)
         started = time.perf_counter()
-        hits = self._get([self.prefix + key for key in keys], list(into))
+        try:
+            hits = self._get([self.prefix + key for key in keys], list(into))
+        finally:
+            self._tell_changes()
         seconds = time.perf_counter() - started
         self.stats.get_seconds += seconds
         for listener in self._timing_listeners:
@@ -274,9 +296,64 @@ class StorageBackend(abc.ABC):
                 master answered an error code, :class:`~kvstage.storage.mooncake.status.MooncakeCodeError`);
                 ``stats.pages_removed`` is not changed then.
         """
-        removed = self._clear()
+        try:
+            removed = self._clear()
+        finally:
+            self._tell_changes()
         self.stats.pages_removed += removed
         return removed
+
+    def remove(self, keys: Sequence[str]) -> int:
+        """Remove the pages stored under ``keys`` and, in a chain-aware store (memory, file),
+        every page of this store that chains after one of them (a lookup, which walks a chain
+        from its start, could never reach those again). Keys not stored are skipped.
+
+        Each page removed records a ``removed`` :class:`StoreEvent` (and tells the change
+        listeners) and counts in ``stats.pages_removed``. A put racing a remove of its prior
+        page may land its page after it (unreachable, as any page after a missing one).
+
+        Args:
+            keys: page hashes (hex), no prefix.
+
+        Returns:
+            The number of pages removed (later pages of the chains included).
+
+        Raises:
+            InvalidArgumentError: a key is not a non-empty str (nothing is removed then).
+            StorageError: the store cannot remove (Mooncake: the client is closed, or every
+                key's answer said the master is down; a store without removal).
+        """
+        full_keys = list(dict.fromkeys(self.prefix + key for key in _checked_keys(keys)))
+        if not full_keys:
+            return 0
+        try:
+            removed = self._remove(full_keys)
+        finally:
+            self._tell_changes()
+        self.stats.pages_removed += removed
+        return removed
+
+    def add_change_listener(self, listener: Callable[["StorageBackend", str, list[str], list], None]) -> None:
+        """Call ``listener(store, kind, keys, priors)`` when this store's pages change: ``kind``
+        ``"stored"`` after a put, with the keys it stored or found there (no prefix) and
+        ``priors[i]``, the key before ``keys[i]`` in its chain (None at a chain's start);
+        ``"evicted"`` / ``"removed"`` (``priors`` None) for pages this store's eviction dropped
+        or that were removed (``clear``, ``remove``, a corrupt page; for Mooncake, evictions
+        when the client notices them). Called on the thread of the call that changed them,
+        after the store released its locks and before that call returns (so the listener may
+        call stores, this one included); a listener must be thread-safe and should not raise
+        (an exception propagates out of that call).
+
+        Raises:
+            InvalidArgumentError: ``listener`` is not callable.
+        """
+        if not callable(listener):
+            raise InvalidArgumentError("listener: must be callable")
+        self._change_listeners = (*self._change_listeners, listener)
+
+    def remove_change_listener(self, listener: Callable[["StorageBackend", str, list[str], list], None]) -> None:
+        """Stop calling ``listener`` (added by :meth:`add_change_listener`); absent: nothing."""
+        self._change_listeners = tuple(added for added in self._change_listeners if added != listener)
 
     def take_events(self, max_events: int | None = None) -> list[StoreEvent]:
         """Take the oldest store events not taken yet (None: all), oldest first; never blocks.
@@ -321,6 +398,33 @@ class StorageBackend(abc.ABC):
     def _clear(self) -> int:
         """Remove every page under this store's prefix, recording a ``removed`` event for
         each; the number removed."""
+
+    def _remove(self, full_keys: list[str]) -> int:
+        """Remove ``full_keys`` (distinct, prefix included) as :meth:`remove` says, recording a
+        ``removed`` event for each page removed; the number removed. A store that cannot
+        remove raises :class:`StorageError`."""
+        raise StorageError(f"{self.tier}: this store cannot remove pages")
+
+    def _note_change(self, kind: str, keys: list[str], key_space: str | None) -> None:
+        """The event queue's hook: note this store's evictions and removals for the change
+        listeners (told by :meth:`_tell_changes`, outside the store's locks)."""
+        if kind != "stored" and key_space is None and self._change_listeners:
+            self._untold_changes.append((kind, list(keys)))
+
+    def _tell_changes(self) -> None:
+        """Tell the change listeners what this store evicted and removed so far, on any thread
+        (a corrupt page an I/O thread dropped is told by the call that waited for it)."""
+        changes = self._untold_changes
+        while changes:
+            try:
+                kind, keys = changes.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            self._tell(kind, keys, None)
+
+    def _tell(self, kind: str, keys: list[str], priors: list | None) -> None:
+        for listener in self._change_listeners:
+            listener(self, kind, keys, priors)
 
     def _record(self, kind: str, full_keys) -> None:
         """Record a store event of ``kind`` for each full key (prefix included) of this store."""

@@ -126,6 +126,20 @@ class ChainIndex(Generic[K, V]):
                     heapq.heappush(self._candidates, (before.tick, prior))
         return entry.value
 
+    def chains_after(self, keys) -> list[K]:
+        """The stored keys among ``keys`` and every stored key that chains after one of them
+        (successors of successors, through keys no longer stored too), each once, in no
+        particular order."""
+        found: dict[K, None] = {}
+        walk = list(keys)
+        while walk:
+            key = walk.pop()
+            if key in found:
+                continue
+            found[key] = None
+            walk.extend(self._successors.get(key, ()))
+        return [key for key in found if key in self._entries]
+
     def pop_victim(self, keep: Container[K] = ()) -> tuple[K, V] | None:
         """Remove and return ``(key, value)`` of the least recently used page with no stored
         successor, skipping keys in ``keep``; None when every candidate is kept (or none is stored)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvstage.errors import is_int, require
+from kvstage.storage.fingerprint import prefix_fields
 
 __all__ = ["DEFAULT_EVENT_CAPACITY", "EVENT_KINDS", "EventQueue", "StoreEvent"]
 
@@ -42,6 +43,9 @@ class StoreEvent:
         page_bytes: the page's size in bytes (payload, without a file header).
         key_space: the fingerprint prefix the key lives under; the store's own, except for
             pages of another key space that ``FileStore.evict_key_space`` removed.
+        component: the hybrid model's component that key space holds (its prefix's marker,
+            ``{model}@{component}-{digest}@...``: ``"full"``, ``"swa"``, ``"state"``, ...), or
+            ``""`` for a plain model's (or an opaque format's) key space.
     """
 
     key: str
@@ -50,6 +54,7 @@ class StoreEvent:
     time_s: float
     page_bytes: int
     key_space: str
+    component: str = ""
 
 
 class EventQueue:
@@ -64,13 +69,23 @@ class EventQueue:
         page_bytes: the store's page size in bytes.
         capacity: events kept at most (0: events off: none is built or kept, every one is
             counted, and counted dropped).
+        on_record: called as ``on_record(kind, keys, key_space)`` (``key_space`` None: the
+            store's own) for every :meth:`record`, events on or
+            off, on the recording thread (often under the store's lock: it must only note them).
 
     Raises:
         InvalidArgumentError: capacity is not an int >= 0.
     """
 
     def __init__(
-        self, stats, *, tier: str, key_space: str, page_bytes: int, capacity: int = DEFAULT_EVENT_CAPACITY
+        self,
+        stats,
+        *,
+        tier: str,
+        key_space: str,
+        page_bytes: int,
+        capacity: int = DEFAULT_EVENT_CAPACITY,
+        on_record=None,
     ) -> None:
         require(is_int(capacity) and capacity >= 0, "event_capacity", lambda: f"must be an int >= 0, got {capacity!r}")
         self.capacity = capacity
@@ -78,6 +93,8 @@ class EventQueue:
         self._tier = tier
         self._key_space = key_space
         self._page_bytes = page_bytes
+        self._component = component_of(key_space)
+        self._on_record = on_record
         self._events: collections.deque[StoreEvent] = collections.deque()
         self._lock = threading.Lock()
 
@@ -85,6 +102,8 @@ class EventQueue:
         """Record one event of ``kind`` per page key in ``keys`` (a list, no prefix), now."""
         if not keys:
             return
+        if self._on_record is not None:
+            self._on_record(kind, keys, key_space)
         counter = _COUNTERS[kind]
         if self.capacity == 0:  # events off: counted as dropped, never built
             with self._lock:
@@ -92,8 +111,10 @@ class EventQueue:
                 self._stats.events_dropped += len(keys)
             return
         now = time.monotonic()
-        space = self._key_space if key_space is None else key_space
-        events = [StoreEvent(key, kind, self._tier, now, self._page_bytes, space) for key in keys]
+        space, component = (
+            (self._key_space, self._component) if key_space is None else (key_space, component_of(key_space))
+        )
+        events = [StoreEvent(key, kind, self._tier, now, self._page_bytes, space, component) for key in keys]
         with self._lock:
             stats = self._stats
             setattr(stats, counter, getattr(stats, counter) + len(events))
@@ -124,3 +145,9 @@ class EventQueue:
             else:
                 taken = [self._events.popleft() for _ in range(max_events)]
         return list(taken)
+
+
+def component_of(key_space: str) -> str:
+    """The component a key space's prefix names (``{model}@{component}-{digest}@...``), or ``""``."""
+    fields = prefix_fields(key_space)
+    return "" if fields is None else fields.get("component", "")

@@ -31,8 +31,8 @@ tombstone rename and an inode compare; a page rewritten since is put back). Each
 within its own capacity; opening sweeps only temporary files older than :data:`TMP_GRACE_S`.
 
 Store events (tier ``"file"``): ``stored`` for each page a put wrote, ``evicted`` for each page
-the capacity evicted, ``removed`` for each page :meth:`FileStore.clear` removed and for each
-corrupt page a reader or a put dropped. A page not written because of an ``OSError`` (``EROFS``,
+the capacity evicted, ``removed`` for each page :meth:`FileStore.clear` or ``remove`` removed (``remove``: the later
+pages of the chains too) and for each corrupt page a reader or a put dropped. A page not written because of an ``OSError`` (``EROFS``,
 ``EACCES``, ``ENOSPC``) is ``FAILED`` and ``put``'s answer carries the error; pages refused
 because ``prior_key`` is not stored carry a :class:`kvstage.storage.MissingPriorError`.
 
@@ -525,6 +525,24 @@ class FileStore(StorageBackend):
             with self._gate:
                 self._clearing = False
                 self._gate.notify_all()
+
+    def _remove(self, full_keys: list[str]) -> int:
+        # The indexed pages and those after them in their chains; a key's file another process
+        # wrote (not indexed) goes too. Unlinked under the lock, as an eviction: a put of the
+        # same key must not find it in between.
+        with self._lock:
+            room = self._room
+            digests = {digest(full_key): full_key for full_key in full_keys}
+            removed = []
+            for key in room.chains_after(digests):
+                name, page_key = room.remove(key)
+                unlink(self.directory / name)
+                removed.append(page_key)
+            gone = {self.prefix + page_key for page_key in removed}
+            unindexed = [self._name(full_key) for full_key in full_keys if full_key not in gone]
+            removed += [full_key[len(self.prefix) :] for full_key in remove_page_files(self.directory, unindexed)]
+            self._events.record("removed", removed)
+        return len(removed)
 
     def key_spaces(self) -> list[KeySpace]:
         """Every key space with page files in this store's directory, this one included;

@@ -25,7 +25,8 @@ previous key) is not stored, since no lookup could reach it (the answer's ``erro
 
 Store events (:mod:`kvstage.storage.events`, tier ``"memory"``): ``stored`` for each page a
 put stored, ``evicted`` for each page its eviction dropped, ``removed`` for each page
-:meth:`MemoryStore.clear` dropped.
+:meth:`MemoryStore.clear` or ``remove`` dropped (``remove`` takes the later pages of the
+chains too).
 
 URL form for :func:`open_storage`: ``memory`` (capacity :data:`DEFAULT_CAPACITY_BYTES`) or
 ``memory:CAPACITY`` (a size: bytes, or a number with a unit, :mod:`kvstage.storage.sizes`).
@@ -174,6 +175,15 @@ class MemoryStore(StorageBackend):
             self._pages = ChainIndex()
             self._record("removed", keys)
         return len(keys)
+
+    def _remove(self, full_keys: list[str]) -> int:
+        with self._lock:
+            stored = self._pages
+            removed = stored.chains_after(full_keys)
+            for key in removed:
+                stored.remove(key)
+            self._record("removed", removed)
+        return len(removed)
 
     def close(self) -> None:
         """Drop every page (no events: the store is done). Idempotent."""

@@ -116,6 +116,10 @@ class Room(Generic[K, V]):
         self._used -= removed[1]
         return removed[0]
 
+    def chains_after(self, keys: Iterable[K]) -> list[K]:
+        """The indexed keys among ``keys`` and after them in their chains (:meth:`ChainIndex.chains_after`)."""
+        return self._index.chains_after(keys)
+
     def touch(self, key: K) -> int | None:
         """Mark ``key`` used now; the new tick, or None when ``key`` is not indexed."""
         return self._index.touch(key)

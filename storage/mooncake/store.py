@@ -39,7 +39,7 @@ space that other clients stored go as well, and other key spaces stay: by name
 its lease is removed too).
 
 Store events (tier ``"mooncake"``): ``stored`` for each page this client stored; ``removed`` for
-each page ``clear`` removed: with ``admin_address`` (the master's admin HTTP server,
+each page ``remove`` removed (by name, :mod:`kvstage.storage.mooncake.removal`) and each page ``clear`` removed: with ``admin_address`` (the master's admin HTTP server,
 :mod:`kvstage.storage.mooncake.admin`) every one, other clients' included (it removes them by
 name), else only this client's; ``evicted`` for a page this client stored that
 a later ``exists``, ``get`` or ``clear`` found gone (the master evicted it; it tells no client
@@ -80,6 +80,7 @@ from kvstage.storage.fingerprint import LayoutFingerprint
 from kvstage.storage.mooncake.admin import PeriodicThread, list_keys
 from kvstage.storage.mooncake.config import MooncakeConfig, parse_mooncake_url, split_host_port
 from kvstage.storage.mooncake.gate import BufferPool, ClearGate
+from kvstage.storage.mooncake.removal import remove_named
 from kvstage.storage.mooncake.status import (
     MASTER_DOWN_CODES,
     OBJECT_ALREADY_EXISTS,
@@ -592,6 +593,9 @@ class MooncakeStore(StorageBackend):
             logger.warning("mooncake: clear swept %d more pages by regex, unnamed in its events", swept)
         return len(named) + swept
 
+    def _remove(self, full_keys: list[str]) -> int:
+        return remove_named(self, full_keys)  # only the keys named: the master keeps no chains
+
     def _remove_by_regex(self, store: Any) -> int:
         """``remove_by_regex`` (forced) of every key under this store's prefix; how many went.
 
@@ -640,6 +644,7 @@ class MooncakeStore(StorageBackend):
                     self._known.pop(key, None)  # announced here: not again when this client asks
                 self._record("evicted", gone)
                 self.watch_rounds += 1
+        self._tell_changes()  # the evictions it noticed, to the change listeners (off the store's locks)
 
     def close(self) -> None:
         """Unregister every buffer this store registered (the bounce buffers too) and close
