@@ -109,6 +109,7 @@ class ConnectorRig:
 
     BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_SIZE = 16, 32, 2, 16
     LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+    CACHE_CONFIG: dict = {}  # more of vLLM's CacheConfig (e.g. mamba_cache_mode)
 
     def __init__(
         self,
@@ -123,7 +124,6 @@ class ConnectorRig:
     ) -> None:
         import uuid
 
-        import torch
         from transformers import LlamaConfig
         from vllm.config import (
             CacheConfig,
@@ -140,7 +140,6 @@ class ConnectorRig:
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
         from vllm.v1.structured_output import StructuredOutputManager
 
         from kvstage.integrations.vllm import KVStageConnector
@@ -165,7 +164,7 @@ class ConnectorRig:
                 max_model_len=512,
             ),
             device_config=DeviceConfig(device="cpu"),
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True, **self.CACHE_CONFIG),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=4,
@@ -189,23 +188,8 @@ class ConnectorRig:
                 },
             ),
         )
-        attention = FullAttentionSpec(
-            block_size=block_size, num_kv_heads=self.NUM_KV_HEADS, head_size=self.HEAD_SIZE, dtype=torch.float16
-        )
-        page = attention.page_size_bytes
-        kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[
-                KVCacheTensor(
-                    size=len(self.LAYERS) * num_blocks * page,
-                    layers=list(self.LAYERS),
-                    layer_stride=num_blocks * page,
-                    block_stride=page,
-                )
-            ],
-            kv_cache_groups=[KVCacheGroupSpec(list(self.LAYERS), attention)],
-        )
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        kv_cache_config = self._kv_cache_config()
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config,
             kv_cache_config=kv_cache_config,
@@ -214,14 +198,6 @@ class ConnectorRig:
             log_stats=True,
         )
         self.worker = KVStageConnector(self.vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-        # The "GPU" KV cache: one allocation, layer-outermost, as KVCacheTensor above places it.
-        self.backing = torch.zeros(len(self.LAYERS), num_blocks, page, dtype=torch.int8)
-        self.kv = {
-            name: self.backing[index]
-            .view(torch.float16)
-            .view(num_blocks, 2, block_size, self.NUM_KV_HEADS, self.HEAD_SIZE)
-            for index, name in enumerate(self.LAYERS)
-        }
         with set_current_vllm_config(self.vllm_config):
             self.worker.register_kv_caches(self.kv)
         init_none_hash(sha256)
@@ -245,6 +221,49 @@ class ConnectorRig:
             return publish(batch)
 
         self.scheduler.kv_event_publisher.publish = recorded_publish
+
+    def _kv_cache_config(self):
+        """vLLM's KVCacheConfig of the model (one full-attention group over LAYERS), and the "GPU"
+        KV cache it places: :attr:`backing` (one allocation, layer-outermost) and :attr:`kv`
+        (each layer's block tensor, a view of it)."""
+        import torch
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+        block_size, num_blocks = self.BLOCK_SIZE, self.NUM_BLOCKS
+        attention = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=self.NUM_KV_HEADS, head_size=self.HEAD_SIZE, dtype=torch.float16
+        )
+        page = attention.page_size_bytes
+        self.backing = torch.zeros(len(self.LAYERS), num_blocks, page, dtype=torch.int8)
+        self.kv = {
+            name: self.backing[index]
+            .view(torch.float16)
+            .view(num_blocks, 2, block_size, self.NUM_KV_HEADS, self.HEAD_SIZE)
+            for index, name in enumerate(self.LAYERS)
+        }
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[
+                KVCacheTensor(
+                    size=len(self.LAYERS) * num_blocks * page,
+                    layers=list(self.LAYERS),
+                    layer_stride=num_blocks * page,
+                    block_stride=page,
+                )
+            ],
+            kv_cache_groups=[KVCacheGroupSpec(list(self.LAYERS), attention)],
+        )
+
+    def forward(self, request_id: str, start: int, end: int) -> None:
+        """The stand-in model's work on positions ``[start, end)`` of a request: each token's
+        ``kv_value`` into its row of its block in every layer."""
+        request = self.scheduler.requests[request_id]
+        blocks, tokens = self.block_ids(request_id), request.all_token_ids
+        for position in range(start, end):
+            for layer, name in enumerate(self.LAYERS):
+                self.kv[name][blocks[position // self.BLOCK_SIZE], :, position % self.BLOCK_SIZE] = self.kv_value(
+                    tokens[position], position, layer
+                )
 
     @staticmethod
     def kv_value(token: int, position: int, layer: int) -> float:
@@ -281,13 +300,8 @@ class ConnectorRig:
         self.worker.bind_connector_metadata(metadata)
         self.worker.start_load_kv(self._forward_context)
         for request_id, count in output.num_scheduled_tokens.items():
-            request = self.scheduler.requests[request_id]
-            blocks, tokens = self.block_ids(request_id), request.all_token_ids
-            for position in range(request.num_computed_tokens - count, request.num_computed_tokens):
-                for layer, name in enumerate(self.LAYERS):
-                    self.kv[name][blocks[position // self.BLOCK_SIZE], :, position % self.BLOCK_SIZE] = self.kv_value(
-                        tokens[position], position, layer
-                    )
+            computed = self.scheduler.requests[request_id].num_computed_tokens
+            self.forward(request_id, computed - count, computed)
         if output.total_num_scheduled_tokens > 0:
             self.worker.wait_for_save()
         time.sleep(0.02)  # the copy stream and store threads run between steps, as on a GPU
@@ -329,11 +343,7 @@ class ConnectorRig:
         outputs = []
         for _ in range(max_steps):
             outputs.append(self.step())
-            if (
-                not self.scheduler.requests
-                and worker.worker.keyed.jobs_in_flight == 0
-                and not worker._unsubmitted_store_jobs
-            ):
+            if not self.scheduler.requests and worker.worker.jobs_in_flight == 0 and not worker._unsubmitted_store_jobs:
                 outputs.append(self.step())
                 return outputs
         raise AssertionError(f"not idle after {max_steps} steps")
