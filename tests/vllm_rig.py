@@ -388,3 +388,114 @@ def assert_blocks_hold(rig: ConnectorRig, request_id: str, prompt: list[int], co
     for index in range(count):
         for name, block in zip(rig.LAYERS, expected_block(rig, prompt, index)):
             assert torch.equal(rig.kv[name][blocks[index]], block), (index, name)
+
+
+class HybridRig(ConnectorRig):
+    """:class:`ConnectorRig` over a hybrid model of four layers, its KV cache laid out as vLLM's
+    hybrid allocator lays it out (groups of equal layer counts overlaying one allocation, one
+    layer slot per group layer; a block id belongs to one group at a time):
+
+    - ``"swa"``, gpt-oss-like: layers 0 and 2 sliding window (``WINDOW`` tokens), 1 and 3 full
+      attention; group 0 full ``[1, 3]``, group 1 sliding window ``[0, 2]``;
+    - ``"chunked"``: the same with chunked local attention (chunks of ``WINDOW`` tokens, a kind
+      kvstage does not store) instead of the sliding window.
+
+    :attr:`spec` is the worker side's ``KVStageOffloadingSpec`` (its groups are the scheduler side's).
+
+    The stand-in model writes random bytes: token ``t`` at position ``p`` of layer ``l`` is
+    ``RANDOM[p, l] ^ t`` (int16 bits, a seeded table), so a block's bytes are a function of its
+    tokens and positions and a loaded block must hold exactly them.
+    """
+
+    WINDOW = 24
+    LAYERS = tuple(f"model.layers.{index}.self_attn.attn" for index in range(4))
+
+    def __init__(self, model_dir, storage: str, *, kind: str = "swa", **kwargs) -> None:
+        import torch
+
+        assert kind in ("swa", "chunked"), kind
+        self.kind = kind
+        generator = torch.Generator().manual_seed(29)
+        shape = (512, len(self.LAYERS), 2, self.NUM_KV_HEADS, self.HEAD_SIZE)
+        self.random = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
+        super().__init__(model_dir, storage, **kwargs)
+
+    def _kv_cache_config(self):
+        import torch
+        from vllm.v1.kv_cache_interface import (
+            ChunkedLocalAttentionSpec,
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+            SlidingWindowSpec,
+        )
+
+        block_size, num_blocks = self.BLOCK_SIZE, self.NUM_BLOCKS
+        sizes = dict(
+            block_size=block_size, num_kv_heads=self.NUM_KV_HEADS, head_size=self.HEAD_SIZE, dtype=torch.float16
+        )
+        full = FullAttentionSpec(**sizes)
+        if self.kind == "swa":
+            window = SlidingWindowSpec(**sizes, sliding_window=self.WINDOW)
+        else:
+            window = ChunkedLocalAttentionSpec(**sizes, attention_chunk_size=self.WINDOW)
+        L = self.LAYERS
+        self.groups = [[L[1], L[3]], [L[0], L[2]]]
+        specs = [full, window]
+        page = full.page_size_bytes
+        slots = len(self.groups[0])
+        self.backing = torch.zeros(slots, num_blocks, page, dtype=torch.int8)
+        self.kv, self.bits = {}, {}
+        for group in self.groups:
+            for slot, name in enumerate(group):
+                self.kv[name] = (
+                    self.backing[slot]
+                    .view(torch.float16)
+                    .view(num_blocks, 2, block_size, self.NUM_KV_HEADS, self.HEAD_SIZE)
+                )
+                self.bits[name] = self.kv[name].view(torch.int16)
+        size = slots * num_blocks * page
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[
+                KVCacheTensor(size=size, layers=list(group), layer_stride=num_blocks * page, block_stride=page)
+                for group in self.groups
+            ],
+            kv_cache_groups=[KVCacheGroupSpec(list(group), spec) for group, spec in zip(self.groups, specs)],
+        )
+
+    @property
+    def spec(self):
+        return self.worker.connector_worker.spec
+
+    def group_block_ids(self, request_id: str, group: int) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[group])
+
+    def token_bits(self, token: int, position: int, name: str):
+        """A token's row of one layer's block, as the stand-in model writes it (int16 bits)."""
+        return self.random[position, self.LAYERS.index(name)] ^ token
+
+    def forward(self, request_id: str, start: int, end: int) -> None:
+        tokens = self.scheduler.requests[request_id].all_token_ids
+        for group_index, group in enumerate(self.groups):
+            blocks = self.group_block_ids(request_id, group_index)
+            for position in range(start, end):
+                block = blocks[position // self.BLOCK_SIZE]
+                assert block != 0, (request_id, group_index, position)  # a position computed has a block
+                for name in group:
+                    self.bits[name][block, :, position % self.BLOCK_SIZE] = self.token_bits(
+                        tokens[position], position, name
+                    )
+
+    def expected_block(self, prompt: list[int], name: str, block_index: int):
+        """Layer ``name``'s block ``block_index`` for ``prompt`` (int16 bits)."""
+        import torch
+
+        return torch.stack(
+            [
+                self.token_bits(prompt[position], position, name)
+                for position in range(block_index * self.BLOCK_SIZE, (block_index + 1) * self.BLOCK_SIZE)
+            ],
+            dim=1,
+        )

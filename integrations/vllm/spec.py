@@ -29,7 +29,7 @@ import logging
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
 
 from kvstage.errors import is_int, require
-from kvstage.integrations.vllm.groups import KV_CACHE_CONFIG, GroupStores, group_fingerprints
+from kvstage.integrations.vllm.groups import KV_CACHE_CONFIG, GroupStores, group_fingerprints, group_layout
 from kvstage.integrations.vllm.keys import block_fingerprint
 from kvstage.integrations.vllm.manager import KVStageOffloadingManager
 from kvstage.integrations.vllm.worker import KVStageWorker
@@ -101,6 +101,7 @@ class KVStageOffloadingSpec(OffloadingSpec):
         if len(config.groups) == 1:
             self.fingerprint = block_fingerprint(config, model_id=extra.get("model_id"))
             self.group_fingerprints = None
+            self.layout, self.group_components, self.unchained_groups = None, None, frozenset()
         else:
             kv_cache_config = KV_CACHE_CONFIG.get()
             require(
@@ -115,6 +116,14 @@ class KVStageOffloadingSpec(OffloadingSpec):
             self.fingerprint = None
             # one key space per group, each of its own page size (refuses a group kind kvstage does not store)
             self.group_fingerprints = group_fingerprints(config, kv_cache_config, model_id=extra.get("model_id"))
+            # the groups as kvstage components (ModelLayout): group id -> component name
+            self.layout, self.group_components = group_layout(kv_cache_config, tuple(self.group_fingerprints))
+            # a sliding-window or state page's predecessor is rightly absent: such pages start no chain
+            self.unchained_groups = frozenset(
+                group_id
+                for group_id, name in self.group_components.items()
+                if self.layout.component(name).kind != "full"
+            )
         self.report_load_errors = False  # KVStageConnector sets it: failed loads go to vLLM's scheduler
         self.load_failure_policy = "fail"  # KVStageConnector sets vLLM's kv_load_failure_policy (for warnings)
         self.reports_stores = False  # KVStageConnector sets it: workers report their stores to the scheduler
@@ -131,6 +140,7 @@ class KVStageOffloadingSpec(OffloadingSpec):
                     miss_ttl_s=self.miss_ttl_s,
                     hit_ttl_s=self.hit_ttl_s,
                     events=self.kv_events_config.enable_kv_cache_events,
+                    unchained_groups=self.unchained_groups,
                 )
             except BaseException:
                 release_shared_storage(storage)  # the manager owns the store only once built

@@ -1,0 +1,123 @@
+"""KVStageOffloadingSpec with a hybrid model's KV cache groups, in vLLM 0.33.0's own Scheduler and
+connector on CPU (:class:`vllm_rig.HybridRig`): each group keeps its own key space; vLLM's
+connector scheduler decides which chunks of each group to store (those that can serve a hit) and
+to load (a sliding-window group: the window before the hit), and kvstage's worker moves them.
+
+What must hold: the tokens a second request hits are the restorable length kvstage's own rule
+(:func:`kvstage.offload.restorable.restorable_lengths`) computes from what each group's store
+holds; a sliding-window group reads only its window (:meth:`SlidingWindow.window_pages`); every
+loaded block holds exactly the first request's bytes; a second scheduler over the same store hits
+as well; a group kind kvstage does not store is refused at start, naming it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+    reason="vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)",
+)
+
+import torch  # noqa: E402
+
+from kvstage.errors import InvalidArgumentError  # noqa: E402
+from kvstage.offload.restorable import pages_to_load, restorable_lengths  # noqa: E402
+
+from vllm_rig import HybridRig, run_to_prompt_end  # noqa: E402
+
+BLOCK = HybridRig.BLOCK_SIZE
+PROMPT = list(range(1, 6 * BLOCK + 6))  # 6 full blocks and 5 tokens
+
+
+def storage_url(kind: str, tmp_path) -> str:
+    return "memory" if kind == "memory" else f"file:{tmp_path / 'kv'}"
+
+
+def present(rig: HybridRig, request) -> dict[str, list[bool]]:
+    """Per component of the rig's layout, whether its group's store holds each of the request's
+    block keys (``OffloadKey``: block hash and group index)."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    spec = rig.spec
+    marks = {}
+    for group_id, name in spec.group_components.items():
+        keys = [make_offload_key(block_hash, group_id).hex() for block_hash in request.block_hashes]
+        marks[name] = list(rig.manager.storage.stores[group_id].exists(keys))
+    return marks
+
+
+def assert_loaded_blocks_hold(rig: HybridRig, request_id: str, prompt: list[int], plan: dict[str, range]) -> None:
+    """Each group's blocks in ``plan`` (its component's page indices) hold the stand-in model's
+    bytes for ``prompt``; a sliding-window group's blocks before its window are not the request's."""
+    spec = rig.spec
+    for group_id, name in spec.group_components.items():
+        blocks = rig.group_block_ids(request_id, group_id)
+        for index in plan[name]:
+            for layer in rig.groups[group_id]:
+                assert torch.equal(rig.bits[layer][blocks[index]], rig.expected_block(prompt, layer, index)), (
+                    group_id,
+                    index,
+                    layer,
+                )
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_a_gpt_oss_like_model_stores_its_groups_apart_and_loads_the_window_only(kind, tmp_path):
+    rig = HybridRig(tmp_path / "model", storage_url(kind, tmp_path), kind="swa")
+    try:
+        layout = rig.spec.layout
+        full, window = (layout.component(rig.spec.group_components[g]) for g in (0, 1))
+        assert (full.kind, window.kind, window.window) == ("full", "swa", rig.WINDOW)
+        first = rig.add_request("a", PROMPT, max_tokens=1)
+        rig.run_until_idle()
+        stores = rig.manager.storage.stores
+        assert stores[0].prefix != stores[1].prefix  # a key space per group
+        assert stores[0].stats.pages_stored == len(PROMPT) // BLOCK  # every full prompt block
+        # vLLM stores only the sliding-window chunks that can serve a hit; at least the window
+        assert window.window_pages(BLOCK) <= stores[1].stats.pages_stored <= len(PROMPT) // BLOCK
+        marks = present(rig, first)
+        expected = restorable_lengths(layout, BLOCK, len(PROMPT), marks).max_length
+        assert expected == (len(PROMPT) - 1) // BLOCK * BLOCK  # the whole prompt but its last token's block
+
+        rig.scheduler.reset_prefix_cache()
+        rig.backing.zero_()
+        scheduled = run_to_prompt_end(rig, "b", PROMPT)
+        assert len(PROMPT) - scheduled == expected  # tokens hit: the restorable length
+        plan = pages_to_load(layout, BLOCK, expected)
+        assert stores[0].stats.pages_read == len(plan[full.name]) == expected // BLOCK
+        assert stores[1].stats.pages_read == len(plan[window.name]) == window.window_pages(BLOCK) == 2
+        assert_loaded_blocks_hold(rig, "b", PROMPT, plan)
+        swa_blocks = rig.group_block_ids("b", 1)
+        assert all(block == 0 for block in swa_blocks[: plan[window.name].start])  # not loaded, not held
+    finally:
+        rig.close()
+
+
+def test_a_second_scheduler_over_the_same_store_hits_the_restorable_prefix(tmp_path):
+    url = storage_url("file", tmp_path)
+    first = HybridRig(tmp_path / "model-a", url, kind="swa")
+    try:
+        first.add_request("a", PROMPT, max_tokens=1)
+        first.run_until_idle()
+    finally:
+        first.close()
+    rig = HybridRig(tmp_path / "model-a", url, kind="swa")  # the same model path: the same key spaces
+    try:
+        layout = rig.spec.layout
+        scheduled = run_to_prompt_end(rig, "b", PROMPT)
+        request = rig.scheduler.requests["b"]
+        expected = restorable_lengths(layout, BLOCK, len(PROMPT), present(rig, request)).max_length
+        assert expected == 6 * BLOCK and len(PROMPT) - scheduled == expected
+        stores = rig.manager.storage.stores
+        assert (stores[0].stats.pages_read, stores[1].stats.pages_read) == (6, 2)
+        assert_loaded_blocks_hold(rig, "b", PROMPT, pages_to_load(layout, BLOCK, expected))
+    finally:
+        rig.close()
+
+
+def test_a_group_kind_kvstage_does_not_store_is_refused_naming_the_group_and_kind(tmp_path):
+    with pytest.raises(
+        InvalidArgumentError, match=r"^kv_cache_groups\[1\]: .* group 1 \(layers .*\) is ChunkedLocalAttentionSpec"
+    ):
+        HybridRig(tmp_path / "model", "memory", kind="chunked")
