@@ -295,6 +295,8 @@ class ConnectorRig:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         output = self.scheduler.schedule()
+        for copy in output.kv_cache_block_copies or ():  # the model runner's copy-on-write (Mamba align)
+            self.backing[:, copy.dst_block_id] = self.backing[:, copy.src_block_id]
         metadata = output.kv_connector_metadata
         self.worker.handle_preemptions(metadata)
         self.worker.bind_connector_metadata(metadata)
@@ -398,7 +400,13 @@ class HybridRig(ConnectorRig):
     - ``"swa"``, gpt-oss-like: layers 0 and 2 sliding window (``WINDOW`` tokens), 1 and 3 full
       attention; group 0 full ``[1, 3]``, group 1 sliding window ``[0, 2]``;
     - ``"chunked"``: the same with chunked local attention (chunks of ``WINDOW`` tokens, a kind
-      kvstage does not store) instead of the sliding window.
+      kvstage does not store) instead of the sliding window;
+    - ``"mamba"``, Qwen3-Next-like: layers 0-2 linear attention (``MambaSpec`` in align mode:
+      a conv and a recurrent state, padded to the attention page), layer 3 full attention; a group
+      per layer (group 0 full ``[3]``, groups 1-3 the state layers), as vLLM groups 3:1 models.
+      The stand-in writes the state after exactly ``L`` tokens (``L`` a multiple of the block,
+      a function of ``tokens[:L]`` and the layer) into the group's block ``L / BLOCK_SIZE - 1``,
+      where vLLM's align mode keeps it, and performs the scheduler's copy-on-write block copies.
 
     :attr:`spec` is the worker side's ``KVStageOffloadingSpec`` (its groups are the scheduler side's).
 
@@ -413,8 +421,10 @@ class HybridRig(ConnectorRig):
     def __init__(self, model_dir, storage: str, *, kind: str = "swa", **kwargs) -> None:
         import torch
 
-        assert kind in ("swa", "chunked"), kind
+        assert kind in ("swa", "chunked", "mamba"), kind
         self.kind = kind
+        if kind == "mamba":
+            self.CACHE_CONFIG = {"mamba_cache_mode": "align"}  # what --enable-prefix-caching picks for it
         generator = torch.Generator().manual_seed(29)
         shape = (512, len(self.LAYERS), 2, self.NUM_KV_HEADS, self.HEAD_SIZE)
         self.random = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
@@ -431,6 +441,8 @@ class HybridRig(ConnectorRig):
             SlidingWindowSpec,
         )
 
+        if self.kind == "mamba":
+            return self._mamba_kv_cache_config()
         block_size, num_blocks = self.BLOCK_SIZE, self.NUM_BLOCKS
         sizes = dict(
             block_size=block_size, num_kv_heads=self.NUM_KV_HEADS, head_size=self.HEAD_SIZE, dtype=torch.float16
@@ -465,6 +477,60 @@ class HybridRig(ConnectorRig):
             kv_cache_groups=[KVCacheGroupSpec(list(group), spec) for group, spec in zip(self.groups, specs)],
         )
 
+    STATE_SHAPES = ((64, 3), (2, 8, 16))  # conv (float16), recurrent (float32): 1408 bytes, padded to 2048
+
+    def _mamba_kv_cache_config(self):
+        import torch
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+            MambaSpec,
+        )
+
+        block_size, num_blocks = self.BLOCK_SIZE, self.NUM_BLOCKS
+        full = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=self.NUM_KV_HEADS, head_size=self.HEAD_SIZE, dtype=torch.float16
+        )
+        page = full.page_size_bytes
+        state = MambaSpec(
+            block_size=block_size,
+            shapes=self.STATE_SHAPES,
+            dtypes=(torch.float16, torch.float32),
+            page_size_padded=page,
+            mamba_cache_mode="align",
+        )
+        self.state_bytes = state.state_content_size_bytes
+        L = self.LAYERS
+        self.groups = [[L[3]], [L[0]], [L[1]], [L[2]]]
+        self.backing = torch.zeros(1, num_blocks, page, dtype=torch.int8)
+        self.rows = self.backing[0]  # (num_blocks, page): every layer's block row (one layer slot)
+        attention = self.rows.view(torch.float16).view(num_blocks, 2, block_size, self.NUM_KV_HEADS, self.HEAD_SIZE)
+        conv = self.rows.view(torch.float16)[:, : 64 * 3].view(num_blocks, 64, 3)  # a state layer's first tensor
+        self.kv = {L[3]: attention, L[0]: conv, L[1]: conv, L[2]: conv}
+        self.bits = {L[3]: attention.view(torch.int16)}
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[
+                KVCacheTensor(
+                    size=num_blocks * page, layers=list(group), layer_stride=num_blocks * page, block_stride=page
+                )
+                for group in self.groups
+            ],
+            kv_cache_groups=[
+                KVCacheGroupSpec(list(group), spec) for group, spec in zip(self.groups, [full, state, state, state])
+            ],
+        )
+
+    def state_after(self, tokens: list[int], name: str):
+        """A state layer's state after exactly ``tokens`` (its ``state_bytes`` bytes, int8)."""
+        import torch
+
+        seed = hash((tuple(tokens), self.LAYERS.index(name))) % 2**31  # ints hash alike in every process
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randint(-128, 128, (self.state_bytes,), dtype=torch.int8, generator=generator)
+
     @property
     def spec(self):
         return self.worker.connector_worker.spec
@@ -478,7 +544,16 @@ class HybridRig(ConnectorRig):
 
     def forward(self, request_id: str, start: int, end: int) -> None:
         tokens = self.scheduler.requests[request_id].all_token_ids
+        if self.kind == "mamba":
+            for group_index, (name,) in enumerate(self.groups[1:], 1):
+                blocks = self.group_block_ids(request_id, group_index)
+                for length in range((start // self.BLOCK_SIZE + 1) * self.BLOCK_SIZE, end + 1, self.BLOCK_SIZE):
+                    block = blocks[length // self.BLOCK_SIZE - 1]
+                    if block != 0:
+                        self.rows[block, : self.state_bytes] = self.state_after(tokens[:length], name)
         for group_index, group in enumerate(self.groups):
+            if self.kind == "mamba" and group_index > 0:
+                continue
             blocks = self.group_block_ids(request_id, group_index)
             for position in range(start, end):
                 block = blocks[position // self.BLOCK_SIZE]

@@ -48,12 +48,12 @@ def present(rig: HybridRig, request) -> dict[str, list[bool]]:
 
 
 def assert_loaded_blocks_hold(rig: HybridRig, request_id: str, prompt: list[int], plan: dict[str, range]) -> None:
-    """Each group's blocks in ``plan`` (its component's page indices) hold the stand-in model's
-    bytes for ``prompt``; a sliding-window group's blocks before its window are not the request's."""
+    """The blocks of each group ``plan`` names (its component's page indices) hold the stand-in
+    model's KV bytes for ``prompt``."""
     spec = rig.spec
     for group_id, name in spec.group_components.items():
         blocks = rig.group_block_ids(request_id, group_id)
-        for index in plan[name]:
+        for index in plan.get(name, ()):
             for layer in rig.groups[group_id]:
                 assert torch.equal(rig.bits[layer][blocks[index]], rig.expected_block(prompt, layer, index)), (
                     group_id,
@@ -121,3 +121,58 @@ def test_a_group_kind_kvstage_does_not_store_is_refused_naming_the_group_and_kin
         InvalidArgumentError, match=r"^kv_cache_groups\[1\]: .* group 1 \(layers .*\) is ChunkedLocalAttentionSpec"
     ):
         HybridRig(tmp_path / "model", "memory", kind="chunked")
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_a_qwen3_next_like_model_stores_one_state_chunk_and_hits_at_its_boundary(kind, tmp_path):
+    rig = HybridRig(tmp_path / "model", storage_url(kind, tmp_path), kind="mamba")
+    try:
+        layout = rig.spec.layout
+        names = rig.spec.group_components
+        assert [layout.component(names[g]).kind for g in range(4)] == ["full", "state", "state", "state"]
+        first = rig.add_request("a", PROMPT, max_tokens=1)
+        rig.run_until_idle()
+        stores = rig.manager.storage.stores
+        assert len({store.prefix for store in stores.values()}) == 4  # a key space per group
+        assert stores[0].stats.pages_stored == len(PROMPT) // BLOCK
+        # vLLM's align mode splits the prefill at the last block boundary before the prompt's end
+        # and keeps (and offloads) the state there: one chunk a state group
+        assert [stores[g].stats.pages_stored for g in (1, 2, 3)] == [1, 1, 1]
+        marks = present(rig, first)
+        restorable = restorable_lengths(layout, BLOCK, len(PROMPT), marks)
+        assert restorable.lengths == (6 * BLOCK,)  # only where a snapshot is
+
+        rig.scheduler.reset_prefix_cache()
+        rig.backing.zero_()
+        scheduled = run_to_prompt_end(rig, "b", PROMPT)
+        assert len(PROMPT) - scheduled == restorable.max_length  # rounded down to the state chunk
+        plan = pages_to_load(layout, BLOCK, restorable.max_length)
+        assert stores[0].stats.pages_read == len(plan["g0"]) == 6
+        assert [stores[g].stats.pages_read for g in (1, 2, 3)] == [len(plan[names[g]]) for g in (1, 2, 3)] == [1, 1, 1]
+        assert_loaded_blocks_hold(rig, "b", PROMPT, {"g0": plan["g0"]})
+        for group in (1, 2, 3):
+            (name,) = rig.groups[group]
+            (index,) = plan[names[group]]  # the snapshot after 96 tokens, under h_5
+            block = rig.group_block_ids("b", group)[index]
+            assert block != 0
+            assert torch.equal(rig.rows[block, : rig.state_bytes], rig.state_after(PROMPT[: (index + 1) * BLOCK], name))
+    finally:
+        rig.close()
+
+
+def test_a_mamba_group_outside_align_mode_is_refused_naming_the_mode():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from kvstage.integrations.vllm.groups import group_layout
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    state = MambaSpec(block_size=16, shapes=((4, 3),), dtypes=(torch.float16,), mamba_cache_mode="all")
+    config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layers.1.attn"], full), KVCacheGroupSpec(["layers.0.mixer"], state)],
+    )
+    with pytest.raises(InvalidArgumentError, match=r"^kv_cache_groups\[1\]: .*is MambaSpec \(mamba_cache_mode 'all'\)"):
+        group_layout(config, (0, 1))
+    layout, names = group_layout(config, (0,))  # the full-attention group alone is a plain component
+    assert names == {0: "g0"} and layout.component("g0").layers == (0,)
