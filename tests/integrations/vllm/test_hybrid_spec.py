@@ -176,3 +176,42 @@ def test_a_mamba_group_outside_align_mode_is_refused_naming_the_mode():
         group_layout(config, (0, 1))
     layout, names = group_layout(config, (0,))  # the full-attention group alone is a plain component
     assert names == {0: "g0"} and layout.component("g0").layers == (0,)
+
+
+def test_a_failed_load_names_each_groups_blocks_from_its_first_page_not_read():
+    # One load job over two groups' key spaces: group 0's pages all read, group 1's second is
+    # missing; vLLM recomputes group 1's blocks from that one on, and nothing of group 0.
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+        make_offload_key,
+    )
+
+    from kvstage.integrations.vllm import KVStageWorker
+    from kvstage.integrations.vllm.groups import GroupStores
+    from kvstage.integrations.vllm.manager import KVStageLoadStoreSpec
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    tensor = torch.zeros(8, 64, dtype=torch.int8)  # one layer slot, shared by both groups' layer
+    kv_caches = CanonicalKVCaches([CanonicalKVCacheTensor(tensor, 64)], [[CanonicalKVCacheRef(0, 64)]] * 2)
+    stores = {g: MemoryStore(LayoutFingerprint.opaque("m", page_bytes=64, page_format=f"g{g}")) for g in (0, 3)}
+    keys = {g: [make_offload_key(bytes([i]) * 32, g).hex() for i in range(3)] for g in (0, 3)}
+    pages = {key: torch.randint(0, 256, (64,), dtype=torch.uint8) for g in (0, 3) for key in keys[g]}
+    for g in (0, 3):
+        held = [key for key in keys[g] if key != keys[3][1]]
+        stores[g].put(held, [pages[key] for key in held])
+    worker = KVStageWorker(kv_caches, GroupStores(stores), num_host_pages=2, report_load_errors=True, group_ids=(0, 3))
+    try:
+        spec = GPULoadStoreSpec([1, 2, 3, 5, 6, 7], group_sizes=[3, 3], block_indices=[0, 0])
+        assert worker.submit_load(9, KVStageLoadStoreSpec(keys[0] + keys[3]), spec)
+        worker.wait({9})
+        [result] = worker.get_finished()
+        assert result.job_id == 9 and result.success  # done: its failed blocks go to vLLM's scheduler
+        assert worker.take_block_ids_with_load_errors() == {6, 7} and worker.loads_failed == 1
+        for block, key in zip([1, 2, 3, 5], keys[0] + keys[3][:1]):
+            assert torch.equal(tensor[block].view(torch.uint8), pages[key])
+        assert not tensor[6].any() and not tensor[7].any()
+    finally:
+        worker.close()
