@@ -215,3 +215,34 @@ def test_a_failed_load_names_each_groups_blocks_from_its_first_page_not_read():
         assert not tensor[6].any() and not tensor[7].any()
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize(("kind", "reads"), [("swa", {"0": 6, "1": 2}), ("mamba", {"0": 6, "1": 1, "2": 1, "3": 1})])
+def test_another_engine_process_hits_the_restorable_prefix_of_the_file_store(kind, reads, tmp_path):
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    url = storage_url("file", tmp_path)
+    first = HybridRig(tmp_path / "model", url, kind=kind)
+    try:
+        first.add_request("a", PROMPT, max_tokens=1)
+        first.run_until_idle()
+    finally:
+        first.close()
+    tests = pathlib.Path(__file__).parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    script = pathlib.Path(__file__).with_name("hybrid_second_engine.py")
+    done = subprocess.run(
+        [sys.executable, str(script), kind, str(tmp_path / "model"), url],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["hit"] == report["restorable"] == 6 * BLOCK  # the other process's stores, restorable there
+    assert report["pages_read"] == reads and report["exact"]
