@@ -22,7 +22,7 @@ pytest.importorskip(
 import torch  # noqa: E402
 
 from kvstage.errors import InvalidArgumentError  # noqa: E402
-from kvstage.offload.restorable import pages_to_load, restorable_lengths  # noqa: E402
+from kvstage.offload.restorable import pages_to_load, restorable_lengths, swa_store_mask  # noqa: E402
 
 from vllm_rig import HybridRig, run_to_prompt_end  # noqa: E402
 
@@ -62,9 +62,10 @@ def assert_loaded_blocks_hold(rig: HybridRig, request_id: str, prompt: list[int]
                 )
 
 
-@pytest.mark.parametrize("kind", ["memory", "file"])
-def test_a_gpt_oss_like_model_stores_its_groups_apart_and_loads_the_window_only(kind, tmp_path):
-    rig = HybridRig(tmp_path / "model", storage_url(kind, tmp_path), kind="swa")
+@pytest.mark.parametrize(("kind", "batched"), [("memory", 512), ("file", 512), ("file", 2 * BLOCK)])
+def test_a_gpt_oss_like_model_stores_its_groups_apart_and_loads_the_window_only(kind, batched, tmp_path):
+    # batched 2 * BLOCK: a chunked prefill, a store job a step
+    rig = HybridRig(tmp_path / "model", storage_url(kind, tmp_path), kind="swa", max_num_batched_tokens=batched)
     try:
         layout = rig.spec.layout
         full, window = (layout.component(rig.spec.group_components[g]) for g in (0, 1))
@@ -79,6 +80,9 @@ def test_a_gpt_oss_like_model_stores_its_groups_apart_and_loads_the_window_only(
         marks = present(rig, first)
         expected = restorable_lengths(layout, BLOCK, len(PROMPT), marks).max_length
         assert expected == (len(PROMPT) - 1) // BLOCK * BLOCK  # the whole prompt but its last token's block
+        # vLLM's reachable-store rule is kvstage's: the window before the stored segment's end
+        pages = len(PROMPT) // BLOCK
+        assert marks[window.name][:pages] == swa_store_mask(window, BLOCK, [pages * BLOCK], pages)
 
         rig.scheduler.reset_prefix_cache()
         rig.backing.zero_()
