@@ -109,6 +109,7 @@ class ConnectorRig:
 
     BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_SIZE = 16, 32, 2, 16
     LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+    CACHE_CONFIG: dict = {}  # more of vLLM's CacheConfig (e.g. mamba_cache_mode)
 
     def __init__(
         self,
@@ -123,7 +124,6 @@ class ConnectorRig:
     ) -> None:
         import uuid
 
-        import torch
         from transformers import LlamaConfig
         from vllm.config import (
             CacheConfig,
@@ -140,7 +140,6 @@ class ConnectorRig:
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
         from vllm.v1.structured_output import StructuredOutputManager
 
         from kvstage.integrations.vllm import KVStageConnector
@@ -165,7 +164,7 @@ class ConnectorRig:
                 max_model_len=512,
             ),
             device_config=DeviceConfig(device="cpu"),
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True, **self.CACHE_CONFIG),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=4,
@@ -189,23 +188,8 @@ class ConnectorRig:
                 },
             ),
         )
-        attention = FullAttentionSpec(
-            block_size=block_size, num_kv_heads=self.NUM_KV_HEADS, head_size=self.HEAD_SIZE, dtype=torch.float16
-        )
-        page = attention.page_size_bytes
-        kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[
-                KVCacheTensor(
-                    size=len(self.LAYERS) * num_blocks * page,
-                    layers=list(self.LAYERS),
-                    layer_stride=num_blocks * page,
-                    block_stride=page,
-                )
-            ],
-            kv_cache_groups=[KVCacheGroupSpec(list(self.LAYERS), attention)],
-        )
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        kv_cache_config = self._kv_cache_config()
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config,
             kv_cache_config=kv_cache_config,
@@ -214,14 +198,6 @@ class ConnectorRig:
             log_stats=True,
         )
         self.worker = KVStageConnector(self.vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-        # The "GPU" KV cache: one allocation, layer-outermost, as KVCacheTensor above places it.
-        self.backing = torch.zeros(len(self.LAYERS), num_blocks, page, dtype=torch.int8)
-        self.kv = {
-            name: self.backing[index]
-            .view(torch.float16)
-            .view(num_blocks, 2, block_size, self.NUM_KV_HEADS, self.HEAD_SIZE)
-            for index, name in enumerate(self.LAYERS)
-        }
         with set_current_vllm_config(self.vllm_config):
             self.worker.register_kv_caches(self.kv)
         init_none_hash(sha256)
@@ -245,6 +221,49 @@ class ConnectorRig:
             return publish(batch)
 
         self.scheduler.kv_event_publisher.publish = recorded_publish
+
+    def _kv_cache_config(self):
+        """vLLM's KVCacheConfig of the model (one full-attention group over LAYERS), and the "GPU"
+        KV cache it places: :attr:`backing` (one allocation, layer-outermost) and :attr:`kv`
+        (each layer's block tensor, a view of it)."""
+        import torch
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+        block_size, num_blocks = self.BLOCK_SIZE, self.NUM_BLOCKS
+        attention = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=self.NUM_KV_HEADS, head_size=self.HEAD_SIZE, dtype=torch.float16
+        )
+        page = attention.page_size_bytes
+        self.backing = torch.zeros(len(self.LAYERS), num_blocks, page, dtype=torch.int8)
+        self.kv = {
+            name: self.backing[index]
+            .view(torch.float16)
+            .view(num_blocks, 2, block_size, self.NUM_KV_HEADS, self.HEAD_SIZE)
+            for index, name in enumerate(self.LAYERS)
+        }
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[
+                KVCacheTensor(
+                    size=len(self.LAYERS) * num_blocks * page,
+                    layers=list(self.LAYERS),
+                    layer_stride=num_blocks * page,
+                    block_stride=page,
+                )
+            ],
+            kv_cache_groups=[KVCacheGroupSpec(list(self.LAYERS), attention)],
+        )
+
+    def forward(self, request_id: str, start: int, end: int) -> None:
+        """The stand-in model's work on positions ``[start, end)`` of a request: each token's
+        ``kv_value`` into its row of its block in every layer."""
+        request = self.scheduler.requests[request_id]
+        blocks, tokens = self.block_ids(request_id), request.all_token_ids
+        for position in range(start, end):
+            for layer, name in enumerate(self.LAYERS):
+                self.kv[name][blocks[position // self.BLOCK_SIZE], :, position % self.BLOCK_SIZE] = self.kv_value(
+                    tokens[position], position, layer
+                )
 
     @staticmethod
     def kv_value(token: int, position: int, layer: int) -> float:
@@ -276,18 +295,15 @@ class ConnectorRig:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         output = self.scheduler.schedule()
+        for copy in output.kv_cache_block_copies or ():  # the model runner's copy-on-write (Mamba align)
+            self.backing[:, copy.dst_block_id] = self.backing[:, copy.src_block_id]
         metadata = output.kv_connector_metadata
         self.worker.handle_preemptions(metadata)
         self.worker.bind_connector_metadata(metadata)
         self.worker.start_load_kv(self._forward_context)
         for request_id, count in output.num_scheduled_tokens.items():
-            request = self.scheduler.requests[request_id]
-            blocks, tokens = self.block_ids(request_id), request.all_token_ids
-            for position in range(request.num_computed_tokens - count, request.num_computed_tokens):
-                for layer, name in enumerate(self.LAYERS):
-                    self.kv[name][blocks[position // self.BLOCK_SIZE], :, position % self.BLOCK_SIZE] = self.kv_value(
-                        tokens[position], position, layer
-                    )
+            computed = self.scheduler.requests[request_id].num_computed_tokens
+            self.forward(request_id, computed - count, computed)
         if output.total_num_scheduled_tokens > 0:
             self.worker.wait_for_save()
         time.sleep(0.02)  # the copy stream and store threads run between steps, as on a GPU
@@ -329,11 +345,7 @@ class ConnectorRig:
         outputs = []
         for _ in range(max_steps):
             outputs.append(self.step())
-            if (
-                not self.scheduler.requests
-                and worker.worker.keyed.jobs_in_flight == 0
-                and not worker._unsubmitted_store_jobs
-            ):
+            if not self.scheduler.requests and worker.worker.jobs_in_flight == 0 and not worker._unsubmitted_store_jobs:
                 outputs.append(self.step())
                 return outputs
         raise AssertionError(f"not idle after {max_steps} steps")
@@ -378,3 +390,187 @@ def assert_blocks_hold(rig: ConnectorRig, request_id: str, prompt: list[int], co
     for index in range(count):
         for name, block in zip(rig.LAYERS, expected_block(rig, prompt, index)):
             assert torch.equal(rig.kv[name][blocks[index]], block), (index, name)
+
+
+class HybridRig(ConnectorRig):
+    """:class:`ConnectorRig` over a hybrid model of four layers, its KV cache laid out as vLLM's
+    hybrid allocator lays it out (groups of equal layer counts overlaying one allocation, one
+    layer slot per group layer; a block id belongs to one group at a time):
+
+    - ``"swa"``, gpt-oss-like: layers 0 and 2 sliding window (``WINDOW`` tokens), 1 and 3 full
+      attention; group 0 full ``[1, 3]``, group 1 sliding window ``[0, 2]``;
+    - ``"chunked"``: the same with chunked local attention (chunks of ``WINDOW`` tokens, a kind
+      kvstage does not store) instead of the sliding window;
+    - ``"mamba"``, Qwen3-Next-like: layers 0-2 linear attention (``MambaSpec`` in align mode:
+      a conv and a recurrent state, padded to the attention page), layer 3 full attention; a group
+      per layer (group 0 full ``[3]``, groups 1-3 the state layers), as vLLM groups 3:1 models.
+      The stand-in writes the state after exactly ``L`` tokens (``L`` a multiple of the block,
+      a function of ``tokens[:L]`` and the layer) into the group's block ``L / BLOCK_SIZE - 1``,
+      where vLLM's align mode keeps it, and performs the scheduler's copy-on-write block copies.
+
+    :attr:`spec` is the worker side's ``KVStageOffloadingSpec`` (its groups are the scheduler side's).
+
+    The stand-in model writes random bytes: token ``t`` at position ``p`` of layer ``l`` is
+    ``RANDOM[p, l] ^ t`` (int16 bits, a seeded table), so a block's bytes are a function of its
+    tokens and positions and a loaded block must hold exactly them.
+    """
+
+    WINDOW = 24
+    LAYERS = tuple(f"model.layers.{index}.self_attn.attn" for index in range(4))
+
+    def __init__(self, model_dir, storage: str, *, kind: str = "swa", **kwargs) -> None:
+        import torch
+
+        assert kind in ("swa", "chunked", "mamba"), kind
+        self.kind = kind
+        if kind == "mamba":
+            self.CACHE_CONFIG = {"mamba_cache_mode": "align"}  # what --enable-prefix-caching picks for it
+        generator = torch.Generator().manual_seed(29)
+        shape = (512, len(self.LAYERS), 2, self.NUM_KV_HEADS, self.HEAD_SIZE)
+        self.random = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
+        super().__init__(model_dir, storage, **kwargs)
+
+    def _kv_cache_config(self):
+        import torch
+        from vllm.v1.kv_cache_interface import (
+            ChunkedLocalAttentionSpec,
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+            SlidingWindowSpec,
+        )
+
+        if self.kind == "mamba":
+            return self._mamba_kv_cache_config()
+        block_size, num_blocks = self.BLOCK_SIZE, self.NUM_BLOCKS
+        sizes = dict(
+            block_size=block_size, num_kv_heads=self.NUM_KV_HEADS, head_size=self.HEAD_SIZE, dtype=torch.float16
+        )
+        full = FullAttentionSpec(**sizes)
+        if self.kind == "swa":
+            window = SlidingWindowSpec(**sizes, sliding_window=self.WINDOW)
+        else:
+            window = ChunkedLocalAttentionSpec(**sizes, attention_chunk_size=self.WINDOW)
+        L = self.LAYERS
+        self.groups = [[L[1], L[3]], [L[0], L[2]]]
+        specs = [full, window]
+        page = full.page_size_bytes
+        slots = len(self.groups[0])
+        self.backing = torch.zeros(slots, num_blocks, page, dtype=torch.int8)
+        self.kv, self.bits = {}, {}
+        for group in self.groups:
+            for slot, name in enumerate(group):
+                self.kv[name] = (
+                    self.backing[slot]
+                    .view(torch.float16)
+                    .view(num_blocks, 2, block_size, self.NUM_KV_HEADS, self.HEAD_SIZE)
+                )
+                self.bits[name] = self.kv[name].view(torch.int16)
+        size = slots * num_blocks * page
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[
+                KVCacheTensor(size=size, layers=list(group), layer_stride=num_blocks * page, block_stride=page)
+                for group in self.groups
+            ],
+            kv_cache_groups=[KVCacheGroupSpec(list(group), spec) for group, spec in zip(self.groups, specs)],
+        )
+
+    STATE_SHAPES = ((64, 3), (2, 8, 16))  # conv (float16), recurrent (float32): 1408 bytes, padded to 2048
+
+    def _mamba_kv_cache_config(self):
+        import torch
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+            MambaSpec,
+        )
+
+        block_size, num_blocks = self.BLOCK_SIZE, self.NUM_BLOCKS
+        full = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=self.NUM_KV_HEADS, head_size=self.HEAD_SIZE, dtype=torch.float16
+        )
+        page = full.page_size_bytes
+        state = MambaSpec(
+            block_size=block_size,
+            shapes=self.STATE_SHAPES,
+            dtypes=(torch.float16, torch.float32),
+            page_size_padded=page,
+            mamba_cache_mode="align",
+        )
+        self.state_bytes = state.state_content_size_bytes
+        L = self.LAYERS
+        self.groups = [[L[3]], [L[0]], [L[1]], [L[2]]]
+        self.backing = torch.zeros(1, num_blocks, page, dtype=torch.int8)
+        self.rows = self.backing[0]  # (num_blocks, page): every layer's block row (one layer slot)
+        attention = self.rows.view(torch.float16).view(num_blocks, 2, block_size, self.NUM_KV_HEADS, self.HEAD_SIZE)
+        conv = self.rows.view(torch.float16)[:, : 64 * 3].view(num_blocks, 64, 3)  # a state layer's first tensor
+        self.kv = {L[3]: attention, L[0]: conv, L[1]: conv, L[2]: conv}
+        self.bits = {L[3]: attention.view(torch.int16)}
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[
+                KVCacheTensor(
+                    size=num_blocks * page, layers=list(group), layer_stride=num_blocks * page, block_stride=page
+                )
+                for group in self.groups
+            ],
+            kv_cache_groups=[
+                KVCacheGroupSpec(list(group), spec) for group, spec in zip(self.groups, [full, state, state, state])
+            ],
+        )
+
+    def state_after(self, tokens: list[int], name: str):
+        """A state layer's state after exactly ``tokens`` (its ``state_bytes`` bytes, int8)."""
+        import torch
+
+        seed = hash((tuple(tokens), self.LAYERS.index(name))) % 2**31  # ints hash alike in every process
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randint(-128, 128, (self.state_bytes,), dtype=torch.int8, generator=generator)
+
+    @property
+    def spec(self):
+        return self.worker.connector_worker.spec
+
+    def group_block_ids(self, request_id: str, group: int) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[group])
+
+    def token_bits(self, token: int, position: int, name: str):
+        """A token's row of one layer's block, as the stand-in model writes it (int16 bits)."""
+        return self.random[position, self.LAYERS.index(name)] ^ token
+
+    def forward(self, request_id: str, start: int, end: int) -> None:
+        tokens = self.scheduler.requests[request_id].all_token_ids
+        if self.kind == "mamba":
+            for group_index, (name,) in enumerate(self.groups[1:], 1):
+                blocks = self.group_block_ids(request_id, group_index)
+                for length in range((start // self.BLOCK_SIZE + 1) * self.BLOCK_SIZE, end + 1, self.BLOCK_SIZE):
+                    block = blocks[length // self.BLOCK_SIZE - 1]
+                    if block != 0:
+                        self.rows[block, : self.state_bytes] = self.state_after(tokens[:length], name)
+        for group_index, group in enumerate(self.groups):
+            if self.kind == "mamba" and group_index > 0:
+                continue
+            blocks = self.group_block_ids(request_id, group_index)
+            for position in range(start, end):
+                block = blocks[position // self.BLOCK_SIZE]
+                assert block != 0, (request_id, group_index, position)  # a position computed has a block
+                for name in group:
+                    self.bits[name][block, :, position % self.BLOCK_SIZE] = self.token_bits(
+                        tokens[position], position, name
+                    )
+
+    def expected_block(self, prompt: list[int], name: str, block_index: int):
+        """Layer ``name``'s block ``block_index`` for ``prompt`` (int16 bits)."""
+        import torch
+
+        return torch.stack(
+            [
+                self.token_bits(prompt[position], position, name)
+                for position in range(block_index * self.BLOCK_SIZE, (block_index + 1) * self.BLOCK_SIZE)
+            ],
+            dim=1,
+        )

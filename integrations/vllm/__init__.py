@@ -12,7 +12,8 @@ Public API:
         ``"kvstage.integrations.vllm"``, ``kv_load_failure_policy`` ``"recompute"``).
 
 Modules: ``keys`` (offload keys as page keys, the fingerprint of vLLM's chunks, store events as
-vLLM events), ``tier`` (``KVStageTier``), ``spec`` (``KVStageOffloadingSpec``), ``manager``
+vLLM events), ``groups`` (a hybrid model's KV cache groups as kvstage components, a key space
+each), ``tier`` (``KVStageTier``), ``spec`` (``KVStageOffloadingSpec``), ``manager``
 (its scheduler side), ``worker`` (its worker side), ``connector`` (``KVStageConnector``). Importing this package imports vLLM.
 
 vLLM's ``--kv-offloading-size`` rewrites ``kv_connector`` by ``--kv-offloading-backend``

@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvstage.errors import InvalidArgumentError, require
+from kvstage.integrations.vllm.groups import KV_CACHE_CONFIG
 from kvstage.integrations.vllm.manager import KVStageOffloadingManager
 from kvstage.integrations.vllm.spec import KVStageOffloadingSpec
 
@@ -124,7 +125,11 @@ class KVStageConnector(OffloadingConnector):
 
     def __init__(self, vllm_config, role, kv_cache_config) -> None:
         check_spec_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        super().__init__(vllm_config, role, kv_cache_config)
+        token = KV_CACHE_CONFIG.set(kv_cache_config)  # the spec vLLM builds here reads each group's kind
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            KV_CACHE_CONFIG.reset(token)
         if self.connector_worker is not None:
             spec = self.connector_worker.spec
             require(

@@ -28,6 +28,7 @@ __all__ = [
     "offloading_events",
     "page_keys",
     "prior_page_keys",
+    "require_one_block_chunks",
     "tier_fingerprint",
 ]
 
@@ -145,6 +146,25 @@ def tier_fingerprint(config, *, page_bytes: int, model_id: str | None = None) ->
     )
 
 
+def require_one_block_chunks(config) -> None:
+    """Raise unless vLLM's chunk is one GPU block (kvstage's page is a block of one group).
+
+    Raises:
+        InvalidArgumentError: naming ``blocks_per_chunk`` or ``block_size``, whichever the extra
+            config gave.
+    """
+    written = "blocks_per_chunk" if "blocks_per_chunk" in config.extra_config else "block_size"
+    require(
+        config.cache.blocks_per_chunk == 1,
+        written,
+        lambda: (
+            f"KVStageOffloadingSpec stores GPU blocks as they are: leave it out or give vLLM's block of "
+            f"{config.groups[0].tokens_per_block} tokens (blocks_per_chunk 1), got {config.extra_config.get(written)!r} "
+            f"({config.cache.blocks_per_chunk} blocks a chunk)"
+        ),
+    )
+
+
 def block_fingerprint(config, *, model_id: str | None = None) -> LayoutFingerprint:
     """The key space of one worker's blocks: ``config.worker_kv_bytes_per_block`` bytes a page.
 
@@ -157,28 +177,17 @@ def block_fingerprint(config, *, model_id: str | None = None) -> LayoutFingerpri
         model_id: the model's name; None: ``config.model.name``.
 
     Raises:
-        InvalidArgumentError: more than one KV group, or chunks of more than one block (naming
-            ``blocks_per_chunk`` or ``block_size``, whichever the extra config gave).
+        InvalidArgumentError: more than one KV group (a hybrid model's key spaces are
+            :func:`kvstage.integrations.vllm.groups.group_fingerprints`), or as
+            :func:`require_one_block_chunks`.
     """
     require(
         len(config.groups) == 1,
         "kv_cache_groups",
-        lambda: (
-            f"KVStageOffloadingSpec stores one KV cache group, this model offloads {len(config.groups)}: "
-            "for hybrid models use TieringOffloadingSpec with a KVStageTier secondary tier"
-        ),
+        lambda: f"block_fingerprint keys one KV cache group, got {len(config.groups)}: use groups.group_fingerprints",
     )
+    require_one_block_chunks(config)
     group, parallel = config.groups[0], config.parallel
-    written = "blocks_per_chunk" if "blocks_per_chunk" in config.extra_config else "block_size"
-    require(
-        config.cache.blocks_per_chunk == 1,
-        written,
-        lambda: (
-            f"KVStageOffloadingSpec stores GPU blocks as they are: leave it out or give vLLM's block of "
-            f"{group.tokens_per_block} tokens (blocks_per_chunk 1), got {config.extra_config.get(written)!r} "
-            f"({config.cache.blocks_per_chunk} blocks a chunk)"
-        ),
-    )
     page_format = "|".join(
         [
             "vllm-block-v1",

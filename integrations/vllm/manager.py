@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    get_offload_group_idx,
 )
 
 from kvstage.integrations.vllm.keys import lookup_result, page_keys, prior_page_keys
@@ -59,6 +60,9 @@ class KVStageOffloadingManager(OffloadingManager):
             miss (unless stored again meanwhile).
         hit_ttl_s: seconds after which a held key is checked again in the background.
         events: collect vLLM events (vLLM publishes KV events).
+        unchained_groups: KV group ids whose pages link to no predecessor (a hybrid model's
+            sliding-window and Mamba groups: vLLM stores only the chunks that can serve a hit,
+            so the chunk before one is rightly absent).
 
     Events (``take_events``, medium ``STORAGE``): a block is announced stored once, when vLLM
     reports its store job done by every worker and no worker failed to write it (known when
@@ -77,9 +81,16 @@ class KVStageOffloadingManager(OffloadingManager):
     """
 
     def __init__(
-        self, storage: Any, *, miss_ttl_s: float = 1.0, hit_ttl_s: float | None = 10.0, events: bool = False
+        self,
+        storage: Any,
+        *,
+        miss_ttl_s: float = 1.0,
+        hit_ttl_s: float | None = 10.0,
+        events: bool = False,
+        unchained_groups: frozenset[int] = frozenset(),
     ) -> None:
         self.storage = storage
+        self._unchained_groups = unchained_groups
         self._workers = StoreWorkers()
         try:
             self.index = StoreIndex(storage, self._workers, miss_ttl_s=miss_ttl_s, hit_ttl_s=hit_ttl_s)
@@ -169,6 +180,11 @@ class KVStageOffloadingManager(OffloadingManager):
         # Each block links to its request's block before it (stored by an earlier job, found in
         # the store, or in this job), so a prefix stored over several steps is one chain.
         priors = prior_page_keys(req_context, [key for key, _ in wanted])
+        if self._unchained_groups:
+            priors = [
+                None if get_offload_group_idx(key) in self._unchained_groups else prior
+                for (key, _), prior in zip(wanted, priors)
+            ]
         return PrepareStoreOutput(
             keys_to_store=[key for key, _ in wanted],
             store_spec=KVStageLoadStoreSpec(wanted_page_keys, priors),

@@ -10,7 +10,10 @@ and asks it for a scheduler-side manager (:class:`KVStageOffloadingManager`: dec
 lookups from a :class:`kvstage.offload.StoreIndex`, announces stored and lost blocks) and, in each worker, a
 worker (:class:`KVStageWorker`: moves vLLM's canonical block tensors to and from the store with
 :class:`kvstage.offload.KeyedCopies`). A page is one block of one worker across the KV group's
-layers; its key is the block's ``OffloadKey`` in hex.
+layers; its key is the block's ``OffloadKey`` in hex. A hybrid model (several groups: full
+attention, sliding window, Mamba in align mode) keeps each group in a key space of its own
+(:mod:`kvstage.integrations.vllm.groups`); vLLM's connector scheduler decides which chunks of each
+group to store and load, and needs :class:`KVStageConnector` to name the groups' kinds.
 
 Extra config: ``storage`` (a kvstage storage URL, required), ``num_host_pages`` (the worker's
 host pool, default 256), ``model_id`` (default: the model path vLLM runs; set it where engines
@@ -26,6 +29,7 @@ import logging
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
 
 from kvstage.errors import is_int, require
+from kvstage.integrations.vllm.groups import KV_CACHE_CONFIG, GroupStores, group_fingerprints, group_layout
 from kvstage.integrations.vllm.keys import block_fingerprint
 from kvstage.integrations.vllm.manager import KVStageOffloadingManager
 from kvstage.integrations.vllm.worker import KVStageWorker
@@ -56,9 +60,11 @@ class KVStageOffloadingSpec(OffloadingSpec):
     """vLLM's ``OffloadingSpec`` over a kvstage store (see the module doc for the config).
 
     Raises:
-        InvalidArgumentError: a missing ``storage`` or a bad extra config value (named), more than
-            one KV group, chunks of more than one block (naming ``block_size`` or
-            ``blocks_per_chunk``, as written).
+        InvalidArgumentError: a missing ``storage`` or a bad extra config value (named); several
+            KV groups without :class:`KVStageConnector` (naming ``kv_connector``), or a group of a
+            kind kvstage does not store (naming ``kv_cache_groups[i]`` and its kind, see
+            :func:`kvstage.integrations.vllm.groups.group_layout`); chunks of more than one block
+            (naming ``block_size`` or ``blocks_per_chunk``, as written).
     """
 
     def __init__(self, config) -> None:
@@ -92,7 +98,32 @@ class KVStageOffloadingSpec(OffloadingSpec):
         )
         self.miss_ttl_s = extra.get("miss_ttl_s", 1.0)
         self.hit_ttl_s = extra.get("hit_ttl_s", 10.0)
-        self.fingerprint = block_fingerprint(config, model_id=extra.get("model_id"))
+        if len(config.groups) == 1:
+            self.fingerprint = block_fingerprint(config, model_id=extra.get("model_id"))
+            self.group_fingerprints = None
+            self.layout, self.group_components, self.unchained_groups = None, None, frozenset()
+        else:
+            kv_cache_config = KV_CACHE_CONFIG.get()
+            require(
+                kv_cache_config is not None,
+                "kv_connector",
+                lambda: (
+                    f"this model offloads {len(config.groups)} KV cache groups (a hybrid model): KVStageOffloadingSpec "
+                    "needs each group's kind, which vLLM hands only to the connector: give kv_connector "
+                    "'KVStageConnector' with kv_connector_module_path 'kvstage.integrations.vllm'"
+                ),
+            )
+            self.fingerprint = None
+            # one key space per group, each of its own page size (refuses a group kind kvstage does not store)
+            self.group_fingerprints = group_fingerprints(config, kv_cache_config, model_id=extra.get("model_id"))
+            # the groups as kvstage components (ModelLayout): group id -> component name
+            self.layout, self.group_components = group_layout(kv_cache_config, tuple(self.group_fingerprints))
+            # a sliding-window or state page's predecessor is rightly absent: such pages start no chain
+            self.unchained_groups = frozenset(
+                group_id
+                for group_id, name in self.group_components.items()
+                if self.layout.component(name).kind != "full"
+            )
         self.report_load_errors = False  # KVStageConnector sets it: failed loads go to vLLM's scheduler
         self.load_failure_policy = "fail"  # KVStageConnector sets vLLM's kv_load_failure_policy (for warnings)
         self.reports_stores = False  # KVStageConnector sets it: workers report their stores to the scheduler
@@ -102,13 +133,14 @@ class KVStageOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         """The scheduler-side manager (one per spec)."""
         if self._manager is None:
-            storage = open_shared_storage(self.storage_url, self.fingerprint)
+            storage = self._open_storage()
             try:
                 self._manager = KVStageOffloadingManager(
                     storage,
                     miss_ttl_s=self.miss_ttl_s,
                     hit_ttl_s=self.hit_ttl_s,
                     events=self.kv_events_config.enable_kv_cache_events,
+                    unchained_groups=self.unchained_groups,
                 )
             except BaseException:
                 release_shared_storage(storage)  # the manager owns the store only once built
@@ -118,7 +150,7 @@ class KVStageOffloadingSpec(OffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         """This worker's mover over ``kv_caches`` (one per spec)."""
         if self._worker is None:
-            storage = open_shared_storage(self.storage_url, self.fingerprint)
+            storage = self._open_storage()
             try:
                 self._worker = KVStageWorker(
                     kv_caches,
@@ -127,8 +159,23 @@ class KVStageOffloadingSpec(OffloadingSpec):
                     report_load_errors=self.report_load_errors,
                     load_failure_policy=self.load_failure_policy,
                     reports_stores=self.reports_stores,
+                    group_ids=None if self.group_fingerprints is None else tuple(self.group_fingerprints),
                 )
             except BaseException:
                 release_shared_storage(storage)  # the worker owns the store only once built
                 raise
         return self._worker
+
+    def _open_storage(self):
+        """The store (one group), or a :class:`GroupStores` of each group's (a hybrid model)."""
+        if self.group_fingerprints is None:
+            return open_shared_storage(self.storage_url, self.fingerprint)
+        stores = {}
+        try:
+            for group_id, fingerprint in self.group_fingerprints.items():
+                stores[group_id] = open_shared_storage(self.storage_url, fingerprint)
+        except BaseException:
+            for store in stores.values():
+                release_shared_storage(store)
+            raise
+        return GroupStores(stores)

@@ -16,6 +16,7 @@ import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, OffloadingWorker, TransferResult
 
 from kvstage.errors import require
+from kvstage.integrations.vllm.groups import group_of_key
 from kvstage.integrations.vllm.manager import KVStageLoadStoreSpec
 from kvstage.kernels import KVPool
 from kvstage.offload import Copier, HostPool, KeyedCopies, StoreWorkers
@@ -42,9 +43,10 @@ class KVStageWorker(OffloadingWorker):
     ``OffloadingConnector`` has no way to take it and its worker stops the engine.
 
     Args:
-        kv_caches: vLLM's ``CanonicalKVCaches`` of one KV group: each layer's tensor
-            ``(num_blocks, page_size_bytes)`` int8, contiguous, unpadded.
-        storage: the store; its page is one block of every layer of the group.
+        kv_caches: vLLM's ``CanonicalKVCaches``: each layer's tensor ``(num_blocks, page bytes)``
+            int8, contiguous (a row's padding is stored with it).
+        storage: the store; its page is one block of every layer of the group; for several
+            groups a :class:`kvstage.integrations.vllm.groups.GroupStores` (a store per group).
         num_host_pages: host pages for blocks in flight (a job of more blocks moves in parts).
         report_load_errors: failed loads go to :meth:`take_block_ids_with_load_errors`: the
             blocks from the first page that did not land on (the pages before it landed).
@@ -54,10 +56,14 @@ class KVStageWorker(OffloadingWorker):
             write and the store's evictions and removals of this worker's key space
             (:class:`KVStageConnector` hands them to the scheduler's manager; without it the
             store's events stay with the store, for a manager sharing this process).
+        group_ids: the KV group ids of ``kv_caches.group_data_refs``, in order (several groups);
+            None: one group. A job's blocks of each group move to and from that group's store,
+            and a failed load names, per group, the blocks from its first page not read.
 
     Raises:
-        InvalidArgumentError: more than one group, a padded or strided layer tensor, layers of
-            different page sizes, or a store of another page size; before anything is allocated.
+        InvalidArgumentError: several groups without ``group_ids`` (or groups other than the
+            store's), a strided layer tensor, layers of different page sizes, or a store of another
+            page size; before anything is allocated.
             On any raise the store stays the caller's (it is this worker's once built).
     """
 
@@ -70,49 +76,91 @@ class KVStageWorker(OffloadingWorker):
         report_load_errors: bool = False,
         load_failure_policy: str = "fail",
         reports_stores: bool = False,
+        group_ids: tuple[int, ...] | None = None,
     ) -> None:
-        require(
-            len(kv_caches.group_data_refs) == 1,
-            "kv_caches",
-            lambda: f"must hold one KV group, got {len(kv_caches.group_data_refs)}",
-        )
-        layers = []
-        for index, ref in enumerate(kv_caches.group_data_refs[0]):
-            tensor = kv_caches.tensors[ref.tensor_idx].tensor
+        num_groups = len(kv_caches.group_data_refs)
+        if group_ids is None:
+            require(num_groups == 1, "kv_caches", lambda: f"must hold one KV group, got {num_groups}")
+            stores = [storage]
+        else:
             require(
-                tensor.dim() == 2 and tensor.is_contiguous() and tensor.shape[1] == ref.page_size_bytes,
-                f"kv_caches.group_data_refs[0][{index}]",
-                lambda: (
-                    f"must be a contiguous (num_blocks, page bytes) tensor without padding, got shape {tuple(tensor.shape)} "
-                    f"strides {tensor.stride()} for a page of {ref.page_size_bytes} bytes"
-                ),
+                len(group_ids) == num_groups and list(getattr(storage, "stores", {})) == list(group_ids),
+                "kv_caches",
+                lambda: f"must hold the {len(group_ids)} KV groups {list(group_ids)} the store keys, got {num_groups}",
             )
-            layers.append(tensor.view(torch.uint8).view(tensor.shape[0], 1, tensor.shape[1]))
-        self.kv_pool = KVPool.mla(layers)  # a block is a slot; a layer's page is its row
-        host_pool = HostPool.like(self.kv_pool, num_pages=num_host_pages, page_size=1)
-        self.copier = Copier(self.kv_pool, host_pool)
+            stores = [storage.stores[group_id] for group_id in group_ids]
+        self.group_ids = group_ids
+        self._group_index = {group_id: index for index, group_id in enumerate(group_ids or ())}
         self._workers = StoreWorkers()
-        self.storage = storage
+        self._movers: list[_GroupMover] = []
         try:
-            self.keyed = KeyedCopies(self.copier, storage, self._workers)
+            for index, store in enumerate(stores):
+                self._movers.append(
+                    _GroupMover(kv_caches, index, store, num_host_pages=num_host_pages, workers=self._workers)
+                )
         except BaseException:
-            self.copier.close()  # the caller keeps the store: it is this worker's only once built
+            for mover in self._movers:  # the caller keeps the store: it is this worker's only once built
+                mover.copier.close()
             self._workers.close()
             raise
+        first = self._movers[0]
+        self.kv_pool, self.copier, self.keyed = first.kv_pool, first.copier, first.keyed  # the (first) group's
+        self.storage = storage
         self.report_load_errors = report_load_errors
         self.load_failure_policy = load_failure_policy
         self.pages_failed = 0  # pages of store jobs not written (reported done to vLLM)
         self.loads_failed = 0  # load jobs that could not read every page
-        self._load_blocks: dict[int, list[int]] = {}  # load job id -> its GPU block ids
+        self._jobs: dict[int, _Job] = {}  # job id -> its parts (one per group with blocks in it)
+        self._done: list[TransferResult] = []  # jobs of no blocks, reported at the next get_finished
         self._load_errors: set[int] = set()
         self.reports_stores = reports_stores
         self._unwritten: list[str] = []  # keys of store jobs not written, since the last report
         self._removed: list[str] = []  # keys the store evicted or removed, in order
 
+    def _parts(self, gpu_spec: GPULoadStoreSpec, page_keys: list[str], prior_keys: list | None) -> list[tuple]:
+        """A job's parts, one per group with blocks in it: (group index, block ids, page keys,
+        prior keys). vLLM orders the blocks by group (``group_sizes``, in the offloading
+        config's group order); a key names its group (its last 4 bytes)."""
+        block_ids = [int(block) for block in gpu_spec.block_ids]
+        if self.group_ids is None:
+            return [(0, block_ids, list(page_keys), prior_keys)]
+        keys: list[list[str]] = [[] for _ in self._movers]
+        priors: list[list] = [[] for _ in self._movers]
+        for position, key in enumerate(page_keys):
+            group = group_of_key(key)
+            require(group in self._group_index, "page_keys", lambda: f"key {key!r} is of group {group}, not offloaded")
+            keys[self._group_index[group]].append(key)
+            priors[self._group_index[group]].append(None if prior_keys is None else prior_keys[position])
+        parts, start = [], 0
+        for index, size in enumerate(gpu_spec.group_sizes):
+            blocks, start = block_ids[start : start + size], start + size
+            require(
+                len(keys[index]) == size,
+                "page_keys",
+                lambda: f"group {self.group_ids[index]} has {size} blocks and {len(keys[index])} keys in the job",
+            )
+            if size:
+                parts.append((index, blocks, keys[index], None if prior_keys is None else priors[index]))
+        return parts
+
+    def _submit(self, job_id: int, parts: list[tuple], is_store: bool) -> None:
+        if not parts:
+            self._done.append(TransferResult(job_id, True, transfer_size=0, transfer_time=0.0))
+            return
+        self._jobs[job_id] = _Job(is_store, {index: blocks for index, blocks, _, _ in parts})
+        for index, blocks, keys, priors in parts:
+            mover = self._movers[index]
+            slots = torch.tensor(blocks, dtype=torch.int64, device=mover.kv_pool.device)
+            if is_store:
+                mover.keyed.store(job_id, slots, keys, prior_keys=priors)
+            else:
+                mover.keyed.load(job_id, keys, slots)
+
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: KVStageLoadStoreSpec) -> bool:
         """Copy the GPU blocks out and write them under the spec's keys, each chained to the
-        spec's prior key (asynchronously); always accepted."""
-        self.keyed.store(job_id, self._slots(src_spec), dst_spec.page_keys, prior_keys=dst_spec.prior_keys)
+        spec's prior key (asynchronously; a hybrid model's groups each to their own key space);
+        always accepted."""
+        self._submit(job_id, self._parts(src_spec, dst_spec.page_keys, dst_spec.prior_keys), is_store=True)
         return True
 
     def submit_load(
@@ -120,64 +168,81 @@ class KVStageWorker(OffloadingWorker):
     ) -> bool:
         """Read the spec's keys and copy them into the GPU blocks (asynchronously); always
         accepted."""
-        slots = self._slots(dst_spec)
-        self.keyed.load(job_id, src_spec.page_keys, slots)
-        self._load_blocks[job_id] = [int(block) for block in dst_spec.block_ids]
+        self._submit(job_id, self._parts(dst_spec, src_spec.page_keys, None), is_store=False)
         return True
 
-    def _slots(self, gpu_spec: GPULoadStoreSpec) -> torch.Tensor:
-        return torch.from_numpy(gpu_spec.block_ids.astype("int64")).to(self.kv_pool.device)
+    @property
+    def jobs_in_flight(self) -> int:
+        """Jobs submitted and not yet reported by :meth:`get_finished`."""
+        return len(self._jobs) + len(self._done)
 
     def get_finished(self) -> list[TransferResult]:
-        """Jobs finished since the last call; never blocks."""
-        results = []
-        for result in self.keyed.poll():
-            ok = result.ok
-            if result.is_store:
-                block_ids = None
-                if not ok:
-                    written = result.bytes // self.storage.page_bytes
-                    self.pages_failed += result.num_pages - written
-                    logger.warning(
-                        "kvstage: store job %s wrote %d of %d pages: %s",
-                        result.job,
-                        written,
-                        result.num_pages,
-                        write_failure_cause(result.error),
-                    )
-                    ok = True  # vLLM only frees the blocks; the manager learns which pages are missing
-                    if self.reports_stores:
-                        self._unwritten.extend(result.failed_keys)
-            else:
-                block_ids = self._load_blocks.pop(result.job, [])
-                if not ok:
-                    self.loads_failed += 1
-                    failed = block_ids[
-                        result.loaded_pages :
-                    ]  # vLLM's scheduler recomputes from the first invalid block
-                    logger.warning(
-                        "kvstage: load job %s: page %d of %d could not be read (%s); %s",
-                        result.job,
-                        result.loaded_pages,
-                        result.num_pages,
-                        read_failure_cause(result.error),
-                        self._load_failure_outcome(len(failed)),
-                    )
-                    if self.report_load_errors:
-                        self._load_errors.update(failed)
-                        ok = True
-            results.append(TransferResult(result.job, ok, transfer_size=result.bytes, transfer_time=result.seconds))
+        """Jobs finished since the last call (every group's part of them); never blocks."""
+        results, self._done = self._done, []
+        for index, mover in enumerate(self._movers):
+            for result in mover.keyed.poll():
+                job = self._jobs[result.job]
+                job.results[index] = result
+                if len(job.results) == len(job.blocks):
+                    del self._jobs[result.job]
+                    results.append(self._finish(result.job, job))
         if self.reports_stores:  # after the jobs: a put's eviction is reported with the job that made it
             self._take_store_events()
         return results
 
+    def _group_name(self, index: int) -> str:
+        return "" if self.group_ids is None else f" (KV group {self.group_ids[index]})"
+
+    def _finish(self, job_id: int, job: "_Job") -> TransferResult:
+        """One job's result from its groups' parts."""
+        ok = True
+        for index, result in sorted(job.results.items()):
+            if result.ok:
+                continue
+            ok = False
+            if job.is_store:
+                written = result.bytes // self._movers[index].storage.page_bytes
+                self.pages_failed += result.num_pages - written
+                logger.warning(
+                    "kvstage: store job %s%s wrote %d of %d pages: %s",
+                    job_id,
+                    self._group_name(index),
+                    written,
+                    result.num_pages,
+                    write_failure_cause(result.error),
+                )
+                if self.reports_stores:
+                    self._unwritten.extend(result.failed_keys)
+            else:
+                failed = job.blocks[index][result.loaded_pages :]  # vLLM recomputes from the first invalid block
+                logger.warning(
+                    "kvstage: load job %s%s: page %d of %d could not be read (%s); %s",
+                    job_id,
+                    self._group_name(index),
+                    result.loaded_pages,
+                    result.num_pages,
+                    read_failure_cause(result.error),
+                    self._load_failure_outcome(len(failed)),
+                )
+                if self.report_load_errors:
+                    self._load_errors.update(failed)
+        if not ok and not job.is_store:
+            self.loads_failed += 1
+        # a store that failed is reported done (vLLM only frees the blocks; the manager learns which
+        # pages are missing); a failed load too where its blocks go to vLLM's scheduler
+        reported_ok = ok or job.is_store or self.report_load_errors
+        size = sum(result.bytes for result in job.results.values())
+        seconds = max(result.seconds for result in job.results.values())
+        return TransferResult(job_id, reported_ok, transfer_size=size, transfer_time=seconds)
+
     def _take_store_events(self) -> None:
-        prefix = self.storage.prefix
-        self._removed.extend(
-            event.key
-            for event in self.storage.take_events()
-            if event.kind != "stored" and event.key_space == prefix  # stores are the scheduler's to announce
-        )
+        for mover in self._movers:
+            prefix = mover.storage.prefix
+            self._removed.extend(
+                event.key
+                for event in mover.storage.take_events()
+                if event.kind != "stored" and event.key_space == prefix  # stores are the scheduler's to announce
+            )
 
     def take_store_report(self) -> tuple[list[str], list[str]]:
         """What the scheduler's manager must know of this worker's stores since the last call
@@ -205,7 +270,8 @@ class KVStageWorker(OffloadingWorker):
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until the given jobs finished (their results stay for :meth:`get_finished`)."""
-        self.keyed.wait(list(job_ids))
+        for mover in self._movers:
+            mover.keyed.wait(list(job_ids))
 
     def shutdown(self) -> None:
         """vLLM's worker shutdown: as :meth:`close`."""
@@ -217,13 +283,59 @@ class KVStageWorker(OffloadingWorker):
         jobs unfinished by then are dropped and logged. Idempotent."""
         if self.storage is None:
             return
-        if not self.keyed.wait(timeout=timeout_s):
-            logger.warning(
-                "kvstage: worker closed with %d jobs unfinished after %.1f s; their pages are dropped",
-                self.keyed.jobs_in_flight,
-                timeout_s,
-            )
-        self.copier.close()
+        for index, mover in enumerate(self._movers):
+            if not mover.keyed.wait(timeout=timeout_s):
+                logger.warning(
+                    "kvstage: worker closed with %d jobs%s unfinished after %.1f s; their pages are dropped",
+                    mover.keyed.jobs_in_flight,
+                    self._group_name(index),
+                    timeout_s,
+                )
+        for mover in self._movers:
+            mover.copier.close()
         self._workers.close()
         release_shared_storage(self.storage)
         self.storage = None
+
+
+class _Job:
+    """A job's parts in flight: each group's blocks, and each group's result as it ends."""
+
+    def __init__(self, is_store: bool, blocks: dict[int, list[int]]) -> None:
+        self.is_store = is_store
+        self.blocks = blocks  # group index -> the job's GPU block ids of that group
+        self.results: dict[int, Any] = {}  # group index -> its KeyedResult
+
+
+class _GroupMover:
+    """One KV group's blocks: a :class:`KVPool` whose layers are the group's block tensors (a
+    block is a slot; a layer's row, padding included, is its page), its copier and its
+    keyed copies over the group's store.
+
+    Raises:
+        InvalidArgumentError: a strided layer tensor, layers of different row sizes, or a store
+            of another page size; before anything is allocated past the failing check.
+    """
+
+    def __init__(self, kv_caches: CanonicalKVCaches, index: int, storage: Any, *, num_host_pages: int, workers) -> None:
+        layers = []
+        for layer, ref in enumerate(kv_caches.group_data_refs[index]):
+            tensor = kv_caches.tensors[ref.tensor_idx].tensor
+            require(
+                tensor.dim() == 2 and tensor.is_contiguous() and tensor.shape[1] >= ref.page_size_bytes,
+                f"kv_caches.group_data_refs[{index}][{layer}]",
+                lambda: (
+                    f"must be a contiguous (num_blocks, page bytes) tensor, got shape {tuple(tensor.shape)} "
+                    f"strides {tensor.stride()} for a page of {ref.page_size_bytes} bytes"
+                ),
+            )
+            layers.append(tensor.view(torch.uint8).view(tensor.shape[0], 1, tensor.shape[1]))
+        self.kv_pool = KVPool.mla(layers)  # a block is a slot; a layer's page is its row
+        host_pool = HostPool.like(self.kv_pool, num_pages=num_host_pages, page_size=1)
+        self.copier = Copier(self.kv_pool, host_pool)
+        self.storage = storage
+        try:
+            self.keyed = KeyedCopies(self.copier, storage, workers)
+        except BaseException:
+            self.copier.close()
+            raise

@@ -110,12 +110,15 @@ def test_vllms_connector_publishes_the_stores_as_kv_events(tmp_path):
         rig.close()
 
 
-def test_a_hybrid_model_raises_naming_the_groups_and_the_tier_to_use():
+def test_a_hybrid_model_without_kvstages_connector_raises_naming_the_connector_to_use():
+    # vLLM's own OffloadingConnector hands the spec no group kinds (KVStageConnector does).
     from vllm_rig import offloading_config
 
     config = offloading_config({"storage": "memory"})
     two_groups = type(config)(**{**config.__dict__, "groups": config.groups * 2})
-    with pytest.raises(InvalidArgumentError, match="kv_cache_groups.*KVStageTier"):
+    with pytest.raises(
+        InvalidArgumentError, match="^kv_connector: this model offloads 2 KV cache groups.*KVStageConnector"
+    ):
         KVStageOffloadingSpec(two_groups)
 
 
@@ -134,7 +137,8 @@ def test_bad_extra_config_raises_naming_the_key(extra, message):
         KVStageOffloadingSpec(offloading_config(extra))
 
 
-def test_a_padded_layer_tensor_raises_before_anything_is_allocated():
+def test_a_padded_layer_row_is_stored_whole_and_a_store_of_its_unpadded_size_raises():
+    # vLLM pads a hybrid model's Mamba rows to the attention page: the row is the page.
     from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 
     from kvstage.integrations.vllm import KVStageWorker
@@ -144,8 +148,9 @@ def test_a_padded_layer_tensor_raises_before_anything_is_allocated():
         [CanonicalKVCacheTensor(torch.zeros(4, 512, dtype=torch.int8), 512)], [[CanonicalKVCacheRef(0, 384)]]
     )
     store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=384, page_format="t"))
-    with pytest.raises(InvalidArgumentError, match=r"group_data_refs\[0\]\[0\].*padding"):
+    with pytest.raises(InvalidArgumentError, match=r"^storage: holds pages of 384 bytes, the host pool's are 512"):
         KVStageWorker(padded, store)
+    KVStageWorker(padded, MemoryStore(LayoutFingerprint.opaque("m", page_bytes=512, page_format="t"))).close()
 
 
 def test_a_connector_cache_reset_clears_the_store_and_reports_the_removals(tmp_path):

@@ -1,0 +1,252 @@
+"""KVStageOffloadingSpec with a hybrid model's KV cache groups, in vLLM 0.33.0's own Scheduler and
+connector on CPU (:class:`vllm_rig.HybridRig`): each group keeps its own key space; vLLM's
+connector scheduler decides which chunks of each group to store (those that can serve a hit) and
+to load (a sliding-window group: the window before the hit), and kvstage's worker moves them.
+
+What must hold: the tokens a second request hits are the restorable length kvstage's own rule
+(:func:`kvstage.offload.restorable.restorable_lengths`) computes from what each group's store
+holds; a sliding-window group reads only its window (:meth:`SlidingWindow.window_pages`); every
+loaded block holds exactly the first request's bytes; a second scheduler over the same store hits
+as well; a group kind kvstage does not store is refused at start, naming it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+    reason="vLLM 0.33.0 is not installed (make .venv-vllm/.installed, then run with .venv-vllm/bin/python)",
+)
+
+import torch  # noqa: E402
+
+from kvstage.errors import InvalidArgumentError  # noqa: E402
+from kvstage.offload.restorable import pages_to_load, restorable_lengths, swa_store_mask  # noqa: E402
+
+from vllm_rig import HybridRig, run_to_prompt_end  # noqa: E402
+
+BLOCK = HybridRig.BLOCK_SIZE
+PROMPT = list(range(1, 6 * BLOCK + 6))  # 6 full blocks and 5 tokens
+
+
+def storage_url(kind: str, tmp_path) -> str:
+    return "memory" if kind == "memory" else f"file:{tmp_path / 'kv'}"
+
+
+def present(rig: HybridRig, request) -> dict[str, list[bool]]:
+    """Per component of the rig's layout, whether its group's store holds each of the request's
+    block keys (``OffloadKey``: block hash and group index)."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    spec = rig.spec
+    marks = {}
+    for group_id, name in spec.group_components.items():
+        keys = [make_offload_key(block_hash, group_id).hex() for block_hash in request.block_hashes]
+        marks[name] = list(rig.manager.storage.stores[group_id].exists(keys))
+    return marks
+
+
+def assert_loaded_blocks_hold(rig: HybridRig, request_id: str, prompt: list[int], plan: dict[str, range]) -> None:
+    """The blocks of each group ``plan`` names (its component's page indices) hold the stand-in
+    model's KV bytes for ``prompt``."""
+    spec = rig.spec
+    for group_id, name in spec.group_components.items():
+        blocks = rig.group_block_ids(request_id, group_id)
+        for index in plan.get(name, ()):
+            for layer in rig.groups[group_id]:
+                assert torch.equal(rig.bits[layer][blocks[index]], rig.expected_block(prompt, layer, index)), (
+                    group_id,
+                    index,
+                    layer,
+                )
+
+
+@pytest.mark.parametrize(("kind", "batched"), [("memory", 512), ("file", 512), ("file", 2 * BLOCK)])
+def test_a_gpt_oss_like_model_stores_its_groups_apart_and_loads_the_window_only(kind, batched, tmp_path):
+    # batched 2 * BLOCK: a chunked prefill, a store job a step
+    rig = HybridRig(tmp_path / "model", storage_url(kind, tmp_path), kind="swa", max_num_batched_tokens=batched)
+    try:
+        layout = rig.spec.layout
+        full, window = (layout.component(rig.spec.group_components[g]) for g in (0, 1))
+        assert (full.kind, window.kind, window.window) == ("full", "swa", rig.WINDOW)
+        first = rig.add_request("a", PROMPT, max_tokens=1)
+        rig.run_until_idle()
+        stores = rig.manager.storage.stores
+        assert stores[0].prefix != stores[1].prefix  # a key space per group
+        assert stores[0].stats.pages_stored == len(PROMPT) // BLOCK  # every full prompt block
+        # vLLM stores only the sliding-window chunks that can serve a hit; at least the window
+        assert window.window_pages(BLOCK) <= stores[1].stats.pages_stored <= len(PROMPT) // BLOCK
+        marks = present(rig, first)
+        expected = restorable_lengths(layout, BLOCK, len(PROMPT), marks).max_length
+        assert expected == (len(PROMPT) - 1) // BLOCK * BLOCK  # the whole prompt but its last token's block
+        # vLLM's reachable-store rule is kvstage's: the window before the stored segment's end
+        pages = len(PROMPT) // BLOCK
+        assert marks[window.name][:pages] == swa_store_mask(window, BLOCK, [pages * BLOCK], pages)
+
+        rig.scheduler.reset_prefix_cache()
+        rig.backing.zero_()
+        scheduled = run_to_prompt_end(rig, "b", PROMPT)
+        assert len(PROMPT) - scheduled == expected  # tokens hit: the restorable length
+        plan = pages_to_load(layout, BLOCK, expected)
+        assert stores[0].stats.pages_read == len(plan[full.name]) == expected // BLOCK
+        assert stores[1].stats.pages_read == len(plan[window.name]) == window.window_pages(BLOCK) == 2
+        assert_loaded_blocks_hold(rig, "b", PROMPT, plan)
+        swa_blocks = rig.group_block_ids("b", 1)
+        assert all(block == 0 for block in swa_blocks[: plan[window.name].start])  # not loaded, not held
+    finally:
+        rig.close()
+
+
+def test_a_second_scheduler_over_the_same_store_hits_the_restorable_prefix(tmp_path):
+    url = storage_url("file", tmp_path)
+    first = HybridRig(tmp_path / "model-a", url, kind="swa")
+    try:
+        first.add_request("a", PROMPT, max_tokens=1)
+        first.run_until_idle()
+    finally:
+        first.close()
+    rig = HybridRig(tmp_path / "model-a", url, kind="swa")  # the same model path: the same key spaces
+    try:
+        layout = rig.spec.layout
+        scheduled = run_to_prompt_end(rig, "b", PROMPT)
+        request = rig.scheduler.requests["b"]
+        expected = restorable_lengths(layout, BLOCK, len(PROMPT), present(rig, request)).max_length
+        assert expected == 6 * BLOCK and len(PROMPT) - scheduled == expected
+        stores = rig.manager.storage.stores
+        assert (stores[0].stats.pages_read, stores[1].stats.pages_read) == (6, 2)
+        assert_loaded_blocks_hold(rig, "b", PROMPT, pages_to_load(layout, BLOCK, expected))
+    finally:
+        rig.close()
+
+
+def test_a_group_kind_kvstage_does_not_store_is_refused_naming_the_group_and_kind(tmp_path):
+    with pytest.raises(
+        InvalidArgumentError, match=r"^kv_cache_groups\[1\]: .* group 1 \(layers .*\) is ChunkedLocalAttentionSpec"
+    ):
+        HybridRig(tmp_path / "model", "memory", kind="chunked")
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_a_qwen3_next_like_model_stores_one_state_chunk_and_hits_at_its_boundary(kind, tmp_path):
+    rig = HybridRig(tmp_path / "model", storage_url(kind, tmp_path), kind="mamba")
+    try:
+        layout = rig.spec.layout
+        names = rig.spec.group_components
+        assert [layout.component(names[g]).kind for g in range(4)] == ["full", "state", "state", "state"]
+        first = rig.add_request("a", PROMPT, max_tokens=1)
+        rig.run_until_idle()
+        stores = rig.manager.storage.stores
+        assert len({store.prefix for store in stores.values()}) == 4  # a key space per group
+        assert stores[0].stats.pages_stored == len(PROMPT) // BLOCK
+        # vLLM's align mode splits the prefill at the last block boundary before the prompt's end
+        # and keeps (and offloads) the state there: one chunk a state group
+        assert [stores[g].stats.pages_stored for g in (1, 2, 3)] == [1, 1, 1]
+        marks = present(rig, first)
+        restorable = restorable_lengths(layout, BLOCK, len(PROMPT), marks)
+        assert restorable.lengths == (6 * BLOCK,)  # only where a snapshot is
+
+        rig.scheduler.reset_prefix_cache()
+        rig.backing.zero_()
+        scheduled = run_to_prompt_end(rig, "b", PROMPT)
+        assert len(PROMPT) - scheduled == restorable.max_length  # rounded down to the state chunk
+        plan = pages_to_load(layout, BLOCK, restorable.max_length)
+        assert stores[0].stats.pages_read == len(plan["g0"]) == 6
+        assert [stores[g].stats.pages_read for g in (1, 2, 3)] == [len(plan[names[g]]) for g in (1, 2, 3)] == [1, 1, 1]
+        assert_loaded_blocks_hold(rig, "b", PROMPT, {"g0": plan["g0"]})
+        for group in (1, 2, 3):
+            (name,) = rig.groups[group]
+            (index,) = plan[names[group]]  # the snapshot after 96 tokens, under h_5
+            block = rig.group_block_ids("b", group)[index]
+            assert block != 0
+            assert torch.equal(rig.rows[block, : rig.state_bytes], rig.state_after(PROMPT[: (index + 1) * BLOCK], name))
+    finally:
+        rig.close()
+
+
+def test_a_mamba_group_outside_align_mode_is_refused_naming_the_mode():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from kvstage.integrations.vllm.groups import group_layout
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    state = MambaSpec(block_size=16, shapes=((4, 3),), dtypes=(torch.float16,), mamba_cache_mode="all")
+    config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layers.1.attn"], full), KVCacheGroupSpec(["layers.0.mixer"], state)],
+    )
+    with pytest.raises(InvalidArgumentError, match=r"^kv_cache_groups\[1\]: .*is MambaSpec \(mamba_cache_mode 'all'\)"):
+        group_layout(config, (0, 1))
+    layout, names = group_layout(config, (0,))  # the full-attention group alone is a plain component
+    assert names == {0: "g0"} and layout.component("g0").layers == (0,)
+
+
+def test_a_failed_load_names_each_groups_blocks_from_its_first_page_not_read():
+    # One load job over two groups' key spaces: group 0's pages all read, group 1's second is
+    # missing; vLLM recomputes group 1's blocks from that one on, and nothing of group 0.
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+        make_offload_key,
+    )
+
+    from kvstage.integrations.vllm import KVStageWorker
+    from kvstage.integrations.vllm.groups import GroupStores
+    from kvstage.integrations.vllm.manager import KVStageLoadStoreSpec
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    tensor = torch.zeros(8, 64, dtype=torch.int8)  # one layer slot, shared by both groups' layer
+    kv_caches = CanonicalKVCaches([CanonicalKVCacheTensor(tensor, 64)], [[CanonicalKVCacheRef(0, 64)]] * 2)
+    stores = {g: MemoryStore(LayoutFingerprint.opaque("m", page_bytes=64, page_format=f"g{g}")) for g in (0, 3)}
+    keys = {g: [make_offload_key(bytes([i]) * 32, g).hex() for i in range(3)] for g in (0, 3)}
+    pages = {key: torch.randint(0, 256, (64,), dtype=torch.uint8) for g in (0, 3) for key in keys[g]}
+    for g in (0, 3):
+        held = [key for key in keys[g] if key != keys[3][1]]
+        stores[g].put(held, [pages[key] for key in held])
+    worker = KVStageWorker(kv_caches, GroupStores(stores), num_host_pages=2, report_load_errors=True, group_ids=(0, 3))
+    try:
+        spec = GPULoadStoreSpec([1, 2, 3, 5, 6, 7], group_sizes=[3, 3], block_indices=[0, 0])
+        assert worker.submit_load(9, KVStageLoadStoreSpec(keys[0] + keys[3]), spec)
+        worker.wait({9})
+        [result] = worker.get_finished()
+        assert result.job_id == 9 and result.success  # done: its failed blocks go to vLLM's scheduler
+        assert worker.take_block_ids_with_load_errors() == {6, 7} and worker.loads_failed == 1
+        for block, key in zip([1, 2, 3, 5], keys[0] + keys[3][:1]):
+            assert torch.equal(tensor[block].view(torch.uint8), pages[key])
+        assert not tensor[6].any() and not tensor[7].any()
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize(("kind", "reads"), [("swa", {"0": 6, "1": 2}), ("mamba", {"0": 6, "1": 1, "2": 1, "3": 1})])
+def test_another_engine_process_hits_the_restorable_prefix_of_the_file_store(kind, reads, tmp_path):
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    url = storage_url("file", tmp_path)
+    first = HybridRig(tmp_path / "model", url, kind=kind)
+    try:
+        first.add_request("a", PROMPT, max_tokens=1)
+        first.run_until_idle()
+    finally:
+        first.close()
+    tests = pathlib.Path(__file__).parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    script = pathlib.Path(__file__).with_name("hybrid_second_engine.py")
+    done = subprocess.run(
+        [sys.executable, str(script), kind, str(tmp_path / "model"), url],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["hit"] == report["restorable"] == 6 * BLOCK  # the other process's stores, restorable there
+    assert report["pages_read"] == reads and report["exact"]
