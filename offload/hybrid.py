@@ -42,6 +42,7 @@ from kvstage.offload.components import ComponentPools
 from kvstage.offload.load_path import LoadHandle, PrefixMatch
 from kvstage.offload.request import request_tokens
 from kvstage.offload.restorable import pages_to_load, restorable_lengths, snapshot_key_index, swa_store_mask
+from kvstage.offload.staging_pool import StagingPool
 from kvstage.offload.store_io import WriteOutcome, read_leading_pages, write_pages
 from kvstage.storage import MissingPriorError
 
@@ -79,10 +80,24 @@ def split_storage(storage: Any, components: ComponentPools | None, kv_pool: Any,
 class _Entries:
     """One component's entries in host memory: a gather's (store path) or a read's (load path)."""
 
-    __slots__ = ("name", "state", "staging", "keys", "indices", "handle", "req", "run", "first", "length", "counted")
+    __slots__ = (
+        "name",
+        "state",
+        "staging",
+        "buffer",
+        "keys",
+        "indices",
+        "handle",
+        "req",
+        "run",
+        "first",
+        "length",
+        "counted",
+    )
 
-    def __init__(self, name: str, state: Any, staging: torch.Tensor, indices: list[int]) -> None:
-        self.name, self.state, self.staging, self.indices = name, state, staging, indices
+    def __init__(self, name: str, state: Any, buffer: torch.Tensor, count: int) -> None:
+        self.name, self.state, self.buffer, self.staging = name, state, buffer, buffer[:count]
+        self.indices: list[int] = []
         self.keys: list[str] | None = None  # known once the run is keyed (store) or read (load)
         self.handle: CopyHandle | None = None
         self.req: Any = None  # a snapshot's request and length
@@ -110,7 +125,7 @@ class Hybrid:
         self._loads: list[tuple[Any, CopyHandle]] = []  # component scatters: (request state, handle)
         self.lookup = self  # what the prefetcher reads through
         self._keyed: dict[int, tuple[Any, int, str]] = {}  # id(req) -> (req, length, key) of its last snapshot
-        self._spare: list[torch.Tensor] = []  # snapshots' host staging, reused (a pinned allocation is slow)
+        self._held: list[tuple[list[CopyHandle], list[_Entries]]] = []  # loads' staging, free once copied
 
     def attach(self, copy_stream: Any, workers: Any, hasher: Any, backend: str, pinned: bool) -> None:
         """The manager's copy stream, store workers, hasher, kernel backend, host pinning."""
@@ -121,6 +136,7 @@ class Hybrid:
             backend,
             pinned,
         )
+        self.staging = StagingPool(pinned)
 
     # -- store path -----------------------------------------------------------------------
 
@@ -200,9 +216,7 @@ class Hybrid:
             lambda: f"must be an int in [0, {pool.num_slots}) (a slot of the state pool), got {state_slot!r}",
         )
         key = self._snapshot_key(req, length, index)
-        entries = _Entries(self.state.name, state, self._spare.pop() if self._spare else None, [])
-        if entries.staging is None:
-            entries.staging = self._staging(self.state.name, state, pool, 1).staging
+        entries = self._staging(self.state.name, state, pool, 1)
         entries.keys, entries.req, entries.length, entries.indices = [key], req, length, [index]
         staging, backend, slot = entries.staging, self.backend, int(state_slot)
         entries.handle = self.copy_stream.submit(
@@ -245,7 +259,7 @@ class Hybrid:
                 continue
             if entries.handle.error is not None or not entries.keys:
                 self.failed[entries.name] += len(entries.indices)
-                self._reuse(entries)
+                self._give_back(entries)
                 continue
             self._writes.append((entries, self.workers.write(lambda e=entries: self._put(e))))
         self._copies = waiting
@@ -253,13 +267,21 @@ class Hybrid:
             self._loads.remove((state, handle))
             state.copies_in_flight -= 1
             ended.append(state)
+        held = []
+        for copies, read in self._held:
+            if all(copy.query() for copy in copies):
+                for entries in read:
+                    self._give_back(entries)
+            else:
+                held.append((copies, read))
+        self._held = held
         pending = []
         for entries, future in self._writes:
             if not future.done():
                 pending.append((entries, future))
                 continue
             outcome = future.result()
-            self._reuse(entries)
+            self._give_back(entries)
             self.failed[entries.name] += len(outcome.failed_keys)
             self.stored[entries.name] += outcome.stored + outcome.deduplicated
             if outcome.failed_keys:
@@ -356,7 +378,7 @@ class Hybrid:
         for length in reversed(fits):
             if length // page_size <= outcome.pages_read:
                 entries = self._read_entries(keys, length)
-                if entries is not None:
+                if entries is not None:  # its staging is given back once loaded (or dropped with the handle)
                     handle.entries = entries
                     handle.pages_ready = length // page_size
                     break
@@ -369,15 +391,17 @@ class Hybrid:
             indices = list(plan[component.name])
             entries = self._staging(component.name, None, self.components.pools[component.name], len(indices))
             entries.indices, entries.keys, entries.length = indices, [keys[i] for i in indices], length
+            read[component.name] = entries
             into = [entries.staging[i] for i in range(len(indices))]
             try:
                 hits = list(self.stores[component.name].get(entries.keys, into)) if indices else []
             except Exception:  # a store that fails: this length cannot be resumed
                 logger.exception("offload: read of %s entries failed", component.name)
-                return None
+                hits = [False]
             if not all(hits):
+                for unused in read.values():
+                    self._give_back(unused)
                 return None
-            read[component.name] = entries
         return read
 
     def check_load(self, handle: Any, num_pages: int, component_slots: Any, state_slot: Any) -> dict[str, torch.Tensor]:
@@ -468,6 +492,7 @@ class Hybrid:
             for copy in copies:
                 state.copies_in_flight += 1
                 self._loads.append((state, copy))
+        self._held.append(([copy for copies in launched.values() for copy in copies], list(handle.entries.values())))
         return launched
 
     def load_handle(self, base: LoadHandle, launched: dict[str, list[CopyHandle]]) -> LoadHandle:
@@ -477,17 +502,18 @@ class Hybrid:
     # -- internals ------------------------------------------------------------------------
 
     def _staging(self, name: str, state: Any, pool: Any, count: int) -> _Entries:
+        """Entries of ``count`` rows on a staging buffer of the pool (reused: :class:`StagingPool`)."""
         if hasattr(pool, "snapshot_bytes"):
-            staging = torch.empty((count, pool.snapshot_bytes), dtype=torch.uint8, pin_memory=self.pinned)
+            buffer = self.staging.take(count, (pool.snapshot_bytes,), torch.uint8)
         else:
-            shape = (count, *pool.layout.page_shape(self.page_size))
-            staging = torch.empty(shape, dtype=pool.layout.dtype, pin_memory=self.pinned)
-        return _Entries(name, state, staging, [])
+            buffer = self.staging.take(count, pool.layout.page_shape(self.page_size), pool.layout.dtype)
+        return _Entries(name, state, buffer, count)
 
-    def _reuse(self, entries: _Entries) -> None:
-        """A store-path snapshot's staging is free again (its write ended or never ran)."""
-        if entries.req is not None and entries.run is None and len(self._spare) < 16:
-            self._spare.append(entries.staging)
+    def _give_back(self, entries: _Entries) -> None:
+        """``entries``' staging is free again (its write or load ended, or never ran)."""
+        if entries.buffer is not None:
+            self.staging.give(entries.buffer)
+            entries.buffer = entries.staging = None
 
     def _submit_pages(
         self, copy: Any, pool: Any, staging: torch.Tensor, slots: torch.Tensor, after: Any, layer: int | None = None
