@@ -9,13 +9,18 @@ is missing.
 
 - Store: with every run of full pages the manager launches, each sidecar's pages of the same
   slots and each sliding window's pages that :func:`swa_store_mask` allows for a resume at the
-  run's end are gathered (one launch per component, on the copy stream after the same
-  producer) into host memory; once the run's keys are known and the copy is done, they are
-  put on the writer thread, after the run's full pages.
+  run's end or at one of the request's snapshot lengths (:mod:`~kvstage.offload.snapshot_windows`)
+  are gathered (one launch per component, on the copy stream after the same producer) into
+  host memory; once the run's keys are known and the copy is done, they are put on the writer
+  thread, after the run's full pages.
 - Snapshots (:meth:`Hybrid.snapshot`): the request's state slot is gathered in one launch
-  (every state layer) on the copy stream after ``after``; its put waits until the request's
-  pages ``0 .. k-1`` were handed to the writer (or loaded), and on the writer thread it is put
-  only when the full store holds ``h_{k-1}``.
+  (every state layer) on the copy stream after ``after``, with the window pages before its
+  length that runs already launched left out; its put waits until the request's pages
+  ``0 .. k-1`` were handed to the writer (or loaded), and on the writer thread it is put only
+  when the full store holds ``h_{k-1}``. A request's ``on_stored`` waits until every one of
+  its component writes has ended (:meth:`Hybrid.writes_ended`).
+- Host staging of every component copy comes from a :class:`StagingPool` and goes back once
+  its write or load ended: a steady state allocates none.
 - Lookup and prefetch: every store is asked for the keys; the answer is the restorable length
   (:func:`restorable_lengths`). A prefetch reads the full pages and every component's entries
   for the largest restorable length it has host pages for; an entry that cannot be read
@@ -33,15 +38,18 @@ from typing import Any, Mapping
 
 import torch
 
-from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
+from kvstage.errors import ArgumentTypeError, is_int, require
 from kvstage.hashing.chain import request_namespace
 from kvstage.kernels import gather, scatter
 from kvstage.kernels.state_copy import gather_state, scatter_state
 from kvstage.kernels.streams import CopyHandle
 from kvstage.offload.components import ComponentPools
+from kvstage.offload.hybrid_load_handle import HybridLoadHandle
 from kvstage.offload.load_path import LoadHandle, PrefixMatch
+from kvstage.offload.plain_model import PlainModel
 from kvstage.offload.request import request_tokens
-from kvstage.offload.restorable import pages_to_load, restorable_lengths, snapshot_key_index, swa_store_mask
+from kvstage.offload.restorable import pages_to_load, restorable_lengths, snapshot_key_index
+from kvstage.offload.snapshot_windows import SnapshotWindows, window_slots
 from kvstage.offload.staging_pool import StagingPool
 from kvstage.offload.store_io import WriteOutcome, read_leading_pages, write_pages
 from kvstage.storage import MissingPriorError
@@ -126,6 +134,8 @@ class Hybrid:
         self.lookup = self  # what the prefetcher reads through
         self._keyed: dict[int, tuple[Any, int, str]] = {}  # id(req) -> (req, length, key) of its last snapshot
         self._held: list[tuple[list[CopyHandle], list[_Entries]]] = []  # loads' staging, free once copied
+        self._windows = SnapshotWindows(self.layout, page_size)
+        self._parked: list[Any] = []  # lifecycles whose full-page writes ended before their components'
 
     def attach(self, copy_stream: Any, workers: Any, hasher: Any, backend: str, pinned: bool) -> None:
         """The manager's copy stream, store workers, hasher, kernel backend, host pinning."""
@@ -175,12 +185,11 @@ class Hybrid:
             if component.kind == "sidecar":
                 indices, device_slots = list(range(first, end)), slots
             elif component.kind == "swa":
-                mask = swa_store_mask(component, page_size, [end * page_size], end_page=end, first_page=first)
-                indices = [first + i for i, keep in enumerate(mask) if keep]
+                indices = self._windows.run_pages(component, state.req, first, end)
                 if not indices:
                     continue
                 table = self.components.slots_of[component.name](state.req)
-                device_slots = table[indices[0] * page_size : (indices[-1] + 1) * page_size]
+                device_slots = window_slots(table, page_size, indices)
             else:
                 continue
             pool = self.components.pools[component.name]
@@ -215,7 +224,11 @@ class Hybrid:
             "state_slot",
             lambda: f"must be an int in [0, {pool.num_slots}) (a slot of the state pool), got {state_slot!r}",
         )
+        launched = state.offloaded_length // self.page_size if state is not None else 0
+        windows = self._windows.snapshot_pages(req, length, launched, self.components.slots_of)  # checked here
         key = self._snapshot_key(req, length, index)
+        for component, indices in windows:
+            self._gather_window(req, state, component, indices, length, after)
         entries = self._staging(self.state.name, state, pool, 1)
         entries.keys, entries.req, entries.length, entries.indices = [key], req, length, [index]
         staging, backend, slot = entries.staging, self.backend, int(state_slot)
@@ -226,6 +239,21 @@ class Hybrid:
             state.copies_in_flight += 1
         self._copies.append(entries)
         return entries.handle
+
+    def _gather_window(self, req: Any, state: Any, component: Any, indices: list[int], length: int, after: Any) -> None:
+        """Launch the gather of a window's pages ``indices`` before a snapshot at ``length``;
+        their keys are the request's (hashed here: the runs that held them are keyed already)."""
+        extra_key, cache_salt = request_namespace(req)
+        keys = self.hasher.prefill_keys(request_tokens(req, 0, length), extra_key=extra_key, cache_salt=cache_salt)
+        pool = self.components.pools[component.name]
+        entries = self._staging(component.name, state, pool, len(indices))
+        entries.indices, entries.keys, entries.req = indices, [keys[i] for i in indices], req
+        device_slots = window_slots(self.components.slots_of[component.name](req), self.page_size, indices)
+        entries.handle = self._submit_pages(gather, pool, entries.staging, device_slots, after)
+        if state is not None:
+            state.copies_in_flight += 1
+        self._windows.gathered(req, component, indices)
+        self._copies.append(entries)
 
     def _snapshot_key(self, req: Any, length: int, index: int) -> str:
         """``h_{index}`` of ``req``'s tokens, hashed on from the request's last snapshot's key
@@ -246,6 +274,7 @@ class Hybrid:
         finished writes; returns the request states whose copies ended (for their release)."""
         if len(self._keyed) > len(states) + 64:  # forget the keys of requests no longer tracked
             self._keyed = {i: cached for i, cached in self._keyed.items() if i in states}
+        self._windows.forget_untracked(states)
         ended, waiting = [], []
         for entries in self._copies:
             done = entries.handle.query()
@@ -288,6 +317,18 @@ class Hybrid:
                 logger.warning("offload: %s entries failed: %r", entries.name, outcome.error)
         self._writes = pending
         return ended
+
+    def writes_ended(self, ended: list) -> list:
+        """Of the lifecycles whose full-page writes ended (``ended``, :class:`RequestWrites`, and
+        those held back before), the ones whose request has no component copy or write left;
+        the others wait for a later call (``on_stored`` follows every write of a request)."""
+        waiting = self._parked + ended
+        if not waiting:
+            return waiting
+        pending = [*self._copies, *(entries for entries, _ in self._writes)]
+        busy = {id(e.req if e.req is not None else getattr(e.state, "req", None)) for e in pending}
+        self._parked = [writes for writes in waiting if id(writes.req) in busy]
+        return [writes for writes in waiting if id(writes.req) not in busy]
 
     def _ready(self, entries: _Entries, states: Mapping[int, Any]) -> bool:
         """A snapshot waits until its request's pages before it were handed to the writer."""
@@ -532,113 +573,3 @@ class Hybrid:
                 )
 
         return self.copy_stream.submit(run, keep=[staging, slots, local], after=after)
-
-
-class HybridLoadHandle(LoadHandle):
-    """A :class:`LoadHandle` whose layers are the model's (``0 .. layout.num_layers - 1``): a
-    layer's wait covers its full-attention copy and the copy of every other component with that
-    layer (its layer's own copy when loaded layer by layer, else the component's one copy)."""
-
-    def __init__(self, base: LoadHandle, layout: Any, launched: dict[str, list[CopyHandle]]) -> None:
-        super().__init__(base.req, base.num_pages, 1, base._handles, base._num_layers, base.layer_by_layer)
-        self.num_tokens = base.num_tokens
-        self._layout, self._launched = layout, launched
-        self._all = [*base._handles, *(copy for copies in launched.values() for copy in copies)]
-
-    def layer_handles(self, layer: int) -> list[CopyHandle]:
-        """Every copy ``layer`` waits for.
-
-        Raises:
-            InvalidArgumentError: ``layer`` is not in ``[0, num_layers)`` of the model.
-        """
-        if not is_int(layer) or not 0 <= layer < self._layout.num_layers:
-            raise InvalidArgumentError(f"layer: must be an int in [0, {self._layout.num_layers}), got {layer!r}")
-        handles = []
-        for component in self._layout.components:
-            if layer not in component.layers:
-                continue
-            copies = self._handles if component.kind == "full" else self._launched.get(component.name, [])
-            if copies:  # one per component layer (layer by layer) or one for them all
-                handles.append(copies[component.layers.index(layer)] if len(copies) > 1 else copies[0])
-        return handles
-
-    def layer_handle(self, layer: int) -> CopyHandle:
-        """The one copy ``layer`` waits for; a layer of several components has several
-        (:meth:`layer_handles`, :meth:`wait_layer`).
-
-        Raises:
-            InvalidArgumentError: ``layer`` is out of range, or waits for more than one copy.
-        """
-        handles = self.layer_handles(layer)
-        if len(handles) > 1:
-            raise InvalidArgumentError(
-                f"layer: {layer} waits for {len(handles)} copies (one per component); use layer_handles() or wait_layer()"
-            )
-        return handles[0] if handles else super().layer_handle(0)
-
-    def wait_layer(self, layer: int, stream: Any = None) -> None:
-        for handle in self.layer_handles(layer):
-            handle.wait(stream)
-
-    def wait(self, stream: Any = None) -> None:
-        for handle in self._all:
-            handle.wait(stream)
-
-    def done(self) -> bool:
-        return all(handle.query() for handle in self._all)
-
-    @property
-    def error(self) -> BaseException | None:
-        return next((h.error for h in self._all if h.query() and h.error is not None), None)
-
-
-class PlainModel:
-    """A plain model's stand-in for :class:`Hybrid`: one full-attention component, nothing more
-    to move (the manager behaves exactly as before hybrid models)."""
-
-    lookup = None
-    in_flight = 0
-
-    def attach(self, *_: Any) -> None:
-        """Nothing to attach."""
-
-    def check_runs(self, *_: Any) -> None:
-        """No window slots to check."""
-
-    def gather_pages(self, *_: Any) -> None:
-        """No other component's pages."""
-
-    def wait_loads(self, _state: Any, _aborted: bool) -> None:
-        """No other component's scatters."""
-
-    def settled(self, _run: Any) -> None:
-        """Nothing waits for keys."""
-
-    def poll(self, _states: Any) -> list:
-        """Nothing in flight."""
-        return []
-
-    def wait(self) -> None:
-        """Nothing in flight."""
-
-    def clear(self) -> int:
-        """No other store."""
-        return 0
-
-    def snapshot(self, *_: Any) -> CopyHandle:
-        """Raises: InvalidArgumentError: a plain model has no request state."""
-        raise InvalidArgumentError("snapshot: the model has no request-state component (a plain model)")
-
-    def check_load(self, handle: Any, num_pages: int, component_slots: Any, state_slot: Any) -> dict:
-        """Raises: InvalidArgumentError: component arguments for a plain model."""
-        require(component_slots is None, "component_slots", "a plain model has no other component")
-        require(state_slot is None, "state_slot", "a plain model has no request state")
-        return {}
-
-    def load(self, *_: Any) -> dict:
-        """Nothing more to load."""
-        return {}
-
-    def load_handle(self, base: LoadHandle, _launched: Any) -> LoadHandle:
-        """The full pages' handle itself."""
-        return base
