@@ -319,16 +319,16 @@ class Hybrid:
         return ended
 
     def writes_ended(self, ended: list) -> list:
-        """Of the lifecycles whose full-page writes ended (``ended``, :class:`RequestWrites`, and
-        those held back before), the ones whose request has no component copy or write left;
-        the others wait for a later call (``on_stored`` follows every write of a request)."""
+        """Of the lifecycles whose full-page writes ended (``ended``, their :class:`RequestWrites`,
+        and those held back before), the ones with no component copy or write left; the others
+        wait for a later call (``on_stored`` follows every write of the lifecycle)."""
         waiting = self._parked + ended
         if not waiting:
             return waiting
         pending = [*self._copies, *(entries for entries, _ in self._writes)]
-        busy = {id(e.req if e.req is not None else getattr(e.state, "req", None)) for e in pending}
-        self._parked = [writes for writes in waiting if id(writes.req) in busy]
-        return [writes for writes in waiting if id(writes.req) not in busy]
+        busy = {id(e.state.writes) for e in pending if e.state is not None}
+        self._parked = [writes for writes in waiting if id(writes) in busy]
+        return [writes for writes in waiting if id(writes) not in busy]
 
     def _ready(self, entries: _Entries, states: Mapping[int, Any]) -> bool:
         """A snapshot waits until its request's pages before it were handed to the writer."""
