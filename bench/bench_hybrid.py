@@ -280,6 +280,7 @@ def measure_paths(name: str, layout: ModelLayout, num_pages: int, rounds: int, w
         "copy_over_load": paired("copy", "load"),
         "two_copies_over_store": paired("two_copies", "store"),
         "two_copies_over_load": paired("two_copies", "load"),
+        "rounds_ms": {key: [round(seconds * 1e3, 3) for seconds in values] for key, values in times.items()},
     }
 
 
