@@ -9,7 +9,9 @@ Layouts (pages of 64 tokens, bfloat16 KV):
 * ``gpt-oss``: gpt-oss-20b's shape, 24 layers alternating sliding-window (window 128: 2 pages
   before a length) and full attention, 8 KV heads of 64.
 
-Store and load (per round, interleaved, medians over rounds; each round stores a new prompt of
+Store and load (per round, interleaved; times are medians over rounds, ratios the median of
+each round's own ratio, so a round slowed by other work on the machine is compared with its
+own baseline; each round stores a new prompt of
 ``num_pages`` whole pages plus one token, so nothing deduplicates; the stores are at their
 capacity, so each put reuses an evicted page's memory, the steady state):
 
@@ -263,6 +265,10 @@ def measure_paths(name: str, layout: ModelLayout, num_pages: int, rounds: int, w
     finally:
         rig.manager.close()
     medians = {key: statistics.median(values) for key, values in times.items()}
+
+    def paired(base: str, path: str) -> float:  # the median over rounds of each round's own ratio
+        return round(statistics.median(b / p for b, p in zip(times[base], times[path])), 3)
+
     return {
         "model": name,
         "pages": num_pages,
@@ -270,10 +276,11 @@ def measure_paths(name: str, layout: ModelLayout, num_pages: int, rounds: int, w
         "mib": round(rig.bytes / 2**20, 1),
         **{f"{key}_ms": round(seconds * 1e3, 2) for key, seconds in medians.items()},
         **{f"{key}_gbps": round(rig.bytes / seconds / 1e9, 2) for key, seconds in medians.items()},
-        "copy_over_store": round(medians["copy"] / medians["store"], 3),
-        "copy_over_load": round(medians["copy"] / medians["load"], 3),
-        "two_copies_over_store": round(medians["two_copies"] / medians["store"], 3),
-        "two_copies_over_load": round(medians["two_copies"] / medians["load"], 3),
+        "copy_over_store": paired("copy", "store"),
+        "copy_over_load": paired("copy", "load"),
+        "two_copies_over_store": paired("two_copies", "store"),
+        "two_copies_over_load": paired("two_copies", "load"),
+        "rounds_ms": {key: [round(seconds * 1e3, 3) for seconds in values] for key, values in times.items()},
     }
 
 
@@ -369,8 +376,9 @@ def measure_lookup(name: str, layout: ModelLayout, num_keys: int, num_requests: 
 
 def run(quick: bool = False) -> dict:
     """Both measurements for both layouts; the report ``python -m bench`` writes."""
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
     layouts = {"qwen3-next": qwen3_next(quick), "gpt-oss": gpt_oss(quick)}
-    num_pages, rounds = (8, 3) if quick else (32, 15)
+    num_pages, rounds = (8, 3) if quick else (32, 31)
     paths = [measure_paths(name, layout, num_pages, rounds) for name, layout in layouts.items()]
     num_keys, requests = (3_200, 200) if quick else (LOOKUP_KEYS, 2_000)
     lookups = [measure_lookup(name, layout, num_keys, requests) for name, layout in layouts.items()]
@@ -393,6 +401,7 @@ def run(quick: bool = False) -> dict:
             "rounds": rounds,
             "device": "cpu",
             "torch_threads": torch.get_num_threads(),
+            "load_average_at_start": load_at_start,
             "load_average": [round(x, 2) for x in os.getloadavg()],
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -407,7 +416,8 @@ def run(quick: bool = False) -> dict:
 def print_report(report: dict) -> None:
     config = report["config"]
     print(
-        f"hybrid store/load vs one copy_ of the same bytes, CPU, median of {config['rounds']} rounds, load {config['load_average']}"
+        f"hybrid store/load vs one copy_ of the same bytes, CPU, median of {config['rounds']} rounds, "
+        f"load average {config['load_average_at_start']} -> {config['load_average']}"
     )
     print(
         f"{'model':>10} {'MiB':>6} {'copy ms':>8} {'2 copies':>9} {'store ms':>9} {'load ms':>8} {'copy/store':>11} "

@@ -9,13 +9,18 @@ is missing.
 
 - Store: with every run of full pages the manager launches, each sidecar's pages of the same
   slots and each sliding window's pages that :func:`swa_store_mask` allows for a resume at the
-  run's end are gathered (one launch per component, on the copy stream after the same
-  producer) into host memory; once the run's keys are known and the copy is done, they are
-  put on the writer thread, after the run's full pages.
+  run's end or at one of the request's snapshot lengths (:mod:`~kvstage.offload.snapshot_windows`)
+  are gathered (one launch per component, on the copy stream after the same producer) into
+  host memory; once the run's keys are known and the copy is done, they are put on the writer
+  thread, after the run's full pages.
 - Snapshots (:meth:`Hybrid.snapshot`): the request's state slot is gathered in one launch
-  (every state layer) on the copy stream after ``after``; its put waits until the request's
-  pages ``0 .. k-1`` were handed to the writer (or loaded), and on the writer thread it is put
-  only when the full store holds ``h_{k-1}``.
+  (every state layer) on the copy stream after ``after``, with the window pages before its
+  length that runs already launched left out; its put waits until the request's pages
+  ``0 .. k-1`` were handed to the writer (or loaded), and on the writer thread it is put only
+  when the full store holds ``h_{k-1}``. A request's ``on_stored`` waits until every one of
+  its component writes has ended (:meth:`Hybrid.writes_ended`).
+- Host staging of every component copy comes from a :class:`StagingPool` and goes back once
+  its write or load ended: a steady state allocates none.
 - Lookup and prefetch: every store is asked for the keys; the answer is the restorable length
   (:func:`restorable_lengths`). A prefetch reads the full pages and every component's entries
   for the largest restorable length it has host pages for; an entry that cannot be read
@@ -33,15 +38,19 @@ from typing import Any, Mapping
 
 import torch
 
-from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
+from kvstage.errors import ArgumentTypeError, is_int, require
 from kvstage.hashing.chain import request_namespace
 from kvstage.kernels import gather, scatter
 from kvstage.kernels.state_copy import gather_state, scatter_state
 from kvstage.kernels.streams import CopyHandle
 from kvstage.offload.components import ComponentPools
+from kvstage.offload.hybrid_load_handle import HybridLoadHandle
 from kvstage.offload.load_path import LoadHandle, PrefixMatch
+from kvstage.offload.plain_model import PlainModel
 from kvstage.offload.request import request_tokens
-from kvstage.offload.restorable import pages_to_load, restorable_lengths, snapshot_key_index, swa_store_mask
+from kvstage.offload.restorable import pages_to_load, restorable_lengths, snapshot_key_index
+from kvstage.offload.snapshot_windows import SnapshotWindows, window_slots
+from kvstage.offload.staging_pool import StagingPool
 from kvstage.offload.store_io import WriteOutcome, read_leading_pages, write_pages
 from kvstage.storage import MissingPriorError
 
@@ -79,10 +88,24 @@ def split_storage(storage: Any, components: ComponentPools | None, kv_pool: Any,
 class _Entries:
     """One component's entries in host memory: a gather's (store path) or a read's (load path)."""
 
-    __slots__ = ("name", "state", "staging", "keys", "indices", "handle", "req", "run", "first", "length", "counted")
+    __slots__ = (
+        "name",
+        "state",
+        "staging",
+        "buffer",
+        "keys",
+        "indices",
+        "handle",
+        "req",
+        "run",
+        "first",
+        "length",
+        "counted",
+    )
 
-    def __init__(self, name: str, state: Any, staging: torch.Tensor, indices: list[int]) -> None:
-        self.name, self.state, self.staging, self.indices = name, state, staging, indices
+    def __init__(self, name: str, state: Any, buffer: torch.Tensor, count: int) -> None:
+        self.name, self.state, self.buffer, self.staging = name, state, buffer, buffer[:count]
+        self.indices: list[int] = []
         self.keys: list[str] | None = None  # known once the run is keyed (store) or read (load)
         self.handle: CopyHandle | None = None
         self.req: Any = None  # a snapshot's request and length
@@ -110,7 +133,9 @@ class Hybrid:
         self._loads: list[tuple[Any, CopyHandle]] = []  # component scatters: (request state, handle)
         self.lookup = self  # what the prefetcher reads through
         self._keyed: dict[int, tuple[Any, int, str]] = {}  # id(req) -> (req, length, key) of its last snapshot
-        self._spare: list[torch.Tensor] = []  # snapshots' host staging, reused (a pinned allocation is slow)
+        self._held: list[tuple[list[CopyHandle], list[_Entries]]] = []  # loads' staging, free once copied
+        self._windows = SnapshotWindows(self.layout, page_size)
+        self._parked: list[Any] = []  # lifecycles whose full-page writes ended before their components'
 
     def attach(self, copy_stream: Any, workers: Any, hasher: Any, backend: str, pinned: bool) -> None:
         """The manager's copy stream, store workers, hasher, kernel backend, host pinning."""
@@ -121,6 +146,7 @@ class Hybrid:
             backend,
             pinned,
         )
+        self.staging = StagingPool(pinned)
 
     # -- store path -----------------------------------------------------------------------
 
@@ -159,12 +185,11 @@ class Hybrid:
             if component.kind == "sidecar":
                 indices, device_slots = list(range(first, end)), slots
             elif component.kind == "swa":
-                mask = swa_store_mask(component, page_size, [end * page_size], end_page=end, first_page=first)
-                indices = [first + i for i, keep in enumerate(mask) if keep]
+                indices = self._windows.run_pages(component, state.req, first, end)
                 if not indices:
                     continue
                 table = self.components.slots_of[component.name](state.req)
-                device_slots = table[indices[0] * page_size : (indices[-1] + 1) * page_size]
+                device_slots = window_slots(table, page_size, indices)
             else:
                 continue
             pool = self.components.pools[component.name]
@@ -199,10 +224,12 @@ class Hybrid:
             "state_slot",
             lambda: f"must be an int in [0, {pool.num_slots}) (a slot of the state pool), got {state_slot!r}",
         )
+        launched = state.offloaded_length // self.page_size if state is not None else 0
+        windows = self._windows.snapshot_pages(req, length, launched, self.components.slots_of)  # checked here
         key = self._snapshot_key(req, length, index)
-        entries = _Entries(self.state.name, state, self._spare.pop() if self._spare else None, [])
-        if entries.staging is None:
-            entries.staging = self._staging(self.state.name, state, pool, 1).staging
+        for component, indices in windows:
+            self._gather_window(req, state, component, indices, length, after)
+        entries = self._staging(self.state.name, state, pool, 1)
         entries.keys, entries.req, entries.length, entries.indices = [key], req, length, [index]
         staging, backend, slot = entries.staging, self.backend, int(state_slot)
         entries.handle = self.copy_stream.submit(
@@ -212,6 +239,21 @@ class Hybrid:
             state.copies_in_flight += 1
         self._copies.append(entries)
         return entries.handle
+
+    def _gather_window(self, req: Any, state: Any, component: Any, indices: list[int], length: int, after: Any) -> None:
+        """Launch the gather of a window's pages ``indices`` before a snapshot at ``length``;
+        their keys are the request's (hashed here: the runs that held them are keyed already)."""
+        extra_key, cache_salt = request_namespace(req)
+        keys = self.hasher.prefill_keys(request_tokens(req, 0, length), extra_key=extra_key, cache_salt=cache_salt)
+        pool = self.components.pools[component.name]
+        entries = self._staging(component.name, state, pool, len(indices))
+        entries.indices, entries.keys, entries.req = indices, [keys[i] for i in indices], req
+        device_slots = window_slots(self.components.slots_of[component.name](req), self.page_size, indices)
+        entries.handle = self._submit_pages(gather, pool, entries.staging, device_slots, after)
+        if state is not None:
+            state.copies_in_flight += 1
+        self._windows.gathered(req, component, indices)
+        self._copies.append(entries)
 
     def _snapshot_key(self, req: Any, length: int, index: int) -> str:
         """``h_{index}`` of ``req``'s tokens, hashed on from the request's last snapshot's key
@@ -232,6 +274,7 @@ class Hybrid:
         finished writes; returns the request states whose copies ended (for their release)."""
         if len(self._keyed) > len(states) + 64:  # forget the keys of requests no longer tracked
             self._keyed = {i: cached for i, cached in self._keyed.items() if i in states}
+        self._windows.forget_untracked(states)
         ended, waiting = [], []
         for entries in self._copies:
             done = entries.handle.query()
@@ -245,7 +288,7 @@ class Hybrid:
                 continue
             if entries.handle.error is not None or not entries.keys:
                 self.failed[entries.name] += len(entries.indices)
-                self._reuse(entries)
+                self._give_back(entries)
                 continue
             self._writes.append((entries, self.workers.write(lambda e=entries: self._put(e))))
         self._copies = waiting
@@ -253,19 +296,39 @@ class Hybrid:
             self._loads.remove((state, handle))
             state.copies_in_flight -= 1
             ended.append(state)
+        held = []
+        for copies, read in self._held:
+            if all(copy.query() for copy in copies):
+                for entries in read:
+                    self._give_back(entries)
+            else:
+                held.append((copies, read))
+        self._held = held
         pending = []
         for entries, future in self._writes:
             if not future.done():
                 pending.append((entries, future))
                 continue
             outcome = future.result()
-            self._reuse(entries)
+            self._give_back(entries)
             self.failed[entries.name] += len(outcome.failed_keys)
             self.stored[entries.name] += outcome.stored + outcome.deduplicated
             if outcome.failed_keys:
                 logger.warning("offload: %s entries failed: %r", entries.name, outcome.error)
         self._writes = pending
         return ended
+
+    def writes_ended(self, ended: list) -> list:
+        """Of the lifecycles whose full-page writes ended (``ended``, their :class:`RequestWrites`,
+        and those held back before), the ones with no component copy or write left; the others
+        wait for a later call (``on_stored`` follows every write of the lifecycle)."""
+        waiting = self._parked + ended
+        if not waiting:
+            return waiting
+        pending = [*self._copies, *(entries for entries, _ in self._writes)]
+        busy = {id(e.state.writes) for e in pending if e.state is not None}
+        self._parked = [writes for writes in waiting if id(writes) in busy]
+        return [writes for writes in waiting if id(writes) not in busy]
 
     def _ready(self, entries: _Entries, states: Mapping[int, Any]) -> bool:
         """A snapshot waits until its request's pages before it were handed to the writer."""
@@ -356,7 +419,7 @@ class Hybrid:
         for length in reversed(fits):
             if length // page_size <= outcome.pages_read:
                 entries = self._read_entries(keys, length)
-                if entries is not None:
+                if entries is not None:  # its staging is given back once loaded (or dropped with the handle)
                     handle.entries = entries
                     handle.pages_ready = length // page_size
                     break
@@ -369,15 +432,17 @@ class Hybrid:
             indices = list(plan[component.name])
             entries = self._staging(component.name, None, self.components.pools[component.name], len(indices))
             entries.indices, entries.keys, entries.length = indices, [keys[i] for i in indices], length
+            read[component.name] = entries
             into = [entries.staging[i] for i in range(len(indices))]
             try:
                 hits = list(self.stores[component.name].get(entries.keys, into)) if indices else []
             except Exception:  # a store that fails: this length cannot be resumed
                 logger.exception("offload: read of %s entries failed", component.name)
-                return None
+                hits = [False]
             if not all(hits):
+                for unused in read.values():
+                    self._give_back(unused)
                 return None
-            read[component.name] = entries
         return read
 
     def check_load(self, handle: Any, num_pages: int, component_slots: Any, state_slot: Any) -> dict[str, torch.Tensor]:
@@ -468,6 +533,7 @@ class Hybrid:
             for copy in copies:
                 state.copies_in_flight += 1
                 self._loads.append((state, copy))
+        self._held.append(([copy for copies in launched.values() for copy in copies], list(handle.entries.values())))
         return launched
 
     def load_handle(self, base: LoadHandle, launched: dict[str, list[CopyHandle]]) -> LoadHandle:
@@ -477,17 +543,18 @@ class Hybrid:
     # -- internals ------------------------------------------------------------------------
 
     def _staging(self, name: str, state: Any, pool: Any, count: int) -> _Entries:
+        """Entries of ``count`` rows on a staging buffer of the pool (reused: :class:`StagingPool`)."""
         if hasattr(pool, "snapshot_bytes"):
-            staging = torch.empty((count, pool.snapshot_bytes), dtype=torch.uint8, pin_memory=self.pinned)
+            buffer = self.staging.take(count, (pool.snapshot_bytes,), torch.uint8)
         else:
-            shape = (count, *pool.layout.page_shape(self.page_size))
-            staging = torch.empty(shape, dtype=pool.layout.dtype, pin_memory=self.pinned)
-        return _Entries(name, state, staging, [])
+            buffer = self.staging.take(count, pool.layout.page_shape(self.page_size), pool.layout.dtype)
+        return _Entries(name, state, buffer, count)
 
-    def _reuse(self, entries: _Entries) -> None:
-        """A store-path snapshot's staging is free again (its write ended or never ran)."""
-        if entries.req is not None and entries.run is None and len(self._spare) < 16:
-            self._spare.append(entries.staging)
+    def _give_back(self, entries: _Entries) -> None:
+        """``entries``' staging is free again (its write or load ended, or never ran)."""
+        if entries.buffer is not None:
+            self.staging.give(entries.buffer)
+            entries.buffer = entries.staging = None
 
     def _submit_pages(
         self, copy: Any, pool: Any, staging: torch.Tensor, slots: torch.Tensor, after: Any, layer: int | None = None
@@ -506,113 +573,3 @@ class Hybrid:
                 )
 
         return self.copy_stream.submit(run, keep=[staging, slots, local], after=after)
-
-
-class HybridLoadHandle(LoadHandle):
-    """A :class:`LoadHandle` whose layers are the model's (``0 .. layout.num_layers - 1``): a
-    layer's wait covers its full-attention copy and the copy of every other component with that
-    layer (its layer's own copy when loaded layer by layer, else the component's one copy)."""
-
-    def __init__(self, base: LoadHandle, layout: Any, launched: dict[str, list[CopyHandle]]) -> None:
-        super().__init__(base.req, base.num_pages, 1, base._handles, base._num_layers, base.layer_by_layer)
-        self.num_tokens = base.num_tokens
-        self._layout, self._launched = layout, launched
-        self._all = [*base._handles, *(copy for copies in launched.values() for copy in copies)]
-
-    def layer_handles(self, layer: int) -> list[CopyHandle]:
-        """Every copy ``layer`` waits for.
-
-        Raises:
-            InvalidArgumentError: ``layer`` is not in ``[0, num_layers)`` of the model.
-        """
-        if not is_int(layer) or not 0 <= layer < self._layout.num_layers:
-            raise InvalidArgumentError(f"layer: must be an int in [0, {self._layout.num_layers}), got {layer!r}")
-        handles = []
-        for component in self._layout.components:
-            if layer not in component.layers:
-                continue
-            copies = self._handles if component.kind == "full" else self._launched.get(component.name, [])
-            if copies:  # one per component layer (layer by layer) or one for them all
-                handles.append(copies[component.layers.index(layer)] if len(copies) > 1 else copies[0])
-        return handles
-
-    def layer_handle(self, layer: int) -> CopyHandle:
-        """The one copy ``layer`` waits for; a layer of several components has several
-        (:meth:`layer_handles`, :meth:`wait_layer`).
-
-        Raises:
-            InvalidArgumentError: ``layer`` is out of range, or waits for more than one copy.
-        """
-        handles = self.layer_handles(layer)
-        if len(handles) > 1:
-            raise InvalidArgumentError(
-                f"layer: {layer} waits for {len(handles)} copies (one per component); use layer_handles() or wait_layer()"
-            )
-        return handles[0] if handles else super().layer_handle(0)
-
-    def wait_layer(self, layer: int, stream: Any = None) -> None:
-        for handle in self.layer_handles(layer):
-            handle.wait(stream)
-
-    def wait(self, stream: Any = None) -> None:
-        for handle in self._all:
-            handle.wait(stream)
-
-    def done(self) -> bool:
-        return all(handle.query() for handle in self._all)
-
-    @property
-    def error(self) -> BaseException | None:
-        return next((h.error for h in self._all if h.query() and h.error is not None), None)
-
-
-class PlainModel:
-    """A plain model's stand-in for :class:`Hybrid`: one full-attention component, nothing more
-    to move (the manager behaves exactly as before hybrid models)."""
-
-    lookup = None
-    in_flight = 0
-
-    def attach(self, *_: Any) -> None:
-        """Nothing to attach."""
-
-    def check_runs(self, *_: Any) -> None:
-        """No window slots to check."""
-
-    def gather_pages(self, *_: Any) -> None:
-        """No other component's pages."""
-
-    def wait_loads(self, _state: Any, _aborted: bool) -> None:
-        """No other component's scatters."""
-
-    def settled(self, _run: Any) -> None:
-        """Nothing waits for keys."""
-
-    def poll(self, _states: Any) -> list:
-        """Nothing in flight."""
-        return []
-
-    def wait(self) -> None:
-        """Nothing in flight."""
-
-    def clear(self) -> int:
-        """No other store."""
-        return 0
-
-    def snapshot(self, *_: Any) -> CopyHandle:
-        """Raises: InvalidArgumentError: a plain model has no request state."""
-        raise InvalidArgumentError("snapshot: the model has no request-state component (a plain model)")
-
-    def check_load(self, handle: Any, num_pages: int, component_slots: Any, state_slot: Any) -> dict:
-        """Raises: InvalidArgumentError: component arguments for a plain model."""
-        require(component_slots is None, "component_slots", "a plain model has no other component")
-        require(state_slot is None, "state_slot", "a plain model has no request state")
-        return {}
-
-    def load(self, *_: Any) -> dict:
-        """Nothing more to load."""
-        return {}
-
-    def load_handle(self, base: LoadHandle, _launched: Any) -> LoadHandle:
-        """The full pages' handle itself."""
-        return base

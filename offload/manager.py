@@ -760,9 +760,8 @@ class OffloadManager(HybridCalls, ManagerInspection):
                 self._launch_backlog()
             for state in self._hybrid.poll(self._states):
                 self._maybe_release(state)
-            if self._backup.ended:
-                for writes in self._backup.take_ended():
-                    self._backup.report_stored(self._on_stored, writes)
+            for writes in self._hybrid.writes_ended(self._backup.take_ended() if self._backup.ended else []):
+                self._backup.report_stored(self._on_stored, writes)  # after its components' writes too
             return handled
 
     def _drain(self) -> None:

@@ -119,28 +119,24 @@ def restorable_lengths(
         lambda: f"must map component names to presence sequences, got {type(present).__name__}",
         ArgumentTypeError,
     )
-    names = {component.name for component in layout.components}
-    for name in present:
-        require(
-            name in names,
-            "present",
-            lambda name=name: f"names component {name!r}, which the layout does not have (it has {sorted(names)})",
-        )
-    for name in sorted(names):
-        require(name in present, "present", lambda name=name: f"has no entry for the layout's component {name!r}")
+    components = layout.components
+    if len(present) != len(components) or any(component.name not in present for component in components):
+        _check_present_names(layout, present)
     pages_asked = max(num_tokens - 1, 0) // page_size
 
     def held(component: LayoutComponent, count: int) -> list[bool]:  # entries 0 .. count-1, absent past the end
         marks = list(map(bool, present[component.name][:count]))
-        return marks + [False] * (count - len(marks))
+        return marks + [False] * (count - len(marks)) if len(marks) < count else marks
 
     limit = pages_asked  # pages every full-attention and sidecar component holds from the start
-    for component in layout.components:
-        if component.kind in ("full", "sidecar"):
+    for component in components:
+        if component.kind in ("full", "sidecar") and limit:
             marks = held(component, limit)
             limit = marks.index(False) if False in marks else limit
+    if not limit:
+        return Restorable((), page_size, pages_asked)
     restorable = [True] * limit  # restorable[k - 1]: whether k pages can be resumed from
-    for component in layout.components:
+    for component in components:
         if component.kind == "state":
             restorable = [ok and mark for ok, mark in zip(restorable, held(component, limit))]
         elif component.kind == "swa":
@@ -154,6 +150,19 @@ def restorable_lengths(
                     restorable[index] = False
     lengths = tuple(compress(range(page_size, (limit + 1) * page_size, page_size), restorable))
     return Restorable(lengths, page_size, pages_asked)
+
+
+def _check_present_names(layout: ModelLayout, present: Mapping[str, Sequence[bool]]) -> None:
+    """Raise for the first name ``present`` has that the layout lacks, or lacks that it has."""
+    names = {component.name for component in layout.components}
+    for name in present:
+        require(
+            name in names,
+            "present",
+            lambda name=name: f"names component {name!r}, which the layout does not have (it has {sorted(names)})",
+        )
+    for name in sorted(names):
+        require(name in present, "present", lambda name=name: f"has no entry for the layout's component {name!r}")
 
 
 def pages_to_load(layout: ModelLayout, page_size: int, length: int) -> dict[str, range]:

@@ -35,6 +35,7 @@ URL form for :func:`open_storage`: ``memory`` (capacity :data:`DEFAULT_CAPACITY_
 from __future__ import annotations
 
 import threading
+from itertools import compress
 
 import torch
 
@@ -46,6 +47,7 @@ from kvstage.storage.fingerprint import LayoutFingerprint
 from kvstage.storage.sizes import parse_size
 
 DEFAULT_CAPACITY_BYTES = 1 << 30  # 1 GiB
+_MAX_QUEUED_USES = 1 << 16  # uses exists() queues before it applies them itself (bounds the queue)
 
 
 def _as(buffer: torch.Tensor, page: torch.Tensor) -> torch.Tensor:
@@ -96,6 +98,7 @@ class MemoryStore(StorageBackend):
             raise InvalidArgumentError(f"capacity_pages: must be a non-negative int, got {capacity_pages!r}")
         self.capacity_pages = capacity_pages
         self._pages: ChainIndex[str, torch.Tensor] = ChainIndex()
+        self._uses: list[str] = []  # keys exists() found, not yet touched (see _exists)
         self._lock = threading.Lock()
         self.buffers_allocated = 0  # pages of memory allocated; an evicting put reuses the victim's
 
@@ -110,10 +113,24 @@ class MemoryStore(StorageBackend):
 
     def _exists(self, full_keys: list[str]) -> list[bool]:
         # A key found counts as a use: lookups find shared prefixes through exists(), and
-        # those are the pages most worth keeping.
+        # those are the pages most worth keeping. The uses are queued and applied in order
+        # before the next call that reads or changes recency (put, get), so the eviction order
+        # is the same as touching each key here, and a lookup pays a membership test only.
         with self._lock:
+            stored = self._pages
+            found = [key in stored for key in full_keys]
+            self._uses.extend(compress(full_keys, found))
+            if len(self._uses) > _MAX_QUEUED_USES:
+                self._apply_uses()
+            return found
+
+    def _apply_uses(self) -> None:
+        """Touch the keys ``exists`` found since the last call, in order (under the lock)."""
+        if self._uses:
             touch = self._pages.touch
-            return [touch(key) is not None for key in full_keys]
+            for key in self._uses:
+                touch(key)
+            self._uses.clear()
 
     def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> PutStatuses:
         statuses = PutStatuses()
@@ -122,6 +139,7 @@ class MemoryStore(StorageBackend):
         if full_prior_key is not None:
             keep.add(full_prior_key)
         with self._lock:
+            self._apply_uses()
             stored = self._pages
             before = full_prior_key
             for key, page in zip(full_keys, pages):
@@ -157,6 +175,7 @@ class MemoryStore(StorageBackend):
     def _get(self, full_keys: list[str], into: list[torch.Tensor]) -> list[bool]:
         hits = []
         with self._lock:
+            self._apply_uses()
             stored = self._pages
             for key, target in zip(full_keys, into):
                 page = stored.value(key)
@@ -173,6 +192,7 @@ class MemoryStore(StorageBackend):
         with self._lock:
             keys = self._pages.keys()
             self._pages = ChainIndex()
+            self._uses.clear()
             self._record("removed", keys)
         return len(keys)
 
@@ -189,6 +209,7 @@ class MemoryStore(StorageBackend):
         """Drop every page (no events: the store is done). Idempotent."""
         with self._lock:
             self._pages = ChainIndex()
+            self._uses.clear()
 
 
 def open_memory_store(rest: str, fingerprint: LayoutFingerprint) -> MemoryStore:

@@ -100,6 +100,25 @@ def test_a_key_found_by_exists_counts_as_recently_used():
     assert store.exists(["a", "b", "c"]) == [True, False, True]
 
 
+def test_uses_found_by_exists_keep_their_order_across_many_lookups_and_a_bounded_queue(monkeypatch):
+    # exists() queues its uses and applies them before the next put or get (a lookup does no
+    # recency work); the order must be the same as touching each key at once, also when the
+    # queue reaches its bound between two puts.
+    monkeypatch.setattr("kvstage.storage.memory_store._MAX_QUEUED_USES", 3)
+    fingerprint = LayoutFingerprint("m", KVLayout(1, 1, 1, 4, "uint8"), 1)
+    store = MemoryStore(fingerprint, capacity_pages=3)
+    page = torch.zeros(4, dtype=torch.uint8)
+    for key in "abc":
+        store.put([key], [page])
+    for _ in range(3):  # 6 uses: the queue is applied once on the way
+        assert store.exists(["a", "b"]) == [True, True]
+    assert len(store._uses) <= 3
+    assert store.exists(["a"]) == [True]  # used order now: c, b, a
+    store.put(["d"], [page])  # evicts c (least recently used)
+    store.put(["e"], [page])  # evicts b
+    assert store.exists(["a", "b", "c", "d", "e"]) == [True, False, False, True, True]
+
+
 def test_a_full_store_reuses_the_memory_of_the_pages_it_evicts():
     store = MemoryStore(FP, capacity_pages=2)
     for index, key in enumerate("abcde"):
