@@ -45,6 +45,7 @@ from kvstage.kernels.state_copy import gather_state, scatter_state
 from kvstage.kernels.streams import CopyHandle
 from kvstage.offload.components import ComponentPools
 from kvstage.offload.hybrid_load_handle import HybridLoadHandle
+from kvstage.offload.linked_stores import LinkedStores
 from kvstage.offload.load_path import LoadHandle, PrefixMatch
 from kvstage.offload.plain_model import PlainModel
 from kvstage.offload.request import request_tokens
@@ -132,6 +133,10 @@ class Hybrid:
         self._writes: list[tuple[_Entries, Any]] = []
         self._loads: list[tuple[Any, CopyHandle]] = []  # component scatters: (request state, handle)
         self.lookup = self  # what the prefetcher reads through
+        # An entry leaves with what it depends on (chain-aware eviction across the stores);
+        # stores without change listeners (not a kvstage StorageBackend) are left unlinked.
+        linkable = all(callable(getattr(store, "add_change_listener", None)) for store in stores.values())
+        self.linked = LinkedStores(self.layout, stores, page_size) if linkable else None
         self._keyed: dict[int, tuple[Any, int, str]] = {}  # id(req) -> (req, length, key) of its last snapshot
         self._held: list[tuple[list[CopyHandle], list[_Entries]]] = []  # loads' staging, free once copied
         self._windows = SnapshotWindows(self.layout, page_size)
@@ -376,13 +381,20 @@ class Hybrid:
         return sum(not e.handle.query() for e in self._copies) + len(self._writes) + len(self._loads)
 
     def clear(self) -> int:
-        """Empty every component's store but the full one (the manager clears that) and drop the
-        snapshots still waiting for their pages (counted failed: they hold the old weights' state);
-        entries removed."""
+        """Empty every component's store (linked: the full one too, dependents first; else all but
+        the full one, which the manager clears) and drop the snapshots still waiting for their
+        pages (counted failed: they hold the old weights' state); entries removed."""
         for entries in self._copies:
             self.failed[entries.name] += len(entries.indices)
         self._copies = []
+        if self.linked is not None:  # every store, dependents first (the full one then holds none)
+            return self.linked.clear()
         return sum(store.clear() for name, store in self.stores.items() if name != self.full.name)
+
+    def close(self) -> None:
+        """Unlink the stores (they stay open). Idempotent."""
+        if self.linked is not None:
+            self.linked.close()
 
     # -- load path ------------------------------------------------------------------------
 

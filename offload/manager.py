@@ -613,7 +613,7 @@ class OffloadManager(HybridCalls, ManagerInspection):
         finally:
             self._backup.stop_waiting(False)
         self._retracted.clear()
-        return self.storage.clear() + self._hybrid.clear()
+        return self._hybrid.clear() + self.storage.clear()  # components first: their dependents go first
 
     def close(self) -> None:
         """Cancel prefetches, :meth:`drain`, then stop the worker threads and the copy stream if
@@ -631,6 +631,7 @@ class OffloadManager(HybridCalls, ManagerInspection):
             self._workers.close()
         if self._announcer is not None:
             self._announcer.close()
+        self._hybrid.close()
         self.copier.close()
 
     # -- internals: lifecycle -----------------------------------------------------------------

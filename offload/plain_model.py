@@ -49,6 +49,9 @@ class PlainModel:
         """No other store."""
         return 0
 
+    def close(self) -> None:
+        """Nothing linked."""
+
     def snapshot(self, *_: Any) -> CopyHandle:
         """Raises: InvalidArgumentError: a plain model has no request state."""
         raise InvalidArgumentError("snapshot: the model has no request-state component (a plain model)")

@@ -1,7 +1,7 @@
-"""LinkedStores under the offload manager: a hybrid model's requests stored through the
-manager into memory stores too small for them (every component evicts); after each request,
-every restorable length the manager's lookup answers is held whole, nothing is held past a
-chain's gap, and flush leaves every component's store empty."""
+"""LinkedStores under the offload manager, which links its component stores itself: a hybrid
+model's requests stored through the manager into memory stores too small for them (every
+component evicts); after each request, every restorable length the manager's lookup answers is
+held whole, nothing is held past a chain's gap, and flush empties every component's store."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from kvstage.model_layout import FullAttention, ModelLayout, PageSidecar, Reques
 from kvstage.offload import HostPool
 from kvstage.offload.components import ComponentPools
 from kvstage.offload.copy_stream import ManualCopyStream
-from kvstage.offload.linked_stores import LinkedStores
 from kvstage.offload.manager import OffloadManager
 from kvstage.offload.restorable import pages_to_load
 from kvstage.offload.testing import SimpleRequest, SlotTable
@@ -75,9 +74,9 @@ def held(store: MemoryStore) -> set[str]:
 
 
 def test_requests_through_the_manager_into_full_stores_stay_restorable_and_flush_empties_them():
+    # no LinkedStores made here: the manager links the stores of its components by default
     fps = LAYOUT.fingerprints("m", page_size=PAGE)
     stores = {name: MemoryStore(fp, capacity_pages=CAPACITY[name]) for name, fp in fps.items()}
-    linked = LinkedStores(LAYOUT, stores, PAGE)
     manager, stream, slots, window_slots, pools = engine(stores)
     generator = torch.Generator().manual_seed(1)
     prompts, answered = [], 0
@@ -110,8 +109,8 @@ def test_requests_through_the_manager_into_full_stores_stay_restorable_and_flush
                     assert all(keys[i] in holding[name] for i in pages), (name, length)
             answered += len(found.lengths)
     assert all(store.stats.pages_evicted > 0 for store in stores.values())
-    assert answered > 0 and sum(linked.dependents_removed.values()) > 0
+    assert answered > 0 and sum(store.stats.pages_removed for store in stores.values()) > 0  # dependents went
     before = sum(len(held(store)) for store in stores.values())
-    removed = manager.flush()  # the full store's clear takes every dependent: the others are empty after
-    assert 0 < removed <= before and all(not held(store) for store in stores.values())
+    removed = manager.flush()  # every component's store, dependents first
+    assert removed == before and all(not held(store) for store in stores.values())
     manager.close()
