@@ -132,6 +132,7 @@ class Fleet:
         self.report: dict[str, Any] = {}
         self._retired: list[dict] = []  # counters of engine incarnations that ended (killed or finished)
         self._failure_keys: list[str] = []
+        self._evicted_keys: set[str] = set()  # pages the shared store evicted (engines' reports)
         self._done_before_kill: set[int] = set()
 
     # -- processes ----------------------------------------------------------------------------
@@ -177,6 +178,7 @@ class Fleet:
 
     def _counters(self, engine: _Engine, counters: dict) -> None:
         self._failure_keys.extend(counters.pop("storage_failure_keys"))
+        self._evicted_keys.update(counters.pop("store_evicted_keys"))
         engine.counters = counters
 
     # -- the run ------------------------------------------------------------------------------
@@ -334,7 +336,13 @@ class Fleet:
         orphans = self.kill["rerouted_orders"] if self.kill else []
         durable = {key for order in self._done_before_kill for key in checker.request_keys[order]}
         killed_writes = {key for order in orphans for key in checker.request_keys[order]} - durable
-        absent_killed = sum(key in killed_writes for key in result.missing_keys)
+        # A bounded store (``capacity_bytes``) evicts: a missing page some engine reported evicted
+        # is explained, and so are the pages behind it in its chain (unreachable).
+        evicted, failed = self._evicted_keys, set(self._failure_keys)
+        missing_evicted = sum(key in evicted for key in result.missing_keys)
+        absent_killed = sum(key in killed_writes and key not in evicted for key in result.missing_keys)
+        explained = evicted | killed_writes | failed
+        unexplained = sum(key not in explained for key in result.missing_keys)
         done = sorted(self.completions)
         prompt = sum(c[3] for c in done)
         saved = sum(c[4] for c in done)
@@ -366,8 +374,10 @@ class Fleet:
             "load_mismatches": counters.get("load_mismatches", 0),
             "verify_pages_checked": result.pages_checked,
             "mismatched": result.mismatches + counters.get("load_mismatches", 0),
-            "lost": max(0, result.lost - absent_killed),
+            "lost": max(0, unexplained - counters.get("pages_dropped", 0)),
             "absent_killed_writes": absent_killed,
+            "missing_evicted": missing_evicted,
+            "store_pages_evicted": len(evicted),
             "unreachable": result.unreachable,
             "router_lag_p50_ms": _percentile_ms(lags, 50),
             "router_lag_p99_ms": _percentile_ms(lags, 99),

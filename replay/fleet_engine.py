@@ -10,7 +10,8 @@ finish, store, report, exit). Engine to router: ``("ready",)``; ``("done", order
 prompt_tokens, loaded_tokens, counters)`` per request finished with every store write ended, with
 the engine's cumulative counters (so a killed engine's figures survive it); ``("final",
 counters)``; ``("error", text)``. ``counters`` includes ``storage_failure_keys``: the keys
-whose store write failed since the previous message.
+whose store write failed since the previous message, and ``store_evicted_keys``: the keys the
+shared store evicted to make room for this engine's writes since then (a bounded store).
 
 KV events (vLLM's wire format, :class:`kvstage.events.KVEventPublisher` with a replay socket,
 topic ``engine-<index>``): medium ``STORAGE`` from the manager itself
@@ -146,6 +147,7 @@ class _PipeFeed:
             "local_reads": self.tier.tier_stats.local_reads,
             "store_reads": self.tier.tier_stats.store_reads,
             "storage_failure_keys": list(new_failures),
+            "store_evicted_keys": self.tier.take_evicted(),
         }
 
     def admitted(self, req) -> None:
@@ -198,6 +200,7 @@ def engine_main(spec: EngineSpec, conn) -> None:
         counters = feed.counters()
         engine.close()  # the manager's announcer publishes what is left
         publisher.close()
+        counters["store_evicted_keys"] += tier.take_evicted()
         conn.send(("final", counters))
     except BaseException:  # reported to the router, which fails the run naming the engine
         try:

@@ -13,13 +13,14 @@ where its prefix is in that tier saves the store read, not the prefill.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
 
 from kvstage.errors import InvalidArgumentError, is_int
 from kvstage.storage import PutStatus, PutStatuses, StorageBackend
+from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 
 
 @dataclass
@@ -44,8 +45,10 @@ class LocalTier(StorageBackend):
     Pages enter on a put that ``inner`` answered STORED or DEDUPLICATED (the page is in the
     shared store either way) and on a read from ``inner``; the least recently used leaves.
     :meth:`take_changes` returns ``("stored" | "removed", key)`` for each entry and exit, in
-    order; :meth:`take_events` is ``inner``'s. ``exists`` is true for a kept page without asking
-    ``inner``; ``clear`` empties both.
+    order; :meth:`take_events` hands on ``inner``'s, which the tier takes after each put so that
+    :meth:`take_evicted` knows the keys ``inner`` evicted (a bounded shared store) at once: a page
+    missing from the store at the end is explained only by an eviction an engine reported.
+    ``exists`` is true for a kept page without asking ``inner``; ``clear`` empties both.
     Thread-safe (the manager reads and writes from its worker threads).
 
     Raises:
@@ -63,6 +66,8 @@ class LocalTier(StorageBackend):
         self.tier_stats = LocalTierStats()
         self._pages: OrderedDict[str, torch.Tensor] = OrderedDict()  # key (no prefix) -> page bytes
         self._changes: list[tuple[str, str]] = []
+        self._evicted: list[str] = []  # keys inner evicted, until take_evicted
+        self._events: deque = deque(maxlen=DEFAULT_EVENT_CAPACITY)  # inner's events, until take_events
         self._lock = threading.Lock()
 
     def _key(self, full_key: str) -> str:
@@ -105,6 +110,7 @@ class LocalTier(StorageBackend):
         keys = [self._key(k) for k in full_keys]
         prior = self._key(full_prior_key) if full_prior_key else None
         statuses = self.inner.put(keys, pages, prior_key=prior)
+        self._drain()  # an eviction this put made is known before the engine reports again
         for key, page, status in zip(keys, pages, statuses):
             if status is not PutStatus.FAILED:
                 self._keep(key, page)
@@ -137,10 +143,28 @@ class LocalTier(StorageBackend):
             self._pages.clear()
         return self.inner.clear()
 
+    def _drain(self) -> None:
+        """Take ``inner``'s events now (right after a put evicted), noting the evicted keys."""
+        events = self.inner.take_events()
+        if events:
+            with self._lock:
+                self._events.extend(events)
+                self._evicted.extend(event.key for event in events if event.kind == "evicted")
+
     def take_events(self, max_events: int | None = None):
         """The shared store's events (what this engine's writes stored, what it saw evicted or
-        removed): the tier's own changes are :meth:`take_changes`."""
-        return self.inner.take_events(max_events)
+        removed), oldest first: the tier's own changes are :meth:`take_changes`."""
+        self._drain()
+        with self._lock:
+            count = len(self._events) if max_events is None else min(max_events, len(self._events))
+            return [self._events.popleft() for _ in range(count)]
+
+    def take_evicted(self) -> list[str]:
+        """Keys (no prefix) of the pages the shared store evicted, seen since the last call."""
+        self._drain()
+        with self._lock:
+            evicted, self._evicted = self._evicted, []
+        return evicted
 
     def register_host_buffers(self, buffers) -> None:
         """Passed to the shared store (a zero-copy store registers the host pool)."""
