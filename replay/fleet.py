@@ -39,7 +39,7 @@ import numpy as np
 
 from kvstage.errors import InvalidArgumentError, KvstageError
 from kvstage.events import KVEventSubscriber, block_hash
-from kvstage.replay.fleet_engine import EngineSpec
+from kvstage.replay.fleet_engine import EngineSpec, read_keys
 from kvstage.replay.router import Router
 
 READY_TIMEOUT_S = 300.0  # an engine process imports torch and builds its pools (slow on a busy CPU)
@@ -56,7 +56,7 @@ class FleetConfig:
 
     Attributes:
         engines: engine processes (>= 1).
-        policy: ``kv``, ``round-robin`` or ``random``.
+        policy: ``kv``, ``round-robin``, ``random`` or ``dynamo`` (:mod:`kvstage.replay.router`).
         kill_at: SIGKILL one engine right after this many requests were routed (>= 1), and
             restart it; None: no kill.
         local_pages: each engine's local tier, in pages (>= 0).
@@ -132,7 +132,6 @@ class Fleet:
         self.report: dict[str, Any] = {}
         self._retired: list[dict] = []  # counters of engine incarnations that ended (killed or finished)
         self._failure_keys: list[str] = []
-        self._evicted_keys: set[str] = set()  # pages the shared store evicted (engines' reports)
         self._done_before_kill: set[int] = set()
 
     # -- processes ----------------------------------------------------------------------------
@@ -140,7 +139,15 @@ class Fleet:
     def _start(self, index: int, endpoint: str, replay_endpoint: str) -> _Engine:
         """Start engine ``index``: ``python -m kvstage.replay.fleet_engine FD``, its pipe a socket pair."""
         parent, child = socket.socketpair()
-        spec = EngineSpec(index, self.config, self.requests, endpoint, replay_endpoint, self.fleet.local_pages)
+        spec = EngineSpec(
+            index,
+            self.config,
+            self.requests,
+            endpoint,
+            replay_endpoint,
+            self.fleet.local_pages,
+            self._evicted_log(index),
+        )
         process = subprocess.Popen(
             [sys.executable, "-m", "kvstage.replay.fleet_engine", str(child.fileno())], pass_fds=(child.fileno(),)
         )
@@ -148,6 +155,10 @@ class Fleet:
         conn = Connection(parent.detach())
         conn.send(spec)
         return _Engine(process, conn)
+
+    def _evicted_log(self, index: int) -> str:
+        """Engine ``index``'s eviction log (each incarnation appends to it)."""
+        return os.path.join(self._workdir, f"engine-{index}.evicted")
 
     def _receive(self, index: int, engine: _Engine, started: float) -> None:
         """Handle every message waiting on ``engine``'s pipe."""
@@ -178,7 +189,6 @@ class Fleet:
 
     def _counters(self, engine: _Engine, counters: dict) -> None:
         self._failure_keys.extend(counters.pop("storage_failure_keys"))
-        self._evicted_keys.update(counters.pop("store_evicted_keys"))
         engine.counters = counters
 
     # -- the run ------------------------------------------------------------------------------
@@ -188,20 +198,34 @@ class Fleet:
 
         Raises:
             FleetError: an engine process failed or did not start.
+            BackendUnavailableError: ``dynamo`` without ``ai-dynamo-runtime`` (before anything
+                is written), or its indexer did not start.
         """
         from kvstage.replay.engine import ReplayEngine
 
         wall = time.perf_counter()
+        self._dynamo = None
+        if self.fleet.policy == "dynamo":  # first: without the package nothing is written
+            from kvstage.replay.dynamo_index import DynamoIndex, free_port
+
+            self._dynamo = DynamoIndex(self.config.page_size)
         checker = ReplayEngine(self.config, self.requests)  # the router's hasher, then the verifier
         n = len(checker.trace)
         hashes: list[list[int] | None] = [None] * n
         self._hashes = hashes
         self._done: set[int] = set()
-        workdir = tempfile.mkdtemp(prefix="kvstage-fleet-")
-        endpoints = [
-            (f"ipc://{workdir}/engine-{i}.ipc", f"ipc://{workdir}/engine-{i}-replay.ipc")
-            for i in range(self.fleet.engines)
-        ]
+        workdir = self._workdir = tempfile.mkdtemp(prefix="kvstage-fleet-")
+        if self._dynamo is not None:  # Dynamo's indexer subscribes over TCP (it binds 0.0.0.0)
+            endpoints = [
+                (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(self.fleet.engines)
+            ]
+            for i, (endpoint, replay) in enumerate(endpoints):
+                self._dynamo.register(i, endpoint, replay)
+        else:
+            endpoints = [
+                (f"ipc://{workdir}/engine-{i}.ipc", f"ipc://{workdir}/engine-{i}-replay.ipc")
+                for i in range(self.fleet.engines)
+            ]
         subscribers = [KVEventSubscriber(e, replay_endpoint=r) for e, r in endpoints]
         engines = [self._start(i, e, r) for i, (e, r) in enumerate(endpoints)]
         try:
@@ -225,7 +249,10 @@ class Fleet:
                         order, next_order = next_order, next_order + 1
                     if hashes[order] is None:
                         hashes[order] = [block_hash(k) for k in checker.expect(order)]
-                    index = self.router.pick(hashes[order], live, unfinished)
+                    held = (
+                        None if self._dynamo is None else self._dynamo.local_blocks(self._prompt_pages(checker, order))
+                    )
+                    index = self.router.pick(hashes[order], live, unfinished, held)
                     engines[index].conn.send(("assign", [order]))
                     self.router.index.route(index, hashes[order])
                     engines[index].unfinished.add(order)
@@ -261,6 +288,7 @@ class Fleet:
                     self.router.index.apply(i, seq, batch)
             drain_s = time.time() - started - run_s
             self._retired.extend(e.counters for e in engines)
+            self._evicted_keys = set().union(*(read_keys(self._evicted_log(i)) for i in range(self.fleet.engines)))
             self.report = self._verify_and_report(checker, run_s, drain_s, time.perf_counter() - wall)
         finally:
             for engine in engines:
@@ -269,6 +297,8 @@ class Fleet:
                     engine.process.wait()
             for subscriber in subscribers:
                 subscriber.close()
+            if self._dynamo is not None:
+                self._dynamo.close()
             checker.close()
             for name in os.listdir(workdir):
                 os.unlink(os.path.join(workdir, name))
@@ -276,6 +306,15 @@ class Fleet:
         if self.on_progress is not None:
             self.on_progress(len(self._done), n)
         return self.report
+
+    def _prompt_pages(self, checker, order: int) -> list[int]:
+        """The token ids of request ``order``'s whole pages (what Dynamo's indexer hashes)."""
+        from kvstage.replay.engine import ReplayRequest
+
+        trace = checker.trace[order]
+        extra, salt = checker.namespaces[order]
+        tokens = ReplayRequest(trace, checker.tokens.prompt(trace), checker.tokens.output(trace), extra, salt)
+        return list(tokens.kv_tokens[: len(self._hashes[order]) * checker.page_size])
 
     def _await_ready(self, engines: list[_Engine], since: float) -> None:
         while not all(e.ready for e in engines):
@@ -303,6 +342,9 @@ class Fleet:
         queue.extendleft(reversed(orphans))
         self._retired.append(engine.counters)
         self.router.index.forget_local(victim)
+        if self._dynamo is not None:  # Dynamo drops what the dead engine held; its successor binds the same ports
+            self._dynamo.unregister(victim)
+            self._dynamo.register(victim, *endpoints[victim])
         engine.conn.close()
         engines[victim] = self._start(victim, *endpoints[victim])
         self.kill = {
@@ -370,12 +412,16 @@ class Fleet:
             "pages_stored": result.pages_matched,
             "engine_pages_stored": counters.get("pages_stored", 0),
             "pages_deduplicated": counters.get("pages_deduplicated", 0),
-            "pages_failed": counters.get("pages_failed", 0),
+            # Writes a bounded store refused for want of room (its eviction's consequence, the
+            # pages explained at verification) apart from real failures.
+            "pages_failed": max(0, counters.get("pages_failed", 0) - counters.get("pages_refused", 0)),
+            "pages_refused": counters.get("pages_refused", 0),
             "load_mismatches": counters.get("load_mismatches", 0),
             "verify_pages_checked": result.pages_checked,
             "mismatched": result.mismatches + counters.get("load_mismatches", 0),
             "lost": max(0, unexplained - counters.get("pages_dropped", 0)),
             "absent_killed_writes": absent_killed,
+            "missing": len(result.missing_keys),
             "missing_evicted": missing_evicted,
             "store_pages_evicted": len(evicted),
             "unreachable": result.unreachable,
@@ -383,6 +429,11 @@ class Fleet:
             "router_lag_p99_ms": _percentile_ms(lags, 99),
             "event_batches": len(lags),
             "event_gaps": sum(self.router.index.gaps),
+            "dynamo_queries": self._dynamo.queries if self._dynamo else 0,
+            "dynamo_prefix_answers": self._dynamo.prefix_answers if self._dynamo else 0,
+            "dynamo_query_ms": 1e3 * self._dynamo.query_s / self._dynamo.queries
+            if self._dynamo and self._dynamo.queries
+            else 0.0,
             "index_stored_pages": len(self.router.index.stored),
             "index_local_pages": sum(len(held) for held in self.router.index.local),
             "kill": self.kill,

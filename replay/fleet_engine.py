@@ -10,8 +10,11 @@ finish, store, report, exit). Engine to router: ``("ready",)``; ``("done", order
 prompt_tokens, loaded_tokens, counters)`` per request finished with every store write ended, with
 the engine's cumulative counters (so a killed engine's figures survive it); ``("final",
 counters)``; ``("error", text)``. ``counters`` includes ``storage_failure_keys``: the keys
-whose store write failed since the previous message, and ``store_evicted_keys``: the keys the
-shared store evicted to make room for this engine's writes since then (a bounded store).
+whose store write failed since the previous message.
+
+A bounded shared store (``file:DIR?capacity_bytes=...``) evicts: the keys it evicted for this
+engine go to ``evicted_log`` (one key a line, appended right after the put that evicted them,
+so that a SIGKILL loses at most the keys of the put it interrupts).
 
 KV events (vLLM's wire format, :class:`kvstage.events.KVEventPublisher` with a replay socket,
 topic ``engine-<index>``): medium ``STORAGE`` from the manager itself
@@ -24,9 +27,11 @@ as ``lora_name`` and ``(extra_key, cache_salt)`` in ``extra_keys``, as the manag
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from kvstage.events import BlockRemoved, BlockStored, KVEventPublisher, block_hash
@@ -44,6 +49,7 @@ class EngineSpec:
         requests: the whole trace.
         endpoint: where its KV event publisher binds; ``replay_endpoint``: its replay socket.
         local_pages: its local tier's capacity in pages.
+        evicted_log: the file the keys the shared store evicted for it are appended to.
     """
 
     index: int
@@ -52,6 +58,29 @@ class EngineSpec:
     endpoint: str
     replay_endpoint: str
     local_pages: int
+    evicted_log: str
+
+
+def append_keys(path: str) -> Callable[[list[str]], None]:
+    """A writer of keys to ``path``, one a line, each batch one ``write`` (``O_APPEND``: it reaches
+    the file at once, so it survives a SIGKILL of this process right after)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+    def write(keys: list[str]) -> None:
+        os.write(fd, "".join(f"{key}\n" for key in keys).encode())
+
+    return write
+
+
+def read_keys(path: str) -> set[str]:
+    """The keys :func:`append_keys` wrote to ``path`` (a line cut short by a kill is left out)."""
+    try:
+        with open(path, encoding="ascii") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        return set()
+    lines = text.split("\n")
+    return set(lines[:-1]) - {""}  # the last element is "" or a line without its newline
 
 
 class _Announcer:
@@ -142,12 +171,12 @@ class _PipeFeed:
             "pages_stored": metrics.pages_stored,
             "pages_deduplicated": metrics.pages_deduplicated,
             "pages_failed": metrics.pages_failed,
+            "pages_refused": engine.pages_refused,
             "pages_dropped": metrics.pages_dropped,
             "load_mismatches": engine.stats.load_mismatches,
             "local_reads": self.tier.tier_stats.local_reads,
             "store_reads": self.tier.tier_stats.store_reads,
             "storage_failure_keys": list(new_failures),
-            "store_evicted_keys": self.tier.take_evicted(),
         }
 
     def admitted(self, req) -> None:
@@ -157,6 +186,19 @@ class _PipeFeed:
     def stored(self, req) -> None:
         loaded = req.loaded_pages * self.engine.page_size
         self.conn.send(("done", req.order, time.time(), len(req.origin_input_ids), loaded, self.counters()))
+
+
+def refused_for_room(error: BaseException | None) -> bool:
+    """Whether a failed store write was refused for want of room: no error given (the store
+    found no page it could evict), a ``MissingPriorError`` (the page before it was evicted, or
+    refused itself), or a ``PriorFailedError`` whose cause is one of those. An ``OSError`` or
+    any other error is a real failure."""
+    from kvstage.offload.key_chain import PriorFailedError
+    from kvstage.storage import MissingPriorError
+
+    if isinstance(error, PriorFailedError):
+        return refused_for_room(error.cause)
+    return error is None or isinstance(error, MissingPriorError)
 
 
 def open_engine_store(url: str, fingerprint):
@@ -183,12 +225,24 @@ def engine_main(spec: EngineSpec, conn) -> None:
         from kvstage.replay.engine import ReplayEngine
         from kvstage.replay.local_tier import LocalTier
 
+        class FleetReplayEngine(ReplayEngine):
+            """Counts the failed writes a bounded store refused (:func:`refused_for_room`)."""
+
+            pages_refused = 0
+
+            def _storage_failed(self, req: Any, keys: list[str], error: BaseException | None) -> None:
+                super()._storage_failed(req, keys, error)
+                if refused_for_room(error):
+                    self.pages_refused += len(keys)
+
         torch.set_num_threads(1)
         publisher = KVEventPublisher(spec.endpoint, replay_endpoint=spec.replay_endpoint, topic=f"engine-{spec.index}")
-        engine = ReplayEngine(
+        engine = FleetReplayEngine(
             spec.config,
             spec.requests,
-            open_store=lambda url, fp: LocalTier(open_engine_store(url, fp), spec.local_pages),
+            open_store=lambda url, fp: LocalTier(
+                open_engine_store(url, fp), spec.local_pages, on_evicted=append_keys(spec.evicted_log)
+            ),
             kv_events=publisher,  # the manager announces what it stores (medium STORAGE)
         )
         tier = engine.storage
@@ -200,7 +254,6 @@ def engine_main(spec: EngineSpec, conn) -> None:
         counters = feed.counters()
         engine.close()  # the manager's announcer publishes what is left
         publisher.close()
-        counters["store_evicted_keys"] += tier.take_evicted()
         conn.send(("final", counters))
     except BaseException:  # reported to the router, which fails the run naming the engine
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,13 +42,15 @@ class LocalTier(StorageBackend):
     Args:
         inner: the shared store (its fingerprint is this store's).
         capacity_pages: pages kept (>= 0; 0: nothing kept, every call goes to ``inner``).
+        on_evicted: called with the keys (no prefix) of pages ``inner`` evicted (a bounded shared
+            store), right after the put that evicted them (or the next call, for evictions at open).
 
     Pages enter on a put that ``inner`` answered STORED or DEDUPLICATED (the page is in the
     shared store either way) and on a read from ``inner``; the least recently used leaves.
     :meth:`take_changes` returns ``("stored" | "removed", key)`` for each entry and exit, in
     order; :meth:`take_events` hands on ``inner``'s, which the tier takes after each put so that
-    :meth:`take_evicted` knows the keys ``inner`` evicted (a bounded shared store) at once: a page
-    missing from the store at the end is explained only by an eviction an engine reported.
+    ``on_evicted`` hears of an eviction at once: a fleet explains a page missing from the store at
+    the end only by an eviction an engine reported.
     ``exists`` is true for a kept page without asking ``inner``; ``clear`` empties both.
     Thread-safe (the manager reads and writes from its worker threads).
 
@@ -57,16 +60,18 @@ class LocalTier(StorageBackend):
 
     tier = "local"
 
-    def __init__(self, inner: StorageBackend, capacity_pages: int) -> None:
+    def __init__(
+        self, inner: StorageBackend, capacity_pages: int, on_evicted: Callable[[list[str]], None] | None = None
+    ) -> None:
         if not is_int(capacity_pages) or capacity_pages < 0:
             raise InvalidArgumentError(f"capacity_pages: must be an int >= 0, got {capacity_pages!r}")
         super().__init__(inner.fingerprint, event_capacity=0)
         self.inner = inner
         self.capacity_pages = int(capacity_pages)
+        self.on_evicted = on_evicted
         self.tier_stats = LocalTierStats()
         self._pages: OrderedDict[str, torch.Tensor] = OrderedDict()  # key (no prefix) -> page bytes
         self._changes: list[tuple[str, str]] = []
-        self._evicted: list[str] = []  # keys inner evicted, until take_evicted
         self._events: deque = deque(maxlen=DEFAULT_EVENT_CAPACITY)  # inner's events, until take_events
         self._lock = threading.Lock()
 
@@ -144,12 +149,15 @@ class LocalTier(StorageBackend):
         return self.inner.clear()
 
     def _drain(self) -> None:
-        """Take ``inner``'s events now (right after a put evicted), noting the evicted keys."""
+        """Take ``inner``'s events now (right after a put evicted) and pass the evicted keys on."""
         events = self.inner.take_events()
-        if events:
-            with self._lock:
-                self._events.extend(events)
-                self._evicted.extend(event.key for event in events if event.kind == "evicted")
+        if not events:
+            return
+        with self._lock:
+            self._events.extend(events)
+        evicted = [event.key for event in events if event.kind == "evicted"]
+        if evicted and self.on_evicted is not None:
+            self.on_evicted(evicted)
 
     def take_events(self, max_events: int | None = None):
         """The shared store's events (what this engine's writes stored, what it saw evicted or
@@ -158,13 +166,6 @@ class LocalTier(StorageBackend):
         with self._lock:
             count = len(self._events) if max_events is None else min(max_events, len(self._events))
             return [self._events.popleft() for _ in range(count)]
-
-    def take_evicted(self) -> list[str]:
-        """Keys (no prefix) of the pages the shared store evicted, seen since the last call."""
-        self._drain()
-        with self._lock:
-            evicted, self._evicted = self._evicted, []
-        return evicted
 
     def register_host_buffers(self, buffers) -> None:
         """Passed to the shared store (a zero-copy store registers the host pool)."""
