@@ -13,8 +13,8 @@ counters)``; ``("error", text)``. ``counters`` includes ``storage_failure_keys``
 whose store write failed since the previous message.
 
 A bounded shared store (``file:DIR?capacity_bytes=...``) evicts: the keys it evicted for this
-engine go to ``evicted_log`` (one key a line, appended right after the put that evicted them,
-so that a SIGKILL loses at most the keys of the put it interrupts).
+engine go to ``evicted_log`` (one key a line, appended right after the page whose put evicted
+them, so that a SIGKILL loses at most the keys of the page being written).
 
 KV events (vLLM's wire format, :class:`kvstage.events.KVEventPublisher` with a replay socket,
 topic ``engine-<index>``): medium ``STORAGE`` from the manager itself
@@ -241,7 +241,10 @@ def engine_main(spec: EngineSpec, conn) -> None:
             spec.config,
             spec.requests,
             open_store=lambda url, fp: LocalTier(
-                open_engine_store(url, fp), spec.local_pages, on_evicted=append_keys(spec.evicted_log)
+                open_engine_store(url, fp),
+                spec.local_pages,
+                # A file store's evictions are events (Mooncake's master evicts without telling).
+                on_evicted=append_keys(spec.evicted_log) if url.startswith("file:") else None,
             ),
             kv_events=publisher,  # the manager announces what it stores (medium STORAGE)
         )

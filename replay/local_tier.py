@@ -43,7 +43,9 @@ class LocalTier(StorageBackend):
         inner: the shared store (its fingerprint is this store's).
         capacity_pages: pages kept (>= 0; 0: nothing kept, every call goes to ``inner``).
         on_evicted: called with the keys (no prefix) of pages ``inner`` evicted (a bounded shared
-            store), right after the put that evicted them (or the next call, for evictions at open).
+            store), right after the page whose put evicted them (or at the next call, for
+            evictions at open); given, puts reach ``inner`` one page at a time, so that a process
+            killed mid-put has passed on every eviction but those of the page being written.
 
     Pages enter on a put that ``inner`` answered STORED or DEDUPLICATED (the page is in the
     shared store either way) and on a read from ``inner``; the least recently used leaves.
@@ -114,8 +116,17 @@ class LocalTier(StorageBackend):
     def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> PutStatuses:
         keys = [self._key(k) for k in full_keys]
         prior = self._key(full_prior_key) if full_prior_key else None
-        statuses = self.inner.put(keys, pages, prior_key=prior)
-        self._drain()  # an eviction this put made is known before the engine reports again
+        if self.on_evicted is None:
+            statuses = self.inner.put(keys, pages, prior_key=prior)
+        else:  # page by page: each eviction is passed on right after the page that made it
+            statuses = PutStatuses()
+            for key, page in zip(keys, pages):
+                answer = self.inner.put([key], [page], prior_key=prior)
+                self._drain()
+                statuses.append(answer[0])
+                if statuses.error is None:
+                    statuses.error = answer.error
+                prior = key
         for key, page, status in zip(keys, pages, statuses):
             if status is not PutStatus.FAILED:
                 self._keep(key, page)
