@@ -13,8 +13,9 @@ counters)``; ``("error", text)``. ``counters`` includes ``storage_failure_keys``
 whose store write failed since the previous message.
 
 A bounded shared store (``file:DIR?capacity_bytes=...``) evicts: the keys it evicted for this
-engine go to ``evicted_log`` (one key a line, appended right after the page whose put evicted
-them, so that a SIGKILL loses at most the keys of the page being written).
+engine go to ``evicted_log`` (:class:`EvictionLog`: appended right after the page whose put
+evicted them, and each page's put marked begun and ended, so that the router knows how many
+puts a SIGKILL cut off, each of which may have evicted a page it did not log).
 
 KV events (vLLM's wire format, :class:`kvstage.events.KVEventPublisher` with a replay socket,
 topic ``engine-<index>``): medium ``STORAGE`` from the manager itself
@@ -30,13 +31,13 @@ import dataclasses
 import os
 import time
 import traceback
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import Counter, OrderedDict
 from typing import Any
 
 from kvstage.events import BlockRemoved, BlockStored, KVEventPublisher, block_hash
 
 MEDIUM_CPU = "CPU"  # vLLM's name of a host-memory tier
+START = "#start"  # an eviction log's line where an engine process began appending
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,26 +62,50 @@ class EngineSpec:
     evicted_log: str
 
 
-def append_keys(path: str) -> Callable[[list[str]], None]:
-    """A writer of keys to ``path``, one a line, each batch one ``write`` (``O_APPEND``: it reaches
-    the file at once, so it survives a SIGKILL of this process right after)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+class EvictionLog:
+    """An engine's log of the shared store's evictions (for :class:`LocalTier`'s ``on_evicted``
+    and ``on_put``): :data:`START` on a line of its own when a process opens it (each incarnation
+    of an engine appends to one file), a line per evicted key, ``+KEY`` before a page's put,
+    ``-KEY`` after its evictions were logged. Each line is one ``write`` with ``O_APPEND``: it is in the file at
+    once, so it survives a SIGKILL of this process right after."""
 
-    def write(keys: list[str]) -> None:
-        os.write(fd, "".join(f"{key}\n" for key in keys).encode())
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.write(self._fd, f"\n{START}\n".encode())  # ends a line a killed predecessor left cut short
 
-    return write
+    def evicted(self, keys: list[str]) -> None:
+        os.write(self._fd, "".join(f"{key}\n" for key in keys).encode())
+
+    def put(self, key: str, done: bool) -> None:
+        os.write(self._fd, f"{'-' if done else '+'}{key}\n".encode())
 
 
-def read_keys(path: str) -> set[str]:
-    """The keys :func:`append_keys` wrote to ``path`` (a line cut short by a kill is left out)."""
+def read_eviction_log(path: str) -> tuple[set[str], int]:
+    """What :class:`EvictionLog` wrote to ``path``: the evicted keys, and the page puts begun and
+    never ended (a killed engine's: each may have evicted a page whose key it did not log). A
+    line cut short by a kill is left out."""
     try:
         with open(path, encoding="ascii") as handle:
-            text = handle.read()
+            lines = handle.read().split("\n")[:-1]  # the last element is "" or a line cut short
     except FileNotFoundError:
-        return set()
-    lines = text.split("\n")
-    return set(lines[:-1]) - {""}  # the last element is "" or a line without its newline
+        return set(), 0
+    complete: list[str] = []
+    for line in lines:
+        if line == START:
+            if complete and complete[-1]:
+                complete.pop()  # the predecessor's line the kill cut short (ended by START's newline)
+            continue
+        complete.append(line)
+    open_puts: Counter[str] = Counter()
+    evicted: set[str] = set()
+    for line in complete:
+        if line.startswith("+"):
+            open_puts[line[1:]] += 1
+        elif line.startswith("-"):
+            open_puts[line[1:]] -= 1
+        elif line:
+            evicted.add(line)
+    return evicted, sum(count for count in open_puts.values() if count > 0)
 
 
 class _Announcer:
@@ -237,14 +262,16 @@ def engine_main(spec: EngineSpec, conn) -> None:
 
         torch.set_num_threads(1)
         publisher = KVEventPublisher(spec.endpoint, replay_endpoint=spec.replay_endpoint, topic=f"engine-{spec.index}")
+        # A file store's evictions are events (Mooncake's master evicts without telling).
+        log = EvictionLog(spec.evicted_log) if spec.config.storage.startswith("file:") else None
         engine = FleetReplayEngine(
             spec.config,
             spec.requests,
             open_store=lambda url, fp: LocalTier(
                 open_engine_store(url, fp),
                 spec.local_pages,
-                # A file store's evictions are events (Mooncake's master evicts without telling).
-                on_evicted=append_keys(spec.evicted_log) if url.startswith("file:") else None,
+                on_evicted=log.evicted if log else None,
+                on_put=log.put if log else None,
             ),
             kv_events=publisher,  # the manager announces what it stores (medium STORAGE)
         )

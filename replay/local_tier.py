@@ -46,6 +46,9 @@ class LocalTier(StorageBackend):
             store), right after the page whose put evicted them (or at the next call, for
             evictions at open); given, puts reach ``inner`` one page at a time, so that a process
             killed mid-put has passed on every eviction but those of the page being written.
+        on_put: with ``on_evicted``: ``on_put(key, False)`` before a page's put and
+            ``on_put(key, True)`` once its evictions were passed on (a put begun and never
+            ended marks where a kill may have cut an eviction's report).
 
     Pages enter on a put that ``inner`` answered STORED or DEDUPLICATED (the page is in the
     shared store either way) and on a read from ``inner``; the least recently used leaves.
@@ -63,14 +66,18 @@ class LocalTier(StorageBackend):
     tier = "local"
 
     def __init__(
-        self, inner: StorageBackend, capacity_pages: int, on_evicted: Callable[[list[str]], None] | None = None
+        self,
+        inner: StorageBackend,
+        capacity_pages: int,
+        on_evicted: Callable[[list[str]], None] | None = None,
+        on_put: Callable[[str, bool], None] | None = None,
     ) -> None:
         if not is_int(capacity_pages) or capacity_pages < 0:
             raise InvalidArgumentError(f"capacity_pages: must be an int >= 0, got {capacity_pages!r}")
         super().__init__(inner.fingerprint, event_capacity=0)
         self.inner = inner
         self.capacity_pages = int(capacity_pages)
-        self.on_evicted = on_evicted
+        self.on_evicted, self.on_put = on_evicted, on_put
         self.tier_stats = LocalTierStats()
         self._pages: OrderedDict[str, torch.Tensor] = OrderedDict()  # key (no prefix) -> page bytes
         self._changes: list[tuple[str, str]] = []
@@ -121,8 +128,12 @@ class LocalTier(StorageBackend):
         else:  # page by page: each eviction is passed on right after the page that made it
             statuses = PutStatuses()
             for key, page in zip(keys, pages):
+                if self.on_put is not None:
+                    self.on_put(key, False)
                 answer = self.inner.put([key], [page], prior_key=prior)
                 self._drain()
+                if self.on_put is not None:
+                    self.on_put(key, True)
                 statuses.append(answer[0])
                 if statuses.error is None:
                     statuses.error = answer.error

@@ -17,6 +17,7 @@ from kvstage.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventB
 from kvstage.replay import command, dynamo_index
 from kvstage.replay.engine import ReplayConfig
 from kvstage.replay.fleet import DEFAULT_LOCAL_PAGES, Fleet, FleetConfig
+from kvstage.replay.fleet_engine import EvictionLog, read_eviction_log
 from kvstage.replay.local_tier import LocalTier
 from kvstage.replay.models import resolve_model
 from kvstage.replay.prefix_index import PrefixIndex
@@ -255,6 +256,23 @@ def test_two_engines_on_a_bounded_file_store_explain_every_missing_page_by_an_ev
     assert 0 < report["missing_evicted"] <= report["missing"]
     assert report["pages_stored"] + report["missing"] + report["unreachable"] == report["verify_pages_checked"]
     assert report["pages_stored"] < report["verify_pages_checked"]
+    assert 0 <= report["missing_cut_evictions"] <= report["puts_cut_by_kill"]
+
+
+def test_the_eviction_log_counts_the_puts_a_kill_cut_off(tmp_path):
+    path = str(tmp_path / "engine-0.evicted")
+    log = EvictionLog(path)
+    log.put("a", False), log.evicted(["x"]), log.put("a", True)
+    log.put("b", False), log.put("c", False), log.evicted(["y", "z"]), log.put("c", True)
+    log.put("b", True)
+    assert read_eviction_log(path) == ({"x", "y", "z"}, 0)
+    log.put("d", False)  # never ended: the kill came mid-put, and cut its next line short
+    with open(path, "a") as handle:
+        handle.write("+e")
+    successor = EvictionLog(path)  # the same file, each line whole again
+    successor.evicted(["w"])
+    assert read_eviction_log(path) == ({"x", "y", "z", "w"}, 1)
+    assert read_eviction_log(str(tmp_path / "none")) == (set(), 0)
 
 
 def test_the_index_reads_vllm_tagged_maps_too():
