@@ -179,6 +179,8 @@ class Fleet:
             kind = message[0]
             if kind == "ready":
                 engine.ready = True
+                if self._dynamo is not None:  # its publisher is bound: Dynamo's indexer connects once, now
+                    self._dynamo.register(index, *self._endpoints[index])
             elif kind == "done":
                 _, order, when, prompt, loaded, counters = message
                 self._counters(engine, counters)
@@ -226,13 +228,12 @@ class Fleet:
             endpoints = [
                 (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(self.fleet.engines)
             ]
-            for i, (endpoint, replay) in enumerate(endpoints):
-                self._dynamo.register(i, endpoint, replay)
         else:
             endpoints = [
                 (f"ipc://{workdir}/engine-{i}.ipc", f"ipc://{workdir}/engine-{i}-replay.ipc")
                 for i in range(self.fleet.engines)
             ]
+        self._endpoints = endpoints
         subscribers = [KVEventSubscriber(e, replay_endpoint=r) for e, r in endpoints]
         engines = [self._start(i, e, r) for i, (e, r) in enumerate(endpoints)]
         try:
@@ -351,9 +352,8 @@ class Fleet:
         queue.extendleft(reversed(orphans))
         self._retired.append(engine.counters)
         self.router.index.forget_local(victim)
-        if self._dynamo is not None:  # Dynamo drops what the dead engine held; its successor binds the same ports
+        if self._dynamo is not None:  # Dynamo drops what the dead engine held; its successor, once ready, is registered
             self._dynamo.unregister(victim)
-            self._dynamo.register(victim, *endpoints[victim])
         engine.conn.close()
         engines[victim] = self._start(victim, *endpoints[victim])
         self.kill = {
