@@ -8,8 +8,10 @@ same ``kvstage.events`` stream the ``kv`` policy reads: vLLM's wire format, toke
 answers, per engine, how many of its leading tokens that engine holds at each tier
 (``gpu``; ``cpu``: on the device or in host memory; ``disk``). The router counts ``cpu``: the
 engine's own memory, as the ``kv`` policy counts media ``GPU`` and ``CPU``; pages in the shared
-store (medium ``STORAGE``, Dynamo's ``disk``) count for no engine. A killed engine is
-unregistered (``POST /unregister``: Dynamo drops what it held) and its successor registered again.
+store (medium ``STORAGE``, Dynamo's ``disk``) count for no engine. An engine is registered once
+its publisher is bound (the indexer's listener connects once: registered earlier, it never
+received a message); a killed engine is unregistered (``POST /unregister``: Dynamo drops what it
+held) and its successor registered when it is ready.
 
 The indexer binds 0.0.0.0 (it has no host option); the engines' publishers bind 127.0.0.1.
 Requests are matched as plain token ids: a request with an ``extra_key`` or ``cache_salt``
