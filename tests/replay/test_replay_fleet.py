@@ -17,7 +17,7 @@ from kvstage.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventB
 from kvstage.replay import command, dynamo_index
 from kvstage.replay.engine import ReplayConfig
 from kvstage.replay.fleet import DEFAULT_LOCAL_PAGES, Fleet, FleetConfig
-from kvstage.replay.fleet_engine import EvictionLog, read_eviction_log
+from kvstage.replay.fleet_engine import EvictionLog, read_eviction_log, refused_for_room
 from kvstage.replay.local_tier import LocalTier
 from kvstage.replay.models import resolve_model
 from kvstage.replay.prefix_index import PrefixIndex
@@ -257,6 +257,17 @@ def test_two_engines_on_a_bounded_file_store_explain_every_missing_page_by_an_ev
     assert report["pages_stored"] + report["missing"] + report["unreachable"] == report["verify_pages_checked"]
     assert report["pages_stored"] < report["verify_pages_checked"]
     assert 0 <= report["missing_cut_evictions"] <= report["puts_cut_by_kill"]
+
+
+def test_a_write_refused_for_room_is_told_apart_from_a_failed_one():
+    from kvstage.offload import PriorFailedError
+    from kvstage.storage import MissingPriorError
+
+    assert refused_for_room(None)  # the store found nothing it could evict
+    assert refused_for_room(MissingPriorError("ab"))  # the page before it was evicted
+    assert refused_for_room(PriorFailedError("ab", "cd", None, "in this manager"))
+    assert not refused_for_room(PriorFailedError("ab", "cd", OSError(28, "No space left"), "in this manager"))
+    assert not refused_for_room(OSError(5, "I/O error"))
 
 
 def test_the_eviction_log_counts_the_puts_a_kill_cut_off(tmp_path):
