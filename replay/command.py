@@ -143,7 +143,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--router",
         default="round-robin",
         metavar="POLICY[,POLICY...]",
-        help="with --engines: kv, round-robin or random; several (comma-separated) run one after another, "
+        help="with --engines: kv, round-robin, random or dynamo (Dynamo's standalone KV indexer as the index: "
+        "ai-dynamo-runtime, $KVSTAGE_DYNAMO_PYTHON); several (comma-separated) run one after another, "
         "each on a fresh store (default round-robin)",
     )
     fleet.add_argument(

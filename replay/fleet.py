@@ -17,7 +17,12 @@ At the end every whole page of every request is loaded back from the shared stor
 process through the single-engine verify (:func:`kvstage.replay.verify.verify_pages`): pages
 another engine stored, and pages the killed engine was writing (absent and rewritten by a
 survivor, or whole: a torn page would be deduplicated by the survivor's put and fail the byte
-comparison here).
+comparison here). With a bounded store (``file:DIR?capacity_bytes=...``) a missing page is
+explained only by an eviction an engine logged (:mod:`kvstage.replay.fleet_engine`); writes the
+store refused for want of room are counted apart from failed ones.
+
+``dynamo``: Dynamo's standalone KV indexer is started first (:mod:`kvstage.replay.dynamo_index`)
+and the engines publish on ``tcp://127.0.0.1`` ports it is told of.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import numpy as np
 
 from kvstage.errors import InvalidArgumentError, KvstageError
 from kvstage.events import KVEventSubscriber, block_hash
-from kvstage.replay.fleet_engine import EngineSpec
+from kvstage.replay.fleet_engine import EngineSpec, read_eviction_log
 from kvstage.replay.router import Router
 
 READY_TIMEOUT_S = 300.0  # an engine process imports torch and builds its pools (slow on a busy CPU)
@@ -56,7 +61,7 @@ class FleetConfig:
 
     Attributes:
         engines: engine processes (>= 1).
-        policy: ``kv``, ``round-robin`` or ``random``.
+        policy: ``kv``, ``round-robin``, ``random`` or ``dynamo`` (:mod:`kvstage.replay.router`).
         kill_at: SIGKILL one engine right after this many requests were routed (>= 1), and
             restart it; None: no kill.
         local_pages: each engine's local tier, in pages (>= 0).
@@ -132,6 +137,8 @@ class Fleet:
         self.report: dict[str, Any] = {}
         self._retired: list[dict] = []  # counters of engine incarnations that ended (killed or finished)
         self._failure_keys: list[str] = []
+        self._evicted_keys: set[str] = set()  # from the engines' eviction logs, at the end
+        self._cut_puts = 0  # page puts the kill cut off (each may have evicted a page unlogged)
         self._done_before_kill: set[int] = set()
 
     # -- processes ----------------------------------------------------------------------------
@@ -139,7 +146,15 @@ class Fleet:
     def _start(self, index: int, endpoint: str, replay_endpoint: str) -> _Engine:
         """Start engine ``index``: ``python -m kvstage.replay.fleet_engine FD``, its pipe a socket pair."""
         parent, child = socket.socketpair()
-        spec = EngineSpec(index, self.config, self.requests, endpoint, replay_endpoint, self.fleet.local_pages)
+        spec = EngineSpec(
+            index,
+            self.config,
+            self.requests,
+            endpoint,
+            replay_endpoint,
+            self.fleet.local_pages,
+            self._evicted_log(index),
+        )
         process = subprocess.Popen(
             [sys.executable, "-m", "kvstage.replay.fleet_engine", str(child.fileno())], pass_fds=(child.fileno(),)
         )
@@ -147,6 +162,10 @@ class Fleet:
         conn = Connection(parent.detach())
         conn.send(spec)
         return _Engine(process, conn)
+
+    def _evicted_log(self, index: int) -> str:
+        """Engine ``index``'s eviction log (each incarnation appends to it)."""
+        return os.path.join(self._workdir, f"engine-{index}.evicted")
 
     def _receive(self, index: int, engine: _Engine, started: float) -> None:
         """Handle every message waiting on ``engine``'s pipe."""
@@ -160,6 +179,8 @@ class Fleet:
             kind = message[0]
             if kind == "ready":
                 engine.ready = True
+                if self._dynamo is not None:  # its publisher is bound: Dynamo's indexer connects once, now
+                    self._dynamo.register(index, *self._endpoints[index])
             elif kind == "done":
                 _, order, when, prompt, loaded, counters = message
                 self._counters(engine, counters)
@@ -186,20 +207,33 @@ class Fleet:
 
         Raises:
             FleetError: an engine process failed or did not start.
+            BackendUnavailableError: ``dynamo`` without ``ai-dynamo-runtime`` (before anything
+                is written), or its indexer did not start.
         """
         from kvstage.replay.engine import ReplayEngine
 
         wall = time.perf_counter()
+        self._dynamo = None
+        if self.fleet.policy == "dynamo":  # first: without the package nothing is written
+            from kvstage.replay.dynamo_index import DynamoIndex, free_port
+
+            self._dynamo = DynamoIndex(self.config.page_size)
         checker = ReplayEngine(self.config, self.requests)  # the router's hasher, then the verifier
         n = len(checker.trace)
         hashes: list[list[int] | None] = [None] * n
         self._hashes = hashes
         self._done: set[int] = set()
-        workdir = tempfile.mkdtemp(prefix="kvstage-fleet-")
-        endpoints = [
-            (f"ipc://{workdir}/engine-{i}.ipc", f"ipc://{workdir}/engine-{i}-replay.ipc")
-            for i in range(self.fleet.engines)
-        ]
+        workdir = self._workdir = tempfile.mkdtemp(prefix="kvstage-fleet-")
+        if self._dynamo is not None:  # Dynamo's indexer subscribes over TCP (it binds 0.0.0.0)
+            endpoints = [
+                (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(self.fleet.engines)
+            ]
+        else:
+            endpoints = [
+                (f"ipc://{workdir}/engine-{i}.ipc", f"ipc://{workdir}/engine-{i}-replay.ipc")
+                for i in range(self.fleet.engines)
+            ]
+        self._endpoints = endpoints
         subscribers = [KVEventSubscriber(e, replay_endpoint=r) for e, r in endpoints]
         engines = [self._start(i, e, r) for i, (e, r) in enumerate(endpoints)]
         try:
@@ -223,7 +257,10 @@ class Fleet:
                         order, next_order = next_order, next_order + 1
                     if hashes[order] is None:
                         hashes[order] = [block_hash(k) for k in checker.expect(order)]
-                    index = self.router.pick(hashes[order], live, unfinished)
+                    held = (
+                        None if self._dynamo is None else self._dynamo.local_blocks(self._prompt_pages(checker, order))
+                    )
+                    index = self.router.pick(hashes[order], live, unfinished, held)
                     engines[index].conn.send(("assign", [order]))
                     self.router.index.route(index, hashes[order])
                     engines[index].unfinished.add(order)
@@ -259,6 +296,9 @@ class Fleet:
                     self.router.index.apply(i, seq, batch)
             drain_s = time.time() - started - run_s
             self._retired.extend(e.counters for e in engines)
+            logs = [read_eviction_log(self._evicted_log(i)) for i in range(self.fleet.engines)]
+            self._evicted_keys = set().union(*(keys for keys, _ in logs))
+            self._cut_puts = sum(cut for _, cut in logs)
             self.report = self._verify_and_report(checker, run_s, drain_s, time.perf_counter() - wall)
         finally:
             for engine in engines:
@@ -267,6 +307,8 @@ class Fleet:
                     engine.process.wait()
             for subscriber in subscribers:
                 subscriber.close()
+            if self._dynamo is not None:
+                self._dynamo.close()
             checker.close()
             for name in os.listdir(workdir):
                 os.unlink(os.path.join(workdir, name))
@@ -274,6 +316,15 @@ class Fleet:
         if self.on_progress is not None:
             self.on_progress(len(self._done), n)
         return self.report
+
+    def _prompt_pages(self, checker, order: int) -> list[int]:
+        """The token ids of request ``order``'s whole pages (what Dynamo's indexer hashes)."""
+        from kvstage.replay.engine import ReplayRequest
+
+        trace = checker.trace[order]
+        extra, salt = checker.namespaces[order]
+        tokens = ReplayRequest(trace, checker.tokens.prompt(trace), checker.tokens.output(trace), extra, salt)
+        return list(tokens.kv_tokens[: len(self._hashes[order]) * checker.page_size])
 
     def _await_ready(self, engines: list[_Engine], since: float) -> None:
         while not all(e.ready for e in engines):
@@ -301,6 +352,8 @@ class Fleet:
         queue.extendleft(reversed(orphans))
         self._retired.append(engine.counters)
         self.router.index.forget_local(victim)
+        if self._dynamo is not None:  # Dynamo drops what the dead engine held; its successor, once ready, is registered
+            self._dynamo.unregister(victim)
         engine.conn.close()
         engines[victim] = self._start(victim, *endpoints[victim])
         self.kill = {
@@ -334,7 +387,13 @@ class Fleet:
         orphans = self.kill["rerouted_orders"] if self.kill else []
         durable = {key for order in self._done_before_kill for key in checker.request_keys[order]}
         killed_writes = {key for order in orphans for key in checker.request_keys[order]} - durable
-        absent_killed = sum(key in killed_writes for key in result.missing_keys)
+        # A bounded store (``capacity_bytes``) evicts: a missing page some engine reported evicted
+        # is explained, and so are the pages behind it in its chain (unreachable).
+        evicted, failed = self._evicted_keys, set(self._failure_keys)
+        missing_evicted = sum(key in evicted for key in result.missing_keys)
+        absent_killed = sum(key in killed_writes and key not in evicted for key in result.missing_keys)
+        explained = evicted | killed_writes | failed
+        unexplained = sum(key not in explained for key in result.missing_keys)
         done = sorted(self.completions)
         prompt = sum(c[3] for c in done)
         saved = sum(c[4] for c in done)
@@ -362,17 +421,32 @@ class Fleet:
             "pages_stored": result.pages_matched,
             "engine_pages_stored": counters.get("pages_stored", 0),
             "pages_deduplicated": counters.get("pages_deduplicated", 0),
-            "pages_failed": counters.get("pages_failed", 0),
+            # Writes a bounded store refused for want of room (its eviction's consequence, the
+            # pages explained at verification) apart from real failures.
+            "pages_failed": max(0, counters.get("pages_failed", 0) - counters.get("pages_refused", 0)),
+            "pages_refused": counters.get("pages_refused", 0),
             "load_mismatches": counters.get("load_mismatches", 0),
             "verify_pages_checked": result.pages_checked,
             "mismatched": result.mismatches + counters.get("load_mismatches", 0),
-            "lost": max(0, result.lost - absent_killed),
+            # A page put the kill cut off may have evicted one page without logging it: at most
+            # that many missing pages are put down to it (counted apart), never more.
+            "lost": max(0, unexplained - counters.get("pages_dropped", 0) - self._cut_puts),
+            "missing_cut_evictions": min(max(0, unexplained - counters.get("pages_dropped", 0)), self._cut_puts),
+            "puts_cut_by_kill": self._cut_puts,
             "absent_killed_writes": absent_killed,
+            "missing": len(result.missing_keys),
+            "missing_evicted": missing_evicted,
+            "store_pages_evicted": len(evicted),
             "unreachable": result.unreachable,
             "router_lag_p50_ms": _percentile_ms(lags, 50),
             "router_lag_p99_ms": _percentile_ms(lags, 99),
             "event_batches": len(lags),
             "event_gaps": sum(self.router.index.gaps),
+            "dynamo_queries": self._dynamo.queries if self._dynamo else 0,
+            "dynamo_prefix_answers": self._dynamo.prefix_answers if self._dynamo else 0,
+            "dynamo_query_ms": 1e3 * self._dynamo.query_s / self._dynamo.queries
+            if self._dynamo and self._dynamo.queries
+            else 0.0,
             "index_stored_pages": len(self.router.index.stored),
             "index_local_pages": sum(len(held) for held in self.router.index.local),
             "kill": self.kill,

@@ -12,6 +12,11 @@ the engine's cumulative counters (so a killed engine's figures survive it); ``("
 counters)``; ``("error", text)``. ``counters`` includes ``storage_failure_keys``: the keys
 whose store write failed since the previous message.
 
+A bounded shared store (``file:DIR?capacity_bytes=...``) evicts: the keys it evicted for this
+engine go to ``evicted_log`` (:class:`EvictionLog`: appended right after the page whose put
+evicted them, and each page's put marked begun and ended, so that the router knows how many
+puts a SIGKILL cut off, each of which may have evicted a page it did not log).
+
 KV events (vLLM's wire format, :class:`kvstage.events.KVEventPublisher` with a replay socket,
 topic ``engine-<index>``): medium ``STORAGE`` from the manager itself
 (``OffloadManager(kv_events=...)``: what its writes stored, and the shared store's evictions and
@@ -23,14 +28,16 @@ as ``lora_name`` and ``(extra_key, cache_salt)`` in ``extra_keys``, as the manag
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import traceback
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 from kvstage.events import BlockRemoved, BlockStored, KVEventPublisher, block_hash
 
 MEDIUM_CPU = "CPU"  # vLLM's name of a host-memory tier
+START = "#start"  # an eviction log's line where an engine process began appending
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +50,7 @@ class EngineSpec:
         requests: the whole trace.
         endpoint: where its KV event publisher binds; ``replay_endpoint``: its replay socket.
         local_pages: its local tier's capacity in pages.
+        evicted_log: the file the keys the shared store evicted for it are appended to.
     """
 
     index: int
@@ -51,6 +59,53 @@ class EngineSpec:
     endpoint: str
     replay_endpoint: str
     local_pages: int
+    evicted_log: str
+
+
+class EvictionLog:
+    """An engine's log of the shared store's evictions (for :class:`LocalTier`'s ``on_evicted``
+    and ``on_put``): :data:`START` on a line of its own when a process opens it (each incarnation
+    of an engine appends to one file), a line per evicted key, ``+KEY`` before a page's put,
+    ``-KEY`` after its evictions were logged. Each line is one ``write`` with ``O_APPEND``: it is in the file at
+    once, so it survives a SIGKILL of this process right after."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.write(self._fd, f"\n{START}\n".encode())  # ends a line a killed predecessor left cut short
+
+    def evicted(self, keys: list[str]) -> None:
+        os.write(self._fd, "".join(f"{key}\n" for key in keys).encode())
+
+    def put(self, key: str, done: bool) -> None:
+        os.write(self._fd, f"{'-' if done else '+'}{key}\n".encode())
+
+
+def read_eviction_log(path: str) -> tuple[set[str], int]:
+    """What :class:`EvictionLog` wrote to ``path``: the evicted keys, and the page puts begun and
+    never ended (a killed engine's: each may have evicted a page whose key it did not log). A
+    line cut short by a kill is left out."""
+    try:
+        with open(path, encoding="ascii") as handle:
+            lines = handle.read().split("\n")[:-1]  # the last element is "" or a line cut short
+    except FileNotFoundError:
+        return set(), 0
+    complete: list[str] = []
+    for line in lines:
+        if line == START:
+            if complete and complete[-1]:
+                complete.pop()  # the predecessor's line the kill cut short (ended by START's newline)
+            continue
+        complete.append(line)
+    open_puts: Counter[str] = Counter()
+    evicted: set[str] = set()
+    for line in complete:
+        if line.startswith("+"):
+            open_puts[line[1:]] += 1
+        elif line.startswith("-"):
+            open_puts[line[1:]] -= 1
+        elif line:
+            evicted.add(line)
+    return evicted, sum(count for count in open_puts.values() if count > 0)
 
 
 class _Announcer:
@@ -141,6 +196,7 @@ class _PipeFeed:
             "pages_stored": metrics.pages_stored,
             "pages_deduplicated": metrics.pages_deduplicated,
             "pages_failed": metrics.pages_failed,
+            "pages_refused": engine.pages_refused,
             "pages_dropped": metrics.pages_dropped,
             "load_mismatches": engine.stats.load_mismatches,
             "local_reads": self.tier.tier_stats.local_reads,
@@ -155,6 +211,19 @@ class _PipeFeed:
     def stored(self, req) -> None:
         loaded = req.loaded_pages * self.engine.page_size
         self.conn.send(("done", req.order, time.time(), len(req.origin_input_ids), loaded, self.counters()))
+
+
+def refused_for_room(error: BaseException | None) -> bool:
+    """Whether a failed store write was refused for want of room: no error given (the store
+    found no page it could evict), a ``MissingPriorError`` (the page before it was evicted, or
+    refused itself), or a ``PriorFailedError`` whose cause is one of those. An ``OSError`` or
+    any other error is a real failure."""
+    from kvstage.offload.key_chain import PriorFailedError
+    from kvstage.storage import MissingPriorError
+
+    if isinstance(error, PriorFailedError):
+        return refused_for_room(error.cause)
+    return error is None or isinstance(error, MissingPriorError)
 
 
 def open_engine_store(url: str, fingerprint):
@@ -181,12 +250,29 @@ def engine_main(spec: EngineSpec, conn) -> None:
         from kvstage.replay.engine import ReplayEngine
         from kvstage.replay.local_tier import LocalTier
 
+        class FleetReplayEngine(ReplayEngine):
+            """Counts the failed writes a bounded store refused (:func:`refused_for_room`)."""
+
+            pages_refused = 0
+
+            def _storage_failed(self, req: Any, keys: list[str], error: BaseException | None) -> None:
+                super()._storage_failed(req, keys, error)
+                if refused_for_room(error):
+                    self.pages_refused += len(keys)
+
         torch.set_num_threads(1)
         publisher = KVEventPublisher(spec.endpoint, replay_endpoint=spec.replay_endpoint, topic=f"engine-{spec.index}")
-        engine = ReplayEngine(
+        # A file store's evictions are events (Mooncake's master evicts without telling).
+        log = EvictionLog(spec.evicted_log) if spec.config.storage.startswith("file:") else None
+        engine = FleetReplayEngine(
             spec.config,
             spec.requests,
-            open_store=lambda url, fp: LocalTier(open_engine_store(url, fp), spec.local_pages),
+            open_store=lambda url, fp: LocalTier(
+                open_engine_store(url, fp),
+                spec.local_pages,
+                on_evicted=log.evicted if log else None,
+                on_put=log.put if log else None,
+            ),
             kv_events=publisher,  # the manager announces what it stores (medium STORAGE)
         )
         tier = engine.storage

@@ -37,6 +37,13 @@ ROWS = (
     ("hit pages read from the store", lambda r: f"{r['store_pages_read']:,}"),
     ("pages stored (verified)", lambda r: f"{r['pages_stored']:,} of {r['verify_pages_checked']:,} checked"),
     ("engine writes: stored / dedup", lambda r: f"{r['engine_pages_stored']:,} / {r['pages_deduplicated']:,}"),
+    (
+        "store: evicted / writes refused",
+        lambda r: (
+            f"{r['store_pages_evicted']:,} / {r['pages_refused']:,} ({r['missing_evicted']:,} missing, evicted; "
+            f"{r['missing_cut_evictions']:,} of {r['puts_cut_by_kill']:,} puts the kill cut off)"
+        ),
+    ),
     ("lost / mismatched", lambda r: f"{r['lost']:,} / {r['mismatched']:,}"),
     ("absent: killed engine's writes", lambda r: f"{r['absent_killed_writes']:,} ({r['unreachable']:,} behind them)"),
     ("router lag p50 / p99", lambda r: f"{r['router_lag_p50_ms']:.2f} / {r['router_lag_p99_ms']:.2f} ms"),

@@ -13,13 +13,15 @@ where its prefix is in that tier saves the store read, not the prefill.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvstage.errors import InvalidArgumentError, is_int
 from kvstage.storage import PutStatus, PutStatuses, StorageBackend
+from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 
 
 @dataclass
@@ -40,12 +42,21 @@ class LocalTier(StorageBackend):
     Args:
         inner: the shared store (its fingerprint is this store's).
         capacity_pages: pages kept (>= 0; 0: nothing kept, every call goes to ``inner``).
+        on_evicted: called with the keys (no prefix) of pages ``inner`` evicted (a bounded shared
+            store), right after the page whose put evicted them (or at the next call, for
+            evictions at open); given, puts reach ``inner`` one page at a time, so that a process
+            killed mid-put has passed on every eviction but those of the page being written.
+        on_put: with ``on_evicted``: ``on_put(key, False)`` before a page's put and
+            ``on_put(key, True)`` once its evictions were passed on (a put begun and never
+            ended marks where a kill may have cut an eviction's report).
 
     Pages enter on a put that ``inner`` answered STORED or DEDUPLICATED (the page is in the
     shared store either way) and on a read from ``inner``; the least recently used leaves.
     :meth:`take_changes` returns ``("stored" | "removed", key)`` for each entry and exit, in
-    order; :meth:`take_events` is ``inner``'s. ``exists`` is true for a kept page without asking
-    ``inner``; ``clear`` empties both.
+    order; :meth:`take_events` hands on ``inner``'s, which the tier takes after each put so that
+    ``on_evicted`` hears of an eviction at once: a fleet explains a page missing from the store at
+    the end only by an eviction an engine reported.
+    ``exists`` is true for a kept page without asking ``inner``; ``clear`` empties both.
     Thread-safe (the manager reads and writes from its worker threads).
 
     Raises:
@@ -54,15 +65,23 @@ class LocalTier(StorageBackend):
 
     tier = "local"
 
-    def __init__(self, inner: StorageBackend, capacity_pages: int) -> None:
+    def __init__(
+        self,
+        inner: StorageBackend,
+        capacity_pages: int,
+        on_evicted: Callable[[list[str]], None] | None = None,
+        on_put: Callable[[str, bool], None] | None = None,
+    ) -> None:
         if not is_int(capacity_pages) or capacity_pages < 0:
             raise InvalidArgumentError(f"capacity_pages: must be an int >= 0, got {capacity_pages!r}")
         super().__init__(inner.fingerprint, event_capacity=0)
         self.inner = inner
         self.capacity_pages = int(capacity_pages)
+        self.on_evicted, self.on_put = on_evicted, on_put
         self.tier_stats = LocalTierStats()
         self._pages: OrderedDict[str, torch.Tensor] = OrderedDict()  # key (no prefix) -> page bytes
         self._changes: list[tuple[str, str]] = []
+        self._events: deque = deque(maxlen=DEFAULT_EVENT_CAPACITY)  # inner's events, until take_events
         self._lock = threading.Lock()
 
     def _key(self, full_key: str) -> str:
@@ -104,7 +123,21 @@ class LocalTier(StorageBackend):
     def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> PutStatuses:
         keys = [self._key(k) for k in full_keys]
         prior = self._key(full_prior_key) if full_prior_key else None
-        statuses = self.inner.put(keys, pages, prior_key=prior)
+        if self.on_evicted is None:
+            statuses = self.inner.put(keys, pages, prior_key=prior)
+        else:  # page by page: each eviction is passed on right after the page that made it
+            statuses = PutStatuses()
+            for key, page in zip(keys, pages):
+                if self.on_put is not None:
+                    self.on_put(key, False)
+                answer = self.inner.put([key], [page], prior_key=prior)
+                self._drain()
+                if self.on_put is not None:
+                    self.on_put(key, True)
+                statuses.append(answer[0])
+                if statuses.error is None:
+                    statuses.error = answer.error
+                prior = key
         for key, page, status in zip(keys, pages, statuses):
             if status is not PutStatus.FAILED:
                 self._keep(key, page)
@@ -137,10 +170,24 @@ class LocalTier(StorageBackend):
             self._pages.clear()
         return self.inner.clear()
 
+    def _drain(self) -> None:
+        """Take ``inner``'s events now (right after a put evicted) and pass the evicted keys on."""
+        events = self.inner.take_events()
+        if not events:
+            return
+        with self._lock:
+            self._events.extend(events)
+        evicted = [event.key for event in events if event.kind == "evicted"]
+        if evicted and self.on_evicted is not None:
+            self.on_evicted(evicted)
+
     def take_events(self, max_events: int | None = None):
         """The shared store's events (what this engine's writes stored, what it saw evicted or
-        removed): the tier's own changes are :meth:`take_changes`."""
-        return self.inner.take_events(max_events)
+        removed), oldest first: the tier's own changes are :meth:`take_changes`."""
+        self._drain()
+        with self._lock:
+            count = len(self._events) if max_events is None else min(max_events, len(self._events))
+            return [self._events.popleft() for _ in range(count)]
 
     def register_host_buffers(self, buffers) -> None:
         """Passed to the shared store (a zero-copy store registers the host pool)."""

@@ -116,6 +116,16 @@ class PrefixIndex:
             n += 1
         return n
 
+    def routed_match(self, engine: int, hashes: Sequence[int]) -> int:
+        """Leading ``hashes`` of the requests routed to ``engine`` and not finished."""
+        routed = self.routed[engine]
+        n = 0
+        for h in hashes:
+            if h not in routed:
+                break
+            n += 1
+        return n
+
     def stored_match(self, hashes: Sequence[int]) -> int:
         """Leading ``hashes`` the shared store holds (any engine may load them)."""
         n = 0

@@ -9,6 +9,10 @@
   more unfinished requests than the least loaded one is passed over (a prefix is worth a
   short queue, not a long one). Pages in the shared store count for no engine: every engine
   reads them alike.
+- ``dynamo``: as ``kv``, with Dynamo's standalone KV indexer as the index of what engines hold
+  (:class:`kvstage.replay.dynamo_index.DynamoIndex`: the fleet passes its per-engine answer as
+  ``held``); an engine's score is the longer of Dynamo's prefix and the prefix of the requests
+  routed to it and not finished (the router's own record: Dynamo's indexer has only events).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import numpy as np
 from kvstage.errors import InvalidArgumentError
 from kvstage.replay.prefix_index import PrefixIndex
 
-POLICIES = ("kv", "round-robin", "random")
+POLICIES = ("kv", "round-robin", "random", "dynamo")
 
 
 class Router:
@@ -51,13 +55,21 @@ class Router:
         self._rng = np.random.default_rng([seed, 0x2047])
         self._next = 0
 
-    def pick(self, hashes: Sequence[int], live: Sequence[int], unfinished: Sequence[int]) -> int:
+    def pick(
+        self,
+        hashes: Sequence[int],
+        live: Sequence[int],
+        unfinished: Sequence[int],
+        held: dict[int, int] | None = None,
+    ) -> int:
         """The engine for a request whose page chain is ``hashes``.
 
         Args:
             hashes: the request's block hashes, in chain order.
             live: engines that take requests now (non-empty).
             unfinished: unfinished requests per engine (indexed by engine).
+            held: ``dynamo``: leading pages each engine holds in its own memory, per Dynamo's
+                indexer (an engine left out holds none).
         """
         if self.policy == "round-robin":
             n = len(unfinished)
@@ -70,4 +82,9 @@ class Router:
             return int(live[int(self._rng.integers(len(live)))])
         least = min(unfinished[e] for e in live)
         near = [e for e in live if unfinished[e] < least + self.load_slack]
-        return max(near, key=lambda e: (self.index.local_match(e, hashes), -unfinished[e], -e))
+        if self.policy == "dynamo":
+            held = held or {}
+            score = {e: max(held.get(e, 0), self.index.routed_match(e, hashes)) for e in near}
+        else:
+            score = {e: self.index.local_match(e, hashes) for e in near}
+        return max(near, key=lambda e: (score[e], -unfinished[e], -e))

@@ -1,5 +1,7 @@
 """``kvstage replay --engines N``: engine processes on one store, the router's policies and index,
-an engine killed mid-run, the local tier, the KV events' wire format."""
+an engine killed mid-run, the local tier, the KV events' wire format, a bounded store's
+evictions, Dynamo's standalone KV indexer as the router's index (it binds 0.0.0.0: run inside the
+network namespace, ``bash tools/in-netns.sh``)."""
 
 from __future__ import annotations
 
@@ -10,16 +12,17 @@ import pytest
 import torch
 
 from kvstage.cli import main
-from kvstage.errors import InvalidArgumentError
+from kvstage.errors import BackendUnavailableError, InvalidArgumentError
 from kvstage.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_hash
-from kvstage.replay import command
+from kvstage.replay import command, dynamo_index
 from kvstage.replay.engine import ReplayConfig
 from kvstage.replay.fleet import DEFAULT_LOCAL_PAGES, Fleet, FleetConfig
+from kvstage.replay.fleet_engine import EvictionLog, read_eviction_log, refused_for_room
 from kvstage.replay.local_tier import LocalTier
 from kvstage.replay.models import resolve_model
 from kvstage.replay.prefix_index import PrefixIndex
 from kvstage.replay.router import Router
-from kvstage.replay.trace import synthetic_trace
+from kvstage.replay.trace import multi_tenant_trace, synthetic_trace
 from kvstage.storage import LayoutFingerprint, MemoryStore, PutStatus
 
 from support import skip_missing
@@ -221,6 +224,68 @@ def test_the_local_tier_serves_its_pages_and_reports_what_enters_and_leaves():
         LocalTier(inner, -1)
 
 
+def test_the_local_tier_passes_on_what_the_shared_store_evicted_right_after_the_put():
+    fingerprint = _fingerprint()
+    heard: list[list[str]] = []
+    tier = LocalTier(MemoryStore(fingerprint, capacity_pages=2), capacity_pages=4, on_evicted=heard.append)
+    pages = [torch.full((fingerprint.page_bytes,), i, dtype=torch.uint8) for i in range(3)]
+    assert tier.put(KEYS[:2], pages[:2]) == [PutStatus.STORED] * 2
+    assert heard == []
+    assert tier.put(KEYS[2:3], pages[2:3]) == [PutStatus.STORED]  # a new chain: the store evicts the first's tail
+    assert heard == [[KEYS[1]]]
+    # The store's events still reach the manager's announcer, in order, the eviction among them.
+    assert [(e.kind, e.key) for e in tier.take_events()] == [
+        ("stored", KEYS[0]),
+        ("stored", KEYS[1]),
+        ("evicted", KEYS[1]),
+        ("stored", KEYS[2]),
+    ]
+    assert tier.exists(KEYS[:3]) == [True, True, True]  # the tier still holds the evicted page
+
+
+def test_two_engines_on_a_bounded_file_store_explain_every_missing_page_by_an_eviction(tmp_path):
+    requests = synthetic_trace(16, seed=3)
+    fleet = FleetConfig(engines=2, policy="round-robin", kill_at=6, local_pages=64)
+    # 256 KiB a process: about 480 pages of 544 B against the trace's 700-odd.
+    report = Fleet(_config(f"file:{tmp_path / 'store'}?capacity_bytes=256KiB"), requests, fleet).run()
+    assert report["requests_completed"] == 16
+    assert report["lost"] == 0 and report["mismatched"] == 0 and report["pages_failed"] == 0
+    assert report["store_pages_evicted"] > 0
+    # Every page is in the store, whole, or missing because an engine's put evicted it (or the
+    # store refused it for want of room, or the killed engine's write of it was cut off).
+    assert 0 < report["missing_evicted"] <= report["missing"]
+    assert report["pages_stored"] + report["missing"] + report["unreachable"] == report["verify_pages_checked"]
+    assert report["pages_stored"] < report["verify_pages_checked"]
+    assert 0 <= report["missing_cut_evictions"] <= report["puts_cut_by_kill"]
+
+
+def test_a_write_refused_for_room_is_told_apart_from_a_failed_one():
+    from kvstage.offload import PriorFailedError
+    from kvstage.storage import MissingPriorError
+
+    assert refused_for_room(None)  # the store found nothing it could evict
+    assert refused_for_room(MissingPriorError("ab"))  # the page before it was evicted
+    assert refused_for_room(PriorFailedError("ab", "cd", None, "in this manager"))
+    assert not refused_for_room(PriorFailedError("ab", "cd", OSError(28, "No space left"), "in this manager"))
+    assert not refused_for_room(OSError(5, "I/O error"))
+
+
+def test_the_eviction_log_counts_the_puts_a_kill_cut_off(tmp_path):
+    path = str(tmp_path / "engine-0.evicted")
+    log = EvictionLog(path)
+    log.put("a", False), log.evicted(["x"]), log.put("a", True)
+    log.put("b", False), log.put("c", False), log.evicted(["y", "z"]), log.put("c", True)
+    log.put("b", True)
+    assert read_eviction_log(path) == ({"x", "y", "z"}, 0)
+    log.put("d", False)  # never ended: the kill came mid-put, and cut its next line short
+    with open(path, "a") as handle:
+        handle.write("+e")
+    successor = EvictionLog(path)  # the same file, each line whole again
+    successor.evicted(["w"])
+    assert read_eviction_log(path) == ({"x", "y", "z", "w"}, 1)
+    assert read_eviction_log(str(tmp_path / "none")) == (set(), 0)
+
+
 def test_the_index_reads_vllm_tagged_maps_too():
     index = PrefixIndex(1)
     stored = {"type": "BlockStored", "block_hashes": HASHES[:2], "parent_block_hash": None, "medium": "CPU"}
@@ -263,3 +328,31 @@ def test_the_multi_tenant_trace_recurs_and_keeps_the_prefix_rule():
     assert max(firsts.count(f) for f in set(firsts)) > 120 / 4  # Zipf: the first tenant is busiest
     with pytest.raises(InvalidArgumentError, match="tenants: must be an int >= 1"):
         multi_tenant_trace(10, tenants=0)
+
+
+def test_two_engines_routed_by_dynamos_indexer_survive_a_kill(tmp_path):
+    if dynamo_index.dynamo_python() is None:
+        skip_missing(f"Dynamo's KV indexer ({dynamo_index.INSTALL_HINT})")
+    # Tenants' system prompts recur, so engines hold prefixes Dynamo can name.
+    requests = multi_tenant_trace(24, tenants=2, seed=5)
+    fleet = FleetConfig(engines=2, policy="dynamo", kill_at=10, local_pages=256)
+    report = Fleet(_config(f"file:{tmp_path / 'store'}"), requests, fleet).run()
+    _check_clean(report, 24)
+    kill = report["kill"]
+    finished_on = {order: engine for _, order, engine, _, _ in report["timeline"]}
+    assert all(finished_on[order] != kill["engine"] for order in kill["rerouted_orders"])
+    # One query per request routed (re-routed ones twice); Dynamo named an engine's prefix for
+    # some of them (it hashed the engines' CPU events' token ids itself).
+    assert report["dynamo_queries"] == 24 + kill["rerouted"]
+    assert 0 < report["dynamo_prefix_answers"] <= report["dynamo_queries"]
+    assert report["local_pages_read"] > 0
+
+
+def test_without_ai_dynamo_runtime_the_dynamo_router_names_the_option(tmp_path, monkeypatch):
+    monkeypatch.setattr(dynamo_index, "dynamo_python", lambda: None)
+    fleet = FleetConfig(engines=2, policy="dynamo")
+    with pytest.raises(
+        BackendUnavailableError, match=r"^--router dynamo: needs Dynamo's KV indexer \(ai-dynamo-runtime"
+    ):
+        Fleet(_config(f"file:{tmp_path / 'store'}"), multi_tenant_trace(4, tenants=1, seed=1), fleet).run()
+    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").iterdir())  # nothing written
