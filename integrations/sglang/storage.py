@@ -112,6 +112,7 @@ class KVStageStorage(HiCacheStorage):
         self.kv_events_unannounced = 0  # pages written without a known parent (no prefix_keys)
         self.v2_pools: dict[str, Any] = {}  # sglang pool name -> host pool (register_mem_host_pool_v2)
         self.hybrid: HybridStores | None = None  # a hybrid pool set's stores, once registered
+        self.pool_set_fixed = False  # on_host_pools_registered ran: no pool joins later
         self._local = threading.local()
         self._metrics_lock = threading.Lock()
         self._metrics = StorageMetrics()
@@ -180,10 +181,10 @@ class KVStageStorage(HiCacheStorage):
         """
         try:
             name = require_stored_v2_pool(host_pool, host_pool_name, self.mem_pool_host)
-            if self.hybrid is not None and name != "kv":
+            if self.pool_set_fixed and name != "kv":
                 raise InvalidArgumentError(
                     f"host pool {name!r}: registered after the pool set's key spaces were opened "
-                    f"({sorted(self.hybrid.pools)}); kvstage's layout of a model is fixed at registration"
+                    f"({sorted({'kv', *self.v2_pools})}); kvstage's layout of a model is fixed at registration"
                 )
         except InvalidArgumentError:
             self.close()
@@ -203,6 +204,7 @@ class KVStageStorage(HiCacheStorage):
         """
         from kvstage.integrations.sglang.hybrid_pools import hybrid_layout
 
+        self.pool_set_fixed = True
         if self.hybrid is not None or not set(self.v2_pools) - {"kv"}:
             return
         try:
@@ -236,6 +238,9 @@ class KVStageStorage(HiCacheStorage):
     # -- v2 interface (hybrid pool sets) ------------------------------------------------------
 
     def _stores_v2(self) -> HybridStores:
+        if self.hybrid is None and set(self.v2_pools) - {"kv"}:
+            with self._metrics_lock:  # a caller that never announced the end of its pool set
+                self.on_host_pools_registered()
         if self.hybrid is not None:
             return self.hybrid
         from kvstage.model_layout import FullAttention, ModelLayout
