@@ -6,6 +6,11 @@ the README's "Use with sglang") as ``KVStageStorage(storage_config, kwargs)``, t
 (any :func:`kvstage.storage.open_storage` URL) is opened there, under the
 :class:`~kvstage.storage.LayoutFingerprint` of the host pool and the storage config.
 
+A hybrid model's other host pools (SWA, DSA indexer, Mamba), which sglang's
+``HybridCacheController`` registers with ``register_mem_host_pool_v2`` and moves with the v2
+calls, get one key space each in one :class:`~kvstage.model_layout.ModelLayout`
+(:mod:`kvstage.integrations.sglang.hybrid_pools`, :mod:`kvstage.integrations.sglang.hybrid_store`).
+
 A page is stored in kvstage's byte order, whatever the host layout
 (:mod:`kvstage.integrations.sglang.host_layouts`), so a page written through one host layout
 reads back right through another, and a store's checksum turns a corrupted page into a miss.
@@ -63,7 +68,8 @@ class KVStageStorage(HiCacheStorage):
             e.g. ``"file:/var/cache/kv"``, ``"memory:8589934592"``, ``"mooncake://host:port?..."``),
             optionally ``model_id`` (default: ``storage_config.model_name``),
             ``kv_cache_dtype`` (``"fp8_e4m3"`` or ``"fp8_e5m2"``: required when the host pool
-            holds fp8 KV as ``uint8``) and ``kv_events_endpoint`` (KV events on, bound there by
+            holds fp8 KV as ``uint8``), ``sliding_window`` (the model's window in tokens: required
+            with an ``swa`` host pool) and ``kv_events_endpoint`` (KV events on, bound there by
             TP rank 0; with optional ``kv_events_replay_endpoint``, ``kv_events_topic``: see the
             module); sglang's own keys (``backend_name``, ``module_path``,
             ``class_name``, ``interface_v1``, the prefetch knobs,
@@ -71,7 +77,8 @@ class KVStageStorage(HiCacheStorage):
         kwargs: what sglang's factory passes along (unused).
 
     Raises:
-        InvalidArgumentError: no ``url``; an unknown key in ``extra_config``; no model id; a
+        InvalidArgumentError: no ``url``; an unknown key in ``extra_config``; no model id;
+            ``sliding_window`` not a positive int; a
             storage config kvstage's key space cannot describe yet: attention context
             parallel (``attn_cp_size > 1``), decode context parallel (``dcp_size > 1``) or
             split heads (``should_split_heads``), whose pages hold a shard of a page.

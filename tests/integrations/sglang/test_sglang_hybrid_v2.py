@@ -62,6 +62,10 @@ def test_every_pool_written_by_one_controller_is_prefetched_byte_exact_by_a_fres
         # the node's end alone has a Mamba snapshot, and the 3 SWA pages sglang reads (its last 3)
         assert restorable == ([1, 2] if strategy == "dsa" else [pages])
         assert_same_pools(got, held)
+        # what sglang counted per sidecar pool read (count_pool_hits of its batch_get_v2; the
+        # indexer's reads clamp the KV batches' completed tokens instead, checked above)
+        expected_hits = {"mamba": {"mamba": 1}, "swa": {"swa": 3}, "mamba_swa": {"mamba": 1, "swa": 3}, "dsa": {}}
+        assert {name: hits for name, hits in reader.pool_hits.items() if hits} == expected_hits[strategy]
     finally:
         reader.stop()
 
