@@ -42,7 +42,7 @@ def random_bytes_(tensor: torch.Tensor, seed: int) -> None:
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
 
 
-def mamba_host(layers: int = 2, slots: int = 8) -> MambaPoolHost:
+def mamba_host(layers: int = 2, slots: int = 8, layout: str = "page_first") -> MambaPoolHost:
     info = MambaStateBufferInfo(
         temporal=torch.zeros(layers, slots, 2, 3, 4, dtype=torch.float32),
         conv=(
@@ -50,34 +50,48 @@ def mamba_host(layers: int = 2, slots: int = 8) -> MambaPoolHost:
             torch.zeros(layers, slots, 7, dtype=torch.bfloat16),
         ),
     )
-    return MambaPoolHost(info, 1.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout="page_first")
+    return MambaPoolHost(info, 1.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout=layout)
 
 
 def mamba_slot(host: MambaPoolHost, slot: int) -> list[torch.Tensor]:
     return [host.temporal_buffer[slot].clone(), *(buffer[slot].clone() for buffer in host.conv_buffer)]
 
 
+def indexer_pages(host, pages: list[int]) -> torch.Tensor:
+    """The DSA indexer host pool's ``pages``, ``[page, layer, bytes]`` whatever its layout."""
+    buffer = host.index_k_with_scale_buffer
+    if host.layout == "layer_first":  # [layer, page, bytes]
+        return buffer[:, pages].transpose(0, 1).clone()
+    return buffer[pages, :, 0].clone()  # [page, layer, 1, bytes]
+
+
 class Rig:
     """One controller over a strategy's host pool set (fresh pools) and KVStageStorage on ``url``."""
 
-    def __init__(self, strategy: str, url: str, seed: int | None = None, timeout: float = 30) -> None:
+    def __init__(
+        self, strategy: str, url: str, seed: int | None = None, timeout: float = 30, layout: str = "page_first"
+    ) -> None:
+        """``layout``: the KV, SWA and indexer host pools' (``page_first`` and ``layer_first``
+        swap the SWA pool's, to mix them); Mamba's is ``page_first_direct`` with
+        ``page_first_direct``, else ``page_first``."""
         self.timeout = timeout
         self.strategy = strategy
         if strategy == "dsa":
             device = dsa_device_pool()
-            group = dsa_host_pool_group(device)
+            group = dsa_host_pool_group(device, layout)
             self.kv, self.indexer = group.entry_map[PoolName.KV].host_pool, group.entry_map[PoolName.INDEXER].host_pool
             self.page_size = DSA_PAGE_SIZE
         else:
             device = mha_device_pool()
-            self.kv = host_pool(device, "page_first")
+            self.kv = host_pool(device, layout)
             entries = [PoolEntry(PoolName.KV, self.kv, device, lambda layer: layer, is_primary_index_anchor=True)]
             if "swa" in strategy:
                 swa_device = mha_device_pool(head_num=1)
-                self.swa = host_pool(swa_device, "layer_first")
+                swap = {"page_first": "layer_first", "layer_first": "page_first"}
+                self.swa = host_pool(swa_device, swap.get(layout, layout))
                 entries.append(PoolEntry(PoolName.SWA, self.swa, swa_device, lambda layer: layer))
             if "mamba" in strategy:
-                self.mamba = mamba_host()
+                self.mamba = mamba_host(layout="page_first_direct" if layout == "page_first_direct" else "page_first")
                 entries.append(PoolEntry(PoolName.MAMBA, self.mamba, device, lambda layer: layer))
             group = HostPoolGroup(entries)
             self.page_size = PAGE_SIZE
@@ -123,7 +137,7 @@ class Rig:
         if hasattr(self, "indexer"):
             extra.append(PoolTransfer(PoolName.INDEXER, indices_from_pool=PoolName.KV))
             pages = (slots[:: self.page_size] // self.page_size).tolist()
-            held["indexer"] = self.indexer.index_k_with_scale_buffer[pages].clone()
+            held["indexer"] = indexer_pages(self.indexer, pages)
         self.cc.write_storage(slots, key.token_ids, hash_value=hashes, prefix_keys=[], extra_pools=extra)
         ack = self.cc.ack_backup_queue.get(timeout=self.timeout)
         assert ack.completed_tokens == len(key.token_ids)
@@ -172,7 +186,7 @@ class Rig:
                 got["mamba"] = mamba_slot(self.mamba, int(transfer.host_indices[0]))
         if hasattr(self, "indexer"):
             pages = (operation.host_indices[:: self.page_size] // self.page_size).tolist()
-            got["indexer"] = self.indexer.index_k_with_scale_buffer[pages].clone()
+            got["indexer"] = indexer_pages(self.indexer, pages)
         return restorable, completed, got
 
 

@@ -45,17 +45,26 @@ def one_rank_world(tmp_path_factory):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_every_pool_written_by_one_controller_is_prefetched_byte_exact_by_a_fresh_one(tmp_path, strategy):
+# sglang_rig's canonical views of page_first_direct assume its 4-token pages, not DSA's 64
+LAYOUT_PAIRS = [("page_first", "layer_first"), ("page_first_direct", "page_first")]
+CASES = [(s, w, r) for s in STRATEGIES for w, r in LAYOUT_PAIRS if s != "dsa" or "page_first_direct" not in (w, r)]
+CASES.append(("dsa", "layer_first", "page_first"))
+
+
+@pytest.mark.parametrize("strategy,written,read", CASES)
+def test_every_pool_written_by_one_controller_is_prefetched_byte_exact_by_a_fresh_one(
+    tmp_path, strategy, written, read
+):
+    """The reader's host pools have other layouts than the writer's: entries are in kvstage's order."""
     url = f"file:{tmp_path}"
     pages = 2 if strategy == "dsa" else 5
-    writer = Rig(strategy, url, seed=11)
+    writer = Rig(strategy, url, seed=11, layout=written)
     try:
         key = RadixKey(array("q", range(50, 50 + pages * writer.page_size)), extra_key="lora-7", cache_salt="t")
         held = writer.write_through(key)
     finally:
         writer.stop()
-    reader = Rig(strategy, url)
+    reader = Rig(strategy, url, layout=read)
     try:
         restorable, tokens, got = reader.prefetch(key)
         assert tokens == len(key.token_ids)
