@@ -32,6 +32,8 @@ __all__ = ["HybridStores"]
 
 logger = logging.getLogger(__name__)
 
+CHUNK = 8  # entries a call stages at once: bounds its memory (a DSA indexer page is ~0.5 MB)
+
 # the hit policy sglang gives each component kind (anything else is a caller's error)
 _POLICY = {
     "sidecar": PoolHitPolicy.ALL_PAGES,
@@ -115,21 +117,23 @@ class HybridStores:
                 results[name] = set_kv(keys, host_indices)
                 continue
             component, pool, store = self.layout.component(name), self.pools[name], self.stores[name]
-            entries = []
-            for start in starts:
-                entry = torch.empty(component.entry_bytes(self.page_size), dtype=torch.uint8)
-                pack(entry_pieces(component, pool, start), entry)
-                entries.append(entry)
             prior = prefix_keys[-1] if prefix_keys and component.per_page else None
-            outcome = write_pages(store, keys, entries, prior_key=prior)
-            if prior is not None and isinstance(outcome.error, MissingPriorError):
-                outcome = write_pages(store, keys, entries)  # the prior is not stored: a chain's start
-            if outcome.failed_keys:
-                logger.warning(
-                    "KVStageStorage: %d %s entries not stored: %r", len(outcome.failed_keys), name, outcome.error
-                )
-            failed = set(outcome.failed_keys)
-            results[name] = [key not in failed for key in keys]
+            staging = self._staging(component)
+            results[name] = []
+            for first in range(0, len(keys), CHUNK):
+                chunk, entries = keys[first : first + CHUNK], staging[: len(starts[first : first + CHUNK])]
+                for start, entry in zip(starts[first : first + CHUNK], entries):
+                    pack(entry_pieces(component, pool, start), entry)
+                outcome = write_pages(store, chunk, list(entries), prior_key=prior)
+                if prior is not None and isinstance(outcome.error, MissingPriorError):
+                    outcome = write_pages(store, chunk, list(entries))  # the prior is not stored: a chain's start
+                if outcome.failed_keys:
+                    logger.warning(
+                        "KVStageStorage: %d %s entries not stored: %r", len(outcome.failed_keys), name, outcome.error
+                    )
+                failed = set(outcome.failed_keys)
+                results[name] += [key not in failed for key in chunk]
+                prior = chunk[-1] if component.per_page else None
         return results
 
     def get(self, transfers: Sequence[Any], get_kv: Callable) -> dict[str, list[bool]]:
@@ -146,15 +150,24 @@ class HybridStores:
                 results[name] = get_kv(keys, host_indices)
                 continue
             component, pool = self.layout.component(name), self.pools[name]
-            entries = [torch.empty(component.entry_bytes(self.page_size), dtype=torch.uint8) for _ in keys]
-            hits = self.stores[name].get(keys, entries) if keys else []
-            for start, entry, hit in zip(starts, entries, hits):
-                if hit:
-                    unpack(entry, entry_pieces(component, pool, start))
-            results[name] = list(hits)
+            staging = self._staging(component)
+            results[name] = []
+            for first in range(0, len(keys), CHUNK):
+                chunk = keys[first : first + CHUNK]
+                entries = list(staging[: len(chunk)])
+                hits = self.stores[name].get(chunk, entries)
+                for start, entry, hit in zip(starts[first : first + CHUNK], entries, hits):
+                    if hit:
+                        unpack(entry, entry_pieces(component, pool, start))
+                results[name] += list(hits)
         return results
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _staging(self, component: Any) -> torch.Tensor:
+        """``CHUNK`` entries of ``component`` to stage one call's chunk in (each call its own:
+        sglang's backup and prefetch threads call at once)."""
+        return torch.empty((CHUNK, component.entry_bytes(self.page_size)), dtype=torch.uint8)
 
     def _component_name(self, transfer: Any, argument: str) -> str:
         name = str(transfer.name)

@@ -45,10 +45,12 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.events import KVEventAnnouncer
 from kvstage.integrations.sglang.host_layouts import flat_page_view, host_kv_layout, page_view
+from kvstage.integrations.sglang.hybrid_pools import hybrid_layout
 from kvstage.integrations.sglang.hybrid_store import HybridStores
 from kvstage.integrations.sglang.key_space import ExtraConfig
 from kvstage.integrations.sglang.pool_kinds import require_stored_host_pool, require_stored_v2_pool
 from kvstage.kv_layout import KVLayout
+from kvstage.model_layout import FullAttention, ModelLayout
 from kvstage.offload.store_io import leading_hits, write_pages
 from kvstage.storage import MissingPriorError, StorageBackend
 
@@ -190,8 +192,8 @@ class KVStageStorage(HiCacheStorage):
             name = require_stored_v2_pool(host_pool, host_pool_name, self.mem_pool_host)
             if self.pool_set_fixed and name != "kv":
                 raise InvalidArgumentError(
-                    f"host pool {name!r}: registered after the pool set's key spaces were opened "
-                    f"({sorted({'kv', *self.v2_pools})}); kvstage's layout of a model is fixed at registration"
+                    f"host pool {name!r}: registered after the pool set was complete (on_host_pools_registered, "
+                    f"pools {sorted({'kv', *self.v2_pools})}); kvstage fixes a model's layout and key spaces there"
                 )
         except InvalidArgumentError:
             self.close()
@@ -209,8 +211,6 @@ class KVStageStorage(HiCacheStorage):
                 (e.g. an ``swa`` pool without ``extra_config.sliding_window``); nothing stays open.
             BackendUnavailableError, StorageError: as :func:`kvstage.storage.open_storage`.
         """
-        from kvstage.integrations.sglang.hybrid_pools import hybrid_layout
-
         self.pool_set_fixed = True
         if self.hybrid is not None or not set(self.v2_pools) - {"kv"}:
             return
@@ -250,8 +250,6 @@ class KVStageStorage(HiCacheStorage):
                 self.on_host_pools_registered()
         if self.hybrid is not None:
             return self.hybrid
-        from kvstage.model_layout import FullAttention, ModelLayout
-
         layout = ModelLayout(
             self.kv_layout.num_layers, (FullAttention(range(self.kv_layout.num_layers), self.kv_layout, name="kv"),)
         )

@@ -24,12 +24,14 @@ from kvstage.errors import InvalidArgumentError
 from sglang_hybrid_rig import STRATEGIES, WINDOW, Rig, assert_same_pools, mamba_slot
 from sglang_rig import (
     PAGE_SIZE,
+    canonical_of,
     dsa_device_pool,
     dsa_host_pool_group,
     hicache_controller,
     host_pool,
     mha_device_pool,
     same_bytes,
+    token_slots,
     watch_opened_stores,
 )
 
@@ -202,7 +204,9 @@ def test_a_miss_leaves_the_pools_host_slots_untouched_and_a_late_pool_is_refused
         assert results == {"mamba": [False], "swa": [False, False]}
         assert all(same_bytes(a, b) for a, b in zip(mamba_slot(rig.mamba, 3), before, strict=True))
         assert same_bytes(rig.swa.kv_buffer, swa_before)
-        with pytest.raises(InvalidArgumentError, match=r"host pool 'indexer': registered after the pool set"):
+        with pytest.raises(
+            InvalidArgumentError, match=r"host pool 'indexer': registered after the pool set was complete"
+        ):
             backend.register_mem_host_pool_v2(
                 dsa_host_pool_group(dsa_device_pool()).get_pool(PoolName.INDEXER), PoolName.INDEXER
             )
@@ -225,6 +229,30 @@ def test_a_mamba_snapshot_round_trips_through_the_v2_calls_alone(tmp_path):
         got = reader.cc.storage_backend.batch_get_v2([PoolTransfer(PoolName.MAMBA, torch.tensor([2]), **transfer)])
         assert got == {"mamba": [True]}
         assert all(same_bytes(a, b) for a, b in zip(mamba_slot(reader.mamba, 2), source, strict=True))
+    finally:
+        writer.stop()
+        reader.stop()
+
+
+def test_swa_pages_round_trip_through_the_v2_calls_across_staging_chunks(tmp_path):
+    """11 SWA pages in one call (more than the 8 a call stages at once), read into other slots of
+    another layout by a fresh backend."""
+    writer = Rig("swa", f"file:{tmp_path}", seed=12)
+    reader = Rig("swa", f"file:{tmp_path}", layout="layer_first")
+    try:
+        keys = [f"page-{index}" for index in range(11)]
+        written = writer.swa.alloc(len(keys) * PAGE_SIZE)
+        transfer = dict(keys=keys, hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        stored = writer.cc.storage_backend.batch_set_v2([PoolTransfer(PoolName.SWA, written, **transfer)])
+        assert stored == {"swa": [True] * 11}
+        read = reader.swa.alloc(len(keys) * PAGE_SIZE)[PAGE_SIZE:]  # not the writer's slots
+        read = torch.cat([read, reader.swa.alloc(PAGE_SIZE)])
+        got = reader.cc.storage_backend.batch_get_v2([PoolTransfer(PoolName.SWA, read, **transfer)])
+        assert got == {"swa": [True] * 11}
+        assert same_bytes(
+            token_slots(reader.swa, canonical_of(reader.swa), read),
+            token_slots(writer.swa, canonical_of(writer.swa), written),
+        )
     finally:
         writer.stop()
         reader.stop()
