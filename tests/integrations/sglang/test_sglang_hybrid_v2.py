@@ -256,3 +256,23 @@ def test_swa_pages_round_trip_through_the_v2_calls_across_staging_chunks(tmp_pat
     finally:
         writer.stop()
         reader.stop()
+
+
+def test_an_indexer_page_missing_cuts_the_restorable_prefix_before_it(tmp_path):
+    """DSA (ALL_PAGES): KV pages 0..2 stored, indexer pages 0 and 2 only: only 1 page restores."""
+    rig = Rig("dsa", f"file:{tmp_path}", seed=13)
+    try:
+        backend, size = rig.cc.storage_backend, rig.page_size
+        keys = ["d0", "d1", "d2"]
+        slots = rig.kv.alloc(3 * size)
+        assert backend.batch_set_v1(keys, slots) == [True] * 3
+        for index in (0, 2):
+            page = slots[index * size : (index + 1) * size]
+            assert backend.batch_set_v2([PoolTransfer(PoolName.INDEXER, page, keys=[keys[index]])]) == {
+                "indexer": [True]
+            }
+        result = backend.batch_exists_v2(keys, [PoolTransfer(PoolName.INDEXER, indices_from_pool=PoolName.KV)])
+        assert (result.kv_hit_pages, result.restorable_prefix_pages) == (1, [1])
+        assert result.extra_pool_hit_pages == {"kv": 3, "indexer": 1}
+    finally:
+        rig.stop()
