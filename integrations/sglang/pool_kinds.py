@@ -10,7 +10,9 @@ Device pools stored: ``MHATokenToKVPool``, ``MLATokenToKVPool``
 (``sglang.srt.mem_cache.memory_pool``). Host pools stored: ``MHATokenToKVPoolHost``,
 ``MLATokenToKVPoolHost`` (``sglang.srt.mem_cache.pool_host``), registered as the controller's
 anchor pool (``register_mem_pool_host``) or as that same pool under the name ``"kv"``
-(``register_mem_host_pool_v2``).
+(``register_mem_host_pool_v2``). A hybrid model's other host pools (``register_mem_host_pool_v2``):
+``swa`` (MHA / MLA host pool), ``indexer`` (``DSAIndexerPoolHost``), ``mamba`` (``MambaPoolHost``),
+exact classes too (:mod:`kvstage.integrations.sglang.hybrid_pools`).
 """
 
 from __future__ import annotations
@@ -114,26 +116,46 @@ def require_stored_host_pool(host_pool: Any, argument: str = "mem_pool_host") ->
         )
 
 
-def require_stored_v2_pool(host_pool: Any, pool_name: Any, anchor: Any) -> None:
-    """Check a ``register_mem_host_pool_v2(host_pool, pool_name)`` registration: kvstage stores
-    only the anchor pool (``register_mem_pool_host``'s) under the name ``"kv"``; any other pool
-    of a hybrid set (DSA indexer, Mamba, SWA, DeepSeek V4, a draft model's) would be asked for
-    through sglang's v2 calls, which kvstage does not serve.
+_V2_CLASSES = {  # pool name -> (module, class) of the host pool kvstage stores under it
+    "swa": (
+        ("sglang.srt.mem_cache.pool_host.mha", "MHATokenToKVPoolHost"),
+        ("sglang.srt.mem_cache.pool_host.mla", "MLATokenToKVPoolHost"),
+    ),
+    "indexer": (("sglang.srt.mem_cache.pool_host.dsa", "DSAIndexerPoolHost"),),
+    "mamba": (("sglang.srt.mem_cache.pool_host.mamba", "MambaPoolHost"),),
+}
+
+
+def _classes(name: str) -> tuple[type, ...]:
+    import importlib
+
+    return tuple(getattr(importlib.import_module(module), cls) for module, cls in _V2_CLASSES[name])
+
+
+def require_stored_v2_pool(host_pool: Any, pool_name: Any, anchor: Any) -> str:
+    """Check a ``register_mem_host_pool_v2(host_pool, pool_name)`` registration and return the
+    pool name kvstage stores it under: ``"kv"`` (the anchor pool, ``register_mem_pool_host``'s,
+    again), ``"swa"`` (an MHA or MLA host pool of the sliding-window layers), ``"indexer"``
+    (DeepSeek V3.2's ``DSAIndexerPoolHost``) or ``"mamba"`` (``MambaPoolHost``), each of exactly
+    that class.
 
     Raises:
-        InvalidArgumentError: any other registration; the message names the pool's name, kind
-            and class.
+        InvalidArgumentError: any other registration (a draft model's pools, DeepSeek V4's, an
+            auxiliary SWA pool, a pool of another class under a known name); the message names
+            the pool's name, kind and class.
     """
     name = str(pool_name)
     if name == "kv" and host_pool is anchor:
-        return
+        return name
     if name == "kv":
         raise InvalidArgumentError(
             f"host pool 'kv' ({type(host_pool).__name__}) is not the pool registered by register_mem_pool_host; "
             "kvstage stores that one only"
         )
+    if name in _V2_CLASSES and type(host_pool) in _classes(name):
+        return name
     raise InvalidArgumentError(
         f"host pool {name!r}: a {pool_kind(host_pool, pool_name)} pool ({type(host_pool).__name__}) is not one kvstage "
-        "stores; kvstage stores the KV pool only, so this model's pages would lack that pool's data "
-        "(hybrid pool sets are not supported)"
+        "stores, so this model's pages would lack that pool's data; kvstage stores the pools 'kv', 'swa' "
+        "(MHATokenToKVPoolHost, MLATokenToKVPoolHost), 'indexer' (DSAIndexerPoolHost) and 'mamba' (MambaPoolHost)"
     )

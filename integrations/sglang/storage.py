@@ -6,6 +6,11 @@ the README's "Use with sglang") as ``KVStageStorage(storage_config, kwargs)``, t
 (any :func:`kvstage.storage.open_storage` URL) is opened there, under the
 :class:`~kvstage.storage.LayoutFingerprint` of the host pool and the storage config.
 
+A hybrid model's other host pools (SWA, DSA indexer, Mamba), which sglang's
+``HybridCacheController`` registers with ``register_mem_host_pool_v2`` and moves with the v2
+calls, get one key space each in one :class:`~kvstage.model_layout.ModelLayout`
+(:mod:`kvstage.integrations.sglang.hybrid_pools`, :mod:`kvstage.integrations.sglang.hybrid_store`).
+
 A page is stored in kvstage's byte order, whatever the host layout
 (:mod:`kvstage.integrations.sglang.host_layouts`), so a page written through one host layout
 reads back right through another, and a store's checksum turns a corrupted page into a miss.
@@ -41,9 +46,12 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.events import KVEventAnnouncer
 from kvstage.integrations.sglang.host_layouts import flat_page_view, host_kv_layout, page_view
+from kvstage.integrations.sglang.hybrid_pools import hybrid_layout
+from kvstage.integrations.sglang.hybrid_store import HybridStores
 from kvstage.integrations.sglang.key_space import ExtraConfig
 from kvstage.integrations.sglang.pool_kinds import require_stored_host_pool, require_stored_v2_pool
 from kvstage.kv_layout import KVLayout
+from kvstage.model_layout import FullAttention, ModelLayout
 from kvstage.offload.store_io import leading_hits, write_pages
 from kvstage.storage import MissingPriorError, StorageBackend
 from kvstage.storage.head_groups import HeadGroups
@@ -64,7 +72,8 @@ class KVStageStorage(HiCacheStorage):
             e.g. ``"file:/var/cache/kv"``, ``"memory:8589934592"``, ``"mooncake://host:port?..."``),
             optionally ``model_id`` (default: ``storage_config.model_name``),
             ``kv_cache_dtype`` (``"fp8_e4m3"`` or ``"fp8_e5m2"``: required when the host pool
-            holds fp8 KV as ``uint8``) and ``kv_events_endpoint`` (KV events on, bound there by
+            holds fp8 KV as ``uint8``), ``sliding_window`` (the model's window in tokens: required
+            with an ``swa`` host pool) and ``kv_events_endpoint`` (KV events on, bound there by
             TP rank 0; with optional ``kv_events_replay_endpoint``, ``kv_events_topic``: see the
             module); sglang's own keys (``backend_name``, ``module_path``,
             ``class_name``, ``interface_v1``, the prefetch knobs,
@@ -75,7 +84,8 @@ class KVStageStorage(HiCacheStorage):
         kwargs: what sglang's factory passes along (unused).
 
     Raises:
-        InvalidArgumentError: no ``url``; an unknown key in ``extra_config``; no model id; a
+        InvalidArgumentError: no ``url``; an unknown key in ``extra_config``; no model id;
+            ``sliding_window`` not a positive int; a
             storage config kvstage's key space cannot describe yet: attention context
             parallel (``attn_cp_size > 1``) or decode context parallel (``dcp_size > 1``), whose
             pages hold a shard of a page; ``tp_lcm_size`` not a multiple of ``tp_size``, with an
@@ -87,7 +97,16 @@ class KVStageStorage(HiCacheStorage):
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
-        self.config = ExtraConfig.parse(dict(storage_config.extra_config or {}), storage_config.model_name)
+        extra = dict(storage_config.extra_config or {})
+        self.sliding_window = extra.pop("sliding_window", None)  # an swa pool's window (hybrid_pools.py)
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window < 1
+        ):
+            raise InvalidArgumentError(
+                f"extra_config.sliding_window: must be a positive int (the model's window in tokens), "
+                f"got {self.sliding_window!r}"
+            )
+        self.config = ExtraConfig.parse(extra, storage_config.model_name)
         for name, value in (
             ("attn_cp_size", storage_config.attn_cp_size),
             ("dcp_size", getattr(storage_config, "dcp_size", 1)),
@@ -108,6 +127,9 @@ class KVStageStorage(HiCacheStorage):
         self.kv_layout: KVLayout | None = None
         self.announcer: KVEventAnnouncer | None = None  # set with the store when KV events are on
         self.kv_events_unannounced = 0  # pages written without a known parent (no prefix_keys)
+        self.v2_pools: dict[str, Any] = {}  # sglang pool name -> host pool (register_mem_host_pool_v2)
+        self.hybrid: HybridStores | None = None  # a hybrid pool set's stores, once registered
+        self.pool_set_fixed = False  # on_host_pools_registered ran: no pool joins later
         self._local = threading.local()
         self._metrics_lock = threading.Lock()
         self._metrics = StorageMetrics()
@@ -157,38 +179,146 @@ class KVStageStorage(HiCacheStorage):
         self.kv_layout = replace(layout, dtype=fingerprint.layout.dtype)
         self._entry_shape = fingerprint.layout.page_shape(mem_pool_host.page_size)
         self._per_page = 1 if self.head_groups is None else self.head_groups.per_rank
-        self.store = self.config.open_store(fingerprint)
+        self._open_kv(self.config.open_store(fingerprint))
+
+    def _open_kv(self, store: StorageBackend) -> None:
+        """Serve the KV pages from ``store``, with KV events on it where they are on."""
+        self.store = store
         try:
-            publisher = self.config.kv_event_publisher(config.tp_rank)
+            publisher = self.config.kv_event_publisher(self.storage_config.tp_rank)
         except BaseException:
             self.store.close()
             self.store = None
             raise
         if publisher is not None:
             self.announcer = KVEventAnnouncer(
-                publisher, self.store, block_size=mem_pool_host.page_size, owns_publisher=True
+                publisher, self.store, block_size=self.mem_pool_host.page_size, owns_publisher=True
             )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """sglang's ``HybridCacheController`` registers each pool of its host pool group here
-        (after :meth:`register_mem_pool_host`, and for sidecars added later). kvstage stores the
-        KV pool only: the anchor pool again under ``"kv"`` is accepted; any other pool (DeepSeek
-        V3.2's DSA indexer, Mamba state, SWA, DeepSeek V4, a draft model's) is refused here,
-        since sglang would then ask for it through the v2 calls kvstage does not serve and the
-        model's pages would lack that pool's data.
+        (after :meth:`register_mem_pool_host`); :meth:`on_host_pools_registered` then opens one
+        key space per pool (:mod:`kvstage.integrations.sglang.hybrid_pools`). Stored: the anchor
+        again under ``"kv"``, ``"swa"``, ``"indexer"``, ``"mamba"`` (see
+        :func:`~kvstage.integrations.sglang.pool_kinds.require_stored_v2_pool`).
 
         Raises:
-            InvalidArgumentError: any other pool, named by its pool name, kind and class; the
-                store the anchor's registration opened is closed first (this backend then
-                serves nothing: the model's pages cannot be stored whole).
+            InvalidArgumentError: any other pool, named by its pool name, kind and class; a pool
+                registered after the set's key spaces were opened (a layout cannot grow), or
+                beside ``tp_lcm_size`` head groups; the
+                stores opened so far are closed first (this backend then serves nothing: the
+                model's pages cannot be stored whole).
         """
         try:
-            require_stored_v2_pool(host_pool, host_pool_name, self.mem_pool_host)
+            name = require_stored_v2_pool(host_pool, host_pool_name, self.mem_pool_host)
+            if self.pool_set_fixed and name != "kv":
+                raise InvalidArgumentError(
+                    f"host pool {name!r}: registered after the pool set was complete (on_host_pools_registered, "
+                    f"pools {sorted({'kv', *self.v2_pools})}); kvstage fixes a model's layout and key spaces there"
+                )
+            if self.head_groups is not None and name != "kv":
+                raise InvalidArgumentError(
+                    f"host pool {name!r}: storage_config.tp_lcm_size (heads split across TP sizes) is for "
+                    "plain MHA pools; a hybrid pool set keeps per-rank key spaces (leave tp_lcm_size unset)"
+                )
         except InvalidArgumentError:
+            self.close()
+            self.store = self.announcer = self.hybrid = None
+            raise
+        self.v2_pools[name] = host_pool
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def on_host_pools_registered(self) -> None:
+        """With pools beside the KV pool: the KV store is reopened in the hybrid layout's ``kv``
+        key space and a store is opened for each other pool (one layout, fingerprinted whole).
+
+        Raises:
+            InvalidArgumentError: as :func:`~kvstage.integrations.sglang.hybrid_pools.hybrid_layout`
+                (e.g. an ``swa`` pool without ``extra_config.sliding_window``); nothing stays open.
+            BackendUnavailableError, StorageError: as :func:`kvstage.storage.open_storage`.
+        """
+        self.pool_set_fixed = True
+        if self.hybrid is not None or not set(self.v2_pools) - {"kv"}:
+            return
+        try:
+            pools = {"kv": self.mem_pool_host, **self.v2_pools}
+            layout = hybrid_layout(pools, self.kv_layout.dtype, self.config, self.sliding_window)
+            config = self.storage_config
+            fingerprints = layout.fingerprints(
+                self.config.model_id,
+                page_size=self.mem_pool_host.page_size,
+                tp_rank=config.tp_rank,
+                tp_size=config.tp_size,
+                first_layer=getattr(self.mem_pool_host, "start_layer", 0),
+            )
+            self.close()
+            self.store = self.announcer = None
+            stores: dict[str, StorageBackend] = {}
+            try:
+                for name, fingerprint in fingerprints.items():
+                    stores[name] = self.config.open_store(fingerprint)
+                self._open_kv(stores["kv"])
+            except BaseException:
+                for store in stores.values():
+                    store.close()
+                raise
+        except BaseException:
             self.close()
             self.store = self.announcer = None
             raise
-        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self.hybrid = HybridStores(layout, stores, pools, self.mem_pool_host.page_size)
+
+    # -- v2 interface (hybrid pool sets) ------------------------------------------------------
+
+    def _stores_v2(self) -> HybridStores:
+        if self.hybrid is None and set(self.v2_pools) - {"kv"}:
+            with self._metrics_lock:  # a caller that never announced the end of its pool set
+                self.on_host_pools_registered()
+        if self.hybrid is not None:
+            return self.hybrid
+        layout = ModelLayout(
+            self.kv_layout.num_layers, (FullAttention(range(self.kv_layout.num_layers), self.kv_layout, name="kv"),)
+        )
+        return HybridStores(layout, {"kv": self._store()}, {"kv": self.mem_pool_host}, self.mem_pool_host.page_size)
+
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: Any = None, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> Any:
+        """sglang's hit query over the KV pool and ``pool_transfers``' pools: a
+        ``PoolTransferResult`` of kvstage's restorable lengths
+        (:meth:`~kvstage.integrations.sglang.hybrid_store.HybridStores.exists`).
+
+        Raises:
+            InvalidArgumentError: a pool not registered, or a hit policy that is not its kind's.
+            StorageError: no host pool registered yet.
+        """
+        self._store()
+        return self._stores_v2().exists(keys, pool_transfers)
+
+    def batch_set_v2(self, transfers: Any, extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        """Store each transfer's host entries (sglang's hybrid backup); per pool name, True per key
+        stored or already there. A ``kv`` transfer goes through :meth:`batch_set_v1`.
+
+        Raises:
+            InvalidArgumentError: a pool not registered, host slots that do not match the keys
+                (before anything is written). StorageError: no host pool registered yet.
+        """
+        self._store()
+        prefix_keys = extra_info.prefix_keys if extra_info is not None else None
+        return self._stores_v2().set(
+            transfers, prefix_keys, lambda keys, slots: self.batch_set_v1(keys, slots, extra_info)
+        )
+
+    def batch_get_v2(self, transfers: Any, extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        """Read each transfer's entries into its host slots (sglang's hybrid prefetch); per pool
+        name, True per entry found intact and written. A ``kv`` transfer goes through
+        :meth:`batch_get_v1`.
+
+        Raises:
+            As :meth:`batch_set_v2`, before anything is read.
+        """
+        self._store()
+        return self._stores_v2().get(transfers, lambda keys, slots: self.batch_get_v1(keys, slots, extra_info))
 
     # -- v1 zero-copy interface (host indices) ------------------------------------------------
 
@@ -312,8 +442,12 @@ class KVStageStorage(HiCacheStorage):
 
     def clear(self) -> None:
         """Remove every page of this key space (sglang's ``flush_cache``); with KV events on,
-        each page removed is announced (``BlockRemoved``)."""
+        each page removed is announced (``BlockRemoved``). A hybrid model's other key spaces
+        (SWA, indexer, Mamba) are cleared too."""
         self._store().clear()
+        for name, store in self.hybrid.stores.items() if self.hybrid is not None else ():
+            if name != "kv":
+                store.clear()
         if self.announcer is not None:
             self.announcer.poll()
 
@@ -330,7 +464,9 @@ class KVStageStorage(HiCacheStorage):
         if self.announcer is not None:
             self.announcer.close()
             self.announcer = None
-        if self.store is not None:
+        if self.hybrid is not None:
+            self.hybrid.close()  # the KV store among them
+        elif self.store is not None:
             self.store.close()
 
     # -- helpers ------------------------------------------------------------------------------

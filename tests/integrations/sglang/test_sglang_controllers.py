@@ -16,7 +16,6 @@ from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.runtime_context import get_parallel
 
-from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
 from kvstage.integrations.sglang import KVStageStorage
 
@@ -137,14 +136,21 @@ def test_flush_clears_what_the_controller_stored(tmp_path):
         stop(cc)
 
 
-def test_deepseek_v32s_dsa_pool_set_is_refused_when_sglangs_hybrid_controller_registers_it(monkeypatch):
+def test_deepseek_v32s_dsa_pool_set_gets_a_key_space_per_pool_when_sglangs_hybrid_controller_registers_it(
+    monkeypatch,
+):
     """sglang's DSA stack (its _DsaStrategy): the MLA latent's host pool as the anchor and the
-    indexer's host pool beside it. kvstage stores the latent only, so it refuses the set at
-    registration (else every v2 write and prefetch fails with NotImplementedError later) and
-    closes the store the anchor's registration opened."""
+    indexer's host pool beside it. Once both are registered, the store the anchor's registration
+    opened (the plain model's key space) is closed and one store per pool is opened in the
+    hybrid layout's key spaces (the pages themselves: test_sglang_hybrid_v2.py)."""
     opened, closed = watch_opened_stores(monkeypatch)
     device = dsa_device_pool()
     group = dsa_host_pool_group(device)
-    with pytest.raises(InvalidArgumentError, match=r"host pool 'indexer': a DSA indexer .*\(DSAIndexerPoolHost\)"):
-        hicache_controller(device, group, "memory", cls=HybridCacheController, page_size=DSA_PAGE_SIZE)
-    assert len(opened) == 1 and closed == opened
+    cc = hicache_controller(device, group, "memory", cls=HybridCacheController, page_size=DSA_PAGE_SIZE)
+    try:
+        backend = cc.storage_backend
+        assert len(opened) == 3 and closed == opened[:1]
+        assert backend.hybrid.stores == {"kv": opened[1], "indexer": opened[2]} and backend.store is opened[1]
+    finally:
+        stop(cc)
+    assert len(closed) == 3 and {id(store) for store in closed} == {id(store) for store in opened}

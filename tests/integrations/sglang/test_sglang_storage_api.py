@@ -297,20 +297,26 @@ def mamba_host() -> MambaPoolHost:
     return MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False, layout="page_first")
 
 
-def test_a_hybrid_models_other_host_pools_are_refused_at_v2_registration_naming_their_kind():
+def test_host_pools_kvstage_does_not_store_are_refused_at_v2_registration_naming_their_kind():
     """sglang's HybridCacheController registers every pool of the set through
-    register_mem_host_pool_v2, then asks for them through the v2 calls kvstage does not serve."""
+    register_mem_host_pool_v2. kvstage stores 'kv' (the anchor), 'swa', 'indexer' and 'mamba'
+    (test_sglang_hybrid_v2.py); any other pool, or a known name on a pool of another class, is
+    refused there, before sglang could ask for its pages."""
     host = mha_host()
     backend = kvstage_backend("memory", host)
     backend.register_mem_host_pool_v2(host, PoolName.KV)  # the anchor again, under "kv": stored
     group = dsa_host_pool_group(dsa_device_pool())
     for pool, name, rule in [
-        (mha_host(), PoolName.SWA, r"host pool 'swa': a SWA pool \(MHATokenToKVPoolHost\)"),
-        (mamba_host(), PoolName.MAMBA, r"host pool 'mamba': a Mamba pool \(MambaPoolHost\)"),
+        (mha_host(), PoolName.DRAFT, r"host pool 'draft': a draft model KV pool \(MHATokenToKVPoolHost\)"),
+        (mha_host(), PoolName.DRAFT_SWA, r"host pool 'draft_swa': a SWA \(draft model\) pool \(MHATokenToKVPoolHost\)"),
+        (mha_host(), PoolName.AUXILIARY_SWA, r"host pool 'auxiliary_swa': a SWA pool \(MHATokenToKVPoolHost\)"),
+        (mha_host(), PoolName.DEEPSEEK_V4_C4, r"host pool 'deepseek_v4_c4': a DeepSeek V4 pool"),
+        (mamba_host(), PoolName.SWA, r"host pool 'swa': a SWA pool \(MambaPoolHost\)"),
+        (mha_host(), PoolName.MAMBA, r"host pool 'mamba': a Mamba pool \(MHATokenToKVPoolHost\)"),
         (
             group.get_pool(PoolName.INDEXER),
-            PoolName.INDEXER,
-            r"host pool 'indexer': a DSA indexer .*\(DSAIndexerPoolHost\)",
+            PoolName.DRAFT_INDEXER,
+            r"host pool 'draft_indexer': a DSA indexer \(draft model\) pool \(DSAIndexerPoolHost\)",
         ),
         (
             mha_host(),
@@ -332,8 +338,8 @@ def test_a_v2_registration_kvstage_refuses_closes_the_store_the_anchor_opened(mo
     )
     host = mha_host()
     backend = kvstage_backend("memory", host)
-    with pytest.raises(InvalidArgumentError, match="'mamba'"):
-        backend.register_mem_host_pool_v2(mamba_host(), PoolName.MAMBA)
+    with pytest.raises(InvalidArgumentError, match="'draft'"):
+        backend.register_mem_host_pool_v2(mha_host(), PoolName.DRAFT)
     assert backend.store is None and len(opened) == 1
     with pytest.raises(StorageError, match="no host pool registered"):
         backend.batch_exists([key(1)])
