@@ -152,6 +152,26 @@ def test_an_swa_pool_without_the_window_is_refused_at_registration(monkeypatch):
     assert closed == opened
 
 
+def test_a_hybrid_pool_beside_tp_lcm_size_head_groups_is_refused_at_registration(monkeypatch):
+    """Head groups key the KV pool per head group, a hybrid pool set per rank: not both at once."""
+    opened, closed = watch_opened_stores(monkeypatch)
+    device = mha_device_pool()
+    swa_device = mha_device_pool(head_num=1)
+    group = HostPoolGroup(
+        [
+            PoolEntry(
+                PoolName.KV, host_pool(device, "page_first"), device, lambda layer: layer, is_primary_index_anchor=True
+            ),
+            PoolEntry(PoolName.SWA, host_pool(swa_device, "page_first"), swa_device, lambda layer: layer),
+        ]
+    )
+    with pytest.raises(InvalidArgumentError, match=r"host pool 'swa': storage_config.tp_lcm_size"):
+        hicache_controller(
+            device, group, "memory", cls=HybridCacheController, extra={"tp_lcm_size": 2, "sliding_window": WINDOW}
+        )
+    assert len(opened) == 1 and closed == opened
+
+
 def test_a_draft_pool_is_refused_at_registration_naming_its_name_kind_and_class(monkeypatch):
     opened, closed = watch_opened_stores(monkeypatch)
     device = mha_device_pool()
