@@ -323,7 +323,7 @@ def set_cpu_threads(threads: int | None, device: str | None) -> None:
     """
     import torch
 
-    from kvstage.replay.engine import pick_device
+    from kvstage.replay.device_pages import pick_device
 
     if threads is not None:
         torch.set_num_threads(threads)

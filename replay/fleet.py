@@ -319,7 +319,7 @@ class Fleet:
 
     def _prompt_pages(self, checker, order: int) -> list[int]:
         """The token ids of request ``order``'s whole pages (what Dynamo's indexer hashes)."""
-        from kvstage.replay.engine import ReplayRequest
+        from kvstage.replay.replay_request import ReplayRequest
 
         trace = checker.trace[order]
         extra, salt = checker.namespaces[order]

@@ -3,7 +3,7 @@
 The process builds a :class:`~kvstage.replay.engine.ReplayEngine` over the whole trace (so that
 every engine makes the same tokens, namespaces and page keys for a request) with a
 :class:`~kvstage.replay.local_tier.LocalTier` in front of the shared store, and runs its loop on
-the requests the router assigns (a :class:`~kvstage.replay.engine.RequestFeed` over a pipe).
+the requests the router assigns (a :class:`~kvstage.replay.replay_request.RequestFeed` over a pipe).
 
 Pipe messages, router to engine: ``("assign", [orders])``, ``("stop",)`` (no more requests:
 finish, store, report, exit). Engine to router: ``("ready",)``; ``("done", order, time_s,
@@ -122,7 +122,7 @@ class _Announcer:
                 self.where.setdefault(key, (order, position))
 
     def _page_tokens(self, order: int, position: int) -> list[int]:
-        from kvstage.replay.engine import ReplayRequest
+        from kvstage.replay.replay_request import ReplayRequest
 
         tokens = self._tokens.get(order)
         if tokens is None:
@@ -165,7 +165,7 @@ class _Announcer:
 
 
 class _PipeFeed:
-    """The engine loop's :class:`~kvstage.replay.engine.RequestFeed` over the router's pipe."""
+    """The engine loop's :class:`~kvstage.replay.replay_request.RequestFeed` over the router's pipe."""
 
     def __init__(self, conn, engine, tier, announcer: _Announcer) -> None:
         self.conn, self.engine, self.tier, self.announcer = conn, engine, tier, announcer

@@ -33,9 +33,10 @@ from typing import Any, Callable
 import torch
 
 from kvstage.offload.request import kv_length
-from kvstage.replay.engine import MEMORY_STORE_SHARE, POISON_WORD, ReplayEngine, ReplayRequest, _available_host_bytes
+from kvstage.replay.engine import MEMORY_STORE_SHARE, POISON_WORD, ReplayEngine, _available_host_bytes
 from kvstage.replay.kv_content import KVContent, StateContent
 from kvstage.replay.models import HybridShape, ModelShape
+from kvstage.replay.replay_request import ReplayRequest
 
 LOAD_STATE_SLOT = 0  # a load's (and verify's) target state slot, checked right after the load
 SNAPSHOT_RING = 8  # state slots snapshots are written into in turn (each waits for its last copy)

@@ -28,7 +28,7 @@ import torch
 from kvstage.errors import InvalidArgumentError
 from kvstage.offload.restorable import restorable_lengths
 from kvstage.offload.testing import SimpleRequest
-from kvstage.replay.engine import ReplayRequest
+from kvstage.replay.replay_request import ReplayRequest
 from kvstage.replay.verify import MATCHED, MISMATCHED, MISSING, UNREACHABLE, VerifyResult, chains_to_verify
 
 

@@ -28,7 +28,7 @@ import torch
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.offload.testing import SimpleRequest
-from kvstage.replay.engine import ReplayRequest
+from kvstage.replay.replay_request import ReplayRequest
 
 MATCHED, MISMATCHED, MISSING, UNREACHABLE = "matched", "mismatched", "missing", "unreachable"
 

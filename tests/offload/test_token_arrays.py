@@ -217,8 +217,9 @@ def test_a_placeholder_in_an_array_is_named(typecode):
 
 def test_the_replays_requests_hold_array_q_and_its_run_hashes_them_as_arrays(monkeypatch, tmp_path):
     from kvstage.replay.command import replay
-    from kvstage.replay.engine import ReplayConfig, ReplayRequest
+    from kvstage.replay.engine import ReplayConfig
     from kvstage.replay.models import resolve_model
+    from kvstage.replay.replay_request import ReplayRequest
     from kvstage.replay.trace import TraceRequest
 
     trace = [TraceRequest(i, float(i), n_in, n_out, tuple(ids)) for i, (n_in, n_out, ids) in

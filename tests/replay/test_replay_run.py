@@ -283,7 +283,7 @@ def test_storage_write_failures_make_the_exit_code_1(capsys):
 def test_a_device_torch_does_not_know_is_refused_naming_the_argument():
     """The command line offers cpu and cuda only; a program passing another string gets the same clear error."""
     from kvstage.errors import InvalidArgumentError
-    from kvstage.replay.engine import pick_device
+    from kvstage.replay.device_pages import pick_device
 
     with pytest.raises(InvalidArgumentError, match="--device: 'gpu0' is not a device"):
         pick_device("gpu0")
