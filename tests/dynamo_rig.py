@@ -22,7 +22,8 @@ from support import REPO_ROOT, skip_missing
 WORKER = "1"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -33,7 +34,7 @@ class Indexer:
     ``WORKER=endpoint`` (without replay: Dynamo replays only for registered workers)."""
 
     def __init__(self, endpoint: str | None, block_size: int) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         workers = [] if endpoint is None else ["--block-size", str(block_size), "--workers", f"{WORKER}={endpoint}"]
         self.process = subprocess.Popen(
             [require_dynamo(), "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1", *workers],
@@ -61,15 +62,22 @@ class Indexer:
         with urllib.request.urlopen(request, timeout=5) as answer:
             return answer.status
 
-    def disk_overlap(self, token_ids: list[int]) -> int:
-        """Tokens of ``token_ids`` the indexer finds for the worker at its disk tier (0: none)."""
+    def overlaps(self, token_ids: list[int]) -> dict[str, int]:
+        """Tokens of ``token_ids`` the indexer matches for the worker, by tier (``"gpu"``,
+        ``"cpu"``, ``"disk"``; missing: 0). Dynamo 1.6.1 counts a tier's match over that tier
+        and the faster ones: a block still at ``gpu`` counts at ``disk`` too."""
         body = json.dumps({"model_name": "default", "token_ids": token_ids}).encode()
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/query", body, headers={"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=5) as answer:
             instances = json.load(answer).get("instances", {})
-        return int(instances.get(WORKER, {}).get("disk", 0))
+        found = instances.get(WORKER, {})
+        return {tier: int(found.get(tier, 0)) for tier in ("gpu", "cpu", "disk")}
+
+    def disk_overlap(self, token_ids: list[int]) -> int:
+        """Tokens of ``token_ids`` the indexer finds for the worker at its disk tier (0: none)."""
+        return self.overlaps(token_ids)["disk"]
 
     def wait_for(self, token_ids: list[int], expected: int, timeout_s: float = 10.0) -> int:
         """Query until the overlap is ``expected`` (or ``timeout_s`` passed); the last answer."""
