@@ -68,6 +68,7 @@ class KVEventAnnouncer:
         event_format = getattr(publisher, "event_format", VLLM_FORMAT)
         self.medium = event_format.medium if medium is None else medium
         self._hash = event_format.block_hash
+        self._hashes = event_format.hashes
         self.owns_publisher = owns_publisher
         self.pages_announced = self.pages_removed = self.pages_unanchored = self.pages_without_tokens = 0
         self.errors = 0
@@ -148,11 +149,10 @@ class KVEventAnnouncer:
     def _add_stored(self, events: list, keys: Sequence[str], tokens: Sequence[int], prior_key, namespace) -> None:
         if not keys:
             return
-        block_hash = self._hash
-        hashes = [block_hash(key) for key in keys]
+        hashes = self._hashes(keys)
         size, live, count = self.block_size, self._live, len(hashes)
         start = 0
-        parent = None if prior_key is None else block_hash(prior_key)
+        parent = None if prior_key is None else self._hash(prior_key)
         while start < count and hashes[start] in live:  # announced already: continue after them
             parent = hashes[start]
             start += 1

@@ -16,7 +16,7 @@ low 64 bits of its block hash, unsigned, and Dynamo cannot read byte-string hash
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import msgpack
 
@@ -31,6 +31,7 @@ __all__ = [
     "KVEvent",
     "KVEventBatch",
     "block_hash",
+    "block_hashes",
     "decode_batch",
     "encode_batch",
     "merge_stored",
@@ -57,6 +58,22 @@ def block_hash(page_key: str) -> int:
         return int(page_key[-16:], 16)
     except ValueError:
         raise InvalidArgumentError(f"page_key: must be hexadecimal, got {page_key!r}") from None
+
+
+def block_hashes(page_keys: Sequence[str]) -> list[int]:
+    """:func:`block_hash` of each of ``page_keys``, in order (one pass: what an announcer runs
+    per write).
+
+    Raises:
+        InvalidArgumentError: a key is not a hex string of 16 digits or more.
+    """
+    try:
+        hashes = [int(key[-16:], 16) for key in page_keys]
+        if min(map(len, page_keys), default=16) >= 16:
+            return hashes
+    except (TypeError, ValueError):
+        pass
+    return [block_hash(key) for key in page_keys]  # raises naming the bad key
 
 
 @dataclass(slots=True)
@@ -119,6 +136,7 @@ def merge_stored(events: list[KVEvent]) -> list[KVEvent]:
     into it: the same pages in fewer, longer events (a consumer indexes them alike). The input
     events are not changed."""
     out: list[KVEvent] = []
+    joined: set[int] = set()  # indexes in out of events this call built (their lists are its own)
     for event in events:
         last = out[-1] if out else None
         if (
@@ -130,17 +148,22 @@ def merge_stored(events: list[KVEvent]) -> list[KVEvent]:
             == (last.block_size, last.medium, last.lora_name, last.cache_salt)
             and (event.extra_keys is None) == (last.extra_keys is None)
         ):
-            joined = BlockStored(
-                last.block_hashes + event.block_hashes,
-                last.parent_block_hash,
-                last.token_ids + event.token_ids,
-                last.block_size,
-                last.lora_name,
-                last.medium,
-                None if last.extra_keys is None else last.extra_keys + event.extra_keys,
-                last.cache_salt,
-            )
-            out[-1] = joined
+            if len(out) - 1 not in joined:  # copy once, then extend in place: linear in the pages
+                last = out[-1] = BlockStored(
+                    list(last.block_hashes),
+                    last.parent_block_hash,
+                    list(last.token_ids),
+                    last.block_size,
+                    last.lora_name,
+                    last.medium,
+                    None if last.extra_keys is None else list(last.extra_keys),
+                    last.cache_salt,
+                )
+                joined.add(len(out) - 1)
+            last.block_hashes.extend(event.block_hashes)
+            last.token_ids.extend(event.token_ids)
+            if last.extra_keys is not None:
+                last.extra_keys.extend(event.extra_keys)
         else:
             out.append(event)
     return out
@@ -233,12 +256,20 @@ class EventFormat:
         medium: the tier a store's pages are announced at.
         block_hash: a page key (hex) to its int block hash.
         encode: a :class:`KVEventBatch` to its payload bytes.
+        many_block_hashes: page keys to their block hashes in one pass (None: ``block_hash`` each).
     """
 
     name: str
     medium: str
     block_hash: Callable[[str], int]
     encode: Callable[[KVEventBatch], bytes]
+    many_block_hashes: Callable[[Sequence[str]], list[int]] | None = None  # block_hash of each, in one pass
+
+    def hashes(self, page_keys: Sequence[str]) -> list[int]:
+        """:attr:`block_hash` of each page key, in order."""
+        if self.many_block_hashes is not None:
+            return self.many_block_hashes(page_keys)
+        return [self.block_hash(key) for key in page_keys]
 
 
-VLLM_FORMAT = EventFormat("vllm", MEDIUM_STORAGE, block_hash, encode_batch)
+VLLM_FORMAT = EventFormat("vllm", MEDIUM_STORAGE, block_hash, encode_batch, block_hashes)

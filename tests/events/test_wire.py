@@ -8,7 +8,7 @@ import pytest
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_hash
-from kvstage.events.wire import decode_batch, encode_batch, merge_stored
+from kvstage.events.wire import block_hashes, decode_batch, encode_batch, merge_stored
 
 
 def sample_batch() -> KVEventBatch:
@@ -118,3 +118,23 @@ def test_merge_stored_joins_a_chains_consecutive_runs_and_nothing_else():
         BlockStored([2], 1, [1] * 4, 4, extra_keys=[("s",)]),
     ]
     assert merge_stored(salted) == [BlockStored([1, 2], None, [0] * 4 + [1] * 4, 4, extra_keys=[("s",)] * 2)]
+
+
+def test_merge_stored_joins_a_run_of_many_writes_leaving_each_input_unchanged():
+    runs = [BlockStored([i], i - 1 if i else None, [i] * 4, 4, extra_keys=[("s",)]) for i in range(5)]
+    copies = [
+        BlockStored(list(r.block_hashes), r.parent_block_hash, list(r.token_ids), 4, extra_keys=[("s",)]) for r in runs
+    ]
+    (merged,) = merge_stored(runs)
+    assert merged == BlockStored(
+        [0, 1, 2, 3, 4], None, [t for i in range(5) for t in [i] * 4], 4, extra_keys=[("s",)] * 5
+    )
+    assert runs == copies  # the first run's lists were copied before being extended
+
+
+def test_block_hashes_is_block_hash_of_each_and_rejects_a_bad_key_naming_it():
+    keys = ["0123456789abcdef" * 2, "f" * 64, "0" * 16]
+    assert block_hashes(keys) == [block_hash(key) for key in keys] and block_hashes([]) == []
+    for bad in ("abc", "g" * 32, None):
+        with pytest.raises(InvalidArgumentError, match=rf"^page_key: must be .*{bad!r}"):
+            block_hashes([keys[0], bad])
