@@ -34,6 +34,8 @@ is missing.
 from __future__ import annotations
 
 import logging
+from itertools import compress, count
+from operator import not_
 from typing import Any, Mapping
 
 import torch
@@ -49,7 +51,7 @@ from kvstage.offload.linked_stores import LinkedStores
 from kvstage.offload.load_path import LoadHandle, PrefixMatch
 from kvstage.offload.plain_model import PlainModel
 from kvstage.offload.request import request_tokens
-from kvstage.offload.restorable import pages_to_load, restorable_lengths, snapshot_key_index
+from kvstage.offload.restorable import lengths_unchecked, pages_to_load, restorable_lengths, snapshot_key_index
 from kvstage.offload.snapshot_windows import SnapshotWindows, window_slots
 from kvstage.offload.staging_pool import StagingPool
 from kvstage.offload.store_io import WriteOutcome, read_leading_pages, write_pages
@@ -401,19 +403,19 @@ class Hybrid:
     def present(self, keys: list[str]) -> dict[str, list[bool]]:
         """Per component, which of ``keys`` its store holds (state: the snapshot at ``h_i``);
         the others are asked only for the keys before the full store's first miss."""
-        full = list(self.stores[self.full.name].exists(list(keys))) if keys else []
-        leading = next((i for i, hit in enumerate(full) if not hit), len(full))
+        stores = self.stores
+        full = list(stores[self.full.name].exists(keys)) if keys else []
+        asked = keys[: next(compress(count(), map(not_, full)), len(full))]  # up to the first miss
         present = {self.full.name: full}
         for component in self.others:
-            asked = keys[:leading]
-            present[component.name] = list(self.stores[component.name].exists(asked)) if asked else []
+            present[component.name] = list(stores[component.name].exists(asked)) if asked else []
         return present
 
     def match(self, keys: list[str], num_tokens: int) -> PrefixMatch:
         """The lookup's answer: the restorable length and every restorable length."""
-        found = restorable_lengths(self.layout, self.page_size, num_tokens, self.present(keys))
-        pages = found.num_pages
-        return PrefixMatch(pages, keys[:pages], pages * self.page_size, len(keys), found.lengths)
+        lengths = lengths_unchecked(self.layout, self.page_size, num_tokens, self.present(keys))
+        pages = lengths[-1] // self.page_size if lengths else 0
+        return PrefixMatch(pages, keys[:pages], pages * self.page_size, len(keys), lengths)
 
     def read(self, handle: Any, pages: list[torch.Tensor]) -> None:
         """On a reader thread: the lookup, then the full pages and every component's entries of

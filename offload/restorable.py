@@ -28,12 +28,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress
+from itertools import compress, count
+from operator import and_, not_
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
-from kvstage.model_layout import LayoutComponent, ModelLayout, SlidingWindow
+from kvstage.model_layout import ModelLayout, SlidingWindow
 
-__all__ = ["Restorable", "pages_to_load", "restorable_lengths", "snapshot_key_index", "swa_store_mask"]
+__all__ = [
+    "Restorable",
+    "lengths_unchecked",
+    "pages_to_load",
+    "restorable_lengths",
+    "snapshot_key_index",
+    "swa_store_mask",
+]
 
 
 @dataclass(frozen=True)
@@ -122,34 +130,41 @@ def restorable_lengths(
     components = layout.components
     if len(present) != len(components) or any(component.name not in present for component in components):
         _check_present_names(layout, present)
-    pages_asked = max(num_tokens - 1, 0) // page_size
+    lengths = lengths_unchecked(layout, page_size, num_tokens, present)
+    return Restorable(lengths, page_size, max(num_tokens - 1, 0) // page_size)
 
-    def held(component: LayoutComponent, count: int) -> list[bool]:  # entries 0 .. count-1, absent past the end
-        marks = list(map(bool, present[component.name][:count]))
-        return marks + [False] * (count - len(marks)) if len(marks) < count else marks
 
-    limit = pages_asked  # pages every full-attention and sidecar component holds from the start
+def lengths_unchecked(
+    layout: ModelLayout, page_size: int, num_tokens: int, present: Mapping[str, Sequence[bool]]
+) -> tuple[int, ...]:
+    """:func:`restorable_lengths`'s ``lengths`` without its argument checks, for a caller whose
+    arguments are known good (the hybrid lookup: its layout, page size and one presence answer
+    per component). Presence marks are taken by truth value; no Python step per page but where
+    a sliding window misses pages."""
+    limit = max(num_tokens - 1, 0) // page_size  # then: pages every full and sidecar component holds
+    components = layout.components
     for component in components:
-        if component.kind in ("full", "sidecar") and limit:
-            marks = held(component, limit)
-            limit = marks.index(False) if False in marks else limit
+        if limit and component.kind in ("full", "sidecar"):
+            marks = present[component.name][:limit]
+            limit = next(compress(count(), map(not_, marks)), len(marks))  # the first absent page
     if not limit:
-        return Restorable((), page_size, pages_asked)
+        return ()
     restorable = [True] * limit  # restorable[k - 1]: whether k pages can be resumed from
     for component in components:
-        if component.kind == "state":
-            restorable = [ok and mark for ok, mark in zip(restorable, held(component, limit))]
-        elif component.kind == "swa":
-            marks = held(component, limit)
-            if False not in marks:
+        kind = component.kind
+        if kind == "state":
+            restorable = list(map(and_, restorable, map(bool, present[component.name][:limit])))  # absent past the end
+        elif kind == "swa":
+            marks = list(map(bool, present[component.name][:limit]))
+            if len(marks) == limit and all(marks):
                 continue  # every window is held
+            marks += [False] * (limit - len(marks))
             window_pages, run = component.window_pages(page_size), 0  # run: held pages ending at page k - 1
             for index, mark in enumerate(marks):
                 run = run + 1 if mark else 0
-                if run < window_pages and run <= index:  # fewer than min(window_pages, k) held
+                if run < window_pages and run <= index and index < len(restorable):  # fewer than min(w, k) held
                     restorable[index] = False
-    lengths = tuple(compress(range(page_size, (limit + 1) * page_size, page_size), restorable))
-    return Restorable(lengths, page_size, pages_asked)
+    return tuple(compress(range(page_size, (len(restorable) + 1) * page_size, page_size), restorable))
 
 
 def _check_present_names(layout: ModelLayout, present: Mapping[str, Sequence[bool]]) -> None:

@@ -151,8 +151,9 @@ class StorageBackend(abc.ABC):
         "Readable" as far as a store can tell cheaply (the file store checks the size, not the
         checksum; see each store). A key found counts as a use for the store's eviction.
         """
+        prefix = self.prefix
         try:
-            return self._exists([self.prefix + key for key in _checked_keys(keys)])
+            return self._exists([prefix + key for key in _checked_keys(keys)])
         finally:
             self._tell_changes()
 
@@ -467,6 +468,13 @@ def page_as_bytes(page: torch.Tensor) -> memoryview:
 
 def _checked_keys(keys: Sequence[str]) -> list[str]:
     keys = list(keys)
+    try:  # every key a str (subclasses too) and none empty, without a Python step per key
+        "".join(keys)
+    except TypeError:
+        pass
+    else:
+        if "" not in keys:
+            return keys
     for index, key in enumerate(keys):
         if not isinstance(key, str) or not key:
             raise InvalidArgumentError(f"keys[{index}]: must be a non-empty str, got {key!r}")

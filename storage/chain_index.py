@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass
-from typing import Container, Generic, Hashable, TypeVar
+from typing import Container, Generic, Hashable, Iterable, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -58,6 +58,11 @@ class ChainIndex(Generic[K, V]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
+
+    def holds(self, keys: Iterable[K]) -> list[bool]:
+        """Whether each of ``keys`` is stored, in order (one dict membership test a key, no
+        Python call per key: a lookup's hot path)."""
+        return list(map(self._entries.__contains__, keys))
 
     def keys(self) -> list[K]:
         """The stored keys (a copy), in no particular order."""

@@ -117,8 +117,7 @@ class MemoryStore(StorageBackend):
         # before the next call that reads or changes recency (put, get), so the eviction order
         # is the same as touching each key here, and a lookup pays a membership test only.
         with self._lock:
-            stored = self._pages
-            found = [key in stored for key in full_keys]
+            found = self._pages.holds(full_keys)
             self._uses.extend(compress(full_keys, found))
             if len(self._uses) > _MAX_QUEUED_USES:
                 self._apply_uses()

@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.kv_layout import KVLayout
 from kvstage.model_layout import FullAttention, ModelLayout, PageSidecar, RequestState, SlidingWindow, TensorSpec
-from kvstage.offload.restorable import pages_to_load, restorable_lengths, snapshot_key_index, swa_store_mask
+from kvstage.offload.restorable import (
+    lengths_unchecked,
+    pages_to_load,
+    restorable_lengths,
+    snapshot_key_index,
+    swa_store_mask,
+)
 
 P = 4
 KV = KVLayout(1, 2, 1, 4, "float16")
@@ -297,5 +303,15 @@ def many_component_cases(draw):
 def test_restorable_lengths_of_several_windows_and_states_equal_the_definition(case):
     layout, page_size, num_tokens, present = case
     assert restorable_lengths(layout, page_size, num_tokens, present).lengths == naive_lengths(
+        layout, page_size, num_tokens, present
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(hybrid_cases(), many_component_cases()))
+def test_the_lookups_unchecked_path_equals_the_definition(case):
+    # The hybrid lookup's fast path (no argument checks) answers what the checked function does.
+    layout, page_size, num_tokens, present = case
+    assert lengths_unchecked(layout, page_size, num_tokens, present) == naive_lengths(
         layout, page_size, num_tokens, present
     )
