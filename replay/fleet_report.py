@@ -46,9 +46,11 @@ ROWS = (
     ),
     (
         "Mooncake master: evicted / vanished beyond it",
-        lambda r: "-"
-        if r.get("master_evicted_keys") is None
-        else f"{r['master_evicted_keys']:,} / {r['evictions_unattributed']:,}",
+        lambda r: (
+            "-"
+            if r.get("master_evicted_keys") is None
+            else f"{r['master_evicted_keys']:,} / {r['evictions_unattributed']:,}"
+        ),
     ),
     ("lost / mismatched", lambda r: f"{r['lost']:,} / {r['mismatched']:,}"),
     ("absent: killed engine's writes", lambda r: f"{r['absent_killed_writes']:,} ({r['unreachable']:,} behind them)"),
