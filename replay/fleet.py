@@ -452,6 +452,8 @@ class Fleet:
             "store_pages_evicted": len(evicted),
             "master_evicted_keys": None if pool is None else pool.master_evicted,
             "evictions_unattributed": unattributed,
+            "evictions_unseen": 0 if pool is None else pool.unseen,
+            "pool_keys_at_end": None if pool is None else pool.keys_at_end,
             "unreachable": result.unreachable,
             "router_lag_p50_ms": _percentile_ms(lags, 50),
             "router_lag_p99_ms": _percentile_ms(lags, 99),

@@ -56,6 +56,7 @@ class PoolEvictions:
         self.keys: set[str] = set()
         self.master_before = master_evicted_keys(store.config.admin_address)
         self.master_evicted: int | None = None
+        self.keys_at_end: int | None = None  # keys of the key space the watcher's last listing showed
 
     @classmethod
     def of(cls, store) -> "PoolEvictions | None":
@@ -76,7 +77,13 @@ class PoolEvictions:
         while self.store.watch_rounds < rounds + SETTLE_ROUNDS and time.monotonic() < deadline:
             time.sleep(self.store.config.watch_s / 4)
         self.poll()
+        self.keys_at_end = len(self.store._seen)
         self.master_evicted = master_evicted_keys(self.store.config.admin_address) - self.master_before
+
+    @property
+    def unseen(self) -> int:
+        """Evictions the master counted that the watcher did not see (stored and evicted between two listings)."""
+        return max(0, (self.master_evicted or 0) - len(self.keys))
 
     @property
     def unattributed(self) -> int:

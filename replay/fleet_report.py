@@ -49,7 +49,8 @@ ROWS = (
         lambda r: (
             "-"
             if r.get("master_evicted_keys") is None
-            else f"{r['master_evicted_keys']:,} / {r['evictions_unattributed']:,}"
+            else f"{r['master_evicted_keys']:,} / {r['evictions_unattributed']:,} ({r['evictions_unseen']:,} unseen "
+            f"by the watcher; {r['pool_keys_at_end']:,} keys at the end)"
         ),
     ),
     ("lost / mismatched", lambda r: f"{r['lost']:,} / {r['mismatched']:,}"),
