@@ -268,6 +268,11 @@ def test_a_write_refused_for_room_is_told_apart_from_a_failed_one():
     assert refused_for_room(PriorFailedError("ab", "cd", None, "in this manager"))
     assert not refused_for_room(PriorFailedError("ab", "cd", OSError(28, "No space left"), "in this manager"))
     assert not refused_for_room(OSError(5, "I/O error"))
+    from kvstage.storage.mooncake.status import MooncakeCodeError
+
+    assert refused_for_room(MooncakeCodeError("put", -200))  # NO_AVAILABLE_HANDLE: the pool is full
+    assert not refused_for_room(MooncakeCodeError("put", -800))
+    assert refused_for_room(PriorFailedError("ab", "cd", MooncakeCodeError("put", -200), "in this manager"))
 
 
 def test_the_eviction_log_counts_the_puts_a_kill_cut_off(tmp_path):
