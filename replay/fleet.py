@@ -18,8 +18,10 @@ process through the single-engine verify (:func:`kvstage.replay.verify.verify_pa
 another engine stored, and pages the killed engine was writing (absent and rewritten by a
 survivor, or whole: a torn page would be deduplicated by the survivor's put and fail the byte
 comparison here). With a bounded store (``file:DIR?capacity_bytes=...``) a missing page is
-explained only by an eviction an engine logged (:mod:`kvstage.replay.fleet_engine`); writes the
-store refused for want of room are counted apart from failed ones.
+explained only by an eviction an engine logged (:mod:`kvstage.replay.fleet_engine`); with a
+bounded Mooncake pool (a small ``segment``, ``admin=`` and ``watch=``) only by an eviction the
+router's own store saw on the master (:mod:`kvstage.replay.fleet_mooncake`). Writes the store
+refused for want of room are counted apart from failed ones.
 
 ``dynamo``: Dynamo's standalone KV indexer is started first (:mod:`kvstage.replay.dynamo_index`)
 and the engines publish on ``tcp://127.0.0.1`` ports it is told of.
@@ -45,6 +47,7 @@ import numpy as np
 from kvstage.errors import InvalidArgumentError, KvstageError
 from kvstage.events import KVEventSubscriber, block_hash
 from kvstage.replay.fleet_engine import EngineSpec, read_eviction_log
+from kvstage.replay.fleet_mooncake import PoolEvictions
 from kvstage.replay.router import Router
 
 READY_TIMEOUT_S = 300.0  # an engine process imports torch and builds its pools (slow on a busy CPU)
@@ -219,6 +222,7 @@ class Fleet:
 
             self._dynamo = DynamoIndex(self.config.page_size)
         checker = ReplayEngine(self.config, self.requests)  # the router's hasher, then the verifier
+        self._pool = PoolEvictions.of(checker.storage)  # a watching Mooncake store: the master's evictions
         n = len(checker.trace)
         hashes: list[list[int] | None] = [None] * n
         self._hashes = hashes
@@ -276,9 +280,12 @@ class Fleet:
                     if engine.process.poll() is not None:
                         self._receive(i, engine, started)
                         raise FleetError(f"engine {i} exited (code {engine.process.returncode}) mid-run")
-                if self.on_progress is not None and time.perf_counter() - last_progress > 0.1:
+                if time.perf_counter() - last_progress > 0.1:
                     last_progress = time.perf_counter()
-                    self.on_progress(len(self._done), n)
+                    if self._pool is not None:
+                        self._pool.poll()
+                    if self.on_progress is not None:
+                        self.on_progress(len(self._done), n)
             run_s = time.time() - started
             for engine in engines:
                 engine.conn.send(("stop",))
@@ -299,6 +306,9 @@ class Fleet:
             logs = [read_eviction_log(self._evicted_log(i)) for i in range(self.fleet.engines)]
             self._evicted_keys = set().union(*(keys for keys, _ in logs))
             self._cut_puts = sum(cut for _, cut in logs)
+            if self._pool is not None:  # every write has ended: the watcher's last listings, the master's count
+                self._pool.settle()
+                self._evicted_keys |= self._pool.keys
             self.report = self._verify_and_report(checker, run_s, drain_s, time.perf_counter() - wall)
         finally:
             for engine in engines:
@@ -390,6 +400,8 @@ class Fleet:
         # A bounded store (``capacity_bytes``) evicts: a missing page some engine reported evicted
         # is explained, and so are the pages behind it in its chain (unreachable).
         evicted, failed = self._evicted_keys, set(self._failure_keys)
+        pool = self._pool
+        unattributed = 0 if pool is None else pool.unattributed
         missing_evicted = sum(key in evicted for key in result.missing_keys)
         absent_killed = sum(key in killed_writes and key not in evicted for key in result.missing_keys)
         explained = evicted | killed_writes | failed
@@ -430,13 +442,18 @@ class Fleet:
             "mismatched": result.mismatches + counters.get("load_mismatches", 0),
             # A page put the kill cut off may have evicted one page without logging it: at most
             # that many missing pages are put down to it (counted apart), never more.
-            "lost": max(0, unexplained - counters.get("pages_dropped", 0) - self._cut_puts),
+            # Keys a Mooncake watcher saw vanish beyond the master's eviction count were not evicted.
+            "lost": max(0, unexplained - counters.get("pages_dropped", 0) - self._cut_puts) + unattributed,
             "missing_cut_evictions": min(max(0, unexplained - counters.get("pages_dropped", 0)), self._cut_puts),
             "puts_cut_by_kill": self._cut_puts,
             "absent_killed_writes": absent_killed,
             "missing": len(result.missing_keys),
             "missing_evicted": missing_evicted,
             "store_pages_evicted": len(evicted),
+            "master_evicted_keys": None if pool is None else pool.master_evicted,
+            "evictions_unattributed": unattributed,
+            "evictions_unseen": 0 if pool is None else pool.unseen,
+            "pool_keys_at_end": None if pool is None else pool.keys_at_end,
             "unreachable": result.unreachable,
             "router_lag_p50_ms": _percentile_ms(lags, 50),
             "router_lag_p99_ms": _percentile_ms(lags, 99),

@@ -36,6 +36,7 @@ from typing import Any
 
 from kvstage.events import BlockRemoved, BlockStored, KVEventPublisher, block_hash
 
+NO_AVAILABLE_HANDLE = -200  # Mooncake's ErrorCode for a put the pool has no room for
 MEDIUM_CPU = "CPU"  # vLLM's name of a host-memory tier
 START = "#start"  # an eviction log's line where an engine process began appending
 
@@ -217,12 +218,16 @@ def refused_for_room(error: BaseException | None) -> bool:
     """Whether a failed store write was refused for want of room: no error given (the store
     found no page it could evict), a ``MissingPriorError`` (the page before it was evicted, or
     refused itself), or a ``PriorFailedError`` whose cause is one of those. An ``OSError`` or
-    any other error is a real failure."""
+    any other error is a real failure. Mooncake's ``NO_AVAILABLE_HANDLE`` (no room in the pool's
+    segments: the master had not evicted yet) is refused for room too."""
     from kvstage.offload.key_chain import PriorFailedError
     from kvstage.storage import MissingPriorError
+    from kvstage.storage.mooncake.status import MooncakeCodeError
 
     if isinstance(error, PriorFailedError):
         return refused_for_room(error.cause)
+    if isinstance(error, MooncakeCodeError):
+        return error.code == NO_AVAILABLE_HANDLE
     return error is None or isinstance(error, MissingPriorError)
 
 
@@ -233,13 +238,14 @@ def open_engine_store(url: str, fingerprint):
     embedded mode each object lives in one client's segment, so a killed engine that brought
     memory would take the pages placed there with it, other engines' pages included, and
     until the master drops its segment every put placed there fails (seen: TRANSFER_FAIL).
+    Engines run no key-space watcher (``watch``): the router's store watches for the fleet.
     """
     from kvstage.storage import MooncakeStore, open_storage
     from kvstage.storage.mooncake.config import parse_mooncake_url
 
     if not url.startswith("mooncake://"):
         return open_storage(url, fingerprint)
-    return MooncakeStore(fingerprint, dataclasses.replace(parse_mooncake_url(url), global_segment_size=0))
+    return MooncakeStore(fingerprint, dataclasses.replace(parse_mooncake_url(url), global_segment_size=0, watch_s=None))
 
 
 def engine_main(spec: EngineSpec, conn) -> None:

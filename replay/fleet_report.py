@@ -44,6 +44,15 @@ ROWS = (
             f"{r['missing_cut_evictions']:,} of {r['puts_cut_by_kill']:,} puts the kill cut off)"
         ),
     ),
+    (
+        "Mooncake master: evicted / vanished beyond it",
+        lambda r: (
+            "-"
+            if r.get("master_evicted_keys") is None
+            else f"{r['master_evicted_keys']:,} / {r['evictions_unattributed']:,} ({r['evictions_unseen']:,} unseen "
+            f"by the watcher; {r['pool_keys_at_end']:,} keys at the end)"
+        ),
+    ),
     ("lost / mismatched", lambda r: f"{r['lost']:,} / {r['mismatched']:,}"),
     ("absent: killed engine's writes", lambda r: f"{r['absent_killed_writes']:,} ({r['unreachable']:,} behind them)"),
     ("router lag p50 / p99", lambda r: f"{r['router_lag_p50_ms']:.2f} / {r['router_lag_p99_ms']:.2f} ms"),

@@ -268,6 +268,11 @@ def test_a_write_refused_for_room_is_told_apart_from_a_failed_one():
     assert refused_for_room(PriorFailedError("ab", "cd", None, "in this manager"))
     assert not refused_for_room(PriorFailedError("ab", "cd", OSError(28, "No space left"), "in this manager"))
     assert not refused_for_room(OSError(5, "I/O error"))
+    from kvstage.storage.mooncake.status import MooncakeCodeError
+
+    assert refused_for_room(MooncakeCodeError("put", -200))  # NO_AVAILABLE_HANDLE: the pool is full
+    assert not refused_for_room(MooncakeCodeError("put", -800))
+    assert refused_for_room(PriorFailedError("ab", "cd", MooncakeCodeError("put", -200), "in this manager"))
 
 
 def test_the_eviction_log_counts_the_puts_a_kill_cut_off(tmp_path):
@@ -311,6 +316,38 @@ def test_two_engines_on_a_real_mooncake_master_survive_a_kill(tmp_path):
         master.stop()
     _check_clean(report, 16, rewritable=False)
     assert report["kill"]["rerouted"] >= 1
+
+
+def test_two_engines_on_a_bounded_mooncake_pool_explain_every_missing_page_by_an_observed_eviction(tmp_path):
+    from kvstage.storage.mooncake import store as store_module
+
+    import mooncake_master as master_module  # tests/mooncake_master.py
+
+    if not store_module.mooncake_available() or master_module.master_binary() is None:
+        skip_missing(f"the Mooncake store is not usable here; {store_module.INSTALL_HINT}")
+    # 32 KiB pages: the pool's 16 MiB (Mooncake's smallest segment, the router's) holds about 500
+    # of the trace's 700-odd pages, so the master evicts; the router's store watches the key space.
+    wide = resolve_model(None, layers=1, heads=8, head_dim=64, dtype="float16")
+    master = master_module.LocalMooncakeMaster(tmp_path / "master.log").start()
+    try:
+        config = ReplayConfig(
+            model=wide,
+            page_size=16,
+            max_running=3,
+            backend="torch",
+            storage=master.url(segment="16MiB", buffer="16MiB", watch="0.05"),
+        )
+        fleet = FleetConfig(engines=2, policy="round-robin", kill_at=6, local_pages=64)
+        report = Fleet(config, synthetic_trace(16, seed=4), fleet).run()
+    finally:
+        master.stop()
+    assert report["requests_completed"] == 16 and report["kill"]["rerouted"] >= 1
+    assert report["lost"] == 0 and report["mismatched"] == 0 and report["pages_failed"] == 0
+    # The watcher saw the master evict, and saw no key vanish beyond the master's own count.
+    assert 0 < report["store_pages_evicted"] <= report["master_evicted_keys"]
+    assert report["evictions_unattributed"] == 0
+    assert 0 < report["missing_evicted"] <= report["missing"]
+    assert report["pages_stored"] + report["missing"] + report["unreachable"] == report["verify_pages_checked"]
 
 
 def test_the_multi_tenant_trace_recurs_and_keeps_the_prefix_rule():
