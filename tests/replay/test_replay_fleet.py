@@ -342,7 +342,10 @@ def test_two_engines_on_a_bounded_mooncake_pool_explain_every_missing_page_by_an
     finally:
         master.stop()
     assert report["requests_completed"] == 16 and report["kill"]["rerouted"] >= 1
-    assert report["lost"] == 0 and report["mismatched"] == 0 and report["pages_failed"] == 0
+    assert report["mismatched"] == 0 and report["pages_failed"] == 0
+    # A missing page no listing saw vanish counts lost; a loaded machine's watcher may miss an
+    # eviction the master counted (a page stored and evicted between two listings), never more.
+    assert report["lost"] <= report["evictions_unseen"]
     # The watcher saw the master evict, and saw no key vanish beyond the master's own count.
     assert 0 < report["store_pages_evicted"] <= report["master_evicted_keys"]
     assert report["evictions_unattributed"] == 0
