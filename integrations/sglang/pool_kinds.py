@@ -21,7 +21,13 @@ from typing import Any
 
 from kvstage.errors import InvalidArgumentError
 
-__all__ = ["require_stored_device_pool", "require_stored_host_pool", "require_stored_v2_pool", "pool_kind"]
+__all__ = [
+    "decode_device_pool_kind",
+    "require_stored_device_pool",
+    "require_stored_host_pool",
+    "require_stored_v2_pool",
+    "pool_kind",
+]
 
 # (a class name in the pool's MRO, the kind it names), first match wins: subclasses first.
 _KINDS = (
@@ -99,6 +105,29 @@ def require_stored_device_pool(kv_cache: Any, argument: str) -> bool:
     raise InvalidArgumentError(
         f"{argument}: a {pool_kind(kv_cache)} device pool ({type(kv_cache).__name__}) is not one kvstage stores; "
         "only sglang's MHATokenToKVPool and MLATokenToKVPool are (its extra data would be lost)"
+    )
+
+
+def decode_device_pool_kind(kv_cache: Any, argument: str) -> str:
+    """The kind of sglang device pool ``kv_cache`` as the decode drop-in stores it: ``"mha"``,
+    ``"mla"`` or ``"dsa"`` (exactly ``DSATokenToKVPool``: the latent and the indexer's keys, as
+    :mod:`~kvstage.integrations.sglang.decode_hybrid` stores them).
+
+    Raises:
+        InvalidArgumentError: any other class (SWA, Mamba, FP4 pools...; subclasses included);
+            the message names ``argument``, the pool's kind and class.
+    """
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    if type(kv_cache) is DSATokenToKVPool:
+        return "dsa"
+    mha, mla = _device_classes()
+    if type(kv_cache) in (mha, mla):
+        return "mla" if type(kv_cache) is mla else "mha"
+    raise InvalidArgumentError(
+        f"{argument}: a {pool_kind(kv_cache)} device pool ({type(kv_cache).__name__}) is not one kvstage's decode "
+        "offload stores yet; it stores sglang's MHATokenToKVPool, MLATokenToKVPool and DSATokenToKVPool "
+        "(its extra data would be lost)"
     )
 
 

@@ -87,7 +87,7 @@ class DecodeSide:
         make_draft = {"mha": mha_device_pool, "mla": mla_device_pool}.get(kind)
         self.drafts = [make_draft(size=256, layer_num=1) for _ in range(draft_layers)]
         page_size = self.device.page_size
-        self.req_to_token_pool = ReqToTokenPool(size=8, max_context_len=128, device="cpu", enable_memory_saver=False)
+        self.req_to_token_pool = ReqToTokenPool(size=8, max_context_len=256, device="cpu", enable_memory_saver=False)
         self.allocator = PagedTokenToKVPoolAllocator(
             self.device.size, page_size, self.device.dtype, "cpu", self.device, need_sort=False
         )
