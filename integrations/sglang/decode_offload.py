@@ -119,7 +119,9 @@ class KVStageDecodeOffloadManager:
             ``req_to_token[req.kv.req_pool_idx]``.
         token_to_kv_pool_allocator: sglang's allocator; its ``get_kvcache()`` is the device pool
             (``MHATokenToKVPool``: ``k_buffer``/``v_buffer`` per layer; ``MLATokenToKVPool``:
-            ``kv_buffer``), wrapped in place.
+            ``kv_buffer``; DeepSeek V3.2's ``DSATokenToKVPool``: the latent and the indexer's
+            pages, stored as the prefill side's ``kv`` and ``indexer`` components,
+            :mod:`~kvstage.integrations.sglang.decode_hybrid`), wrapped in place.
         tp_group: the TP process group (gloo on CPU) over which releases are agreed.
         tree_cache: sglang's tree cache; a released request's slots go back through it as
             sglang's own manager returns them.
@@ -152,11 +154,10 @@ class KVStageDecodeOffloadManager:
             ``url``, an unknown key, fp8 as ``uint8`` without ``kv_cache_dtype`` or
             ``kv_cache_dtype`` on a pool that is not fp8) or, for a bad URL,
             :meth:`~kvstage.integrations.sglang.key_space.ExtraConfig.open_store`; a device pool other than
-            exactly sglang's ``MHATokenToKVPool`` or ``MLATokenToKVPool`` (named by kind: DeepSeek
-            V3.2's ``DSATokenToKVPool``, an MLA subclass whose indexer keys a latent page cannot
-            hold; SWA, Mamba, FP4 pools...), or an MHA pool whose V head size differs from its K
-            head size; a packed draft pool of another kind than the target's; KV events with
-            bigram keys.
+            exactly sglang's ``MHATokenToKVPool``, ``MLATokenToKVPool`` or ``DSATokenToKVPool``
+            (named by kind and class: SWA, Mamba, FP4 pools...), or an MHA pool whose V head size
+            differs from its K head size; a packed draft pool of another kind than the target's;
+            KV events with bigram keys; a DSA pool with bigram keys or draft pools.
     """
 
     def __init__(self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, tp_group: Any, tree_cache: Any) -> None:
