@@ -18,7 +18,7 @@ from kvstage.errors import InvalidArgumentError
 
 from decode_rig import DecodeSide, put_kv_in_host, released, run_until_released, settings_installed
 from sglang_hybrid_rig import Rig
-from sglang_rig import DSA_PAGE_SIZE, mha_device_pool, watch_opened_stores
+from sglang_rig import DSA_PAGE_SIZE, PAGE_SIZE, watch_opened_stores
 
 TIMEOUT = 30
 
@@ -108,20 +108,31 @@ def test_dsa_decode_pages_continue_the_prefill_side_and_the_next_turn_prefetches
 
 
 def test_a_pool_kind_not_stored_yet_is_refused_at_start_naming_its_class(one_rank, monkeypatch):
-    """An SWA device pool: the drop-in refuses it before opening anything."""
+    """sglang's hybrid SWA device pool (SWAKVPool: a full and a sliding-window MHA pool) is
+    refused before any store opens."""
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     import decode_rig
 
     def swa_pool(size: int = 256):
-        pool = mha_device_pool(size=size)
-        pool.__class__ = type("SWAKVPool", (SWAKVPool,), {})  # the class as sglang names it
-        return pool
+        return SWAKVPool(
+            size=size,
+            size_swa=size // 2,
+            page_size=PAGE_SIZE,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=8,
+            swa_attention_layer_ids=[1],
+            full_attention_layer_ids=[0, 2],
+            device="cpu",
+        )
 
-    monkeypatch.setitem(decode_rig.__dict__, "mha_device_pool", swa_pool)
+    opened, _ = watch_opened_stores(monkeypatch)
+    monkeypatch.setattr(decode_rig, "mha_device_pool", swa_pool)
     with settings_installed("memory"):
         with pytest.raises(InvalidArgumentError, match=r"token_to_kv_pool_allocator: a SWA device pool \(SWAKVPool\)"):
             DecodeSide("mha", one_rank)
+    assert opened == []
 
 
 def test_a_dsa_pool_with_eagle_bigram_keys_is_refused_before_any_store_opens(one_rank, monkeypatch):
