@@ -7,7 +7,8 @@ by ``isinstance`` would store the latent only and lose the index keys without a 
 checks here are an allow-list of exact classes; anything else is refused, naming its kind.
 
 Device pools stored: ``MHATokenToKVPool``, ``MLATokenToKVPool``
-(``sglang.srt.mem_cache.memory_pool``). Host pools stored: ``MHATokenToKVPoolHost``,
+(``sglang.srt.mem_cache.memory_pool``); by the decode drop-in also ``DSATokenToKVPool``, as the
+prefill side's ``kv`` + ``indexer`` components (:func:`decode_device_pool_kind`). Host pools stored: ``MHATokenToKVPoolHost``,
 ``MLATokenToKVPoolHost`` (``sglang.srt.mem_cache.pool_host``), registered as the controller's
 anchor pool (``register_mem_pool_host``) or as that same pool under the name ``"kv"``
 (``register_mem_host_pool_v2``). A hybrid model's other host pools (``register_mem_host_pool_v2``):
