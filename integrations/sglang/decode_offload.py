@@ -43,11 +43,13 @@ import torch
 from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
 from kvstage.integrations.sglang.bigram_requests import BigramRequest, PairUnitHasher
+from kvstage.integrations.sglang.decode_hybrid import dsa_pools
 from kvstage.integrations.sglang.draft_layers import DRAFT_PLAN_HOOK_TARGET, packed_drafts_of, record_packed_drafts
 from kvstage.integrations.sglang.key_space import ExtraConfig
-from kvstage.integrations.sglang.pool_kinds import pool_kind, require_stored_device_pool
+from kvstage.integrations.sglang.pool_kinds import decode_device_pool_kind, pool_kind, require_stored_device_pool
 from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, OffloadManager
+from kvstage.offload.components import ComponentPools
 
 __all__ = ["ENABLE_ENV", "KVStageDecodeOffloadManager", "sglang_plugin"]
 
@@ -93,6 +95,22 @@ def _pool_parts(kv_cache: Any, drafts: tuple[Any, ...]) -> tuple[Any, tuple[list
     return KVPool.mha, ([b for pool in pools for b in pool.k_buffer], [b for pool in pools for b in pool.v_buffer])
 
 
+def _open_stores(config: ExtraConfig, fingerprint: Any, layout: Any, page_size: int, shard: dict) -> dict[str, Any]:
+    """The stores by component name: ``{"kv": store}`` for a plain pool, else one per component of
+    ``layout`` in the prefill side's key spaces (``layout.fingerprints``); none left open on error."""
+    if layout is None:
+        return {"kv": config.open_store(fingerprint)}
+    stores: dict[str, Any] = {}
+    try:
+        for name, component_fingerprint in layout.fingerprints(config.model_id, page_size=page_size, **shard).items():
+            stores[name] = config.open_store(component_fingerprint)
+    except BaseException:
+        for store in stores.values():
+            store.close()
+        raise
+    return stores
+
+
 class KVStageDecodeOffloadManager:
     """sglang's decode-side KV offload manager, on kvstage.
 
@@ -101,7 +119,9 @@ class KVStageDecodeOffloadManager:
             ``req_to_token[req.kv.req_pool_idx]``.
         token_to_kv_pool_allocator: sglang's allocator; its ``get_kvcache()`` is the device pool
             (``MHATokenToKVPool``: ``k_buffer``/``v_buffer`` per layer; ``MLATokenToKVPool``:
-            ``kv_buffer``), wrapped in place.
+            ``kv_buffer``; DeepSeek V3.2's ``DSATokenToKVPool``: the latent and the indexer's
+            pages, stored as the prefill side's ``kv`` and ``indexer`` components,
+            :mod:`~kvstage.integrations.sglang.decode_hybrid`), wrapped in place.
         tp_group: the TP process group (gloo on CPU) over which releases are agreed.
         tree_cache: sglang's tree cache; a released request's slots go back through it as
             sglang's own manager returns them.
@@ -134,11 +154,10 @@ class KVStageDecodeOffloadManager:
             ``url``, an unknown key, fp8 as ``uint8`` without ``kv_cache_dtype`` or
             ``kv_cache_dtype`` on a pool that is not fp8) or, for a bad URL,
             :meth:`~kvstage.integrations.sglang.key_space.ExtraConfig.open_store`; a device pool other than
-            exactly sglang's ``MHATokenToKVPool`` or ``MLATokenToKVPool`` (named by kind: DeepSeek
-            V3.2's ``DSATokenToKVPool``, an MLA subclass whose indexer keys a latent page cannot
-            hold; SWA, Mamba, FP4 pools...), or an MHA pool whose V head size differs from its K
-            head size; a packed draft pool of another kind than the target's; KV events with
-            bigram keys.
+            exactly sglang's ``MHATokenToKVPool``, ``MLATokenToKVPool`` or ``DSATokenToKVPool``
+            (named by kind and class: SWA, Mamba, FP4 pools...), or an MHA pool whose V head size
+            differs from its K head size; a packed draft pool of another kind than the target's;
+            KV events with bigram keys; a DSA pool with bigram keys or draft pools.
     """
 
     def __init__(self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, tp_group: Any, tree_cache: Any) -> None:
@@ -150,11 +169,22 @@ class KVStageDecodeOffloadManager:
             )
         self.bigram_keys = bigram
         kv_cache = token_to_kv_pool_allocator.get_kvcache()
-        wrap, parts = _pool_parts(kv_cache, packed_drafts_of(kv_cache))
-        # fp8 held as uint8: the same bytes viewed as the fp8 kind, so the pool's layout is the
-        # prefill side's (a view, no copy).
-        dtype = config.kv_dtype(parts[0][0].dtype, "device pool")
-        kv_pool = wrap(*([buffer.view(dtype) for buffer in part] for part in parts))
+        layout = components = None
+        if decode_device_pool_kind(kv_cache, "token_to_kv_pool_allocator") == "dsa":
+            if bigram or packed_drafts_of(kv_cache):
+                raise InvalidArgumentError(
+                    "token_to_kv_pool_allocator: a DSA pool with EAGLE bigram keys or MTP draft pools is not "
+                    "supported by the decode drop-in yet"
+                )
+            dtype = config.kv_dtype(kv_cache.kv_buffer[0].dtype, "device pool")
+            kv_pool, layout, extra_pools = dsa_pools(kv_cache, dtype)
+            components = ComponentPools(layout, extra_pools)
+        else:
+            wrap, parts = _pool_parts(kv_cache, packed_drafts_of(kv_cache))
+            # fp8 held as uint8: the same bytes viewed as the fp8 kind, so the pool's layout is the
+            # prefill side's (a view, no copy).
+            dtype = config.kv_dtype(parts[0][0].dtype, "device pool")
+            kv_pool = wrap(*([buffer.view(dtype) for buffer in part] for part in parts))
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.tree_cache = tree_cache
@@ -162,14 +192,12 @@ class KVStageDecodeOffloadManager:
         self.tp_world_size = torch.distributed.get_world_size(group=tp_group)
         self.page_size = page_size
         self.offload_stride = stride
-        fingerprint = config.fingerprint(
-            kv_pool.layout,
-            "device pool",
-            page_size=page_size,
+        shard = dict(
             tp_rank=torch.distributed.get_rank(group=tp_group),
             tp_size=self.tp_world_size,
             first_layer=getattr(kv_cache, "start_layer", 0),
         )
+        fingerprint = config.fingerprint(kv_pool.layout, "device pool", page_size=page_size, **shard)
         page_bytes = fingerprint.page_bytes
         num_pages = (
             int(hicache_size * 1e9) // page_bytes if hicache_size else int(hicache_ratio * kv_cache.size) // page_size
@@ -180,7 +208,8 @@ class KVStageDecodeOffloadManager:
         # slots, hold the Req) and drop it later without calling this class again.
         self._running: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._retracting: set[int] = set()  # id(req) being retracted: its release is not sglang's hand-back
-        self.storage = config.open_store(fingerprint)
+        self.stores = _open_stores(config, fingerprint, layout, page_size, shard)
+        self.storage = self.stores["kv"]
         publisher = None
         try:
             publisher = self.kv_event_publisher = config.kv_event_publisher(torch.distributed.get_rank(group=tp_group))
@@ -188,18 +217,20 @@ class KVStageDecodeOffloadManager:
             self.manager = OffloadManager(
                 kv_pool,
                 self.host_pool,
-                self.storage,
+                self.stores if components is not None else self.storage,
                 PairUnitHasher(page_size=page_size) if bigram else PageHasher(page_size=page_size),
                 self._slot_indices,
                 offload_stride=stride,
                 store_prompt=False,
                 release=self._on_release,
                 kv_events=publisher,
+                components=components,
             )
         except BaseException:
             if publisher is not None:
                 publisher.close()
-            self.storage.close()  # sglang never calls release_host_resources on a manager that failed to build
+            for store in self.stores.values():  # sglang never calls release_host_resources on a failed manager
+                store.close()
             raise
 
     # -- what sglang's scheduler calls ------------------------------------------------------
@@ -283,7 +314,8 @@ class KVStageDecodeOffloadManager:
         self.manager.close()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
-        self.storage.close()
+        for store in self.stores.values():
+            store.close()
 
     # -- helpers ------------------------------------------------------------------------------
 

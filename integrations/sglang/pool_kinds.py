@@ -7,7 +7,8 @@ by ``isinstance`` would store the latent only and lose the index keys without a 
 checks here are an allow-list of exact classes; anything else is refused, naming its kind.
 
 Device pools stored: ``MHATokenToKVPool``, ``MLATokenToKVPool``
-(``sglang.srt.mem_cache.memory_pool``). Host pools stored: ``MHATokenToKVPoolHost``,
+(``sglang.srt.mem_cache.memory_pool``); by the decode drop-in also ``DSATokenToKVPool``, as the
+prefill side's ``kv`` + ``indexer`` components (:func:`decode_device_pool_kind`). Host pools stored: ``MHATokenToKVPoolHost``,
 ``MLATokenToKVPoolHost`` (``sglang.srt.mem_cache.pool_host``), registered as the controller's
 anchor pool (``register_mem_pool_host``) or as that same pool under the name ``"kv"``
 (``register_mem_host_pool_v2``). A hybrid model's other host pools (``register_mem_host_pool_v2``):
@@ -21,7 +22,13 @@ from typing import Any
 
 from kvstage.errors import InvalidArgumentError
 
-__all__ = ["require_stored_device_pool", "require_stored_host_pool", "require_stored_v2_pool", "pool_kind"]
+__all__ = [
+    "decode_device_pool_kind",
+    "require_stored_device_pool",
+    "require_stored_host_pool",
+    "require_stored_v2_pool",
+    "pool_kind",
+]
 
 # (a class name in the pool's MRO, the kind it names), first match wins: subclasses first.
 _KINDS = (
@@ -99,6 +106,29 @@ def require_stored_device_pool(kv_cache: Any, argument: str) -> bool:
     raise InvalidArgumentError(
         f"{argument}: a {pool_kind(kv_cache)} device pool ({type(kv_cache).__name__}) is not one kvstage stores; "
         "only sglang's MHATokenToKVPool and MLATokenToKVPool are (its extra data would be lost)"
+    )
+
+
+def decode_device_pool_kind(kv_cache: Any, argument: str) -> str:
+    """The kind of sglang device pool ``kv_cache`` as the decode drop-in stores it: ``"mha"``,
+    ``"mla"`` or ``"dsa"`` (exactly ``DSATokenToKVPool``: the latent and the indexer's keys, as
+    :mod:`~kvstage.integrations.sglang.decode_hybrid` stores them).
+
+    Raises:
+        InvalidArgumentError: any other class (SWA, Mamba, FP4 pools...; subclasses included);
+            the message names ``argument``, the pool's kind and class.
+    """
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    if type(kv_cache) is DSATokenToKVPool:
+        return "dsa"
+    mha, mla = _device_classes()
+    if type(kv_cache) in (mha, mla):
+        return "mla" if type(kv_cache) is mla else "mha"
+    raise InvalidArgumentError(
+        f"{argument}: a {pool_kind(kv_cache)} device pool ({type(kv_cache).__name__}) is not one kvstage's decode "
+        "offload stores yet; it stores sglang's MHATokenToKVPool, MLATokenToKVPool and DSATokenToKVPool "
+        "(its extra data would be lost)"
     )
 
 

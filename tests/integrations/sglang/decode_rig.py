@@ -87,7 +87,7 @@ class DecodeSide:
         make_draft = {"mha": mha_device_pool, "mla": mla_device_pool}.get(kind)
         self.drafts = [make_draft(size=256, layer_num=1) for _ in range(draft_layers)]
         page_size = self.device.page_size
-        self.req_to_token_pool = ReqToTokenPool(size=8, max_context_len=128, device="cpu", enable_memory_saver=False)
+        self.req_to_token_pool = ReqToTokenPool(size=8, max_context_len=256, device="cpu", enable_memory_saver=False)
         self.allocator = PagedTokenToKVPoolAllocator(
             self.device.size, page_size, self.device.dtype, "cpu", self.device, need_sort=False
         )
@@ -114,7 +114,8 @@ class DecodeSide:
         slots for the whole request, the prompt's KV written."""
         req = Req(rid, "", array("q", prompt), SamplingParams(max_new_tokens=max_tokens), extra_key=extra_key)
         self.req_to_token_pool.alloc([req])
-        total = -(-(len(prompt) + max_tokens) // PAGE_SIZE) * PAGE_SIZE
+        page_size = self.device.page_size
+        total = -(-(len(prompt) + max_tokens) // page_size) * page_size
         slots = self.allocator.alloc(total)
         self.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, total)), slots.to(torch.int32))
         req.kv.kv_allocated_len = total
@@ -125,12 +126,21 @@ class DecodeSide:
         """Random KV at token positions [start, end) of ``req`` (the forward pass's stand-in)."""
         slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end].long()
         for buffer in self.buffers():
-            values = torch.randn((len(slots), *buffer.shape[1:]), generator=self.generator).to(buffer.dtype)
+            shape = (len(slots), *buffer.shape[1:])
+            if buffer.dtype == torch.uint8:  # DSA index rows: any bytes
+                values = torch.randint(0, 256, shape, dtype=torch.uint8, generator=self.generator)
+            else:
+                values = torch.randn(shape, generator=self.generator).to(buffer.dtype)
             buffer[slots] = values
 
     def buffers(self) -> list[torch.Tensor]:
-        """Every layer's buffer, the drafts' after the target's: MLA latents, or K layers then V layers."""
+        """Every layer's buffer, the drafts' after the target's: MLA latents (a DSA pool's then its
+        index pages as per-token rows, ``[slots, bytes per token]``), or K layers then V layers."""
         pools = [self.device, *self.drafts]
+        if hasattr(self.device, "index_k_with_scale_buffer"):
+            page_size = self.device.page_size
+            rows = [b.view(-1, b.shape[1] // page_size) for b in self.device.index_k_with_scale_buffer]
+            return [*self.device.kv_buffer, *rows]
         if hasattr(self.device, "kv_buffer"):
             return [buffer for pool in pools for buffer in pool.kv_buffer]
         return [b for pool in pools for b in pool.k_buffer] + [b for pool in pools for b in pool.v_buffer]

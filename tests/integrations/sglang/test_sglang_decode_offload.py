@@ -23,7 +23,6 @@ from kvstage.errors import InvalidArgumentError
 import tp_rank_worker
 from decode_rig import DecodeSide, controller_over, put_kv_in_host, released, run_until_released, settings_installed
 from sglang_rig import (
-    DSA_PAGE_SIZE,
     PAGE_SIZE,
     canonical_of,
     token_slots,
@@ -167,14 +166,6 @@ def test_an_abort_through_finalize_release_is_released_and_retraction_drains_fir
         side.manager.finalize_release_on_finish(aborted)  # already back with sglang: nothing
         assert len(side.manager.ongoing_offload) == 0
         side.manager.release_host_resources()
-
-
-def test_a_dsa_device_pool_is_refused_naming_it_rather_than_storing_the_latent_alone(one_rank):
-    """DeepSeek V3.2's DSATokenToKVPool is an MLATokenToKVPool subclass that also holds the
-    indexer's keys and scales; a latent page has no room for them."""
-    with settings_installed("memory", page_size=DSA_PAGE_SIZE):
-        with pytest.raises(InvalidArgumentError, match=r"token_to_kv_pool_allocator: a DSA .*\(DSATokenToKVPool\)"):
-            DecodeSide("dsa", one_rank)
 
 
 def wait_for_copies(side: DecodeSide) -> None:

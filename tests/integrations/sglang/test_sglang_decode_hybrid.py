@@ -1,0 +1,144 @@
+"""KVStageDecodeOffloadManager over a hybrid device pool (DeepSeek V3.2's ``DSATokenToKVPool``):
+the prefill side (sglang's HybridCacheController with KVStageStorage) stores a prompt, the
+decode drop-in continues it with every component (the MLA latent and the indexer's keys) in
+the same key spaces, and a fresh HybridCacheController prefetches the whole conversation, each
+component byte for byte. Pool kinds not stored yet are refused naming their class."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+import torch
+import torch.distributed as dist
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from kvstage.errors import InvalidArgumentError
+
+from decode_rig import DecodeSide, put_kv_in_host, released, run_until_released, settings_installed
+from sglang_hybrid_rig import Rig
+from sglang_rig import DSA_PAGE_SIZE, PAGE_SIZE, watch_opened_stores
+
+TIMEOUT = 30
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    init = tmp_path / "gloo"
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _split(side: DecodeSide, rows: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A DSA decode side's per-buffer rows (``DecodeSide.buffers``): (latents, index rows) per layer."""
+    layers = side.device.layer_num
+    return rows[:layers], rows[layers:]
+
+
+def _index_pages(index_rows: list[torch.Tensor], page_size: int) -> torch.Tensor:
+    """Per-layer index rows ``[tokens, bytes]`` as the indexer host pool's ``[page, layer, bytes]``."""
+    return torch.stack([rows.reshape(-1, page_size * rows.shape[1]) for rows in index_rows], dim=1)
+
+
+def _write_prompt(rig: Rig, side: DecodeSide, rows: list[torch.Tensor], key: RadixKey) -> None:
+    """The prefill side's write-through of ``key``'s whole pages: latents and index pages into
+    the host pools, then the KV pages and the indexer's (``indices_from_pool=KV``) stored."""
+    latents, index_rows = _split(side, rows)
+    slots = rig.kv.alloc(len(key.token_ids))
+    put_kv_in_host(rig.kv, latents, slots)
+    pages = (slots[:: rig.page_size] // rig.page_size).tolist()
+    for position, page in enumerate(pages):
+        for layer, layer_rows in enumerate(index_rows):
+            chunk = layer_rows[position * rig.page_size : (position + 1) * rig.page_size]
+            rig.indexer.index_k_with_scale_buffer[page, layer, 0] = chunk.reshape(-1)
+    extra = [PoolTransfer(PoolName.INDEXER, indices_from_pool=PoolName.KV)]
+    rig.cc.write_storage(slots, key.token_ids, hash_value=rig.hashes(key), prefix_keys=[], extra_pools=extra)
+    assert rig.cc.ack_backup_queue.get(timeout=TIMEOUT).completed_tokens == len(key.token_ids)
+
+
+def test_dsa_decode_pages_continue_the_prefill_side_and_the_next_turn_prefetches_every_component(tmp_path, one_rank):
+    url = f"file:{tmp_path / 'store'}"
+    page = DSA_PAGE_SIZE
+    with settings_installed(url, page_size=page):
+        side = DecodeSide("dsa", one_rank)
+        prompt = list(range(300, 300 + page + 6))  # one whole page from the prefill side, 6 tokens more
+        outputs = [1000 + i for i in range(page - 3)]
+        req = side.admit("turn-1", prompt, max_tokens=len(outputs))
+
+        writer = Rig("dsa", url)
+        prefill = writer.cc.storage_backend
+        prefill.on_host_pools_registered()  # sglang's controller does it once its pools are registered
+        # the drop-in's key spaces are the prefill side's, component by component
+        assert {n: s.fingerprint for n, s in side.manager.stores.items()} == {
+            n: s.fingerprint for n, s in prefill.hybrid.stores.items()
+        }
+        assert set(side.manager.stores) == {"kv", "indexer"}
+        _write_prompt(writer, side, side.kv_of(req, page), RadixKey(array("q", prompt[:page])))
+        writer.stop()
+
+        for token in outputs:
+            side.decode_step(req, token)
+            side.manager.check_offload_progress()
+        kv_length = len(prompt) + len(outputs) - 1  # the last sampled token has no KV
+        whole = kv_length // page * page
+        assert whole == 2 * page
+        expected = side.kv_of(req, whole)
+        run_until_released(side, [req])
+        assert released(req)
+        metrics = side.manager.manager.metrics
+        side.manager.release_host_resources()
+        assert metrics.pages_stored == 1  # the decode page; the prompt page was the prefill side's
+
+        reader = Rig("dsa", url)
+        conversation = RadixKey(array("q", prompt + outputs[:-1] + [7, 7]))
+        hashes = reader.hashes(conversation)
+        reader_stores = reader.cc.storage_backend._stores_v2().stores
+        assert len(hashes) == 3  # sglang keys the partial last page too; it was never stored
+        assert reader_stores["kv"].exists(hashes) == [True, True, False]
+        assert reader_stores["indexer"].exists(hashes) == [True, True, False]
+        restorable, completed, got = reader.prefetch(conversation)
+        reader.stop()
+        assert restorable == [1, 2] and completed == whole
+        latents, index_rows = _split(side, expected)
+        for layer, rows in enumerate(latents):
+            assert torch.equal(got["kv"][layer].view(torch.uint8), rows.reshape(whole, -1).view(torch.uint8)), layer
+        assert torch.equal(got["indexer"], _index_pages(index_rows, page))
+
+
+def test_a_pool_kind_not_stored_yet_is_refused_at_start_naming_its_class(one_rank, monkeypatch):
+    """sglang's hybrid SWA device pool (SWAKVPool: a full and a sliding-window MHA pool) is
+    refused before any store opens."""
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    import decode_rig
+
+    def swa_pool(size: int = 256):
+        return SWAKVPool(
+            size=size,
+            size_swa=size // 2,
+            page_size=PAGE_SIZE,
+            dtype=torch.bfloat16,
+            head_num=2,
+            head_dim=8,
+            swa_attention_layer_ids=[1],
+            full_attention_layer_ids=[0, 2],
+            device="cpu",
+        )
+
+    opened, _ = watch_opened_stores(monkeypatch)
+    monkeypatch.setattr(decode_rig, "mha_device_pool", swa_pool)
+    with settings_installed("memory"):
+        with pytest.raises(InvalidArgumentError, match=r"token_to_kv_pool_allocator: a SWA device pool \(SWAKVPool\)"):
+            DecodeSide("mha", one_rank)
+    assert opened == []
+
+
+def test_a_dsa_pool_with_eagle_bigram_keys_is_refused_before_any_store_opens(one_rank, monkeypatch):
+    """DeepSeek V3.2 with MTP (EAGLE bigram keys) is not stored by the decode drop-in yet."""
+    opened, _ = watch_opened_stores(monkeypatch)
+    with settings_installed("memory", page_size=DSA_PAGE_SIZE, speculative_algorithm="EAGLE"):
+        with pytest.raises(InvalidArgumentError, match=r"token_to_kv_pool_allocator: a DSA pool with EAGLE bigram"):
+            DecodeSide("dsa", one_rank)
+    assert opened == []
