@@ -127,7 +127,8 @@ class MemoryStore(StorageBackend):
         """Touch the keys ``exists`` found since the last call, in order (under the lock)."""
         if self._uses:
             touch = self._pages.touch
-            for key in self._uses:
+            # Only a key's last use decides its place: touch each once, in the order of last uses.
+            for key in reversed(dict.fromkeys(reversed(self._uses))):
                 touch(key)
             self._uses.clear()
 

@@ -119,6 +119,20 @@ def test_uses_found_by_exists_keep_their_order_across_many_lookups_and_a_bounded
     assert store.exists(["a", "b", "c", "d", "e"]) == [True, False, False, True, True]
 
 
+def test_a_key_found_by_many_lookups_takes_the_place_of_its_last_use():
+    fingerprint = LayoutFingerprint("m", KVLayout(1, 1, 1, 4, "uint8"), 1)
+    store = MemoryStore(fingerprint, capacity_pages=3)
+    page = torch.zeros(4, dtype=torch.uint8)
+    for key in "abc":
+        store.put([key], [page])
+    store.exists(["a", "b"])
+    store.exists(["c"])
+    store.exists(["a"])  # used order now: b, c, a (a's first use no longer counts)
+    store.put(["d"], [page])  # evicts b
+    store.put(["e"], [page])  # evicts c
+    assert store.exists(["a", "b", "c", "d", "e"]) == [True, False, False, True, True]
+
+
 def test_a_full_store_reuses_the_memory_of_the_pages_it_evicts():
     store = MemoryStore(FP, capacity_pages=2)
     for index, key in enumerate("abcde"):
