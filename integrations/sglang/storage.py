@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -97,6 +97,11 @@ class KVStageStorage(HiCacheStorage):
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
+        if not storage_config.extra_config and isinstance(kwargs, Mapping) and "url" in kwargs:
+            raise InvalidArgumentError(
+                "storage_config.extra_config: empty, and the second argument holds a kvstage extra config "
+                "(its 'url'); pass it in the storage config: HiCacheStorageConfig(extra_config={...})"
+            )
         extra = dict(storage_config.extra_config or {})
         self.sliding_window = extra.pop("sliding_window", None)  # an swa pool's window (hybrid_pools.py)
         if self.sliding_window is not None and (

@@ -261,6 +261,17 @@ def test_sglang_namespaced_storage_keys_are_kvstages_sglang_v1_keys():
 # -- what kvstage refuses, before anything is opened or written ----------------------------------
 
 
+def test_an_extra_config_passed_as_kwargs_instead_of_in_the_storage_config_is_named():
+    # A user building KVStageStorage by hand put the JSON in the second argument and was told
+    # that no url was given.
+    extra = storage_config("memory").extra_config
+    bare = dataclasses.replace(storage_config("memory"), extra_config=None)
+    with pytest.raises(
+        InvalidArgumentError, match=r"^storage_config.extra_config: .*HiCacheStorageConfig\(extra_config="
+    ):
+        KVStageStorage(bare, extra)
+
+
 def test_extra_config_errors_name_the_key():
     with pytest.raises(InvalidArgumentError, match="extra_config.url"):
         KVStageStorage(dataclasses.replace(storage_config("memory"), extra_config={"backend_name": "kvstage"}))
