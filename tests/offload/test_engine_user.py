@@ -641,7 +641,9 @@ else:
     req = Req("r", prompt(20, 40), 1, **NAMESPACE)  # prefill only: the first token
     engine.run(req)
     engine.manager.drain()  # the pages are written; the process then exits without close()
-    (rendezvous / "prefill-done").write_text(json.dumps(req.output_ids[0]))
+    # written whole, then renamed: the decode process may see the name before the bytes otherwise
+    (rendezvous / "prefill-done.tmp").write_text(json.dumps(req.output_ids[0]))
+    (rendezvous / "prefill-done.tmp").rename(rendezvous / "prefill-done")
 """
 
 
