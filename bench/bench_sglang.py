@@ -389,9 +389,8 @@ def _measure_hybrid_v2(rounds: int, log: Callable[[str], None]) -> list[dict]:
     """sglang's hybrid ``batch_set_v2`` / ``batch_get_v2`` through ``KVStageStorage`` (a memory
     store) for the Mamba and DSA pool sets of ``sglang_hybrid_rig`` (small pools: the figure is
     a call's latency, KV pages and the pool's entries together, no baseline)."""
-    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
-
     import torch.distributed as dist
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
     from sglang.srt.runtime_context import get_parallel
 
     from sglang_hybrid_rig import Rig
