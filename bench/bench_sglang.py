@@ -282,13 +282,193 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
         for directory in scratch.iterdir():  # disk: every round wrote a call's pages
             shutil.rmtree(directory, ignore_errors=True)
     shutil.rmtree(scratch, ignore_errors=True)
+    mla_results, mla_summary = _measure_mla(num_pages, rounds, log)
+    results += mla_results
+    summary.update(mla_summary)
+    results += _measure_hybrid_v2(rounds, log)
     return {
+        "torch_threads": torch.get_num_threads(),  # a page's copy_ is split over them
+        "load_average": os.getloadavg(),  # at the end: the machine may be shared
         "pages_per_call": num_pages,
         "page_bytes": page_bytes,
         "rounds": rounds,
         "results": results,
         "summary": summary,
     }
+
+
+MLA_LAYERS, MLA_DIM = 8, 576  # DeepSeek's latent (512 + 64 rope) on 8 layers: 0.56 MiB pages of bf16
+
+
+def _measure_mla(num_pages: int, rounds: int, log: Callable[[str], None]) -> tuple[list[dict], dict]:
+    """MLA ``page_first_direct`` (pages contiguous in kvstage's order): ``batch_set_v1`` /
+    ``batch_get_v1`` through a memory store beside one ``copy_`` of the same bytes, paired per
+    round (``2 * rounds`` rounds: the calls are short)."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    from sglang_rig import storage_config
+
+    tokens = num_pages * PAGE_SIZE
+    device = MLATokenToKVPool(
+        size=tokens,
+        page_size=PAGE_SIZE,
+        dtype=torch.bfloat16,
+        kv_lora_rank=MLA_DIM - 64,
+        qk_rope_head_dim=64,
+        layer_num=MLA_LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    host = MLATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        PAGE_SIZE,
+        "page_first_direct",
+        pin_memory=False,
+        device_capacity_tokens=device.size,
+        start_layer=device.start_layer,
+        end_layer=device.end_layer,
+        target_layer_num=device.layer_num,
+        override_kv_cache_dim=device.kv_cache_dim,
+    )
+    page_bytes = MLA_LAYERS * PAGE_SIZE * MLA_DIM * 2
+    batch_bytes = num_pages * page_bytes
+    raw = host.kv_buffer.view(torch.uint8).view(-1)
+    raw.fill_(0)
+    source = torch.randint(0, 256, (batch_bytes,), dtype=torch.uint8)
+    target = torch.empty_like(source)
+    raw[:batch_bytes].copy_(source)
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(f"memory:{batch_bytes}", mla=True), host)
+    backend.register_mem_pool_host(host)
+    written, read = torch.arange(0, tokens), torch.arange(tokens, 2 * tokens)
+    round_keys = iter(range(10**6))
+
+    def set_v1():
+        base = next(round_keys)
+        set_v1.keys = [f"{base:032x}{i:032x}" for i in range(num_pages)]
+        assert all(backend.batch_set_v1(set_v1.keys, written))
+
+    def get_v1():
+        assert all(backend.batch_get_v1(set_v1.keys, read))
+
+    copy = lambda: target.copy_(source)  # noqa: E731
+    source_pages, target_pages = source.view(num_pages, -1), target.view(num_pages, -1)
+
+    def copy_pages():  # the store's floor: one copy_ a page (torch splits each over its threads)
+        for into, page in zip(target_pages, source_pages):
+            into.copy_(page)
+
+    _, put, put_ratio = _paired(copy, set_v1, 2 * rounds)
+    _, get, get_ratio = _paired(copy, get_v1, 2 * rounds)
+    _, _, put_pages_ratio = _paired(copy_pages, set_v1, 2 * rounds)
+    _, _, get_pages_ratio = _paired(copy_pages, get_v1, 2 * rounds)
+    assert torch.equal(raw[batch_bytes : 2 * batch_bytes], source), "MLA pages read back differ"
+    backend.close()
+    log(
+        f"  mla page_first_direct ({page_bytes / 2**20:.2f} MiB pages): set {put_ratio:.2f}, get {get_ratio:.2f} of copy_"
+    )
+    results = [
+        {
+            "layout": "mla page_first_direct",
+            "store": "memory",
+            "method": "kvstage",
+            "op": op,
+            "pages": num_pages,
+            "page_bytes": page_bytes,
+            "seconds": seconds,
+            "gbps": batch_bytes / seconds / 1e9,
+        }
+        for op, seconds in (("batch_set_v1", put), ("batch_get_v1", get))
+    ]
+    summary = {
+        f"memory {op} / copy_, mla page_first_direct": {
+            "value": round(ratio, 2),
+            "target": ">= 0.8",
+            "ok": ratio >= 0.8,
+        }
+        for op, ratio in (("set", put_ratio), ("get", get_ratio))
+    }
+    for op, ratio in (("set", put_pages_ratio), ("get", get_pages_ratio)):
+        summary[f"memory {op} / copy_ page by page, mla page_first_direct"] = {
+            "value": round(ratio, 2),
+            "target": ">= 0.8",
+            "ok": ratio >= 0.8,
+        }
+    return results, summary
+
+
+def _measure_hybrid_v2(rounds: int, log: Callable[[str], None]) -> list[dict]:
+    """sglang's hybrid ``batch_set_v2`` / ``batch_get_v2`` through ``KVStageStorage`` (a memory
+    store) for the Mamba and DSA pool sets of ``sglang_hybrid_rig`` (small pools: the figure is
+    a call's latency, KV pages and the pool's entries together, no baseline)."""
+    import torch.distributed as dist
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_hybrid_rig import Rig
+
+    # sglang's controller reads its place in the TP group and uses the default process group
+    get_parallel().override_permanently(
+        tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0
+    )
+    rendezvous = Path(tempfile.mkdtemp(prefix="kvstage-bench-gloo-"))
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous / 'rendezvous'}", rank=0, world_size=1)
+    results = []
+    for strategy in ("mamba", "dsa"):
+        rig = Rig(strategy, f"memory:{64 << 20}", seed=3)
+        try:
+            backend, size = rig.cc.storage_backend, rig.page_size
+            num_pages = 4 if strategy == "dsa" else 8
+            written, read = rig.kv.alloc(num_pages * size), rig.kv.alloc(num_pages * size)
+            mamba_slots = rig.mamba.alloc(2) if strategy == "mamba" else None
+
+            def extra(slot: int, keys: list[str]) -> PoolTransfer:
+                """The pool's transfer beside the KV pages: slot 0 written, slot 1 read."""
+                if mamba_slots is not None:  # the state under the run's last page
+                    transfer = mamba_slots[slot : slot + 1]
+                    return PoolTransfer(
+                        PoolName.MAMBA, transfer, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES
+                    )
+                return PoolTransfer(PoolName.INDEXER, written if slot == 0 else read, keys=keys)  # on the KV slots
+
+            round_keys = iter(range(10**6))
+
+            def set_v2():
+                base = next(round_keys)
+                set_v2.keys = [f"{strategy}{base:08x}{i:08x}" for i in range(num_pages)]
+                got = backend.batch_set_v2(
+                    [PoolTransfer(PoolName.KV, written, keys=set_v2.keys), extra(0, set_v2.keys)]
+                )
+                assert all(all(hits) for hits in got.values()) and len(got) == 2, got
+
+            def get_v2():
+                got = backend.batch_get_v2([PoolTransfer(PoolName.KV, read, keys=set_v2.keys), extra(1, set_v2.keys)])
+                assert all(all(hits) for hits in got.values()) and len(got) == 2, got
+
+            for op, call in (("batch_set_v2", set_v2), ("batch_get_v2", get_v2)):  # gets read the last set
+                seconds = _median_seconds(call, 2 * rounds)
+                results.append(
+                    {
+                        "layout": f"hybrid {strategy}",
+                        "store": "memory",
+                        "method": "kvstage",
+                        "op": op,
+                        "pages": num_pages,
+                        "seconds": seconds,
+                        "gbps": None,
+                        "us_per_call": seconds * 1e6,
+                    }
+                )
+                log(f"  hybrid {strategy} {op}: {seconds * 1e6:.0f} us a call of {num_pages} pages")
+        finally:
+            rig.stop()
+    dist.destroy_process_group()
+    shutil.rmtree(rendezvous, ignore_errors=True)
+    return results
 
 
 def run(quick: bool = False, log: Callable[[str], None] = print) -> dict:
@@ -330,8 +510,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_measure(args.quick, lambda line: print(line, file=sys.stderr), chosen)))
         return 0
     report = _measure(args.quick, print, chosen)
+    print(f"torch threads {report['torch_threads']}, load average {report['load_average']}")
     for row in report["results"]:
-        print(f"{row['layout']:>18} {row['store']:>6} {row['method']:>11} {row['op']:>12}  {row['gbps']:6.2f} GB/s")
+        speed = f"{row['gbps']:6.2f} GB/s" if row["gbps"] is not None else f"{row['us_per_call']:6.0f} us a call"
+        print(f"{row['layout']:>21} {row['store']:>6} {row['method']:>11} {row['op']:>12}  {speed}")
     for name, item in report["summary"].items():
         print(f"{name}: {item['value']} (target {item['target']}) {'PASS' if item['ok'] else 'MISS'}")
     return 0

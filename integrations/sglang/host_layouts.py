@@ -29,7 +29,7 @@ import torch
 from kvstage.errors import InvalidArgumentError
 from kvstage.kv_layout import KVLayout
 
-__all__ = ["MHA_LAYOUTS", "MLA_LAYOUTS", "host_kv_layout", "page_view", "flat_page_view"]
+__all__ = ["MHA_LAYOUTS", "MLA_LAYOUTS", "host_kv_layout", "page_view", "page_views", "flat_page_view"]
 
 # layout -> (the shape of one page as get_data_page(flat=False) gives it, from (L, ps, H, D);
 #            the permutation from that page to [L, kv_parts, ps, H, D])
@@ -100,6 +100,25 @@ def page_view(host_pool: Any, index: int) -> torch.Tensor:
     page_first_direct) they are one dimension, which lets torch copy the page in long runs."""
     view = _table(host_pool)[host_pool.layout][1](host_pool.get_data_page(index, flat=False))
     return view.view(view.shape[0], view.shape[1], -1) if _row_is_one_run(view) else view
+
+
+def page_views(host_pool: Any, starts: list[int]) -> list[torch.Tensor]:
+    """``[page_view(host_pool, start) for start in starts]``, in one torch call a page: a host
+    pool's pages are one view at a fixed storage step apart (sglang slices its buffer by page), so
+    the first and last pages' views give every other one by ``as_strided``; where they do not
+    agree on shape and strides, or the step is not whole, each page is viewed on its own."""
+    if len(starts) < 3 or getattr(host_pool, "dcp_size", 1) != 1:
+        return [page_view(host_pool, start) for start in starts]
+    page_size = host_pool.page_size
+    first, last = page_view(host_pool, starts[0]), page_view(host_pool, starts[-1])
+    pages_apart = (starts[-1] - starts[0]) // page_size
+    offset = first.storage_offset()
+    step, rest = divmod(last.storage_offset() - offset, pages_apart) if pages_apart else (0, 1)
+    if rest or first.shape != last.shape or first.stride() != last.stride():
+        return [page_view(host_pool, start) for start in starts]
+    shape, strides, base = first.shape, first.stride(), starts[0]
+    middle = [first.as_strided(shape, strides, offset + (start - base) // page_size * step) for start in starts[1:-1]]
+    return [first, *middle, last]
 
 
 def _row_is_one_run(view: torch.Tensor) -> bool:

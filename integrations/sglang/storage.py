@@ -45,7 +45,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.events import KVEventAnnouncer
-from kvstage.integrations.sglang.host_layouts import flat_page_view, host_kv_layout, page_view
+from kvstage.integrations.sglang.host_layouts import flat_page_view, host_kv_layout, page_views
 from kvstage.integrations.sglang.hybrid_pools import hybrid_layout
 from kvstage.integrations.sglang.hybrid_store import HybridStores
 from kvstage.integrations.sglang.key_space import ExtraConfig
@@ -351,7 +351,7 @@ class KVStageStorage(HiCacheStorage):
         prefix_keys = extra_info.prefix_keys if extra_info is not None else None
         prior = prefix_keys[-1] if prefix_keys else None
         started = time.perf_counter()
-        views = [page_view(self.mem_pool_host, start) for start in starts]
+        views = page_views(self.mem_pool_host, starts)
         results = self._write(store, keys, views, prior, announce=prefix_keys is not None)
         self._record("backup", sum(results), time.perf_counter() - started)
         return results
@@ -371,7 +371,7 @@ class KVStageStorage(HiCacheStorage):
         results: list[bool] = []
         for first in range(0, len(keys), CHUNK_PAGES):
             chunk = keys[first : first + CHUNK_PAGES]
-            views = [page_view(self.mem_pool_host, start) for start in starts[first : first + CHUNK_PAGES]]
+            views = page_views(self.mem_pool_host, starts[first : first + CHUNK_PAGES])
             results += self._get_into(store, chunk, views)
         self._record("prefetch", sum(results), time.perf_counter() - started)
         if self.announcer is not None and not all(results):  # a corrupt page the store dropped

@@ -143,6 +143,21 @@ def test_with_the_memory_store_each_page_moves_with_one_copy_between_host_pool_a
 
 
 @pytest.mark.parametrize("kind,layout", KINDS)
+def test_page_views_of_many_pages_are_each_pages_own_view(kind, layout):
+    """page_views (one as_strided a page between the first and last) gives, for pages in any
+    order, the same view as page_view of each: same memory, shape and strides."""
+    from kvstage.integrations.sglang import host_layouts
+
+    host = make_host(kind, layout)
+    pages = host.size // PAGE_SIZE
+    for starts in ([0, 3, 1, pages - 1, 2], [pages - 1, 0, 5, 4], [2, 2, 2]):
+        starts = [page * PAGE_SIZE for page in starts]
+        for got, start in zip(host_layouts.page_views(host, starts), starts, strict=True):
+            want = host_layouts.page_view(host, start)
+            assert (got.data_ptr(), got.shape, got.stride()) == (want.data_ptr(), want.shape, want.stride())
+
+
+@pytest.mark.parametrize("kind,layout", KINDS)
 def test_page_view_flattens_a_layer_row_exactly_when_torch_can_view_it_flat(kind, layout):
     from kvstage.integrations.sglang import host_layouts
 

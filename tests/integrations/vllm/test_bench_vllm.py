@@ -32,3 +32,9 @@ def test_the_quick_benchmark_reports_each_figure_beside_its_baseline():
     }
     assert all(result["seconds"] > 0 for result in report["results"])
     assert report["summary"]["lookup_us_per_request"]["target"] == "< 50"
+    for method in ("worker store", "worker load"):
+        # paired per round with copy_: the ratio is a positive number, judged against 0.8
+        item = report["summary"][f"{method} / copy_"]
+        assert item["value"] > 0 and item["target"] == ">= 0.8" and item["ok"] == (item["value"] >= 0.8)
+        (row,) = [result for result in report["results"] if result["method"] == method]
+        assert row["copy_ratio"] > 0
