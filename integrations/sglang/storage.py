@@ -50,6 +50,7 @@ from kvstage.integrations.sglang.hybrid_pools import hybrid_layout
 from kvstage.integrations.sglang.hybrid_store import HybridStores
 from kvstage.integrations.sglang.key_space import ExtraConfig
 from kvstage.integrations.sglang.pool_kinds import require_stored_host_pool, require_stored_v2_pool
+from kvstage.integrations.sglang.storage_options import pop_sliding_window, require_head_groups
 from kvstage.kv_layout import KVLayout
 from kvstage.model_layout import FullAttention, ModelLayout
 from kvstage.offload.store_io import leading_hits, write_pages
@@ -103,14 +104,7 @@ class KVStageStorage(HiCacheStorage):
                 "(its 'url'); pass it in the storage config: HiCacheStorageConfig(extra_config={...})"
             )
         extra = dict(storage_config.extra_config or {})
-        self.sliding_window = extra.pop("sliding_window", None)  # an swa pool's window (hybrid_pools.py)
-        if self.sliding_window is not None and (
-            not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window < 1
-        ):
-            raise InvalidArgumentError(
-                f"extra_config.sliding_window: must be a positive int (the model's window in tokens), "
-                f"got {self.sliding_window!r}"
-            )
+        self.sliding_window = pop_sliding_window(extra)  # an swa pool's window (hybrid_pools.py)
         self.config = ExtraConfig.parse(extra, storage_config.model_name)
         for name, value in (
             ("attn_cp_size", storage_config.attn_cp_size),
@@ -125,7 +119,7 @@ class KVStageStorage(HiCacheStorage):
         )
         self.head_groups: HeadGroups | None = None  # set at registration with tp_lcm_size
         if self.tp_lcm_size is not None:
-            _require_head_groups(storage_config, self.tp_lcm_size, self.config)
+            require_head_groups(storage_config, self.tp_lcm_size, self.config)
         self.storage_config = storage_config
         self.store: StorageBackend | None = None
         self.mem_pool_host: Any = None
@@ -597,24 +591,3 @@ class KVStageStorage(HiCacheStorage):
         with self._metrics_lock:
             getattr(self._metrics, f"{direction}_pgs").append(num_pages)
             getattr(self._metrics, f"{direction}_bandwidth").append(gigabytes / seconds if seconds > 0 else 0.0)
-
-
-def _require_head_groups(storage_config: HiCacheStorageConfig, tp_lcm_size: Any, config: ExtraConfig) -> None:
-    """Refuse a ``tp_lcm_size`` kvstage cannot split pages by, before anything is opened."""
-    argument = "storage_config.tp_lcm_size"
-    if not isinstance(tp_lcm_size, int) or isinstance(tp_lcm_size, bool) or tp_lcm_size < 1:
-        raise InvalidArgumentError(f"{argument}: must be a positive int, got {tp_lcm_size!r}")
-    if tp_lcm_size % storage_config.tp_size != 0:
-        raise InvalidArgumentError(
-            f"{argument}: {tp_lcm_size} must be a multiple of tp_size {storage_config.tp_size} "
-            "(a common multiple of every TP size sharing the store)"
-        )
-    if storage_config.is_mla_model:
-        raise InvalidArgumentError(
-            f"{argument}: an MLA latent has no KV heads to split and is the same on every TP rank "
-            "(its pages are shared by every TP size already); drop tp_lcm_size"
-        )
-    if config.kv_events_endpoint is not None:
-        raise InvalidArgumentError(
-            f"{argument}: KV events (extra_config.kv_events_endpoint) do not announce pages split by head groups yet"
-        )
