@@ -129,13 +129,25 @@ def _write_swa_prompt(rig: Rig, rows: list[torch.Tensor], key: RadixKey) -> None
     assert rig.cc.ack_backup_queue.get(timeout=TIMEOUT).completed_tokens == tokens
 
 
-def test_swa_decode_pages_continue_the_prefill_side_while_sglang_frees_the_window(tmp_path, one_rank):
+@pytest.mark.parametrize(
+    ("stride_pages", "window_held", "restorable_pages"),
+    [
+        (1, [True] * 7, [1, 2, 3, 4, 5, 6, 7]),  # each page's window stored as it ends
+        # a 3-page stride stores kvstage's ceil((W-1)/P) = 2 window pages before its end (4, 5),
+        # then the finish page 6. sglang's reader asks ceil(W/P) = 3 trailing pages, so the run
+        # end at 6 pages (window 3..5) is lost to it, one page short; 7 (4..6) is not
+        (3, [True, True, True, False, True, True, True], [1, 2, 3, 7]),
+    ],
+)
+def test_swa_decode_pages_continue_the_prefill_side_while_sglang_frees_the_window(
+    tmp_path, one_rank, stride_pages, window_held, restorable_pages
+):
     """gpt-oss / Gemma 3's SWAKVPool: sglang frees (and here refills) window slots behind the
-    sequence each step; every decode page's window entry is stored before that, so the next
-    turn restores at every page and prefetches both components byte for byte."""
+    sequence each step; each stride's window entries are stored before that, so the next turn
+    restores where those windows are held and prefetches both components byte for byte."""
     url = f"file:{tmp_path / 'store'}"
     page = PAGE_SIZE
-    with settings_installed(url, extra={"sliding_window": WINDOW}):
+    with settings_installed(url, stride=stride_pages * page, extra={"sliding_window": WINDOW}):
         side = DecodeSide("swa", one_rank, window=WINDOW)
         prompt = list(range(300, 300 + 3 * page + 2))  # three whole pages from the prefill side, 2 tokens more
         outputs = [1000 + i for i in range(4 * page)]
@@ -171,10 +183,10 @@ def test_swa_decode_pages_continue_the_prefill_side_while_sglang_frees_the_windo
         reader_stores = reader.cc.storage_backend._stores_v2().stores
         assert len(hashes) == 8  # the partial last page keyed too; never stored
         assert reader_stores["kv"].exists(hashes) == [True] * 7 + [False]
-        assert reader_stores["swa"].exists(hashes) == [True] * 7 + [False]
+        assert reader_stores["swa"].exists(hashes) == window_held + [False]
         restorable, completed, got = reader.prefetch(conversation)
         reader.stop()
-        assert restorable == list(range(1, 8)) and completed == whole
+        assert restorable == restorable_pages and completed == whole
         full, window = expected[: 2 * LAYERS], expected[2 * LAYERS :]
         assert torch.equal(got["kv"].view(torch.uint8), _canonical(full).view(torch.uint8))
         read = got["swa"].shape[2]  # sglang reads the window's trailing pages
