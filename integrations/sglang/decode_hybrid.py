@@ -20,7 +20,9 @@ positions), the window from ``extra_config.sliding_window``. A request's window 
 ``translate_loc_from_full_to_swa`` of its ``req_to_token`` row, read when a copy is launched: the
 core gathers only the window pages before a run's end (``swa_store_mask``), which sglang's decode
 eviction (``free_swa_out_of_window_slots``: it keeps ``ceil(W / page_size)`` pages behind the
-sequence, kvstage reads ``ceil((W - 1) / page_size)``) has not freed then.
+sequence, kvstage reads ``ceil((W - 1) / page_size)``) has not freed then. sglang's reader asks
+``ceil(W / page_size)`` trailing pages, so with a stride above one page a run-end resume can be
+one window page short for it (every page is stored at the default one-page stride).
 """
 
 from __future__ import annotations
