@@ -43,7 +43,7 @@ import torch
 from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
 from kvstage.integrations.sglang.bigram_requests import BigramRequest, PairUnitHasher
-from kvstage.integrations.sglang.decode_hybrid import dsa_pools
+from kvstage.integrations.sglang.decode_hybrid import dsa_pools, sliding_window_of, swa_pools
 from kvstage.integrations.sglang.draft_layers import DRAFT_PLAN_HOOK_TARGET, packed_drafts_of, record_packed_drafts
 from kvstage.integrations.sglang.key_space import ExtraConfig
 from kvstage.integrations.sglang.pool_kinds import decode_device_pool_kind, pool_kind, require_stored_device_pool
@@ -162,6 +162,7 @@ class KVStageDecodeOffloadManager:
 
     def __init__(self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, tp_group: Any, tree_cache: Any) -> None:
         page_size, stride, extra, served_model, hicache_size, hicache_ratio, bigram = _sglang_settings()
+        window = sliding_window_of(extra)  # an SWA pool's window, as KVStageStorage takes it out
         config = ExtraConfig.parse(extra, served_model)
         if bigram and config.kv_events_endpoint is not None:
             raise InvalidArgumentError(
@@ -170,15 +171,20 @@ class KVStageDecodeOffloadManager:
         self.bigram_keys = bigram
         kv_cache = token_to_kv_pool_allocator.get_kvcache()
         layout = components = None
-        if decode_device_pool_kind(kv_cache, "token_to_kv_pool_allocator") == "dsa":
+        kind = decode_device_pool_kind(kv_cache, "token_to_kv_pool_allocator")
+        if kind in ("dsa", "swa"):
             if bigram or packed_drafts_of(kv_cache):
                 raise InvalidArgumentError(
-                    "token_to_kv_pool_allocator: a DSA pool with EAGLE bigram keys or MTP draft pools is not "
-                    "supported by the decode drop-in yet"
+                    f"token_to_kv_pool_allocator: a {kind.upper()} pool with EAGLE bigram keys or MTP draft pools is "
+                    "not supported by the decode drop-in yet"
                 )
+        if kind == "dsa":
             dtype = config.kv_dtype(kv_cache.kv_buffer[0].dtype, "device pool")
             kv_pool, layout, extra_pools = dsa_pools(kv_cache, dtype)
             components = ComponentPools(layout, extra_pools)
+        elif kind == "swa":
+            kv_pool, layout, extra_pools, slots_of = swa_pools(kv_cache, config, window, self._slot_indices)
+            components = ComponentPools(layout, extra_pools, slots_of)
         else:
             wrap, parts = _pool_parts(kv_cache, packed_drafts_of(kv_cache))
             # fp8 held as uint8: the same bytes viewed as the fp8 kind, so the pool's layout is the

@@ -8,7 +8,8 @@ checks here are an allow-list of exact classes; anything else is refused, naming
 
 Device pools stored: ``MHATokenToKVPool``, ``MLATokenToKVPool``
 (``sglang.srt.mem_cache.memory_pool``); by the decode drop-in also ``DSATokenToKVPool``, as the
-prefill side's ``kv`` + ``indexer`` components (:func:`decode_device_pool_kind`). Host pools stored: ``MHATokenToKVPoolHost``,
+prefill side's ``kv`` + ``indexer`` components, and ``SWAKVPool``, as its ``kv`` + ``swa``
+components (:func:`decode_device_pool_kind`). Host pools stored: ``MHATokenToKVPoolHost``,
 ``MLATokenToKVPoolHost`` (``sglang.srt.mem_cache.pool_host``), registered as the controller's
 anchor pool (``register_mem_pool_host``) or as that same pool under the name ``"kv"``
 (``register_mem_host_pool_v2``). A hybrid model's other host pools (``register_mem_host_pool_v2``):
@@ -111,23 +112,27 @@ def require_stored_device_pool(kv_cache: Any, argument: str) -> bool:
 
 def decode_device_pool_kind(kv_cache: Any, argument: str) -> str:
     """The kind of sglang device pool ``kv_cache`` as the decode drop-in stores it: ``"mha"``,
-    ``"mla"`` or ``"dsa"`` (exactly ``DSATokenToKVPool``: the latent and the indexer's keys, as
-    :mod:`~kvstage.integrations.sglang.decode_hybrid` stores them).
+    ``"mla"``, ``"dsa"`` (exactly ``DSATokenToKVPool``: the latent and the indexer's keys) or
+    ``"swa"`` (exactly ``SWAKVPool``: full and sliding-window layers), as
+    :mod:`~kvstage.integrations.sglang.decode_hybrid` stores them.
 
     Raises:
-        InvalidArgumentError: any other class (SWA, Mamba, FP4 pools...; subclasses included);
+        InvalidArgumentError: any other class (Mamba, FP4 pools...; subclasses included);
             the message names ``argument``, the pool's kind and class.
     """
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     if type(kv_cache) is DSATokenToKVPool:
         return "dsa"
+    if type(kv_cache) is SWAKVPool:
+        return "swa"
     mha, mla = _device_classes()
     if type(kv_cache) in (mha, mla):
         return "mla" if type(kv_cache) is mla else "mha"
     raise InvalidArgumentError(
         f"{argument}: a {pool_kind(kv_cache)} device pool ({type(kv_cache).__name__}) is not one kvstage's decode "
-        "offload stores yet; it stores sglang's MHATokenToKVPool, MLATokenToKVPool and DSATokenToKVPool "
+        "offload stores yet; it stores sglang's MHATokenToKVPool, MLATokenToKVPool, DSATokenToKVPool and SWAKVPool "
         "(its extra data would be lost)"
     )
 

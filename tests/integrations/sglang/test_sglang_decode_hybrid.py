@@ -1,8 +1,10 @@
-"""KVStageDecodeOffloadManager over a hybrid device pool (DeepSeek V3.2's ``DSATokenToKVPool``):
-the prefill side (sglang's HybridCacheController with KVStageStorage) stores a prompt, the
-decode drop-in continues it with every component (the MLA latent and the indexer's keys) in
-the same key spaces, and a fresh HybridCacheController prefetches the whole conversation, each
-component byte for byte. Pool kinds not stored yet are refused naming their class."""
+"""KVStageDecodeOffloadManager over a hybrid device pool (DeepSeek V3.2's ``DSATokenToKVPool``,
+the sliding-window ``SWAKVPool`` of gpt-oss / Gemma 3): the prefill side (sglang's
+HybridCacheController with KVStageStorage) stores a prompt, the decode drop-in continues it with
+every component (the MLA latent and the indexer's keys; the full and the window layers, while
+sglang frees the window slots behind the sequence) in the same key spaces, and a fresh
+HybridCacheController prefetches the whole conversation, each component byte for byte. Pool
+kinds not stored yet are refused naming their class."""
 
 from __future__ import annotations
 
@@ -11,14 +13,14 @@ from array import array
 import pytest
 import torch
 import torch.distributed as dist
-from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from kvstage.errors import InvalidArgumentError
 
 from decode_rig import DecodeSide, put_kv_in_host, released, run_until_released, settings_installed
-from sglang_hybrid_rig import Rig
-from sglang_rig import DSA_PAGE_SIZE, PAGE_SIZE, watch_opened_stores
+from sglang_hybrid_rig import WINDOW, Rig
+from sglang_rig import DSA_PAGE_SIZE, LAYERS, PAGE_SIZE, watch_opened_stores
 
 TIMEOUT = 30
 
@@ -107,30 +109,125 @@ def test_dsa_decode_pages_continue_the_prefill_side_and_the_next_turn_prefetches
         assert torch.equal(got["indexer"], _index_pages(index_rows, page))
 
 
+def _canonical(rows: list[torch.Tensor]) -> torch.Tensor:
+    """MHA rows per buffer (K layers then V layers, ``[tokens, heads, dim]``) in a host pool's
+    canonical order ``[2, layers, tokens, heads, dim]``."""
+    return torch.stack(rows).unflatten(0, (2, len(rows) // 2))
+
+
+def _write_swa_prompt(rig: Rig, rows: list[torch.Tensor], key: RadixKey) -> None:
+    """The prefill side's write-through of ``key``'s whole pages: full and window layers into
+    their host pools, the KV pages and every window page (``TRAILING_PAGES``) stored."""
+    full, window = rows[: 2 * LAYERS], rows[2 * LAYERS :]
+    tokens = len(key.token_ids)
+    slots, swa_slots = rig.kv.alloc(tokens), rig.swa.alloc(tokens)
+    put_kv_in_host(rig.kv, full, slots)
+    put_kv_in_host(rig.swa, window, swa_slots)
+    hashes = rig.hashes(key)
+    extra = [PoolTransfer(PoolName.SWA, swa_slots, keys=hashes, hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    rig.cc.write_storage(slots, key.token_ids, hash_value=hashes, prefix_keys=[], extra_pools=extra)
+    assert rig.cc.ack_backup_queue.get(timeout=TIMEOUT).completed_tokens == tokens
+
+
+@pytest.mark.parametrize(
+    ("stride_pages", "window_held", "restorable_pages"),
+    [
+        (1, [True] * 7, [1, 2, 3, 4, 5, 6, 7]),  # each page's window stored as it ends
+        # a 3-page stride stores kvstage's ceil((W-1)/P) = 2 window pages before its end (4, 5),
+        # then the finish page 6. sglang's reader asks ceil(W/P) = 3 trailing pages, so the run
+        # end at 6 pages (window 3..5) is lost to it, one page short; 7 (4..6) is not
+        (3, [True, True, True, False, True, True, True], [1, 2, 3, 7]),
+    ],
+)
+def test_swa_decode_pages_continue_the_prefill_side_while_sglang_frees_the_window(
+    tmp_path, one_rank, stride_pages, window_held, restorable_pages
+):
+    """gpt-oss / Gemma 3's SWAKVPool: sglang frees (and here refills) window slots behind the
+    sequence each step; each stride's window entries are stored before that, so the next turn
+    restores where those windows are held and prefetches both components byte for byte."""
+    url = f"file:{tmp_path / 'store'}"
+    page = PAGE_SIZE
+    with settings_installed(url, stride=stride_pages * page, extra={"sliding_window": WINDOW}):
+        side = DecodeSide("swa", one_rank, window=WINDOW)
+        prompt = list(range(300, 300 + 3 * page + 2))  # three whole pages from the prefill side, 2 tokens more
+        outputs = [1000 + i for i in range(4 * page)]
+        req = side.admit("turn-1", prompt, max_tokens=len(outputs))
+
+        writer = Rig("swa", url)
+        prefill = writer.cc.storage_backend
+        prefill.on_host_pools_registered()
+        assert {n: s.fingerprint for n, s in side.manager.stores.items()} == {
+            n: s.fingerprint for n, s in prefill.hybrid.stores.items()
+        }
+        assert set(side.manager.stores) == {"kv", "swa"}
+        _write_swa_prompt(writer, side.kv_of(req, 3 * page), RadixKey(array("q", prompt[: 3 * page])))
+        writer.stop()
+
+        for token in outputs:
+            side.decode_step(req, token)
+            side.manager.check_offload_progress()
+        kv_length = len(prompt) + len(outputs) - 1  # the last sampled token has no KV
+        whole = kv_length // page * page
+        assert whole == 7 * page
+        assert side.freed_window_slots >= 3 * page  # sglang freed (and we refilled) the window's tail
+        expected = side.written_kv(req, whole)
+        run_until_released(side, [req])
+        assert released(req)
+        metrics = side.manager.manager.metrics
+        side.manager.release_host_resources()
+        assert metrics.pages_stored == 4  # the decode pages; the prompt's were the prefill side's
+
+        reader = Rig("swa", url)
+        conversation = RadixKey(array("q", prompt + outputs[:-1] + [7, 7]))
+        hashes = reader.hashes(conversation)
+        reader_stores = reader.cc.storage_backend._stores_v2().stores
+        assert len(hashes) == 8  # the partial last page keyed too; never stored
+        assert reader_stores["kv"].exists(hashes) == [True] * 7 + [False]
+        assert reader_stores["swa"].exists(hashes) == window_held + [False]
+        restorable, completed, got = reader.prefetch(conversation)
+        reader.stop()
+        assert restorable == restorable_pages and completed == whole
+        full, window = expected[: 2 * LAYERS], expected[2 * LAYERS :]
+        assert torch.equal(got["kv"].view(torch.uint8), _canonical(full).view(torch.uint8))
+        read = got["swa"].shape[2]  # sglang reads the window's trailing pages
+        assert read == 3 * page
+        assert torch.equal(got["swa"].view(torch.uint8), _canonical(window)[:, :, whole - read :].view(torch.uint8))
+
+
+def test_an_swa_pool_without_the_window_is_refused_before_any_store_opens(one_rank, monkeypatch):
+    opened, _ = watch_opened_stores(monkeypatch)
+    with settings_installed("memory"):
+        with pytest.raises(InvalidArgumentError, match=r"extra_config.sliding_window: required with an SWA device"):
+            DecodeSide("swa", one_rank)
+    assert opened == []
+
+
 def test_a_pool_kind_not_stored_yet_is_refused_at_start_naming_its_class(one_rank, monkeypatch):
-    """sglang's hybrid SWA device pool (SWAKVPool: a full and a sliding-window MHA pool) is
-    refused before any store opens."""
-    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+    """A hybrid linear-attention model's device pool (HybridLinearKVPool: full-attention layers
+    beside a Mamba state pool) is refused before any store opens."""
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
 
     import decode_rig
 
-    def swa_pool(size: int = 256):
-        return SWAKVPool(
+    def mamba_hybrid_pool(size: int = 256):
+        return HybridLinearKVPool(
             size=size,
-            size_swa=size // 2,
-            page_size=PAGE_SIZE,
             dtype=torch.bfloat16,
+            page_size=PAGE_SIZE,
             head_num=2,
             head_dim=8,
-            swa_attention_layer_ids=[1],
             full_attention_layer_ids=[0, 2],
             device="cpu",
+            mamba_pool=None,  # never read before the refusal
         )
 
     opened, _ = watch_opened_stores(monkeypatch)
-    monkeypatch.setattr(decode_rig, "mha_device_pool", swa_pool)
+    monkeypatch.setattr(decode_rig, "mha_device_pool", mamba_hybrid_pool)
     with settings_installed("memory"):
-        with pytest.raises(InvalidArgumentError, match=r"token_to_kv_pool_allocator: a SWA device pool \(SWAKVPool\)"):
+        with pytest.raises(
+            InvalidArgumentError,
+            match=r"token_to_kv_pool_allocator: a Mamba \(hybrid linear attention\) device pool \(HybridLinearKVPool\)",
+        ):
             DecodeSide("mha", one_rank)
     assert opened == []
 
