@@ -35,7 +35,7 @@ from kvstage.errors import InvalidArgumentError
 from kvstage.kernels import KVPool
 from kvstage.model_layout import FullAttention, ModelLayout, PageSidecar, SlidingWindow, TensorSpec
 
-__all__ = ["dsa_pools", "sliding_window_of", "swa_pools"]
+__all__ = ["dsa_pools", "swa_pools"]
 
 
 def dsa_pools(kv_cache: Any, kv_dtype: torch.dtype) -> tuple[KVPool, ModelLayout, dict[str, KVPool]]:
@@ -66,22 +66,6 @@ def dsa_pools(kv_cache: Any, kv_dtype: torch.dtype) -> tuple[KVPool, ModelLayout
     indexer = PageSidecar(kv.layers, (TensorSpec("index_k_scale", (row,), pages[0].dtype),), name="indexer")
     rows = KVPool.from_rows([page.view(-1, row) for page in pages])
     return kv_pool, ModelLayout(kv.num_layers, (kv, indexer)), {"indexer": rows}
-
-
-def sliding_window_of(extra: dict) -> int | None:
-    """Take ``sliding_window`` (the model's window in tokens) out of the storage extra config
-    ``extra`` (changed in place, as :class:`~kvstage.integrations.sglang.KVStageStorage` does
-    before :meth:`ExtraConfig.parse`); None when absent.
-
-    Raises:
-        InvalidArgumentError: not a positive int, naming ``extra_config.sliding_window``.
-    """
-    window = extra.pop("sliding_window", None)
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise InvalidArgumentError(
-            f"extra_config.sliding_window: must be a positive int (the model's window in tokens), got {window!r}"
-        )
-    return window
 
 
 def swa_pools(

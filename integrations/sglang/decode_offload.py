@@ -43,10 +43,11 @@ import torch
 from kvstage.errors import InvalidArgumentError
 from kvstage.hashing import PageHasher
 from kvstage.integrations.sglang.bigram_requests import BigramRequest, PairUnitHasher
-from kvstage.integrations.sglang.decode_hybrid import dsa_pools, sliding_window_of, swa_pools
+from kvstage.integrations.sglang.decode_hybrid import dsa_pools, swa_pools
 from kvstage.integrations.sglang.draft_layers import DRAFT_PLAN_HOOK_TARGET, packed_drafts_of, record_packed_drafts
 from kvstage.integrations.sglang.key_space import ExtraConfig
 from kvstage.integrations.sglang.pool_kinds import decode_device_pool_kind, pool_kind, require_stored_device_pool
+from kvstage.integrations.sglang.storage_options import pop_sliding_window
 from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, OffloadManager
 from kvstage.offload.components import ComponentPools
@@ -162,7 +163,7 @@ class KVStageDecodeOffloadManager:
 
     def __init__(self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, tp_group: Any, tree_cache: Any) -> None:
         page_size, stride, extra, served_model, hicache_size, hicache_ratio, bigram = _sglang_settings()
-        window = sliding_window_of(extra)  # an SWA pool's window, as KVStageStorage takes it out
+        window = pop_sliding_window(extra)  # an SWA pool's window, as KVStageStorage takes it out
         config = ExtraConfig.parse(extra, served_model)
         if bigram and config.kv_events_endpoint is not None:
             raise InvalidArgumentError(

@@ -1,5 +1,6 @@
-"""The options of KVStageStorage's storage config that its key space module does not parse:
-an SWA pool's window and sglang's ``tp_lcm_size`` (heads split across TP sizes)."""
+"""Storage-config options that the key space module does not parse: an SWA pool's window (taken
+out by KVStageStorage and the decode drop-in alike) and sglang's ``tp_lcm_size`` (heads split
+across TP sizes)."""
 
 from __future__ import annotations
 
