@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
@@ -310,3 +312,20 @@ def hicache_controller(device_pool, pool, url: str, *, cls=None, page_size: int 
         model_name="org/tiny-model",
         storage_backend_extra_config=extra_config(url, **(extra or {})),
     )
+
+
+@contextlib.contextmanager
+def one_rank_gloo_world(directory):
+    """A one-process gloo world (a file rendezvous in ``directory``: no socket), this rank's
+    place in it stated to sglang; yields the world group and destroys it after."""
+    import torch.distributed as dist
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel().override_permanently(
+        tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0
+    )
+    dist.init_process_group("gloo", init_method=f"file://{directory / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -8,13 +8,11 @@ from __future__ import annotations
 from array import array
 
 import pytest
-import torch.distributed as dist
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang.srt.runtime_context import get_parallel
 
 from kvstage.hashing import PageHasher
 from kvstage.integrations.sglang import KVStageStorage
@@ -31,6 +29,7 @@ from sglang_rig import (
     host_pool,
     mha_device_pool,
     mla_device_pool,
+    one_rank_gloo_world,
     prefetch,
     random_canonical,
     same_bytes,
@@ -47,13 +46,8 @@ TIMEOUT = 30
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_world(tmp_path_factory):
     """A one-process gloo world (a file rendezvous: no socket) and this rank's place in it."""
-    get_parallel().override_permanently(
-        tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0
-    )
-    init = tmp_path_factory.mktemp("gloo") / "rendezvous"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with one_rank_gloo_world(tmp_path_factory.mktemp("gloo")) as world:
+        yield world
 
 
 def controller(kind: str, layout: str, url: str, hybrid: bool):

@@ -9,14 +9,13 @@ from __future__ import annotations
 from array import array
 
 import pytest
-import torch.distributed as dist
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang.srt.runtime_context import get_parallel
 
 from kvstage.storage.mooncake.store import INSTALL_HINT, master_binary, mooncake_available
 
 from mooncake_master import LocalMooncakeMaster
 from sglang_hybrid_rig import STRATEGIES, Rig, assert_same_pools
+from sglang_rig import one_rank_gloo_world
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +28,8 @@ def master(tmp_path_factory):
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_world(tmp_path_factory):
-    get_parallel().override_permanently(
-        tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0
-    )
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path_factory.mktemp('gloo') / 'rendezvous'}", rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
+    with one_rank_gloo_world(tmp_path_factory.mktemp("gloo")) as world:
+        yield world
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -12,12 +12,10 @@ from array import array
 
 import pytest
 import torch
-import torch.distributed as dist
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang.srt.runtime_context import get_parallel
 
 from kvstage.errors import InvalidArgumentError
 
@@ -30,6 +28,7 @@ from sglang_rig import (
     hicache_controller,
     host_pool,
     mha_device_pool,
+    one_rank_gloo_world,
     same_bytes,
     token_slots,
     watch_opened_stores,
@@ -38,13 +37,8 @@ from sglang_rig import (
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_world(tmp_path_factory):
-    get_parallel().override_permanently(
-        tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0
-    )
-    init = tmp_path_factory.mktemp("gloo") / "rendezvous"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with one_rank_gloo_world(tmp_path_factory.mktemp("gloo")) as world:
+        yield world
 
 
 # sglang_rig's canonical views of page_first_direct assume its 4-token pages, not DSA's 64

@@ -11,7 +11,6 @@ from array import array
 
 import msgspec
 import pytest
-import torch.distributed as dist
 import zmq
 from sglang.srt.disaggregation.kv_events import AllBlocksCleared as SglAllBlocksCleared
 from sglang.srt.disaggregation.kv_events import BlockRemoved as SglBlockRemoved
@@ -20,7 +19,6 @@ from sglang.srt.disaggregation.kv_events import KVEventBatch as SglKVEventBatch
 from sglang.srt.disaggregation.kv_events import StorageMedium
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_storage_hash_str, hash_str_to_int64
-from sglang.srt.runtime_context import get_parallel
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.events import SGLANG_FORMAT, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, sglang_block_hash
@@ -28,20 +26,23 @@ from kvstage.events.sglang_format import encode_sglang_batch
 from kvstage.integrations.sglang import KVStageStorage
 
 from decode_rig import DecodeSide, run_until_released, settings_installed
-from sglang_rig import PAGE_SIZE, hicache_controller, host_pool, mha_device_pool, random_canonical, set_host
+from sglang_rig import (
+    PAGE_SIZE,
+    hicache_controller,
+    host_pool,
+    mha_device_pool,
+    one_rank_gloo_world,
+    random_canonical,
+    set_host,
+)
 
 DECODE = msgspec.msgpack.Decoder(SglKVEventBatch)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_world(tmp_path_factory):
-    get_parallel().override_permanently(
-        tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0
-    )
-    init = tmp_path_factory.mktemp("gloo") / "rendezvous"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+    with one_rank_gloo_world(tmp_path_factory.mktemp("gloo")) as world:
+        yield world
 
 
 class Sub:

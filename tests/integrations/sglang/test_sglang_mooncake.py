@@ -7,9 +7,7 @@ from __future__ import annotations
 from array import array
 
 import pytest
-import torch.distributed as dist
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang.srt.runtime_context import get_parallel
 
 from kvstage.storage.mooncake.store import INSTALL_HINT, master_binary, mooncake_available
 
@@ -21,6 +19,7 @@ from sglang_rig import (
     host_pool,
     mha_device_pool,
     mla_device_pool,
+    one_rank_gloo_world,
     random_canonical,
     same_bytes,
     set_host,
@@ -39,14 +38,8 @@ def master(tmp_path_factory):
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_world(tmp_path_factory):
-    get_parallel().override_permanently(
-        tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0
-    )
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path_factory.mktemp('gloo') / 'rendezvous'}", rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
+    with one_rank_gloo_world(tmp_path_factory.mktemp("gloo")) as world:
+        yield world
 
 
 def controller(device, layout: str, url: str):

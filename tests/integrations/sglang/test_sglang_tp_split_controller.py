@@ -11,7 +11,6 @@ import pytest
 import torch.distributed as dist
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_storage_hash_str
-from sglang.srt.runtime_context import get_parallel
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.storage.mooncake.store import INSTALL_HINT, master_binary, mooncake_available
@@ -23,6 +22,7 @@ from sglang_rig import (
     canonical_of,
     hicache_controller,
     mha_device_pool,
+    one_rank_gloo_world,
     page_tokens,
     prefetch,
     same_bytes,
@@ -36,13 +36,8 @@ TIMEOUT = 60
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_world(tmp_path_factory):
-    get_parallel().override_permanently(
-        tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, attn_cp_rank=0, attn_dcp_rank=0
-    )
-    init = tmp_path_factory.mktemp("gloo") / "rendezvous"
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with one_rank_gloo_world(tmp_path_factory.mktemp("gloo")) as world:
+        yield world
 
 
 @pytest.fixture(scope="module")
