@@ -155,6 +155,9 @@ def _time_writes(store, page, plan, announcer) -> dict[str, float]:
 
 
 def cost_per_page(quick: bool, log: Callable[[str], None]) -> list[dict]:
+    """Publishing cost per stored page, in us: per write size, the publisher's own CPU (the writer
+    thread's time in the announcer plus the sender thread's CPU) and the whole writer's CPU paired
+    per round with the put alone; medians over the rounds (5 with ``quick``, else 21)."""
     from kvstage.events import KVEventAnnouncer, KVEventPublisher
 
     rounds = 5 if quick else 21
@@ -213,6 +216,8 @@ def cost_per_page(quick: bool, log: Callable[[str], None]) -> list[dict]:
 
 
 def events_per_second(quick: bool, log: Callable[[str], None]) -> list[dict]:
+    """Events (and pages) one publisher sends per second, per event size and ``max_batch``, over
+    ``calls`` publish calls (20,000 with ``quick``, else 100,000)."""
     from kvstage.events import BlockStored, KVEventPublisher
 
     calls = 20000 if quick else 100000

@@ -75,9 +75,11 @@ class EvictionLog:
         os.write(self._fd, f"\n{START}\n".encode())  # ends a line a killed predecessor left cut short
 
     def evicted(self, keys: list[str]) -> None:
+        """Log ``keys`` (page keys) as evicted by the store."""
         os.write(self._fd, "".join(f"{key}\n" for key in keys).encode())
 
     def put(self, key: str, done: bool) -> None:
+        """Log the put of ``key`` begun (``done`` False) or ended."""
         os.write(self._fd, f"{'-' if done else '+'}{key}\n".encode())
 
 

@@ -60,6 +60,8 @@ class PoolEvictions:
 
     @classmethod
     def of(cls, store) -> "PoolEvictions | None":
+        """The evictions of ``store`` when it is a Mooncake store with a watcher (``watch=``),
+        else None."""
         from kvstage.storage import MooncakeStore
 
         if not isinstance(store, MooncakeStore) or store.config.watch_s is None:
