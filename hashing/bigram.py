@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvstage.hashing.chain import _check_page_size, _keys, _prior_bytes
+from kvstage.hashing.chain import PageHasher, _check_page_size, _keys, _prior_bytes
 from kvstage.hashing.namespace import namespace_seed_bytes
-from kvstage.hashing.schemes import DEFAULT_SCHEME, get_scheme
 from kvstage.hashing.tokens import TOKEN_BYTES, token_ids
 
 
@@ -59,9 +58,10 @@ def pair_ids(tokens, page_size: int) -> np.ndarray:
     return pairs
 
 
-class BigramPageHasher:
+class BigramPageHasher(PageHasher):
     """EAGLE bigram page keys for one (scheme, page size), with :class:`~kvstage.hashing.PageHasher`'s
-    methods; ``tokens`` are raw token ids and a page reads one id past its end.
+    methods (its scheme, seed and key length are the plain ones); ``tokens`` are raw token ids
+    and a page reads one id past its end, ``page_size`` counts bigrams.
 
     Args:
         scheme: ``"sglang-v1"`` (default; equals sglang's EAGLE keys) or ``"xxh3-128"``.
@@ -72,30 +72,6 @@ class BigramPageHasher:
     """
 
     bigram = True
-
-    def __init__(self, scheme: str = DEFAULT_SCHEME, page_size: int = 64) -> None:
-        self._scheme = get_scheme(scheme)
-        self._page_size = _check_page_size(page_size)
-
-    @property
-    def scheme(self) -> str:
-        """The scheme's name."""
-        return self._scheme.name
-
-    @property
-    def page_size(self) -> int:
-        """Bigrams per page."""
-        return self._page_size
-
-    @property
-    def key_length(self) -> int:
-        """Hex characters in a key."""
-        return self._scheme.key_length
-
-    def seed(self, extra_key: str | None = None, cache_salt: str | None = None) -> str | None:
-        """The namespace seed (hex) of ``(extra_key, cache_salt)``; None when both are None."""
-        seed = namespace_seed_bytes(extra_key, cache_salt, self._scheme)
-        return seed.hex() if seed else None
 
     def prefill_keys(self, tokens, extra_key: str | None = None, cache_salt: str | None = None) -> list[str]:
         """The keys of the full bigram pages of ``tokens`` (from position 0) from the namespace
