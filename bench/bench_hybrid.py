@@ -40,7 +40,7 @@ pages (the lookup never touches page bytes).
 
 Targets (issue 27): ``copy / store`` and ``copy / load`` >= 0.8; lookup < 50 us a request.
 
-Usage: python bench/bench_hybrid.py [--quick] [--json PATH]
+Usage: python bench/bench_hybrid.py [--quick] [--lookup-only] [--json PATH]
 """
 
 from __future__ import annotations
@@ -379,12 +379,13 @@ def measure_lookup(name: str, layout: ModelLayout, num_keys: int, num_requests: 
     }
 
 
-def run(quick: bool = False) -> dict:
-    """Both measurements for both layouts; the report ``python -m bench`` writes."""
+def run(quick: bool = False, lookup_only: bool = False) -> dict:
+    """Both measurements for both layouts; the report ``python -m bench`` writes; ``lookup_only``:
+    the lookup alone (no store or load rounds)."""
     load_at_start = [round(x, 2) for x in os.getloadavg()]
     layouts = {"qwen3-next": qwen3_next(quick), "gpt-oss": gpt_oss(quick)}
     num_pages, rounds = (8, 3) if quick else (32, 31)
-    paths = [measure_paths(name, layout, num_pages, rounds) for name, layout in layouts.items()]
+    paths = [] if lookup_only else [measure_paths(name, layout, num_pages, rounds) for name, layout in layouts.items()]
     num_keys, requests = (3_200, 200) if quick else (LOOKUP_KEYS, 4_000)
     lookups = [measure_lookup(name, layout, num_keys, requests) for name, layout in layouts.items()]
     summary = {}
@@ -448,9 +449,10 @@ def print_report(report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small layouts, few rounds, fewer keys (a smoke run)")
+    parser.add_argument("--lookup-only", action="store_true", help="only the lookup (no store or load rounds)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON to PATH")
     args = parser.parse_args(argv)
-    report = run(quick=args.quick)
+    report = run(quick=args.quick, lookup_only=args.lookup_only)
     print_report(report)
     write_report(report, args.json)
     return 0

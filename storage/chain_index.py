@@ -46,6 +46,9 @@ class ChainIndex(Generic[K, V]):
 
     def __init__(self) -> None:
         self._entries: dict[K, _Entry[K, V]] = {}
+        # The same keys as a set, for holds(): a set probe reads its table slot and the key, a
+        # dict's its index, entry and key: one cache miss fewer a key in a large cold index.
+        self._keys: set[K] = set()
         # predecessor key -> stored keys that follow it; kept while the predecessor is absent,
         # so a page written again (e.g. after a corrupt copy was dropped) knows its successors.
         self._successors: dict[K, set[K]] = {}
@@ -62,7 +65,7 @@ class ChainIndex(Generic[K, V]):
     def holds(self, keys: Iterable[K]) -> list[bool]:
         """Whether each of ``keys`` is stored, in order (one dict membership test a key, no
         Python call per key: a lookup's hot path)."""
-        return list(map(self._entries.__contains__, keys))
+        return list(map(self._keys.__contains__, keys))
 
     def keys(self) -> list[K]:
         """The stored keys (a copy), in no particular order."""
@@ -93,6 +96,7 @@ class ChainIndex(Generic[K, V]):
         else:
             self._clock = max(self._clock, tick)
         self._entries[key] = _Entry(value, prior, tick)
+        self._keys.add(key)
         if prior is not None:
             self._successors.setdefault(prior, set()).add(key)
         if not self._successors.get(key):
@@ -120,6 +124,7 @@ class ChainIndex(Generic[K, V]):
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
+        self._keys.discard(key)
         prior = entry.prior
         if prior is not None:
             siblings = self._successors[prior]
