@@ -50,7 +50,10 @@ is announced once per client. The client remembers the keys it stored, at most
 ``KNOWN_KEYS_LIMIT`` (the oldest are forgotten first; their eviction then goes unreported).
 
 Configuration: :mod:`kvstage.storage.mooncake.config`; return codes:
-:mod:`kvstage.storage.mooncake.status`.
+:mod:`kvstage.storage.mooncake.status`; clear, remove and the watcher:
+:mod:`kvstage.storage.mooncake.key_space`; the batch calls and their codes:
+:mod:`kvstage.storage.mooncake.calls`; finding the installed Mooncake:
+:mod:`kvstage.storage.mooncake.install`.
 
 The ``mooncake`` package is imported lazily, when a store is built, so kvstage imports without it.
 Install: ``bash tools/install-mooncake.sh .venv`` (Debian's libibverbs1, librdmacm1, libnuma1 and
@@ -60,116 +63,41 @@ Install: ``bash tools/install-mooncake.sh .venv`` (Debian's libibverbs1, librdma
 from __future__ import annotations
 
 import bisect
-import importlib.util
 import logging
 import os
-import socket
 import threading
-import time
-from collections import Counter
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import torch
 
-from kvstage.errors import BackendUnavailableError, InvalidArgumentError, StorageError
+from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.storage.backend import PutStatus, PutStatuses, StorageBackend
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint
-from kvstage.storage.mooncake.admin import PeriodicThread, list_keys
+from kvstage.storage.mooncake.admin import PeriodicThread
+from kvstage.storage.mooncake.calls import CallsMixin, batches
 from kvstage.storage.mooncake.config import MooncakeConfig, parse_mooncake_url, split_host_port
 from kvstage.storage.mooncake.gate import BufferPool, ClearGate
-from kvstage.storage.mooncake.removal import remove_named
+from kvstage.storage.mooncake.install import INSTALL_HINT, import_store_class, master_binary, mooncake_available, probe
+from kvstage.storage.mooncake.key_space import KeySpaceMixin
 from kvstage.storage.mooncake.status import (
-    MASTER_DOWN_CODES,
-    OBJECT_ALREADY_EXISTS,
     OBJECT_NOT_FOUND,
     MooncakeCodeError,
     describe_code,
 )
 
+# The names the rest of kvstage and the tests import from here (install's are re-exported).
+__all__ = ["INSTALL_HINT", "MooncakeStore", "master_binary", "mooncake_available", "open_mooncake_store"]
+
 logger = logging.getLogger(__name__)
 
-KNOWN_KEYS_LIMIT = 1 << 20  # keys this client stored and remembers, for its evicted/removed events
 # Bounce buffers a store makes at most (each bounce_bytes, registered once, kept until close):
 # one per call bouncing at once; sglang and the offload manager run two (backup and prefetch).
 BOUNCE_BUFFERS_LIMIT = 4
-_REGEX_SYNTAX = frozenset("\\^$.|?*+()[]{}")  # ECMAScript's syntax characters (std::regex's default)
 
 
-def _regex_literal(text: str) -> str:
-    """``text`` as a literal in an ECMAScript regular expression (Mooncake's ``std::regex``):
-    only syntax characters escaped (escaping others is an error in some ``std::regex``s)."""
-    return "".join("\\" + c if c in _REGEX_SYNTAX else c for c in text)
-
-
-INSTALL_HINT = (
-    "install it with `bash tools/install-mooncake.sh .venv` (Debian packages libibverbs1 librdmacm1 "
-    "libnuma1, then `pip install mooncake-transfer-engine-non-cuda`, or `pip install '.[mooncake]'` in the kvstage checkout)"
-)
-
-
-def _import_mooncake_store() -> Any:
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as error:
-        text = str(error)
-        if ".so" in text:  # the wheel is there but a Debian library is not
-            raise BackendUnavailableError(
-                f"mooncake: the Mooncake wheel is installed but cannot load ({text}); {INSTALL_HINT}"
-            ) from error
-        raise BackendUnavailableError(
-            f"mooncake: the optional Mooncake store is not installed; {INSTALL_HINT}"
-        ) from error
-    return MooncakeDistributedStore
-
-
-def mooncake_available() -> bool:
-    """Whether ``mooncake.store`` imports here (the wheel and its Debian libraries are present)."""
-    try:
-        _import_mooncake_store()
-    except BackendUnavailableError:
-        return False
-    return True
-
-
-def master_binary() -> Path | None:
-    """Path of the executable ``mooncake_master`` inside the installed ``mooncake`` package, or None.
-
-    Found without importing ``mooncake`` (so without loading its native libraries).
-    """
-    try:
-        spec = importlib.util.find_spec("mooncake")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        candidate = Path(folder) / "mooncake_master"
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return candidate
-    return None
-
-
-def _probe(host: str, port: int, timeout: float, what: str) -> str:
-    """Connect to host:port and return the local address of the connection.
-
-    Raises:
-        StorageError: nothing answers within ``timeout`` seconds.
-    """
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as connection:
-            return connection.getsockname()[0]
-    except OSError as error:
-        raise StorageError(
-            f"mooncake: {what} at {host}:{port} is unreachable ({error.__class__.__name__}: {error}); "
-            f"start mooncake_master (e.g. `mooncake_master -port={port} -enable_http_metadata_server=true`) "
-            "or fix the address"
-        ) from None
-
-
-class MooncakeStore(StorageBackend):
+class MooncakeStore(KeySpaceMixin, CallsMixin, StorageBackend):
     """Pages in the Mooncake distributed store.
 
     Args:
@@ -235,14 +163,14 @@ class MooncakeStore(StorageBackend):
         self._watch_failing = False  # the watcher's last listing failed (logged once)
         self._watcher: PeriodicThread | None = None
 
-        store_class = _import_mooncake_store()
+        store_class = import_store_class()
         host, port = split_host_port(config.master_server_address, "master_server_address")
         self._master_host_port = (host, port)
-        local_address = _probe(host, port, config.connect_timeout_s, "mooncake_master")
+        local_address = probe(host, port, config.connect_timeout_s, "mooncake_master")
         if config.metadata_server.startswith(("http://", "https://")):
             meta = urlsplit(config.metadata_server)
             default_port = 443 if meta.scheme == "https" else 80
-            _probe(meta.hostname or "", meta.port or default_port, config.connect_timeout_s, "the HTTP metadata server")
+            probe(meta.hostname or "", meta.port or default_port, config.connect_timeout_s, "the HTTP metadata server")
         self.local_hostname = config.local_hostname or local_address
         if config.rpc_timeout_ms is not None:
             os.environ["MC_RPC_TIMEOUT_MS"] = str(config.rpc_timeout_ms)
@@ -457,7 +385,7 @@ class MooncakeStore(StorageBackend):
         the failed codes."""
         failures: list[int] = []
         with self._bounces.lend() as buffer:
-            for batch in _batches(bounced, self._bounce_num_pages):
+            for batch in batches(bounced, self._bounce_num_pages):
                 if buffer is None:
                     failures += [-1] * len(batch)  # statuses stay FAILED
                     continue
@@ -519,7 +447,7 @@ class MooncakeStore(StorageBackend):
         """Get the pages ``bounced`` through a bounce buffer lent to this call; the failed codes."""
         failures: list[int] = []
         with self._bounces.lend() as buffer:
-            for batch in _batches(bounced, self._bounce_num_pages):
+            for batch in batches(bounced, self._bounce_num_pages):
                 if buffer is None:
                     failures += [-1] * len(batch)  # misses
                     continue
@@ -541,110 +469,6 @@ class MooncakeStore(StorageBackend):
                     self._note_gone([full_keys[i] for i, code in zip(batch, codes) if code == OBJECT_NOT_FOUND])
                     self.pages_bounced += len(batch)
         return failures
-
-    def _clear(self) -> int:
-        """Remove every object under this store's prefix.
-
-        With ``admin_address``: the keys listed on the master's admin server (and those this
-        client stored) are removed by name (``batch_remove``, forced), so each removed page is
-        announced, whoever stored it; a page another client puts after the listing lands after
-        the clear. Without one, or when the listing fails: ``remove_by_regex`` on the prefix
-        (forced), announcing only this client's pages. Forced: an object read within its lease
-        is removed too.
-
-        Holds the store alone (its gate): puts, gets and lookups in flight finish first, and
-        those that arrive wait until it is done.
-
-        Raises:
-            StorageError: the store is closed, or Mooncake answered an error (nothing is
-                known removed then; this client's pages are still reported as before).
-        """
-        with self._gate.exclusive():
-            store = self._require_open()
-            listed = self._list_key_space() if self.config.admin_address else None
-            with self._lock:
-                known = list(self._known)
-            present = self._call("batch_is_exist", len(known), store.batch_is_exist, known) if known else []
-            if listed is None:
-                removed = self._remove_by_regex(store)
-                with self._lock:
-                    self._known.clear()
-                    self._seen.clear()  # all gone: the watcher must not announce them again
-                    self._record("evicted", [key for key, code in zip(known, present) if code == 0])
-                    self._record("removed", [key for key, code in zip(known, present) if code == 1])
-                return removed
-            names = list(dict.fromkeys(listed + [key for key, code in zip(known, present) if code == 1]))
-            codes = self._call("batch_remove", len(names), store.batch_remove, names, True) if names else []
-            if codes and all(code in MASTER_DOWN_CODES for code in codes):
-                raise MooncakeCodeError("batch_remove", codes[0])
-            gone = [key for key, code in zip(known, present) if code == 0]
-            gone += [key for key, code in zip(names, codes) if code == OBJECT_NOT_FOUND]  # evicted meanwhile
-            failed = [code for code in codes if code not in (0, OBJECT_NOT_FOUND)]
-            swept = self._remove_by_regex(store) if failed else 0  # what batch_remove left, unnamed
-            named = [key for key, code in zip(names, codes) if code == 0]
-            with self._lock:
-                for key in named:
-                    self._known.pop(key, None)
-                    self._seen.discard(key)
-                self._note_gone(gone)
-                self._record("removed", named)
-        if failed:
-            self._log_failures("clear's batch_remove", names, failed)
-            logger.warning("mooncake: clear swept %d more pages by regex, unnamed in its events", swept)
-        return len(named) + swept
-
-    def _remove(self, full_keys: list[str]) -> int:
-        return remove_named(self, full_keys)  # only the keys named: the master keeps no chains
-
-    def _remove_by_regex(self, store: Any) -> int:
-        """``remove_by_regex`` (forced) of every key under this store's prefix; how many went.
-
-        Raises:
-            StorageError: the binding raised, or Mooncake answered an error code.
-        """
-        try:
-            removed = store.remove_by_regex("^" + _regex_literal(self.prefix), True)
-        except Exception as error:  # the binding raises on a broken client
-            raise StorageError(f"mooncake: remove_by_regex raised {error.__class__.__name__}: {error}") from error
-        if removed < 0:
-            raise MooncakeCodeError("remove_by_regex", removed)
-        return removed
-
-    def _list_key_space(self) -> list[str] | None:
-        """Full keys of this key space on the master's admin server, for ``clear``; None
-        (logged) when it does not answer. Not under ``self._lock``."""
-        try:
-            return list_keys(self.config.admin_address, self.prefix)
-        except StorageError as error:
-            logger.warning("mooncake: clear: %s; announcing only this client's pages", error)
-            return None
-
-    def _watch_once(self) -> None:
-        """One watcher round: list the key space and announce as ``evicted`` the keys of the
-        last listing that are gone. Holds the gate shared, so no ``clear`` of this client
-        runs between the listing and the comparison."""
-        with self._gate.shared():
-            if self._store is None:
-                return
-            try:
-                listed = list_keys(self.config.admin_address, self.prefix)
-            except StorageError as error:
-                if not self._watch_failing:  # once per outage, not once per round
-                    logger.warning("mooncake: watch: %s; evictions are announced once it answers again", error)
-                self._watch_failing = True
-                return
-            if self._watch_failing:
-                logger.info("mooncake: watch: the admin server %s answers again", self.config.admin_address)
-                self._watch_failing = False
-            now = set(listed)
-            with self._lock:
-                gone = sorted(self._seen - now)
-                self._seen = now
-                for key in gone:
-                    self._known.pop(key, None)  # announced here: not again when this client asks
-                self._record("evicted", gone)
-                self.watch_rounds += 1
-        self._tell_changes()  # the evictions it noticed, to the change listeners (off the store's locks)
 
     def close(self) -> None:
         """Unregister every buffer this store registered (the bounce buffers too) and close
@@ -669,116 +493,6 @@ class MooncakeStore(StorageBackend):
             rc = store.close()
             if rc != 0:
                 logger.warning("mooncake: close failed with %s", describe_code(rc))
-
-    # -- helpers ------------------------------------------------------------------------------
-
-    def _remember(self, full_keys: list[str]) -> None:
-        """Remember keys this client stored (for their evicted/removed events), at most
-        KNOWN_KEYS_LIMIT, forgetting the oldest first. Under ``self._lock``."""
-        known = self._known
-        for key in full_keys:
-            known[key] = None
-        while len(known) > KNOWN_KEYS_LIMIT:
-            del known[next(iter(known))]
-
-    def _note_gone(self, full_keys: list[str]) -> None:
-        """Keys Mooncake answered absent: those this client stored or its watcher saw listed
-        were evicted by the master (an ``evicted`` event each, once). Under ``self._lock``."""
-        gone = []
-        for key in full_keys:
-            stored = self._known.pop(key, 0) is None
-            if stored or key in self._seen:
-                self._seen.discard(key)  # announced here: not again by the watcher
-                gone.append(key)
-        self._record("evicted", gone)
-
-    def _call(
-        self, name: str, count: int, function: Any, *args: Any, errors: list[BaseException] | None = None
-    ) -> list[int]:
-        """Run a batch call (not under ``self._lock``); an exception or a malformed answer
-        becomes INTERNAL_ERROR for every key (the exception is appended to ``errors``, the
-        calling put's, for its answer)."""
-        try:
-            codes = list(function(*args))
-        except Exception as error:  # the binding raises on bad arguments or a broken client
-            logger.warning("mooncake: %s raised %s: %s", name, error.__class__.__name__, error)
-            if errors is not None:
-                errors.append(error)
-            return [-1] * count
-        if len(codes) != count or not all(isinstance(code, int) for code in codes):
-            logger.warning("mooncake: %s answered %d codes for %d keys", name, len(codes), count)
-            return [-1] * count
-        return codes
-
-    def _note_master(self, codes: list[int]) -> bool:
-        """Track whether the master answers; True when every code says it did not. Under ``self._lock``."""
-        down = bool(codes) and all(code in MASTER_DOWN_CODES for code in codes)
-        if down:
-            self._master_suspect = True
-        elif any(code not in MASTER_DOWN_CODES for code in codes):
-            self._master_suspect = False
-        return down
-
-    def _master_reachable(self, operation: str, count: int) -> bool:
-        """False (and the operation fails without calling Mooncake) when the master is suspect
-        and its port refuses a connection. The probe runs outside ``self._lock``."""
-        with self._lock:
-            suspect = self._master_suspect
-        if not suspect:
-            return True
-        try:
-            socket.create_connection(self._master_host_port, timeout=min(self.config.connect_timeout_s, 0.5)).close()
-            return True
-        except OSError as error:
-            with self._lock:
-                self.calls_skipped += 1
-                now = time.monotonic()
-                log = now - self._last_skip_log > 5.0  # one line per 5 s, not one per call
-                if log:
-                    self._last_skip_log = now
-            if log:
-                logger.warning(
-                    "mooncake: master %s:%d unreachable (%s); %s of %d pages fails without calling Mooncake",
-                    *self._master_host_port,
-                    error.__class__.__name__,
-                    operation,
-                    count,
-                )
-            return False
-
-    def _apply_put_codes(self, indices: list[int], codes: list[int], statuses: list[PutStatus]) -> list[int]:
-        failures = []
-        for index, code in zip(indices, codes):
-            if code == 0:
-                statuses[index] = PutStatus.STORED
-            elif code == OBJECT_ALREADY_EXISTS:  # another writer stored it between exist and put
-                statuses[index] = PutStatus.DEDUPLICATED
-            else:
-                statuses[index] = PutStatus.FAILED
-                failures.append(code)
-        return failures
-
-    def _get_ok(self, code: int, target: torch.Tensor | None, failures: list[int]) -> bool:
-        if code == self.page_bytes:
-            return True
-        if code >= 0:
-            # An object of another size: never a page of this layout. Its bytes may be in target.
-            if target is not None:
-                target.reshape(-1).view(torch.uint8).zero_()
-            logger.warning("mooncake: get read %d bytes, a page has %d; counted as a miss", code, self.page_bytes)
-        elif code != OBJECT_NOT_FOUND:
-            failures.append(code)
-        return False
-
-    def _log_failures(self, operation: str, full_keys: list[str], codes: list[int]) -> None:
-        if not codes:
-            return
-        summary = ", ".join(f"{describe_code(code)} x{count}" for code, count in Counter(codes).most_common())
-        logger.warning("mooncake: %s failed for %d of %d pages: %s", operation, len(codes), len(full_keys), summary)
-
-
-def _batches(items: list[int], size: int) -> list[list[int]]:
-    return [items[start : start + size] for start in range(0, len(items), size)]
 
 
 def open_mooncake_store(url: str, fingerprint: LayoutFingerprint) -> MooncakeStore:
