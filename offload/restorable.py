@@ -38,6 +38,7 @@ __all__ = [
     "Restorable",
     "lengths_unchecked",
     "pages_to_load",
+    "reader_window_pages",
     "restorable_lengths",
     "snapshot_key_index",
     "swa_store_mask",
@@ -97,7 +98,11 @@ def _layout(layout: object) -> ModelLayout:
 
 
 def restorable_lengths(
-    layout: ModelLayout, page_size: int, num_tokens: int, present: Mapping[str, Sequence[bool]]
+    layout: ModelLayout,
+    page_size: int,
+    num_tokens: int,
+    present: Mapping[str, Sequence[bool]],
+    window_pages: Mapping[str, int] | None = None,
 ) -> Restorable:
     """The lengths of a ``num_tokens`` sequence that the stored entries can restore (module doc).
 
@@ -109,6 +114,8 @@ def restorable_lengths(
             holds key ``h_i`` (a page; for a state component, the snapshot after
             ``(i + 1) * page_size`` tokens). A sequence shorter than the pages asked counts as
             absent past its end. One entry per component of ``layout``.
+        window_pages: per sliding-window component name, the window pages its reader needs
+            before a length (:func:`reader_window_pages`); one not named: kvstage's rule.
 
     Returns:
         :class:`Restorable`.
@@ -130,12 +137,16 @@ def restorable_lengths(
     components = layout.components
     if len(present) != len(components) or any(component.name not in present for component in components):
         _check_present_names(layout, present)
-    lengths = lengths_unchecked(layout, page_size, num_tokens, present)
+    lengths = lengths_unchecked(layout, page_size, num_tokens, present, window_pages)
     return Restorable(lengths, page_size, max(num_tokens - 1, 0) // page_size)
 
 
 def lengths_unchecked(
-    layout: ModelLayout, page_size: int, num_tokens: int, present: Mapping[str, Sequence[bool]]
+    layout: ModelLayout,
+    page_size: int,
+    num_tokens: int,
+    present: Mapping[str, Sequence[bool]],
+    window_pages: Mapping[str, int] | None = None,
 ) -> tuple[int, ...]:
     """:func:`restorable_lengths`'s ``lengths`` without its argument checks, for a caller whose
     arguments are known good (the hybrid lookup: its layout, page size and one presence answer
@@ -159,10 +170,12 @@ def lengths_unchecked(
             if len(marks) == limit and all(marks):
                 continue  # every window is held
             marks += [False] * (limit - len(marks))
-            window_pages, run = component.window_pages(page_size), 0  # run: held pages ending at page k - 1
+            run = 0  # held pages ending at page k - 1
+            needed = (window_pages or {}).get(component.name)
+            needed = component.window_pages(page_size) if needed is None else needed
             for index, mark in enumerate(marks):
                 run = run + 1 if mark else 0
-                if run < window_pages and run <= index and index < len(restorable):  # fewer than min(w, k) held
+                if run < needed and run <= index and index < len(restorable):  # fewer than min(w, k) held
                     restorable[index] = False
     return tuple(compress(range(page_size, (len(restorable) + 1) * page_size, page_size), restorable))
 
@@ -209,8 +222,40 @@ def pages_to_load(layout: ModelLayout, page_size: int, length: int) -> dict[str,
     return plan
 
 
+READERS = ("kvstage", "sglang")
+
+
+def reader_window_pages(component: SlidingWindow, page_size: int, reader: str = "kvstage") -> int:
+    """The pages before a page-aligned length that ``reader`` reads of ``component``'s window of
+    ``W`` tokens, at ``P = page_size``; give it to :func:`swa_store_mask` and
+    :func:`restorable_lengths` as ``window_pages``.
+
+    - ``"kvstage"`` (kvstage's loads, transformers, vLLM): ``ceil((W - 1) / P)``
+      (:meth:`SlidingWindow.window_pages`): position ``L`` attends to ``[L - W + 1, L]``;
+      transformers' ``DynamicSlidingWindowLayer`` keeps ``W - 1`` tokens, vLLM's offload
+      ``cdiv(W - 1 + extra_retained, block)`` chunks (as here with no extra retained);
+    - ``"sglang"`` (0.5.23 HiCache): ``ceil(W / P)``, ``W`` its ``swa_retain_window``
+      (``mem_cache/unified_cache/components/swa.py``, ``build_external_linker_transfer``:
+      ``window_pages = (sliding_window_size + page - 1) // page``): one page more whenever
+      ``P`` divides ``W - 1``.
+
+    Raises:
+        InvalidArgumentError: ``reader`` not one of :data:`READERS`; ``page_size`` not positive.
+    """
+    require(reader in READERS, "reader", lambda: f"must be one of {READERS}, got {reader!r}")
+    if reader == "sglang":
+        component.entry_bytes(page_size)  # validates page_size
+        return -(-component.window // page_size)
+    return component.window_pages(page_size)
+
+
 def swa_store_mask(
-    component: SlidingWindow, page_size: int, resume_lengths: Iterable[int], end_page: int, first_page: int = 0
+    component: SlidingWindow,
+    page_size: int,
+    resume_lengths: Iterable[int],
+    end_page: int,
+    first_page: int = 0,
+    window_pages: int | None = None,
 ) -> list[bool]:
     """Which sliding-window pages ``first_page .. end_page - 1`` can serve a hit: those within the
     window before a length the engine may resume at (vLLM's reachable-store mask). The others
@@ -223,6 +268,8 @@ def swa_store_mask(
             of ``page_size``: where the model's state snapshots are, or for a model without state
             the lengths kvstage stores to (a segment's end); any order, repeats allowed.
         end_page, first_page: the pages asked, ``0 <= first_page <= end_page``.
+        window_pages: the window pages the reader needs before a length
+            (:func:`reader_window_pages`); None: kvstage's rule.
 
     Returns:
         ``mask[i - first_page]``: whether page ``i`` is stored.
@@ -230,7 +277,7 @@ def swa_store_mask(
     Raises:
         ArgumentTypeError: ``component`` is not a :class:`SlidingWindow`.
         InvalidArgumentError: a length not a positive multiple of ``page_size`` (named by its
-            index), or pages out of range.
+            index), pages out of range, or ``window_pages`` not an int >= 0.
     """
     require(
         isinstance(component, SlidingWindow),
@@ -244,7 +291,13 @@ def swa_store_mask(
         "first_page",
         lambda: f"must be ints with 0 <= first_page <= end_page, got first_page={first_page!r}, end_page={end_page!r}",
     )
-    window_pages = component.window_pages(page_size)
+    if window_pages is None:
+        window_pages = component.window_pages(page_size)
+    require(
+        is_int(window_pages) and window_pages >= 0,
+        "window_pages",
+        lambda: f"must be an int >= 0, got {window_pages!r}",
+    )
     marks = [0] * (end_page - first_page + 1)  # +1 at a window's first page, -1 after its last
     for index, length in enumerate(resume_lengths):
         require(

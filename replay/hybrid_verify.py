@@ -22,14 +22,21 @@ from __future__ import annotations
 import time
 from array import array
 
-import numpy as np
 import torch
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.offload.restorable import restorable_lengths
 from kvstage.offload.testing import SimpleRequest
-from kvstage.replay.replay_request import ReplayRequest
-from kvstage.replay.verify import MATCHED, MISMATCHED, MISSING, UNREACHABLE, VerifyResult, chains_to_verify
+from kvstage.replay.verify import (
+    MATCHED,
+    MISMATCHED,
+    MISSING,
+    UNREACHABLE,
+    VerifyResult,
+    chains_of_sample,
+    tally_pages,
+    verify_tokens,
+)
 
 
 def _lengths_to_load(engine, lengths: tuple[int, ...], held_window: set[int]) -> list[int]:
@@ -60,12 +67,7 @@ def verify_hybrid(engine, *, sample: int | None = None, seed: int = 0) -> Verify
     """
     started = time.perf_counter()
     manager, ps, layout = engine.manager, engine.page_size, engine.layout
-    keys = list(engine.expected_keys)
-    sampled = sample is not None and sample < len(keys)
-    if sampled:
-        rng = np.random.default_rng([seed, 0x5EED])
-        keys = [keys[i] for i in sorted(rng.choice(len(keys), size=sample, replace=False).tolist())]
-    chains = chains_to_verify(engine.request_keys, keys)
+    chains, sampled = chains_of_sample(engine, sample, seed)
     before = manager.metrics
     outcome: dict[str, str] = {}
     others = [c.name for c in layout.components if c.kind != "full"]
@@ -77,11 +79,7 @@ def verify_hybrid(engine, *, sample: int | None = None, seed: int = 0) -> Verify
     for order, pages in chains.items():
         chain = engine.request_keys[order][:pages]
         chain_keys.update(chain)
-        trace = engine.trace[order]
-        extra_key, cache_salt = engine.namespaces[order]
-        tokens = ReplayRequest(
-            trace, engine.tokens.prompt(trace), engine.tokens.output(trace), extra_key, cache_salt
-        ).kv_tokens
+        trace, tokens, extra_key, cache_salt = verify_tokens(engine, order)
         present = {name: list(store.exists(chain)) for name, store in engine.stores.items()}
         full_held = present["full"]
         leading = next((i for i, hit in enumerate(full_held) if not hit), len(full_held))
@@ -130,28 +128,7 @@ def verify_hybrid(engine, *, sample: int | None = None, seed: int = 0) -> Verify
                 outcome[key] = MISSING
             else:
                 outcome[key] = UNREACHABLE if full_held[index] else MISSING
-    after = manager.metrics
-    result = VerifyResult(sampled=sampled, verify_requests=loads)
-    result.pages_loaded = after.pages_loaded - before.pages_loaded
-    result.bytes_loaded = after.bytes_loaded - before.bytes_loaded
-    result.load_seconds = after.load_seconds - before.load_seconds
-    failed = set(engine.stats.storage_failure_keys)
-    missing_failed = 0
-    for key, state in outcome.items():
-        result.pages_checked += 1
-        if state == MATCHED:
-            result.pages_matched += 1
-        elif state == MISMATCHED:
-            result.mismatches += 1
-        elif state == UNREACHABLE:
-            result.unreachable += 1
-        else:
-            result.missing += 1
-            result.missing_keys.append(key)
-            missing_failed += key in failed
-    allowance = engine.run_metrics.pages_dropped + engine.storage.stats.pages_evicted
-    result.explained = min(result.missing, missing_failed + allowance)
-    result.lost = result.missing - result.explained
+    result = tally_pages(engine, outcome, before, sampled=sampled, verify_requests=loads)
     for name in others:
         states = entries[name]
         counts = {

@@ -137,6 +137,26 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
     return requests
 
 
+class _BlockIds:
+    """Fresh block ids of a synthetic trace: ``fresh(n)`` gives the next ``n``, from 0."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def __call__(self, n: int) -> list[int]:
+        ids = list(range(self._next, self._next + n))
+        self._next += n
+        return ids
+
+
+def _turn(rng: np.random.Generator, index: int, timestamp: float, history: list[int]) -> TraceRequest:
+    """A synthetic request over the block ids ``history`` (the last block partial: 64 tokens to a
+    whole block) with an output of 8-160 tokens."""
+    input_length = (len(history) - 1) * BLOCK_TOKENS + int(rng.integers(64, BLOCK_TOKENS + 1))
+    output_length = int(rng.integers(8, 161))
+    return TraceRequest(index, round(timestamp, 3), input_length, output_length, tuple(history), 0)
+
+
 def synthetic_trace(num_requests: int = 48, seed: int = 0) -> list[TraceRequest]:
     """A seeded synthetic trace in the Mooncake format, the default of ``kvstage replay``.
 
@@ -153,13 +173,7 @@ def synthetic_trace(num_requests: int = 48, seed: int = 0) -> list[TraceRequest]
     if not is_int(num_requests) or num_requests < 1:
         raise InvalidArgumentError(f"num_requests: must be an int >= 1, got {num_requests!r}")
     rng = np.random.default_rng([seed, 0x7A11])
-    next_id = 0
-
-    def fresh(n: int) -> list[int]:
-        nonlocal next_id
-        ids = list(range(next_id, next_id + n))
-        next_id += n
-        return ids
+    fresh = _BlockIds()
 
     system_prompts = [fresh(int(rng.integers(1, 3))) for _ in range(4)]
     conversations: list[list[int]] = []  # block ids of each conversation's history so far
@@ -174,9 +188,7 @@ def synthetic_trace(num_requests: int = 48, seed: int = 0) -> list[TraceRequest]
             history = conversations[int(rng.integers(max(0, len(conversations) - 4), len(conversations)))]
         # This turn's prompt: the history (whole blocks) plus a new user message, the last block partial.
         history.extend(fresh(int(rng.integers(1, 3))))
-        input_length = (len(history) - 1) * BLOCK_TOKENS + int(rng.integers(64, BLOCK_TOKENS + 1))
-        output_length = int(rng.integers(8, 161))
-        requests.append(TraceRequest(index, round(timestamp, 3), input_length, output_length, tuple(history), 0))
+        requests.append(_turn(rng, index, timestamp, history))
         # The partial last block is replaced by a fresh one when the conversation continues,
         # as a new prompt holds more tokens there (its prefix block differs).
         history.pop()
@@ -205,13 +217,7 @@ def multi_tenant_trace(num_requests: int = 200, tenants: int = 8, seed: int = 0)
         if not is_int(value) or value < 1:
             raise InvalidArgumentError(f"{name}: must be an int >= 1, got {value!r}")
     rng = np.random.default_rng([seed, 0x7E7A])
-    next_id = 0
-
-    def fresh(n: int) -> list[int]:
-        nonlocal next_id
-        ids = list(range(next_id, next_id + n))
-        next_id += n
-        return ids
+    fresh = _BlockIds()
 
     system = [fresh(int(rng.integers(4, 9))) for _ in range(tenants)]
     sessions: list[list[list[int]]] = [[] for _ in range(tenants)]
@@ -231,9 +237,7 @@ def multi_tenant_trace(num_requests: int = 200, tenants: int = 8, seed: int = 0)
             open_sessions.append(history)
             if len(open_sessions) > 4:
                 open_sessions.pop(0)
-        input_length = (len(history) - 1) * BLOCK_TOKENS + int(rng.integers(64, BLOCK_TOKENS + 1))
-        output_length = int(rng.integers(8, 161))
-        requests.append(TraceRequest(index, round(timestamp, 3), input_length, output_length, tuple(history), 0))
+        requests.append(_turn(rng, index, timestamp, history))
         history.pop()  # the partial last block: a continuing turn replaces it with a whole one
         history.extend(fresh(1))  # ... which holds the previous turn's prompt end and output
     return requests

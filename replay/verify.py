@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -107,6 +108,53 @@ def chains_to_verify(request_keys: list[list[str]], targets: list[str]) -> dict[
     return {order: depth[order] for order in sorted(ends.values())}
 
 
+def chains_of_sample(engine, sample: int | None, seed: int) -> tuple[dict[int, int], bool]:
+    """(:func:`chains_to_verify` of the keys to verify, whether they are a sample): every
+    expected key of ``engine``, or ``sample`` of them chosen with ``seed`` (see :func:`verify_pages`)."""
+    keys = list(engine.expected_keys)
+    sampled = sample is not None and sample < len(keys)
+    if sampled:
+        rng = np.random.default_rng([seed, 0x5EED])
+        keys = [keys[i] for i in sorted(rng.choice(len(keys), size=sample, replace=False).tolist())]
+    return chains_to_verify(engine.request_keys, keys), sampled
+
+
+def verify_tokens(engine, order: int) -> tuple[Any, array, str | None, str | None]:
+    """(trace request, tokens with KV, extra_key, cache_salt) of the request at ``order``."""
+    trace = engine.trace[order]
+    extra_key, cache_salt = engine.namespaces[order]
+    tokens = ReplayRequest(trace, engine.tokens.prompt(trace), engine.tokens.output(trace), extra_key, cache_salt)
+    return trace, tokens.kv_tokens, extra_key, cache_salt
+
+
+def tally_pages(engine, outcome: dict[str, str], before: Any, *, sampled: bool, verify_requests: int) -> VerifyResult:
+    """A :class:`VerifyResult` of the full pages' ``outcome`` (key -> state), the loads since the
+    manager's metrics ``before`` and the missing pages the replay explains (module doc)."""
+    after = engine.manager.metrics
+    result = VerifyResult(sampled=sampled, verify_requests=verify_requests)
+    result.pages_loaded = after.pages_loaded - before.pages_loaded
+    result.bytes_loaded = after.bytes_loaded - before.bytes_loaded
+    result.load_seconds = after.load_seconds - before.load_seconds
+    failed = set(engine.stats.storage_failure_keys)
+    missing_failed = 0
+    for key, state in outcome.items():
+        result.pages_checked += 1
+        if state == MATCHED:
+            result.pages_matched += 1
+        elif state == MISMATCHED:
+            result.mismatches += 1
+        elif state == UNREACHABLE:
+            result.unreachable += 1
+        else:
+            result.missing += 1
+            result.missing_keys.append(key)
+            missing_failed += key in failed
+    allowance = engine.run_metrics.pages_dropped + engine.storage.stats.pages_evicted
+    result.explained = min(result.missing, missing_failed + allowance)
+    result.lost = result.missing - result.explained
+    return result
+
+
 def verify_pages(engine, *, sample: int | None = None, seed: int = 0) -> VerifyResult:
     """Load the replay's stored pages back through the manager's load path and compare them.
 
@@ -136,22 +184,13 @@ def verify_pages(engine, *, sample: int | None = None, seed: int = 0) -> VerifyR
         return verify_hybrid(engine, sample=sample, seed=seed)
     started = time.perf_counter()
     manager, content, ps = engine.manager, engine.content, engine.page_size
-    keys = list(engine.expected_keys)
-    sampled = sample is not None and sample < len(keys)
-    if sampled:
-        rng = np.random.default_rng([seed, 0x5EED])
-        keys = [keys[i] for i in sorted(rng.choice(len(keys), size=sample, replace=False).tolist())]
-    chains = chains_to_verify(engine.request_keys, keys)
+    chains, sampled = chains_of_sample(engine, sample, seed)
     before = manager.metrics
     outcome: dict[str, str] = {}
     scratch = torch.arange(max(chains.values(), default=0) * ps, dtype=torch.int64, device=engine.device)
     for order, pages in chains.items():
         chain = engine.request_keys[order][:pages]
-        trace = engine.trace[order]
-        extra_key, cache_salt = engine.namespaces[order]
-        tokens = ReplayRequest(
-            trace, engine.tokens.prompt(trace), engine.tokens.output(trace), extra_key, cache_salt
-        ).kv_tokens
+        trace, tokens, extra_key, cache_salt = verify_tokens(engine, order)
         # A lookup leaves a prompt's last token out (the engine computes it): one more, any id.
         req = SimpleRequest(
             f"verify-r{trace.index}", tokens[: pages * ps] + array("q", [0]), extra_key=extra_key, cache_salt=cache_salt
@@ -180,27 +219,6 @@ def verify_pages(engine, *, sample: int | None = None, seed: int = 0) -> VerifyR
             behind = chain[loaded + 1 :]
             for key, held in zip(behind, engine.storage.exists(behind) if behind else []):
                 outcome.setdefault(key, UNREACHABLE if held else MISSING)
-    after = manager.metrics
-    result = VerifyResult(sampled=sampled, verify_requests=len(chains))
-    result.pages_loaded = after.pages_loaded - before.pages_loaded
-    result.bytes_loaded = after.bytes_loaded - before.bytes_loaded
-    result.load_seconds = after.load_seconds - before.load_seconds
-    failed = set(engine.stats.storage_failure_keys)
-    missing_failed = 0
-    for key, state in outcome.items():
-        result.pages_checked += 1
-        if state == MATCHED:
-            result.pages_matched += 1
-        elif state == MISMATCHED:
-            result.mismatches += 1
-        elif state == UNREACHABLE:
-            result.unreachable += 1
-        else:
-            result.missing += 1
-            result.missing_keys.append(key)
-            missing_failed += key in failed
-    allowance = engine.run_metrics.pages_dropped + engine.storage.stats.pages_evicted
-    result.explained = min(result.missing, missing_failed + allowance)
-    result.lost = result.missing - result.explained
+    result = tally_pages(engine, outcome, before, sampled=sampled, verify_requests=len(chains))
     result.seconds = time.perf_counter() - started
     return result

@@ -9,8 +9,9 @@ and indexer page before a length (sglang's ``ALL_PAGES``), the sliding-window pa
 window before it and the Mamba snapshot at it (``TRAILING_PAGES``; a snapshot after ``k`` pages
 is keyed by page ``k-1``'s key, as sglang keys the node's last page). sglang then reads the
 ``len(keys)`` trailing SWA pages it asked about (``ceil(W/P)``, one more than kvstage's
-``ceil((W-1)/P)`` when ``P`` divides ``W-1``): a length whose extra page is missing is not
-reported, since that read would fail.
+``ceil((W-1)/P)`` when ``P`` divides ``W-1``: both rules in
+:func:`~kvstage.offload.restorable.reader_window_pages`), given to the core's rule as its
+``window_pages``: a length whose extra page is missing is not reported, since that read would fail.
 """
 
 from __future__ import annotations
@@ -187,14 +188,15 @@ class HybridStores:
     def _restorable_pages(self, present: dict[str, list[bool]], asked: Mapping[str, Any]) -> list[int]:
         num_keys = len(present["kv"])
         # sglang hands whole pages of tokens it may reuse and computes the next token itself
-        found = restorable_lengths(self.layout, self.page_size, num_keys * self.page_size + 1, present)
-        pages = [length // self.page_size for length in found.lengths]
-        for name, transfer in asked.items():
-            if self.layout.component(name).kind == "swa":  # sglang reads len(keys) trailing pages
-                trailing = max(1, len(transfer.keys or ()))
-                marks = present[name]
-                pages = [p for p in pages if all(marks[max(0, p - trailing) : p])]
-        return pages
+        # sglang reads the len(keys) trailing window pages it asked (ceil(W/P) by its rule), and
+        # attention needs kvstage's: a length is restorable with both held
+        window_pages = {
+            name: max(1, len(transfer.keys or ()), self.layout.component(name).window_pages(self.page_size))
+            for name, transfer in asked.items()
+            if self.layout.component(name).kind == "swa"
+        }
+        found = restorable_lengths(self.layout, self.page_size, num_keys * self.page_size + 1, present, window_pages)
+        return [length // self.page_size for length in found.lengths]
 
     def _plans(self, transfers: Sequence[Any]) -> list[tuple[str, list[str], Any, list[int]]]:
         """(pool name, keys, host_indices, first host slot per key) per transfer, all checked first."""

@@ -14,6 +14,7 @@ from kvstage.model_layout import FullAttention, ModelLayout, PageSidecar, Reques
 from kvstage.offload.restorable import (
     lengths_unchecked,
     pages_to_load,
+    reader_window_pages,
     restorable_lengths,
     snapshot_key_index,
     swa_store_mask,
@@ -113,6 +114,28 @@ def test_store_mask_keeps_only_the_windows_before_resume_lengths():
     assert swa_store_mask(swa, P, [], end_page=3) == pages("...")
     assert swa_store_mask(swa, P, [4, 4], end_page=3) == pages("x..")  # k < w: from page 0
     assert swa_store_mask(swa, P, [400], end_page=3) == pages("...")  # a later length's window is past these pages
+
+
+@pytest.mark.parametrize(("window", "kvstage", "sglang"), [(1, 0, 1), (5, 1, 2), (6, 2, 2), (8, 2, 2), (9, 2, 3)])
+def test_window_pages_of_each_reader(window, kvstage, sglang):
+    swa = swa_model(window).component("swa")  # P = 4: ceil((W - 1) / 4) and ceil(W / 4)
+    assert reader_window_pages(swa, P) == kvstage == swa.window_pages(P)
+    assert reader_window_pages(swa, P, "sglang") == sglang
+    with pytest.raises(InvalidArgumentError, match=r"reader: must be one of \('kvstage', 'sglang'\), got 'vllm'"):
+        reader_window_pages(swa, P, "vllm")
+
+
+def test_store_mask_and_lengths_take_a_reader_s_window_pages():
+    model = swa_model(5)  # P = 4: kvstage reads 1 window page before a length, sglang 2
+    swa = model.component("swa")
+    assert swa_store_mask(swa, P, [12], end_page=4) == pages("..x.")
+    assert swa_store_mask(swa, P, [12], end_page=4, window_pages=2) == pages(".xx.")
+    present = {"swa": pages("x.xx"), "full": [True] * 4}
+    assert restorable_lengths(model, P, 17, present).lengths == (4, 12, 16)
+    assert restorable_lengths(model, P, 17, present, window_pages={"swa": 2}).lengths == (4, 16)
+    assert lengths_unchecked(model, P, 17, present, window_pages={"swa": 2}) == (4, 16)
+    with pytest.raises(InvalidArgumentError, match=r"window_pages: must be an int >= 0, got -1"):
+        swa_store_mask(swa, P, [12], end_page=4, window_pages=-1)
 
 
 @pytest.mark.parametrize("bad", [0, 6, -4, 4.0, True])

@@ -104,6 +104,24 @@ def test_a_prompt_of_exactly_the_stored_length_recomputes_its_last_page(arch):
     assert continues_bitwise(arch, cache, tokens, at)
 
 
+def tenant_round_trip(arch, layout, tokens, namespace, load_namespace):
+    """Fresh memory stores, and :func:`round_trip` of 24 tokens stored under ``namespace`` (snapshots
+    at 8, 16, 24; offloaded at 8, 16) and loaded under ``load_namespace``: ``(stores, its result)``."""
+    stores = rig.open_stores(layout, "memory")
+    found = round_trip(
+        arch,
+        "memory",
+        tokens,
+        24,
+        stores=dict(stores),
+        namespace=namespace,
+        load_namespace=load_namespace,
+        snapshots=(8, 16, 24),
+        offload_at=(8, 16),
+    )
+    return stores, found
+
+
 @pytest.mark.parametrize("arch", hm.ARCHS)
 def test_tenants_and_adapters_share_no_entry_of_any_component(arch):
     model, layout = model_of(arch)
@@ -114,33 +132,11 @@ def test_tenants_and_adapters_share_no_entry_of_any_component(arch):
         {"extra_key": "lora-b", "cache_salt": "tenant-1"},
         {},
     ):
-        stores = rig.open_stores(layout, "memory")
+        stores, (_, at, _) = tenant_round_trip(arch, layout, tokens, mine, other)
         keys = rig.page_keys(tokens, **other)
-        _, at, _ = round_trip(
-            arch,
-            "memory",
-            tokens,
-            24,
-            stores=dict(stores),
-            namespace=mine,
-            load_namespace=other,
-            snapshots=(8, 16, 24),
-            offload_at=(8, 16),
-        )
         assert at == 0
         assert not any(any(store.exists(keys)) for store in stores.values())  # no component holds their keys
-    stores = rig.open_stores(layout, "memory")
-    cache, at, _ = round_trip(
-        arch,
-        "memory",
-        tokens,
-        24,
-        stores=dict(stores),
-        namespace=mine,
-        load_namespace=mine,
-        snapshots=(8, 16, 24),
-        offload_at=(8, 16),
-    )
+    stores, (cache, at, _) = tenant_round_trip(arch, layout, tokens, mine, mine)
     assert at == 24
     assert all(any(store.exists(rig.page_keys(tokens, **mine))) for store in stores.values())  # every component
     assert continues_bitwise(arch, cache, tokens, at)
