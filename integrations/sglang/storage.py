@@ -363,10 +363,9 @@ class KVStageStorage(HiCacheStorage):
         store, starts = self._pages_of(keys, host_indices)
         started = time.perf_counter()
         results: list[bool] = []
+        views = page_views(self.mem_pool_host, starts)  # once: each call views two pages itself
         for first in range(0, len(keys), CHUNK_PAGES):
-            chunk = keys[first : first + CHUNK_PAGES]
-            views = page_views(self.mem_pool_host, starts[first : first + CHUNK_PAGES])
-            results += self._get_into(store, chunk, views)
+            results += self._get_into(store, keys[first : first + CHUNK_PAGES], views[first : first + CHUNK_PAGES])
         self._record("prefetch", sum(results), time.perf_counter() - started)
         if self.announcer is not None and not all(results):  # a corrupt page the store dropped
             self.announcer.poll()
