@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from functools import partial
 from typing import Any, Sequence
 
 from kvstage.errors import ArgumentTypeError, require
@@ -91,27 +92,46 @@ class KVEventAnnouncer:
             namespace: ``(extra_key, cache_salt)`` of the request.
             failed_keys: the keys the write did not store; the run is announced up to the first.
 
-        Never raises (it runs inside the store write): an error is logged and counted in
-        ``errors``.
+        Only the store's events are taken here, in the store's order; the rest (hashes, which
+        pages are new on the stream, the events) runs on the publisher's sending thread, so
+        ``keys``, ``tokens`` and ``failed_keys`` must not change after the call. Never raises
+        (it runs inside the store write): an error is logged and counted in ``errors``.
         """
         try:
-            self._written(keys, tokens, prior_key, namespace, failed_keys)
+            with self._lock:  # the store's events and the publisher's queue in one order
+                store_events = self.storage.take_events()
+                self.publisher.publish(
+                    partial(self._announce, keys, tokens, prior_key, namespace, failed_keys, store_events)
+                )
         except Exception:
             self.errors += 1
             logger.exception("kv events: announcing a write of %d pages failed", len(keys))
 
-    def _written(self, keys, tokens, prior_key, namespace, failed_keys) -> None:
-        if failed_keys:
-            failed = set(failed_keys)
-            keys = keys[: next((index for index, key in enumerate(keys) if key in failed), len(keys))]
-        with self._lock:
-            store_events = self.storage.take_events()
+    def poll(self) -> None:
+        """Publish the store's events since the last call (removals between writes). Never
+        raises (it runs in the manager's ``poll``): an error is logged and counted."""
+        try:
+            with self._lock:
+                store_events = self.storage.take_events()
+                if store_events:
+                    self.publisher.publish(partial(self._announce, (), (), None, (None, None), (), store_events))
+        except Exception:
+            self.errors += 1
+            logger.exception("kv events: announcing the store's removals failed")
+
+    def _announce(self, keys, tokens, prior_key, namespace, failed_keys, store_events) -> list:
+        """The events of one :meth:`written` (or :meth:`poll`: no keys), on the sending thread
+        (the only one that reads or changes the stream's state)."""
+        try:
+            if failed_keys:
+                failed = set(failed_keys)
+                keys = keys[: next((index for index, key in enumerate(keys) if key in failed), len(keys))]
             events: list = []
-            placed = False
+            placed = not keys
             if store_events:
                 mine = set(keys)
                 for event in store_events:
-                    if event.key in mine and not placed:  # its first event: stored (or evicted within this write)
+                    if not placed and event.key in mine:  # its first event: stored (or evicted within this write)
                         placed = True
                         self._add_stored(events, keys, tokens, prior_key, namespace)
                     if event.kind != "stored":
@@ -120,25 +140,11 @@ class KVEventAnnouncer:
                         self.pages_without_tokens += 1
             if not placed:  # every page was held already (or the store records no events)
                 self._add_stored(events, keys, tokens, prior_key, namespace)
-            if events:
-                self.publisher.publish(events)
-
-    def poll(self) -> None:
-        """Publish the store's events since the last call (removals between writes). Never
-        raises (it runs in the manager's ``poll``): an error is logged and counted."""
-        try:
-            with self._lock:
-                events: list = []
-                for event in self.storage.take_events():
-                    if event.kind == "stored":
-                        self.pages_without_tokens += 1
-                    else:
-                        self._add_removed(events, event.key)
-                if events:
-                    self.publisher.publish(events)
+            return events
         except Exception:
             self.errors += 1
-            logger.exception("kv events: announcing the store's removals failed")
+            logger.exception("kv events: announcing a write of %d pages failed", len(keys))
+            return []
 
     def close(self) -> None:
         """Publish what is left (:meth:`poll`), then close the publisher if owned."""

@@ -149,10 +149,13 @@ class KVEventPublisher:
         """
         if self._closed:
             raise InvalidArgumentError("publisher: publish() after close()")
-        if not isinstance(events, list):
-            raise InvalidArgumentError(f"events: must be a list of KV events, got {type(events).__name__}")
-        if not events:
-            return
+        if isinstance(events, list):
+            if not events:
+                return
+        elif not callable(events):
+            raise InvalidArgumentError(
+                f"events: must be a list of KV events or a callable returning one, got {type(events).__name__}"
+            )
         with self._full:
             self._calls += 1
             if len(self._pending) >= self.max_pending:
@@ -216,12 +219,15 @@ class KVEventPublisher:
                     take = min(len(pending), self.max_batch)
                     calls = [pending.popleft() for _ in range(take)]
                     gap, self._gap = self._gap, False
-                if gap:
-                    self._seq += 1  # dropped events: subscribers see the hole
-                events = calls[0] if take == 1 else merge_stored([event for call in calls for event in call])
-                self._send(KVEventBatch(time.time(), events, self.data_parallel_rank))
+                events = _events_of(calls)
+                if events:
+                    if gap:
+                        self._seq += 1  # dropped events: subscribers see the hole
+                    self._send(KVEventBatch(time.time(), events, self.data_parallel_rank))
                 with self._full:
                     self._calls_done += take
+                    if gap and not events:  # deferred calls that had none: the next batch shows the hole
+                        self._gap = True
         self._close_sockets()
 
     def _send(self, batch: KVEventBatch) -> None:
@@ -253,6 +259,21 @@ class KVEventPublisher:
             if seq >= start_seq:
                 self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+
+def _events_of(calls: list) -> list:
+    """One batch's events: each call's in order (a callable's from calling it, here), a chain's
+    consecutive ``BlockStored`` joined."""
+    events: list = []
+    for call in calls:
+        if type(call) is not list:
+            try:
+                call = call()
+            except Exception:
+                logger.exception("kv events: a deferred publish call raised; its events are skipped")
+                continue
+        events += call
+    return events if len(events) < 2 else merge_stored(events)
 
 
 def _bind(sock: zmq.Socket, endpoint: str, name: str) -> str:

@@ -134,13 +134,19 @@ class EventQueue:
         Raises:
             InvalidArgumentError: max_events is not None or an int >= 0.
         """
+        if max_events is None:  # the common call (an announcer's per write): no check, no lock when empty
+            if not self._events:
+                return []
+            with self._lock:
+                taken, self._events = self._events, collections.deque()
+            return list(taken)
         require(
-            max_events is None or (is_int(max_events) and max_events >= 0),
+            is_int(max_events) and max_events >= 0,
             "max_events",
             lambda: f"must be None or an int >= 0, got {max_events!r}",
         )
         with self._lock:
-            if max_events is None or max_events >= len(self._events):
+            if max_events >= len(self._events):
                 taken, self._events = self._events, collections.deque()
             else:
                 taken = [self._events.popleft() for _ in range(max_events)]

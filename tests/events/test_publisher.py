@@ -202,3 +202,56 @@ def test_publish_after_close_raises_and_close_is_idempotent():
         pub.publish([BlockRemoved([1])])
     with pytest.raises(InvalidArgumentError, match=r"^events: must be a list"):
         KVEventPublisher("tcp://127.0.0.1:0").publish(BlockRemoved([1]))
+
+
+def test_deferred_calls_run_on_the_sender_in_call_order_and_one_without_events_takes_no_seq(monkeypatch):
+    import threading
+
+    release, encoding = stall_encoding(monkeypatch)
+    ran_on: list = []
+
+    def deferred(events):
+        def make():
+            ran_on.append(threading.current_thread().name)
+            return events
+
+        return make
+
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        pub.publish([BlockRemoved([0])])
+        assert encoding.wait(10)  # the sender holds batch 0: the next calls join one batch
+        pub.publish(deferred([BlockStored([1], None, [1, 1], 2)]))
+        pub.publish([BlockRemoved([7])])
+        pub.publish(deferred([]))
+        pub.publish(deferred([BlockStored([2], None, [2, 2], 2), BlockStored([3], 2, [3, 3], 2)]))
+        release.set()
+        assert pub.flush(10)
+        pub.publish(deferred([]))  # nothing to send: no batch, no seq
+        publish_each(pub, [[BlockRemoved([9])]])
+        replies = replay(pub.replay_endpoint, 0)
+        assert pub.published == 3 and pub.dropped == 0
+    assert ran_on == ["kvstage-kv-events"] * 4
+    assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [0, 1, 2]  # no seq gap
+    assert decode_batch(replies[1][3]).events == [
+        BlockStored([1], None, [1, 1], 2),
+        BlockRemoved([7]),
+        BlockStored([2, 3], None, [2, 2, 3, 3], 2),  # a chain's consecutive runs joined
+    ]
+    assert decode_batch(replies[2][3]).events == [BlockRemoved([9])]
+
+
+def test_a_deferred_call_that_raises_loses_only_its_events():
+    def broken():
+        raise RuntimeError("boom")
+
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        pub.publish(broken)
+        publish_each(pub, [[BlockRemoved([4])]])
+        replies = replay(pub.replay_endpoint, 0)
+    assert [decode_batch(r[3]).events for r in replies[:-1]] == [[BlockRemoved([4])]]
+
+
+def test_publishing_neither_a_list_nor_a_callable_is_refused_naming_the_argument():
+    with KVEventPublisher("tcp://127.0.0.1:0") as pub:
+        with pytest.raises(InvalidArgumentError, match=r"^events: must be a list of KV events or a callable"):
+            pub.publish((BlockRemoved([1]),))
