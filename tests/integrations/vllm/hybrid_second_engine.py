@@ -2,7 +2,8 @@
 ``test_hybrid_spec.py`` (run as a script: ``python hybrid_second_engine.py KIND MODEL_DIR URL``;
 not a test module). It serves the test's prompt once and prints, as JSON, the tokens it computed,
 each group store's pages read, kvstage's restorable length over what each group's store holds,
-and whether every loaded block holds the first engine's bytes.
+whether every loaded block holds the first engine's bytes, the worker's failed loads and, per
+group, the blocks it reported with load errors.
 """
 
 from __future__ import annotations
@@ -22,6 +23,16 @@ def main(kind: str, model_dir: str, url: str) -> None:
     prompt = list(range(1, 6 * HybridRig.BLOCK_SIZE + 6))
     rig = HybridRig(model_dir, url, kind=kind)
     try:
+        worker = rig.worker.connector_worker.worker
+        errors: set[int] = set()
+        take = worker.take_block_ids_with_load_errors
+
+        def recorded_take() -> set[int]:
+            taken = take()
+            errors.update(taken)
+            return taken
+
+        worker.take_block_ids_with_load_errors = recorded_take
         scheduled = run_to_prompt_end(rig, "b", prompt)
         spec, stores = rig.spec, rig.manager.storage.stores
         request = rig.scheduler.requests["b"]
@@ -49,6 +60,10 @@ def main(kind: str, model_dir: str, url: str) -> None:
                     "restorable": restorable,
                     "pages_read": {str(g): stores[g].stats.pages_read for g in stores},
                     "exact": exact,
+                    "loads_failed": worker.loads_failed,
+                    "load_errors": {
+                        str(g): sorted(set(rig.group_block_ids("b", g)) & errors) for g in spec.group_components
+                    },
                 }
             )
         )

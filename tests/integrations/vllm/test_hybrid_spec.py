@@ -221,32 +221,73 @@ def test_a_failed_load_names_each_groups_blocks_from_its_first_page_not_read():
         worker.close()
 
 
+@pytest.mark.parametrize("store", ["file", "mooncake"])
 @pytest.mark.parametrize(("kind", "reads"), [("swa", {"0": 6, "1": 2}), ("mamba", {"0": 6, "1": 1, "2": 1, "3": 1})])
-def test_another_engine_process_hits_the_restorable_prefix_of_the_file_store(kind, reads, tmp_path):
+def test_another_engine_process_hits_the_restorable_prefix_of_the_shared_store(kind, reads, store, tmp_path):
+    # The first engine stores through its Scheduler and worker; a second process (its own vLLM)
+    # looks the request up in the same store, loads every group, and checks each block's bytes.
+    import contextlib
     import json
     import os
     import pathlib
     import subprocess
     import sys
 
-    url = storage_url("file", tmp_path)
-    first = HybridRig(tmp_path / "model", url, kind=kind)
-    try:
+    with contextlib.ExitStack() as stack:
+        if store == "mooncake":
+            from kvstage.storage.mooncake.store import master_binary, mooncake_available
+
+            from mooncake_master import LocalMooncakeMaster
+
+            if not (mooncake_available() and master_binary()):
+                pytest.skip("the Mooncake store is not installed (make .venv/.mooncake)")
+            url = stack.enter_context(LocalMooncakeMaster(tmp_path / "master.log")).url()
+        else:
+            url = storage_url("file", tmp_path)
+        first = HybridRig(tmp_path / "model", url, kind=kind)
+        stack.callback(first.close)  # a Mooncake client's segment holds its pages: open until the second is done
         first.add_request("a", PROMPT, max_tokens=1)
         first.run_until_idle()
-    finally:
-        first.close()
-    tests = pathlib.Path(__file__).parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
-    script = pathlib.Path(__file__).with_name("hybrid_second_engine.py")
-    done = subprocess.run(
-        [sys.executable, str(script), kind, str(tmp_path / "model"), url],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+        stored = {str(g): s.stats.pages_stored for g, s in first.manager.storage.stores.items()}
+        assert all(stored.values()), stored
+        tests = pathlib.Path(__file__).parents[2]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+        script = pathlib.Path(__file__).with_name("hybrid_second_engine.py")
+        done = subprocess.run(
+            [sys.executable, str(script), kind, str(tmp_path / "model"), url],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["hit"] == report["restorable"] == 6 * BLOCK  # the other process's stores, restorable there
     assert report["pages_read"] == reads and report["exact"]
+    assert report["loads_failed"] == 0 and report["load_errors"] == {g: [] for g in reads}  # per group
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="kvstage bug: KVStageConnector reports a hybrid model's failed load as invalid_block_ids, which vLLM "
+    "0.33's Scheduler refuses for several KV cache groups (it wants failed_recving)",
+)
+def test_a_hybrid_load_of_a_page_that_cannot_be_read_is_recomputed_by_vllms_scheduler(tmp_path):
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    rig = HybridRig(tmp_path / "model", storage_url("file", tmp_path), kind="swa")
+    try:
+        first = rig.add_request("a", PROMPT, max_tokens=1)
+        rig.run_until_idle()
+        store = rig.worker.connector_worker.worker.storage.stores[1]
+        key = make_offload_key(first.block_hashes[5], 1).hex()  # the window's last chunk: loaded by a hit
+        get = store.get
+        store.get = lambda keys, into: [hit and k != key for k, hit in zip(keys, get(keys, into))]
+        rig.scheduler.reset_prefix_cache()
+        rig.backing.zero_()
+        run_to_prompt_end(rig, "b", PROMPT)
+        assert rig.worker.connector_worker.worker.loads_failed == 1
+        assert_loaded_blocks_hold(rig, "b", PROMPT, pages_to_load(rig.spec.layout, BLOCK, 6 * BLOCK))
+    finally:
+        rig.close()
