@@ -312,24 +312,29 @@ def test_closing_the_worker_writes_the_stores_it_was_never_polled_for(tmp_path):
         assert torch.equal(page.view(torch.int8).view(2, 64), torch.stack([t[block] for t in tensors]))
 
 
-def test_the_manager_keeps_no_loaded_keys_unless_its_connector_reports_loads():
-    # vLLM's own OffloadingConnector never calls loads_reported: nothing may pile up for it.
-    from vllm.v1.kv_offload.base import ReqContext
+def test_a_page_a_load_stopped_at_misses_and_the_pages_before_it_stay_hits():
+    # KVStageConnector hands the manager the page each failed load stopped at (the workers'
+    # take_unreadable_keys): that page misses for miss_ttl_s, a store of it meanwhile included;
+    # the pages the load read stay hits, for the request vLLM looks up again and for others.
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
     from kvstage.integrations.vllm import KVStageOffloadingManager
     from kvstage.storage import LayoutFingerprint, MemoryStore
 
-    manager = KVStageOffloadingManager(MemoryStore(LayoutFingerprint.opaque("m", page_bytes=16, page_format="test")))
+    store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=16, page_format="test"))
+    manager = KVStageOffloadingManager(store, miss_ttl_s=60)
     try:
-        keys = [index.to_bytes(36, "big") for index in range(1000)]
-        manager.complete_load(keys, ReqContext("r"))
-        # No public view of the loads kept for the next report.
-        assert manager._loaded == []
-        manager.tracks_loads = True  # KVStageConnector: loads_reported empties it each step
-        manager.complete_load(keys[:3], ReqContext("r"))
-        assert manager._loaded == [key.hex() for key in keys[:3]]
-        manager.loads_reported(failed=False)
-        assert manager._loaded == []
+        keys = [index.to_bytes(36, "big") for index in range(3)]
+        assert manager.prepare_store(keys, ReqContext("r")).keys_to_store == keys
+        store.put([key.hex() for key in keys], [torch.zeros(16, dtype=torch.uint8)] * 3)
+        manager.complete_store(keys, ReqContext("r"))
+        manager.complete_load(keys, ReqContext("r"))  # read, or failed: the store keeps no pins
+        manager.loads_failed([keys[1].hex()])
+        lookups = [manager.lookup(key, ReqContext("r")) for key in keys]
+        assert lookups == [LookupResult.HIT, LookupResult.MISS, LookupResult.HIT]
+        assert manager.prepare_store(keys, ReqContext("r")).keys_to_store == [keys[1]]  # vLLM computes it again
+        manager.complete_store([keys[1]], ReqContext("r"))  # the store kept its unreadable page: "held"
+        assert manager.lookup(keys[1], ReqContext("r")) is LookupResult.MISS
     finally:
         manager.shutdown()
 
