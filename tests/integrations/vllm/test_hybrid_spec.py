@@ -1,5 +1,5 @@
 """KVStageOffloadingSpec with a hybrid model's KV cache groups, in vLLM 0.33.0's own Scheduler and
-connector on CPU (:class:`vllm_rig.HybridRig`): each group keeps its own key space; vLLM's
+connector on CPU (:class:`vllm_hybrid_rig.HybridRig`): each group keeps its own key space; vLLM's
 connector scheduler decides which chunks of each group to store (those that can serve a hit) and
 to load (a sliding-window group: the window before the hit), and kvstage's worker moves them.
 
@@ -7,7 +7,9 @@ What must hold: the tokens a second request hits are the restorable length kvsta
 (:func:`kvstage.offload.restorable.restorable_lengths`) computes from what each group's store
 holds; a sliding-window group reads only its window (:meth:`SlidingWindow.window_pages`); every
 loaded block holds exactly the first request's bytes; a second scheduler over the same store hits
-as well; a group kind kvstage does not store is refused at start, naming it.
+as well; a group kind kvstage does not store is refused at start, naming it; a page that cannot be
+read is reported as its request (vLLM refuses block ids for several groups), which vLLM looks up
+again to the restorable length without that page, and later requests still hit it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch  # noqa: E402
 from kvstage.errors import InvalidArgumentError  # noqa: E402
 from kvstage.offload.restorable import pages_to_load, restorable_lengths, swa_store_mask  # noqa: E402
 
-from vllm_rig import HybridRig, run_to_prompt_end  # noqa: E402
+from vllm_hybrid_rig import HybridRig  # noqa: E402
+from vllm_rig import run_to_prompt_end  # noqa: E402
 
 BLOCK = HybridRig.BLOCK_SIZE
 PROMPT = list(range(1, 6 * BLOCK + 6))  # 6 full blocks and 5 tokens
