@@ -6,8 +6,12 @@ vLLM's ``OffloadingConnector`` asserts that every transfer its worker reports su
 back (corrupt, evicted by another process between lookup and load) would stop the engine. vLLM's
 scheduler itself can take such a failure: a connector's ``get_block_ids_with_load_errors`` names
 the blocks, and with ``kv_load_failure_policy`` ``"recompute"`` the scheduler computes them again
-(``"fail"``, vLLM's default, fails the requests). This connector is vLLM's own with that one
-method, fed by :class:`KVStageWorker`.
+(``"fail"``, vLLM's default, fails the requests). For a model of several KV cache groups vLLM
+0.33.0's scheduler refuses block ids (``_handle_invalid_blocks`` raises: a block id names a block
+only within its group) and takes the request instead, in ``get_transfer_results``'
+``failed_recving``: it drops the request's loaded tokens and looks it up again, and the pages the
+load stopped at are misses by then, so it hits what every group can still restore. This
+connector is vLLM's own with those two paths, fed by :class:`KVStageWorker`.
 
 Its workers also report, through vLLM's own worker-to-scheduler metadata
 (``KVConnectorOutput.kv_connector_worker_meta``, which vLLM's executors carry from worker
@@ -93,10 +97,12 @@ class KVStageWorkerMetadata(OffloadingWorkerMetadata):
     Attributes:
         unwritten_keys: page keys (hex ``OffloadKey``) store jobs reported done could not write.
         removed_keys: page keys the workers' stores evicted or removed, in order per worker.
+        unreadable_keys: page keys failed loads stopped at (:meth:`KVStageWorker.take_unreadable_keys`).
     """
 
     unwritten_keys: list[str] = field(default_factory=list)
     removed_keys: list[str] = field(default_factory=list)
+    unreadable_keys: list[str] = field(default_factory=list)
 
     def aggregate(self, other) -> "KVStageWorkerMetadata":
         """This worker's metadata and ``other``'s (a plain ``OffloadingWorkerMetadata`` adds
@@ -107,12 +113,15 @@ class KVStageWorkerMetadata(OffloadingWorkerMetadata):
             transfer_stats=merged.transfer_stats,
             unwritten_keys=self.unwritten_keys + getattr(other, "unwritten_keys", []),
             removed_keys=self.removed_keys + getattr(other, "removed_keys", []),
+            unreadable_keys=self.unreadable_keys + getattr(other, "unreadable_keys", []),
         )
 
 
 class KVStageConnector(OffloadingConnector):
-    """vLLM's ``OffloadingConnector`` over :class:`KVStageOffloadingSpec` that reports the
-    blocks of failed loads to vLLM's scheduler instead of stopping the engine.
+    """vLLM's ``OffloadingConnector`` over :class:`KVStageOffloadingSpec` that reports failed
+    loads to vLLM's scheduler instead of stopping the engine: their blocks
+    (``get_block_ids_with_load_errors``) for a model of one KV cache group, their requests
+    (``failed_recving``) for several, as vLLM 0.33.0's scheduler takes them.
 
     Args:
         vllm_config, role, kv_cache_config: as vLLM's ``OffloadingConnector`` (vLLM passes them).
@@ -120,11 +129,25 @@ class KVStageConnector(OffloadingConnector):
     Raises:
         InvalidArgumentError: ``spec_name`` is missing or names another spec than
             ``KVStageOffloadingSpec``, or ``spec_module_path`` is missing or does not give it;
-            before vLLM builds any spec (another spec may map shared memory as it is built).
+            before vLLM builds any spec (another spec may map shared memory as it is built);
+            or ``sync_load_budget_bytes`` set for a model of several KV cache groups (vLLM
+            0.33.0's scheduler has no path for a failed sync load of such a model: its request
+            runs in the step of its load, and ``failed_recving`` names waiting requests only).
     """
 
     def __init__(self, vllm_config, role, kv_cache_config) -> None:
-        check_spec_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        extra_config = vllm_config.kv_transfer_config.kv_connector_extra_config
+        check_spec_config(extra_config)
+        # vLLM's scheduler takes block ids of failed loads for one KV cache group only (all groups count)
+        by_request = len(kv_cache_config.kv_cache_groups) > 1
+        require(
+            not (by_request and int(extra_config.get("sync_load_budget_bytes", 0) or 0)),
+            "sync_load_budget_bytes",
+            lambda: (
+                f"must be 0 for a model of {len(kv_cache_config.kv_cache_groups)} KV cache groups: vLLM's scheduler "
+                f"cannot recompute a failed sync load of such a model, got {extra_config.get('sync_load_budget_bytes')!r}"
+            ),
+        )
         token = KV_CACHE_CONFIG.set(kv_cache_config)  # the spec vLLM builds here reads each group's kind
         try:
             super().__init__(vllm_config, role, kv_cache_config)
@@ -138,6 +161,7 @@ class KVStageConnector(OffloadingConnector):
                 lambda: f"KVStageConnector runs KVStageOffloadingSpec, got {type(spec).__name__}",
             )
             spec.report_load_errors = True  # before vLLM asks the spec for its worker
+            spec.load_errors_by_request = by_request
             spec.reports_stores = True
             spec.load_failure_policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         else:
@@ -147,8 +171,9 @@ class KVStageConnector(OffloadingConnector):
                 "spec_name",
                 lambda: f"KVStageConnector runs KVStageOffloadingSpec, got a {type(manager).__name__}",
             )
-            manager.tracks_loads = True  # update_connector_output reports each step's loads
             manager.workers_report_stores = True  # and the workers' stores
+        # worker side, several groups: the request of each async load job in flight (from the metadata)
+        self._load_requests: dict[int, str] | None = {} if by_request and self.connector_worker is not None else None
         policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         if policy != "recompute":
             logger.warning(
@@ -159,12 +184,14 @@ class KVStageConnector(OffloadingConnector):
 
     def build_connector_worker_meta(self) -> KVStageWorkerMetadata | None:
         """vLLM's metadata of this worker's step (completed jobs, transfer stats) with the
-        worker's store report (:meth:`KVStageWorker.take_store_report`); None when there is
+        worker's store report (:meth:`KVStageWorker.take_store_report`) and the pages its
+        failed loads stopped at (:meth:`KVStageWorker.take_unreadable_keys`); None when there is
         nothing to report."""
         meta = super().build_connector_worker_meta()
         worker = None if self.connector_worker is None else self.connector_worker.worker
         unwritten, removed = worker.take_store_report() if worker is not None else ([], [])
-        if meta is None and not unwritten and not removed:
+        unreadable = worker.take_unreadable_keys() if worker is not None else []
+        if meta is None and not unwritten and not removed and not unreadable:
             return None
         base = meta or OffloadingWorkerMetadata()
         return KVStageWorkerMetadata(
@@ -172,26 +199,51 @@ class KVStageConnector(OffloadingConnector):
             transfer_stats=base.transfer_stats,
             unwritten_keys=unwritten,
             removed_keys=removed,
+            unreadable_keys=unreadable,
         )
 
     def update_connector_output(self, connector_output) -> None:
-        """The workers' store report first (:meth:`KVStageOffloadingManager.stores_reported`:
+        """The workers' report first: the pages their failed loads stopped at become misses
+        for ``miss_ttl_s`` (:meth:`KVStageOffloadingManager.loads_failed`: vLLM computes them
+        instead of loading them again, and a request it looks up again hits what is still
+        restorable), and their stores (:meth:`KVStageOffloadingManager.stores_reported`:
         before vLLM completes the store jobs of this output, so a page a worker did not write
-        is not announced), then vLLM's bookkeeping of the workers' output (scheduler side),
-        then: blocks reported with load errors make the keys of the loads that ended in this
-        output misses for ``miss_ttl_s`` (:meth:`KVStageOffloadingManager.loads_reported`),
-        so vLLM computes them instead of loading them again."""
+        is not announced); then vLLM's bookkeeping of the workers' output (scheduler side)."""
         manager = self.connector_scheduler.manager
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, KVStageWorkerMetadata) and (meta.unwritten_keys or meta.removed_keys):
+        if isinstance(meta, KVStageWorkerMetadata):
             with manager.lock:
-                manager.stores_reported(meta.unwritten_keys, meta.removed_keys)
+                if meta.unreadable_keys:
+                    manager.loads_failed(meta.unreadable_keys)
+                if meta.unwritten_keys or meta.removed_keys:
+                    manager.stores_reported(meta.unwritten_keys, meta.removed_keys)
         super().update_connector_output(connector_output)
-        with manager.lock:
-            manager.loads_reported(failed=bool(connector_output.invalid_block_ids))
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        """vLLM's start of the step's transfers; for several KV cache groups, first the request
+        of each async load job in this step's metadata (its failure names the request)."""
+        if self._load_requests is not None:
+            for job_id, job in self._get_connector_metadata().load_jobs.items():
+                if not job.sync:  # refused at start for several groups (sync_load_budget_bytes)
+                    self._load_requests[job_id] = job.req_id
+        super().start_load_kv(forward_context, **kwargs)
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """vLLM's finished transfers (worker side); for several KV cache groups, with the
+        requests whose loads failed in ``failed_recving`` (each also in ``finished_recving``,
+        as vLLM's output aggregator requires), which vLLM's scheduler computes again from what
+        the store can still restore (``kv_load_failure_policy`` ``"recompute"``) or fails."""
+        results = super().get_transfer_results(finished_req_ids)
+        if self._load_requests is not None:
+            failed = self.connector_worker.worker.take_failed_load_jobs()
+            results.failed_recving.update(self._load_requests[job_id] for job_id in failed)
+            done = results.finished_recving
+            self._load_requests = {job: req for job, req in self._load_requests.items() if req not in done}
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of loads that failed since the last call (worker side; vLLM calls it after
-        collecting the step's finished transfers)."""
+        collecting the step's finished transfers); none for several KV cache groups (their
+        failed loads are requests in :meth:`get_transfer_results`)."""
         worker = None if self.connector_worker is None else self.connector_worker.worker
         return set() if worker is None else worker.take_block_ids_with_load_errors()

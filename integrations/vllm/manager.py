@@ -75,9 +75,9 @@ class KVStageOffloadingManager(OffloadingManager):
 
     A store's eviction of a page is seen at once when the workers report their stores (any
     process) or share this process's store object; otherwise within ``hit_ttl_s`` of the
-    key's last check, or when a load of it fails (:meth:`loads_reported`, from
-    :class:`KVStageConnector`; vLLM recomputes the blocks, and the keys miss for
-    ``miss_ttl_s``).
+    key's last check, or when a load of it fails (:meth:`loads_failed`, from
+    :class:`KVStageConnector`; vLLM recomputes the blocks, and the page a load stopped at
+    misses for ``miss_ttl_s``).
     """
 
     def __init__(
@@ -106,8 +106,6 @@ class KVStageOffloadingManager(OffloadingManager):
         self._announced: set[str] = set()  # page keys announced stored and not removed since (events only)
         self.workers_report_stores = False  # KVStageConnector sets it: stores_reported each step
         self._clear_pending = False  # a reset waits for the jobs in flight before clearing
-        self.tracks_loads = False  # KVStageConnector sets it: it calls loads_reported each step
-        self._loaded: list[str] = []  # keys of loads that ended since vLLM last passed on the workers' output
         self._miss_ttl_s = miss_ttl_s
         self._clock = time.monotonic
         self._unreadable: dict[str, float] = {}  # key of a failed load -> when it failed (oldest first)
@@ -130,26 +128,24 @@ class KVStageOffloadingManager(OffloadingManager):
         return KVStageLoadStoreSpec(page_keys(keys))
 
     def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
-        """The workers finished loading ``keys`` (read, or reported as failed blocks). Kept for
-        :meth:`loads_reported` only while :attr:`tracks_loads` (else nothing would empty it)."""
-        if self.tracks_loads:
-            self._loaded.extend(page_keys(keys))
+        """The workers finished loading ``keys`` (read, or failed: :meth:`loads_failed` names
+        the pages that were not); the store keeps no pins, so nothing to release."""
 
-    def loads_reported(self, *, failed: bool) -> None:
-        """vLLM passed on the workers' output of a step; with ``failed``, blocks of a load in
-        it could not be read (:class:`KVStageConnector`): every key of the loads that ended in
-        it is a miss for ``miss_ttl_s``, or until this process stores it again (vLLM's output
-        names GPU blocks, not keys, so the keys of every load of that step). Not asked of the
-        store again at once: a page that exists but cannot be read (EIO, a replica whose
-        transfer fails) would be offered, fail and be offered again, and its request would
-        never finish."""
-        if failed:
-            self.index.discard(self._loaded)
-            now = self._clock()
-            for key in self._loaded:
-                self._unreadable.pop(key, None)  # to the end: the dict stays oldest first
-                self._unreadable[key] = now
-        self._loaded = []
+    def loads_failed(self, keys: Iterable[str]) -> None:
+        """The workers' loads stopped at ``keys`` (page keys, from
+        :meth:`KVStageWorker.take_unreadable_keys` via :class:`KVStageConnector`): each is a
+        miss for ``miss_ttl_s``, a store of it meanwhile included; the pages before them
+        in their loads were read and stay hits, so a request that vLLM looks up again (several
+        KV groups) or another request hits the prefix still restorable. Not asked of the store
+        again at once: a page that exists but cannot be read (EIO, a replica whose transfer
+        fails) would be offered, fail and be offered again, and its request would never
+        finish."""
+        keys = list(keys)
+        self.index.discard(keys)
+        now = self._clock()
+        for key in keys:
+            self._unreadable.pop(key, None)  # to the end: the dict stays oldest first
+            self._unreadable[key] = now
 
     def _prune_unreadable(self) -> None:
         """Forget failed loads older than ``miss_ttl_s`` (their keys may be asked again)."""

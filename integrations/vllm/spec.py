@@ -125,6 +125,7 @@ class KVStageOffloadingSpec(OffloadingSpec):
                 if self.layout.component(name).kind != "full"
             )
         self.report_load_errors = False  # KVStageConnector sets it: failed loads go to vLLM's scheduler
+        self.load_errors_by_request = False  # KVStageConnector sets it for several KV cache groups
         self.load_failure_policy = "fail"  # KVStageConnector sets vLLM's kv_load_failure_policy (for warnings)
         self.reports_stores = False  # KVStageConnector sets it: workers report their stores to the scheduler
         self._manager: KVStageOffloadingManager | None = None
@@ -157,6 +158,7 @@ class KVStageOffloadingSpec(OffloadingSpec):
                     storage,
                     num_host_pages=self.num_host_pages,
                     report_load_errors=self.report_load_errors,
+                    load_errors_by_request=self.load_errors_by_request,
                     load_failure_policy=self.load_failure_policy,
                     reports_stores=self.reports_stores,
                     group_ids=None if self.group_fingerprints is None else tuple(self.group_fingerprints),

@@ -38,7 +38,11 @@ class KVStageWorker(OffloadingWorker):
     :attr:`pages_failed` (the scheduler's manager asks the store before it offers those keys);
     a load that could not read every page is reported done with its blocks in
     :meth:`take_block_ids_with_load_errors`, which :class:`KVStageConnector` hands to vLLM's
-    scheduler (``kv_load_failure_policy``: ``"recompute"`` computes them again). Without that
+    scheduler (``kv_load_failure_policy``: ``"recompute"`` computes them again), or, for a model
+    of several KV cache groups (``load_errors_by_request``), with its job id in
+    :meth:`take_failed_load_jobs`, which the connector reports as the request's failed receive
+    (vLLM's ``failed_recving``: a block id names a block only within its group). Either way the
+    page each failed group part stopped at is kept for :meth:`take_unreadable_keys`. Without that
     connector (``report_load_errors`` False) a failed load is reported failed: vLLM's own
     ``OffloadingConnector`` has no way to take it and its worker stops the engine.
 
@@ -49,7 +53,11 @@ class KVStageWorker(OffloadingWorker):
             groups a :class:`kvstage.integrations.vllm.groups.GroupStores` (a store per group).
         num_host_pages: host pages for blocks in flight (a job of more blocks moves in parts).
         report_load_errors: failed loads go to :meth:`take_block_ids_with_load_errors`: the
-            blocks from the first page that did not land on (the pages before it landed).
+            blocks from the first page that did not land on (the pages before it landed); the
+            page each stopped at goes to :meth:`take_unreadable_keys`.
+        load_errors_by_request: with ``report_load_errors``, a failed load's job id goes to
+            :meth:`take_failed_load_jobs` instead of its blocks (vLLM 0.33.0's scheduler refuses
+            block ids of failed loads for a model of several KV cache groups).
         load_failure_policy: vLLM's ``kv_load_failure_policy`` (``"recompute"`` or ``"fail"``),
             for the warnings only.
         reports_stores: keep for :meth:`take_store_report` the keys each store job could not
@@ -74,6 +82,7 @@ class KVStageWorker(OffloadingWorker):
         *,
         num_host_pages: int = 256,
         report_load_errors: bool = False,
+        load_errors_by_request: bool = False,
         load_failure_policy: str = "fail",
         reports_stores: bool = False,
         group_ids: tuple[int, ...] | None = None,
@@ -107,12 +116,15 @@ class KVStageWorker(OffloadingWorker):
         self.kv_pool, self.copier, self.keyed = first.kv_pool, first.copier, first.keyed  # the (first) group's
         self.storage = storage
         self.report_load_errors = report_load_errors
+        self.load_errors_by_request = load_errors_by_request
         self.load_failure_policy = load_failure_policy
         self.pages_failed = 0  # pages of store jobs not written (reported done to vLLM)
         self.loads_failed = 0  # load jobs that could not read every page
         self._jobs: dict[int, _Job] = {}  # job id -> its parts (one per group with blocks in it)
         self._done: list[TransferResult] = []  # jobs of no blocks, reported at the next get_finished
         self._load_errors: set[int] = set()
+        self._failed_load_jobs: list[int] = []  # load_errors_by_request: job ids of failed loads
+        self._unreadable: list[str] = []  # the page each failed load's group part stopped at
         self.reports_stores = reports_stores
         self._unwritten: list[str] = []  # keys of store jobs not written, since the last report
         self._removed: list[str] = []  # keys the store evicted or removed, in order
@@ -147,7 +159,9 @@ class KVStageWorker(OffloadingWorker):
         if not parts:
             self._done.append(TransferResult(job_id, True, transfer_size=0, transfer_time=0.0))
             return
-        self._jobs[job_id] = _Job(is_store, {index: blocks for index, blocks, _, _ in parts})
+        self._jobs[job_id] = _Job(
+            is_store, {index: blocks for index, blocks, _, _ in parts}, {index: keys for index, _, keys, _ in parts}
+        )
         for index, blocks, keys, priors in parts:
             mover = self._movers[index]
             slots = torch.tensor(blocks, dtype=torch.int64, device=mover.kv_pool.device)
@@ -224,10 +238,14 @@ class KVStageWorker(OffloadingWorker):
                     read_failure_cause(result.error),
                     self._load_failure_outcome(len(failed)),
                 )
-                if self.report_load_errors:
-                    self._load_errors.update(failed)
+                if self.report_load_errors and result.loaded_pages < len(job.keys[index]):
+                    self._unreadable.append(job.keys[index][result.loaded_pages])
+                    if not self.load_errors_by_request:
+                        self._load_errors.update(failed)
         if not ok and not job.is_store:
             self.loads_failed += 1
+            if self.report_load_errors and self.load_errors_by_request:
+                self._failed_load_jobs.append(job_id)
         # a store that failed is reported done (vLLM only frees the blocks; the manager learns which
         # pages are missing); a failed load too where its blocks go to vLLM's scheduler
         reported_ok = ok or job.is_store or self.report_load_errors
@@ -257,6 +275,13 @@ class KVStageWorker(OffloadingWorker):
         """What vLLM does with a failed load, by the policy in force."""
         if not self.report_load_errors:
             return "reported as a failed transfer (vLLM's OffloadingConnector stops the engine; use KVStageConnector)"
+        if self.load_errors_by_request:  # vLLM's failed_recving: the request, every group
+            if self.load_failure_policy == "recompute":
+                return (
+                    "its request is computed again from what the store can still restore in every KV group "
+                    "(kv_load_failure_policy 'recompute')"
+                )
+            return f"its request fails (kv_load_failure_policy {self.load_failure_policy!r})"
         if self.load_failure_policy == "recompute":
             return f"its {num_blocks} blocks from that page on are computed again (kv_load_failure_policy 'recompute')"
         return f"its {num_blocks} blocks from that page on are reported invalid and vLLM fails the request (kv_load_failure_policy {self.load_failure_policy!r})"
@@ -267,6 +292,19 @@ class KVStageWorker(OffloadingWorker):
         :meth:`get_finished` call or an earlier one."""
         block_ids, self._load_errors = self._load_errors, set()
         return block_ids
+
+    def take_failed_load_jobs(self) -> list[int]:
+        """Job ids of loads that failed since the last call (with ``load_errors_by_request``);
+        a job is reported done in the same :meth:`get_finished` call."""
+        job_ids, self._failed_load_jobs = self._failed_load_jobs, []
+        return job_ids
+
+    def take_unreadable_keys(self) -> list[str]:
+        """Page keys (hex ``OffloadKey``) failed loads stopped at since the last call (with
+        ``report_load_errors``): per failed group part of a job, its first page that did not
+        land; the scheduler's manager makes them misses (the pages before them were read)."""
+        keys, self._unreadable = self._unreadable, []
+        return keys
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until the given jobs finished (their results stay for :meth:`get_finished`)."""
@@ -299,11 +337,13 @@ class KVStageWorker(OffloadingWorker):
 
 
 class _Job:
-    """A job's parts in flight: each group's blocks, and each group's result as it ends."""
+    """A job's parts in flight: each group's blocks and page keys, and each group's result as it
+    ends."""
 
-    def __init__(self, is_store: bool, blocks: dict[int, list[int]]) -> None:
+    def __init__(self, is_store: bool, blocks: dict[int, list[int]], keys: dict[int, list[str]]) -> None:
         self.is_store = is_store
         self.blocks = blocks  # group index -> the job's GPU block ids of that group
+        self.keys = keys  # group index -> the page keys of those blocks, in order
         self.results: dict[int, Any] = {}  # group index -> its KeyedResult
 
 

@@ -18,7 +18,8 @@ def main(kind: str, model_dir: str, url: str) -> None:
 
     from kvstage.offload.restorable import pages_to_load, restorable_lengths
 
-    from vllm_rig import HybridRig, run_to_prompt_end
+    from vllm_hybrid_rig import HybridRig
+    from vllm_rig import run_to_prompt_end
 
     prompt = list(range(1, 6 * HybridRig.BLOCK_SIZE + 6))
     rig = HybridRig(model_dir, url, kind=kind)

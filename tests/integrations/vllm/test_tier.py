@@ -28,7 +28,7 @@ from kvstage.errors import InvalidArgumentError  # noqa: E402
 from kvstage.integrations.vllm import KVStageTier  # noqa: E402
 from kvstage.storage import FileStore  # noqa: E402
 
-from vllm_rig import CHUNK_BYTES, chunks_for, keys_of, offloading_config  # noqa: E402
+from vllm_offloading_config import CHUNK_BYTES, chunks_for, keys_of, offloading_config  # noqa: E402
 
 NUM_CHUNKS = 4  # the CPU tier's slots
 

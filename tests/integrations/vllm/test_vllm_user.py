@@ -30,13 +30,10 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 from kvstage.errors import InvalidArgumentError  # noqa: E402
 from kvstage.integrations.vllm import KVStageTier  # noqa: E402
 
+from vllm_offloading_config import CHUNK_BYTES, chunks_for, keys_of, offloading_config  # noqa: E402
 from vllm_rig import (  # noqa: E402
-    CHUNK_BYTES,
     ConnectorRig,
     assert_blocks_hold,
-    chunks_for,
-    keys_of,
-    offloading_config,
     run_to_prompt_end,
     slow_down,
     step_until_writes_in_flight,

@@ -1,0 +1,190 @@
+"""A hybrid model's KV cache groups in vLLM's real ``Scheduler`` with ``KVStageConnector``
+(:class:`HybridRig`, importable as ``vllm_hybrid_rig``; it imports vLLM lazily)."""
+
+from __future__ import annotations
+
+from vllm_rig import ConnectorRig
+
+
+class HybridRig(ConnectorRig):
+    """:class:`ConnectorRig` over a hybrid model of four layers, its KV cache laid out as vLLM's
+    hybrid allocator lays it out (groups of equal layer counts overlaying one allocation, one
+    layer slot per group layer; a block id belongs to one group at a time):
+
+    - ``"swa"``, gpt-oss-like: layers 0 and 2 sliding window (``WINDOW`` tokens), 1 and 3 full
+      attention; group 0 full ``[1, 3]``, group 1 sliding window ``[0, 2]``;
+    - ``"chunked"``: the same with chunked local attention (chunks of ``WINDOW`` tokens, a kind
+      kvstage does not store) instead of the sliding window;
+    - ``"mamba"``, Qwen3-Next-like: layers 0-2 linear attention (``MambaSpec`` in align mode:
+      a conv and a recurrent state, padded to the attention page), layer 3 full attention; a group
+      per layer (group 0 full ``[3]``, groups 1-3 the state layers), as vLLM groups 3:1 models.
+      The stand-in writes the state after exactly ``L`` tokens (``L`` a multiple of the block,
+      a function of ``tokens[:L]`` and the layer) into the group's block ``L / BLOCK_SIZE - 1``,
+      where vLLM's align mode keeps it, and performs the scheduler's copy-on-write block copies.
+
+    :attr:`spec` is the worker side's ``KVStageOffloadingSpec`` (its groups are the scheduler side's).
+
+    The stand-in model writes random bytes: token ``t`` at position ``p`` of layer ``l`` is
+    ``RANDOM[p, l] ^ t`` (int16 bits, a seeded table), so a block's bytes are a function of its
+    tokens and positions and a loaded block must hold exactly them.
+    """
+
+    WINDOW = 24
+    LAYERS = tuple(f"model.layers.{index}.self_attn.attn" for index in range(4))
+
+    def __init__(self, model_dir, storage: str, *, kind: str = "swa", **kwargs) -> None:
+        import torch
+
+        assert kind in ("swa", "chunked", "mamba"), kind
+        self.kind = kind
+        if kind == "mamba":
+            self.CACHE_CONFIG = {"mamba_cache_mode": "align"}  # what --enable-prefix-caching picks for it
+        generator = torch.Generator().manual_seed(29)
+        shape = (512, len(self.LAYERS), 2, self.NUM_KV_HEADS, self.HEAD_SIZE)
+        self.random = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
+        super().__init__(model_dir, storage, **kwargs)
+
+    def _kv_cache_config(self):
+        import torch
+        from vllm.v1.kv_cache_interface import (
+            ChunkedLocalAttentionSpec,
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+            SlidingWindowSpec,
+        )
+
+        if self.kind == "mamba":
+            return self._mamba_kv_cache_config()
+        block_size, num_blocks = self.BLOCK_SIZE, self.NUM_BLOCKS
+        sizes = dict(
+            block_size=block_size, num_kv_heads=self.NUM_KV_HEADS, head_size=self.HEAD_SIZE, dtype=torch.float16
+        )
+        full = FullAttentionSpec(**sizes)
+        if self.kind == "swa":
+            window = SlidingWindowSpec(**sizes, sliding_window=self.WINDOW)
+        else:
+            window = ChunkedLocalAttentionSpec(**sizes, attention_chunk_size=self.WINDOW)
+        L = self.LAYERS
+        self.groups = [[L[1], L[3]], [L[0], L[2]]]
+        specs = [full, window]
+        page = full.page_size_bytes
+        slots = len(self.groups[0])
+        self.backing = torch.zeros(slots, num_blocks, page, dtype=torch.int8)
+        self.kv, self.bits = {}, {}
+        for group in self.groups:
+            for slot, name in enumerate(group):
+                self.kv[name] = (
+                    self.backing[slot]
+                    .view(torch.float16)
+                    .view(num_blocks, 2, block_size, self.NUM_KV_HEADS, self.HEAD_SIZE)
+                )
+                self.bits[name] = self.kv[name].view(torch.int16)
+        size = slots * num_blocks * page
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[
+                KVCacheTensor(size=size, layers=list(group), layer_stride=num_blocks * page, block_stride=page)
+                for group in self.groups
+            ],
+            kv_cache_groups=[KVCacheGroupSpec(list(group), spec) for group, spec in zip(self.groups, specs)],
+        )
+
+    STATE_SHAPES = ((64, 3), (2, 8, 16))  # conv (float16), recurrent (float32): 1408 bytes, padded to 2048
+
+    def _mamba_kv_cache_config(self):
+        import torch
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+            MambaSpec,
+        )
+
+        block_size, num_blocks = self.BLOCK_SIZE, self.NUM_BLOCKS
+        full = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=self.NUM_KV_HEADS, head_size=self.HEAD_SIZE, dtype=torch.float16
+        )
+        page = full.page_size_bytes
+        state = MambaSpec(
+            block_size=block_size,
+            shapes=self.STATE_SHAPES,
+            dtypes=(torch.float16, torch.float32),
+            page_size_padded=page,
+            mamba_cache_mode="align",
+        )
+        self.state_bytes = state.state_content_size_bytes
+        L = self.LAYERS
+        self.groups = [[L[3]], [L[0]], [L[1]], [L[2]]]
+        self.backing = torch.zeros(1, num_blocks, page, dtype=torch.int8)
+        self.rows = self.backing[0]  # (num_blocks, page): every layer's block row (one layer slot)
+        attention = self.rows.view(torch.float16).view(num_blocks, 2, block_size, self.NUM_KV_HEADS, self.HEAD_SIZE)
+        conv = self.rows.view(torch.float16)[:, : 64 * 3].view(num_blocks, 64, 3)  # a state layer's first tensor
+        self.kv = {L[3]: attention, L[0]: conv, L[1]: conv, L[2]: conv}
+        self.bits = {L[3]: attention.view(torch.int16)}
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[
+                KVCacheTensor(
+                    size=num_blocks * page, layers=list(group), layer_stride=num_blocks * page, block_stride=page
+                )
+                for group in self.groups
+            ],
+            kv_cache_groups=[
+                KVCacheGroupSpec(list(group), spec) for group, spec in zip(self.groups, [full, state, state, state])
+            ],
+        )
+
+    def state_after(self, tokens: list[int], name: str):
+        """A state layer's state after exactly ``tokens`` (its ``state_bytes`` bytes, int8)."""
+        import torch
+
+        seed = hash((tuple(tokens), self.LAYERS.index(name))) % 2**31  # ints hash alike in every process
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randint(-128, 128, (self.state_bytes,), dtype=torch.int8, generator=generator)
+
+    @property
+    def spec(self):
+        return self.worker.connector_worker.spec
+
+    def group_block_ids(self, request_id: str, group: int) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[group])
+
+    def token_bits(self, token: int, position: int, name: str):
+        """A token's row of one layer's block, as the stand-in model writes it (int16 bits)."""
+        return self.random[position, self.LAYERS.index(name)] ^ token
+
+    def forward(self, request_id: str, start: int, end: int) -> None:
+        tokens = self.scheduler.requests[request_id].all_token_ids
+        if self.kind == "mamba":
+            for group_index, (name,) in enumerate(self.groups[1:], 1):
+                blocks = self.group_block_ids(request_id, group_index)
+                for length in range((start // self.BLOCK_SIZE + 1) * self.BLOCK_SIZE, end + 1, self.BLOCK_SIZE):
+                    block = blocks[length // self.BLOCK_SIZE - 1]
+                    if block != 0:
+                        self.rows[block, : self.state_bytes] = self.state_after(tokens[:length], name)
+        for group_index, group in enumerate(self.groups):
+            if self.kind == "mamba" and group_index > 0:
+                continue
+            blocks = self.group_block_ids(request_id, group_index)
+            for position in range(start, end):
+                block = blocks[position // self.BLOCK_SIZE]
+                assert block != 0, (request_id, group_index, position)  # a position computed has a block
+                for name in group:
+                    self.bits[name][block, :, position % self.BLOCK_SIZE] = self.token_bits(
+                        tokens[position], position, name
+                    )
+
+    def expected_block(self, prompt: list[int], name: str, block_index: int):
+        """Layer ``name``'s block ``block_index`` for ``prompt`` (int16 bits)."""
+        import torch
+
+        return torch.stack(
+            [
+                self.token_bits(prompt[position], position, name)
+                for position in range(block_index * self.BLOCK_SIZE, (block_index + 1) * self.BLOCK_SIZE)
+            ],
+            dim=1,
+        )
