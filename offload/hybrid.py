@@ -21,6 +21,12 @@ is missing.
   its component writes has ended (:meth:`Hybrid.writes_ended`).
 - Host staging of every component copy comes from a :class:`StagingPool` and goes back once
   its write or load ended: a steady state allocates none.
+- One hop (a store with ``put_adopting`` / ``lend``: :class:`~kvstage.storage.MemoryStore`), for
+  entries of one row (a snapshot; a run of one page): the put hands the filled staging buffer
+  itself to the store, which gives back the buffer of the entry it evicted (into the staging
+  pool, on the manager's thread once the write ended), and a load scatters straight from the
+  store's page, lent (never evicted) until the scatter is done; no copy between staging and
+  store. Other stores, and entries of several rows, copy as ``put`` / ``get`` do.
 - Lookup and prefetch: every store is asked for the keys; the answer is the restorable length
   (:func:`restorable_lengths`). A prefetch reads the full pages and every component's entries
   for the largest restorable length it has host pages for; an entry that cannot be read
@@ -104,10 +110,12 @@ class _Entries:
         "first",
         "length",
         "counted",
+        "loan",
     )
 
     def __init__(self, name: str, state: Any, buffer: torch.Tensor, count: int) -> None:
         self.name, self.state, self.buffer, self.staging = name, state, buffer, buffer[:count]
+        self.loan: Any = None  # a load's page lent by the store (staging is a view of it; buffer None)
         self.indices: list[int] = []
         self.keys: list[str] | None = None  # known once the run is keyed (store) or read (load)
         self.handle: CopyHandle | None = None
@@ -317,6 +325,8 @@ class Hybrid:
                 pending.append((entries, future))
                 continue
             outcome = future.result()
+            if any(outcome.adopted):  # the store keeps the buffer; its victims' take its place
+                self._swap_in(entries, outcome.spares)
             self._give_back(entries)
             self.failed[entries.name] += len(outcome.failed_keys)
             self.stored[entries.name] += outcome.stored + outcome.deduplicated
@@ -351,13 +361,27 @@ class Hybrid:
         return state.offloaded_length - unsettled >= entries.length
 
     def _put(self, entries: _Entries) -> Any:
-        """On the writer thread: put the entries; a snapshot only when its full page is stored."""
+        """On the writer thread: put the entries; a snapshot only when its full page is stored.
+        One entry on a buffer of its own goes to a store that adopts it without a copy."""
         pages = [entries.staging[i] for i in range(len(entries.keys))]
         if entries.name == getattr(self.state, "name", None):
             key = entries.keys[0]
             if not self.stores[self.full.name].exists([key])[0]:
                 return WriteOutcome(failed_keys=[key], error=MissingPriorError(key))
-        return write_pages(self.stores[entries.name], entries.keys, pages, prior_key=None)
+        store = self.stores[entries.name]
+        if len(pages) == 1 and callable(getattr(store, "put_adopting", None)) and store.adoptable(entries.buffer):
+            return write_pages(store, entries.keys, [entries.buffer], prior_key=None, adopt=True)
+        return write_pages(store, entries.keys, pages, prior_key=None)
+
+    def _swap_in(self, entries: _Entries, spares: list[torch.Tensor]) -> None:
+        """The store adopted ``entries``' staging buffer: it is never given back; the buffers the
+        store gave for it (no copy reads or writes them) join the staging pool in its place
+        (on the manager's thread, as every give), when they are memory of the same kind."""
+        shape, dtype = entries.buffer.shape, entries.buffer.dtype
+        entries.buffer = entries.staging = None
+        for spare in spares:
+            if spare.numel() == shape.numel() * dtype.itemsize and spare.is_pinned() == self.staging.pinned:
+                self.staging.give(spare.view(dtype).view(shape))
 
     def wait_loads(self, state: Any, aborted: bool) -> None:
         """An abort (``aborted``): block until ``state``'s component scatters are done, counted ended."""
@@ -444,15 +468,21 @@ class Hybrid:
         plan, read = pages_to_load(self.layout, self.page_size, length), {}
         for component in self.others:
             indices = list(plan[component.name])
-            entries = self._staging(component.name, None, self.components.pools[component.name], len(indices))
-            entries.indices, entries.keys, entries.length = indices, [keys[i] for i in indices], length
-            read[component.name] = entries
-            into = [entries.staging[i] for i in range(len(indices))]
+            store, pool = self.stores[component.name], self.components.pools[component.name]
+            entries_keys, entries = [keys[i] for i in indices], None
             try:
-                hits = list(self.stores[component.name].get(entries.keys, into)) if indices else []
+                entries = self._borrowed(component.name, store, pool, entries_keys)
+                if entries is None:
+                    entries = self._staging(component.name, None, pool, len(indices))
+                    hits = list(store.get(entries_keys, [entries.staging[i] for i in range(len(indices))]))
+                else:
+                    hits = [entries.staging is not None]
             except Exception:  # a store that fails: this length cannot be resumed
                 logger.exception("offload: read of %s entries failed", component.name)
                 hits = [False]
+            if entries is not None:
+                entries.indices, entries.keys, entries.length = indices, entries_keys, length
+                read[component.name] = entries
             if not all(hits):
                 for unused in read.values():
                     self._give_back(unused)
@@ -548,6 +578,7 @@ class Hybrid:
                 state.copies_in_flight += 1
                 self._loads.append((state, copy))
         self._held.append(([copy for copies in launched.values() for copy in copies], list(handle.entries.values())))
+        handle.entries = None  # the load holds them now (drop() must not give them back)
         return launched
 
     def load_handle(self, base: LoadHandle, launched: dict[str, list[CopyHandle]]) -> LoadHandle:
@@ -558,14 +589,49 @@ class Hybrid:
 
     def _staging(self, name: str, state: Any, pool: Any, count: int) -> _Entries:
         """Entries of ``count`` rows on a staging buffer of the pool (reused: :class:`StagingPool`)."""
+        row, dtype = self._row(pool)
+        return _Entries(name, state, self.staging.take(count, row, dtype), count)
+
+    def _borrowed(self, name: str, store: Any, pool: Any, keys: list[str]) -> _Entries | None:
+        """One entry lent by a store that lends (its page is the staging, no copy): None when the
+        store does not lend, there is not exactly one key, or its page is not the memory the
+        staging pool would give (pinned or not); a miss: an entry whose ``staging`` is None.
+
+        Raises:
+            Whatever the store's ``lend`` raises.
+        """
+        if len(keys) != 1 or not callable(getattr(store, "lend", None)):
+            return None
+        loan = store.lend(keys)
+        page = loan.pages[0]
+        if page is not None and page.is_pinned() != self.staging.pinned:
+            loan.end()
+            return None
+        row, dtype = self._row(pool)
+        entries = _Entries(name, None, page.view(dtype).view(1, *row) if page is not None else torch.empty(0), 1)
+        entries.buffer, entries.loan = None, loan
+        if page is None:  # a miss (evicted since the lookup): no rows
+            entries.staging = None
+        return entries
+
+    def drop(self, handle: Any) -> None:
+        """A prefetch no load took (cancelled, or its host pages freed): its entries' staging goes
+        back and their loans end (the reader thread is done with them)."""
+        entries, handle.entries = handle.entries, None
+        for unused in (entries or {}).values():
+            self._give_back(unused)
+
+    def _row(self, pool: Any) -> tuple[tuple[int, ...], torch.dtype]:
+        """An entry's row shape and dtype on ``pool`` (a state snapshot's bytes, or a page)."""
         if hasattr(pool, "snapshot_bytes"):
-            buffer = self.staging.take(count, (pool.snapshot_bytes,), torch.uint8)
-        else:
-            buffer = self.staging.take(count, pool.layout.page_shape(self.page_size), pool.layout.dtype)
-        return _Entries(name, state, buffer, count)
+            return (pool.snapshot_bytes,), torch.uint8
+        return tuple(pool.layout.page_shape(self.page_size)), pool.layout.dtype
 
     def _give_back(self, entries: _Entries) -> None:
-        """``entries``' staging is free again (its write or load ended, or never ran)."""
+        """``entries``' staging is free again (its write or load ended, or never ran); a loan ends."""
+        if entries.loan is not None:
+            entries.loan.end()
+            entries.loan = entries.staging = None
         if entries.buffer is not None:
             self.staging.give(entries.buffer)
             entries.buffer = entries.staging = None
