@@ -474,7 +474,8 @@ class Hybrid:
                 entries = self._borrowed(component.name, store, pool, entries_keys)
                 if entries is None:
                     entries = self._staging(component.name, None, pool, len(indices))
-                    hits = list(store.get(entries_keys, [entries.staging[i] for i in range(len(indices))]))
+                    into = [entries.staging[i] for i in range(len(indices))]
+                    hits = list(store.get(entries_keys, into)) if indices else []
                 else:
                     hits = [entries.staging is not None]
             except Exception:  # a store that fails: this length cannot be resumed

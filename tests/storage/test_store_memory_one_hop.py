@@ -127,6 +127,9 @@ def test_clear_remove_and_close_during_a_loan_never_hand_its_memory_on():
     loan = store.lend(["a", "b"])
     lent = [page.clone() for page in loan.pages]
     store.remove(["a"])
+    for seed, key in enumerate("vwxyz", start=20):  # a removed page's memory may serve a put; never a lent one's
+        assert store.put([key], [_page(seed)]) == [PutStatus.STORED]
+    assert all(torch.equal(page, copy) for page, copy in zip(loan.pages, lent))
     store.clear()
     assert len(store) == 0
     spares = []
