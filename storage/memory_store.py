@@ -121,6 +121,7 @@ class MemoryStore(StorageBackend):
         self._pages: ChainIndex[str, torch.Tensor] = ChainIndex()
         self._uses: list[str] = []  # keys exists() found, not yet touched (see _exists)
         self._lock = threading.Lock()
+        self._spare: list[torch.Tensor] = []  # buffers of removed pages, taken before new memory
         self.buffers_allocated = 0  # pages of memory allocated; an evicting put reuses the victim's
         self.pages_adopted = 0  # pages put_adopting kept without a copy
         self.pages_lent = 0  # pages lend handed out without a copy
@@ -218,6 +219,7 @@ class MemoryStore(StorageBackend):
             keys = self._pages.keys()
             self._pages = ChainIndex()
             self._uses.clear()
+            self._spare = []
             self._record("removed", keys)
         return len(keys)
 
@@ -226,7 +228,9 @@ class MemoryStore(StorageBackend):
             stored = self._pages
             removed = stored.chains_after(full_keys)
             for key in removed:
-                stored.remove(key)
+                buffer = stored.remove(key)
+                if buffer.data_ptr() not in self._lent_buffers:  # a page on loan is still read: never reused
+                    self._spare.append(buffer)  # its memory, for the next page stored
             self._record("removed", removed)
         return len(removed)
 
@@ -234,10 +238,11 @@ class MemoryStore(StorageBackend):
         """Drop every page (no events: the store is done). Idempotent. Pages on loan stay
         readable by their borrowers (the store just forgets them)."""
         with self._lock:
-            self._pages = ChainIndex()
-            self._uses.clear()
             self._lent.clear()
             self._lent_buffers.clear()
+            self._pages = ChainIndex()
+            self._uses.clear()
+            self._spare = []
 
     # -- one hop: adopted buffers and loans --------------------------------------------------
 
@@ -268,9 +273,10 @@ class MemoryStore(StorageBackend):
             ``(statuses, spares)``: ``statuses`` as :meth:`put`. A ``STORED`` page's tensor is the
             store's from then on: the caller must never write it again nor hand it on (its bytes
             are the stored page). A ``DEDUPLICATED`` or ``FAILED`` page stays the caller's.
-            ``spares``: the buffers of the pages this put evicted (flat ``uint8 [page_bytes]``,
-            no longer held by the store, never on loan), for the caller to reuse in place of
-            those it gave; fewer than the pages stored while the store is below its capacity.
+            ``spares``: the buffers of the pages this put evicted, or of pages removed before
+            (flat ``uint8 [page_bytes]``, no longer held by the store, never on loan), for the
+            caller to reuse in place of those it gave, one per page stored while there are any
+            (fewer while the store grows into new memory).
 
         Raises:
             InvalidArgumentError: a page is not adoptable, two pages share a buffer, a page is
@@ -325,6 +331,8 @@ class MemoryStore(StorageBackend):
                     self.stats.pages_evicted += 1
                     evicted.append(victim[0])
                     spares.append(victim[1])
+                elif self._spare:  # a removed page's memory goes back in place of the one kept
+                    spares.append(self._spare.pop())
                 stored.add(key, page.view(torch.uint8).view(-1), prior)
                 self.pages_adopted += 1
                 statuses.append(PutStatus.STORED)

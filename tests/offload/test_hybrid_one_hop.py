@@ -13,10 +13,12 @@ from hybrid_engine import LAYOUTS, PAGE, POISON, Engine, HidingStore, load
 STATE_CAPACITY = 2
 
 
-def _engine(seed: int) -> Engine:
+def _engine(seed: int, full_pages: int | None = None, state_pages: int = STATE_CAPACITY) -> Engine:
     layout = LAYOUTS["state"]
     stores = {
-        name: HidingStore(fp) if name == "full" else MemoryStore(fp, capacity_pages=STATE_CAPACITY)
+        name: (HidingStore(fp) if full_pages is None else MemoryStore(fp, capacity_pages=full_pages))
+        if name == "full"
+        else MemoryStore(fp, capacity_pages=state_pages)
         for name, fp in layout.fingerprints("m", page_size=PAGE).items()
     }
     return Engine(layout, seed=seed, stores=stores)
@@ -82,6 +84,23 @@ def test_snapshots_are_adopted_and_poisoned_staging_never_reaches_a_stored_one()
     assert state_store.pages_on_loan == 1  # the last load's loan ends at the poll after its copy
     engine.manager.poll()
     assert state_store.pages_lent == 2 and state_store.pages_on_loan == 0
+
+
+def test_snapshots_removed_with_their_pages_give_their_memory_back_to_staging():
+    engine = _engine(seed=16, full_pages=8, state_pages=100)  # two requests' pages: a third evicts the first's
+    staging, counts, saved = engine.manager._hybrid.staging, [], {}
+    for i in range(6):
+        saved[i] = _store_snapshot(engine, f"s{i}", _prompt(i))
+        _poison_free_staging(engine)
+        counts.append(staging.allocated)
+    state_store = engine.stores["state"]
+    assert len(state_store) == 2 and state_store.stats.pages_removed == 4  # linked: left with their pages
+    assert counts[2:] == [counts[2]] * 4, counts  # the removed snapshots' memory is reused, none allocated
+    for slot, i in ((1, 4), (2, 5)):
+        for t in engine.pools["state"].tensors:
+            t[slot] = POISON
+        assert load(engine, engine.request(f"b{i}", _prompt(i)), state_slot=slot).num_tokens == 8
+        assert all(torch.equal(x, y) for x, y in zip(engine.state_of(slot), saved[i]))
 
 
 def test_a_lent_snapshot_survives_eviction_until_its_scatter_is_done():

@@ -153,3 +153,20 @@ def test_a_page_lent_twice_stays_kept_until_both_loans_end():
     assert store.put(["b"], [_page(2)]) == [PutStatus.FAILED]
     second.end()
     assert store.put(["b"], [_page(2)]) == [PutStatus.STORED]
+
+
+def test_removed_pages_memory_comes_back_as_spares_but_never_a_lent_pages():
+    store = _store(capacity_pages=4)
+    pages = {key: _page(seed) for seed, key in enumerate("abc")}
+    for key, page in pages.items():
+        store.put_adopting([key], [page])
+    loan = store.lend(["b"])
+    assert store.remove(["a", "b"]) == 2
+    _, spares = store.put_adopting(["d"], [_page(7)])  # below capacity: the removed page's memory comes back
+    assert [spare.data_ptr() for spare in spares] == [pages["a"].data_ptr()]
+    _, spares = store.put_adopting(["e"], [_page(8)])
+    assert spares == []  # "b"'s memory is on loan: never handed on, even once removed
+    assert torch.equal(loan.pages[0], _page(1).view(-1))
+    store.clear()
+    loan.end()
+    assert store.put_adopting(["f"], [_page(9)])[1] == []
