@@ -21,7 +21,7 @@ is missing.
   its component writes has ended (:meth:`Hybrid.writes_ended`).
 - Host staging of every component copy comes from a :class:`StagingPool` and goes back once
   its write or load ended: a steady state allocates none.
-- One hop (a store with ``put_adopting`` / ``lend``: :class:`~kvstage.storage.MemoryStore`), for
+- One hop (a store that ``adopts`` / ``lends``: :class:`~kvstage.storage.MemoryStore`), for
   entries of one row (a snapshot; a run of one page): the put hands the filled staging buffer
   itself to the store, which gives back the buffer of the entry it evicted (into the staging
   pool, on the manager's thread once the write ended), and a load scatters straight from the
@@ -369,7 +369,7 @@ class Hybrid:
             if not self.stores[self.full.name].exists([key])[0]:
                 return WriteOutcome(failed_keys=[key], error=MissingPriorError(key))
         store = self.stores[entries.name]
-        if len(pages) == 1 and callable(getattr(store, "put_adopting", None)) and store.adoptable(entries.buffer):
+        if len(pages) == 1 and getattr(store, "adopts", False) and store.adoptable(entries.buffer):
             return write_pages(store, entries.keys, [entries.buffer], prior_key=None, adopt=True)
         return write_pages(store, entries.keys, pages, prior_key=None)
 
@@ -601,7 +601,7 @@ class Hybrid:
         Raises:
             Whatever the store's ``lend`` raises.
         """
-        if len(keys) != 1 or not callable(getattr(store, "lend", None)):
+        if len(keys) != 1 or not getattr(store, "lends", False):
             return None
         loan = store.lend(keys)
         page = loan.pages[0]

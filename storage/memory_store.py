@@ -246,6 +246,21 @@ class MemoryStore(StorageBackend):
 
     # -- one hop: adopted buffers and loans --------------------------------------------------
 
+    @property
+    def adopts(self) -> bool:
+        """Whether :meth:`put_adopting` runs this store's own writes: False for a subclass that
+        overrides ``_put`` and not ``_adopt`` (a put with checks of its own, which adoption would
+        skip: callers then use :meth:`put`)."""
+        cls = type(self)
+        return cls._put is MemoryStore._put or cls._adopt is not MemoryStore._adopt
+
+    @property
+    def lends(self) -> bool:
+        """Whether :meth:`lend` reads as this store's ``get`` does: False for a subclass that
+        overrides ``_get`` and not ``_lend`` (callers then use :meth:`get`)."""
+        cls = type(self)
+        return cls._get is MemoryStore._get or cls._lend is not MemoryStore._lend
+
     def adoptable(self, page: object) -> bool:
         """Whether :meth:`put_adopting` can keep ``page`` itself: a contiguous CPU tensor that is
         the whole of its storage (exactly ``page_bytes`` bytes from offset 0, so the store never

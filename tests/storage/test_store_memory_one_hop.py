@@ -170,3 +170,23 @@ def test_removed_pages_memory_comes_back_as_spares_but_never_a_lent_pages():
     store.clear()
     loan.end()
     assert store.put_adopting(["f"], [_page(9)])[1] == []
+
+
+def test_a_subclass_with_its_own_reads_or_writes_is_not_bypassed():
+    class CheckedReads(MemoryStore):
+        def _get(self, full_keys, into):
+            return [False for _ in full_keys]
+
+    class CheckedWrites(MemoryStore):
+        def _put(self, full_keys, pages, full_prior_key=None):
+            return super()._put(full_keys, pages, full_prior_key)
+
+    class BothHooks(CheckedReads):
+        def _lend(self, full_keys):
+            return [None for _ in full_keys]
+
+    fp = LayoutFingerprint("one-hop", KVLayout(1, 1, 1, 16, "uint8"), 4)
+    assert (_store().adopts, _store().lends) == (True, True)
+    assert (CheckedReads(fp).adopts, CheckedReads(fp).lends) == (True, False)
+    assert (CheckedWrites(fp).adopts, CheckedWrites(fp).lends) == (False, True)
+    assert BothHooks(fp).lends
