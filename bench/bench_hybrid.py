@@ -25,9 +25,12 @@ capacity, so each put reuses an evicted page's memory, the steady state):
   ``load`` into other slots (the state into another state slot, the window into other window
   slots), wait.
 
-Both kvstage paths move each byte twice (device pool -> host page -> store on the way out, store
--> host page -> device pool on the way back: on CPU both hops are memory copies), the baseline
-once. The last round's load goes into poisoned slots and is checked byte for byte.
+The full pages move twice each way (device pool -> host page -> store on the way out, store ->
+host page -> device pool on the way back: on CPU both hops are memory copies); an entry of one
+row (the snapshot) once, since a memory store adopts its staging buffer and lends it to the load
+(:meth:`~kvstage.storage.MemoryStore.put_adopting`, :meth:`~kvstage.storage.MemoryStore.lend`); the
+window's two pages share a staging buffer and move twice. The baseline moves every byte once.
+The last round's load goes into poisoned slots and is checked byte for byte.
 
 Lookup: every component's store (``MemoryStore``) holds ``100,000`` keys (an entry at every page
 of 3,125 prompts of 32 pages: the most work for the restorable-length loop); per request

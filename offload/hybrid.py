@@ -21,6 +21,12 @@ is missing.
   its component writes has ended (:meth:`Hybrid.writes_ended`).
 - Host staging of every component copy comes from a :class:`StagingPool` and goes back once
   its write or load ended: a steady state allocates none.
+- One hop (a store that ``adopts`` / ``lends``: :class:`~kvstage.storage.MemoryStore`), for
+  entries of one row (a snapshot; a run of one page): the put hands the filled staging buffer
+  itself to the store, which gives back the buffer of the entry it evicted (into the staging
+  pool, on the manager's thread once the write ended), and a load scatters straight from the
+  store's page, lent (never evicted) until the scatter is done; no copy between staging and
+  store. Other stores, and entries of several rows, copy as ``put`` / ``get`` do.
 - Lookup and prefetch: every store is asked for the keys; the answer is the restorable length
   (:func:`restorable_lengths`). A prefetch reads the full pages and every component's entries
   for the largest restorable length it has host pages for; an entry that cannot be read
@@ -46,6 +52,7 @@ from kvstage.kernels import gather, scatter
 from kvstage.kernels.state_copy import gather_state, scatter_state
 from kvstage.kernels.streams import CopyHandle
 from kvstage.offload.components import ComponentPools
+from kvstage.offload.hybrid_entries import Entries, EntryStaging
 from kvstage.offload.hybrid_load_handle import HybridLoadHandle
 from kvstage.offload.linked_stores import LinkedStores
 from kvstage.offload.load_path import LoadHandle, PrefixMatch
@@ -88,36 +95,6 @@ def split_storage(storage: Any, components: ComponentPools | None, kv_pool: Any,
     return storage[components.full.name], Hybrid(components, dict(storage), page_size)
 
 
-class _Entries:
-    """One component's entries in host memory: a gather's (store path) or a read's (load path)."""
-
-    __slots__ = (
-        "name",
-        "state",
-        "staging",
-        "buffer",
-        "keys",
-        "indices",
-        "handle",
-        "req",
-        "run",
-        "first",
-        "length",
-        "counted",
-    )
-
-    def __init__(self, name: str, state: Any, buffer: torch.Tensor, count: int) -> None:
-        self.name, self.state, self.buffer, self.staging = name, state, buffer, buffer[:count]
-        self.indices: list[int] = []
-        self.keys: list[str] | None = None  # known once the run is keyed (store) or read (load)
-        self.handle: CopyHandle | None = None
-        self.req: Any = None  # a snapshot's request and length
-        self.run: Any = None  # a page gather's run and its first page
-        self.first = 0
-        self.length = 0
-        self.counted = False  # its copy's end was counted off the request's copies in flight
-
-
 class Hybrid:
     """The components of one manager's hybrid model (module doc); built by :func:`split_storage`."""
 
@@ -131,8 +108,8 @@ class Hybrid:
         self.state = next(iter(self.layout.of_kind("state")), None)
         self.stored = {c.name: 0 for c in self.layout.components}  # entries put (stored or deduplicated)
         self.failed = {c.name: 0 for c in self.layout.components}
-        self._copies: list[_Entries] = []  # gathers whose copy or keys are pending
-        self._writes: list[tuple[_Entries, Any]] = []
+        self._copies: list[Entries] = []  # gathers whose copy or keys are pending
+        self._writes: list[tuple[Entries, Any]] = []
         self._loads: list[tuple[Any, CopyHandle]] = []  # component scatters: (request state, handle)
         self.lookup = self  # what the prefetcher reads through
         # An entry leaves with what it depends on (chain-aware eviction across the stores);
@@ -140,7 +117,7 @@ class Hybrid:
         linkable = all(callable(getattr(store, "add_change_listener", None)) for store in stores.values())
         self.linked = LinkedStores(self.layout, stores, page_size) if linkable else None
         self._keyed: dict[int, tuple[Any, int, str]] = {}  # id(req) -> (req, length, key) of its last snapshot
-        self._held: list[tuple[list[CopyHandle], list[_Entries]]] = []  # loads' staging, free once copied
+        self._held: list[tuple[list[CopyHandle], list[Entries]]] = []  # loads' staging, free once copied
         self._windows = SnapshotWindows(self.layout, page_size)
         self._parked: list[Any] = []  # lifecycles whose full-page writes ended before their components'
 
@@ -154,6 +131,7 @@ class Hybrid:
             pinned,
         )
         self.staging = StagingPool(pinned)
+        self.entry_staging = EntryStaging(self.staging, self.page_size)
 
     # -- store path -----------------------------------------------------------------------
 
@@ -200,7 +178,7 @@ class Hybrid:
             else:
                 continue
             pool = self.components.pools[component.name]
-            entries = self._staging(component.name, state, pool, len(indices))
+            entries = self.entry_staging.take(component.name, state, pool, len(indices))
             entries.indices, entries.run, entries.first = indices, run, first
             entries.handle = self._submit_pages(gather, pool, entries.staging, device_slots, after)
             state.copies_in_flight += 1
@@ -236,7 +214,7 @@ class Hybrid:
         key = self._snapshot_key(req, length, index)
         for component, indices in windows:
             self._gather_window(req, state, component, indices, length, after)
-        entries = self._staging(self.state.name, state, pool, 1)
+        entries = self.entry_staging.take(self.state.name, state, pool, 1)
         entries.keys, entries.req, entries.length, entries.indices = [key], req, length, [index]
         staging, backend, slot = entries.staging, self.backend, int(state_slot)
         entries.handle = self.copy_stream.submit(
@@ -253,7 +231,7 @@ class Hybrid:
         extra_key, cache_salt = request_namespace(req)
         keys = self.hasher.prefill_keys(request_tokens(req, 0, length), extra_key=extra_key, cache_salt=cache_salt)
         pool = self.components.pools[component.name]
-        entries = self._staging(component.name, state, pool, len(indices))
+        entries = self.entry_staging.take(component.name, state, pool, len(indices))
         entries.indices, entries.keys, entries.req = indices, [keys[i] for i in indices], req
         device_slots = window_slots(self.components.slots_of[component.name](req), self.page_size, indices)
         entries.handle = self._submit_pages(gather, pool, entries.staging, device_slots, after)
@@ -295,7 +273,7 @@ class Hybrid:
                 continue
             if entries.handle.error is not None or not entries.keys:
                 self.failed[entries.name] += len(entries.indices)
-                self._give_back(entries)
+                self.entry_staging.give_back(entries)
                 continue
             self._writes.append((entries, self.workers.write(lambda e=entries: self._put(e))))
         self._copies = waiting
@@ -307,7 +285,7 @@ class Hybrid:
         for copies, read in self._held:
             if all(copy.query() for copy in copies):
                 for entries in read:
-                    self._give_back(entries)
+                    self.entry_staging.give_back(entries)
             else:
                 held.append((copies, read))
         self._held = held
@@ -317,7 +295,9 @@ class Hybrid:
                 pending.append((entries, future))
                 continue
             outcome = future.result()
-            self._give_back(entries)
+            if any(outcome.adopted):  # the store keeps the buffer; its victims' take its place
+                self.entry_staging.swap_in(entries, outcome.spares)
+            self.entry_staging.give_back(entries)
             self.failed[entries.name] += len(outcome.failed_keys)
             self.stored[entries.name] += outcome.stored + outcome.deduplicated
             if outcome.failed_keys:
@@ -337,7 +317,7 @@ class Hybrid:
         self._parked = [writes for writes in waiting if id(writes) in busy]
         return [writes for writes in waiting if id(writes) not in busy]
 
-    def _ready(self, entries: _Entries, states: Mapping[int, Any]) -> bool:
+    def _ready(self, entries: Entries, states: Mapping[int, Any]) -> bool:
         """A snapshot waits until its request's pages before it were handed to the writer."""
         if entries.name != getattr(self.state, "name", None):
             return True
@@ -350,14 +330,18 @@ class Hybrid:
         )
         return state.offloaded_length - unsettled >= entries.length
 
-    def _put(self, entries: _Entries) -> Any:
-        """On the writer thread: put the entries; a snapshot only when its full page is stored."""
+    def _put(self, entries: Entries) -> Any:
+        """On the writer thread: put the entries; a snapshot only when its full page is stored.
+        One entry on a buffer of its own goes to a store that adopts it without a copy."""
         pages = [entries.staging[i] for i in range(len(entries.keys))]
         if entries.name == getattr(self.state, "name", None):
             key = entries.keys[0]
             if not self.stores[self.full.name].exists([key])[0]:
                 return WriteOutcome(failed_keys=[key], error=MissingPriorError(key))
-        return write_pages(self.stores[entries.name], entries.keys, pages, prior_key=None)
+        store = self.stores[entries.name]
+        if len(pages) == 1 and getattr(store, "adopts", False) and store.adoptable(entries.buffer):
+            return write_pages(store, entries.keys, [entries.buffer], prior_key=None, adopt=True)
+        return write_pages(store, entries.keys, pages, prior_key=None)
 
     def wait_loads(self, state: Any, aborted: bool) -> None:
         """An abort (``aborted``): block until ``state``'s component scatters are done, counted ended."""
@@ -439,23 +423,30 @@ class Hybrid:
                     break
         handle.hole = handle.pages_ready < count and handle.error is None  # too few host pages is no hole
 
-    def _read_entries(self, keys: list[str], length: int) -> dict[str, _Entries] | None:
+    def _read_entries(self, keys: list[str], length: int) -> dict[str, Entries] | None:
         """Every component's entries for a resume at ``length``, or None when one is not read whole."""
         plan, read = pages_to_load(self.layout, self.page_size, length), {}
         for component in self.others:
             indices = list(plan[component.name])
-            entries = self._staging(component.name, None, self.components.pools[component.name], len(indices))
-            entries.indices, entries.keys, entries.length = indices, [keys[i] for i in indices], length
-            read[component.name] = entries
-            into = [entries.staging[i] for i in range(len(indices))]
+            store, pool = self.stores[component.name], self.components.pools[component.name]
+            entries_keys, entries = [keys[i] for i in indices], None
             try:
-                hits = list(self.stores[component.name].get(entries.keys, into)) if indices else []
+                entries = self.entry_staging.borrow(component.name, store, pool, entries_keys)
+                if entries is None:
+                    entries = self.entry_staging.take(component.name, None, pool, len(indices))
+                    into = [entries.staging[i] for i in range(len(indices))]
+                    hits = list(store.get(entries_keys, into)) if indices else []
+                else:
+                    hits = [entries.staging is not None]
             except Exception:  # a store that fails: this length cannot be resumed
                 logger.exception("offload: read of %s entries failed", component.name)
                 hits = [False]
+            if entries is not None:
+                entries.indices, entries.keys, entries.length = indices, entries_keys, length
+                read[component.name] = entries
             if not all(hits):
                 for unused in read.values():
-                    self._give_back(unused)
+                    self.entry_staging.give_back(unused)
                 return None
         return read
 
@@ -548,6 +539,7 @@ class Hybrid:
                 state.copies_in_flight += 1
                 self._loads.append((state, copy))
         self._held.append(([copy for copies in launched.values() for copy in copies], list(handle.entries.values())))
+        handle.entries = None  # the load holds them now (drop() must not give them back)
         return launched
 
     def load_handle(self, base: LoadHandle, launched: dict[str, list[CopyHandle]]) -> LoadHandle:
@@ -556,19 +548,12 @@ class Hybrid:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _staging(self, name: str, state: Any, pool: Any, count: int) -> _Entries:
-        """Entries of ``count`` rows on a staging buffer of the pool (reused: :class:`StagingPool`)."""
-        if hasattr(pool, "snapshot_bytes"):
-            buffer = self.staging.take(count, (pool.snapshot_bytes,), torch.uint8)
-        else:
-            buffer = self.staging.take(count, pool.layout.page_shape(self.page_size), pool.layout.dtype)
-        return _Entries(name, state, buffer, count)
-
-    def _give_back(self, entries: _Entries) -> None:
-        """``entries``' staging is free again (its write or load ended, or never ran)."""
-        if entries.buffer is not None:
-            self.staging.give(entries.buffer)
-            entries.buffer = entries.staging = None
+    def drop(self, handle: Any) -> None:
+        """A prefetch no load took (cancelled, or its host pages freed): its entries' staging goes
+        back and their loans end (the reader thread is done with them)."""
+        entries, handle.entries = handle.entries, None
+        for unused in (entries or {}).values():
+            self.entry_staging.give_back(unused)
 
     def _submit_pages(
         self, copy: Any, pool: Any, staging: torch.Tensor, slots: torch.Tensor, after: Any, layer: int | None = None

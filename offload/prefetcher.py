@@ -235,6 +235,8 @@ class Prefetcher:
             return
         self.active.remove(handle)
         self._account_read(handle)
+        if handle.entries is not None:  # a hybrid model's entries no load took
+            self.hybrid.drop(handle)
         if handle.host_page_ids:
             self.copier.free(handle.host_page_ids)
             handle.host_page_ids = []

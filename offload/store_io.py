@@ -50,12 +50,18 @@ class WriteOutcome:
             ``OSError`` with errno ``EROFS`` or ``ENOSPC``, or a
             :class:`~kvstage.storage.MissingPriorError` naming the chain page the store lacks);
             None when no page failed because of an error (a page refused for room).
+        adopted: a write with ``adopt``: per page given, whether the store kept its tensor
+            (the caller must never touch it again); empty otherwise.
+        spares: a write with ``adopt``: buffers the store gave back for those it kept (the
+            evicted pages' memory, flat ``uint8``), the caller's to reuse.
     """
 
     stored: int = 0
     deduplicated: int = 0
     failed_keys: list[str] = field(default_factory=list)
     error: BaseException | None = None
+    adopted: list[bool] = field(default_factory=list)
+    spares: list[torch.Tensor] = field(default_factory=list)
 
 
 def write_failure_cause(error: BaseException | None) -> str:
@@ -80,7 +86,12 @@ def _answer(answer: Any, expected: int, call: str) -> list:
 
 
 def write_pages(
-    storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Tensor], *, prior_key: str | None = None
+    storage: Any,
+    page_keys: Sequence[str],
+    pages: Sequence[torch.Tensor],
+    *,
+    prior_key: str | None = None,
+    adopt: bool = False,
 ) -> WriteOutcome:
     """Write pages to a store under their keys and count each page's outcome; never raises.
 
@@ -90,6 +101,9 @@ def write_pages(
         pages: CPU tensors of the store's page bytes (host pool pages).
         prior_key: the chain key before ``page_keys[0]`` (None: the chain starts here), so the
             store can evict chains from their tails.
+        adopt: the store keeps the page tensors it stores instead of copying them
+            (:meth:`MemoryStore.put_adopting <kvstage.storage.memory_store.MemoryStore.put_adopting>`;
+            the store must have it): see :attr:`WriteOutcome.adopted` and ``spares``.
 
     Returns:
         A :class:`WriteOutcome`; a store that raises or answers the wrong number of statuses
@@ -98,13 +112,13 @@ def write_pages(
     Runs inside the NVTX range ``backup``.
     """
     with nvtx_range("backup"):
-        return _write_pages(storage, page_keys, pages, prior_key)
+        return _write_pages(storage, page_keys, pages, prior_key, adopt)
 
 
 def _write_pages(
-    storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Tensor], prior_key: str | None
+    storage: Any, page_keys: Sequence[str], pages: Sequence[torch.Tensor], prior_key: str | None, adopt: bool = False
 ) -> WriteOutcome:
-    outcome = WriteOutcome()
+    outcome = WriteOutcome(adopted=[False] * len(pages) if adopt else [])
     unique: dict[str, int] = {}
     for index, key in enumerate(page_keys):
         if key in unique:
@@ -113,7 +127,13 @@ def _write_pages(
             unique[key] = index
     keys = list(unique)
     try:
-        answer = storage.put(keys, [pages[unique[key]] for key in keys], prior_key=prior_key)
+        given = [pages[unique[key]] for key in keys]
+        if adopt:
+            answer, outcome.spares = storage.put_adopting(keys, given, prior_key=prior_key)
+            for key, status in zip(keys, answer):
+                outcome.adopted[unique[key]] = status is PutStatus.STORED
+        else:
+            answer = storage.put(keys, given, prior_key=prior_key)
         statuses = _answer(answer, len(keys), "put")
     except Exception as error:  # the store failed as a whole: no page of the batch counts as written
         outcome.error = error

@@ -190,6 +190,18 @@ class StorageBackend(abc.ABC):
                 ``prior_key`` is one of ``keys``. Nothing is written then.
             ArgumentTypeError: ``prior_key`` is not a str or None.
         """
+        return self._run_put(keys, pages, prior_key, self._put)
+
+    def _run_put(
+        self,
+        keys: Sequence[str],
+        pages: Sequence[torch.Tensor],
+        prior_key: str | None,
+        put: Callable[[list[str], list[torch.Tensor], "str | None"], list[PutStatus]],
+    ) -> PutStatuses:
+        """:meth:`put`'s checks, counters, events and listeners around ``put`` (a ``_put`` on
+        full keys; :meth:`MemoryStore.put_adopting <kvstage.storage.memory_store.MemoryStore.put_adopting>`
+        passes its own)."""
         keys = _checked_keys(keys)
         self._check_pages("pages", keys, pages)
         if len(set(keys)) != len(keys):
@@ -203,7 +215,7 @@ class StorageBackend(abc.ABC):
         full_keys = [self.prefix + key for key in keys]
         started = time.perf_counter()
         try:
-            answer = self._put(full_keys, list(pages), self.prefix + prior_key if prior_key else None)
+            answer = put(full_keys, list(pages), self.prefix + prior_key if prior_key else None)
         finally:
             self._tell_changes()
         seconds = time.perf_counter() - started

@@ -13,6 +13,12 @@ writes each new page into the memory of the page it evicts, so it never touches 
 a new allocation costs a page fault and a kernel zero-fill per 4 KiB on first touch, which
 halves a copy's speed (``bench/bench_storage.py``: ``memory`` against ``memory-growing``).
 
+One hop (:meth:`MemoryStore.put_adopting`, :meth:`MemoryStore.lend`): a caller that owns a
+whole page buffer (a hybrid model's staging buffer) may hand it over instead of having it copied,
+and takes back the buffers of the pages the put evicted, so neither side allocates; a reader may
+borrow the stored pages themselves instead of a copy (a :class:`PageLoan`), and a page on loan is
+never evicted (nor its memory handed on) until the loan ends.
+
 Eviction is chain-aware (:mod:`kvstage.storage.chain_index`): when a new page would exceed the
 capacity, only pages with no stored successor are candidates, least recently used first, so a
 chain shrinks from its tail and no page outlives its predecessor by eviction. ``get``, a
@@ -35,12 +41,15 @@ URL form for :func:`open_storage`: ``memory`` (capacity :data:`DEFAULT_CAPACITY_
 from __future__ import annotations
 
 import threading
+import time
+from collections import Counter
 from itertools import compress
+from typing import Sequence
 
 import torch
 
 from kvstage.errors import InvalidArgumentError, is_int
-from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, StorageBackend
+from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, StorageBackend, _checked_keys
 from kvstage.storage.chain_index import ChainIndex
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint
@@ -55,6 +64,18 @@ def _as(buffer: torch.Tensor, page: torch.Tensor) -> torch.Tensor:
     one ``copy_`` moves a page whatever its strides (torch releases the GIL and splits a large
     copy over its intra-op threads)."""
     return buffer[: page.numel() * page.element_size()].view(page.dtype).view(page.shape)
+
+
+class _Kept(set):
+    """The keys a put never evicts: its own and its prior, and every page on loan now (looked up
+    when eviction asks, under the store's lock, so a loan made before the lock is seen)."""
+
+    def __init__(self, keys: list[str], lent: Counter) -> None:
+        super().__init__(keys)
+        self.lent = lent
+
+    def __contains__(self, key: object) -> bool:
+        return set.__contains__(self, key) or key in self.lent
 
 
 class MemoryStore(StorageBackend):
@@ -100,7 +121,12 @@ class MemoryStore(StorageBackend):
         self._pages: ChainIndex[str, torch.Tensor] = ChainIndex()
         self._uses: list[str] = []  # keys exists() found, not yet touched (see _exists)
         self._lock = threading.Lock()
+        self._spare: list[torch.Tensor] = []  # buffers of removed pages, taken before new memory
         self.buffers_allocated = 0  # pages of memory allocated; an evicting put reuses the victim's
+        self.pages_adopted = 0  # pages put_adopting kept without a copy
+        self.pages_lent = 0  # pages lend handed out without a copy
+        self._lent: Counter[str] = Counter()  # full key -> loans out (never evicted while > 0)
+        self._lent_buffers: Counter[int] = Counter()  # data_ptr of each buffer on loan
 
     def __len__(self) -> int:
         """Pages stored now."""
@@ -135,7 +161,7 @@ class MemoryStore(StorageBackend):
     def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> PutStatuses:
         statuses = PutStatuses()
         evicted = []
-        keep = set(full_keys)  # never evicted for a page of this call
+        keep = _Kept(full_keys, self._lent)  # never evicted for a page of this call, nor one on loan
         if full_prior_key is not None:
             keep.add(full_prior_key)
         with self._lock:
@@ -193,6 +219,7 @@ class MemoryStore(StorageBackend):
             keys = self._pages.keys()
             self._pages = ChainIndex()
             self._uses.clear()
+            self._spare = []
             self._record("removed", keys)
         return len(keys)
 
@@ -201,15 +228,210 @@ class MemoryStore(StorageBackend):
             stored = self._pages
             removed = stored.chains_after(full_keys)
             for key in removed:
-                stored.remove(key)
+                buffer = stored.remove(key)
+                if buffer.data_ptr() not in self._lent_buffers:  # a page on loan is still read: never reused
+                    self._spare.append(buffer)  # its memory, for the next page stored
             self._record("removed", removed)
         return len(removed)
 
     def close(self) -> None:
-        """Drop every page (no events: the store is done). Idempotent."""
+        """Drop every page (no events: the store is done). Idempotent. Pages on loan stay
+        readable by their borrowers (the store just forgets them)."""
         with self._lock:
+            self._lent.clear()
+            self._lent_buffers.clear()
             self._pages = ChainIndex()
             self._uses.clear()
+            self._spare = []
+
+    # -- one hop: adopted buffers and loans --------------------------------------------------
+
+    @property
+    def adopts(self) -> bool:
+        """Whether :meth:`put_adopting` runs this store's own writes: False for a subclass that
+        overrides ``_put`` and not ``_adopt`` (a put with checks of its own, which adoption would
+        skip: callers then use :meth:`put`)."""
+        cls = type(self)
+        return cls._put is MemoryStore._put or cls._adopt is not MemoryStore._adopt
+
+    @property
+    def lends(self) -> bool:
+        """Whether :meth:`lend` reads as this store's ``get`` does: False for a subclass that
+        overrides ``_get`` and not ``_lend`` (callers then use :meth:`get`)."""
+        cls = type(self)
+        return cls._get is MemoryStore._get or cls._lend is not MemoryStore._lend
+
+    def adoptable(self, page: object) -> bool:
+        """Whether :meth:`put_adopting` can keep ``page`` itself: a contiguous CPU tensor that is
+        the whole of its storage (exactly ``page_bytes`` bytes from offset 0, so the store never
+        holds part of a buffer someone else uses), no lazy conjugate or negative view, no grad."""
+        return (
+            isinstance(page, torch.Tensor)
+            and page.device.type == "cpu"
+            and page.is_contiguous()
+            and page.storage_offset() == 0
+            and page.numel() * page.element_size() == self.page_bytes
+            and page.untyped_storage().nbytes() == self.page_bytes
+            and not (page.is_conj() or page.is_neg() or page.requires_grad)
+        )
+
+    def put_adopting(
+        self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, prior_key: str | None = None
+    ) -> tuple[PutStatuses, list[torch.Tensor]]:
+        """:meth:`put` that keeps each stored page's tensor instead of copying it.
+
+        Args:
+            keys, prior_key: as :meth:`put`.
+            pages: tensors :meth:`adoptable` accepts, distinct buffers, none on loan from this store.
+
+        Returns:
+            ``(statuses, spares)``: ``statuses`` as :meth:`put`. A ``STORED`` page's tensor is the
+            store's from then on: the caller must never write it again nor hand it on (its bytes
+            are the stored page). A ``DEDUPLICATED`` or ``FAILED`` page stays the caller's.
+            ``spares``: the buffers of the pages this put evicted, or of pages removed before
+            (flat ``uint8 [page_bytes]``, no longer held by the store, never on loan), for the
+            caller to reuse in place of those it gave, one per page stored while there are any
+            (fewer while the store grows into new memory).
+
+        Raises:
+            InvalidArgumentError: a page is not adoptable, two pages share a buffer, a page is
+                on loan from this store (naming ``pages[i]``), or as :meth:`put`; nothing is
+                stored then.
+        """
+        seen: set[int] = set()
+        for index, page in enumerate(pages):
+            if not self.adoptable(page):
+                raise InvalidArgumentError(
+                    f"pages[{index}]: must be a contiguous CPU tensor that is the whole of its {self.page_bytes}-byte "
+                    "storage (no view into a larger buffer), without grad"
+                )
+            pointer = page.data_ptr()
+            if pointer in seen or pointer in self._lent_buffers:
+                raise InvalidArgumentError(
+                    f"pages[{index}]: its buffer is another page's of this call or on loan from this store"
+                )
+            seen.add(pointer)
+        spares: list[torch.Tensor] = []
+        statuses = self._run_put(keys, pages, prior_key, lambda k, p, prior: self._adopt(k, p, prior, spares))
+        return statuses, spares
+
+    def _adopt(
+        self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None, spares: list
+    ) -> PutStatuses:
+        """:meth:`_put` keeping the pages' tensors; the victims' buffers go to ``spares``."""
+        statuses = PutStatuses()
+        evicted = []
+        keep = _Kept(full_keys, self._lent)
+        if full_prior_key is not None:
+            keep.add(full_prior_key)
+        with self._lock:
+            self._apply_uses()
+            stored = self._pages
+            before = full_prior_key
+            for key, page in zip(full_keys, pages):
+                prior, before = before, key
+                if stored.touch(key) is not None:
+                    statuses.append(PutStatus.DEDUPLICATED)
+                    continue
+                if prior is not None and prior not in stored:
+                    statuses.append(PutStatus.FAILED)
+                    if statuses.error is None and prior == full_prior_key:
+                        statuses.error = MissingPriorError(prior[len(self.prefix) :])
+                    continue
+                if len(stored) >= self.capacity_pages:
+                    victim = stored.pop_victim(keep)
+                    if victim is None:
+                        statuses.append(PutStatus.FAILED)
+                        continue
+                    self.stats.pages_evicted += 1
+                    evicted.append(victim[0])
+                    spares.append(victim[1])
+                elif self._spare:  # a removed page's memory goes back in place of the one kept
+                    spares.append(self._spare.pop())
+                stored.add(key, page.view(torch.uint8).view(-1), prior)
+                self.pages_adopted += 1
+                statuses.append(PutStatus.STORED)
+            self._record("evicted", evicted)
+            self._record("stored", [key for key, status in zip(full_keys, statuses) if status is PutStatus.STORED])
+        return statuses
+
+    def lend(self, keys: Sequence[str]) -> "PageLoan":
+        """Lend the stored pages of ``keys`` themselves (no copy), as :meth:`get` reads them: a
+        use of each page found, counted in ``stats.pages_read`` / ``pages_missed``.
+
+        Each page lent is never evicted, nor its memory handed to a put, until the loan ends
+        (:meth:`PageLoan.end`); a ``clear`` or ``remove`` still drops it from the store, and the
+        borrower keeps reading the same bytes. The pages are read-only to the borrower.
+
+        Returns:
+            A :class:`PageLoan`: ``pages[i]`` is ``keys[i]``'s page (flat ``uint8 [page_bytes]``)
+            or None (not stored).
+
+        Raises:
+            InvalidArgumentError: a key is not a non-empty str.
+        """
+        full_keys = [self.prefix + key for key in _checked_keys(keys)]
+        started = time.perf_counter()
+        with self._lock:
+            self._apply_uses()
+            pages = self._lend(full_keys)
+            for key, page in zip(full_keys, pages):
+                if page is not None:
+                    self._pages.touch(key)
+                    self._lent[key] += 1
+                    self._lent_buffers[page.data_ptr()] += 1
+        seconds = time.perf_counter() - started
+        found = sum(page is not None for page in pages)
+        self.pages_lent += found
+        self.stats.pages_read += found
+        self.stats.pages_missed += len(pages) - found
+        self.stats.bytes_got += found * self.page_bytes
+        self.stats.get_seconds += seconds
+        for listener in self._timing_listeners:
+            listener("get", len(full_keys), seconds)
+        return PageLoan(self, full_keys, pages)
+
+    def _lend(self, full_keys: list[str]) -> list[torch.Tensor | None]:
+        """The stored buffers of ``full_keys`` (None: not stored), under the lock."""
+        value = self._pages.value
+        return [value(key) for key in full_keys]
+
+    def _end_loan(self, full_keys: list[str], pages: list) -> None:
+        with self._lock:
+            for key, page in zip(full_keys, pages):
+                if page is None:
+                    continue
+                for counter, item in ((self._lent, key), (self._lent_buffers, page.data_ptr())):
+                    if counter[item] > 1:
+                        counter[item] -= 1
+                    else:
+                        counter.pop(item, None)  # (close() forgot every loan)
+
+    @property
+    def pages_on_loan(self) -> int:
+        """Loans of pages not ended yet (a page lent twice counts twice)."""
+        return sum(self._lent.values())
+
+
+class PageLoan:
+    """Pages a :class:`MemoryStore` lent (:meth:`MemoryStore.lend`).
+
+    Attributes:
+        pages: ``pages[i]``: the ``i``-th key's stored page, a flat ``uint8 [page_bytes]``
+            tensor (read it, never write it), or None when that key was not stored.
+        ended: :meth:`end` was called.
+    """
+
+    __slots__ = ("pages", "ended", "_store", "_keys")
+
+    def __init__(self, store: MemoryStore, full_keys: list[str], pages: list) -> None:
+        self.pages, self.ended, self._store, self._keys = pages, False, store, full_keys
+
+    def end(self) -> None:
+        """No copy reads the pages any more: they may be evicted again. Idempotent."""
+        if not self.ended:
+            self.ended = True
+            self._store._end_loan(self._keys, self.pages)
 
 
 def open_memory_store(rest: str, fingerprint: LayoutFingerprint) -> MemoryStore:

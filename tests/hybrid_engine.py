@@ -42,6 +42,12 @@ class HidingStore(MemoryStore):
         hits = super()._get(full_keys, into)
         return [hit and not any(k.endswith(e) for e in self.evicted | self.corrupt) for k, hit in zip(full_keys, hits)]
 
+    def _lend(self, full_keys):
+        pages = super()._lend(full_keys)
+        return [
+            None if any(k.endswith(e) for e in self.evicted | self.corrupt) else p for k, p in zip(full_keys, pages)
+        ]
+
 
 def kv(layers: int, parts: int = 2) -> KVLayout:
     return KVLayout(layers, parts, 1, 4, "float32")

@@ -1,0 +1,115 @@
+"""A hybrid model's component entries in host memory (:class:`Entries`) and where their rows
+live (:class:`EntryStaging`): a staging buffer of the :class:`StagingPool`, or, for one entry
+read from a memory store that lends, the store's page itself (no copy: see
+:meth:`MemoryStore.lend <kvstage.storage.memory_store.MemoryStore.lend>`); a staging buffer a
+store adopted (:meth:`~kvstage.storage.memory_store.MemoryStore.put_adopting`) is replaced by
+the buffers the store gave for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvstage.kernels.streams import CopyHandle
+from kvstage.offload.staging_pool import StagingPool
+
+__all__ = ["Entries", "EntryStaging"]
+
+
+class Entries:
+    """One component's entries in host memory: a gather's (store path) or a read's (load path)."""
+
+    __slots__ = (
+        "name",
+        "state",
+        "staging",
+        "buffer",
+        "keys",
+        "indices",
+        "handle",
+        "req",
+        "run",
+        "first",
+        "length",
+        "counted",
+        "loan",
+    )
+
+    def __init__(self, name: str, state: Any, buffer: torch.Tensor, count: int) -> None:
+        self.name, self.state, self.buffer, self.staging = name, state, buffer, buffer[:count]
+        self.loan: Any = None  # a load's page lent by the store (staging is a view of it; buffer None)
+        self.indices: list[int] = []
+        self.keys: list[str] | None = None  # known once the run is keyed (store) or read (load)
+        self.handle: CopyHandle | None = None
+        self.req: Any = None  # a snapshot's request and length
+        self.run: Any = None  # a page gather's run and its first page
+        self.first = 0
+        self.length = 0
+        self.counted = False  # its copy's end was counted off the request's copies in flight
+
+
+class EntryStaging:
+    """Rows for :class:`Entries` (module doc), on the manager's thread but for :meth:`borrow` and
+    :meth:`take`, which a reader thread calls too (the staging pool and the stores are thread-safe).
+
+    Args:
+        staging: the staging pool buffers come from and go back to.
+        page_size: tokens per page (a page entry's row shape).
+    """
+
+    def __init__(self, staging: StagingPool, page_size: int) -> None:
+        self.staging, self.page_size = staging, page_size
+
+    def take(self, name: str, state: Any, pool: Any, count: int) -> Entries:
+        """Entries of ``count`` rows on a staging buffer of the pool (reused: :class:`StagingPool`)."""
+        row, dtype = self.row(pool)
+        return Entries(name, state, self.staging.take(count, row, dtype), count)
+
+    def borrow(self, name: str, store: Any, pool: Any, keys: list[str]) -> Entries | None:
+        """One entry lent by a store that lends (its page is the staging, no copy): None when the
+        store does not lend, there is not exactly one key, or its page is not the memory the
+        staging pool would give (pinned or not); a miss: an entry whose ``staging`` is None.
+
+        Raises:
+            Whatever the store's ``lend`` raises.
+        """
+        if len(keys) != 1 or not getattr(store, "lends", False):
+            return None
+        loan = store.lend(keys)
+        page = loan.pages[0]
+        if page is not None and page.is_pinned() != self.staging.pinned:
+            loan.end()
+            return None
+        row, dtype = self.row(pool)
+        entries = Entries(name, None, page.view(dtype).view(1, *row) if page is not None else torch.empty(0), 1)
+        entries.buffer, entries.loan = None, loan
+        if page is None:  # a miss (evicted since the lookup): no rows
+            entries.staging = None
+        return entries
+
+    def row(self, pool: Any) -> tuple[tuple[int, ...], torch.dtype]:
+        """An entry's row shape and dtype on ``pool`` (a state snapshot's bytes, or a page)."""
+        if hasattr(pool, "snapshot_bytes"):
+            return (pool.snapshot_bytes,), torch.uint8
+        return tuple(pool.layout.page_shape(self.page_size)), pool.layout.dtype
+
+    def give_back(self, entries: Entries) -> None:
+        """``entries``' staging is free again (its write or load ended, or never ran); a loan ends."""
+        if entries.loan is not None:
+            entries.loan.end()
+            entries.loan = entries.staging = None
+        if entries.buffer is not None:
+            self.staging.give(entries.buffer)
+            entries.buffer = entries.staging = None
+
+    def swap_in(self, entries: Entries, spares: list[torch.Tensor]) -> None:
+        """The store adopted ``entries``' staging buffer: it is never given back; the buffers the
+        store gave for it (no copy reads or writes them) join the staging pool in its place
+        (on the manager's thread, as every give), when they are memory of the same kind."""
+        shape, dtype = entries.buffer.shape, entries.buffer.dtype
+        entries.buffer = entries.staging = None
+        for spare in spares:
+            if spare.numel() == shape.numel() * dtype.itemsize and spare.is_pinned() == self.staging.pinned:
+                self.staging.give(spare.view(dtype).view(shape))
