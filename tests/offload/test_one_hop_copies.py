@@ -34,9 +34,7 @@ def workers():
 
 def make_layers(seed: int = 3) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(0, 256, (NUM_BLOCKS, ROW), dtype=torch.uint8, generator=generator) for _ in range(LAYERS)
-    ]
+    return [torch.randint(0, 256, (NUM_BLOCKS, ROW), dtype=torch.uint8, generator=generator) for _ in range(LAYERS)]
 
 
 def blocks(*ids: int) -> torch.Tensor:
@@ -183,6 +181,7 @@ def test_bad_input_raises_before_anything_starts(workers, call, message):
 def test_a_store_of_another_page_size_or_without_the_protocol_is_refused(workers):
     with pytest.raises(InvalidArgumentError, match="^storage: holds pages of 100 bytes, a block's rows are 768"):
         OneHopCopies(make_layers(), AdoptingStore(100), workers, part_pages=2)
+
     class Copying:  # put and get only, as the file and Mooncake stores
         page_bytes = PAGE
 
