@@ -78,7 +78,12 @@ class OneHopCopies:
                 and rows.shape[0] == layers[0].shape[0],
                 f"layers[{index}]",
                 lambda: (
-                    f"must be a contiguous uint8 CPU tensor [num_blocks, row_bytes] like layers[0], got {rows!r:.80}"
+                    "must be a contiguous uint8 CPU tensor [num_blocks, row_bytes] like layers[0], got "
+                    + (
+                        f"{rows.dtype} {tuple(rows.shape)} on {rows.device}"
+                        if isinstance(rows, torch.Tensor)
+                        else type(rows).__name__
+                    )
                 ),
             )
         page_bytes = sum(rows.shape[1] for rows in layers)
@@ -104,7 +109,7 @@ class OneHopCopies:
         for rows in layers:
             self._layers.append((rows, start, start + rows.shape[1]))
             start += rows.shape[1]
-        self._spares: list[torch.Tensor] = []  # page buffers to fill next (writer thread only)
+        self._spares: list[torch.Tensor] = []  # page buffers to fill next (taken and given on writer threads)
         self.buffers_allocated = 0  # page buffers allocated (a store at capacity hands back its victims')
         self._running: list[_Job] = []
         self._finished: list[KeyedResult] = []
@@ -196,7 +201,7 @@ class OneHopCopies:
             for start in range(run_start, run_stop, self.part_pages):
                 stop = min(start + self.part_pages, run_stop)
                 part_keys = keys[start:stop]
-                pages = [self._spares.pop() if self._spares else self._fresh() for _ in part_keys]
+                pages = [self._buffer() for _ in part_keys]
                 try:
                     started = time.perf_counter()
                     for page, block in zip(pages, blocks[start:stop]):
@@ -253,9 +258,13 @@ class OneHopCopies:
             return landed, raised
         return landed, None
 
-    def _fresh(self) -> torch.Tensor:
-        self.buffers_allocated += 1
-        return torch.empty(self.page_bytes, dtype=torch.uint8)
+    def _buffer(self) -> torch.Tensor:
+        """A spare page buffer, else a new one (list.pop is atomic: several writer threads may share the spares)."""
+        try:
+            return self._spares.pop()
+        except IndexError:
+            self.buffers_allocated += 1
+            return torch.empty(self.page_bytes, dtype=torch.uint8)
 
     def _keep_spare(self, buffer: torch.Tensor) -> None:
         if len(self._spares) < self.part_pages and self.storage.adoptable(buffer):

@@ -178,7 +178,10 @@ def test_bad_input_raises_before_anything_starts(workers, call, message):
     assert store.puts == [] and copies.jobs_in_flight == 0 and copies.poll() == []
 
 
-def test_a_store_of_another_page_size_or_without_the_protocol_is_refused(workers):
+def test_layers_of_other_blocks_a_store_of_another_page_size_or_without_the_protocol_are_refused(workers):
+    short = [*make_layers()[:2], torch.zeros(NUM_BLOCKS - 1, ROW, dtype=torch.uint8)]
+    with pytest.raises(InvalidArgumentError, match=r"^layers\[2\]: .* like layers\[0\], got torch.uint8 \(11, 256\)"):
+        OneHopCopies(short, AdoptingStore(PAGE), workers, part_pages=2)
     with pytest.raises(InvalidArgumentError, match="^storage: holds pages of 100 bytes, a block's rows are 768"):
         OneHopCopies(make_layers(), AdoptingStore(100), workers, part_pages=2)
 
