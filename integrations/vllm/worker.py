@@ -338,6 +338,15 @@ class _GroupMover:
             )
             layers.append(tensor.view(torch.uint8).view(tensor.shape[0], 1, tensor.shape[1]))
         self.kv_pool = KVPool.mla(layers)  # a block is a slot; a layer's page is its row
+        block_bytes = sum(layer.shape[2] for layer in layers)
+        require(
+            storage.page_bytes == block_bytes,
+            "storage",
+            lambda: (
+                f"holds pages of {storage.page_bytes} bytes, a block of the group's layers is {block_bytes} "
+                "(each layer's row, padding included)"
+            ),
+        )
         self.storage = storage
         self.copier = None
         if self.kv_pool.device.type == "cpu" and adopts_pages(storage) and lends_pages(storage):

@@ -148,7 +148,10 @@ def test_a_padded_layer_row_is_stored_whole_and_a_store_of_its_unpadded_size_rai
         [CanonicalKVCacheTensor(torch.zeros(4, 512, dtype=torch.int8), 512)], [[CanonicalKVCacheRef(0, 384)]]
     )
     store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=384, page_format="t"))
-    with pytest.raises(InvalidArgumentError, match=r"^storage: holds pages of 384 bytes, the host pool's are 512"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"^storage: holds pages of 384 bytes, a block of the group's layers is 512 \(each layer's row",
+    ):
         KVStageWorker(padded, store)
     KVStageWorker(padded, MemoryStore(LayoutFingerprint.opaque("m", page_bytes=512, page_format="t"))).close()
 
