@@ -51,7 +51,8 @@ class KVStageWorker(OffloadingWorker):
             int8, contiguous (a row's padding is stored with it).
         storage: the store; its page is one block of every layer of the group; for several
             groups a :class:`kvstage.integrations.vllm.groups.GroupStores` (a store per group).
-        num_host_pages: host pages for blocks in flight (a job of more blocks moves in parts).
+        num_host_pages: host pages for blocks in flight (a job of more blocks moves in parts);
+            on the one-hop path the pages of one put or loan, and the spare page buffers kept.
         report_load_errors: failed loads go to :meth:`take_block_ids_with_load_errors`: the
             blocks from the first page that did not land on (the pages before it landed).
         load_failure_policy: vLLM's ``kv_load_failure_policy`` (``"recompute"`` or ``"fail"``),
