@@ -32,7 +32,7 @@ from kvstage.errors import InvalidArgumentError, require
 from kvstage.offload.copier import GATHER, Copier
 from kvstage.offload.store_io import read_pages, write_pages
 
-__all__ = ["KeyedCopies", "KeyedResult", "chain_runs"]
+__all__ = ["KeyedCopies", "KeyedResult", "chain_runs", "checked_keys", "timed"]
 
 
 def chain_runs(
@@ -65,6 +65,37 @@ def chain_runs(
             runs.append((start, index, prior_keys[start]))
             start = index
     return runs
+
+
+def checked_keys(page_keys: Sequence[str], slot_indices: Any, page_size: int) -> list[str]:
+    """``page_keys`` as a list, checked against a job's slots: ``slot_indices`` a 1-D tensor of
+    ``len(page_keys) * page_size`` slots, no key twice.
+
+    Raises:
+        InvalidArgumentError: naming ``slot_indices`` or ``page_keys``.
+    """
+    keys = list(page_keys)
+    if (
+        not isinstance(slot_indices, torch.Tensor)
+        or slot_indices.dim() != 1
+        or slot_indices.numel() != len(keys) * page_size
+    ):
+        shape = tuple(slot_indices.shape) if isinstance(slot_indices, torch.Tensor) else type(slot_indices).__name__
+        raise InvalidArgumentError(
+            f"slot_indices: must be a 1-D tensor of {len(keys)} pages x {page_size} slots for the page_keys, got {shape}"
+        )
+    if len(set(keys)) != len(keys):
+        raise InvalidArgumentError("page_keys: a key appears twice in one job")
+    return keys
+
+
+def timed(seconds: dict[str, float], step: str, call: Any, *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``, its wall time added to ``seconds[step]`` (also when it raises)."""
+    started = time.perf_counter()
+    try:
+        return call(*args, **kwargs)
+    finally:
+        seconds[step] += time.perf_counter() - started
 
 
 @dataclass(frozen=True)
@@ -159,6 +190,9 @@ class KeyedCopies:
         self._copying: dict[int, _Part] = {}  # id(part) -> part, while its gather or scatter runs
         self._in_store: list[_Part] = []  # writes and reads running on the worker threads
         self._finished: list[KeyedResult] = []
+        # seconds spent in each step, summed over jobs (gather / scatter: the copies' own time;
+        # put / get: the store calls on the worker threads, each step added by one thread)
+        self.step_seconds = {"gather": 0.0, "put": 0.0, "get": 0.0, "scatter": 0.0}
 
     # -- submission -------------------------------------------------------------------------
 
@@ -193,7 +227,7 @@ class KeyedCopies:
                 repeats, ``prior_keys`` is not one entry per key, or as
                 :meth:`Copier.check_slot_indices`; nothing started.
         """
-        keys = self._checked_keys(page_keys, slot_indices)
+        keys = checked_keys(page_keys, slot_indices, self.copier.page_size)
         runs = chain_runs(keys, prior_keys)
         self.copier.check_slot_indices(slot_indices, "slot_indices")
         self._queue(_Job(job, True, len(keys), 0, after=after), keys, slot_indices, runs)
@@ -213,7 +247,7 @@ class KeyedCopies:
         Raises:
             InvalidArgumentError: as :meth:`store`, or a slot appears twice; nothing started.
         """
-        keys = self._checked_keys(page_keys, slot_indices)
+        keys = checked_keys(page_keys, slot_indices, self.copier.page_size)
         self.copier.check_slot_indices(slot_indices, "slot_indices", distinct=True)
         self._queue(_Job(job, False, len(keys), 0), keys, slot_indices)
 
@@ -269,7 +303,9 @@ class KeyedCopies:
                 part.host_page_ids = host_page_ids
                 pages = [self.copier.host_pool.page(page) for page in host_page_ids]
                 try:
-                    part.future = self.workers.read(partial(read_pages, self.storage, part.page_keys, pages))
+                    part.future = self.workers.read(
+                        partial(timed, self.step_seconds, "get", read_pages, self.storage, part.page_keys, pages)
+                    )
                 except BaseException as failure:  # e.g. the workers were closed: the part ends, its pages go back
                     self._waiting.popleft()
                     self._end_part(part, moved=0, error=failure, ok=False)
@@ -289,6 +325,7 @@ class KeyedCopies:
         for result in self.copier.poll():
             part: _Part = result.job
             del self._copying[id(part)]
+            self.step_seconds[result.direction] += result.seconds
             if result.direction == GATHER:
                 if not result.ok:
                     self._end_part(part, moved=0, error=result.error, ok=False)
@@ -296,7 +333,16 @@ class KeyedCopies:
                 pages = [self.copier.host_pool.page(page) for page in part.host_page_ids]
                 # partial binds this part's keys and pages now (a lambda here would see the last part's)
                 part.future = self.workers.write(
-                    partial(write_pages, self.storage, part.page_keys, pages, prior_key=part.prior_key)
+                    partial(
+                        timed,
+                        self.step_seconds,
+                        "put",
+                        write_pages,
+                        self.storage,
+                        part.page_keys,
+                        pages,
+                        prior_key=part.prior_key,
+                    )
                 )
                 self._in_store.append(part)
             else:
@@ -418,19 +464,3 @@ class KeyedCopies:
                     failed_keys=tuple(key for _, keys in sorted(record.failed_keys) for key in keys),
                 )
             )
-
-    def _checked_keys(self, page_keys: Sequence[str], slot_indices: torch.Tensor) -> list[str]:
-        keys = list(page_keys)
-        page_size = self.copier.page_size
-        if (
-            not isinstance(slot_indices, torch.Tensor)
-            or slot_indices.dim() != 1
-            or slot_indices.numel() != len(keys) * page_size
-        ):
-            shape = tuple(slot_indices.shape) if isinstance(slot_indices, torch.Tensor) else type(slot_indices).__name__
-            raise InvalidArgumentError(
-                f"slot_indices: must be a 1-D tensor of {len(keys)} pages x {page_size} slots for the page_keys, got {shape}"
-            )
-        if len(set(keys)) != len(keys):
-            raise InvalidArgumentError("page_keys: a key appears twice in one job")
-        return keys

@@ -491,3 +491,28 @@ def _checked_keys(keys: Sequence[str]) -> list[str]:
         if not isinstance(key, str) or not key:
             raise InvalidArgumentError(f"keys[{index}]: must be a non-empty str, got {key!r}")
     return keys
+
+
+# -- one hop: stores that keep the caller's page tensors and lend their own ------------------
+#
+# A store may offer two calls that save a copy of every byte (the memory store does):
+#
+# * ``adoptable(page) -> bool`` and ``put_adopting(keys, pages, *, prior_key=None) ->
+#   (PutStatuses, spares)``: :meth:`StorageBackend.put` that keeps each ``STORED`` page's tensor
+#   itself (the caller never writes it again); ``DEDUPLICATED`` and ``FAILED`` pages stay the
+#   caller's; ``spares`` are buffers of pages the put evicted (flat ``uint8 [page_bytes]``), the
+#   caller's to fill next. An adoptable page is a contiguous CPU tensor that is the whole of its
+#   ``page_bytes``-byte storage.
+# * ``lend(keys) -> loan``: the stored pages themselves, ``loan.pages[i]`` a flat ``uint8
+#   [page_bytes]`` tensor to read (never write) or None (not stored); none is evicted, nor its
+#   memory handed on, until ``loan.end()``.
+
+
+def adopts_pages(storage: object) -> bool:
+    """Whether ``storage`` offers ``adoptable`` and ``put_adopting`` (see the note above)."""
+    return callable(getattr(storage, "put_adopting", None)) and callable(getattr(storage, "adoptable", None))
+
+
+def lends_pages(storage: object) -> bool:
+    """Whether ``storage`` offers ``lend`` (see the note above)."""
+    return callable(getattr(storage, "lend", None))

@@ -3,7 +3,9 @@
 It moves one worker's blocks between vLLM's canonical block tensors and the store: a block is a
 slot of a :class:`kvstage.kernels.KVPool` whose layers are the group's block tensors, copied by
 kvstage's :class:`kvstage.offload.Copier` and written and read on
-:class:`kvstage.offload.StoreWorkers` threads through :class:`kvstage.offload.KeyedCopies`.
+:class:`kvstage.offload.StoreWorkers` threads through :class:`kvstage.offload.KeyedCopies`; or,
+where the blocks are in host memory and the store adopts and lends pages, copied once each way
+on those threads by :class:`kvstage.offload.one_hop_copies.OneHopCopies`.
 No job's failure reaches vLLM as a failed transfer (see :class:`KVStageWorker`).
 """
 
@@ -20,7 +22,9 @@ from kvstage.integrations.vllm.groups import group_of_key
 from kvstage.integrations.vllm.manager import KVStageLoadStoreSpec
 from kvstage.kernels import KVPool
 from kvstage.offload import Copier, HostPool, KeyedCopies, StoreWorkers
+from kvstage.offload.one_hop_copies import OneHopCopies
 from kvstage.offload.store_io import read_failure_cause, write_failure_cause
+from kvstage.storage.backend import adopts_pages, lends_pages
 from kvstage.storage.shared import release_shared_storage
 
 __all__ = ["KVStageWorker"]
@@ -51,7 +55,8 @@ class KVStageWorker(OffloadingWorker):
             int8, contiguous (a row's padding is stored with it).
         storage: the store; its page is one block of every layer of the group; for several
             groups a :class:`kvstage.integrations.vllm.groups.GroupStores` (a store per group).
-        num_host_pages: host pages for blocks in flight (a job of more blocks moves in parts).
+        num_host_pages: host pages for blocks in flight (a job of more blocks moves in parts);
+            on the one-hop path the pages of one put or loan, and the spare page buffers kept.
         report_load_errors: failed loads go to :meth:`take_block_ids_with_load_errors`: the
             blocks from the first page that did not land on (the pages before it landed); the
             page each stopped at goes to :meth:`take_unreadable_keys`.
@@ -109,11 +114,12 @@ class KVStageWorker(OffloadingWorker):
                 )
         except BaseException:
             for mover in self._movers:  # the caller keeps the store: it is this worker's only once built
-                mover.copier.close()
+                mover.close()
             self._workers.close()
             raise
         first = self._movers[0]
-        self.kv_pool, self.copier, self.keyed = first.kv_pool, first.copier, first.keyed  # the (first) group's
+        # the (first) group's; copier None where it moves in one hop (OneHopCopies)
+        self.kv_pool, self.copier, self.keyed = first.kv_pool, first.copier, first.keyed
         self.storage = storage
         self.report_load_errors = report_load_errors
         self.load_errors_by_request = load_errors_by_request
@@ -330,7 +336,7 @@ class KVStageWorker(OffloadingWorker):
                     timeout_s,
                 )
         for mover in self._movers:
-            mover.copier.close()
+            mover.close()
         self._workers.close()
         release_shared_storage(self.storage)
         self.storage = None
@@ -349,8 +355,10 @@ class _Job:
 
 class _GroupMover:
     """One KV group's blocks: a :class:`KVPool` whose layers are the group's block tensors (a
-    block is a slot; a layer's row, padding included, is its page), its copier and its
-    keyed copies over the group's store.
+    block is a slot; a layer's row, padding included, is its page) and how they move to and
+    from the group's store: :class:`OneHopCopies` (one copy of each byte) where the blocks
+    are in host memory and the store adopts and lends pages, else :class:`KeyedCopies` through
+    a copier and host pages.
 
     Raises:
         InvalidArgumentError: a strided layer tensor, layers of different row sizes, or a store
@@ -371,11 +379,30 @@ class _GroupMover:
             )
             layers.append(tensor.view(torch.uint8).view(tensor.shape[0], 1, tensor.shape[1]))
         self.kv_pool = KVPool.mla(layers)  # a block is a slot; a layer's page is its row
+        block_bytes = sum(layer.shape[2] for layer in layers)
+        require(
+            storage.page_bytes == block_bytes,
+            "storage",
+            lambda: (
+                f"holds pages of {storage.page_bytes} bytes, a block of the group's layers is {block_bytes} "
+                "(each layer's row, padding included)"
+            ),
+        )
+        self.storage = storage
+        self.copier = None
+        if self.kv_pool.device.type == "cpu" and adopts_pages(storage) and lends_pages(storage):
+            rows = [layer.view(layer.shape[0], layer.shape[2]) for layer in layers]
+            self.keyed = OneHopCopies(rows, storage, workers, part_pages=num_host_pages)
+            return
         host_pool = HostPool.like(self.kv_pool, num_pages=num_host_pages, page_size=1)
         self.copier = Copier(self.kv_pool, host_pool)
-        self.storage = storage
         try:
             self.keyed = KeyedCopies(self.copier, storage, workers)
         except BaseException:
             self.copier.close()
             raise
+
+    def close(self) -> None:
+        """Stop the copier's stream (the two-hop path); the store stays open."""
+        if self.copier is not None:
+            self.copier.close()

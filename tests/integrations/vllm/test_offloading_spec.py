@@ -21,7 +21,7 @@ pytest.importorskip(
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import Medium  # noqa: E402
 
-from kvstage.errors import InvalidArgumentError  # noqa: E402
+from kvstage.errors import InvalidArgumentError, StorageError  # noqa: E402
 from kvstage.integrations.vllm import KVStageOffloadingSpec  # noqa: E402
 
 from vllm_rig import ConnectorRig, assert_blocks_hold, expected_block, run_to_prompt_end  # noqa: E402
@@ -142,7 +142,10 @@ def test_a_padded_layer_row_is_stored_whole_and_a_store_of_its_unpadded_size_rai
         [CanonicalKVCacheTensor(torch.zeros(4, 512, dtype=torch.int8), 512)], [[CanonicalKVCacheRef(0, 384)]]
     )
     store = MemoryStore(LayoutFingerprint.opaque("m", page_bytes=384, page_format="t"))
-    with pytest.raises(InvalidArgumentError, match=r"^storage: holds pages of 384 bytes, the host pool's are 512"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"^storage: holds pages of 384 bytes, a block of the group's layers is 512 \(each layer's row",
+    ):
         KVStageWorker(padded, store)
     KVStageWorker(padded, MemoryStore(LayoutFingerprint.opaque("m", page_bytes=512, page_format="t"))).close()
 
@@ -468,3 +471,49 @@ def test_prior_page_keys_follow_the_positions_vllm_records_per_group_as_the_requ
     assert prior_page_keys(context, group0[2:]) == [group0[1].hex(), group0[2].hex()]
     assert prior_page_keys(context, [make_offload_key(b"x" * 32, 0)]) == [None]  # no position recorded: unknown
     assert prior_page_keys(ReqContext(req_id="fresh"), group0[:1]) == [None]
+
+
+def test_blocks_in_host_memory_move_in_one_hop_to_a_store_that_adopts_and_lends_pages():
+    # The store keeps the page buffers the worker filled (no put copy) and lends its pages to loads
+    # (no get copy); vLLM sees the same jobs and results as on the two-hop path.
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
+
+    from kvstage.integrations.vllm import KVStageWorker
+    from kvstage.integrations.vllm.manager import KVStageLoadStoreSpec
+    from kvstage.offload.one_hop_copies import OneHopCopies
+
+    from adopting_store import AdoptingStore
+
+    generator = torch.Generator().manual_seed(5)
+    tensors = [torch.randint(-128, 128, (8, 64), dtype=torch.int8, generator=generator) for _ in range(2)]
+    kv_caches = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, 64) for t in tensors], [[CanonicalKVCacheRef(i, 64) for i in range(2)]]
+    )
+    store = AdoptingStore(128)
+    worker = KVStageWorker(kv_caches, store, num_host_pages=2, report_load_errors=True, reports_stores=True)
+    try:
+        assert isinstance(worker.keyed, OneHopCopies) and worker.copier is None
+        assert worker.submit_store(1, GPULoadStoreSpec([1, 2, 3], [3], [0]), KVStageLoadStoreSpec(["a", "b", "c"]))
+        worker.wait({1})
+        [stored] = worker.get_finished()
+        assert stored.job_id == 1 and stored.success and stored.transfer_size == 3 * 128
+        assert store.puts == [(["a", "b"], None, True), (["c"], "b", True)]  # parts of 2, adopting
+        for key, block in (("a", 1), ("b", 2), ("c", 3)):
+            assert torch.equal(store.page(key), torch.cat([t[block] for t in tensors]).view(torch.uint8))
+        store.fail_puts = StorageError("store gone")
+        worker.submit_store(2, GPULoadStoreSpec([4], [1], [0]), KVStageLoadStoreSpec(["d"]))
+        worker.wait({2})
+        assert worker.get_finished()[0].success  # vLLM only frees the blocks; the manager hears d is missing
+        assert worker.pages_failed == 1 and worker.take_store_report()[0] == ["d"]
+        untouched = [t[5].clone() for t in tensors]
+        assert worker.submit_load(3, KVStageLoadStoreSpec(["b", "a", "d"]), GPULoadStoreSpec([6, 7, 5], [3], [0]))
+        worker.wait({3})
+        [loaded] = worker.get_finished()
+        assert loaded.job_id == 3 and loaded.success  # done: its unread block goes to vLLM's scheduler
+        assert worker.take_block_ids_with_load_errors() == {5} and worker.loads_failed == 1
+        for t in tensors:
+            assert torch.equal(t[6], t[2]) and torch.equal(t[7], t[1])
+        assert all(torch.equal(t[5], old) for t, old in zip(tensors, untouched))
+        assert store.loans_out == 0
+    finally:
+        worker.close()

@@ -696,16 +696,21 @@ def test_spec_a_store_refusing_a_chain_warns_with_the_stores_error(tmp_path, cap
     rig = ConnectorRig(tmp_path / "model", "memory", max_num_batched_tokens=2 * BLOCK)
     try:
         storage = rig.manager.storage
-        real_put, priors = storage.put, []
+        priors = []
 
-        def put(keys, pages, *, prior_key=None):
-            priors.append(prior_key)
-            if len(priors) == 2:
-                assert storage.stats.pages_stored == 2  # the first job: blocks 0 and 1
-                storage.clear()
-            return real_put(keys, pages, prior_key=prior_key)
+        def hooked(real_put):
+            def put(keys, pages, *, prior_key=None):
+                priors.append(prior_key)
+                if len(priors) == 2:
+                    assert storage.stats.pages_stored == 2  # the first job: blocks 0 and 1
+                    storage.clear()
+                return real_put(keys, pages, prior_key=prior_key)
 
-        storage.put = put
+            return put
+
+        storage.put = hooked(storage.put)
+        if hasattr(storage, "put_adopting"):  # a store that adopts pages: the worker's one-hop path
+            storage.put_adopting = hooked(storage.put_adopting)
         rig.add_request("a", PROMPT, max_tokens=1)
         rig.run_until_idle()
     finally:
