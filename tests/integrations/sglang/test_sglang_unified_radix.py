@@ -9,9 +9,9 @@ the nodes up to host memory (write_through) and, on the ack, to the store
 (``prefetch_from_storage``, ``check_prefetch_progress``) into its host tree, and every pool's
 pages arrive with the bytes written: KV, the SWA window, the Mamba state, the DSA indexer.
 The scheduler's part (device slots, the calls, the polls) is played by the test; see
-unified_radix_rig for what stands in for CUDA on CPU. sglang's other strategies
-(``_DeepSeekV4Strategy``, ``_MiniMaxSparseStrategy``) build pools kvstage refuses at
-registration (``test_sglang_storage_api.py``)."""
+unified_radix_rig for what stands in for CUDA on CPU. ``_MiniMaxSparseStrategy``'s index-key
+pool is refused at ``init_hicache``, before anything is stored; ``_DeepSeekV4Strategy``'s pools
+are refused by name at registration (``test_sglang_storage_api.py``)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,11 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCach
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
+from kvstage.errors import InvalidArgumentError
 from kvstage.integrations.sglang import KVStageStorage
 
-from sglang_rig import one_rank_gloo_world, same_bytes
-from unified_radix_rig import STRATEGIES, UnifiedRig, cpu_hicache
+from sglang_rig import one_rank_gloo_world, same_bytes, watch_opened_stores
+from unified_radix_rig import REFUSED, STRATEGIES, UnifiedRig, cpu_hicache
 
 # what each strategy's cache stores beside the KV pages, and the pages of it a prefetch reads
 # (5 pages; DSA's are 64 tokens, 2 of them): the SWA window's trailing ceil(9/4) = 3 pages,
@@ -118,3 +119,22 @@ def test_a_fresh_unified_radix_cache_prefetches_every_pool_another_one_wrote_bac
         for page_key, page in pool.items():
             assert same_bytes(page, held[name][page_key]), (name, hashes.index(page_key))
             assert page.view(torch.uint8).any(), (name, page_key)  # random bytes, not an empty page
+
+
+@pytest.mark.parametrize("strategy", list(REFUSED))
+def test_init_hicache_of_a_strategy_kvstage_cannot_store_whole_is_refused_with_no_store_left_open(
+    tmp_path, cpu, monkeypatch, strategy
+):
+    """MiniMax M3's sparse layers keep index keys in an ``MHATokenToKOnlyPoolHost`` under
+    'indexer': not a pool kvstage stores, so its KV pages alone would restore a broken model."""
+    opened, closed = watch_opened_stores(monkeypatch)
+    select, selected = hybrid_pool_assembler._select_strategy, []
+    monkeypatch.setattr(
+        hybrid_pool_assembler,
+        "_select_strategy",
+        lambda kvcache, components: selected.append(select(kvcache, components)) or selected[-1],
+    )
+    with pytest.raises(InvalidArgumentError, match=r"^host pool 'indexer': .* \(MHATokenToKOnlyPoolHost\) is not one"):
+        UnifiedRig(strategy, f"file:{tmp_path}", seed=1)
+    assert [type(strategy).__name__ for strategy in selected] == [REFUSED[strategy]]
+    assert len(opened) == 1 and closed == opened  # the anchor's store, closed again

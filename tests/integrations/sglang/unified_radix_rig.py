@@ -29,7 +29,13 @@ from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.hicache_storage import PoolName
-from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, HybridLinearKVPool, HybridReqToTokenPool, ReqToTokenPool
+from sglang.srt.mem_cache.memory_pool import (
+    DSATokenToKVPool,
+    HybridLinearKVPool,
+    HybridReqToTokenPool,
+    MiniMaxSparseKVPool,
+    ReqToTokenPool,
+)
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
@@ -47,6 +53,8 @@ STRATEGIES = {
     "dsa": "_DsaStrategy",
     "plain_kv": "_PlainKvStrategy",
 }
+# strategies whose host pool set kvstage refuses at registration (init_hicache raises)
+REFUSED = {"minimax_sparse": "_MiniMaxSparseStrategy"}
 WINDOW = 9  # sglang's SWA component keeps and reads ceil(9/4) = 3 trailing pages
 TIMEOUT = 60
 
@@ -150,6 +158,24 @@ class UnifiedRig:
             kv = mha_device_pool(layer_num=2)
             allocator = PagedTokenToKVPoolAllocator(128, PAGE_SIZE, torch.bfloat16, "cpu", kv, need_sort=False)
             device_buffers = [*kv.k_buffer, *kv.v_buffer]
+        elif strategy == "minimax_sparse":  # MiniMax M3: a dense layer, a sparse one with index keys
+            self.requests = ReqToTokenPool(size=8, max_context_len=256, device="cpu", enable_memory_saver=False)
+            kv = MiniMaxSparseKVPool(
+                size=128,
+                page_size=PAGE_SIZE,
+                dtype=torch.bfloat16,
+                head_num=2,
+                head_dim=8,
+                idx_head_dim=8,
+                dense_layer_ids=[0],
+                sparse_layer_ids=[1],
+                disable_value_sparse_layer_ids=[1],
+                device="cpu",
+                start_layer=0,
+                end_layer=2,
+            )
+            allocator = PagedTokenToKVPoolAllocator(128, PAGE_SIZE, torch.bfloat16, "cpu", kv, need_sort=False)
+            device_buffers = []
         elif strategy == "dsa":
             self.requests = ReqToTokenPool(size=8, max_context_len=256, device="cpu", enable_memory_saver=False)
             kv = DSATokenToKVPool(
