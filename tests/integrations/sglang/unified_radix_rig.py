@@ -96,7 +96,7 @@ def cpu_hicache(monkeypatch):
 
 def server_args(url: str, page_size: int, extra: dict) -> ServerArgs:
     """The server args sglang's scheduler publishes for a HiCache server with KVStageStorage on
-    ``url`` (write-through, a prefetch that waits for every page, no threshold)."""
+    ``url`` (write-through; a prefetch waits for every page, from one page on)."""
     args = ServerArgs(
         model_path="dummy",
         page_size=page_size,
