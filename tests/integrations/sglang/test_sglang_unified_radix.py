@@ -134,7 +134,8 @@ def test_init_hicache_of_a_strategy_kvstage_cannot_store_whole_is_refused_with_n
         "_select_strategy",
         lambda kvcache, components: selected.append(select(kvcache, components)) or selected[-1],
     )
-    with pytest.raises(InvalidArgumentError, match=r"^host pool 'indexer': .* \(MHATokenToKOnlyPoolHost\) is not one"):
+    rule = r"^host pool 'indexer': a sparse-attention indexer pool \(MHATokenToKOnlyPoolHost\) is not one"
+    with pytest.raises(InvalidArgumentError, match=rule):
         UnifiedRig(strategy, f"file:{tmp_path}", seed=1)
     assert [type(strategy).__name__ for strategy in selected] == [REFUSED[strategy]]
     assert len(opened) == 1 and closed == opened  # the anchor's store, closed again
