@@ -1,6 +1,6 @@
-"""sglang 0.5.23's own ``UnifiedRadixCache`` on CPU, one per hybrid stack strategy of its
-``hybrid_pool_assembler._STRATEGIES`` that kvstage stores (Mamba, Swa, MambaSwa, Dsa), with
-KVStageStorage as its L3 backend: ``init_hicache`` picks the strategy, which builds the host
+"""sglang 0.5.23's own ``UnifiedRadixCache`` on CPU, one per stack strategy of its
+``hybrid_pool_assembler._STRATEGIES`` (``STRATEGIES``: those kvstage stores; ``REFUSED``: the
+two whose pools it refuses), with KVStageStorage as its L3 backend: ``init_hicache`` picks the strategy, which builds the host
 pool set and the ``HybridCacheController``; the test plays the scheduler (device slots,
 ``insert``, ``check_hicache_events``, ``match_prefix``, ``prefetch_from_storage``,
 ``check_prefetch_progress``) and reads each pool's host pages from the tree's nodes.
@@ -28,6 +28,7 @@ from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.mem_cache.memory_pool import (
     DSATokenToKVPool,
@@ -53,8 +54,20 @@ STRATEGIES = {
     "dsa": "_DsaStrategy",
     "plain_kv": "_PlainKvStrategy",
 }
-# strategies whose host pool set kvstage refuses at registration (init_hicache raises)
-REFUSED = {"minimax_sparse": "_MiniMaxSparseStrategy"}
+# strategies whose host pool set kvstage refuses at registration (init_hicache raises):
+# sglang's class, the refusal, the stores opened (and closed again) before it
+REFUSED = {
+    "minimax_sparse": (
+        "_MiniMaxSparseStrategy",
+        r"^host pool 'indexer': a sparse-attention indexer pool \(MHATokenToKOnlyPoolHost\) is not one",
+        1,
+    ),
+    "deepseek_v4": (
+        "_DeepSeekV4Strategy",
+        r"^mem_pool_host: a LogicalHostPool host pool \(LogicalHostPool\) is not one kvstage stores",
+        0,
+    ),
+}
 WINDOW = 9  # sglang's SWA component keeps and reads ceil(9/4) = 3 trailing pages
 TIMEOUT = 60
 
@@ -148,7 +161,8 @@ class UnifiedRig:
 
     def __init__(self, strategy: str, url: str, seed: int) -> None:
         self.strategy = strategy
-        self.page_size = DSA_PAGE_SIZE if strategy == "dsa" else PAGE_SIZE
+        # DSA's indexer reads 64-token pages, DeepSeek V4 256-token ones
+        self.page_size = {"dsa": DSA_PAGE_SIZE, "deepseek_v4": 256}.get(strategy, PAGE_SIZE)
         extra = {"sliding_window": WINDOW} if "swa" in strategy else {}
         args = server_args(url, self.page_size, extra)
         components = [ComponentType.FULL]
@@ -158,6 +172,34 @@ class UnifiedRig:
             kv = mha_device_pool(layer_num=2)
             allocator = PagedTokenToKVPoolAllocator(128, PAGE_SIZE, torch.bfloat16, "cpu", kv, need_sort=False)
             device_buffers = [*kv.k_buffer, *kv.v_buffer]
+        elif strategy == "deepseek_v4":  # its fp8 byte layout fixes the head dims
+            self.requests = ReqToTokenPool(size=4, max_context_len=1024, device="cpu", enable_memory_saver=False)
+            kv = DeepSeekV4TokenToKVPool(
+                max_num_reqs=4,
+                swa_size=1024,
+                c4_size=512,
+                c128_size=64,
+                c4_state_pool_size=64,
+                c128_state_pool_size=8,
+                page_size=256,
+                swa_page_size=256,
+                dtype=torch.float8_e4m3fn,
+                c4_state_dtype=torch.float32,
+                c128_state_dtype=torch.float32,
+                qk_nope_head_dim=448,
+                qk_rope_head_dim=64,
+                indexer_head_dim=128,
+                layer_num=2,
+                device="cpu",
+                enable_memory_saver=False,
+                compression_ratios=[4, 128],
+                sliding_window=128,
+                start_layer=0,
+                end_layer=2,
+            )
+            allocator = SWATokenToKVPoolAllocator(1024, 1024, 256, torch.float8_e4m3fn, "cpu", kv, need_sort=False)
+            components.append(ComponentType.SWA)
+            device_buffers = []
         elif strategy == "minimax_sparse":  # MiniMax M3: a dense layer, a sparse one with index keys
             self.requests = ReqToTokenPool(size=8, max_context_len=256, device="cpu", enable_memory_saver=False)
             kv = MiniMaxSparseKVPool(
@@ -241,7 +283,7 @@ class UnifiedRig:
             token_to_kv_pool_allocator=allocator,
             page_size=self.page_size,
             tree_components=tuple(components),
-            sliding_window_size=WINDOW if "swa" in strategy else None,
+            sliding_window_size={"swa": WINDOW, "mamba_swa": WINDOW, "deepseek_v4": 128}.get(strategy),
             enable_mamba_extra_buffer=self.mamba is not None,  # sglang's rule for pages of more than 1 token
         )
         self.cache = UnifiedRadixCache(params=params)
