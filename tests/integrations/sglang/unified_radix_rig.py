@@ -1,9 +1,11 @@
 """sglang 0.5.23's own ``UnifiedRadixCache`` on CPU, one per stack strategy of its
 ``hybrid_pool_assembler._STRATEGIES`` (``STRATEGIES``: those kvstage stores; ``REFUSED``: the
-two whose pools it refuses), with KVStageStorage as its L3 backend: ``init_hicache`` picks the strategy, which builds the host
-pool set and the ``HybridCacheController``; the test plays the scheduler (device slots,
-``insert``, ``check_hicache_events``, ``match_prefix``, ``prefetch_from_storage``,
-``check_prefetch_progress``) and reads each pool's host pages from the tree's nodes.
+two whose pools it refuses), with KVStageStorage as its L3 backend: ``init_hicache`` picks the
+strategy, which builds the host pool set and the ``HybridCacheController``. The test plays the
+scheduler (device slots, ``insert``, ``check_hicache_events``, ``match_prefix``,
+``prefetch_from_storage``, ``check_prefetch_progress``); each pool's host pages are read at the
+slots the cache hands its controller to store (``write_storage``) and those of a finished
+prefetch it inserts into its tree (``_handle_prefetch_result``).
 
 What a CPU torch lacks, and what stands in for it here:
 
