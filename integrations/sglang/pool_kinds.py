@@ -50,14 +50,15 @@ _KINDS = (
     ("PageInterleave", "page-interleaved"),
     ("LayerSplit", "layer-split"),
 )
-# sglang's PoolName values (register_mem_host_pool_v2) and the kind each names.
+# sglang's PoolName values (register_mem_host_pool_v2) and the kind each names ('indexer' is
+# DeepSeek V3.2's DSA index keys, and also QSA's and MiniMax M3's sparse layers' K-only pool).
 _NAMED_KINDS = {
     "mamba": "Mamba",
     "swa": "SWA",
     "auxiliary_swa": "SWA",
     "draft_swa": "SWA (draft model)",
-    "indexer": "DSA indexer (DeepSeek V3.2's index keys)",
-    "draft_indexer": "DSA indexer (draft model)",
+    "indexer": "sparse-attention indexer",
+    "draft_indexer": "sparse-attention indexer (draft model)",
     "draft": "draft model KV",
 }
 

@@ -327,7 +327,7 @@ def test_host_pools_kvstage_does_not_store_are_refused_at_v2_registration_naming
         (
             group.get_pool(PoolName.INDEXER),
             PoolName.DRAFT_INDEXER,
-            r"host pool 'draft_indexer': a DSA indexer \(draft model\) pool \(DSAIndexerPoolHost\)",
+            r"host pool 'draft_indexer': a sparse-attention indexer \(draft model\) pool \(DSAIndexerPoolHost\)",
         ),
         (
             mha_host(),
