@@ -104,8 +104,9 @@ class StorageBackend(abc.ABC):
     """A key-value store of whole KV pages.
 
     Subclasses implement :meth:`_exists`, :meth:`_put`, :meth:`_get`, :meth:`_clear` (and, to
-    support :meth:`remove`, :meth:`_remove`) on full keys (prefix included); this class
-    checks arguments, adds the prefix, counts and times. Subclasses record a :class:`StoreEvent` for each page stored, evicted and removed,
+    support :meth:`remove`, :meth:`_remove`) on full keys (prefix included; page keys alone in
+    a store with :attr:`prefixed_hook_keys` False); this class checks arguments, adds the
+    prefix, counts and times. Subclasses record a :class:`StoreEvent` for each page stored, evicted and removed,
     under the lock that orders their index changes, so a consumer sees events in the order of
     the changes (a page stored after a ``clear`` is never reported before its removal).
 
@@ -127,10 +128,16 @@ class StorageBackend(abc.ABC):
     # so threads iterate it without a lock.
     _timing_listeners: tuple = ()
     _change_listeners: tuple = ()  # see add_change_listener; replaced whole, as _timing_listeners
+    # True: the hooks (_exists, _put, _get, _remove, _record) take full keys, the fingerprint
+    # prefix before each page key (a key space shared with others: a directory, a cluster).
+    # False: page keys alone, for a store whose index is its own key space (MemoryStore: one
+    # object, one fingerprint), so a lookup builds no prefixed string per key.
+    prefixed_hook_keys = True
 
     def __init__(self, fingerprint: LayoutFingerprint, *, event_capacity: int = DEFAULT_EVENT_CAPACITY) -> None:
         self.fingerprint = fingerprint
         self.prefix = fingerprint.prefix()
+        self._hook_prefix = self.prefix if self.prefixed_hook_keys else ""  # put before each key given a hook
         self.page_bytes = fingerprint.page_bytes
         self.stats = StorageStats()
         self._untold_changes: collections.deque = collections.deque()  # evictions and removals not told yet
@@ -151,9 +158,9 @@ class StorageBackend(abc.ABC):
         "Readable" as far as a store can tell cheaply (the file store checks the size, not the
         checksum; see each store). A key found counts as a use for the store's eviction.
         """
-        prefix = self.prefix
+        prefix, keys = self._hook_prefix, _checked_keys(keys)
         try:
-            return self._exists([prefix + key for key in _checked_keys(keys)])
+            return self._exists([prefix + key for key in keys] if prefix else keys)
         finally:
             self._tell_changes()
 
@@ -212,10 +219,11 @@ class StorageBackend(abc.ABC):
             raise InvalidArgumentError(
                 f"prior_key: must not be one of keys (keys[{keys.index(prior_key)}]): it precedes keys[0]"
             )
-        full_keys = [self.prefix + key for key in keys]
+        prefix = self._hook_prefix
+        full_keys = [prefix + key for key in keys] if prefix else list(keys)
         started = time.perf_counter()
         try:
-            answer = put(full_keys, list(pages), self.prefix + prior_key if prior_key else None)
+            answer = put(full_keys, list(pages), prefix + prior_key if prior_key else None)
         finally:
             self._tell_changes()
         seconds = time.perf_counter() - started
@@ -259,7 +267,8 @@ class StorageBackend(abc.ABC):
         self._check_pages("into", keys, into, targets=True)
         started = time.perf_counter()
         try:
-            hits = self._get([self.prefix + key for key in keys], list(into))
+            prefix = self._hook_prefix
+            hits = self._get([prefix + key for key in keys] if prefix else keys, list(into))
         finally:
             self._tell_changes()
         seconds = time.perf_counter() - started
@@ -336,7 +345,8 @@ class StorageBackend(abc.ABC):
             StorageError: the store cannot remove (Mooncake: the client is closed, or every
                 key's answer said the master is down; a store without removal).
         """
-        full_keys = list(dict.fromkeys(self.prefix + key for key in _checked_keys(keys)))
+        prefix = self._hook_prefix
+        full_keys = list(dict.fromkeys(prefix + key for key in _checked_keys(keys)))
         if not full_keys:
             return 0
         try:
@@ -440,9 +450,10 @@ class StorageBackend(abc.ABC):
             listener(self, kind, keys, priors)
 
     def _record(self, kind: str, full_keys) -> None:
-        """Record a store event of ``kind`` for each full key (prefix included) of this store."""
-        start = len(self.prefix)
-        self._events.record(kind, [key[start:] for key in full_keys])
+        """Record a store event of ``kind`` for each key of this store as its hooks take them
+        (full keys, or page keys where :attr:`prefixed_hook_keys` is False)."""
+        start = len(self._hook_prefix)
+        self._events.record(kind, [key[start:] for key in full_keys] if start else list(full_keys))
 
     # -- helpers ----------------------------------------------------------------------------
 

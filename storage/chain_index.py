@@ -115,6 +115,25 @@ class ChainIndex(Generic[K, V]):
             self._compact()
         return entry.tick
 
+    def touch_all(self, keys: Iterable[K]) -> None:
+        """Mark each of ``keys`` used, in order (each after the one before it), as :meth:`touch`
+        on each in turn would: the same order of ticks, from one clock read, and one heap
+        compaction check for them all (a store's queued lookup uses, many at once). Keys not
+        stored are skipped; a key given twice takes the place of its last use."""
+        entries, successors, candidates = self._entries, self._successors, self._candidates
+        push = heapq.heappush
+        tick = max(time.time_ns(), self._clock + 1) - 1  # the tick before the first key's
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None:
+                continue
+            tick += 1
+            entry.tick = tick
+            if not successors.get(key):
+                push(candidates, (tick, key))
+        self._clock = max(self._clock, tick)
+        self._compact()
+
     def remove(self, key: K) -> V | None:
         """Forget ``key`` (evicted or found corrupt); its value, or None when it was not stored.
 

@@ -92,10 +92,13 @@ class MemoryStore(StorageBackend):
             an int >= 0.
 
     Thread-safe (one lock around every call). Takes strided page views (:attr:`strided_pages`):
-    a host pool page in another byte order moves with one copy.
+    a host pool page in another byte order moves with one copy. Keyed by page keys alone
+    (:attr:`prefixed_hook_keys` False: its hooks take them so): the store object is its own key
+    space, so a lookup builds no prefixed string per key.
     """
 
     strided_pages = True
+    prefixed_hook_keys = False
 
     tier = "memory"
 
@@ -118,7 +121,7 @@ class MemoryStore(StorageBackend):
         elif not is_int(capacity_pages) or capacity_pages < 0:
             raise InvalidArgumentError(f"capacity_pages: must be a non-negative int, got {capacity_pages!r}")
         self.capacity_pages = capacity_pages
-        self._pages: ChainIndex[str, torch.Tensor] = ChainIndex()
+        self._pages: ChainIndex[str, torch.Tensor] = ChainIndex()  # by page key (no prefix)
         self._uses: list[str] = []  # keys exists() found, not yet touched (see _exists)
         self._lock = threading.Lock()
         self._spare: list[torch.Tensor] = []  # buffers of removed pages, taken before new memory
@@ -137,14 +140,14 @@ class MemoryStore(StorageBackend):
         """Bytes of the pages stored now."""
         return len(self._pages) * self.page_bytes
 
-    def _exists(self, full_keys: list[str]) -> list[bool]:
+    def _exists(self, keys: list[str]) -> list[bool]:
         # A key found counts as a use: lookups find shared prefixes through exists(), and
         # those are the pages most worth keeping. The uses are queued and applied in order
         # before the next call that reads or changes recency (put, get), so the eviction order
         # is the same as touching each key here, and a lookup pays a membership test only.
         with self._lock:
-            found = self._pages.holds(full_keys)
-            self._uses.extend(compress(full_keys, found))
+            found = self._pages.holds(keys)
+            self._uses.extend(compress(keys, found))
             if len(self._uses) > _MAX_QUEUED_USES:
                 self._apply_uses()
             return found
@@ -152,23 +155,21 @@ class MemoryStore(StorageBackend):
     def _apply_uses(self) -> None:
         """Touch the keys ``exists`` found since the last call, in order (under the lock)."""
         if self._uses:
-            touch = self._pages.touch
             # Only a key's last use decides its place: touch each once, in the order of last uses.
-            for key in reversed(dict.fromkeys(reversed(self._uses))):
-                touch(key)
+            self._pages.touch_all(reversed(dict.fromkeys(reversed(self._uses))))
             self._uses.clear()
 
-    def _put(self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None) -> PutStatuses:
+    def _put(self, keys: list[str], pages: list[torch.Tensor], prior_key: str | None = None) -> PutStatuses:
         statuses = PutStatuses()
         evicted = []
-        keep = _Kept(full_keys, self._lent)  # never evicted for a page of this call, nor one on loan
-        if full_prior_key is not None:
-            keep.add(full_prior_key)
+        keep = _Kept(keys, self._lent)  # never evicted for a page of this call, nor one on loan
+        if prior_key is not None:
+            keep.add(prior_key)
         with self._lock:
             self._apply_uses()
             stored = self._pages
-            before = full_prior_key
-            for key, page in zip(full_keys, pages):
+            before = prior_key
+            for key, page in zip(keys, pages):
                 prior, before = before, key
                 if stored.touch(key) is not None:
                     statuses.append(PutStatus.DEDUPLICATED)
@@ -176,9 +177,9 @@ class MemoryStore(StorageBackend):
                 if prior is not None and prior not in stored:
                     statuses.append(PutStatus.FAILED)  # unreachable: its predecessor is not here
                     if (
-                        statuses.error is None and prior == full_prior_key
+                        statuses.error is None and prior == prior_key
                     ):  # (else the call refused its previous key, for room)
-                        statuses.error = MissingPriorError(prior[len(self.prefix) :])
+                        statuses.error = MissingPriorError(prior[len(self._hook_prefix) :])
                     continue
                 if len(stored) < self.capacity_pages:
                     buffer = torch.empty(self.page_bytes, dtype=torch.uint8)
@@ -195,15 +196,15 @@ class MemoryStore(StorageBackend):
                 stored.add(key, buffer, prior)
                 statuses.append(PutStatus.STORED)
             self._record("evicted", evicted)
-            self._record("stored", [key for key, status in zip(full_keys, statuses) if status is PutStatus.STORED])
+            self._record("stored", [key for key, status in zip(keys, statuses) if status is PutStatus.STORED])
         return statuses
 
-    def _get(self, full_keys: list[str], into: list[torch.Tensor]) -> list[bool]:
+    def _get(self, keys: list[str], into: list[torch.Tensor]) -> list[bool]:
         hits = []
         with self._lock:
             self._apply_uses()
             stored = self._pages
-            for key, target in zip(full_keys, into):
+            for key, target in zip(keys, into):
                 page = stored.value(key)
                 if page is None:
                     hits.append(False)
@@ -223,10 +224,10 @@ class MemoryStore(StorageBackend):
             self._record("removed", keys)
         return len(keys)
 
-    def _remove(self, full_keys: list[str]) -> int:
+    def _remove(self, keys: list[str]) -> int:
         with self._lock:
             stored = self._pages
-            removed = stored.chains_after(full_keys)
+            removed = stored.chains_after(keys)
             for key in removed:
                 buffer = stored.remove(key)
                 if buffer.data_ptr() not in self._lent_buffers:  # a page on loan is still read: never reused
@@ -316,27 +317,27 @@ class MemoryStore(StorageBackend):
         return statuses, spares
 
     def _adopt(
-        self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None, spares: list
+        self, keys: list[str], pages: list[torch.Tensor], prior_key: str | None, spares: list
     ) -> PutStatuses:
         """:meth:`_put` keeping the pages' tensors; the victims' buffers go to ``spares``."""
         statuses = PutStatuses()
         evicted = []
-        keep = _Kept(full_keys, self._lent)
-        if full_prior_key is not None:
-            keep.add(full_prior_key)
+        keep = _Kept(keys, self._lent)
+        if prior_key is not None:
+            keep.add(prior_key)
         with self._lock:
             self._apply_uses()
             stored = self._pages
-            before = full_prior_key
-            for key, page in zip(full_keys, pages):
+            before = prior_key
+            for key, page in zip(keys, pages):
                 prior, before = before, key
                 if stored.touch(key) is not None:
                     statuses.append(PutStatus.DEDUPLICATED)
                     continue
                 if prior is not None and prior not in stored:
                     statuses.append(PutStatus.FAILED)
-                    if statuses.error is None and prior == full_prior_key:
-                        statuses.error = MissingPriorError(prior[len(self.prefix) :])
+                    if statuses.error is None and prior == prior_key:
+                        statuses.error = MissingPriorError(prior[len(self._hook_prefix) :])
                     continue
                 if len(stored) >= self.capacity_pages:
                     victim = stored.pop_victim(keep)
@@ -352,7 +353,7 @@ class MemoryStore(StorageBackend):
                 self.pages_adopted += 1
                 statuses.append(PutStatus.STORED)
             self._record("evicted", evicted)
-            self._record("stored", [key for key, status in zip(full_keys, statuses) if status is PutStatus.STORED])
+            self._record("stored", [key for key, status in zip(keys, statuses) if status is PutStatus.STORED])
         return statuses
 
     def lend(self, keys: Sequence[str]) -> "PageLoan":
@@ -370,12 +371,13 @@ class MemoryStore(StorageBackend):
         Raises:
             InvalidArgumentError: a key is not a non-empty str.
         """
-        full_keys = [self.prefix + key for key in _checked_keys(keys)]
+        prefix = self._hook_prefix
+        hook_keys = [prefix + key for key in _checked_keys(keys)]
         started = time.perf_counter()
         with self._lock:
             self._apply_uses()
-            pages = self._lend(full_keys)
-            for key, page in zip(full_keys, pages):
+            pages = self._lend(hook_keys)
+            for key, page in zip(hook_keys, pages):
                 if page is not None:
                     self._pages.touch(key)
                     self._lent[key] += 1
@@ -388,17 +390,17 @@ class MemoryStore(StorageBackend):
         self.stats.bytes_got += found * self.page_bytes
         self.stats.get_seconds += seconds
         for listener in self._timing_listeners:
-            listener("get", len(full_keys), seconds)
-        return PageLoan(self, full_keys, pages)
+            listener("get", len(hook_keys), seconds)
+        return PageLoan(self, hook_keys, pages)
 
-    def _lend(self, full_keys: list[str]) -> list[torch.Tensor | None]:
-        """The stored buffers of ``full_keys`` (None: not stored), under the lock."""
+    def _lend(self, hook_keys: list[str]) -> list[torch.Tensor | None]:
+        """The stored buffers of ``hook_keys`` (None: not stored), under the lock."""
         value = self._pages.value
-        return [value(key) for key in full_keys]
+        return [value(key) for key in hook_keys]
 
-    def _end_loan(self, full_keys: list[str], pages: list) -> None:
+    def _end_loan(self, hook_keys: list[str], pages: list) -> None:
         with self._lock:
-            for key, page in zip(full_keys, pages):
+            for key, page in zip(hook_keys, pages):
                 if page is None:
                     continue
                 for counter, item in ((self._lent, key), (self._lent_buffers, page.data_ptr())):
@@ -424,8 +426,8 @@ class PageLoan:
 
     __slots__ = ("pages", "ended", "_store", "_keys")
 
-    def __init__(self, store: MemoryStore, full_keys: list[str], pages: list) -> None:
-        self.pages, self.ended, self._store, self._keys = pages, False, store, full_keys
+    def __init__(self, store: MemoryStore, hook_keys: list[str], pages: list) -> None:
+        self.pages, self.ended, self._store, self._keys = pages, False, store, hook_keys
 
     def end(self) -> None:
         """No copy reads the pages any more: they may be evicted again. Idempotent."""

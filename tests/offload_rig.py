@@ -87,36 +87,33 @@ class FlakyStore(MemoryStore):
         self.raise_on_put = raise_on_put
         self.fail_get = fail_get
 
-    def _get(self, full_keys: list[str], into: list[torch.Tensor]) -> list[bool]:
-        prefix = len(self.prefix)
-        hits = super()._get(full_keys, into)
+    # A memory store's hooks take page keys (no prefix: MemoryStore.prefixed_hook_keys).
+    def _get(self, keys: list[str], into: list[torch.Tensor]) -> list[bool]:
+        hits = super()._get(keys, into)
         if self.fail_get is None:
             return hits
-        return [hit and not self.fail_get(key[prefix:]) for key, hit in zip(full_keys, hits)]
+        return [hit and not self.fail_get(key) for key, hit in zip(keys, hits)]
 
-    def _put(
-        self, full_keys: list[str], pages: list[torch.Tensor], full_prior_key: str | None = None
-    ) -> list[PutStatus]:
+    def _put(self, keys: list[str], pages: list[torch.Tensor], prior_key: str | None = None) -> list[PutStatus]:
         if self.raise_on_put is not None and self.raise_on_put():
             raise StorageError("storage: injected failure of a whole put")
-        statuses: list[PutStatus | None] = [None] * len(full_keys)
+        statuses: list[PutStatus | None] = [None] * len(keys)
         keep_keys, keep_pages, keep_at = [], [], []
-        prefix = len(self.prefix)
-        for index, (key, page) in enumerate(zip(full_keys, pages)):
-            if self.fail is not None and key not in self._pages and self.fail(key[prefix:]):
+        for index, (key, page) in enumerate(zip(keys, pages)):
+            if self.fail is not None and key not in self._pages and self.fail(key):
                 statuses[index] = PutStatus.FAILED
             else:
                 keep_keys.append(key)
                 keep_pages.append(page)
                 keep_at.append(index)
         # A failed page breaks the run: the pages after it are one chain that no lookup reaches.
-        if len(keep_at) < len(full_keys):
+        if len(keep_at) < len(keys):
             first_failed = next(i for i, status in enumerate(statuses) if status is PutStatus.FAILED)
             cut = sum(1 for index in keep_at if index < first_failed)
             for index in keep_at[cut:]:
                 statuses[index] = PutStatus.FAILED
             keep_keys, keep_pages, keep_at = keep_keys[:cut], keep_pages[:cut], keep_at[:cut]
-        for index, status in zip(keep_at, super()._put(keep_keys, keep_pages, full_prior_key)):
+        for index, status in zip(keep_at, super()._put(keep_keys, keep_pages, prior_key)):
             statuses[index] = status
         return statuses  # type: ignore[return-value]
 

@@ -34,6 +34,7 @@ def test_hybrid_bench_quick_reports_each_path_and_lookup_against_its_target():
     for r in report["lookup"]:
         assert (r["keys_per_store"], r["stores"], r["pages_asked"], r["requests"]) == (3_200, 2, 32, 200)
         assert all(r[f"{key}_us"] > 0 for key in ("match_prefix", "hash", "exists", "restorable_lengths"))
+        assert r["match_prefix_mean_us"] > 0
     summary = report["summary"]
     assert len(summary) == 6
     assert sorted(item["target"] for item in summary.values()) == [0.8] * 4 + [50.0] * 2

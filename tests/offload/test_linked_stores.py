@@ -57,7 +57,7 @@ def open_stores(kind: str, tmp_path) -> dict:
 def held(store) -> set[str]:
     """The keys a store holds, asked without counting as a use."""
     if isinstance(store, MemoryStore):
-        return {key[len(store.prefix) :] for key in store._pages.keys()}
+        return set(store._pages.keys())  # keyed by page keys
     return {page_key for _, page_key in store._room.values()}
 
 

@@ -599,7 +599,7 @@ class UnreadableStore(MemoryStore):
 
     def _get(self, full_keys, into):
         hits = super()._get(full_keys, into)
-        return [hit and key != self.prefix + self.unreadable for key, hit in zip(full_keys, hits)]
+        return [hit and key != self.unreadable for key, hit in zip(full_keys, hits)]  # page keys
 
 
 def test_a_loaded_prefetch_whose_read_stopped_at_an_unreadable_page_counts_as_a_prefetch_failure():

@@ -61,7 +61,7 @@ class EvictingStore(FlakyStore):
             last = max(index for index, hit in enumerate(answer) if hit)
             with self._lock:
                 self._pages.remove(full_keys[last])
-            self.evicted.add(full_keys[last][len(self.prefix) :])
+            self.evicted.add(full_keys[last])  # a memory store's hooks take page keys
         return answer
 
 

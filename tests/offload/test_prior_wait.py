@@ -247,7 +247,7 @@ class GatedStore(MemoryStore):
         self.error = OSError(errno.ENOSPC, "No space left on device")
 
     def _put(self, full_keys, pages, full_prior_key=None):
-        if self.failing_key is not None and self.prefix + self.failing_key in full_keys:
+        if self.failing_key is not None and self.failing_key in full_keys:  # page keys
             assert self.gate.wait(10)
             return PutStatuses([PutStatus.FAILED] * len(full_keys), error=self.error)
         return super()._put(full_keys, pages, full_prior_key)

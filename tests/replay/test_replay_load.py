@@ -166,14 +166,14 @@ def test_verify_catches_wrong_bytes_and_pages_missing_from_the_store():
         assert (wrong.pages_checked, wrong.mismatches, wrong.pages_matched) == (57, 57, 0)
         # One byte of one page at rest: one mismatch, though two chains load it.
         # A page damaged at rest: no public call changes a stored page's bytes.
-        storage._pages.value(storage.prefix + keys[0][3])[0] ^= 0x10
+        storage._pages.value(keys[0][3])[0] ^= 0x10
         flipped = verify_pages(engine)
         assert (flipped.mismatches, flipped.pages_matched, flipped.lost) == (1, 56, 0)
-        storage._pages.value(storage.prefix + keys[0][3])[0] ^= 0x10
+        storage._pages.value(keys[0][3])[0] ^= 0x10
         # Page 40 of the shared prefix gone: it is lost; what both chains hold after it is unreachable:
         # pages 41-42 (shared), request 0's page 43, request 1's pages 43-55.
         # Removed behind the store's back (no eviction event): no public call does that.
-        storage._pages.remove(storage.prefix + keys[0][40])
+        storage._pages.remove(keys[0][40])
         holed = verify_pages(engine)
         assert (holed.pages_matched, holed.missing, holed.lost, holed.unreachable) == (40, 1, 1, 2 + 1 + 13)
         assert holed.pages_checked == 57 and holed.verify_requests == 2

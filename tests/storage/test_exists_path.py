@@ -77,3 +77,72 @@ def test_exists_equals_each_keys_own_read(ops, asked, capacity):
             store.clear()
         answer = store.exists(asked)
         assert answer == [store.get([key], [torch.empty(16)])[0] for key in asked]
+
+
+class Recording(MemoryStore):
+    """A memory store that keeps the keys its ``_exists`` hook was handed."""
+
+    def _exists(self, keys):
+        self.handed = list(keys)
+        return super()._exists(keys)
+
+
+class Prefixed(MemoryStore):
+    """A memory store whose hooks take full keys (prefix included), as a shared key space's."""
+
+    prefixed_hook_keys = True
+
+
+def test_a_memory_stores_hooks_take_page_keys_and_a_prefixed_stores_full_keys():
+    # The memory store is its own key space: a lookup builds no prefixed key per page.
+    bare = Recording(FP, capacity_pages=4)
+    bare.exists(["a", "b"])
+    assert bare.handed == ["a", "b"] and not MemoryStore.prefixed_hook_keys
+
+    class RecordingPrefixed(Prefixed, Recording):
+        pass
+
+    prefixed = RecordingPrefixed(FP, capacity_pages=4)
+    prefixed.exists(["a", "b"])
+    assert prefixed.handed == [FP.prefix() + "a", FP.prefix() + "b"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["put", "get", "exists", "remove", "clear"]),
+            st.lists(st.sampled_from("abcdefg"), max_size=4),
+            st.sampled_from([None, "a", "c", "z"]),
+        ),
+        max_size=25,
+    ),
+    st.integers(1, 5),
+)
+def test_a_memory_store_answers_the_same_whichever_keys_its_hooks_take(ops, capacity):
+    # Bare page keys inside (the memory store) or prefixed keys (as before): every answer, the
+    # statuses' error, the events and the stats are the same.
+    stores = MemoryStore(FP, capacity_pages=capacity), Prefixed(FP, capacity_pages=capacity)
+    for op, keys, prior in ops:
+        keys = list(dict.fromkeys(keys))
+        answers = []
+        for store in stores:
+            if op == "put" and keys and prior not in keys:
+                statuses = store.put(keys, [torch.full((16,), float(ord(k))) for k in keys], prior_key=prior)
+                error = statuses.error
+                answers.append((list(statuses), type(error), getattr(error, "prior_key", None)))
+            elif op == "get":
+                into = [torch.zeros(16) for _ in keys]
+                answers.append((store.get(keys, into), [t.tolist() for t in into]))
+            elif op == "exists":
+                answers.append(store.exists(keys))
+            elif op == "remove":
+                answers.append(store.remove(keys))
+            elif op == "clear":
+                answers.append(store.clear())
+        if answers:
+            assert answers[0] == answers[1], (op, keys, prior)
+    events = [[(e.kind, e.key, e.key_space) for e in store.take_events()] for store in stores]
+    assert events[0] == events[1]
+    counts = [{k: v for k, v in vars(store.stats).items() if not k.endswith("seconds")} for store in stores]
+    assert counts[0] == counts[1]
