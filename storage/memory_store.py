@@ -316,9 +316,7 @@ class MemoryStore(StorageBackend):
         statuses = self._run_put(keys, pages, prior_key, lambda k, p, prior: self._adopt(k, p, prior, spares))
         return statuses, spares
 
-    def _adopt(
-        self, keys: list[str], pages: list[torch.Tensor], prior_key: str | None, spares: list
-    ) -> PutStatuses:
+    def _adopt(self, keys: list[str], pages: list[torch.Tensor], prior_key: str | None, spares: list) -> PutStatuses:
         """:meth:`_put` keeping the pages' tensors; the victims' buffers go to ``spares``."""
         statuses = PutStatuses()
         evicted = []
