@@ -103,3 +103,17 @@ def test_targets_that_share_memory_are_written_one_page_after_another(same):
         copy_pages(targets, buffers, into_buffers=False)
     assert mode.copies == 3
     assert torch.equal(as_bytes(flat)[: expected.numel()], expected)
+
+
+@pytest.mark.parametrize(("serial_elements", "copies"), [(100, 3), (48, 1), (30, 1)])
+def test_pages_below_torchs_parallel_grain_are_batched_only_while_the_batch_stays_below_it(
+    monkeypatch, serial_elements, copies
+):
+    # 48-element pages: below a grain of 100, two a copy (96 < 100: still one thread, as each
+    # page alone); at or above the grain each page's copy was split already, so all in one
+    monkeypatch.setattr("kvstage.storage.page_runs.SERIAL_ELEMENTS", serial_elements)
+    pages, buffers = list(host(6, seed=6).unbind()), rows(6)
+    with CountCopies() as mode:
+        copy_pages(pages, buffers, into_buffers=True)
+    assert mode.copies == copies
+    assert all(torch.equal(buffer, as_bytes(page)) for page, buffer in zip(pages, buffers))
