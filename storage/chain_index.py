@@ -80,6 +80,14 @@ class ChainIndex(Generic[K, V]):
         entry = self._entries.get(key)
         return None if entry is None else entry.value
 
+    def set_value(self, key: K, value: V) -> None:
+        """Replace the value of ``key`` (stored), its link and last use unchanged.
+
+        Raises:
+            KeyError: ``key`` is not stored.
+        """
+        self._entries[key].value = value
+
     def tick(self) -> int:
         """A new tick: ``max(time.time_ns(), last tick + 1)``."""
         self._clock = max(time.time_ns(), self._clock + 1)

@@ -12,6 +12,11 @@ its intra-op threads for itself can set ``torch.set_num_threads``. A store at it
 writes each new page into the memory of the page it evicts, so it never touches fresh memory:
 a new allocation costs a page fault and a kernel zero-fill per 4 KiB on first touch, which
 halves a copy's speed (``bench/bench_storage.py``: ``memory`` against ``memory-growing``).
+A put's new pages take rows of one ``[n, page_bytes]`` allocation, or the evicted pages' buffers
+in address order, so pages adjacent in a host pool land in evenly spaced rows and a call moves
+each such run in one ``copy_`` both ways (:mod:`kvstage.storage.page_runs`: one wait for torch's
+slowest thread a run, not a page). A removed page's memory is kept for the next page stored (the
+store never holds more than its capacity in pages); ``clear`` and ``close`` let it go.
 
 One hop (:meth:`MemoryStore.put_adopting`, :meth:`MemoryStore.lend`): a caller that owns a
 whole page buffer (a hybrid model's staging buffer) may hand it over instead of having it copied,
@@ -53,17 +58,11 @@ from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, S
 from kvstage.storage.chain_index import ChainIndex
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint
+from kvstage.storage.page_runs import copy_pages
 from kvstage.storage.sizes import parse_size
 
 DEFAULT_CAPACITY_BYTES = 1 << 30  # 1 GiB
 _MAX_QUEUED_USES = 1 << 16  # uses exists() queues before it applies them itself (bounds the queue)
-
-
-def _as(buffer: torch.Tensor, page: torch.Tensor) -> torch.Tensor:
-    """The first bytes of a store buffer (flat ``uint8``) viewed as ``page``'s dtype and shape, so
-    one ``copy_`` moves a page whatever its strides (torch releases the GIL and splits a large
-    copy over its intra-op threads)."""
-    return buffer[: page.numel() * page.element_size()].view(page.dtype).view(page.shape)
 
 
 class _Kept(set):
@@ -169,6 +168,7 @@ class MemoryStore(StorageBackend):
             self._apply_uses()
             stored = self._pages
             before = prior_key
+            placed, held, reused = [], [], []  # keys stored, their pages, the evicted pages' buffers
             for key, page in zip(keys, pages):
                 prior, before = before, key
                 if stored.touch(key) is not None:
@@ -181,37 +181,63 @@ class MemoryStore(StorageBackend):
                     ):  # (else the call refused its previous key, for room)
                         statuses.error = MissingPriorError(prior[len(self._hook_prefix) :])
                     continue
-                if len(stored) < self.capacity_pages:
-                    buffer = torch.empty(self.page_bytes, dtype=torch.uint8)
-                    self.buffers_allocated += 1
-                else:
+                if len(stored) >= self.capacity_pages:
                     victim = stored.pop_victim(keep)  # the least recently used chain tail
                     if victim is None:
                         statuses.append(PutStatus.FAILED)
                         continue
                     self.stats.pages_evicted += 1
                     evicted.append(victim[0])
-                    buffer = victim[1]  # its memory is already faulted in: reused
-                _as(buffer, page).copy_(page)
-                stored.add(key, buffer, prior)
+                    reused.append(victim[1])  # its memory is already faulted in: reused
+                stored.add(key, None, prior)  # its buffer is set below, before the lock is let go
+                placed.append(key)
+                held.append(page)
                 statuses.append(PutStatus.STORED)
-            self._record("evicted", evicted)
-            self._record("stored", [key for key, status in zip(keys, statuses) if status is PutStatus.STORED])
+            # A put fills the store before it evicts, so its first pages take fresh buffers and
+            # the rest the evicted ones; each set in address order, so that pages adjacent in the
+            # host pool land in adjacent rows and move in one copy (page_runs).
+            buffers = self._fresh(len(placed) - len(reused)) + sorted(reused, key=torch.Tensor.data_ptr)
+            for key, buffer in zip(placed, buffers):
+                stored.set_value(key, buffer)
+            try:
+                copy_pages(held, buffers, into_buffers=True)
+            except BaseException:
+                for key in placed:  # no page of unknown bytes stays readable
+                    stored.remove(key)
+                self._spare += buffers
+                raise
+            finally:
+                self._record("evicted", evicted)
+            self._record("stored", placed)
         return statuses
+
+    def _fresh(self, count: int) -> list[torch.Tensor]:
+        """``count`` buffers for pages that evict nothing: removed pages' first, then rows of one
+        new ``[n, page_bytes]`` allocation (under the lock)."""
+        spare = self._spare
+        taken = sorted((spare.pop() for _ in range(min(count, len(spare)))), key=torch.Tensor.data_ptr)
+        more = count - len(taken)
+        if more:
+            taken += torch.empty((more, self.page_bytes), dtype=torch.uint8).unbind()
+            self.buffers_allocated += more
+        return taken
 
     def _get(self, keys: list[str], into: list[torch.Tensor]) -> list[bool]:
         hits = []
         with self._lock:
             self._apply_uses()
             stored = self._pages
+            targets, buffers = [], []
             for key, target in zip(keys, into):
                 page = stored.value(key)
                 if page is None:
                     hits.append(False)
                     continue
                 stored.touch(key)
-                target.copy_(_as(page, target))
+                targets.append(target)
+                buffers.append(page)
                 hits.append(True)
+            copy_pages(targets, buffers, into_buffers=False)  # under the lock: a put may reuse them
         return hits
 
     def _clear(self) -> int:

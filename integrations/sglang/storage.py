@@ -61,7 +61,7 @@ __all__ = ["KVStageStorage", "CHUNK_PAGES"]
 
 logger = logging.getLogger(__name__)
 
-CHUNK_PAGES = 8  # pages a call moves per store call: bounds each thread's staging memory
+CHUNK_PAGES = 8  # pages a call moves per store call where pages are staged: bounds each thread's staging memory
 
 
 class KVStageStorage(HiCacheStorage):
@@ -364,8 +364,9 @@ class KVStageStorage(HiCacheStorage):
         started = time.perf_counter()
         results: list[bool] = []
         views = page_views(self.mem_pool_host, starts)  # once: each call views two pages itself
-        for first in range(0, len(keys), CHUNK_PAGES):
-            results += self._get_into(store, keys[first : first + CHUNK_PAGES], views[first : first + CHUNK_PAGES])
+        step = self._chunk_pages(store, len(keys))
+        for first in range(0, len(keys), step):
+            results += self._get_into(store, keys[first : first + step], views[first : first + step])
         self._record("prefetch", sum(results), time.perf_counter() - started)
         if self.announcer is not None and not all(results):  # a corrupt page the store dropped
             self.announcer.poll()
@@ -431,9 +432,10 @@ class KVStageStorage(HiCacheStorage):
             raise InvalidArgumentError(f"target_locations: {len(targets)} pages for {len(keys)} keys")
         views = [flat_page_view(self.mem_pool_host, target, self.kv_layout) for target in targets]
         out: list[torch.Tensor | None] = []
-        for first in range(0, len(keys), CHUNK_PAGES):
-            hits = self._get_into(store, list(keys[first : first + CHUNK_PAGES]), views[first : first + CHUNK_PAGES])
-            out += [target if hit else None for target, hit in zip(targets[first : first + CHUNK_PAGES], hits)]
+        step = self._chunk_pages(store, len(keys))
+        for first in range(0, len(keys), step):
+            hits = self._get_into(store, list(keys[first : first + step]), views[first : first + step])
+            out += [target if hit else None for target, hit in zip(targets[first : first + step], hits)]
         return out
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -495,6 +497,14 @@ class KVStageStorage(HiCacheStorage):
                 )
         return store, starts
 
+    @staticmethod
+    def _chunk_pages(store: StorageBackend, num_pages: int) -> int:
+        """Pages (of ``num_pages``) a store call moves: all of them where the store takes page
+        views as they are (:attr:`~kvstage.storage.StorageBackend.strided_pages`: no staging,
+        and the memory store moves a run of adjacent host pages in one copy), else
+        ``CHUNK_PAGES`` (this thread's staging holds that many)."""
+        return max(num_pages, 1) if store.strided_pages else CHUNK_PAGES
+
     def _staging(self, num_pages: int) -> list[torch.Tensor]:
         """This thread's ``num_pages`` (<= CHUNK_PAGES store entries per page) buffers of store
         entries (pages, or head groups of pages) in kvstage's order."""
@@ -526,7 +536,8 @@ class KVStageStorage(HiCacheStorage):
     ) -> list[bool]:
         """Store the page views under ``keys`` (one chain run after ``prior``; None: a chain's
         start; a run refused because ``prior`` is not stored is put again as a chain's start),
-        ``CHUNK_PAGES`` at a time through :func:`kvstage.offload.store_io.write_pages`,
+        in one store call (``CHUNK_PAGES`` at a time where pages are staged: :meth:`_chunk_pages`)
+        through :func:`kvstage.offload.store_io.write_pages`,
         so a store that raises fails its pages rather than sglang's thread; True per page stored
         or already there. Failed pages are logged once per call at WARNING, with the cause.
         KV events on: the pages are announced when ``announce`` (the run's parent is known),
@@ -540,7 +551,7 @@ class KVStageStorage(HiCacheStorage):
                 self.head_groups.entry_views(views, self.kv_layout.page_shape(self.mem_pool_host.page_size)),
             )
             prior = None if prior is None else self.head_groups.entry_keys([prior])[-1]
-        step = CHUNK_PAGES * self._per_page
+        step = self._chunk_pages(store, len(keys)) * self._per_page
         for first in range(0, len(keys), step):
             chunk = keys[first : first + step]
             pages = self._for_put(store, views[first : first + step])

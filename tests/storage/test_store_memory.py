@@ -166,3 +166,70 @@ def test_a_timing_listener_sees_each_put_and_get_with_the_stats_seconds():
     assert len(seen) == 2
     with pytest.raises(InvalidArgumentError, match="^listener: must be callable"):
         store.add_timing_listener(3)
+
+
+def count_copies():
+    """A torch function mode counting ``Tensor.copy_`` calls made inside it."""
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        copies = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.copy_:
+                self.copies += 1
+            return func(*args, **(kwargs or {}))
+
+    return Count()
+
+
+def test_adjacent_host_pages_move_in_one_copy_in_and_out_also_when_the_put_evicts():
+    # A host pool's adjacent pages land in adjacent store rows (fresh or evicted ones, in
+    # address order), so a call moves them in one copy, not one a page.
+    store = MemoryStore(FP, capacity_pages=4)
+    pool = torch.arange(12 * 32, dtype=torch.float32).reshape(12, 2, 2, 2, 1, 4)
+    for round_, keys in enumerate(("abcd", "efgh", "ijkl")):  # each put evicts the last chain
+        pages = list(pool[4 * round_ : 4 * round_ + 4].unbind())
+        with count_copies() as mode:
+            assert store.put(list(keys), pages) == [PutStatus.STORED] * 4
+        assert mode.copies == 1
+        into = torch.zeros(4, 2, 2, 2, 1, 4)
+        with count_copies() as mode:
+            assert store.get(list(keys), list(into.unbind())) == [True] * 4
+        assert mode.copies == 1 and torch.equal(into, pool[4 * round_ : 4 * round_ + 4])
+    assert store.buffers_allocated == 4 and store.stats.pages_evicted == 8
+    into = torch.zeros(3, 32)  # out of order, with a miss: still each page's own bytes
+    assert store.get(["l", "zz", "i", "j"], [into[0], torch.zeros(32), into[1], into[2]]) == [True, False, True, True]
+    assert torch.equal(into, pool[[11, 8, 9]].reshape(3, 32))
+
+
+def test_the_memory_of_removed_pages_is_reused_so_allocations_stay_within_the_capacity():
+    store = MemoryStore(FP, capacity_pages=4)
+    for round_ in range(5):
+        keys = [f"{round_}{key}" for key in "abcd"]
+        assert store.put(keys, [page(float(round_))] * 4) == [PutStatus.STORED] * 4
+        assert store.remove(keys[1:]) == 3  # one page of each round stays
+        into = torch.zeros(32)
+        assert store.get(keys[:1], [into]) == [True] and torch.equal(into, page(float(round_)).reshape(-1))
+    assert store.buffers_allocated == 4 and len(store) == 1  # (each put evicted the last round's page)
+    store.clear()
+    assert store.put(["x"], [page(9.0)]) == [PutStatus.STORED] and store.buffers_allocated == 5  # clear freed them
+
+
+def test_a_put_whose_copy_raises_keeps_none_of_its_pages_and_reports_its_evictions(monkeypatch):
+    store = MemoryStore(FP, capacity_pages=2)
+    store.put(["a", "b"], [page(1.0), page(2.0)])
+    store.take_events()
+
+    def broken(pages, buffers, *, into_buffers):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr("kvstage.storage.memory_store.copy_pages", broken)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        store.put(["c", "d"], [page(3.0), page(4.0)])
+    monkeypatch.undo()
+    assert store.exists(["a", "b", "c", "d"]) == [False] * 4 and len(store) == 0
+    assert sorted((e.kind, e.key) for e in store.take_events()) == [("evicted", "a"), ("evicted", "b")]
+    assert store.put(["e"], [page(5.0)]) == [PutStatus.STORED] and store.buffers_allocated == 2
+    into = torch.zeros(32)
+    assert store.get(["e"], [into]) == [True] and torch.equal(into, page(5.0).reshape(-1))

@@ -21,6 +21,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvstage.errors import InvalidArgumentError, StorageError
 from kvstage.hashing import PageHasher
 from kvstage.integrations.sglang import KVStageStorage
+from kvstage.integrations.sglang.storage import CHUNK_PAGES
 
 from sglang_rig import (
     LAYERS,
@@ -104,12 +105,13 @@ def test_a_store_put_that_raises_fails_its_pages_with_a_warning_and_never_reache
     set_host(host, random_canonical(host, seed=3))
     backend = kvstage_backend("memory", host)
     calls = _put_raises_from_the_second_call(backend)
-    keys = [key(n) for n in range(1, 11)]  # ten pages: a chunk of CHUNK_PAGES (8), then two
+    keys = [key(n) for n in range(1, 11)]
     with caplog.at_level("WARNING", logger="kvstage.integrations.sglang.storage"):
-        assert backend.batch_set_v1(keys, slots(range(0, 40, 4))) == [True] * 8 + [False] * 2
+        assert backend.batch_set_v1(keys[:8], slots(range(0, 32, 4))) == [True] * 8
+        assert backend.batch_set_v1(keys[8:], slots(range(32, 40, 4))) == [False] * 2
     assert len(calls) == 2
     assert backend.batch_exists(keys) == 8
-    assert "2 of 10 pages not stored" in caplog.text and "the disk went away" in caplog.text
+    assert "2 of 2 pages not stored" in caplog.text and "the disk went away" in caplog.text
     caplog.clear()
     with caplog.at_level(
         "WARNING", logger="kvstage.integrations.sglang.storage"
@@ -117,6 +119,31 @@ def test_a_store_put_that_raises_fails_its_pages_with_a_warning_and_never_reache
         assert backend.batch_set([key(20)], [host.get_data_page(0, flat=True)]) is False
     assert "1 of 1 pages not stored" in caplog.text and "the disk went away" in caplog.text
     assert backend.batch_exists([key(20)]) == 0
+
+
+@pytest.mark.parametrize("strided", [True, False])
+def test_a_call_moves_its_pages_in_one_store_call_where_the_store_takes_views_else_in_chunks(strided):
+    # A store with strided_pages takes the host page views as they are (no staging to bound),
+    # so a call's ten pages go in one put and one get (the memory store then moves adjacent
+    # host pages in one copy); a store that needs contiguous pages gets CHUNK_PAGES at a time.
+    host = mha_host()
+    set_host(host, random_canonical(host, seed=5))
+    backend = kvstage_backend("memory", host)
+    store = backend.store
+    if not strided:
+        store.strided_pages = False  # as a contiguous-only store (Mooncake): staged
+    puts, gets = [], []
+    real_put, real_get = store.put, store.get
+    store.put = lambda keys, pages, prior_key=None: (
+        puts.append(len(keys)),
+        real_put(keys, pages, prior_key=prior_key),
+    )[1]
+    store.get = lambda keys, into: (gets.append(len(keys)), real_get(keys, into))[1]
+    keys = [key(n) for n in range(1, 11)]
+    assert backend.batch_set_v1(keys, slots(range(0, 40, 4))) == [True] * 10
+    assert backend.batch_get_v1(keys, slots(range(40, 80, 4))) == [True] * 10
+    assert puts == gets == ([10] if strided else [CHUNK_PAGES, 10 - CHUNK_PAGES])
+    assert all(same_bytes(host.get_data_page(40 + 4 * n), host.get_data_page(4 * n)) for n in range(10))
 
 
 def test_batch_set_v1_with_prefix_keys_asks_the_store_no_exists_whether_the_parent_is_stored_or_not():
