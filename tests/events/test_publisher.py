@@ -211,9 +211,9 @@ def test_deferred_calls_run_on_the_sender_in_call_order_and_one_without_events_t
     ran_on: list = []
 
     def deferred(events):
-        def make():
+        def make(batcher):
             ran_on.append(threading.current_thread().name)
-            return events
+            batcher.add(events)
 
         return make
 
@@ -241,7 +241,7 @@ def test_deferred_calls_run_on_the_sender_in_call_order_and_one_without_events_t
 
 
 def test_a_deferred_call_that_raises_loses_only_its_events():
-    def broken():
+    def broken(batcher):
         raise RuntimeError("boom")
 
     with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
