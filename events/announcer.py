@@ -133,7 +133,14 @@ class KVEventAnnouncer:
             if failed_keys:
                 failed = set(failed_keys)
                 keys = keys[: next((index for index, key in enumerate(keys) if key in failed), len(keys))]
-            if not store_events or _only_stored(store_events, keys):  # the common write: its own pages, stored
+            if store_events:  # the common write's: its own pages' stores, in order
+                own = len(store_events) == len(keys)
+                if own:
+                    for event, key in zip(store_events, keys):
+                        if event.key != key or event.kind != "stored":
+                            own = False
+                            break
+            if not store_events or own:
                 stored = self._stored(keys, tokens, prior_key, namespace)
                 if stored is not None:
                     batcher.stored(*stored)
@@ -208,16 +215,6 @@ class KVEventAnnouncer:
         live.update(hashes)
         self.pages_announced += count - start
         return hashes, parent, tokens, size, extra_key, self.medium, extra, cache_salt
-
-
-def _only_stored(store_events: list, keys: Sequence[str]) -> bool:
-    """Whether ``store_events`` are the stores of ``keys``, in order, and nothing else."""
-    if len(store_events) != len(keys):
-        return False
-    for event, key in zip(store_events, keys):
-        if event.key != key or event.kind != "stored":
-            return False
-    return True
 
 
 def announcer_for(kv_events: Any, storage: Any, block_size: int) -> KVEventAnnouncer | None:

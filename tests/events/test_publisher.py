@@ -255,3 +255,12 @@ def test_publishing_neither_a_list_nor_a_callable_is_refused_naming_the_argument
     with KVEventPublisher("tcp://127.0.0.1:0") as pub:
         with pytest.raises(InvalidArgumentError, match=r"^events: must be a list of KV events or a callable"):
             pub.publish((BlockRemoved([1]),))
+
+
+def test_flush_waits_for_what_was_published_before_it_and_is_true_after_close():
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", linger_s=0.05) as pub:
+        for i in range(50):
+            pub.publish([BlockRemoved([i])])
+        assert pub.flush(10)
+        assert pub.events_published == 50  # every one sent when flush returned, lingering or not
+    assert pub.flush(1)  # closed: everything queued was sent
