@@ -6,14 +6,15 @@ Frames (vLLM's ``ZmqEventPublisher``, sglang's alike): ``[topic, seq, payload]``
 (ZMQ ROUTER) answers a request ``[b"", start_seq]`` with ``[b"", topic, seq, payload]`` for each
 buffered batch from ``start_seq`` on, then the end marker ``[b"", b"", seq=-1, b""]``.
 
-Batches: :meth:`KVEventPublisher.publish` only queues its events; the sending thread takes what
-is queued (up to ``max_batch`` publish calls' worth) as one batch, a chain's consecutive
-``BlockStored`` joined as they come (:class:`~kvstage.events.wire.EventBatcher`), so a burst of writes costs one
-encoding and one message, and the caller never waits for the network.
+Batches: :meth:`KVEventPublisher.publish` only appends to a queue (no lock); the sending thread
+takes what is queued (up to ``max_batch`` publish calls' worth) as one batch, a chain's
+consecutive ``BlockStored`` joined as they come (:class:`~kvstage.events.wire.EventBatcher`), so
+a burst of writes costs one encoding and one message, and the caller never waits for the network.
 
 Bounds: the last ``buffer_steps`` batches are kept for replay (older ones are gone: a subscriber
 that fell further behind counts them as gaps); publish calls waiting for the sending thread are
-at most ``max_pending``, beyond which a call's events are dropped, counted in ``dropped``, and a
+at most ``max_pending`` (checked without a lock: threads publishing at once may pass it by one
+each), beyond which a call's events are dropped, counted in ``dropped``, and a
 seq is skipped so that subscribers see the gap. The PUB socket's own high-water mark (``hwm``)
 drops messages to a slow subscriber, which replay refills.
 """
