@@ -19,9 +19,9 @@ another writer of the same store object; a router cannot index a block without t
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
-from functools import partial
 from typing import Any, Sequence
 
 from kvstage.errors import ArgumentTypeError, require
@@ -77,6 +77,10 @@ class KVEventAnnouncer:
         self._last_key: str | None = None  # the last page key hashed, and its hash: a chain's next
         self._last_hash: int | None = None  # write names it as its prior key
         self._lock = threading.Lock()  # one taker of store events at a time: the stream keeps their order
+        # written()'s and poll()'s calls, (keys, tokens, prior_key, namespace, failed_keys, store
+        # events), oldest first, until the sending thread's _drain takes them
+        self._calls: collections.deque[tuple] = collections.deque()
+        self._scheduled = False  # a _drain is queued on the publisher and has not started
 
     def written(
         self,
@@ -94,19 +98,19 @@ class KVEventAnnouncer:
             namespace: ``(extra_key, cache_salt)`` of the request.
             failed_keys: the keys the write did not store; the run is announced up to the first.
 
-        Only the store's events are taken here, in the store's order, and the call queued; the
-        rest (hashes, which pages are new on the stream, the events) runs on the publisher's
-        sending thread, so ``keys``, ``tokens`` and ``failed_keys`` must not change after the
-        call. Never raises (it runs inside the store write): an error is logged and counted in
-        ``errors``.
+        Only the store's events are taken here, in the store's order, and the call queued (one
+        publish call for the writes that arrive before the sending thread gets to them); the rest
+        (hashes, which pages are new on the stream, the events) runs on the publisher's sending
+        thread, so ``keys``, ``tokens`` and ``failed_keys`` must not change after the call. The
+        announcer's events keep their order; a list another caller publishes on the same publisher
+        meanwhile may go out after writes announced later. Never raises (it runs inside the store
+        write): an error is logged and counted in ``errors``.
         """
         lock = self._lock
         try:
-            lock.acquire()  # the store's events and the publisher's queue in one order
+            lock.acquire()  # the store's events and the queue in one order
             try:
-                self.publisher.publish(
-                    partial(self._announce, keys, tokens, prior_key, namespace, failed_keys, self.storage.take_events())
-                )
+                self._queue(keys, tokens, prior_key, namespace, failed_keys)
             finally:
                 lock.release()
         except Exception:
@@ -118,12 +122,39 @@ class KVEventAnnouncer:
         raises (it runs in the manager's ``poll``): an error is logged and counted."""
         try:
             with self._lock:
-                store_events = self.storage.take_events()
-                if store_events:
-                    self.publisher.publish(partial(self._announce, (), (), None, (None, None), (), store_events))
+                self._queue((), (), None, (None, None), ())
         except Exception:
             self.errors += 1
             logger.exception("kv events: announcing the store's removals failed")
+
+    def _queue(self, keys, tokens, prior_key, namespace, failed_keys) -> None:
+        """Take the store's events and queue the call for :meth:`_drain`, which a publish call
+        runs on the sending thread; one queued already (not started) takes this call too.
+        Beyond the publisher's ``max_pending`` calls waiting, the call is dropped (a seq gap)."""
+        store_events = self.storage.take_events()
+        if not keys and not store_events:
+            return
+        calls = self._calls
+        publisher = self.publisher
+        if len(calls) >= publisher.max_pending:
+            publisher.dropped_elsewhere()
+            return
+        calls.append((keys, tokens, prior_key, namespace, failed_keys, store_events))
+        if not self._scheduled:
+            self._scheduled = True  # before publishing: the drain clears it when it starts
+            try:
+                publisher.publish(self._drain)
+            except BaseException:
+                self._scheduled = False
+                raise
+
+    def _drain(self, batcher: EventBatcher) -> None:
+        """On the sending thread: the events of every queued call into ``batcher``, in order."""
+        self._scheduled = False  # a call queued from now on publishes another drain
+        calls = self._calls
+        announce = self._announce
+        while calls:
+            announce(*calls.popleft(), batcher)
 
     def _announce(self, keys, tokens, prior_key, namespace, failed_keys, store_events, batcher: EventBatcher) -> None:
         """The events of one :meth:`written` (or :meth:`poll`: no keys) into the sending

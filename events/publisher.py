@@ -175,6 +175,15 @@ class KVEventPublisher:
         if not self._wake.is_set():
             self._wake.set()
 
+    def dropped_elsewhere(self) -> None:
+        """Count one publish call's events as dropped by a caller that bounds its own queue (an
+        announcer's): the next batch skips a seq, so subscribers see the gap."""
+        with self._full:
+            self.dropped += 1
+            self._gap = True
+        if not self._wake.is_set():
+            self._wake.set()
+
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until the events of every publish call made before this one are sent (or
         dropped); True when they are, False after ``timeout_s`` seconds (or when the sending
