@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from operator import attrgetter
 from typing import Any, Sequence
 
 from kvstage.errors import ArgumentTypeError, require
@@ -31,6 +32,8 @@ from kvstage.events.wire import VLLM_FORMAT, EventBatcher
 __all__ = ["KVEventAnnouncer", "announcer_for"]
 
 logger = logging.getLogger(__name__)
+
+_KEY, _KIND = attrgetter("key"), attrgetter("kind")  # of a StoreEvent
 
 
 class KVEventAnnouncer:
@@ -164,14 +167,11 @@ class KVEventAnnouncer:
             if failed_keys:
                 failed = set(failed_keys)
                 keys = keys[: next((index for index, key in enumerate(keys) if key in failed), len(keys))]
-            if store_events:  # the common write's: its own pages' stores, in order
-                own = len(store_events) == len(keys)
-                if own:
-                    for event, key in zip(store_events, keys):
-                        if event.key != key or event.kind != "stored":
-                            own = False
-                            break
-            if not store_events or own:
+            if not store_events or (  # the common write's: its own pages' stores, in order (C loops)
+                len(store_events) == len(keys)
+                and list(map(_KIND, store_events)).count("stored") == len(keys)
+                and list(map(_KEY, store_events)) == (keys if type(keys) is list else list(keys))
+            ):
                 stored = self._stored(keys, tokens, prior_key, namespace)
                 if stored is not None:
                     batcher.stored(*stored)

@@ -16,6 +16,8 @@ low 64 bits of its block hash, unsigned, and Dynamo cannot read byte-string hash
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
 from typing import Any, Callable, Sequence
 
 import msgpack
@@ -41,6 +43,7 @@ __all__ = [
 
 MEDIUM_STORAGE = "STORAGE"  # vLLM's MEDIUM_STORAGE; Dynamo counts it at its disk tier
 _LOW_64 = (1 << 64) - 1
+_LOW_16_DIGITS = itemgetter(slice(-16, None))  # a key's last 16 hex digits: its low 64 bits
 
 
 def block_hash(page_key: str) -> int:
@@ -69,7 +72,7 @@ def block_hashes(page_keys: Sequence[str]) -> list[int]:
         InvalidArgumentError: a key is not a hex string of 16 digits or more.
     """
     try:
-        hashes = [int(key[-16:], 16) for key in page_keys]
+        hashes = list(map(int, map(_LOW_16_DIGITS, page_keys), repeat(16)))  # C loops: no frame per key
         if min(map(len, page_keys), default=16) >= 16:
             return hashes
     except (TypeError, ValueError):
