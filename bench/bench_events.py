@@ -3,14 +3,15 @@
 * ``cost per page``: the writer thread's time per stored page of
   :func:`~kvstage.offload.store_io.write_pages` into a :class:`~kvstage.storage.MemoryStore`
   followed by :meth:`KVEventAnnouncer.written <kvstage.events.KVEventAnnouncer.written>` (what
-  a manager with ``kv_events=`` runs after each write: the store's events taken, a
-  self-describing ``BlockStored`` built and queued on a :class:`~kvstage.events.KVEventPublisher`
-  whose thread encodes and sends it), minus the same writes without an announcer, in the same
+  a manager with ``kv_events=`` runs after each write: the store's events taken and the write
+  queued for a :class:`~kvstage.events.KVEventPublisher`, whose thread builds the
+  self-describing ``BlockStored``, encodes and sends it), minus the same writes without an announcer, in the same
   round. Writes of 1 page (a decode stride) and 16 pages (a prompt), page size 16, chains of 8
   writes; a subscriber in another process receives everything. The figure (``publishing``): the
   publisher's own CPU per page, measured where it is spent: the writing thread's CPU inside
-  ``written`` (``time.thread_time``, less the clock's own cost per reading) plus the sending thread's CPU until every event is sent
-  (its ``pthread_getcpuclockid`` clock: merging, encoding, sending), the median over rounds.
+  ``written`` (``time.thread_time``, less the clock's own cost per reading) plus the sending
+  thread's CPU until every event is sent (its ``pthread_getcpuclockid`` clock: building,
+  joining, encoding, sending), the median over rounds.
   Beside it, paired per round against the put alone (medians of the per-round differences):
   the writing thread's CPU plus the sender's, this process's CPU (``time.process_time``), and
   the writing loop's wall time.
