@@ -157,7 +157,48 @@ class KVEventAnnouncer:
         calls = self._calls
         announce = self._announce
         while calls:
-            announce(*calls.popleft(), batcher)
+            call = calls.popleft()
+            if not calls or not self._plain(call):
+                announce(*call, batcher)
+                continue
+            group = [call]  # the chain's next writes queued behind it: announced as one run
+            while calls and calls[0][2] == group[-1][0][-1] and calls[0][3] == call[3] and self._plain(calls[0]):
+                group.append(calls.popleft())
+            if len(group) == 1:
+                announce(*call, batcher)
+                continue
+            keys = [key for part in group for key in part[0]]
+            hashes, live = self._hashes(keys), self._live
+            start = 0
+            while start < len(hashes) and hashes[start] in live:
+                start += 1
+            if not live.isdisjoint(hashes[start:]):  # a page inside the run is live: each its own
+                for part in group:
+                    announce(*part, batcher)
+                continue
+            tokens: list = []
+            for part in group:
+                tokens += part[1] if type(part[1]) is list else _token_list(part[1])
+            store_events = [event for part in group for event in part[5]]
+            announce(keys, tokens, call[2], call[3], (), store_events, batcher)
+
+    def _plain(self, call: tuple) -> bool:
+        """Whether a queued call is a write with no failed key, a token id per position, and no
+        store event but its own pages' stores: one a chain's run may join."""
+        keys, tokens, _, _, failed_keys, store_events = call
+        return (
+            bool(keys)
+            and not failed_keys
+            and len(tokens) == len(keys) * self.block_size
+            and (
+                not store_events
+                or (
+                    len(store_events) == len(keys)
+                    and list(map(_KIND, store_events)).count("stored") == len(keys)
+                    and list(map(_KEY, store_events)) == (keys if type(keys) is list else list(keys))
+                )
+            )
+        )
 
     def _announce(self, keys, tokens, prior_key, namespace, failed_keys, store_events, batcher: EventBatcher) -> None:
         """The events of one :meth:`written` (or :meth:`poll`: no keys) into the sending
@@ -236,7 +277,7 @@ class KVEventAnnouncer:
             hashes = hashes[start:]
         size = self.block_size
         if type(tokens) is not list:
-            tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+            tokens = _token_list(tokens)
         if start or len(tokens) != count * size:
             tokens = tokens[start * size : count * size]
         extra_key, cache_salt = namespace
@@ -246,6 +287,11 @@ class KVEventAnnouncer:
         live.update(hashes)
         self.pages_announced += count - start
         return hashes, parent, tokens, size, extra_key, self.medium, extra, cache_salt
+
+
+def _token_list(tokens: Sequence[int]) -> list[int]:
+    """``tokens`` (a list, tuple, tensor or array of ints) as a list of Python ints."""
+    return tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
 
 
 def announcer_for(kv_events: Any, storage: Any, block_size: int) -> KVEventAnnouncer | None:

@@ -241,3 +241,37 @@ def test_writes_queued_while_the_sender_is_busy_go_out_joined_in_order_and_past_
     assert decode_batch(sent[1][1]).events == [
         BlockStored(hashes(keys[:3]), None, [0, 0, 1, 1, 2, 2], 2)
     ]  # one chain, in write order
+
+
+def test_queued_writes_of_a_chain_whose_later_page_is_live_are_announced_each_on_its_own(monkeypatch):
+    import threading
+
+    import kvstage.events.publisher as publisher_module
+    from kvstage.events import KVEventAnnouncer
+    from kvstage.events.wire import decode_batch
+
+    release, encoding = threading.Event(), threading.Event()
+    real_encode = publisher_module.encode_batch
+
+    def stalled(batch):
+        encoding.set()
+        release.wait(10)
+        return real_encode(batch)
+
+    monkeypatch.setattr(publisher_module, "encode_batch", stalled)
+    root, other, tail = (f"{index:032x}" for index in (1, 2, 3))
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        announcer = KVEventAnnouncer(pub, _NoEvents(), block_size=2)
+        announcer.written([root], [1, 1], None, (None, None), ())  # live on the stream
+        assert encoding.wait(10)  # the sender holds that batch: the next writes queue behind it
+        announcer.written([other], [2, 2], None, (None, None), ())  # another chain's root
+        announcer.written([root], [1, 1], other, (None, None), ())  # continues it with a live page
+        announcer.written([tail], [3, 3], root, (None, None), ())  # continues that
+        release.set()
+        assert pub.flush(10)
+        sent = _replayed(pub.replay_endpoint)
+        assert announcer.pages_announced == 3 and announcer.errors == 0
+    assert [decode_batch(payload).events for _, payload in sent] == [
+        [BlockStored(hashes([root]), None, [1, 1], 2)],
+        [BlockStored(hashes([other]), None, [2, 2], 2), BlockStored(hashes([tail]), block_hash(root), [3, 3], 2)],
+    ]  # the live page not again, and the page after it names it as parent, as separate writes would
