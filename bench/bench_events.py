@@ -3,14 +3,15 @@
 * ``cost per page``: the writer thread's time per stored page of
   :func:`~kvstage.offload.store_io.write_pages` into a :class:`~kvstage.storage.MemoryStore`
   followed by :meth:`KVEventAnnouncer.written <kvstage.events.KVEventAnnouncer.written>` (what
-  a manager with ``kv_events=`` runs after each write: the store's events taken, a
-  self-describing ``BlockStored`` built and queued on a :class:`~kvstage.events.KVEventPublisher`
-  whose thread encodes and sends it), minus the same writes without an announcer, in the same
+  a manager with ``kv_events=`` runs after each write: the store's events taken and the write
+  queued for a :class:`~kvstage.events.KVEventPublisher`, whose thread builds the
+  self-describing ``BlockStored``, encodes and sends it), minus the same writes without an announcer, in the same
   round. Writes of 1 page (a decode stride) and 16 pages (a prompt), page size 16, chains of 8
   writes; a subscriber in another process receives everything. The figure (``publishing``): the
   publisher's own CPU per page, measured where it is spent: the writing thread's CPU inside
-  ``written`` (``time.thread_time``) plus the sending thread's CPU until every event is sent
-  (its ``pthread_getcpuclockid`` clock: merging, encoding, sending), the median over rounds.
+  ``written`` (``time.thread_time``, less the clock's own cost per reading) plus the sending
+  thread's CPU until every event is sent (its ``pthread_getcpuclockid`` clock: building,
+  joining, encoding, sending), the median over rounds.
   Beside it, paired per round against the put alone (medians of the per-round differences):
   the writing thread's CPU plus the sender's, this process's CPU (``time.process_time``), and
   the writing loop's wall time.
@@ -119,7 +120,18 @@ def _thread_cpu(thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-def _time_writes(store, page, plan, announcer) -> dict[str, float]:
+def timer_overhead_s(samples: int = 2001) -> float:
+    """Seconds one ``time.thread_time`` call adds to an interval it ends (the median gap between
+    two back-to-back calls: on a VM the per-thread clock is a system call, ~0.3-1 us)."""
+    thread_time = time.thread_time
+    gaps = []
+    for _ in range(samples):
+        start = thread_time()
+        gaps.append(thread_time() - start)
+    return statistics.median(gaps)
+
+
+def _time_writes(store, page, plan, announcer, timer_s: float = 0.0) -> dict[str, float]:
     """Seconds of one round: ``wall`` (the writing loop), ``cpu`` (this process until every event
     is sent), ``writer`` (the writing thread's CPU), and with an announcer ``announce`` (the
     writing thread's CPU inside :meth:`~kvstage.events.KVEventAnnouncer.written`) and ``sender``
@@ -149,7 +161,7 @@ def _time_writes(store, page, plan, announcer) -> dict[str, float]:
         "wall": wall,
         "cpu": time.process_time() - cpu,
         "writer": writer,
-        "announce": announce,
+        "announce": announce - timer_s * len(plan),
         "sender": _thread_cpu(sender_thread) - sender,
     }
 
@@ -162,6 +174,8 @@ def cost_per_page(quick: bool, log: Callable[[str], None]) -> list[dict]:
 
     rounds = 5 if quick else 21
     results = []
+    timer_s = timer_overhead_s()
+    log(f"  (the per-thread clock costs {timer_s * 1e6:.2f} us a reading: taken off each write's announce time)")
     for write_pages in WRITE_PAGES:
         writes = (400 if quick else 2000) // write_pages * 4
         pages = writes * write_pages
@@ -173,7 +187,7 @@ def cost_per_page(quick: bool, log: Callable[[str], None]) -> list[dict]:
             announcer = KVEventAnnouncer(publisher, stores[1][0], block_size=PAGE_SIZE)
             plans = (_writes(round_index, write_pages, writes, 0), _writes(round_index, write_pages, writes, 1))
             for which in (0, 1) if round_index % 2 == 0 else (1, 0):  # alternate which goes first
-                measured = _time_writes(*stores[which], plans[which], announcer if which else None)
+                measured = _time_writes(*stores[which], plans[which], announcer if which else None, timer_s)
                 times[which].append({name: value / pages * 1e6 for name, value in measured.items()})
         publisher.close()
         received = subscriber.count(publisher.published)
@@ -192,6 +206,7 @@ def cost_per_page(quick: bool, log: Callable[[str], None]) -> list[dict]:
             "page_size": PAGE_SIZE,
             "pages_per_round": pages,
             "rounds": rounds,
+            "timer_us_per_call": timer_s * 1e6,
             "put_cpu_us_per_page": median(0, "writer"),
             "announce_us_per_page": median(1, "announce"),
             "sender_us_per_page": median(1, "sender"),

@@ -2,7 +2,8 @@
 format (ZMQ PUB ``[topic, seq, payload]``, msgpack batches, a replay socket), which Dynamo's
 indexer, llm-d and sglang's consumers read.
 
-- :mod:`~kvstage.events.wire`: the records and their encoding; :func:`block_hash`.
+- :mod:`~kvstage.events.wire`: the records and their encoding; :func:`block_hash`;
+  :class:`EventBatcher` (a batch's events, a chain's runs joined as they come).
 - :mod:`~kvstage.events.sglang_format`: sglang's flavour (:data:`SGLANG_FORMAT`: its fields,
   block hashes and L3 tier), for ``KVEventPublisher(..., event_format=SGLANG_FORMAT)``.
 - :mod:`~kvstage.events.publisher`: :class:`KVEventPublisher` (PUB + replay ROUTER).
@@ -23,6 +24,7 @@ from kvstage.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventBatcher,
     EventFormat,
     KVEventBatch,
     block_hash,
@@ -37,6 +39,7 @@ __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "EventBatcher",
     "EventFormat",
     "KVEventAnnouncer",
     "KVEventBatch",

@@ -19,18 +19,21 @@ another writer of the same store object; a router cannot index a block without t
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
-from functools import partial
+from operator import attrgetter
 from typing import Any, Sequence
 
 from kvstage.errors import ArgumentTypeError, require
 from kvstage.events.publisher import KVEventPublisher
-from kvstage.events.wire import VLLM_FORMAT, BlockRemoved, BlockStored
+from kvstage.events.wire import VLLM_FORMAT, EventBatcher
 
 __all__ = ["KVEventAnnouncer", "announcer_for"]
 
 logger = logging.getLogger(__name__)
+
+_KEY, _KIND = attrgetter("key"), attrgetter("kind")  # of a StoreEvent
 
 
 class KVEventAnnouncer:
@@ -69,12 +72,18 @@ class KVEventAnnouncer:
         event_format = getattr(publisher, "event_format", VLLM_FORMAT)
         self.medium = event_format.medium if medium is None else medium
         self._hash = event_format.block_hash
-        self._hashes = event_format.hashes
+        self._hashes = event_format.many_block_hashes or event_format.hashes
         self.owns_publisher = owns_publisher
         self.pages_announced = self.pages_removed = self.pages_unanchored = self.pages_without_tokens = 0
         self.errors = 0
         self._live: set[int] = set()  # hashes announced stored on this stream and not removed since
+        self._last_key: str | None = None  # the last page key hashed, and its hash: a chain's next
+        self._last_hash: int | None = None  # write names it as its prior key
         self._lock = threading.Lock()  # one taker of store events at a time: the stream keeps their order
+        # written()'s and poll()'s calls, (keys, tokens, prior_key, namespace, failed_keys, store
+        # events), oldest first, until the sending thread's _drain takes them
+        self._calls: collections.deque[tuple] = collections.deque()
+        self._scheduled = False  # a _drain is queued on the publisher and has not started
 
     def written(
         self,
@@ -92,17 +101,21 @@ class KVEventAnnouncer:
             namespace: ``(extra_key, cache_salt)`` of the request.
             failed_keys: the keys the write did not store; the run is announced up to the first.
 
-        Only the store's events are taken here, in the store's order; the rest (hashes, which
-        pages are new on the stream, the events) runs on the publisher's sending thread, so
-        ``keys``, ``tokens`` and ``failed_keys`` must not change after the call. Never raises
-        (it runs inside the store write): an error is logged and counted in ``errors``.
+        Only the store's events are taken here, in the store's order, and the call queued (one
+        publish call for the writes that arrive before the sending thread gets to them); the rest
+        (hashes, which pages are new on the stream, the events) runs on the publisher's sending
+        thread, so ``keys``, ``tokens`` and ``failed_keys`` must not change after the call. The
+        announcer's events keep their order; a list another caller publishes on the same publisher
+        meanwhile may go out after writes announced later. Never raises (it runs inside the store
+        write): an error is logged and counted in ``errors``.
         """
+        lock = self._lock
         try:
-            with self._lock:  # the store's events and the publisher's queue in one order
-                store_events = self.storage.take_events()
-                self.publisher.publish(
-                    partial(self._announce, keys, tokens, prior_key, namespace, failed_keys, store_events)
-                )
+            lock.acquire()  # the store's events and the queue in one order
+            try:
+                self._queue(keys, tokens, prior_key, namespace, failed_keys)
+            finally:
+                lock.release()
         except Exception:
             self.errors += 1
             logger.exception("kv events: announcing a write of %d pages failed", len(keys))
@@ -112,39 +125,123 @@ class KVEventAnnouncer:
         raises (it runs in the manager's ``poll``): an error is logged and counted."""
         try:
             with self._lock:
-                store_events = self.storage.take_events()
-                if store_events:
-                    self.publisher.publish(partial(self._announce, (), (), None, (None, None), (), store_events))
+                self._queue((), (), None, (None, None), ())
         except Exception:
             self.errors += 1
             logger.exception("kv events: announcing the store's removals failed")
 
-    def _announce(self, keys, tokens, prior_key, namespace, failed_keys, store_events) -> list:
-        """The events of one :meth:`written` (or :meth:`poll`: no keys), on the sending thread
-        (the only one that reads or changes the stream's state)."""
+    def _queue(self, keys, tokens, prior_key, namespace, failed_keys) -> None:
+        """Take the store's events and queue the call for :meth:`_drain`, which a publish call
+        runs on the sending thread; one queued already (not started) takes this call too.
+        Beyond the publisher's ``max_pending`` calls waiting, the call is dropped (a seq gap)."""
+        store_events = self.storage.take_events()
+        if not keys and not store_events:
+            return
+        calls = self._calls
+        publisher = self.publisher
+        if len(calls) >= publisher.max_pending:
+            publisher.dropped_elsewhere()
+            return
+        calls.append((keys, tokens, prior_key, namespace, failed_keys, store_events))
+        if not self._scheduled:
+            self._scheduled = True  # before publishing: the drain clears it when it starts
+            try:
+                publisher.publish(self._drain)
+            except BaseException:
+                self._scheduled = False
+                raise
+
+    def _drain(self, batcher: EventBatcher) -> None:
+        """On the sending thread: the events of every queued call into ``batcher``, in order."""
+        self._scheduled = False  # a call queued from now on publishes another drain
+        calls = self._calls
+        announce = self._announce
+        while calls:
+            call = calls.popleft()
+            if not calls or not self._plain(call):
+                announce(*call, batcher)
+                continue
+            group = [call]  # the chain's next writes queued behind it: announced as one run
+            while calls and calls[0][2] == group[-1][0][-1] and calls[0][3] == call[3] and self._plain(calls[0]):
+                group.append(calls.popleft())
+            if len(group) == 1:
+                announce(*call, batcher)
+                continue
+            keys = [key for part in group for key in part[0]]
+            hashes, live = self._hashes(keys), self._live
+            start = 0
+            while start < len(hashes) and hashes[start] in live:
+                start += 1
+            if not live.isdisjoint(hashes[start:]):  # a page inside the run is live: each its own
+                for part in group:
+                    announce(*part, batcher)
+                continue
+            tokens: list = []
+            for part in group:
+                tokens += part[1] if type(part[1]) is list else _token_list(part[1])
+            store_events = [event for part in group for event in part[5]]
+            announce(keys, tokens, call[2], call[3], (), store_events, batcher)
+
+    def _plain(self, call: tuple) -> bool:
+        """Whether a queued call is a write with no failed key, a token id per position, and no
+        store event but its own pages' stores: one a chain's run may join."""
+        keys, tokens, _, _, failed_keys, store_events = call
+        return (
+            bool(keys)
+            and not failed_keys
+            and len(tokens) == len(keys) * self.block_size
+            and (
+                not store_events
+                or (
+                    len(store_events) == len(keys)
+                    and list(map(_KIND, store_events)).count("stored") == len(keys)
+                    and list(map(_KEY, store_events)) == (keys if type(keys) is list else list(keys))
+                )
+            )
+        )
+
+    def _announce(self, keys, tokens, prior_key, namespace, failed_keys, store_events, batcher: EventBatcher) -> None:
+        """The events of one :meth:`written` (or :meth:`poll`: no keys) into the sending
+        thread's ``batcher`` (that thread is the only one that reads or changes the stream's
+        state). What it adds is worked out first and added last, so an error adds nothing."""
         try:
             if failed_keys:
                 failed = set(failed_keys)
                 keys = keys[: next((index for index, key in enumerate(keys) if key in failed), len(keys))]
-            events: list = []
+            if not store_events or (  # the common write's: its own pages' stores, in order (C loops)
+                len(store_events) == len(keys)
+                and list(map(_KIND, store_events)).count("stored") == len(keys)
+                and list(map(_KEY, store_events)) == (keys if type(keys) is list else list(keys))
+            ):
+                stored = self._stored(keys, tokens, prior_key, namespace)
+                if stored is not None:
+                    batcher.stored(*stored)
+                return
+            out: list = []  # (True, stored fields) or (False, a removed page's hash), in the store's order
             placed = not keys
-            if store_events:
-                mine = set(keys)
-                for event in store_events:
-                    if not placed and event.key in mine:  # its first event: stored (or evicted within this write)
-                        placed = True
-                        self._add_stored(events, keys, tokens, prior_key, namespace)
-                    if event.kind != "stored":
-                        self._add_removed(events, event.key)
-                    elif event.key not in mine:
-                        self.pages_without_tokens += 1
-            if not placed:  # every page was held already (or the store records no events)
-                self._add_stored(events, keys, tokens, prior_key, namespace)
-            return events
+            mine = set(keys)
+            for event in store_events:
+                if not placed and event.key in mine:  # its first event: stored (or evicted within this write)
+                    placed = True
+                    out.append((True, self._stored(keys, tokens, prior_key, namespace)))
+                if event.kind != "stored":
+                    value = self._hash(event.key)
+                    self._live.discard(value)
+                    self.pages_removed += 1
+                    out.append((False, value))
+                elif event.key not in mine:
+                    self.pages_without_tokens += 1
+            if not placed:  # every page was held already
+                out.append((True, self._stored(keys, tokens, prior_key, namespace)))
+            medium = self.medium
+            for is_stored, item in out:
+                if not is_stored:
+                    batcher.removed(item, medium)
+                elif item is not None:
+                    batcher.stored(*item)
         except Exception:
             self.errors += 1
             logger.exception("kv events: announcing a write of %d pages failed", len(keys))
-            return []
 
     def close(self) -> None:
         """Publish what is left (:meth:`poll`), then close the publisher if owned."""
@@ -152,51 +249,49 @@ class KVEventAnnouncer:
         if self.owns_publisher:
             self.publisher.close()
 
-    def _add_stored(self, events: list, keys: Sequence[str], tokens: Sequence[int], prior_key, namespace) -> None:
+    def _stored(self, keys: Sequence[str], tokens: Sequence[int], prior_key, namespace) -> tuple | None:
+        """The ``BlockStored`` fields (:meth:`EventBatcher.stored`'s arguments) of a run's pages
+        that are new on this stream, the stream's state updated; None: nothing to announce."""
         if not keys:
-            return
+            return None
         hashes = self._hashes(keys)
-        size, live, count = self.block_size, self._live, len(hashes)
+        count = len(hashes)
+        if prior_key is None:
+            parent = None
+        elif prior_key == self._last_key:  # a chain's next write: its prior key was hashed already
+            parent = self._last_hash
+        else:
+            parent = self._hash(prior_key)
+        self._last_key, self._last_hash = keys[count - 1], hashes[-1]
+        live = self._live
         start = 0
-        parent = None if prior_key is None else self._hash(prior_key)
         while start < count and hashes[start] in live:  # announced already: continue after them
             parent = hashes[start]
             start += 1
         if start == count:
-            return
+            return None
         if parent is not None and parent not in live:
             self.pages_unanchored += count - start
-            return
+            return None
+        if start:
+            hashes = hashes[start:]
+        size = self.block_size
+        if type(tokens) is not list:
+            tokens = _token_list(tokens)
+        if start or len(tokens) != count * size:
+            tokens = tokens[start * size : count * size]
         extra_key, cache_salt = namespace
         extra = None
         if extra_key is not None or cache_salt is not None:
-            extra = tuple(value for value in (extra_key, cache_salt) if value is not None)
-        token_list = (
-            tokens if type(tokens) is list else (tokens.tolist() if hasattr(tokens, "tolist") else list(tokens))
-        )
-        stored = BlockStored(
-            hashes[start:] if start else hashes,
-            parent,
-            token_list[start * size : count * size] if start or len(token_list) != count * size else token_list,
-            size,
-            extra_key,
-            self.medium,
-            None if extra is None else [extra] * (count - start),
-            cache_salt,
-        )
-        self._live.update(stored.block_hashes)
-        self.pages_announced += len(stored.block_hashes)
-        events.append(stored)
+            extra = [tuple(value for value in (extra_key, cache_salt) if value is not None)] * (count - start)
+        live.update(hashes)
+        self.pages_announced += count - start
+        return hashes, parent, tokens, size, extra_key, self.medium, extra, cache_salt
 
-    def _add_removed(self, events: list, key: str) -> None:
-        value = self._hash(key)
-        self._live.discard(value)
-        self.pages_removed += 1
-        last = events[-1] if events else None
-        if isinstance(last, BlockRemoved):  # consecutive removals: one event
-            last.block_hashes.append(value)
-        else:
-            events.append(BlockRemoved([value], self.medium))
+
+def _token_list(tokens: Sequence[int]) -> list[int]:
+    """``tokens`` (a list, tuple, tensor or array of ints) as a list of Python ints."""
+    return tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
 
 
 def announcer_for(kv_events: Any, storage: Any, block_size: int) -> KVEventAnnouncer | None:

@@ -6,14 +6,15 @@ Frames (vLLM's ``ZmqEventPublisher``, sglang's alike): ``[topic, seq, payload]``
 (ZMQ ROUTER) answers a request ``[b"", start_seq]`` with ``[b"", topic, seq, payload]`` for each
 buffered batch from ``start_seq`` on, then the end marker ``[b"", b"", seq=-1, b""]``.
 
-Batches: :meth:`KVEventPublisher.publish` only queues its events; the sending thread takes what
-is queued (up to ``max_batch`` publish calls' worth) as one batch, a chain's consecutive
-``BlockStored`` joined (:func:`~kvstage.events.wire.merge_stored`), so a burst of writes costs one
-encoding and one message, and the caller never waits for the network.
+Batches: :meth:`KVEventPublisher.publish` only appends to a queue (no lock); the sending thread
+takes what is queued (up to ``max_batch`` publish calls' worth) as one batch, a chain's
+consecutive ``BlockStored`` joined as they come (:class:`~kvstage.events.wire.EventBatcher`), so
+a burst of writes costs one encoding and one message, and the caller never waits for the network.
 
 Bounds: the last ``buffer_steps`` batches are kept for replay (older ones are gone: a subscriber
 that fell further behind counts them as gaps); publish calls waiting for the sending thread are
-at most ``max_pending``, beyond which a call's events are dropped, counted in ``dropped``, and a
+at most ``max_pending`` (checked without a lock: threads publishing at once may pass it by one
+each), beyond which a call's events are dropped, counted in ``dropped``, and a
 seq is skipped so that subscribers see the gap. The PUB socket's own high-water mark (``hwm``)
 drops messages to a slow subscriber, which replay refills.
 """
@@ -24,12 +25,12 @@ import collections
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
 from kvstage.errors import InvalidArgumentError, is_int, require, require_seconds
-from kvstage.events.wire import VLLM_FORMAT, EventFormat, KVEventBatch, encode_batch, merge_stored
+from kvstage.events.wire import VLLM_FORMAT, EventBatcher, EventFormat, KVEventBatch, encode_batch
 
 __all__ = ["END_SEQ", "KVEventPublisher"]
 
@@ -110,7 +111,6 @@ class KVEventPublisher:
         require_seconds(linger_s, "linger_s")
         self.linger_s = float(linger_s)
         self.published = self.events_published = self.dropped = 0
-        self._calls = self._calls_done = 0  # publish calls queued or dropped / sent or dropped
         self._topic = topic.encode()
         self._context = zmq.Context.instance()
         self._pub = self._context.socket(zmq.PUB)
@@ -129,54 +129,74 @@ class KVEventPublisher:
             self._close_sockets()
             raise
         self._seq = 0  # the next batch's (the sending thread's alone)
-        self._pending: collections.deque[list] = collections.deque()  # publish calls' events, oldest first
+        # publish calls' events (lists, callables) and flush markers (Events), oldest first
+        self._pending: collections.deque = collections.deque()
         self._gap = False  # events were dropped since the last batch: skip a seq
-        self._full = threading.Lock()  # the pending bound and the gap flag, checked together
+        self._full = threading.Lock()  # the gap flag: set on a drop, taken with a batch
         self._wake = threading.Event()  # set: the sending thread has something to do
         self._buffer: list[tuple[int, bytes]] = []  # the last buffer_steps (seq, payload), oldest first
         self._closed = False
         self._thread = threading.Thread(target=self._send_loop, name="kvstage-kv-events", daemon=True)
         self._thread.start()
 
-    def publish(self, events: list) -> None:
+    def publish(self, events: list | Callable[[EventBatcher], Any]) -> None:
         """Queue ``events`` (:class:`~kvstage.events.BlockStored`,
         :class:`~kvstage.events.BlockRemoved`, :class:`~kvstage.events.AllBlocksCleared`) for
         the next batch, in call order; the sending thread encodes and sends it. Never blocks on
-        the network; an empty list sends nothing.
+        the network (nor on a lock); an empty list sends nothing.
+
+        ``events`` may instead be a callable: the sending thread calls it, in call order, with
+        the batch's :class:`~kvstage.events.wire.EventBatcher`, and it adds its events there
+        (``batcher.add(events)``, ``batcher.stored(...)``): work moved off the caller's thread.
 
         Raises:
-            InvalidArgumentError: the publisher is closed, or ``events`` is not a list.
+            InvalidArgumentError: the publisher is closed, or ``events`` is neither a list nor a
+                callable.
         """
+        if type(events) is not list:
+            if isinstance(events, list):
+                events = list(events)  # a subclass: the sender tells calls apart by type
+            elif not callable(events):
+                raise InvalidArgumentError(
+                    f"events: must be a list of KV events or a callable taking an EventBatcher, "
+                    f"got {type(events).__name__}"
+                )
+        if not events and type(events) is list:
+            return
         if self._closed:
             raise InvalidArgumentError("publisher: publish() after close()")
-        if isinstance(events, list):
-            if not events:
-                return
-        elif not callable(events):
-            raise InvalidArgumentError(
-                f"events: must be a list of KV events or a callable returning one, got {type(events).__name__}"
-            )
-        with self._full:
-            self._calls += 1
-            if len(self._pending) >= self.max_pending:
+        pending = self._pending
+        if len(pending) < self.max_pending:  # a deque's append is atomic: no lock on this path
+            pending.append(events)
+        else:
+            with self._full:
                 self.dropped += 1
-                self._calls_done += 1
                 self._gap = True
-            else:
-                self._pending.append(events)
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def dropped_elsewhere(self) -> None:
+        """Count one publish call's events as dropped by a caller that bounds its own queue (an
+        announcer's): the next batch skips a seq, so subscribers see the gap."""
+        with self._full:
+            self.dropped += 1
+            self._gap = True
         if not self._wake.is_set():
             self._wake.set()
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until the events of every publish call made before this one are sent (or
-        dropped); True when they are, False after ``timeout_s`` seconds."""
-        with self._full:
-            target = self._calls
+        dropped); True when they are, False after ``timeout_s`` seconds (or when the sending
+        thread has ended)."""
+        if not self._thread.is_alive():  # closed: it sent everything queued, unless it timed out
+            return not self._pending
+        done = threading.Event()
+        self._pending.append(done)  # a marker past the bound: the sender sets it once it got there
+        self._wake.set()
         deadline = time.monotonic() + timeout_s
-        while self._calls_done < target:
+        while not done.wait(0.01):
             if time.monotonic() > deadline or not self._thread.is_alive():
-                return False
-            time.sleep(0.0005)
+                return done.is_set()
         return True
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -216,19 +236,38 @@ class KVEventPublisher:
             self._wake.clear()  # before taking: a publish from now on wakes the next round
             while pending:
                 with self._full:
-                    take = min(len(pending), self.max_batch)
-                    calls = [pending.popleft() for _ in range(take)]
                     gap, self._gap = self._gap, False
-                events = _events_of(calls)
-                if events:
-                    if gap:
-                        self._seq += 1  # dropped events: subscribers see the hole
-                    self._send(KVEventBatch(time.time(), events, self.data_parallel_rank))
-                with self._full:
-                    self._calls_done += take
-                    if gap and not events:  # deferred calls that had none: the next batch shows the hole
-                        self._gap = True
+                markers = self._send_batch(pending, gap)
+                for marker in markers:
+                    marker.set()
         self._close_sockets()
+
+    def _send_batch(self, pending: collections.deque, gap: bool) -> list:
+        """Take up to ``max_batch`` publish calls from ``pending`` and send their events as one
+        batch (a seq skipped first after a drop); returns the flush markers met."""
+        batcher = EventBatcher()
+        markers = []
+        popleft = pending.popleft
+        for _ in range(min(len(pending), self.max_batch)):
+            call = popleft()
+            kind = type(call)
+            if kind is list:
+                batcher.add(call)
+            elif kind is threading.Event:
+                markers.append(call)
+            else:
+                try:
+                    call(batcher)
+                except Exception:
+                    logger.exception("kv events: a deferred publish call raised; its events may be incomplete")
+        if batcher.events:
+            if gap:
+                self._seq += 1  # dropped events: subscribers see the hole
+            self._send(KVEventBatch(time.time(), batcher.events, self.data_parallel_rank))
+        elif gap:
+            with self._full:
+                self._gap = True  # calls that had none: the next batch shows the hole
+        return markers
 
     def _send(self, batch: KVEventBatch) -> None:
         seq = self._seq
@@ -259,21 +298,6 @@ class KVEventPublisher:
             if seq >= start_seq:
                 self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
-
-
-def _events_of(calls: list) -> list:
-    """One batch's events: each call's in order (a callable's from calling it, here), a chain's
-    consecutive ``BlockStored`` joined."""
-    events: list = []
-    for call in calls:
-        if type(call) is not list:
-            try:
-                call = call()
-            except Exception:
-                logger.exception("kv events: a deferred publish call raised; its events are skipped")
-                continue
-        events += call
-    return events if len(events) < 2 else merge_stored(events)
 
 
 def _bind(sock: zmq.Socket, endpoint: str, name: str) -> str:

@@ -16,6 +16,8 @@ low 64 bits of its block hash, unsigned, and Dynamo cannot read byte-string hash
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
 from typing import Any, Callable, Sequence
 
 import msgpack
@@ -27,6 +29,7 @@ __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "EventBatcher",
     "EventFormat",
     "KVEvent",
     "KVEventBatch",
@@ -40,6 +43,7 @@ __all__ = [
 
 MEDIUM_STORAGE = "STORAGE"  # vLLM's MEDIUM_STORAGE; Dynamo counts it at its disk tier
 _LOW_64 = (1 << 64) - 1
+_LOW_16_DIGITS = itemgetter(slice(-16, None))  # a key's last 16 hex digits: its low 64 bits
 
 
 def block_hash(page_key: str) -> int:
@@ -68,7 +72,7 @@ def block_hashes(page_keys: Sequence[str]) -> list[int]:
         InvalidArgumentError: a key is not a hex string of 16 digits or more.
     """
     try:
-        hashes = [int(key[-16:], 16) for key in page_keys]
+        hashes = list(map(int, map(_LOW_16_DIGITS, page_keys), repeat(16)))  # C loops: no frame per key
         if min(map(len, page_keys), default=16) >= 16:
             return hashes
     except (TypeError, ValueError):
@@ -130,43 +134,104 @@ class KVEventBatch:
     data_parallel_rank: int | None = 0
 
 
-def merge_stored(events: list[KVEvent]) -> list[KVEvent]:
-    """``events`` with each ``BlockStored`` that continues the one just before it (its parent is
-    that one's last hash; same block size, medium, LoRA name, salt and kind of ``extra_keys``) joined
-    into it: the same pages in fewer, longer events (a consumer indexes them alike). The input
-    events are not changed."""
-    out: list[KVEvent] = []
-    joined: set[int] = set()  # indexes in out of events this call built (their lists are its own)
-    for event in events:
-        last = out[-1] if out else None
-        if (
-            isinstance(event, BlockStored)
-            and isinstance(last, BlockStored)
-            and event.parent_block_hash is not None
-            and event.parent_block_hash == last.block_hashes[-1]
-            and (event.block_size, event.medium, event.lora_name, event.cache_salt)
-            == (last.block_size, last.medium, last.lora_name, last.cache_salt)
-            and (event.extra_keys is None) == (last.extra_keys is None)
-        ):
-            if len(out) - 1 not in joined:  # copy once, then extend in place: linear in the pages
-                last = out[-1] = BlockStored(
-                    list(last.block_hashes),
-                    last.parent_block_hash,
-                    list(last.token_ids),
-                    last.block_size,
-                    last.lora_name,
-                    last.medium,
-                    None if last.extra_keys is None else list(last.extra_keys),
-                    last.cache_salt,
+class EventBatcher:
+    """The events of one batch as they are gathered, a chain's consecutive ``BlockStored``
+    joined on arrival: one that continues the event just before it (its parent is that one's
+    last hash; same block size, medium, LoRA name, salt and kind of ``extra_keys``) extends it.
+
+    Attributes:
+        events: the batch's events so far, in arrival order.
+
+    A joined event's lists are copied once, on its first join, then extended in place, so the
+    lists of an event or call given to it are never changed (the cost stays linear in the pages).
+    """
+
+    __slots__ = ("events", "_last", "_owned", "_removal")
+
+    def __init__(self) -> None:
+        self.events: list[KVEvent] = []
+        self._last: BlockStored | None = None  # events[-1] when it is a BlockStored, else None
+        self._owned = False  # _last's lists are this batcher's (copied): it may extend them
+        self._removal: BlockRemoved | None = None  # events[-1] when it is a BlockRemoved built here
+
+    def add(self, events: list[KVEvent]) -> None:
+        """Append ``events`` (any kinds), joining each ``BlockStored`` that continues the event before."""
+        for event in events:
+            if type(event) is BlockStored:
+                self.stored(
+                    event.block_hashes,
+                    event.parent_block_hash,
+                    event.token_ids,
+                    event.block_size,
+                    event.lora_name,
+                    event.medium,
+                    event.extra_keys,
+                    event.cache_salt,
                 )
-                joined.add(len(out) - 1)
-            last.block_hashes.extend(event.block_hashes)
-            last.token_ids.extend(event.token_ids)
-            if last.extra_keys is not None:
-                last.extra_keys.extend(event.extra_keys)
-        else:
-            out.append(event)
-    return out
+            else:
+                self.events.append(event)
+                self._last = self._removal = None
+
+    def stored(
+        self,
+        block_hashes: list[int],
+        parent_block_hash: int | None,
+        token_ids: list[int],
+        block_size: int,
+        lora_name: str | None = None,
+        medium: str = MEDIUM_STORAGE,
+        extra_keys: list | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Append one ``BlockStored`` (its fields as :class:`BlockStored`'s; the lists are read,
+        never changed), joined into the event before when it continues it."""
+        last = self._last
+        if (
+            last is not None
+            and parent_block_hash is not None
+            and parent_block_hash == last.block_hashes[-1]
+            and block_size == last.block_size
+            and medium == last.medium
+            and lora_name == last.lora_name
+            and cache_salt == last.cache_salt
+            and (extra_keys is None) == (last.extra_keys is None)
+        ):
+            if not self._owned:
+                last.block_hashes = list(last.block_hashes)
+                last.token_ids = list(last.token_ids)
+                if last.extra_keys is not None:
+                    last.extra_keys = list(last.extra_keys)
+                self._owned = True
+            last.block_hashes += block_hashes
+            last.token_ids += token_ids
+            if extra_keys is not None:
+                last.extra_keys += extra_keys
+            return
+        last = BlockStored(
+            block_hashes, parent_block_hash, token_ids, block_size, lora_name, medium, extra_keys, cache_salt
+        )
+        self.events.append(last)
+        self._last, self._owned, self._removal = last, False, None
+
+    def removed(self, block_hash: int, medium: str = MEDIUM_STORAGE) -> None:
+        """Append a removal of one page, joined into the ``BlockRemoved`` of the same medium this
+        batcher built just before."""
+        removal = self._removal
+        if removal is not None and removal.medium == medium:
+            removal.block_hashes.append(block_hash)
+            return
+        self._removal = BlockRemoved([block_hash], medium)
+        self.events.append(self._removal)
+        self._last = None
+
+
+def merge_stored(events: list[KVEvent]) -> list[KVEvent]:
+    """``events`` with each ``BlockStored`` that continues the one just before it joined into
+    it (:class:`EventBatcher`): the same pages in fewer, longer events (a consumer indexes them
+    alike). The input events are not changed."""
+    batcher = EventBatcher()
+    batcher.add(events)
+    return batcher.events
 
 
 def _event_map(event: KVEvent) -> dict[str, Any]:

@@ -179,3 +179,99 @@ def test_an_announcement_that_fails_never_fails_the_write(publisher, monkeypatch
     finish(rig, rig.new_request("a", [1, 2, 3, 4, 5], 2))
     assert rig.manager.metrics.pages_stored == 2 and rig.manager.metrics.pages_failed == 0
     assert rig.manager._announcer.errors == 1
+
+
+def _replayed(endpoint: str) -> list[tuple[int, bytes]]:
+    """(seq, payload) of every batch a publisher's replay socket still holds."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    sock.send_multipart([b"", (0).to_bytes(8, "big")])
+    out = []
+    while sock.poll(5000):
+        _, _, seq, payload = sock.recv_multipart()
+        if seq == (-1).to_bytes(8, "big", signed=True):
+            sock.close()
+            return out
+        out.append((int.from_bytes(seq, "big"), payload))
+    sock.close()
+    raise AssertionError(f"no end marker after {out!r}")
+
+
+class _NoEvents:
+    """A store that records no events (every written page reads as held already)."""
+
+    def take_events(self) -> list:
+        return []
+
+
+def test_writes_queued_while_the_sender_is_busy_go_out_joined_in_order_and_past_the_bound_are_a_gap(monkeypatch):
+    import threading
+
+    import kvstage.events.publisher as publisher_module
+    from kvstage.events import KVEventAnnouncer
+    from kvstage.events.wire import decode_batch
+
+    release, encoding = threading.Event(), threading.Event()
+    real_encode = publisher_module.encode_batch
+
+    def stalled(batch):
+        encoding.set()
+        release.wait(10)
+        return real_encode(batch)
+
+    monkeypatch.setattr(publisher_module, "encode_batch", stalled)
+    keys = [f"{index:032x}" for index in range(1, 5)]
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", max_pending=3) as pub:
+        announcer = KVEventAnnouncer(pub, _NoEvents(), block_size=2)
+        pub.publish([BlockRemoved([0])])
+        assert encoding.wait(10)  # the sender holds batch 0
+        prior = None
+        for index, key in enumerate(keys):  # 3 wait for the sender; the 4th finds the bound reached
+            announcer.written([key], [index, index], prior, (None, None), ())
+            prior = key
+        assert len(pub._pending) == 1  # one publish call for the writes queued meanwhile
+        release.set()
+        assert pub.flush(10)
+        sent = _replayed(pub.replay_endpoint)
+        assert pub.dropped == 1 and announcer.pages_announced == 3 and announcer.errors == 0
+    assert [seq for seq, _ in sent] == [0, 2]  # seq 1 stands for the dropped write
+    assert decode_batch(sent[1][1]).events == [
+        BlockStored(hashes(keys[:3]), None, [0, 0, 1, 1, 2, 2], 2)
+    ]  # one chain, in write order
+
+
+def test_queued_writes_of_a_chain_whose_later_page_is_live_are_announced_each_on_its_own(monkeypatch):
+    import threading
+
+    import kvstage.events.publisher as publisher_module
+    from kvstage.events import KVEventAnnouncer
+    from kvstage.events.wire import decode_batch
+
+    release, encoding = threading.Event(), threading.Event()
+    real_encode = publisher_module.encode_batch
+
+    def stalled(batch):
+        encoding.set()
+        release.wait(10)
+        return real_encode(batch)
+
+    monkeypatch.setattr(publisher_module, "encode_batch", stalled)
+    root, other, tail = (f"{index:032x}" for index in (1, 2, 3))
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        announcer = KVEventAnnouncer(pub, _NoEvents(), block_size=2)
+        announcer.written([root], [1, 1], None, (None, None), ())  # live on the stream
+        assert encoding.wait(10)  # the sender holds that batch: the next writes queue behind it
+        announcer.written([other], [2, 2], None, (None, None), ())  # another chain's root
+        announcer.written([root], [1, 1], other, (None, None), ())  # continues it with a live page
+        announcer.written([tail], [3, 3], root, (None, None), ())  # continues that
+        release.set()
+        assert pub.flush(10)
+        sent = _replayed(pub.replay_endpoint)
+        assert announcer.pages_announced == 3 and announcer.errors == 0
+    assert [decode_batch(payload).events for _, payload in sent] == [
+        [BlockStored(hashes([root]), None, [1, 1], 2)],
+        [BlockStored(hashes([other]), None, [2, 2], 2), BlockStored(hashes([tail]), block_hash(root), [3, 3], 2)],
+    ]  # the live page not again, and the page after it names it as parent, as separate writes would

@@ -211,9 +211,9 @@ def test_deferred_calls_run_on_the_sender_in_call_order_and_one_without_events_t
     ran_on: list = []
 
     def deferred(events):
-        def make():
+        def make(batcher):
             ran_on.append(threading.current_thread().name)
-            return events
+            batcher.add(events)
 
         return make
 
@@ -241,7 +241,7 @@ def test_deferred_calls_run_on_the_sender_in_call_order_and_one_without_events_t
 
 
 def test_a_deferred_call_that_raises_loses_only_its_events():
-    def broken():
+    def broken(batcher):
         raise RuntimeError("boom")
 
     with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
@@ -255,3 +255,12 @@ def test_publishing_neither_a_list_nor_a_callable_is_refused_naming_the_argument
     with KVEventPublisher("tcp://127.0.0.1:0") as pub:
         with pytest.raises(InvalidArgumentError, match=r"^events: must be a list of KV events or a callable"):
             pub.publish((BlockRemoved([1]),))
+
+
+def test_flush_waits_for_what_was_published_before_it_and_is_true_after_close():
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", linger_s=0.05) as pub:
+        for i in range(50):
+            pub.publish([BlockRemoved([i])])
+        assert pub.flush(10)
+        assert pub.events_published == 50  # every one sent when flush returned, lingering or not
+    assert pub.flush(1)  # closed: everything queued was sent

@@ -138,3 +138,29 @@ def test_block_hashes_is_block_hash_of_each_and_rejects_a_bad_key_naming_it():
     for bad in ("abc", "g" * 32, None):
         with pytest.raises(InvalidArgumentError, match=rf"^page_key: must be .*{bad!r}"):
             block_hashes([keys[0], bad])
+
+
+def test_the_batcher_joins_a_chains_runs_as_they_come_and_never_changes_what_it_was_given():
+    from kvstage.events.wire import EventBatcher
+
+    hashes, tokens = [1], [0, 0]
+    given = [BlockStored(hashes, None, tokens, 2), BlockRemoved([7])]
+    batcher = EventBatcher()
+    batcher.add(given)
+    batcher.removed(8)  # after a removal it was given: a new event, the given one unchanged
+    batcher.removed(9)
+    batcher.stored([2], None, [1, 1], 2)
+    batcher.stored([3], 2, [2, 2], 2)  # continues [2]
+    batcher.stored([4], 3, [3, 3], 2, medium="CPU")  # another medium: not joined
+    batcher.removed(5, "CPU")
+    assert batcher.events == [
+        BlockStored([1], None, [0, 0], 2),
+        BlockRemoved([7]),
+        BlockRemoved([8, 9]),
+        BlockStored([2, 3], None, [1, 1, 2, 2], 2),
+        BlockStored([4], 3, [3, 3], 2, medium="CPU"),
+        BlockRemoved([5], "CPU"),
+    ]
+    assert given == [BlockStored([1], None, [0, 0], 2), BlockRemoved([7])] and hashes == [1] and tokens == [0, 0]
+    batcher.stored([6], 1, [5, 5], 2)  # continues nothing just before it (a removal): a new event
+    assert batcher.events[-1] == BlockStored([6], 1, [5, 5], 2)
