@@ -158,41 +158,50 @@ class MemoryStore(StorageBackend):
             self._pages.touch_all(reversed(dict.fromkeys(reversed(self._uses))))
             self._uses.clear()
 
-    def _put(self, keys: list[str], pages: list[torch.Tensor], prior_key: str | None = None) -> PutStatuses:
-        statuses = PutStatuses()
-        evicted = []
+    def _admit(
+        self, keys: list[str], prior_key: str | None, statuses: PutStatuses, evicted: list
+    ) -> tuple[list[int], list]:
+        """A put's chain rules, under the lock: each key's status appended to ``statuses`` (a key
+        stored already is deduplicated; one whose prior is not stored fails; one that finds no
+        room fails), the victims' keys appended to ``evicted``. Each admitted key is added to the
+        index with no value yet. Returns the admitted keys' indices and the victims' buffers."""
         keep = _Kept(keys, self._lent)  # never evicted for a page of this call, nor one on loan
         if prior_key is not None:
             keep.add(prior_key)
+        stored = self._pages
+        admitted, reused = [], []
+        before = prior_key
+        for index, key in enumerate(keys):
+            prior, before = before, key
+            if stored.touch(key) is not None:
+                statuses.append(PutStatus.DEDUPLICATED)
+                continue
+            if prior is not None and prior not in stored:
+                statuses.append(PutStatus.FAILED)  # unreachable: its predecessor is not here
+                if statuses.error is None and prior == prior_key:  # (else the call refused its previous key, for room)
+                    statuses.error = MissingPriorError(prior[len(self._hook_prefix) :])
+                continue
+            if len(stored) >= self.capacity_pages:
+                victim = stored.pop_victim(keep)  # the least recently used chain tail
+                if victim is None:
+                    statuses.append(PutStatus.FAILED)
+                    continue
+                self.stats.pages_evicted += 1
+                evicted.append(victim[0])
+                reused.append(victim[1])  # its memory is already faulted in
+            stored.add(key, None, prior)  # its buffer is set before the lock is let go
+            admitted.append(index)
+            statuses.append(PutStatus.STORED)
+        return admitted, reused
+
+    def _put(self, keys: list[str], pages: list[torch.Tensor], prior_key: str | None = None) -> PutStatuses:
+        statuses = PutStatuses()
+        evicted = []
         with self._lock:
             self._apply_uses()
             stored = self._pages
-            before = prior_key
-            placed, held, reused = [], [], []  # keys stored, their pages, the evicted pages' buffers
-            for key, page in zip(keys, pages):
-                prior, before = before, key
-                if stored.touch(key) is not None:
-                    statuses.append(PutStatus.DEDUPLICATED)
-                    continue
-                if prior is not None and prior not in stored:
-                    statuses.append(PutStatus.FAILED)  # unreachable: its predecessor is not here
-                    if (
-                        statuses.error is None and prior == prior_key
-                    ):  # (else the call refused its previous key, for room)
-                        statuses.error = MissingPriorError(prior[len(self._hook_prefix) :])
-                    continue
-                if len(stored) >= self.capacity_pages:
-                    victim = stored.pop_victim(keep)  # the least recently used chain tail
-                    if victim is None:
-                        statuses.append(PutStatus.FAILED)
-                        continue
-                    self.stats.pages_evicted += 1
-                    evicted.append(victim[0])
-                    reused.append(victim[1])  # its memory is already faulted in: reused
-                stored.add(key, None, prior)  # its buffer is set below, before the lock is let go
-                placed.append(key)
-                held.append(page)
-                statuses.append(PutStatus.STORED)
+            admitted, reused = self._admit(keys, prior_key, statuses, evicted)
+            placed, held = [keys[i] for i in admitted], [pages[i] for i in admitted]
             # A put fills the store before it evicts, so its first pages take fresh buffers and
             # the rest the evicted ones; each set in address order, so that pages adjacent in the
             # host pool land in adjacent rows and move in one copy (page_runs).
@@ -343,41 +352,21 @@ class MemoryStore(StorageBackend):
         return statuses, spares
 
     def _adopt(self, keys: list[str], pages: list[torch.Tensor], prior_key: str | None, spares: list) -> PutStatuses:
-        """:meth:`_put` keeping the pages' tensors; the victims' buffers go to ``spares``."""
+        """:meth:`_put` keeping the pages' tensors; the victims' buffers go to ``spares``, and a
+        removed page's memory in place of each page kept that evicted nothing."""
         statuses = PutStatuses()
         evicted = []
-        keep = _Kept(keys, self._lent)
-        if prior_key is not None:
-            keep.add(prior_key)
         with self._lock:
             self._apply_uses()
-            stored = self._pages
-            before = prior_key
-            for key, page in zip(keys, pages):
-                prior, before = before, key
-                if stored.touch(key) is not None:
-                    statuses.append(PutStatus.DEDUPLICATED)
-                    continue
-                if prior is not None and prior not in stored:
-                    statuses.append(PutStatus.FAILED)
-                    if statuses.error is None and prior == prior_key:
-                        statuses.error = MissingPriorError(prior[len(self._hook_prefix) :])
-                    continue
-                if len(stored) >= self.capacity_pages:
-                    victim = stored.pop_victim(keep)
-                    if victim is None:
-                        statuses.append(PutStatus.FAILED)
-                        continue
-                    self.stats.pages_evicted += 1
-                    evicted.append(victim[0])
-                    spares.append(victim[1])
-                elif self._spare:  # a removed page's memory goes back in place of the one kept
-                    spares.append(self._spare.pop())
-                stored.add(key, page.view(torch.uint8).view(-1), prior)
-                self.pages_adopted += 1
-                statuses.append(PutStatus.STORED)
+            admitted, reused = self._admit(keys, prior_key, statuses, evicted)
+            for index in admitted:
+                self._pages.set_value(keys[index], pages[index].view(torch.uint8).view(-1))
+            self.pages_adopted += len(admitted)
+            spares += reused
+            for _ in range(min(len(admitted) - len(reused), len(self._spare))):
+                spares.append(self._spare.pop())
             self._record("evicted", evicted)
-            self._record("stored", [key for key, status in zip(keys, statuses) if status is PutStatus.STORED])
+            self._record("stored", [keys[index] for index in admitted])
         return statuses
 
     def lend(self, keys: Sequence[str]) -> "PageLoan":
