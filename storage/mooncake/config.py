@@ -26,6 +26,7 @@ _URL_ALIASES = {
     "bounce": "bounce_bytes",
     "admin": "admin_address",
     "watch": "watch_s",
+    "soft_pin": "soft_pin_ms",
 }
 # What a mooncake:// URL's query may name, as the README teaches it (short names first).
 URL_QUERY_NAMES = (
@@ -95,6 +96,11 @@ class MooncakeConfig:
         watch_s: seconds between listings of the key space on the admin server by a background
             thread that announces pages which vanished (the master evicted them) as
             ``evicted``, other clients' included; None: no watcher. Needs ``admin_address``.
+        soft_pin_ms: when set, every page this client puts is soft-pinned for that many
+            milliseconds (``ReplicateConfig`` with ``SoftPinAction.ENABLE`` and
+            ``soft_pin_ttl_ms``): a master started with
+            ``-allow_evict_soft_pinned_objects=false`` evicts no page younger than that, so a
+            watcher listing more often sees every eviction. None: Mooncake's default (no pin).
     """
 
     master_server_address: str
@@ -110,6 +116,7 @@ class MooncakeConfig:
     setup_retries: int | None = None
     admin_address: str | None = None
     watch_s: float | None = None
+    soft_pin_ms: int | None = None
 
     def __post_init__(self) -> None:
         host, port = split_host_port(self.master_server_address, "master_server_address")
@@ -124,7 +131,7 @@ class MooncakeConfig:
         if not timeout > 0:
             raise InvalidArgumentError(f"connect_timeout_s: must be positive, got {self.connect_timeout_s!r}")
         object.__setattr__(self, "connect_timeout_s", timeout)
-        for name in ("rpc_timeout_ms", "setup_retries"):
+        for name in ("rpc_timeout_ms", "setup_retries", "soft_pin_ms"):
             value = getattr(self, name)
             if value is not None:
                 value = int(value)
@@ -162,7 +169,7 @@ class MooncakeConfig:
             kwargs[name] = value
         if "master_server_address" not in kwargs:
             raise InvalidArgumentError("master_server_address: required (host:port of mooncake_master)")
-        for name in ("local_hostname", "admin_address", "watch_s"):
+        for name in ("local_hostname", "admin_address", "watch_s", "soft_pin_ms"):
             if kwargs.get(name) == "":
                 kwargs[name] = None
         return cls(**kwargs)
