@@ -134,10 +134,13 @@ class MooncakeConfig:
         for name in ("rpc_timeout_ms", "setup_retries", "soft_pin_ms"):
             value = getattr(self, name)
             if value is not None:
-                value = int(value)
-                if value < 1:
-                    raise InvalidArgumentError(f"{name}: must be a positive int, got {value}")
-                object.__setattr__(self, name, value)
+                try:
+                    number = int(value)
+                except (TypeError, ValueError):
+                    number = 0
+                if number < 1:
+                    raise InvalidArgumentError(f"{name}: must be a positive int, got {value!r}")
+                object.__setattr__(self, name, number)
         if self.admin_address is not None:
             host, port = split_host_port(self.admin_address, "admin_address")
             object.__setattr__(self, "admin_address", f"{host}:{port}")
@@ -179,7 +182,7 @@ def parse_mooncake_url(url: str) -> MooncakeConfig:
     """Parse ``mooncake://MASTER_HOST:PORT?metadata=...&protocol=tcp&segment=1GiB&buffer=64MiB``.
 
     Query names (:data:`URL_QUERY_NAMES`): the short ``metadata``, ``segment``, ``buffer``,
-    ``device``, ``bounce``, ``admin``, ``watch``, and ``protocol``, ``local_hostname``, ``connect_timeout_s``,
+    ``device``, ``bounce``, ``admin``, ``watch``, ``soft_pin``, and ``protocol``, ``local_hostname``, ``connect_timeout_s``,
     ``rpc_timeout_ms``, ``setup_retries``; the :class:`MooncakeConfig` field names of the short
     ones are accepted too. Sizes take the syntax of every storage URL
     (:mod:`kvstage.storage.sizes`). Values are percent-decoded, so a metadata URL may be given
