@@ -453,6 +453,7 @@ class Fleet:
             "master_evicted_keys": None if pool is None else pool.master_evicted,
             "evictions_unattributed": unattributed,
             "evictions_unseen": 0 if pool is None else pool.unseen,
+            "evictions_vanished": None if pool is None else pool.vanished,
             "pool_keys_at_end": None if pool is None else pool.keys_at_end,
             "unreachable": result.unreachable,
             "router_lag_p50_ms": _percentile_ms(lags, 50),

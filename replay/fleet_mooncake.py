@@ -54,6 +54,7 @@ class PoolEvictions:
     def __init__(self, store) -> None:
         self.store = store
         self.keys: set[str] = set()
+        self.vanished = 0  # disappearances the watcher announced (a key stored, evicted and stored again counts twice)
         self.master_before = master_evicted_keys(store.config.admin_address)
         self.master_evicted: int | None = None
         self.keys_at_end: int | None = None  # keys of the key space the watcher's last listing showed
@@ -70,7 +71,9 @@ class PoolEvictions:
 
     def poll(self) -> None:
         """Take the store's events: keep the keys its watcher announced evicted."""
-        self.keys.update(event.key for event in self.store.take_events() if event.kind == "evicted")
+        keys = [event.key for event in self.store.take_events() if event.kind == "evicted"]
+        self.vanished += len(keys)
+        self.keys.update(keys)
 
     def settle(self) -> None:
         """Wait for :data:`SETTLE_ROUNDS` more listings (at most 30 s), take what they saw, read the master's count."""
@@ -85,9 +88,9 @@ class PoolEvictions:
     @property
     def unseen(self) -> int:
         """Evictions the master counted that the watcher did not see (stored and evicted between two listings)."""
-        return max(0, (self.master_evicted or 0) - len(self.keys))
+        return max(0, (self.master_evicted or 0) - self.vanished)
 
     @property
     def unattributed(self) -> int:
         """Keys the watcher saw vanish beyond the master's eviction count (not evictions: lost)."""
-        return max(0, len(self.keys) - (self.master_evicted or 0))
+        return max(0, self.vanished - (self.master_evicted or 0))

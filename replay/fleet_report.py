@@ -45,12 +45,12 @@ ROWS = (
         ),
     ),
     (
-        "Mooncake master: evicted / vanished beyond it",
+        "Mooncake master: evicted / watcher saw vanish",
         lambda r: (
             "-"
             if r.get("master_evicted_keys") is None
-            else f"{r['master_evicted_keys']:,} / {r['evictions_unattributed']:,} ({r['evictions_unseen']:,} unseen "
-            f"by the watcher; {r['pool_keys_at_end']:,} keys at the end)"
+            else f"{r['master_evicted_keys']:,} / {r['evictions_vanished']:,} ({r['evictions_unseen']:,} unseen, "
+            f"{r['evictions_unattributed']:,} beyond the master's count; {r['pool_keys_at_end']:,} keys at the end)"
         ),
     ),
     ("lost / mismatched", lambda r: f"{r['lost']:,} / {r['mismatched']:,}"),

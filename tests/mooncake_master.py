@@ -35,6 +35,7 @@ class LocalMooncakeMaster:
     Args:
         log_path: where the master's stdout and stderr go (appended).
         binary: the ``mooncake_master`` executable (default: :func:`master_binary`).
+        flags: more ``-name=value`` flags (e.g. ``-allow_evict_soft_pinned_objects=false``).
 
     Attributes:
         rpc_port, http_port, metrics_port: the master's RPC port, its metadata server's port
@@ -46,13 +47,14 @@ class LocalMooncakeMaster:
         BackendUnavailableError: no ``mooncake_master`` is installed (names the install command).
     """
 
-    def __init__(self, log_path: Path | str, binary: Path | str | None = None) -> None:
+    def __init__(self, log_path: Path | str, binary: Path | str | None = None, flags: tuple[str, ...] = ()) -> None:
         found = master_binary() if binary is None else Path(binary)
         if found is None:
             raise BackendUnavailableError(
                 f"mooncake: no mooncake_master in the installed mooncake package; {INSTALL_HINT}"
             )
         self.binary = found
+        self.flags = tuple(flags)
         self.log_path = Path(log_path)
         self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.address = f"127.0.0.1:{self.rpc_port}"
@@ -93,6 +95,7 @@ class LocalMooncakeMaster:
             f"-metrics_port={self.metrics_port}",
             "-enable_metric_reporting=false",
             "-rpc_thread_num=2",
+            *self.flags,
         ]
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

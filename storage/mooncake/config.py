@@ -26,6 +26,7 @@ _URL_ALIASES = {
     "bounce": "bounce_bytes",
     "admin": "admin_address",
     "watch": "watch_s",
+    "soft_pin": "soft_pin_ms",
 }
 # What a mooncake:// URL's query may name, as the README teaches it (short names first).
 URL_QUERY_NAMES = (
@@ -95,6 +96,11 @@ class MooncakeConfig:
         watch_s: seconds between listings of the key space on the admin server by a background
             thread that announces pages which vanished (the master evicted them) as
             ``evicted``, other clients' included; None: no watcher. Needs ``admin_address``.
+        soft_pin_ms: when set, every page this client puts is soft-pinned for that many
+            milliseconds (``ReplicateConfig`` with ``SoftPinAction.ENABLE`` and
+            ``soft_pin_ttl_ms``): a master started with
+            ``-allow_evict_soft_pinned_objects=false`` evicts no page younger than that, so a
+            watcher listing more often sees every eviction. None: Mooncake's default (no pin).
     """
 
     master_server_address: str
@@ -110,6 +116,7 @@ class MooncakeConfig:
     setup_retries: int | None = None
     admin_address: str | None = None
     watch_s: float | None = None
+    soft_pin_ms: int | None = None
 
     def __post_init__(self) -> None:
         host, port = split_host_port(self.master_server_address, "master_server_address")
@@ -124,13 +131,16 @@ class MooncakeConfig:
         if not timeout > 0:
             raise InvalidArgumentError(f"connect_timeout_s: must be positive, got {self.connect_timeout_s!r}")
         object.__setattr__(self, "connect_timeout_s", timeout)
-        for name in ("rpc_timeout_ms", "setup_retries"):
+        for name in ("rpc_timeout_ms", "setup_retries", "soft_pin_ms"):
             value = getattr(self, name)
             if value is not None:
-                value = int(value)
-                if value < 1:
-                    raise InvalidArgumentError(f"{name}: must be a positive int, got {value}")
-                object.__setattr__(self, name, value)
+                try:
+                    number = int(value)
+                except (TypeError, ValueError):
+                    number = 0
+                if number < 1:
+                    raise InvalidArgumentError(f"{name}: must be a positive int, got {value!r}")
+                object.__setattr__(self, name, number)
         if self.admin_address is not None:
             host, port = split_host_port(self.admin_address, "admin_address")
             object.__setattr__(self, "admin_address", f"{host}:{port}")
@@ -162,7 +172,7 @@ class MooncakeConfig:
             kwargs[name] = value
         if "master_server_address" not in kwargs:
             raise InvalidArgumentError("master_server_address: required (host:port of mooncake_master)")
-        for name in ("local_hostname", "admin_address", "watch_s"):
+        for name in ("local_hostname", "admin_address", "watch_s", "soft_pin_ms"):
             if kwargs.get(name) == "":
                 kwargs[name] = None
         return cls(**kwargs)
@@ -172,7 +182,7 @@ def parse_mooncake_url(url: str) -> MooncakeConfig:
     """Parse ``mooncake://MASTER_HOST:PORT?metadata=...&protocol=tcp&segment=1GiB&buffer=64MiB``.
 
     Query names (:data:`URL_QUERY_NAMES`): the short ``metadata``, ``segment``, ``buffer``,
-    ``device``, ``bounce``, ``admin``, ``watch``, and ``protocol``, ``local_hostname``, ``connect_timeout_s``,
+    ``device``, ``bounce``, ``admin``, ``watch``, ``soft_pin``, and ``protocol``, ``local_hostname``, ``connect_timeout_s``,
     ``rpc_timeout_ms``, ``setup_retries``; the :class:`MooncakeConfig` field names of the short
     ones are accepted too. Sizes take the syntax of every storage URL
     (:mod:`kvstage.storage.sizes`). Values are percent-decoded, so a metadata URL may be given

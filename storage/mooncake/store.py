@@ -63,6 +63,7 @@ Install: ``bash tools/install-mooncake.sh .venv`` (Debian's libibverbs1, librdma
 from __future__ import annotations
 
 import bisect
+import importlib
 import logging
 import os
 import threading
@@ -197,6 +198,13 @@ class MooncakeStore(KeySpaceMixin, CallsMixin, StorageBackend):
                 "Mooncake's log above says why"
             )
         self._store = store
+        self._put_extra: tuple[Any, ...] = ()  # batch_put_from's ReplicateConfig, when it is not the default
+        if config.soft_pin_ms is not None:
+            module = importlib.import_module(store_class.__module__)
+            replicate = module.ReplicateConfig()
+            replicate.soft_pin_action = module.SoftPinAction.ENABLE
+            replicate.soft_pin_ttl_ms = config.soft_pin_ms
+            self._put_extra = (replicate,)
         logger.info(
             "mooncake: connected to master %s (metadata %s, %s, segment %d B, local buffer %d B)",
             config.master_server_address,
@@ -356,6 +364,7 @@ class MooncakeStore(KeySpaceMixin, CallsMixin, StorageBackend):
                     [full_keys[i] for i in direct],
                     [pages[i].data_ptr() for i in direct],
                     [self.page_bytes] * len(direct),
+                    *self._put_extra,
                     errors=errors,
                 )
                 with self._lock:
@@ -399,6 +408,7 @@ class MooncakeStore(KeySpaceMixin, CallsMixin, StorageBackend):
                     [full_keys[i] for i in batch],
                     [bounce[s].data_ptr() for s in range(len(batch))],
                     [self.page_bytes] * len(batch),
+                    *self._put_extra,
                     errors=errors,
                 )
                 failures += self._apply_put_codes(batch, codes, statuses)

@@ -77,6 +77,8 @@ def test_dict_takes_mooncake_field_names_and_aliases():
         ("mooncake://host:1?colour=blue", "unknown query name 'colour'"),
         ("mooncake://host:1?segment=1GB&global_segment_size=2GB", "given twice"),
         ("mooncake://host:1?rpc_timeout_ms=0", "rpc_timeout_ms: must be a positive int"),
+        ("mooncake://host:1?soft_pin=0", "soft_pin_ms: must be a positive int, got '0'"),
+        ("mooncake://host:1?soft_pin=long", "soft_pin_ms: must be a positive int, got 'long'"),
         ("mooncake://host:1?admin=9003", "admin_address: must be 'host:port'"),
         ("mooncake://host:1?watch=2", "watch_s: needs admin_address"),
         ("mooncake://host:1?admin=h:9003&watch=0", "watch_s: must be positive seconds, got '0'"),
@@ -86,6 +88,11 @@ def test_dict_takes_mooncake_field_names_and_aliases():
 def test_bad_urls_name_the_field(url, message):
     with pytest.raises(InvalidArgumentError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         parse_mooncake_url(url)
+
+
+def test_soft_pin_is_milliseconds_and_off_by_default():
+    assert parse_mooncake_url("mooncake://h:1?soft_pin=2000").soft_pin_ms == 2000
+    assert parse_mooncake_url("mooncake://h:1").soft_pin_ms is None
 
 
 def test_dict_without_master_is_refused():
@@ -117,7 +124,7 @@ def test_an_unknown_query_name_lists_the_names_the_readme_teaches():
         parse_mooncake_url(url)
     assert str(caught.value) == (
         f"url: unknown query name 'segmnet' in {url!r}; known: metadata, segment, buffer, device, bounce, "
-        "admin, watch, protocol, local_hostname, connect_timeout_s, rpc_timeout_ms, setup_retries"
+        "admin, watch, soft_pin, protocol, local_hostname, connect_timeout_s, rpc_timeout_ms, setup_retries"
     )
     # the long names of the short ones still work
     assert (
