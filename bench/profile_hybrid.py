@@ -77,8 +77,9 @@ class _Timeline:
         self.started = time.perf_counter()
 
 
-def timeline(name: str, layout, num_pages: int, rounds: int = 3) -> list[dict]:
-    """The steps of the last of ``rounds`` store/load rounds (the first ones warm the stores up)."""
+def timeline(name: str, layout, num_pages: int, rounds: int = 6) -> list[dict]:
+    """The steps of the last of ``rounds`` store/load rounds (the first ones fill the stores to
+    capacity and the staging pool with the buffers the store hands back: the steady state)."""
     recorder = _Timeline()
     for owner, steps in (
         (copier_module, ("gather", "scatter")),
