@@ -112,6 +112,11 @@ class OneHopCopies:
         require(
             is_int(part_pages) and part_pages >= 1, "part_pages", lambda: f"must be an int >= 1, got {part_pages!r}"
         )
+        require(
+            copy_threads is None or (is_int(copy_threads) and copy_threads >= 1),
+            "copy_threads",
+            lambda: f"must be an int >= 1 or None, got {copy_threads!r}",
+        )
         self._rows = RowCopies(copy_threads)  # last check: nothing to stop when a check above fails
         self.storage = storage
         self.workers = workers
