@@ -15,7 +15,9 @@ each way is enough:
 
 A page's bytes are its block's rows, layer after layer: the host page of ``KeyedCopies`` over
 the same blocks (``KVPool.mla`` of the layers, ``page_size=1``), so either path reads what the
-other wrote. Jobs move in parts of at most ``part_pages`` pages (the buffers a store job holds
+other wrote. A part's row copies run in :class:`kvstage.offload.row_copies.RowCopies` (split between
+the worker thread and helper threads: torch's ``copy_`` of many rows is slow on a worker thread).
+Jobs move in parts of at most ``part_pages`` pages (the buffers a store job holds
 at once, the pages a load holds on loan). Same calls and :class:`KeyedResult` as
 ``KeyedCopies``; not thread-safe (one thread submits and polls).
 """
