@@ -15,7 +15,9 @@ each way is enough:
 
 A page's bytes are its block's rows, layer after layer: the host page of ``KeyedCopies`` over
 the same blocks (``KVPool.mla`` of the layers, ``page_size=1``), so either path reads what the
-other wrote. Jobs move in parts of at most ``part_pages`` pages (the buffers a store job holds
+other wrote. A part's row copies run in :class:`kvstage.offload.row_copies.RowCopies` (split between
+the worker thread and helper threads: torch's ``copy_`` of many rows is slow on a worker thread).
+Jobs move in parts of at most ``part_pages`` pages (the buffers a store job holds
 at once, the pages a load holds on loan). Same calls and :class:`KeyedResult` as
 ``KeyedCopies``; not thread-safe (one thread submits and polls).
 """
@@ -31,6 +33,7 @@ import torch
 
 from kvstage.errors import InvalidArgumentError, StorageError, is_int, require
 from kvstage.offload.keyed_copies import KeyedResult, chain_runs, checked_keys
+from kvstage.offload.row_copies import RowCopies
 from kvstage.storage import PutStatus
 from kvstage.storage.backend import adopts_pages, lends_pages
 
@@ -59,13 +62,24 @@ class OneHopCopies:
         storage: a store of ``sum(row_bytes)``-byte pages that adopts and lends pages.
         workers: a :class:`kvstage.offload.StoreWorkers` (stores on its writer, loads on a reader).
         part_pages: pages moved together (>= 1); also the spare buffers kept at most.
+        copy_threads: threads that copy a part's rows (:class:`RowCopies`; None: as many as
+            one ``copy_`` uses).
 
     Raises:
         InvalidArgumentError: a layer is not such a tensor, the store's page size is not the
-            rows' bytes, the store does not adopt and lend pages, or ``part_pages`` < 1.
+            rows' bytes, the store does not adopt and lend pages, ``part_pages`` < 1, or
+            ``copy_threads`` < 1.
     """
 
-    def __init__(self, layers: Sequence[torch.Tensor], storage: Any, workers: Any, *, part_pages: int) -> None:
+    def __init__(
+        self,
+        layers: Sequence[torch.Tensor],
+        storage: Any,
+        workers: Any,
+        *,
+        part_pages: int,
+        copy_threads: int | None = None,
+    ) -> None:
         layers = list(layers)
         require(layers, "layers", "must hold at least one layer")
         for index, rows in enumerate(layers):
@@ -100,6 +114,12 @@ class OneHopCopies:
         require(
             is_int(part_pages) and part_pages >= 1, "part_pages", lambda: f"must be an int >= 1, got {part_pages!r}"
         )
+        require(
+            copy_threads is None or (is_int(copy_threads) and copy_threads >= 1),
+            "copy_threads",
+            lambda: f"must be an int >= 1 or None, got {copy_threads!r}",
+        )
+        self._rows = RowCopies(copy_threads)  # last check: nothing to stop when a check above fails
         self.storage = storage
         self.workers = workers
         self.part_pages = part_pages
@@ -204,9 +224,13 @@ class OneHopCopies:
                 pages = [self._buffer() for _ in part_keys]
                 try:
                     started = time.perf_counter()
-                    for page, block in zip(pages, blocks[start:stop]):
-                        for rows, low, high in self._layers:
-                            page[low:high].copy_(rows[block])
+                    self._rows.copy(
+                        [
+                            (page[low:high], rows[block])
+                            for page, block in zip(pages, blocks[start:stop])
+                            for rows, low, high in self._layers
+                        ]
+                    )
                     copied = time.perf_counter()
                     steps["gather"] += copied - started
                     answer, spares = self.storage.put_adopting(
@@ -245,12 +269,17 @@ class OneHopCopies:
                     pages = list(loan.pages)
                     if len(pages) != len(keys[start : start + self.part_pages]):
                         raise StorageError(f"storage: lend() answered {len(pages)} pages")
-                    for page, block in zip(pages, blocks[start:]):
-                        if page is None:
-                            return landed, None  # not stored: the job ends here, later blocks untouched
-                        for rows, low, high in self._layers:
-                            rows[block].copy_(page[low:high])
-                        landed += 1
+                    stored = next((index for index, page in enumerate(pages) if page is None), len(pages))
+                    self._rows.copy(
+                        [
+                            (rows[block], page[low:high])
+                            for page, block in zip(pages[:stored], blocks[start:])
+                            for rows, low, high in self._layers
+                        ]
+                    )
+                    landed += stored
+                    if stored < len(pages):
+                        return landed, None  # not stored: the job ends here, later blocks untouched
                 finally:
                     loan.end()
                     steps["scatter"] += time.perf_counter() - lent
@@ -323,6 +352,10 @@ class OneHopCopies:
         ]
         _, pending = wait(futures, timeout=timeout)
         return not pending
+
+    def close(self) -> None:
+        """Stop the row-copy threads; call after the jobs ended (:meth:`wait`). Idempotent."""
+        self._rows.close()
 
     @property
     def jobs_in_flight(self) -> int:

@@ -403,6 +403,8 @@ class _GroupMover:
             raise
 
     def close(self) -> None:
-        """Stop the copier's stream (the two-hop path); the store stays open."""
+        """Stop the copier's stream (the two-hop path) or the row-copy threads (one hop); the store stays open."""
         if self.copier is not None:
             self.copier.close()
+        else:
+            self.keyed.close()

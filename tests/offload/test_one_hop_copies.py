@@ -190,3 +190,32 @@ def test_layers_of_other_blocks_a_store_of_another_page_size_or_without_the_prot
 
     with pytest.raises(InvalidArgumentError, match="^storage: Copying does not adopt and lend pages"):
         OneHopCopies(make_layers(), Copying(), workers, part_pages=2)
+
+
+@pytest.mark.parametrize("copy_threads", [1, 2, 3])
+def test_odd_block_counts_land_in_every_byte_of_poisoned_pages_and_blocks(workers, copy_threads):
+    layers, store = make_layers(seed=11), AdoptingStore(PAGE)
+    copies = OneHopCopies(layers, store, workers, part_pages=3, copy_threads=copy_threads)
+    try:
+        copies._spares = [torch.full((PAGE,), 0xA5, dtype=torch.uint8) for _ in range(3)]  # poisoned buffers
+        keys = [f"k{block}" for block in (0, 4, 1, 5, 2)]  # 5 pages: parts of 3 and 2
+        copies.store("s", blocks(0, 4, 1, 5, 2), keys)
+        [stored] = finish(copies, "s")
+        assert stored.ok and stored.bytes == 5 * PAGE
+        for key, block in zip(keys, (0, 4, 1, 5, 2)):
+            assert torch.equal(store.page(key), page_of(layers, block))
+        for rows in layers:
+            rows[6:11] = 0xA5  # poisoned targets
+        copies.load("l", keys, blocks(10, 6, 9, 7, 8))
+        [loaded] = finish(copies, "l")
+        assert loaded.ok and loaded.loaded_pages == 5
+        for target, source in zip((10, 6, 9, 7, 8), (0, 4, 1, 5, 2)):
+            assert torch.equal(page_of(layers, target), page_of(layers, source))
+        assert store.loans_out == 0
+    finally:
+        copies.close()
+
+
+def test_copy_threads_below_one_is_refused(workers):
+    with pytest.raises(InvalidArgumentError, match="^copy_threads: must be an int >= 1 or None, got 0"):
+        OneHopCopies(make_layers(), AdoptingStore(PAGE), workers, part_pages=2, copy_threads=0)
