@@ -207,7 +207,8 @@ class ChainIndex(Generic[K, V]):
         """A put's run of one chain, as one call (a store's put, under its lock): for each of
         ``keys`` in order, ``prior`` before ``keys[0]`` and each key before the next, the same
         steps as :meth:`touch`, :meth:`pop_victim` and :meth:`add` one key at a time, with the
-        ticks of one clock read and one heap compaction check at the end:
+        ticks of one clock read and one heap compaction check at the end (``keep`` must hold
+        every one of ``keys``: they become eviction candidates once the call is done):
 
         - stored already: touched (outcome :data:`DEDUPLICATED`);
         - its predecessor not stored: skipped (:data:`MISSING_PRIOR`);
@@ -233,8 +234,6 @@ class ChainIndex(Generic[K, V]):
             if entry is not None:  # touch
                 tick += 1
                 entry.tick = tick
-                if not successors.get(key):
-                    push(candidates, (tick, key))
                 outcomes.append(DEDUPLICATED)
                 continue
             if prior is not None and prior not in entries:
@@ -271,12 +270,16 @@ class ChainIndex(Generic[K, V]):
             keyset.add(key)
             if prior is not None:
                 successors.setdefault(prior, set()).add(key)
-            if not successors.get(key):
-                push(candidates, (tick, key))
             outcomes.append(ADDED)
             added.append(index)
         for item in held:
             push(candidates, item)
+        # The call's keys are candidates from now on (those still without a stored successor):
+        # pushed once, at the end, as every one of them is kept during the call anyway.
+        for key in keys:
+            entry = entries.get(key)
+            if entry is not None and not successors.get(key):
+                push(candidates, (entry.tick, key))
         self._clock = max(self._clock, tick)
         self._compact()
         return outcomes, added, victims

@@ -174,7 +174,8 @@ class MemoryStore(StorageBackend):
         stored already is deduplicated; one whose prior is not stored fails; one that finds no
         room fails), the victims' keys appended to ``evicted``. Each admitted key is added to the
         index with no value yet. Returns the admitted keys' indices and the victims' buffers."""
-        keep = _Kept(keys, self._lent)  # never evicted for a page of this call, nor one on loan
+        # never evicted for a page of this call, nor one on loan (a plain set when none is: C lookups)
+        keep = _Kept(keys, self._lent) if self._lent else set(keys)
         if prior_key is not None:
             keep.add(prior_key)
         outcomes, admitted, victims = self._pages.admit(keys, prior_key, self.capacity_pages, keep)
