@@ -25,7 +25,10 @@ from typing import Container, Generic, Hashable, Iterable, TypeVar
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
-__all__ = ["ChainIndex"]
+__all__ = ["ADDED", "DEDUPLICATED", "MISSING_PRIOR", "NO_ROOM", "ChainIndex"]
+
+# ChainIndex.admit's outcome for each key
+ADDED, DEDUPLICATED, MISSING_PRIOR, NO_ROOM = range(4)
 
 
 @dataclass
@@ -197,6 +200,99 @@ class ChainIndex(Generic[K, V]):
         if victim is None:
             return None
         return victim, self.remove(victim)
+
+    def admit(
+        self, keys: list[K], prior: K | None, capacity: int, keep: Container[K]
+    ) -> tuple[list[int], list[int], list[tuple[K, V]]]:
+        """A put's run of one chain, as one call (a store's put, under its lock): for each of
+        ``keys`` in order, ``prior`` before ``keys[0]`` and each key before the next, the same
+        steps as :meth:`touch`, :meth:`pop_victim` and :meth:`add` one key at a time, with the
+        ticks of one clock read and one heap compaction check at the end (``keep`` must hold
+        every one of ``keys``: they become eviction candidates once the call is done):
+
+        - stored already: touched (outcome :data:`DEDUPLICATED`);
+        - its predecessor not stored: skipped (:data:`MISSING_PRIOR`);
+        - the index at ``capacity`` pages and every candidate in ``keep``: skipped (:data:`NO_ROOM`);
+        - else the least recently used page with no stored successor (not in ``keep``) is
+          removed when the index is at ``capacity``, and the key added with value None
+          (:data:`ADDED`; set its value with :meth:`set_values`).
+
+        Returns ``(outcomes, added, victims)``: one outcome a key, the indices of the keys
+        added, and ``(key, value)`` of each page removed, in the order removed.
+        """
+        entries, keyset, successors, candidates = self._entries, self._keys, self._successors, self._candidates
+        push, pop = heapq.heappush, heapq.heappop
+        tick = max(time.time_ns(), self._clock + 1) - 1  # the tick before the first step's
+        outcomes: list[int] = []
+        added: list[int] = []
+        victims: list[tuple[K, V]] = []
+        held: list[tuple[int, K]] = []  # kept candidates popped: never victims in this call
+        before = prior
+        for index, key in enumerate(keys):
+            prior, before = before, key
+            entry = entries.get(key)
+            if entry is not None:  # touch
+                tick += 1
+                entry.tick = tick
+                outcomes.append(DEDUPLICATED)
+                continue
+            if prior is not None and prior not in entries:
+                outcomes.append(MISSING_PRIOR)
+                continue
+            if len(entries) >= capacity:  # pop_victim
+                victim = None
+                while candidates:
+                    item = pop(candidates)
+                    old = entries.get(item[1])
+                    if old is None or old.tick != item[0] or successors.get(item[1]):
+                        continue  # stale: gone, used since, or a successor was stored since
+                    if item[1] in keep:
+                        held.append(item)
+                        continue
+                    victim = item[1]
+                    break
+                if victim is None:
+                    outcomes.append(NO_ROOM)
+                    continue
+                old = entries.pop(victim)  # remove
+                keyset.discard(victim)
+                if old.prior is not None:
+                    siblings = successors[old.prior]
+                    siblings.discard(victim)
+                    if not siblings:
+                        del successors[old.prior]
+                        earlier = entries.get(old.prior)
+                        if earlier is not None:
+                            push(candidates, (earlier.tick, old.prior))
+                victims.append((victim, old.value))
+            tick += 1  # add
+            entries[key] = _Entry(None, prior, tick)
+            keyset.add(key)
+            if prior is not None:
+                successors.setdefault(prior, set()).add(key)
+            outcomes.append(ADDED)
+            added.append(index)
+        for item in held:
+            push(candidates, item)
+        # The call's keys are candidates from now on (those still without a stored successor):
+        # pushed once, at the end, as every one of them is kept during the call anyway.
+        for key in keys:
+            entry = entries.get(key)
+            if entry is not None and not successors.get(key):
+                push(candidates, (entry.tick, key))
+        self._clock = max(self._clock, tick)
+        self._compact()
+        return outcomes, added, victims
+
+    def set_values(self, keys: Iterable[K], values: Iterable[V]) -> None:
+        """:meth:`set_value` for each key and value, pairwise.
+
+        Raises:
+            KeyError: a key is not stored.
+        """
+        entries = self._entries
+        for key, value in zip(keys, values):
+            entries[key].value = value
 
     def _compact(self) -> None:
         """Rebuild the candidate heap when stale entries outnumber the pages."""

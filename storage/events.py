@@ -95,7 +95,8 @@ class EventQueue:
         self._page_bytes = page_bytes
         self._component = component_of(key_space)
         self._on_record = on_record
-        self._events: collections.deque[StoreEvent] = collections.deque()
+        self._chunks: collections.deque[list] = collections.deque()  # one a record call, oldest first
+        self._count = 0  # events kept in them
         self._lock = threading.Lock()
 
     def record(self, kind: str, keys, *, key_space: str | None = None) -> None:
@@ -114,17 +115,27 @@ class EventQueue:
         space, component = (
             (self._key_space, self._component) if key_space is None else (key_space, component_of(key_space))
         )
-        events = [StoreEvent(key, kind, self._tier, now, self._page_bytes, space, component) for key in keys]
+        # One chunk a call: its events are built by take (on the consumer's thread), not here.
+        chunk = [list(keys), 0, kind, now, space, component]  # [keys, first kept, ...]
         with self._lock:
             stats = self._stats
-            setattr(stats, counter, getattr(stats, counter) + len(events))
-            queue = self._events
-            queue.extend(events)
-            over = len(queue) - self.capacity
+            setattr(stats, counter, getattr(stats, counter) + len(chunk[0]))
+            self._chunks.append(chunk)
+            self._count += len(chunk[0])
+            over = self._count - self.capacity
             if over > 0:
                 stats.events_dropped += over
-                for _ in range(over):
-                    queue.popleft()
+                self._count -= over
+                chunks = self._chunks
+                while over:  # the oldest go
+                    first = chunks[0]
+                    left = len(first[0]) - first[1]
+                    if left <= over:
+                        chunks.popleft()
+                        over -= left
+                    else:
+                        first[1] += over
+                        over = 0
 
     def take(self, max_events: int | None = None) -> list[StoreEvent]:
         """Remove and return up to ``max_events`` of the oldest events (None: all), oldest first.
@@ -135,22 +146,44 @@ class EventQueue:
             InvalidArgumentError: max_events is not None or an int >= 0.
         """
         if max_events is None:  # the common call (an announcer's per write): no check, no lock when empty
-            if not self._events:
+            if not self._chunks:
                 return []
             with self._lock:
-                taken, self._events = self._events, collections.deque()
-            return list(taken)
+                taken, self._chunks, self._count = self._chunks, collections.deque(), 0
+            return self._built(taken)
         require(
             is_int(max_events) and max_events >= 0,
             "max_events",
             lambda: f"must be None or an int >= 0, got {max_events!r}",
         )
         with self._lock:
-            if max_events >= len(self._events):
-                taken, self._events = self._events, collections.deque()
-            else:
-                taken = [self._events.popleft() for _ in range(max_events)]
-        return list(taken)
+            if max_events >= self._count:
+                taken, self._chunks, self._count = self._chunks, collections.deque(), 0
+                return self._built(taken)
+            taken = []
+            want = max_events
+            chunks = self._chunks
+            while want:
+                first = chunks[0]
+                left = len(first[0]) - first[1]
+                if left <= want:
+                    taken.append(chunks.popleft())
+                    want -= left
+                else:
+                    taken.append([first[0][first[1] : first[1] + want], 0, *first[2:]])
+                    first[1] += want
+                    want = 0
+            self._count -= max_events
+        return self._built(taken)
+
+    def _built(self, chunks) -> list[StoreEvent]:
+        """The :class:`StoreEvent` of each key kept in ``chunks``, oldest first."""
+        tier, page_bytes = self._tier, self._page_bytes
+        return [
+            StoreEvent(key, kind, tier, now, page_bytes, space, component)
+            for keys, first, kind, now, space, component in chunks
+            for key in (keys[first:] if first else keys)
+        ]
 
 
 def component_of(key_space: str) -> str:

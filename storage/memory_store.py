@@ -55,7 +55,7 @@ import torch
 
 from kvstage.errors import InvalidArgumentError, is_int
 from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, StorageBackend, _checked_keys
-from kvstage.storage.chain_index import ChainIndex
+from kvstage.storage.chain_index import ADDED, DEDUPLICATED, MISSING_PRIOR, NO_ROOM, ChainIndex
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
 from kvstage.storage.fingerprint import LayoutFingerprint
 from kvstage.storage.page_runs import copy_pages
@@ -63,6 +63,15 @@ from kvstage.storage.sizes import parse_size
 
 DEFAULT_CAPACITY_BYTES = 1 << 30  # 1 GiB
 _MAX_QUEUED_USES = 1 << 16  # uses exists() queues before it applies them itself (bounds the queue)
+
+
+# ChainIndex.admit's outcome -> the put's status (a missing predecessor and no room both fail)
+_STATUSES = {
+    ADDED: PutStatus.STORED,
+    DEDUPLICATED: PutStatus.DEDUPLICATED,
+    MISSING_PRIOR: PutStatus.FAILED,
+    NO_ROOM: PutStatus.FAILED,
+}
 
 
 class _Kept(set):
@@ -165,34 +174,18 @@ class MemoryStore(StorageBackend):
         stored already is deduplicated; one whose prior is not stored fails; one that finds no
         room fails), the victims' keys appended to ``evicted``. Each admitted key is added to the
         index with no value yet. Returns the admitted keys' indices and the victims' buffers."""
-        keep = _Kept(keys, self._lent)  # never evicted for a page of this call, nor one on loan
+        # never evicted for a page of this call, nor one on loan (a plain set when none is: C lookups)
+        keep = _Kept(keys, self._lent) if self._lent else set(keys)
         if prior_key is not None:
             keep.add(prior_key)
-        stored = self._pages
-        admitted, reused = [], []
-        before = prior_key
-        for index, key in enumerate(keys):
-            prior, before = before, key
-            if stored.touch(key) is not None:
-                statuses.append(PutStatus.DEDUPLICATED)
-                continue
-            if prior is not None and prior not in stored:
-                statuses.append(PutStatus.FAILED)  # unreachable: its predecessor is not here
-                if statuses.error is None and prior == prior_key:  # (else the call refused its previous key, for room)
-                    statuses.error = MissingPriorError(prior[len(self._hook_prefix) :])
-                continue
-            if len(stored) >= self.capacity_pages:
-                victim = stored.pop_victim(keep)  # the least recently used chain tail
-                if victim is None:
-                    statuses.append(PutStatus.FAILED)
-                    continue
-                self.stats.pages_evicted += 1
-                evicted.append(victim[0])
-                reused.append(victim[1])  # its memory is already faulted in
-            stored.add(key, None, prior)  # its buffer is set before the lock is let go
-            admitted.append(index)
-            statuses.append(PutStatus.STORED)
-        return admitted, reused
+        outcomes, admitted, victims = self._pages.admit(keys, prior_key, self.capacity_pages, keep)
+        statuses.extend(map(_STATUSES.__getitem__, outcomes))
+        if statuses.error is None and prior_key is not None and outcomes and outcomes[0] == MISSING_PRIOR:
+            # (a later key's missing predecessor is one the call refused, for room: no error)
+            statuses.error = MissingPriorError(prior_key[len(self._hook_prefix) :])
+        self.stats.pages_evicted += len(victims)
+        evicted.extend(victim[0] for victim in victims)
+        return admitted, [victim[1] for victim in victims]  # their memory is already faulted in
 
     def _put(self, keys: list[str], pages: list[torch.Tensor], prior_key: str | None = None) -> PutStatuses:
         statuses = PutStatuses()
@@ -206,8 +199,7 @@ class MemoryStore(StorageBackend):
             # the rest the evicted ones; each set in address order, so that pages adjacent in the
             # host pool land in adjacent rows and move in one copy (page_runs).
             buffers = self._fresh(len(placed) - len(reused)) + sorted(reused, key=torch.Tensor.data_ptr)
-            for key, buffer in zip(placed, buffers):
-                stored.set_value(key, buffer)
+            stored.set_values(placed, buffers)
             try:
                 copy_pages(held, buffers, into_buffers=True)
             except BaseException:
