@@ -22,18 +22,16 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from operator import attrgetter
 from typing import Any, Sequence
 
 from kvstage.errors import ArgumentTypeError, require
 from kvstage.events.publisher import KVEventPublisher
 from kvstage.events.wire import VLLM_FORMAT, EventBatcher
+from kvstage.storage.backend import StorageBackend
 
 __all__ = ["KVEventAnnouncer", "announcer_for"]
 
 logger = logging.getLogger(__name__)
-
-_KEY, _KIND = attrgetter("key"), attrgetter("kind")  # of a StoreEvent
 
 
 class KVEventAnnouncer:
@@ -47,7 +45,10 @@ class KVEventAnnouncer:
             for vLLM's).
         owns_publisher: :meth:`close` closes ``publisher`` too.
 
-    Block hashes: the publisher's ``event_format.block_hash`` of each page key.
+    Block hashes: the publisher's ``event_format.block_hash`` of each page key. A store's events
+    are taken as ``(kind, keys)`` runs (:meth:`~kvstage.storage.StorageBackend.take_event_chunks`)
+    where its class keeps :class:`~kvstage.storage.StorageBackend`'s ``take_events``, else from
+    ``take_events()`` (a wrapper's own), one run a :class:`~kvstage.storage.StoreEvent`.
 
     Attributes:
         pages_announced, pages_removed: pages published as stored / removed.
@@ -80,8 +81,12 @@ class KVEventAnnouncer:
         self._last_key: str | None = None  # the last page key hashed, and its hash: a chain's next
         self._last_hash: int | None = None  # write names it as its prior key
         self._lock = threading.Lock()  # one taker of store events at a time: the stream keeps their order
+        if getattr(type(storage), "take_events", None) is StorageBackend.take_events:
+            self._take = storage.take_event_chunks  # the store's own queue: no StoreEvent a key
+        else:
+            self._take = self._chunks_of_events
         # written()'s and poll()'s calls, (keys, tokens, prior_key, namespace, failed_keys, store
-        # events), oldest first, until the sending thread's _drain takes them
+        # events as (kind, keys) runs), oldest first, until the sending thread's _drain takes them
         self._calls: collections.deque[tuple] = collections.deque()
         self._scheduled = False  # a _drain is queued on the publisher and has not started
 
@@ -134,7 +139,7 @@ class KVEventAnnouncer:
         """Take the store's events and queue the call for :meth:`_drain`, which a publish call
         runs on the sending thread; one queued already (not started) takes this call too.
         Beyond the publisher's ``max_pending`` calls waiting, the call is dropped (a seq gap)."""
-        store_events = self.storage.take_events()
+        store_events = self._take()
         if not keys and not store_events:
             return
         calls = self._calls
@@ -179,7 +184,7 @@ class KVEventAnnouncer:
             tokens: list = []
             for part in group:
                 tokens += part[1] if type(part[1]) is list else _token_list(part[1])
-            store_events = [event for part in group for event in part[5]]
+            store_events = [run for part in group for run in part[5]]
             announce(keys, tokens, call[2], call[3], (), store_events, batcher)
 
     def _plain(self, call: tuple) -> bool:
@@ -190,15 +195,12 @@ class KVEventAnnouncer:
             bool(keys)
             and not failed_keys
             and len(tokens) == len(keys) * self.block_size
-            and (
-                not store_events
-                or (
-                    len(store_events) == len(keys)
-                    and list(map(_KIND, store_events)).count("stored") == len(keys)
-                    and list(map(_KEY, store_events)) == (keys if type(keys) is list else list(keys))
-                )
-            )
+            and (not store_events or _own_stores(store_events, keys))
         )
+
+    def _chunks_of_events(self) -> list[tuple[str, list[str]]]:
+        """The storage's ``take_events()`` as ``(kind, [key])`` runs (a store wrapper's events)."""
+        return [(event.kind, [event.key]) for event in self.storage.take_events()]
 
     def _announce(self, keys, tokens, prior_key, namespace, failed_keys, store_events, batcher: EventBatcher) -> None:
         """The events of one :meth:`written` (or :meth:`poll`: no keys) into the sending
@@ -208,11 +210,7 @@ class KVEventAnnouncer:
             if failed_keys:
                 failed = set(failed_keys)
                 keys = keys[: next((index for index, key in enumerate(keys) if key in failed), len(keys))]
-            if not store_events or (  # the common write's: its own pages' stores, in order (C loops)
-                len(store_events) == len(keys)
-                and list(map(_KIND, store_events)).count("stored") == len(keys)
-                and list(map(_KEY, store_events)) == (keys if type(keys) is list else list(keys))
-            ):
+            if not store_events or _own_stores(store_events, keys):  # the common write's
                 stored = self._stored(keys, tokens, prior_key, namespace)
                 if stored is not None:
                     batcher.stored(*stored)
@@ -220,17 +218,18 @@ class KVEventAnnouncer:
             out: list = []  # (True, stored fields) or (False, a removed page's hash), in the store's order
             placed = not keys
             mine = set(keys)
-            for event in store_events:
-                if not placed and event.key in mine:  # its first event: stored (or evicted within this write)
-                    placed = True
-                    out.append((True, self._stored(keys, tokens, prior_key, namespace)))
-                if event.kind != "stored":
-                    value = self._hash(event.key)
-                    self._live.discard(value)
-                    self.pages_removed += 1
-                    out.append((False, value))
-                elif event.key not in mine:
-                    self.pages_without_tokens += 1
+            for kind, run in store_events:
+                for key in run:
+                    if not placed and key in mine:  # its first event: stored (or evicted within this write)
+                        placed = True
+                        out.append((True, self._stored(keys, tokens, prior_key, namespace)))
+                    if kind != "stored":
+                        value = self._hash(key)
+                        self._live.discard(value)
+                        self.pages_removed += 1
+                        out.append((False, value))
+                    elif key not in mine:
+                        self.pages_without_tokens += 1
             if not placed:  # every page was held already
                 out.append((True, self._stored(keys, tokens, prior_key, namespace)))
             medium = self.medium
@@ -287,6 +286,16 @@ class KVEventAnnouncer:
         live.update(hashes)
         self.pages_announced += count - start
         return hashes, parent, tokens, size, extra_key, self.medium, extra, cache_salt
+
+
+def _own_stores(store_events: list, keys: Sequence[str]) -> bool:
+    """Whether a write's store events (``(kind, keys)`` runs) are its own pages' stores, in
+    order, and nothing else (one run, the usual: a list comparison, no loop a key)."""
+    keys = keys if type(keys) is list else list(keys)
+    if len(store_events) == 1:
+        kind, run = store_events[0]
+        return kind == "stored" and run == keys
+    return all(kind == "stored" for kind, _ in store_events) and [key for _, run in store_events for key in run] == keys
 
 
 def _token_list(tokens: Sequence[int]) -> list[int]:

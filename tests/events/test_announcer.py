@@ -105,6 +105,37 @@ def test_evictions_and_a_flush_are_announced_after_the_pages_they_remove(publish
     assert event.block_hashes == hashes(rig.chain(first)) and event.parent_block_hash is None
 
 
+class _OwnTakeEvents(MemoryStore):
+    """A store whose class has its own take_events (as a wrapper tier's): the announcer must read
+    that, not the queue's chunks beneath it."""
+
+    taken = 0
+
+    def take_events(self, max_events=None):
+        self.taken += 1
+        return super().take_events(max_events)
+
+
+def test_a_store_with_its_own_take_events_is_read_through_it_in_the_same_order(publisher, stream):
+    layout = make_rig(page_size=PAGE).storage.fingerprint
+    store = _OwnTakeEvents(layout, capacity_pages=3)
+    rig = make_rig(page_size=PAGE, store_prompt=True, storage=store, kv_events=publisher)
+    first = rig.new_request("a", [1, 2, 3, 4, 5], 2)
+    finish(rig, first)
+    second = rig.new_request("b", [7, 8, 9, 10, 11], 2)
+    finish(rig, second)
+    events = stream()
+    assert store.taken >= 2 and store.stats.pages_evicted == 1
+    assert [type(event) for event in events] == [BlockStored, BlockRemoved, BlockStored]
+    assert events[1] == BlockRemoved([block_hash(rig.chain(first)[1])])
+    assert pages(events) == [
+        (block_hash(rig.chain(first)[0]), None, [1, 2]),
+        (block_hash(rig.chain(first)[1]), block_hash(rig.chain(first)[0]), [3, 4]),
+        (block_hash(rig.chain(second)[0]), None, [7, 8]),
+        (block_hash(rig.chain(second)[1]), block_hash(rig.chain(second)[0]), [9, 10]),
+    ]
+
+
 def test_pages_already_announced_are_not_announced_again_and_a_continuation_names_them(publisher, stream):
     rig = make_rig(page_size=PAGE, store_prompt=True, kv_events=publisher)
     finish(rig, rig.new_request("a", [1, 2, 3, 4, 5], 2))

@@ -1,5 +1,6 @@
 """EventQueue keeps a record call's keys as one chunk and builds the events in take: it must
-answer as a queue of one event a key does (content, order, drops of the oldest, counters)."""
+answer as a queue of one event a key does (content, order, drops of the oldest, counters), in
+take and in take_chunks alike."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ steps = st.lists(
     st.one_of(
         st.tuples(st.just("record"), st.sampled_from(["stored", "evicted", "removed"]), st.integers(1, 7)),
         st.tuples(st.just("take"), st.one_of(st.none(), st.integers(0, 9)), st.just(0)),
+        st.tuples(st.just("chunks"), st.none(), st.just(0)),
     ),
     max_size=25,
 )
@@ -36,6 +38,11 @@ def test_chunks_answer_as_one_event_a_key(steps, capacity):
             while len(model) > capacity:
                 model.popleft()
                 dropped += 1
+        elif step == "chunks":  # every event kept, as (kind, keys) runs of one record call each
+            chunks = queue.take_chunks()
+            assert all(type(keys) is list and keys for _, keys in chunks)
+            assert [(key, kind) for kind, keys in chunks for key in keys] == list(model)
+            model.clear()
         else:
             got = queue.take(arg)
             want = [model.popleft() for _ in range(len(model) if arg is None else min(arg, len(model)))]
