@@ -81,14 +81,21 @@ def test_the_namespace_is_announced_as_lora_name_and_extra_keys_per_page(publish
     assert event.lora_name is None and event.extra_keys == [("tenant-8",)] * 2
 
 
-def test_evictions_and_a_flush_are_announced_after_the_pages_they_remove(publisher, stream):
+def _two_chains_one_eviction(store_class, publisher):
+    """A rig on a ``store_class`` store of 3 pages that stores two 2-page chains (the second
+    evicts the first chain's tail): the rig, the store and the two requests."""
     layout = make_rig(page_size=PAGE).storage.fingerprint
-    store = MemoryStore(layout, capacity_pages=3)
+    store = store_class(layout, capacity_pages=3)
     rig = make_rig(page_size=PAGE, store_prompt=True, storage=store, kv_events=publisher)
     first = rig.new_request("a", [1, 2, 3, 4, 5], 2)
     finish(rig, first)
     second = rig.new_request("b", [7, 8, 9, 10, 11], 2)  # 2 pages more than the 3 the store holds: 1 evicted
     finish(rig, second)
+    return rig, store, first, second
+
+
+def test_evictions_and_a_flush_are_announced_after_the_pages_they_remove(publisher, stream):
+    rig, store, first, second = _two_chains_one_eviction(MemoryStore, publisher)
     events = stream()
     assert store.stats.pages_evicted == 1
     evicted = [event for event in events if isinstance(event, BlockRemoved)]
@@ -117,13 +124,7 @@ class _OwnTakeEvents(MemoryStore):
 
 
 def test_a_store_with_its_own_take_events_is_read_through_it_in_the_same_order(publisher, stream):
-    layout = make_rig(page_size=PAGE).storage.fingerprint
-    store = _OwnTakeEvents(layout, capacity_pages=3)
-    rig = make_rig(page_size=PAGE, store_prompt=True, storage=store, kv_events=publisher)
-    first = rig.new_request("a", [1, 2, 3, 4, 5], 2)
-    finish(rig, first)
-    second = rig.new_request("b", [7, 8, 9, 10, 11], 2)
-    finish(rig, second)
+    rig, store, first, second = _two_chains_one_eviction(_OwnTakeEvents, publisher)
     events = stream()
     assert store.taken >= 2 and store.stats.pages_evicted == 1
     assert [type(event) for event in events] == [BlockStored, BlockRemoved, BlockStored]
