@@ -46,9 +46,9 @@ class KVEventAnnouncer:
         owns_publisher: :meth:`close` closes ``publisher`` too.
 
     Block hashes: the publisher's ``event_format.block_hash`` of each page key. A store's events
-    are taken as ``(kind, keys)`` runs (:meth:`~kvstage.storage.StorageBackend.take_event_chunks`)
+    are taken as ``(kind, keys)`` chunks (:meth:`~kvstage.storage.StorageBackend.take_event_chunks`)
     where its class keeps :class:`~kvstage.storage.StorageBackend`'s ``take_events``, else from
-    ``take_events()`` (a wrapper's own), one run a :class:`~kvstage.storage.StoreEvent`.
+    ``take_events()`` (a wrapper's own), one chunk a :class:`~kvstage.storage.StoreEvent`.
 
     Attributes:
         pages_announced, pages_removed: pages published as stored / removed.
@@ -86,7 +86,7 @@ class KVEventAnnouncer:
         else:
             self._take = self._chunks_of_events
         # written()'s and poll()'s calls, (keys, tokens, prior_key, namespace, failed_keys, store
-        # events as (kind, keys) runs), oldest first, until the sending thread's _drain takes them
+        # events as (kind, keys) chunks), oldest first, until the sending thread's _drain takes them
         self._calls: collections.deque[tuple] = collections.deque()
         self._scheduled = False  # a _drain is queued on the publisher and has not started
 
@@ -199,7 +199,7 @@ class KVEventAnnouncer:
         )
 
     def _chunks_of_events(self) -> list[tuple[str, list[str]]]:
-        """The storage's ``take_events()`` as ``(kind, [key])`` runs (a store wrapper's events)."""
+        """The storage's ``take_events()`` as ``(kind, [key])`` chunks (a store wrapper's events)."""
         return [(event.kind, [event.key]) for event in self.storage.take_events()]
 
     def _announce(self, keys, tokens, prior_key, namespace, failed_keys, store_events, batcher: EventBatcher) -> None:
@@ -289,7 +289,7 @@ class KVEventAnnouncer:
 
 
 def _own_stores(store_events: list, keys: Sequence[str]) -> bool:
-    """Whether a write's store events (``(kind, keys)`` runs) are its own pages' stores, in
+    """Whether a write's store events (``(kind, keys)`` chunks) are its own pages' stores, in
     order, and nothing else (one run, the usual: a list comparison, no loop a key)."""
     keys = keys if type(keys) is list else list(keys)
     if len(store_events) == 1:

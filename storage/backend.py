@@ -390,7 +390,7 @@ class StorageBackend(abc.ABC):
         return self._events.take(max_events)
 
     def take_event_chunks(self) -> list[tuple[str, list[str]]]:
-        """Take every store event not taken yet, oldest first, as ``(kind, keys)`` runs (one a
+        """Take every store event not taken yet, oldest first, as ``(kind, keys)`` chunks (one a
         recording; the same events as :meth:`take_events`, no per-key object): what an
         announcer reads. Never blocks."""
         return self._events.take_chunks()

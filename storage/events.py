@@ -177,7 +177,7 @@ class EventQueue:
         return self._built(taken)
 
     def take_chunks(self) -> list[tuple[str, list[str]]]:
-        """Remove and return every event kept, oldest first, as ``(kind, keys)`` runs (one a
+        """Remove and return every event kept, oldest first, as ``(kind, keys)`` chunks (one a
         record call; ``keys`` a list): what :meth:`take` returns, without a
         :class:`StoreEvent` built per key, for a consumer that needs kinds and keys only (an
         announcer). Never blocks on a writer for longer than a list swap."""
