@@ -168,7 +168,7 @@ class _Rig:
         self.stored: dict[str, tuple[int, int]] = {}
         self.manager = OffloadManager(
             self.kv_pool,
-            HostPool.like(self.kv_pool, num_pages=num_pages + 1, page_size=PAGE_SIZE, pin=False),
+            HostPool.like(self.kv_pool, num_pages=num_pages + 1, page_size=PAGE_SIZE, pin=False, buffer_pages=1),
             self.stores,
             PageHasher(page_size=PAGE_SIZE),
             lambda req: self.store_slots if req.rid.startswith("s") else self.load_slots,

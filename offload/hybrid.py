@@ -52,6 +52,7 @@ from kvstage.kernels import gather, scatter
 from kvstage.kernels.state_copy import gather_state, scatter_state
 from kvstage.kernels.streams import CopyHandle
 from kvstage.offload.components import ComponentPools
+from kvstage.offload.host_rows import kv_rows, state_rows
 from kvstage.offload.hybrid_entries import Entries, EntryStaging
 from kvstage.offload.hybrid_load_handle import HybridLoadHandle
 from kvstage.offload.linked_stores import LinkedStores
@@ -61,7 +62,7 @@ from kvstage.offload.request import request_tokens
 from kvstage.offload.restorable import lengths_unchecked, pages_to_load, restorable_lengths, snapshot_key_index
 from kvstage.offload.snapshot_windows import SnapshotWindows, window_slots
 from kvstage.offload.staging_pool import StagingPool
-from kvstage.offload.store_io import WriteOutcome, read_leading_pages, write_pages
+from kvstage.offload.store_io import WriteOutcome, read_leading_pages_into, write_pages
 from kvstage.storage import MissingPriorError
 
 __all__ = ["Hybrid", "HybridLoadHandle", "PlainModel", "split_storage"]
@@ -121,8 +122,19 @@ class Hybrid:
         self._windows = SnapshotWindows(self.layout, page_size)
         self._parked: list[Any] = []  # lifecycles whose full-page writes ended before their components'
 
-    def attach(self, copy_stream: Any, workers: Any, hasher: Any, backend: str, pinned: bool) -> None:
-        """The manager's copy stream, store workers, hasher, kernel backend, host pinning."""
+    def attach(
+        self,
+        copy_stream: Any,
+        workers: Any,
+        hasher: Any,
+        backend: str,
+        pinned: bool,
+        host_pool: Any = None,
+        row_copies: Any = None,
+    ) -> None:
+        """The manager's copy stream, store workers, hasher, kernel backend, host pinning, host
+        pool and the copier's :class:`~kvstage.offload.row_copies.RowCopies` (None: the pools are
+        not in host memory), which copies a component in host memory by rows."""
         self.copy_stream, self.workers, self.hasher, self.backend, self.pinned = (
             copy_stream,
             workers,
@@ -130,8 +142,14 @@ class Hybrid:
             backend,
             pinned,
         )
+        self.host_pool, self.row_copies = host_pool, row_copies
         self.staging = StagingPool(pinned)
         self.entry_staging = EntryStaging(self.staging, self.page_size)
+        self._kv_rows = {}  # id(pool) -> its KVRows or StateRows (None: not by rows)
+        if row_copies is not None:
+            for pool in self.components.pools.values():
+                is_state = hasattr(pool, "snapshot_bytes")
+                self._kv_rows[id(pool)] = state_rows(pool) if is_state else kv_rows(pool, self.page_size)
 
     # -- store path -----------------------------------------------------------------------
 
@@ -218,7 +236,12 @@ class Hybrid:
         entries.keys, entries.req, entries.length, entries.indices = [key], req, length, [index]
         staging, backend, slot = entries.staging, self.backend, int(state_slot)
         entries.handle = self.copy_stream.submit(
-            lambda: gather_state(pool, [slot], staging, backend=backend), keep=[staging], after=after
+            lambda: (
+                self._copy_state(pool, staging, slot, True, None)
+                or gather_state(pool, [slot], staging, backend=backend)
+            ),
+            keep=[staging],
+            after=after,
         )
         if state is not None:
             state.copies_in_flight += 1
@@ -412,7 +435,9 @@ class Hybrid:
         if not fits or handle.cancelled:
             return
         count = fits[-1] // page_size
-        outcome = read_leading_pages(self.stores[self.full.name], keys[:count], pages[:count])
+        outcome = read_leading_pages_into(
+            self.stores[self.full.name], keys[:count], self.host_pool, handle.host_page_ids
+        )
         handle.error = outcome.error
         for length in reversed(fits):
             if length // page_size <= outcome.pages_read:
@@ -517,8 +542,9 @@ class Hybrid:
                 staging, backend, slot = entries.staging, self.backend, int(state_slot)
                 launched[component.name] = [
                     self.copy_stream.submit(
-                        lambda pool=pool, tensors=(None if j is None else pool.layers[j]): scatter_state(
-                            staging, pool, [slot], backend=backend, tensors=tensors
+                        lambda pool=pool, tensors=(None if j is None else pool.layers[j]): (
+                            self._copy_state(pool, staging, slot, False, tensors)
+                            or scatter_state(staging, pool, [slot], backend=backend, tensors=tensors)
                         ),
                         keep=[staging],
                         after=after,
@@ -555,11 +581,28 @@ class Hybrid:
         for unused in (entries or {}).values():
             self.entry_staging.give_back(unused)
 
+    def _copy_state(self, pool: Any, staging: torch.Tensor, slot: int, to_host: bool, tensors: Any) -> bool:
+        """A state slot to (``to_host``) or from ``staging[0]`` by rows; False: not in host memory
+        (the kernels copy it)."""
+        rows = self._kv_rows.get(id(pool))
+        if rows is None:
+            return False
+        self.row_copies.copy(rows.pairs(staging[0], slot, to_host=to_host, tensors=tensors))
+        return True
+
     def _submit_pages(
         self, copy: Any, pool: Any, staging: torch.Tensor, slots: torch.Tensor, after: Any, layer: int | None = None
     ) -> CopyHandle:
-        local = torch.arange(staging.shape[0], dtype=torch.int64)
         page_size, backend = self.page_size, self.backend
+        rows = self._kv_rows.get(id(pool))
+        if rows is not None and slots.device.type == "cpu":  # host memory: by rows (the copier's RowCopies)
+            row_copies, to_host = self.row_copies, copy is gather
+
+            def by_rows() -> None:
+                row_copies.copy(rows.pairs(list(staging), slots, to_host=to_host, layer=layer))
+
+            return self.copy_stream.submit(by_rows, keep=[staging, slots], after=after)
+        local = torch.arange(staging.shape[0], dtype=torch.int64)
         if copy is gather:
 
             def run() -> None:

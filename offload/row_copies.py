@@ -4,7 +4,11 @@ A worker thread's ``torch`` copies of many 1 MiB rows run about half as fast as 
 on the main thread (its OpenMP team does not stay warm between the small parallel regions), and
 ``torch.set_num_threads`` is process-wide. Here each thread copies its share of the rows with
 ``numpy.copyto`` (one single-threaded ``memcpy`` a row, the GIL released): the caller's thread
-takes one share, ``threads - 1`` helper threads the others.
+takes one share, ``threads - 1`` helper threads the others. Shares are consecutive rows of equal
+bytes (a row across a boundary is cut there): rows of unequal sizes taken in turns left one
+thread with nearly all the bytes (a state snapshot's 64 KiB conv rows alternate with its 2 MiB
+recurrent rows). A batch under :data:`ONE_THREAD_BYTES` stays on the caller's thread (waking a
+helper costs more than it saves).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import torch
 
 from kvstage.errors import is_int, require
 
-__all__ = ["RowCopies"]
+__all__ = ["ONE_THREAD_BYTES", "RowCopies"]
+
+ONE_THREAD_BYTES = 256 << 10
 
 
 class RowCopies:
@@ -41,21 +47,22 @@ class RowCopies:
         """Copy each ``source`` into its ``target``; returns when every pair is copied.
 
         Args:
-            pairs: ``(target, source)``: contiguous CPU tensors of the same dtype and shape (the
-                caller's rows and page slices: checked by the caller, not here), targets not
-                overlapping each other nor any source.
+            pairs: ``(target, source)``: contiguous CPU tensors (or numpy arrays) of the same
+                dtype and shape (the caller's rows and page slices: checked by the caller, not
+                here), targets not overlapping each other nor any source.
 
         Raises:
             whatever a copy raised (the first share's, after every share ended).
         """
-        arrays = [(target.numpy(), source.numpy()) for target, source in pairs]
-        if self._helpers is None or len(arrays) < 2:
-            _copy_share(arrays, 0, 1)
+        arrays = [(_array(target), _array(source)) for target, source in pairs]
+        total = sum(target.nbytes for target, _ in arrays)
+        if self._helpers is None or total < ONE_THREAD_BYTES:
+            _copy_share(arrays)
             return
-        shares = min(self.threads, len(arrays))
-        futures = [self._helpers.submit(_copy_share, arrays, index, shares) for index in range(1, shares)]
+        first, *others = _shares(arrays, total, self.threads)
+        futures = [self._helpers.submit(_copy_share, share) for share in others]
         try:
-            _copy_share(arrays, 0, shares)
+            _copy_share(first)
         finally:
             for future in futures:
                 future.exception()  # wait for every share, so no copy runs on after a failure returns
@@ -69,6 +76,28 @@ class RowCopies:
             self._helpers = None
 
 
-def _copy_share(arrays: list[tuple[np.ndarray, np.ndarray]], first: int, step: int) -> None:
-    for target, source in arrays[first::step]:
+def _array(rows: torch.Tensor | np.ndarray) -> np.ndarray:
+    return rows if isinstance(rows, np.ndarray) else rows.numpy()
+
+
+def _shares(arrays: list[tuple[np.ndarray, np.ndarray]], total: int, count: int) -> list[list]:
+    """``arrays`` in ``count`` runs of consecutive rows of about ``total / count`` bytes each, a
+    row across a boundary cut there (as flat bytes: the rows are contiguous)."""
+    shares: list[list] = [[] for _ in range(count)]
+    size = -(-total // count)
+    index, room = 0, size
+    for target, source in arrays:
+        while target.nbytes > room and index < count - 1:
+            if room:
+                flat_target, flat_source = target.reshape(-1).view(np.uint8), source.reshape(-1).view(np.uint8)
+                shares[index].append((flat_target[:room], flat_source[:room]))
+                target, source = flat_target[room:], flat_source[room:]
+            index, room = index + 1, size
+        shares[index].append((target, source))
+        room -= target.nbytes
+    return [share for share in shares if share]
+
+
+def _copy_share(arrays: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for target, source in arrays:
         np.copyto(target, source)
