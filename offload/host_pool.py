@@ -106,6 +106,7 @@ class HostPool:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._in_use = bytearray(num_pages)  # 1 where allocated: catches double and foreign frees
         self._high_water = 0
+        self.buffers_allocated = 0  # page buffers replace() allocated (a store at capacity gives its spares)
         self._loans: dict[int, tuple[torch.Tensor, list]] = {}  # page id -> (own buffer, [loan, pages left])
         self._loans_lock = threading.Lock()  # lend_in runs on a reader thread, free on the owner's
 
@@ -275,6 +276,7 @@ class HostPool:
             or not buffer.is_contiguous()
         ):
             buffer = torch.empty(self.page_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+            self.buffers_allocated += 1
         self.buffers[host_page_id] = buffer.view(torch.uint8).view(self.layout.dtype).view(1, *self.page_shape)
 
     def lend_in(self, host_page_ids: Sequence[int], pages: Sequence[torch.Tensor], loan: Any) -> None:
