@@ -2,9 +2,11 @@
 
 A worker thread's ``torch`` copies of many 1 MiB rows run about half as fast as the same copies
 on the main thread (its OpenMP team does not stay warm between the small parallel regions), and
-``torch.set_num_threads`` is process-wide. Here each thread copies its share of the rows with
-``numpy.copyto`` (one single-threaded ``memcpy`` a row, the GIL released): the caller's thread
-takes one share, ``threads - 1`` helper threads the others.
+``torch.set_num_threads`` is process-wide. Here the rows are checked once
+(:func:`kvstage.kernels.host_copy.plan_rows`) and each thread copies its share in one
+:func:`~kvstage.kernels.host_copy.run_plan` call (streaming stores, the GIL released: glibc's
+``memcpy`` of a 1 MiB row does not stream): the caller's thread takes one share, ``threads - 1``
+helper threads the others.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from kvstage.errors import is_int, require
+from kvstage.kernels.host_copy import plan_rows, run_plan
 
 __all__ = ["RowCopies"]
 
@@ -41,21 +43,23 @@ class RowCopies:
         """Copy each ``source`` into its ``target``; returns when every pair is copied.
 
         Args:
-            pairs: ``(target, source)``: contiguous CPU tensors of the same dtype and shape (the
-                caller's rows and page slices: checked by the caller, not here), targets not
-                overlapping each other nor any source.
+            pairs: ``(target, source)``: contiguous CPU tensors of the same byte size (the
+                caller's rows and page slices), targets not overlapping each other nor any
+                source.
 
         Raises:
-            whatever a copy raised (the first share's, after every share ended).
+            InvalidArgumentError: a pair breaks a rule above (:func:`~kvstage.kernels.host_copy.plan_rows`;
+                nothing is copied).
+            whatever a share's copy raised (the first share's, after every share ended).
         """
-        arrays = [(target.numpy(), source.numpy()) for target, source in pairs]
-        if self._helpers is None or len(arrays) < 2:
-            _copy_share(arrays, 0, 1)
+        plan = plan_rows([target for target, _ in pairs], [source for _, source in pairs])
+        if self._helpers is None or len(pairs) < 2:
+            run_plan(plan)
             return
-        shares = min(self.threads, len(arrays))
-        futures = [self._helpers.submit(_copy_share, arrays, index, shares) for index in range(1, shares)]
+        shares = min(self.threads, len(pairs))
+        futures = [self._helpers.submit(run_plan, plan, index, shares) for index in range(1, shares)]
         try:
-            _copy_share(arrays, 0, shares)
+            run_plan(plan, 0, shares)
         finally:
             for future in futures:
                 future.exception()  # wait for every share, so no copy runs on after a failure returns
@@ -67,8 +71,3 @@ class RowCopies:
         if self._helpers is not None:
             self._helpers.shutdown(wait=True)
             self._helpers = None
-
-
-def _copy_share(arrays: list[tuple[np.ndarray, np.ndarray]], first: int, step: int) -> None:
-    for target, source in arrays[first::step]:
-        np.copyto(target, source)

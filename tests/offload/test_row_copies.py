@@ -2,8 +2,9 @@
 
 What must hold: every pair lands byte for byte on random data, with poisoned targets showing no
 unwritten byte and the bytes around each target untouched, for odd pair counts (fewer pairs
-than threads, one pair, none) and any thread count; a copy that raises is raised to the caller
-after every share ended; bad ``threads`` is refused naming the argument.
+than threads, one pair, none) and any thread count; a bad pair is refused before any pair is
+copied; a share that raises is raised to the caller after every share ended; bad ``threads`` is
+refused naming the argument.
 """
 
 from __future__ import annotations
@@ -35,19 +36,42 @@ def test_every_pair_lands_and_nothing_around_the_targets_is_written(threads, cou
     assert bool((page[:, :100] == POISON).all()) and bool((page[:, 1100:] == POISON).all())
 
 
-def test_a_copy_that_raises_reaches_the_caller_after_every_share_ended():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_bad_pair_is_refused_before_any_pair_is_copied(threads):
     sources = random_rows(5, 64, seed=1)
     targets = torch.full((5, 64), POISON, dtype=torch.uint8)
     pairs = [(targets[index], sources[index]) for index in range(5)]
-    pairs[3] = (targets[3, :32], sources[3])  # shapes differ: numpy refuses to broadcast
-    copies = RowCopies(2)
+    pairs[3] = (targets[3, :32], sources[3])  # byte sizes differ
+    copies = RowCopies(threads)
     try:
-        with pytest.raises(ValueError):
+        with pytest.raises(
+            InvalidArgumentError, match=r"^sources\[3\]: must have as many bytes as targets\[3\] \(32\)"
+        ):
             copies.copy(pairs)
     finally:
         copies.close()
-    for index in (0, 1, 2, 4):  # the other pairs all landed before the error came back
-        assert torch.equal(targets[index], sources[index])
+    assert bool((targets == POISON).all())
+
+
+def test_a_share_that_raises_reaches_the_caller_after_every_share_ended(monkeypatch):
+    from kvstage.offload import row_copies
+
+    ended = []
+
+    def run_plan(plan, first=0, step=1):
+        if first == 1:
+            raise RuntimeError("share 1 failed")
+        ended.append(first)
+
+    monkeypatch.setattr(row_copies, "run_plan", run_plan)
+    sources = random_rows(4, 16, seed=3)
+    copies = RowCopies(3)
+    try:
+        with pytest.raises(RuntimeError, match="share 1 failed"):
+            copies.copy([(torch.zeros(16, dtype=torch.uint8), sources[index]) for index in range(4)])
+    finally:
+        copies.close()
+    assert sorted(ended) == [0, 2]
 
 
 def test_after_close_copies_run_on_the_callers_thread():
