@@ -20,7 +20,7 @@ import ctypes
 import importlib
 import os
 from types import ModuleType
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, NoReturn, Sequence
 
 import numpy as np
 import torch
@@ -68,24 +68,33 @@ class RowPlan(NamedTuple):
     keep: tuple
 
 
-def _span(row: object, argument: str, writable: bool) -> tuple[int, int]:
-    """``(address, bytes)`` of one row: a contiguous CPU tensor or numpy array."""
+def _span(row: object, side: str, index: int, writable: bool) -> tuple[int, int]:
+    """``(address, bytes)`` of one row: a contiguous CPU tensor or numpy array (the checks that
+    pass first, cheaply: a batch holds thousands of rows; :func:`_refuse` says which failed)."""
+    if isinstance(row, torch.Tensor):
+        if row.is_cpu and row.layout is torch.strided and row.is_contiguous():
+            return row.data_ptr(), row.nbytes
+    elif isinstance(row, np.ndarray):
+        flags = row.flags
+        if flags.c_contiguous and (flags.writeable or not writable):
+            return row.__array_interface__["data"][0], row.nbytes
+    _refuse(row, f"{side}[{index}]", writable)
+
+
+def _refuse(row: object, argument: str, writable: bool) -> NoReturn:
+    """Raise the error naming the rule ``row`` breaks (see :func:`_span`)."""
     if isinstance(row, torch.Tensor):
         require(
-            row.device.type == "cpu",
+            row.is_cpu,
             argument,
             lambda: f"must be a CPU tensor (a host-to-host copy), got device {row.device}",
             DeviceMismatchError,
         )
-        require(row.layout == torch.strided, argument, lambda: f"must be a strided tensor, got layout {row.layout}")
-        require(row.is_contiguous(), argument, lambda: f"must be contiguous, got strides {row.stride()}")
-        return row.data_ptr(), row.numel() * row.element_size()
+        require(row.layout is torch.strided, argument, lambda: f"must be a strided tensor, got layout {row.layout}")
+        raise InvalidArgumentError(f"{argument}: must be contiguous, got strides {row.stride()}")
     if isinstance(row, np.ndarray):
         require(row.flags.c_contiguous, argument, lambda: f"must be C-contiguous, got strides {row.strides}")
-        require(
-            not writable or row.flags.writeable, argument, "must be writable (a copy's target), got a read-only array"
-        )
-        return row.__array_interface__["data"][0], row.nbytes
+        raise InvalidArgumentError(f"{argument}: must be writable (a copy's target), got a read-only array")
     raise ArgumentTypeError(f"{argument}: must be a torch.Tensor or numpy.ndarray, got {type(row).__name__}")
 
 
@@ -143,15 +152,18 @@ def plan_rows(targets: Sequence, sources: Sequence) -> RowPlan:
         lambda: f"must hold as many rows as targets ({len(targets)}), got {len(sources)}",
     )
     count = len(targets)
-    spans = np.empty((3, count), dtype=np.uint64)
-    for index, (target, source) in enumerate(zip(targets, sources)):
-        target_address, target_bytes = _span(target, f"targets[{index}]", True)
-        source_address, source_bytes = _span(source, f"sources[{index}]", False)
+    target_addresses, source_addresses, sizes = [], [], []
+    for index in range(count):
+        target_address, target_bytes = _span(targets[index], "targets", index, True)
+        source_address, source_bytes = _span(sources[index], "sources", index, False)
         if target_bytes != source_bytes:
             raise InvalidArgumentError(
                 f"sources[{index}]: must have as many bytes as targets[{index}] ({target_bytes}), got {source_bytes}"
             )
-        spans[0, index], spans[1, index], spans[2, index] = target_address, source_address, target_bytes
+        target_addresses.append(target_address)
+        source_addresses.append(source_address)
+        sizes.append(target_bytes)
+    spans = np.array((target_addresses, source_addresses, sizes), dtype=np.uint64).reshape(3, count)
     starts = np.concatenate((spans[0], spans[1]))
     ends = starts + np.concatenate((spans[2], spans[2]))
     clash = _overlap(starts, ends, np.arange(2 * count) < count)
