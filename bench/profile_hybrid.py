@@ -91,7 +91,7 @@ def timeline(name: str, layout, num_pages: int, rounds: int = 6) -> list[dict]:
             recorder.wrap(owner, step, f"{prefix}.{step}")
     for step in ("_put", "_get", "_adopt", "_lend"):
         recorder.wrap(MemoryStore, step, f"store.{step}")
-    recorder.wrap(RowCopies, "copy", "rows.copy")  # the one-hop copies (host pages of their own)
+    recorder.wrap(RowCopies, "copy_plan", "rows.copy_plan")  # the one-hop copies (host pages of their own)
     rig = bench_hybrid._Rig(name, layout, num_pages)
     out = []
     try:

@@ -404,7 +404,7 @@ class Copier:
     def _submit_rows(
         self, job: Any, direction: str, slot_indices: torch.Tensor, host_page_ids: list[int], layers: list, after: Any
     ) -> list[CopyHandle]:
-        """:meth:`_submit` by rows (module doc): the pairs are built on the copy stream's thread,
+        """:meth:`_submit` by rows (module doc): the plan is built on the copy stream's thread,
         from the pages the host pool holds then (a page lent in by a prefetch, for a scatter)."""
         rows, row_copies, host_pool, to_host = self._rows, self.row_copies, self.host_pool, direction == GATHER
         handles = []
@@ -412,7 +412,7 @@ class Copier:
 
             def copy(layer=layer) -> None:
                 pages = [host_pool.page(host_page_id) for host_page_id in host_page_ids]
-                row_copies.copy(rows.pairs(pages, slot_indices, to_host=to_host, layer=layer))
+                row_copies.copy_plan(rows.plan(pages, slot_indices, to_host=to_host, layer=layer))
 
             handles.append(self.copy_stream.submit(copy, keep=[slot_indices], after=after))
         self._copies.append(_Copy(job, direction, host_page_ids, handles))

@@ -587,7 +587,7 @@ class Hybrid:
         rows = self._kv_rows.get(id(pool))
         if rows is None:
             return False
-        self.row_copies.copy(rows.pairs(staging[0], slot, to_host=to_host, tensors=tensors))
+        self.row_copies.copy_plan(rows.plan(staging[0], slot, to_host=to_host, tensors=tensors))
         return True
 
     def _submit_pages(
@@ -599,7 +599,7 @@ class Hybrid:
             row_copies, to_host = self.row_copies, copy is gather
 
             def by_rows() -> None:
-                row_copies.copy(rows.pairs(list(staging), slots, to_host=to_host, layer=layer))
+                row_copies.copy_plan(rows.plan(list(staging), slots, to_host=to_host, layer=layer))
 
             return self.copy_stream.submit(by_rows, keep=[staging, slots], after=after)
         local = torch.arange(staging.shape[0], dtype=torch.int64)

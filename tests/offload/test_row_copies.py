@@ -3,8 +3,9 @@
 What must hold: every pair lands byte for byte on random data, with poisoned targets showing no
 unwritten byte and the bytes around each target untouched, for odd pair counts (fewer pairs
 than threads, one pair, none) and any thread count, rows of unequal sizes shared by bytes (a row
-cut at a share's boundary lands whole); a copy that raises is raised to the caller
-after every share ended; bad ``threads`` is refused naming the argument.
+cut at a share's boundary lands whole); a bad pair is refused before any pair is
+copied; a share that raises is raised to the caller after every share ended; bad ``threads`` is
+refused naming the argument.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from kvstage.errors import InvalidArgumentError
+from kvstage.kernels.host_copy import plan_rows
 from kvstage.offload.row_copies import RowCopies, _shares
 
 POISON = 0xA5
@@ -37,19 +39,17 @@ def test_every_pair_lands_and_nothing_around_the_targets_is_written(threads, cou
     assert bool((page[:, :100] == POISON).all()) and bool((page[:, size + 100 :] == POISON).all())
 
 
-def test_rows_of_unequal_sizes_are_shared_by_bytes_and_cut_rows_land_whole():
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_rows_of_unequal_sizes_are_shared_by_bytes_and_cut_rows_land_whole(count):
     # a state snapshot's pattern: small and large rows in turns (taken in turns, one thread got all the large)
     sizes = [3000, 400_000] * 5 + [7]
     sources = [random_rows(1, size, seed=index)[0] for index, size in enumerate(sizes)]
     targets = [torch.full((size,), POISON, dtype=torch.uint8) for size in sizes]
-    arrays = [(target.numpy(), source.numpy()) for target, source in zip(targets, sources)]
-    total = sum(sizes)
-    for count in (2, 3):
-        shares = _shares(arrays, total, count)
-        assert len(shares) == count
-        share_bytes = [sum(target.nbytes for target, _ in share) for share in shares]
-        assert sum(share_bytes) == total and max(share_bytes) - min(share_bytes) <= total // count // 100 + 8
-    copies = RowCopies(3)
+    plan = plan_rows(targets, sources)
+    shares = _shares(plan, sum(sizes), count)
+    share_bytes = [int(share.sizes.sum()) for share in shares]
+    assert len(shares) == count and sum(share_bytes) == sum(sizes) and max(share_bytes) - min(share_bytes) <= count
+    copies = RowCopies(count)
     try:
         copies.copy(list(zip(targets, sources)))
     finally:
@@ -57,20 +57,57 @@ def test_rows_of_unequal_sizes_are_shared_by_bytes_and_cut_rows_land_whole():
     assert all(torch.equal(target, source) for target, source in zip(targets, sources))
 
 
-@pytest.mark.parametrize("size", [64, 200_000])  # the caller's thread alone, two shares
-def test_a_copy_that_raises_reaches_the_caller_after_every_share_ended(size):
-    sources = random_rows(5, size, seed=1)
-    targets = torch.full((5, size), POISON, dtype=torch.uint8)
-    pairs = [(targets[index], sources[index]) for index in range(5)]
-    pairs[4] = (targets[4, :32], sources[4, :31])  # shapes differ: numpy refuses to broadcast
-    copies = RowCopies(2)
+def test_one_row_cut_into_every_share_lands_whole():
+    source = random_rows(1, 1_000_003, seed=5)[0]
+    target = torch.full_like(source, POISON)
+    shares = _shares(plan_rows([target], [source]), source.numel(), 3)
+    assert [int(share.sizes.sum()) for share in shares] == [333_335, 333_335, 333_333]
+    copies = RowCopies(3)
     try:
-        with pytest.raises(ValueError):
+        copies.copy([(target, source)])
+    finally:
+        copies.close()
+    assert torch.equal(target, source)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_bad_pair_is_refused_before_any_pair_is_copied(threads):
+    sources = random_rows(5, 64, seed=1)
+    targets = torch.full((5, 64), POISON, dtype=torch.uint8)
+    pairs = [(targets[index], sources[index]) for index in range(5)]
+    pairs[3] = (targets[3, :32], sources[3])  # byte sizes differ
+    copies = RowCopies(threads)
+    try:
+        with pytest.raises(
+            InvalidArgumentError, match=r"^sources\[3\]: must have as many bytes as targets\[3\] \(32\)"
+        ):
             copies.copy(pairs)
     finally:
         copies.close()
-    for index in range(4):  # the pairs before it (the first share whole) landed before the error came back
-        assert torch.equal(targets[index], sources[index])
+    assert bool((targets == POISON).all())
+
+
+def test_a_share_that_raises_reaches_the_caller_after_every_share_ended(monkeypatch):
+    from kvstage.offload import row_copies
+
+    ended = []
+    sources = random_rows(3, 100_000, seed=3)  # three shares of one row each
+    targets = torch.zeros_like(sources)
+
+    def run_plan(plan, first=0, step=1):
+        share = [index for index in range(3) if int(plan.targets[0]) == targets[index].data_ptr()][0]
+        if share == 1:
+            raise RuntimeError("share 1 failed")
+        ended.append(share)
+
+    monkeypatch.setattr(row_copies, "run_plan", run_plan)
+    copies = RowCopies(3)
+    try:
+        with pytest.raises(RuntimeError, match="share 1 failed"):
+            copies.copy([(targets[index], sources[index]) for index in range(3)])
+    finally:
+        copies.close()
+    assert sorted(ended) == [0, 2]
 
 
 def test_after_close_copies_run_on_the_callers_thread():
