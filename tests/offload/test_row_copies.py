@@ -26,7 +26,7 @@ def random_rows(count: int, size: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("count", [0, 1, 2, 7])
-@pytest.mark.parametrize("size", [1000, 100_001])  # one thread below ONE_THREAD_BYTES, shares above
+@pytest.mark.parametrize("size", [1000, 1_000_001])  # one thread below ONE_THREAD_BYTES, shares above
 def test_every_pair_lands_and_nothing_around_the_targets_is_written(threads, count, size):
     sources = random_rows(count, size, seed=count)
     page = torch.full((count, size + 200), POISON, dtype=torch.uint8)  # each target: bytes 100..size+100
@@ -42,7 +42,7 @@ def test_every_pair_lands_and_nothing_around_the_targets_is_written(threads, cou
 @pytest.mark.parametrize("count", [2, 3, 4])
 def test_rows_of_unequal_sizes_are_shared_by_bytes_and_cut_rows_land_whole(count):
     # a state snapshot's pattern: small and large rows in turns (taken in turns, one thread got all the large)
-    sizes = [3000, 400_000] * 5 + [7]
+    sizes = [3000, 1_000_000] * 5 + [7]
     sources = [random_rows(1, size, seed=index)[0] for index, size in enumerate(sizes)]
     targets = [torch.full((size,), POISON, dtype=torch.uint8) for size in sizes]
     plan = plan_rows(targets, sources)
@@ -58,10 +58,10 @@ def test_rows_of_unequal_sizes_are_shared_by_bytes_and_cut_rows_land_whole(count
 
 
 def test_one_row_cut_into_every_share_lands_whole():
-    source = random_rows(1, 1_000_003, seed=5)[0]
+    source = random_rows(1, 5_000_003, seed=5)[0]
     target = torch.full_like(source, POISON)
     shares = _shares(plan_rows([target], [source]), source.numel(), 3)
-    assert [int(share.sizes.sum()) for share in shares] == [333_335, 333_335, 333_333]
+    assert [int(share.sizes.sum()) for share in shares] == [1_666_668, 1_666_668, 1_666_667]
     copies = RowCopies(3)
     try:
         copies.copy([(target, source)])
@@ -91,7 +91,7 @@ def test_a_share_that_raises_reaches_the_caller_after_every_share_ended(monkeypa
     from kvstage.offload import row_copies
 
     ended = []
-    sources = random_rows(3, 100_000, seed=3)  # three shares of one row each
+    sources = random_rows(3, 2_000_000, seed=3)  # three shares of one row each
     targets = torch.zeros_like(sources)
 
     def run_plan(plan, first=0, step=1):
