@@ -456,7 +456,8 @@ class Hybrid:
             store, pool = self.stores[component.name], self.components.pools[component.name]
             entries_keys, entries = [keys[i] for i in indices], None
             try:
-                entries = self.entry_staging.borrow(component.name, store, pool, entries_keys)
+                by_rows = self._kv_rows.get(id(pool)) is not None and component.kind != "state"
+                entries = self.entry_staging.borrow(component.name, store, pool, entries_keys, by_rows)
                 if entries is None:
                     entries = self.entry_staging.take(component.name, None, pool, len(indices))
                     into = [entries.staging[i] for i in range(len(indices))]

@@ -67,26 +67,32 @@ class EntryStaging:
         row, dtype = self.row(pool)
         return Entries(name, state, self.staging.take(count, row, dtype), count)
 
-    def borrow(self, name: str, store: Any, pool: Any, keys: list[str]) -> Entries | None:
-        """One entry lent by a store that lends (its page is the staging, no copy): None when the
-        store does not lend, there is not exactly one key, or its page is not the memory the
-        staging pool would give (pinned or not); a miss: an entry whose ``staging`` is None.
+    def borrow(self, name: str, store: Any, pool: Any, keys: list[str], by_rows: bool = False) -> Entries | None:
+        """Entries lent by a store that lends (its pages are the staging, no copy): None when
+        the store does not lend, there is not exactly one key (several: only ``by_rows``, the
+        pool copied by rows, which reads a list of pages; then ``staging`` is that list), or a
+        page is not the memory the staging pool would give (pinned or not); a miss (a key not
+        stored): an entry whose ``staging`` is None.
 
         Raises:
             Whatever the store's ``lend`` raises.
         """
-        if len(keys) != 1 or not getattr(store, "lends", False):
+        if not keys or (len(keys) != 1 and not by_rows) or not getattr(store, "lends", False):
             return None
         loan = store.lend(keys)
-        page = loan.pages[0]
-        if page is not None and page.is_pinned() != self.staging.pinned:
+        pages = list(loan.pages)
+        if any(page is not None and page.is_pinned() != self.staging.pinned for page in pages):
             loan.end()
             return None
         row, dtype = self.row(pool)
-        entries = Entries(name, None, page.view(dtype).view(1, *row) if page is not None else torch.empty(0), 1)
+        missed = any(page is None for page in pages)
+        rows = [] if missed else [page.view(dtype).view(1, *row) for page in pages]
+        entries = Entries(name, None, rows[0] if len(keys) == 1 and rows else torch.empty(0), len(keys))
         entries.buffer, entries.loan = None, loan
-        if page is None:  # a miss (evicted since the lookup): no rows
+        if missed:  # evicted since the lookup: no rows
             entries.staging = None
+        elif len(keys) > 1:
+            entries.staging = [r[0] for r in rows]  # one page each: the rows' plan reads them in order
         return entries
 
     def row(self, pool: Any) -> tuple[tuple[int, ...], torch.dtype]:
