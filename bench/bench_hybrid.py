@@ -33,7 +33,9 @@ evicted pages' memory coming back in their place) and a prefetch lends the store
 (:meth:`~kvstage.storage.MemoryStore.lend`, :meth:`HostPool.lend_in
 <kvstage.offload.HostPool.lend_in>`) for the scatter to read; the snapshot likewise, through its
 staging buffer. The window's two pages share a staging buffer and are still put and got by copy
-(their second hop, 3 MiB). The baseline moves every byte once.
+(their second hop, 3 MiB). The baseline moves every byte once; its copies run just before the
+store, and torch's OpenMP team spins on after them for a while (on 2 cores it shares the store's
+second core: ``OMP_WAIT_POLICY=PASSIVE`` shows what that costs, README "Hybrid").
 The last round's load goes into poisoned slots and is checked byte for byte.
 
 Lookup: every component's store (``MemoryStore``) holds ``100,000`` keys (an entry at every page
