@@ -258,7 +258,8 @@ class HostPool:
     def replace(self, host_page_id: int, buffer: torch.Tensor | None) -> None:
         """A store kept page ``host_page_id``'s buffer: ``buffer`` (a store's spare, flat
         ``uint8 [page_bytes]`` or the page's shape, no copy reads or writes it any more) is
-        the page's memory from now on; None, or a buffer of another size or pinning: a new one.
+        the page's memory from now on; None, or a buffer of another size or pinning, or one that
+        is not the whole of its storage (what a store adopts): a new one.
 
         Raises:
             InvalidArgumentError: the pool is not one page a buffer, or the id is not allocated.
@@ -274,6 +275,8 @@ class HostPool:
             or buffer.numel() * buffer.element_size() != self.page_bytes
             or buffer.is_pinned() != self.pinned
             or not buffer.is_contiguous()
+            or buffer.storage_offset() != 0
+            or buffer.untyped_storage().nbytes() != self.page_bytes  # part of a larger buffer: no store keeps it
         ):
             buffer = torch.empty(self.page_bytes, dtype=torch.uint8, pin_memory=self.pinned)
             self.buffers_allocated += 1

@@ -84,7 +84,7 @@ class OneHopRig:
                 self.stream.complete(handle)
             self.manager.poll()
 
-    def start_load(self, rid: str, prompt: list[int], slots: torch.Tensor):
+    def start_load(self, rid: str, prompt: list[int], slots: torch.Tensor, layer_by_layer: bool = False):
         """Prefetch ``prompt`` and launch its load into ``slots`` (poisoned first); the load's
         copies are left pending."""
         self.stacked.view(torch.uint8)[:, :, slots] = POISON
@@ -92,7 +92,7 @@ class OneHopRig:
         req = SimpleRequest(rid, prompt)
         handle = self.manager.prefetch(req, policy="wait_complete")
         handle.wait()
-        loaded = self.manager.load(handle, slots[: handle.tokens_ready])
+        loaded = self.manager.load(handle, slots[: handle.tokens_ready], layer_by_layer=layer_by_layer)
         return req, loaded
 
 
@@ -110,17 +110,23 @@ def _prompt(seed: int, num_pages: int) -> list[int]:
     return [seed * 1000 + t for t in range(num_pages * PAGE + 1)]
 
 
+@pytest.mark.parametrize("layer_by_layer", [False, True])
 @pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("num_pages", [1, 3, 5])
-def test_every_byte_lands_one_hop_and_the_store_keeps_the_host_pages(num_pages, aligned):
+def test_every_byte_lands_one_hop_and_the_store_keeps_the_host_pages(num_pages, aligned, layer_by_layer):
     rig = OneHopRig()
     source, target = _slots(0, num_pages, aligned), _slots(40, num_pages, aligned)
     prompt = _prompt(1, num_pages)
     rig.store_request("s", prompt, source)
     assert rig.manager.metrics.pages_stored == num_pages
     assert rig.store.pages_adopted == num_pages and rig.store.buffers_allocated == 0  # kept, not copied
-    req, loaded = rig.start_load("l", prompt, target)
+    req, loaded = rig.start_load("l", prompt, target, layer_by_layer)
     assert rig.store.pages_on_loan == num_pages == rig.host_pool.pages_lent_in  # read from the store's pages
+    if layer_by_layer:  # one copy a layer, each landing its layer alone
+        assert len(rig.stream.pending) == LAYOUT.num_layers
+        rig.stream.complete(rig.stream.pending[0])
+        assert torch.equal(rig.stacked[:, 0, target].view(torch.uint8), rig.stacked[:, 0, source].view(torch.uint8))
+        assert bool((rig.stacked[:, 1:, target].view(torch.uint8) == POISON).all())
     rig.settle()
     assert loaded.error is None and loaded.num_tokens == num_pages * PAGE
     assert torch.equal(rig.rows(target).view(torch.uint8), rig.rows(source).view(torch.uint8))
