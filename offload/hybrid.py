@@ -196,7 +196,9 @@ class Hybrid:
             else:
                 continue
             pool = self.components.pools[component.name]
-            entries = self.entry_staging.take(component.name, state, pool, len(indices))
+            entries = self.entry_staging.take(
+                component.name, state, pool, len(indices), self._own_rows(component, pool)
+            )
             entries.indices, entries.run, entries.first = indices, run, first
             entries.handle = self._submit_pages(gather, pool, entries.staging, device_slots, after)
             state.copies_in_flight += 1
@@ -254,7 +256,7 @@ class Hybrid:
         extra_key, cache_salt = request_namespace(req)
         keys = self.hasher.prefill_keys(request_tokens(req, 0, length), extra_key=extra_key, cache_salt=cache_salt)
         pool = self.components.pools[component.name]
-        entries = self.entry_staging.take(component.name, state, pool, len(indices))
+        entries = self.entry_staging.take(component.name, state, pool, len(indices), self._own_rows(component, pool))
         entries.indices, entries.keys, entries.req = indices, [keys[i] for i in indices], req
         device_slots = window_slots(self.components.slots_of[component.name](req), self.page_size, indices)
         entries.handle = self._submit_pages(gather, pool, entries.staging, device_slots, after)
@@ -318,8 +320,8 @@ class Hybrid:
                 pending.append((entries, future))
                 continue
             outcome = future.result()
-            if any(outcome.adopted):  # the store keeps the buffer; its victims' take its place
-                self.entry_staging.swap_in(entries, outcome.spares)
+            if any(outcome.adopted):  # the store keeps the buffers; its victims' take their place
+                self.entry_staging.swap_in(entries, outcome.spares, outcome.adopted)
             self.entry_staging.give_back(entries)
             self.failed[entries.name] += len(outcome.failed_keys)
             self.stored[entries.name] += outcome.stored + outcome.deduplicated
@@ -355,16 +357,25 @@ class Hybrid:
 
     def _put(self, entries: Entries) -> Any:
         """On the writer thread: put the entries; a snapshot only when its full page is stored.
-        One entry on a buffer of its own goes to a store that adopts it without a copy."""
+        Entries on buffers of their own (one row, or ``own_rows``) go to a store that adopts
+        them without a copy."""
         pages = [entries.staging[i] for i in range(len(entries.keys))]
         if entries.name == getattr(self.state, "name", None):
             key = entries.keys[0]
             if not self.stores[self.full.name].exists([key])[0]:
                 return WriteOutcome(failed_keys=[key], error=MissingPriorError(key))
         store = self.stores[entries.name]
-        if len(pages) == 1 and getattr(store, "adopts", False) and store.adoptable(entries.buffer):
-            return write_pages(store, entries.keys, [entries.buffer], prior_key=None, adopt=True)
+        if getattr(store, "adopts", False):
+            own = entries.buffers[: len(pages)] if entries.buffers is not None else [entries.buffer]
+            if len(own) == len(pages) and all(map(store.adoptable, own)):
+                return write_pages(store, entries.keys, own, prior_key=None, adopt=True)
         return write_pages(store, entries.keys, pages, prior_key=None)
+
+    def _own_rows(self, component: Any, pool: Any) -> bool:
+        """Whether ``component``'s page entries take a buffer a row: copied by rows, to a store
+        that adopts (its put keeps every row: one hop)."""
+        store = self.stores[component.name]
+        return self._kv_rows.get(id(pool)) is not None and getattr(store, "adopts", False)
 
     def wait_loads(self, state: Any, aborted: bool) -> None:
         """An abort (``aborted``): block until ``state``'s component scatters are done, counted ended."""
