@@ -6,8 +6,8 @@ EXTRAS ?= test,bench
 
 .PHONY: run test lint format bench clean
 
-# hashing/_page_chain.c: `pip install -e` compiles it in place, so an edit needs a reinstall.
-$(VENV)/.installed: pyproject.toml tools/setup-venv.sh tools/apt-install.sh hashing/_page_chain.c
+# hashing/_page_chain.c, kernels/_host_copy.c: `pip install -e` compiles them in place, so an edit needs a reinstall.
+$(VENV)/.installed: pyproject.toml tools/setup-venv.sh tools/apt-install.sh hashing/_page_chain.c kernels/_host_copy.c
 	bash tools/setup-venv.sh $(VENV) $(EXTRAS)
 	touch $@
 
@@ -46,7 +46,7 @@ $(VLLM_VENV)/.installed: $(VENV)/.installed tools/install-vllm.sh tools/overlay-
 # except under CI.
 SGLANG_VENV ?= .venv-sglang
 SGLANG_TESTS := tests/integrations/sglang
-$(SGLANG_VENV)/.sglang: pyproject.toml tools/setup-venv.sh tools/install-sglang.sh tools/install-mooncake.sh tools/apt-install.sh hashing/_page_chain.c
+$(SGLANG_VENV)/.sglang: pyproject.toml tools/setup-venv.sh tools/install-sglang.sh tools/install-mooncake.sh tools/apt-install.sh hashing/_page_chain.c kernels/_host_copy.c
 	{ bash tools/setup-venv.sh $(SGLANG_VENV) test && bash tools/install-sglang.sh $(SGLANG_VENV); } \
 		|| { [ -z "$$CI" ] || exit 1; echo "make: sglang not installed; its tests will skip"; }
 	[ ! -x $(SGLANG_VENV)/bin/python ] || bash tools/install-mooncake.sh $(SGLANG_VENV) \
@@ -77,4 +77,4 @@ bench: $(VENV)/.installed
 	$(PYTHON) -m bench
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(DYNAMO_VENV) build *.egg-info hashing/_*_chain*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(DYNAMO_VENV) build *.egg-info hashing/_*_chain*.so kernels/_host_copy*.so

@@ -24,11 +24,12 @@ def _version_of(distribution: str) -> str:
 
 
 def collect_info() -> dict[str, object]:
-    """What ``kvstage info`` prints, as a dict (versions, CUDA, copy backend, NVTX, hashing)."""
+    """What ``kvstage info`` prints, as a dict (versions, CUDA, copy backend, host row copies, NVTX, hashing)."""
     import torch
 
     from kvstage.hashing.schemes import describe_chains
     from kvstage.kernels.backend import describe_backend
+    from kvstage.kernels.host_copy import describe_host_copy
     from kvstage.nvtx_ranges import NVTX_AVAILABLE
 
     cuda = torch.cuda.is_available()
@@ -38,6 +39,7 @@ def collect_info() -> dict[str, object]:
         "triton": _version_of("triton"),
         "cuda": torch.cuda.get_device_name(0) if cuda else "not available",
         "copy backend": describe_backend(on_cuda=cuda),
+        "host row copies": describe_host_copy(),
         "nvtx": "available (domain 'kvstage')" if NVTX_AVAILABLE else "not installed (ranges are no-ops)",
         "hashing": describe_chains(),
         "mooncake": _mooncake_status(),

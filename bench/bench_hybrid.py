@@ -17,7 +17,7 @@ capacity, so each put reuses an evicted page's memory, the steady state):
 
 - ``copy``: one contiguous ``Tensor.copy_`` of the bytes the path moves (every full page, the
   window pages, the snapshot), source and target already touched (the baseline);
-  ``two_copies``: two such copies one after the other (the two hops below, a reference);
+  ``two_copies``: two such copies one after the other (what two hops would take, a reference);
 - ``store``: ``offload`` + ``snapshot`` (Qwen3-Next: the state after the prompt's whole pages)
   + ``finish``, then ``poll`` (with 0.2 ms sleeps, as an engine's steps) until ``on_stored``
   ran and every component's entries were counted stored;
@@ -25,11 +25,17 @@ capacity, so each put reuses an evicted page's memory, the steady state):
   ``load`` into other slots (the state into another state slot, the window into other window
   slots), wait.
 
-The full pages move twice each way (device pool -> host page -> store on the way out, store ->
-host page -> device pool on the way back: on CPU both hops are memory copies); an entry of one
-row (the snapshot) once, since a memory store adopts its staging buffer and lends it to the load
-(:meth:`~kvstage.storage.MemoryStore.put_adopting`, :meth:`~kvstage.storage.MemoryStore.lend`); the
-window's two pages share a staging buffer and move twice. The baseline moves every byte once.
+Every byte moves once each way (one hop): the host pool holds one page a buffer
+(``buffer_pages=1``), the copier copies the pool's rows straight into those pages
+(:mod:`kvstage.offload.host_rows`, :class:`~kvstage.offload.row_copies.RowCopies`: streaming
+stores), the memory store adopts them (:meth:`~kvstage.storage.MemoryStore.put_adopting`, its
+evicted pages' memory coming back in their place) and a prefetch lends the stored pages back in
+(:meth:`~kvstage.storage.MemoryStore.lend`, :meth:`HostPool.lend_in
+<kvstage.offload.HostPool.lend_in>`) for the scatter to read; the snapshot likewise, through its
+staging buffer. The window's two pages share a staging buffer and are still put and got by copy
+(their second hop, 3 MiB). The baseline moves every byte once; its copies run just before the
+store, and torch's OpenMP team spins on after them for a while (on 2 cores it shares the store's
+second core: ``OMP_WAIT_POLICY=PASSIVE`` shows what that costs, README "Hybrid").
 The last round's load goes into poisoned slots and is checked byte for byte.
 
 Lookup: every component's store (``MemoryStore``) holds ``100,000`` keys (an entry at every page
@@ -168,7 +174,7 @@ class _Rig:
         self.stored: dict[str, tuple[int, int]] = {}
         self.manager = OffloadManager(
             self.kv_pool,
-            HostPool.like(self.kv_pool, num_pages=num_pages + 1, page_size=PAGE_SIZE, pin=False),
+            HostPool.like(self.kv_pool, num_pages=num_pages + 1, page_size=PAGE_SIZE, pin=False, buffer_pages=1),
             self.stores,
             PageHasher(page_size=PAGE_SIZE),
             lambda req: self.store_slots if req.rid.startswith("s") else self.load_slots,

@@ -37,6 +37,7 @@ import kvstage.offload.copier as copier_module  # noqa: E402
 import kvstage.offload.hybrid as hybrid_module  # noqa: E402
 from kvstage.kernels import gather, scatter  # noqa: E402
 from kvstage.offload import HostPool  # noqa: E402
+from kvstage.offload.row_copies import RowCopies  # noqa: E402
 from kvstage.storage import MemoryStore  # noqa: E402
 
 PAGE_SIZE = bench_hybrid.PAGE_SIZE
@@ -90,6 +91,7 @@ def timeline(name: str, layout, num_pages: int, rounds: int = 6) -> list[dict]:
             recorder.wrap(owner, step, f"{prefix}.{step}")
     for step in ("_put", "_get", "_adopt", "_lend"):
         recorder.wrap(MemoryStore, step, f"store.{step}")
+    recorder.wrap(RowCopies, "copy_plan", "rows.copy_plan")  # the one-hop copies (host pages of their own)
     rig = bench_hybrid._Rig(name, layout, num_pages)
     out = []
     try:

@@ -18,7 +18,9 @@ Modules: ``pool`` (KVPool), ``layout`` (staging layouts, validation, staged-mode
 ``words`` (the copy-word rule), ``reference`` (torch path), ``state_pool`` / ``state_layout`` /
 ``state_copy`` / ``state_reference`` / ``triton_state`` (the state snapshot copies, likewise), ``triton_copy`` (the kernel, its launch
 heuristic ``choose_config``, the autotune hook ``set_config_hook``, ``warm_up``, ``compile_ptx``; imports triton, so
-it is imported only when a Triton launch happens), ``transfer`` (gather/scatter), ``streams``.
+it is imported only when a Triton launch happens), ``transfer`` (gather/scatter), ``streams``,
+``host_copy`` (host-to-host row copies with streaming stores, ``copy_rows``; the optional C
+extension ``_host_copy``).
 """
 
 from kvstage.kernels.backend import BACKEND_CHOICES, describe_backend, resolve_backend

@@ -11,6 +11,10 @@ A page whose chain prior failed in this manager (its copy or its store write: th
 ``prior_wait_s``. The check runs on the writer thread, just before the write's store call: the
 writes before it have ended by then (one writer, submission order), and the failures are
 collected and reported in chain order like any write's.
+Host pages of their own and a store that adopts (:func:`~kvstage.offload.store_io.adopts_from`):
+a write hands the host pages themselves to the store (``put_adopting``, no copy), and once it
+has ended each page the store kept gets the store's spare buffer (or a new one) in its place
+(:meth:`HostPool.replace`) before it is freed.
 Each request lifecycle's writes are tallied in a :class:`RequestWrites`, which the manager turns
 into its ``on_stored`` signal once the lifecycle is released and its last write has ended.
 """
@@ -27,7 +31,7 @@ from kvstage.offload.key_chain import ChainRun, RequestChain
 from kvstage.offload.metrics import OffloadMetrics
 from kvstage.offload.prior_wait import PriorWaitingWrite
 from kvstage.offload.request import request_namespace
-from kvstage.offload.store_io import WriteOutcome, write_pages
+from kvstage.offload.store_io import WriteOutcome, adopts_from, write_pages
 
 __all__ = ["Backup", "RequestWrites"]
 
@@ -90,6 +94,7 @@ class Backup:
         self._counters = counters
         self._on_failure = on_failure
         self.prior_wait_s = prior_wait_s
+        self._adopt = adopts_from(storage, copier.host_pool)  # writes hand the host pages over (module doc)
         self._stopping = False  # stop_waiting(): writes made now attempt once
         # (tally, host pages, future, the PriorWaitingWrite or None), in submission order
         self._writes: deque[tuple[RequestWrites, list[int], Any, PriorWaitingWrite | None]] = deque()
@@ -240,7 +245,9 @@ class Backup:
             refusal = chain.refusal(prior_key)
             if refusal is not None:
                 return WriteOutcome(failed_keys=list(keys), error=refusal)
-            outcome = write_pages(self.storage, keys, pages, prior_key=prior_key)
+            storage = self.storage
+            adopt = self._adopt and all(map(storage.adoptable, pages))  # (a page can hold a lent-in one: not)
+            outcome = write_pages(storage, keys, pages, prior_key=prior_key, adopt=adopt)
             if announce is not None:
                 self.announcer.written(keys, announce[0], prior_key, announce[1], outcome.failed_keys)
             return outcome
@@ -249,6 +256,11 @@ class Backup:
 
     def _written(self, writes: RequestWrites, host_page_ids: list[int], future: Any) -> None:
         outcome = future.result()
+        if any(outcome.adopted):  # the store keeps those pages' buffers: its spares take their place
+            spares, host_pool = list(outcome.spares), self.copier.host_pool
+            for host_page_id, adopted in zip(host_page_ids, outcome.adopted):
+                if adopted:
+                    host_pool.replace(host_page_id, spares.pop() if spares else None)
         self.copier.free(host_page_ids)
         self._counters.pages_in_flight -= len(host_page_ids)
         writes.writes_pending -= 1

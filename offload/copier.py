@@ -8,6 +8,12 @@ the gathers (D2H) and scatters (H2D) to the copy stream and hands back plain
 Host pages of one copy are allocated in ascending order, so the pages that fall in one host
 buffer are one run of positions: each buffer's slot indices are a slice of the caller's
 tensor (no index tensor is built on the device, so nothing syncs with it).
+
+A KV pool in host memory with a host pool of one page a buffer (:attr:`HostPool.own_pages`,
+the pages a memory store adopts and lends) moves by rows instead of the kernels: each page's
+rows of each layer straight into or out of its page (:mod:`~kvstage.offload.host_rows`), copied
+by :class:`~kvstage.offload.row_copies.RowCopies` (:attr:`Copier.row_copies`, which the hybrid
+model's component copies share; one copy at a time on the copy stream's thread).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from kvstage.kernels.streams import CopyHandle
 from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike
 from kvstage.offload.copy_stream import CopyStream
 from kvstage.offload.host_pool import HostPool
+from kvstage.offload.host_rows import kv_rows
+from kvstage.offload.row_copies import RowCopies
 
 __all__ = ["CopyResult", "Copier", "GATHER", "SCATTER"]
 
@@ -112,6 +120,9 @@ class Copier:
         self._in_order = bool(getattr(self.copy_stream, "in_order", False))
         self._copies: deque[_Copy] = deque()
         self._page_runs = torch.arange(host_pool.buffer_pages, dtype=torch.int64)  # runs of local ids are views
+        # Host memory: row copies (for the host pool's own pages, and the hybrid model's components).
+        self.row_copies = RowCopies() if self.device.type == "cpu" else None
+        self._rows = kv_rows(kv_pool, self.page_size) if self.row_copies is not None and host_pool.own_pages else None
 
     # -- host pages -----------------------------------------------------------------------
 
@@ -272,6 +283,8 @@ class Copier:
         self.synchronize()
         if self.owns_copy_stream:
             self.copy_stream.close()
+        if self.row_copies is not None:
+            self.row_copies.close()
 
     # -- internals ------------------------------------------------------------------------
 
@@ -347,6 +360,8 @@ class Copier:
         layers: list,
         after: Any,
     ) -> list[CopyHandle]:
+        if self._rows is not None:
+            return self._submit_rows(job, direction, slot_indices, host_page_ids, layers, after)
         groups = self._groups(slot_indices, host_page_ids)
         kv_pool, page_size, backend = self.kv_pool, self.page_size, self.backend
         keep = [tensor for group in groups for tensor in group]
@@ -383,6 +398,23 @@ class Copier:
                         )
 
             handles.append(self.copy_stream.submit(copy, keep=keep, after=after))
+        self._copies.append(_Copy(job, direction, host_page_ids, handles))
+        return handles
+
+    def _submit_rows(
+        self, job: Any, direction: str, slot_indices: torch.Tensor, host_page_ids: list[int], layers: list, after: Any
+    ) -> list[CopyHandle]:
+        """:meth:`_submit` by rows (module doc): the plan is built on the copy stream's thread,
+        from the pages the host pool holds then (a page lent in by a prefetch, for a scatter)."""
+        rows, row_copies, host_pool, to_host = self._rows, self.row_copies, self.host_pool, direction == GATHER
+        handles = []
+        for layer in layers:
+
+            def copy(layer=layer) -> None:
+                pages = [host_pool.page(host_page_id) for host_page_id in host_page_ids]
+                row_copies.copy_plan(rows.plan(pages, slot_indices, to_host=to_host, layer=layer))
+
+            handles.append(self.copy_stream.submit(copy, keep=[slot_indices], after=after))
         self._copies.append(_Copy(job, direction, host_page_ids, handles))
         return handles
 

@@ -11,11 +11,18 @@ so a gather writes a buffer directly with local page ids. A host page id is glob
 ``id = b * buffer_pages + local``; :meth:`HostPool.locate` groups ids by host buffer.
 
 The pool only hands out and takes back host page ids; it never looks at the bytes.
+
+One page a buffer (``buffer_pages=1``, :attr:`HostPool.own_pages`): each page is the whole of
+its own storage, what a store that adopts pages keeps (``put_adopting``) and what it lends
+(``lend``). Then a page's memory can change hands: :meth:`HostPool.replace` puts the buffer a
+store gave back in place of one it kept, and :meth:`HostPool.lend_in` makes allocated pages
+read a store's lent pages until they are freed (the loan ends with the last of them).
 """
 
 from __future__ import annotations
 
 import numbers
+import threading
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -99,6 +106,9 @@ class HostPool:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._in_use = bytearray(num_pages)  # 1 where allocated: catches double and foreign frees
         self._high_water = 0
+        self.buffers_allocated = 0  # page buffers replace() allocated (a store at capacity gives its spares)
+        self._loans: dict[int, tuple[torch.Tensor, list]] = {}  # page id -> (own buffer, [loan, pages left])
+        self._loans_lock = threading.Lock()  # lend_in runs on a reader thread, free on the owner's
 
     @classmethod
     def like(
@@ -190,6 +200,8 @@ class HostPool:
                 )
         if len(set(host_page_ids)) != len(host_page_ids):
             raise InvalidArgumentError("host_page_ids: a page id repeats")
+        if self._loans:
+            self._end_loans(host_page_ids)
         for page in host_page_ids:
             in_use[page] = 0
         # Pushed so that the lowest ids come out first again.
@@ -235,6 +247,91 @@ class HostPool:
             group[1].append(position)
             group[2].append(page - buffer_index * buffer_pages)
         return list(groups.values())
+
+    # -- pages of their own (one page a buffer) ------------------------------------------
+
+    @property
+    def own_pages(self) -> bool:
+        """Every page is the whole of its own buffer (``buffer_pages == 1``): a store may keep it."""
+        return self.buffer_pages == 1
+
+    def replace(self, host_page_id: int, buffer: torch.Tensor | None) -> None:
+        """A store kept page ``host_page_id``'s buffer: ``buffer`` (a store's spare, flat
+        ``uint8 [page_bytes]`` or the page's shape, no copy reads or writes it any more) is
+        the page's memory from now on; None, or a buffer of another size or pinning, or one that
+        is not the whole of its storage (what a store adopts): a new one.
+
+        Raises:
+            InvalidArgumentError: the pool is not one page a buffer, or the id is not allocated.
+        """
+        require(self.own_pages, "host_pool", "replace() needs one page a buffer (buffer_pages=1)")
+        require(
+            self.is_allocated(host_page_id),
+            "host_page_id",
+            lambda: f"{host_page_id!r} is not an allocated host page",
+        )
+        if (
+            buffer is None
+            or buffer.numel() * buffer.element_size() != self.page_bytes
+            or buffer.is_pinned() != self.pinned
+            or not buffer.is_contiguous()
+            or buffer.storage_offset() != 0
+            or buffer.untyped_storage().nbytes() != self.page_bytes  # part of a larger buffer: no store keeps it
+        ):
+            buffer = torch.empty(self.page_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+            self.buffers_allocated += 1
+        self.buffers[host_page_id] = buffer.view(torch.uint8).view(self.layout.dtype).view(1, *self.page_shape)
+
+    def lend_in(self, host_page_ids: Sequence[int], pages: Sequence[torch.Tensor], loan: Any) -> None:
+        """Allocated pages ``host_page_ids`` read ``pages`` (a store's lent pages, flat ``uint8
+        [page_bytes]``; never written) until freed: then each gets its own buffer back, and
+        ``loan.end()`` runs when the last of them is freed. Any thread (a prefetch's reader).
+
+        Raises:
+            InvalidArgumentError: not one page a buffer, lengths differ, a page of another size,
+                or an id not allocated or lent in already; nothing changed then.
+        """
+        require(self.own_pages, "host_pool", "lend_in() needs one page a buffer (buffer_pages=1)")
+        ids = list(host_page_ids)
+        require(len(ids) == len(pages), "pages", lambda: f"must be one per host page id, {len(ids)}, got {len(pages)}")
+        with self._loans_lock:
+            for index, (page_id, page) in enumerate(zip(ids, pages)):
+                require(
+                    self.is_allocated(page_id) and page_id not in self._loans,
+                    f"host_page_ids[{index}]",
+                    lambda page_id=page_id: f"{page_id!r} is not an allocated host page of its own",
+                )
+                require(
+                    page.numel() * page.element_size() == self.page_bytes,
+                    f"pages[{index}]",
+                    lambda page=page: f"must be {self.page_bytes} bytes, got {page.numel() * page.element_size()}",
+                )
+            record = [loan, len(ids)]
+            for page_id, page in zip(ids, pages):
+                self._loans[page_id] = (self.buffers[page_id], record)
+                self.buffers[page_id] = page.view(torch.uint8).view(self.layout.dtype).view(1, *self.page_shape)
+        if not ids:
+            loan.end()
+
+    @property
+    def pages_lent_in(self) -> int:
+        """Allocated pages that read a store's lent page now (:meth:`lend_in`)."""
+        return len(self._loans)
+
+    def _end_loans(self, host_page_ids: list[int]) -> None:
+        ended = []
+        with self._loans_lock:
+            for page_id in host_page_ids:
+                lent = self._loans.pop(page_id, None)
+                if lent is None:
+                    continue
+                own, record = lent
+                self.buffers[page_id] = own
+                record[1] -= 1
+                if record[1] == 0:
+                    ended.append(record[0])
+        for loan in ended:  # outside the lock: a store's lock is taken
+            loan.end()
 
     def __repr__(self) -> str:
         return (

@@ -52,6 +52,7 @@ from kvstage.kernels import gather, scatter
 from kvstage.kernels.state_copy import gather_state, scatter_state
 from kvstage.kernels.streams import CopyHandle
 from kvstage.offload.components import ComponentPools
+from kvstage.offload.host_rows import kv_rows, state_rows
 from kvstage.offload.hybrid_entries import Entries, EntryStaging
 from kvstage.offload.hybrid_load_handle import HybridLoadHandle
 from kvstage.offload.linked_stores import LinkedStores
@@ -61,7 +62,7 @@ from kvstage.offload.request import request_tokens
 from kvstage.offload.restorable import lengths_unchecked, pages_to_load, restorable_lengths, snapshot_key_index
 from kvstage.offload.snapshot_windows import SnapshotWindows, window_slots
 from kvstage.offload.staging_pool import StagingPool
-from kvstage.offload.store_io import WriteOutcome, read_leading_pages, write_pages
+from kvstage.offload.store_io import WriteOutcome, read_leading_pages_into, write_pages
 from kvstage.storage import MissingPriorError
 
 __all__ = ["Hybrid", "HybridLoadHandle", "PlainModel", "split_storage"]
@@ -121,8 +122,19 @@ class Hybrid:
         self._windows = SnapshotWindows(self.layout, page_size)
         self._parked: list[Any] = []  # lifecycles whose full-page writes ended before their components'
 
-    def attach(self, copy_stream: Any, workers: Any, hasher: Any, backend: str, pinned: bool) -> None:
-        """The manager's copy stream, store workers, hasher, kernel backend, host pinning."""
+    def attach(
+        self,
+        copy_stream: Any,
+        workers: Any,
+        hasher: Any,
+        backend: str,
+        pinned: bool,
+        host_pool: Any = None,
+        row_copies: Any = None,
+    ) -> None:
+        """The manager's copy stream, store workers, hasher, kernel backend, host pinning, host
+        pool and the copier's :class:`~kvstage.offload.row_copies.RowCopies` (None: the pools are
+        not in host memory), which copies a component in host memory by rows."""
         self.copy_stream, self.workers, self.hasher, self.backend, self.pinned = (
             copy_stream,
             workers,
@@ -130,8 +142,14 @@ class Hybrid:
             backend,
             pinned,
         )
+        self.host_pool, self.row_copies = host_pool, row_copies
         self.staging = StagingPool(pinned)
         self.entry_staging = EntryStaging(self.staging, self.page_size)
+        self._kv_rows = {}  # id(pool) -> its KVRows or StateRows (None: not by rows)
+        if row_copies is not None:
+            for pool in self.components.pools.values():
+                is_state = hasattr(pool, "snapshot_bytes")
+                self._kv_rows[id(pool)] = state_rows(pool) if is_state else kv_rows(pool, self.page_size)
 
     # -- store path -----------------------------------------------------------------------
 
@@ -178,7 +196,9 @@ class Hybrid:
             else:
                 continue
             pool = self.components.pools[component.name]
-            entries = self.entry_staging.take(component.name, state, pool, len(indices))
+            entries = self.entry_staging.take(
+                component.name, state, pool, len(indices), self._own_rows(component, pool)
+            )
             entries.indices, entries.run, entries.first = indices, run, first
             entries.handle = self._submit_pages(gather, pool, entries.staging, device_slots, after)
             state.copies_in_flight += 1
@@ -218,7 +238,12 @@ class Hybrid:
         entries.keys, entries.req, entries.length, entries.indices = [key], req, length, [index]
         staging, backend, slot = entries.staging, self.backend, int(state_slot)
         entries.handle = self.copy_stream.submit(
-            lambda: gather_state(pool, [slot], staging, backend=backend), keep=[staging], after=after
+            lambda: (
+                self._copy_state(pool, staging, slot, True, None)
+                or gather_state(pool, [slot], staging, backend=backend)
+            ),
+            keep=[staging],
+            after=after,
         )
         if state is not None:
             state.copies_in_flight += 1
@@ -231,7 +256,7 @@ class Hybrid:
         extra_key, cache_salt = request_namespace(req)
         keys = self.hasher.prefill_keys(request_tokens(req, 0, length), extra_key=extra_key, cache_salt=cache_salt)
         pool = self.components.pools[component.name]
-        entries = self.entry_staging.take(component.name, state, pool, len(indices))
+        entries = self.entry_staging.take(component.name, state, pool, len(indices), self._own_rows(component, pool))
         entries.indices, entries.keys, entries.req = indices, [keys[i] for i in indices], req
         device_slots = window_slots(self.components.slots_of[component.name](req), self.page_size, indices)
         entries.handle = self._submit_pages(gather, pool, entries.staging, device_slots, after)
@@ -295,8 +320,8 @@ class Hybrid:
                 pending.append((entries, future))
                 continue
             outcome = future.result()
-            if any(outcome.adopted):  # the store keeps the buffer; its victims' take its place
-                self.entry_staging.swap_in(entries, outcome.spares)
+            if any(outcome.adopted):  # the store keeps the buffers; its victims' take their place
+                self.entry_staging.swap_in(entries, outcome.spares, outcome.adopted)
             self.entry_staging.give_back(entries)
             self.failed[entries.name] += len(outcome.failed_keys)
             self.stored[entries.name] += outcome.stored + outcome.deduplicated
@@ -332,16 +357,25 @@ class Hybrid:
 
     def _put(self, entries: Entries) -> Any:
         """On the writer thread: put the entries; a snapshot only when its full page is stored.
-        One entry on a buffer of its own goes to a store that adopts it without a copy."""
+        Entries on buffers of their own (one row, or ``own_rows``) go to a store that adopts
+        them without a copy."""
         pages = [entries.staging[i] for i in range(len(entries.keys))]
         if entries.name == getattr(self.state, "name", None):
             key = entries.keys[0]
             if not self.stores[self.full.name].exists([key])[0]:
                 return WriteOutcome(failed_keys=[key], error=MissingPriorError(key))
         store = self.stores[entries.name]
-        if len(pages) == 1 and getattr(store, "adopts", False) and store.adoptable(entries.buffer):
-            return write_pages(store, entries.keys, [entries.buffer], prior_key=None, adopt=True)
+        if getattr(store, "adopts", False):
+            own = entries.buffers[: len(pages)] if entries.buffers is not None else [entries.buffer]
+            if len(own) == len(pages) and all(map(store.adoptable, own)):
+                return write_pages(store, entries.keys, own, prior_key=None, adopt=True)
         return write_pages(store, entries.keys, pages, prior_key=None)
+
+    def _own_rows(self, component: Any, pool: Any) -> bool:
+        """Whether ``component``'s page entries take a buffer a row: copied by rows, to a store
+        that adopts (its put keeps every row: one hop)."""
+        store = self.stores[component.name]
+        return self._kv_rows.get(id(pool)) is not None and getattr(store, "adopts", False)
 
     def wait_loads(self, state: Any, aborted: bool) -> None:
         """An abort (``aborted``): block until ``state``'s component scatters are done, counted ended."""
@@ -412,7 +446,9 @@ class Hybrid:
         if not fits or handle.cancelled:
             return
         count = fits[-1] // page_size
-        outcome = read_leading_pages(self.stores[self.full.name], keys[:count], pages[:count])
+        outcome = read_leading_pages_into(
+            self.stores[self.full.name], keys[:count], self.host_pool, handle.host_page_ids
+        )
         handle.error = outcome.error
         for length in reversed(fits):
             if length // page_size <= outcome.pages_read:
@@ -431,7 +467,8 @@ class Hybrid:
             store, pool = self.stores[component.name], self.components.pools[component.name]
             entries_keys, entries = [keys[i] for i in indices], None
             try:
-                entries = self.entry_staging.borrow(component.name, store, pool, entries_keys)
+                by_rows = self._kv_rows.get(id(pool)) is not None and component.kind != "state"
+                entries = self.entry_staging.borrow(component.name, store, pool, entries_keys, by_rows)
                 if entries is None:
                     entries = self.entry_staging.take(component.name, None, pool, len(indices))
                     into = [entries.staging[i] for i in range(len(indices))]
@@ -517,8 +554,9 @@ class Hybrid:
                 staging, backend, slot = entries.staging, self.backend, int(state_slot)
                 launched[component.name] = [
                     self.copy_stream.submit(
-                        lambda pool=pool, tensors=(None if j is None else pool.layers[j]): scatter_state(
-                            staging, pool, [slot], backend=backend, tensors=tensors
+                        lambda pool=pool, tensors=(None if j is None else pool.layers[j]): (
+                            self._copy_state(pool, staging, slot, False, tensors)
+                            or scatter_state(staging, pool, [slot], backend=backend, tensors=tensors)
                         ),
                         keep=[staging],
                         after=after,
@@ -555,11 +593,28 @@ class Hybrid:
         for unused in (entries or {}).values():
             self.entry_staging.give_back(unused)
 
+    def _copy_state(self, pool: Any, staging: torch.Tensor, slot: int, to_host: bool, tensors: Any) -> bool:
+        """A state slot to (``to_host``) or from ``staging[0]`` by rows; False: not in host memory
+        (the kernels copy it)."""
+        rows = self._kv_rows.get(id(pool))
+        if rows is None:
+            return False
+        self.row_copies.copy_plan(rows.plan(staging[0], slot, to_host=to_host, tensors=tensors))
+        return True
+
     def _submit_pages(
         self, copy: Any, pool: Any, staging: torch.Tensor, slots: torch.Tensor, after: Any, layer: int | None = None
     ) -> CopyHandle:
-        local = torch.arange(staging.shape[0], dtype=torch.int64)
         page_size, backend = self.page_size, self.backend
+        rows = self._kv_rows.get(id(pool))
+        if rows is not None and slots.device.type == "cpu":  # host memory: by rows (the copier's RowCopies)
+            row_copies, to_host = self.row_copies, copy is gather
+
+            def by_rows() -> None:
+                row_copies.copy_plan(rows.plan(list(staging), slots, to_host=to_host, layer=layer))
+
+            return self.copy_stream.submit(by_rows, keep=[staging, slots], after=after)
+        local = torch.arange(staging.shape[0], dtype=torch.int64)
         if copy is gather:
 
             def run() -> None:

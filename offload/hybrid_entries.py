@@ -35,11 +35,13 @@ class Entries:
         "length",
         "counted",
         "loan",
+        "buffers",
     )
 
     def __init__(self, name: str, state: Any, buffer: torch.Tensor, count: int) -> None:
         self.name, self.state, self.buffer, self.staging = name, state, buffer, buffer[:count]
         self.loan: Any = None  # a load's page lent by the store (staging is a view of it; buffer None)
+        self.buffers: list[torch.Tensor] | None = None  # rows of their own (staging is their list; buffer None)
         self.indices: list[int] = []
         self.keys: list[str] | None = None  # known once the run is keyed (store) or read (load)
         self.handle: CopyHandle | None = None
@@ -62,31 +64,44 @@ class EntryStaging:
     def __init__(self, staging: StagingPool, page_size: int) -> None:
         self.staging, self.page_size = staging, page_size
 
-    def take(self, name: str, state: Any, pool: Any, count: int) -> Entries:
-        """Entries of ``count`` rows on a staging buffer of the pool (reused: :class:`StagingPool`)."""
+    def take(self, name: str, state: Any, pool: Any, count: int, own_rows: bool = False) -> Entries:
+        """Entries of ``count`` rows on a staging buffer of the pool (reused: :class:`StagingPool`);
+        ``own_rows`` (for a copy by rows to a store that adopts): each row a buffer of its own,
+        ``staging`` their list, so the store can keep every one."""
         row, dtype = self.row(pool)
-        return Entries(name, state, self.staging.take(count, row, dtype), count)
+        if not own_rows or count < 2:
+            return Entries(name, state, self.staging.take(count, row, dtype), count)
+        buffers = [self.staging.take(1, row, dtype) for _ in range(count)]
+        entries = Entries(name, state, buffers[0], 1)
+        entries.buffer, entries.buffers, entries.staging = None, buffers, [buffer[0] for buffer in buffers]
+        return entries
 
-    def borrow(self, name: str, store: Any, pool: Any, keys: list[str]) -> Entries | None:
-        """One entry lent by a store that lends (its page is the staging, no copy): None when the
-        store does not lend, there is not exactly one key, or its page is not the memory the
-        staging pool would give (pinned or not); a miss: an entry whose ``staging`` is None.
+    def borrow(self, name: str, store: Any, pool: Any, keys: list[str], by_rows: bool = False) -> Entries | None:
+        """Entries lent by a store that lends (its pages are the staging, no copy): None when
+        the store does not lend, there is not exactly one key (several: only ``by_rows``, the
+        pool copied by rows, which reads a list of pages; then ``staging`` is that list), or a
+        page is not the memory the staging pool would give (pinned or not); a miss (a key not
+        stored): an entry whose ``staging`` is None.
 
         Raises:
             Whatever the store's ``lend`` raises.
         """
-        if len(keys) != 1 or not getattr(store, "lends", False):
+        if not keys or (len(keys) != 1 and not by_rows) or not getattr(store, "lends", False):
             return None
         loan = store.lend(keys)
-        page = loan.pages[0]
-        if page is not None and page.is_pinned() != self.staging.pinned:
+        pages = list(loan.pages)
+        if any(page is not None and page.is_pinned() != self.staging.pinned for page in pages):
             loan.end()
             return None
         row, dtype = self.row(pool)
-        entries = Entries(name, None, page.view(dtype).view(1, *row) if page is not None else torch.empty(0), 1)
+        missed = any(page is None for page in pages)
+        rows = [] if missed else [page.view(dtype).view(1, *row) for page in pages]
+        entries = Entries(name, None, rows[0] if len(keys) == 1 and rows else torch.empty(0), len(keys))
         entries.buffer, entries.loan = None, loan
-        if page is None:  # a miss (evicted since the lookup): no rows
+        if missed:  # evicted since the lookup: no rows
             entries.staging = None
+        elif len(keys) > 1:
+            entries.staging = [r[0] for r in rows]  # one page each: the rows' plan reads them in order
         return entries
 
     def row(self, pool: Any) -> tuple[tuple[int, ...], torch.dtype]:
@@ -103,13 +118,29 @@ class EntryStaging:
         if entries.buffer is not None:
             self.staging.give(entries.buffer)
             entries.buffer = entries.staging = None
+        if entries.buffers is not None:
+            for buffer in entries.buffers:
+                self.staging.give(buffer)
+            entries.buffers = entries.staging = None
 
-    def swap_in(self, entries: Entries, spares: list[torch.Tensor]) -> None:
-        """The store adopted ``entries``' staging buffer: it is never given back; the buffers the
-        store gave for it (no copy reads or writes them) join the staging pool in its place
-        (on the manager's thread, as every give), when they are memory of the same kind."""
-        shape, dtype = entries.buffer.shape, entries.buffer.dtype
-        entries.buffer = entries.staging = None
+    def swap_in(self, entries: Entries, spares: list[torch.Tensor], adopted: list[bool]) -> None:
+        """The store adopted ``entries``' staging buffers where ``adopted`` (one flag a row put):
+        those are never given back; the buffers the store gave for them (no copy reads or writes
+        them) join the staging pool in their place (on the manager's thread, as every give),
+        when they are memory of the same kind, each the whole of its storage."""
+        own = entries.buffers if entries.buffers is not None else [entries.buffer]
+        shape, dtype = own[0].shape, own[0].dtype
+        kept = [buffer for index, buffer in enumerate(own) if not (index < len(adopted) and adopted[index])]
+        if entries.buffers is not None:
+            entries.buffers = kept
+        else:
+            entries.buffer = entries.staging = None  # (one row, adopted)
+        nbytes = shape.numel() * dtype.itemsize
         for spare in spares:
-            if spare.numel() == shape.numel() * dtype.itemsize and spare.is_pinned() == self.staging.pinned:
-                self.staging.give(spare.view(dtype).view(shape))
+            if (
+                spare.numel() * spare.element_size() == nbytes
+                and spare.is_pinned() == self.staging.pinned
+                and spare.storage_offset() == 0
+                and spare.untyped_storage().nbytes() == nbytes
+            ):
+                self.staging.give(spare.view(torch.uint8).view(dtype).view(shape))

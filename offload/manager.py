@@ -236,7 +236,9 @@ class OffloadManager(HybridCalls, ManagerInspection):
         self._counters = OffloadMetrics()
         self._closed = False
         self._prefetcher = Prefetcher(self.copier, storage, hasher, self._workers, self._counters, self._hybrid.lookup)
-        self._hybrid.attach(self.copier.copy_stream, self._workers, hasher, backend, host_pool.pinned)
+        self._hybrid.attach(
+            self.copier.copy_stream, self._workers, hasher, backend, host_pool.pinned, host_pool, self.copier.row_copies
+        )
         prior_wait = 0.0 if self.store_prompt else float(prior_wait_s)
         self._backup = Backup(
             self.copier, storage, hasher, self._workers, self._counters, on_storage_failure, prior_wait_s=prior_wait

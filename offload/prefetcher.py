@@ -22,7 +22,7 @@ from kvstage.offload.copier import Copier
 from kvstage.offload.load_path import PrefetchHandle, PrefixMatch
 from kvstage.offload.metrics import OffloadMetrics
 from kvstage.offload.request import request_namespace, request_tokens
-from kvstage.offload.store_io import leading_hits, read_leading_pages
+from kvstage.offload.store_io import leading_hits, read_leading_pages_into
 
 __all__ = ["Prefetcher"]
 
@@ -179,10 +179,11 @@ class Prefetcher:
                     handle.pages_ready = count
 
                 readable = min(leading, len(pages))
-                outcome = read_leading_pages(
+                outcome = read_leading_pages_into(
                     self.storage,
                     keys[:readable],
-                    pages[:readable],
+                    self.copier.host_pool,
+                    handle.host_page_ids[:readable],
                     on_progress=progress,
                     cancelled=lambda: handle.cancelled,
                 )

@@ -23,14 +23,18 @@ import torch
 from kvstage.errors import StorageError, is_int, require
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.storage import PutStatus
+from kvstage.storage.backend import adopts_pages, lends_pages
 
 __all__ = [
     "ReadOutcome",
     "StoreWorkers",
     "WriteOutcome",
+    "adopts_from",
     "leading_hits",
+    "lends_into",
     "read_failure_cause",
     "read_leading_pages",
+    "read_leading_pages_into",
     "read_pages",
     "write_failure_cause",
     "write_pages",
@@ -264,3 +268,67 @@ class StoreWorkers:
         """Finish queued calls and stop the threads. Idempotent."""
         self._writes.shutdown(wait=True)
         self._reads.shutdown(wait=True)
+
+
+def adopts_from(storage: Any, host_pool: Any) -> bool:
+    """Whether writes of ``host_pool``'s pages hand the pages themselves to ``storage`` (one
+    page a buffer, a store that adopts: :meth:`HostPool.replace` takes the spares)."""
+    return bool(host_pool.own_pages and adopts_pages(storage) and getattr(storage, "adopts", True))
+
+
+def lends_into(storage: Any, host_pool: Any) -> bool:
+    """Whether reads into ``host_pool``'s pages borrow ``storage``'s pages instead of copying
+    them (one page a buffer, a store that lends: :meth:`HostPool.lend_in`)."""
+    return bool(host_pool.own_pages and lends_pages(storage) and getattr(storage, "lends", True))
+
+
+def read_leading_pages_into(
+    storage: Any,
+    page_keys: Sequence[str],
+    host_pool: Any,
+    host_page_ids: Sequence[int],
+    *,
+    batch_pages: int = 16,
+    on_progress: Callable[[int], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+) -> ReadOutcome:
+    """:func:`read_leading_pages` into host pages ``host_page_ids`` of ``host_pool``; where
+    :func:`lends_into`, each batch is lent instead (``lend``, no copy) and its leading pages lent
+    in (:meth:`HostPool.lend_in`: read until freed, the loan ending with the last of them); a
+    batch whose pages are not the host pool's kind of memory (pinned or not) is read as ``get``
+    does. Never raises."""
+    if not lends_into(storage, host_pool):
+        pages = [host_pool.page(page_id) for page_id in host_page_ids[: len(page_keys)]]
+        return read_leading_pages(
+            storage, page_keys, pages, batch_pages=batch_pages, on_progress=on_progress, cancelled=cancelled
+        )
+    outcome = ReadOutcome()
+    for start in range(0, len(page_keys), batch_pages):
+        if cancelled is not None and cancelled():
+            break
+        keys = list(page_keys[start : start + batch_pages])
+        ids = list(host_page_ids[start : start + len(keys)])
+        try:
+            loan = storage.lend(keys)
+            try:
+                lent = _answer(loan.pages, len(keys), "lend")
+                leading = next((index for index, page in enumerate(lent) if page is None), len(lent))
+                if any(page.is_pinned() != host_pool.pinned for page in lent[:leading]):
+                    loan.end()  # memory the host pool's copies cannot take: copy it as get does
+                    hits = _answer(storage.get(keys, [host_pool.page(i) for i in ids]), len(keys), "get")
+                    leading = next((index for index, hit in enumerate(hits) if not hit), len(hits))
+                else:
+                    host_pool.lend_in(ids[:leading], lent[:leading], loan)  # the loan ends with the last free
+            except BaseException:
+                loan.end()
+                raise
+        except Exception as error:
+            outcome.error = error
+            break
+        outcome.pages_read += leading
+        if on_progress is not None:
+            on_progress(outcome.pages_read)
+        if leading < len(keys):
+            outcome.hole = True
+            break
+    return outcome

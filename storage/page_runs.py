@@ -1,6 +1,13 @@
-"""One ``copy_`` per run of pages: the memory store's batched page copy.
+"""The memory store's batched page copy: contiguous host pages in one streaming call, the
+others one ``copy_`` per run of pages.
 
-A call's pages are often a regular stride apart on both sides: host pool pages a call moves are
+Contiguous CPU pages (sglang's ``page_first`` / ``page_first_direct`` pages, vLLM's blocks) move
+in one :func:`kvstage.kernels.host_copy.copy_rows` call: streaming stores, which a ``copy_`` of
+one page (glibc ``memcpy`` below its 192 MiB non-temporal threshold) never uses. Rows
+``copy_rows`` refuses (targets that overlap: one key read into two views of a page) and other
+pages take the ``copy_`` path below, in their order.
+
+For those, a call's pages are often a regular stride apart on both sides: host pool pages a call moves are
 adjacent in the pool, and the memory store's buffers are rows of one allocation. Such a run of
 ``n`` pages moves as one ``copy_`` of two ``[n, *page]`` strided views, so torch splits one
 large copy over its intra-op threads (one wait for the slowest thread) instead of one per page,
@@ -15,6 +22,9 @@ descheduled thread costs milliseconds (a hybrid DSA call of 4 small pages: 0.6 m
 from __future__ import annotations
 
 import torch
+
+from kvstage.errors import InvalidArgumentError
+from kvstage.kernels.host_copy import plan_rows, run_plan
 
 __all__ = ["copy_pages"]
 
@@ -84,10 +94,31 @@ def _without_overlap(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     return True
 
 
+def _streamed(pages: list[torch.Tensor], buffers: list[torch.Tensor], into_buffers: bool) -> set[int]:
+    """Copy the contiguous CPU pages in one :func:`~kvstage.kernels.host_copy.copy_rows` batch;
+    their positions (none where the batch is refused: then every page takes ``copy_``)."""
+    chosen = [
+        i
+        for i, (page, buffer) in enumerate(zip(pages, buffers))
+        if page.device.type == "cpu" and buffer.device.type == "cpu" and page.is_contiguous()
+    ]
+    if not chosen:
+        return set()
+    held = [pages[i] for i in chosen]
+    stored = [buffers[i][: page.numel() * page.element_size()] for i, page in zip(chosen, held)]
+    try:
+        plan = plan_rows(stored, held) if into_buffers else plan_rows(held, stored)
+    except InvalidArgumentError:  # overlapping targets, a short buffer: copy_ in order (or raise)
+        return set()
+    run_plan(plan)
+    return set(chosen)
+
+
 def copy_pages(pages: list[torch.Tensor], buffers: list[torch.Tensor], *, into_buffers: bool) -> None:
     """Copy ``pages[i]`` into ``buffers[i]`` (``into_buffers``) or ``buffers[i]`` into
-    ``pages[i]``, one ``copy_`` per run of positions where both sides step evenly through one
-    storage (and a run of pages written is free of overlap), one ``copy_`` a page otherwise.
+    ``pages[i]``: contiguous CPU pages in one streaming batch, the others one ``copy_`` per run
+    of positions where both sides step evenly through one storage (and a run of pages written
+    is free of overlap), one ``copy_`` a page otherwise.
 
     Args:
         pages: CPU tensors of any dtype, shape and strides (their elements in row-major order
@@ -95,6 +126,10 @@ def copy_pages(pages: list[torch.Tensor], buffers: list[torch.Tensor], *, into_b
         buffers: flat ``uint8`` CPU tensors, at least as long as each page's bytes.
         into_buffers: the direction (a store's put: True; its get: False).
     """
+    done = _streamed(pages, buffers, into_buffers)
+    if done:
+        rest = [i for i in range(len(pages)) if i not in done]
+        pages, buffers = [pages[i] for i in rest], [buffers[i] for i in rest]
     for first, count, page_step, buffer_step in _split(_runs(pages, buffers), pages):
         page, buffer = pages[first], buffers[first]
         size = page.numel() * page.element_size()

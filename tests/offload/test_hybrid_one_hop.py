@@ -8,7 +8,7 @@ import torch
 
 from kvstage.storage import MemoryStore
 
-from hybrid_engine import LAYOUTS, PAGE, POISON, Engine, HidingStore, load
+from hybrid_engine import LAYOUTS, PAGE, POISON, Engine, HidingStore, load, poison, rows, store
 
 STATE_CAPACITY = 2
 
@@ -180,3 +180,56 @@ def test_flush_and_close_during_a_lent_load_keep_its_bytes():
     assert engine.stores["state"].pages_on_loan == 0  # the stores outlive the manager: nothing stays kept
     assert all(torch.equal(x, y) for x, y in zip(engine.state_of(3), again))
     assert engine.stores["state"].pages_adopted == 2
+
+
+def test_window_pages_are_lent_to_their_load_and_land_in_poisoned_slots():
+    engine = Engine(LAYOUTS["swa"], seed=14)
+    window_store = engine.stores["swa"]
+    a = engine.request("a", list(range(100, 113)))
+    store(engine, a)  # one run to 12: the window's pages 4, 5
+    b = engine.request("b", list(range(100, 113)) + [5, 6])
+    poison(engine, b)
+    handle = engine.manager.prefetch(b, policy="wait_complete")
+    handle.wait()
+    engine.manager.poll()
+    assert window_store.pages_on_loan == 2  # both window pages read by lending, no staging copy
+    loaded = engine.manager.load(handle, engine.slots(b)[:12], component_slots={"swa": engine.window_slots(b)[8:12]})
+    engine.stream.complete_all()
+    loaded.wait()
+    assert loaded.error is None and loaded.num_tokens == 12
+    window = engine.pools["swa"]
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(rows(window, engine.window_slots(b)[8:12]), rows(window, engine.window_slots(a)[8:12]))
+    )
+    engine.manager.poll()
+    assert window_store.pages_on_loan == 0  # the loan ended with the scatter
+
+
+def test_window_pages_are_adopted_by_their_store_and_their_victims_memory_comes_back():
+    layout = LAYOUTS["swa"]
+    stores = {
+        name: MemoryStore(fp, capacity_pages=4 if name == "swa" else 64)
+        for name, fp in layout.fingerprints("m", page_size=PAGE).items()
+    }
+    engine = Engine(layout, seed=15, stores=stores)
+    window_store = stores["swa"]
+    for i in range(5):  # each request's window pages 4, 5; at capacity from the third on
+        prompt = [1000 * (i + 1) + t for t in range(13)]
+        a = engine.request(f"a{i}", prompt)
+        store(engine, a)
+        _poison_free_staging(engine)  # what the staging pool hands out next: no stored bytes in it
+        if i < 4:
+            engine.slots.release(a)
+            engine.window_slots.release(a)
+    assert window_store.pages_adopted == 10 and window_store.buffers_allocated == 0  # kept, never copied in
+    assert engine.manager._hybrid.staging.allocated <= 6  # the evicted pages' buffers come back
+    b = engine.request("b", prompt + [5, 6])
+    poison(engine, b)
+    loaded = load(engine, b, component_slots={"swa": engine.window_slots(b)[8:12]})
+    assert loaded.error is None and loaded.num_tokens == 12
+    window = engine.pools["swa"]
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(rows(window, engine.window_slots(b)[8:12]), rows(window, engine.window_slots(a)[8:12]))
+    )

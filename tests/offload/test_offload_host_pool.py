@@ -185,3 +185,54 @@ def test_pin_without_an_accelerator_names_the_argument():
     """``pin=True`` on a machine without CUDA raises naming ``pin``."""
     with pytest.raises(InvalidArgumentError, match=r"^pin: "):
         host_pool(**{**ARGS, "pin": True})
+
+
+class _Loan:
+    def __init__(self) -> None:
+        self.ended = 0
+
+    def end(self) -> None:
+        self.ended += 1
+
+
+def test_pages_of_their_own_lend_in_until_the_last_is_freed_and_replace_keeps_the_page_bytes():
+    pool = host_pool(**{**ARGS, "buffer_pages": 1, "num_pages": 4})
+    assert pool.own_pages and not host_pool(**ARGS).own_pages
+    ids = pool.alloc(3)
+    own = [pool.page(i).data_ptr() for i in ids]
+    lent = [torch.randint(0, 256, (pool.page_bytes,), dtype=torch.uint8) for _ in range(2)]
+    loan = _Loan()
+    pool.lend_in(ids[:2], lent, loan)
+    assert [pool.page(i).data_ptr() for i in ids[:2]] == [page.data_ptr() for page in lent]
+    assert torch.equal(pool.page(ids[0]).view(torch.uint8).reshape(-1), lent[0]) and pool.pages_lent_in == 2
+    pool.free([ids[0]])
+    assert loan.ended == 0 and pool.page(ids[0]).data_ptr() == own[0]  # its own buffer back
+    pool.free([ids[1], ids[2]])
+    assert loan.ended == 1 and pool.pages_lent_in == 0 and pool.page(ids[1]).data_ptr() == own[1]
+    page = pool.alloc(1)[0]
+    spare = torch.empty(pool.page_bytes, dtype=torch.uint8)
+    pool.replace(page, spare)
+    assert pool.page(page).data_ptr() == spare.data_ptr() and pool.buffers_allocated == 0
+    pool.replace(page, torch.empty(2 * pool.page_bytes, dtype=torch.uint8)[: pool.page_bytes])  # part of a buffer
+    assert pool.buffers_allocated == 1 and pool.page(page).untyped_storage().nbytes() == pool.page_bytes
+
+
+def test_lend_in_and_replace_refuse_bad_input_before_changing_anything():
+    shared = host_pool(**ARGS)
+    with pytest.raises(InvalidArgumentError, match=r"^host_pool: replace\(\) needs one page a buffer"):
+        shared.replace(shared.alloc(1)[0], None)
+    pool = host_pool(**{**ARGS, "buffer_pages": 1})
+    ids = pool.alloc(2)
+    page = torch.zeros(pool.page_bytes, dtype=torch.uint8)
+    with pytest.raises(InvalidArgumentError, match=r"^host_page_id: 5 is not an allocated host page"):
+        pool.replace(5, page)
+    with pytest.raises(InvalidArgumentError, match=r"^pages\[1\]: must be \d+ bytes, got 3"):
+        pool.lend_in(ids, [page, torch.zeros(3, dtype=torch.uint8)], _Loan())
+    with pytest.raises(InvalidArgumentError, match=r"^host_page_ids\[0\]: 7 is not an allocated host page of its own"):
+        pool.lend_in([7], [page], _Loan())
+    assert pool.pages_lent_in == 0
+    pool.lend_in([ids[0]], [page], _Loan())
+    with pytest.raises(
+        InvalidArgumentError, match=r"^host_page_ids\[0\]: \d+ is not an allocated host page of its own"
+    ):
+        pool.lend_in([ids[0]], [page], _Loan())  # lent in already

@@ -1,4 +1,5 @@
-"""page_runs.copy_pages: the same bytes as one copy a page, in one copy per regular run."""
+"""page_runs.copy_pages: the same bytes as one copy a page; contiguous host pages in one
+host_copy batch, other pages in one copy per regular run."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from kvstage.storage import page_runs
 from kvstage.storage.page_runs import copy_pages
 
 PAGE_BYTES = 96  # [2, 3, 8] bfloat16
@@ -38,7 +40,57 @@ def as_bytes(page: torch.Tensor) -> torch.Tensor:
     return page.contiguous().view(-1).view(torch.uint8)
 
 
-def test_adjacent_pages_into_adjacent_rows_move_in_one_copy_and_back():
+@pytest.fixture
+def batches(monkeypatch):
+    """The plans page_runs hands host_copy.run_plan (each: its row count)."""
+    calls = []
+    real = page_runs.run_plan
+
+    def run_plan(plan, *args):
+        calls.append(len(plan.sizes))
+        real(plan, *args)
+
+    monkeypatch.setattr(page_runs, "run_plan", run_plan)
+    return calls
+
+
+@pytest.fixture
+def copy_path_only(monkeypatch):
+    """Every page through the copy_ runs (what contiguous pages took before host_copy)."""
+    monkeypatch.setattr(page_runs, "_streamed", lambda pages, buffers, into_buffers: set())
+
+
+def test_contiguous_pages_move_in_one_streaming_batch_and_back(batches):
+    pages, buffers = list(host(6, seed=1).unbind()), rows(6)
+    with CountCopies() as mode:
+        copy_pages(pages, buffers, into_buffers=True)
+    assert (mode.copies, batches) == (0, [6])
+    assert all(torch.equal(buffer, as_bytes(page)) for page, buffer in zip(pages, buffers))
+    targets = list(torch.zeros(6, 2, 3, 8, dtype=torch.bfloat16).unbind())
+    with CountCopies() as mode:
+        copy_pages(targets, buffers, into_buffers=False)
+    assert (mode.copies, batches) == (0, [6, 6])
+    assert all(torch.equal(as_bytes(t), as_bytes(p)) for t, p in zip(targets, pages))
+
+
+def test_contiguous_and_strided_pages_in_one_call_each_take_their_path(batches):
+    pool = torch.randint(-100, 100, (2, 16, 8)).to(torch.bfloat16)
+    strided = [pool[:, 4 * i : 4 * i + 4].transpose(0, 1) for i in range(2)]  # [4, 2, 8], not contiguous
+    whole = list(torch.randint(-100, 100, (3, 4, 2, 8)).to(torch.bfloat16).unbind())
+    pages = [whole[0], strided[0], whole[1], strided[1], whole[2]]
+    size = 4 * 2 * 8 * 2
+    buffers = [torch.full((size + 32,), 7, dtype=torch.uint8) for _ in pages]  # longer than a page
+    with CountCopies() as mode:
+        copy_pages(pages, buffers, into_buffers=True)
+    assert batches == [3] and mode.copies == 2  # the strided pages: different storages, one copy_ each
+    for page, buffer in zip(pages, buffers):
+        assert torch.equal(buffer[:size], as_bytes(page)) and bool((buffer[size:] == 7).all())
+    targets = [torch.zeros(4, 2, 8, dtype=torch.bfloat16) for _ in pages]
+    copy_pages(targets, buffers, into_buffers=False)
+    assert all(torch.equal(as_bytes(t), as_bytes(p)) for t, p in zip(targets, pages))
+
+
+def test_adjacent_pages_into_adjacent_rows_move_in_one_copy_and_back(copy_path_only):
     pages, buffers = list(host(6, seed=1).unbind()), rows(6)
     with CountCopies() as mode:
         copy_pages(pages, buffers, into_buffers=True)
@@ -68,7 +120,7 @@ def test_strided_page_views_at_a_regular_step_move_in_one_copy():
     assert mode.copies == 1 and torch.equal(back.view(torch.int16), pool.view(torch.int16))
 
 
-def test_irregular_pages_and_buffers_are_copied_in_runs_with_the_bytes_of_one_copy_a_page():
+def test_irregular_pages_and_buffers_are_copied_in_runs_with_the_bytes_of_one_copy_a_page(copy_path_only):
     source = host(10, seed=3)
     slab = rows(10)
     pages = [source[0], source[1], source[2], source[5], source[6], source[7], host(1, seed=4)[0], source[3]]
@@ -107,7 +159,7 @@ def test_targets_that_share_memory_are_written_one_page_after_another(same):
 
 @pytest.mark.parametrize(("serial_elements", "copies"), [(100, 3), (48, 1), (30, 1)])
 def test_pages_below_torchs_parallel_grain_are_batched_only_while_the_batch_stays_below_it(
-    monkeypatch, serial_elements, copies
+    monkeypatch, copy_path_only, serial_elements, copies
 ):
     # 48-element pages: below a grain of 100, two a copy (96 < 100: still one thread, as each
     # page alone); at or above the grain each page's copy was split already, so all in one

@@ -183,20 +183,26 @@ def count_copies():
     return Count()
 
 
-def test_adjacent_host_pages_move_in_one_copy_in_and_out_also_when_the_put_evicts():
-    # A host pool's adjacent pages land in adjacent store rows (fresh or evicted ones, in
-    # address order), so a call moves them in one copy, not one a page.
+def test_a_calls_host_pages_move_in_one_batch_in_and_out_also_when_the_put_evicts(monkeypatch):
+    # A call's contiguous host pages move in one host_copy batch (no copy_), fresh or evicted
+    # store rows alike.
+    from kvstage.storage import page_runs
+
+    batches = []
+    real = page_runs.run_plan
+    monkeypatch.setattr(page_runs, "run_plan", lambda plan, *args: (batches.append(len(plan.sizes)), real(plan, *args)))
     store = MemoryStore(FP, capacity_pages=4)
     pool = torch.arange(12 * 32, dtype=torch.float32).reshape(12, 2, 2, 2, 1, 4)
     for round_, keys in enumerate(("abcd", "efgh", "ijkl")):  # each put evicts the last chain
         pages = list(pool[4 * round_ : 4 * round_ + 4].unbind())
         with count_copies() as mode:
             assert store.put(list(keys), pages) == [PutStatus.STORED] * 4
-        assert mode.copies == 1
+        assert mode.copies == 0 and batches[-1] == 4
         into = torch.zeros(4, 2, 2, 2, 1, 4)
         with count_copies() as mode:
             assert store.get(list(keys), list(into.unbind())) == [True] * 4
-        assert mode.copies == 1 and torch.equal(into, pool[4 * round_ : 4 * round_ + 4])
+        assert mode.copies == 0 and batches[-1] == 4 and torch.equal(into, pool[4 * round_ : 4 * round_ + 4])
+    assert len(batches) == 6
     assert store.buffers_allocated == 4 and store.stats.pages_evicted == 8
     into = torch.zeros(3, 32)  # out of order, with a miss: still each page's own bytes
     assert store.get(["l", "zz", "i", "j"], [into[0], torch.zeros(32), into[1], into[2]]) == [True, False, True, True]
