@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from kvstage.errors import is_int, require
-from kvstage.kernels.host_copy import plan_rows, run_plan
+from kvstage.kernels.host_copy import RowPlan, plan_rows, run_plan
 
 __all__ = ["RowCopies"]
 
@@ -52,11 +52,20 @@ class RowCopies:
                 nothing is copied).
             whatever a share's copy raised (the first share's, after every share ended).
         """
-        plan = plan_rows([target for target, _ in pairs], [source for _, source in pairs])
-        if self._helpers is None or len(pairs) < 2:
+        self.copy_plan(plan_rows([target for target, _ in pairs], [source for _, source in pairs]))
+
+    def copy_plan(self, plan: RowPlan) -> None:
+        """Copy a checked batch (:func:`~kvstage.kernels.host_copy.plan_rows`), its rows split
+        between the threads; returns when every row is copied.
+
+        Raises:
+            whatever a share's copy raised (the first share's, after every share ended).
+        """
+        rows = len(plan.sizes)
+        if self._helpers is None or rows < 2:
             run_plan(plan)
             return
-        shares = min(self.threads, len(pairs))
+        shares = min(self.threads, rows)
         futures = [self._helpers.submit(run_plan, plan, index, shares) for index in range(1, shares)]
         try:
             run_plan(plan, 0, shares)
