@@ -90,6 +90,23 @@ def test_contiguous_and_strided_pages_in_one_call_each_take_their_path(batches):
     assert all(torch.equal(as_bytes(t), as_bytes(p)) for t, p in zip(targets, pages))
 
 
+def test_a_large_batch_is_split_over_threads_with_the_same_bytes(monkeypatch, batches):
+    monkeypatch.setattr(page_runs, "THREADED_MIN_BYTES", 3 * PAGE_BYTES)
+    split = []
+    copies = page_runs._threads()
+    real = copies.copy_plan
+    monkeypatch.setattr(copies, "copy_plan", lambda plan: (split.append(len(plan.sizes)), real(plan)))
+    for count, expected in ((2, []), (7, [7])):  # 2 pages: below the (patched) threshold
+        pages, buffers = list(host(count, seed=count).unbind()), rows(count)
+        copy_pages(pages, buffers, into_buffers=True)
+        assert all(torch.equal(buffer, as_bytes(page)) for page, buffer in zip(pages, buffers))
+        targets = list(torch.zeros(count, 2, 3, 8, dtype=torch.bfloat16).unbind())
+        copy_pages(targets, buffers, into_buffers=False)
+        assert all(torch.equal(as_bytes(t), as_bytes(p)) for t, p in zip(targets, pages))
+        assert split == 2 * expected
+    assert batches == [2, 2]  # the small batches ran on the calling thread
+
+
 def test_adjacent_pages_into_adjacent_rows_move_in_one_copy_and_back(copy_path_only):
     pages, buffers = list(host(6, seed=1).unbind()), rows(6)
     with CountCopies() as mode:
