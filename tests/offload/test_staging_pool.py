@@ -56,6 +56,10 @@ def test_steady_state_stores_and_loads_of_every_component_allocate_no_staging():
         # A buffer a growing memory store adopted (a snapshot's: put_adopting) is that page's
         # memory, which the store would otherwise have allocated itself: not staging's growth.
         counts.append(staging.allocated - sum(store.pages_adopted for store in engine.stores.values()))
-    assert counts[0] > 0 and counts[1:] == [counts[1]] * 3, counts  # round 1 may still grow; then none
+    # Round 1 may still grow; then none. Window and sidecar rows are adopted too (one hop), so the
+    # net growth may be 0 from the start: that staging was used at all is asserted on its own.
+    assert staging.allocated > 0 and counts[1:] == [counts[1]] * 3, counts
     assert engine.stores["state"].pages_adopted == 8 and engine.stores["state"].buffers_allocated == 0
-    assert staging.free_bytes > 0
+    # Every staging buffer went to a store (none comes back while the stores grow), window and
+    # sidecar rows included, not only the snapshots'.
+    assert sum(store.pages_adopted for store in engine.stores.values()) > engine.stores["state"].pages_adopted
