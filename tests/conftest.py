@@ -24,10 +24,17 @@ that would skip on a GPU skip here, which proves the rule without a GPU. There i
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
-import pytest
-import torch
+# `python -m pytest` puts the working directory first on sys.path. From the repository root, which
+# is the package kvstage (imported as `kvstage`, installed), its folders would shadow top-level
+# packages of the same names: transformers 5.25 imports Hugging Face's `kernels` and got kvstage's.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO_ROOT]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 SIMULATE_CUDA = os.environ.get("KVSTAGE_SIMULATE_CUDA") == "1"  # test-only, see the module doc

@@ -90,3 +90,19 @@ def test_every_subpackage_on_disk_is_declared_in_pyproject():
         if relative.parts:
             on_disk.add("kvstage." + ".".join(relative.parts))
     assert on_disk == declared
+
+
+def test_no_folder_of_the_repository_shadows_a_top_level_package():
+    """The suite runs from the repository root (``python -m pytest``), which is the package kvstage:
+    its folders must not be importable as top-level names (transformers 5.25 imports Hugging Face's
+    ``kernels`` and got kvstage's ``kernels/``, failing 3 test modules at collection)."""
+    import importlib.util
+
+    folders = [init.parent.name for init in REPO_ROOT.glob("*/__init__.py")]
+    assert "kernels" in folders and "storage" in folders
+    shadowing = {}
+    for name in folders:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin and os.path.samefile(os.path.dirname(spec.origin), REPO_ROOT / name):
+            shadowing[name] = spec.origin
+    assert shadowing == {}

@@ -652,6 +652,7 @@ def _start(role: str, directory, rendezvous) -> subprocess.Popen:
     env = dict(os.environ, TRITON_INTERPRET="1")
     return subprocess.Popen(
         [sys.executable, "-c", script, role, str(directory), str(rendezvous)],
+        cwd=rendezvous,  # not the repository root: its kernels/ would shadow the one transformers imports
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -713,6 +714,7 @@ def test_a_process_that_exits_without_close_exits_normally(tmp_path):
     script = EXIT_SCRIPT.format(tests=str(REPO_ROOT / "tests"), offload_tests=str(REPO_ROOT / "tests" / "offload"))
     done = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path)],
+        cwd=tmp_path,  # not the repository root: its kernels/ would shadow the one transformers imports
         capture_output=True,
         text=True,
         timeout=300,
