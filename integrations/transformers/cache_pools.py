@@ -343,6 +343,8 @@ class CachePools:
                         cache_layer.lazy_initialization(recurrent_states=value, state_idx=index)
                         cache_layer.recurrent_states[index].copy_(value)
                     cache_layer.has_previous_state[index] = True
+                if hasattr(cache_layer, "cumulative_length_linear"):  # transformers >= 5.25: a state layer's length
+                    cache_layer.cumulative_length_linear.fill_(num_tokens)
         return cache
 
 
