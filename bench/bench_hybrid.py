@@ -65,7 +65,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+# torch's OpenMP team spins for a while after each CPU op (the copy_ baseline) and takes the core
+# kvstage's copy threads need on a small machine; PASSIVE parks it (README "Benchmarks"). Set before
+# torch is imported; a value already in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reporting import write_report  # noqa: E402
@@ -422,6 +427,7 @@ def run(quick: bool = False, lookup_only: bool = False) -> dict:
             "load_average_at_start": load_at_start,
             "load_average": [round(x, 2) for x in os.getloadavg()],
             "python": platform.python_version(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "torch": torch.__version__,
         },
         "quick": quick,

@@ -35,6 +35,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+# torch's OpenMP team spins for a while after each CPU op (the copy_ baseline) and takes the core
+# kvstage's copy threads need on a small machine; PASSIVE parks it (README "Benchmarks"). Set before
+# torch is imported; a value already in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 REPO = Path(__file__).resolve().parent.parent
 SGLANG_TESTS = REPO / "tests" / "integrations" / "sglang"
 SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
@@ -288,6 +293,7 @@ def _measure(quick: bool, log: Callable[[str], None], layouts: tuple[str, ...] =
     results += _measure_hybrid_v2(rounds, log)
     return {
         "torch_threads": torch.get_num_threads(),  # a page's copy_ is split over them
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "load_average": os.getloadavg(),  # at the end: the machine may be shared
         "pages_per_call": num_pages,
         "page_bytes": page_bytes,
@@ -532,7 +538,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_measure(args.quick, lambda line: print(line, file=sys.stderr), chosen)))
         return 0
     report = _measure(args.quick, print, chosen)
-    print(f"torch threads {report['torch_threads']}, load average {report['load_average']}")
+    print(
+        f"torch threads {report['torch_threads']}, OMP_WAIT_POLICY {report['omp_wait_policy']}, "
+        f"load average {report['load_average']}"
+    )
     for row in report["results"]:
         speed = f"{row['gbps']:6.2f} GB/s" if row["gbps"] is not None else f"{row['us_per_call']:6.0f} us a call"
         print(f"{row['layout']:>21} {row['store']:>6} {row['method']:>11} {row['op']:>12}  {speed}")

@@ -25,8 +25,9 @@ Three figures, each beside its baseline in the same run:
   baseline: one batched ``exists`` round trip to a ``FileStore`` for the same 32 keys, what a
   blocking lookup would cost at least.
 
-Timing: ``time.perf_counter``, one warm-up round not counted, the median over rounds. Loaded
-blocks are checked against the stored ones outside the timing.
+Timing: ``time.perf_counter``, warm-up rounds not counted (two for the worker), the median over
+rounds; the worker's per-round ratios are printed and reported too. Loaded blocks are checked
+against the stored ones outside the timing.
 
 Run: ``python bench/bench_vllm.py [--quick] [--rounds N] [--json PATH]``; ``run(quick) -> dict``
 is the entry point for ``python -m bench``. Without vLLM 0.33.0 installed the report says so.
@@ -44,7 +45,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+# torch's OpenMP team spins for a while after each CPU op (the copy_ baseline) and takes the core
+# kvstage's copy threads need on a small machine; PASSIVE parks it (README "Benchmarks"). Set before
+# torch is imported; a value already in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/'s shared modules: these scripts run as files
 from reporting import write_report  # noqa: E402
@@ -66,10 +72,13 @@ def _median_seconds(call, rounds: int) -> float:
     return statistics.median(samples)
 
 
-def _paired(baseline, call, rounds: int) -> tuple[list[float], list[float]]:
+def _paired(baseline, call, rounds: int, warm_ups: int = 2) -> tuple[list[float], list[float]]:
     """(call seconds, baseline seconds) of each round: each round times the two back to back
-    (after one warm-up of each, not kept), so a machine shared with other work slows both alike."""
-    baseline(), call()
+    (after ``warm_ups`` of each, not kept), so a machine shared with other work slows both alike.
+    Two warm-ups: the first store after one ran at 0.23 of copy_ (the host pool faulting in the
+    pages that evicted pages' memory replaces)."""
+    for _ in range(warm_ups):
+        baseline(), call()
     base_times, call_times = [], []
     for _ in range(rounds):
         for fn, times in ((baseline, base_times), (call, call_times)):
@@ -141,8 +150,9 @@ def _worker_figures(num_blocks: int, rounds: int, log) -> list[dict]:
     results = []
     for op, (call_times, base_times) in timings.items():
         seconds = statistics.median(call_times)
-        ratio = statistics.median(base / call for base, call in zip(base_times, call_times))
-        steps = step_rounds[op][1:]  # the warm-up call left out
+        steps = step_rounds[op][-len(call_times) :]  # the warm-up calls left out
+        round_ratios = [base / call for base, call in zip(base_times, call_times)]
+        ratio = statistics.median(round_ratios)
         # per round: each step's seconds, and the rest of the job (submission, hand-offs, waiting)
         steps_ms = {step: statistics.median(r[step] for r in steps) * 1e3 for step in steps_of[op]}
         steps_ms["other"] = statistics.median(call - sum(r.values()) for call, r in zip(call_times, steps)) * 1e3
@@ -153,6 +163,7 @@ def _worker_figures(num_blocks: int, rounds: int, log) -> list[dict]:
             f"{ratio:.2f} of copy_ (median of per-round ratios; target >= {TARGET_COPY_RATIO}: {verdict})"
         )
         log("    steps, median ms a round: " + ", ".join(f"{step} {ms:.1f}" for step, ms in steps_ms.items()))
+        log("    per round, of copy_: " + " ".join(f"{r:.2f}" for r in round_ratios))
         results.append(
             {
                 "method": op,
@@ -162,6 +173,7 @@ def _worker_figures(num_blocks: int, rounds: int, log) -> list[dict]:
                 "seconds": seconds,
                 "gbps": gbps,
                 "copy_ratio": ratio,
+                "round_ratios": round_ratios,
                 "steps_ms": steps_ms,
             }
         )
@@ -287,7 +299,7 @@ def run(quick: bool = False, *, rounds: int | None = None, log=print) -> dict:
         log: where progress lines go.
 
     Returns:
-        ``{"machine", "cpus", "python", "torch", "quick", "rounds", "vllm", "results": [{method,
+        ``{"machine", "cpus", "python", "omp_wait_policy", "torch", "quick", "rounds", "vllm", "results": [{method,
         ...}], "summary": {"lookup_us_per_request": {value, target, ok}}}``; without vLLM
         ``{..., "skipped": reason, "results": []}``.
 
@@ -299,6 +311,7 @@ def run(quick: bool = False, *, rounds: int | None = None, log=print) -> dict:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "python": sys.version.split()[0],
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "torch": torch.__version__,
         "quick": quick,
         "rounds": rounds,

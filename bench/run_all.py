@@ -30,6 +30,7 @@ import datetime
 import importlib.util
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -38,6 +39,10 @@ import traceback
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
+
+# As each benchmark sets when run as a file (bench/bench_vllm.py): torch's OpenMP team parked between
+# CPU ops, set before any benchmark imports torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = BENCH_DIR / "results"
@@ -84,6 +89,7 @@ def machine_meta(quick: bool) -> dict[str, Any]:
         "python": platform.python_version(),
         "machine": f"{platform.machine()}, {platform.system()}",
         "git_commit": _git_commit(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
     try:
         import torch
