@@ -27,7 +27,7 @@ import torch
 
 from kvstage.errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError, require
 
-__all__ = ["PURE_PYTHON_ENV", "RowPlan", "copy_rows", "describe_host_copy", "plan_rows", "run_plan"]
+__all__ = ["PURE_PYTHON_ENV", "RowPlan", "copy_rows", "describe_host_copy", "plan_addresses", "plan_rows", "run_plan"]
 
 PURE_PYTHON_ENV = "KVSTAGE_PURE_PYTHON_HOST_COPY"
 
@@ -163,14 +163,26 @@ def plan_rows(targets: Sequence, sources: Sequence) -> RowPlan:
         target_addresses.append(target_address)
         source_addresses.append(source_address)
         sizes.append(target_bytes)
-    spans = np.array((target_addresses, source_addresses, sizes), dtype=np.uint64).reshape(3, count)
+    return plan_addresses(target_addresses, source_addresses, sizes, (tuple(targets), tuple(sources)))
+
+
+def plan_addresses(targets: list[int], sources: list[int], sizes: list[int], keep: tuple) -> RowPlan:
+    """:func:`plan_rows` for a caller that took its rows' addresses itself (checked rows it
+    holds: contiguous host memory, ``sizes[i]`` bytes at ``targets[i]`` and at ``sources[i]``):
+    only the overlap rule is checked here. ``keep`` holds what the addresses point into.
+
+    Raises:
+        InvalidArgumentError: a target shares a byte with another target or a source.
+    """
+    count = len(targets)
+    spans = np.array((targets, sources, sizes), dtype=np.uint64).reshape(3, count)
     starts = np.concatenate((spans[0], spans[1]))
     ends = starts + np.concatenate((spans[2], spans[2]))
     clash = _overlap(starts, ends, np.arange(2 * count) < count)
     if clash is not None:
         names = [f"targets[{i}]" if i < count else f"sources[{i - count}]" for i in clash]
         raise InvalidArgumentError(f"{names[0]}: must not share bytes with another row, but overlaps {names[1]}")
-    return RowPlan(spans[0], spans[1], spans[2], (tuple(targets), tuple(sources)))
+    return RowPlan(spans[0], spans[1], spans[2], keep)
 
 
 def run_plan(plan: RowPlan, first: int = 0, step: int = 1) -> None:

@@ -30,7 +30,7 @@ import threading
 import torch
 
 from kvstage.errors import InvalidArgumentError
-from kvstage.kernels.host_copy import plan_rows, run_plan
+from kvstage.kernels.host_copy import plan_addresses, run_plan
 
 __all__ = ["copy_pages"]
 
@@ -103,21 +103,29 @@ def _without_overlap(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
 
 def _streamed(pages: list[torch.Tensor], buffers: list[torch.Tensor], into_buffers: bool) -> set[int]:
     """Copy the contiguous CPU pages in one :func:`~kvstage.kernels.host_copy.copy_rows` batch;
-    their positions (none where the batch is refused: then every page takes ``copy_``)."""
-    chosen = [
-        i
-        for i, (page, buffer) in enumerate(zip(pages, buffers))
-        if page.device.type == "cpu" and buffer.device.type == "cpu" and page.is_contiguous()
-    ]
+    their positions (none where the batch is refused: then every page takes ``copy_``). One pass
+    takes the addresses: a put of 128 pages paid ~0.3 ms for three (the choice, the buffers'
+    slices, the plan's own checks)."""
+    chosen, page_addresses, buffer_addresses, sizes = [], [], [], []
+    for i, (page, buffer) in enumerate(zip(pages, buffers)):
+        if page.is_cpu and buffer.is_cpu and page.is_contiguous() and buffer.is_contiguous():
+            size = page.nbytes
+            if buffer.nbytes >= size:  # else copy_ below raises for it, naming nothing written
+                chosen.append(i)
+                page_addresses.append(page.data_ptr())
+                buffer_addresses.append(buffer.data_ptr())
+                sizes.append(size)
     if not chosen:
         return set()
-    held = [pages[i] for i in chosen]
-    stored = [buffers[i][: page.numel() * page.element_size()] for i, page in zip(chosen, held)]
+    keep = (pages, buffers)
     try:
-        plan = plan_rows(stored, held) if into_buffers else plan_rows(held, stored)
-    except InvalidArgumentError:  # overlapping targets, a short buffer: copy_ in order (or raise)
+        if into_buffers:
+            plan = plan_addresses(buffer_addresses, page_addresses, sizes, keep)
+        else:
+            plan = plan_addresses(page_addresses, buffer_addresses, sizes, keep)
+    except InvalidArgumentError:  # overlapping targets: copy_ in order
         return set()
-    if int(plan.sizes.sum()) >= THREADED_MIN_BYTES:
+    if sum(sizes) >= THREADED_MIN_BYTES:
         _threads().copy_plan(plan)
     else:
         run_plan(plan)
@@ -153,6 +161,8 @@ def copy_pages(pages: list[torch.Tensor], buffers: list[torch.Tensor], *, into_b
         into_buffers: the direction (a store's put: True; its get: False).
     """
     done = _streamed(pages, buffers, into_buffers)
+    if len(done) == len(pages):
+        return
     if done:
         rest = [i for i in range(len(pages)) if i not in done]
         pages, buffers = [pages[i] for i in rest], [buffers[i] for i in rest]

@@ -184,6 +184,25 @@ def test_run_plan_shares_cover_every_row_once(implementation):
     _check(targets, sources, buffers)
 
 
+def test_a_plan_of_addresses_copies_like_plan_rows_and_refuses_overlapping_targets(implementation):
+    rng = np.random.default_rng(11)
+    targets, sources, buffers = _rows(rng, [5000, 17, 0, 4096], [0, 3, 0, 1], [1, 0, 2, 0])
+    address = lambda row: row.__array_interface__["data"][0]  # noqa: E731
+    plan = host_copy.plan_addresses(
+        [address(t) for t in targets], [address(s) for s in sources], [t.size for t in targets], (targets, sources)
+    )
+    reference = host_copy.plan_rows(targets, sources)
+    assert all(np.array_equal(a, b) for a, b in zip(plan[:3], reference[:3]))
+    host_copy.run_plan(plan)
+    _check(targets, sources, buffers)
+    shared = np.full(300, POISON, dtype=np.uint8)
+    with pytest.raises(InvalidArgumentError, match=r"targets\[1\]: must not share bytes with another row"):
+        host_copy.plan_addresses(
+            [address(shared), address(shared) + 99], [address(s) for s in sources[:2]], [100, 100], ()
+        )
+    assert (shared == POISON).all()
+
+
 def _bad_inputs():
     """(name, targets, sources, error, message part): each with a good row first, poisoned."""
     good_target, good_source = np.full(100, POISON, dtype=np.uint8), np.arange(100, dtype=np.uint8)
