@@ -340,8 +340,36 @@ class MemoryStore(StorageBackend):
                 )
             seen.add(pointer)
         spares: list[torch.Tensor] = []
-        statuses = self._run_put(keys, pages, prior_key, lambda k, p, prior: self._adopt(k, p, prior, spares))
+        adopted: list[str] = []  # full keys whose page tensor the store took
+
+        def adopt(full_keys: list[str], given: list[torch.Tensor], prior: str | None) -> PutStatuses:
+            statuses = self._adopt(full_keys, given, prior, spares)
+            adopted.extend(key for key, status in zip(full_keys, statuses) if status is PutStatus.STORED)
+            return statuses
+
+        try:
+            statuses = self._run_put(keys, pages, prior_key, adopt)
+        except BaseException:
+            # Raised after the pages were kept (a change or timing listener): the caller takes the
+            # call as failed and reuses its buffers, so the store must not keep them.
+            self._give_back(adopted)
+            raise
         return statuses, spares
+
+    def _give_back(self, full_keys: list[str]) -> None:
+        """Forget the adopted pages of ``full_keys`` (their tensors are the caller's again; never
+        spares), recorded as removed."""
+        if not full_keys:
+            return
+        given = set(full_keys)
+        with self._lock:
+            stored = self._pages
+            gone = stored.chains_after(full_keys)  # a page chained after one (put since) goes too
+            for key in gone:
+                buffer = stored.remove(key)
+                if key not in given and buffer.data_ptr() not in self._lent_buffers:
+                    self._spare.append(buffer)  # the store's own memory
+            self._record("removed", gone)
 
     def _adopt(self, keys: list[str], pages: list[torch.Tensor], prior_key: str | None, spares: list) -> PutStatuses:
         """:meth:`_put` keeping the pages' tensors; the victims' buffers go to ``spares``, and a

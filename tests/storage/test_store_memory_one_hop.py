@@ -190,3 +190,34 @@ def test_a_subclass_with_its_own_reads_or_writes_is_not_bypassed():
     assert (CheckedReads(fp).adopts, CheckedReads(fp).lends) == (True, False)
     assert (CheckedWrites(fp).adopts, CheckedWrites(fp).lends) == (False, True)
     assert BothHooks(fp).lends
+
+
+def test_a_put_adopting_that_raises_after_keeping_the_pages_gives_them_back():
+    """A change listener raising after the put kept the pages: the caller takes the call as
+    failed and reuses its buffers, so the store forgets those pages (a page chained after one,
+    put since, goes too) and never serves the caller's next bytes under the old keys."""
+    store = _store(capacity_pages=4)
+    store.put_adopting(["a"], [_page(1)])
+    store.take_events()
+    failing = {"on": True}
+
+    def listener(_store, kind, keys, _priors):
+        if failing["on"] and kind == "stored":
+            raise RuntimeError("listener failed")
+
+    store.add_change_listener(listener)
+    pages = [_page(2), _page(3)]
+    with pytest.raises(RuntimeError, match="listener failed"):
+        store.put_adopting(["b", "c"], pages, prior_key="a")
+    assert store.exists(["a", "b", "c"]) == [True, False, False]
+    for page in pages:
+        page.fill_(0x5A)  # the caller's again
+    assert _read(store, "b") is None and _read(store, "c") is None
+    events = [(e.kind, e.key) for e in store.take_events()]
+    assert events[:2] == [("stored", "b"), ("stored", "c")] and sorted(events[2:]) == [
+        ("removed", "b"),
+        ("removed", "c"),
+    ]
+    failing["on"] = False
+    statuses, _ = store.put_adopting(["b"], [_page(4)], prior_key="a")
+    assert statuses == [PutStatus.STORED] and torch.equal(_read(store, "b"), _page(4).view(-1))
