@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from kvstage.errors import require
 from kvstage.kernels.host_copy import RowPlan
 
 __all__ = ["KVRows", "StateRows", "kv_rows", "state_rows"]
@@ -58,15 +59,26 @@ class KVRows:
     ) -> RowPlan:
         """The rows that move page ``i``'s slots ``slot_indices[i * page_size : (i + 1) *
         page_size]`` to (``to_host``) or from ``pages[i]`` (contiguous host pages of the page
-        layout), every layer or only ``layer``, page by page. The slots are the caller's,
-        checked in range (a CPU int tensor of ``len(pages)`` whole pages)."""
+        layout), every layer or only ``layer``, page by page (``slot_indices``: a CPU int tensor
+        of ``len(pages)`` whole pages).
+
+        Raises:
+            InvalidArgumentError: a slot outside the pool (nothing planned)."""
         num_pages, page_size = len(pages), self.page_size
         layers = slice(None) if layer is None else slice(layer, layer + 1)
         bases, offsets = self.bases[layers], self.plane_offsets[layers]  # [layers, parts]
         if not num_pages:
             empty = np.zeros(0, dtype=np.uint64)
             return RowPlan(empty, empty, empty, ())
-        slots = slot_indices.long().view(num_pages, page_size).numpy().astype(np.uint64)
+        slots = slot_indices.long().view(num_pages, page_size).numpy()
+        low, high = int(slots.min()), int(slots.max())  # addresses are computed from them: never out of the pool
+        num_slots = self.kv_pool.buffers[0][0].shape[0]
+        require(
+            low >= 0 and high < num_slots,
+            "slot_indices",
+            lambda: f"every slot must be in [0, {num_slots}), got {low if low < 0 else high}",
+        )
+        slots = slots.astype(np.uint64)
         first = slots[:, 0]
         aligned = (first % page_size == 0) & (slots == first[:, None] + np.arange(page_size, dtype=np.uint64)).all(1)
         addresses = np.array([page.data_ptr() for page in pages], dtype=np.uint64)

@@ -510,14 +510,38 @@ class Hybrid:
         for component in self.layout.of_kind("swa"):
             want = len(handle.entries[component.name].indices) * self.page_size
             given = (component_slots or {}).get(component.name)
+            pool = self.components.pools[component.name]
             require(
-                isinstance(given, torch.Tensor) and given.dim() == 1 and given.shape[0] == want,
+                isinstance(given, torch.Tensor)
+                and given.dim() == 1
+                and given.shape[0] == want
+                and given.dtype in (torch.int32, torch.int64)
+                and given.device == torch.device(pool.device),
                 f"component_slots[{component.name!r}]",
-                lambda given=given, want=want: (
-                    f"must be a 1-D tensor of the window's {want} slots (its pages before the length), got "
-                    f"{tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__}"
+                lambda given=given, want=want, pool=pool: (
+                    f"must be a 1-D int32/int64 tensor on {pool.device} of the window's {want} slots (its pages "
+                    "before the length), got "
+                    + (
+                        f"{given.dtype} {tuple(given.shape)} on {given.device}"
+                        if isinstance(given, torch.Tensor)
+                        else type(given).__name__
+                    )
                 ),
             )
+            if want and given.device.type == "cpu":  # as the full pages' slots (on CUDA: the engine's promise)
+                low, high = int(given.min()), int(given.max())
+                require(
+                    low >= 0 and high < pool.num_slots,
+                    f"component_slots[{component.name!r}]",
+                    lambda low=low, high=high, pool=pool: (
+                        f"every slot must be in [0, {pool.num_slots}), got {low if low < 0 else high}"
+                    ),
+                )
+                require(
+                    torch.unique(given).numel() == want,
+                    f"component_slots[{component.name!r}]",
+                    lambda: "a slot repeats (two rows would be written into one slot)",
+                )
             slots[component.name] = given
         if self.state is not None:
             pool = self.components.pools[self.state.name]

@@ -192,6 +192,32 @@ def test_bad_window_slots_raise_before_any_launch():
     assert engine.stream.submitted == 0 and not engine.manager.is_tracked(a)
 
 
+def test_window_slots_of_a_load_outside_the_pool_or_repeated_are_refused_before_any_copy():
+    engine = Engine(LAYOUTS["swa"])
+    store(engine, engine.request("a", PROMPT))
+    b = engine.request("b", PROMPT + [5, 6])
+    handle = engine.manager.prefetch(b, policy="wait_complete")
+    handle.wait()
+    engine.manager.poll()
+    submitted, slots = engine.stream.submitted, engine.slots(b)[:12]
+    num_slots = engine.pools["swa"].num_slots
+    window = engine.window_slots(b)[4:8]
+    bad = {
+        "outside": (torch.tensor([0, 1, 2, num_slots]), rf"every slot must be in \[0, {num_slots}\), got {num_slots}"),
+        "negative": (torch.tensor([-1, 1, 2, 3]), r"every slot must be in \[0, \d+\), got -1"),
+        "repeated": (torch.tensor([5, 5, 6, 7]), "a slot repeats"),
+        "float": (window.float(), "must be a 1-D int32/int64 tensor"),
+    }
+    for given, message in bad.values():  # the host rows' addresses came from them: written outside the pool
+        with pytest.raises(InvalidArgumentError, match=rf"^component_slots\['swa'\]: {message}"):
+            engine.manager.load(handle, slots, component_slots={"swa": given})
+    assert engine.stream.submitted == submitted
+    loaded = engine.manager.load(handle, slots, component_slots={"swa": window})  # the request still loads
+    engine.stream.complete_all()
+    loaded.wait()
+    assert loaded.error is None and loaded.num_tokens == 12
+
+
 def test_abort_waits_for_component_loads():
     engine = Engine(LAYOUTS["state"], seed=5)
     saved = store(engine, engine.request("a", PROMPT), snapshots=(4, 8))
