@@ -288,28 +288,45 @@ class HostPool:
         ``loan.end()`` runs when the last of them is freed. Any thread (a prefetch's reader).
 
         Raises:
-            InvalidArgumentError: not one page a buffer, lengths differ, a page of another size,
-                or an id not allocated or lent in already; nothing changed then.
+            InvalidArgumentError: not one page a buffer, lengths differ, a page that is not a
+                contiguous CPU tensor of the page's bytes, or an id not allocated, lent in already
+                or given twice; nothing changed then.
         """
         require(self.own_pages, "host_pool", "lend_in() needs one page a buffer (buffer_pages=1)")
         ids = list(host_page_ids)
         require(len(ids) == len(pages), "pages", lambda: f"must be one per host page id, {len(ids)}, got {len(pages)}")
         with self._loans_lock:
+            seen: set = set()
+            views = []  # every view made before any page changes (a page that cannot be viewed changes none)
             for index, (page_id, page) in enumerate(zip(ids, pages)):
                 require(
-                    self.is_allocated(page_id) and page_id not in self._loans,
+                    self.is_allocated(page_id) and page_id not in self._loans and page_id not in seen,
                     f"host_page_ids[{index}]",
-                    lambda page_id=page_id: f"{page_id!r} is not an allocated host page of its own",
+                    lambda page_id=page_id: (
+                        f"{page_id!r} is not an allocated host page of its own (or it repeats in this call)"
+                    ),
                 )
+                seen.add(page_id)
                 require(
-                    page.numel() * page.element_size() == self.page_bytes,
+                    isinstance(page, torch.Tensor)
+                    and page.is_cpu
+                    and page.is_contiguous()
+                    and page.numel() * page.element_size() == self.page_bytes,
                     f"pages[{index}]",
-                    lambda page=page: f"must be {self.page_bytes} bytes, got {page.numel() * page.element_size()}",
+                    lambda page=page: (
+                        f"must be a contiguous CPU tensor of {self.page_bytes} bytes, got "
+                        + (
+                            f"{page.numel() * page.element_size()} bytes"
+                            if isinstance(page, torch.Tensor)
+                            else type(page).__name__
+                        )
+                    ),
                 )
+                views.append(page.view(torch.uint8).view(-1).view(self.layout.dtype).view(1, *self.page_shape))
             record = [loan, len(ids)]
-            for page_id, page in zip(ids, pages):
+            for page_id, view in zip(ids, views):
                 self._loans[page_id] = (self.buffers[page_id], record)
-                self.buffers[page_id] = page.view(torch.uint8).view(self.layout.dtype).view(1, *self.page_shape)
+                self.buffers[page_id] = view
         if not ids:
             loan.end()
 

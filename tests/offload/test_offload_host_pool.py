@@ -223,11 +223,22 @@ def test_lend_in_and_replace_refuse_bad_input_before_changing_anything():
         shared.replace(shared.alloc(1)[0], None)
     pool = host_pool(**{**ARGS, "buffer_pages": 1})
     ids = pool.alloc(2)
+    own = [pool.page(i).data_ptr() for i in ids]
     page = torch.zeros(pool.page_bytes, dtype=torch.uint8)
     with pytest.raises(InvalidArgumentError, match=r"^host_page_id: 5 is not an allocated host page"):
         pool.replace(5, page)
-    with pytest.raises(InvalidArgumentError, match=r"^pages\[1\]: must be \d+ bytes, got 3"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"^pages\[1\]: must be a contiguous CPU tensor of \d+ bytes, got 3 bytes"
+    ):
         pool.lend_in(ids, [page, torch.zeros(3, dtype=torch.uint8)], _Loan())
+    strided = torch.zeros(2 * pool.page_bytes, dtype=torch.uint8)[::2]
+    with pytest.raises(InvalidArgumentError, match=r"^pages\[1\]: must be a contiguous CPU tensor"):
+        pool.lend_in(ids, [page, strided], _Loan())  # its view would fail after page 0 changed
+    with pytest.raises(
+        InvalidArgumentError, match=r"^host_page_ids\[1\]: \d+ is not .* \(or it repeats in this call\)"
+    ):
+        pool.lend_in([ids[0], ids[0]], [page, page.clone()], _Loan())  # would alias a lent page for good
+    assert pool.pages_lent_in == 0 and [pool.page(i).data_ptr() for i in ids] == own
     with pytest.raises(InvalidArgumentError, match=r"^host_page_ids\[0\]: 7 is not an allocated host page of its own"):
         pool.lend_in([7], [page], _Loan())
     assert pool.pages_lent_in == 0
