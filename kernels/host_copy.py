@@ -76,7 +76,7 @@ def _span(row: object, side: str, index: int, writable: bool) -> tuple[int, int]
             return row.data_ptr(), row.nbytes
     elif isinstance(row, np.ndarray):
         flags = row.flags
-        if flags.c_contiguous and (flags.writeable or not writable):
+        if flags.c_contiguous and (flags.writeable or not writable) and not row.dtype.hasobject:
             return row.__array_interface__["data"][0], row.nbytes
     _refuse(row, f"{side}[{index}]", writable)
 
@@ -94,6 +94,11 @@ def _refuse(row: object, argument: str, writable: bool) -> NoReturn:
         raise InvalidArgumentError(f"{argument}: must be contiguous, got strides {row.stride()}")
     if isinstance(row, np.ndarray):
         require(row.flags.c_contiguous, argument, lambda: f"must be C-contiguous, got strides {row.strides}")
+        require(
+            not row.dtype.hasobject,
+            argument,
+            lambda: f"must hold plain values, not Python objects (dtype {row.dtype})",
+        )
         raise InvalidArgumentError(f"{argument}: must be writable (a copy's target), got a read-only array")
     raise ArgumentTypeError(f"{argument}: must be a torch.Tensor or numpy.ndarray, got {type(row).__name__}")
 

@@ -247,6 +247,13 @@ def _bad_inputs():
         ),
         ("read-only", [read_only], [good_source], InvalidArgumentError, "targets[1]: must be writable"),
         (
+            "objects",  # their bytes are PyObject pointers: a copy would break reference counts
+            [np.full(100, POISON, np.uint8)],
+            [np.array([None] * 100, dtype=object)[:13]],
+            InvalidArgumentError,
+            "sources[1]: must hold plain values, not Python objects (dtype object)",
+        ),
+        (
             "target over target",
             [shared[:100], shared[50:150]],
             [good_source, good_source],
