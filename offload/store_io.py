@@ -22,7 +22,7 @@ import torch
 
 from kvstage.errors import StorageError, is_int, require
 from kvstage.nvtx_ranges import nvtx_range
-from kvstage.storage import PutStatus
+from kvstage.storage import AdoptedPagesError, PutStatus
 from kvstage.storage.backend import adopts_pages, lends_pages
 
 __all__ = [
@@ -133,9 +133,15 @@ def _write_pages(
     try:
         given = [pages[unique[key]] for key in keys]
         if adopt:
-            answer, outcome.spares = storage.put_adopting(keys, given, prior_key=prior_key)
-            for key, status in zip(keys, answer):
-                outcome.adopted[unique[key]] = status is PutStatus.STORED
+            answer = ()
+            try:
+                answer, outcome.spares = storage.put_adopting(keys, given, prior_key=prior_key)
+            except AdoptedPagesError as error:  # pages kept, then it failed: those are the store's
+                answer, outcome.spares = error.statuses, error.spares
+                raise  # the write failed (counted below), yet the kept pages' buffers are replaced
+            finally:
+                for key, status in zip(keys, answer):
+                    outcome.adopted[unique[key]] = status is PutStatus.STORED
         else:
             answer = storage.put(keys, given, prior_key=prior_key)
         statuses = _answer(answer, len(keys), "put")

@@ -25,12 +25,13 @@ from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, S
 from kvstage.storage.events import StoreEvent
 from kvstage.storage.file_store import FileStore, KeySpace, StoreDirectoryError
 from kvstage.storage.fingerprint import LayoutFingerprint
-from kvstage.storage.memory_store import MemoryStore
+from kvstage.storage.memory_store import AdoptedPagesError, MemoryStore
 from kvstage.storage.mooncake.config import MooncakeConfig
 from kvstage.storage.mooncake.store import MooncakeStore
 from kvstage.storage.registry import STORAGE_SCHEMES, open_storage
 
 __all__ = [
+    "AdoptedPagesError",
     "STORAGE_SCHEMES",
     "FileStore",
     "KeySpace",

@@ -53,7 +53,7 @@ from typing import Sequence
 
 import torch
 
-from kvstage.errors import InvalidArgumentError, is_int
+from kvstage.errors import InvalidArgumentError, StorageError, is_int
 from kvstage.storage.backend import MissingPriorError, PutStatus, PutStatuses, StorageBackend, _checked_keys
 from kvstage.storage.chain_index import ADDED, DEDUPLICATED, MISSING_PRIOR, NO_ROOM, ChainIndex
 from kvstage.storage.events import DEFAULT_EVENT_CAPACITY
@@ -325,6 +325,8 @@ class MemoryStore(StorageBackend):
             InvalidArgumentError: a page is not adoptable, two pages share a buffer, a page is
                 on loan from this store (naming ``pages[i]``), or as :meth:`put`; nothing is
                 stored then.
+            AdoptedPagesError: something raised (its cause) after pages were kept: its
+                ``statuses`` and ``spares`` are what the call would have returned.
         """
         seen: set[int] = set()
         for index, page in enumerate(pages):
@@ -340,36 +342,21 @@ class MemoryStore(StorageBackend):
                 )
             seen.add(pointer)
         spares: list[torch.Tensor] = []
-        adopted: list[str] = []  # full keys whose page tensor the store took
+        kept: list[PutStatuses] = []  # the statuses once the pages are kept
 
         def adopt(full_keys: list[str], given: list[torch.Tensor], prior: str | None) -> PutStatuses:
-            statuses = self._adopt(full_keys, given, prior, spares)
-            adopted.extend(key for key, status in zip(full_keys, statuses) if status is PutStatus.STORED)
-            return statuses
+            kept.append(self._adopt(full_keys, given, prior, spares))
+            return kept[0]
 
         try:
             statuses = self._run_put(keys, pages, prior_key, adopt)
-        except BaseException:
-            # Raised after the pages were kept (a change or timing listener): the caller takes the
-            # call as failed and reuses its buffers, so the store must not keep them.
-            self._give_back(adopted)
+        except Exception as error:
+            if kept and any(status is PutStatus.STORED for status in kept[0]):
+                # Raised after pages were kept (a change or timing listener): which tensors are
+                # the store's now must reach the caller, or it would reuse them.
+                raise AdoptedPagesError(kept[0], spares) from error
             raise
         return statuses, spares
-
-    def _give_back(self, full_keys: list[str]) -> None:
-        """Forget the adopted pages of ``full_keys`` (their tensors are the caller's again; never
-        spares), recorded as removed."""
-        if not full_keys:
-            return
-        given = set(full_keys)
-        with self._lock:
-            stored = self._pages
-            gone = stored.chains_after(full_keys)  # a page chained after one (put since) goes too
-            for key in gone:
-                buffer = stored.remove(key)
-                if key not in given and buffer.data_ptr() not in self._lent_buffers:
-                    self._spare.append(buffer)  # the store's own memory
-            self._record("removed", gone)
 
     def _adopt(self, keys: list[str], pages: list[torch.Tensor], prior_key: str | None, spares: list) -> PutStatuses:
         """:meth:`_put` keeping the pages' tensors; the victims' buffers go to ``spares``, and a
@@ -422,9 +409,14 @@ class MemoryStore(StorageBackend):
         self.stats.pages_missed += len(pages) - found
         self.stats.bytes_got += found * self.page_bytes
         self.stats.get_seconds += seconds
-        for listener in self._timing_listeners:
-            listener("get", len(hook_keys), seconds)
-        return PageLoan(self, hook_keys, pages)
+        loan = PageLoan(self, hook_keys, pages)
+        try:
+            for listener in self._timing_listeners:
+                listener("get", len(hook_keys), seconds)
+        except BaseException:
+            loan.end()  # no caller would hold it: the pages would stay on loan for good
+            raise
+        return loan
 
     def _lend(self, hook_keys: list[str]) -> list[torch.Tensor | None]:
         """The stored buffers of ``hook_keys`` (None: not stored), under the lock."""
@@ -446,6 +438,20 @@ class MemoryStore(StorageBackend):
     def pages_on_loan(self) -> int:
         """Loans of pages not ended yet (a page lent twice counts twice)."""
         return sum(self._lent.values())
+
+
+class AdoptedPagesError(StorageError):
+    """:meth:`MemoryStore.put_adopting` raised (the cause) after it kept pages.
+
+    Attributes:
+        statuses: one :class:`~kvstage.storage.backend.PutStatus` a key: a ``STORED`` page's
+            tensor is the store's, as if the call had returned.
+        spares: the buffers handed back, as the call's return value.
+    """
+
+    def __init__(self, statuses: PutStatuses, spares: list[torch.Tensor]) -> None:
+        super().__init__(f"put_adopting: kept {sum(s is PutStatus.STORED for s in statuses)} pages, then failed")
+        self.statuses, self.spares = statuses, spares
 
 
 class PageLoan:

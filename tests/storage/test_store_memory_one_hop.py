@@ -8,7 +8,8 @@ import torch
 
 from kvstage.errors import InvalidArgumentError
 from kvstage.kv_layout import KVLayout
-from kvstage.storage import MemoryStore, PutStatus
+from kvstage.offload.store_io import write_pages
+from kvstage.storage import AdoptedPagesError, MemoryStore, PutStatus
 from kvstage.storage.fingerprint import LayoutFingerprint
 
 PAGE_BYTES = 64
@@ -192,13 +193,13 @@ def test_a_subclass_with_its_own_reads_or_writes_is_not_bypassed():
     assert BothHooks(fp).lends
 
 
-def test_a_put_adopting_that_raises_after_keeping_the_pages_gives_them_back():
-    """A change listener raising after the put kept the pages: the caller takes the call as
-    failed and reuses its buffers, so the store forgets those pages (a page chained after one,
-    put since, goes too) and never serves the caller's next bytes under the old keys."""
-    store = _store(capacity_pages=4)
+def test_a_put_adopting_that_raises_after_keeping_the_pages_says_which_it_kept():
+    """A change listener raising after the put kept the pages: the error carries the statuses and
+    spares (the kept tensors are the store's, whatever the listeners did meanwhile), and a write
+    through store_io counts the write failed yet reports those pages adopted, so the caller
+    replaces their buffers instead of reusing them under the store's stored pages."""
+    store = _store(capacity_pages=6)
     store.put_adopting(["a"], [_page(1)])
-    store.take_events()
     failing = {"on": True}
 
     def listener(_store, kind, keys, _priors):
@@ -207,17 +208,33 @@ def test_a_put_adopting_that_raises_after_keeping_the_pages_gives_them_back():
 
     store.add_change_listener(listener)
     pages = [_page(2), _page(3)]
-    with pytest.raises(RuntimeError, match="listener failed"):
+    with pytest.raises(AdoptedPagesError) as raised:
         store.put_adopting(["b", "c"], pages, prior_key="a")
-    assert store.exists(["a", "b", "c"]) == [True, False, False]
-    for page in pages:
-        page.fill_(0x5A)  # the caller's again
-    assert _read(store, "b") is None and _read(store, "c") is None
-    events = [(e.kind, e.key) for e in store.take_events()]
-    assert events[:2] == [("stored", "b"), ("stored", "c")] and sorted(events[2:]) == [
-        ("removed", "b"),
-        ("removed", "c"),
-    ]
+    assert raised.value.statuses == [PutStatus.STORED, PutStatus.STORED] and raised.value.spares == []
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    assert store.exists(["a", "b", "c"]) == [True, True, True]
+    loan = store.lend(["b"])
+    assert loan.pages[0].data_ptr() == pages[0].data_ptr()
+    loan.end()
+    outcome = write_pages(store, ["d", "e"], [_page(4), _page(5)], prior_key="c", adopt=True)
+    assert outcome.adopted == [True, True] and outcome.failed_keys == ["d", "e"]
+    assert isinstance(outcome.error, AdoptedPagesError)
     failing["on"] = False
-    statuses, _ = store.put_adopting(["b"], [_page(4)], prior_key="a")
-    assert statuses == [PutStatus.STORED] and torch.equal(_read(store, "b"), _page(4).view(-1))
+    assert store.put_adopting(["e"], [_page(6)], prior_key="d")[0] == [PutStatus.DEDUPLICATED]
+
+
+def test_a_lend_whose_timing_listener_raises_leaves_no_page_on_loan():
+    store = _store(capacity_pages=2)
+    store.put_adopting(["a"], [_page(1)])
+
+    def listener(op, pages, seconds):
+        raise RuntimeError("timing listener failed")
+
+    store.add_timing_listener(listener)
+    with pytest.raises(RuntimeError, match="timing listener failed"):
+        store.lend(["a"])
+    assert store.pages_on_loan == 0  # "a" can be evicted again
+    store.remove_timing_listener(listener)
+    store.put_adopting(["b"], [_page(2)])
+    store.put_adopting(["c"], [_page(3)])
+    assert store.exists(["a", "b", "c"]) == [False, True, True]
