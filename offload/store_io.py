@@ -279,13 +279,13 @@ class StoreWorkers:
 def adopts_from(storage: Any, host_pool: Any) -> bool:
     """Whether writes of ``host_pool``'s pages hand the pages themselves to ``storage`` (one
     page a buffer, a store that adopts: :meth:`HostPool.replace` takes the spares)."""
-    return bool(host_pool.own_pages and adopts_pages(storage) and getattr(storage, "adopts", True))
+    return bool(host_pool.own_pages and adopts_pages(storage))
 
 
 def lends_into(storage: Any, host_pool: Any) -> bool:
     """Whether reads into ``host_pool``'s pages borrow ``storage``'s pages instead of copying
     them (one page a buffer, a store that lends: :meth:`HostPool.lend_in`)."""
-    return bool(host_pool.own_pages and lends_pages(storage) and getattr(storage, "lends", True))
+    return bool(host_pool.own_pages and lends_pages(storage))
 
 
 def read_leading_pages_into(

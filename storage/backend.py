@@ -526,10 +526,17 @@ def _checked_keys(keys: Sequence[str]) -> list[str]:
 
 
 def adopts_pages(storage: object) -> bool:
-    """Whether ``storage`` offers ``adoptable`` and ``put_adopting`` (see the note above)."""
-    return callable(getattr(storage, "put_adopting", None)) and callable(getattr(storage, "adoptable", None))
+    """Whether ``storage`` offers ``adoptable`` and ``put_adopting`` (see the note above), and
+    its ``adopts`` (where it has one) says adoption runs its own writes (a ``MemoryStore``
+    subclass with a ``_put`` of its own: False)."""
+    return (
+        callable(getattr(storage, "put_adopting", None))
+        and callable(getattr(storage, "adoptable", None))
+        and bool(getattr(storage, "adopts", True))
+    )
 
 
 def lends_pages(storage: object) -> bool:
-    """Whether ``storage`` offers ``lend`` (see the note above)."""
-    return callable(getattr(storage, "lend", None))
+    """Whether ``storage`` offers ``lend`` (see the note above), and its ``lends`` (where it has
+    one) says a loan reads as its ``get`` does."""
+    return callable(getattr(storage, "lend", None)) and bool(getattr(storage, "lends", True))

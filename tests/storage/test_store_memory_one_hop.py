@@ -10,6 +10,7 @@ from kvstage.errors import InvalidArgumentError
 from kvstage.kv_layout import KVLayout
 from kvstage.offload.store_io import write_pages
 from kvstage.storage import AdoptedPagesError, MemoryStore, PutStatus
+from kvstage.storage.backend import adopts_pages, lends_pages
 from kvstage.storage.fingerprint import LayoutFingerprint
 
 PAGE_BYTES = 64
@@ -191,6 +192,9 @@ def test_a_subclass_with_its_own_reads_or_writes_is_not_bypassed():
     assert (CheckedReads(fp).adopts, CheckedReads(fp).lends) == (True, False)
     assert (CheckedWrites(fp).adopts, CheckedWrites(fp).lends) == (False, True)
     assert BothHooks(fp).lends
+    # what every one-hop caller asks (the vLLM worker's too): never the adopting path around a _put of its own
+    assert (adopts_pages(_store()), lends_pages(_store())) == (True, True)
+    assert (adopts_pages(CheckedWrites(fp)), lends_pages(CheckedReads(fp))) == (False, False)
 
 
 def test_a_put_adopting_that_raises_after_keeping_the_pages_says_which_it_kept():

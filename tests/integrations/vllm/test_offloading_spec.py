@@ -473,6 +473,29 @@ def test_prior_page_keys_follow_the_positions_vllm_records_per_group_as_the_requ
     assert prior_page_keys(ReqContext(req_id="fresh"), group0[:1]) == [None]
 
 
+def test_a_memory_store_with_writes_of_its_own_takes_the_two_hop_path():
+    # put_adopting would keep the blocks' page buffers without running the subclass's _put
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+    from kvstage.integrations.vllm import KVStageWorker
+    from kvstage.storage import LayoutFingerprint, MemoryStore
+
+    class CheckedWrites(MemoryStore):
+        def _put(self, full_keys, pages, full_prior_key=None):
+            return super()._put(full_keys, pages, full_prior_key)
+
+    tensors = [torch.zeros((8, 64), dtype=torch.int8) for _ in range(2)]
+    kv_caches = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, 64) for t in tensors], [[CanonicalKVCacheRef(i, 64) for i in range(2)]]
+    )
+    store = CheckedWrites(LayoutFingerprint.opaque("w", page_bytes=128, page_format="test"))
+    worker = KVStageWorker(kv_caches, store, num_host_pages=2)
+    try:
+        assert worker.copier is not None  # gather + put: the subclass's _put runs
+    finally:
+        worker.close()
+
+
 def test_blocks_in_host_memory_move_in_one_hop_to_a_store_that_adopts_and_lends_pages():
     # The store keeps the page buffers the worker filled (no put copy) and lends its pages to loads
     # (no get copy); vLLM sees the same jobs and results as on the two-hop path.
