@@ -78,8 +78,10 @@ class RowCopies:
             run_plan(plan)
             return
         first, *others = _shares(plan, total, self.threads)
-        futures = [self._helpers.submit(run_plan, share) for share in others]
+        futures = []
         try:
+            for share in others:  # a submit that raises (closed meanwhile) still waits for those queued
+                futures.append(self._helpers.submit(run_plan, share))
             run_plan(first)
         finally:
             for future in futures:

@@ -110,6 +110,41 @@ def test_a_share_that_raises_reaches_the_caller_after_every_share_ended(monkeypa
     assert sorted(ended) == [0, 2]
 
 
+def test_a_submit_that_raises_still_waits_for_the_shares_queued_before_it(monkeypatch):
+    """close() racing a copy: the second helper share cannot be queued; the call raises only
+    after the first queued share ended (its caller may free the rows once it returns)."""
+    import threading
+    import time
+
+    from kvstage.offload import row_copies
+
+    ended = []
+
+    def run_plan(plan, first=0, step=1):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.2)  # the helper's share is still running when the submit fails
+        ended.append(threading.current_thread().name)
+
+    monkeypatch.setattr(row_copies, "run_plan", run_plan)
+    copies = RowCopies(3)
+    submit, calls = copies._helpers.submit, []
+
+    def failing_submit(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        return submit(*args)
+
+    monkeypatch.setattr(copies._helpers, "submit", failing_submit)
+    sources = random_rows(3, 2_000_000, seed=4)
+    try:
+        with pytest.raises(RuntimeError, match="after shutdown"):
+            copies.copy([(torch.zeros_like(sources[i]), sources[i]) for i in range(3)])
+        assert len(ended) == 1 and ended[0] != threading.main_thread().name  # the queued share had ended
+    finally:
+        copies.close()
+
+
 def test_after_close_copies_run_on_the_callers_thread():
     copies = RowCopies(2)
     copies.close()
