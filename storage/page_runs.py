@@ -110,7 +110,7 @@ def _streamed(pages: list[torch.Tensor], buffers: list[torch.Tensor], into_buffe
     for i, (page, buffer) in enumerate(zip(pages, buffers)):
         if page.is_cpu and buffer.is_cpu and page.is_contiguous() and buffer.is_contiguous():
             size = page.nbytes
-            if buffer.nbytes >= size:  # else copy_ below raises for it, naming nothing written
+            if buffer.nbytes >= size:  # a short buffer: the copy_ path below raises for it
                 chosen.append(i)
                 page_addresses.append(page.data_ptr())
                 buffer_addresses.append(buffer.data_ptr())
