@@ -21,11 +21,23 @@ from kvstage.errors import BackendUnavailableError
 from kvstage.storage.mooncake.store import INSTALL_HINT, master_binary
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports nothing listens on now (the kernel's picks for port 0 on
+    127.0.0.1, all bound at once: picked one after another, the kernel may hand out one port
+    twice, and a master given the same metadata and admin port exits)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (the kernel's pick for port 0 on 127.0.0.1)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
 class LocalMooncakeMaster:
@@ -56,7 +68,7 @@ class LocalMooncakeMaster:
         self.binary = found
         self.flags = tuple(flags)
         self.log_path = Path(log_path)
-        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.rpc_port, self.http_port, self.metrics_port = free_ports(3)
         self.address = f"127.0.0.1:{self.rpc_port}"
         self.metadata = f"http://127.0.0.1:{self.http_port}/metadata"
         self.admin_address = f"127.0.0.1:{self.metrics_port}"  # its admin HTTP server (/get_all_keys)

@@ -115,3 +115,13 @@ def test_a_watcher_does_not_announce_what_its_own_clear_removed(mooncake_master,
         wait_rounds(a, 2)
         events = a.take_events()
         assert sorted(e.key for e in events) == sorted(keys) and {e.kind for e in events} == {"removed"}
+
+
+def test_a_masters_three_ports_are_distinct():
+    """Its metadata server and admin server once got the same port (picked one after another): the
+    master exited with "Address already in use" and four sglang tests errored at setup."""
+    from mooncake_master import free_ports
+
+    for _ in range(50):
+        ports = free_ports(3)
+        assert len(set(ports)) == 3, ports
