@@ -38,11 +38,22 @@ START_TIMEOUT_S = 60.0
 INSTALL_HINT = "ai-dynamo-runtime: bash tools/install-dynamo.sh, or pip install ai-dynamo-runtime==1.6.1"
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 now (the caller binds them soon after), all
+    bound at once while picked: one after another, the kernel may hand out a port twice."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (the caller binds it soon after)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def _has_indexer(python: str) -> bool:

@@ -218,7 +218,7 @@ class Fleet:
         wall = time.perf_counter()
         self._dynamo = None
         if self.fleet.policy == "dynamo":  # first: without the package nothing is written
-            from kvstage.replay.dynamo_index import DynamoIndex, free_port
+            from kvstage.replay.dynamo_index import DynamoIndex, free_ports
 
             self._dynamo = DynamoIndex(self.config.page_size)
         checker = ReplayEngine(self.config, self.requests)  # the router's hasher, then the verifier
@@ -229,8 +229,9 @@ class Fleet:
         self._done: set[int] = set()
         workdir = self._workdir = tempfile.mkdtemp(prefix="kvstage-fleet-")
         if self._dynamo is not None:  # Dynamo's indexer subscribes over TCP (it binds 0.0.0.0)
+            ports = iter(free_ports(2 * self.fleet.engines))  # distinct: each engine's publisher and replay
             endpoints = [
-                (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in range(self.fleet.engines)
+                (f"tcp://127.0.0.1:{next(ports)}", f"tcp://127.0.0.1:{next(ports)}") for _ in range(self.fleet.engines)
             ]
         else:
             endpoints = [

@@ -415,3 +415,11 @@ def test_without_ai_dynamo_runtime_the_dynamo_router_names_the_option(tmp_path, 
     ):
         Fleet(_config(f"file:{tmp_path / 'store'}"), multi_tenant_trace(4, tenants=1, seed=1), fleet).run()
     assert not (tmp_path / "store").exists() or not any((tmp_path / "store").iterdir())  # nothing written
+
+
+def test_the_dynamo_fleets_endpoint_ports_are_distinct():
+    """Every engine's publisher and replay socket binds a port of its own: picked one after
+    another (bind port 0, close), the kernel may hand out one twice and an engine fails to bind."""
+    for _ in range(20):
+        ports = dynamo_index.free_ports(8)  # 4 engines
+        assert len(set(ports)) == 8 and all(1024 <= port < 65536 for port in ports), ports
