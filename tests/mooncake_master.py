@@ -18,21 +18,8 @@ import time
 from pathlib import Path
 
 from kvstage.errors import BackendUnavailableError
+from kvstage.replay.dynamo_index import free_ports  # distinct ports, bound at once while picked
 from kvstage.storage.mooncake.store import INSTALL_HINT, master_binary
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports nothing listens on now (the kernel's picks for port 0 on
-    127.0.0.1, all bound at once: picked one after another, the kernel may hand out one port
-    twice, and a master given the same metadata and admin port exits)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def free_port() -> int:
