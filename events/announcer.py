@@ -172,20 +172,31 @@ class KVEventAnnouncer:
             if len(group) == 1:
                 announce(*call, batcher)
                 continue
+            self._announce_run(group, batcher)
+
+    def _announce_run(self, group: list[tuple], batcher: EventBatcher) -> None:
+        """A chain's consecutive plain writes (:meth:`_plain`) into ``batcher`` as one run, its
+        keys hashed once; each write on its own where a page inside the run is live."""
+        try:
             keys = [key for part in group for key in part[0]]
             hashes, live = self._hashes(keys), self._live
             start = 0
             while start < len(hashes) and hashes[start] in live:
                 start += 1
-            if not live.isdisjoint(hashes[start:]):  # a page inside the run is live: each its own
+            if not live.isdisjoint(hashes[start:]):
                 for part in group:
-                    announce(*part, batcher)
-                continue
+                    self._announce(*part, batcher)
+                return
             tokens: list = []
             for part in group:
                 tokens += part[1] if type(part[1]) is list else _token_list(part[1])
-            store_events = [run for part in group for run in part[5]]
-            announce(keys, tokens, call[2], call[3], (), store_events, batcher)
+            stored = self._stored(keys, tokens, group[0][2], group[0][3], hashes)
+        except Exception:
+            self.errors += 1
+            logger.exception("kv events: announcing a run of %d writes failed", len(group))
+            return
+        if stored is not None:
+            batcher.stored(*stored)
 
     def _plain(self, call: tuple) -> bool:
         """Whether a queued call is a write with no failed key, a token id per position, and no
@@ -248,12 +259,16 @@ class KVEventAnnouncer:
         if self.owns_publisher:
             self.publisher.close()
 
-    def _stored(self, keys: Sequence[str], tokens: Sequence[int], prior_key, namespace) -> tuple | None:
+    def _stored(
+        self, keys: Sequence[str], tokens: Sequence[int], prior_key, namespace, hashes: list[int] | None = None
+    ) -> tuple | None:
         """The ``BlockStored`` fields (:meth:`EventBatcher.stored`'s arguments) of a run's pages
-        that are new on this stream, the stream's state updated; None: nothing to announce."""
+        that are new on this stream, the stream's state updated; None: nothing to announce.
+        ``hashes``: the keys' block hashes where the caller has them already."""
         if not keys:
             return None
-        hashes = self._hashes(keys)
+        if hashes is None:
+            hashes = self._hashes(keys)
         count = len(hashes)
         if prior_key is None:
             parent = None

@@ -8,8 +8,9 @@ buffered batch from ``start_seq`` on, then the end marker ``[b"", b"", seq=-1, b
 
 Batches: :meth:`KVEventPublisher.publish` only appends to a queue (no lock); the sending thread
 takes what is queued (up to ``max_batch`` publish calls' worth) as one batch, a chain's
-consecutive ``BlockStored`` joined as they come (:class:`~kvstage.events.wire.EventBatcher`), so
-a burst of writes costs one encoding and one message, and the caller never waits for the network.
+consecutive ``BlockStored`` joined as they come (:class:`~kvstage.events.wire.EventBatcher`), at
+most one batch a ``linger_s`` while calls keep coming, so a burst or a stream of writes costs one
+encoding and one message a ``linger_s``, and the caller never waits for the network.
 
 Bounds: the last ``buffer_steps`` batches are kept for replay (older ones are gone: a subscriber
 that fell further behind counts them as gaps); publish calls waiting for the sending thread are
@@ -58,8 +59,9 @@ class KVEventPublisher:
         max_pending: publish calls waiting for the sending thread at most (>= 1).
         max_batch: publish calls the sending thread joins into one batch at most (>= 1).
         linger_s: seconds the sending thread waits after a publish call woke it, gathering more
-            calls into the batch (>= 0; 0: send at once). Fewer wake-ups and messages for a
-            burst of writes, at that much added latency.
+            calls into the batch, and at least between two batches while calls keep coming
+            (>= 0; 0: send at once). One message a ``linger_s`` for a stream of writes (unless
+            ``max_batch`` calls wait), at up to twice that much added latency.
         event_format: the engine flavour batches are encoded in and announcers name pages by:
             :data:`~kvstage.events.wire.VLLM_FORMAT` (default) or
             :data:`~kvstage.events.sglang_format.SGLANG_FORMAT`.
@@ -228,22 +230,31 @@ class KVEventPublisher:
     def _send_loop(self) -> None:
         """The sockets' only thread once started: sends queued events, answers replay."""
         pending = self._pending
+        taken = 0.0  # when the last round took its batch (monotonic seconds)
         while True:
             if self._replay is not None:
                 while self._replay.poll(0):
                     self._answer_replay()
+            linger = self.linger_s
             if not pending:
                 if self._closed:
                     break
-                if self._wake.wait(_IDLE_S) and self.linger_s and not self._closed:
-                    time.sleep(self.linger_s)  # let a burst of calls join this batch
+                if not self._wake.wait(_IDLE_S):
+                    continue
+            elif linger:  # busy: one batch a linger_s at most, so a stream of calls shares them
+                linger = taken + linger - time.monotonic()
+            if linger > 0 and not self._closed and len(pending) < self.max_batch:
+                time.sleep(linger)  # let a burst of calls join this batch
             self._wake.clear()  # before taking: a publish from now on wakes the next round
+            taken = time.monotonic()
             while pending:
                 with self._full:
                     gap, self._gap = self._gap, False
                 markers = self._send_batch(pending, gap)
                 for marker in markers:
                     marker.set()
+                if len(pending) < self.max_batch:
+                    break  # the rest waits for the next round's linger
         self._close_sockets()
 
     def _send_batch(self, pending: collections.deque, gap: bool) -> list:

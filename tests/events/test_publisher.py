@@ -264,3 +264,25 @@ def test_flush_waits_for_what_was_published_before_it_and_is_true_after_close():
         assert pub.flush(10)
         assert pub.events_published == 50  # every one sent when flush returned, lingering or not
     assert pub.flush(1)  # closed: everything queued was sent
+
+
+def test_a_stream_of_calls_goes_out_in_at_most_one_batch_a_linger():
+    # Before: calls that came while a batch was sent went out at once after it, so with a
+    # slow send the sender sent back to back (one message a send's time, not a linger's).
+    linger_s, calls = 0.02, 200
+    with KVEventPublisher("tcp://127.0.0.1:0", linger_s=linger_s) as pub:
+        send = pub._send
+
+        def slow_send(batch):
+            time.sleep(0.005)
+            send(batch)
+
+        pub._send = slow_send
+        started = time.monotonic()
+        for i in range(calls):
+            pub.publish([BlockRemoved([i])])
+            time.sleep(0.001)
+        assert pub.flush(10)
+        elapsed = time.monotonic() - started
+        assert pub.events_published == calls
+        assert pub.published <= elapsed / linger_s + 2
