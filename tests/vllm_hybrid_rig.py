@@ -21,6 +21,10 @@ class HybridRig(ConnectorRig):
       The stand-in writes the state after exactly ``L`` tokens (``L`` a multiple of the block,
       a function of ``tokens[:L]`` and the layer) into the group's block ``L / BLOCK_SIZE - 1``,
       where vLLM's align mode keeps it, and performs the scheduler's copy-on-write block copies.
+      With :attr:`HASH_BLOCK_SIZE` below the block (:class:`PartialTailRig`), it also writes the
+      state after each forward's last token into the block of that token, as a running state.
+      :attr:`resumed_states` keeps the state each forward continued from (its block's bytes
+      before the forward wrote).
 
     :attr:`spec` is the worker side's ``KVStageOffloadingSpec`` (its groups are the scheduler side's).
 
@@ -42,6 +46,7 @@ class HybridRig(ConnectorRig):
         generator = torch.Generator().manual_seed(29)
         shape = (512, len(self.LAYERS), 2, self.NUM_KV_HEADS, self.HEAD_SIZE)
         self.random = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
+        self.resumed_states: dict = {}  # (request id, start, state layer) -> the state a forward from start read
         super().__init__(model_dir, storage, **kwargs)
 
     def _kv_cache_config(self):
@@ -161,10 +166,18 @@ class HybridRig(ConnectorRig):
         if self.kind == "mamba":
             for group_index, (name,) in enumerate(self.groups[1:], 1):
                 blocks = self.group_block_ids(request_id, group_index)
+                if start > 0:  # the state this forward continues from: its block before the forward writes
+                    self.resumed_states[request_id, start, name] = self.rows[
+                        blocks[(start - 1) // self.BLOCK_SIZE], : self.state_bytes
+                    ].clone()
                 for length in range((start // self.BLOCK_SIZE + 1) * self.BLOCK_SIZE, end + 1, self.BLOCK_SIZE):
                     block = blocks[length // self.BLOCK_SIZE - 1]
                     if block != 0:
                         self.rows[block, : self.state_bytes] = self.state_after(tokens[:length], name)
+                if self.HASH_BLOCK_SIZE and end % self.BLOCK_SIZE and blocks[(end - 1) // self.BLOCK_SIZE] != 0:
+                    self.rows[blocks[(end - 1) // self.BLOCK_SIZE], : self.state_bytes] = self.state_after(
+                        tokens[:end], name
+                    )
         for group_index, group in enumerate(self.groups):
             if self.kind == "mamba" and group_index > 0:
                 continue
@@ -188,3 +201,15 @@ class HybridRig(ConnectorRig):
             ],
             dim=1,
         )
+
+
+class PartialTailRig(HybridRig):
+    """The Qwen3-Next-like :class:`HybridRig` (``kind="mamba"``) with blocks of 32 tokens hashed
+    every 16 (vLLM's ``prefix_match_unit``): vLLM 0.33.0's offloading scheduler then stores and
+    hits partial tails (``supports_partial_tail``), a block and state snapshot keyed at a hash
+    boundary inside a block."""
+
+    BLOCK_SIZE, HASH_BLOCK_SIZE = 32, 16
+
+    def __init__(self, model_dir, storage: str, **kwargs) -> None:
+        super().__init__(model_dir, storage, kind="mamba", **kwargs)

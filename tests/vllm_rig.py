@@ -55,6 +55,7 @@ class ConnectorRig:
     BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_SIZE = 16, 32, 2, 16
     LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
     CACHE_CONFIG: dict = {}  # more of vLLM's CacheConfig (e.g. mamba_cache_mode)
+    HASH_BLOCK_SIZE: int | None = None  # vLLM's prefix_match_unit (block hashes finer than the block)
 
     def __init__(
         self,
@@ -109,7 +110,12 @@ class ConnectorRig:
                 max_model_len=512,
             ),
             device_config=DeviceConfig(device="cpu"),
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True, **self.CACHE_CONFIG),
+            cache_config=CacheConfig(
+                block_size=block_size,
+                enable_prefix_caching=True,
+                prefix_match_unit=self.HASH_BLOCK_SIZE,
+                **self.CACHE_CONFIG,
+            ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=4,
@@ -140,13 +146,14 @@ class ConnectorRig:
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
             block_size=block_size,
+            hash_block_size=self.HASH_BLOCK_SIZE,
             log_stats=True,
         )
         self.worker = KVStageConnector(self.vllm_config, KVConnectorRole.WORKER, kv_cache_config)
         with set_current_vllm_config(self.vllm_config):
             self.worker.register_kv_caches(self.kv)
         init_none_hash(sha256)
-        self._block_hasher = get_request_block_hasher(block_size, sha256)
+        self._block_hasher = get_request_block_hasher(self.HASH_BLOCK_SIZE or block_size, sha256)
         self._forward_context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
         self.manager = self.scheduler.connector.connector_scheduler.manager
         self.kv_events: list = []  # what vLLM's connector published (BlockStored, BlockRemoved)

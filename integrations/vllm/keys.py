@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadingEvent, get_offload_group_idx
 
@@ -41,37 +41,47 @@ def page_keys(keys: Iterable[bytes]) -> list[str]:
 
 
 class _KeyOrder:
-    """A request's offload keys of each KV group in token order (a ``ReqContext`` state)."""
+    """A request's chunk keys of each KV group in token order (a ``ReqContext`` state)."""
 
     def __init__(self) -> None:
         self.seen = 0  # entries of the request's positions taken in
         self.by_group: dict[int, list[tuple[int, bytes]]] = {}  # group -> sorted (end token, key)
 
 
-def prior_page_keys(req_context, keys: Sequence[bytes]) -> list[str | None]:
+def prior_page_keys(
+    req_context, keys: Sequence[bytes], *, chunk_tokens: Mapping[int, int] | None = None
+) -> list[str | None]:
     """For each ``OffloadKey`` of a request, the page key of the request's chunk right before it
     (same KV group), or None where vLLM recorded no position for it or it is the request's first
     chunk.
 
     vLLM 0.33.0's connector scheduler records each key's end token in the request's
-    ``ReqContext`` (``set_offload_key_position``) for every chunk of the request, stored or not;
-    the chunk before a key is the one with the nearest earlier end token. The reverse index is
-    kept in the context (``set_state``) and extended as the request grows.
+    ``ReqContext`` (``set_offload_key_position``) for every chunk of the request, stored or not,
+    and for each partial-tail key it looks up or stores (a hash boundary inside a chunk,
+    ``_make_boundary_key``); a chunk ends at a multiple of its group's chunk tokens. The chunk
+    before a key is the chunk with the nearest earlier end token: a partial tail links to the
+    last whole chunk before it and is no chunk's predecessor. The reverse index is kept in the
+    context (``set_state``) and extended as the request grows.
 
     Args:
         req_context: vLLM's ``ReqContext`` of the request storing ``keys``.
         keys: ``OffloadKey`` s of that request.
+        chunk_tokens: tokens of one chunk per KV group id; a group not named (or None): every
+            key with a position is a chunk.
     """
     positions = getattr(req_context, "_offload_key_positions", None)  # vLLM offers no reverse lookup
     if not positions:
         return [None] * len(keys)
+    chunk_tokens = chunk_tokens or {}
     order = req_context.get_state(_KeyOrder)
     if order is None:
         order = _KeyOrder()
         req_context.set_state(order)
     if order.seen < len(positions):  # the dict only grows, in insertion order
         for key, end in itertools.islice(positions.items(), order.seen, None):
-            bisect.insort(order.by_group.setdefault(get_offload_group_idx(key), []), (end, key))
+            group = get_offload_group_idx(key)
+            if end % chunk_tokens.get(group, 1) == 0:  # a partial tail is no chunk
+                bisect.insort(order.by_group.setdefault(group, []), (end, key))
         order.seen = len(positions)
     priors: list[str | None] = []
     for key in keys:

@@ -63,6 +63,9 @@ class KVStageOffloadingManager(OffloadingManager):
         unchained_groups: KV group ids whose pages link to no predecessor (a hybrid model's
             sliding-window and Mamba groups: vLLM stores only the chunks that can serve a hit,
             so the chunk before one is rightly absent).
+        chunk_tokens: tokens of one chunk per KV group id (vLLM's partial tails, keys at a hash
+            boundary inside a chunk, link to the chunk before them and are no chunk's
+            predecessor: see :func:`kvstage.integrations.vllm.keys.prior_page_keys`).
 
     Events (``take_events``, medium ``STORAGE``): a block is announced stored once, when vLLM
     reports its store job done by every worker and no worker failed to write it (known when
@@ -88,9 +91,11 @@ class KVStageOffloadingManager(OffloadingManager):
         hit_ttl_s: float | None = 10.0,
         events: bool = False,
         unchained_groups: frozenset[int] = frozenset(),
+        chunk_tokens: dict[int, int] | None = None,
     ) -> None:
         self.storage = storage
         self._unchained_groups = unchained_groups
+        self._chunk_tokens = dict(chunk_tokens or {})
         self._workers = StoreWorkers()
         try:
             self.index = StoreIndex(storage, self._workers, miss_ttl_s=miss_ttl_s, hit_ttl_s=hit_ttl_s)
@@ -175,7 +180,7 @@ class KVStageOffloadingManager(OffloadingManager):
         self._stores_prepared += len(wanted_page_keys)
         # Each block links to its request's block before it (stored by an earlier job, found in
         # the store, or in this job), so a prefix stored over several steps is one chain.
-        priors = prior_page_keys(req_context, [key for key, _ in wanted])
+        priors = prior_page_keys(req_context, [key for key, _ in wanted], chunk_tokens=self._chunk_tokens)
         if self._unchained_groups:
             priors = [
                 None if get_offload_group_idx(key) in self._unchained_groups else prior

@@ -142,6 +142,7 @@ class KVStageOffloadingSpec(OffloadingSpec):
                     hit_ttl_s=self.hit_ttl_s,
                     events=self.kv_events_config.enable_kv_cache_events,
                     unchained_groups=self.unchained_groups,
+                    chunk_tokens={group.group_id: group.tokens_per_block for group in self.config.groups},
                 )
             except BaseException:
                 release_shared_storage(storage)  # the manager owns the store only once built

@@ -156,6 +156,8 @@ class KVStageTier(SecondaryTierManager):
         self._events_enabled = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
         self._jobs: list[_Job] = []
         self._events: list[OffloadingEvent] = []
+        config = offloading_spec.config  # a partial tail (a key inside a chunk) is no chunk's predecessor
+        self._chunk_tokens = {g.group_id: g.tokens_per_block * config.cache.blocks_per_chunk for g in config.groups}
 
     # -- lookups ----------------------------------------------------------------------------
 
@@ -179,7 +181,7 @@ class KVStageTier(SecondaryTierManager):
         wanted = page_keys(keys)
         pages = [self._primary[int(chunk)] for chunk in job_metadata.chunk_ids]
         # each run's first chunk links to its request's chunk before it (an earlier job's)
-        priors = prior_page_keys(job_metadata.req_context, keys)
+        priors = prior_page_keys(job_metadata.req_context, keys, chunk_tokens=self._chunk_tokens)
         runs = [
             (group_start + start, group_start + stop, prior)
             for group_start, group_stop in _runs_by_group(keys)

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from kvstage.errors import InvalidArgumentError  # noqa: E402
 from kvstage.offload.restorable import pages_to_load, restorable_lengths, swa_store_mask  # noqa: E402
 
-from vllm_hybrid_rig import HybridRig  # noqa: E402
+from vllm_hybrid_rig import HybridRig, PartialTailRig  # noqa: E402
 from vllm_rig import run_to_prompt_end  # noqa: E402
 
 BLOCK = HybridRig.BLOCK_SIZE
@@ -163,6 +163,42 @@ def test_a_qwen3_next_like_model_stores_one_state_chunk_and_hits_at_its_boundary
             block = rig.group_block_ids("b", group)[index]
             assert block != 0
             assert torch.equal(rig.rows[block, : rig.state_bytes], rig.state_after(PROMPT[: (index + 1) * BLOCK], name))
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_a_qwen3_next_like_model_hashed_finer_than_its_blocks_stores_and_hits_a_partial_tail(kind, tmp_path):
+    # Blocks of 32 tokens hashed every 16 (prefix_match_unit): vLLM's scheduler also looks up and
+    # stores a partial tail (the block and each state at the last hash boundary inside a block),
+    # recording a position for every boundary key it looks up. Before kvstage linked each chunk
+    # to the chunk before it only, a chunk's predecessor was a partial-tail key never stored:
+    # every full-attention page was refused (MissingPriorError) and the second request missed.
+    rig = PartialTailRig(tmp_path / "model", storage_url(kind, tmp_path))
+    try:
+        block = PartialTailRig.BLOCK_SIZE
+        assert rig.scheduler.connector.connector_scheduler.config.supports_partial_tail
+        prompt = list(range(1, 3 * block + 21))  # 116 tokens: 3 blocks, the last boundary inside a block at 112
+        rig.add_request("a", prompt, max_tokens=1)
+        rig.run_until_idle()
+        stores = rig.manager.storage.stores
+        # full attention: 3 blocks and the partial tail; each state group: the state at 96 and at 112
+        assert [stores[g].stats.pages_stored for g in range(4)] == [4, 2, 2, 2]
+        assert rig.worker.connector_worker.worker.pages_failed == 0
+
+        rig.scheduler.reset_prefix_cache()
+        rig.backing.zero_()
+        assert run_to_prompt_end(rig, "b", prompt) == len(prompt) - 112
+        assert [stores[g].stats.pages_read for g in range(4)] == [4, 1, 1, 1]
+        blocks = rig.group_block_ids("b", 0)
+        for layer in rig.groups[0]:
+            for index in range(3):
+                assert torch.equal(rig.bits[layer][blocks[index]], rig.expected_block(prompt, layer, index)), index
+            tail = torch.stack([rig.token_bits(prompt[p], p, layer) for p in range(3 * block, 112)], dim=1)
+            assert torch.equal(rig.bits[layer][blocks[3]][:, : 112 - 3 * block], tail)
+        for group in (1, 2, 3):
+            (name,) = rig.groups[group]
+            assert torch.equal(rig.resumed_states["b", 112, name], rig.state_after(prompt[:112], name)), group
     finally:
         rig.close()
 

@@ -473,6 +473,25 @@ def test_prior_page_keys_follow_the_positions_vllm_records_per_group_as_the_requ
     assert prior_page_keys(ReqContext(req_id="fresh"), group0[:1]) == [None]
 
 
+def test_a_partial_tail_key_vllm_looked_up_is_no_prior_of_the_next_chunk():
+    # vLLM's partial-tail lookup (hash block 16 in blocks of 32) records a position for keys at
+    # every hash boundary; a chunk links to the chunk before it, a partial tail to its last chunk
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+
+    from kvstage.integrations.vllm.keys import prior_page_keys
+
+    context = ReqContext(req_id="r")
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(6)]  # the key ending at 16 (i + 1)
+    for index in (1, 3, 5):  # the chunks (ends 32, 64, 96), as vLLM records a request's chunks
+        context.set_offload_key_position(keys[index], (index + 1) * 16)
+    for index in (4, 2):  # partial tails at 80 and 48 looked up, not stored
+        context.set_offload_key_position(keys[index], (index + 1) * 16)
+    chunks = {0: 32}
+    assert prior_page_keys(context, [keys[3], keys[5]], chunk_tokens=chunks) == [keys[1].hex(), keys[3].hex()]
+    assert prior_page_keys(context, [keys[4], keys[2]], chunk_tokens=chunks) == [keys[3].hex(), keys[1].hex()]
+    assert prior_page_keys(context, [keys[1]], chunk_tokens=chunks) == [None]
+
+
 def test_a_memory_store_with_writes_of_its_own_takes_the_two_hop_path():
     # put_adopting would keep the blocks' page buffers without running the subclass's _put
     from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
