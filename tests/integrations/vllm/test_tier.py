@@ -313,3 +313,24 @@ def test_a_prefix_cascaded_in_several_jobs_is_one_chain_evicted_from_its_tail(ki
         assert storage.exists([key.hex() for key in prefix]) == [True] * 4 + [False] * 2  # a's tail went
     finally:
         rig.close()
+
+
+def test_a_partial_tail_key_looked_up_between_two_jobs_does_not_break_the_chain(tmp_path):
+    # With hash blocks finer than a chunk (prefix_match_unit), vLLM's connector scheduler also
+    # records a position for each partial-tail key it looks up (a hash boundary inside a chunk:
+    # here 24, in 16-token chunks); the next job's chunk links to the chunk before it, not to
+    # that key: before, its page was refused as unreachable (1 of 2 pages stored)
+    rig = Rig(f"file:{tmp_path / 'kv'}")
+    try:
+        chunk_keys, tail = keys_of(0, 1), keys_of(9, tag="tail")[0]
+        chunks = chunks_for(chunk_keys)
+        rig.request.set_offload_key_position(chunk_keys[0], 16)
+        rig.store(chunk_keys[:1], chunks)
+        rig.request.set_offload_key_position(tail, 24)  # looked up, never stored
+        rig.request.set_offload_key_position(chunk_keys[1], 32)
+        rig.store(chunk_keys[1:], chunks)
+        storage = rig.tier.storage
+        assert storage.stats.pages_stored == 2
+        assert storage.exists([key.hex() for key in chunk_keys]) == [True, True]
+    finally:
+        rig.close()
