@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvstage.errors import ArgumentTypeError, DeviceMismatchError, InvalidArgumentError, require
+from kvstage.errors import InvalidArgumentError, require
 from kvstage.kernels import gather, resolve_backend, scatter
 from kvstage.kernels.streams import CopyHandle
 from kvstage.offload.collaborators import CopyStreamLike, KVPoolLike
@@ -32,6 +32,7 @@ from kvstage.offload.copy_stream import CopyStream
 from kvstage.offload.host_pool import HostPool
 from kvstage.offload.host_rows import kv_rows
 from kvstage.offload.row_copies import RowCopies
+from kvstage.offload.slot_indices import check_slots
 
 __all__ = ["CopyResult", "Copier", "GATHER", "SCATTER"]
 
@@ -289,45 +290,20 @@ class Copier:
     # -- internals ------------------------------------------------------------------------
 
     def check_slot_indices(self, slot_indices: Any, argument: str, *, distinct: bool = False) -> int:
-        """Check slot indices for a copy; returns their number of pages.
-
-        A 1-D int32/int64 tensor on the KV pool's device, whole pages; on CPU (where reading
-        them costs no device sync) every slot in ``[0, num_slots)`` and, with ``distinct`` (a
-        scatter: two rows into one slot), no slot twice. On CUDA the range is the engine's
-        promise: checking it would sync with the device.
+        """Check slot indices for a copy of the KV pool's pages; returns their number of pages
+        (the rule: :func:`kvstage.offload.slot_indices.check_slots`).
 
         Raises:
             ArgumentTypeError, DeviceMismatchError, InvalidArgumentError: naming ``argument``.
         """
-        page_size = self.page_size
-        if (
-            not isinstance(slot_indices, torch.Tensor)
-            or slot_indices.dim() != 1
-            or slot_indices.dtype not in (torch.int32, torch.int64)
-        ):
-            described = (
-                f"{slot_indices.dtype} tensor of shape {tuple(slot_indices.shape)}"
-                if isinstance(slot_indices, torch.Tensor)
-                else type(slot_indices).__name__
-            )
-            raise ArgumentTypeError(f"{argument}: must be a 1-D int32/int64 tensor, got {described}")
-        if slot_indices.device != self.device:
-            raise DeviceMismatchError(
-                f"{argument}: must be on the KV pool's device {self.device}, got {slot_indices.device}"
-            )
-        count = slot_indices.shape[0]
-        if count % page_size:
-            raise InvalidArgumentError(f"{argument}: {count} slots is not a whole number of pages of {page_size}")
-        if count and slot_indices.device.type == "cpu":
-            low, high = int(slot_indices.min()), int(slot_indices.max())
-            num_slots = self.kv_pool.num_slots
-            if low < 0 or high >= num_slots:
-                raise InvalidArgumentError(
-                    f"{argument}: every slot must be in [0, {num_slots}), got {low if low < 0 else high}"
-                )
-            if distinct and torch.unique(slot_indices).numel() != count:
-                raise InvalidArgumentError(f"{argument}: a slot repeats (two rows would be written into one slot)")
-        return count // page_size
+        return check_slots(
+            slot_indices,
+            argument,
+            device=self.device,
+            num_slots=self.kv_pool.num_slots,
+            page_size=self.page_size,
+            distinct=distinct,
+        )
 
     def _groups(
         self, slot_indices: torch.Tensor, host_page_ids: list[int]

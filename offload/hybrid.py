@@ -60,6 +60,7 @@ from kvstage.offload.load_path import LoadHandle, PrefixMatch
 from kvstage.offload.plain_model import PlainModel
 from kvstage.offload.request import request_tokens
 from kvstage.offload.restorable import lengths_unchecked, pages_to_load, restorable_lengths, snapshot_key_index
+from kvstage.offload.slot_indices import check_slots
 from kvstage.offload.snapshot_windows import SnapshotWindows, window_slots
 from kvstage.offload.staging_pool import StagingPool
 from kvstage.offload.store_io import WriteOutcome, read_leading_pages_into, write_pages
@@ -492,8 +493,11 @@ class Hybrid:
 
         Raises:
             InvalidArgumentError: ``num_pages`` pages is no restorable length of the handle; a
-                window's slots missing or not ``window pages * page_size`` long; ``state_slot``
-                not an int in the state pool's range.
+                window's slots not its window's pages, outside its pool or repeated (the rule
+                of the full pages' slots: :func:`~kvstage.offload.slot_indices.check_slots`);
+                ``state_slot`` not an int in the state pool's range.
+            ArgumentTypeError, DeviceMismatchError: a window's slots missing, not a 1-D int
+                tensor, or on another device than its pool.
         """
         length = num_pages * self.page_size
         if num_pages == 0:
@@ -508,40 +512,26 @@ class Hybrid:
         )
         slots = {}
         for component in self.layout.of_kind("swa"):
-            want = len(handle.entries[component.name].indices) * self.page_size
+            want = len(handle.entries[component.name].indices)
             given = (component_slots or {}).get(component.name)
             pool = self.components.pools[component.name]
+            argument = f"component_slots[{component.name!r}]"
+            given_pages = check_slots(
+                given,
+                argument,
+                device=torch.device(pool.device),
+                num_slots=pool.num_slots,
+                page_size=self.page_size,
+                distinct=True,
+            )
             require(
-                isinstance(given, torch.Tensor)
-                and given.dim() == 1
-                and given.shape[0] == want
-                and given.dtype in (torch.int32, torch.int64)
-                and given.device == torch.device(pool.device),
-                f"component_slots[{component.name!r}]",
-                lambda given=given, want=want, pool=pool: (
-                    f"must be a 1-D int32/int64 tensor on {pool.device} of the window's {want} slots (its pages "
-                    "before the length), got "
-                    + (
-                        f"{given.dtype} {tuple(given.shape)} on {given.device}"
-                        if isinstance(given, torch.Tensor)
-                        else type(given).__name__
-                    )
+                given_pages == want,
+                argument,
+                lambda given_pages=given_pages, want=want: (
+                    f"must hold the window's {want} pages before the length ({want * self.page_size} slots), "
+                    f"got {given_pages} pages"
                 ),
             )
-            if want and given.device.type == "cpu":  # as the full pages' slots (on CUDA: the engine's promise)
-                low, high = int(given.min()), int(given.max())
-                require(
-                    low >= 0 and high < pool.num_slots,
-                    f"component_slots[{component.name!r}]",
-                    lambda low=low, high=high, pool=pool: (
-                        f"every slot must be in [0, {pool.num_slots}), got {low if low < 0 else high}"
-                    ),
-                )
-                require(
-                    torch.unique(given).numel() == want,
-                    f"component_slots[{component.name!r}]",
-                    lambda: "a slot repeats (two rows would be written into one slot)",
-                )
             slots[component.name] = given
         if self.state is not None:
             pool = self.components.pools[self.state.name]

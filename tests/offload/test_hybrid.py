@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstage.errors import InvalidArgumentError
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.kernels.state_pool import StatePool
 from kvstage.model_layout import FullAttention, ModelLayout, RequestState, SlidingWindow
 from kvstage.offload.components import ComponentPools, component_stores
@@ -202,14 +202,22 @@ def test_window_slots_of_a_load_outside_the_pool_or_repeated_are_refused_before_
     submitted, slots = engine.stream.submitted, engine.slots(b)[:12]
     num_slots = engine.pools["swa"].num_slots
     window = engine.window_slots(b)[4:8]
-    bad = {
-        "outside": (torch.tensor([0, 1, 2, num_slots]), rf"every slot must be in \[0, {num_slots}\), got {num_slots}"),
-        "negative": (torch.tensor([-1, 1, 2, 3]), r"every slot must be in \[0, \d+\), got -1"),
-        "repeated": (torch.tensor([5, 5, 6, 7]), "a slot repeats"),
-        "float": (window.float(), "must be a 1-D int32/int64 tensor"),
+    E = InvalidArgumentError
+    bad = {  # the full pages' rule and errors (kvstage.offload.slot_indices.check_slots)
+        "outside": (
+            torch.tensor([0, 1, 2, num_slots]),
+            E,
+            rf"every slot must be in \[0, {num_slots}\), got {num_slots}",
+        ),
+        "negative": (torch.tensor([-1, 1, 2, 3]), E, r"every slot must be in \[0, \d+\), got -1"),
+        "repeated": (torch.tensor([5, 5, 6, 7]), E, "a slot repeats"),
+        "part of a page": (window[:3], E, rf"3 slots is not a whole number of pages of {PAGE}"),
+        "a page short": (window[:PAGE], E, r"must hold the window's 2 pages before the length \(4 slots\), got 1"),
+        "float": (window.float(), ArgumentTypeError, "must be a 1-D int32/int64 tensor"),
+        "missing": (None, ArgumentTypeError, "must be a 1-D int32/int64 tensor, got NoneType"),
     }
-    for given, message in bad.values():  # the host rows' addresses came from them: written outside the pool
-        with pytest.raises(InvalidArgumentError, match=rf"^component_slots\['swa'\]: {message}"):
+    for given, error, message in bad.values():  # the host rows' addresses came from them: written outside the pool
+        with pytest.raises(error, match=rf"^component_slots\['swa'\]: {message}"):
             engine.manager.load(handle, slots, component_slots={"swa": given})
     assert engine.stream.submitted == submitted
     loaded = engine.manager.load(handle, slots, component_slots={"swa": window})  # the request still loads
