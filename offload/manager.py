@@ -504,10 +504,12 @@ class OffloadManager(HybridCalls, ManagerInspection):
                 handle's layers are the model's.
 
         Raises:
-            ArgumentTypeError: ``handle`` is not a :class:`PrefetchHandle`.
+            ArgumentTypeError: ``handle`` is not a :class:`PrefetchHandle`; ``slot_indices`` or a
+                window's ``component_slots`` not a 1-D int tensor.
             InvalidArgumentError: the handle was loaded or cancelled already, is another
                 manager's, its request has ended; ``slot_indices`` holds more pages than are
-                ready, or not whole pages. Nothing is written then.
+                ready, or not whole pages; a window's slots not its window's pages, outside its
+                pool or repeated. Nothing is written then.
             ThreadingError: called from another thread than the manager's.
 
         After the forward pass's ``wait_layer``/``wait``, check :attr:`LoadHandle.error`: a
