@@ -22,10 +22,18 @@ def chunks_for(keys: list[bytes], seed: int = 7) -> dict:
 
 
 def offloading_config(
-    extra_config: dict, *, events: bool = True, engine_id: str | None = None, world_size: int = 1, rank: int = 0
+    extra_config: dict,
+    *,
+    events: bool = True,
+    engine_id: str | None = None,
+    world_size: int = 1,
+    rank: int = 0,
+    window_chunks: int | None = None,
 ):
     """vLLM's OffloadingConfig for a model of one KV group (2 layers, 16-token blocks) whose
-    worker holds CHUNK_BYTES a block, as vLLM's connector builds it for a spec."""
+    worker holds CHUNK_BYTES a block, as vLLM's connector builds it for a spec; with
+    ``window_chunks`` a hybrid model's second group (1 layer) keeping that many chunks a request
+    (vLLM's ``sliding_window_size_in_chunks``: a sliding window, or 1 for a Mamba state)."""
     import uuid
 
     from vllm.v1.kv_offload.config import (
@@ -36,10 +44,18 @@ def offloading_config(
         OffloadingParallelConfig,
     )
 
+    groups = [OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0", "model.layers.1"), group_id=0)]
+    if window_chunks is not None:
+        groups.append(
+            OffloadingGroupConfig(
+                tokens_per_block=16,
+                layer_names=("model.layers.2",),
+                group_id=1,
+                sliding_window_size_in_chunks=window_chunks,
+            )
+        )
     return OffloadingConfig(
-        groups=(
-            OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0", "model.layers.1"), group_id=0),
-        ),
+        groups=tuple(groups),
         worker_kv_bytes_per_block=CHUNK_BYTES,
         enable_kv_cache_events=events,
         extra_config=extra_config,

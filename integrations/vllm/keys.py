@@ -43,7 +43,8 @@ def page_keys(keys: Iterable[bytes]) -> list[str]:
 class _KeyOrder:
     """A request's chunk keys of each KV group in token order (a ``ReqContext`` state)."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunk_tokens: dict[int, int]) -> None:
+        self.chunk_tokens = chunk_tokens  # what made a key a chunk here
         self.seen = 0  # entries of the request's positions taken in
         self.by_group: dict[int, list[tuple[int, bytes]]] = {}  # group -> sorted (end token, key)
 
@@ -72,10 +73,10 @@ def prior_page_keys(
     positions = getattr(req_context, "_offload_key_positions", None)  # vLLM offers no reverse lookup
     if not positions:
         return [None] * len(keys)
-    chunk_tokens = chunk_tokens or {}
+    chunk_tokens = dict(chunk_tokens or {})
     order = req_context.get_state(_KeyOrder)
-    if order is None:
-        order = _KeyOrder()
+    if order is None or order.chunk_tokens != chunk_tokens:  # another caller's chunks: built again
+        order = _KeyOrder(chunk_tokens)
         req_context.set_state(order)
     if order.seen < len(positions):  # the dict only grows, in insertion order
         for key, end in itertools.islice(positions.items(), order.seen, None):

@@ -158,6 +158,10 @@ class KVStageTier(SecondaryTierManager):
         self._events: list[OffloadingEvent] = []
         config = offloading_spec.config  # a partial tail (a key inside a chunk) is no chunk's predecessor
         self._chunk_tokens = {g.group_id: g.tokens_per_block * config.cache.blocks_per_chunk for g in config.groups}
+        # a sliding-window or Mamba group's chunk links to none: vLLM stores only those that can serve a hit
+        self._unchained_groups = frozenset(
+            g.group_id for g in config.groups if g.sliding_window_size_in_chunks is not None
+        )
 
     # -- lookups ----------------------------------------------------------------------------
 
@@ -182,6 +186,11 @@ class KVStageTier(SecondaryTierManager):
         pages = [self._primary[int(chunk)] for chunk in job_metadata.chunk_ids]
         # each run's first chunk links to its request's chunk before it (an earlier job's)
         priors = prior_page_keys(job_metadata.req_context, keys, chunk_tokens=self._chunk_tokens)
+        if self._unchained_groups:
+            priors = [
+                None if get_offload_group_idx(key) in self._unchained_groups else prior
+                for key, prior in zip(keys, priors)
+            ]
         runs = [
             (group_start + start, group_start + stop, prior)
             for group_start, group_stop in _runs_by_group(keys)

@@ -490,6 +490,9 @@ def test_a_partial_tail_key_vllm_looked_up_is_no_prior_of_the_next_chunk():
     assert prior_page_keys(context, [keys[3], keys[5]], chunk_tokens=chunks) == [keys[1].hex(), keys[3].hex()]
     assert prior_page_keys(context, [keys[4], keys[2]], chunk_tokens=chunks) == [keys[3].hex(), keys[1].hex()]
     assert prior_page_keys(context, [keys[1]], chunk_tokens=chunks) == [None]
+    # the order kept in the context is rebuilt for a caller of other chunks (none: every key)
+    assert prior_page_keys(context, [keys[3]]) == [keys[2].hex()]
+    assert prior_page_keys(context, [keys[3]], chunk_tokens=chunks) == [keys[1].hex()]
 
 
 def test_a_memory_store_with_writes_of_its_own_takes_the_two_hop_path():

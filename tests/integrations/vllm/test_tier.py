@@ -40,9 +40,12 @@ def tier_config(storage: str, **more) -> dict:
 class Rig:
     """vLLM's tiering manager with one KVStageTier, stepped as vLLM's scheduler steps it."""
 
-    def __init__(self, storage: str, *, events: bool = True, engine_id: str | None = None) -> None:
+    def __init__(
+        self, storage: str, *, events: bool = True, engine_id: str | None = None, window_chunks: int | None = None
+    ) -> None:
         extra = {"cpu_bytes_to_use": NUM_CHUNKS * CHUNK_BYTES, "secondary_tiers": [tier_config(storage)]}
-        self.spec = TieringOffloadingSpec(offloading_config(extra, events=events, engine_id=engine_id))
+        config = offloading_config(extra, events=events, engine_id=engine_id, window_chunks=window_chunks)
+        self.spec = TieringOffloadingSpec(config)
         self.manager = self.spec.get_manager()
         self.tier: KVStageTier = self.manager.secondary_tiers[0]
         self.primary = torch.from_numpy(self.manager.primary_tier.get_kv_memoryview().obj).view(torch.uint8)
@@ -332,5 +335,30 @@ def test_a_partial_tail_key_looked_up_between_two_jobs_does_not_break_the_chain(
         storage = rig.tier.storage
         assert storage.stats.pages_stored == 2
         assert storage.exists([key.hex() for key in chunk_keys]) == [True, True]
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("window_chunks", [1, 2])  # a Mamba state group, a sliding window of 2 chunks
+def test_a_window_or_state_chunk_whose_chunk_before_vllm_never_stored_is_stored(window_chunks, tmp_path):
+    # vLLM records a position for every chunk of every group but stores only a window's or a
+    # state's chunks that can serve a hit: such a chunk links to no predecessor (as in
+    # KVStageOffloadingSpec). Before, the tier linked it to the chunk before it and the store
+    # refused it as unreachable.
+    rig = Rig(f"file:{tmp_path / 'kv'}", window_chunks=window_chunks)
+    try:
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        full = keys_of(0, 1, 2)
+        state = [make_offload_key(f"state-{i}".encode().ljust(32, b"."), 1) for i in range(3)]
+        chunks = chunks_for(full + state)
+        for index in range(3):
+            rig.request.set_offload_key_position(full[index], (index + 1) * 16)
+            rig.request.set_offload_key_position(state[index], (index + 1) * 16)
+        rig.store(full[:2], chunks)
+        rig.store([full[2], state[2]], chunks)  # the group-1 chunk at 48 only, as vLLM stores it
+        storage = rig.tier.storage
+        assert storage.exists([key.hex() for key in full + state]) == [True] * 3 + [False, False, True]
+        assert storage.stats.pages_failed == 0
     finally:
         rig.close()
