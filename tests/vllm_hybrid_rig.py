@@ -1,9 +1,10 @@
 """A hybrid model's KV cache groups in vLLM's real ``Scheduler`` with ``KVStageConnector``
-(:class:`HybridRig`, importable as ``vllm_hybrid_rig``; it imports vLLM lazily)."""
+(:class:`HybridRig`; with tensor-parallel ranks in processes of their own: :class:`HybridTPRig`;
+importable as ``vllm_hybrid_rig``; it imports vLLM lazily)."""
 
 from __future__ import annotations
 
-from vllm_rig import ConnectorRig
+from vllm_rig import ConnectorRig, TPRig
 
 
 class HybridRig(ConnectorRig):
@@ -37,17 +38,32 @@ class HybridRig(ConnectorRig):
     LAYERS = tuple(f"model.layers.{index}.self_attn.attn" for index in range(4))
 
     def __init__(self, model_dir, storage: str, *, kind: str = "swa", **kwargs) -> None:
+        self._init_model(kind)
+        super().__init__(model_dir, storage, **kwargs)
+
+    def _init_model(self, kind: str, rank: int = 0) -> None:
+        """The stand-in model's tables; ``rank`` (a tensor-parallel rank) gives other bytes."""
         import torch
 
         assert kind in ("swa", "chunked", "mamba"), kind
-        self.kind = kind
+        self.kind, self.rank = kind, rank
         if kind == "mamba":
             self.CACHE_CONFIG = {"mamba_cache_mode": "align"}  # what --enable-prefix-caching picks for it
-        generator = torch.Generator().manual_seed(29)
+        generator = torch.Generator().manual_seed(29 + 1000 * rank)
         shape = (512, len(self.LAYERS), 2, self.NUM_KV_HEADS, self.HEAD_SIZE)
         self.random = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
         self.resumed_states: dict = {}  # (request id, start, state layer) -> the state a forward from start read
-        super().__init__(model_dir, storage, **kwargs)
+
+    @classmethod
+    def rank_model(cls, kind: str, rank: int, num_kv_heads: int) -> "HybridRig":
+        """One tensor-parallel rank's KV cache and stand-in model, with no scheduler or connector
+        (for a rank's own process): :attr:`kv_cache_config` and the tensors it places, and
+        :meth:`write`, whose bytes are a function of ``rank`` too."""
+        model = cls.__new__(cls)
+        model.NUM_KV_HEADS = num_kv_heads  # this rank's share of the heads
+        model._init_model(kind, rank)
+        model.kv_cache_config = model._kv_cache_config()
+        return model
 
     def _kv_cache_config(self):
         import torch
@@ -146,7 +162,7 @@ class HybridRig(ConnectorRig):
         """A state layer's state after exactly ``tokens`` (its ``state_bytes`` bytes, int8)."""
         import torch
 
-        seed = hash((tuple(tokens), self.LAYERS.index(name))) % 2**31  # ints hash alike in every process
+        seed = hash((tuple(tokens), self.LAYERS.index(name), self.rank)) % 2**31  # ints hash alike in every process
         generator = torch.Generator().manual_seed(seed)
         return torch.randint(-128, 128, (self.state_bytes,), dtype=torch.int8, generator=generator)
 
@@ -163,9 +179,20 @@ class HybridRig(ConnectorRig):
 
     def forward(self, request_id: str, start: int, end: int) -> None:
         tokens = self.scheduler.requests[request_id].all_token_ids
+        blocks = [self.group_block_ids(request_id, group) for group in range(len(self.groups))]
+        self.write(request_id, tokens, blocks, start, end)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """The model runner's copy-on-write of (source, destination) block ids (Mamba align)."""
+        for src, dst in copies:
+            self.backing[:, dst] = self.backing[:, src]
+
+    def write(self, request_id: str, tokens: list[int], group_blocks: list[list[int]], start: int, end: int) -> None:
+        """The stand-in model's work on positions ``[start, end)`` of ``tokens``, a request's
+        blocks ``group_blocks`` (each group's block ids)."""
         if self.kind == "mamba":
             for group_index, (name,) in enumerate(self.groups[1:], 1):
-                blocks = self.group_block_ids(request_id, group_index)
+                blocks = group_blocks[group_index]
                 if start > 0:  # the state this forward continues from: its block before the forward writes
                     self.resumed_states[request_id, start, name] = self.rows[
                         blocks[(start - 1) // self.BLOCK_SIZE], : self.state_bytes
@@ -181,7 +208,7 @@ class HybridRig(ConnectorRig):
         for group_index, group in enumerate(self.groups):
             if self.kind == "mamba" and group_index > 0:
                 continue
-            blocks = self.group_block_ids(request_id, group_index)
+            blocks = group_blocks[group_index]
             for position in range(start, end):
                 block = blocks[position // self.BLOCK_SIZE]
                 assert block != 0, (request_id, group_index, position)  # a position computed has a block
@@ -189,6 +216,34 @@ class HybridRig(ConnectorRig):
                     self.bits[name][block, :, position % self.BLOCK_SIZE] = self.token_bits(
                         tokens[position], position, name
                     )
+
+    def wrong_blocks(self, prompt: list[int], group_blocks: list[list[int]], plan: dict[int, list[int]]) -> list:
+        """Of the blocks ``plan`` names (per group, block indices of a request whose blocks are
+        ``group_blocks``), those not holding this model's bytes for ``prompt``: (group, index,
+        layer) each; a state group's block must hold the state after its last token."""
+        import torch
+
+        wrong = []
+        for group, indices in plan.items():
+            for index in indices:
+                block = group_blocks[group][index]
+                for name in self.groups[group]:
+                    if self.kind == "mamba" and group > 0:
+                        held = self.rows[block, : self.state_bytes]
+                        want = self.state_after(prompt[: (index + 1) * self.BLOCK_SIZE], name)
+                    else:
+                        held, want = self.bits[name][block], self.expected_block(prompt, name, index)
+                    if block == 0 or not torch.equal(held, want):
+                        wrong.append((group, index, name))
+        return wrong
+
+    def zero_kv(self) -> None:
+        """Forget every block's bytes (as a GPU's KV cache after the prefix cache is reset)."""
+        self.backing.zero_()
+
+    def block_bytes(self, block: int) -> bytes:
+        """Block ``block``'s bytes in every layer slot (whichever group holds it)."""
+        return self.backing[:, block].contiguous().numpy().tobytes()
 
     def expected_block(self, prompt: list[int], name: str, block_index: int):
         """Layer ``name``'s block ``block_index`` for ``prompt`` (int16 bits)."""
@@ -213,3 +268,26 @@ class PartialTailRig(HybridRig):
 
     def __init__(self, model_dir, storage: str, **kwargs) -> None:
         super().__init__(model_dir, storage, kind="mamba", **kwargs)
+
+
+class HybridTPRig(TPRig):
+    """:class:`vllm_rig.TPRig` over :class:`HybridRig`'s hybrid model (``kind`` ``"swa"`` or
+    ``"mamba"``), each rank holding half the model's KV heads (HybridRig's) and states of its
+    own: rank ``r``'s process builds ``HybridRig.rank_model(kind, r, heads)``, whose bytes are a
+    function of the rank too, and applies each step's copy-on-write."""
+
+    LAYERS = HybridRig.LAYERS
+
+    def __init__(self, model_dir, storage: str, *, kind: str, tp: int = 2, **kwargs) -> None:
+        self.kind = kind
+        self.NUM_KV_HEADS = HybridRig.NUM_KV_HEADS * tp
+        self.CACHE_CONFIG = {"mamba_cache_mode": "align"} if kind == "mamba" else {}
+        super().__init__(model_dir, storage, tp=tp, **kwargs)
+
+    def _kv_cache_config(self):
+        local = HybridRig.rank_model(self.kind, 0, self.NUM_KV_HEADS // self.tp)  # the same on every rank
+        self.groups = local.groups
+        return local.kv_cache_config
+
+    def rank_model(self, rank: int) -> tuple:
+        return HybridRig.rank_model, (self.kind, rank, self.NUM_KV_HEADS // self.tp)

@@ -15,14 +15,8 @@ manager's own rules (the order, once, left out) are also checked on the manager 
 
 from __future__ import annotations
 
-import copy
-import os
 import socket
-import subprocess
-import sys
 import time
-from multiprocessing.connection import Connection
-from pathlib import Path
 
 import pytest
 
@@ -36,11 +30,10 @@ import msgspec  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
-from vllm_rig import ConnectorRig  # noqa: E402
+from vllm_rig import ConnectorRig, TPRig  # noqa: E402
 
 BLOCK = ConnectorRig.BLOCK_SIZE
 PROMPT = list(range(1, 4 * BLOCK + 6))  # 4 full blocks and 5 tokens
-WORKER_SCRIPT = Path(__file__).with_name("tp_rank_worker.py")
 SELF_DESCRIBING = {"self_describing_kv_events": True}
 
 
@@ -92,200 +85,19 @@ def zmq_events_config(port: int):
     )
 
 
-class TPRig:
-    """vLLM's ``Scheduler`` with ``KVStageConnector`` in this process, and ``tp`` worker-side
-    connectors, one per rank, each in a process of its own (``tp_rank_worker.py``), over real
-    block tensors of ``NUM_KV_HEADS // tp`` heads each; stepped as ``ConnectorRig``, with each
-    step's metadata pickled to every rank and their outputs aggregated by vLLM's
-    ``KVOutputAggregator`` (what ``MultiprocExecutor`` does). vLLM publishes its KV events on a
-    ZMQ PUB socket at 127.0.0.1, read by :attr:`subscriber`."""
+class EventsTPRig(TPRig):
+    """:class:`vllm_rig.TPRig` whose scheduler publishes its KV events on a ZMQ PUB socket at
+    127.0.0.1, read by :attr:`subscriber`."""
 
-    BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS, HEAD_SIZE = 16, 32, 2, 16
-    LAYERS = ConnectorRig.LAYERS
-
-    def __init__(self, model_dir, storage: str, *, tp: int = 2, extra_config: dict | None = None) -> None:
-        import uuid
-
-        import torch
-        from transformers import LlamaConfig
-        from vllm.config import (
-            CacheConfig,
-            DeviceConfig,
-            KVTransferConfig,
-            ModelConfig,
-            ParallelConfig,
-            SchedulerConfig,
-            VllmConfig,
-        )
-        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-        from vllm.v1.structured_output import StructuredOutputManager
-
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=len(self.LAYERS),
-            num_attention_heads=4,
-            num_key_value_heads=self.NUM_KV_HEADS,
-            vocab_size=256,
-            max_position_embeddings=512,
-        ).save_pretrained(model_dir)
-        block_size, num_blocks, heads = self.BLOCK_SIZE, self.NUM_BLOCKS, self.NUM_KV_HEADS // tp
+    def __init__(self, model_dir, storage: str, **kwargs) -> None:
         port = free_port()
-        self.vllm_config = VllmConfig(
-            model_config=ModelConfig(
-                model=str(model_dir),
-                tokenizer=str(model_dir),
-                skip_tokenizer_init=True,
-                dtype="float16",
-                max_model_len=512,
-            ),
-            device_config=DeviceConfig(device="cpu"),
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-            parallel_config=ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend="mp"),
-            scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=512, max_num_seqs=4, max_model_len=512, is_encoder_decoder=False
-            ),
-            kv_events_config=zmq_events_config(port),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KVStageConnector",
-                kv_connector_module_path="kvstage.integrations.vllm",
-                kv_role="kv_both",
-                kv_load_failure_policy="recompute",
-                engine_id=f"kvstage-{uuid.uuid4().hex[:12]}",
-                kv_connector_extra_config={
-                    "spec_name": "KVStageOffloadingSpec",
-                    "spec_module_path": "kvstage.integrations.vllm",
-                    "storage": storage,
-                    **(extra_config or {}),
-                },
-            ),
-        )
-        attention = FullAttentionSpec(
-            block_size=block_size, num_kv_heads=heads, head_size=self.HEAD_SIZE, dtype=torch.float16
-        )
-        page = attention.page_size_bytes
-        self.page_bytes = page * len(self.LAYERS)  # one rank's page: one block of both layers
-        kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[
-                KVCacheTensor(
-                    size=len(self.LAYERS) * num_blocks * page,
-                    layers=list(self.LAYERS),
-                    layer_stride=num_blocks * page,
-                    block_stride=page,
-                )
-            ],
-            kv_cache_groups=[KVCacheGroupSpec(list(self.LAYERS), attention)],
-        )
-        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        self.channels: list[Connection] = []
-        self.processes: list[subprocess.Popen] = []
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-        for rank in range(tp):  # the ranks start first: vLLM's workers exist before its scheduler
-            ours, theirs = socket.socketpair()
-            self.processes.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER_SCRIPT), str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env
-                )
-            )
-            theirs.close()
-            self.channels.append(Connection(ours.detach()))
-            rank_config = copy.deepcopy(self.vllm_config)
-            rank_config.parallel_config.rank = rank
-            shape = (num_blocks, 2, block_size, heads, self.HEAD_SIZE)
-            self.channels[-1].send((rank_config, kv_cache_config, list(self.LAYERS), shape))
-        for channel in self.channels:
-            assert channel.poll(120), "a rank did not start"
-            assert channel.recv()[0] == "ready"
-        self.scheduler = Scheduler(
-            vllm_config=self.vllm_config,
-            kv_cache_config=kv_cache_config,
-            structured_output_manager=StructuredOutputManager(self.vllm_config),
-            block_size=block_size,
-            log_stats=True,
-        )
-        self.manager = self.scheduler.connector.connector_scheduler.manager
-        self.aggregator = KVOutputAggregator.from_connector(self.scheduler.connector, tp)
-        init_none_hash(sha256)
-        self._block_hasher = get_request_block_hasher(block_size, sha256)
-        self.in_flight = 0
+        super().__init__(model_dir, storage, kv_events_config=zmq_events_config(port), **kwargs)
         self.subscriber = Subscriber(port)
-
-    def add_request(self, request_id: str, prompt: list[int], max_tokens: int = 2):
-        from vllm import SamplingParams
-        from vllm.v1.request import Request
-
-        sampling = SamplingParams(max_tokens=max_tokens)
-        sampling.update_from_generation_config({}, None)
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            sampling_params=sampling,
-            pooling_params=None,
-            block_hasher=self._block_hasher,
-        )
-        self.scheduler.add_request(request)
-        return request
-
-    def step(self):
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        output = self.scheduler.schedule()
-        writes = []
-        for request_id, count in output.num_scheduled_tokens.items():
-            request = self.scheduler.requests[request_id]
-            blocks = list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
-            for position in range(request.num_computed_tokens - count, request.num_computed_tokens):
-                writes.append((blocks[position // self.BLOCK_SIZE], position, request.all_token_ids[position]))
-        for channel in self.channels:
-            channel.send(("step", output.kv_connector_metadata, writes, output.finished_req_ids))
-        replies = [channel.recv() for channel in self.channels]
-        self.in_flight = sum(in_flight for _, in_flight in replies)
-        running = [request_id for request_id in output.num_scheduled_tokens if request_id in self.scheduler.requests]
-        requests = self.scheduler.requests
-        outputs = [
-            ModelRunnerOutput(
-                req_ids=running if rank == 0 else [],
-                req_id_to_index={request_id: index for index, request_id in enumerate(running)} if rank == 0 else {},
-                sampled_token_ids=[
-                    [5] if requests[request_id].num_computed_tokens >= requests[request_id].num_tokens else []
-                    for request_id in running
-                ]
-                if rank == 0
-                else [],
-                kv_connector_output=kv_output,
-            )
-            for rank, (kv_output, _) in enumerate(replies)
-        ]
-        self.scheduler.update_from_output(output, self.aggregator.aggregate(outputs, 0))
-        return output
-
-    def run_until_idle(self, max_steps: int = 500) -> None:
-        for _ in range(max_steps):
-            self.step()
-            if not self.scheduler.requests and self.in_flight == 0:
-                self.step()  # the scheduler learns of the last finished stores one step later
-                return
-        raise AssertionError(f"not idle after {max_steps} steps")
-
-    def ask(self, *message) -> list:
-        """Each rank's answer to ``message`` (see ``tp_rank_worker.py``)."""
-        for channel in self.channels:
-            channel.send(message)
-        return [channel.recv() for channel in self.channels]
 
     def close(self) -> None:
         try:
-            self.ask("close")
+            super().close()
         finally:
-            for process in self.processes:
-                process.wait(timeout=60)
-            self.scheduler.connector.shutdown()
-            self.scheduler.kv_event_publisher.shutdown()
             self.subscriber.close()
 
 
@@ -307,7 +119,7 @@ def assert_self_describing(stored: list, prompt: list[int], hashes: list) -> Non
 
 @pytest.fixture
 def tp_rig(tmp_path):
-    rig = TPRig(tmp_path / "model", f"file:{tmp_path / 'kv'}", extra_config=SELF_DESCRIBING)
+    rig = EventsTPRig(tmp_path / "model", f"file:{tmp_path / 'kv'}", extra_config=SELF_DESCRIBING)
     yield rig
     rig.close()
 
@@ -339,7 +151,9 @@ def test_tp2_a_block_a_ranks_store_evicts_is_announced_removed_once(tmp_path):
     # Each rank's file store holds 3 of its pages: a second prompt's 2 blocks evict from the first's.
     page_bytes = 2 * BLOCK * (TPRig.NUM_KV_HEADS // 2) * TPRig.HEAD_SIZE * 2 * len(TPRig.LAYERS)
     capacity = int(3.5 * page_bytes)  # 3 page files with their headers, not 4
-    rig = TPRig(tmp_path / "model", f"file:{tmp_path / 'kv'}?capacity_bytes={capacity}", extra_config=SELF_DESCRIBING)
+    rig = EventsTPRig(
+        tmp_path / "model", f"file:{tmp_path / 'kv'}?capacity_bytes={capacity}", extra_config=SELF_DESCRIBING
+    )
     try:
         first, second = list(range(1, 2 * BLOCK + 3)), list(range(100, 100 + 2 * BLOCK + 3))
         rig.add_request("a", first)
@@ -360,7 +174,7 @@ def test_tp2_a_block_a_ranks_store_evicts_is_announced_removed_once(tmp_path):
         rig.close()
 
 
-def _stored_offload_keys(rig: TPRig) -> list[bytes]:
+def _stored_offload_keys(rig: EventsTPRig) -> list[bytes]:
     """The OffloadKeys vLLM's connector stored (its event tracker's metadata names them)."""
     return list(rig.scheduler.connector.connector_scheduler._events_tracker._pending_event_metadata)
 

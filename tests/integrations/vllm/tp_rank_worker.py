@@ -1,12 +1,13 @@
 """One tensor-parallel rank of vLLM's worker-side ``KVStageConnector``, in its own process, for
-``test_kv_events.py`` (run as a script: ``python tp_rank_worker.py FD``; not a test module).
+``vllm_tp_rig.TPRig`` (run as a script: ``python tp_rank_worker.py FD``; not a test module).
 
 It does what vLLM's model runner does with a KV connector each step
-(``kv_connector_model_runner_mixin``): bind the scheduler's connector metadata, start loads, let
-the "forward" write the scheduled tokens' KV (a stand-in value per token, position, layer and
-rank), save, collect the transfer results, the blocks with load errors and the connector's
-worker metadata, and return the ``KVConnectorOutput``. Messages are pickled over the socket
-``FD`` (``multiprocessing.connection``), as vLLM's multiprocess executor pickles its own.
+(``kv_connector_model_runner_mixin``): apply the scheduler's block copies, bind its connector
+metadata, start loads, let the "forward" write the scheduled tokens' KV (a rank model the rig
+names: a stand-in per token, position, layer and rank), save, collect the transfer results, the
+blocks with load errors and the connector's worker metadata, and return the
+``KVConnectorOutput``. Messages are pickled over the socket ``FD``
+(``multiprocessing.connection``), as vLLM's multiprocess executor pickles its own.
 """
 
 from __future__ import annotations
@@ -17,13 +18,7 @@ import time
 from multiprocessing.connection import Connection
 
 
-def kv_value(token: int, position: int, layer: int, rank: int) -> float:
-    """The stand-in KV of one token in one layer of one rank."""
-    return float((token * 7 + position * 3 + layer + rank * 5) % 251) / 8
-
-
 def main(fd: int) -> None:
-    import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
     from vllm.forward_context import ForwardContext
@@ -32,14 +27,12 @@ def main(fd: int) -> None:
     from kvstage.integrations.vllm import KVStageConnector
 
     channel = Connection(socket.socket(fileno=fd).detach())
-    vllm_config, kv_cache_config, layers, shape = channel.recv()
+    vllm_config, kv_cache_config, factory, args = channel.recv()
     rank = vllm_config.parallel_config.rank
+    model = factory(*args)  # this rank's KV cache (model.kv: layer name -> block tensor) and stand-in
     connector = KVStageConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-    block_size = shape[2]
-    backing = torch.zeros(len(layers), *shape, dtype=torch.float16)  # one layer-outermost allocation
-    kv = {name: backing[index] for index, name in enumerate(layers)}
     with set_current_vllm_config(vllm_config):
-        connector.register_kv_caches(kv)
+        connector.register_kv_caches(model.kv)
     forward_context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
     channel.send(("ready", rank))
     while True:
@@ -55,14 +48,22 @@ def main(fd: int) -> None:
         if message[0] == "holds":  # whether this rank's store holds each page key
             channel.send(storage.exists(message[1]))
             continue
-        _, metadata, writes, finished_req_ids = message  # one step
+        if message[0] == "groups":  # a hybrid model: each group store's prefix and pages stored and read
+            stores = storage.stores
+            channel.send({g: (s.prefix, s.stats.pages_stored, s.stats.pages_read) for g, s in stores.items()})
+            continue
+        if message[0] == "model":  # a rank model's method, e.g. a check of this rank's blocks
+            _, method, method_args = message
+            channel.send(getattr(model, method)(*method_args))
+            continue
+        _, metadata, work, copies, finished_req_ids = message  # one step
+        model.copy_blocks(copies)  # the model runner's copy-on-write, before the step's loads
         connector.handle_preemptions(metadata)
         connector.bind_connector_metadata(metadata)
         connector.start_load_kv(forward_context)
-        for block, position, token in writes:
-            for layer, name in enumerate(layers):
-                kv[name][block, :, position % block_size] = kv_value(token, position, layer, rank)
-        if writes:
+        for request_id, tokens, group_blocks, start, end in work:
+            model.write(request_id, tokens, group_blocks, start, end)
+        if work:
             connector.wait_for_save()
         time.sleep(0.02)  # the copy stream and store threads run between steps, as on a GPU
         transfers = connector.get_transfer_results(finished_req_ids)
