@@ -168,8 +168,9 @@ class ChainIndex(Generic[K, V]):
 
     def chains_after(self, keys) -> list[K]:
         """The stored keys among ``keys`` and every stored key that chains after one of them
-        (successors of successors, through keys no longer stored too), each once, in no
-        particular order."""
+        (successors of successors, through keys no longer stored too), each once, least
+        recently used first (an order of the index's own history: the successor sets iterate in
+        the keys' hash order, which differs between two stores keying the same pages apart)."""
         found: dict[K, None] = {}
         walk = list(keys)
         while walk:
@@ -178,7 +179,8 @@ class ChainIndex(Generic[K, V]):
                 continue
             found[key] = None
             walk.extend(self._successors.get(key, ()))
-        return [key for key in found if key in self._entries]
+        entries = self._entries
+        return sorted((key for key in found if key in entries), key=lambda key: entries[key].tick)
 
     def pop_victim(self, keep: Container[K] = ()) -> tuple[K, V] | None:
         """Remove and return ``(key, value)`` of the least recently used page with no stored
