@@ -224,20 +224,13 @@ class MemoryStore(StorageBackend):
         return taken
 
     def _get(self, keys: list[str], into: list[torch.Tensor]) -> list[bool]:
-        hits = []
         with self._lock:
             self._apply_uses()
             stored = self._pages
-            targets, buffers = [], []
-            for key, target in zip(keys, into):
-                page = stored.value(key)
-                if page is None:
-                    hits.append(False)
-                    continue
-                stored.touch(key)
-                targets.append(target)
-                buffers.append(page)
-                hits.append(True)
+            pages = stored.values(keys)
+            hits = [page is not None for page in pages]
+            stored.touch_all(compress(keys, hits))  # in the keys' order, as one touch a key would
+            targets, buffers = list(compress(into, hits)), list(compress(pages, hits))
             copy_pages(targets, buffers, into_buffers=False)  # under the lock: a put may reuse them
         return hits
 

@@ -239,3 +239,18 @@ def test_a_put_whose_copy_raises_keeps_none_of_its_pages_and_reports_its_evictio
     assert store.put(["e"], [page(5.0)]) == [PutStatus.STORED] and store.buffers_allocated == 2
     into = torch.zeros(32)
     assert store.get(["e"], [into]) == [True] and torch.equal(into, page(5.0).reshape(-1))
+
+
+def test_a_get_of_several_keys_marks_its_hits_used_in_key_order_and_skips_its_misses():
+    store = MemoryStore(FP, capacity_pages=4)
+    for key, value in zip("abcd", (1, 2, 3, 4)):  # four one-page chains, a the oldest
+        store.put([key], [page(value)])
+    into = [torch.full((32,), -1.0) for _ in range(4)]
+    assert store.get(["c", "x", "a", "b"], into) == [True, False, True, True]
+    assert torch.equal(into[0], page(3).reshape(-1)) and torch.equal(into[2], page(1).reshape(-1))
+    assert torch.equal(into[3], page(2).reshape(-1)) and torch.all(into[1] == -1.0)
+    store.take_events()
+    # uses now, oldest first: d, c, a, b; each new page evicts the oldest
+    for key, value in zip("efg", (5, 6, 7)):
+        store.put([key], [page(value)])
+    assert [event.key for event in store.take_events() if event.kind == "evicted"] == ["d", "c", "a"]
