@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from kvstage.errors import InvalidArgumentError
-from kvstage.kernels.host_copy import plan_addresses, run_plan
+from kvstage.kernels.host_copy import RowPlan, plan_addresses, run_plan
 
 __all__ = ["copy_pages"]
 
@@ -118,13 +119,16 @@ def _streamed(pages: list[torch.Tensor], buffers: list[torch.Tensor], into_buffe
     if not chosen:
         return set()
     keep = (pages, buffers)
-    try:
-        if into_buffers:
-            plan = plan_addresses(buffer_addresses, page_addresses, sizes, keep)
-        else:
+    if into_buffers:
+        # A put's targets are the store's own buffers: disjoint rows no caller can reach (a page
+        # on loan is never a victim's buffer), so the overlap check (0.1 ms a 128-page call) is moot.
+        spans = np.array((buffer_addresses, page_addresses, sizes), dtype=np.uint64).reshape(3, len(sizes))
+        plan = RowPlan(spans[0], spans[1], spans[2], keep)
+    else:
+        try:
             plan = plan_addresses(page_addresses, buffer_addresses, sizes, keep)
-    except InvalidArgumentError:  # overlapping targets: copy_ in order
-        return set()
+        except InvalidArgumentError:  # overlapping targets (one key read into two views): copy_ in order
+            return set()
     if sum(sizes) >= THREADED_MIN_BYTES:
         _threads().copy_plan(plan)
     else:
@@ -158,7 +162,9 @@ def copy_pages(pages: list[torch.Tensor], buffers: list[torch.Tensor], *, into_b
         pages: CPU tensors of any dtype, shape and strides (their elements in row-major order
             are a page's bytes).
         buffers: flat ``uint8`` CPU tensors, at least as long as each page's bytes.
-        into_buffers: the direction (a store's put: True; its get: False).
+        into_buffers: the direction (a store's put: True; its get: False). True: the buffers
+            are the caller's own memory, disjoint from each other and from every page (not
+            checked: a store's buffers are).
     """
     done = _streamed(pages, buffers, into_buffers)
     if len(done) == len(pages):
