@@ -144,13 +144,15 @@ def test_with_the_memory_store_each_page_moves_with_one_copy_between_host_pool_a
 
 @pytest.mark.parametrize("kind,layout", KINDS)
 def test_page_views_of_many_pages_are_each_pages_own_view(kind, layout):
-    """page_views (one as_strided a page between the first and last) gives, for pages in any
-    order, the same view as page_view of each: same memory, shape and strides."""
+    """page_views (one as_strided a page between the first and last, or one for all of evenly
+    spaced pages) gives, for pages in any order, the same view as page_view of each: same
+    memory, shape and strides."""
     from kvstage.integrations.sglang import host_layouts
 
     host = make_host(kind, layout)
     pages = host.size // PAGE_SIZE
-    for starts in ([0, 3, 1, pages - 1, 2], [pages - 1, 0, 5, 4], [2, 2, 2]):
+    evenly = ([0, 1, 2, 3, 4], [1, 3, 5, 7], [pages - 3, pages - 2, pages - 1], [0, 2, 4, 5])
+    for starts in ([0, 3, 1, pages - 1, 2], [pages - 1, 0, 5, 4], [2, 2, 2], *evenly):
         starts = [page * PAGE_SIZE for page in starts]
         for got, start in zip(host_layouts.page_views(host, starts), starts, strict=True):
             want = host_layouts.page_view(host, start)
