@@ -198,9 +198,10 @@ class MemoryStore(StorageBackend):
             # A put fills the store before it evicts, so its first pages take fresh buffers and
             # the rest the evicted ones; each set in address order, so that pages adjacent in the
             # host pool land in adjacent rows and move in one copy (page_runs).
-            buffers = self._fresh(len(placed) - len(reused)) + sorted(reused, key=torch.Tensor.data_ptr)
-            stored.set_values(placed, buffers)
-            try:
+            buffers = sorted(reused, key=torch.Tensor.data_ptr)
+            try:  # an allocation that fails (no memory) undoes the admission as a failed copy does
+                buffers = self._fresh(len(placed) - len(reused)) + buffers
+                stored.set_values(placed, buffers)
                 copy_pages(held, buffers, into_buffers=True)
             except BaseException:
                 for key in placed:  # no page of unknown bytes stays readable
@@ -216,12 +217,12 @@ class MemoryStore(StorageBackend):
         """``count`` buffers for pages that evict nothing: removed pages' first, then rows of one
         new ``[n, page_bytes]`` allocation (under the lock)."""
         spare = self._spare
-        taken = sorted((spare.pop() for _ in range(min(count, len(spare)))), key=torch.Tensor.data_ptr)
-        more = count - len(taken)
-        if more:
-            taken += torch.empty((more, self.page_bytes), dtype=torch.uint8).unbind()
-            self.buffers_allocated += more
-        return taken
+        more = count - min(count, len(spare))
+        new = torch.empty((more, self.page_bytes), dtype=torch.uint8).unbind() if more else ()
+        # taken from the spares only once the allocation succeeded: a failed one loses none
+        taken = sorted((spare.pop() for _ in range(count - more)), key=torch.Tensor.data_ptr)
+        self.buffers_allocated += more
+        return taken + list(new)
 
     def _get(self, keys: list[str], into: list[torch.Tensor]) -> list[bool]:
         with self._lock:
@@ -246,6 +247,7 @@ class MemoryStore(StorageBackend):
 
     def _remove(self, keys: list[str]) -> int:
         with self._lock:
+            self._apply_uses()  # the removal events come least recently used first
             stored = self._pages
             removed = stored.chains_after(keys)
             for key in removed:

@@ -254,3 +254,37 @@ def test_a_get_of_several_keys_marks_its_hits_used_in_key_order_and_skips_its_mi
     for key, value in zip("efg", (5, 6, 7)):
         store.put([key], [page(value)])
     assert [event.key for event in store.take_events() if event.kind == "evicted"] == ["d", "c", "a"]
+
+
+def test_a_put_whose_buffer_allocation_fails_leaves_no_key_behind_and_keeps_the_victims_memory(monkeypatch):
+    store = MemoryStore(FP, capacity_pages=2)
+    store.put(["a"], [page(1)])
+    real_empty = torch.empty
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no room for a new buffer")
+
+    monkeypatch.setattr(torch, "empty", no_memory)
+    with pytest.raises(MemoryError):
+        store.put(["b", "c"], [page(2), page(3)])  # b takes a fresh buffer, c evicts a
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert store.exists(["a", "b", "c"]) == [False, False, False] and len(store) == 0
+    assert store.remove(["b", "c"]) == 0
+    allocated = store.buffers_allocated
+    assert store.put(["d"], [page(4)]) == [PutStatus.STORED]  # into a's kept buffer
+    assert store.buffers_allocated == allocated
+    into = torch.zeros(32)
+    assert store.get(["d"], [into]) == [True] and torch.equal(into, page(4).reshape(-1))
+
+
+def test_a_remove_announces_a_chain_least_recently_used_first_counting_the_lookups_before_it():
+    store = MemoryStore(FP, capacity_pages=4)
+    store.put(["a", "b", "c"], [page(1), page(2), page(3)])
+    store.exists(["b"])  # a lookup's use, queued until the next call that reads recency
+    store.take_events()
+    assert store.remove(["a"]) == 3
+    assert [(event.kind, event.key) for event in store.take_events()] == [
+        ("removed", "a"),
+        ("removed", "c"),
+        ("removed", "b"),
+    ]
