@@ -175,7 +175,9 @@ class ChainIndex(Generic[K, V]):
         """The stored keys among ``keys`` and every stored key that chains after one of them
         (successors of successors, through keys no longer stored too), each once, least
         recently used first (an order of the index's own history: the successor sets iterate in
-        the keys' hash order, which differs between two stores keying the same pages apart)."""
+        the keys' hash order, which differs between two stores keying the same pages apart;
+        equal ticks, as a reopened file store's pages of one modification time may have, keep
+        the walk's order)."""
         found: dict[K, None] = {}
         walk = list(keys)
         while walk:

@@ -120,7 +120,7 @@ def page_views(host_pool: Any, starts: list[int]) -> list[torch.Tensor]:
         return [page_view(host_pool, start) for start in starts]
     shape, strides, base = first.shape, first.stride(), starts[0]
     spacing = (starts[1] - base) // page_size
-    if spacing > 0 and starts == list(range(base, starts[-1] + 1, spacing * page_size)):
+    if spacing > 0 and step > 0 and starts == list(range(base, starts[-1] + 1, spacing * page_size)):
         # evenly spaced (a request's adjacent pages): one view of them all, cut in one C call
         run = first.as_strided((len(starts), *shape), (spacing * step, *strides), offset)
         return list(run.unbind(0))
