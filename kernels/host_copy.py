@@ -171,16 +171,22 @@ def plan_rows(targets: Sequence, sources: Sequence) -> RowPlan:
     return plan_addresses(target_addresses, source_addresses, sizes, (tuple(targets), tuple(sources)))
 
 
-def plan_addresses(targets: list[int], sources: list[int], sizes: list[int], keep: tuple) -> RowPlan:
+def plan_addresses(
+    targets: list[int], sources: list[int], sizes: list[int], keep: tuple, *, check_overlap: bool = True
+) -> RowPlan:
     """:func:`plan_rows` for a caller that took its rows' addresses itself (checked rows it
     holds: contiguous host memory, ``sizes[i]`` bytes at ``targets[i]`` and at ``sources[i]``):
-    only the overlap rule is checked here. ``keep`` holds what the addresses point into.
+    only the overlap rule is checked here, unless ``check_overlap`` is False (targets the caller
+    owns alone, disjoint from each other and every source: a store's own buffers). ``keep``
+    holds what the addresses point into.
 
     Raises:
         InvalidArgumentError: a target shares a byte with another target or a source.
     """
     count = len(targets)
     spans = np.array((targets, sources, sizes), dtype=np.uint64).reshape(3, count)
+    if not check_overlap:
+        return RowPlan(spans[0], spans[1], spans[2], keep)
     starts = np.concatenate((spans[0], spans[1]))
     ends = starts + np.concatenate((spans[2], spans[2]))
     clash = _overlap(starts, ends, np.arange(2 * count) < count)

@@ -201,6 +201,14 @@ def test_a_plan_of_addresses_copies_like_plan_rows_and_refuses_overlapping_targe
             [address(shared), address(shared) + 99], [address(s) for s in sources[:2]], [100, 100], ()
         )
     assert (shared == POISON).all()
+    unchecked = host_copy.plan_addresses(
+        [address(t) for t in targets],
+        [address(s) for s in sources],
+        [t.size for t in targets],
+        (targets, sources),
+        check_overlap=False,
+    )
+    assert all(np.array_equal(a, b) for a, b in zip(unchecked[:3], reference[:3]))
 
 
 def _bad_inputs():
