@@ -57,11 +57,16 @@ $(SGLANG_VENV)/.sglang: pyproject.toml tools/setup-venv.sh tools/install-sglang.
 # (mooncake_master binds a port on every interface) are reachable from this machine alone.
 # Each engine's tests run in their own pytest process, in the venv holding its pinned packages.
 IN_NETNS := bash tools/in-netns.sh
+# pytest-xdist workers per pytest process: 2 halves the suite's wall time on a 2-core machine
+# (most tests wait on threads, subprocesses or the interpreter's one core); each worker imports
+# torch, so a large machine still runs 2 unless told (`make test PYTEST_WORKERS=8`; 0: no workers).
+PYTEST_WORKERS ?= 2
+PYTEST := -m pytest -n $(PYTEST_WORKERS)
 
 test: $(VENV)/.installed $(VENV)/.mooncake $(DYNAMO_VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.sglang
-	$(IN_NETNS) $(PYTHON) -m pytest
-	if [ -x $(VLLM_VENV)/bin/python ]; then $(IN_NETNS) $(VLLM_VENV)/bin/python -m pytest tests/integrations/vllm; else $(IN_NETNS) $(PYTHON) -m pytest tests/integrations/vllm; fi
-	if [ -x $(SGLANG_VENV)/bin/python ]; then $(IN_NETNS) $(SGLANG_VENV)/bin/python -m pytest $(SGLANG_TESTS); else $(IN_NETNS) $(PYTHON) -m pytest $(SGLANG_TESTS); fi
+	$(IN_NETNS) $(PYTHON) $(PYTEST)
+	if [ -x $(VLLM_VENV)/bin/python ]; then $(IN_NETNS) $(VLLM_VENV)/bin/python $(PYTEST) tests/integrations/vllm; else $(IN_NETNS) $(PYTHON) $(PYTEST) tests/integrations/vllm; fi
+	if [ -x $(SGLANG_VENV)/bin/python ]; then $(IN_NETNS) $(SGLANG_VENV)/bin/python $(PYTEST) $(SGLANG_TESTS); else $(IN_NETNS) $(PYTHON) $(PYTEST) $(SGLANG_TESTS); fi
 
 # ruff's linter and formatter, as configured in pyproject.toml (the version pinned in the test
 # extra); `.ci/run` runs it before the tests. `make format` rewrites files to pass it.
