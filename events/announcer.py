@@ -151,7 +151,10 @@ class KVEventAnnouncer:
         if not self._scheduled:
             self._scheduled = True  # before publishing: the drain clears it when it starts
             try:
-                publisher.publish(self._drain)
+                # dropped (the publisher's queue full: a gap): the calls stay queued, and the next
+                # call publishes a drain again, else none would ever run
+                if publisher.publish(self._drain) is False:
+                    self._scheduled = False
             except BaseException:
                 self._scheduled = False
                 raise

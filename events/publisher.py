@@ -145,11 +145,12 @@ class KVEventPublisher:
         self._thread = threading.Thread(target=self._send_loop, name="kvstage-kv-events", daemon=True)
         self._thread.start()
 
-    def publish(self, events: list | Callable[[EventBatcher], Any]) -> None:
+    def publish(self, events: list | Callable[[EventBatcher], Any]) -> bool:
         """Queue ``events`` (:class:`~kvstage.events.BlockStored`,
         :class:`~kvstage.events.BlockRemoved`, :class:`~kvstage.events.AllBlocksCleared`) for
         the next batch, in call order; the sending thread encodes and sends it. Never blocks on
-        the network (nor on a lock); an empty list sends nothing.
+        the network (nor on a lock); an empty list sends nothing. Returns False when the call
+        was dropped (``max_pending`` calls waiting: counted in ``dropped``, a seq gap), else True.
 
         ``events`` may instead be a callable: the sending thread calls it, in call order, with
         the batch's :class:`~kvstage.events.wire.EventBatcher`, and it adds its events there
@@ -168,11 +169,12 @@ class KVEventPublisher:
                     f"got {type(events).__name__}"
                 )
         if not events and type(events) is list:
-            return
+            return True
         if self._closed:
             raise InvalidArgumentError("publisher: publish() after close()")
         pending = self._pending
-        if len(pending) < self.max_pending:  # a deque's append is atomic: no lock on this path
+        queued = len(pending) < self.max_pending
+        if queued:  # a deque's append is atomic: no lock on this path
             pending.append(events)
         else:
             with self._full:
@@ -180,6 +182,7 @@ class KVEventPublisher:
                 self._gap = True
         if not self._wake.is_set():
             self._wake.set()
+        return queued
 
     def dropped_elsewhere(self) -> None:
         """Count one publish call's events as dropped by a caller that bounds its own queue (an

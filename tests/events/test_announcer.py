@@ -307,3 +307,34 @@ def test_queued_writes_of_a_chain_whose_later_page_is_live_are_announced_each_on
         [BlockStored(hashes([root]), None, [1, 1], 2)],
         [BlockStored(hashes([other]), None, [2, 2], 2), BlockStored(hashes([tail]), block_hash(root), [3, 3], 2)],
     ]  # the live page not again, and the page after it names it as parent, as separate writes would
+
+
+def test_an_announcer_whose_drain_the_full_publisher_dropped_announces_its_writes_with_the_next_one(monkeypatch):
+    import threading
+
+    import kvstage.events.publisher as publisher_module
+    from kvstage.events import KVEventAnnouncer
+
+    release, encoding = threading.Event(), threading.Event()
+    real_encode = publisher_module.encode_batch
+
+    def stalled(batch):
+        encoding.set()
+        release.wait(10)
+        return real_encode(batch)
+
+    monkeypatch.setattr(publisher_module, "encode_batch", stalled)
+    first, second = f"{1:032x}", f"{2:032x}"
+    with KVEventPublisher("tcp://127.0.0.1:0", max_pending=2) as pub:
+        announcer = KVEventAnnouncer(pub, _NoEvents(), block_size=2)
+        pub.publish([BlockRemoved([0])])
+        assert encoding.wait(10)  # the sender holds that batch
+        pub.publish([BlockRemoved([1])])
+        pub.publish([BlockRemoved([2])])  # the queue's two places taken
+        announcer.written([first], [1, 1], None, (None, None), ())  # its drain is dropped
+        assert pub.dropped == 1
+        release.set()
+        assert pub.flush(10)
+        announcer.written([second], [2, 2], first, (None, None), ())
+        assert pub.flush(10)
+        assert announcer.pages_announced == 2 and announcer.errors == 0  # both writes, none lost
