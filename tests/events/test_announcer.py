@@ -39,6 +39,25 @@ def pages(events) -> list[tuple[int, int | None, list[int]]]:
     return out
 
 
+def stall_encoding(monkeypatch):
+    """Make the publisher's sending thread stop inside its next batch's encoding: returns
+    ``(release, encoding)``, events set to let it go on and set by it once it stopped there."""
+    import threading
+
+    import kvstage.events.publisher as publisher_module
+
+    release, encoding = threading.Event(), threading.Event()
+    real_encode = publisher_module.encode_batch
+
+    def stalled(batch):
+        encoding.set()
+        release.wait(10)
+        return real_encode(batch)
+
+    monkeypatch.setattr(publisher_module, "encode_batch", stalled)
+    return release, encoding
+
+
 def test_a_stored_prompt_and_its_decode_strides_are_announced_as_one_chain(publisher, stream):
     rig = make_rig(page_size=PAGE, store_prompt=True, kv_events=publisher)
     prompt = [11, 12, 13, 14, 15]
@@ -240,21 +259,11 @@ class _NoEvents:
 
 
 def test_writes_queued_while_the_sender_is_busy_go_out_joined_in_order_and_past_the_bound_are_a_gap(monkeypatch):
-    import threading
 
-    import kvstage.events.publisher as publisher_module
     from kvstage.events import KVEventAnnouncer
     from kvstage.events.wire import decode_batch
 
-    release, encoding = threading.Event(), threading.Event()
-    real_encode = publisher_module.encode_batch
-
-    def stalled(batch):
-        encoding.set()
-        release.wait(10)
-        return real_encode(batch)
-
-    monkeypatch.setattr(publisher_module, "encode_batch", stalled)
+    release, encoding = stall_encoding(monkeypatch)
     keys = [f"{index:032x}" for index in range(1, 5)]
     with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", max_pending=3) as pub:
         announcer = KVEventAnnouncer(pub, _NoEvents(), block_size=2)
@@ -276,21 +285,11 @@ def test_writes_queued_while_the_sender_is_busy_go_out_joined_in_order_and_past_
 
 
 def test_queued_writes_of_a_chain_whose_later_page_is_live_are_announced_each_on_its_own(monkeypatch):
-    import threading
 
-    import kvstage.events.publisher as publisher_module
     from kvstage.events import KVEventAnnouncer
     from kvstage.events.wire import decode_batch
 
-    release, encoding = threading.Event(), threading.Event()
-    real_encode = publisher_module.encode_batch
-
-    def stalled(batch):
-        encoding.set()
-        release.wait(10)
-        return real_encode(batch)
-
-    monkeypatch.setattr(publisher_module, "encode_batch", stalled)
+    release, encoding = stall_encoding(monkeypatch)
     root, other, tail = (f"{index:032x}" for index in (1, 2, 3))
     with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
         announcer = KVEventAnnouncer(pub, _NoEvents(), block_size=2)
@@ -310,20 +309,10 @@ def test_queued_writes_of_a_chain_whose_later_page_is_live_are_announced_each_on
 
 
 def test_an_announcer_whose_drain_the_full_publisher_dropped_announces_its_writes_with_the_next_one(monkeypatch):
-    import threading
 
-    import kvstage.events.publisher as publisher_module
     from kvstage.events import KVEventAnnouncer
 
-    release, encoding = threading.Event(), threading.Event()
-    real_encode = publisher_module.encode_batch
-
-    def stalled(batch):
-        encoding.set()
-        release.wait(10)
-        return real_encode(batch)
-
-    monkeypatch.setattr(publisher_module, "encode_batch", stalled)
+    release, encoding = stall_encoding(monkeypatch)
     first, second = f"{1:032x}", f"{2:032x}"
     with KVEventPublisher("tcp://127.0.0.1:0", max_pending=2) as pub:
         announcer = KVEventAnnouncer(pub, _NoEvents(), block_size=2)
