@@ -10,6 +10,11 @@ already held) and a ``BlockRemoved`` for each eviction or removal; :meth:`KVEven
 (the manager's ``poll``) publishes the removals that happen between writes (``clear``, a corrupt
 page dropped on a read). The announcer is then the store's only event consumer.
 
+A page's stored event may be taken by another call before its write is told (the engine's
+poll, another writer thread's write, between a put and its :meth:`~KVEventAnnouncer.written`):
+the announcer remembers such pages, and one removed before its write is told is not announced
+by that write as held already (the store no longer holds it).
+
 What it does not announce, counted instead: pages whose chain parent is not live on this stream
 (``pages_unanchored``: a run continuing a loaded prefix, or the prefill side's prompt pages with
 ``store_prompt=False``, which this stream never announced; routers drop a block with an unknown
@@ -78,6 +83,11 @@ class KVEventAnnouncer:
         self.pages_announced = self.pages_removed = self.pages_unanchored = self.pages_without_tokens = 0
         self.errors = 0
         self._live: set[int] = set()  # hashes announced stored on this stream and not removed since
+        # Pages a store reported stored before their write was told (another call took the
+        # event: a poll, another writer thread's write), oldest first; and those of them removed
+        # since, whose write must then not announce them as held already. Bounded (_UNTOLD_MAX).
+        self._untold: dict[int, None] = {}
+        self._gone_untold: dict[int, None] = {}
         self._last_key: str | None = None  # the last page key hashed, and its hash: a chain's next
         self._last_hash: int | None = None  # write names it as its prior key
         self._lock = threading.Lock()  # one taker of store events at a time: the stream keeps their order
@@ -186,7 +196,7 @@ class KVEventAnnouncer:
             start = 0
             while start < len(hashes) and hashes[start] in live:
                 start += 1
-            if not live.isdisjoint(hashes[start:]):
+            if not live.isdisjoint(hashes[start:]) or self._gone_untold:  # (gone: which page stored is per write)
                 for part in group:
                     self._announce(*part, batcher)
                 return
@@ -225,27 +235,33 @@ class KVEventAnnouncer:
                 failed = set(failed_keys)
                 keys = keys[: next((index for index, key in enumerate(keys) if key in failed), len(keys))]
             if not store_events or _own_stores(store_events, keys):  # the common write's
-                stored = self._stored(keys, tokens, prior_key, namespace)
+                stored = self._stored(keys, tokens, prior_key, namespace, None, _ALL if store_events else ())
                 if stored is not None:
                     batcher.stored(*stored)
                 return
             out: list = []  # (True, stored fields) or (False, a removed page's hash), in the store's order
             placed = not keys
             mine = set(keys)
+            stored_here = {key for kind, run in store_events if kind == "stored" for key in run if key in mine}
             for kind, run in store_events:
                 for key in run:
                     if not placed and key in mine:  # its first event: stored (or evicted within this write)
                         placed = True
-                        out.append((True, self._stored(keys, tokens, prior_key, namespace)))
+                        out.append((True, self._stored(keys, tokens, prior_key, namespace, None, stored_here)))
                     if kind != "stored":
                         value = self._hash(key)
                         self._live.discard(value)
+                        if self._untold.pop(value, 0) is None:  # stored, its write not told yet
+                            _remember(self._gone_untold, value)
                         self.pages_removed += 1
                         out.append((False, value))
                     elif key not in mine:
                         self.pages_without_tokens += 1
+                        value = self._hash(key)
+                        self._gone_untold.pop(value, None)  # stored again
+                        _remember(self._untold, value)
             if not placed:  # every page was held already
-                out.append((True, self._stored(keys, tokens, prior_key, namespace)))
+                out.append((True, self._stored(keys, tokens, prior_key, namespace, None, stored_here)))
             medium = self.medium
             for is_stored, item in out:
                 if not is_stored:
@@ -256,6 +272,24 @@ class KVEventAnnouncer:
             self.errors += 1
             logger.exception("kv events: announcing a write of %d pages failed", len(keys))
 
+    def _claim(self, keys: Sequence[str], hashes: list[int], stored_here: Any) -> int:
+        """A write's pages whose store events another call took (:attr:`_untold`) are its own
+        now; returns how many of ``hashes`` lead up to the first of them removed since (that
+        page is not stored: it and the pages after it are not announced), unless this call's
+        own events stored it again (its key in ``stored_here``)."""
+        untold, gone = self._untold, self._gone_untold
+        count = len(hashes)
+        for index, value in enumerate(hashes):
+            if untold.pop(value, 0) is None:
+                self.pages_without_tokens -= 1  # it had a write after all
+            elif gone.pop(value, 0) is None:
+                self.pages_without_tokens -= 1
+                if stored_here is not _ALL and keys[index] not in stored_here:
+                    count = min(count, index)
+        if count < len(hashes):
+            self.pages_unanchored += len(hashes) - count - 1  # after a page that is gone
+        return count
+
     def close(self) -> None:
         """Publish what is left (:meth:`poll`), then close the publisher if owned."""
         self.poll()
@@ -263,11 +297,18 @@ class KVEventAnnouncer:
             self.publisher.close()
 
     def _stored(
-        self, keys: Sequence[str], tokens: Sequence[int], prior_key, namespace, hashes: list[int] | None = None
+        self,
+        keys: Sequence[str],
+        tokens: Sequence[int],
+        prior_key,
+        namespace,
+        hashes: list[int] | None = None,
+        stored_here: Any = (),
     ) -> tuple | None:
         """The ``BlockStored`` fields (:meth:`EventBatcher.stored`'s arguments) of a run's pages
         that are new on this stream, the stream's state updated; None: nothing to announce.
-        ``hashes``: the keys' block hashes where the caller has them already."""
+        ``hashes``: the keys' block hashes where the caller has them already. ``stored_here``:
+        the keys this call's own store events stored (``_ALL``: every one)."""
         if not keys:
             return None
         if hashes is None:
@@ -280,6 +321,8 @@ class KVEventAnnouncer:
         else:
             parent = self._hash(prior_key)
         self._last_key, self._last_hash = keys[count - 1], hashes[-1]
+        if self._untold or self._gone_untold:
+            count = self._claim(keys, hashes, stored_here)
         live = self._live
         start = 0
         while start < count and hashes[start] in live:  # announced already: continue after them
@@ -290,8 +333,8 @@ class KVEventAnnouncer:
         if parent is not None and parent not in live:
             self.pages_unanchored += count - start
             return None
-        if start:
-            hashes = hashes[start:]
+        if start or count < len(hashes):
+            hashes = hashes[start:count]
         size = self.block_size
         if type(tokens) is not list:
             tokens = _token_list(tokens)
@@ -304,6 +347,17 @@ class KVEventAnnouncer:
         live.update(hashes)
         self.pages_announced += count - start
         return hashes, parent, tokens, size, extra_key, self.medium, extra, cache_salt
+
+
+_ALL = object()  # _stored's stored_here: every page of the run was stored by the call's own events
+_UNTOLD_MAX = 65536  # pages remembered as stored before their write was told (a store's event queue's default)
+
+
+def _remember(pages: dict[int, None], value: int) -> None:
+    """Add ``value`` to an insertion-ordered set of hashes, the oldest dropped beyond ``_UNTOLD_MAX``."""
+    pages[value] = None
+    if len(pages) > _UNTOLD_MAX:
+        del pages[next(iter(pages))]
 
 
 def _own_stores(store_events: list, keys: Sequence[str]) -> bool:

@@ -1,0 +1,102 @@
+"""KVEventAnnouncer on real stores, driven by hand: the store's events and the writes' calls
+interleaved as a writer thread and the engine's poll can interleave them. Each test replays the
+stream as a router would and compares what it claims with what the store holds."""
+
+from __future__ import annotations
+
+import torch
+
+from kvstage.events import BlockRemoved, BlockStored, KVEventAnnouncer, block_hash
+from kvstage.hashing import prefill_page_keys
+from kvstage.kv_layout import KVLayout
+from kvstage.storage import LayoutFingerprint, MemoryStore
+
+FP = LayoutFingerprint("tiny", KVLayout(2, 2, 1, 4, "float32"), 4)  # 4 tokens, 256 B a page
+PAGE = FP.page_size
+NO_NAMESPACE = (None, None)
+
+
+def page(value: float) -> torch.Tensor:
+    return torch.arange(64, dtype=torch.float32).add_(value)
+
+
+def tokens_of(start: int, pages: int) -> list[int]:
+    return list(range(start, start + PAGE * pages))
+
+
+def chain(start: int, pages: int) -> list[str]:
+    return prefill_page_keys(tokens_of(start, pages), PAGE)
+
+
+def claimed(events) -> set[int]:
+    """The block hashes a router holds after ``events``, in order (a stored block whose parent
+    it does not hold is dropped, as Dynamo's indexer does)."""
+    live: set[int] = set()
+    for event in events:
+        if isinstance(event, BlockStored):
+            if event.parent_block_hash is None or event.parent_block_hash in live:
+                live.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            live.difference_update(event.block_hashes)
+        else:
+            live.clear()
+    return live
+
+
+def held(store, keys) -> set[int]:
+    return {block_hash(key) for key, there in zip(keys, store.exists(keys)) if there}
+
+
+def test_a_page_the_polls_saw_stored_and_removed_before_its_write_was_told_is_not_claimed(publisher, stream):
+    store = MemoryStore(FP, capacity_pages=10)
+    announcer = KVEventAnnouncer(publisher, store, block_size=PAGE)
+    keys = chain(0, 2)
+    store.put(keys, [page(0), page(1)])  # the writer thread's put recorded both pages stored
+    store.clear()  # a flush right after it, before the writer thread calls written()
+    announcer.poll()  # the engine's poll takes the stored and the removed pages
+    announcer.written(keys, tokens_of(0, 2), None, NO_NAMESPACE, ())
+    assert publisher.flush(10)
+    assert claimed(stream()) == held(store, keys) == set()
+    assert announcer.pages_announced == 0 and announcer.pages_without_tokens == 0 and announcer.errors == 0
+
+
+def test_a_page_the_poll_saw_stored_before_its_write_was_told_is_announced_with_its_tokens(publisher, stream):
+    store = MemoryStore(FP, capacity_pages=10)
+    announcer = KVEventAnnouncer(publisher, store, block_size=PAGE)
+    keys = chain(0, 2)
+    store.put(keys, [page(0), page(1)])
+    announcer.poll()  # takes the stored pages first: no tokens known yet
+    announcer.written(keys, tokens_of(0, 2), None, NO_NAMESPACE, ())
+    assert publisher.flush(10)
+    events = stream()
+    assert events == [BlockStored([block_hash(key) for key in keys], None, tokens_of(0, 2), PAGE)]
+    assert claimed(events) == held(store, keys) and len(held(store, keys)) == 2
+    assert announcer.pages_announced == 2 and announcer.pages_without_tokens == 0
+
+
+def test_a_page_another_write_saw_stored_and_evicted_before_its_own_write_was_told_is_not_claimed(publisher, stream):
+    store = MemoryStore(FP, capacity_pages=2)
+    announcer = KVEventAnnouncer(publisher, store, block_size=PAGE)
+    first, second = chain(0, 1), chain(100, 2)
+    store.put(first, [page(0)])  # writer thread A stored it, and has not told the announcer yet
+    store.put(second, [page(1), page(2)])  # writer thread B's put evicts A's page to make room
+    announcer.written(second, tokens_of(100, 2), None, NO_NAMESPACE, ())  # B told first: takes A's events
+    announcer.written(first, tokens_of(0, 1), None, NO_NAMESPACE, ())
+    assert publisher.flush(10)
+    assert store.exists(first) == [False]
+    assert claimed(stream()) == held(store, first + second) == {block_hash(key) for key in second}
+
+
+def test_a_page_stored_again_after_the_polls_saw_it_go_is_announced_by_the_write_that_tells_it(publisher, stream):
+    store = MemoryStore(FP, capacity_pages=10)
+    announcer = KVEventAnnouncer(publisher, store, block_size=PAGE)
+    keys = chain(0, 1)
+    store.put(keys, [page(0)])
+    store.clear()
+    announcer.poll()  # stored and removed, its write not told
+    store.put(keys, [page(0)])  # a second writer stores it again
+    announcer.written(keys, tokens_of(0, 1), None, NO_NAMESPACE, ())  # the first write, told now
+    announcer.written(keys, tokens_of(0, 1), None, NO_NAMESPACE, ())  # the second
+    assert publisher.flush(10)
+    assert claimed(stream()) == held(store, keys) == {block_hash(keys[0])}
+    assert announcer.pages_announced == 1
