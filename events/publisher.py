@@ -12,6 +12,9 @@ consecutive ``BlockStored`` joined as they come (:class:`~kvstage.events.wire.Ev
 most one batch a ``linger_s`` while calls keep coming, so a burst or a stream of writes costs one
 encoding and one message a ``linger_s``, and the caller never waits for the network.
 
+Checks: a list of events is checked on the caller's thread (one the format cannot carry is
+refused, nothing queued), so one bad call cannot make the batch it would join unencodable.
+
 Bounds: the last ``buffer_steps`` batches are kept for replay (older ones are gone: a subscriber
 that fell further behind counts them as gaps); publish calls waiting for the sending thread are
 at most ``max_pending`` (checked without a lock: threads publishing at once may pass it by one
@@ -31,7 +34,7 @@ from typing import Any, Callable
 import zmq
 
 from kvstage.errors import InvalidArgumentError, is_int, require, require_seconds
-from kvstage.events.wire import VLLM_FORMAT, EventBatcher, EventFormat, KVEventBatch, encode_batch
+from kvstage.events.wire import VLLM_FORMAT, EventBatcher, EventFormat, KVEventBatch, check_events, encode_batch
 
 __all__ = ["END_SEQ", "KVEventPublisher"]
 
@@ -156,9 +159,15 @@ class KVEventPublisher:
         the batch's :class:`~kvstage.events.wire.EventBatcher`, and it adds its events there
         (``batcher.add(events)``, ``batcher.stored(...)``): work moved off the caller's thread.
 
+        A list is checked here, on the caller's thread (:func:`~kvstage.events.wire.check_events`:
+        one the format cannot carry would make the whole batch it joins unencodable); a
+        callable's events are checked when the batch is encoded, where one that cannot be is
+        dropped alone (logged, a seq skipped).
+
         Raises:
-            InvalidArgumentError: the publisher is closed, or ``events`` is neither a list nor a
-                callable.
+            InvalidArgumentError: the publisher is closed, ``events`` is neither a list nor a
+                callable, or the list holds an item that is no KV event or whose block hashes,
+                token ids or block size the format cannot carry (nothing is queued).
         """
         if type(events) is not list:
             if isinstance(events, list):
@@ -168,8 +177,10 @@ class KVEventPublisher:
                     f"events: must be a list of KV events or a callable taking an EventBatcher, "
                     f"got {type(events).__name__}"
                 )
-        if not events and type(events) is list:
-            return True
+        if type(events) is list:
+            if not events:
+                return True
+            check_events(events, self.event_format.hash_range)
         if self._closed:
             raise InvalidArgumentError("publisher: publish() after close()")
         pending = self._pending
@@ -291,11 +302,18 @@ class KVEventPublisher:
         seq = self._seq
         self._seq += 1
         try:
-            # vLLM's through this module's name (looked up per call), another flavour's its own
-            payload = encode_batch(batch) if self.event_format is VLLM_FORMAT else self.event_format.encode(batch)
+            payload = self._encode(batch)
         except Exception:
-            logger.exception("kv events: batch %d cannot be encoded; it is skipped (a gap)", seq)
-            return
+            # An event a deferred call added that the format cannot carry: it alone is dropped,
+            # under a skipped seq (subscribers see the gap), the rest go out.
+            logger.exception("kv events: batch %d cannot be encoded; its unencodable events are dropped", seq)
+            kept = [event for event in batch.events if self._encodes(event)]
+            if not kept:
+                return
+            batch = KVEventBatch(batch.ts, kept, batch.data_parallel_rank)
+            payload = self._encode(batch)
+            seq = self._seq
+            self._seq += 1
         pub = self._pub
         _SEND_FRAME(pub, self._topic, _MORE)
         _SEND_FRAME(pub, seq.to_bytes(8, "big"), _MORE)
@@ -305,6 +323,19 @@ class KVEventPublisher:
         self._buffer.append((seq, payload))
         if len(self._buffer) > 2 * self.buffer_steps:  # trimmed in steps: amortized O(1)
             del self._buffer[: -self.buffer_steps]
+
+    def _encode(self, batch: KVEventBatch) -> bytes:
+        # vLLM's through this module's name (looked up per call), another flavour's its own
+        return encode_batch(batch) if self.event_format is VLLM_FORMAT else self.event_format.encode(batch)
+
+    def _encodes(self, event) -> bool:
+        """Whether one event encodes alone in this publisher's format (and fits its hash range)."""
+        try:
+            check_events([event], self.event_format.hash_range)
+            self._encode(KVEventBatch(0.0, [event], self.data_parallel_rank))
+        except Exception:
+            return False
+        return True
 
     def _answer_replay(self) -> None:
         frames = self._replay.recv_multipart()

@@ -84,4 +84,6 @@ def encode_sglang_batch(batch: KVEventBatch) -> bytes:
     return msgpack.packb([batch.ts, [_event_map(event) for event in batch.events], batch.data_parallel_rank])
 
 
-SGLANG_FORMAT = EventFormat("sglang", SGLANG_MEDIUM_L3, sglang_block_hash, encode_sglang_batch)
+SGLANG_FORMAT = EventFormat(
+    "sglang", SGLANG_MEDIUM_L3, sglang_block_hash, encode_sglang_batch, hash_range=range(-_SIGN, _SIGN)
+)

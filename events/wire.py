@@ -35,6 +35,7 @@ __all__ = [
     "KVEventBatch",
     "block_hash",
     "block_hashes",
+    "check_events",
     "decode_batch",
     "encode_batch",
     "merge_stored",
@@ -234,6 +235,58 @@ def merge_stored(events: list[KVEvent]) -> list[KVEvent]:
     return batcher.events
 
 
+_UINT64 = range(1 << 64)  # vLLM's block hashes (the low 64 bits, unsigned) and any token id
+
+
+def check_events(events: list, hash_range: range = _UINT64) -> None:
+    """Raise unless every item of ``events`` is a KV event the format can carry: its block
+    hashes (and a stored run's parent) ints in ``hash_range``, its token ids ints in
+    ``[0, 2**64)``, its block size an int >= 1. O(pages + tokens).
+
+    Raises:
+        InvalidArgumentError: naming ``events``, the field and the rule.
+    """
+    for event in events:
+        kind = type(event)
+        if kind is BlockRemoved:
+            _require_ints(event.block_hashes, hash_range, "block_hashes")
+        elif kind is BlockStored:
+            _require_ints(event.block_hashes, hash_range, "block_hashes")
+            parent = event.parent_block_hash
+            if parent is not None and not (type(parent) is int and parent in hash_range):
+                raise InvalidArgumentError(
+                    f"events: parent_block_hash must be None or an int in {_range_text(hash_range)}, got {parent!r}"
+                )
+            _require_ints(event.token_ids, _UINT64, "token_ids")
+            size = event.block_size
+            if type(size) is not int or size < 1:
+                raise InvalidArgumentError(f"events: block_size must be an int >= 1, got {size!r}")
+        elif kind is not AllBlocksCleared:
+            raise InvalidArgumentError(
+                f"events: each must be a BlockStored, BlockRemoved or AllBlocksCleared, got {kind.__name__}"
+            )
+
+
+def _require_ints(values: Any, allowed: range, field_name: str) -> None:
+    if not isinstance(values, list):
+        raise InvalidArgumentError(f"events: {field_name} must be a list of ints, got {type(values).__name__}")
+    for value in values:
+        if type(value) is not int or value not in allowed:
+            raise InvalidArgumentError(f"events: {field_name} must be ints in {_range_text(allowed)}, got {value!r}")
+
+
+def _range_text(allowed: range) -> str:
+    """``[lo, hi)`` with powers of two written as ``2**n``."""
+
+    def text(value: int) -> str:
+        size = abs(value)
+        if size > 1 and size & (size - 1) == 0:
+            return f"{'-' if value < 0 else ''}2**{size.bit_length() - 1}"
+        return str(value)
+
+    return f"[{text(allowed.start)}, {text(allowed.stop)})"
+
+
 def _event_map(event: KVEvent) -> dict[str, Any]:
     if isinstance(event, BlockStored):
         out = {
@@ -322,6 +375,7 @@ class EventFormat:
         block_hash: a page key (hex) to its int block hash.
         encode: a :class:`KVEventBatch` to its payload bytes.
         many_block_hashes: page keys to their block hashes in one pass (None: ``block_hash`` each).
+        hash_range: the block hashes the format carries (vLLM's: ``[0, 2**64)``).
     """
 
     name: str
@@ -329,6 +383,7 @@ class EventFormat:
     block_hash: Callable[[str], int]
     encode: Callable[[KVEventBatch], bytes]
     many_block_hashes: Callable[[Sequence[str]], list[int]] | None = None  # block_hash of each, in one pass
+    hash_range: range = _UINT64
 
     def hashes(self, page_keys: Sequence[str]) -> list[int]:
         """:attr:`block_hash` of each page key, in order."""

@@ -286,3 +286,48 @@ def test_a_stream_of_calls_goes_out_in_at_most_one_batch_a_linger():
         elapsed = time.monotonic() - started
         assert pub.events_published == calls
         assert pub.published <= elapsed / linger_s + 2
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("BlockRemoved", r"^events: each must be a BlockStored, BlockRemoved or AllBlocksCleared, got str"),
+        (BlockRemoved([1 << 64]), r"^events: block_hashes must be ints in \[0, 2\*\*64\), got 18446744073709551616"),
+        (BlockRemoved([-1]), r"^events: block_hashes must be ints in \[0, 2\*\*64\), got -1"),
+        (BlockStored([1], 1 << 64, [0, 0], 2), r"^events: parent_block_hash must be None or an int in \[0, 2\*\*64\)"),
+        (BlockStored([1], None, [0, 1.5], 2), r"^events: token_ids must be ints in \[0, 2\*\*64\), got 1.5"),
+        (BlockStored([1], None, [0, 0], 0), r"^events: block_size must be an int >= 1, got 0"),
+    ],
+)
+def test_a_list_with_an_event_the_format_cannot_carry_is_refused_on_the_callers_thread_and_the_others_go_out(
+    monkeypatch, bad, message
+):
+    release, encoding = stall_encoding(monkeypatch)
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        pub.publish([BlockRemoved([0])])
+        assert encoding.wait(10)  # the sender holds batch 0: the next calls would join one batch
+        pub.publish([BlockRemoved([1])])
+        with pytest.raises(InvalidArgumentError, match=message):
+            pub.publish([BlockRemoved([5]), bad])
+        pub.publish([BlockStored([2], None, [2, 2], 2)])
+        release.set()
+        assert pub.flush(10)
+        replies = replay(pub.replay_endpoint, 0)
+        assert pub.dropped == 0
+    assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [0, 1]
+    assert decode_batch(replies[1][3]).events == [BlockRemoved([1]), BlockStored([2], None, [2, 2], 2)]
+
+
+def test_an_event_a_deferred_call_added_that_cannot_be_encoded_loses_only_itself_and_skips_a_seq(monkeypatch):
+    release, encoding = stall_encoding(monkeypatch)
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        pub.publish([BlockRemoved([0])])
+        assert encoding.wait(10)
+        pub.publish([BlockRemoved([1])])
+        pub.publish(lambda batcher: batcher.add([BlockRemoved([1 << 64])]))  # past the caller's check
+        pub.publish([BlockStored([2], None, [2, 2], 2)])
+        release.set()
+        assert pub.flush(10)
+        replies = replay(pub.replay_endpoint, 0)
+    assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [0, 2]  # seq 1: the lost event's gap
+    assert decode_batch(replies[1][3]).events == [BlockRemoved([1]), BlockStored([2], None, [2, 2], 2)]
