@@ -239,29 +239,7 @@ class KVEventAnnouncer:
                 if stored is not None:
                     batcher.stored(*stored)
                 return
-            out: list = []  # (True, stored fields) or (False, a removed page's hash), in the store's order
-            placed = not keys
-            mine = set(keys)
-            stored_here = {key for kind, run in store_events if kind == "stored" for key in run if key in mine}
-            for kind, run in store_events:
-                for key in run:
-                    if not placed and key in mine:  # its first event: stored (or evicted within this write)
-                        placed = True
-                        out.append((True, self._stored(keys, tokens, prior_key, namespace, None, stored_here)))
-                    if kind != "stored":
-                        value = self._hash(key)
-                        self._live.discard(value)
-                        if self._untold.pop(value, 0) is None:  # stored, its write not told yet
-                            _remember(self._gone_untold, value)
-                        self.pages_removed += 1
-                        out.append((False, value))
-                    elif key not in mine:
-                        self.pages_without_tokens += 1
-                        value = self._hash(key)
-                        self._gone_untold.pop(value, None)  # stored again
-                        _remember(self._untold, value)
-            if not placed:  # every page was held already
-                out.append((True, self._stored(keys, tokens, prior_key, namespace, None, stored_here)))
+            out = self._in_store_order(keys, tokens, prior_key, namespace, store_events)
             medium = self.medium
             for is_stored, item in out:
                 if not is_stored:
@@ -271,6 +249,60 @@ class KVEventAnnouncer:
         except Exception:
             self.errors += 1
             logger.exception("kv events: announcing a write of %d pages failed", len(keys))
+
+    def _in_store_order(self, keys, tokens, prior_key, namespace, store_events) -> list:
+        """A write's pages and the store's events, as ``(True, stored fields or None)`` and
+        ``(False, a removed page's hash)`` in the store's order: the run's pages are placed up
+        to each of its own pages' events (a page held already goes with the next page's
+        event, or at the end), so a page of the run removed then stored again in this call (a
+        corrupt page rewritten) ends stored, and the pages after one removed and not stored
+        again are not announced (their parent is gone)."""
+        out: list = []
+        keys = keys if type(keys) is list else list(keys)
+        tokens = tokens if type(tokens) is list else _token_list(tokens)
+        size = self.block_size
+        where = {key: index for index, key in enumerate(keys)}
+        stored_here = {key for kind, run in store_events if kind == "stored" for key in run if key in where}
+        placed = 0  # the run's pages before this index are placed (announced, or removed)
+        removed: set[int] = set()  # indices of the run's pages removed in this call, not stored since
+
+        def place(first: int, end: int) -> None:
+            prior = prior_key if first == 0 else keys[first - 1]
+            fields = self._stored(
+                keys[first:end], tokens[first * size : end * size], prior, namespace, None, stored_here
+            )
+            out.append((True, fields))
+
+        for kind, run in store_events:
+            for key in run:
+                index = where.get(key)
+                if kind == "stored":
+                    if index is None:  # another writer's page (or a write not told yet)
+                        self.pages_without_tokens += 1
+                        value = self._hash(key)
+                        self._gone_untold.pop(value, None)  # stored again
+                        _remember(self._untold, value)
+                    elif index >= placed:
+                        place(placed, index + 1)
+                        placed = index + 1
+                    elif index in removed:  # removed earlier in this call, stored again
+                        removed.discard(index)
+                        place(index, index + 1)
+                    continue
+                if index is not None:
+                    if index > placed:
+                        place(placed, index)  # the pages before it first
+                    placed = max(placed, index + 1)
+                    removed.add(index)
+                value = self._hash(key)
+                self._live.discard(value)
+                if self._untold.pop(value, 0) is None:  # stored, its write not told yet
+                    _remember(self._gone_untold, value)
+                self.pages_removed += 1
+                out.append((False, value))
+        if placed < len(keys):  # held already: after the last event
+            place(placed, len(keys))
+        return out
 
     def _claim(self, keys: Sequence[str], hashes: list[int], stored_here: Any) -> int:
         """A write's pages whose store events another call took (:attr:`_untold`) are its own

@@ -100,3 +100,32 @@ def test_a_page_stored_again_after_the_polls_saw_it_go_is_announced_by_the_write
     assert publisher.flush(10)
     assert claimed(stream()) == held(store, keys) == {block_hash(keys[0])}
     assert announcer.pages_announced == 1
+
+
+def corrupt(path) -> None:
+    """Flip the last byte of a page file (its payload): the same size, a checksum that fails."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_file_page_found_corrupt_and_rewritten_by_the_same_put_stays_claimed(publisher, stream, tmp_path):
+    from kvstage.storage import FileStore
+
+    store = FileStore(FP, tmp_path)
+    announcer = KVEventAnnouncer(publisher, store, block_size=PAGE)
+    keys = chain(0, 3)
+    store.put(keys, [page(0), page(1), page(2)])
+    announcer.written(keys, tokens_of(0, 3), None, NO_NAMESPACE, ())
+    corrupt(store.path_of(keys[1]))
+    store.put(keys, [page(0), page(1), page(2)])  # finds the page corrupt: removed, then written again
+    announcer.written(keys, tokens_of(0, 3), None, NO_NAMESPACE, ())
+    assert publisher.flush(10)
+    events = stream()
+    assert store.stats.pages_removed == 1 and [event.kind for event in store.take_events()] == []
+    assert claimed(events) == held(store, keys) and len(held(store, keys)) == 3
+    assert events[-2:] == [
+        BlockRemoved([block_hash(keys[1])]),
+        BlockStored([block_hash(keys[1])], block_hash(keys[0]), tokens_of(PAGE, 1), PAGE),
+    ]  # the corrupt page's removal first, then the page written again, its parent named
+    store.close()
