@@ -15,6 +15,10 @@ poll, another writer thread's write, between a put and its :meth:`~KVEventAnnoun
 the announcer remembers such pages, and one removed before its write is told is not announced
 by that write as held already (the store no longer holds it).
 
+Only the events of the store's own key space (its fingerprint prefix) are announced: a page of
+another key space that ``FileStore.evict_key_space`` removed is no page of this stream, even
+where its page key is the same.
+
 What it does not announce, counted instead: pages whose chain parent is not live on this stream
 (``pages_unanchored``: a run continuing a loaded prefix, or the prefill side's prompt pages with
 ``store_prompt=False``, which this stream never announced; routers drop a block with an unknown
@@ -25,6 +29,7 @@ another writer of the same store object; a router cannot index a block without t
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 from typing import Any, Sequence
@@ -91,8 +96,9 @@ class KVEventAnnouncer:
         self._last_key: str | None = None  # the last page key hashed, and its hash: a chain's next
         self._last_hash: int | None = None  # write names it as its prior key
         self._lock = threading.Lock()  # one taker of store events at a time: the stream keeps their order
+        self._key_space = getattr(storage, "prefix", None)  # only its events are announced
         if getattr(type(storage), "take_events", None) is StorageBackend.take_events:
-            self._take = storage.take_event_chunks  # the store's own queue: no StoreEvent a key
+            self._take = functools.partial(storage.take_event_chunks, self._key_space)  # no StoreEvent a key
         else:
             self._take = self._chunks_of_events
         # written()'s and poll()'s calls, (keys, tokens, prior_key, namespace, failed_keys, store
@@ -223,8 +229,14 @@ class KVEventAnnouncer:
         )
 
     def _chunks_of_events(self) -> list[tuple[str, list[str]]]:
-        """The storage's ``take_events()`` as ``(kind, [key])`` chunks (a store wrapper's events)."""
-        return [(event.kind, [event.key]) for event in self.storage.take_events()]
+        """The storage's ``take_events()`` as ``(kind, [key])`` chunks (a store wrapper's
+        events), those of another key space left out."""
+        space = self._key_space
+        return [
+            (event.kind, [event.key])
+            for event in self.storage.take_events()
+            if space is None or getattr(event, "key_space", space) == space
+        ]
 
     def _announce(self, keys, tokens, prior_key, namespace, failed_keys, store_events, batcher: EventBatcher) -> None:
         """The events of one :meth:`written` (or :meth:`poll`: no keys) into the sending

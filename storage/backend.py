@@ -389,11 +389,12 @@ class StorageBackend(abc.ABC):
         """
         return self._events.take(max_events)
 
-    def take_event_chunks(self) -> list[tuple[str, list[str]]]:
+    def take_event_chunks(self, key_space: str | None = None) -> list[tuple[str, list[str]]]:
         """Take every store event not taken yet, oldest first, as ``(kind, keys)`` chunks (one a
         recording; the same events as :meth:`take_events`, no per-key object): what an
-        announcer reads. Never blocks."""
-        return self._events.take_chunks()
+        announcer reads. ``key_space``: only the events of that fingerprint prefix are
+        returned (the rest are taken and dropped); None: every one. Never blocks."""
+        return self._events.take_chunks(key_space)
 
     def register_host_buffers(self, buffers: Sequence[torch.Tensor]) -> None:  # noqa: B027 (optional hook)
         """Tell a zero-copy backend which host memory pages will come from (default: no-op)."""

@@ -176,16 +176,21 @@ class EventQueue:
             self._count -= max_events
         return self._built(taken)
 
-    def take_chunks(self) -> list[tuple[str, list[str]]]:
+    def take_chunks(self, key_space: str | None = None) -> list[tuple[str, list[str]]]:
         """Remove and return every event kept, oldest first, as ``(kind, keys)`` chunks (one a
         record call; ``keys`` a list): what :meth:`take` returns, without a
         :class:`StoreEvent` built per key, for a consumer that needs kinds and keys only (an
-        announcer). Never blocks on a writer for longer than a list swap."""
+        announcer). ``key_space``: only that key space's events are returned (the others are
+        taken too); None: every one. Never blocks on a writer for longer than a list swap."""
         if not self._chunks:
             return []
         with self._lock:
             taken, self._chunks, self._count = self._chunks, collections.deque(), 0
-        return [(kind, keys[first:] if first else keys) for keys, first, kind, *_ in taken]
+        return [
+            (kind, keys[first:] if first else keys)
+            for keys, first, kind, _, space, _ in taken
+            if key_space is None or space == key_space
+        ]
 
     def _built(self, chunks) -> list[StoreEvent]:
         """The :class:`StoreEvent` of each key kept in ``chunks``, oldest first."""

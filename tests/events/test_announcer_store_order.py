@@ -129,3 +129,24 @@ def test_a_file_page_found_corrupt_and_rewritten_by_the_same_put_stays_claimed(p
         BlockStored([block_hash(keys[1])], block_hash(keys[0]), tokens_of(PAGE, 1), PAGE),
     ]  # the corrupt page's removal first, then the page written again, its parent named
     store.close()
+
+
+def test_evicting_another_key_space_of_the_directory_retracts_none_of_this_key_spaces_pages(
+    publisher, stream, tmp_path
+):
+    from kvstage.storage import FileStore
+
+    other_layout = LayoutFingerprint("old-model", FP.layout, PAGE)
+    store, other = FileStore(FP, tmp_path), FileStore(other_layout, tmp_path)
+    announcer = KVEventAnnouncer(publisher, store, block_size=PAGE)
+    keys = chain(0, 2)  # the same page keys in both key spaces
+    store.put(keys, [page(0), page(1)])
+    announcer.written(keys, tokens_of(0, 2), None, NO_NAMESPACE, ())
+    other.put(keys, [page(0), page(1)])
+    assert store.evict_key_space(other_layout.prefix()) == 2  # the old model's pages
+    announcer.poll()
+    assert publisher.flush(10)
+    assert claimed(stream()) == held(store, keys) and len(held(store, keys)) == 2
+    assert announcer.pages_removed == 0
+    store.close()
+    other.close()
