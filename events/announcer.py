@@ -19,6 +19,15 @@ Only the events of the store's own key space (its fingerprint prefix) are announ
 another key space that ``FileStore.evict_key_space`` removed is no page of this stream, even
 where its page key is the same.
 
+Lost store events: a store's queue full drops its oldest events (``stats.events_dropped``), and
+a router that missed a removal would claim a page that is gone. When a take finds the counter
+grown, the announcer announces that call's events, then one ``BlockRemoved`` of every page live
+on its stream (``resyncs``): it keeps no token ids to announce them again, so the router holds
+none of them until writes store or find them again, from a chain's root on. A
+``BlockRemoved`` rather than ``AllBlocksCleared``: it retracts only this announcer's pages, at
+its medium, not the engine's own on a shared stream. A store with events off
+(``event_capacity=0``) is refused; a wrapper's ``take_events`` cannot tell of a drop.
+
 What it does not announce, counted instead: pages whose chain parent is not live on this stream
 (``pages_unanchored``: a run continuing a loaded prefix, or the prefill side's prompt pages with
 ``store_prompt=False``, which this stream never announced; routers drop a block with an unknown
@@ -64,6 +73,11 @@ class KVEventAnnouncer:
         pages_announced, pages_removed: pages published as stored / removed.
         pages_unanchored, pages_without_tokens: pages not announced (see the module).
         errors: announcements that raised (logged; the write or poll is unaffected).
+        resyncs: times the store's event queue had dropped events (``stats.events_dropped``
+            grew) and the stream started over (see the module).
+
+    Raises:
+        InvalidArgumentError: ``storage`` keeps no store events (``event_capacity=0``).
 
     Thread-safe: :meth:`written` runs on the store's writer thread, :meth:`poll` on the engine's.
     """
@@ -86,7 +100,7 @@ class KVEventAnnouncer:
         self._hashes = event_format.many_block_hashes or event_format.hashes
         self.owns_publisher = owns_publisher
         self.pages_announced = self.pages_removed = self.pages_unanchored = self.pages_without_tokens = 0
-        self.errors = 0
+        self.errors = self.resyncs = 0
         self._live: set[int] = set()  # hashes announced stored on this stream and not removed since
         # Pages a store reported stored before their write was told (another call took the
         # event: a poll, another writer thread's write), oldest first; and those of them removed
@@ -97,8 +111,16 @@ class KVEventAnnouncer:
         self._last_hash: int | None = None  # write names it as its prior key
         self._lock = threading.Lock()  # one taker of store events at a time: the stream keeps their order
         self._key_space = getattr(storage, "prefix", None)  # only its events are announced
+        self._stats = None  # the store's counters, where its own queue is read: events_dropped
         if getattr(type(storage), "take_events", None) is StorageBackend.take_events:
+            require(
+                storage.event_capacity >= 1,
+                "storage",
+                lambda: "its event_capacity must be >= 1 (store events on): without them no removal is ever announced",
+            )
             self._take = functools.partial(storage.take_event_chunks, self._key_space)  # no StoreEvent a key
+            self._stats = storage.stats
+            self._dropped_seen = storage.stats.events_dropped
         else:
             self._take = self._chunks_of_events
         # written()'s and poll()'s calls, (keys, tokens, prior_key, namespace, failed_keys, store
@@ -156,6 +178,10 @@ class KVEventAnnouncer:
         runs on the sending thread; one queued already (not started) takes this call too.
         Beyond the publisher's ``max_pending`` calls waiting, the call is dropped (a seq gap)."""
         store_events = self._take()
+        stats = self._stats
+        if stats is not None and stats.events_dropped != self._dropped_seen:  # the store's queue overflowed
+            self._dropped_seen = stats.events_dropped
+            store_events = [*store_events, _LOST]
         if not keys and not store_events:
             return
         calls = self._calls
@@ -286,6 +312,12 @@ class KVEventAnnouncer:
             out.append((True, fields))
 
         for kind, run in store_events:
+            if kind == _LOST[0]:
+                if placed < len(keys):
+                    place(placed, len(keys))
+                    placed = len(keys)
+                out += [(False, value) for value in self._retract_all()]
+                continue
             for key in run:
                 index = where.get(key)
                 if kind == "stored":
@@ -315,6 +347,15 @@ class KVEventAnnouncer:
         if placed < len(keys):  # held already: after the last event
             place(placed, len(keys))
         return out
+
+    def _retract_all(self) -> list[int]:
+        """Every page live on this stream, sorted, now removed from it: the stream starts over
+        after store events were lost (``resyncs``)."""
+        retracted = sorted(self._live)
+        self._live.clear()
+        self.pages_removed += len(retracted)
+        self.resyncs += 1
+        return retracted
 
     def _claim(self, keys: Sequence[str], hashes: list[int], stored_here: Any) -> int:
         """A write's pages whose store events another call took (:attr:`_untold`) are its own
@@ -393,6 +434,7 @@ class KVEventAnnouncer:
         return hashes, parent, tokens, size, extra_key, self.medium, extra, cache_salt
 
 
+_LOST = ("lost", [])  # a store-event chunk of the announcer's own: events were dropped before here
 _ALL = object()  # _stored's stored_here: every page of the run was stored by the call's own events
 _UNTOLD_MAX = 65536  # pages remembered as stored before their write was told (a store's event queue's default)
 

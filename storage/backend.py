@@ -389,6 +389,11 @@ class StorageBackend(abc.ABC):
         """
         return self._events.take(max_events)
 
+    @property
+    def event_capacity(self) -> int:
+        """Store events kept until taken (0: events off); see :meth:`take_events`."""
+        return self._events.capacity
+
     def take_event_chunks(self, key_space: str | None = None) -> list[tuple[str, list[str]]]:
         """Take every store event not taken yet, oldest first, as ``(kind, keys)`` chunks (one a
         recording; the same events as :meth:`take_events`, no per-key object): what an

@@ -150,3 +150,34 @@ def test_evicting_another_key_space_of_the_directory_retracts_none_of_this_key_s
     assert announcer.pages_removed == 0
     store.close()
     other.close()
+
+
+def test_store_events_dropped_by_a_full_queue_make_the_announcer_retract_every_page_it_announced(publisher, stream):
+    store = MemoryStore(FP, capacity_pages=100, event_capacity=4)
+    announcer = KVEventAnnouncer(publisher, store, block_size=PAGE)
+    keys, others = chain(0, 3), chain(100, 3)
+    store.put(keys, [page(0), page(1), page(2)])
+    announcer.written(keys, tokens_of(0, 3), None, NO_NAMESPACE, ())
+    assert store.clear() == 3  # 3 removals ...
+    store.put(others, [page(3), page(4), page(5)])  # ... and 3 stores: the oldest 2 removals dropped
+    assert store.stats.events_dropped == 2
+    announcer.poll()
+    assert publisher.flush(10)
+    events = stream()
+    assert claimed(events) == held(store, keys) == set()
+    # the removal taken, joined with the retraction of what was still live on the stream
+    assert events[-1] == BlockRemoved([block_hash(keys[2]), *sorted(block_hash(key) for key in keys[:2])])
+    assert announcer.resyncs == 1
+    store.put(keys, [page(0), page(1), page(2)])  # announced again from the root
+    announcer.written(keys, tokens_of(0, 3), None, NO_NAMESPACE, ())
+    assert publisher.flush(10)
+    assert claimed(stream()) == held(store, keys) and len(held(store, keys)) == 3
+
+
+def test_a_store_with_its_events_off_is_refused_naming_the_rule(publisher):
+    import pytest
+
+    from kvstage.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match=r"^storage: its event_capacity must be >= 1 \(store events on\)"):
+        KVEventAnnouncer(publisher, MemoryStore(FP, capacity_pages=10, event_capacity=0), block_size=PAGE)
