@@ -43,7 +43,7 @@ import logging
 import threading
 from typing import Any, Sequence
 
-from kvstage.errors import ArgumentTypeError, require
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
 from kvstage.events.publisher import KVEventPublisher
 from kvstage.events.wire import VLLM_FORMAT, EventBatcher
 from kvstage.storage.backend import StorageBackend
@@ -57,9 +57,9 @@ class KVEventAnnouncer:
     """Publishes one store's pages as a manager writes them, and their removals.
 
     Args:
-        publisher: where the events go.
+        publisher: where the events go (a :class:`KVEventPublisher`).
         storage: the store whose events are taken (``take_events()``).
-        block_size: tokens per page (the host pool's page size).
+        block_size: tokens per page (the host pool's page size), >= 1.
         medium: the events' tier (default: the publisher's ``event_format.medium``, ``"STORAGE"``
             for vLLM's).
         owns_publisher: :meth:`close` closes ``publisher`` too.
@@ -77,7 +77,10 @@ class KVEventAnnouncer:
             grew) and the stream started over (see the module).
 
     Raises:
-        InvalidArgumentError: ``storage`` keeps no store events (``event_capacity=0``).
+        ArgumentTypeError: ``publisher`` is no :class:`KVEventPublisher`, ``storage`` has no
+            ``take_events()``.
+        InvalidArgumentError: ``block_size`` is not an int >= 1, ``medium`` not None or a str,
+            or ``storage`` keeps no store events (``event_capacity=0``).
 
     Thread-safe: :meth:`written` runs on the store's writer thread, :meth:`poll` on the engine's.
     """
@@ -91,6 +94,22 @@ class KVEventAnnouncer:
         medium: str | None = None,
         owns_publisher: bool = False,
     ) -> None:
+        require(
+            isinstance(publisher, KVEventPublisher),
+            "publisher",
+            lambda: f"must be a KVEventPublisher, got {type(publisher).__name__}",
+            ArgumentTypeError,
+        )
+        require(
+            callable(getattr(storage, "take_events", None)),
+            "storage",
+            lambda: f"must be a store with take_events(), got {type(storage).__name__}",
+            ArgumentTypeError,
+        )
+        require(
+            is_int(block_size) and block_size >= 1, "block_size", lambda: f"must be an int >= 1, got {block_size!r}"
+        )
+        require(medium is None or isinstance(medium, str), "medium", lambda: f"must be None or a str, got {medium!r}")
         self.publisher = publisher
         self.storage = storage
         self.block_size = block_size
@@ -139,7 +158,8 @@ class KVEventAnnouncer:
         """One store write of a chain run ended: announce its pages that reached the store.
 
         Args:
-            keys: the run's page keys, chain order. tokens: its token ids (``block_size`` per key).
+            keys: the run's page keys, chain order. tokens: its token ids (``block_size`` per
+                key, or empty).
             prior_key: the stored page before the run (None: the run starts the chain).
             namespace: ``(extra_key, cache_salt)`` of the request.
             failed_keys: the keys the write did not store; the run is announced up to the first.
@@ -150,8 +170,17 @@ class KVEventAnnouncer:
         thread, so ``keys``, ``tokens`` and ``failed_keys`` must not change after the call. The
         announcer's events keep their order; a list another caller publishes on the same publisher
         meanwhile may go out after writes announced later. Never raises (it runs inside the store
-        write): an error is logged and counted in ``errors``.
+        write): an error is logged and counted in ``errors``; only a caller's bug is raised.
+
+        Raises:
+            InvalidArgumentError: ``tokens`` is neither empty (no token ids known: sglang's) nor
+                ``block_size`` per key (checked before the store's events are taken).
         """
+        if len(tokens) != len(keys) * self.block_size and len(tokens):
+            raise InvalidArgumentError(
+                f"tokens: must be empty or block_size ({self.block_size}) per key, "
+                f"{len(keys) * self.block_size}, got {len(tokens)}"
+            )
         lock = self._lock
         try:
             lock.acquire()  # the store's events and the queue in one order

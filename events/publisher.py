@@ -57,7 +57,7 @@ class KVEventPublisher:
         replay_endpoint: where the replay ROUTER socket binds (None: no replay).
         topic: the first frame of every message (routers key a stream by it: one per engine).
         buffer_steps: batches kept for replay (>= 1).
-        data_parallel_rank: the third field of every batch.
+        data_parallel_rank: the third field of every batch (an int >= 0).
         hwm: the PUB socket's send high-water mark, messages (>= 1).
         max_pending: publish calls waiting for the sending thread at most (>= 1).
         max_batch: publish calls the sending thread joins into one batch at most (>= 1).
@@ -111,7 +111,11 @@ class KVEventPublisher:
             lambda: f"must be an EventFormat (VLLM_FORMAT, SGLANG_FORMAT), got {event_format!r}",
         )
         self.event_format = event_format
-        require(is_int(data_parallel_rank), "data_parallel_rank", lambda: f"must be an int, got {data_parallel_rank!r}")
+        require(
+            is_int(data_parallel_rank) and data_parallel_rank >= 0,
+            "data_parallel_rank",
+            lambda: f"must be an int >= 0, got {data_parallel_rank!r}",
+        )
         self.topic = topic
         self.buffer_steps = buffer_steps
         self.data_parallel_rank = data_parallel_rank
@@ -207,7 +211,12 @@ class KVEventPublisher:
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until the events of every publish call made before this one are sent (or
         dropped); True when they are, False after ``timeout_s`` seconds (or when the sending
-        thread has ended)."""
+        thread has ended).
+
+        Raises:
+            InvalidArgumentError: ``timeout_s`` is not a number of seconds >= 0.
+        """
+        require_seconds(timeout_s, "timeout_s")
         if not self._thread.is_alive():  # closed: it sent everything queued, unless it timed out
             return not self._pending
         done = threading.Event()
@@ -221,7 +230,12 @@ class KVEventPublisher:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send what is queued (up to ``timeout_s`` seconds), stop the thread, close the
-        sockets. Idempotent."""
+        sockets. Idempotent.
+
+        Raises:
+            InvalidArgumentError: ``timeout_s`` is not a number of seconds >= 0.
+        """
+        require_seconds(timeout_s, "timeout_s")
         if self._closed:
             return
         self._closed = True

@@ -43,7 +43,8 @@ class KVEventSubscriber:
         undecodable: payloads that were no KV event batch (logged, skipped).
 
     Raises:
-        InvalidArgumentError: an endpoint or topic is not a str, or a bad timeout.
+        InvalidArgumentError: an endpoint or topic is not a str, an endpoint zmq cannot connect
+            to (zmq's error as the cause), or a bad timeout.
     """
 
     def __init__(
@@ -65,12 +66,16 @@ class KVEventSubscriber:
         self._sub = context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self._sub.connect(endpoint)
         self._replay = None
-        if replay_endpoint is not None:
-            self._replay = context.socket(zmq.DEALER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.connect(replay_endpoint)
+        try:
+            _connect(self._sub, endpoint, "endpoint")
+            if replay_endpoint is not None:
+                self._replay = context.socket(zmq.DEALER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                _connect(self._replay, replay_endpoint, "replay_endpoint")
+        except BaseException:
+            self.close()
+            raise
 
     def poll(self, timeout_s: float) -> list[tuple[int, KVEventBatch]]:
         """Wait up to ``timeout_s`` seconds for a message, then take every one waiting.
@@ -154,3 +159,13 @@ class KVEventSubscriber:
                 got[seq] = frames[3]
         self.replayed += len(got)
         return got
+
+
+def _connect(sock: zmq.Socket, endpoint: str, name: str) -> None:
+    """Connect ``sock`` to ``endpoint``, a zmq error raised as one naming the argument."""
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as error:
+        raise InvalidArgumentError(
+            f"{name}: cannot connect to {endpoint!r} (a ZMQ endpoint such as 'tcp://HOST:PORT'): {error}"
+        ) from error

@@ -181,3 +181,37 @@ def test_a_store_with_its_events_off_is_refused_naming_the_rule(publisher):
 
     with pytest.raises(InvalidArgumentError, match=r"^storage: its event_capacity must be >= 1 \(store events on\)"):
         KVEventAnnouncer(publisher, MemoryStore(FP, capacity_pages=10, event_capacity=0), block_size=PAGE)
+
+
+def test_announcer_arguments_that_break_a_rule_are_refused_naming_them(publisher):
+    import pytest
+
+    from kvstage.errors import ArgumentTypeError, InvalidArgumentError
+
+    store = MemoryStore(FP, capacity_pages=10)
+    with pytest.raises(InvalidArgumentError, match=r"^block_size: must be an int >= 1, got 0"):
+        KVEventAnnouncer(publisher, store, block_size=0)
+    with pytest.raises(ArgumentTypeError, match=r"^storage: must be a store with take_events\(\), got NoneType"):
+        KVEventAnnouncer(publisher, None, block_size=PAGE)
+    with pytest.raises(ArgumentTypeError, match=r"^publisher: must be a KVEventPublisher, got str"):
+        KVEventAnnouncer("tcp://127.0.0.1:0", store, block_size=PAGE)
+    with pytest.raises(InvalidArgumentError, match=r"^medium: must be None or a str, got 5"):
+        KVEventAnnouncer(publisher, store, block_size=PAGE, medium=5)
+
+
+def test_a_write_told_with_a_token_count_that_does_not_match_its_pages_is_refused_before_anything_is_taken(
+    publisher, stream
+):
+    import pytest
+
+    from kvstage.errors import InvalidArgumentError
+
+    store = MemoryStore(FP, capacity_pages=10)
+    announcer = KVEventAnnouncer(publisher, store, block_size=PAGE)
+    keys = chain(0, 2)
+    store.put(keys, [page(0), page(1)])
+    with pytest.raises(InvalidArgumentError, match=r"^tokens: must be empty or block_size \(4\) per key, 8, got 7"):
+        announcer.written(keys, tokens_of(0, 2)[:7], None, NO_NAMESPACE, ())
+    announcer.written(keys, tokens_of(0, 2), None, NO_NAMESPACE, ())  # the store's events were left for it
+    assert publisher.flush(10)
+    assert stream() == [BlockStored([block_hash(key) for key in keys], None, tokens_of(0, 2), PAGE)]

@@ -331,3 +331,17 @@ def test_an_event_a_deferred_call_added_that_cannot_be_encoded_loses_only_itself
         replies = replay(pub.replay_endpoint, 0)
     assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [0, 2]  # seq 1: the lost event's gap
     assert decode_batch(replies[1][3]).events == [BlockRemoved([1]), BlockStored([2], None, [2, 2], 2)]
+
+
+@pytest.mark.parametrize(
+    ("timeout_s", "message"), [("x", r"^timeout_s: must be a number of seconds"), (-1, r"^timeout_s: must be")]
+)
+def test_flush_with_a_timeout_that_is_no_duration_is_refused_naming_it(timeout_s, message):
+    with KVEventPublisher("tcp://127.0.0.1:0") as pub:
+        with pytest.raises(InvalidArgumentError, match=message):
+            pub.flush(timeout_s)
+
+
+def test_a_negative_data_parallel_rank_is_refused_naming_the_rule():
+    with pytest.raises(InvalidArgumentError, match=r"^data_parallel_rank: must be an int >= 0, got -3"):
+        KVEventPublisher("tcp://127.0.0.1:0", data_parallel_rank=-3)

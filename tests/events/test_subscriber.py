@@ -223,3 +223,10 @@ def test_bad_arguments_and_poll_after_close_raise():
     sub.close()
     with pytest.raises(InvalidArgumentError, match=r"^subscriber: poll\(\) after close\(\)"):
         sub.poll(0)
+
+
+@pytest.mark.parametrize("argument", ["endpoint", "replay_endpoint"])
+def test_an_endpoint_zmq_cannot_connect_to_is_refused_naming_the_argument_and_the_rule(argument):
+    endpoints = {"endpoint": "tcp://127.0.0.1:1", argument: "nonsense"}
+    with pytest.raises(InvalidArgumentError, match=rf"^{argument}: cannot connect to 'nonsense' \(a ZMQ endpoint"):
+        KVEventSubscriber(endpoints["endpoint"], replay_endpoint=endpoints.get("replay_endpoint"))
