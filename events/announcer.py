@@ -28,6 +28,10 @@ none of them until writes store or find them again, from a chain's root on. A
 its medium, not the engine's own on a shared stream. A store with events off
 (``event_capacity=0``) is refused; a wrapper's ``take_events`` cannot tell of a drop.
 
+One announcer a stream: two announcers (two managers, two stores) on one publisher share its
+topic and medium, so a router cannot tell their pages apart, and one store's eviction of a page
+retracts the other's page of the same hash. Give each store its own publisher (or topic).
+
 What it does not announce, counted instead: pages whose chain parent is not live on this stream
 (``pages_unanchored``: a run continuing a loaded prefix, or the prefill side's prompt pages with
 ``store_prompt=False``, which this stream never announced; routers drop a block with an unknown
