@@ -18,6 +18,7 @@ class HybridCalls:
 
     _hybrid: Any
     _states: dict
+    _lifecycles: Any
 
     @owner_thread_only
     def snapshot(
@@ -27,6 +28,8 @@ class HybridCalls:
         ``length`` tokens (page-aligned). Its every state layer is gathered in one launch on the
         copy stream after ``after`` (default ``producer``) into host memory, and stored under
         ``h_{length/page_size - 1}`` once the pages before it are (:mod:`~kvstage.offload.hybrid`).
+        A request not tracked yet (no :meth:`offload` so far) is tracked from this call, as
+        :meth:`offload` would: end it with :meth:`finish` or :meth:`abort`.
 
         Args:
             kv_length: the request's tokens with KV (as :meth:`offload`; default: all but the last).
@@ -36,11 +39,17 @@ class HybridCalls:
 
         Raises:
             InvalidArgumentError: no state component; ``length`` not a positive multiple of the
-                page size or past ``kv_length``; ``state_slot`` outside the state pool; the
-                manager is closed. Nothing is copied then.
+                page size or past ``kv_length``; ``state_slot`` outside the state pool; ``req``
+                was released already; the manager is closed. Nothing is copied then.
             ThreadingError: called from another thread than the manager's.
         """
         self._require_open("snapshot")
         check_after(after, "after")
         tokens = checked_kv_length(req, kv_length, 0)
-        return self._hybrid.snapshot(req, self._states.get(id(req)), length, state_slot, tokens, self._after(after))
+        state, new = self._states.get(id(req)), False
+        if state is None:  # tracked from here: the put waits for the pages before ``length``
+            state, new = self._lifecycles.state_of(req, released_raises=True)
+        handle = self._hybrid.snapshot(req, state, length, state_slot, tokens, self._after(after))
+        if new:
+            self._lifecycles.commit(state)
+        return handle

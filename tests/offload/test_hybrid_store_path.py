@@ -145,3 +145,17 @@ def test_on_stored_waits_until_every_component_write_of_the_request_ended():
     assert engine.stores["state"].exists(keys[-1:]) == [True]
     assert engine.manager.match_prefix(token_ids=PROMPT).lengths == (12,)
     assert engine.manager.entries_stored["swa"][0] == 2 and engine.manager.entries_stored["state"][0] == 1
+
+
+def test_a_snapshot_polled_before_the_requests_first_offload_waits_for_its_pages():
+    # The engine snapshots at 8 and polls before it offloads any page of the request: the
+    # snapshot waits for its pages (before: it was put at once, before h_3 was stored, and failed).
+    engine = Engine(WINDOW_AND_STATE, seed=15)
+    a = engine.request("a", PROMPT)
+    saved = snapshot(engine, a, 8, kv_length=8)
+    engine.manager.poll()
+    assert engine.manager.entries_stored["state"] == (0, 0)
+    engine.manager.offload(a)
+    finish(engine, a)
+    assert engine.manager.entries_stored["state"] == (1, 0)
+    check_loads_at_8(engine, a, saved)
