@@ -10,7 +10,9 @@ Pools, per kind:
 
 - ``swa`` (:class:`~kvstage.model_layout.SlidingWindow`): a KVPool of the component's layout with
   its own slots; ``slots_of[name](req)`` gives the request's slots of that pool, position by
-  position (as ``slot_indices_of`` does for the full pool).
+  position (as ``slot_indices_of`` does for the full pool). An engine that frees a running
+  request's window slots behind it (sglang's ``free_swa_out_of_window_slots``) says how many
+  positions it keeps in ``window_kept[name]``: a window page is gathered only while it is kept.
 - ``sidecar`` (:class:`~kvstage.model_layout.PageSidecar`): a KVPool on the full pool's slots
   (e.g. :meth:`KVPool.from_rows <kvstage.kernels.KVPool.from_rows>`) whose page-first page is the
   entry's bytes (``entry_bytes(page_size)``).
@@ -25,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvstage.errors import ArgumentTypeError, InvalidArgumentError, require
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, require
 from kvstage.kernels import KVPool
 from kvstage.kernels.state_pool import StatePool
 from kvstage.model_layout import ModelLayout
@@ -46,15 +48,34 @@ class ComponentPools:
             window, sidecar) or a ``StatePool`` (state), as the module doc says.
         slots_of: per sliding-window component name, ``slots_of(req)`` -> the request's 1-D
             int slots of that component's pool (position ``p`` at index ``p``).
+        window_kept: per sliding-window component name whose slots the engine frees while the
+            request runs: ``R`` tokens, at least the component's ``window - 1``. The engine
+            keeps, at each ``offload``/``finish``/``snapshot`` call with ``kv_length`` ``n``
+            and until the copies launched there have run, the window slots of every page that
+            holds one of the positions ``n - R .. n - 1`` (it frees whole pages, older ones
+            only). kvstage gathers no window page older than that, so a run launched late
+            (host pool short) or a snapshot taken late stores no page whose slots may hold
+            another request's KV: its length is not restorable. sglang keeps at least ``W``
+            (``evict_threshold = pre_len - W`` or more). A component not named: the engine
+            keeps its slots until the request's release.
 
     Raises (:meth:`check`, run by the manager before anything is copied):
         InvalidArgumentError / ArgumentTypeError: a missing or unknown pool, a pool of another
-            layout, shape or dtype than its component, naming ``pools[name]``.
+            layout, shape or dtype than its component, naming ``pools[name]``; a name in
+            ``slots_of`` or ``window_kept`` that is no sliding-window component, or a kept
+            count that is no int of at least ``window - 1``.
     """
 
     layout: ModelLayout
     pools: Mapping[str, Any]
     slots_of: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+    window_kept: Mapping[str, int] = field(default_factory=dict)
+
+    def first_kept_page(self, name: str, page_size: int, kv_length: int) -> int:
+        """The oldest page of window ``name`` whose slots the engine keeps at a call with
+        ``kv_length`` (``window_kept``; 0 when it keeps them all)."""
+        kept = self.window_kept.get(name)
+        return 0 if kept is None else max(0, (int(kv_length) - kept) // page_size)
 
     @property
     def full(self):
@@ -85,6 +106,25 @@ class ComponentPools:
         names = [component.name for component in others]
         for name in self.pools:
             require(name in names, "components.pools", lambda name=name: f"names {name!r}; the layout's are {names}")
+        windows = {component.name: component for component in layout.of_kind("swa")}
+        for argument in ("slots_of", "window_kept"):
+            given = getattr(self, argument)
+            require(isinstance(given, Mapping), f"components.{argument}", "must map sliding-window component names")
+            for name in given:
+                require(
+                    name in windows,
+                    f"components.{argument}",
+                    lambda name=name: f"names {name!r}; the layout's sliding-window components are {sorted(windows)}",
+                )
+        for name, kept in self.window_kept.items():
+            least = windows[name].window - 1
+            require(
+                is_int(kept) and kept >= least,
+                f"components.window_kept[{name!r}]",
+                lambda kept=kept, least=least: (
+                    f"must be an int of at least the window's {least} kept tokens (window - 1), got {kept!r}"
+                ),
+            )
         for component in others:
             where = f"components.pools[{component.name!r}]"
             require(component.name in self.pools, "components.pools", lambda c=component: f"has no pool for {c.name!r}")

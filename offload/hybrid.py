@@ -180,16 +180,19 @@ class Hybrid:
                 ),
             )
 
-    def gather_pages(self, state: Any, run: Any, start: int, slots: torch.Tensor, after: Any) -> None:
+    def gather_pages(self, state: Any, run: Any, start: int, slots: torch.Tensor, after: Any, kv_length: int) -> None:
         """Launch the gathers of a full run's sidecar pages and the window pages worth storing
-        (``run`` covers tokens ``[start, start + len(slots))``); one launch per component."""
+        (``run`` covers tokens ``[start, start + len(slots))``, launched at a call with
+        ``kv_length``: no window page the engine may have freed then,
+        :meth:`ComponentPools.first_kept_page`); one launch per component."""
         page_size = self.page_size
         first, end = start // page_size, (start + slots.shape[0]) // page_size
         for component in self.others:
             if component.kind == "sidecar":
                 indices, device_slots = list(range(first, end)), slots
             elif component.kind == "swa":
-                indices = self._windows.run_pages(component, state.req, first, end)
+                kept = self.components.first_kept_page(component.name, page_size, kv_length)
+                indices = self._windows.run_pages(component, state.req, first, end, kept)
                 if not indices:
                     continue
                 table = self.components.slots_of[component.name](state.req)
@@ -231,7 +234,13 @@ class Hybrid:
             lambda: f"must be an int in [0, {pool.num_slots}) (a slot of the state pool), got {state_slot!r}",
         )
         launched = state.offloaded_length // self.page_size if state is not None else 0
-        windows = self._windows.snapshot_pages(req, length, launched, self.components.slots_of)  # checked here
+        windows = self._windows.snapshot_pages(  # the slots checked here
+            req,
+            length,
+            launched,
+            self.components.slots_of,
+            lambda name: self.components.first_kept_page(name, self.page_size, num_tokens),
+        )
         key = self._snapshot_key(req, length, index)
         for component, indices in windows:
             self._gather_window(req, state, component, indices, length, after)

@@ -314,7 +314,7 @@ class OffloadManager(HybridCalls, ManagerInspection):
                 if new:
                     self._lifecycles.commit(state)
                 return False
-            return self._launch(state, plan, after, commit=new) > 0
+            return self._launch(state, plan, length, after, commit=new) > 0
 
     @owner_thread_only
     def finish(self, req: Any, *, kv_length: int | None = None, after: Any = None) -> bool:
@@ -683,7 +683,7 @@ class OffloadManager(HybridCalls, ManagerInspection):
             raise pending_prefetch_error(state.req, length, error) from error
         launched_before = state.launched_length
         try:
-            self._launch(state, plan, after, commit=new)
+            self._launch(state, plan, length, after, commit=new)
         finally:
             # Never loaded: the engine computed the prompt itself. Kept when the first run's
             # launch raised (nothing changed); cancelled once a run launched.
@@ -712,7 +712,7 @@ class OffloadManager(HybridCalls, ManagerInspection):
     def _launch_backlog(self) -> None:
         for state in list(self._backlog.states):
             try:
-                self._launch(state, self._plan(state, self.page_size, state.kv_length), None)
+                self._launch(state, self._plan(state, self.page_size, state.kv_length), state.kv_length, None)
                 self._backlog.set_pages(state, state.pages_to_launch(self.page_size))
             except Exception:  # checked at finish: an engine that changed the request since, or a failed launch
                 # The runs launched before the one that raised stay launched: drop only the rest.
@@ -803,9 +803,10 @@ class OffloadManager(HybridCalls, ManagerInspection):
         self._counters.offloads_rejected += plan.rejected
         return plan
 
-    def _launch(self, state: RequestState, plan: LaunchPlan, after: Any, *, commit: bool = False) -> int:
-        """Launch planned runs (:meth:`_plan`, with the host pages free then); pages launched.
-        ``commit``: track the (new) state once its first run has launched.
+    def _launch(self, state: RequestState, plan: LaunchPlan, length: int, after: Any, *, commit: bool = False) -> int:
+        """Launch planned runs (:meth:`_plan`, with the host pages free then) at a call with
+        ``kv_length`` ``length``; pages launched. ``commit``: track the (new) state once its
+        first run has launched.
 
         Raises:
             Whatever the copy stream's submit raises (on CUDA a failed kernel launch, which no
@@ -825,7 +826,8 @@ class OffloadManager(HybridCalls, ManagerInspection):
                 state.chain = plan.chain
                 if commit:
                     self._lifecycles.commit(state)
-            self._hybrid.gather_pages(state, run, state.offloaded_length, slot_indices, after)  # sidecar, window
+            # the sidecar and window pages of the run
+            self._hybrid.gather_pages(state, run, state.offloaded_length, slot_indices, after, length)
             state.launched(segment)
             pages = len(host_page_ids)
             launched += pages

@@ -44,21 +44,25 @@ class SnapshotWindows:
             tracked = self._requests[id(req)] = _Request(req, [c.name for c in self.windows])
         return tracked
 
-    def run_pages(self, component: Any, req: Any, first: int, end: int) -> list[int]:
+    def run_pages(self, component: Any, req: Any, first: int, end: int, first_kept: int = 0) -> list[int]:
         """The window pages of a run of pages ``first .. end - 1`` to gather: before the run's end
-        or a snapshot length of ``req`` (counted gathered)."""
+        or a snapshot length of ``req``, none before ``first_kept`` (the engine may have freed
+        their slots); counted gathered."""
         tracked = self._of(req)
         tracked.lengths = [length for length in tracked.lengths if length > first * self.page_size]  # windows ahead
         resumes = [end * self.page_size, *tracked.lengths]
         mask = swa_store_mask(component, self.page_size, resumes, end_page=end, first_page=first)
-        indices = [first + i for i, keep in enumerate(mask) if keep]
+        indices = [first + i for i, keep in enumerate(mask) if keep and first + i >= first_kept]
         tracked.gathered[component.name].update(indices)
         return indices
 
-    def snapshot_pages(self, req: Any, length: int, launched_pages: int, slots_of: Any) -> list[tuple[Any, list[int]]]:
+    def snapshot_pages(
+        self, req: Any, length: int, launched_pages: int, slots_of: Any, first_kept: Any = None
+    ) -> list[tuple[Any, list[int]]]:
         """Per sliding window, its pages before a snapshot at ``length`` that runs of the first
-        ``launched_pages`` pages left out (to gather now); ``length`` is served by later runs.
-        Call :meth:`gathered` once they are launched.
+        ``launched_pages`` pages left out (to gather now), none before ``first_kept(name)``
+        (None: 0); ``length`` is served by later runs. Call :meth:`gathered` once they are
+        launched.
 
         Raises:
             InvalidArgumentError: ``slots_of[name](req)`` gives no slot for each of those pages.
@@ -68,6 +72,8 @@ class SnapshotWindows:
         for component in self.windows:
             done = tracked.gathered[component.name]
             first = max(0, k - component.window_pages(page_size))
+            if first_kept is not None:
+                first = max(first, first_kept(component.name))
             indices = [i for i in range(first, min(k, launched_pages)) if i not in done]
             if indices:
                 table = slots_of[component.name](req)

@@ -76,10 +76,23 @@ LAYOUTS = {
 }
 
 
+def window_kept_of(window_kept) -> dict:
+    return {} if window_kept is None else {"window_kept": window_kept}
+
+
 class Engine:
     """Random device pools of a layout, a slot table per pool, and a manager over them."""
 
-    def __init__(self, layout: ModelLayout, seed: int = 0, stores=None, store_workers=None, **manager) -> None:
+    def __init__(
+        self,
+        layout: ModelLayout,
+        seed: int = 0,
+        stores=None,
+        store_workers=None,
+        host_pages: int = 32,
+        window_kept=None,
+        **manager,
+    ) -> None:
         torch.manual_seed(seed)
         self.layout = layout
         full = layout.of_kind("full")[0]
@@ -104,16 +117,17 @@ class Engine:
                     ]
                 )
         self.pools = pools
+        windows = {c.name: self.window_slots for c in layout.of_kind("swa")}
         self.stores = stores or component_stores(layout, "m", PAGE, HidingStore)
         self.stream = ManualCopyStream()
         self.released = []
         self.manager = OffloadManager(
             self.full,
-            HostPool.like(self.full, num_pages=32, page_size=PAGE),
+            HostPool.like(self.full, num_pages=host_pages, page_size=PAGE),
             self.stores,
             __import__("kvstage.hashing", fromlist=["PageHasher"]).PageHasher(page_size=PAGE),
             self.slots,
-            components=ComponentPools(layout, pools, slots_of={"swa": self.window_slots}),
+            components=ComponentPools(layout, pools, slots_of=windows, **window_kept_of(window_kept)),
             copy_stream=self.stream,
             store_workers=store_workers or InlineStoreWorkers(),
             backend="torch",

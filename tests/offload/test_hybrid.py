@@ -144,6 +144,23 @@ def test_construction_checks_pools_and_stores():
         Engine(layout, stores=component_stores(other, "m", PAGE, MemoryStore))
 
 
+@pytest.mark.parametrize(
+    "arguments,message",
+    [
+        ({"window_kept": {"swa": 3}}, r"^components\.window_kept\['swa'\]: must be an int of at least the window's 4"),
+        ({"window_kept": {"swa": 4.0}}, r"^components\.window_kept\['swa'\]: must be an int"),
+        ({"window_kept": {"full": 8}}, r"^components\.window_kept: names 'full'; the layout's sliding-window"),
+        ({"slots_of": {"sw": lambda req: None}}, r"^components\.slots_of: names 'sw'; the layout's sliding-window"),
+    ],
+)
+def test_window_arguments_naming_no_window_or_keeping_less_than_it_are_refused(arguments, message):
+    engine = Engine(LAYOUTS["swa"])
+    slots_of = {"swa": engine.window_slots, **arguments.pop("slots_of", {})}
+    components = ComponentPools(LAYOUTS["swa"], engine.pools, slots_of=slots_of, **arguments)
+    with pytest.raises(InvalidArgumentError, match=message):
+        components.check(engine.full, PAGE)
+
+
 def test_store_events_name_the_component_and_flush_clears_every_store():
     engine = Engine(LAYOUTS["state"])
     store(engine, engine.request("a", PROMPT), snapshots=(4, 8))

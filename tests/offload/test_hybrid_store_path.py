@@ -10,7 +10,7 @@ import torch
 
 from kvstage.model_layout import FullAttention, ModelLayout, RequestState, SlidingWindow
 
-from hybrid_engine import POISON, PROMPT, STATE, Engine, kv, load, poison, rows
+from hybrid_engine import LAYOUTS, PAGE, POISON, PROMPT, STATE, Engine, kv, load, poison, rows
 
 # window 5: the 2 pages of 2 before a length; state beside it (gpt-oss's window with Qwen3-Next's state)
 WINDOW_AND_STATE = ModelLayout(
@@ -159,3 +159,72 @@ def test_a_snapshot_polled_before_the_requests_first_offload_waits_for_its_pages
     finish(engine, a)
     assert engine.manager.entries_stored["state"] == (1, 0)
     check_loads_at_8(engine, a, saved)
+
+
+def test_a_run_launched_after_the_engine_freed_its_window_pages_stores_none_of_them():
+    # sglang frees a request's window slots behind it while it runs (free_swa_out_of_window_slots);
+    # with the host pool short, the run to 12 launches at the call at 16, when the engine has
+    # freed page 4 (positions 8, 9) and another request wrote there. Before: page 4 was gathered
+    # from the reused slots, and 10 and 12 were restorable with its foreign bytes.
+    workers, kept = HeldWrites(), 5
+    engine = Engine(LAYOUTS["swa"], seed=16, store_workers=workers, host_pages=4, window_kept={"swa": kept})
+    prompt = list(range(100, 121))  # 21 tokens: 10 whole pages of 2
+    a = engine.request("a", prompt)
+    window = engine.pools["swa"]
+    original = rows(window, engine.window_slots(a)[:18])
+
+    def call_at(length: int) -> None:
+        """The engine at ``length`` tokens with KV: the copies launched before have run; it
+        frees the window pages wholly before the ``kept`` positions, another request's KV lands
+        there; then its offload call."""
+        engine.stream.complete_all()
+        engine.manager.poll()
+        slots = engine.window_slots(a)
+        for page in range(length // PAGE):
+            if (page + 1) * PAGE - 1 < length - kept:
+                for part in window.buffers:
+                    for buffer in part:
+                        buffer[slots[page * PAGE : (page + 1) * PAGE]] = torch.randn(PAGE, 1, 4)
+        engine.manager.offload(a, kv_length=length)
+
+    call_at(4)  # a run to 4 and the window before it (pages 0, 1)
+    call_at(8)  # a run to 8 and pages 2, 3: the 4 host pages are taken (their writes held)
+    call_at(12)  # no host page free: nothing launched
+    workers.run(1)  # the run to 4 is written: 2 host pages free
+    call_at(16)  # the run to 12 launches now; the engine freed pages 0 .. 4 of the window
+    workers.run()
+    call_at(18)  # the run to 18 and the window before it (pages 7, 8)
+    a.done = True
+    engine.manager.finish(a, kv_length=18)
+    for _ in range(5):
+        engine.stream.complete_all()
+        engine.manager.poll()
+        workers.run()
+    engine.settle()
+    lengths = engine.manager.match_prefix(token_ids=prompt).lengths
+    assert lengths == (2, 4, 6, 8, 14, 16, 18)  # 10 and 12 need page 4, which the store never got
+    reader = Engine(LAYOUTS["swa"], seed=17, stores=engine.stores)  # host pages for the longest length
+    for length in lengths:
+        b = reader.request(f"b{length}", prompt[: length + 1])
+        poison(reader, b)
+        before = slice(max(0, length - 2 * PAGE), length)  # the window's pages before the length (2 at most)
+        loaded = load(reader, b, component_slots={"swa": reader.window_slots(b)[before]})
+        assert loaded.num_tokens == length
+        got = rows(reader.pools["swa"], reader.window_slots(b)[before])
+        assert all(torch.equal(x, y[before]) for x, y in zip(got, original)), length
+        reader.settle()  # the load's host pages go back
+        reader.slots.release(b), reader.window_slots.release(b)
+
+
+def test_a_snapshot_taken_after_the_engine_may_have_freed_its_window_is_stored_without_a_length():
+    # The engine keeps 6 positions: at 13 tokens (the prompt's), page 2 (positions 4, 5) may be
+    # another request's already, so the snapshot at 8 gathers page 3 only and 8 is not restorable.
+    engine = Engine(WINDOW_AND_STATE, seed=18, window_kept={"swa": 6})
+    a = engine.request("a", PROMPT)
+    engine.manager.offload(a)
+    snapshot(engine, a, 8)
+    finish(engine, a)
+    keys = engine.manager.hasher.prefill_keys(PROMPT[:12])
+    assert engine.stores["swa"].exists(keys) == [False, False, False, True, True, True]
+    assert engine.manager.entries_stored["state"] == (1, 0)
+    assert engine.manager.match_prefix(token_ids=PROMPT).lengths == ()
