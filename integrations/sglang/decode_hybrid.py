@@ -17,12 +17,16 @@ sliding-window layers, with slots of their own). Its layout is the prefill side'
 host pools' (:func:`~kvstage.integrations.sglang.hybrid_pools.hybrid_layout`): ``FullAttention``
 "kv" over layers ``0 .. nf-1``, ``SlidingWindow`` "swa" over ``nf .. nf+ns-1`` (host-pool
 positions), the window from ``extra_config.sliding_window``. A request's window slots are
-``translate_loc_from_full_to_swa`` of its ``req_to_token`` row, read when a copy is launched: the
-core gathers only the window pages before a run's end (``swa_store_mask``), which sglang's decode
-eviction (``free_swa_out_of_window_slots``: it keeps ``ceil(W / page_size)`` pages behind the
-sequence, kvstage reads ``ceil((W - 1) / page_size)``) has not freed then. sglang's reader asks
-``ceil(W / page_size)`` trailing pages, so with a stride above one page a run-end resume can be
-one window page short for it (every page is stored at the default one-page stride).
+``translate_loc_from_full_to_swa`` of its ``req_to_token`` row, read when a copy is launched.
+sglang's decode eviction (``free_swa_out_of_window_slots``) frees them behind the request while it
+runs, so the drop-in passes ``window_kept={"swa": W - 1}``
+(:class:`~kvstage.offload.ComponentPools`): a copy reads only the pages holding the ``W - 1``
+positions before the call's length, which the next token needs and no eviction has freed. A run
+launched late (host pool short) stores no window page older than that, so its end is not
+restorable (never restorable with another request's bytes). sglang's reader asks
+``ceil(W / page_size)`` trailing pages, kvstage stores ``ceil((W - 1) / page_size)``, so with a
+stride above one page a run-end resume can be one window page short for it (every page is stored
+at the default one-page stride).
 """
 
 from __future__ import annotations

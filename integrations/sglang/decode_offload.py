@@ -185,7 +185,9 @@ class KVStageDecodeOffloadManager:
             components = ComponentPools(layout, extra_pools)
         elif kind == "swa":
             kv_pool, layout, extra_pools, slots_of = swa_pools(kv_cache, config, window, self._slot_indices)
-            components = ComponentPools(layout, extra_pools, slots_of)
+            # sglang frees window slots behind a running request: kvstage gathers only the pages
+            # holding the window - 1 positions the next token needs (any eviction timing keeps them)
+            components = ComponentPools(layout, extra_pools, slots_of, window_kept={"swa": window - 1})
         else:
             wrap, parts = _pool_parts(kv_cache, packed_drafts_of(kv_cache))
             # fp8 held as uint8: the same bytes viewed as the fp8 kind, so the pool's layout is the
