@@ -426,7 +426,13 @@ class OffloadManager(HybridCalls, ManagerInspection):
 
     @owner_thread_only
     def prefetch(
-        self, req: Any, *, policy: str = "best_effort", timeout_s: float | None = None, min_pages: int | None = None
+        self,
+        req: Any,
+        *,
+        policy: str = "best_effort",
+        timeout_s: float | None = None,
+        min_pages: int | None = None,
+        max_pages: int | None = None,
     ) -> PrefetchHandle:
         """Start reading ``req``'s stored prefix into host pages on a worker thread.
 
@@ -450,20 +456,26 @@ class OffloadManager(HybridCalls, ManagerInspection):
                 waiting prefetches oldest first) until ``min(min_pages, pages_wanted)`` host
                 pages are free, instead of reading fewer. Offloads are not held back for it:
                 under a steady stream of copies it waits until they leave that many free.
+            max_pages: None (default): look up every whole page. An int >= 0: the first
+                ``max_pages`` pages at most (a hybrid model's restorable lengths up to
+                ``max_pages * page_size``): how tensor-parallel ranks that found different
+                lengths prefetch again at one they agree on (README).
 
         Raises:
             InvalidArgumentError: an unknown policy, a missing or non-positive timeout, a
                 ``min_pages`` that is not an int >= 1 or that the host pool can never hold, a
+                ``max_pages`` that is not an int >= 0, a
                 placeholder (negative) id among the tokens, a request that has ended, already
                 has a prefetch, or already offloaded pages; the manager is closed. Nothing is
                 tracked then. With ``store_prompt=False`` a prefetch may load the prompt pages
                 the prefill side stored; the chain still continues from the prompt's last page.
             ThreadingError: called from another thread than the manager's.
         """
-        check_prefetch_arguments(policy, timeout_s, min_pages)
+        check_prefetch_arguments(policy, timeout_s, min_pages, max_pages)
         self._require_open("prefetch")
         with nvtx_range("prefetch"):
             keys = self._prefetcher.lookup_keys(req)  # placeholder ids named before anything is tracked
+            keys = keys if max_pages is None else keys[:max_pages]
             state = self._states.get(id(req))
             ended = state is None and self._lifecycles.has_ended(req)
             check_prefetch_request(req, state, ended, len(keys), min_pages, self.host_pool.capacity)

@@ -112,12 +112,13 @@ def check_callbacks(
     return fingerprint
 
 
-def check_prefetch_arguments(policy: Any, timeout_s: Any, min_pages: Any) -> None:
-    """``prefetch``'s policy, ``timeout_s`` (for ``policy="timeout"``) and ``min_pages``.
+def check_prefetch_arguments(policy: Any, timeout_s: Any, min_pages: Any, max_pages: Any = None) -> None:
+    """``prefetch``'s policy, ``timeout_s`` (for ``policy="timeout"``), ``min_pages`` and ``max_pages``.
 
     Raises:
         InvalidArgumentError: an unknown policy, a missing or non-positive timeout, a
-            ``min_pages`` that is neither None nor an int >= 1.
+            ``min_pages`` that is neither None nor an int >= 1, a ``max_pages`` that is
+            neither None nor an int >= 0.
     """
     require(policy in PREFETCH_POLICIES, "policy", lambda: f"must be one of {PREFETCH_POLICIES}, got {policy!r}")
     if policy == "timeout":
@@ -130,6 +131,11 @@ def check_prefetch_arguments(policy: Any, timeout_s: Any, min_pages: Any) -> Non
         min_pages is None or (is_int(min_pages) and min_pages >= 1),
         "min_pages",
         lambda: f"must be None or an int >= 1, got {min_pages!r}",
+    )
+    require(
+        max_pages is None or (is_int(max_pages) and max_pages >= 0),
+        "max_pages",
+        lambda: f"must be None or an int >= 0 (pages to look up at most), got {max_pages!r}",
     )
 
 

@@ -270,6 +270,46 @@ def test_load_refuses_a_partial_hybrid_length_and_a_missing_state_slot():
     assert engine.stream.submitted == submitted
 
 
+def test_a_tp_rank_that_found_a_longer_length_prefetches_again_at_the_agreed_one():
+    # Rank 0 found 8 tokens (snapshots at 4 and 8), another rank 4: they agree on 4. The handle
+    # of 8 loads 8 or nothing, so rank 0 prefetches again with max_pages and loads exactly 4.
+    engine = Engine(LAYOUTS["state"], seed=19)
+    a = engine.request("a", PROMPT)
+    saved = store(engine, a, snapshots=(4, 8))
+    b = engine.request("b", PROMPT)
+    first = engine.manager.prefetch(b, policy="wait_complete")
+    first.wait()
+    engine.manager.poll()
+    assert (first.pages_ready, first.lengths) == (4, (4, 8))
+    agreed = 2  # the minimum of the ranks' pages_ready
+    with pytest.raises(InvalidArgumentError, match="^slot_indices: 4 tokens is not the prefetched restorable length 8"):
+        engine.manager.load(first, engine.slots(b)[: agreed * PAGE], state_slot=1)
+    engine.manager.cancel(first)
+    engine.manager.poll()
+    again = engine.manager.prefetch(b, policy="wait_complete", max_pages=agreed)
+    again.wait()
+    engine.manager.poll()
+    assert (again.pages_wanted, again.pages_ready, again.lengths) == (2, 2, (4,))
+    poison(engine, b)
+    for t in engine.pools["state"].tensors:
+        t[1] = POISON
+    loaded = engine.manager.load(again, engine.slots(b)[: agreed * PAGE], state_slot=1)
+    engine.stream.complete_all()
+    loaded.wait()
+    assert loaded.num_tokens == 4 and loaded.error is None
+    assert all(map(torch.equal, engine.state_of(1), saved[4]))
+    assert all(map(torch.equal, rows(engine.full, engine.slots(b)[:4]), rows(engine.full, engine.slots(a)[:4])))
+    assert (rows(engine.full, engine.slots(b)[4:8])[0] == POISON).all()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_a_prefetch_max_pages_that_is_no_count_is_refused(bad):
+    engine = Engine(LAYOUTS["state"])
+    with pytest.raises(InvalidArgumentError, match=r"^max_pages: must be None or an int >= 0"):
+        engine.manager.prefetch(engine.request("b", PROMPT), max_pages=bad)
+    assert engine.manager.requests_live == 0
+
+
 def test_a_state_pool_of_another_shape_is_refused():
     layout = LAYOUTS["state"]
     engine = Engine(layout)
