@@ -208,6 +208,11 @@ class Hybrid:
             state.copies_in_flight += 1
             self._copies.append(entries)
 
+    def start_over(self, req: Any) -> None:
+        """``req`` was retracted without its progress: its window pages in flight are discarded,
+        so a later snapshot gathers them again."""
+        self._windows.forget(req)
+
     def settled(self, segment: Any) -> None:
         """The manager settled ``segment``: its run's keys are known; its pages' entries are put
         only when its full copy succeeded and the request keeps its progress."""

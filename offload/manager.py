@@ -399,6 +399,8 @@ class OffloadManager(HybridCalls, ManagerInspection):
             return
         state.retract_keep = bool(keep_offloaded)
         self._counters.retractions += 1
+        if not keep_offloaded:
+            self._hybrid.start_over(req)
         self._end_state(state, aborted=not keep_offloaded)
 
     # -- load path ----------------------------------------------------------------------------

@@ -28,6 +28,9 @@ class PlainModel:
     def gather_pages(self, *_: Any) -> None:
         """No other component's pages."""
 
+    def start_over(self, _req: Any) -> None:
+        """No window pages gathered."""
+
     def wait_loads(self, _state: Any, _aborted: bool) -> None:
         """No other component's scatters."""
 

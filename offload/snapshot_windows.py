@@ -93,6 +93,10 @@ class SnapshotWindows:
         """``indices`` of ``component`` were launched for ``req``."""
         self._of(req).gathered[component.name].update(indices)
 
+    def forget(self, req: Any) -> None:
+        """``req`` starts over (retracted, its progress discarded): nothing of it counts gathered."""
+        self._requests.pop(id(req), None)
+
     def forget_untracked(self, tracked: Any) -> None:
         """Drop the requests not in ``tracked`` (ids) once they outnumber them by 64."""
         if len(self._requests) > len(tracked) + 64:

@@ -228,3 +228,21 @@ def test_a_snapshot_taken_after_the_engine_may_have_freed_its_window_is_stored_w
     assert engine.stores["swa"].exists(keys) == [False, False, False, True, True, True]
     assert engine.manager.entries_stored["state"] == (1, 0)
     assert engine.manager.match_prefix(token_ids=PROMPT).lengths == ()
+
+
+def test_a_request_retracted_to_start_over_gathers_its_window_again_for_a_snapshot():
+    # Retracted with keep_offloaded=False while its run to 8 (and window pages 2, 3) copied: the
+    # pages are discarded. When it runs again, a snapshot at 8 after a run to 12 gathers pages
+    # 2, 3 again (before: they counted as gathered, and 8 was never restorable).
+    engine = Engine(WINDOW_AND_STATE, seed=20)
+    a = engine.request("a", PROMPT)
+    engine.manager.offload(a, kv_length=8)
+    engine.manager.retract(a, keep_offloaded=False)
+    engine.settle()
+    assert engine.released == [a]
+    keys = engine.manager.hasher.prefill_keys(PROMPT[:12])
+    assert engine.stores["swa"].exists(keys) == [False] * 6  # discarded
+    engine.manager.offload(a)  # it runs again from the start: one run to 12
+    saved = snapshot(engine, a, 8)
+    finish(engine, a)
+    check_loads_at_8(engine, a, saved)
