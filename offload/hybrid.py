@@ -58,7 +58,7 @@ from kvstage.offload.hybrid_load_handle import HybridLoadHandle
 from kvstage.offload.linked_stores import LinkedStores
 from kvstage.offload.load_path import LoadHandle, PrefixMatch
 from kvstage.offload.plain_model import PlainModel
-from kvstage.offload.request import request_tokens
+from kvstage.offload.request import as_int, request_tokens
 from kvstage.offload.restorable import lengths_unchecked, pages_to_load, restorable_lengths, snapshot_key_index
 from kvstage.offload.slot_indices import check_slots
 from kvstage.offload.snapshot_windows import SnapshotWindows, window_slots
@@ -513,6 +513,23 @@ class Hybrid:
             ArgumentTypeError, DeviceMismatchError: a window's slots missing, not a 1-D int
                 tensor, or on another device than its pool.
         """
+        windows = [component.name for component in self.layout.of_kind("swa")]
+        require(
+            component_slots is None or isinstance(component_slots, Mapping),
+            "component_slots",
+            lambda: f"must map sliding-window component names to slots, got {type(component_slots).__name__}",
+        )
+        for name in component_slots or {}:
+            require(
+                name in windows,
+                "component_slots",
+                lambda name=name: f"names {name!r}; the layout's sliding-window components are {windows}",
+            )
+        require(
+            state_slot is None or self.state is not None,
+            "state_slot",
+            "the layout has no request-state component (give None)",
+        )
         length = num_pages * self.page_size
         if num_pages == 0:
             return {}
@@ -529,6 +546,8 @@ class Hybrid:
             want = len(handle.entries[component.name].indices)
             given = (component_slots or {}).get(component.name)
             pool = self.components.pools[component.name]
+            if want == 0 and given is None:  # a window of one token: nothing before the length
+                given = torch.empty(0, dtype=torch.int64, device=pool.device)
             argument = f"component_slots[{component.name!r}]"
             given_pages = check_slots(
                 given,
@@ -549,6 +568,7 @@ class Hybrid:
             slots[component.name] = given
         if self.state is not None:
             pool = self.components.pools[self.state.name]
+            state_slot = as_int(state_slot)
             require(
                 is_int(state_slot) and 0 <= state_slot < pool.num_slots,
                 "state_slot",

@@ -9,6 +9,7 @@ from typing import Any
 from kvstage.kernels.streams import CopyHandle
 from kvstage.offload.manager_arguments import check_after, checked_kv_length
 from kvstage.offload.one_thread import owner_thread_only
+from kvstage.offload.request import as_int
 
 __all__ = ["HybridCalls"]
 
@@ -32,6 +33,7 @@ class HybridCalls:
         :meth:`offload` would: end it with :meth:`finish` or :meth:`abort`.
 
         Args:
+            length, state_slot: integer scalars (an int, a numpy integer, a 0-d integer tensor).
             kv_length: the request's tokens with KV (as :meth:`offload`; default: all but the last).
 
         Returns:
@@ -46,6 +48,7 @@ class HybridCalls:
         self._require_open("snapshot")
         check_after(after, "after")
         tokens = checked_kv_length(req, kv_length, 0)
+        length, state_slot = as_int(length), as_int(state_slot)
         state, new = self._states.get(id(req)), False
         if state is None:  # tracked from here: the put waits for the pages before ``length``
             state, new = self._lifecycles.state_of(req, released_raises=True)

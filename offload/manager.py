@@ -512,8 +512,9 @@ class OffloadManager(HybridCalls, ManagerInspection):
                 pass waits only for its own KV (:meth:`LoadHandle.wait_layer`).
             after: the event or stream after which the slots may be written.
             state_slot, component_slots: a hybrid model's (:mod:`~kvstage.offload.hybrid`): the
-                request's state slot the snapshot goes to, and per sliding-window component the
-                slots of its window pages before the loaded length; a hybrid load is of the
+                request's state slot the snapshot goes to (an integer scalar), and per
+                sliding-window component the slots of its window pages before the loaded length
+                (none for a window of one token); a hybrid load is of the
                 prefetched restorable length (``handle.pages_ready`` pages) or nothing, and its
                 handle's layers are the model's.
 
@@ -523,7 +524,8 @@ class OffloadManager(HybridCalls, ManagerInspection):
             InvalidArgumentError: the handle was loaded or cancelled already, is another
                 manager's, its request has ended; ``slot_indices`` holds more pages than are
                 ready, or not whole pages; a window's slots not its window's pages, outside its
-                pool or repeated. Nothing is written then.
+                pool or repeated; ``component_slots`` naming no sliding-window component, or a
+                ``state_slot`` for a model without request state. Nothing is written then.
             ThreadingError: called from another thread than the manager's.
 
         After the forward pass's ``wait_layer``/``wait``, check :attr:`LoadHandle.error`: a

@@ -11,7 +11,15 @@ import torch
 from kvstage.errors import InvalidArgumentError, is_int
 from kvstage.hashing.chain import request_namespace
 
-__all__ = ["OffloadRequest", "SlotIndicesOf", "int_scalar", "kv_length", "request_namespace", "request_tokens"]
+__all__ = [
+    "OffloadRequest",
+    "SlotIndicesOf",
+    "as_int",
+    "int_scalar",
+    "kv_length",
+    "request_namespace",
+    "request_tokens",
+]
 
 _SIGNED_TYPECODES = frozenset("bhilq")  # array.array typecodes of signed integers
 
@@ -69,6 +77,13 @@ def kv_length(req: OffloadRequest) -> int:
     decode step writes it. The default of the manager's ``kv_length=`` argument (an engine
     mid-way through a chunked prefill passes the positions computed so far instead)."""
     return len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+
+
+def as_int(value: Any) -> Any:
+    """An integer scalar (:func:`int_scalar`) as an int; anything else as it is, for the check
+    that names it."""
+    scalar = int_scalar(value)
+    return value if scalar is None else scalar
 
 
 def int_scalar(value: Any) -> int | None:

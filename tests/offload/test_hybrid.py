@@ -310,6 +310,61 @@ def test_a_prefetch_max_pages_that_is_no_count_is_refused(bad):
     assert engine.manager.requests_live == 0
 
 
+def test_numpy_lengths_and_state_slots_are_taken_as_kv_length_is():
+    # vLLM keeps token counts as numpy integers: kv_length took them, length and state_slot did not
+    np = pytest.importorskip("numpy")
+    engine = Engine(LAYOUTS["state"], seed=21)
+    a = engine.request("a", PROMPT)
+    engine.manager.offload(a)
+    for t in engine.pools["state"].tensors:
+        t[0] = torch.randn(t.shape[1:]).to(t.dtype)
+    saved = engine.state_of(0)
+    engine.manager.snapshot(a, np.int64(8), np.int64(0), kv_length=np.int64(12))
+    engine.stream.complete_all()
+    a.done = True
+    engine.manager.finish(a)
+    engine.settle()
+    b = engine.request("b", PROMPT)
+    loaded = load(engine, b, state_slot=torch.tensor(2))
+    assert loaded.num_tokens == 8
+    assert all(map(torch.equal, engine.state_of(2), saved))
+
+
+@pytest.mark.parametrize(
+    "layout,arguments,message",
+    [
+        ("swa", {"component_slots": {"sw": torch.arange(4)}}, r"^component_slots: names 'sw'; the layout's sliding"),
+        ("swa", {"component_slots": {"swa": torch.arange(4)}, "state_slot": 0}, r"^state_slot: the layout has no"),
+        ("state", {"component_slots": {"swa": torch.arange(4)}, "state_slot": 0}, r"^component_slots: names 'swa'"),
+        ("state", {"component_slots": [torch.arange(4)], "state_slot": 0}, r"^component_slots: must map"),
+    ],
+)
+def test_load_arguments_for_components_the_model_lacks_are_refused(layout, arguments, message):
+    engine = Engine(LAYOUTS[layout], seed=22)
+    store(engine, engine.request("a", PROMPT), chunks=(8,), snapshots=(8,) if layout == "state" else ())
+    b = engine.request("b", PROMPT)
+    handle = engine.manager.prefetch(b, policy="wait_complete")
+    handle.wait()
+    engine.manager.poll()
+    submitted = engine.stream.submitted
+    with pytest.raises(InvalidArgumentError, match=message):
+        engine.manager.load(handle, engine.slots(b)[: handle.pages_ready * PAGE], **arguments)
+    assert engine.stream.submitted == submitted
+
+
+def test_a_window_of_one_token_loads_without_window_slots():
+    # W = 1: a query attends to itself only, no window page is stored or loaded
+    layout = ModelLayout(2, (SlidingWindow((0,), kv(1), window=1), FullAttention((1,), kv(1))))
+    engine = Engine(layout, seed=23)
+    a = engine.request("a", PROMPT)
+    store(engine, a)
+    assert engine.manager.entries_stored == {"swa": (0, 0)}
+    b = engine.request("b", PROMPT)
+    loaded = load(engine, b)
+    assert loaded.num_tokens == 12 and loaded.error is None
+    assert all(map(torch.equal, rows(engine.full, engine.slots(b)[:12]), rows(engine.full, engine.slots(a)[:12])))
+
+
 def test_a_state_pool_of_another_shape_is_refused():
     layout = LAYOUTS["state"]
     engine = Engine(layout)
