@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.events import BlockRemoved, BlockStored, KVEventPublisher, block_hash
+from kvstage.events import BlockRemoved, BlockStored, KVEventPublisher
 from kvstage.storage import MemoryStore
 
 import dynamo_rig
@@ -42,7 +42,7 @@ def _until_connected(indexer: Indexer, publisher: KVEventPublisher) -> None:
     """Announce a probe page until the indexer sees it (its SUB socket gets nothing sent before
     it connected), then remove it."""
     probe = [900_001 + i for i in range(PAGE)]
-    probe_hash = block_hash("ab" * 16)
+    probe_hash = publisher.event_format.block_hash("ab" * 16)  # in the publisher's flavour's hash range
     deadline = time.monotonic() + 20
     while indexer.disk_overlap(probe) != PAGE:
         assert time.monotonic() < deadline, "dynamo.indexer never received the publisher's events"
