@@ -46,10 +46,12 @@ def install_settings(
     page_size: int = PAGE_SIZE,
     extra: dict | None = None,
     speculative_algorithm: str | None = None,
+    hicache_ratio: float = 2.0,
 ):
     """sglang's published config for a decode server using kvstage (restore() undoes it);
     the stride defaults to one page; ``extra``: more keys of the storage extra config;
-    ``speculative_algorithm``: sglang's ``--speculative-algorithm`` (e.g. ``"EAGLE"``)."""
+    ``speculative_algorithm``: sglang's ``--speculative-algorithm`` (e.g. ``"EAGLE"``);
+    ``hicache_ratio``: host pages per device slot page (2.0 over 256 slots: 128 host pages)."""
     import os
 
     os.environ["SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"] = str(page_size if stride is None else stride)
@@ -57,7 +59,7 @@ def install_settings(
         device="cpu",
         page_size=page_size,
         tp_size=tp_size,
-        hicache_ratio=2.0,
+        hicache_ratio=hicache_ratio,
         served_model_name="org/tiny-model",
         hicache_storage_backend="dynamic",
         hicache_storage_backend_extra_config=json.dumps(extra_config(url, **(extra or {}))),

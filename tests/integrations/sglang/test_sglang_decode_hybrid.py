@@ -240,3 +240,52 @@ def test_a_dsa_pool_with_eagle_bigram_keys_is_refused_before_any_store_opens(one
         with pytest.raises(InvalidArgumentError, match=r"token_to_kv_pool_allocator: a DSA pool with EAGLE bigram"):
             DecodeSide("dsa", one_rank)
     assert opened == []
+
+
+def test_swa_pages_launched_after_sglang_freed_their_window_slots_are_never_restorable_with_foreign_bytes(
+    tmp_path, one_rank
+):
+    """One host page, and no progress check for 8 decode pages: the pages after the first wait,
+    and by the finish sglang has freed (and here another request refilled) the window slots of
+    pages 0 .. 7. The drop-in gathers no window page older than the W - 1 tokens before the
+    length (window_kept), so every length the next turn finds restorable reads the request's
+    own window bytes (before: pages 4 .. 7 were gathered from the refilled slots)."""
+    url = f"file:{tmp_path / 'store'}"
+    page = PAGE_SIZE
+    settings = dict(extra={"sliding_window": WINDOW}, hicache_ratio=0.02)  # 256 slots * 0.02 // 4: one host page
+    with settings_installed(url, **settings):
+        side = DecodeSide("swa", one_rank, window=WINDOW)
+        assert side.manager.manager.host_pool.capacity == 1
+        prompt = list(range(300, 300 + 3 * page + 2))
+        outputs = [1000 + i for i in range(8 * page)]
+        req = side.admit("turn-1", prompt, max_tokens=len(outputs))
+        writer = Rig("swa", url)
+        writer.cc.storage_backend.on_host_pools_registered()
+        _write_swa_prompt(writer, side.kv_of(req, 3 * page), RadixKey(array("q", prompt[: 3 * page])))
+        writer.stop()
+
+        for token in outputs:  # the store is slow: no check_offload_progress while it decodes
+            side.decode_step(req, token)
+        kv_length = len(prompt) + len(outputs) - 1
+        whole = kv_length // page * page
+        assert whole == 11 * page
+        assert side.freed_window_slots >= 8 * page
+        expected = _canonical(side.written_kv(req, whole)[2 * LAYERS :])
+        run_until_released(side, [req])
+        side.manager.release_host_resources()
+
+        tokens = prompt + outputs[:-1]
+        reader = Rig("swa", url)
+        restorable, _, _ = reader.prefetch(RadixKey(array("q", tokens + [7, 7])))
+        # 4: the first decode page launched in time. The late pages' window: pages 9, 10 (the
+        # W - 1 = 8 tokens before 45); sglang's reader asks ceil(W/P) = 3 trailing pages, so 11
+        # is not restorable for it. Before: 5 .. 11 were, 5 .. 8 with the refilled slots' bytes.
+        assert restorable == [1, 2, 3, 4]
+        for pages in restorable:  # each length sglang would resume at: its trailing window read
+            _, completed, got = reader.prefetch(RadixKey(array("q", tokens[: pages * page] + [7, 7])))
+            assert completed == pages * page
+            read = got["swa"].shape[2]
+            assert torch.equal(
+                got["swa"].view(torch.uint8), expected[:, :, pages * page - read : pages * page].view(torch.uint8)
+            ), pages
+        reader.stop()
