@@ -21,6 +21,13 @@ at most ``max_pending`` (checked without a lock: threads publishing at once may 
 each), beyond which a call's events are dropped, counted in ``dropped``, and a
 seq is skipped so that subscribers see the gap. The PUB socket's own high-water mark (``hwm``)
 drops messages to a slow subscriber, which replay refills.
+
+Gaps: a skipped seq (dropped calls, or a deferred call's events that cannot be encoded) goes
+out with the next batch; where the calls taken next add no event (or none come), that batch
+is an empty one (``[ts, [], data_parallel_rank]``), sent at once, so a subscriber sees the hole
+without waiting for later events, and :meth:`KVEventPublisher.flush` returns only after it.
+A router asking replay for the skipped seq gets the end marker only: the dropped events are
+gone (its cue to resynchronize, as for any replay gap).
 """
 
 from __future__ import annotations
@@ -71,7 +78,7 @@ class KVEventPublisher:
 
     Attributes:
         endpoint / replay_endpoint: the bound addresses (the port chosen for ``:0``).
-        published: batches sent. events_published: events in them.
+        published: batches sent (empty ones showing a gap included). events_published: events in them.
         dropped: publish calls whose events were dropped (a full pending queue).
 
     Raises:
@@ -210,8 +217,8 @@ class KVEventPublisher:
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until the events of every publish call made before this one are sent (or
-        dropped); True when they are, False after ``timeout_s`` seconds (or when the sending
-        thread has ended).
+        dropped, the skipped seq sent: see the module); True when they are, False after
+        ``timeout_s`` seconds (or when the sending thread has ended).
 
         Raises:
             InvalidArgumentError: ``timeout_s`` is not a number of seconds >= 0.
@@ -264,7 +271,7 @@ class KVEventPublisher:
                 while self._replay.poll(0):
                     self._answer_replay()
             linger = self.linger_s
-            if not pending:
+            if not pending and not self._gap:  # (a gap alone is sent too: an empty batch)
                 if self._closed:
                     break
                 if not self._wake.wait(_IDLE_S):
@@ -275,9 +282,11 @@ class KVEventPublisher:
                 time.sleep(linger)  # let a burst of calls join this batch
             self._wake.clear()  # before taking: a publish from now on wakes the next round
             taken = time.monotonic()
-            while pending:
+            while True:
                 with self._full:
                     gap, self._gap = self._gap, False
+                if not pending and not gap:
+                    break
                 markers = self._send_batch(pending, gap)
                 for marker in markers:
                     marker.set()
@@ -303,13 +312,10 @@ class KVEventPublisher:
                     call(batcher)
                 except Exception:
                     logger.exception("kv events: a deferred publish call raised; its events may be incomplete")
-        if batcher.events:
-            if gap:
-                self._seq += 1  # dropped events: subscribers see the hole
+        if gap:
+            self._seq += 1  # dropped events: subscribers see the hole
+        if batcher.events or gap:  # a gap with no events goes out as an empty batch after it
             self._send(KVEventBatch(time.time(), batcher.events, self.data_parallel_rank))
-        elif gap:
-            with self._full:
-                self._gap = True  # calls that had none: the next batch shows the hole
         return markers
 
     def _send(self, batch: KVEventBatch) -> None:
@@ -321,9 +327,7 @@ class KVEventPublisher:
             # An event a deferred call added that the format cannot carry: it alone is dropped,
             # under a skipped seq (subscribers see the gap), the rest go out.
             logger.exception("kv events: batch %d cannot be encoded; its unencodable events are dropped", seq)
-            kept = [event for event in batch.events if self._encodes(event)]
-            if not kept:
-                return
+            kept = [event for event in batch.events if self._encodes(event)]  # none: an empty batch
             batch = KVEventBatch(batch.ts, kept, batch.data_parallel_rank)
             payload = self._encode(batch)
             seq = self._seq

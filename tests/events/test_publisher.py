@@ -345,3 +345,56 @@ def test_flush_with_a_timeout_that_is_no_duration_is_refused_naming_it(timeout_s
 def test_a_negative_data_parallel_rank_is_refused_naming_the_rule():
     with pytest.raises(InvalidArgumentError, match=r"^data_parallel_rank: must be an int >= 0, got -3"):
         KVEventPublisher("tcp://127.0.0.1:0", data_parallel_rank=-3)
+
+
+def test_a_drop_that_no_later_batch_follows_is_shown_by_an_empty_batch_under_the_next_seq(monkeypatch):
+    # Before: the skipped seq waited for a later batch with events; with none, no subscriber
+    # ever saw the hole and flush() returned True.
+    from kvstage.events import KVEventSubscriber
+
+    release, encoding = stall_encoding(monkeypatch)
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", max_pending=1) as pub:
+        with KVEventSubscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint, replay_timeout_s=5) as sub:
+            pub.publish([BlockRemoved([0])])
+            assert encoding.wait(10)  # the sender holds batch 0
+            assert pub.publish(lambda batcher: None)  # waits; it adds no events
+            assert pub.publish([BlockRemoved([1])]) is False  # the queue is full: dropped
+            release.set()
+            assert pub.flush(10)
+            replies = replay(pub.replay_endpoint, 0)
+            assert pub.dropped == 1 and pub.published == 2 and pub.events_published == 1
+            got: list = []
+            deadline = time.monotonic() + 10
+            while not got or got[-1][0] < 3:  # (slow joiner: publish until one arrives)
+                assert time.monotonic() < deadline, f"the subscriber got {got!r}"
+                pub.publish([BlockRemoved([2])])
+                got += sub.poll(0.05)
+            assert sub.gaps == 1  # the dropped call's seq, whatever it got live and what by replay
+    assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [0, 2]  # seq 1 stands for the dropped call
+    assert [decode_batch(r[3]).events for r in replies[:-1]] == [[BlockRemoved([0])], []]
+    assert [(seq, batch.events) for seq, batch in got[:3]] == [
+        (0, [BlockRemoved([0])]),
+        (2, []),
+        (3, [BlockRemoved([2])]),
+    ]
+
+
+def test_a_call_dropped_elsewhere_with_nothing_queued_is_shown_by_an_empty_batch_before_flush_returns():
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        publish_each(pub, [[BlockRemoved([0])]])
+        pub.dropped_elsewhere()  # an announcer's own queue was full
+        assert pub.flush(10)
+        replies = replay(pub.replay_endpoint, 0)
+        assert pub.dropped == 1 and pub.published == 2
+    assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [0, 2]
+    assert [decode_batch(r[3]).events for r in replies[:-1]] == [[BlockRemoved([0])], []]
+
+
+def test_a_deferred_call_whose_only_events_cannot_be_encoded_shows_its_skipped_seq_by_an_empty_batch():
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        publish_each(pub, [[BlockRemoved([0])]])
+        pub.publish(lambda batcher: batcher.add([BlockRemoved([1 << 64])]))  # past the caller's check
+        assert pub.flush(10)
+        replies = replay(pub.replay_endpoint, 0)
+    assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [0, 2]  # seq 1: the lost event's
+    assert [decode_batch(r[3]).events for r in replies[:-1]] == [[BlockRemoved([0])], []]
