@@ -4,7 +4,9 @@ Frames (vLLM's ``ZmqEventPublisher``, sglang's alike): ``[topic, seq, payload]``
 8-byte big-endian counter from 0, ``payload`` a batch in the publisher's ``event_format``
 (vLLM's :func:`~kvstage.events.wire.encode_batch` by default). The replay socket
 (ZMQ ROUTER) answers a request ``[b"", start_seq]`` with ``[b"", topic, seq, payload]`` for each
-buffered batch from ``start_seq`` on, then the end marker ``[b"", b"", seq=-1, b""]``.
+buffered batch from ``start_seq`` on, then the end marker ``[b"", b"", seq=-1, b""]``. A
+malformed request (not those two frames, or ``start_seq`` not 8 bytes) gets the end marker
+alone, its last frame saying why (``b"bad replay request: ..."``), and is logged.
 
 Batches: :meth:`KVEventPublisher.publish` only appends to a queue (no lock); the sending thread
 takes what is queued (up to ``max_batch`` publish calls' worth) as one batch, a chain's
@@ -356,11 +358,15 @@ class KVEventPublisher:
         return True
 
     def _answer_replay(self) -> None:
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
-            logger.warning(
-                "kv events: a replay request must be [identity, b'', start_seq 8 bytes], got %d frames", len(frames)
-            )
+        frames = self._replay.recv_multipart()  # [identity, ...]: ROUTER puts the sender's first
+        why = None
+        if len(frames) != 3:
+            why = f"{len(frames)} frames, want 3 ([identity, b'', start_seq])"
+        elif len(frames[2]) != 8:
+            why = f"start_seq is {len(frames[2])} bytes, want 8 (big-endian)"
+        if why is not None:  # the end marker at once, saying why: the requester need not time out
+            logger.warning("kv events: a replay request refused: %s", why)
+            self._replay.send_multipart((frames[0], b"", b"", END_SEQ, f"bad replay request: {why}".encode()))
             return
         client, _, start = frames
         start_seq = int.from_bytes(start, "big")

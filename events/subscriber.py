@@ -4,10 +4,11 @@ It connects a SUB socket to a publisher (kvstage's :class:`~kvstage.events.KVEve
 vLLM's or sglang's: the framing is theirs) and, when given the replay endpoint, a DEALER socket
 to its replay ROUTER. Sequence numbers are checked: a batch arriving after a hole makes it ask
 the replay socket for the missing ones first, so batches come out in seq order; what replay
-cannot return (no replay endpoint, older than the publisher's buffer, no answer in time) is
-counted in :attr:`KVEventSubscriber.gaps`. A seq at or below the last one means the publisher
-restarted (its seq starts at 0 again): counted in :attr:`KVEventSubscriber.resets`, and the
-stream is followed from there as from a first contact.
+cannot return (no replay endpoint, older than the publisher's buffer, no answer in time, a
+request refused: the end marker saying why, logged) is counted in
+:attr:`KVEventSubscriber.gaps`. A seq at or below the last one means the publisher restarted
+(its seq starts at 0 again): counted in :attr:`KVEventSubscriber.resets`, and the stream is
+followed from there as from a first contact.
 """
 
 from __future__ import annotations
@@ -152,7 +153,18 @@ class KVEventSubscriber:
                 )
                 break
             frames = self._replay.recv_multipart()
-            if len(frames) != 4 or frames[2] == END_SEQ:
+            if len(frames) != 4:
+                logger.warning(
+                    "kv events: replay from %s ended: a reply of %d frames, want 4", self.replay_endpoint, len(frames)
+                )
+                break
+            if frames[2] == END_SEQ:
+                if frames[3]:  # the publisher refused the request, saying why
+                    logger.warning(
+                        "kv events: replay from %s refused: %s",
+                        self.replay_endpoint,
+                        frames[3].decode(errors="replace"),
+                    )
                 break
             seq = int.from_bytes(frames[2], "big")
             if start <= seq < end:

@@ -398,3 +398,36 @@ def test_a_deferred_call_whose_only_events_cannot_be_encoded_shows_its_skipped_s
         replies = replay(pub.replay_endpoint, 0)
     assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [0, 2]  # seq 1: the lost event's
     assert [decode_batch(r[3]).events for r in replies[:-1]] == [[BlockRemoved([0])], []]
+
+
+@pytest.mark.parametrize(
+    ("request_frames", "why"),
+    [
+        ([(2).to_bytes(8, "big")], "2 frames, want 3 ([identity, b'', start_seq])"),  # no empty delimiter
+        ([b"", b"", (2).to_bytes(8, "big")], "4 frames, want 3 ([identity, b'', start_seq])"),
+        ([b"", (2).to_bytes(4, "big")], "start_seq is 4 bytes, want 8 (big-endian)"),
+    ],
+)
+def test_a_malformed_replay_request_gets_the_end_marker_at_once_with_why_and_a_log_line_saying_it(
+    caplog, request_frames, why
+):
+    # Before: no reply at all (the requester waited its whole timeout) and a log line naming
+    # the frame count only, also where the count was right and start_seq was not 8 bytes.
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        publish_each(pub, [[BlockRemoved([i])] for i in range(4)])
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(pub.replay_endpoint)
+        try:
+            sock.send_multipart(request_frames)
+            started = time.monotonic()
+            assert sock.poll(2000), "no answer to a malformed replay request"
+            answer = sock.recv_multipart()
+            assert time.monotonic() - started < 1.0
+            assert not sock.poll(100)  # the end marker alone: no batch replayed
+        finally:
+            sock.close()
+        good = replay(pub.replay_endpoint, 2)  # the socket still serves well-formed requests
+    assert answer == [b"", b"", (-1).to_bytes(8, "big", signed=True), f"bad replay request: {why}".encode()]
+    assert f"kv events: a replay request refused: {why}" in caplog.text
+    assert [int.from_bytes(r[2], "big") for r in good[:-1]] == [2, 3] and good[-1][3] == b""

@@ -34,6 +34,7 @@ class HandPublisher:
         self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.buffer: dict[int, bytes] = {}
         self.answer_replay = answer_replay
+        self.refusal: bytes | None = None  # set: replay answers the end marker alone, saying this
         self.requests: list[int] = []
 
     def send(self, seq: int, live: bool = True) -> None:
@@ -47,6 +48,9 @@ class HandPublisher:
             client, _, start = self.router.recv_multipart()
             self.requests.append(int.from_bytes(start, "big"))
             if not self.answer_replay:
+                continue
+            if self.refusal is not None:
+                self.router.send_multipart([client, b"", b"", END, self.refusal])
                 continue
             for seq in sorted(self.buffer):
                 if seq >= self.requests[-1]:
@@ -142,6 +146,20 @@ def test_a_replay_that_never_answers_ends_after_its_timeout_as_gaps():
         got = poll_serving(hand, sub, 1)
         assert 0.25 < time.monotonic() - started < 5
         assert [seq for seq, _ in got] == [3] and sub.gaps == 2 and hand.requests == [1]
+    hand.close()
+
+
+def test_a_replay_the_publisher_refuses_ends_at_once_as_gaps_and_logs_why(caplog):
+    hand = HandPublisher()
+    hand.refusal = b"bad replay request: start_seq is 4 bytes, want 8 (big-endian)"
+    with KVEventSubscriber(hand.endpoint, replay_endpoint=hand.replay_endpoint, replay_timeout_s=5) as sub:
+        connect_hand(hand, sub)
+        hand.send(3)
+        started = time.monotonic()
+        got = poll_serving(hand, sub, 1)
+        assert time.monotonic() - started < 2  # not the replay's timeout
+        assert [seq for seq, _ in got] == [3] and sub.gaps == 2 and sub.replayed == 0 and hand.requests == [1]
+    assert f"refused: {hand.refusal.decode()}" in caplog.text
     hand.close()
 
 
