@@ -40,7 +40,8 @@ class StorageError(KvstageError, RuntimeError):
 
 class ThreadingError(KvstageError, RuntimeError):
     """An object that one thread must drive (the offload manager: the engine's scheduler thread)
-    was called from another thread."""
+    was called from another thread, or a call was made on a thread where it cannot complete (a
+    KV event publisher's ``flush`` on its own sending thread)."""
 
 
 def is_int(value: object) -> bool:

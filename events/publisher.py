@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import zmq
 
-from kvstage.errors import InvalidArgumentError, is_int, require, require_seconds
+from kvstage.errors import InvalidArgumentError, ThreadingError, is_int, require, require_seconds
 from kvstage.events.wire import VLLM_FORMAT, EventBatcher, EventFormat, KVEventBatch, check_events, encode_batch
 
 __all__ = ["END_SEQ", "KVEventPublisher"]
@@ -171,6 +171,7 @@ class KVEventPublisher:
         ``events`` may instead be a callable: the sending thread calls it, in call order, with
         the batch's :class:`~kvstage.events.wire.EventBatcher`, and it adds its events there
         (``batcher.add(events)``, ``batcher.stored(...)``): work moved off the caller's thread.
+        It must not call :meth:`flush` (that raises: the sending thread cannot wait for itself).
 
         A list is checked here, on the caller's thread (:func:`~kvstage.events.wire.check_events`:
         one the format cannot carry would make the whole batch it joins unencodable); a
@@ -224,8 +225,15 @@ class KVEventPublisher:
 
         Raises:
             InvalidArgumentError: ``timeout_s`` is not a number of seconds >= 0.
+            ThreadingError: called on the sending thread (from a deferred publish call): it
+                would wait for itself, so it fails at once rather than after ``timeout_s``.
         """
         require_seconds(timeout_s, "timeout_s")
+        if threading.get_ident() == self._thread.ident:
+            raise ThreadingError(
+                "flush: called on the publisher's sending thread (a deferred publish call), which would "
+                "wait for itself; call it from another thread"
+            )
         if not self._thread.is_alive():  # closed: it sent everything queued, unless it timed out
             return not self._pending
         done = threading.Event()

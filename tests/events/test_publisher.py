@@ -431,3 +431,29 @@ def test_a_malformed_replay_request_gets_the_end_marker_at_once_with_why_and_a_l
     assert answer == [b"", b"", (-1).to_bytes(8, "big", signed=True), f"bad replay request: {why}".encode()]
     assert f"kv events: a replay request refused: {why}" in caplog.text
     assert [int.from_bytes(r[2], "big") for r in good[:-1]] == [2, 3] and good[-1][3] == b""
+
+
+def test_flush_from_a_deferred_call_raises_at_once_and_the_events_it_added_before_go_out():
+    # Before: it waited its whole timeout (the sending thread, which sets flush's marker, was
+    # the one waiting) and then returned False.
+    from kvstage.errors import ThreadingError
+
+    outcome: list = []
+
+    def deferred(batcher):
+        batcher.add([BlockRemoved([1])])
+        started = time.monotonic()
+        try:
+            outcome.append(pub.flush(2))
+        except ThreadingError as error:
+            outcome.append(error)
+        outcome.append(time.monotonic() - started)
+
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        pub.publish(deferred)
+        assert pub.flush(10)
+        replies = replay(pub.replay_endpoint, 0)
+    error, waited = outcome
+    assert isinstance(error, ThreadingError) and waited < 0.5
+    assert str(error).startswith("flush: called on the publisher's sending thread (a deferred publish call)")
+    assert [decode_batch(r[3]).events for r in replies[:-1]] == [[BlockRemoved([1])]]
