@@ -13,7 +13,9 @@ page dropped on a read). The announcer is then the store's only event consumer.
 A page's stored event may be taken by another call before its write is told (the engine's
 poll, another writer thread's write, between a put and its :meth:`~KVEventAnnouncer.written`):
 the announcer remembers such pages, and one removed before its write is told is not announced
-by that write as held already (the store no longer holds it).
+by that write as held already (the store no longer holds it). Another writer's pages are
+remembered so too and never claimed (up to 65536 of each, the oldest forgotten); a write pays
+for them only where its own pages are among them (one C set test a write otherwise).
 
 Only the events of the store's own key space (its fingerprint prefix) are announced: a page of
 another key space that ``FileStore.evict_key_space`` removed is no page of this stream, even
@@ -261,7 +263,8 @@ class KVEventAnnouncer:
             start = 0
             while start < len(hashes) and hashes[start] in live:
                 start += 1
-            if not live.isdisjoint(hashes[start:]) or self._gone_untold:  # (gone: which page stored is per write)
+            gone = self._gone_untold  # (a page of the run in it: which page is stored is per write)
+            if not live.isdisjoint(hashes[start:]) or (gone and not gone.keys().isdisjoint(hashes)):
                 for part in group:
                     self._announce(*part, batcher)
                 return
@@ -439,7 +442,8 @@ class KVEventAnnouncer:
         else:
             parent = self._hash(prior_key)
         self._last_key, self._last_hash = keys[count - 1], hashes[-1]
-        if self._untold or self._gone_untold:
+        untold, gone = self._untold, self._gone_untold  # another writer's pages stay there: look for the run's
+        if (untold and not untold.keys().isdisjoint(hashes)) or (gone and not gone.keys().isdisjoint(hashes)):
             count = self._claim(keys, hashes, stored_here)
         live = self._live
         start = 0

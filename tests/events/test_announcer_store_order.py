@@ -215,3 +215,77 @@ def test_a_write_told_with_a_token_count_that_does_not_match_its_pages_is_refuse
     announcer.written(keys, tokens_of(0, 2), None, NO_NAMESPACE, ())  # the store's events were left for it
     assert publisher.flush(10)
     assert stream() == [BlockStored([block_hash(key) for key in keys], None, tokens_of(0, 2), PAGE)]
+
+
+def prime_with_another_writers_pages(publisher, store, announcer) -> tuple[str, str]:
+    """Another writer of ``store`` stores two pages (no write of ``announcer`` tells them) and
+    one of them is removed; the announcer's poll takes those events. Returns (kept, removed)."""
+    kept, removed = chain(900, 1)[0], chain(950, 1)[0]
+    store.put([kept], [page(9)])
+    store.put([removed], [page(9)])
+    store.remove([removed])
+    announcer.poll()
+    assert publisher.flush(10)
+    return kept, removed
+
+
+def hold_the_sender(publisher):
+    """Block the publisher's sending thread in a deferred call until the returned event is set,
+    so the writes made meanwhile are queued together for one drain."""
+    import threading
+
+    gate, holding = threading.Event(), threading.Event()
+
+    def hold(batcher):
+        holding.set()
+        gate.wait(10)
+
+    publisher.publish(hold)
+    assert holding.wait(10)
+    return gate
+
+
+def test_a_chains_queued_writes_stay_one_run_while_another_writers_pages_are_remembered(publisher, stream):
+    # Before: any remembered page of another writer (stored, or stored and removed, with no
+    # write of this announcer to claim it: never forgotten) sent every write through the
+    # per-write path and the per-page claim loop, for good.
+    store = MemoryStore(FP, capacity_pages=20)
+    announcer = KVEventAnnouncer(publisher, store, block_size=PAGE)
+    prime_with_another_writers_pages(publisher, store, announcer)
+    assert len(announcer._untold) == 1 and len(announcer._gone_untold) == 1
+    per_write, claims = [], []
+    announce, claim = announcer._announce, announcer._claim
+    announcer._announce = lambda *call: per_write.append(call) or announce(*call)
+    announcer._claim = lambda *args: claims.append(args) or claim(*args)
+    keys = chain(0, 4)
+    gate = hold_the_sender(publisher)
+    for index, key in enumerate(keys):
+        prior = keys[index - 1] if index else None
+        store.put([key], [page(index)], prior_key=prior)
+        announcer.written([key], tokens_of(index * PAGE, 1), prior, NO_NAMESPACE, ())
+    gate.set()
+    assert publisher.flush(10)
+    events = stream()
+    assert per_write == [] and claims == []  # one run, no page of it remembered: no claim
+    assert events[-1] == BlockStored([block_hash(key) for key in keys], None, tokens_of(0, 4), PAGE)
+    assert claimed(events) >= held(store, keys) == {block_hash(key) for key in keys}
+    assert announcer.pages_announced == 4 and announcer.pages_without_tokens == 2 and announcer.errors == 0
+
+
+def test_a_chains_queued_writes_with_a_page_seen_stored_and_removed_before_told_are_told_one_by_one(publisher, stream):
+    store = MemoryStore(FP, capacity_pages=20)
+    announcer = KVEventAnnouncer(publisher, store, block_size=PAGE)
+    prime_with_another_writers_pages(publisher, store, announcer)
+    keys = chain(0, 3)
+    for index, key in enumerate(keys):  # stored, not told yet
+        store.put([key], [page(index)], prior_key=keys[index - 1] if index else None)
+    store.remove([keys[1]])  # the middle page goes before its write is told
+    announcer.poll()  # takes the three stores and the removal
+    gate = hold_the_sender(publisher)
+    for index, key in enumerate(keys):
+        announcer.written([key], tokens_of(index * PAGE, 1), keys[index - 1] if index else None, NO_NAMESPACE, ())
+    gate.set()
+    assert publisher.flush(10)
+    events = stream()
+    assert claimed(events) == held(store, keys) == {block_hash(keys[0])}  # (the store dropped the tail too)
+    assert announcer.pages_announced == 1 and announcer.errors == 0
