@@ -247,7 +247,8 @@ class KVEventPublisher:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send what is queued (up to ``timeout_s`` seconds), stop the thread, close the
-        sockets. Idempotent.
+        sockets. Idempotent. From a deferred publish call (the sending thread): returns at
+        once, the thread sending what is queued and stopping after that call.
 
         Raises:
             InvalidArgumentError: ``timeout_s`` is not a number of seconds >= 0.
@@ -257,6 +258,8 @@ class KVEventPublisher:
             return
         self._closed = True
         self._wake.set()
+        if threading.get_ident() == self._thread.ident:
+            return  # it cannot wait for itself
         self._thread.join(timeout_s)
         if self._thread.is_alive():  # it closes the sockets itself when it ends
             logger.warning("kv events: the sending thread did not stop within %.1f s", timeout_s)

@@ -457,3 +457,36 @@ def test_flush_from_a_deferred_call_raises_at_once_and_the_events_it_added_befor
     assert isinstance(error, ThreadingError) and waited < 0.5
     assert str(error).startswith("flush: called on the publisher's sending thread (a deferred publish call)")
     assert [decode_batch(r[3]).events for r in replies[:-1]] == [[BlockRemoved([1])]]
+
+
+def test_close_from_a_deferred_call_stops_the_publisher_after_sending_what_is_queued():
+    # Before: close() tried to join the sending thread from itself (RuntimeError, logged as
+    # the deferred call raising).
+    outcome: list = []
+
+    def closing(batcher):
+        batcher.add([BlockRemoved([1])])
+        try:
+            pub.close()
+            outcome.append("closed")
+        except RuntimeError as error:
+            outcome.append(error)
+
+    pub = KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+    sub = raw_subscriber(pub.endpoint)
+    try:
+        deadline = time.monotonic() + 10
+        while not sub.poll(20):  # slow joiner
+            assert time.monotonic() < deadline
+            pub.publish([BlockRemoved([0])])
+        pub.publish(closing)
+        pub._thread.join(10)
+        frames = []
+        while sub.poll(200):
+            frames.append(sub.recv_multipart())
+    finally:
+        sub.close()
+    assert outcome == ["closed"] and not pub._thread.is_alive()
+    assert decode_batch(frames[-1][2]).events == [BlockRemoved([1])]
+    with pytest.raises(InvalidArgumentError, match=r"^publisher: publish\(\) after close\(\)"):
+        pub.publish([BlockRemoved([2])])
