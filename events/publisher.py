@@ -211,7 +211,8 @@ class KVEventPublisher:
 
     def dropped_elsewhere(self) -> None:
         """Count one publish call's events as dropped by a caller that bounds its own queue (an
-        announcer's): the next batch skips a seq, so subscribers see the gap."""
+        announcer's): the next batch skips a seq (an empty one where none follows), so
+        subscribers see the gap."""
         with self._full:
             self.dropped += 1
             self._gap = True
