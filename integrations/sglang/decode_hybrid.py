@@ -21,7 +21,9 @@ positions), the window from ``extra_config.sliding_window``. A request's window 
 sglang's decode eviction (``free_swa_out_of_window_slots``) frees them behind the request while it
 runs, so the drop-in passes ``window_kept={"swa": W - 1}``
 (:class:`~kvstage.offload.ComponentPools`): a copy reads only the pages holding the ``W - 1``
-positions before the call's length, which the next token needs and no eviction has freed. A run
+positions before the call's length, which the next token needs and no eviction has freed (sglang
+frees a page of them two steps later at the soonest; its eviction does not wait for kvstage's
+copy, a gather of microseconds on the copy stream after that step's forward). A run
 launched late (host pool short) stores no window page older than that, so its end is not
 restorable (never restorable with another request's bytes). sglang's reader asks
 ``ceil(W / page_size)`` trailing pages, kvstage stores ``ceil((W - 1) / page_size)``, so with a

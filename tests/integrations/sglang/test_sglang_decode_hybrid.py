@@ -264,8 +264,12 @@ def test_swa_pages_launched_after_sglang_freed_their_window_slots_are_never_rest
         _write_swa_prompt(writer, side.kv_of(req, 3 * page), RadixKey(array("q", prompt[: 3 * page])))
         writer.stop()
 
+        copies = side.manager.manager.copier.copy_stream
         for token in outputs:  # the store is slow: no check_offload_progress while it decodes
             side.decode_step(req, token)
+            # window_kept's other half: a copy launched at a call has run before sglang frees its
+            # slots (a gather of microseconds, the eviction steps later; here a thread on 2 cores)
+            copies.synchronize()
         kv_length = len(prompt) + len(outputs) - 1
         whole = kv_length // page * page
         assert whole == 11 * page
