@@ -31,6 +31,7 @@ from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int, requ
 from kvstage.kernels import KVPool
 from kvstage.kernels.state_pool import StatePool
 from kvstage.model_layout import ModelLayout
+from kvstage.offload.request import as_int
 
 __all__ = ["ComponentPools", "component_stores"]
 
@@ -49,7 +50,7 @@ class ComponentPools:
         slots_of: per sliding-window component name, ``slots_of(req)`` -> the request's 1-D
             int slots of that component's pool (position ``p`` at index ``p``).
         window_kept: per sliding-window component name whose slots the engine frees while the
-            request runs: ``R`` tokens, at least the component's ``window - 1``. The engine
+            request runs: ``R`` tokens (an integer scalar), at least the component's ``window - 1``. The engine
             keeps, at each ``offload``/``finish``/``snapshot`` call with ``kv_length`` ``n``
             and until the copies launched there have run, the window slots of every page that
             holds one of the positions ``n - R .. n - 1`` (it frees whole pages, older ones
@@ -75,7 +76,7 @@ class ComponentPools:
         """The oldest page of window ``name`` whose slots the engine keeps at a call with
         ``kv_length`` (``window_kept``; 0 when it keeps them all)."""
         kept = self.window_kept.get(name)
-        return 0 if kept is None else max(0, (int(kv_length) - kept) // page_size)
+        return 0 if kept is None else max(0, (int(kv_length) - int(kept)) // page_size)
 
     @property
     def full(self):
@@ -117,7 +118,7 @@ class ComponentPools:
                     lambda name=name: f"names {name!r}; the layout's sliding-window components are {sorted(windows)}",
                 )
         for name, kept in self.window_kept.items():
-            least = windows[name].window - 1
+            least, kept = windows[name].window - 1, as_int(kept)
             require(
                 is_int(kept) and kept >= least,
                 f"components.window_kept[{name!r}]",

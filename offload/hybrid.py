@@ -154,19 +154,24 @@ class Hybrid:
 
     # -- store path -----------------------------------------------------------------------
 
-    def check_runs(self, state: Any, runs: list) -> None:
-        """Check each sliding window's slots for the planned runs before anything is launched.
+    def check_runs(self, state: Any, runs: list, kv_length: int) -> None:
+        """Check each sliding window's slots for the planned runs (launched at a call with
+        ``kv_length``) before anything is launched.
 
         Raises:
             InvalidArgumentError: ``slots_of[name](req)`` is no 1-D int tensor on the pool's
-                device with a slot for every position of the runs.
+                device with a slot for every position of the runs; on CPU (where reading them
+                costs no device sync), a slot of a window page to gather outside the pool (a
+                freed position no copy reads may hold anything).
         """
         if not runs:
             return
+        page_size, req = self.page_size, state.req
         end = state.offloaded_length + sum(slots.shape[0] for _, slots in runs)
         for component in self.layout.of_kind("swa"):
-            table = self.components.slots_of[component.name](state.req)
-            device = self.components.pools[component.name].device
+            table = self.components.slots_of[component.name](req)
+            pool = self.components.pools[component.name]
+            device = pool.device
             require(
                 isinstance(table, torch.Tensor)
                 and table.dim() == 1
@@ -179,6 +184,22 @@ class Hybrid:
                     f"{tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__}"
                 ),
             )
+            if table.device.type != "cpu":
+                continue
+            kept = self.components.first_kept_page(component.name, page_size, kv_length)
+            start = state.offloaded_length
+            for _, slots in runs:
+                first, stop = start // page_size, (start + slots.shape[0]) // page_size
+                indices = self._windows.run_pages(component, req, first, stop, kept, record=False)
+                if indices:
+                    check_slots(
+                        window_slots(table, page_size, indices),
+                        f"slots_of[{component.name!r}](rid={req.rid!r})",
+                        device=torch.device(device),
+                        num_slots=pool.num_slots,
+                        page_size=page_size,
+                    )
+                start += slots.shape[0]
 
     def gather_pages(self, state: Any, run: Any, start: int, slots: torch.Tensor, after: Any, kv_length: int) -> None:
         """Launch the gathers of a full run's sidecar pages and the window pages worth storing
@@ -312,6 +333,8 @@ class Hybrid:
                 waiting.append(entries)
                 continue
             if entries.handle.error is not None or not entries.keys:
+                if entries.handle.error is not None:
+                    logger.warning("offload: the copy of %s entries failed: %r", entries.name, entries.handle.error)
                 self.failed[entries.name] += len(entries.indices)
                 self.entry_staging.give_back(entries)
                 continue

@@ -90,7 +90,7 @@ from kvstage.offload.manager_arguments import (
 from kvstage.offload.metrics import OffloadMetrics
 from kvstage.offload.one_thread import OwnerThread, owner_thread_only
 from kvstage.offload.prefetcher import Prefetcher
-from kvstage.offload.request import SlotIndicesOf
+from kvstage.offload.request import SlotIndicesOf, as_int
 from kvstage.offload.request import kv_length as kv_length_of
 from kvstage.offload.request_state import LoadJob, RequestState, Segment
 from kvstage.offload.store_io import StoreWorkers
@@ -454,11 +454,12 @@ class OffloadManager(HybridCalls, ManagerInspection):
                 :data:`~kvstage.offload.load_path.PREFETCH_POLICIES`).
             timeout_s: seconds, for ``policy="timeout"``.
             min_pages: None (default): start at once with the host pages free now. An int
-                >= 1: wait (no host page taken, ``num_host_pages == 0``, :meth:`poll` starts
+                >= 1 (any integer scalar, as ``max_pages``): wait (no host page taken, ``num_host_pages == 0``, :meth:`poll` starts
                 waiting prefetches oldest first) until ``min(min_pages, pages_wanted)`` host
                 pages are free, instead of reading fewer. Offloads are not held back for it:
                 under a steady stream of copies it waits until they leave that many free.
-            max_pages: None (default): look up every whole page. An int >= 0: the first
+            max_pages: None (default): look up every whole page. An int >= 0 (an integer
+                scalar: a numpy integer, a 0-d integer tensor such as an ``all_reduce``'s): the first
                 ``max_pages`` pages at most (a hybrid model's restorable lengths up to
                 ``max_pages * page_size``): how tensor-parallel ranks that found different
                 lengths prefetch again at one they agree on (README).
@@ -473,6 +474,7 @@ class OffloadManager(HybridCalls, ManagerInspection):
                 the prefill side stored; the chain still continues from the prompt's last page.
             ThreadingError: called from another thread than the manager's.
         """
+        min_pages, max_pages = as_int(min_pages), as_int(max_pages)  # an all_reduce's 0-d tensor too
         check_prefetch_arguments(policy, timeout_s, min_pages, max_pages)
         self._require_open("prefetch")
         with nvtx_range("prefetch"):
@@ -832,7 +834,7 @@ class OffloadManager(HybridCalls, ManagerInspection):
         """
         launched = 0
         after = self._after(after)
-        self._hybrid.check_runs(state, plan.runs)  # a window's slots, before any launch
+        self._hybrid.check_runs(state, plan.runs, length)  # a window's slots, before any launch
         for run, slot_indices in plan.runs:
             segment = Segment(state, run)
             host_page_ids = self.copier.gather(segment, slot_indices, after=after, checked=True)

@@ -44,16 +44,20 @@ class SnapshotWindows:
             tracked = self._requests[id(req)] = _Request(req, [c.name for c in self.windows])
         return tracked
 
-    def run_pages(self, component: Any, req: Any, first: int, end: int, first_kept: int = 0) -> list[int]:
+    def run_pages(
+        self, component: Any, req: Any, first: int, end: int, first_kept: int = 0, record: bool = True
+    ) -> list[int]:
         """The window pages of a run of pages ``first .. end - 1`` to gather: before the run's end
         or a snapshot length of ``req``, none before ``first_kept`` (the engine may have freed
-        their slots); counted gathered."""
+        their slots); counted gathered unless ``record`` is False (a check before the launch)."""
         tracked = self._of(req)
-        tracked.lengths = [length for length in tracked.lengths if length > first * self.page_size]  # windows ahead
-        resumes = [end * self.page_size, *tracked.lengths]
+        ahead = [length for length in tracked.lengths if length > first * self.page_size]  # windows ahead
+        resumes = [end * self.page_size, *ahead]
         mask = swa_store_mask(component, self.page_size, resumes, end_page=end, first_page=first)
         indices = [first + i for i, keep in enumerate(mask) if keep and first + i >= first_kept]
-        tracked.gathered[component.name].update(indices)
+        if record:
+            tracked.lengths = ahead
+            tracked.gathered[component.name].update(indices)
         return indices
 
     def snapshot_pages(

@@ -209,6 +209,46 @@ def test_bad_window_slots_raise_before_any_launch():
     assert engine.stream.submitted == 0 and not engine.manager.is_tracked(a)
 
 
+@pytest.mark.parametrize("bad", [64, -3])
+def test_window_slots_outside_the_pool_raise_before_any_launch(bad):
+    # before: offload() launched, the window's copy failed on the copy thread, counted failed
+    # with no warning (and on CUDA the unchecked gather reads outside the pool)
+    engine = Engine(LAYOUTS["swa"])
+    a = engine.request("a", PROMPT)
+    table = engine.window_slots(a)
+    table[9] = bad  # page 4, a window page before the run's end at 12
+    with pytest.raises(
+        InvalidArgumentError, match=rf"^slots_of\['swa'\]\(rid='a'\): every slot must be in \[0, 64\), got {bad}"
+    ):
+        engine.manager.offload(a)
+    assert engine.stream.submitted == 0 and not engine.manager.is_tracked(a)
+
+
+def test_window_slots_of_pages_no_copy_reads_may_hold_anything():
+    # a freed position's slot (here -1) outside the pages to gather is not checked
+    engine = Engine(LAYOUTS["swa"], window_kept={"swa": 4})
+    a = engine.request("a", PROMPT)
+    engine.window_slots(a)[:4] = -1  # pages 0, 1: freed by the engine before this call at 12
+    engine.manager.offload(a)
+    a.done = True
+    engine.manager.finish(a)
+    engine.settle()
+    assert engine.manager.entries_stored == {"swa": (2, 0)}
+    assert engine.manager.match_prefix(token_ids=PROMPT).lengths == (12,)
+
+
+def test_integer_scalars_are_taken_for_page_counts():
+    # an all_reduce's minimum is a 0-d tensor; vLLM's counts are numpy integers
+    np = pytest.importorskip("numpy")
+    engine = Engine(LAYOUTS["swa"], window_kept={"swa": np.int64(4)})
+    a = engine.request("a", PROMPT)
+    store(engine, a)
+    b = engine.request("b", PROMPT)
+    handle = engine.manager.prefetch(b, policy="wait_complete", max_pages=torch.tensor(6), min_pages=np.int32(2))
+    handle.wait()
+    assert handle.pages_wanted == 6 and handle.lengths == (12,)
+
+
 def test_window_slots_of_a_load_outside_the_pool_or_repeated_are_refused_before_any_copy():
     engine = Engine(LAYOUTS["swa"])
     store(engine, engine.request("a", PROMPT))
