@@ -78,6 +78,7 @@ from kvstage.offload.lifecycles import Lifecycles
 from kvstage.offload.load_path import LoadHandle, PrefetchHandle, PrefixMatch
 from kvstage.offload.manager_arguments import (
     check_after,
+    check_events_of_model,
     check_callbacks,
     check_prefetch_arguments,
     check_prefetch_handle,
@@ -163,7 +164,9 @@ class OffloadManager(HybridCalls, ManagerInspection):
         kv_events: router-facing KV events of what this manager stores and its store evicts
             or removes (:mod:`kvstage.events`): None (off), a
             :class:`~kvstage.events.KVEventPublisher`, or an endpoint str to bind one at
-            (closed with the manager). The manager then takes the store's events.
+            (closed with the manager). The manager then takes the store's events. Not with
+            a sliding-window or state component: the events would claim every stored full
+            page, and such a model restores only some lengths (refused).
 
     Raises:
         ArgumentTypeError: ``hasher`` is not a page hasher instance, ``storage`` is not a
@@ -206,6 +209,7 @@ class OffloadManager(HybridCalls, ManagerInspection):
         page_size = host_pool.page_size
         stride = checked_stride(hasher, host_pool, offload_stride, prior_wait_s)
         storage, self._hybrid = split_storage(storage, components, kv_pool, page_size)
+        check_events_of_model(kv_events, components)
         self.copier = Copier(kv_pool, host_pool, copy_stream=copy_stream, backend=backend)
         fingerprint = check_callbacks(
             storage, host_pool, slot_indices_of, release, on_storage_failure, on_stored, producer, finish_backlog_pages

@@ -260,3 +260,24 @@ def pending_prefetch_error(req: Any, kv_length: int, error: InvalidArgumentError
         f"cannot be offloaded ({error}); a request that ends before it runs: abort(req) or "
         "finish(req, kv_length=0), which cancel the prefetch"
     )
+
+
+def check_events_of_model(kv_events: Any, components: Any) -> None:
+    """KV events only for a model whose every stored full page a router may claim: a plain
+    model, or full pages with page sidecars. A sliding window or a request state restores only
+    some lengths (a router would send requests for prefixes no engine can resume).
+
+    Raises:
+        InvalidArgumentError: ``kv_events`` with such ``components``, naming the kinds.
+    """
+    if kv_events is None or components is None:
+        return
+    kinds = sorted({c.kind for c in getattr(components.layout, "components", ())} & {"swa", "state"})
+    require(
+        not kinds,
+        "kv_events",
+        lambda: (
+            f"not supported for a model with {' and '.join(kinds)} components yet: the events would claim every "
+            "stored full page, and only some lengths can be restored"
+        ),
+    )

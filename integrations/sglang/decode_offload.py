@@ -173,6 +173,11 @@ class KVStageDecodeOffloadManager:
         kv_cache = token_to_kv_pool_allocator.get_kvcache()
         layout = components = None
         kind = decode_device_pool_kind(kv_cache, "token_to_kv_pool_allocator")
+        if kind == "swa" and config.kv_events_endpoint is not None:
+            raise InvalidArgumentError(
+                "kv_events_endpoint: KV events of an SWA pool are not supported by the decode drop-in yet (they would "
+                "claim every stored full page; only lengths with their window stored can be restored)"
+            )
         if kind in ("dsa", "swa"):
             if bigram or packed_drafts_of(kv_cache):
                 raise InvalidArgumentError(

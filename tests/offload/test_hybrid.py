@@ -608,3 +608,35 @@ def test_a_prefetch_with_too_few_host_pages_reads_the_restorable_length_that_fit
     loaded.wait()
     assert all(torch.equal(x, y) for x, y in zip(engine.state_of(1), saved[4]))
     engine.manager.host_pool.free(taken)
+
+
+@pytest.mark.parametrize("name", ["swa", "state", "all"])
+def test_kv_events_for_a_model_restoring_only_some_lengths_are_refused_at_start(name):
+    # the announcer claims every full page the store holds; a router would route requests to
+    # prefixes whose window or snapshot is not stored (before: accepted, every page claimed)
+    from kvstage.events import KVEventPublisher
+
+    publisher = KVEventPublisher("tcp://127.0.0.1:0")
+    try:
+        kinds = {"swa": "swa", "state": "state", "all": "state and swa"}[name]
+        with pytest.raises(
+            InvalidArgumentError, match=rf"^kv_events: not supported for a model with {kinds} components"
+        ):
+            Engine(LAYOUTS[name], kv_events=publisher)
+    finally:
+        publisher.close()
+
+
+def test_kv_events_for_full_pages_with_a_sidecar_announce_them():
+    from kvstage.events import KVEventPublisher
+
+    publisher = KVEventPublisher("tcp://127.0.0.1:0")
+    try:
+        engine = Engine(LAYOUTS["sidecar"], kv_events=publisher)
+        store(engine, engine.request("a", PROMPT))
+        engine.manager.poll()
+        assert publisher.flush(5.0)
+        assert engine.manager._announcer.pages_announced == 6
+    finally:
+        engine.manager.close()
+        publisher.close()

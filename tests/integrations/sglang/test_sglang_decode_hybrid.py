@@ -293,3 +293,14 @@ def test_swa_pages_launched_after_sglang_freed_their_window_slots_are_never_rest
                 got["swa"].view(torch.uint8), expected[:, :, pages * page - read : pages * page].view(torch.uint8)
             ), pages
         reader.stop()
+
+
+def test_kv_events_of_an_swa_pool_are_refused_before_any_store_opens(one_rank, monkeypatch):
+    opened, _ = watch_opened_stores(monkeypatch)
+    extra = {"sliding_window": WINDOW, "kv_events_endpoint": "tcp://127.0.0.1:0"}
+    with settings_installed("memory", extra=extra):
+        with pytest.raises(
+            InvalidArgumentError, match=r"^kv_events_endpoint: KV events of an SWA pool are not supported"
+        ):
+            DecodeSide("swa", one_rank, window=WINDOW)
+    assert opened == []
