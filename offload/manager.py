@@ -78,8 +78,8 @@ from kvstage.offload.lifecycles import Lifecycles
 from kvstage.offload.load_path import LoadHandle, PrefetchHandle, PrefixMatch
 from kvstage.offload.manager_arguments import (
     check_after,
-    check_events_of_model,
     check_callbacks,
+    check_events_of_model,
     check_prefetch_arguments,
     check_prefetch_handle,
     check_prefetch_request,
