@@ -15,6 +15,7 @@ low 64 bits of its block hash, unsigned, and Dynamo cannot read byte-string hash
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import itemgetter
@@ -236,12 +237,15 @@ def merge_stored(events: list[KVEvent]) -> list[KVEvent]:
 
 
 _UINT64 = range(1 << 64)  # vLLM's block hashes (the low 64 bits, unsigned) and any token id
+_ARRAY_CODES = {(0, 1 << 64): "Q", (-(1 << 63), 1 << 63): "q"}  # array typecodes of those ranges
 
 
 def check_events(events: list, hash_range: range = _UINT64) -> None:
     """Raise unless every item of ``events`` is a KV event the format can carry: its block
     hashes (and a stored run's parent) ints in ``hash_range``, its token ids ints in
-    ``[0, 2**64)``, its block size an int >= 1. O(pages + tokens).
+    ``[0, 2**64)``, its block size an int >= 1. O(pages + tokens), in C for the int64 and
+    uint64 ranges (where integer scalars such as numpy's pass: one the encoder cannot take is
+    dropped alone at the send, under a skipped seq).
 
     Raises:
         InvalidArgumentError: naming ``events``, the field and the rule.
@@ -270,7 +274,15 @@ def check_events(events: list, hash_range: range = _UINT64) -> None:
 def _require_ints(values: Any, allowed: range, field_name: str) -> None:
     if not isinstance(values, list):
         raise InvalidArgumentError(f"events: {field_name} must be a list of ints, got {type(values).__name__}")
-    for value in values:
+    code = _ARRAY_CODES.get((allowed.start, allowed.stop))
+    if code is not None:
+        try:  # one pass in C: an int (or __index__: numpy's) in the range, else TypeError/OverflowError
+            array.array(code, values)
+        except (TypeError, OverflowError):
+            pass
+        else:
+            return
+    for value in values:  # name the first one breaking the rule
         if type(value) is not int or value not in allowed:
             raise InvalidArgumentError(f"events: {field_name} must be ints in {_range_text(allowed)}, got {value!r}")
 
