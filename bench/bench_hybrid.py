@@ -32,8 +32,8 @@ stores), the memory store adopts them (:meth:`~kvstage.storage.MemoryStore.put_a
 evicted pages' memory coming back in their place) and a prefetch lends the stored pages back in
 (:meth:`~kvstage.storage.MemoryStore.lend`, :meth:`HostPool.lend_in
 <kvstage.offload.HostPool.lend_in>`) for the scatter to read; the snapshot likewise, through its
-staging buffer. The window's two pages share a staging buffer and are still put and got by copy
-(their second hop, 3 MiB). The baseline moves every byte once; its copies run just before the
+staging buffer. The window's two pages take a buffer each (rows into them, the store adopting
+them; a load reads the lent pages). The baseline moves every byte once; its copies run just before the
 store, and torch's OpenMP team spins on after them for a while (on 2 cores it shares the store's
 second core: ``OMP_WAIT_POLICY=PASSIVE`` shows what that costs, README "Hybrid").
 The last round's load goes into poisoned slots and is checked byte for byte.
