@@ -458,13 +458,14 @@ class OffloadManager(HybridCalls, ManagerInspection):
                 :data:`~kvstage.offload.load_path.PREFETCH_POLICIES`).
             timeout_s: seconds, for ``policy="timeout"``.
             min_pages: None (default): start at once with the host pages free now. An int
-                >= 1 (any integer scalar, as ``max_pages``): wait (no host page taken, ``num_host_pages == 0``, :meth:`poll` starts
-                waiting prefetches oldest first) until ``min(min_pages, pages_wanted)`` host
-                pages are free, instead of reading fewer. Offloads are not held back for it:
+                >= 1 (any integer scalar, as ``max_pages``): wait (no host page taken,
+                ``num_host_pages == 0``, :meth:`poll` starts waiting prefetches oldest first)
+                until ``min(min_pages, pages_wanted)`` host pages are free, instead of reading
+                fewer. Offloads are not held back for it:
                 under a steady stream of copies it waits until they leave that many free.
             max_pages: None (default): look up every whole page. An int >= 0 (an integer
-                scalar: a numpy integer, a 0-d integer tensor such as an ``all_reduce``'s): the first
-                ``max_pages`` pages at most (a hybrid model's restorable lengths up to
+                scalar: a numpy integer, a 0-d integer tensor such as an ``all_reduce``'s): the
+                first ``max_pages`` pages at most (a hybrid model's restorable lengths up to
                 ``max_pages * page_size``): how tensor-parallel ranks that found different
                 lengths prefetch again at one they agree on (README).
 

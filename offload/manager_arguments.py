@@ -262,22 +262,27 @@ def pending_prefetch_error(req: Any, kv_length: int, error: InvalidArgumentError
     )
 
 
-def check_events_of_model(kv_events: Any, components: Any) -> None:
+def check_events_of_model(kv_events: Any, components: Any, argument: str = "kv_events") -> None:
     """KV events only for a model whose every stored full page a router may claim: a plain
     model, or full pages with page sidecars. A sliding window or a request state restores only
     some lengths (a router would send requests for prefixes no engine can resume).
+
+    Args:
+        kv_events: the events setting (None: off).
+        components: the model's checked :class:`~kvstage.offload.ComponentPools` (None: plain).
+        argument: the caller's name for ``kv_events`` in the error.
 
     Raises:
         InvalidArgumentError: ``kv_events`` with such ``components``, naming the kinds.
     """
     if kv_events is None or components is None:
         return
-    kinds = sorted({c.kind for c in getattr(components.layout, "components", ())} & {"swa", "state"})
+    kinds = sorted({c.kind for c in components.layout.components} & {"swa", "state"})
     require(
         not kinds,
-        "kv_events",
+        argument,
         lambda: (
-            f"not supported for a model with {' and '.join(kinds)} components yet: the events would claim every "
-            "stored full page, and only some lengths can be restored"
+            f"KV events of a model with {' and '.join(kinds)} components are not supported yet: they would claim "
+            "every stored full page, and only some lengths can be restored"
         ),
     )

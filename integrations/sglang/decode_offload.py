@@ -51,6 +51,7 @@ from kvstage.integrations.sglang.storage_options import pop_sliding_window
 from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, OffloadManager
 from kvstage.offload.components import ComponentPools
+from kvstage.offload.manager_arguments import check_events_of_model
 
 __all__ = ["ENABLE_ENV", "KVStageDecodeOffloadManager", "sglang_plugin"]
 
@@ -173,11 +174,6 @@ class KVStageDecodeOffloadManager:
         kv_cache = token_to_kv_pool_allocator.get_kvcache()
         layout = components = None
         kind = decode_device_pool_kind(kv_cache, "token_to_kv_pool_allocator")
-        if kind == "swa" and config.kv_events_endpoint is not None:
-            raise InvalidArgumentError(
-                "kv_events_endpoint: KV events of an SWA pool are not supported by the decode drop-in yet (they would "
-                "claim every stored full page; only lengths with their window stored can be restored)"
-            )
         if kind in ("dsa", "swa"):
             if bigram or packed_drafts_of(kv_cache):
                 raise InvalidArgumentError(
@@ -199,6 +195,7 @@ class KVStageDecodeOffloadManager:
             # prefill side's (a view, no copy).
             dtype = config.kv_dtype(parts[0][0].dtype, "device pool")
             kv_pool = wrap(*([buffer.view(dtype) for buffer in part] for part in parts))
+        check_events_of_model(config.kv_events_endpoint, components, "kv_events_endpoint")  # before a store opens
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.tree_cache = tree_cache

@@ -620,7 +620,7 @@ def test_kv_events_for_a_model_restoring_only_some_lengths_are_refused_at_start(
     try:
         kinds = {"swa": "swa", "state": "state", "all": "state and swa"}[name]
         with pytest.raises(
-            InvalidArgumentError, match=rf"^kv_events: not supported for a model with {kinds} components"
+            InvalidArgumentError, match=rf"^kv_events: KV events of a model with {kinds} components are not supported"
         ):
             Engine(LAYOUTS[name], kv_events=publisher)
     finally:

@@ -300,7 +300,8 @@ def test_kv_events_of_an_swa_pool_are_refused_before_any_store_opens(one_rank, m
     extra = {"sliding_window": WINDOW, "kv_events_endpoint": "tcp://127.0.0.1:0"}
     with settings_installed("memory", extra=extra):
         with pytest.raises(
-            InvalidArgumentError, match=r"^kv_events_endpoint: KV events of an SWA pool are not supported"
+            InvalidArgumentError,
+            match=r"^kv_events_endpoint: KV events of a model with swa components are not supported",
         ):
             DecodeSide("swa", one_rank, window=WINDOW)
     assert opened == []
