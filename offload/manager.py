@@ -282,7 +282,8 @@ class OffloadManager(HybridCalls, ManagerInspection):
                 the request lacks ``extra_key`` or ``cache_salt`` or holds neither a str nor
                 None there (:func:`~kvstage.hashing.chain.request_namespace`); ``slot_indices_of``
                 returned no 1-D int tensor of the pool's device, too few slots, or (on CPU, where it costs no sync) a slot out of the pool's range; a
-                placeholder (negative) token id among the tokens to copy; ``after`` is no event
+                placeholder (negative) token id, or one that is no integer (a float, a bool),
+                among the tokens to copy; ``after`` is no event
                 or stream; a prefetch of the request is pending; the request object was
                 released already (finished or aborted: use a new object, or :meth:`retract` a
                 request that runs again); the manager is closed.

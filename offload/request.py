@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import array
+import operator
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
 
-from kvstage.errors import InvalidArgumentError, is_int
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int
 from kvstage.hashing.chain import request_namespace
 
 __all__ = [
@@ -19,9 +20,11 @@ __all__ = [
     "kv_length",
     "request_namespace",
     "request_tokens",
+    "require_int_tokens",
 ]
 
 _SIGNED_TYPECODES = frozenset("bhilq")  # array.array typecodes of signed integers
+_INT_TYPECODES = _SIGNED_TYPECODES | frozenset("BHILQ")
 
 
 @runtime_checkable
@@ -122,6 +125,26 @@ def _token_slice(ids: Sequence[int], start: int, end: int) -> Sequence[int]:
     return tolist() if tolist is not None else list(part)
 
 
+def _first_not_int(tokens: Sequence[int]) -> int | None:
+    """The offset of the first id that is no integer (a float; a bool, which ``__index__``
+    would take as 0 or 1), or None; ints of numpy's integer types are integers."""
+    if isinstance(tokens, array.array):
+        return None if tokens.typecode in _INT_TYPECODES or not tokens else 0
+    if list(map(type, tokens)).count(int) == len(tokens):  # C passes (as quick as min()): an engine's ints
+        return None
+    return next((offset for offset, token in enumerate(tokens) if not _is_int(token)), None)
+
+
+def _is_int(token: object) -> bool:
+    if isinstance(token, (bool, np.bool_)):
+        return False
+    try:
+        operator.index(token)
+    except TypeError:
+        return False
+    return True
+
+
 def _first_negative(tokens: Sequence[int]) -> int | None:
     """The offset of the first negative id in ``tokens``, or None."""
     if isinstance(tokens, array.array):
@@ -160,11 +183,31 @@ def request_tokens(req: OffloadRequest, start: int, end: int) -> Sequence[int]:
     offset = _first_negative(tokens)
     if offset is not None:
         position = start + offset
-        where = (
-            f"origin_input_ids[{position}]" if position < prompt_length else f"output_ids[{position - prompt_length}]"
-        )
         raise InvalidArgumentError(
-            f"{where}: rid={req.rid!r} holds the placeholder id {tokens[offset]} at token position {position}; "
-            "offload a position only once its real token id is known"
+            f"{_where(position, prompt_length)}: rid={req.rid!r} holds the placeholder id {tokens[offset]} at token "
+            f"position {position}; offload a position only once its real token id is known"
         )
     return tokens
+
+
+def require_int_tokens(req: OffloadRequest, start: int, tokens: Sequence[int]) -> None:
+    """Every id of ``tokens`` (:func:`request_tokens` from ``start``) is an integer: for a path
+    that hashes them only later (an offload's keys, made after its copy), so the call is refused
+    before anything is copied. A lookup needs no such pass: its hashing refuses them at once.
+
+    Raises:
+        ArgumentTypeError: an id that is no integer (a float; a bool, which ``__index__`` would
+            take as 0 or 1); the message names the request and the position.
+    """
+    offset = _first_not_int(tokens)
+    if offset is not None:
+        position = start + offset
+        raise ArgumentTypeError(
+            f"{_where(position, len(req.origin_input_ids))}: rid={req.rid!r} holds {tokens[offset]!r}, not an "
+            f"integer token id, at token position {position}"
+        )
+
+
+def _where(position: int, prompt_length: int) -> str:
+    """The request attribute and index of token ``position``."""
+    return f"origin_input_ids[{position}]" if position < prompt_length else f"output_ids[{position - prompt_length}]"

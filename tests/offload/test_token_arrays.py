@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstage.errors import InvalidArgumentError
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError
 from kvstage.hashing import PageHasher
 from kvstage.kernels import KVPool
 from kvstage.offload import HostPool, OffloadManager
@@ -281,3 +281,34 @@ def test_sequence_types_of_a_request_give_the_same_keys(kind):
     rig.manager.drain()
     assert rig.storage.exists(expected) == [True, True, True]
     assert rig.manager.match_prefix(SimpleRequest("b", STORED_PROMPT)).num_pages == 2
+
+
+# ---- ids that are not integers are refused before anything is copied -----------------------------
+
+
+@pytest.mark.parametrize(
+    "prompt, output, where, position",
+    [
+        ([1.5] * 6, [], r"origin_input_ids\[0\]", 0),  # floats
+        ([1, 2, 3, True, 5, 6], [], r"origin_input_ids\[3\]", 3),  # a bool, which __index__ would take as 1
+        (np.arange(6, dtype=np.float32), [], r"origin_input_ids\[0\]", 0),  # a float array, as tolist() gives floats
+        (array("d", [1.0] * 6), [], r"origin_input_ids\[0\]", 0),
+        ([1, 2, 3, 4], [5, 6.0], r"output_ids\[1\]", 5),
+    ],
+)
+def test_offload_refuses_ids_that_are_not_integers_before_any_copy(prompt, output, where, position):
+    rig = make_rig(page_size=2, store_prompt=True)
+    req = SimpleRequest("f", prompt)
+    req.output_ids = list(output) if isinstance(output, list) else output
+    rig.slots.assign(req, 8)
+    with pytest.raises(
+        ArgumentTypeError, match=rf"^{where}: rid='f' holds .+, not an integer token id, at token position {position}"
+    ):
+        rig.manager.offload(req, kv_length=6)
+    assert rig.manager.metrics.pages_launched == 0 and rig.manager.in_flight(req) == 0
+
+
+def test_integer_ids_of_numpy_types_in_a_list_are_taken_as_the_ints_they_are():
+    values = [3, 1, 4, 1, 5, 9]
+    req = Request([np.int64(v) for v in values], [])
+    assert [int(t) for t in request_tokens(req, 0, 6)] == values
