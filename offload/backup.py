@@ -99,6 +99,7 @@ class Backup:
         # (tally, host pages, future, the PriorWaitingWrite or None), in submission order
         self._writes: deque[tuple[RequestWrites, list[int], Any, PriorWaitingWrite | None]] = deque()
         self.ended: list[RequestWrites] = []  # released lifecycles whose last write has ended (take_ended)
+        self.reports_pending = 0  # released lifecycles not reported yet (end() to report_stored())
         self.announcer: Any = None  # a kvstage.events.KVEventAnnouncer: told each write's pages and tokens
 
     @property
@@ -183,6 +184,7 @@ class Backup:
     def end(self, writes: RequestWrites) -> None:
         """``writes``' lifecycle was released: it is ended once its last write has."""
         writes.released = True
+        self.reports_pending += 1
         if writes.writes_pending == 0:
             self.ended.append(writes)
 
@@ -210,6 +212,7 @@ class Backup:
     def report_stored(self, on_stored: Callable[[Any, int, int], None] | None, writes: RequestWrites) -> None:
         """Call ``on_stored(req, pages_stored, pages_failed)`` for an ended lifecycle (the
         manager's callback, or None); an exception it raises is counted and logged."""
+        self.reports_pending -= 1
         if on_stored is None:
             return
         try:

@@ -47,6 +47,13 @@ class ManagerInspection:
         return len(self._states)
 
     @property
+    def reports_pending(self) -> int:
+        """Released request lifecycles whose ``on_stored`` is not called yet: their store
+        writes (a hybrid model's component writes too) have not all ended, or have and the
+        next :meth:`poll` reports them. 0 with :attr:`requests_live` 0: every callback is in."""
+        return self._backup.reports_pending
+
+    @property
     def copies_in_flight(self) -> int:
         """Copies launched and not yet handled by :meth:`poll`."""
         return self.copier.copies_in_flight + len(self._unhandled)

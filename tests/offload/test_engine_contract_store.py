@@ -167,10 +167,11 @@ def test_on_stored_comes_after_the_last_write_landed_not_at_release():
     rig.copy_stream.complete_all()
     rig.manager.poll()
     assert rig.released == [a] and stored == []  # released: the write is still running
+    assert rig.manager.requests_live == 0 and rig.manager.reports_pending == 1
     assert rig.manager.match_prefix(token_ids=list(range(40))).num_pages == 0
     store.gate.set()
     rig.manager.drain()
-    assert stored == [(a, 10, 0)]
+    assert stored == [(a, 10, 0)] and rig.manager.reports_pending == 0
     assert rig.manager.match_prefix(token_ids=list(range(40))).num_pages == 10
     rig.manager.poll()
     assert stored == [(a, 10, 0)]  # exactly once

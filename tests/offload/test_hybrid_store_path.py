@@ -139,9 +139,13 @@ def test_on_stored_waits_until_every_component_write_of_the_request_ended():
     for _ in range(5):
         engine.manager.poll()
     assert stored == []  # before: on_stored ran here, with the window and the snapshot unwritten
+    # nothing is live, in flight or pending on the full pages' path: only this says a report is due
+    metrics = engine.manager.metrics
+    assert (metrics.requests_live, metrics.writes_pending, metrics.copies_in_flight) == (0, 0, 0)
+    assert engine.manager.reports_pending == 1
     workers.run()
     engine.manager.poll()
-    assert stored == [("a", 6, 0)]
+    assert stored == [("a", 6, 0)] and engine.manager.reports_pending == 0
     assert engine.stores["state"].exists(keys[-1:]) == [True]
     assert engine.manager.match_prefix(token_ids=PROMPT).lengths == (12,)
     assert engine.manager.entries_stored["swa"][0] == 2 and engine.manager.entries_stored["state"][0] == 1
