@@ -61,7 +61,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvstage.errors import InvalidArgumentError, require
+from kvstage.errors import ArgumentTypeError, InvalidArgumentError, require
 from kvstage.events.announcer import announcer_for
 from kvstage.nvtx_ranges import nvtx_range
 from kvstage.offload.backup import Backup
@@ -471,7 +471,8 @@ class OffloadManager(HybridCalls, ManagerInspection):
                 lengths prefetch again at one they agree on (README).
 
         Raises:
-            InvalidArgumentError: an unknown policy, a missing or non-positive timeout, a
+            InvalidArgumentError: an unknown policy, a missing or non-positive timeout (or one given
+                with another policy), a
                 ``min_pages`` that is not an int >= 1 or that the host pool can never hold, a
                 ``max_pages`` that is not an int >= 0, a
                 placeholder (negative) id among the tokens, a request that has ended, already
@@ -528,10 +529,11 @@ class OffloadManager(HybridCalls, ManagerInspection):
 
         Raises:
             ArgumentTypeError: ``handle`` is not a :class:`PrefetchHandle`; ``slot_indices`` or a
-                window's ``component_slots`` not a 1-D int tensor.
+                window's ``component_slots`` a tensor of no integer dtype; ``layer_by_layer`` no
+                bool.
             InvalidArgumentError: the handle was loaded or cancelled already, is another
-                manager's, its request has ended; ``slot_indices`` holds more pages than are
-                ready, or not whole pages; a window's slots not its window's pages, outside its
+                manager's, its request has ended; ``slot_indices`` no 1-D tensor (a list
+                included), holding more pages than are ready, or not whole pages; a window's slots not its window's pages, outside its
                 pool or repeated; ``component_slots`` naming no sliding-window component, or a
                 ``state_slot`` for a model without request state. Nothing is written then.
             ThreadingError: called from another thread than the manager's.
@@ -542,6 +544,12 @@ class OffloadManager(HybridCalls, ManagerInspection):
         check_prefetch_handle(handle, " from prefetch()")
         self._require_open("load")
         check_after(after, "after")
+        require(
+            isinstance(layer_by_layer, bool),
+            "layer_by_layer",
+            lambda: f"must be a bool, got {layer_by_layer!r}",
+            ArgumentTypeError,
+        )
         with nvtx_range("load"):
             state = self._states.get(id(handle.req))
             num_pages = checked_load_pages(handle, state, slot_indices, self.page_size)

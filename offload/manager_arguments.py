@@ -116,7 +116,8 @@ def check_prefetch_arguments(policy: Any, timeout_s: Any, min_pages: Any, max_pa
     """``prefetch``'s policy, ``timeout_s`` (for ``policy="timeout"``), ``min_pages`` and ``max_pages``.
 
     Raises:
-        InvalidArgumentError: an unknown policy, a missing or non-positive timeout, a
+        InvalidArgumentError: an unknown policy, a missing or non-positive timeout (or one
+            given with another policy), a
             ``min_pages`` that is neither None nor an int >= 1, a ``max_pages`` that is
             neither None nor an int >= 0.
     """
@@ -126,6 +127,12 @@ def check_prefetch_arguments(policy: Any, timeout_s: Any, min_pages: Any, max_pa
             isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0,
             "timeout_s",
             lambda: f"must be a positive number of seconds for policy 'timeout', got {timeout_s!r}",
+        )
+    else:  # a timeout no policy reads would be silently ignored
+        require(
+            timeout_s is None,
+            "timeout_s",
+            lambda: f"is read by policy 'timeout' only: must be None with policy {policy!r}, got {timeout_s!r}",
         )
     require(
         min_pages is None or (is_int(min_pages) and min_pages >= 1),

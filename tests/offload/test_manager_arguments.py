@@ -81,6 +81,12 @@ def test_prefetch_arguments():
         check_prefetch_arguments("timeout", 0, None)
     with pytest.raises(InvalidArgumentError, match=r"^min_pages: must be None or an int >= 1, got True$"):
         check_prefetch_arguments("best_effort", None, True)
+    for policy in ("best_effort", "wait_complete"):  # a timeout no policy reads: it was ignored
+        with pytest.raises(
+            InvalidArgumentError,
+            match=rf"^timeout_s: is read by policy 'timeout' only: must be None with policy '{policy}', got 5$",
+        ):
+            check_prefetch_arguments(policy, 5, None)
 
 
 def test_prefetch_request_rules():

@@ -184,6 +184,9 @@ def test_load_arguments_are_checked_before_anything_is_written():
     for bad in (rig.slots(b)[:6], rig.slots(b)[:20], rig.slots(b)[:8].view(2, 4), [0, 1, 2, 3]):
         with pytest.raises(InvalidArgumentError, match="^slot_indices: must be a 1-D tensor of at most 4 ready pages"):
             rig.manager.load(handle, bad)
+    for bad in ("yes", 1, None):  # before: any truthy value loaded layer by layer
+        with pytest.raises(ArgumentTypeError, match=rf"^layer_by_layer: must be a bool, got {bad!r}$"):
+            rig.manager.load(handle, rig.slots(b)[:16], layer_by_layer=bad)
     assert rig.copy_stream.pending == [] and bool((rig.stacked[:, :, rig.slots(b)] == -1).all())
     rig.manager.load(handle, rig.slots(b)[:16])
     with pytest.raises(InvalidArgumentError, match="^handle: was loaded already"):
