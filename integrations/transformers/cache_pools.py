@@ -150,13 +150,19 @@ class CachePools:
         require(len(fulls) == 1, "layout", lambda: f"has {len(fulls)} full-attention components; the manager needs one")
         return self.pools[fulls[0].name]
 
-    def components(self, slots_of: Any = None) -> Any:
+    def components(self, slots_of: Any = None, window_kept: Any = None) -> Any:
         """The manager's :class:`~kvstage.offload.components.ComponentPools`: every pool but
         :attr:`kv_pool`'s, a sliding window's slots of a request being ``slots_of(req)`` (default:
         positions ``[0, max_tokens)``, one sequence per pools).
 
+        Args:
+            window_kept: ``{window component name: R}`` for an engine that frees a window's
+                slots behind a request (``ComponentPools``' rule: ``R >= W - 1``); None: it
+                keeps them until the release.
+
         Raises:
-            InvalidArgumentError: as :attr:`kv_pool`.
+            InvalidArgumentError: as :attr:`kv_pool` (a ``window_kept`` that breaks
+                ``ComponentPools``' rules is refused by the manager that takes it).
         """
         from kvstage.offload.components import ComponentPools
 
@@ -164,7 +170,12 @@ class CachePools:
         positions = torch.arange(self.max_tokens, device=self.device)
         slots_of = slots_of if slots_of is not None else (lambda req: positions)
         others = {name: pool for name, pool in self.pools.items() if pool is not full}
-        return ComponentPools(self.layout, others, slots_of={c.name: slots_of for c in self._of_kind("swa")})
+        return ComponentPools(
+            self.layout,
+            others,
+            slots_of={c.name: slots_of for c in self._of_kind("swa")},
+            window_kept={} if window_kept is None else window_kept,
+        )
 
     def _of_kind(self, kind: str) -> tuple[LayoutComponent, ...]:
         return self.layout.of_kind(kind)

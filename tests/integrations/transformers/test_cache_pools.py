@@ -204,3 +204,18 @@ def test_a_corrupt_window_page_is_a_miss_never_wrong_kv(arch, tmp_path):
     rig.close_stores(stores)
     assert at == 20
     assert rig.same(resumed(arch, loaded, following(tokens), at), rig.oracle(model, following(tokens), at))
+
+
+def test_components_pass_the_engines_window_kept_to_the_manager():
+    # An engine that frees window slots behind a request says what it keeps (README "Hybrid
+    # models"); before, components() took no window_kept and the engine built ComponentPools itself.
+    pools = CachePools(model_of("gpt_oss")[1], max_tokens=MAX_TOKENS)
+    (window,) = pools.layout.of_kind("swa")
+    kept = window.window - 1
+    components = pools.components(window_kept={window.name: kept})
+    assert components.window_kept == {window.name: kept}
+    assert components.first_kept_page(window.name, PAGE, 20) == (20 - kept) // PAGE
+    assert pools.components().window_kept == {}
+    too_few = pools.components(window_kept={window.name: window.window - 2})
+    with pytest.raises(InvalidArgumentError, match=rf"^components\.window_kept\['{window.name}'\]: must be an int"):
+        too_few.check(pools.kv_pool, PAGE)  # what the manager runs at construction
