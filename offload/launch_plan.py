@@ -16,7 +16,7 @@ import torch
 from kvstage.errors import InvalidArgumentError
 from kvstage.offload.collaborators import PageHasherLike
 from kvstage.offload.key_chain import ChainRun, RequestChain
-from kvstage.offload.request import SlotIndicesOf, request_namespace, request_tokens, require_int_tokens
+from kvstage.offload.request import SlotIndicesOf, request_namespace, request_tokens
 from kvstage.offload.request_state import RequestState
 from kvstage.offload.store_plan import plan_store
 
@@ -95,8 +95,7 @@ class LaunchPlanner:
         if decision.nothing:
             return NOTHING
         first, wanted_end, bounds = decision.first, decision.wanted_end, decision.runs
-        tokens = request_tokens(req, first, wanted_end)  # raises on a placeholder id
-        require_int_tokens(req, first, tokens)  # hashed only after the copy: refused now
+        tokens = request_tokens(req, first, wanted_end, integers=True)  # raises on a placeholder id too
         slot_indices = slot_indices_of(req)
         argument = f"slot_indices_of(rid={req.rid!r})"
         if isinstance(slot_indices, torch.Tensor) and slot_indices.dim() == 1:

@@ -20,7 +20,6 @@ __all__ = [
     "kv_length",
     "request_namespace",
     "request_tokens",
-    "require_int_tokens",
 ]
 
 _SIGNED_TYPECODES = frozenset("bhilq")  # array.array typecodes of signed integers
@@ -157,8 +156,12 @@ def _first_negative(tokens: Sequence[int]) -> int | None:
     return None
 
 
-def request_tokens(req: OffloadRequest, start: int, end: int) -> Sequence[int]:
+def request_tokens(req: OffloadRequest, start: int, end: int, *, integers: bool = False) -> Sequence[int]:
     """Token ids at positions ``[start, end)`` of ``req``'s prompt followed by its output.
+
+    ``integers``: check first that every id is an integer, for a path that hashes them only later
+    (an offload's keys, made after its copy), so that the call is refused before anything is
+    copied; a lookup skips that pass (its hashing refuses such ids at once).
 
     Returns:
         A copy: an ``array.array`` where the positions lie in ``array.array`` token lists of one
@@ -166,6 +169,8 @@ def request_tokens(req: OffloadRequest, start: int, end: int) -> Sequence[int]:
         :class:`kvstage.hashing.PageHasher` takes, with the same keys.
 
     Raises:
+        ArgumentTypeError: with ``integers``, an id that is no integer (a float; a bool, which
+            ``__index__`` would take as 0 or 1); the message names the request and the position.
         InvalidArgumentError: a negative id among them (a placeholder such as -1 that
             speculative decoding or async scheduling leaves in ``output_ids`` before the real
             token is known); the message names the request and the position.
@@ -180,6 +185,12 @@ def request_tokens(req: OffloadRequest, start: int, end: int) -> Sequence[int]:
         head, tail = _token_slice(prompt, start, prompt_length), _token_slice(output, 0, end - prompt_length)
         same_kind = type(head) is type(tail) and getattr(head, "typecode", None) == getattr(tail, "typecode", None)
         tokens = head + tail if same_kind else list(head) + list(tail)
+    offset = _first_not_int(tokens) if integers else None
+    if offset is not None:
+        raise ArgumentTypeError(
+            f"{_where(start + offset, prompt_length)}: rid={req.rid!r} holds {tokens[offset]!r}, not an integer token "
+            f"id, at token position {start + offset}"
+        )
     offset = _first_negative(tokens)
     if offset is not None:
         position = start + offset
@@ -188,24 +199,6 @@ def request_tokens(req: OffloadRequest, start: int, end: int) -> Sequence[int]:
             f"position {position}; offload a position only once its real token id is known"
         )
     return tokens
-
-
-def require_int_tokens(req: OffloadRequest, start: int, tokens: Sequence[int]) -> None:
-    """Every id of ``tokens`` (:func:`request_tokens` from ``start``) is an integer: for a path
-    that hashes them only later (an offload's keys, made after its copy), so the call is refused
-    before anything is copied. A lookup needs no such pass: its hashing refuses them at once.
-
-    Raises:
-        ArgumentTypeError: an id that is no integer (a float; a bool, which ``__index__`` would
-            take as 0 or 1); the message names the request and the position.
-    """
-    offset = _first_not_int(tokens)
-    if offset is not None:
-        position = start + offset
-        raise ArgumentTypeError(
-            f"{_where(position, len(req.origin_input_ids))}: rid={req.rid!r} holds {tokens[offset]!r}, not an "
-            f"integer token id, at token position {position}"
-        )
 
 
 def _where(position: int, prompt_length: int) -> str:

@@ -294,6 +294,7 @@ def test_sequence_types_of_a_request_give_the_same_keys(kind):
         (np.arange(6, dtype=np.float32), [], r"origin_input_ids\[0\]", 0),  # a float array, as tolist() gives floats
         (array("d", [1.0] * 6), [], r"origin_input_ids\[0\]", 0),
         ([1, 2, 3, 4], [5, 6.0], r"output_ids\[1\]", 5),
+        ([1, None, 3, 4, 5, 6], [], r"origin_input_ids\[1\]", 1),  # before the placeholder check's min()
     ],
 )
 def test_offload_refuses_ids_that_are_not_integers_before_any_copy(prompt, output, where, position):
