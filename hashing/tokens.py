@@ -90,23 +90,59 @@ def _is_bool_like(value: object) -> bool:
     return torch is not None and dtype is torch.bool
 
 
+def _broken_rule(value: object, limit: int) -> str | None:
+    """Why ``value`` is no id in ``0 <= id < limit``: ``"bool"``, ``"type"`` (no integer) or
+    ``"range"``; None when it is one."""
+    if _is_bool_like(value):
+        return "bool"
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        return "type"
+    return None if 0 <= as_int < limit else "range"
+
+
 def _first_bad_element(seq, argument: str, limit: int, rule: str) -> Exception:
     """Scan ``seq`` in order and build the error for its first bad element, an id outside
     ``0 <= id < limit`` breaking ``rule`` (error path only)."""
     for position, value in enumerate(seq):
-        if _is_bool_like(value):
+        broken = _broken_rule(value, limit)
+        if broken == "bool":
             return ArgumentTypeError(
                 f"{argument}: token ids must be integers, not bools; {argument}[{position}] = {_describe(value)}"
             )
-        try:
-            as_int = operator.index(value)
-        except TypeError:
+        if broken == "type":
             return ArgumentTypeError(
                 f"{argument}: token ids must be integers; {argument}[{position}] = {_describe(value)}"
             )
-        if not 0 <= as_int < limit:
-            return out_of_range_error(argument, position, as_int, rule)
+        if broken == "range":
+            return out_of_range_error(argument, position, operator.index(value), rule)
     raise AssertionError("no bad element found")  # the caller saw one; unreachable
+
+
+def first_bad_id(tokens) -> tuple[int, str] | None:
+    """The first id of ``tokens`` that :func:`token_ids` refuses, as ``(offset, why)``: ``why`` is
+    ``"bool"``, ``"type"`` (no integer) or ``"range"`` (outside ``0 <= id <= 2**63-1``, negative
+    ones included); None when every id keeps the rule. For a caller that hashes the ids only
+    later and must refuse them now; one conversion as :func:`token_ids` (a Python scan only
+    when an id breaks the rule).
+
+    Args:
+        tokens: what :func:`token_ids` takes (a 1-D sequence of ids).
+
+    Raises:
+        ArgumentTypeError / InvalidArgumentError: :func:`token_ids`' error where no single id is
+            to blame (a container it does not take, an array that is not 1-D).
+    """
+    try:
+        token_ids(tokens)
+    except (ArgumentTypeError, InvalidArgumentError):
+        for offset, value in enumerate(tokens):
+            broken = _broken_rule(value, ID_LIMIT)
+            if broken is not None:
+                return offset, broken
+        raise
+    return None
 
 
 def _sequence_ids(seq, argument: str, wide: bool) -> tuple[memoryview, int]:

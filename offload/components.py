@@ -51,8 +51,8 @@ class ComponentPools:
             int slots of that component's pool (position ``p`` at index ``p``).
         window_kept: per sliding-window component name whose slots the engine frees while the
             request runs: ``R`` tokens (an integer scalar), at least the component's
-            ``window - 1``. The engine keeps, at each ``offload``/``finish``/``snapshot`` call with ``kv_length`` ``n``
-            and until the copies launched there have run, the window slots of every page that
+            ``window - 1``. The engine keeps, at each ``offload``/``finish``/``snapshot`` call
+            with ``kv_length`` ``n`` and until the copies launched there have run, the window slots of every page that
             holds one of the positions ``n - R .. n - 1`` (it frees whole pages, older ones
             only). kvstage gathers no window page older than that, so a run launched late
             (host pool short) or a snapshot taken late stores no page whose slots may hold

@@ -83,7 +83,7 @@ class LaunchPlanner:
 
         Raises:
             InvalidArgumentError / ArgumentTypeError / DeviceMismatchError: a placeholder id, an
-                id that is no integer, too few slots, bad slot indices, a bad namespace (a new
+                id that is no integer or above ``2**63-1``, too few slots, bad slot indices, a bad namespace (a new
                 chain starts here).
         """
         page_size = self.page_size

@@ -282,8 +282,8 @@ class OffloadManager(HybridCalls, ManagerInspection):
                 the request lacks ``extra_key`` or ``cache_salt`` or holds neither a str nor
                 None there (:func:`~kvstage.hashing.chain.request_namespace`); ``slot_indices_of``
                 returned no 1-D int tensor of the pool's device, too few slots, or (on CPU, where it costs no sync) a slot out of the pool's range; a
-                placeholder (negative) token id, or one that is no integer (a float, a bool),
-                among the tokens to copy; ``after`` is no event
+                placeholder (negative) token id, or one that is no integer (a float, a bool) or
+                above ``2**63-1``, among the tokens to copy; ``after`` is no event
                 or stream; a prefetch of the request is pending; the request object was
                 released already (finished or aborted: use a new object, or :meth:`retract` a
                 request that runs again); the manager is closed.
@@ -471,10 +471,9 @@ class OffloadManager(HybridCalls, ManagerInspection):
                 lengths prefetch again at one they agree on (README).
 
         Raises:
-            InvalidArgumentError: an unknown policy, a missing or non-positive timeout (or one given
-                with another policy), a
-                ``min_pages`` that is not an int >= 1 or that the host pool can never hold, a
-                ``max_pages`` that is not an int >= 0, a
+            InvalidArgumentError: an unknown policy, a missing or non-positive timeout (or one
+                given with another policy), a ``min_pages`` that is not an int >= 1 or that the
+                host pool can never hold, a ``max_pages`` that is not an int >= 0, a
                 placeholder (negative) id among the tokens, a request that has ended, already
                 has a prefetch, or already offloaded pages; the manager is closed. Nothing is
                 tracked then. With ``store_prompt=False`` a prefetch may load the prompt pages
@@ -533,8 +532,8 @@ class OffloadManager(HybridCalls, ManagerInspection):
                 bool.
             InvalidArgumentError: the handle was loaded or cancelled already, is another
                 manager's, its request has ended; ``slot_indices`` no 1-D tensor (a list
-                included), holding more pages than are ready, or not whole pages; a window's slots not its window's pages, outside its
-                pool or repeated; ``component_slots`` naming no sliding-window component, or a
+                included), holding more pages than are ready, or not whole pages; a window's
+                slots not its window's pages, outside its pool or repeated; ``component_slots`` naming no sliding-window component, or a
                 ``state_slot`` for a model without request state. Nothing is written then.
             ThreadingError: called from another thread than the manager's.
 

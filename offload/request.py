@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import array
-import operator
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -11,6 +10,7 @@ import torch
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError, is_int
 from kvstage.hashing.chain import request_namespace
+from kvstage.hashing.tokens import first_bad_id
 
 __all__ = [
     "OffloadRequest",
@@ -23,7 +23,6 @@ __all__ = [
 ]
 
 _SIGNED_TYPECODES = frozenset("bhilq")  # array.array typecodes of signed integers
-_INT_TYPECODES = _SIGNED_TYPECODES | frozenset("BHILQ")
 
 
 @runtime_checkable
@@ -124,26 +123,6 @@ def _token_slice(ids: Sequence[int], start: int, end: int) -> Sequence[int]:
     return tolist() if tolist is not None else list(part)
 
 
-def _first_not_int(tokens: Sequence[int]) -> int | None:
-    """The offset of the first id that is no integer (a float; a bool, which ``__index__``
-    would take as 0 or 1), or None; ints of numpy's integer types are integers."""
-    if isinstance(tokens, array.array):
-        return None if tokens.typecode in _INT_TYPECODES or not tokens else 0
-    if list(map(type, tokens)).count(int) == len(tokens):  # C passes (as quick as min()): an engine's ints
-        return None
-    return next((offset for offset, token in enumerate(tokens) if not _is_int(token)), None)
-
-
-def _is_int(token: object) -> bool:
-    if isinstance(token, (bool, np.bool_)):
-        return False
-    try:
-        operator.index(token)
-    except TypeError:
-        return False
-    return True
-
-
 def _first_negative(tokens: Sequence[int]) -> int | None:
     """The offset of the first negative id in ``tokens``, or None."""
     if isinstance(tokens, array.array):
@@ -171,7 +150,8 @@ def request_tokens(req: OffloadRequest, start: int, end: int, *, integers: bool 
     Raises:
         ArgumentTypeError: with ``integers``, an id that is no integer (a float; a bool, which
             ``__index__`` would take as 0 or 1); the message names the request and the position.
-        InvalidArgumentError: a negative id among them (a placeholder such as -1 that
+        InvalidArgumentError: with ``integers``, an id above ``2**63-1``
+            (:func:`kvstage.hashing.tokens.first_bad_id`); a negative id among them (a placeholder such as -1 that
             speculative decoding or async scheduling leaves in ``output_ids`` before the real
             token is known); the message names the request and the position.
     """
@@ -185,13 +165,19 @@ def request_tokens(req: OffloadRequest, start: int, end: int, *, integers: bool 
         head, tail = _token_slice(prompt, start, prompt_length), _token_slice(output, 0, end - prompt_length)
         same_kind = type(head) is type(tail) and getattr(head, "typecode", None) == getattr(tail, "typecode", None)
         tokens = head + tail if same_kind else list(head) + list(tail)
-    offset = _first_not_int(tokens) if integers else None
-    if offset is not None:
-        raise ArgumentTypeError(
-            f"{_where(start + offset, prompt_length)}: rid={req.rid!r} holds {tokens[offset]!r}, not an integer token "
-            f"id, at token position {start + offset}"
-        )
-    offset = _first_negative(tokens)
+    bad = first_bad_id(tokens) if integers else None  # hashing's own rule, checked once here
+    if bad is not None:
+        offset, broken = bad
+        position, value = start + offset, tokens[offset]
+        where = f"{_where(position, prompt_length)}: rid={req.rid!r} holds"
+        if broken != "range":
+            raise ArgumentTypeError(f"{where} {value!r}, not an integer token id, at token position {position}")
+        if value >= 0:
+            raise InvalidArgumentError(
+                f"{where} {value}, above the largest token id 2**63-1, at token position {position}"
+            )
+    else:  # with integers, first_bad_id found no negative id either
+        offset = None if integers else _first_negative(tokens)
     if offset is not None:
         position = start + offset
         raise InvalidArgumentError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import struct
+from array import array
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from kvstage.errors import ArgumentTypeError, InvalidArgumentError, KvstageError
 from kvstage.hashing import page_keys, token_bytes
+from kvstage.hashing.tokens import first_bad_id, token_ids
 
 IDS = [0, 1, 2, 255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1]
 EXPECTED = struct.pack(f"<{len(IDS)}I", *IDS)
@@ -254,3 +256,31 @@ def test_a_huge_range_is_checked_without_walking_it():
     assert token_bytes(range(2**32 - 3, 2**32)) == struct.pack("<3I", 2**32 - 3, 2**32 - 2, 2**32 - 1)
     assert token_bytes(range(10, 0, -3)) == struct.pack("<4I", 10, 7, 4, 1)
     assert page_keys(range(0, 300, 7), 4) == page_keys(list(range(0, 300, 7)), 4)
+
+
+@pytest.mark.parametrize(
+    "tokens, expected",
+    [
+        ([1, 2, 3], None),
+        (array("q", [1, 2, 3]), None),
+        (np.arange(4, dtype=np.int32), None),
+        ([np.int64(1), 2], None),  # numpy integers are integers
+        ([1, 2.0, 3], (1, "type")),
+        ([1, None], (1, "type")),
+        ([0, 1, True], (2, "bool")),  # taken as 1 by array(), found by its type
+        ([5, -1, 2.5], (1, "range")),  # the first bad id, whatever breaks later
+        ([1, 2**63], (1, "range")),
+        (array("d", [1.0]), (0, "type")),
+        (np.array([0, 1.5]), (0, "type")),  # a float array: its first element is no integer
+    ],
+)
+def test_first_bad_id_is_the_first_id_token_ids_refuses_and_why(tokens, expected):
+    assert first_bad_id(tokens) == expected
+    if expected is not None:
+        with pytest.raises((ArgumentTypeError, InvalidArgumentError)):
+            token_ids(tokens)
+
+
+def test_first_bad_id_reraises_what_no_single_id_breaks():
+    with pytest.raises(InvalidArgumentError, match="must be 1-D"):
+        first_bad_id(np.zeros((0, 2), dtype=np.int64))

@@ -313,3 +313,29 @@ def test_integer_ids_of_numpy_types_in_a_list_are_taken_as_the_ints_they_are():
     values = [3, 1, 4, 1, 5, 9]
     req = Request([np.int64(v) for v in values], [])
     assert [int(t) for t in request_tokens(req, 0, 6)] == values
+
+
+@pytest.mark.parametrize("big", [2**63, 2**64 + 5])
+def test_offload_refuses_an_id_above_the_largest_before_any_copy(big):
+    # The page hash takes ids up to 2**63-1: before, such an id failed the keys after the copy.
+    rig = make_rig(page_size=2, store_prompt=True)
+    req = SimpleRequest("big", [1, 2, 3, 4, big, 6])
+    rig.slots.assign(req, 8)
+    with pytest.raises(
+        InvalidArgumentError,
+        match=rf"^origin_input_ids\[4\]: rid='big' holds {big}, above the largest token id 2\*\*63-1, at token position 4$",
+    ):
+        rig.manager.offload(req, kv_length=6)
+    assert rig.manager.metrics.pages_launched == 0 and rig.manager.in_flight(req) == 0
+
+
+def test_offload_names_a_placeholder_after_other_ids_as_a_placeholder():
+    rig = make_rig(page_size=2, store_prompt=True)
+    req = SimpleRequest("spec", [1, 2, 3, 4, 5, 6])
+    req.output_ids = [7, -1]
+    rig.slots.assign(req, 8)
+    with pytest.raises(
+        InvalidArgumentError, match=r"^output_ids\[1\]: rid='spec' holds the placeholder id -1 at token position 7"
+    ):
+        rig.manager.offload(req, kv_length=8)
+    assert rig.manager.metrics.pages_launched == 0
